@@ -1,0 +1,48 @@
+"""``freetoken-operator``: run the kopf operator cluster-wide with the FreeToken handlers.
+
+    freetoken-operator [--kube-server URL] [--stale-seconds 30] [--resync-seconds 1]
+                       [--base-port 1919] [--liveness http://0.0.0.0:8080/healthz] [--verbose]
+
+Flags override the environment variables documented in ``config``. Bad values: one line on
+stderr, exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError, OperatorConfig
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="freetoken-operator", description=__doc__.split("\n")[0])
+    p.add_argument("--kube-server", help="plain-HTTP API server URL (tests); default: in-cluster, then kubeconfig")
+    p.add_argument("--stale-seconds", type=float, help="heartbeat age after which a node is lost (default 30)")
+    p.add_argument("--resync-seconds", type=float, help="reconcile tick (default 1)")
+    p.add_argument("--base-port", type=int, help="first engine port per node (default 1919)")
+    p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        config = OperatorConfig.from_env(stale_seconds=args.stale_seconds, kube_server=args.kube_server,
+                                         resync_seconds=args.resync_seconds, base_port=args.base_port)
+    except ConfigError as exc:
+        print(f"freetoken-operator: {exc}", file=sys.stderr)
+        return 2
+    import kopf
+
+    from . import handlers  # noqa: F401 - registers the handlers in kopf's default registry
+
+    kopf.configure(verbose=args.verbose)
+    kopf.run(clusterwide=True, standalone=True, liveness_endpoint=args.liveness,
+             memo=kopf.Memo(config=config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""Builders for the objects the operator owns: FreeTokenNode spec entries, Services, EndpointSlices.
+
+Pure functions of their arguments. Contract for the FreeTokenNode entry: docs/contracts.md.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import urllib.parse
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from .resources import (GROUP, LABEL_MANAGED_BY, LABEL_MODEL, MANAGED_BY, MODEL_KIND,
+                        SERVICE_NAME_LABEL, SLICE_MANAGED_BY_LABEL, VERSION, model_key)
+
+DEFAULT_SERVICE_PORT = 80
+
+
+def node_entry(model: Mapping[str, Any], port: int, node_mode: str) -> dict[str, Any]:
+    """One ``FreeTokenNode.spec.models[]`` item for ``model`` on a node in ``node_mode``."""
+    meta, spec = model["metadata"], model.get("spec") or {}
+    source = dict(spec.get("source") or {"default": True})
+    engine_in = spec.get("engine") or {}
+    gpu = node_mode == "gpu"
+    engine: dict[str, Any] = {
+        "device": engine_in.get("device", "cuda" if gpu else "cpu"),
+        "dtype": engine_in.get("dtype", "bfloat16" if gpu else "float32"),
+        "expertCacheShare": engine_in.get("expertCacheShare", 0.9),
+    }
+    if "contextLength" in engine_in:
+        engine["contextLength"] = engine_in["contextLength"]
+    entry: dict[str, Any] = {
+        "key": model_key(meta.get("namespace", "default"), meta["name"]),
+        "namespace": meta.get("namespace", "default"),
+        "model": meta["name"],
+        "source": source,
+        "format": spec.get("format") or ("default" if source.get("default") else "safetensors"),
+        "port": port,
+        "engine": engine,
+    }
+    secret = (spec.get("serving") or {}).get("apiKeySecret")
+    if secret:
+        entry["apiKeySecret"] = {"name": secret["name"], "key": secret.get("key", "api-key")}
+    return entry
+
+
+def owner_reference(model: Mapping[str, Any]) -> dict[str, Any]:
+    meta = model["metadata"]
+    return {"apiVersion": f"{GROUP}/{VERSION}", "kind": MODEL_KIND, "name": meta["name"],
+            "uid": meta.get("uid") or "", "controller": True, "blockOwnerDeletion": True}
+
+
+def _labels(model_name: str) -> dict[str, str]:
+    return {LABEL_MODEL: model_name, LABEL_MANAGED_BY: MANAGED_BY}
+
+
+def service(model: Mapping[str, Any]) -> dict[str, Any]:
+    """A ClusterIP Service without selector; its endpoints come from our EndpointSlices."""
+    meta = model["metadata"]
+    port = (model.get("spec", {}).get("serving") or {}).get("servicePort", DEFAULT_SERVICE_PORT)
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": meta["name"], "namespace": meta.get("namespace", "default"),
+                     "labels": _labels(meta["name"]), "ownerReferences": [owner_reference(model)]},
+        "spec": {"type": "ClusterIP", "ports": [{"name": "http", "port": port, "protocol": "TCP"}]},
+    }
+
+
+def _address_type(host: str) -> str:
+    try:
+        return "IPv6" if ipaddress.ip_address(host).version == 6 else "IPv4"
+    except ValueError:
+        return "FQDN"
+
+
+def endpoint_slices(model: Mapping[str, Any], ready: Iterable[tuple[str, str]]) -> list[dict[str, Any]]:
+    """EndpointSlices listing ``ready`` (node name, endpoint URL) pairs of ``model``.
+
+    One slice per (address type, port): a slice's ports apply to all its endpoints, and replicas
+    on different nodes may listen on different ports. Names are deterministic, so apply can diff.
+    """
+    meta = model["metadata"]
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for node, url in sorted(ready):
+        parsed = urllib.parse.urlsplit(url)
+        if not parsed.hostname or not parsed.port:
+            continue
+        kind = _address_type(parsed.hostname)
+        groups.setdefault((kind, parsed.port), []).append(
+            {"addresses": [parsed.hostname], "conditions": {"ready": True}, "nodeName": node})
+    labels = {**_labels(meta["name"]), SERVICE_NAME_LABEL: meta["name"], SLICE_MANAGED_BY_LABEL: MANAGED_BY}
+    return [{
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice",
+        "metadata": {"name": f"{meta['name']}-{kind.lower()}-{port}", "namespace": meta.get("namespace", "default"),
+                     "labels": labels, "ownerReferences": [owner_reference(model)]},
+        "addressType": kind,
+        "endpoints": eps,
+        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+    } for (kind, port), eps in sorted(groups.items())]

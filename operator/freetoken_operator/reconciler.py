@@ -1,0 +1,73 @@
+"""The reconcile loop: observe -> plan -> desired -> apply, on every event and on a steady tick.
+
+One ``Reconciler`` per operator process, living on kopf's event loop. ``poke()`` (from watch
+handlers) asks for a pass soon; the tick (``resync_seconds``) catches time-only changes such as
+a heartbeat going stale. Passes never overlap (an asyncio lock); the blocking API writes run in a
+worker thread so the loop keeps serving kopf. A failed pass is logged and retried on the next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+
+from .apply import Applier
+from .config import OperatorConfig
+from .observe import Store, model_view
+from .plan import Plan, plan
+from .status import desired
+
+log = logging.getLogger(__name__)
+
+
+class Reconciler:
+    def __init__(self, config: OperatorConfig, store: Store, applier: Applier) -> None:
+        self.config, self.store, self.applier = config, store, applier
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()
+        self.passes = 0
+
+    def poke(self) -> None:
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Loop until cancelled (kopf cancels it on shutdown)."""
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.config.resync_seconds)
+                await asyncio.sleep(0.05)   # coalesce a burst of watch events into one pass
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self.reconcile_once()
+            except asyncio.CancelledError:
+                raise
+            except Exception:   # noqa: BLE001 - keep the loop alive; the next tick retries
+                log.exception("reconcile pass failed; retrying on the next tick")
+
+    async def reconcile_once(self, now: dt.datetime | None = None) -> Plan:
+        async with self._lock:
+            now = now or dt.datetime.now(dt.timezone.utc)
+            models = {}
+            views = []
+            for ref, body in self.store.models.items():
+                try:
+                    views.append(model_view(body))
+                    models[ref] = body
+                except (KeyError, ValueError, TypeError) as exc:
+                    log.warning("FreeTokenModel %s/%s skipped, bad spec: %s", *ref, exc)
+            nodes = self.store.node_views(now)
+            result = plan(views, nodes, self.store.previous_placements(),
+                          stale_seconds=self.config.stale_seconds, base_port=self.config.base_port)
+            state = desired(models, nodes, result, stale_seconds=self.config.stale_seconds, now=now)
+            written = await asyncio.to_thread(self.applier.apply, state, dict(self.store.nodes), models)
+            for body in written["nodes"]:
+                self.store.put_node(body, now=now)
+            for body in written["models"]:
+                self.store.put_model(body)
+            for d in result.decisions:
+                log.info("%s %s on %s: %s", d.action, d.model, d.node, d.reason)
+            self.passes += 1
+            return result
