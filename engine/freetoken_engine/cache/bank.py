@@ -1,0 +1,46 @@
+"""The expert bank: every routed expert in host memory, the source of truth.
+
+One tensor per projection with ``[moe_layer, expert]`` leading dimensions, filled in its final
+layout (gate and up fused as ``w13``) and pinned afterwards when CUDA is present, so that cache
+fills and prefill streaming copy straight from it over PCIe.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class ExpertBank:
+    def __init__(self, num_layers: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype):
+        self.num_layers, self.num_experts, self.hidden, self.inter = num_layers, num_experts, hidden, inter
+        self.dtype = dtype
+        self.w13 = torch.empty((num_layers, num_experts, 2 * inter, hidden), dtype=dtype)  # gate ; up
+        self.w2 = torch.empty((num_layers, num_experts, hidden, inter), dtype=dtype)       # down
+        self.pinned = False
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (all three projections)."""
+        return 3 * self.hidden * self.inter * self.w13.element_size()
+
+    @property
+    def total_experts(self) -> int:
+        return self.num_layers * self.num_experts
+
+    def fill(self, layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
+        """Copy one expert's ``gate [I,H]``, ``up [I,H]``, ``down [H,I]`` into its final place."""
+        i = self.inter
+        self.w13[layer, expert, :i].copy_(gate)
+        self.w13[layer, expert, i:].copy_(up)
+        self.w2[layer, expert].copy_(down)
+
+    def pin(self) -> None:
+        """Page-lock the bank (after filling: pinning first would slow the fill) when CUDA exists."""
+        if self.pinned or not torch.cuda.is_available():
+            return
+        for name in ("w13", "w2"):
+            t = getattr(self, name)
+            # Register in place (no second copy of a 60 GB bank); fall back to a pinned copy.
+            rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+            if int(rc) != 0:
+                setattr(self, name, t.pin_memory())
+        self.pinned = True

@@ -1,0 +1,159 @@
+"""The shared expert cache: one pool of slots for every MoE layer, global LRU, residency table.
+
+State (all on the cache's device, so the GPU path can run it without host syncs):
+
+- ``w13 [S, 2I, H]``, ``w2 [S, H, I]``: the slot pool (copies of bank rows);
+- ``slot_of [L_moe, E]`` int64: the slot holding (layer, expert), -1 when absent;
+- ``slot_owner [S]`` int64: ``layer * E + expert`` held by each slot, -1 when empty;
+- ``last_used [S]`` int64: the clock value of the slot's last use, -1 when empty.
+
+``step`` is the per-layer decode control, the reference for the device kernel:
+deduplicate the routed experts; hits are resident; of the m misses, the first
+q = min(floor(f*m + 1/2), S - hits) in ascending expert id are filled into the q least recently
+used slots not holding a hit of this call (ties: lower slot index first; empty slots first),
+the other m - q are computed on the CPU from the bank. The clock advances once per call.
+
+Not thread-safe: the scheduler thread owns it; ``resize`` runs at a scheduler safe point.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .bank import ExpertBank
+
+
+@dataclass
+class CacheStats:
+    hits: int = 0
+    misses: int = 0
+    fills: int = 0
+    cpu_computed: int = 0
+
+
+class ExpertCache:
+    def __init__(self, bank: ExpertBank, capacity: int, device: torch.device, fill_fraction: float = 1.0):
+        self.bank = bank
+        self.device = torch.device(device)
+        self.fill_fraction = fill_fraction
+        self.stats = CacheStats()
+        self.clock = 0
+        self._allocate(capacity)
+
+    # -- state -------------------------------------------------------------------------------
+    def _allocate(self, capacity: int) -> None:
+        b = self.bank
+        if not 1 <= capacity <= b.total_experts:
+            raise ValueError(f"expert cache capacity must be within 1..{b.total_experts}, got {capacity}")
+        self.capacity = capacity
+        self.w13 = torch.empty((capacity, 2 * b.inter, b.hidden), dtype=b.dtype, device=self.device)
+        self.w2 = torch.empty((capacity, b.hidden, b.inter), dtype=b.dtype, device=self.device)
+        self.slot_of = torch.full((b.num_layers, b.num_experts), -1, dtype=torch.int64, device=self.device)
+        self.slot_owner = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+        self.last_used = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity * self.bank.expert_bytes
+
+    def resident(self) -> int:
+        return int((self.slot_owner >= 0).sum())
+
+    # -- the decode control step ---------------------------------------------------------------
+    def step(self, layer: int, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Classify, fill and touch for one MoE layer call; return ``pair_slot [P]`` (-1 = CPU).
+
+        ``expert_ids [P]`` are the routed experts of every (token, k) pair of the call.
+        """
+        active = torch.unique(expert_ids)                       # [A] ascending
+        slots = self.slot_of[layer, active]                      # [A]
+        hit = slots >= 0
+        misses = active[~hit]
+        n_hit = int(hit.sum())
+        m = misses.numel()
+        q = min(math.floor(self.fill_fraction * m + 0.5), self.capacity - n_hit)
+        if q > 0:
+            self._fill(layer, misses[:q], protected=slots[hit])
+        self.slot_of_layer_touch(layer, active)
+        st = self.stats
+        st.hits += n_hit
+        st.misses += m
+        st.fills += max(q, 0)
+        st.cpu_computed += m - max(q, 0)
+        return self.slot_of[layer, expert_ids]
+
+    def slot_of_layer_touch(self, layer: int, active: torch.Tensor) -> None:
+        used = self.slot_of[layer, active]
+        self.last_used[used[used >= 0]] = self.clock
+        self.clock += 1
+
+    def _fill(self, layer: int, experts: torch.Tensor, protected: torch.Tensor) -> None:
+        key = self.last_used.clone()
+        key[protected] = torch.iinfo(torch.int64).max
+        victims = torch.argsort(key, stable=True)[: experts.numel()]   # LRU first, lower index on ties
+        old = self.slot_owner[victims]
+        old = old[old >= 0]
+        self.slot_of.view(-1)[old] = -1
+        self.slot_owner[victims] = layer * self.bank.num_experts + experts
+        self.slot_of[layer, experts] = victims
+        bank_w13, bank_w2 = self.bank.w13[layer], self.bank.w2[layer]
+        cpu_experts = experts.cpu()
+        nb = self.device.type == "cuda"
+        self.w13[victims] = bank_w13[cpu_experts].to(self.device, non_blocking=nb)
+        self.w2[victims] = bank_w2[cpu_experts].to(self.device, non_blocking=nb)
+
+    # -- elasticity ----------------------------------------------------------------------------
+    def resize(self, capacity: int) -> None:
+        """Change the number of slots, keeping the most recently used residents that fit.
+
+        Call only at a safe point (no forward pass in flight). Outputs never change: evicted
+        experts are simply misses later, and the bank is the source of truth.
+        """
+        if capacity == self.capacity:
+            return
+        owners, last = self.slot_owner.clone(), self.last_used.clone()
+        old_w13, old_w2 = self.w13, self.w2
+        order = torch.argsort(-last, stable=True)                # most recent first
+        keep = order[(owners[order] >= 0)][:capacity]
+        del self.w13, self.w2
+        self._allocate(capacity)
+        n = keep.numel()
+        if n:
+            new = torch.arange(n, device=self.device)
+            self.w13[new] = old_w13[keep]
+            self.w2[new] = old_w2[keep]
+            self.slot_owner[new] = owners[keep]
+            self.last_used[new] = last[keep]
+            self.slot_of.view(-1)[owners[keep]] = new
+        del old_w13, old_w2
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    # -- invariants ----------------------------------------------------------------------------
+    def check_integrity(self, deep: bool = False) -> None:
+        """Raise AssertionError-free ``RuntimeError`` when the residency table is inconsistent.
+
+        Checks: owners and the residency table agree one to one; empty slots have no clock;
+        clocks are below the current clock; with ``deep`` each resident slot equals its bank rows.
+        """
+        owners = self.slot_owner.cpu()
+        flat = self.slot_of.view(-1).cpu()
+        live = (owners >= 0).nonzero().flatten()
+        if (flat >= 0).sum() != live.numel():
+            raise RuntimeError("expert cache: residency table and slot owners disagree in count")
+        if live.numel() and not torch.equal(flat[owners[live]], live):
+            raise RuntimeError("expert cache: residency table does not point back at its slots")
+        last = self.last_used.cpu()
+        if ((last >= 0) != (owners >= 0)).any() or (last >= self.clock).any():
+            raise RuntimeError("expert cache: LRU clocks inconsistent with residency")
+        if owners.unique().numel() != owners.numel() - max(int((owners < 0).sum()) - 1, 0):
+            raise RuntimeError("expert cache: an expert occupies two slots")
+        if deep:
+            e = self.bank.num_experts
+            for s in live.tolist():
+                layer, expert = divmod(int(owners[s]), e)
+                if not (torch.equal(self.w13[s].cpu(), self.bank.w13[layer, expert])
+                        and torch.equal(self.w2[s].cpu(), self.bank.w2[layer, expert])):
+                    raise RuntimeError(f"expert cache: slot {s} differs from bank ({layer}, {expert})")

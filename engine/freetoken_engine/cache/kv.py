@@ -1,0 +1,67 @@
+"""Paged KV pool: fixed-size blocks of token slots, reference-counted so prefixes can be shared.
+
+``k[layer]`` / ``v[layer]`` are ``[num_blocks * block_size, kv_heads, head_dim]``; a token at
+position p of a sequence lives at slot ``block_table[p // block_size] * block_size + p % block_size``.
+Not thread-safe: owned by the scheduler thread.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import OutOfKVCache
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        self.num_blocks, self.block_size = num_blocks, block_size
+        shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.refs = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free blocks (reference count 1 each) or raise ``OutOfKVCache``."""
+        if n > len(self._free):
+            raise OutOfKVCache(f"KV cache has {len(self._free)} free blocks, {n} needed")
+        blocks = [self._free.pop() for _ in range(n)]
+        for b in blocks:
+            self.refs[b] = 1
+        return blocks
+
+    def retain(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        """Drop one reference per block; blocks reaching zero become free."""
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] < 0:
+                raise RuntimeError(f"KV block {b} released more often than taken")
+            if self.refs[b] == 0:
+                self._free.append(b)
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def check_integrity(self) -> None:
+        free = set(self._free)
+        if len(free) != len(self._free):
+            raise RuntimeError("KV pool: a block is free twice")
+        for b, r in enumerate(self.refs):
+            if (r == 0) != (b in free):
+                raise RuntimeError(f"KV pool: block {b} has {r} references but free={b in free}")

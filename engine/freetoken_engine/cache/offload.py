@@ -1,0 +1,82 @@
+"""Runs the routed experts of one MoE layer call: the q* split of the design.
+
+``OffloadedExperts.forward(layer, x, topk_ids)`` returns one output row per (token, k) pair.
+
+- Decode-sized calls (fewer than ``prefill_threshold`` tokens) go through the expert cache:
+  hits and the q* fills are computed from the slot pool on the cache's device, the other misses
+  on the CPU straight from the bank; both write their pairs' rows into one output, so every
+  pair's value is the same wherever it was computed.
+- Larger calls (prefill) touch nearly every expert and run the whole layer from a layer buffer
+  given by the streamer (``layer(l) -> (w13 [E,2I,H], w2 [E,H,I])``); on the CPU that is a view
+  of the bank, on the GPU a copy (double-buffered by ``cache/prefetch.py`` when available).
+"""
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from ..kernels import cpu_expert_forward
+from ..kernels.reference import expert_pairs_forward
+from .bank import ExpertBank
+from .experts import ExpertCache
+
+
+class LayerStreamer(Protocol):
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class BankStreamer:
+    """Whole-layer weights for prefill: bank views on the CPU, a synchronous copy on a GPU."""
+
+    def __init__(self, bank: ExpertBank, device: torch.device):
+        self.bank, self.device = bank, torch.device(device)
+        self._buf: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        w13, w2 = self.bank.w13[layer], self.bank.w2[layer]
+        if self.device.type == "cpu":
+            return w13, w2
+        if self._buf is None:
+            self._buf = (torch.empty_like(w13, device=self.device), torch.empty_like(w2, device=self.device))
+        self._buf[0].copy_(w13, non_blocking=True)
+        self._buf[1].copy_(w2, non_blocking=True)
+        return self._buf
+
+
+class OffloadedExperts:
+    def __init__(self, bank: ExpertBank, cache: ExpertCache, prefill_threshold: int,
+                 streamer: LayerStreamer | None = None, cpu_backend: str | None = None,
+                 slots_forward: Callable | None = None):
+        self.bank, self.cache = bank, cache
+        self.device = cache.device
+        self.prefill_threshold = prefill_threshold
+        self.streamer = streamer or BankStreamer(bank, cache.device)
+        self.cpu_backend_name, self.cpu_forward = cpu_expert_forward(cpu_backend)
+        if self.device.type == "cpu":
+            # Same arithmetic on both sides of the split: outputs cannot depend on the split.
+            self.slots_forward = slots_forward or self.cpu_forward
+        else:
+            self.slots_forward = slots_forward or expert_pairs_forward
+
+    def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] on the device, topk_ids [T, k] -> pair outputs [T*k, H] in (t, j) order."""
+        t, k = topk_ids.shape
+        pair_exp = topk_ids.reshape(-1)                                   # [P]
+        pair_tok = torch.arange(t, device=x.device).repeat_interleave(k)  # [P]
+        if t >= self.prefill_threshold:
+            w13, w2 = self.streamer.layer(layer)
+            fn = self.cpu_forward if w13.device.type == "cpu" else self.slots_forward
+            return fn(x, w13, w2, pair_tok, pair_exp)
+        pair_slot = self.cache.step(layer, pair_exp)                      # [P], -1 = CPU
+        out = x.new_empty((t * k, x.shape[1]))
+        on_dev = pair_slot >= 0
+        cpu = ~on_dev
+        if bool(on_dev.any()):
+            out[on_dev] = self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok[on_dev], pair_slot[on_dev])
+        if bool(cpu.any()):
+            x_host = x if x.device.type == "cpu" else x.cpu()
+            rows = self.cpu_forward(x_host, self.bank.w13[layer], self.bank.w2[layer],
+                                    pair_tok[cpu].cpu(), pair_exp[cpu].cpu())
+            out[cpu] = rows.to(out.device, non_blocking=True)
+        return out

@@ -1,0 +1,142 @@
+"""Frozen configuration objects, validated once at the edge.
+
+``ModelConfig`` is the engine's normalised view of a checkpoint's ``config.json`` (each model
+family translates its own fields, see ``models/``). ``EngineConfig`` holds the run options of
+``freetoken generate`` / ``serve``. Both raise ``ConfigError`` with a message that says what to
+fix; nothing later re-validates them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import ConfigError
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    type: str = "default"            # default | linear | llama3 | yarn
+    factor: float = 1.0
+    low_freq_factor: float = 1.0      # llama3
+    high_freq_factor: float = 4.0     # llama3
+    original_max_position: int = 8192  # llama3 / yarn
+    beta_fast: float = 32.0           # yarn
+    beta_slow: float = 1.0            # yarn
+    partial_rotary_factor: float = 1.0
+
+    @staticmethod
+    def from_hf(raw: dict) -> "RopeConfig":
+        """Read ``rope_parameters`` (transformers >= 5) or ``rope_theta`` + ``rope_scaling``."""
+        params = dict(raw.get("rope_scaling") or {})
+        params.update(raw.get("rope_parameters") or {})
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+        kind = params.get("rope_type", params.get("type", "default")) or "default"
+        if kind not in ("default", "linear", "llama3", "yarn"):
+            raise ConfigError(f"unsupported rope type {kind!r}; supported: default, linear, llama3, yarn")
+        return RopeConfig(
+            theta=float(theta), type=kind, factor=float(params.get("factor", 1.0) or 1.0),
+            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            original_max_position=int(params.get("original_max_position_embeddings",
+                                                 raw.get("max_position_embeddings", 8192))),
+            beta_fast=float(params.get("beta_fast", 32.0)), beta_slow=float(params.get("beta_slow", 1.0)),
+            partial_rotary_factor=float(raw.get("partial_rotary_factor", 1.0)),
+        )
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    scoring: str = "softmax"          # softmax | unit (our MoEfied llama: weight 1 per expert)
+    norm_topk_prob: bool = False
+    shared_intermediate_size: int = 0  # qwen2_moe shared expert (0 = none)
+    shared_gate: bool = False          # sigmoid gate on the shared expert
+    layers: tuple[int, ...] = ()       # decoder layers whose MLP is sparse
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: str = "none"              # none | head (qwen3) | full (olmoe)
+    clip_qkv: float | None = None
+    sliding_window: tuple[int | None, ...] = ()   # per layer; None = full attention
+    moe: MoeConfig | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
+        if self.moe is not None and not 1 <= self.moe.top_k <= self.moe.num_experts:
+            raise ConfigError(f"config.json: num_experts_per_tok must be in 1..{self.moe.num_experts}")
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return self.moe.layers if self.moe else ()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Run options shared by ``generate``, ``serve`` and the Python API."""
+
+    model: Path
+    device: str = "cpu"
+    dtype: str | None = None                 # None: bfloat16 on cuda, float32 on cpu
+    expert_cache_experts: int | None = None  # slots in the shared expert cache
+    expert_cache_gb: float | None = None
+    cpu_expert_fraction: float | None = None  # forced share of misses computed in place
+    prefill_chunk: int = 512
+    prefill_expert_threshold: int = 16       # tokens in a batch from which MoE runs whole layers
+    kv_block_size: int = 16
+    kv_cache_tokens: int | None = None       # None: enough for max_batch full contexts, capped
+    max_context: int | None = None
+    max_batch: int = 32
+    max_queue: int = 256
+    seed: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.expert_cache_experts is not None and self.expert_cache_gb is not None:
+            raise ConfigError("give --expert-cache-experts or --expert-cache-gb, not both")
+        if self.expert_cache_experts is not None and self.expert_cache_experts < 1:
+            raise ConfigError(f"--expert-cache-experts must be at least 1, got {self.expert_cache_experts}")
+        if self.expert_cache_gb is not None and not self.expert_cache_gb > 0:
+            raise ConfigError(f"--expert-cache-gb must be positive, got {self.expert_cache_gb}")
+        f = self.cpu_expert_fraction
+        if f is not None and not 0.0 <= f <= 1.0:
+            raise ConfigError(f"--cpu-expert-fraction must be within 0..1, got {f}")
+        for name in ("prefill_chunk", "kv_block_size", "max_batch", "max_queue"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be at least 1")
+
+    @property
+    def resolved_dtype(self) -> str:
+        if self.dtype:
+            return self.dtype
+        return "float32" if self.device == "cpu" else "bfloat16"

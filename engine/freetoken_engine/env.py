@@ -1,0 +1,30 @@
+"""Every environment variable the engine reads is declared here, and only here."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+#: Root of the engine's on-disk caches (converted default model, calibration results).
+FREETOKEN_CACHE_DIR = "FREETOKEN_CACHE_DIR"
+#: Number of CPU threads torch may use for the engine's CPU work (default: all cores).
+FREETOKEN_CPU_THREADS = "FREETOKEN_CPU_THREADS"
+#: Force the CPU expert backend: "reference" or a compiled backend's name.
+FREETOKEN_CPU_EXPERT_BACKEND = "FREETOKEN_CPU_EXPERT_BACKEND"
+
+
+def cache_dir() -> Path:
+    """``$FREETOKEN_CACHE_DIR``, else ``$XDG_CACHE_HOME/freetoken``, else ``~/.cache/freetoken``."""
+    explicit = os.environ.get(FREETOKEN_CACHE_DIR)
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "freetoken"
+
+
+def cpu_threads() -> int | None:
+    value = os.environ.get(FREETOKEN_CPU_THREADS)
+    return int(value) if value else None
+
+
+def cpu_expert_backend() -> str | None:
+    return os.environ.get(FREETOKEN_CPU_EXPERT_BACKEND) or None

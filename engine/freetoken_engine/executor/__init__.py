@@ -1,0 +1,1 @@
+"""Turns scheduled work into device tensors (``ForwardInputs``), runs the model, samples."""

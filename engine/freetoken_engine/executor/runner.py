@@ -1,0 +1,122 @@
+"""``ModelRunner``: owns the model, the expert bank and cache, and the KV pool on one device.
+
+``forward(chunks) -> logits [B, V]`` runs one batch (prefill chunks and decode tokens mixed).
+Not thread-safe: one thread (the scheduler's, or the caller of ``LLM``) drives it; ``resize``
+must be called between forward passes (a safe point).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Callable
+
+import torch
+
+from ..cache.experts import ExpertCache
+from ..cache.kv import KVPool
+from ..cache.offload import OffloadedExperts
+from ..config import EngineConfig
+from ..errors import ConfigError
+from ..models.build import build_model
+from ..models.loader import torch_dtype
+from ..models.tokenizer import load_tokenizer
+from .inputs import SeqChunk, build_inputs
+
+log = logging.getLogger(__name__)
+
+
+def _generation_eos(folder) -> tuple[int, ...]:
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        return ()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig, progress: Callable[[float], None] | None = None):
+        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("--device cuda was given but no CUDA GPU is available")
+        self.cfg = cfg
+        self.device = torch.device(cfg.device)
+        self.dtype = torch_dtype(cfg.resolved_dtype)
+        folder = cfg.model
+        self.model, self.bank, self.mcfg = build_model(folder, self.dtype, self.device, progress)
+        eos = tuple(dict.fromkeys(_generation_eos(folder) + self.mcfg.eos_token_ids))
+        self.tokenizer = load_tokenizer(folder, eos)
+        self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else eos
+        self.max_context = min(cfg.max_context or self.mcfg.max_position_embeddings,
+                               self.mcfg.max_position_embeddings)
+        self.cache = None
+        if self.bank is not None:
+            self.cache = ExpertCache(self.bank, self._capacity(), self.device, self._fill_fraction())
+            self.experts = OffloadedExperts(self.bank, self.cache, cfg.prefill_expert_threshold)
+            for block in self.model.moe_blocks():
+                block.experts = self.experts
+        kv_tokens = cfg.kv_cache_tokens or min(2 * self.max_context, 32768)
+        kv_tokens = max(kv_tokens, self.max_context)
+        m = self.mcfg
+        self.kv = KVPool(m.num_layers, -(-kv_tokens // cfg.kv_block_size), cfg.kv_block_size,
+                         m.num_kv_heads, m.head_dim, self.dtype, self.device)
+
+    # -- configuration -------------------------------------------------------------------------
+    def _capacity(self) -> int:
+        total, per = self.bank.total_experts, self.bank.expert_bytes
+        if self.cfg.expert_cache_experts is not None:
+            n = self.cfg.expert_cache_experts
+        elif self.cfg.expert_cache_gb is not None:
+            n = math.floor(self.cfg.expert_cache_gb * 1e9 / per)
+            if n < 1:
+                raise ConfigError(f"--expert-cache-gb {self.cfg.expert_cache_gb} holds no expert "
+                                  f"(one expert is {per / 1e9:.4f} GB)")
+        elif self.device.type == "cpu":
+            n = total
+        else:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            n = max(1, math.floor(0.85 * free / per))
+        if n > total:
+            raise ConfigError(f"expert cache of {n} experts is larger than the model's {total} experts")
+        return n
+
+    def _fill_fraction(self) -> float:
+        if self.cfg.cpu_expert_fraction is not None:
+            return 1.0 - self.cfg.cpu_expert_fraction
+        if self.device.type == "cpu":
+            return 1.0
+        from ..calibrate import load_or_measure
+        return load_or_measure(self.device)["fill_fraction"]
+
+    # -- work ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        inputs = build_inputs(chunks, self.kv.block_size, self.device)
+        return self.model(inputs.ids, inputs.batch, self.kv, inputs.logits_at)
+
+    def resize_expert_cache(self, experts: int) -> int:
+        """Resize at a safe point; clamps to 1..all experts; returns the applied capacity."""
+        if self.cache is None:
+            return 0
+        n = max(1, min(int(experts), self.bank.total_experts))
+        self.cache.resize(n)
+        return n
+
+    def expert_stats(self) -> dict:
+        c = self.cache
+        if c is None:
+            return {"capacity_experts": 0, "capacity_bytes": 0, "expert_bytes": 0, "min_experts": 0,
+                    "max_experts": 0, "hits": 0, "misses": 0, "fills": 0, "cpu_computed": 0,
+                    "fill_fraction": 1.0}
+        s = c.stats
+        return {"capacity_experts": c.capacity, "capacity_bytes": c.capacity_bytes,
+                "expert_bytes": self.bank.expert_bytes, "min_experts": 1,
+                "max_experts": self.bank.total_experts, "hits": s.hits, "misses": s.misses,
+                "fills": s.fills, "cpu_computed": s.cpu_computed, "fill_fraction": c.fill_fraction,
+                "cpu_backend": self.experts.cpu_backend_name}
+
+    def device_bytes(self) -> int:
+        if self.device.type != "cuda":
+            return 0
+        return int(torch.cuda.memory_reserved(self.device))

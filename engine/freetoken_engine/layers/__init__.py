@@ -1,0 +1,1 @@
+"""Building blocks that model files compose: norms, rotary embedding, paged attention, MLPs, MoE."""

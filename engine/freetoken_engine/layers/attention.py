@@ -1,0 +1,90 @@
+"""Grouped-query attention over a paged KV pool.
+
+The KV pool is a flat array of token slots per layer (``cache/kv.py``); a sequence's tokens
+live in fixed-size blocks named by its block table. ``AttnBatch`` (built by the executor for one
+forward pass) says where each new token's K/V goes and which slots each sequence reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ModelConfig
+from .norm import RMSNorm
+from .rope import Rotary, apply_rotary
+
+
+@dataclass
+class AttnBatch:
+    """Attention metadata for one forward pass of B sequences and T new tokens (all on device)."""
+
+    positions: torch.Tensor     # [T] int64 absolute position of each new token
+    slot_mapping: torch.Tensor  # [T] int64 KV slot each new token writes
+    q_seq: torch.Tensor         # [T] int64 sequence of each new token
+    q_idx: torch.Tensor         # [T] int64 index of the token among its sequence's new tokens
+    kv_index: torch.Tensor      # [B, Lmax] int64 KV slots each sequence reads (padded with 0)
+    kv_valid: torch.Tensor      # [B, Lmax] bool
+    q_max: int
+    _masks: dict = field(default_factory=dict)
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[B, 1, Qmax, Lmax] bool: causal (and sliding-window) visibility, cached per window."""
+        if window not in self._masks:
+            b = self.kv_index.shape[0]
+            qpos = torch.full((b, self.q_max), -1, dtype=torch.int64, device=self.positions.device)
+            qpos[self.q_seq, self.q_idx] = self.positions
+            kpos = torch.arange(self.kv_index.shape[1], device=qpos.device)
+            m = self.kv_valid[:, None, :] & (kpos[None, None, :] <= qpos[:, :, None])   # [B, Q, L]
+            if window is not None:
+                m &= kpos[None, None, :] > qpos[:, :, None] - window
+            m[:, :, 0] |= qpos < 0          # padded query rows see one key: no NaN rows
+            self._masks[window] = m[:, None]
+        return self._masks[window]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
+        super().__init__()
+        h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.h, self.kvh, self.d = h, kvh, d
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+        elif cfg.qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(h * d, cfg.rms_norm_eps), RMSNorm(kvh * d, cfg.rms_norm_eps)
+        self.clip = cfg.clip_qkv
+        self.window = cfg.sliding_window[layer] if cfg.sliding_window else None
+        self.rotary = rotary
+        self.scale = d ** -0.5
+
+    def forward(self, x: torch.Tensor, batch: AttnBatch, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)          # [T, h*d], [T, kvh*d] x2
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (z.clamp(-self.clip, self.clip) for z in (q, k, v))
+        q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k_cache[batch.slot_mapping] = k                                    # write new K/V
+        v_cache[batch.slot_mapping] = v
+        keys = k_cache[batch.kv_index].transpose(1, 2)                     # [B, kvh, L, d]
+        values = v_cache[batch.kv_index].transpose(1, 2)
+        b = batch.kv_index.shape[0]
+        qp = q.new_zeros((b, batch.q_max, self.h, self.d))
+        qp[batch.q_seq, batch.q_idx] = q
+        out = F.scaled_dot_product_attention(
+            qp.transpose(1, 2), keys, values, attn_mask=batch.mask(self.window),
+            scale=self.scale, enable_gqa=self.h != self.kvh)                 # [B, h, Q, d]
+        out = out.transpose(1, 2)[batch.q_seq, batch.q_idx].reshape(t, self.h * self.d)
+        return self.o_proj(out)

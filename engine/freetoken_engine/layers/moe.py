@@ -1,0 +1,49 @@
+"""Sparse MoE block: router, routed experts (delegated to an expert executor), shared expert.
+
+The expert executor is attached after construction (``attach_experts``): where experts live
+(cache, bank, CPU) is an offload concern, not the model's.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import MoeConfig
+from .mlp import GatedMLP
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden: int, moe: MoeConfig, moe_layer: int):
+        super().__init__()
+        self.moe, self.moe_layer = moe, moe_layer
+        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        if moe.shared_intermediate_size:
+            self.shared_expert = GatedMLP(hidden, moe.shared_intermediate_size)
+            self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if moe.shared_gate else None
+        else:
+            self.shared_expert = None
+        self.experts = None   # set by attach_experts
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (weights [T, k] in x.dtype, expert ids [T, k])."""
+        logits = self.gate(x)                                            # [T, E]
+        if self.moe.scoring == "unit":
+            ids = torch.topk(logits, self.moe.top_k, dim=-1).indices
+            return torch.ones(ids.shape, dtype=x.dtype, device=x.device), ids
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.moe.top_k, dim=-1)
+        if self.moe.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        rows = self.experts.forward(self.moe_layer, x, ids)              # [T*k, H]
+        out = (rows.view(*ids.shape, -1) * weights[..., None]).sum(dim=1)  # fixed order over k
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out

@@ -1,0 +1,66 @@
+"""Rotary position embedding (rotate-half layout) with the scaling rules configs name."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..config import RopeConfig
+from ..errors import ConfigError
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position: int) -> tuple[torch.Tensor, float]:
+    """Return ``(inv_freq [head_dim/2] float32, attention_scaling)`` for a rope config."""
+    if rope.partial_rotary_factor != 1.0:
+        raise ConfigError("partial rotary embeddings are not supported")
+    dim = head_dim
+    inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = 1.0
+    if rope.type == "linear":
+        inv = inv / rope.factor
+    elif rope.type == "llama3":
+        low_wavelen = rope.original_max_position / rope.low_freq_factor
+        high_wavelen = rope.original_max_position / rope.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / rope.factor, inv)
+        smooth = (rope.original_max_position / wavelen - rope.low_freq_factor) / (
+            rope.high_freq_factor - rope.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    elif rope.type == "yarn":
+        def correction_dim(rotations: float) -> float:
+            return (dim * math.log(rope.original_max_position / (rotations * 2 * math.pi))) / (
+                2 * math.log(rope.theta))
+        low = max(math.floor(correction_dim(rope.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+        extrapolation = 1 - ramp
+        inv = (inv / rope.factor) * (1 - extrapolation) + inv * extrapolation
+        scaling = 0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+    return inv, scaling
+
+
+class Rotary:
+    """Computes cos/sin for given positions; ``apply`` rotates q and k in place of copies."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_position: int, device: torch.device):
+        inv, self.scaling = inverse_frequencies(rope, head_dim, max_position)
+        self.inv_freq = inv.to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]       # [T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                           # [T, d]
+        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; cos/sin [T, d]."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]

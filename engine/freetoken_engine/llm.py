@@ -1,0 +1,138 @@
+"""``LLM``: the offline Python API over one ``ModelRunner`` (one request at a time).
+
+>>> llm = LLM("path/to/model", device="cpu")
+>>> out = llm.generate(llm.tokenizer.encode_chat([{"role": "user", "content": "Hi"}]),
+...                    SamplingParams(max_new_tokens=16, temperature=0))
+>>> out.token_ids, out.stats
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .config import EngineConfig
+from .errors import InvalidRequest, RequestTooLong
+from .executor.inputs import SeqChunk
+from .executor.runner import ModelRunner
+from .executor.sampler import SamplingParams, make_generator, sample
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    finish_reason: str
+    stats: dict = field(default_factory=dict)
+
+
+class LLM:
+    def __init__(self, model: str | Path | None = None, **options):
+        if model is None:
+            from .models.default import default_model_dir
+            model = default_model_dir(progress=True)
+        self.config = EngineConfig(model=Path(model), **options)
+        self.runner = ModelRunner(self.config)
+        self.tokenizer = self.runner.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self.runner.max_context
+
+    def check_prompt(self, ids: list[int], max_new_tokens: int = 0) -> None:
+        vocab = self.runner.mcfg.vocab_size
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
+        if len(ids) + max_new_tokens > self.max_context:
+            raise RequestTooLong(f"prompt of {len(ids)} tokens plus {max_new_tokens} new tokens exceeds "
+                                 f"the context of {self.max_context}")
+
+    def _run(self, ids: list[int], chunk: int | None = None):
+        """Prefill ``ids`` in chunks into fresh KV blocks; yield (blocks, logits of the last token)."""
+        kv = self.runner.kv
+        blocks: list[int] = []
+        start = 0
+        chunk = chunk or self.config.prefill_chunk
+        logits = None
+        while start < len(ids):
+            piece = ids[start:start + chunk]
+            need = kv.blocks_for(start + len(piece)) - len(blocks)
+            if need > 0:
+                blocks += kv.allocate(need)
+            logits = self.runner.forward([SeqChunk(blocks, start, piece)])[0]
+            start += len(piece)
+        return blocks, logits
+
+    @torch.inference_mode()
+    def forward_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits ``[T, V]`` (float32) for every position of ``ids``, one position at a time after
+        the first token (so they exercise the KV cache and the decode path)."""
+        self.check_prompt(ids)
+        kv = self.runner.kv
+        blocks, rows = [], []
+        try:
+            for pos, tok in enumerate(ids):
+                if kv.blocks_for(pos + 1) > len(blocks):
+                    blocks += kv.allocate(1)
+                rows.append(self.runner.forward([SeqChunk(blocks, pos, [tok])])[0])
+        finally:
+            kv.release(blocks)
+        return torch.stack(rows)
+
+    @torch.inference_mode()
+    def prefill_logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits ``[T, V]`` of one whole-prompt forward pass (the prefill path)."""
+        self.check_prompt(ids)
+        kv = self.runner.kv
+        blocks = kv.allocate(kv.blocks_for(len(ids)))
+        try:
+            inputs_last = [SeqChunk(blocks, 0, ids)]
+            from .executor.inputs import build_inputs
+            inp = build_inputs(inputs_last, kv.block_size, self.runner.device)
+            inp.logits_at = torch.arange(len(ids), device=self.runner.device)
+            return self.runner.model(inp.ids, inp.batch, kv, inp.logits_at)
+        finally:
+            kv.release(blocks)
+
+    @torch.inference_mode()
+    def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Generation:
+        params = params or SamplingParams()
+        self.check_prompt(prompt_ids, 0)
+        max_new = min(params.max_new_tokens, self.max_context - len(prompt_ids))
+        if max_new < 1:
+            raise RequestTooLong(f"prompt of {len(prompt_ids)} tokens fills the context of {self.max_context}")
+        gen = make_generator(params, self.config.seed)
+        stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.runner.eos_token_ids))
+        kv = self.runner.kv
+        t0 = time.perf_counter()
+        blocks, logits = self._run(prompt_ids)
+        t1 = time.perf_counter()
+        out, finish = [], "length"
+        try:
+            while True:
+                tok = sample(logits, params, gen)
+                out.append(tok)
+                if tok in stop:
+                    finish = "stop"
+                    break
+                if len(out) >= max_new:
+                    break
+                pos = len(prompt_ids) + len(out) - 1
+                if kv.blocks_for(pos + 1) > len(blocks):
+                    blocks += kv.allocate(1)
+                logits = self.runner.forward([SeqChunk(blocks, pos, [tok])])[0]
+        finally:
+            kv.release(blocks)
+        t2 = time.perf_counter()
+        decode_steps = max(len(out) - 1, 0)
+        stats = {"prompt_tokens": len(prompt_ids), "generated_tokens": len(out),
+                 "prefill_tokens_per_s": len(prompt_ids) / max(t1 - t0, 1e-9),
+                 "decode_tokens_per_s": decode_steps / max(t2 - t1, 1e-9) if decode_steps else 0.0,
+                 "expert_cache": self.runner.expert_stats()}
+        stats.update({k: stats["expert_cache"][k] for k in ("hits", "misses", "fills", "cpu_computed")})
+        stats["capacity"] = stats["expert_cache"]["capacity_experts"]
+        return Generation(out, finish, stats)

@@ -1,0 +1,18 @@
+"""Model families keyed by ``model_type``; each file only translates its config and key names,
+and every family composes the same layers (``models/decoder.py``)."""
+from __future__ import annotations
+
+from ..errors import ConfigError
+from . import freetoken_llama_moe, llama, mixtral, olmoe, qwen2_moe, qwen3, qwen3_moe
+from .hf import Family
+
+REGISTRY: dict[str, Family] = {
+    m.FAMILY.model_type: m.FAMILY
+    for m in (llama, qwen3, qwen3_moe, qwen2_moe, mixtral, olmoe, freetoken_llama_moe)
+}
+
+
+def family(model_type: str | None) -> Family:
+    if model_type not in REGISTRY:
+        raise ConfigError(f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(REGISTRY))}")
+    return REGISTRY[model_type]

@@ -1,0 +1,75 @@
+"""Build a model from a checkpoint folder: non-expert weights into the module, routed experts
+into the host expert bank (final layout, filled expert by expert, then pinned)."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..cache.bank import ExpertBank
+from ..config import ModelConfig
+from ..errors import ConfigError
+from ..layers.rope import Rotary
+from . import family
+from .decoder import DecoderLM
+from .loader import Checkpoint
+
+log = logging.getLogger(__name__)
+Progress = Callable[[float], None]
+
+
+def read_config(folder: Path) -> tuple[Checkpoint, ModelConfig]:
+    ckpt = Checkpoint(folder)
+    fam = family(ckpt.config.get("model_type"))
+    return ckpt, fam.parse(ckpt.config)
+
+
+def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
+                progress: Progress | None = None) -> tuple[DecoderLM, ExpertBank | None, ModelConfig]:
+    ckpt, cfg = read_config(folder)
+    fam = family(cfg.model_type)
+    rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
+    with torch.device("meta"):
+        model = DecoderLM(cfg, rotary)
+    model = model.to_empty(device=device).to(dtype)
+    params = dict(model.named_parameters())
+    tied = cfg.tie_word_embeddings or not ckpt.has("lm_head.weight")
+    wanted = [k for k in params if not (tied and k == "lm_head.weight")]
+    by_engine_name = {fam.rename(k): k for k in ckpt.names()}
+    bank = None
+    if cfg.moe:
+        m = cfg.moe
+        bank = ExpertBank(len(m.layers), m.num_experts, cfg.hidden_size, m.intermediate_size, dtype)
+    total = len(wanted) + (bank.total_experts if bank else 0)
+    done = 0
+    with torch.no_grad():
+        for name in wanted:
+            src = by_engine_name.get(name)
+            if src is None:
+                raise ConfigError(f"checkpoint {folder} lacks tensor for {name}")
+            t = ckpt.get(src)
+            if t.shape != params[name].shape:
+                raise ConfigError(f"tensor {src} has shape {tuple(t.shape)}, config implies {tuple(params[name].shape)}")
+            params[name].copy_(t)
+            done += 1
+            if progress and done % 16 == 0:
+                progress(done / total)
+        if tied:
+            model.lm_head.weight = model.model.embed_tokens.weight
+        if bank is not None:
+            for li, layer in enumerate(cfg.moe.layers):
+                for e in range(cfg.moe.num_experts):
+                    gate, up, down = (ckpt.get(fam.expert_key(layer, e, p)) for p in range(3))
+                    if gate.shape != (bank.inter, bank.hidden) or down.shape != (bank.hidden, bank.inter):
+                        raise ConfigError(f"expert {e} of layer {layer} has shape {tuple(gate.shape)}, "
+                                          f"config implies {(bank.inter, bank.hidden)}")
+                    bank.fill(li, e, gate, up, down)
+                    done += 1
+                if progress:
+                    progress(done / total)
+            bank.pin()
+    ckpt.close()
+    model.eval()
+    return model, bank, cfg

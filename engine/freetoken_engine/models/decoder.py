@@ -1,0 +1,62 @@
+"""The decoder-only transformer that every supported family composes.
+
+Module names mirror the Hugging Face layout (``model.layers.{i}.self_attn.q_proj`` ...) so a
+checkpoint's non-expert tensors load by name; routed experts live in the expert bank instead.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..layers.attention import Attention, AttnBatch
+from ..layers.mlp import GatedMLP
+from ..layers.moe import SparseMoE
+from ..layers.norm import RMSNorm
+from ..layers.rope import Rotary
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, i: int, rotary: Rotary):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, i, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if i in cfg.moe_layers:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.moe_layers.index(i))
+        else:
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+
+    def forward(self, h, batch, cos, sin, k_cache, v_cache):
+        h = h + self.self_attn(self.input_layernorm(h), batch, cos, sin, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DecoderLM(nn.Module):
+    """``forward(ids [T], batch, kv, logits_at [B]) -> logits [B, V]`` (float32)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = rotary
+        self.model = Backbone(cfg, rotary)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def moe_blocks(self) -> list[SparseMoE]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def forward(self, ids: torch.Tensor, batch: AttnBatch, kv, logits_at: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(ids)                                  # [T, H]
+        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)          # [T, d]
+        for i, layer in enumerate(self.model.layers):
+            h = layer(h, batch, cos, sin, kv.k[i], kv.v[i])
+        h = self.model.norm(h[logits_at])                                 # [B, H]
+        return self.lm_head(h).float()                                    # [B, V]

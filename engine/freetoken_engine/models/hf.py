@@ -1,0 +1,89 @@
+"""Shared translation of Hugging Face ``config.json`` fields into ``ModelConfig``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from ..config import ModelConfig, MoeConfig, RopeConfig
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Family:
+    """How one ``model_type`` is read: its config translation and routed-expert key names."""
+
+    model_type: str
+    parse: Callable[[dict], ModelConfig]
+    moe_prefix: str = "mlp"                                   # model.layers.{i}.<moe_prefix>
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+    def expert_key(self, layer: int, expert: int, proj: int) -> str:
+        return f"model.layers.{layer}.{self.moe_prefix}.experts.{expert}.{self.expert_names[proj]}.weight"
+
+    def rename(self, key: str) -> str:
+        """Checkpoint key -> engine module key (non-expert tensors)."""
+        if self.moe_prefix != "mlp":
+            key = key.replace(f".{self.moe_prefix}.", ".mlp.")
+        return key
+
+
+def need(raw: dict, *names: str):
+    for name in names:
+        if raw.get(name) is not None:
+            return raw[name]
+    raise ConfigError(f"config.json lacks {names[0]}")
+
+
+def eos_ids(raw: dict) -> tuple[int, ...]:
+    eos = raw.get("eos_token_id")
+    if eos is None:
+        return ()
+    return tuple(eos) if isinstance(eos, list) else (int(eos),)
+
+
+def base(raw: dict, **overrides) -> dict:
+    """Fields every family shares, as ``ModelConfig`` keyword arguments."""
+    heads = int(need(raw, "num_attention_heads"))
+    hidden = int(need(raw, "hidden_size"))
+    layers = int(need(raw, "num_hidden_layers"))
+    fields = dict(
+        model_type=raw["model_type"], vocab_size=int(need(raw, "vocab_size")), hidden_size=hidden,
+        num_layers=layers, num_heads=heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+        head_dim=int(raw.get("head_dim") or hidden // heads),
+        intermediate_size=int(raw.get("intermediate_size") or 0),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)), rope=RopeConfig.from_hf(raw),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        qkv_bias=bool(raw.get("attention_bias", False)), o_bias=bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)), eos_token_ids=eos_ids(raw),
+        bos_token_id=raw.get("bos_token_id"),
+    )
+    fields.update(overrides)
+    return fields
+
+
+def sliding(raw: dict, layers: int, enabled: bool) -> tuple[int | None, ...]:
+    """Per-layer window: qwen-style ``use_sliding_window`` + ``max_window_layers``/``layer_types``."""
+    window = raw.get("sliding_window")
+    if not enabled or not window:
+        return ()
+    types = raw.get("layer_types")
+    if types:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (window,) * layers
+
+
+def sparse_layers(raw: dict, layers: int) -> tuple[int, ...]:
+    """Qwen-style ``decoder_sparse_step`` and ``mlp_only_layers``."""
+    step = int(raw.get("decoder_sparse_step", 1) or 1)
+    dense = set(raw.get("mlp_only_layers") or [])
+    return tuple(i for i in range(layers) if i not in dense and (i + 1) % step == 0)
+
+
+def moe(raw: dict, layers: tuple[int, ...], **kw) -> MoeConfig:
+    return MoeConfig(
+        num_experts=int(need(raw, "num_experts", "num_local_experts")),
+        top_k=int(need(raw, "num_experts_per_tok")),
+        intermediate_size=int(need(raw, "moe_intermediate_size", "intermediate_size")),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)), layers=layers, **kw)

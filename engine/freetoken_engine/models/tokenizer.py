@@ -1,0 +1,111 @@
+"""Tokenizer and chat template exactly as the checkpoint ships them.
+
+``tokenizer.json`` is read with the ``tokenizers`` library; the chat template comes from
+``tokenizer_config.json`` (or ``chat_template.jinja``) and is rendered with a sandboxed jinja2
+environment offering the helpers Hugging Face templates expect (``raise_exception``,
+``strftime_now``, ``tojson``).
+"""
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+from ..errors import ConfigError, InvalidRequest
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+class StreamDecoder:
+    """Incremental detokenizer: ``step(id)`` returns the newly printable text (may be '')."""
+
+    def __init__(self, tok: "Tokenizer"):
+        self.tok, self.ids, self.prefix, self.read = tok, [], 0, 0
+
+    def step(self, token_id: int) -> str:
+        self.ids.append(token_id)
+        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
+        full = self.tok.decode(self.ids[self.prefix:])
+        if full.endswith("\ufffd") or len(full) <= len(prefix_text):
+            return ""                       # an incomplete UTF-8 sequence: wait for more bytes
+        self.prefix, self.read = self.read, len(self.ids)
+        return full[len(prefix_text):]
+
+
+class Tokenizer:
+    def __init__(self, folder: Path, eos_ids: tuple[int, ...] = ()):
+        path = folder / "tokenizer.json"
+        try:
+            self._tok = _HFTokenizer.from_file(str(path))
+        except Exception as exc:  # the library raises a bare Exception on parse errors
+            raise ConfigError(f"cannot read {path}: {exc}") from None
+        cfg_path = folder / "tokenizer_config.json"
+        self.config: dict = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        template = self.config.get("chat_template")
+        jinja_file = folder / "chat_template.jinja"
+        if template is None and jinja_file.is_file():
+            template = jinja_file.read_text()
+        if isinstance(template, list):   # named templates: use "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        self.chat_template: str | None = template
+        self.bos_token = _token_text(self.config.get("bos_token"))
+        self.eos_token = _token_text(self.config.get("eos_token"))
+        ids = list(eos_ids)
+        if self.eos_token and (eid := self._tok.token_to_id(self.eos_token)) is not None and eid not in ids:
+            ids.append(eid)
+        self.eos_token_ids: tuple[int, ...] = tuple(ids)
+        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._env.globals.update(raise_exception=_raise,
+                                 strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        self._env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, indent=indent, ensure_ascii=False)
+        self._compiled = self._env.from_string(template) if template else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def stream_decoder(self) -> StreamDecoder:
+        return StreamDecoder(self)
+
+    def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
+                            add_generation_prompt: bool = True, **extra) -> str:
+        """Render the checkpoint's chat template; without one, a plain ``role: content`` layout."""
+        if self._compiled is None:
+            lines = [f"{m['role']}: {m.get('content') or ''}" for m in messages]
+            return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
+        try:
+            return self._compiled.render(messages=messages, tools=tools or None,
+                                         add_generation_prompt=add_generation_prompt,
+                                         bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                         **extra)
+        except TemplateError as exc:
+            raise InvalidRequest(f"the model's chat template rejected the messages: {exc}") from None
+
+    def encode_chat(self, messages: list[dict], tools: list[dict] | None = None, **extra) -> list[int]:
+        """Template then encode without adding special tokens again (the template has them)."""
+        return self.encode(self.apply_chat_template(messages, tools, **extra), add_special_tokens=False)
+
+
+def load_tokenizer(folder: Path, eos_ids: tuple[int, ...] = ()) -> Tokenizer | None:
+    return Tokenizer(folder, eos_ids) if (folder / "tokenizer.json").is_file() else None

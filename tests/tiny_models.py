@@ -1,0 +1,97 @@
+"""Tiny random checkpoints written by transformers' ``save_pretrained`` (hub layout), with a
+byte-level BPE tokenizer and a ChatML template, for exact parity tests and live-server tests.
+
+``make_tiny_checkpoint(path, model_type="qwen3_moe", **config_overrides)`` returns the folder.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
+            "<tool_call>", "</tool_call>"]
+
+CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nYou may call these tools: {{ tools | tojson }}\n"
+    "Answer with <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>.<|im_end|>\n{% endif %}"
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.content is string %}{{ m.content }}{% elif m.content %}"
+    "{% for part in m.content %}{% if part.type == 'text' %}{{ part.text }}{% endif %}{% endfor %}{% endif %}"
+    "{%- if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments if c.function.arguments is string else (c.function.arguments | tojson) }}}"
+    "</tool_call>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. "
+         "def add(a, b):\n    return a + b\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n") * 20
+
+BASE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2)
+MOE = {
+    "qwen3_moe": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, head_dim=8,
+                      norm_topk_prob=True),
+    "qwen2_moe": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+                      shared_expert_intermediate_size=24),
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=16),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=16),
+    "llama": dict(),
+    "qwen3": dict(head_dim=8),
+}
+SUPPORTED = tuple(MOE)
+
+
+def build_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([_TEXT], trainer)
+    return tok
+
+
+def _classes(model_type: str):
+    import transformers as T
+    return {
+        "qwen3_moe": (T.Qwen3MoeConfig, T.Qwen3MoeForCausalLM),
+        "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM),
+        "mixtral": (T.MixtralConfig, T.MixtralForCausalLM),
+        "olmoe": (T.OlmoeConfig, T.OlmoeForCausalLM),
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM),
+        "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+    }[model_type]
+
+
+def make_tiny_checkpoint(path, model_type: str = "qwen3_moe", seed: int = 0, shard_kb: int | None = None,
+                         vocab_size: int = 320, init_std: float = 0.2, **overrides) -> Path:
+    """Write a random ``model_type`` checkpoint (float32) with tokenizer files into ``path``.
+
+    ``init_std`` larger than transformers' 0.02 makes logits and routing decisive, so greedy
+    decoding and top-k routing have no near-ties that float rounding could flip.
+    """
+    import torch
+    path = Path(path)
+    tok = build_tokenizer(vocab_size)
+    eos = tok.token_to_id("<|im_end|>")
+    cfg_cls, model_cls = _classes(model_type)
+    kwargs = dict(BASE, vocab_size=vocab_size, eos_token_id=eos, bos_token_id=None, pad_token_id=None,
+                  max_position_embeddings=512, initializer_range=init_std)
+    kwargs.update(MOE[model_type])
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kwargs)).eval()
+    save = {"max_shard_size": f"{shard_kb}KB"} if shard_kb else {}
+    model.save_pretrained(path, **save)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>", "bos_token": None,
+         "model_max_length": 512}))
+    return path
+
+
+def load_reference(path):
+    """The same checkpoint in transformers (float32, eager attention)."""
+    import transformers as T
+    return T.AutoModelForCausalLM.from_pretrained(path, dtype="float32", attn_implementation="eager").eval()
