@@ -1,0 +1,260 @@
+"""``freetoken-agent run``: the node agent's event loop.
+
+Data flow, every few hundred milliseconds to seconds::
+
+    assignments (FreeTokenNode.spec.models | standalone YAML)
+        -> reconcile: start / stop / replace one Replica (engine subprocess) per key
+    NVML | simulated device | /proc/meminfo + PSI, engines' /admin/cache
+        -> PressureController.tick -> policy.decide -> POST /admin/cache
+    calibration (cache file | `freetoken calibrate` | an engine's /admin/calibrate)
+        -> POST /admin/calibrate to every engine
+    snapshot() -> FreeTokenNode.status (heartbeat) and /metrics (at scrape time)
+
+Concurrency: one asyncio loop owns all mutable state; the metrics HTTP thread only calls
+``snapshot()`` and ``engine_fetchers()``, which read immutable tuples and plain fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from datetime import datetime, timezone
+
+from .assignments import Assignment, AssignmentError, StandaloneFile, parse_models
+from .calibration import CalibrationCache, CalibrationError, HostConfig, measure
+from .config import AgentConfig
+from .engine_api import EngineUnreachable
+from .host import cpu_cores
+from .kube import KubeError, NodeReporter
+from .metrics import AgentMetrics
+from .pressure import PressureController
+from .replica import LaunchConfig, Replica
+from .snapshot import NodeSnapshot, ReplicaSnapshot, rfc3339, to_status
+
+log = logging.getLogger(__name__)
+
+
+class Agent:
+    def __init__(self, cfg: AgentConfig, metrics: AgentMetrics | None = None) -> None:
+        self.cfg = cfg
+        self.metrics = metrics or AgentMetrics()
+        self.replicas: dict[str, Replica] = {}
+        self._view: tuple[Replica, ...] = ()  # immutable copy for other threads
+        self.controller = PressureController(cfg.policy, lambda: self._view, self.metrics,
+                                             simulated_gpu=cfg.simulated_gpu)
+        self.launch = LaunchConfig(engine_command=cfg.engine_command, bind_host=cfg.bind_host,
+                                   address=cfg.address, port_offset=cfg.engine_port_offset,
+                                   log_dir=cfg.log_dir, health_interval=cfg.health_interval,
+                                   backoff_max=cfg.backoff_max)
+        self.reporter = None if cfg.standalone else NodeReporter(cfg.node_name, cfg.kube_server)
+        self.standalone = StandaloneFile(cfg.standalone) if cfg.standalone else None
+        gpus = tuple(g.name for g in self.controller.gpu.read()) if self.controller.domain == "nvml" else ()
+        self.host_config = HostConfig.detect(cfg.node_name, gpus)
+        self.calibration_cache = CalibrationCache(cfg.state_dir)
+        self.calibration: dict | None = self.calibration_cache.load(self.host_config)
+        self.assignment_error: str | None = None
+        self._since: dict[str, str] = {}
+        self._last_flags: dict[str, bool] = {}
+        self._recalibrate = asyncio.Event()
+        self.metrics.attach(self.snapshot, self.engine_fetchers)
+
+    # ---- views for the metrics thread and the status reporter -------------------------
+    def snapshot(self) -> NodeSnapshot:
+        c = self.controller
+        obs = c.last_obs
+        replicas = tuple(ReplicaSnapshot(
+            key=r.key, model=r.assignment.model, state=r.state, endpoint=r.endpoint,
+            restarts=r.restarts, message=r.message,
+            expert_cache_bytes=r.cache.capacity_bytes if r.cache else None,
+            expert_cache_floor_bytes=r.cache.min_experts * r.cache.expert_bytes if r.cache else None,
+            expert_cache_max_bytes=r.cache.max_experts * r.cache.expert_bytes if r.cache else None,
+            device=r.assignment.engine.device) for r in self._view)
+        return NodeSnapshot(
+            node=self.cfg.node_name, mode=c.mode, address=self.cfg.address, domain=c.domain,
+            gpus=c.last_gpus, total_bytes=obs.total_bytes if obs else 0,
+            used_bytes=obs.used_bytes if obs else 0, ours_bytes=obs.ours_bytes if obs else 0,
+            headroom_bytes=c.headroom_bytes(), cpu_cores=cpu_cores(),
+            ram_total_bytes=c.last_host.total_bytes, ram_available_bytes=c.last_host.available_bytes,
+            psi=c.last_psi, calibration=self.calibration, memory_pressure=c.memory_pressure,
+            replicas=replicas, assignment_error=self.assignment_error,
+            pressure_since=self._since.get("MemoryPressure"),
+            assignment_since=self._since.get("AssignmentsValid"))
+
+    def engine_fetchers(self):
+        return [(r.key, r.client.metrics_text_sync) for r in self._view if r.state == "ready"]
+
+    def _track(self, ctype: str, flag: bool) -> None:
+        if self._last_flags.get(ctype) != flag:
+            self._last_flags[ctype] = flag
+            self._since[ctype] = rfc3339(datetime.now(timezone.utc))
+
+    # ---- assignments and engines ------------------------------------------------------
+    async def desired(self) -> dict[str, Assignment] | None:
+        """What should run; ``None`` when it cannot be known now (keep what runs)."""
+        if self.standalone is not None:
+            models = self.standalone.read()
+            self.assignment_error = self.standalone.error
+            return models
+        try:
+            spec = await self.reporter.read_spec()
+        except KubeError as exc:
+            log.warning("cannot read FreeTokenNode spec: %s", exc)
+            return None
+        try:
+            models = parse_models(spec.get("models"))
+            self.assignment_error = None
+            return models
+        except AssignmentError as exc:
+            self.assignment_error = str(exc)
+            return None
+
+    async def _api_key(self, a: Assignment) -> str | None:
+        if a.api_key or a.api_key_secret is None or self.reporter is None:
+            return a.api_key
+        name, key = a.api_key_secret
+        return await self.reporter.read_secret(a.namespace, name, key)
+
+    def _launch_args(self, a: Assignment) -> tuple[int | None, float | None]:
+        cal = self.calibration
+        cpu_fraction = 1.0 - float(cal["fill_fraction"]) if cal else None
+        return self.controller.launch_budget(a.engine.expert_cache_share), cpu_fraction
+
+    async def _on_ready(self, r: Replica) -> None:
+        if self.calibration is not None:
+            await self._push_calibration(r, self.calibration)
+
+    def _on_restart(self, r: Replica) -> None:
+        self.metrics.restarts.labels(r.key).inc()
+
+    async def reconcile(self) -> None:
+        desired = await self.desired()
+        self._track("AssignmentsValid", self.assignment_error is None)
+        if desired is None:
+            return
+        for key in [k for k, r in self.replicas.items() if desired.get(k) != r.assignment]:
+            r = self.replicas.pop(key)
+            self._view = tuple(self.replicas.values())
+            log.info("stopping engine %s (unassigned or changed)", key)
+            await r.stop()
+        for key, a in desired.items():
+            if key in self.replicas:
+                continue
+            try:
+                api_key = await self._api_key(a)
+            except KubeError as exc:
+                log.warning("replica %s: cannot read its API key: %s", key, exc)
+                continue
+            r = Replica(a, self.launch, api_key=api_key, launch_args=self._launch_args,
+                        on_ready=self._on_ready, on_restart=self._on_restart)
+            self.replicas[key] = r
+            self._view = tuple(self.replicas.values())
+            r.start()
+
+    # ---- calibration --------------------------------------------------------------------
+    async def _push_calibration(self, r: Replica, cal: dict) -> None:
+        body = ({"pcie_gbps": cal["pcie_gbps"], "cpu_expert_gbps": cal["cpu_expert_gbps"]}
+                if cal.get("pcie_gbps") is not None else {"fill_fraction": cal["fill_fraction"]})
+        try:
+            await r.client.calibrate(body, timeout=30.0)
+        except EngineUnreachable as exc:
+            log.warning("pushing calibration to %s: %s", r.key, exc)
+
+    async def recalibrate(self) -> None:
+        """Measure (through a ready engine if there is one) and push the result everywhere."""
+        ready = [r for r in self._view if r.state == "ready"]
+        try:
+            if ready:
+                result = await ready[0].client.calibrate({"measure": True})
+                source = "engine"
+            else:
+                result = await measure(self.cfg.engine_command, self.host_config.device)
+                source = "subprocess"
+        except (EngineUnreachable, CalibrationError, OSError) as exc:
+            log.warning("calibration failed: %s", exc)
+            return
+        self.metrics.calibrations.labels(source).inc()
+        self.calibration = result
+        self.calibration_cache.save(self.host_config, result)
+        await asyncio.gather(*(self._push_calibration(r, result) for r in ready))
+
+    async def _calibration_loop(self) -> None:
+        if self.calibration is None and self.cfg.calibrate_on_start:
+            await self.recalibrate()
+        interval = self.cfg.calibrate_interval or None
+        while True:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._recalibrate.wait(), interval)
+            self._recalibrate.clear()
+            await self.recalibrate()
+
+    # ---- loops --------------------------------------------------------------------------
+    async def _pressure_loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.controller.tick()
+                self._track("MemoryPressure", self.controller.memory_pressure)
+            except Exception:  # never let one bad reading stop the protection of the owner
+                log.exception("pressure tick failed")
+            await asyncio.sleep(max(0.0, self.cfg.tick_seconds - (time.monotonic() - started)))
+
+    async def _reconcile_loop(self) -> None:
+        period = 1.0 if self.standalone is not None else min(2.0, self.cfg.heartbeat_seconds)
+        while True:
+            try:
+                await self.reconcile()
+            except Exception:
+                log.exception("reconcile failed")
+            await asyncio.sleep(period)
+
+    async def report(self) -> None:
+        try:
+            await self.reporter.patch_status(to_status(self.snapshot()))
+            self.metrics.heartbeats.labels("ok").inc()
+        except KubeError as exc:
+            self.metrics.heartbeats.labels("error").inc()
+            log.warning("status update failed: %s", exc)
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await self.report()
+            await asyncio.sleep(self.cfg.heartbeat_seconds)
+
+    async def run(self, stop: asyncio.Event | None = None, serve_metrics: bool = True) -> None:
+        """Run until ``stop`` is set (or SIGTERM/SIGINT when ``stop`` is None)."""
+        loop = asyncio.get_running_loop()
+        if stop is None:
+            stop = asyncio.Event()
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(signal.SIGUSR1, self._recalibrate.set)
+        if serve_metrics:
+            self.metrics.serve(self.cfg.metrics_host, self.cfg.metrics_port)
+        if self.reporter is not None:
+            while not stop.is_set():
+                try:
+                    await self.reporter.ensure_node()
+                    break
+                except KubeError as exc:
+                    log.warning("cannot create FreeTokenNode %s: %s", self.cfg.node_name, exc)
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(stop.wait(), 2.0)
+        await self.controller.tick()  # a first reading before any engine starts
+        loops = [self._pressure_loop(), self._reconcile_loop(), self._calibration_loop()]
+        if self.reporter is not None:
+            loops.append(self._heartbeat_loop())
+        tasks = [asyncio.create_task(c) for c in loops]
+        try:
+            await stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await asyncio.gather(*(r.stop() for r in self.replicas.values()))
+            if self.reporter is not None:
+                await self.report()  # replicas now read "stopped"
+                self.reporter.close()
+            self.controller.close()

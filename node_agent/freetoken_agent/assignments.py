@@ -1,0 +1,143 @@
+"""Assignments: which models this node must serve (``FreeTokenNode.spec.models`` or a local file).
+
+``parse_models(list)`` validates the ``models:`` list of docs/contracts.md into frozen
+``Assignment`` objects and raises ``AssignmentError`` on a bad entry. ``StandaloneFile``
+reads the same list from a YAML file and re-reads it when its modification time changes;
+a file that turns invalid keeps the last good list (and reports the error) rather than
+stopping every engine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import yaml
+
+FORMATS = ("safetensors", "gguf", "packed", "default")
+DEVICES = ("cpu", "cuda")
+
+
+class AssignmentError(ValueError):
+    """A ``models:`` entry that does not follow the contract."""
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    device: str = "cpu"
+    dtype: str | None = None
+    expert_cache_share: float = 0.9
+    context_length: int | None = None
+
+
+@dataclass(frozen=True)
+class Assignment:
+    """One replica this node should run. Equality decides whether a running engine is reused."""
+
+    key: str
+    namespace: str
+    model: str
+    path: str | None  # None: the engine's embedded default model
+    format: str
+    port: int
+    engine: EngineOptions = EngineOptions()
+    api_key_secret: tuple[str, str] | None = None  # (secret name, key) in `namespace`
+    api_key: str | None = None  # standalone mode: the key itself
+
+    @property
+    def served_name(self) -> str:
+        return self.model
+
+
+def _parse_one(item: object, index: int) -> Assignment:
+    if not isinstance(item, dict):
+        raise AssignmentError(f"models[{index}] must be a mapping")
+    where = f"models[{index}]"
+    model = item.get("model")
+    if not isinstance(model, str) or not model:
+        raise AssignmentError(f"{where}.model must be a non-empty string")
+    namespace = str(item.get("namespace", "default"))
+    key = str(item.get("key") or f"{namespace}.{model}")
+    source = item.get("source")
+    if source is None:
+        source = {"default": True}
+    if not isinstance(source, dict):
+        raise AssignmentError(f"{where}.source must be a mapping")
+    path = source.get("path")
+    if path is None and not source.get("default"):
+        raise AssignmentError(f"{where}.source needs `path` or `default: true`")
+    fmt = str(item.get("format", "default" if path is None else "safetensors"))
+    if fmt not in FORMATS:
+        raise AssignmentError(f"{where}.format must be one of {FORMATS}, got {fmt!r}")
+    port = item.get("port")
+    if not isinstance(port, int) or not 1 <= port <= 65535:
+        raise AssignmentError(f"{where}.port must be an integer port, got {port!r}")
+    eng = item.get("engine") or {}
+    if not isinstance(eng, dict):
+        raise AssignmentError(f"{where}.engine must be a mapping")
+    device = str(eng.get("device", "cpu"))
+    if device not in DEVICES:
+        raise AssignmentError(f"{where}.engine.device must be one of {DEVICES}, got {device!r}")
+    share = float(eng.get("expertCacheShare", 0.9))
+    if not 0.0 < share <= 1.0:
+        raise AssignmentError(f"{where}.engine.expertCacheShare must be in (0, 1], got {share}")
+    ctx = eng.get("contextLength")
+    options = EngineOptions(device=device, dtype=eng.get("dtype"), expert_cache_share=share,
+                            context_length=int(ctx) if ctx is not None else None)
+    secret = item.get("apiKeySecret")
+    secret_ref = None
+    if secret is not None:
+        if not isinstance(secret, dict) or not secret.get("name") or not secret.get("key"):
+            raise AssignmentError(f"{where}.apiKeySecret needs `name` and `key`")
+        secret_ref = (str(secret["name"]), str(secret["key"]))
+    api_key = item.get("apiKey")
+    return Assignment(key=key, namespace=namespace, model=model,
+                      path=str(path) if path is not None else None, format=fmt, port=port,
+                      engine=options, api_key_secret=secret_ref,
+                      api_key=str(api_key) if api_key is not None else None)
+
+
+def parse_models(models: object) -> dict[str, Assignment]:
+    """Validate a ``models:`` list; returns assignments keyed by ``key`` (unique per node)."""
+    if models is None:
+        return {}
+    if not isinstance(models, list):
+        raise AssignmentError("models must be a list")
+    out: dict[str, Assignment] = {}
+    for i, item in enumerate(models):
+        a = _parse_one(item, i)
+        if a.key in out:
+            raise AssignmentError(f"duplicate model key {a.key!r}")
+        out[a.key] = a
+    return out
+
+
+class StandaloneFile:
+    """A local YAML file ``{models: [...]}`` watched by modification time."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._mtime: int | None = None
+        self._models: dict[str, Assignment] = {}
+        self.error: str | None = None
+
+    def read(self) -> dict[str, Assignment]:
+        """The current assignments; re-parses only when the file changed."""
+        try:
+            mtime = os.stat(self.path).st_mtime_ns
+        except OSError as exc:
+            self.error = f"{self.path}: {exc.strerror}"
+            return self._models
+        if mtime == self._mtime:
+            return self._models
+        try:
+            with open(self.path, encoding="utf-8") as f:
+                doc = yaml.safe_load(f) or {}
+            if not isinstance(doc, dict):
+                raise AssignmentError("top level must be a mapping with `models:`")
+            self._models = parse_models(doc.get("models"))
+            self.error = None
+        except (yaml.YAMLError, AssignmentError, OSError) as exc:
+            self.error = f"{self.path}: {exc}"
+        self._mtime = mtime
+        return self._models

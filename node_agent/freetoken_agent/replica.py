@@ -1,0 +1,241 @@
+"""Engine lifecycle: one ``freetoken serve`` subprocess per assigned model.
+
+``Replica.run()`` is a supervisor task: start the engine, poll ``/health``, mark it ready,
+and restart it with exponential backoff when the process exits or stops answering. The
+backoff resets once an engine has stayed ready for ``stable_seconds``. ``Replica.stop()``
+sends SIGTERM, then SIGKILL after ``stop_timeout``. Engines die with the agent (Linux
+parent-death signal), so a killed agent never leaves orphans holding VRAM.
+
+States (``FreeTokenNode.status.replicas[].state``): starting -> ready -> (failed -> starting)*
+-> stopped. Only the supervisor task mutates a replica; other tasks read its fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import logging
+import os
+import secrets
+import signal
+import time
+from dataclasses import dataclass
+from typing import Awaitable, Callable
+
+from .assignments import Assignment
+from .engine_api import CacheInfo, EngineClient, EngineUnreachable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How engines are started and supervised (shared by every replica of an agent)."""
+
+    engine_command: tuple[str, ...]
+    bind_host: str = "127.0.0.1"
+    address: str = "127.0.0.1"  # how others reach the engine (endpoint URL)
+    port_offset: int = 0
+    log_dir: str | None = None
+    health_interval: float = 1.0
+    start_timeout: float = 900.0
+    failure_threshold: int = 3
+    backoff_initial: float = 1.0
+    backoff_max: float = 60.0
+    stable_seconds: float = 60.0
+    stop_timeout: float = 15.0
+
+    def __post_init__(self) -> None:
+        if not self.engine_command:
+            raise ValueError("engine_command must not be empty")
+        if self.health_interval <= 0 or self.backoff_initial <= 0:
+            raise ValueError("health_interval and backoff_initial must be > 0")
+        if self.backoff_max < self.backoff_initial:
+            raise ValueError("backoff_max must be >= backoff_initial")
+        if self.failure_threshold < 1:
+            raise ValueError("failure_threshold must be >= 1")
+
+
+def backoff_delay(failures_in_a_row: int, initial: float, maximum: float) -> float:
+    """Seconds to wait before restart number ``failures_in_a_row`` (1-based): 1, 2, 4, ... max."""
+    return min(maximum, initial * (2 ** max(0, failures_in_a_row - 1)))
+
+
+def serve_command(a: Assignment, launch: LaunchConfig, admin_token: str, api_key: str | None,
+                  cache_bytes: int | None, cpu_expert_fraction: float | None) -> list[str]:
+    """The ``freetoken serve`` command line for one replica (docs/contracts.md)."""
+    cmd = [*launch.engine_command, "serve", "--host", launch.bind_host,
+           "--port", str(a.port + launch.port_offset), "--served-model-name", a.served_name,
+           "--admin-token", admin_token, "--device", a.engine.device]
+    if a.path is not None:
+        cmd += ["--model", a.path]
+    if a.engine.dtype:
+        cmd += ["--dtype", a.engine.dtype]
+    if cache_bytes is not None and cache_bytes > 0:
+        cmd += ["--expert-cache-gb", f"{cache_bytes / 1e9:.6f}"]
+    if cpu_expert_fraction is not None:
+        cmd += ["--cpu-expert-fraction", f"{cpu_expert_fraction:.4f}"]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    return cmd
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Replica:
+    """One assigned model and the engine process serving it."""
+
+    def __init__(self, assignment: Assignment, launch: LaunchConfig, *,
+                 api_key: str | None = None,
+                 launch_args: Callable[[Assignment], tuple[int | None, float | None]] = lambda a: (None, None),
+                 on_ready: Callable[["Replica"], Awaitable[None]] | None = None,
+                 on_restart: Callable[["Replica"], None] | None = None) -> None:
+        self.assignment = assignment
+        self.launch = launch
+        self.api_key = api_key
+        self.admin_token = secrets.token_urlsafe(24)
+        self.port = assignment.port + launch.port_offset
+        self.endpoint = f"http://{launch.address}:{self.port}"
+        self.client = EngineClient(f"http://{_loopback_for(launch.bind_host)}:{self.port}",
+                                   self.admin_token)
+        self.state = "starting"
+        self.message = ""
+        self.restarts = 0
+        self.pid: int | None = None
+        self.cache: CacheInfo | None = None
+        self.resize_lock = asyncio.Lock()
+        self._launch_args = launch_args
+        self._on_ready = on_ready
+        self._on_restart = on_restart
+        self._proc: asyncio.subprocess.Process | None = None
+        self._stopping = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    @property
+    def key(self) -> str:
+        return self.assignment.key
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self.run(), name=f"replica:{self.key}")
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        cache_bytes, cpu_fraction = self._launch_args(self.assignment)
+        cmd = serve_command(self.assignment, self.launch, self.admin_token, self.api_key,
+                            cache_bytes, cpu_fraction)
+        out = None
+        if self.launch.log_dir:
+            os.makedirs(self.launch.log_dir, exist_ok=True)
+            out = open(os.path.join(self.launch.log_dir, f"{self.key}.log"), "ab")
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                stderr=asyncio.subprocess.STDOUT if out else None, preexec_fn=_die_with_parent)
+        finally:
+            if out is not None:
+                out.close()
+        log.info("started engine %s pid %d on port %d", self.key, proc.pid, self.port)
+        return proc
+
+    async def _watch(self, proc: asyncio.subprocess.Process) -> tuple[str, float | None]:
+        """Supervise until the engine dies or stops answering; (reason, seconds it was ready)."""
+        started, ready_at, failures = time.monotonic(), None, 0
+        while not self._stopping.is_set():
+            if proc.returncode is not None:
+                break
+            try:
+                code, body = await self.client.health()
+                ok = code == 200 and body.get("status") == "ok"
+                if code == 503 and body.get("status") == "error":
+                    return f"engine error: {body.get('error')}", _since(ready_at)
+            except EngineUnreachable:
+                ok = False
+            if ok:
+                failures = 0
+                if ready_at is None:
+                    ready_at = time.monotonic()
+                    await self._became_ready()
+            elif ready_at is not None:
+                failures += 1
+                if failures >= self.launch.failure_threshold:
+                    return f"{failures} health checks failed", _since(ready_at)
+            elif time.monotonic() - started > self.launch.start_timeout:
+                return f"not healthy after {self.launch.start_timeout:.0f} s", None
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), self.launch.health_interval)
+        if proc.returncode is not None:
+            return f"engine exited with code {proc.returncode}", _since(ready_at)
+        return "stopped", _since(ready_at)
+
+    async def _became_ready(self) -> None:
+        try:
+            self.cache = await self.client.cache()
+        except EngineUnreachable as exc:
+            log.warning("engine %s: %s", self.key, exc)
+        if self._on_ready is not None:
+            await self._on_ready(self)
+        self.state, self.message = "ready", ""
+
+    async def run(self) -> None:
+        failures_in_a_row = 0
+        while not self._stopping.is_set():
+            self.state, self.cache = "starting", None
+            try:
+                self._proc = await self._spawn()
+            except OSError as exc:
+                reason, ready_for = f"cannot start engine: {exc}", None
+            else:
+                self.pid = self._proc.pid
+                reason, ready_for = await self._watch(self._proc)
+                await self._terminate()
+            if self._stopping.is_set():
+                break
+            if ready_for is not None and ready_for >= self.launch.stable_seconds:
+                failures_in_a_row = 0
+            failures_in_a_row += 1
+            self.state, self.message, self.cache = "failed", reason, None
+            self.restarts += 1
+            if self._on_restart is not None:
+                self._on_restart(self)
+            delay = backoff_delay(failures_in_a_row, self.launch.backoff_initial, self.launch.backoff_max)
+            log.warning("engine %s: %s; restarting in %.1f s", self.key, reason, delay)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), delay)
+        self.state, self.cache = "stopped", None
+
+    async def _terminate(self) -> None:
+        proc = self._proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), self.launch.stop_timeout)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    async def stop(self) -> None:
+        """Stop supervising and end the engine; returns once the process is gone."""
+        self._stopping.set()
+        if self._task is not None:
+            await self._task
+        else:
+            await self._terminate()
+        self.state = "stopped"
+        await self.client.aclose()
+
+
+def _since(t: float | None) -> float | None:
+    return None if t is None else time.monotonic() - t
+
+
+def _loopback_for(bind_host: str) -> str:
+    """The agent talks to its engines locally: a wildcard bind is reached over loopback."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "", "::") else bind_host
