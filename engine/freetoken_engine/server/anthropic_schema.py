@@ -1,0 +1,181 @@
+"""Anthropic Messages request bodies and their conversion to chat-template messages.
+
+Content blocks: ``text``, ``tool_use`` (assistant), ``tool_result`` (user), ``thinking`` and
+``redacted_thinking`` (assistant history; thinking text goes back to the template as
+``reasoning_content``). Images, documents and server tools are answered with a 400 naming the
+block. ``cache_control`` is accepted and ignored: the prefix cache is automatic.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .errors import ApiError, unsupported
+from .generation import MAX_TOKENS_LIMIT, GenOptions
+from .openai_schema import TOOL_NAME
+from .prompt import check_tool_schema
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class Block(_Body):
+    type: str
+    text: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict[str, Any] | None = None
+    tool_use_id: str | None = None
+    content: str | list["Block"] | None = None
+    is_error: bool | None = None
+    thinking: str | None = None
+    signature: str | None = None
+
+
+class Message(_Body):
+    role: Literal["user", "assistant"]
+    content: str | list[Block]
+
+
+class Tool(_Body):
+    name: str = Field(pattern=TOOL_NAME)
+    type: str | None = None
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None
+
+
+class ToolChoice(_Body):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool | None = None
+
+
+class Thinking(_Body):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=0)
+
+
+class CountRequest(_Body):
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[Block] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: Thinking | None = None
+
+    def template_messages(self) -> list[dict]:
+        out = []
+        if self.system:
+            out.append({"role": "system", "content": _text_of(self.system, "system")})
+        for i, m in enumerate(self.messages):
+            out += _convert(m, f"messages.{i}")
+        return out
+
+    def template_tools(self) -> list[dict] | None:
+        if not self.tools:
+            return None
+        tools = []
+        for k, t in enumerate(self.tools):
+            if t.type not in (None, "custom"):
+                raise unsupported(f"tools.{k}.type", f"'{t.type}' (server tools) is not supported")
+            schema = t.input_schema if t.input_schema is not None else {"type": "object"}
+            check_tool_schema(t.name, schema, f"tools.{k}.input_schema")
+            fn = {"name": t.name, "parameters": schema}
+            if t.description:
+                fn["description"] = t.description
+            tools.append({"type": "function", "function": fn})
+        return tools
+
+    def choice(self) -> tuple[str, str | None]:
+        """(mode, named tool) for build_prompt."""
+        tc = self.tool_choice
+        if tc is None or tc.type == "auto":
+            return "auto", None
+        if tc.type == "none":
+            return "none", None
+        if not self.tools:
+            raise unsupported("tool_choice", "needs 'tools'")
+        if tc.type == "any":
+            return "required", None
+        if tc.name not in {t.name for t in self.tools}:
+            raise unsupported("tool_choice.name", f"'{tc.name}' is not one of 'tools'")
+        return "auto", tc.name
+
+    def template_kwargs(self) -> dict:
+        if self.thinking is None:
+            return {}
+        return {"enable_thinking": self.thinking.type != "disabled"}
+
+
+class MessagesRequest(CountRequest):
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS_LIMIT)
+    stop_sequences: list[str] | None = Field(None, max_length=16)
+    stream: bool | None = False
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0, le=1 << 20)
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    mcp_servers: list[Any] | None = None
+    container: Any = None
+
+    def check_supported(self) -> None:
+        for name in ("mcp_servers", "container"):
+            if getattr(self, name):
+                raise unsupported(name)
+
+    def options(self) -> GenOptions:
+        return GenOptions(max_tokens=self.max_tokens,
+                          temperature=1.0 if self.temperature is None else self.temperature,
+                          top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                          stop=tuple(s for s in self.stop_sequences or () if s))
+
+
+def _text_of(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    parts = []
+    for j, b in enumerate(content):
+        if b.type != "text" or b.text is None:
+            raise ApiError(400, f"{where}.{j}: expected a text block, got '{b.type}'",
+                           param=where)
+        parts.append(b.text)
+    return "".join(parts)
+
+
+def _convert(m: Message, where: str) -> list[dict]:
+    """One Anthropic message -> one or more template messages (tool results become 'tool')."""
+    if isinstance(m.content, str):
+        return [{"role": m.role, "content": m.content}]
+    out: list[dict] = []
+    text, reasoning, calls = [], [], []
+    for j, b in enumerate(m.content):
+        at = f"{where}.content.{j}"
+        if b.type == "text" and b.text is not None:
+            text.append(b.text)
+        elif b.type == "thinking" and m.role == "assistant":
+            reasoning.append(b.thinking or "")
+        elif b.type == "redacted_thinking" and m.role == "assistant":
+            continue
+        elif b.type == "tool_use" and m.role == "assistant":
+            if not b.name:
+                raise ApiError(400, f"{at}: tool_use needs 'name'", param=at)
+            calls.append({"id": b.id or "", "type": "function",
+                          "function": {"name": b.name, "arguments": b.input or {}}})
+        elif b.type == "tool_result" and m.role == "user":
+            body = "" if b.content is None else _text_of(b.content, f"{at}.content")
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id or "",
+                        "content": body})
+        else:
+            raise ApiError(400, f"{at}: content block type '{b.type}' is not supported in a "
+                                f"{m.role} message", param=at)
+    if text or calls or reasoning or not out:
+        msg: dict = {"role": m.role, "content": "".join(text)}
+        if calls:
+            msg["tool_calls"] = calls
+        if reasoning:
+            msg["reasoning_content"] = "".join(reasoning)
+        out.append(msg)   # after any tool results: they answer the previous assistant turn
+    return out

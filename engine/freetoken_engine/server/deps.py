@@ -1,0 +1,31 @@
+"""Per-request lookups shared by the routes: the ready service and the model name check."""
+from __future__ import annotations
+
+from fastapi import Request
+
+from .errors import ApiError
+
+
+def ready_service(request: Request):
+    """The EngineService, or 503 while it loads / after it failed (with Retry-After)."""
+    svc = request.app.state.service
+    health = svc.health()
+    if health.get("status") == "ok":
+        return svc
+    if health.get("status") == "loading":
+        pct = 100.0 * float(health.get("progress") or 0.0)
+        raise ApiError(503, f"the model is still loading ({pct:.0f}%); retry shortly",
+                       code="model_loading", headers={"Retry-After": "2"})
+    raise ApiError(503, f"the engine failed to start: {health.get('error')}", code="engine_error")
+
+
+def served_name(request: Request) -> str:
+    cfg = request.app.state.config
+    return cfg.served_model_name or request.app.state.service.model_name
+
+
+def check_model(request: Request, model: str) -> None:
+    name = served_name(request)
+    if model != name:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{name}' "
+                            "(see GET /v1/models)", param="model", code="model_not_found")

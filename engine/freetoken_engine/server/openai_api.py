@@ -1,0 +1,237 @@
+"""OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
+
+Chat streaming follows OpenAI's chunk sequence: a first chunk with ``role``, then
+``content`` / ``reasoning_content`` deltas, tool calls as ``delta.tool_calls`` (index, id,
+name with empty arguments, then argument fragments), a last chunk with ``finish_reason``
+(``stop``, ``length`` or ``tool_calls``), with ``stream_options.include_usage`` a usage chunk
+with empty ``choices``, then ``data: [DONE]``. ``usage.prompt_tokens_details.cached_tokens``
+reports the prompt tokens served from the prefix cache.
+"""
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Depends, Request
+
+from .auth import require_api_key
+from .deps import check_model, ready_service, served_name
+from .errors import ApiError, error_body
+from .generation import Generation, start_generation
+from .openai_schema import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice
+from .parser import Content, Reasoning, ToolArgs, ToolStart
+from .prompt import Prompt, arguments_object, build_prompt, check_tool_schema
+from .streaming import new_id, parsed_events, sse, sse_response, until_disconnect
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+def to_template_messages(messages: list[ChatMessage]) -> list[dict]:
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"{where}.content.{j}: only text parts are supported, "
+                                        f"got type '{part.type}'", param=f"{where}.content")
+                texts.append(part.text)
+            content = "".join(texts)
+        msg: dict = {"role": "system" if m.role == "developer" else m.role,
+                     "content": content or ""}
+        if m.role == "tool":
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            if m.name:
+                msg["name"] = m.name
+        if m.tool_calls:
+            msg["tool_calls"] = [
+                {"id": tc.id or new_id("call_"), "type": "function",
+                 "function": {"name": tc.function.name, "arguments": arguments_object(
+                     tc.function.arguments, f"{where}.tool_calls.{k}.function")}}
+                for k, tc in enumerate(m.tool_calls)]
+        if m.reasoning_content:
+            msg["reasoning_content"] = m.reasoning_content
+        out.append(msg)
+    return out
+
+
+def usage(gen: Generation) -> dict:
+    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
+            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+
+
+def finish(gen: Generation, tool_calls: int) -> str:
+    reason = "length" if gen.finish_reason == "length" else "stop"
+    return "tool_calls" if tool_calls and reason == "stop" else reason
+
+
+def chat_prompt(request: Request, svc, body: ChatRequest) -> Prompt:
+    tools = None
+    if body.tools:
+        for k, t in enumerate(body.tools):
+            if t.function.parameters is not None:
+                check_tool_schema(t.function.name, t.function.parameters, f"tools.{k}.function")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools]
+    choice = body.tool_choice
+    named = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    kwargs = dict(body.chat_template_kwargs or {})
+    if body.reasoning_effort in ("none", "minimal"):
+        kwargs.setdefault("enable_thinking", False)
+    mode = "auto" if choice is None or named else choice
+    return build_prompt(svc.tokenizer, to_template_messages(body.messages), tools,
+                        tool_choice=mode, named_tool=named, template_kwargs=kwargs)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request):
+    t0 = time.monotonic()
+    svc = ready_service(request)
+    check_model(request, body.model)
+    body.check_supported()
+    prompt = chat_prompt(request, svc, body)
+    gen = start_generation(svc, prompt.ids, body.options(body.max_new),
+                           metrics=request.app.state.metrics, endpoint="chat", t_arrival=t0)
+    cid, created, model = new_id("chatcmpl-"), int(time.time()), served_name(request)
+    if body.stream:
+        return sse_response(_chat_stream(gen, prompt, cid, created, model, body.include_usage),
+                            gen)
+    return await until_disconnect(request, _chat_full(gen, prompt, cid, created, model), gen)
+
+
+async def _chat_full(gen, prompt, cid, created, model) -> dict:
+    content, reasoning, calls = [], [], []
+    async for ev in parsed_events(gen, prompt):
+        if isinstance(ev, Content):
+            content.append(ev.text)
+        elif isinstance(ev, Reasoning):
+            reasoning.append(ev.text)
+        elif isinstance(ev, ToolStart):
+            calls.append({"id": new_id("call_"), "type": "function",
+                          "function": {"name": ev.name, "arguments": ""}})
+        elif isinstance(ev, ToolArgs):
+            calls[ev.index]["function"]["arguments"] += ev.text
+    message = {"role": "assistant", "content": "".join(content) if content or not calls else None}
+    if reasoning:
+        message["reasoning_content"] = "".join(reasoning)
+    if calls:
+        message["tool_calls"] = calls
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "message": message, "logprobs": None,
+                         "finish_reason": finish(gen, len(calls))}],
+            "usage": usage(gen)}
+
+
+async def _chat_stream(gen, prompt, cid, created, model, include_usage):
+    def chunk(delta: dict, reason=None) -> str:
+        body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                             "finish_reason": reason}]}
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+
+    yield chunk({"role": "assistant", "content": ""})
+    n_calls = 0
+    try:
+        async for ev in parsed_events(gen, prompt):
+            if isinstance(ev, Content):
+                yield chunk({"content": ev.text})
+            elif isinstance(ev, Reasoning):
+                yield chunk({"reasoning_content": ev.text})
+            elif isinstance(ev, ToolStart):
+                n_calls += 1
+                yield chunk({"tool_calls": [{"index": ev.index, "id": new_id("call_"),
+                                             "type": "function",
+                                             "function": {"name": ev.name, "arguments": ""}}]})
+            elif isinstance(ev, ToolArgs):
+                yield chunk({"tool_calls": [{"index": ev.index,
+                                             "function": {"arguments": ev.text}}]})
+    except Exception as exc:   # the engine failed mid-stream: tell the client in-band
+        yield sse(error_body("/v1/chat/completions", 500, f"generation failed: {exc}"))
+        return
+    yield chunk({}, finish(gen, n_calls))
+    if include_usage:
+        yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
+                   "model": model, "choices": [], "usage": usage(gen)})
+    yield sse("[DONE]")
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    t0 = time.monotonic()
+    svc = ready_service(request)
+    check_model(request, body.model)
+    body.check_supported()
+    p = body.prompt
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str):
+        ids = list(svc.tokenizer.encode(p))
+    else:
+        vocab = getattr(svc.tokenizer, "vocab_size", None)
+        if any(t < 0 or (vocab is not None and t >= vocab) for t in p):
+            raise ApiError(400, "prompt: token ids must be in [0, vocab_size)", param="prompt")
+        ids = list(p)
+    if not ids:
+        raise ApiError(400, "prompt: the prompt is empty", param="prompt")
+    gen = start_generation(svc, ids, body.options(body.max_tokens),
+                           metrics=request.app.state.metrics, endpoint="completions",
+                           t_arrival=t0)
+    cid, created, model = new_id("cmpl-"), int(time.time()), served_name(request)
+    if body.stream:
+        return sse_response(_text_stream(gen, cid, created, model, body.include_usage), gen)
+
+    async def full() -> dict:
+        text = "".join([t async for t in gen])
+        return {"id": cid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": text, "logprobs": None,
+                             "finish_reason": finish(gen, 0)}], "usage": usage(gen)}
+    return await until_disconnect(request, full(), gen)
+
+
+async def _text_stream(gen, cid, created, model, include_usage):
+    def chunk(text: str, reason=None) -> str:
+        body = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                "choices": [{"index": 0, "text": text, "logprobs": None,
+                             "finish_reason": reason}]}
+        if include_usage:
+            body["usage"] = None
+        return sse(body)
+    try:
+        async for text in gen:
+            yield chunk(text)
+    except Exception as exc:
+        yield sse(error_body("/v1/completions", 500, f"generation failed: {exc}"))
+        return
+    yield chunk("", finish(gen, 0))
+    if include_usage:
+        yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
+                   "choices": [], "usage": usage(gen)})
+    yield sse("[DONE]")
+
+
+@router.get("/v1/models")
+async def list_models(request: Request):
+    return {"object": "list", "data": [_model_card(request)], "has_more": False,
+            "first_id": served_name(request), "last_id": served_name(request)}
+
+
+@router.get("/v1/models/{model_id:path}")
+async def get_model(model_id: str, request: Request):
+    check_model(request, model_id)
+    return _model_card(request)
+
+
+def _model_card(request: Request) -> dict:
+    """One entry readable by both clients (OpenAI ``Model`` and Anthropic ``ModelInfo``)."""
+    started = request.app.state.started
+    card = {"id": served_name(request), "object": "model", "created": int(started),
+            "owned_by": "freetoken", "type": "model", "display_name": served_name(request),
+            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(started))}
+    svc = request.app.state.service
+    if svc.health().get("status") == "ok":
+        card["max_model_len"] = svc.max_context
+    return card

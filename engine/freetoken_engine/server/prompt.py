@@ -1,0 +1,99 @@
+"""Chat messages -> prompt token ids through the model's own chat template.
+
+Both protocol modules first convert their messages to the Hugging Face chat-template shape
+(``{"role", "content", "tool_calls": [{"type": "function", "function": {"name", "arguments":
+dict}}], "tool_call_id", "reasoning_content"}``) and their tools to ``{"type": "function",
+"function": {...}}``; ``build_prompt`` renders and encodes them.
+
+Tool choice: ``"none"`` hides the tools from the template and disables tool-call parsing;
+``"auto"`` shows them; ``"required"`` and a named tool additionally *pre-fill* the start of the
+model's answer (``<tool_call>\\n{"name": "`` or ``...{"name": "f", "arguments": ``), so the
+model continues inside a tool call. This steers by prompt, it is not constrained decoding: the
+arguments are what the model writes (OpenAI documents that arguments may be invalid JSON too).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from .errors import ApiError
+from .parser import THINK_CLOSE, THINK_OPEN, TOOL_OPEN
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What the generation needs besides sampling: ids, and the parser's starting state."""
+
+    ids: list[int]
+    in_reasoning: bool        # the template opened <think>: output starts as reasoning
+    prefill: str              # text already "written" by the assistant (fed to the parser first)
+    tools: bool               # parse tool calls
+
+
+def tool_prefill(tool_choice: str | None, named: str | None) -> str:
+    if named is not None:
+        return f'{TOOL_OPEN}\n{{"name": {json.dumps(named)}, "arguments": '
+    if tool_choice == "required":
+        return f'{TOOL_OPEN}\n{{"name": "'
+    return ""
+
+
+def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
+                 tool_choice: str = "auto", named_tool: str | None = None,
+                 template_kwargs: dict | None = None) -> Prompt:
+    """Render ``messages`` with the chat template; raise ApiError(400) if the template refuses
+    them (a template may reject, e.g., a conversation that does not alternate roles)."""
+    use_tools = bool(tools) and tool_choice != "none"
+    kwargs = dict(template_kwargs or {})
+    try:
+        text = tokenizer.apply_chat_template(messages, tools=tools if use_tools else None,
+                                             add_generation_prompt=True, **kwargs)
+    except ApiError:
+        raise
+    except Exception as exc:  # jinja2 TemplateError, or raise_exception() inside the template
+        raise ApiError(400, f"the model's chat template rejected these messages: {exc}",
+                       param="messages") from exc
+    in_reasoning = text.rstrip().endswith(THINK_OPEN)
+    prefill = tool_prefill(tool_choice, named_tool) if use_tools else ""
+    if prefill and in_reasoning:
+        prefill = f"{THINK_CLOSE}\n\n{prefill}"
+    # the template already wrote BOS and friends: do not add special tokens again
+    return Prompt(ids=list(tokenizer.encode(text + prefill, add_special_tokens=False)), in_reasoning=in_reasoning,
+                  prefill=prefill, tools=use_tools)
+
+
+def arguments_object(raw, where: str) -> dict:
+    """A tool call's arguments as the templates expect (a dict); accepts a JSON string."""
+    if isinstance(raw, dict):
+        return raw
+    if raw is None or raw == "":
+        return {}
+    if isinstance(raw, str):
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            raise ApiError(400, f"{where}: arguments must be a JSON object encoded as a string",
+                           param=where) from None
+        if isinstance(value, dict):
+            return value
+    raise ApiError(400, f"{where}: arguments must be a JSON object", param=where)
+
+
+def check_tool_schema(name: str, schema, where: str) -> None:
+    """Malformed tool definitions are a 400 that names the tool."""
+    if not isinstance(schema, dict):
+        raise ApiError(400, f"{where}: the parameters of tool '{name}' must be a JSON Schema "
+                            "object", param=where)
+    kind = schema.get("type", "object")
+    if kind != "object":
+        raise ApiError(400, f"{where}: the parameters of tool '{name}' must have type 'object', "
+                            f"got {kind!r}", param=where)
+    props = schema.get("properties", {})
+    if not isinstance(props, dict):
+        raise ApiError(400, f"{where}: 'properties' of tool '{name}' must be an object",
+                       param=where)
+    try:
+        json.dumps(schema)
+    except (TypeError, ValueError) as exc:
+        raise ApiError(400, f"{where}: schema of tool '{name}' is not JSON: {exc}",
+                       param=where) from None

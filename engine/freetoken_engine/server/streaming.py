@@ -1,0 +1,77 @@
+"""Shared plumbing for both protocols: parsed event streams, SSE framing, disconnects.
+
+``parsed_events`` drives a ``Generation`` through an ``OutputParser`` (feeding the prompt's
+pre-filled assistant text first) and yields parser events; streaming routes render each event
+as it comes and buffered routes collect them. ``sse_response`` wraps an async iterator of
+already-framed SSE strings; when the client goes away Starlette cancels the iterator, whose
+``finally`` aborts the request in the engine. ``until_disconnect`` gives buffered (non-stream)
+requests the same behaviour.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from .generation import Generation
+from .parser import Event, OutputParser
+from .prompt import Prompt
+
+log = logging.getLogger(__name__)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def sse(data: dict | str, event: str | None = None) -> str:
+    body = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
+                                                          separators=(",", ":"))
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {body}\n\n"
+
+
+async def parsed_events(gen: Generation, prompt: Prompt) -> AsyncIterator[Event]:
+    parser = OutputParser(tools=prompt.tools, in_reasoning=prompt.in_reasoning)
+    for ev in parser.feed(prompt.prefill) if prompt.prefill else ():
+        yield ev
+    async for text in gen:
+        for ev in parser.feed(text):
+            yield ev
+    for ev in parser.finish():
+        yield ev
+
+
+def sse_response(chunks: AsyncIterator[str], gen: Generation) -> StreamingResponse:
+    async def guarded():
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            gen.close()
+    return StreamingResponse(guarded(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def until_disconnect(request: Request, work: Awaitable, gen: Generation, poll_s=0.25):
+    """Await ``work``; if the client disconnects first, abort the request and re-raise
+    CancelledError (Starlette drops the response for a gone client anyway)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_s)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                gen.close()
+                raise asyncio.CancelledError("client disconnected")
+    finally:
+        if not task.done():
+            task.cancel()
+        gen.close()
