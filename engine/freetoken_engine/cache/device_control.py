@@ -1,0 +1,109 @@
+"""The expert cache's decode control step run on the device: no host sync, graph-capturable.
+
+``DeviceControl`` holds device views of the cache's state (slot pools, ``slot_of``,
+``slot_owner``, ``last_used``; ``ExpertCache`` names the pool ``w13`` / ``w2``) plus a device clock and device counters, and runs, per MoE layer
+and decode step:
+
+    control_step (Triton, one program)  ->  gather_fill_rows (Triton, one launch)  ->  caller's MoE
+
+The control step is exact against the cache's torch step (same fills, victims, residency,
+clocks, pair slots, counters). Nothing here reads a device value on the host, so a whole decode
+step of fills-only layers can be captured in a CUDA graph; the host learns counts only through
+``counters()`` / ``host_clock()`` (each one sync, for stats and safe points).
+
+Ownership: the tensors are the cache's own when they already live on the device (mutated in
+place); otherwise device mirrors are made and ``write_back()`` copies them into the cache at a
+safe point. After ``ExpertCache.resize`` call ``refresh(cache)``: the pools and residency are
+new tensors and every ``ControlOutputs`` sized for the old pool is dropped.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels.triton.control import ControlOutputs, control_step, fill_table
+from ..kernels.triton.gather import gather_fill_rows
+
+COUNTERS = ("hits", "misses", "fills", "cpu_computed")
+
+
+class DeviceControl:
+    """Device-side control of one expert cache (see the module docstring). Not thread-safe: the
+    engine's scheduler thread is its only user."""
+
+    def __init__(self, bank_w13: torch.Tensor, bank_w2: torch.Tensor, w13_slots: torch.Tensor,
+                 w2_slots: torch.Tensor, slot_of: torch.Tensor, slot_owner: torch.Tensor,
+                 last_used: torch.Tensor, clock: int, fill_fraction: float) -> None:
+        self.device = w13_slots.device
+        self.bank_w13, self.bank_w2 = bank_w13, bank_w2
+        self.totals = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self._bind(w13_slots, w2_slots, slot_of, slot_owner, last_used, clock)
+        self.set_fill_fraction(fill_fraction)
+
+    @classmethod
+    def from_cache(cls, cache) -> "DeviceControl":
+        """Bind to an ``ExpertCache`` (its pool ``w13`` / ``w2``, residency, ``clock``,
+        ``fill_fraction`` and ``bank``) at a safe point."""
+        return cls(cache.bank.w13, cache.bank.w2, cache.w13, cache.w2, cache.slot_of, cache.slot_owner,
+                   cache.last_used, int(cache.clock), float(cache.fill_fraction))
+
+    def _bind(self, w13_slots, w2_slots, slot_of, slot_owner, last_used, clock: int) -> None:
+        dev = self.device = w13_slots.device
+        self.w13_slots, self.w2_slots = w13_slots, w2_slots
+        self._host_state = slot_of.device != dev
+        self.slot_of = slot_of.to(dev).contiguous()
+        self.slot_owner = slot_owner.to(dev, torch.int64).contiguous()
+        self.last_used = last_used.to(dev, torch.int64).contiguous()
+        self.clock = torch.tensor([clock], dtype=torch.int64, device=dev)
+        self._outputs: dict[int, ControlOutputs] = {}
+
+    def refresh(self, cache) -> None:
+        """Re-read the cache's tensors after a resize (call at the same safe point)."""
+        self.bank_w13, self.bank_w2 = cache.bank.w13, cache.bank.w2     # pinning may have replaced them
+        self._bind(cache.w13, cache.w2, cache.slot_of, cache.slot_owner, cache.last_used, int(cache.clock))
+        self.set_fill_fraction(float(cache.fill_fraction))
+
+    def write_back(self, cache) -> None:
+        """At a safe point: hand the device clock and the counters since the last write-back to
+        the cache (``cache.clock``, ``cache.stats``), and copy device mirrors into a cache whose
+        residency lives elsewhere. One sync. Call before ``cache.resize`` and before the cache's
+        own ``step`` runs again."""
+        for name in ("slot_of", "slot_owner", "last_used"):
+            dst = getattr(cache, name)
+            if dst.data_ptr() != getattr(self, name).data_ptr():
+                dst.copy_(getattr(self, name))
+        cache.clock = self.host_clock()
+        for name, value in self.counters().items():
+            setattr(cache.stats, name, getattr(cache.stats, name) + value)
+        self.totals.zero_()
+
+    def set_fill_fraction(self, fill_fraction: float) -> None:
+        """Set q*/m; the rounding table is built on the host (raises ValueError outside [0, 1])."""
+        self.fill_table = fill_table(fill_fraction, self.slot_of.shape[1], self.device)
+        self.fill_fraction = fill_fraction
+
+    def outputs(self, pairs: int) -> ControlOutputs:
+        """The fixed output buffers for calls of ``pairs`` (T*k) pairs: stable addresses for graphs."""
+        if pairs not in self._outputs:
+            self._outputs[pairs] = ControlOutputs.allocate(pairs, self.slot_of.shape[1],
+                                                           self.slot_owner.numel(), self.device)
+        return self._outputs[pairs]
+
+    def step(self, layer: int, topk_ids: torch.Tensor, copy: bool = True) -> ControlOutputs:
+        """Control step for ``layer`` on routed ``topk_ids [T, k]``, then (``copy``) the fills'
+        weights into their slots. Returns the reused output buffers; no host sync."""
+        out = self.outputs(topk_ids.numel())
+        control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used,
+                     self.clock, self.fill_table, self.totals, out)
+        if copy:
+            gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer,
+                             out.fill_exp, out.fill_slot)
+        return out
+
+    def host_clock(self) -> int:
+        """The device clock (one sync)."""
+        return int(self.clock.item())
+
+    def counters(self) -> dict[str, int]:
+        """Totals since construction or the last ``write_back``: hits, misses, fills,
+        cpu_computed, counted per distinct expert as the cache counts them (one sync)."""
+        return dict(zip(COUNTERS, (int(v) for v in self.totals.tolist())))

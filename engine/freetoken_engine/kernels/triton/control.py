@@ -1,0 +1,170 @@
+"""One MoE layer's expert-cache control step as one device kernel (no host sync).
+
+Specification (the expert cache's torch control step, bit for bit), for layer ``l``:
+
+1. active = unique(topk_ids) ascending; hits = active experts with ``slot_of[l, e] >= 0``;
+   misses = the others, ascending.
+2. ``m = len(misses)``; ``q = min(fill_table[m], S - n_hits)`` where the host precomputed
+   ``fill_table[m] = floor(fill_fraction * m + 0.5)`` (so the rounding is the host's, exactly).
+3. The first q misses (ascending id) are filled: victims are the q slots with the smallest
+   ``(last_used, slot)`` among slots not holding a hit (empty slots have last_used -1, so go
+   first); the i-th filled miss takes the i-th victim. Old owners lose residency; ``slot_of``
+   and ``slot_owner`` are updated. The weight copy is a separate kernel (``gather.py``).
+4. ``last_used`` of every hit and filled slot = clock; ``clock += 1``.
+5. ``pair_slot[p]`` = slot of pair p after the fills, -1 for pairs computed on the CPU.
+
+Why hits are never victims: the kernel first stamps the hits' slots with the current clock,
+which is larger than every stored ``last_used``; the q <= S - n_hits smallest keys are then
+exactly the smallest non-hit slots. Outputs have fixed sizes (-1 padded) and the counts live
+in device tensors, so the step can be captured in a CUDA graph. One program does the whole
+step (E <= 1024, S < 2**20 slots; the LRU choice is a bitonic sort of S keys).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_contiguous, check_tensor, next_pow2
+
+_SLOT_BITS = 20
+MAX_SLOTS = 1 << _SLOT_BITS
+
+
+@triton.jit
+def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, fill_table_ptr,
+                    pair_slot_ptr, fill_exp_ptr, fill_slot_ptr, cpu_exp_ptr, step_ptr, totals_ptr,
+                    keys_ptr, newslot_ptr, layer, P, E, S, NF,
+                    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr):
+    p = tl.arange(0, BLOCK_P)
+    pm = p < P
+    ids = tl.load(topk_ptr + p, mask=pm, other=-1).to(tl.int64)               # [BLOCK_P]
+    e = tl.arange(0, BLOCK_E)
+    em = e < E
+    present = tl.sum(((ids[None, :] == e[:, None]) & pm[None, :]).to(tl.int32), 1) > 0   # [BLOCK_E]
+    row_ptr = slot_of_ptr + layer * E
+    slot = tl.load(row_ptr + e, mask=em, other=-1).to(tl.int64)
+    hit = present & (slot >= 0)
+    miss = present & (slot < 0)
+    n_hit = tl.sum(hit.to(tl.int64), 0)
+    m = tl.sum(miss.to(tl.int64), 0)
+    q = tl.minimum(tl.load(fill_table_ptr + m).to(tl.int64), S - n_hit)
+    rank = tl.cumsum(miss.to(tl.int64), 0) - 1                                  # among misses
+    fill = miss & (rank < q)
+    cpu = miss & (rank >= q)
+    clock = tl.load(clock_ptr)
+
+    # Stamp the hits first: they now hold the largest keys and are never chosen below.
+    tl.store(last_used_ptr + slot, clock, mask=hit)
+    f = tl.arange(0, BLOCK_F)
+    fm = f < NF
+    tl.store(fill_exp_ptr + f, -1, mask=fm)
+    tl.store(fill_slot_ptr + f, -1, mask=fm)
+    tl.store(cpu_exp_ptr + f, -1, mask=fm)
+    tl.debug_barrier()
+    s = tl.arange(0, BLOCK_S)
+    sm = s < S
+    lu = tl.load(last_used_ptr + s, mask=sm, other=0)
+    key = tl.where(sm, ((lu + 1) << SLOT_BITS) | s, 0x7FFFFFFFFFFFFFFF)
+    tl.store(keys_ptr + s, tl.sort(key, 0))                                     # ascending (last_used, slot)
+    tl.debug_barrier()
+
+    victim = tl.load(keys_ptr + rank, mask=fill, other=0) & ((1 << SLOT_BITS) - 1)
+    old = tl.load(owner_ptr + victim, mask=fill, other=-1)
+    tl.store(slot_of_ptr + old, -1, mask=fill & (old >= 0))                     # old owners lose residency
+    tl.store(row_ptr + e, victim.to(slot_of_ptr.dtype.element_ty), mask=fill)
+    tl.store(owner_ptr + victim, layer * E + e, mask=fill)
+    tl.store(last_used_ptr + victim, clock, mask=fill)
+    tl.store(fill_exp_ptr + rank, e, mask=fill)
+    tl.store(fill_slot_ptr + rank, victim, mask=fill)
+    tl.store(cpu_exp_ptr + rank - q, e, mask=cpu)
+    tl.store(newslot_ptr + e, tl.where(hit, slot, tl.where(fill, victim, -1)), mask=em)
+    tl.debug_barrier()
+
+    ps = tl.load(newslot_ptr + ids, mask=pm & (ids >= 0), other=-1)
+    tl.store(pair_slot_ptr + p, ps, mask=pm)
+    c = tl.arange(0, 4)
+    counts = tl.where(c == 0, n_hit, tl.where(c == 1, m, tl.where(c == 2, q, m - q)))
+    tl.store(step_ptr + c, counts)
+    tl.store(totals_ptr + c, tl.load(totals_ptr + c) + counts)
+    tl.store(clock_ptr, clock + 1)
+
+
+@dataclass
+class ControlOutputs:
+    """Fixed-size outputs of one control step (device tensors, reused across calls).
+
+    pair_slot [P]: slot per pair, -1 = CPU pair. fill_exp / fill_slot [NF]: the step's fills in
+    ascending expert id and their victim slots, -1 padded. cpu_exp [NF]: experts computed on the
+    CPU, ascending, -1 padded. step_counts [4]: hits, misses, fills, cpu_computed of the call.
+    NF = min(P, E) bounds the distinct experts of a call. keys / newslot are workspace.
+    """
+
+    pair_slot: torch.Tensor
+    fill_exp: torch.Tensor
+    fill_slot: torch.Tensor
+    cpu_exp: torch.Tensor
+    step_counts: torch.Tensor
+    keys: torch.Tensor
+    newslot: torch.Tensor
+
+    @classmethod
+    def allocate(cls, pairs: int, experts: int, slots: int, device: torch.device) -> "ControlOutputs":
+        nf = min(pairs, experts)
+
+        def full(n: int) -> torch.Tensor:
+            return torch.full((n,), -1, dtype=torch.int64, device=device)
+
+        return cls(full(pairs), full(nf), full(nf), full(nf), torch.zeros(4, dtype=torch.int64, device=device),
+                   full(next_pow2(slots)), full(next_pow2(experts)))
+
+
+def fill_table(fill_fraction: float, experts: int, device: torch.device) -> torch.Tensor:
+    """``[E + 1]`` int32: q before the slot cap for each miss count m, rounded on the host."""
+    if not 0.0 <= fill_fraction <= 1.0:
+        raise ValueError(f"fill_fraction must be in [0, 1], got {fill_fraction}")
+    import math
+    return torch.tensor([int(math.floor(fill_fraction * m + 0.5)) for m in range(experts + 1)],
+                        dtype=torch.int32, device=device)
+
+
+def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot_owner: torch.Tensor,
+                 last_used: torch.Tensor, clock: torch.Tensor, table: torch.Tensor,
+                 totals: torch.Tensor, out: ControlOutputs) -> ControlOutputs:
+    """Run the control step for ``layer`` (see the module docstring); mutates slot_of,
+    slot_owner, last_used, clock ([1] int64) and totals ([4] int64) in place and fills ``out``.
+
+    All tensors on one device; slot_of [L, E] int32/int64, slot_owner / last_used [S] int64,
+    topk_ids [T, k] int. Raises ValueError on bad shapes, dtypes, strides or sizes.
+    """
+    dev = slot_of.device
+    check_tensor("slot_of", slot_of, 2, (torch.int32, torch.int64), dev)
+    check_contiguous("slot_of", slot_of)
+    n_layers, experts = slot_of.shape
+    check_tensor("topk_ids", topk_ids, 2, (torch.int32, torch.int64), dev)
+    check_contiguous("topk_ids", topk_ids)
+    for name, t in (("slot_owner", slot_owner), ("last_used", last_used)):
+        check_tensor(name, t, 1, (torch.int64,), dev)
+        check_contiguous(name, t)
+    check_tensor("clock", clock, 1, (torch.int64,), dev)
+    check_tensor("totals", totals, 1, (torch.int64,), dev)
+    check_tensor("table", table, 1, (torch.int32, torch.int64), dev)
+    slots = slot_owner.numel()
+    pairs = topk_ids.numel()
+    if last_used.numel() != slots or not 0 < slots < MAX_SLOTS:
+        raise ValueError(f"need 0 < S < {MAX_SLOTS} and len(last_used) == len(slot_owner), got {slots}")
+    if not 0 <= layer < n_layers or table.numel() != experts + 1 or experts > 1024:
+        raise ValueError(f"layer {layer} of {n_layers}, table of {table.numel()} for E={experts} (E <= 1024)")
+    if out.pair_slot.numel() != pairs or out.keys.numel() < slots or out.newslot.numel() < experts:
+        raise ValueError("ControlOutputs were allocated for another batch, pool or expert count")
+    nf = out.fill_exp.numel()
+    _control_kernel[(1,)](
+        topk_ids, slot_of, slot_owner, last_used, clock, table,
+        out.pair_slot, out.fill_exp, out.fill_slot, out.cpu_exp, out.step_counts, totals,
+        out.keys, out.newslot, layer, pairs, experts, slots, nf,
+        BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=next_pow2(slots),
+        BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, num_warps=8 if slots > 2048 else 4)
+    return out

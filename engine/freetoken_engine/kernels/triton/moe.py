@@ -1,0 +1,203 @@
+"""Routed expert pairs over the expert cache's slot pool: fused gate/up + SwiGLU, then down.
+
+Contract (the same as ``kernels.reference.expert_pairs_forward`` with ``pair_exp`` = slot ids):
+
+    out[p] = W2[s] @ (silu(W1[s] @ x[t]) * (W3[s] @ x[t]))     t = pair_tok[p], s = pair_slot[p]
+
+with ``w13_slots[s] = cat(W1[s], W3[s])`` (``[2I, H]``) and ``w2_slots[s]`` (``[H, I]``). Pairs with
+``pair_slot[p] < 0`` (computed on the CPU) get a zero row, so the caller can select per pair.
+Weights are bf16 (or any float dtype), products accumulate in float32, the intermediate
+activation is rounded to ``x.dtype`` (where the reference rounds it too) and the output is in
+``x.dtype``. Routing weights are applied by the caller. A (token, slot) pair must not repeat
+(top-k routing never repeats an expert for a token): pairs sharing a slot are then at most T.
+
+Grouping: the pairs of one slot are computed as one tile, so an expert's weights are read once
+per call. For small calls (decode, P <= 64) each program finds its slot's pairs itself (no
+preprocessing, nothing to launch but the two kernels: good for CUDA graphs). For large calls
+(prefill) a block table is built with a few device-side torch ops (no host sync).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_tensor, interpreting, next_pow2
+
+_FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+_INDEX = (torch.int32, torch.int64)
+SMALL_P = 64          # calls with at most this many pairs group inside the kernel
+
+
+@triton.jit
+def _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
+                     BLOCK_P: tl.constexpr, BM: tl.constexpr, IN_KERNEL: tl.constexpr):
+    """The slot and the pair rows (``[BM]``, -1 padded) this program computes; slot < 0: none."""
+    r = tl.arange(0, BM)
+    if IN_KERNEL:
+        # Program pid owns pair pid's slot iff pid is the first pair with that slot.
+        q = tl.arange(0, BLOCK_P)
+        slots = tl.load(pair_slot_ptr + q, mask=q < P, other=-1).to(tl.int64)
+        s = tl.load(pair_slot_ptr + pid).to(tl.int64)
+        match = (slots == s) & (q < P)
+        dup = tl.sum((match & (q < pid)).to(tl.int32), 0)
+        s = tl.where(dup > 0, -1, s)
+        rank = tl.cumsum(match.to(tl.int32), 0) - 1
+        sel = (rank[None, :] == r[:, None]) & match[None, :]               # [BM, BLOCK_P]
+        rows = tl.sum(tl.where(sel, q[None, :] + 1, 0), 1) - 1           # -1 where no pair
+    else:
+        s = tl.load(block_slot_ptr + pid).to(tl.int64)
+        rows = tl.load(block_rows_ptr + pid * BM + r).to(tl.int64)
+    return s, rows
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, block_rows_ptr,
+                    block_slot_ptr, P, H, I, stride_xt, stride_ws, stride_wn,
+                    BLOCK_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    s, rows = _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
+                               BLOCK_P, BM, IN_KERNEL)
+    if s >= 0:
+        valid = rows >= 0
+        toks = tl.load(pair_tok_ptr + rows, mask=valid, other=0).to(tl.int64)
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < I
+        acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+        acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+        w_base = w13_ptr + s * stride_ws
+        for k0 in range(0, H, BK):
+            k = k0 + tl.arange(0, BK)
+            kmask = k < H
+            xt = tl.load(x_ptr + toks[:, None] * stride_xt + k[None, :],
+                         mask=valid[:, None] & kmask[None, :], other=0.0)           # [BM, BK]
+            wmask = kmask[:, None] & nmask[None, :]
+            wg = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=wmask, other=0.0)        # [BK, BN]
+            wu = tl.load(w_base + (n[None, :] + I) * stride_wn + k[:, None], mask=wmask, other=0.0)  # [BK, BN]
+            if UPCAST:
+                xf = xt.to(tl.float32)
+                acc_g += tl.dot(xf, wg.to(tl.float32), input_precision="ieee")
+                acc_u += tl.dot(xf, wu.to(tl.float32), input_precision="ieee")
+            else:
+                xw = xt.to(wg.dtype)
+                acc_g = tl.dot(xw, wg, acc_g)
+                acc_u = tl.dot(xw, wu, acc_u)
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                          # SwiGLU, float32
+        tl.store(inter_ptr + rows[:, None] * I + n[None, :], h.to(inter_ptr.dtype.element_ty),
+                 mask=valid[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, block_slot_ptr,
+                 P, H, I, stride_ws, stride_wn, stride_ot,
+                 BLOCK_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr):
+    pid = tl.program_id(0)
+    s, rows = _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
+                               BLOCK_P, BM, IN_KERNEL)
+    if s >= 0:
+        valid = rows >= 0
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < H
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        w_base = w2_ptr + s * stride_ws
+        for k0 in range(0, I, BK):
+            k = k0 + tl.arange(0, BK)
+            kmask = k < I
+            a = tl.load(inter_ptr + rows[:, None] * I + k[None, :],
+                        mask=valid[:, None] & kmask[None, :], other=0.0)            # [BM, BK]
+            w = tl.load(w_base + n[None, :] * stride_wn + k[:, None],
+                        mask=kmask[:, None] & nmask[None, :], other=0.0)            # [BK, BN]
+            if UPCAST:
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc = tl.dot(a.to(w.dtype), w, acc)
+        tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=valid[:, None] & nmask[None, :])
+
+
+def block_table(pair_slot: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Group pairs by slot into tiles of ``block_m`` rows, on the device, without a host sync.
+
+    Returns ``block_rows [NB, block_m]`` (pair indices, -1 padded) and ``block_slot [NB]`` (-1 for
+    unused blocks), with NB = ceil(P / block_m) + P, an upper bound on the blocks needed.
+    """
+    p = pair_slot.numel()
+    dev = pair_slot.device
+    nb = triton.cdiv(p, block_m) + p
+    big = torch.iinfo(torch.int64).max
+    key = torch.where(pair_slot >= 0, pair_slot.long(), big)
+    sorted_slot, order = torch.sort(key, stable=True)
+    idx = torch.arange(p, device=dev)
+    is_start = torch.ones(p, dtype=torch.bool, device=dev)
+    is_start[1:] = sorted_slot[1:] != sorted_slot[:-1]
+    group_start = torch.cummax(torch.where(is_start, idx, 0), 0).values
+    pos = idx - group_start                                        # position inside its slot group
+    block_of = torch.cumsum((pos % block_m == 0).long(), 0) - 1
+    block_rows = torch.full((nb * block_m,), -1, dtype=torch.int64, device=dev)
+    block_rows[block_of * block_m + pos % block_m] = order
+    block_slot = torch.full((nb,), -1, dtype=torch.int64, device=dev)
+    block_slot[block_of] = torch.where(sorted_slot == big, -1, sorted_slot)
+    return block_rows.view(nb, block_m), block_slot
+
+
+def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.Tensor,
+                      pair_tok: torch.Tensor, pair_slot: torch.Tensor,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Compute every (token, slot) pair from the slot pool; see the module docstring.
+
+    x [T, H]; w13_slots [S, 2I, H]; w2_slots [S, H, I]; pair_tok, pair_slot [P] int32/int64 on
+    x's device. Returns ``out [P, H]`` in x.dtype (written into ``out`` when given). Raises
+    ValueError on a shape, dtype, device or stride the kernels cannot take. No host sync.
+    """
+    dev = x.device
+    check_tensor("x", x, 2, _FLOATS)
+    check_tensor("w13_slots", w13_slots, 3, _FLOATS, dev)
+    check_tensor("w2_slots", w2_slots, 3, _FLOATS, dev)
+    check_tensor("pair_tok", pair_tok, 1, _INDEX, dev)
+    check_tensor("pair_slot", pair_slot, 1, _INDEX, dev)
+    t, h = x.shape
+    s, two_i, h13 = w13_slots.shape
+    inter = two_i // 2
+    if h13 != h or two_i % 2 or tuple(w2_slots.shape) != (s, h, inter):
+        raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w13_slots {tuple(w13_slots.shape)}, "
+                         f"w2_slots {tuple(w2_slots.shape)}")
+    if w13_slots.stride(1) != h or w2_slots.stride(1) != inter:
+        raise ValueError("slot rows must be dense: w13_slots.stride(1) == H and w2_slots.stride(1) == I")
+    if x.stride(1) != 1:
+        raise ValueError("x needs a unit stride in its last dim")
+    p = pair_tok.numel()
+    if pair_slot.numel() != p:
+        raise ValueError(f"pair_tok has {p} pairs, pair_slot {pair_slot.numel()}")
+    if out is None:
+        out = torch.zeros((p, h), dtype=x.dtype, device=dev)
+    else:
+        check_tensor("out", out, 2, (x.dtype,), dev)
+        if tuple(out.shape) != (p, h):
+            raise ValueError(f"out must be [{p}, {h}], got {tuple(out.shape)}")
+        out.zero_()
+    if p == 0:
+        return out
+    upcast = interpreting() or x.dtype == torch.float32 or w13_slots.dtype == torch.float32
+    inter_buf = torch.empty((p, inter), dtype=torch.float32 if upcast else x.dtype, device=dev)
+    in_kernel = p <= SMALL_P
+    if in_kernel:
+        bm = max(16, next_pow2(min(p, t)))
+        nb, rows, slots = p, pair_slot, pair_slot          # rows/slots tables unused
+        bn1, bk1, bn2, bk2, warps = 32, 128, 64, 128, 4
+    else:
+        bm = 64
+        rows, slots = block_table(pair_slot, bm)
+        nb = slots.numel()
+        bn1, bk1, bn2, bk2, warps = 64, 64, 128, 64, 8
+    block_p = next_pow2(p) if in_kernel else 1
+    _gate_up_kernel[(nb, triton.cdiv(inter, bn1))](
+        x, w13_slots, inter_buf, pair_tok, pair_slot, rows, slots, p, h, inter,
+        x.stride(0), w13_slots.stride(0), w13_slots.stride(1),
+        BLOCK_P=block_p, BM=bm, BN=bn1, BK=bk1, IN_KERNEL=in_kernel, UPCAST=upcast, num_warps=warps)
+    _down_kernel[(nb, triton.cdiv(h, bn2))](
+        inter_buf, w2_slots, out, pair_slot, rows, slots, p, h, inter,
+        w2_slots.stride(0), w2_slots.stride(1), out.stride(0),
+        BLOCK_P=block_p, BM=bm, BN=bn2, BK=bk2, IN_KERNEL=in_kernel, UPCAST=upcast, num_warps=warps)
+    return out

@@ -1,0 +1,97 @@
+"""The device control step (Triton, under TRITON_INTERPRET=1 on CPU) is exact against the
+expert cache's torch step: same pair slots, residency, LRU clocks, counters and slot contents,
+across layers, fill fractions, a full pool and a resize."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
+    pytest.skip("Triton needs TRITON_INTERPRET=1 without a GPU", allow_module_level=True)
+
+from freetoken_engine.cache.bank import ExpertBank
+from freetoken_engine.cache.device_control import DeviceControl
+from freetoken_engine.cache.experts import ExpertCache
+
+LAYERS, EXPERTS, H, I, K = 3, 12, 16, 8, 4
+
+
+def _bank(seed: int = 0) -> ExpertBank:
+    bank = ExpertBank(LAYERS, EXPERTS, H, I, torch.bfloat16)
+    g = torch.Generator().manual_seed(seed)
+    bank.w13.copy_(torch.randn(bank.w13.shape, generator=g))
+    bank.w2.copy_(torch.randn(bank.w2.shape, generator=g))
+    return bank
+
+
+def _routing(g: torch.Generator, tokens: int, hot: int) -> torch.Tensor:
+    """Top-k ids drawn from the first ``hot`` experts: repeats across steps give hits."""
+    return torch.stack([torch.randperm(hot, generator=g)[:K] for _ in range(tokens)])
+
+
+def _assert_same(ref: ExpertCache, dev: ExpertCache, ctl: DeviceControl) -> None:
+    assert torch.equal(ctl.slot_of, ref.slot_of)
+    assert torch.equal(ctl.slot_owner, ref.slot_owner)
+    assert torch.equal(ctl.last_used, ref.last_used)
+    assert ctl.host_clock() == ref.clock
+    live = ref.slot_owner >= 0
+    assert torch.equal(dev.w13[live], ref.w13[live]) and torch.equal(dev.w2[live], ref.w2[live])
+
+
+@pytest.mark.parametrize("capacity,fill_fraction", [(10, 1.0), (10, 0.7), (5, 0.5), (4, 1.0)])
+def test_device_step_matches_cache_step(capacity, fill_fraction):
+    bank = _bank()
+    ref = ExpertCache(bank, capacity, "cpu", fill_fraction=fill_fraction)
+    dev = ExpertCache(bank, capacity, "cpu", fill_fraction=fill_fraction)
+    ctl = DeviceControl.from_cache(dev)
+    g = torch.Generator().manual_seed(capacity)
+    for step in range(8):
+        for layer in range(LAYERS):
+            ids = _routing(g, tokens=1 + step % 3, hot=8)
+            want = ref.step(layer, ids.reshape(-1))
+            out = ctl.step(layer, ids)
+            assert torch.equal(out.pair_slot, want), (step, layer)
+            n_fill = int((out.fill_exp >= 0).sum())
+            n_cpu = int((out.cpu_exp >= 0).sum())
+            assert out.step_counts.tolist()[2:] == [n_fill, n_cpu]
+    _assert_same(ref, dev, ctl)
+    counters = ctl.counters()
+    assert counters == {"hits": ref.stats.hits, "misses": ref.stats.misses,
+                        "fills": ref.stats.fills, "cpu_computed": ref.stats.cpu_computed}
+    # A fraction below 1, or a pool smaller than a call's experts, sends misses to the CPU.
+    assert (counters["cpu_computed"] > 0) == (fill_fraction < 1.0 or capacity <= K)
+    ctl.write_back(dev)
+    dev.check_integrity(deep=True)
+    assert dev.stats == ref.stats
+
+
+def test_device_state_survives_resize():
+    bank = _bank(1)
+    ref = ExpertCache(bank, 9, "cpu", fill_fraction=0.8)
+    dev = ExpertCache(bank, 9, "cpu", fill_fraction=0.8)
+    ctl = DeviceControl.from_cache(dev)
+    g = torch.Generator().manual_seed(7)
+    for capacity in (9, 4, 14):
+        ctl.write_back(dev)                           # the safe point: hand state to the cache
+        ref.resize(capacity)
+        dev.resize(capacity)
+        ctl.refresh(dev)                              # new pool and residency tensors
+        for _ in range(4):
+            for layer in range(LAYERS):
+                ids = _routing(g, tokens=2, hot=10)
+                assert torch.equal(ctl.step(layer, ids).pair_slot, ref.step(layer, ids.reshape(-1)))
+        _assert_same(ref, dev, ctl)
+    ctl.write_back(dev)
+    dev.check_integrity(deep=True)
+
+
+def test_fill_fraction_is_validated():
+    dev = ExpertCache(_bank(), 6, "cpu")
+    ctl = DeviceControl.from_cache(dev)
+    with pytest.raises(ValueError, match="fill_fraction"):
+        ctl.set_fill_fraction(1.5)

@@ -1,0 +1,86 @@
+"""Triton kernels against the PyTorch reference, on CPU under TRITON_INTERPRET=1 (small shapes)."""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported; CPU tensors then run
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
+    pytest.skip("Triton needs TRITON_INTERPRET=1 without a GPU", allow_module_level=True)
+
+from freetoken_engine.kernels.reference import expert_pairs_forward
+from freetoken_engine.kernels.triton.gather import gather_fill_rows
+from freetoken_engine.kernels.triton.moe import SMALL_P, moe_slots_forward
+
+H, I = 64, 48
+
+
+def _pool(slots: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w13 = (torch.randn(slots, 2 * I, H, generator=g) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(slots, H, I, generator=g) * 0.1).to(torch.bfloat16)
+    return w13, w2
+
+
+def _routing(tokens: int, k: int, slots: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.arange(tokens).repeat_interleave(k)
+    slot = torch.stack([torch.randperm(slots, generator=g)[:k] for _ in range(tokens)]).flatten()
+    return tok, slot
+
+
+@pytest.mark.parametrize("tokens,k", [(1, 4), (4, 4), (40, 2)])   # in-kernel grouping and block table
+def test_moe_slots_matches_reference_fp32(tokens, k):
+    w13, w2 = _pool(6)
+    x = torch.randn(tokens, H, generator=torch.Generator().manual_seed(2))
+    tok, slot = _routing(tokens, k, 6)
+    assert (tokens * k <= SMALL_P) == (tokens < 40)       # both kernel paths are exercised
+    out = moe_slots_forward(x, w13, w2, tok, slot)
+    ref = expert_pairs_forward(x, w13.float(), w2.float(), tok, slot)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_slots_bf16_within_tolerance_and_cpu_pairs_zero():
+    """bf16 activations: the stated tolerance is 2e-2 relative to the output scale."""
+    w13, w2 = _pool(5)
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    tok, slot = _routing(4, 3, 5)
+    slot[::4] = -1                                        # pairs computed on the CPU
+    out = moe_slots_forward(x, w13, w2, tok, slot)
+    gpu = slot >= 0
+    ref = expert_pairs_forward(x.float(), w13.float(), w2.float(), tok[gpu], slot[gpu])
+    assert out.dtype == torch.bfloat16
+    assert torch.all(out[~gpu] == 0)
+    err = (out[gpu].float() - ref).abs().max() / ref.abs().max()
+    assert err < 2e-2
+
+
+def test_moe_slots_rejects_bad_strides_and_shapes():
+    w13, w2 = _pool(3)
+    x = torch.randn(2, H)
+    tok, slot = _routing(2, 2, 3)
+    with pytest.raises(ValueError, match="unit stride"):
+        moe_slots_forward(x.t().contiguous().t(), w13, w2, tok, slot)
+    with pytest.raises(ValueError, match="shapes disagree"):
+        moe_slots_forward(x, w13, w2[:, :, :-1], tok, slot)
+    with pytest.raises(ValueError, match="pairs"):
+        moe_slots_forward(x, w13, w2, tok, slot[:-1])
+
+
+def test_gather_fill_rows_copies_listed_experts_only():
+    layers, experts, slots = 3, 5, 4
+    bank13 = torch.randn(layers, experts, 2 * I, H).to(torch.bfloat16)
+    bank2 = torch.randn(layers, experts, H, I).to(torch.bfloat16)
+    w13, w2 = torch.zeros(slots, 2 * I, H, dtype=torch.bfloat16), torch.zeros(slots, H, I, dtype=torch.bfloat16)
+    fill_exp = torch.tensor([4, 0, -1, -1])
+    fill_slot = torch.tensor([2, 1, -1, -1])
+    gather_fill_rows(bank13, bank2, w13, w2, 1, fill_exp, fill_slot, chunks=3, block=256)
+    assert torch.equal(w13[2], bank13[1, 4]) and torch.equal(w2[2], bank2[1, 4])
+    assert torch.equal(w13[1], bank13[1, 0]) and torch.equal(w2[1], bank2[1, 0])
+    assert torch.all(w13[[0, 3]] == 0) and torch.all(w2[[0, 3]] == 0)
+    with pytest.raises(ValueError, match="row shapes"):
+        gather_fill_rows(bank13, bank2, w13[:, :, :-4], w2, 1, fill_exp, fill_slot)
