@@ -1,0 +1,347 @@
+// Dispatcher: instruction-set choice (cpuid at run time), a persistent pool of pinned worker
+// threads, grouping of (token, expert) pairs by expert, and the C entry points that
+// cpu_experts.py calls through ctypes. Compiled for baseline x86-64.
+//
+// Threading contract: one call at a time runs on the pool (a mutex serialises callers); the
+// calling thread does a share of the work itself, unpinned; the other n-1 workers are pinned to
+// the CPUs given to ft_configure. Workers spin for spin_us after a call, then sleep on a
+// condition variable, so an idle engine costs no CPU.
+#include <cpuid.h>
+#include <pthread.h>
+#include <sched.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "experts.h"
+
+namespace {
+
+inline void cpu_pause() { __builtin_ia32_pause(); }
+
+double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+// ---- instruction sets --------------------------------------------------------------------
+
+enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
+const char* kIsaNames[] = {"generic", "avx2", "avx512", "avx512bf16"};
+
+int detect_isa() {
+  __builtin_cpu_init();  // __builtin_cpu_supports also checks that the OS saves the state
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  if (avx512) {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5))) return ISA_AVX512BF16;
+    return ISA_AVX512;
+  }
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
+  return ISA_GENERIC;
+}
+
+bool has_amx() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (d & (1u << 24));
+}
+
+ft_stage_fn stage1_of(int isa) {
+  ft_stage_fn f[] = {ft_stage1_generic, ft_stage1_avx2, ft_stage1_avx512, ft_stage1_avx512bf16};
+  return f[isa];
+}
+ft_stage_fn stage2_of(int isa) {
+  ft_stage_fn f[] = {ft_stage2_generic, ft_stage2_avx2, ft_stage2_avx512, ft_stage2_avx512bf16};
+  return f[isa];
+}
+typedef uint64_t (*ft_read_fn)(const void*, int64_t);
+ft_read_fn read_of(int isa) {
+  ft_read_fn f[] = {ft_read_generic, ft_read_avx2, ft_read_avx512, ft_read_avx512bf16};
+  return f[isa];
+}
+
+// ---- thread pool -------------------------------------------------------------------------
+
+typedef void (*job_fn)(void* ctx, int tid, int n);
+
+struct Pool {
+  int n = 1;                       // participants, the caller included
+  int spin_us = 200;
+  pid_t pid = 0;
+  std::vector<std::thread> threads;
+  std::atomic<uint64_t> gen{0};
+  std::atomic<int> sleepers{0};
+  std::atomic<int> done{0};
+  std::atomic<bool> stop{false};
+  std::mutex m;
+  std::condition_variable cv;
+  job_fn fn = nullptr;
+  void* ctx = nullptr;
+};
+
+void worker_main(Pool* P, int tid, int cpu) {
+  if (cpu >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
+  }
+  uint64_t seen = 0;
+  for (;;) {
+    uint64_t g;
+    const double t0 = now_s();
+    int it = 0;
+    while ((g = P->gen.load()) == seen) {
+      if (P->stop.load()) return;
+      cpu_pause();
+      if ((++it & 255) == 0 && now_s() - t0 > 1e-6 * P->spin_us) {
+        std::unique_lock<std::mutex> lk(P->m);
+        P->sleepers.fetch_add(1);
+        P->cv.wait(lk, [&] { return P->gen.load() != seen || P->stop.load(); });
+        P->sleepers.fetch_sub(1);
+        it = 0;
+      }
+    }
+    seen = g;
+    if (P->stop.load()) return;
+    P->fn(P->ctx, tid, P->n);
+    P->done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+void pool_stop(Pool* P) {
+  {
+    std::lock_guard<std::mutex> lk(P->m);
+    P->stop.store(true);
+    P->cv.notify_all();
+  }
+  for (auto& t : P->threads) t.join();
+}
+
+Pool* pool_start(int n, const int* cpus, int ncpus, int spin_us) {
+  Pool* P = new Pool();
+  P->n = n < 1 ? 1 : n;
+  P->spin_us = spin_us;
+  P->pid = getpid();
+  for (int t = 1; t < P->n; ++t)
+    P->threads.emplace_back(worker_main, P, t, ncpus > 0 ? cpus[(t - 1) % ncpus] : -1);
+  return P;
+}
+
+void pool_run(Pool* P, job_fn fn, void* ctx) {
+  P->fn = fn;
+  P->ctx = ctx;
+  P->done.store(0);
+  P->gen.fetch_add(1);
+  if (P->sleepers.load() > 0) {
+    std::lock_guard<std::mutex> lk(P->m);
+    P->cv.notify_all();
+  }
+  fn(ctx, 0, P->n);
+  while (P->done.load(std::memory_order_acquire) < P->n - 1) cpu_pause();
+}
+
+// Global state, guarded by g_call (a call holds it for its whole duration).
+std::mutex g_call;
+Pool* g_pool = nullptr;
+int g_isa = -1;
+int g_threads = 1;
+std::vector<int> g_cpus;
+int g_spin_us = 200;
+int64_t g_prefetch = 0;
+char g_err[256];
+
+Pool* pool_get() {
+  if (g_pool && g_pool->pid != getpid()) g_pool = nullptr;  // forked child: threads are gone
+  if (!g_pool) g_pool = pool_start(g_threads, g_cpus.data(), (int)g_cpus.size(), g_spin_us);
+  return g_pool;
+}
+
+// ---- the expert job ----------------------------------------------------------------------
+
+struct ExpJob {
+  const FtProblem* p;
+  ft_stage_fn s1, s2;
+  int64_t ch1, per1, tot1, ch2, per2, tot2;
+  std::atomic<int64_t> next1{0}, next2{0};
+  std::atomic<int> arrived{0};
+};
+
+void exp_job(void* c, int tid, int n) {
+  (void)tid;
+  ExpJob* J = (ExpJob*)c;
+  const FtProblem* p = J->p;
+  for (;;) {
+    const int64_t k = J->next1.fetch_add(1, std::memory_order_relaxed);
+    if (k >= J->tot1) break;
+    const int64_t g = k / J->per1, r0 = (k % J->per1) * J->ch1;
+    J->s1(p, g, r0, r0 + J->ch1 < p->I ? r0 + J->ch1 : p->I);
+  }
+  J->arrived.fetch_add(1, std::memory_order_acq_rel);  // stage 2 reads every stage-1 result
+  while (J->arrived.load(std::memory_order_acquire) < n) cpu_pause();
+  for (;;) {
+    const int64_t k = J->next2.fetch_add(1, std::memory_order_relaxed);
+    if (k >= J->tot2) break;
+    const int64_t g = k / J->per2, r0 = (k % J->per2) * J->ch2;
+    J->s2(p, g, r0, r0 + J->ch2 < p->H ? r0 + J->ch2 : p->H);
+  }
+}
+
+struct ReadJob {
+  const char* p;
+  int64_t bytes;
+  ft_read_fn fn;
+  std::atomic<int64_t> next{0};
+  std::atomic<uint64_t> sink{0};
+};
+
+// 1 MiB chunks handed out dynamically, so a thread that shares its core with another process
+// does not hold the others back (the same scheduling as the expert job).
+void read_job(void* c, int tid, int n) {
+  (void)tid; (void)n;
+  ReadJob* J = (ReadJob*)c;
+  const int64_t chunk = 1 << 20;
+  uint64_t acc = 0;
+  for (;;) {
+    const int64_t b0 = J->next.fetch_add(chunk, std::memory_order_relaxed);
+    if (b0 >= J->bytes) break;
+    acc ^= J->fn(J->p + b0, b0 + chunk < J->bytes ? chunk : J->bytes - b0);
+  }
+  J->sink.fetch_xor(acc, std::memory_order_relaxed);
+}
+
+std::vector<int64_t> s_cnt, s_gexp, s_gstart, s_gcount, s_sorted;
+std::vector<float> s_xf, s_act;
+std::vector<uint16_t> s_actb;
+
+}  // namespace
+
+extern "C" {
+
+int ft_best_isa() { return detect_isa(); }
+int ft_has_amx() { return has_amx() ? 1 : 0; }
+const char* ft_isa_name(int isa) { return isa >= 0 && isa <= 3 ? kIsaNames[isa] : "?"; }
+const char* ft_last_error() { return g_err; }
+
+// threads: participants including the caller; cpus: where workers 1..threads-1 are pinned
+// (none: unpinned); isa: -1 = best available; prefetch: bytes ahead (0 = off).
+int ft_configure(int threads, const int* cpus, int ncpus, int isa, int64_t prefetch, int spin_us) {
+  std::lock_guard<std::mutex> lk(g_call);
+  const int best = detect_isa();
+  if (isa > best) {
+    snprintf(g_err, sizeof g_err, "ISA %s not supported by this CPU (best: %s)",
+             ft_isa_name(isa), kIsaNames[best]);
+    return -2;
+  }
+  if (g_pool && g_pool->pid == getpid()) {
+    pool_stop(g_pool);
+    delete g_pool;
+  }
+  g_pool = nullptr;
+  g_isa = isa < 0 ? best : isa;
+  g_threads = threads < 1 ? 1 : threads;
+  g_cpus.assign(cpus, cpus + (ncpus > 0 ? ncpus : 0));
+  g_prefetch = prefetch;
+  g_spin_us = spin_us;
+  return g_isa;
+}
+
+// y[p] = W2[e] (silu(W1[e] x[t]) * W3[e] x[t]) for every pair p = (t, e); see reference.py.
+// Returns 0, or -1 with ft_last_error() set when an index is out of range.
+int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
+                       const void* w13, const void* w2, int w_bf16, int64_t E,
+                       int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
+                       const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out) {
+  std::lock_guard<std::mutex> lk(g_call);
+  if (g_isa < 0) g_isa = detect_isa();
+  for (int64_t i = 0; i < P; ++i) {
+    if (pair_tok[i] < 0 || pair_tok[i] >= T || pair_exp[i] < 0 || pair_exp[i] >= E) {
+      snprintf(g_err, sizeof g_err, "pair %lld: token %lld / expert %lld out of range (T=%lld, E=%lld)",
+               (long long)i, (long long)pair_tok[i], (long long)pair_exp[i], (long long)T, (long long)E);
+      return -1;
+    }
+  }
+  // Stable counting sort of pairs by expert: each expert's weights are then read once.
+  s_cnt.assign(E + 1, 0);
+  for (int64_t i = 0; i < P; ++i) ++s_cnt[pair_exp[i] + 1];
+  s_gexp.clear(); s_gstart.clear(); s_gcount.clear();
+  for (int64_t e = 0; e < E; ++e) {
+    if (s_cnt[e + 1]) {
+      s_gexp.push_back(e);
+      s_gstart.push_back(s_cnt[e]);
+      s_gcount.push_back(s_cnt[e + 1]);
+    }
+    s_cnt[e + 1] += s_cnt[e];
+  }
+  s_sorted.resize(P);
+  for (int64_t i = 0; i < P; ++i) s_sorted[s_cnt[pair_exp[i]]++] = i;
+
+  const bool bfdot = g_isa == ISA_AVX512BF16 && x_bf16 && w_bf16;
+  FtProblem p;
+  memset(&p, 0, sizeof p);
+  p.H = H; p.I = I; p.w13 = w13; p.w2 = w2; p.w_bf16 = w_bf16;
+  p.w13_es = w13_es; p.w13_rs = w13_rs; p.w2_es = w2_es; p.w2_rs = w2_rs;
+  p.n_groups = (int64_t)s_gexp.size();
+  p.g_expert = s_gexp.data(); p.g_start = s_gstart.data(); p.g_count = s_gcount.data();
+  p.sorted_pair = s_sorted.data(); p.pair_tok = pair_tok;
+  p.x_bf16 = x_bf16; p.out = out; p.out_bf16 = x_bf16; p.prefetch = g_prefetch;
+  if (bfdot) {
+    p.xb = (const uint16_t*)x;
+    s_actb.resize(P * I);
+    p.act_b = s_actb.data();
+  } else {
+    if (x_bf16) {
+      s_xf.resize(T * H);
+      const uint16_t* xb = (const uint16_t*)x;
+      for (int64_t i = 0; i < T * H; ++i) {
+        uint32_t u = (uint32_t)xb[i] << 16;
+        memcpy(&s_xf[i], &u, 4);
+      }
+      p.xf = s_xf.data();
+    } else {
+      p.xf = (const float*)x;
+    }
+    s_act.resize(P * I);
+    p.act = s_act.data();
+  }
+  if (P == 0) return 0;
+
+  ExpJob J;
+  J.p = &p;
+  J.s1 = stage1_of(g_isa);
+  J.s2 = stage2_of(g_isa);
+  const int64_t es = w_bf16 ? 2 : 4;
+  // About 64 KiB of weights per chunk: long sequential streams, yet enough chunks to balance.
+  J.ch1 = 65536 / (2 * H * es); if (J.ch1 < 1) J.ch1 = 1;
+  J.ch2 = (65536 / (I * es)) & ~int64_t(1); if (J.ch2 < 2) J.ch2 = 2;
+  J.per1 = (I + J.ch1 - 1) / J.ch1;
+  J.per2 = (H + J.ch2 - 1) / J.ch2;
+  J.tot1 = J.per1 * p.n_groups;
+  J.tot2 = J.per2 * p.n_groups;
+  pool_run(pool_get(), exp_job, &J);
+  return 0;
+}
+
+// Seconds to read [buf, buf + bytes) once with the kernel's threads and instruction set.
+double ft_read_seconds(const void* buf, int64_t bytes) {
+  std::lock_guard<std::mutex> lk(g_call);
+  if (g_isa < 0) g_isa = detect_isa();
+  ReadJob J;
+  J.p = (const char*)buf;
+  J.bytes = bytes;
+  J.fn = read_of(g_isa);
+  const double t0 = now_s();
+  pool_run(pool_get(), read_job, &J);
+  const double dt = now_s() - t0;
+  return J.sink.load() == 0x5eed5eed5eedull ? dt + 1e-12 : dt;  // keep the reads alive
+}
+
+}  // extern "C"

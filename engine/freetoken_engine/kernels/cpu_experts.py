@@ -1,0 +1,219 @@
+"""Compiled CPU expert kernel: ``experts_forward`` at host-memory bandwidth.
+
+Same contract as ``reference.expert_pairs_forward`` (read its docstring): for pairs
+``(pair_tok[p], pair_exp[p])`` returns ``y[p] = W2[e] (silu(W1[e] x[t]) * W3[e] x[t])``, shape
+``[P, H]`` in ``x.dtype``. Pairs are grouped by expert so each expert's weights are streamed once;
+the gate/up projection, SwiGLU and down projection are fused; accumulation is fp32.
+
+Supported by the compiled path: CPU tensors, ``x`` float32 or bfloat16 (``[T, H]``), ``w13``/``w2``
+both float32 or both bfloat16 with unit stride in the last dimension (bank layers and cache slot
+pools qualify; expert and row strides are passed through, nothing is copied). Anything else
+(other dtypes or devices, tensors that need grad) goes to the reference, silently, because the
+result is the same. With ``x`` in bfloat16 the kernel rounds the gate/up outputs, the SiLU and the
+product to bfloat16 exactly where the reference does.
+
+Tolerance against the reference (tested): fp32 ``x``: ``|y - ref| <= 1e-4 * max|ref| + 1e-5``
+(summation order only); bf16 ``x``: ``|y - ref| <= 2e-2 * max|ref|`` (a bf16 ulp of an
+intermediate may round the other way).
+
+Threads: ``threads`` participants, the calling thread included (it is released from the GIL and
+does a share); the other ``threads - 1`` are pinned to the *last* CPUs of the process affinity
+set, so the first CPUs stay free for the engine. Default: all CPUs on machines with 1-2 CPUs,
+else all but one. ``FREETOKEN_CPU_EXPERT_THREADS`` overrides the default; ``FREETOKEN_CPU_KERNEL``
+= ``off`` forces the reference, = ``generic|avx2|avx512|avx512bf16`` forces an instruction set
+(default ``auto``: the best one cpuid reports). ``configure()`` changes all of these at run time.
+
+The library is built on first use (``kernels/cpu/build.py``); without a compiler (or when the
+build fails) one warning line is logged and every call uses the reference.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from . import reference
+
+log = logging.getLogger(__name__)
+
+ENV_THREADS = "FREETOKEN_CPU_EXPERT_THREADS"
+ENV_KERNEL = "FREETOKEN_CPU_KERNEL"
+ISAS = ("generic", "avx2", "avx512", "avx512bf16")
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Run-time settings of the compiled kernel; validated on construction."""
+
+    threads: int
+    isa: str = "auto"            # "auto" or one of ISAS
+    prefetch_bytes: int = 0      # software prefetch distance along weight rows; 0 = off
+    spin_us: int = 200           # how long idle workers spin before sleeping
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.threads, int) or self.threads < 1:
+            raise ValueError(f"threads must be a positive int, got {self.threads!r}")
+        if self.isa != "auto" and self.isa not in ISAS:
+            raise ValueError(f"isa must be 'auto' or one of {ISAS}, got {self.isa!r}")
+        if self.prefetch_bytes < 0 or self.prefetch_bytes % 64:
+            raise ValueError(f"prefetch_bytes must be a non-negative multiple of 64, got {self.prefetch_bytes}")
+        if self.spin_us < 0:
+            raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")
+
+
+def default_threads() -> int:
+    """All CPUs of the affinity set on 1-2 CPU machines, else all but one (left to the engine)."""
+    env = os.environ.get(ENV_THREADS)
+    if env:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"{ENV_THREADS} must be an integer, got {env!r}") from None
+        if n < 1:
+            raise ValueError(f"{ENV_THREADS} must be >= 1, got {n}")
+        return n
+    n = len(os.sched_getaffinity(0))
+    return n if n <= 2 else n - 1
+
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_loaded = False
+_isa = "reference"
+_config: KernelConfig | None = None
+
+
+def _load() -> ctypes.CDLL | None:
+    """Load (building on first use) and configure the library once; None means reference."""
+    global _lib, _loaded
+    if _loaded:
+        return _lib
+    with _lock:
+        if _loaded:
+            return _lib
+        mode = os.environ.get(ENV_KERNEL, "auto").strip().lower()
+        if mode in ("off", "0", "reference"):
+            log.info("CPU expert kernel disabled by %s=%s; using the PyTorch reference", ENV_KERNEL, mode)
+        else:
+            from .cpu import build
+            try:
+                _lib = build.load()
+            except (build.BuildError, OSError) as exc:
+                first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+                log.warning("freetoken: compiled CPU expert kernel unavailable (%s); "
+                            "using the PyTorch reference", first)
+                _lib = None
+        _loaded = True
+        if _lib is not None:
+            _apply(KernelConfig(threads=default_threads(), isa=mode if mode in ISAS else "auto"))
+        return _lib
+
+
+def _apply(cfg: KernelConfig) -> None:
+    global _isa, _config
+    cpus = sorted(os.sched_getaffinity(0))
+    workers = cpus[len(cpus) - (cfg.threads - 1):] if 1 < cfg.threads <= len(cpus) else cpus
+    arr = (ctypes.c_int * max(1, len(workers)))(*workers)
+    isa = -1 if cfg.isa == "auto" else ISAS.index(cfg.isa)
+    rc = _lib.ft_configure(cfg.threads, arr, len(workers), isa, cfg.prefetch_bytes, cfg.spin_us)
+    if rc < 0:
+        raise ValueError(_lib.ft_last_error().decode())
+    _isa, _config = ISAS[rc], cfg
+
+
+def configure(threads: int | None = None, isa: str | None = None,
+              prefetch_bytes: int | None = None, spin_us: int | None = None) -> KernelConfig:
+    """Change thread count, instruction set, prefetch or spin at run time; returns the config.
+
+    Raises ValueError for a bad value or an instruction set this CPU lacks; a no-op returning
+    the default config when only the reference is available.
+    """
+    if _load() is None:
+        return KernelConfig(threads=threads or default_threads())
+    cur = _config
+    cfg = KernelConfig(threads=cur.threads if threads is None else threads,
+                       isa=cur.isa if isa is None else isa,
+                       prefetch_bytes=cur.prefetch_bytes if prefetch_bytes is None else prefetch_bytes,
+                       spin_us=cur.spin_us if spin_us is None else spin_us)
+    with _lock:
+        _apply(cfg)
+    return cfg
+
+
+def available() -> bool:
+    """True when the compiled kernel is loaded (built on first use if needed)."""
+    return _load() is not None
+
+
+def backend_name() -> str:
+    """``cpu-<isa>`` (e.g. ``cpu-avx512bf16``) for the compiled kernel, else ``reference``."""
+    return f"cpu-{_isa}" if _load() is not None else "reference"
+
+
+def cpu_features() -> dict:
+    """What the dispatcher sees: best instruction set, AMX presence, the current config."""
+    lib = _load()
+    if lib is None:
+        return {"backend": "reference"}
+    return {"backend": backend_name(), "best_isa": ISAS[lib.ft_best_isa()],
+            "amx": bool(lib.ft_has_amx()), "threads": _config.threads,
+            "prefetch_bytes": _config.prefetch_bytes}
+
+
+_DT = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def _compiled_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    return (x.device.type == w13.device.type == w2.device.type == "cpu"
+            and x.dtype in _DT and w13.dtype in _DT and w2.dtype == w13.dtype
+            and w13.stride(-1) == 1 and w2.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad)))
+
+
+def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                    pair_tok: torch.Tensor, pair_exp: torch.Tensor) -> torch.Tensor:
+    """``[P, H]`` outputs of every (token, expert) pair; see the module docstring.
+
+    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; pair_tok, pair_exp [P] integer. Raises ValueError
+    for inconsistent shapes and IndexError for an out-of-range token or expert index.
+    """
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"expected x [T,H], w13 [E,2I,H], w2 [E,H,I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    T, H = x.shape
+    E, I = w2.shape[0], w2.shape[2]
+    if tuple(w13.shape) != (E, 2 * I, H) or w2.shape[1] != H:
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if pair_tok.shape != pair_exp.shape or pair_tok.dim() != 1:
+        raise ValueError(f"pair_tok {tuple(pair_tok.shape)} and pair_exp {tuple(pair_exp.shape)} must be equal 1-D")
+    P = pair_tok.numel()
+    if P == 0:
+        return x.new_zeros((0, H))
+    lib = _load()
+    if lib is None or not _compiled_ok(x, w13, w2):
+        return reference.expert_pairs_forward(x, w13, w2, pair_tok, pair_exp)
+    x = x.contiguous()
+    tok = pair_tok.to(torch.int64).contiguous()
+    exp = pair_exp.to(torch.int64).contiguous()
+    out = torch.empty((P, H), dtype=x.dtype)
+    rc = lib.ft_experts_forward(
+        x.data_ptr(), _DT[x.dtype], T, H, I, w13.data_ptr(), w2.data_ptr(), _DT[w13.dtype], E,
+        w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
+        tok.data_ptr(), exp.data_ptr(), P, out.data_ptr())
+    if rc != 0:
+        raise IndexError(lib.ft_last_error().decode())
+    return out
+
+
+def read_seconds(buf: torch.Tensor) -> float:
+    """Seconds to read ``buf`` once with the kernel's threads (the STREAM-style yardstick)."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("compiled CPU kernel unavailable")
+    if not buf.is_contiguous() or buf.device.type != "cpu":
+        raise ValueError("buf must be a contiguous CPU tensor")
+    return lib.ft_read_seconds(buf.data_ptr(), buf.numel() * buf.element_size())
