@@ -10,6 +10,7 @@ stderr, exit code 2.
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from .config import ConfigError, OperatorConfig
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     from . import handlers  # noqa: F401 - registers the handlers in kopf's default registry
 
     kopf.configure(verbose=args.verbose)
+    if not args.verbose:   # one "handler succeeded" line per heartbeat is noise; keep warnings
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
     kopf.run(clusterwide=True, standalone=True, liveness_endpoint=args.liveness,
              memo=kopf.Memo(config=config))
     return 0

@@ -214,8 +214,9 @@ def plan(models: Sequence[ModelView], nodes: Sequence[NodeView],
             mine[best.name] = port
             ledger.add(model, best.name, port)
             local = " (weights already there)" if model.key in best.replicas else ""
-            decisions.append(Decision(model.key, best.name, "place",
-                                      f"{model.strategy.lower()}, PCIe {best.pcie_gbps or 0:g} GB/s{local}"))
+            link = (f"PCIe {best.pcie_gbps:g} GB/s" if best.pcie_gbps is not None
+                    else f"cpu mode, CPU experts {best.cpu_expert_gbps or 0:g} GB/s")
+            decisions.append(Decision(model.key, best.name, "place", f"{model.strategy.lower()}, {link}{local}"))
         if len(mine) < model.replicas:
             why = ", ".join(f"{n} {r}" for r, n in sorted(rejected.items())) or "no FreeTokenNodes"
             unsatisfied[model.key] = (f"{len(mine)}/{model.replicas} replicas placed; "

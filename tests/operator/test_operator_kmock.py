@@ -1,0 +1,138 @@
+"""The operator, unmodified under kopf, against kmock over real HTTP.
+
+FreeTokenNode statuses are written here the way an agent writes them (heartbeats, replica
+states); tests/e2e runs the real agents and engines. Checks: placement into node specs, model
+status and conditions, Service + EndpointSlices of ready replicas, events, a lost node's replica
+moving within the stale timeout, and finalizer-driven cleanup on delete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import time
+
+import pytest
+from kopf.testing import KopfRunner
+
+import kmock_cluster as kc
+
+STALE = 2.0
+
+
+def node_body(name: str, ip: str) -> dict:
+    return kc.seeded({"apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode", "metadata": {"name": name},
+                      "status": {"heartbeat": _now(), "mode": "cpu", "address": ip, "cpuCores": 2,
+                                 "ramTotalBytes": 8 * 2**30, "ramAvailableBytes": 6 * 2**30,
+                                 "pcieGbps": None, "cpuExpertGbps": 5.0, "fillFraction": 1.0,
+                                 "memoryPressure": False, "replicas": []}})
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+async def _heartbeats(k, alive: set[str]) -> None:
+    while True:
+        for name in sorted(alive):
+            await kc.patch(k, kc.node_path(name) + "/status", {"status": {"heartbeat": _now()}})
+        await asyncio.sleep(0.3)
+
+
+async def _spec_models(k, name: str) -> list[str]:
+    body = await kc.get(k, kc.node_path(name))
+    return [m["key"] for m in (body.get("spec") or {}).get("models") or []]
+
+
+async def _mark_ready(k, name: str, ip: str) -> None:
+    body = await kc.get(k, kc.node_path(name))
+    reps = [{"key": m["key"], "state": "ready", "endpoint": f"http://{ip}:{m['port']}", "restarts": 0}
+            for m in body["spec"]["models"]]
+    await kc.patch(k, kc.node_path(name) + "/status", {"status": {"replicas": reps}})
+
+
+@pytest.mark.timeout(60)
+async def test_operator_places_serves_moves_and_cleans_up(kmock, monkeypatch):
+    kc.prepare(kmock)
+    ips = {"a": "127.0.0.11", "b": "127.0.0.12", "c": "127.0.0.13"}
+    for name, ip in ips.items():
+        kmock.objects[kc.NODES, None, name] = node_body(name, ip)
+    kmock.objects[kc.MODELS, "default", "m"] = kc.seeded({
+        "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenModel",
+        "metadata": {"name": "m", "namespace": "default"},
+        "spec": {"source": {"default": True}, "replicas": 2, "placement": {"strategy": "Spread"}}})
+    monkeypatch.setenv("FREETOKEN_OPERATOR_KUBE_SERVER", str(kmock.url).rstrip("/"))
+    monkeypatch.setenv("FREETOKEN_OPERATOR_STALE_SECONDS", str(STALE))
+    monkeypatch.setenv("FREETOKEN_OPERATOR_RESYNC_SECONDS", "0.2")
+    alive = set(ips)
+    beats = asyncio.create_task(_heartbeats(kmock, alive))
+    args = ["run", "--standalone", "-A", "-m", "freetoken_operator.handlers"]
+    try:
+        with KopfRunner(args, timeout=30) as runner:
+            # 1. two replicas, spread over two nodes (equal nodes: by name)
+            async def placed():
+                return {n: await _spec_models(kmock, n) for n in ips}
+            spec = await kc.wait_for(lambda: _both(placed), 10, "two placements")
+            assert spec == {"a": ["default.m"], "b": ["default.m"], "c": []}
+            model = await kc.get(kmock, kc.model_path("default", "m"))
+            assert "freetoken.io/finalizer" in model["metadata"]["finalizers"]
+
+            # 2. agents report ready -> status Ready, Service, EndpointSlice with both endpoints
+            await _mark_ready(kmock, "a", ips["a"])
+            await _mark_ready(kmock, "b", ips["b"])
+
+            async def phase():
+                body = await kc.get(kmock, kc.model_path("default", "m"))
+                return (body.get("status") or {}).get("phase") == "Ready" and body
+            model = await kc.wait_for(phase, 10, "phase Ready")
+            conds = {c["type"]: c["status"] for c in model["status"]["conditions"]}
+            assert conds == {"Scheduled": "True", "Ready": "True", "Degraded": "False", "MemoryPressure": "False"}
+            assert model["status"]["ready"] == "2/2" and model["status"]["nodes"] == "a,b"
+            svc = await kc.get(kmock, "/api/v1/namespaces/default/services/m")
+            assert svc and "selector" not in svc["spec"] and svc["spec"]["ports"][0]["port"] == 80
+            slices = await kc.items(kmock, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices")
+            addrs = sorted(e["addresses"][0] for s in slices for e in s["endpoints"])
+            assert addrs == [ips["a"], ips["b"]]
+            assert {s["metadata"]["labels"]["kubernetes.io/service-name"] for s in slices} == {"m"}
+
+            # 3. node a stops heartbeating -> its replica moves to c within the stale timeout
+            alive.discard("a")
+            t0 = time.monotonic()
+            await kc.wait_for(lambda: _moved(kmock), STALE + 5, "replica moved to c")
+            moved_after = time.monotonic() - t0
+            assert moved_after < STALE + 3, moved_after
+            await _mark_ready(kmock, "c", ips["c"])
+
+            async def serving_bc():
+                sl = await kc.items(kmock, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices")
+                return sorted(e["addresses"][0] for s in sl for e in s["endpoints"]) == [ips["b"], ips["c"]]
+            await kc.wait_for(serving_bc, 10, "EndpointSlice lists b and c")
+            events = await kc.items(kmock, "/api/v1/namespaces/default/events")
+            reasons = {e["reason"] for e in events}
+            assert {"Placed", "NodeLost"} <= reasons
+            lost = [e for e in events if e["reason"] == "NodeLost"]
+            assert "heartbeat stale" in lost[0]["message"] and lost[0]["type"] == "Warning"
+
+            # 4. delete -> finalizer empties node specs, removes Service and slices, object goes
+            resp = await kmock.delete(kc.model_path("default", "m"))
+            assert resp.status < 300
+
+            async def gone():
+                return await kc.get(kmock, kc.model_path("default", "m")) is None
+            await kc.wait_for(gone, 15, "model deleted")
+            assert await _spec_models(kmock, "b") == [] and await _spec_models(kmock, "c") == []
+            assert await kc.get(kmock, "/api/v1/namespaces/default/services/m") is None
+            assert await kc.items(kmock, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices") == []
+    finally:
+        beats.cancel()
+    assert runner.exit_code == 0, runner.output
+    assert "Traceback" not in runner.output, runner.output
+
+
+async def _both(placed) -> dict | None:
+    spec = await placed()
+    return spec if sum(len(v) for v in spec.values()) == 2 else None
+
+
+async def _moved(k) -> bool:
+    return await _spec_models(k, "a") == [] and await _spec_models(k, "c") == ["default.m"]
