@@ -170,7 +170,7 @@ class Agent:
                 result = await ready[0].client.calibrate({"measure": True})
                 source = "engine"
             else:
-                result = await measure(self.cfg.engine_command, self.host_config.device)
+                result = await measure(self.cfg.engine_command, self.host_config.device, refresh=True)
                 source = "subprocess"
         except (EngineUnreachable, CalibrationError, OSError) as exc:
             log.warning("calibration failed: %s", exc)

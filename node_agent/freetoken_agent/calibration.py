@@ -70,10 +70,12 @@ def parse_calibration(stdout: str) -> dict:
     return obj
 
 
-async def measure(engine_command: tuple[str, ...], device: str, timeout: float = 600.0) -> dict:
-    """Run ``freetoken calibrate --device DEVICE --json`` and return its object."""
+async def measure(engine_command: tuple[str, ...], device: str, refresh: bool = False,
+                  timeout: float = 600.0) -> dict:
+    """Run ``freetoken calibrate --device DEVICE --json`` and return its object. ``refresh``
+    adds ``--refresh`` so the engine does not answer from its own cache either."""
     proc = await asyncio.create_subprocess_exec(
-        *engine_command, "calibrate", "--device", device, "--json",
+        *engine_command, "calibrate", "--device", device, "--json", *(["--refresh"] if refresh else []),
         stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE)
     try:
@@ -123,6 +125,6 @@ class CalibrationCache:
             cached = self.load(host, max_age)
             if cached is not None:
                 return cached, False
-        result = await measure(engine_command, host.device)
+        result = await measure(engine_command, host.device, refresh=refresh)
         self.save(host, result)
         return result, True

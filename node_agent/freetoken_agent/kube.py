@@ -78,8 +78,9 @@ class NodeReporter:
         body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "FreeTokenNode",
                 "metadata": {"name": self.node_name}, "spec": {"models": []}}
         try:
-            return await self._call(self._custom.create_cluster_custom_object,
-                                    GROUP, VERSION, PLURAL, body)
+            created = await self._call(self._custom.create_cluster_custom_object,
+                                       GROUP, VERSION, PLURAL, body)
+            return created or body
         except KubeError as exc:
             if exc.status == 409:  # created meanwhile (by the operator)
                 return await self.get_node() or body

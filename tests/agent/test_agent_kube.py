@@ -1,0 +1,105 @@
+"""FreeTokenNode reporting against kmock over real HTTP (the official client, unmodified)."""
+
+import asyncio
+import base64
+import json
+
+import pytest
+
+from freetoken_agent.agent import Agent
+from freetoken_agent.config import AgentConfig
+from freetoken_agent.kube import KubeError, NodeReporter
+
+NODES = "freetoken.io/v1alpha1/freetokennodes"
+
+
+def _status(kube, name):
+    try:
+        return dict(kube.objects[NODES, None, name].get("status") or {})
+    except KeyError:
+        return {}
+
+
+async def test_creates_missing_node_then_patches_status(kube):
+    rep = NodeReporter("gpu-1", str(kube.url))
+    await rep.ensure_node()
+    assert kube.objects[NODES, None, "gpu-1"]["spec"] == {"models": []}
+    await rep.patch_status({"heartbeat": "2026-11-29T12:00:00Z", "memoryPressure": False})
+    await rep.patch_status({"memoryPressure": True})
+    status = kube.objects[NODES, None, "gpu-1"]["status"]
+    assert status == {"heartbeat": "2026-11-29T12:00:00Z", "memoryPressure": True}  # merged
+
+
+async def test_existing_node_keeps_operator_spec(kube):
+    spec = {"models": [{"model": "m", "port": 1919}]}
+    kube.objects[NODES, None, "gpu-2"] = {
+        "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode",
+        "metadata": {"name": "gpu-2", "uid": "u2", "resourceVersion": "7"}, "spec": spec}
+    rep = NodeReporter("gpu-2", str(kube.url))
+    await rep.ensure_node()
+    assert await rep.read_spec() == spec
+
+
+async def test_reads_api_key_secret(kube):
+    kube.objects["v1/secrets", "team", "keys"] = {
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "keys", "namespace": "team", "uid": "s1", "resourceVersion": "1"},
+        "data": {"api": base64.b64encode(b"sk-123").decode()}}
+    rep = NodeReporter("gpu-3", str(kube.url))
+    assert await rep.read_secret("team", "keys", "api") == "sk-123"
+    with pytest.raises(KubeError):
+        await rep.read_secret("team", "keys", "missing")
+
+
+async def test_unreachable_api_server_is_a_kube_error():
+    rep = NodeReporter("gpu-4", "http://127.0.0.1:9")
+    with pytest.raises(KubeError):
+        await rep.get_node()
+
+
+async def test_agent_heartbeat_reports_node_facts(kube, tmp_path):
+    """A whole agent in cluster mode (no models yet): the status the operator reads."""
+    gpu = tmp_path / "gpu.json"
+    gpu.write_text(json.dumps({"name": "Simulated RTX", "total_bytes": 16 << 30,
+                               "foreign_bytes": 3 << 30}))
+    (tmp_path / "state").mkdir()
+    cfg = AgentConfig(node_name="gpu-5", kube_server=str(kube.url), state_dir=str(tmp_path / "state"),
+                      simulated_gpu=str(gpu), heartbeat_seconds=0.2, calibrate_on_start=False)
+    agent = Agent(cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop, serve_metrics=False))
+    beats = []
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        st = _status(kube, "gpu-5")
+        if st and st.get("heartbeat") and st["heartbeat"] not in beats:
+            beats.append(st["heartbeat"])
+        if len(beats) >= 2:
+            break
+    stop.set()
+    await task
+    status = kube.objects[NODES, None, "gpu-5"]["status"]
+    assert status["mode"] == "cpu"  # a simulated device is not a GPU to run engines on
+    assert status["gpu"]["name"] == "Simulated RTX"
+    assert status["gpu"]["vramTotalBytes"] == 16 << 30
+    assert status["gpu"]["vramForeignBytes"] == 3 << 30
+    assert status["cpuCores"] >= 1 and 0 < status["ramAvailableBytes"] <= status["ramTotalBytes"]
+    assert status["memoryPressure"] is False and status["replicas"] == []
+    types = {c["type"]: c["status"] for c in status["conditions"]}
+    assert types == {"MemoryPressure": "False", "AssignmentsValid": "True"}
+    assert status["heartbeat"].endswith("Z")
+
+
+async def test_invalid_spec_reported_as_condition(kube, tmp_path):
+    kube.objects[NODES, None, "gpu-6"] = {
+        "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode",
+        "metadata": {"name": "gpu-6", "uid": "u6", "resourceVersion": "1"},
+        "spec": {"models": [{"model": "m", "port": "not-a-port"}]}}
+    cfg = AgentConfig(node_name="gpu-6", kube_server=str(kube.url), state_dir=str(tmp_path),
+                      heartbeat_seconds=0.2, calibrate_on_start=False)
+    agent = Agent(cfg)
+    await agent.reconcile()
+    await agent.report()
+    cond = {c["type"]: c for c in kube.objects[NODES, None, "gpu-6"]["status"]["conditions"]}
+    assert cond["AssignmentsValid"]["status"] == "False" and "port" in cond["AssignmentsValid"]["message"]
+    assert agent.replicas == {}  # nothing started from a spec it cannot read
