@@ -23,10 +23,14 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
-from .resources import GROUP, LABEL_MODEL, MANAGED_BY, MODELS, NODES, VERSION, LABEL_MANAGED_BY
+from .resources import GROUP, LABEL_MANAGED_BY, LABEL_MODEL, MANAGED_BY, MODELS, NODES, VERSION
 from .status import DesiredState, Event, rfc3339
 
 log = logging.getLogger(__name__)
+
+# The official client picks application/json-patch+json for built-in kinds when no type is given,
+# which a real API server rejects for a dict body; every patch here is an RFC 7386 merge patch.
+MERGE = "application/merge-patch+json"
 
 
 def _same(old: Any, new: Any) -> bool:
@@ -52,13 +56,13 @@ class Applier:
             current = (nodes.get(name, {}).get("spec") or {}).get("models") or []
             if current != entries:
                 body = self._ignore_404(self.custom.patch_cluster_custom_object, GROUP, VERSION, NODES, name,
-                                        {"spec": {"models": entries}})
+                                        {"spec": {"models": entries}}, _content_type=MERGE)
                 if body:
                     written["nodes"].append(body)
         for (ns, name), status in sorted(state.model_status.items()):
             if not _same(models.get((ns, name), {}).get("status") or {}, status):
                 body = self._ignore_404(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, ns,
-                                        MODELS, name, {"status": status})
+                                        MODELS, name, {"status": status}, _content_type=MERGE)
                 if body:
                     written["models"].append(body)
         for svc in state.services:
@@ -88,7 +92,8 @@ class Applier:
             if exc.status != 409:
                 raise
             self.core.patch_namespaced_service(ref[1], ref[0], {"metadata": {"labels": meta["labels"]},
-                                                                 "spec": {"ports": svc["spec"]["ports"]}})
+                                                                 "spec": {"ports": svc["spec"]["ports"]}},
+                                               _content_type=MERGE)
         self.services[ref] = svc
 
     def _existing_slices(self, ns: str, model: str) -> dict[str, dict[str, Any]]:
@@ -117,7 +122,8 @@ class Applier:
                 if exc.status != 409:
                     raise
                 self.discovery.patch_namespaced_endpoint_slice(name, ref[0], {"endpoints": body["endpoints"],
-                                                                              "ports": body["ports"]})
+                                                                              "ports": body["ports"]},
+                                                               _content_type=MERGE)
             have[name] = body
 
     def _event(self, e: Event, now: dt.datetime | None = None) -> None:
@@ -137,9 +143,9 @@ class Applier:
             log.warning("event %s/%s not posted: %s", e.namespace, e.reason, exc.status)
 
     @staticmethod
-    def _ignore_404(fn, *args: Any) -> Any:
+    def _ignore_404(fn, *args: Any, **kwargs: Any) -> Any:
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except ApiException as exc:
             if exc.status == 404:
                 return None

@@ -61,6 +61,15 @@ async def test_operator_places_serves_moves_and_cleans_up(kmock, monkeypatch):
         "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenModel",
         "metadata": {"name": "m", "namespace": "default"},
         "spec": {"source": {"default": True}, "replicas": 2, "placement": {"strategy": "Spread"}}})
+    # leftovers of an earlier operator run: a Service on an old port and a slice of a dead node
+    kmock.objects["v1/services", "default", "m"] = kc.seeded({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "m", "namespace": "default"},
+        "spec": {"ports": [{"name": "http", "port": 8080}]}})
+    kmock.objects["discovery.k8s.io/v1/endpointslices", "default", "m-ipv4-9999"] = kc.seeded({
+        "apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+        "metadata": {"name": "m-ipv4-9999", "namespace": "default", "labels": {
+            "freetoken.io/model": "m", "app.kubernetes.io/managed-by": "freetoken-operator"}},
+        "endpoints": [{"addresses": ["10.9.9.9"]}], "ports": [{"name": "http", "port": 9999}]})
     monkeypatch.setenv("FREETOKEN_OPERATOR_KUBE_SERVER", str(kmock.url).rstrip("/"))
     monkeypatch.setenv("FREETOKEN_OPERATOR_STALE_SECONDS", str(STALE))
     monkeypatch.setenv("FREETOKEN_OPERATOR_RESYNC_SECONDS", "0.2")
@@ -126,6 +135,12 @@ async def test_operator_places_serves_moves_and_cleans_up(kmock, monkeypatch):
     finally:
         beats.cancel()
     assert runner.exit_code == 0, runner.output
+    # a real API server needs the patch type to match the body (kmock guesses from the body)
+    patches = [kmock[i] for i in range(len(kmock)) if str(kmock[i].method).upper().endswith("PATCH")]
+    assert patches
+    for req in patches:
+        ctype = req.headers.get("Content-Type", "")
+        assert ("json-patch" in ctype) if isinstance(req.data, list) else ("merge-patch" in ctype), (req.url, ctype)
     assert "Traceback" not in runner.output, runner.output
 
 
