@@ -4,7 +4,9 @@ Streaming follows Anthropic's event sequence: ``message_start``, then per conten
 ``content_block_start`` / ``content_block_delta`` (``thinking_delta``, ``text_delta``,
 ``input_json_delta``) / ``content_block_stop``, then ``message_delta`` (``stop_reason``:
 ``end_turn``, ``max_tokens``, ``stop_sequence`` or ``tool_use``; cumulative usage) and
-``message_stop``. ``usage.cache_read_input_tokens`` is the prompt served from the prefix cache
+``message_stop``. A tool's ``input`` is sent as one ``input_json_delta`` when the call is
+complete and validated (the block itself starts as soon as the name is known), because the
+clients parse partial JSON as it arrives. ``usage.cache_read_input_tokens`` is the prompt served from the prefix cache
 and ``input_tokens`` the rest (Anthropic's accounting).
 """
 from __future__ import annotations
@@ -119,6 +121,7 @@ async def _stream(gen: Generation, prompt: Prompt, mid: str, model: str):
                                             "cache_creation_input_tokens": 0})
     yield sse({"type": "message_start", "message": start}, "message_start")
     index, kind, n_tools = -1, None, 0
+    args: list[str] = []
 
     def open_block(block: dict):
         return sse({"type": "content_block_start", "index": index, "content_block": block},
@@ -154,8 +157,13 @@ async def _stream(gen: Generation, prompt: Prompt, mid: str, model: str):
                 yield open_block({"type": "tool_use", "id": new_id("toolu_"), "name": ev.name,
                                   "input": {}})
             elif isinstance(ev, ToolArgs):
-                yield delta({"type": "input_json_delta", "partial_json": ev.text})
+                args.append(ev.text)
             elif isinstance(ev, ToolEnd):
+                # one validated input_json_delta per tool: clients parse the partial JSON as it
+                # arrives and a model's malformed arguments would break them mid-stream
+                whole = json.dumps(_input_object("".join(args)), ensure_ascii=False)
+                args.clear()
+                yield delta({"type": "input_json_delta", "partial_json": whole})
                 yield close_block()
                 kind = None
     except Exception as exc:  # the engine failed mid-stream: Anthropic's in-band error event

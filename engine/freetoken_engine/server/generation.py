@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from ..errors import RequestTooLong
+from ..executor.sampler import SamplingParams
 from .stops import StopMatcher
 
 #: Upper bound accepted for max_tokens before clamping to the context (anything larger is a typo).
@@ -98,8 +99,6 @@ def start_generation(service, prompt_ids: list[int], opts: GenOptions, *, metric
                      endpoint: str = "", t_arrival: float | None = None) -> Generation:
     """Budget check, submit, and wrap. Raises RequestTooLong (413), QueueFull (429),
     InvalidRequest (400) from the engine; nothing has been sent to the client yet."""
-    from ..scheduler.service import SamplingParams   # the lead's module; imported late on purpose
-
     n = len(prompt_ids)
     room = service.max_context - n
     if room < 1:

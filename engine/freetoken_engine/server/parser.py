@@ -124,14 +124,14 @@ class OutputParser:
         self.buf += text
         out: list[Event] = []
         while self.buf:
-            before = (self.mode, len(self.buf))
+            before = (self.mode, len(self.buf), self._started)
             if self.mode == "content":
                 self._step_content(out)
             elif self.mode == "reasoning":
                 self._step_reasoning(out)
             else:
                 self._step_tool(out)
-            if (self.mode, len(self.buf)) == before:
+            if (self.mode, len(self.buf), self._started) == before:
                 break          # waiting for more text to decide a partial tag
         return out
 
@@ -193,39 +193,35 @@ class OutputParser:
             self.buf = self.buf[len(self.buf) - keep:]
 
     def _step_tool(self, out: list[Event]) -> None:
+        if self._started and not self._args_done:
+            # inside the arguments value: its JSON decides where it ends, so a "</tool_call>"
+            # inside a JSON string is argument text, not the closing tag
+            n = self._args_end.feed(self.buf)
+            if n:
+                out.append(ToolArgs(self.n_tools, self.buf[:n]))
+                self._body += self.buf[:n]
+            self.buf, self._args_done = self.buf[n:], self._args_end.done
+            return
         at = self.buf.find(TOOL_CLOSE)
+        upto = at if at != -1 else len(self.buf) - _partial_tag(self.buf, (TOOL_CLOSE,))
+        if not self._started:
+            head = _HEAD.match(self._body + self.buf[:upto])
+            if head is not None:
+                used = head.end() - len(self._body)
+                self._body += self.buf[:used]
+                self.buf = self.buf[used:]
+                self._started, self._args_end = True, _JsonValueEnd()
+                out.append(ToolStart(self.n_tools, _unquote(head.group(1))))
+                return
+        self._body += self.buf[:upto]
         if at != -1:
-            piece, self.buf = self.buf[:at], self.buf[at + len(TOOL_CLOSE):]
-            self._tool_text(piece, out)
+            self.buf = self.buf[at + len(TOOL_CLOSE):]
             self._close_tool(out, complete=True)
             self.mode, self._strip_ws = "content", True
-            return
-        keep = _partial_tag(self.buf, (TOOL_CLOSE,))
-        if len(self.buf) > keep:
-            self._tool_text(self.buf[: len(self.buf) - keep], out)
-            self.buf = self.buf[len(self.buf) - keep:]
+        else:
+            self.buf = self.buf[upto:]
 
     # -- tool calls ------------------------------------------------------------------------
-    def _tool_text(self, text: str, out: list[Event]) -> None:
-        self._body += text
-        if not self._started:
-            head = _HEAD.match(self._body)
-            if head is None:
-                return
-            try:
-                name = json.loads(f'"{head.group(1)}"')
-            except ValueError:
-                return
-            self._started, self._args_end = True, _JsonValueEnd()
-            out.append(ToolStart(self.n_tools, name))
-            text = self._body[head.end():]
-        if self._args_done or self._args_end is None or not text:
-            return
-        n = self._args_end.feed(text)
-        if n:
-            out.append(ToolArgs(self.n_tools, text[:n]))
-        self._args_done = self._args_end.done
-
     def _close_tool(self, out: list[Event], *, complete: bool) -> None:
         if self._started:
             out.append(ToolEnd(self.n_tools))
@@ -241,6 +237,13 @@ class OutputParser:
                         ToolEnd(self.n_tools)]
                 self.n_tools += 1
         self._body, self._started, self._args_end, self._args_done = "", False, None, False
+
+
+def _unquote(raw: str) -> str:
+    try:
+        return json.loads(f'"{raw}"')
+    except ValueError:
+        return raw
 
 
 def _parse_whole(body: str) -> tuple[str, str] | None:

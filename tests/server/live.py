@@ -1,0 +1,96 @@
+"""Live servers on loopback for the API tests: uvicorn in a thread, one per test module.
+
+``live_server(service, **config)`` starts the real FastAPI app around an EngineService on an
+ephemeral port and yields a ``Live`` with the base URL and ready-made official clients.
+"""
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anthropic
+import openai
+import uvicorn
+
+from freetoken_engine.server.app import ServerConfig, create_app
+
+API_KEY = "test-key"
+
+
+@dataclass
+class Live:
+    url: str
+    app: object
+    service: object
+
+    @property
+    def model(self) -> str:
+        return self.app.state.config.served_model_name or self.service.model_name
+
+    def openai(self, **kw) -> openai.OpenAI:
+        kw.setdefault("api_key", API_KEY)
+        return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=60, **kw)
+
+    def anthropic(self, **kw) -> anthropic.Anthropic:
+        kw.setdefault("api_key", API_KEY)
+        return anthropic.Anthropic(base_url=self.url, max_retries=0, timeout=60, **kw)
+
+
+class _Server:
+    def __init__(self, app):
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0,
+                                                    log_level="warning", lifespan="off"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> int:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.01)
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+def live_server(service, **config):
+    """Context manager: a started server around ``service``; yields ``Live``."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def _cm():
+        app = create_app(service, ServerConfig(**config))
+        with _Server(app) as port:
+            yield Live(f"http://127.0.0.1:{port}", app, service)
+    return _cm()
+
+
+
+def wait_ready(service, timeout=120.0):
+    deadline = time.monotonic() + timeout
+    while service.health()["status"] == "loading":
+        if time.monotonic() > deadline:
+            raise TimeoutError("engine did not load")
+        time.sleep(0.05)
+    h = service.health()
+    if h["status"] != "ok":
+        raise RuntimeError(f"engine failed: {h}")
+    return service
+
+
+def start_service(model_dir: Path, **options):
+    try:
+        from freetoken_engine.config import EngineConfig
+        from freetoken_engine.scheduler.service import EngineService
+    except ImportError:
+        from scripted import ScriptedService as StandinService  # TEMPORARY until the scheduler lands
+        from freetoken_engine.models.tokenizer import Tokenizer
+        return StandinService(Tokenizer(model_dir), **{k: v for k, v in options.items()
+                                                      if k in ("max_context", "queue_limit")})
+    return wait_ready(EngineService.start(EngineConfig(model=model_dir, **options)))
