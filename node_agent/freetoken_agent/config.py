@@ -32,6 +32,7 @@ ENV = {
     "FREETOKEN_AGENT_CALIBRATE_ON_START": "1: measure at start when nothing is cached (default); 0: never",
     "FREETOKEN_AGENT_BACKOFF_MAX_SECONDS": "longest wait between engine restarts (60)",
     "FREETOKEN_AGENT_HEALTH_INTERVAL_SECONDS": "engine health-check period (1)",
+    "FREETOKEN_AGENT_ADMIN_TOKEN": "the engines' /admin token (default: a random one per engine)",
 }
 
 
@@ -79,6 +80,7 @@ class AgentConfig:
     calibrate_on_start: bool = True
     backoff_max: float = 60.0
     health_interval: float = 1.0
+    admin_token: str | None = None
 
     def __post_init__(self) -> None:
         if not self.node_name:
@@ -134,6 +136,8 @@ def from_env(env: dict | None = None, **cli) -> AgentConfig:
         given["address"] = env["NODE_IP"]
     if env.get("FREETOKEN_AGENT_ENGINE_COMMAND"):
         given["engine_command"] = tuple(shlex.split(env["FREETOKEN_AGENT_ENGINE_COMMAND"]))
+    if env.get("FREETOKEN_AGENT_ADMIN_TOKEN"):
+        given["admin_token"] = env["FREETOKEN_AGENT_ADMIN_TOKEN"]
     if env.get("FREETOKEN_AGENT_SIMULATED_GPU"):
         given["simulated_gpu"] = env["FREETOKEN_AGENT_SIMULATED_GPU"]
     return AgentConfig(

@@ -43,6 +43,7 @@ class LaunchConfig:
     failure_threshold: int = 3
     backoff_initial: float = 1.0
     backoff_max: float = 60.0
+    admin_token: str | None = None  # None: a fresh random token per engine
     stable_seconds: float = 60.0
     stop_timeout: float = 15.0
 
@@ -99,7 +100,7 @@ class Replica:
         self.assignment = assignment
         self.launch = launch
         self.api_key = api_key
-        self.admin_token = secrets.token_urlsafe(24)
+        self.admin_token = launch.admin_token or secrets.token_urlsafe(24)
         self.port = assignment.port + launch.port_offset
         self.endpoint = f"http://{launch.address}:{self.port}"
         self.client = EngineClient(f"http://{_loopback_for(launch.bind_host)}:{self.port}",
