@@ -25,6 +25,14 @@ namespace {
 
 inline void cpu_pause() { __builtin_ia32_pause(); }
 
+// One step of a wait loop: pause a while, then yield, so a waiter that shares its CPU with the
+// thread it waits for (more runnable threads than CPUs) hands the CPU over instead of burning
+// its whole time slice.
+inline void wait_step(int& it) {
+  if (++it < 256) cpu_pause();
+  else sched_yield();
+}
+
 double now_s() {
   timespec ts;
   clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -101,8 +109,8 @@ void worker_main(Pool* P, int tid, int cpu) {
     int it = 0;
     while ((g = P->gen.load()) == seen) {
       if (P->stop.load()) return;
-      cpu_pause();
-      if ((++it & 255) == 0 && now_s() - t0 > 1e-6 * P->spin_us) {
+      wait_step(it);
+      if ((it & 255) == 0 && now_s() - t0 > 1e-6 * P->spin_us) {
         std::unique_lock<std::mutex> lk(P->m);
         P->sleepers.fetch_add(1);
         P->cv.wait(lk, [&] { return P->gen.load() != seen || P->stop.load(); });
@@ -146,7 +154,8 @@ void pool_run(Pool* P, job_fn fn, void* ctx) {
     P->cv.notify_all();
   }
   fn(ctx, 0, P->n);
-  while (P->done.load(std::memory_order_acquire) < P->n - 1) cpu_pause();
+  int it = 0;
+  while (P->done.load(std::memory_order_acquire) < P->n - 1) wait_step(it);
 }
 
 // Global state, guarded by g_call (a call holds it for its whole duration).
@@ -171,27 +180,31 @@ struct ExpJob {
   const FtProblem* p;
   ft_stage_fn s1, s2;
   int64_t ch1, per1, tot1, ch2, per2, tot2;
-  std::atomic<int64_t> next1{0}, next2{0};
-  std::atomic<int> arrived{0};
+  int64_t* done1;                  // [n_groups] finished stage-1 chunks per group
+  std::atomic<int64_t> next{0};
 };
 
+// One queue of chunks: every group's stage 1, then every group's stage 2. A stage-2 chunk waits
+// only for its own group's stage 1 (long finished, except for the last groups), so threads flow
+// from one stage into the next without a global barrier.
 void exp_job(void* c, int tid, int n) {
-  (void)tid;
+  (void)tid; (void)n;
   ExpJob* J = (ExpJob*)c;
   const FtProblem* p = J->p;
   for (;;) {
-    const int64_t k = J->next1.fetch_add(1, std::memory_order_relaxed);
-    if (k >= J->tot1) break;
-    const int64_t g = k / J->per1, r0 = (k % J->per1) * J->ch1;
-    J->s1(p, g, r0, r0 + J->ch1 < p->I ? r0 + J->ch1 : p->I);
-  }
-  J->arrived.fetch_add(1, std::memory_order_acq_rel);  // stage 2 reads every stage-1 result
-  while (J->arrived.load(std::memory_order_acquire) < n) cpu_pause();
-  for (;;) {
-    const int64_t k = J->next2.fetch_add(1, std::memory_order_relaxed);
-    if (k >= J->tot2) break;
-    const int64_t g = k / J->per2, r0 = (k % J->per2) * J->ch2;
-    J->s2(p, g, r0, r0 + J->ch2 < p->H ? r0 + J->ch2 : p->H);
+    const int64_t k = J->next.fetch_add(1, std::memory_order_relaxed);
+    if (k < J->tot1) {
+      const int64_t g = k / J->per1, r0 = (k % J->per1) * J->ch1;
+      J->s1(p, g, r0, r0 + J->ch1 < p->I ? r0 + J->ch1 : p->I);
+      __atomic_fetch_add(&J->done1[g], 1, __ATOMIC_RELEASE);
+    } else if (k < J->tot1 + J->tot2) {
+      const int64_t g = (k - J->tot1) / J->per2, r0 = ((k - J->tot1) % J->per2) * J->ch2;
+      int it = 0;
+      while (__atomic_load_n(&J->done1[g], __ATOMIC_ACQUIRE) < J->per1) wait_step(it);
+      J->s2(p, g, r0, r0 + J->ch2 < p->H ? r0 + J->ch2 : p->H);
+    } else {
+      return;
+    }
   }
 }
 
@@ -218,7 +231,7 @@ void read_job(void* c, int tid, int n) {
   J->sink.fetch_xor(acc, std::memory_order_relaxed);
 }
 
-std::vector<int64_t> s_cnt, s_gexp, s_gstart, s_gcount, s_sorted;
+std::vector<int64_t> s_done1, s_cnt, s_gexp, s_gstart, s_gcount, s_sorted;
 std::vector<float> s_xf, s_act;
 std::vector<uint16_t> s_actb;
 
@@ -326,6 +339,8 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
   J.per2 = (H + J.ch2 - 1) / J.ch2;
   J.tot1 = J.per1 * p.n_groups;
   J.tot2 = J.per2 * p.n_groups;
+  s_done1.assign(p.n_groups, 0);
+  J.done1 = s_done1.data();
   pool_run(pool_get(), exp_job, &J);
   return 0;
 }
