@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 class Agent:
     def __init__(self, cfg: AgentConfig, metrics: AgentMetrics | None = None) -> None:
         self.cfg = cfg
-        self.metrics = metrics or AgentMetrics()
+        self.metrics = metrics or AgentMetrics(cfg.node_name)
         self.replicas: dict[str, Replica] = {}
         self._view: tuple[Replica, ...] = ()  # immutable copy for other threads
         self.controller = PressureController(cfg.policy, lambda: self._view, self.metrics,
@@ -127,7 +127,7 @@ class Agent:
             await self._push_calibration(r, self.calibration)
 
     def _on_restart(self, r: Replica) -> None:
-        self.metrics.restarts.labels(r.key).inc()
+        self.metrics.restart(r.key)
 
     async def reconcile(self) -> None:
         desired = await self.desired()
@@ -175,7 +175,7 @@ class Agent:
         except (EngineUnreachable, CalibrationError, OSError) as exc:
             log.warning("calibration failed: %s", exc)
             return
-        self.metrics.calibrations.labels(source).inc()
+        self.metrics.calibration(source)
         self.calibration = result
         self.calibration_cache.save(self.host_config, result)
         await asyncio.gather(*(self._push_calibration(r, result) for r in ready))
@@ -213,9 +213,9 @@ class Agent:
     async def report(self) -> None:
         try:
             await self.reporter.patch_status(to_status(self.snapshot()))
-            self.metrics.heartbeats.labels("ok").inc()
+            self.metrics.heartbeat(True)
         except KubeError as exc:
-            self.metrics.heartbeats.labels("error").inc()
+            self.metrics.heartbeat(False)
             log.warning("status update failed: %s", exc)
 
     async def _heartbeat_loop(self) -> None:

@@ -59,27 +59,42 @@ REACTION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class AgentMetrics:
-    """The event metrics and the registry everything is exposed from."""
+    """The event metrics and the registry everything is exposed from. Every event metric
+    carries the ``node`` label too, like the state metrics, so fleet queries need no join."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, node: str, registry: CollectorRegistry | None = None) -> None:
+        self.node = node
         self.registry = registry or CollectorRegistry()
-        self.pressure_events = Counter(
-            P + "pressure_events", "Cache resizes decided by the pressure policy.",
-            ["action"], registry=self.registry)  # exposed as ..._total
-        self.reaction = Histogram(
+        r = self.registry
+        self._pressure_events = Counter(P + "pressure_events", "Cache resizes decided by the pressure policy.",
+                                        ["node", "action"], registry=r)  # exposed as ..._total
+        self._reaction = Histogram(
             P + "pressure_reaction_seconds",
             "From reading memory below the headroom to every engine reporting its smaller cache.",
-            buckets=REACTION_BUCKETS, registry=self.registry)
-        self.restarts = Counter(P + "engine_restarts", "Engine processes restarted after a failure.",
-                                ["model"], registry=self.registry)
-        self.calibrations = Counter(P + "calibrations", "Calibration measurements taken.",
-                                    ["source"], registry=self.registry)
-        self.heartbeats = Counter(P + "heartbeats", "FreeTokenNode status updates written.",
-                                  ["result"], registry=self.registry)
+            ["node"], buckets=REACTION_BUCKETS, registry=r)
+        self._restarts = Counter(P + "engine_restarts", "Engine processes restarted after a failure.",
+                                 ["node", "model"], registry=r)
+        self._calibrations = Counter(P + "calibrations", "Calibration measurements taken.",
+                                     ["node", "source"], registry=r)
+        self._heartbeats = Counter(P + "heartbeats", "FreeTokenNode status updates written.",
+                                   ["node", "result"], registry=r)
         for action in ("shrink", "grow"):
-            self.pressure_events.labels(action)  # export zeros before the first event
+            self._pressure_events.labels(node, action)  # export zeros before the first event
         for result in ("ok", "error"):
-            self.heartbeats.labels(result)
+            self._heartbeats.labels(node, result)
+        self.reaction = self._reaction.labels(node)
+
+    def pressure_event(self, action: str) -> None:
+        self._pressure_events.labels(self.node, action).inc()
+
+    def restart(self, model: str) -> None:
+        self._restarts.labels(self.node, model).inc()
+
+    def calibration(self, source: str) -> None:
+        self._calibrations.labels(self.node, source).inc()
+
+    def heartbeat(self, ok: bool) -> None:
+        self._heartbeats.labels(self.node, "ok" if ok else "error").inc()
 
     def attach(self, snapshot: Callable[[], NodeSnapshot | None],
                engines: Callable[[], Iterable[tuple[str, Callable[[], str]]]]) -> None:

@@ -130,7 +130,7 @@ class PressureController:
         if decision.targets:
             by_key = {r.key: r for r in members}
             await asyncio.gather(*(self._resize(by_key[k], v) for k, v in decision.targets.items()))
-            self._metrics.pressure_events.labels(decision.action).inc()
+            self._metrics.pressure_event(decision.action)
             if decision.action == "shrink":
                 self.last_reaction_seconds = time.monotonic() - t0
                 self._metrics.reaction.observe(self.last_reaction_seconds)

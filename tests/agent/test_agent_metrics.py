@@ -45,7 +45,9 @@ async def test_scrape_reads_live_state(tmp_path):
     assert s["freetoken_agent_pcie_bytes_per_second"][0][1] == 48.6e9
     assert s["freetoken_agent_fill_fraction"][0][1] == 0.7
     assert s["freetoken_agent_memory_pressure"][0][1] == 0.0
-    assert s["freetoken_agent_pressure_events_total"]  # zeros exported before the first event
+    # zeros exported before the first event, labelled by node like every agent metric
+    assert {(lab["node"], lab["action"], v) for lab, v in s["freetoken_agent_pressure_events_total"]} == {
+        ("n1", "shrink", 0.0), ("n1", "grow", 0.0)}
     # collectors read at scrape time: change the world, scrape again, no agent code in between
     gpu.write_text(json.dumps({"name": "Sim", "total_bytes": 10 << 30, "foreign_bytes": 5 << 30}))
     import os
