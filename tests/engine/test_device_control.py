@@ -95,3 +95,15 @@ def test_fill_fraction_is_validated():
     ctl = DeviceControl.from_cache(dev)
     with pytest.raises(ValueError, match="fill_fraction"):
         ctl.set_fill_fraction(1.5)
+
+
+def test_layer_streamer_on_cpu_returns_bank_views():
+    from freetoken_engine.cache.prefetch import LayerStreamer, _runs
+    bank = _bank(2)
+    streamer = LayerStreamer(bank, "cpu")
+    for layer in (0, 2, 1):
+        w13, w2 = streamer.layer(layer)
+        assert w13.data_ptr() == bank.w13[layer].data_ptr() and w2.data_ptr() == bank.w2[layer].data_ptr()
+    with pytest.raises(ValueError, match="out of range"):
+        streamer.layer(LAYERS)
+    assert _runs(torch.tensor([True, True, False, True, False, False, True])) == [(0, 2), (3, 4), (6, 7)]

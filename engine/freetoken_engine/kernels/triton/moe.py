@@ -117,15 +117,16 @@ def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, bloc
                  mask=valid[:, None] & nmask[None, :])
 
 
-def block_table(pair_slot: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_table(pair_slot: torch.Tensor, block_m: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Group pairs by slot into tiles of ``block_m`` rows, on the device, without a host sync.
 
     Returns ``block_rows [NB, block_m]`` (pair indices, -1 padded) and ``block_slot [NB]`` (-1 for
-    unused blocks), with NB = ceil(P / block_m) + P, an upper bound on the blocks needed.
+    unused blocks), with NB = ceil(P / block_m) + min(P, slots + 1), an upper bound on the blocks
+    needed (each distinct slot, and the CPU pairs' group, adds at most one partial block).
     """
     p = pair_slot.numel()
     dev = pair_slot.device
-    nb = triton.cdiv(p, block_m) + p
+    nb = triton.cdiv(p, block_m) + min(p, slots + 1)
     big = torch.iinfo(torch.int64).max
     key = torch.where(pair_slot >= 0, pair_slot.long(), big)
     sorted_slot, order = torch.sort(key, stable=True)
@@ -188,7 +189,7 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
         bn1, bk1, bn2, bk2, warps = 32, 128, 64, 128, 4
     else:
         bm = 64
-        rows, slots = block_table(pair_slot, bm)
+        rows, slots = block_table(pair_slot, bm, s)
         nb = slots.numel()
         bn1, bk1, bn2, bk2, warps = 64, 64, 128, 64, 8
     block_p = next_pow2(p) if in_kernel else 1

@@ -1,0 +1,619 @@
+"""GPU offload benchmark: decode and prefill of the MoE layers against the bandwidth bounds.
+
+Runs on one NVIDIA GPU (the project's H200). Random bf16 weights in the exact expert shapes of
+Qwen3-30B-A3B (48 MoE layers, 128 experts, top-8, H 2048, I 768) and of Qwen3.6-35B-A3B's MoE
+layers (40 layers, 256 experts, top-8, H 2048, I 512, one shared expert), generated in memory
+into a pinned host bank. Only the MoE layers run: the non-expert compute (attention, norms,
+router, LM head) is excluded; a token's hidden state still passes from layer to layer (an RMS
+normalisation of the MoE output) so that the CPU branch sits on the critical path as it would.
+
+Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 GB cards:
+  (a) all     every expert resident on the GPU (the ceiling; budget independent)
+  (b) static  whole layers resident as the budget allows, the other layers' experts computed on
+              the CPU (the policy of llama.cpp's --n-cpu-moe)
+  (c) lru     global LRU cache, every miss filled over PCIe (q = m)
+  (d) lru+q*  global LRU cache, q* of the misses filled, the rest computed on the CPU meanwhile
+Routing: uniform random (worst case) and a locality model (per-layer Zipf popularity, each of
+the previous token's experts kept with probability `overlap`). Decode at batch 1 and 4;
+prefill at 4k/8k/16k tokens with the double-buffered streamer vs a single buffer.
+
+Bandwidth-model bound of each row, per token, summed over layers, from the counts the row
+measured: (a) active bytes / B_hbm; (b) GPU layers' active bytes / B_hbm + CPU layers' active
+bytes / B_cpu; (c) filled bytes / B_pcie + active bytes / B_hbm; (d) per layer
+max(filled / B_pcie, cpu bytes / B_cpu) + GPU-computed bytes / B_hbm, with B_pcie and B_cpu
+measured while both run at once. Prefill bound: bytes over PCIe / B_pcie.
+
+Usage: python bench/gpu_offload.py [--quick] [--out bench/results/gpu_offload.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "engine"))
+
+def _engine_package() -> None:
+    """Import the engine package; where its __init__ cannot load here (it pulls the whole
+    engine: tokenizers, models), register the bare package so cache/ and kernels/ still import."""
+    try:
+        import freetoken_engine  # noqa: F401
+    except ImportError as exc:
+        import types
+        pkg = types.ModuleType("freetoken_engine")
+        pkg.__path__ = [str(ROOT / "engine/freetoken_engine")]
+        sys.modules["freetoken_engine"] = pkg
+        print(f"note: freetoken_engine/__init__ not importable here ({exc}); loading its submodules only")
+
+
+_engine_package()
+from freetoken_engine.cache.bank import ExpertBank  # noqa: E402
+from freetoken_engine.cache.device_control import DeviceControl  # noqa: E402
+from freetoken_engine.cache.prefetch import LayerStreamer  # noqa: E402
+from freetoken_engine.kernels.triton.gather import gather_fill_rows  # noqa: E402
+from freetoken_engine.kernels.triton.moe import moe_slots_forward  # noqa: E402
+
+CUDA = torch.device("cuda")
+
+
+# ---------------------------------------------------------------------------------------------
+# Models, bank, routing
+# ---------------------------------------------------------------------------------------------
+def _model(layers, experts, top_k, hidden, inter, shared_inter, non_expert_bytes):
+    return {"layers": layers, "experts": experts, "top_k": top_k, "hidden": hidden, "inter": inter,
+            "shared_inter": shared_inter, "non_expert_bytes": non_expert_bytes,
+            "expert_bytes": 3 * hidden * inter * 2}
+
+
+MODELS = {   # shapes and non-expert bytes: ../shared/LIMITS.md (verified on the meta device)
+    "qwen3-30b-a3b": _model(48, 128, 8, 2048, 768, 0, 2.46e9),
+    "qwen3.6-35b-a3b": _model(40, 256, 8, 2048, 512, 512, 3.9e9),
+}
+
+
+class Bank(ExpertBank):
+    """The engine's ExpertBank, filled with random bf16 (a tiled 256 MB random block: contents
+    do not change any timing) and pinned in place; plus the shared expert on the GPU."""
+
+    def __init__(self, model: dict):
+        super().__init__(model["layers"], model["experts"], model["hidden"], model["inter"], torch.bfloat16)
+        self.model = model
+        block = (torch.randn(1 << 27) * 0.02).to(torch.bfloat16)
+        for t in (self.w13, self.w2):
+            flat = t.view(-1)
+            for i in range(0, flat.numel(), block.numel()):
+                n = min(block.numel(), flat.numel() - i)
+                flat[i:i + n].copy_(block[:n])
+        self.pin()
+        self.bytes = self.w13.nbytes + self.w2.nbytes
+        si = model["shared_inter"]
+        self.shared = None
+        if si:
+            L, H = model["layers"], model["hidden"]
+            self.shared = ((torch.randn(L, 2 * si, H, device=CUDA) * 0.02).to(torch.bfloat16),
+                           (torch.randn(L, H, si, device=CUDA) * 0.02).to(torch.bfloat16))
+        self.shared_bytes = 3 * model["hidden"] * si * 2
+        self._all = None
+
+    def all_resident(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole bank on the GPU as a slot pool [L*E, ...] (slot = layer * E + expert)."""
+        if self._all is None:
+            self._all = (self.w13.view(-1, *self.w13.shape[2:]).to(CUDA),
+                         self.w2.view(-1, *self.w2.shape[2:]).to(CUDA))
+        return self._all
+
+    def free(self) -> None:
+        self._all = None
+        rt = torch.cuda.cudart()
+        for t in (self.w13, self.w2):
+            if self.pinned:
+                rt.cudaHostUnregister(t.data_ptr())
+        self.w13 = self.w2 = None
+        torch.cuda.empty_cache()
+
+
+def routing_params(root: Path) -> dict:
+    """Locality-model parameters: the default model's measured routing statistics when
+    bench/results/default_model.json has them, otherwise documented assumed values."""
+    params = {"zipf": 0.8, "overlap": 0.4, "source": "assumed (bench/results/default_model.json absent)"}
+    path = root / "bench/results/default_model.json"
+    if not path.exists():
+        return params
+    found = {}
+
+    def walk(obj, prefix=""):
+        if isinstance(obj, dict):
+            for k, v in obj.items():
+                walk(v, f"{prefix}.{k}" if prefix else k)
+        elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+            low = prefix.lower()
+            if "zipf" in low and "zipf" not in found:
+                found["zipf"] = (float(obj), prefix)
+            if "overlap" in low and "overlap" not in found and 0 <= obj <= 1:
+                found["overlap"] = (float(obj), prefix)
+
+    walk(json.loads(path.read_text()))
+    for key, (value, where) in found.items():
+        params[key] = value
+        params[f"{key}_from"] = where
+    params["source"] = f"bench/results/default_model.json ({', '.join(found) or 'no usable fields'}; rest assumed)"
+    return params
+
+
+def make_routing(model: dict, n_tok: int, batch: int, kind: str, params: dict, seed: int) -> torch.Tensor:
+    """Top-k expert ids ``[n_tok, L, batch, k]`` (host int64), distinct within each row."""
+    L, E, k = model["layers"], model["experts"], model["top_k"]
+    g = torch.Generator().manual_seed(seed)
+    if kind == "uniform":
+        return torch.rand(n_tok, L, batch, E, generator=g).argsort(-1)[..., :k].contiguous()
+    ranks = torch.arange(1, E + 1, dtype=torch.float64) ** -params["zipf"]
+    pop = torch.stack([ranks[torch.randperm(E, generator=g)] for _ in range(L)])        # [L, E]
+    out = torch.empty(n_tok, L, batch, k, dtype=torch.int64)
+    for b in range(batch):
+        prev = None
+        for t in range(n_tok):
+            w = pop.clone()
+            if prev is None:
+                out[t, :, b] = torch.multinomial(w, k, generator=g)
+            else:
+                keep = torch.rand(L, k, generator=g) < params["overlap"]                # [L, k]
+                order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
+                kept = torch.gather(prev, 1, order)                                      # kept first
+                n_keep = keep.sum(1, keepdim=True)
+                w.scatter_(1, prev, torch.where(keep, 0.0, w.gather(1, prev)))             # kept: not redrawn
+                new = torch.multinomial(w, k, generator=g)
+                j = torch.arange(k)[None, :]
+                out[t, :, b] = torch.where(j < n_keep, kept, torch.gather(new, 1, (j - n_keep).clamp(min=0)))
+            prev = out[t, :, b]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Bandwidths
+# ---------------------------------------------------------------------------------------------
+def _events_seconds(fn, reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def bandwidths(bank: Bank, cpu_fn) -> dict:
+    """GB/s (1e9 B/s): pinned H2D DMA of expert rows, the gather kernel's fills (GPU reading the
+    pinned bank), HBM copy (read + write counted), the CPU expert kernel on one token and 8
+    experts, and the gather kernel and CPU kernel running at once; q* from the concurrent pair."""
+    m = bank.model
+    L, E, se = m["layers"], m["experts"], m["expert_bytes"]
+    n = 8
+    d13 = torch.empty((n, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+    d2 = torch.empty((n, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+    counter = [0]
+
+    def dma():
+        layer = counter[0] % L
+        counter[0] += 1
+        for i in range(n):
+            d13[i].copy_(bank.w13[layer, i], non_blocking=True)
+            d2[i].copy_(bank.w2[layer, i], non_blocking=True)
+
+    fill_exp = torch.arange(n, device=CUDA) + 16
+    fill_slot = torch.arange(n, device=CUDA)
+
+    def gather():
+        layer = counter[0] % L
+        counter[0] += 1
+        gather_fill_rows(bank.w13, bank.w2, d13, d2, layer, fill_exp, fill_slot)
+
+    dma(); gather(); torch.cuda.synchronize()
+    pcie = max(n * se * 24 / _events_seconds(dma, 24) for _ in range(2)) / 1e9
+    gat = max(n * se * 24 / _events_seconds(gather, 24) for _ in range(2)) / 1e9
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=CUDA)
+    big2 = torch.empty_like(big)
+    hbm = 2 * big.numel() * 20 / _events_seconds(lambda: big2.copy_(big), 20) / 1e9
+    del big, big2
+    x = torch.randn(1, m["hidden"]).to(torch.bfloat16)
+    tok = torch.zeros(n, dtype=torch.int64)
+
+    def cpu_once(i: int) -> None:
+        layer = i % L
+        cpu_fn(x, bank.w13[layer], bank.w2[layer], tok, torch.arange(n) + 32 + (i // L) % (E - 40))
+
+    cpu_once(0)
+    t0 = time.perf_counter()
+    for i in range(24):
+        cpu_once(i)
+    cpu = n * se * 24 / (time.perf_counter() - t0) / 1e9
+
+    def concurrent(gpu_fn, reps: int) -> tuple[float, float]:
+        """(GPU GB/s, CPU GB/s) with the CPU kernel looping in a thread during the GPU copies."""
+        stop, done = threading.Event(), [0, 0.0]
+
+        def cpu_loop():
+            t, i = time.perf_counter(), 0
+            while not stop.is_set():
+                cpu_once(i)
+                i += 1
+            done[0], done[1] = i, time.perf_counter() - t
+
+        th = threading.Thread(target=cpu_loop)
+        th.start()
+        time.sleep(0.05)
+        secs = _events_seconds(gpu_fn, reps)
+        stop.set()
+        th.join()
+        return n * se * reps / secs / 1e9, n * se * done[0] / done[1] / 1e9
+
+    pcie_c, cpu_c1 = concurrent(dma, 100)
+    gat_c, cpu_c = concurrent(gather, 100)
+    return {"pcie_h2d_gbps": pcie, "gather_fill_gbps": gat, "hbm_copy_gbps": hbm, "cpu_expert_gbps": cpu,
+            "concurrent_pcie_h2d_gbps": pcie_c, "concurrent_cpu_expert_gbps_with_dma": cpu_c1,
+            "concurrent_gather_fill_gbps": gat_c, "concurrent_cpu_expert_gbps": cpu_c,
+            "fill_fraction": gat_c / (gat_c + cpu_c), "expert_bytes": se}
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode
+# ---------------------------------------------------------------------------------------------
+class _Token:
+    """Static buffers of one decode configuration (stable addresses for CUDA graphs)."""
+
+    def __init__(self, bank: Bank, batch: int):
+        m = bank.model
+        self.T, self.k, self.L, self.E, self.H = batch, m["top_k"], m["layers"], m["experts"], m["hidden"]
+        self.bank = bank
+        self.P = batch * self.k
+        self.tok = torch.arange(batch, device=CUDA).repeat_interleave(self.k)
+        self.h_tok = self.tok.cpu()
+        self.x = torch.zeros(self.L + 1, batch, self.H, dtype=torch.bfloat16, device=CUDA)
+        self.x[0].copy_(torch.randn(batch, self.H))
+        self.rows = torch.zeros(self.L, self.P, self.H, dtype=torch.bfloat16, device=CUDA)
+        self.ids = torch.zeros(self.L, batch, self.k, dtype=torch.int64, device=CUDA)
+        self.h_ids_in = torch.zeros(self.L, batch, self.k, dtype=torch.int64).pin_memory()
+        self.shared_tok = torch.arange(batch, device=CUDA)
+        self.shared_slot = [torch.full((batch,), l, dtype=torch.int64, device=CUDA) for l in range(self.L)]
+
+    def load_ids(self, ids_t: torch.Tensor) -> None:
+        self.h_ids_in.copy_(ids_t)
+        self.ids.copy_(self.h_ids_in, non_blocking=True)
+
+    def combine(self, layer: int, rows: torch.Tensor) -> None:
+        """x[l+1] = RMS-normalised (mean over k of the pair rows + shared expert), fixed order."""
+        y = rows.view(self.T, self.k, self.H).float().sum(1) / self.k
+        if self.bank.shared is not None:
+            s13, s2 = self.bank.shared
+            y = y + moe_slots_forward(self.x[layer], s13, s2, self.shared_tok, self.shared_slot[layer]).float()
+        self.x[layer + 1].copy_(y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def _capture(fn) -> torch.cuda.CUDAGraph:
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int, bw: dict, cpu_fn) -> dict:
+    """Decode ``ids [n_tok, L, T, k]`` under ``policy``; time the tokens after ``warm``."""
+    m = bank.model
+    L, E, k, se = m["layers"], m["experts"], m["top_k"], m["expert_bytes"]
+    n_tok, batch = ids.shape[0], ids.shape[2]
+    st = _Token(bank, batch)
+    distinct = torch.tensor([[len(set(ids[t, l].flatten().tolist())) for l in range(L)] for t in range(n_tok)])
+    ctl = None
+    if policy in ("all", "static"):
+        pool13, pool2 = bank.all_resident()
+        n_gpu = L if policy == "all" else min(slots // E, L)
+        slots = n_gpu * E
+
+        def gpu_layers():
+            for l in range(n_gpu):
+                rows = moe_slots_forward(st.x[l], pool13, pool2, st.tok, st.ids[l].view(-1) + l * E, out=st.rows[l])
+                st.combine(l, rows)
+
+        ev = torch.cuda.Event()
+        h_x = torch.zeros(batch, m["hidden"], dtype=torch.bfloat16).pin_memory()
+        h_rows = torch.zeros(st.P, m["hidden"], dtype=torch.bfloat16).pin_memory()
+
+        def token(graph):
+            if graph is not None:
+                graph.replay()
+            else:
+                gpu_layers()
+            for l in range(n_gpu, L):                   # CPU layers: all their experts on the CPU
+                h_x.copy_(st.x[l], non_blocking=True)
+                ev.record()
+                ev.synchronize()
+                h_rows.copy_(cpu_fn(h_x, bank.w13[l], bank.w2[l], st.h_tok, st.h_ids_in[l].view(-1)))
+                st.rows[l].copy_(h_rows, non_blocking=True)
+                st.combine(l, st.rows[l])
+    else:
+        w13s = torch.empty((slots, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+        w2s = torch.empty((slots, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+        minus = lambda n: torch.full((n,), -1, dtype=torch.int64, device=CUDA)  # noqa: E731
+        ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots), minus(slots), 0,
+                            1.0 if policy == "lru" else bw["fill_fraction"])
+        if policy == "lru":
+            def gpu_layers():
+                for l in range(L):
+                    out = ctl.step(l, st.ids[l])
+                    st.combine(l, moe_slots_forward(st.x[l], w13s, w2s, st.tok, out.pair_slot, out=st.rows[l]))
+
+            def token(graph):
+                graph.replay() if graph is not None else gpu_layers()
+        else:
+            h_ps = torch.zeros(L, st.P, dtype=torch.int64).pin_memory()
+            h_x = torch.zeros(batch, m["hidden"], dtype=torch.bfloat16).pin_memory()
+            h_rows = torch.zeros(st.P, m["hidden"], dtype=torch.bfloat16).pin_memory()
+            d_rows = torch.zeros(st.P, m["hidden"], dtype=torch.bfloat16, device=CUDA)
+            gpu_rows = torch.zeros(st.P, m["hidden"], dtype=torch.bfloat16, device=CUDA)
+            ev = torch.cuda.Event()
+
+            def seg_a(l):              # control step; what the CPU branch needs goes to the host
+                out = ctl.step(l, st.ids[l], copy=False)
+                h_ps[l].copy_(out.pair_slot, non_blocking=True)
+                h_x.copy_(st.x[l], non_blocking=True)
+
+            def seg_b(l):              # fills over PCIe, then the GPU's experts
+                out = ctl.outputs(st.P)
+                gather_fill_rows(bank.w13, bank.w2, w13s, w2s, l, out.fill_exp, out.fill_slot)
+                moe_slots_forward(st.x[l], w13s, w2s, st.tok, out.pair_slot, out=gpu_rows)
+
+            def seg_c(l):              # CPU rows in, select per pair, reduce over k in fixed order
+                d_rows.copy_(h_rows, non_blocking=True)
+                sel = (ctl.outputs(st.P).pair_slot >= 0)[:, None]
+                st.rows[l].copy_(torch.where(sel, gpu_rows, d_rows))
+                st.combine(l, st.rows[l])
+
+            def token(graphs):
+                for l in range(L):
+                    graphs[l][0].replay() if graphs else seg_a(l)
+                    ev.record()
+                    graphs[l][1].replay() if graphs else seg_b(l)
+                    ev.synchronize()    # control step done: the CPU works while fills + GPU run
+                    cpu = h_ps[l] < 0
+                    if bool(cpu.any()):
+                        h_rows[cpu] = cpu_fn(h_x, bank.w13[l], bank.w2[l], st.h_tok[cpu], st.h_ids_in[l].view(-1)[cpu])
+                    graphs[l][2].replay() if graphs else seg_c(l)
+
+    st.load_ids(ids[0])
+    token(None)                                            # compiles every kernel; first warm token
+    torch.cuda.synchronize()
+    if policy == "lru+q*":
+        graphs = [[_capture(lambda f=f, l=l: f(l)) for f in (seg_a, seg_b, seg_c)] for l in range(L)]
+    elif policy == "static" and n_gpu == 0:
+        graphs = None
+    else:
+        graphs = _capture(gpu_layers)
+    for t in range(1, warm):
+        st.load_ids(ids[t])
+        token(graphs)
+    torch.cuda.synchronize()
+    before = ctl.counters() if ctl else None
+    t0 = time.perf_counter()
+    for t in range(warm, n_tok):
+        st.load_ids(ids[t])
+        token(graphs)
+    torch.cuda.synchronize()
+    secs = (time.perf_counter() - t0) / (n_tok - warm)
+    if not torch.isfinite(st.x[L].float()).all():
+        raise RuntimeError(f"{policy}: non-finite hidden state")
+    # bandwidth-model bound for this row's measured counts
+    hbm, pcie, cpu_b = bw["hbm_copy_gbps"] * 1e9, bw["pcie_h2d_gbps"] * 1e9, bw["cpu_expert_gbps"] * 1e9
+    d_meas = distinct[warm:].float()
+    shared_t = L * bank.shared_bytes * 1.0 / hbm
+    res = {"policy": policy, "cache_slots": slots, "cache_fraction": slots / (L * E), "seconds_per_step": secs,
+           "tok_s": batch / secs}
+    if policy in ("all", "static"):
+        n_gpu_l = slots // E
+        bound = (d_meas[:, :n_gpu_l].sum() * se / hbm + d_meas[:, n_gpu_l:].sum() * se / cpu_b) / (n_tok - warm)
+        res.update(miss_rate=float(d_meas[:, n_gpu_l:].sum() / d_meas.sum()), fills_per_step=0.0,
+                   cpu_experts_per_step=float(d_meas[:, n_gpu_l:].sum()) / (n_tok - warm), gpu_layers=n_gpu_l)
+    else:
+        after = ctl.counters()
+        c = {key: after[key] - before[key] for key in after}
+        steps = n_tok - warm
+        if policy == "lru":
+            bound = (c["fills"] * se / pcie + (c["hits"] + c["fills"]) * se / hbm) / steps
+        else:
+            # the misses split ideally between PCIe and the CPU, both at their concurrent rates
+            both = (bw["concurrent_pcie_h2d_gbps"] + bw["concurrent_cpu_expert_gbps"]) * 1e9
+            bound = (c["misses"] * se / both + (c["hits"] + c["fills"]) * se / hbm) / steps
+        res.update(miss_rate=c["misses"] / max(c["hits"] + c["misses"], 1), fills_per_step=c["fills"] / steps,
+                   cpu_experts_per_step=c["cpu_computed"] / steps, fill_fraction=ctl.fill_fraction)
+    bound = float(bound) + shared_t
+    res.update(bound_tok_s=batch / bound, fraction_of_bound=bound / secs)
+    del ctl
+    torch.cuda.empty_cache()
+    return res
+
+
+# ---------------------------------------------------------------------------------------------
+# Prefill
+# ---------------------------------------------------------------------------------------------
+def prefill_row(bank: Bank, seq: int, mode: str, bw: dict) -> dict:
+    """One prefill pass of ``seq`` tokens over every MoE layer, uniform routing (prefill touches
+    nearly every expert anyway). ``double``: LayerStreamer (copy stream, two layer buffers);
+    ``single``: one buffer, each layer copied then computed on the same stream."""
+    m = bank.model
+    L, E, k, H = m["layers"], m["experts"], m["top_k"], m["hidden"]
+    g = torch.Generator(device=CUDA).manual_seed(seq)
+    ids = torch.stack([torch.rand(seq, E, device=CUDA, generator=g).topk(k, dim=-1).indices.flatten()
+                       for _ in range(L)])                                                   # [L, seq*k]
+    tok = torch.arange(seq, device=CUDA).repeat_interleave(k)
+    shared_tok = torch.arange(seq, device=CUDA)
+    x0 = torch.randn(seq, H, device=CUDA, generator=g).to(torch.bfloat16)
+    if mode == "double":
+        if getattr(bank, "_streamer", None) is None:
+            bank._streamer = LayerStreamer(bank, CUDA)
+        streamer = bank._streamer
+    else:
+        buf = (torch.empty(bank.w13.shape[1:], dtype=torch.bfloat16, device=CUDA),
+               torch.empty(bank.w2.shape[1:], dtype=torch.bfloat16, device=CUDA))
+
+    def weights(layer: int):
+        if mode == "double":
+            return streamer.layer(layer)
+        buf[0].copy_(bank.w13[layer], non_blocking=True)
+        buf[1].copy_(bank.w2[layer], non_blocking=True)
+        return buf
+
+    def run(n_layers: int, tokens: int) -> torch.Tensor:
+        x = x0[:tokens]
+        for layer in range(n_layers):
+            w13, w2 = weights(layer)
+            rows = moe_slots_forward(x, w13, w2, tok[:tokens * k], ids[layer, :tokens * k])
+            y = rows.view(tokens, k, H).float().sum(1) / k
+            if bank.shared is not None:
+                s13, s2 = bank.shared
+                y = y + moe_slots_forward(x, s13, s2, shared_tok[:tokens],
+                                          torch.full((tokens,), layer, device=CUDA)).float()
+            x = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+        return x
+
+    run(2, 256)                                   # compiles the kernels
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    x = run(L, seq)
+    torch.cuda.synchronize()
+    secs = time.perf_counter() - t0
+    if not torch.isfinite(x.float()).all():
+        raise RuntimeError("prefill: non-finite hidden state")
+    pcie_bytes = bank.bytes
+    bound = pcie_bytes / (bw["pcie_h2d_gbps"] * 1e9)
+    return {"tokens": seq, "mode": mode, "seconds": secs, "tok_s": seq / secs, "pcie_bytes": pcie_bytes,
+            "bound_seconds": bound, "fraction_of_bound": bound / secs}
+
+
+GiB = 1 << 30
+
+
+def hardware() -> dict:
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    mem = next((int(ln.split()[1]) * 1024 for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), 0)
+    import triton
+    return {"gpu": torch.cuda.get_device_name(), "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory,
+            "cpu": cpu, "cpu_cores": os.cpu_count(), "ram_bytes": mem, "python": platform.python_version(),
+            "torch": torch.__version__, "triton": triton.__version__}
+
+
+def cache_slots(card_gib: float, model: dict) -> int:
+    """Expert-cache slots of a card: VRAM - non-expert weights - 1.5 GiB (KV cache, activations,
+    CUDA context)."""
+    free = card_gib * GiB - model["non_expert_bytes"] - 1.5 * GiB
+    return max(int(free // model["expert_bytes"]), 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="one model, one budget, few tokens (smoke test)")
+    ap.add_argument("--models", default="qwen3-30b-a3b,qwen3.6-35b-a3b")
+    ap.add_argument("--budgets", default="8,16,32")
+    ap.add_argument("--out", default=str(ROOT / "bench/results/gpu_offload.json"))
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    from freetoken_engine.kernels import cpu_expert_forward
+    cpu_name, cpu_fn = cpu_expert_forward()
+    result = {"benchmark": "gpu_offload", "hardware": hardware(), "cpu_expert_backend": cpu_name,
+              "method": __doc__, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+              "routing_locality": routing_params(ROOT), "bandwidth": {}, "decode": [], "prefill": []}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        out.write_text(json.dumps(result, indent=1))
+
+    names = args.models.split(",")[:1] if args.quick else args.models.split(",")
+    budgets = [16.0] if args.quick else [float(b) for b in args.budgets.split(",")]
+    for name in names:
+        model = MODELS[name]
+        t0 = time.time()
+        bank = Bank(model)
+        print(f"[{name}] bank {bank.bytes / 1e9:.1f} GB pinned in {time.time() - t0:.0f} s", flush=True)
+        bw = bandwidths(bank, cpu_fn)
+        result["bandwidth"][name] = bw
+        print(f"[{name}] " + ", ".join(f"{k} {v:.1f}" for k, v in bw.items() if isinstance(v, float)), flush=True)
+        save()
+        for seq in ([8192] if args.quick else [4096, 8192, 16384]):
+            for mode in ("double", "single"):
+                row = prefill_row(bank, seq, mode, bw)
+                row["model"] = name
+                result["prefill"].append(row)
+                print(f"[{name}] prefill {seq:6d} {mode:7s} {row['tok_s']:8.0f} tok/s  {row['seconds']:.3f} s  "
+                      f"bound {row['bound_seconds']:.3f} s ({row['fraction_of_bound']:.2f})", flush=True)
+                save()
+        tokens = {1: (6, 8) if args.quick else (12, 16), 4: (4, 4) if args.quick else (6, 8)}
+        for routing in ("locality", "uniform"):
+            for batch in (1, 4):
+                warm, meas = tokens[batch]
+                ids = make_routing(model, warm + meas, batch, routing, result["routing_locality"], seed=batch)
+                plans = [("all", None)] + [(p, b) for b in budgets for p in ("static", "lru", "lru+q*")]
+                for policy, budget in plans:
+                    slots = bank.total_experts if budget is None else cache_slots(budget, model)
+                    row = decode_row(bank, policy, slots, ids, warm, bw, cpu_fn)
+                    row.update(model=name, routing=routing, batch=batch, budget_gib=budget)
+                    result["decode"].append(row)
+                    print(f"[{name}] {routing:8s} b{batch} {policy:7s} {str(budget):5s} slots {slots:6d} "
+                          f"{row['tok_s']:8.2f} tok/s miss {row['miss_rate']:.3f} bound {row['bound_tok_s']:8.2f} "
+                          f"({row['fraction_of_bound']:.2f})", flush=True)
+                    save()
+        bank.free()
+        del bank
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    save()
+    plot(result, out.with_suffix(".png"))
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    models = list(result["bandwidth"])
+    fig, axes = plt.subplots(1, len(models) + 1, figsize=(6 * (len(models) + 1), 4.5))
+    axes = list(axes) if len(models) else [axes]
+    colors = {"all": "k", "static": "tab:red", "lru": "tab:blue", "lru+q*": "tab:green"}
+    for ax, name in zip(axes, models):
+        rows = [r for r in result["decode"] if r["model"] == name and r["routing"] == "locality" and r["batch"] == 1]
+        budgets = sorted({r["budget_gib"] for r in rows if r["budget_gib"] is not None})
+        for i, pol in enumerate(("static", "lru", "lru+q*")):
+            sel = [next((r for r in rows if r["policy"] == pol and r["budget_gib"] == b), None) for b in budgets]
+            xs = [j + 0.25 * (i - 1) for j in range(len(budgets))]
+            ax.bar(xs, [r["tok_s"] if r else 0 for r in sel], 0.25, color=colors[pol], label=pol)
+            ax.scatter(xs, [r["bound_tok_s"] if r else 0 for r in sel], marker="_", s=300, color="k")
+        allr = next((r for r in rows if r["policy"] == "all"), None)
+        if allr:
+            ax.axhline(allr["tok_s"], color="k", ls="--", label=f"all resident {allr['tok_s']:.0f}")
+        ax.set_xticks(range(len(budgets)), [f"{b:g} GB card" for b in budgets])
+        ax.set_yscale("log")
+        ax.set_title(f"{name} decode, batch 1, locality routing\n(bars measured, '-' bandwidth bound)")
+        ax.set_ylabel("tok/s (MoE layers only)")
+        ax.legend(fontsize=8)
+    ax = axes[-1]
+    for name in models:
+        for mode, ls in (("double", "-"), ("single", ":")):
+            rows = [r for r in result["prefill"] if r["model"] == name and r["mode"] == mode]
+            ax.plot([r["tokens"] for r in rows], [r["tok_s"] for r in rows], ls, marker="o", label=f"{name} {mode}")
+        rows = [r for r in result["prefill"] if r["model"] == name and r["mode"] == "double"]
+        ax.plot([r["tokens"] for r in rows], [r["tokens"] / r["bound_seconds"] for r in rows], "k--", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_title("prefill (dashed: PCIe bound)")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("tok/s")
+    ax.legend(fontsize=8)
+    fig.suptitle(f"{result['hardware']['gpu']}, {result['hardware']['cpu']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
