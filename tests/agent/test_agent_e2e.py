@@ -231,3 +231,53 @@ async def test_pressure_mid_stream_restart_and_prometheus(tmp_path, tiny_checkpo
 
 async def _eq(fn, key, value):
     return (await fn())[key] == value
+
+
+async def test_cluster_mode_assign_then_unassign(kube, tmp_path, tiny_checkpoint):
+    """The operator writes spec.models: the agent starts the engine and reports it ready with
+    its endpoint; the operator removes it: the engine stops and the status says so."""
+    from freetoken_agent.agent import Agent
+    from freetoken_agent.config import AgentConfig
+
+    nodes = "freetoken.io/v1alpha1/freetokennodes"
+    ckpt = tiny_checkpoint("qwen3_moe")
+    port = 21000
+    offset = free_port() - port
+    spec = {"models": [{"key": "team.tiny", "namespace": "team", "model": "tiny", "port": port,
+                        "source": {"path": str(ckpt)}, "format": "safetensors",
+                        "engine": {"device": "cpu"}}]}
+    kube.objects[nodes, None, "k-node"] = {
+        "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode",
+        "metadata": {"name": "k-node", "uid": "u1", "resourceVersion": "1"}, "spec": spec}
+    cfg = AgentConfig(node_name="k-node", kube_server=str(kube.url), state_dir=str(tmp_path),
+                      engine_port_offset=offset, heartbeat_seconds=0.3, calibrate_on_start=False,
+                      health_interval=0.3)
+    agent = Agent(cfg)
+    stop = asyncio.Event()
+    task = asyncio.create_task(agent.run(stop, serve_metrics=False))
+
+    async def replicas():
+        return dict(kube.objects[nodes, None, "k-node"].get("status") or {}).get("replicas") or []
+    try:
+        await wait_for(lambda: _ready(replicas), 120, "the replica to be reported ready", interval=0.2)
+        [r] = await replicas()
+        assert r["endpoint"] == f"http://127.0.0.1:{port + offset}" and r["restarts"] == 0
+        assert r["expertCacheBytes"] > 0
+        async with httpx.AsyncClient() as c:
+            assert (await c.get(r["endpoint"] + "/health")).json()["model"] == "tiny"
+        kube.objects[nodes, None, "k-node"] = {**dict(kube.objects[nodes, None, "k-node"]),
+                                               "spec": {"models": []}}
+        await wait_for(lambda: _gone(replicas), 30, "the replica to leave the status", interval=0.2)
+        assert engine_pid(port + offset) is None
+    finally:
+        stop.set()
+        await task
+
+
+async def _ready(replicas):
+    rs = await replicas()
+    return bool(rs) and rs[0]["state"] == "ready"
+
+
+async def _gone(replicas):
+    return await replicas() == []
