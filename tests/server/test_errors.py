@@ -1,0 +1,166 @@
+"""Every error class a client can provoke: right status, the protocol's error shape, a message
+that says what to fix, and the server keeps serving afterwards."""
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from freetoken_engine.server.app import ServerConfig, create_app
+from live import API_KEY
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MSGS = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def http(live):
+    with httpx.Client(base_url=live.url, headers=AUTH, timeout=30) as c:
+        yield c
+
+
+def chat_body(live, **kw):
+    return {"model": live.model, "messages": MSGS, "max_tokens": 4, **kw}
+
+
+def openai_error(r: httpx.Response, status: int, *, param: str | None = None, says: str = ""):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) >= {"message", "type", "param", "code"}
+    assert says.lower() in err["message"].lower(), err["message"]
+    if param is not None:
+        assert err["param"] == param
+    return err
+
+
+def anthropic_error(r: httpx.Response, status: int, kind: str, says: str = ""):
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind
+    assert says.lower() in body["error"]["message"].lower(), body["error"]["message"]
+
+
+def test_invalid_json_is_400_in_each_protocols_shape(http):
+    r = http.post("/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    openai_error(r, 400, says="not valid JSON")
+    r = http.post("/v1/messages", content=b"[1,", headers={"content-type": "application/json"})
+    anthropic_error(r, 400, "invalid_request_error", "not valid JSON")
+
+
+@pytest.mark.parametrize("patch,param,says", [
+    ({"messages": "hi"}, "messages", "valid list"),
+    ({"messages": []}, "messages", "at least 1"),
+    ({"max_tokens": -5}, "max_tokens", "greater than or equal to 1"),
+    ({"max_tokens": 10**40}, "max_tokens", "less than or equal"),
+    ({"max_tokens": "lots"}, "max_tokens", "integer"),
+    ({"temperature": 7}, "temperature", "less than or equal to 2"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "input should be"),
+])
+def test_wrong_values_are_400_naming_the_field(http, live, patch, param, says):
+    openai_error(http.post("/v1/chat/completions", json=chat_body(live, **patch)), 400,
+                 param=param, says=says)
+
+
+@pytest.mark.parametrize("patch,param", [
+    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+    ({"tool_choice": "required"}, "tool_choice"),
+])
+def test_unsupported_parameters_are_400_naming_the_parameter(http, live, patch, param):
+    err = openai_error(http.post("/v1/chat/completions", json=chat_body(live, **patch)), 400,
+                       param=param)
+    assert param in err["message"] and err["code"] == "unsupported_parameter"
+
+
+def test_malformed_tool_schemas_are_400(http, live):
+    bad_params = [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]
+    openai_error(http.post("/v1/chat/completions", json=chat_body(live, tools=bad_params)), 400,
+                 says="type 'object'")
+    bad_name = [{"type": "function", "function": {"name": "no spaces allowed"}}]
+    openai_error(http.post("/v1/chat/completions", json=chat_body(live, tools=bad_name)), 400,
+                 param="tools.0.function.name")
+    r = http.post("/v1/messages", json={"model": "x", "max_tokens": 4, "messages": MSGS,
+                                        "tools": [{"name": "f", "input_schema": "nope"}]})
+    anthropic_error(r, 400, "invalid_request_error", "tools.0.input_schema")
+
+
+def test_image_content_is_400_naming_the_part(http, live):
+    msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    openai_error(http.post("/v1/chat/completions", json=chat_body(live, messages=msgs)), 400,
+                 says="only text parts")
+
+
+def test_api_key_is_required_and_checked_with_either_header(live):
+    with pytest.raises(openai.AuthenticationError):
+        live.openai(api_key="wrong").models.list()
+    with pytest.raises(anthropic.AuthenticationError) as exc:
+        live.anthropic(api_key="wrong").messages.create(model=live.model, max_tokens=2, messages=MSGS)
+    assert exc.value.body["type"] == "error"
+    r = httpx.get(f"{live.url}/v1/models")
+    openai_error(r, 401, says="missing API key")
+    assert httpx.get(f"{live.url}/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
+    assert httpx.get(f"{live.url}/health").status_code == 200   # health needs no key
+
+
+def test_unknown_model_is_404_in_both_clients(live):
+    with pytest.raises(openai.NotFoundError) as e1:
+        live.openai().chat.completions.create(model="gpt-99", messages=MSGS)
+    assert "gpt-99" in e1.value.message and e1.value.body["code"] == "model_not_found"
+    with pytest.raises(anthropic.NotFoundError) as e2:
+        live.anthropic().messages.create(model="claude-x", max_tokens=4, messages=MSGS)
+    assert e2.value.body["error"]["type"] == "not_found_error"
+
+
+def test_unknown_route_is_404_json(http):
+    openai_error(http.get("/v1/nothing"), 404, says="no route")
+
+
+def test_prompt_longer_than_the_context_is_413(live):
+    long = [{"role": "user", "content": "Paris fox dog " * 600}]
+    with pytest.raises(openai.APIStatusError) as e1:
+        live.openai().chat.completions.create(model=live.model, messages=long, max_tokens=4)
+    assert e1.value.status_code == 413 and "context" in e1.value.message
+    with pytest.raises(anthropic.APIStatusError) as e2:
+        live.anthropic().messages.create(model=live.model, messages=long, max_tokens=4)
+    assert e2.value.status_code == 413
+    assert e2.value.body["error"]["type"] == "request_too_large"
+
+
+def test_the_server_still_answers_after_all_of_that(live):
+    r = live.openai().chat.completions.create(model=live.model, messages=MSGS, max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+# -- admin and body limits, on an in-process app (the client address can be set) ----------
+def asgi(app, client=("127.0.0.1", 4000)) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app, client=client),
+                             base_url="http://engine")
+
+
+async def test_admin_without_token_serves_loopback_only(tiny_service):
+    app = create_app(tiny_service, ServerConfig())
+    async with asgi(app) as local, asgi(app, ("10.1.2.3", 4000)) as remote:
+        assert (await local.get("/admin/cache")).status_code == 200
+        r = await remote.get("/admin/cache")
+        assert r.status_code == 403 and "loopback" in r.json()["error"]["message"]
+        r = await local.post("/admin/cache", json={"expert_cache_gb": 1})
+        assert r.status_code == 422 and "expert_cache_experts" in r.json()["error"]["message"]
+
+
+async def test_admin_token_is_required_when_set(tiny_service):
+    app = create_app(tiny_service, ServerConfig(admin_token="s3cret"))
+    async with asgi(app, ("10.1.2.3", 4000)) as remote:
+        assert (await remote.get("/admin/cache")).status_code == 401
+        assert (await remote.get("/admin/cache", headers={"Authorization": "Bearer no"})).status_code == 403
+        ok = await remote.get("/admin/cache", headers={"Authorization": "Bearer s3cret"})
+        assert ok.status_code == 200 and "expert_cache" in ok.json()
+
+
+async def test_oversized_body_is_413_before_it_is_read(tiny_service):
+    app = create_app(tiny_service, ServerConfig(max_body_bytes=4096))
+    async with asgi(app) as c:
+        r = await c.post("/v1/messages", content=b"x" * 10_000,
+                         headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["type"] == "error"
