@@ -1,6 +1,4 @@
-"""Fixtures for the agent tests: a kmock API server that knows FreeTokenNode, free ports."""
-
-import socket
+"""Fixtures for the agent tests: a kmock API server that knows the FreeTokenNode CRD."""
 
 import pytest
 
@@ -15,9 +13,3 @@ def kube(kmock):
         kind="FreeTokenNode", namespaced=False, subresources={"status"},
         verbs={"list", "watch", "get", "patch", "create", "delete"})
     return kmock
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
