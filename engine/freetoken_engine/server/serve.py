@@ -1,18 +1,31 @@
 """``freetoken serve``: start the EngineService, build the app, run uvicorn until interrupted.
 
-``serve_main(args)`` takes the argparse namespace of the lead's CLI (``--host``, ``--port``,
-``--api-key``, ``--admin-token``, ``--served-model-name`` plus the engine's model, device and
-cache options, which ``EngineConfig`` reads). The HTTP server listens at once; ``/health``
-answers 503 ``loading`` with progress until the model is ready. Returns the exit code.
+``serve_main(args)`` takes the argparse namespace of the CLI: ``--host``, ``--port``,
+``--api-key``, ``--admin-token``, ``--served-model-name`` for the HTTP side, and the engine
+options of ``generate`` (``--model``, ``--device``, ``--dtype``, ``--expert-cache-experts`` /
+``--expert-cache-gb``, ``--cpu-expert-fraction``, and ``--max-context`` / ``--max-batch`` /
+``--max-queue`` where the CLI has them), read by ``engine_config``. The HTTP server listens as
+soon as the service starts loading; ``/health`` answers 503 ``loading`` until it is ready.
+Returns the process exit code; bad options raise ``ConfigError`` (the CLI prints it, exit 2).
 """
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+from ..config import EngineConfig
 from ..errors import ConfigError
 from .app import ServerConfig, create_app
 
 log = logging.getLogger(__name__)
+
+# argparse attribute -> EngineConfig field, for the options the CLI may define
+_ENGINE_OPTIONS = {"device": "device", "dtype": "dtype",
+                   "expert_cache_experts": "expert_cache_experts",
+                   "expert_cache_gb": "expert_cache_gb",
+                   "cpu_expert_fraction": "cpu_expert_fraction", "max_context": "max_context",
+                   "context_length": "max_context", "max_batch": "max_batch",
+                   "max_queue": "max_queue", "seed": "seed"}
 
 
 def server_config(args) -> ServerConfig:
@@ -21,21 +34,32 @@ def server_config(args) -> ServerConfig:
                         served_model_name=getattr(args, "served_model_name", None) or None)
 
 
+def engine_config(args) -> EngineConfig:
+    model = getattr(args, "model", None)
+    if model is None:
+        from ..models.default import default_model_dir
+        model = default_model_dir(progress=True)
+    options = {field: getattr(args, attr) for attr, field in _ENGINE_OPTIONS.items()
+               if getattr(args, attr, None) is not None}
+    return EngineConfig(model=Path(model), **options)
+
+
 def serve_main(args) -> int:
     import uvicorn
 
-    from ..scheduler.service import EngineConfig, EngineService
+    from ..scheduler.service import EngineService
 
-    host, port = getattr(args, "host", "127.0.0.1"), int(getattr(args, "port", 1919))
-    if not 0 < port < 65536:
-        raise ConfigError(f"--port must be in 1..65535, got {port}")
+    host, port = getattr(args, "host", None) or "127.0.0.1", getattr(args, "port", None) or 1919
+    if not 0 < int(port) < 65536:
+        raise ConfigError(f"--port must be within 1..65535, got {port}")
     config = server_config(args)
-    service = EngineService.start(EngineConfig.from_args(args))
+    service = EngineService.start(engine_config(args))
     try:
         app = create_app(service, config)
-        if not config.admin_token and host not in ("127.0.0.1", "::1", "localhost"):
-            log.warning("no --admin-token: /admin/* accepts loopback clients only")
-        uvicorn.run(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+        if not config.admin_token:
+            log.info("no --admin-token: /admin/* accepts loopback clients only")
+        uvicorn.run(app, host=host, port=int(port), log_level="info",
+                    timeout_graceful_shutdown=5)
     finally:
         service.shutdown()
     return 0
