@@ -143,7 +143,7 @@ def test_falls_back_to_reference_with_one_warning_without_compiler(tmp_path):
         assert torch.equal(y, expert_pairs_forward(x, w13, w2, tok, exp))
         print(ce.available(), ce.backend_name())
     """)
-    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), XDG_CACHE_HOME=str(tmp_path))
+    env = dict(os.environ, CXX=str(tmp_path / "no-such-compiler"), FREETOKEN_CACHE_DIR=str(tmp_path))
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "reference"]

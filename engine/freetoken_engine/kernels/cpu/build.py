@@ -2,8 +2,9 @@
 
 ``load()`` returns a ``ctypes.CDLL`` of ``libftexperts.so``, compiled from the C++ sources next to
 this file with the system ``g++`` (or ``$CXX``) the first time it is needed, and cached under
-``$XDG_CACHE_HOME/freetoken/cpu_kernel/<hash>/`` (default ``~/.cache``), keyed by the SHA-256 of
-the sources and the build flags. A cached library is reused without any compiler, so a prebuilt
+``<engine cache>/cpu_kernel/<hash>/`` (``env.cache_dir()``: ``$FREETOKEN_CACHE_DIR``, else
+``$XDG_CACHE_HOME/freetoken``, else ``~/.cache/freetoken``), keyed by the SHA-256 of the sources
+and the build flags. A cached library is reused without any compiler, so a prebuilt
 cache directory can be shipped to a machine that has none. Parallel first uses (test workers,
 several engines) are serialised by a file lock; the library is published with an atomic rename.
 
@@ -57,9 +58,9 @@ def source_hash() -> str:
 
 
 def cache_dir() -> Path:
-    """Where the built library lives: ``$XDG_CACHE_HOME/freetoken/cpu_kernel/<hash>``."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "freetoken" / "cpu_kernel" / source_hash()
+    """Where the built library lives: ``<engine cache dir>/cpu_kernel/<hash>``."""
+    from ... import env
+    return env.cache_dir() / "cpu_kernel" / source_hash()
 
 
 def compiler() -> str | None:

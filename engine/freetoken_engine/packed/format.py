@@ -1,0 +1,115 @@
+"""The packed index: its schema, and the structural checks run before any memory is allocated.
+
+Index (``freetoken-packed.json``)::
+
+    {"format": "freetoken-packed", "version": 1, "alignment": 4096, "block_bytes": 16777216,
+     "dtype": "bfloat16", "model_type": "qwen3_moe",
+     "bank": {"moe_layers": [..], "num_experts": E, "hidden": H, "inter": I,
+              "pieces": [{"tensor": "w13"|"w2", "layers": [a, b], "file": NAME}]},
+     "tensors": {KEY: {"file": NAME, "offset": N, "nbytes": N, "dtype": "bfloat16", "shape": [..]}},
+     "files": {NAME: {"size": N, "crc32": [one per block_bytes block]}}}
+
+A bank piece file holds ``tensor[a:b]`` of the bank as raw bytes from offset 0.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..errors import ConfigError
+
+INDEX_NAME = "freetoken-packed.json"
+FORMAT = "freetoken-packed"
+VERSION = 1
+ALIGN = 4096
+BLOCK = 16 << 20                 # CRC block and read chunk
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PackedFormatError(ConfigError):
+    """A packed folder that is missing, corrupt or inconsistent; raised before the model is used."""
+
+
+def dtype_name(dt: torch.dtype) -> str:
+    for k, v in DTYPES.items():
+        if v == dt:
+            return k
+    raise PackedFormatError(f"dtype {dt} cannot be packed (supported: {', '.join(DTYPES)})")
+
+
+def align_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+def is_packed(folder: str | Path) -> bool:
+    """True when ``folder`` holds a packed index (it may still fail validation)."""
+    return (Path(folder) / INDEX_NAME).is_file()
+
+
+def bank_piece_bytes(index: dict, tensor: str, layers: tuple[int, int]) -> int:
+    b = index["bank"]
+    per_layer = b["num_experts"] * 2 * b["inter"] * b["hidden"] * torch.empty(0, dtype=DTYPES[index["dtype"]]).element_size()
+    if tensor not in ("w13", "w2"):
+        raise PackedFormatError(f"unknown bank tensor {tensor!r}")
+    return per_layer * (layers[1] - layers[0]) // (1 if tensor == "w13" else 2)
+
+
+def read_index(folder: Path) -> dict:
+    """Parse and validate the index against the files on disk; raises PackedFormatError.
+
+    Checks: format and version, dtype, every file present with the recorded size and CRC list,
+    every tensor inside its file and 4 KiB-aligned, bank pieces covering every MoE layer of w13
+    and w2 exactly once with the sizes the shapes imply.
+    """
+    path = folder / INDEX_NAME
+    try:
+        index = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise PackedFormatError(f"{path}: unreadable packed index ({exc})") from None
+    if index.get("format") != FORMAT or index.get("version") != VERSION:
+        raise PackedFormatError(f"{path}: not a {FORMAT} v{VERSION} index "
+                                f"(format={index.get('format')!r}, version={index.get('version')!r})")
+    if index.get("dtype") not in DTYPES:
+        raise PackedFormatError(f"{path}: unknown dtype {index.get('dtype')!r}")
+    block = index.get("block_bytes")
+    files = index.get("files", {})
+    for name, meta in files.items():
+        f = folder / name
+        if not f.is_file():
+            raise PackedFormatError(f"{folder}: missing packed file {name}")
+        size = f.stat().st_size
+        if size != meta["size"]:
+            raise PackedFormatError(f"{f}: {size} bytes on disk, index says {meta['size']} (truncated or replaced?)")
+        if len(meta["crc32"]) != (size + block - 1) // block:
+            raise PackedFormatError(f"{path}: {name} has {len(meta['crc32'])} checksums for {size} bytes")
+    for key, t in index.get("tensors", {}).items():
+        if t["file"] not in files:
+            raise PackedFormatError(f"{path}: tensor {key} lives in unlisted file {t['file']}")
+        if t["offset"] % ALIGN or t["offset"] + t["nbytes"] > files[t["file"]]["size"]:
+            raise PackedFormatError(f"{path}: tensor {key} is misaligned or runs past its file")
+        if t["dtype"] not in DTYPES:
+            raise PackedFormatError(f"{path}: tensor {key} has unknown dtype {t['dtype']!r}")
+        numel = 1
+        for d in t["shape"]:
+            numel *= d
+        if numel * torch.empty(0, dtype=DTYPES[t["dtype"]]).element_size() != t["nbytes"]:
+            raise PackedFormatError(f"{path}: tensor {key}: shape {t['shape']} does not match {t['nbytes']} bytes")
+    bank = index.get("bank")
+    if bank:
+        n_layers = len(bank["moe_layers"])
+        for tensor in ("w13", "w2"):
+            covered = sorted(tuple(p["layers"]) for p in bank["pieces"] if p["tensor"] == tensor)
+            at = 0
+            for a, b in covered:
+                if a != at or b <= a:
+                    raise PackedFormatError(f"{path}: bank {tensor} pieces do not tile layers 0..{n_layers}")
+                at = b
+            if at != n_layers:
+                raise PackedFormatError(f"{path}: bank {tensor} pieces cover {at} of {n_layers} MoE layers")
+        for p in bank["pieces"]:
+            need = bank_piece_bytes(index, p["tensor"], tuple(p["layers"]))
+            if p["file"] not in files or files[p["file"]]["size"] < need:
+                raise PackedFormatError(f"{path}: bank piece {p['file']} is missing or shorter than {need} bytes")
+    return index

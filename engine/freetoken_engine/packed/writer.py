@@ -1,0 +1,166 @@
+"""``convert(model_dir, out_dir)``: a Hugging Face safetensors folder -> the packed format.
+
+Reads the checkpoint through the engine's own loader (``models.loader.Checkpoint``, family key
+names), writes the bank in its final layout (``w13[l, e] = cat(gate, up)``, ``w2[l, e] = down``)
+split into files of about ``shard_bytes`` by MoE layer, every non-expert tensor 4 KiB-aligned in
+``dense-*.bin``, CRC32 per 16 MiB block, then copies every other file of the folder (config,
+tokenizer, chat template, generation config). Writes into a hidden sibling folder and renames
+it into place at the end, so an interrupted convert leaves no half-written output.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from .format import ALIGN, BLOCK, FORMAT, INDEX_NAME, VERSION, PackedFormatError, align_up, dtype_name
+
+log = logging.getLogger(__name__)
+SHARD_BYTES = 2 << 30
+
+
+class _BlockFile:
+    """A file written sequentially with a CRC32 per BLOCK bytes and 4 KiB padding on close."""
+
+    def __init__(self, path: Path):
+        self.path, self.fh = path, open(path, "wb", buffering=8 << 20)
+        self.pos, self.crcs, self.crc = 0, [], 0
+
+    def write(self, data) -> None:
+        mv = memoryview(data).cast("B")
+        while len(mv):
+            room = BLOCK - self.pos % BLOCK
+            part, mv = mv[:room], mv[room:]
+            self.fh.write(part)
+            self.crc = zlib.crc32(part, self.crc)
+            self.pos += len(part)
+            if self.pos % BLOCK == 0:
+                self.crcs.append(self.crc)
+                self.crc = 0
+
+    def pad(self) -> None:
+        if self.pos % ALIGN:
+            self.write(bytes(ALIGN - self.pos % ALIGN))
+
+    def close(self) -> dict:
+        self.pad()
+        if self.pos % BLOCK:
+            self.crcs.append(self.crc)
+        self.fh.close()
+        return {"size": self.pos, "crc32": self.crcs}
+
+
+def _raw(t: torch.Tensor):
+    """The bytes of a tensor, without a copy when it is already contiguous."""
+    return t.contiguous().view(torch.uint8).numpy()
+
+
+def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYTES,
+            progress: bool = True) -> Path:
+    """Write the packed form of ``model_dir`` to ``out_dir`` (which must not exist or be empty).
+
+    Raises ``ConfigError`` for a bad source folder (as the safetensors loader would) and
+    ``PackedFormatError`` for an output folder in the way. Returns ``out_dir``.
+    """
+    from ..models import family
+    from ..models.loader import Checkpoint
+
+    src, out = Path(model_dir), Path(out_dir)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise PackedFormatError(f"output folder {out} exists and is not empty")
+    ckpt = Checkpoint(src)
+    fam = family(ckpt.config.get("model_type"))
+    cfg = fam.parse(ckpt.config)
+    expert_keys = set()
+    moe = cfg.moe
+    if moe:
+        expert_keys = {fam.expert_key(layer, e, p) for layer in moe.layers
+                       for e in range(moe.num_experts) for p in range(3)}
+    dense_keys = [k for k in ckpt.names() if k not in expert_keys]
+    probe = ckpt.get(next(iter(expert_keys))) if moe else ckpt.get(dense_keys[0])
+    dtype = probe.dtype
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    t0 = time.perf_counter()
+    try:
+        index = {"format": FORMAT, "version": VERSION, "alignment": ALIGN, "block_bytes": BLOCK,
+                 "dtype": dtype_name(dtype), "model_type": cfg.model_type, "source": str(src.resolve()),
+                 "tensors": {}, "files": {}}
+        bar = tqdm(total=len(dense_keys) + (len(moe.layers) if moe else 0), unit="part",
+                   desc="convert", disable=not progress)
+        _write_dense(ckpt, dense_keys, tmp, shard_bytes, index, bar)
+        if moe:
+            _write_bank(ckpt, fam, moe, cfg.hidden_size, dtype, tmp, shard_bytes, index, bar)
+        bar.close()
+        for f in src.iterdir():
+            if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
+                shutil.copy2(f, tmp / f.name)
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=1) + "\n")
+        if out.exists():
+            out.rmdir()
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        ckpt.close()
+    size = sum(m["size"] for m in index["files"].values())
+    log.info("packed %s -> %s: %.2f GB in %.1f s", src, out, size / 1e9, time.perf_counter() - t0)
+    return out
+
+
+def _write_dense(ckpt, keys: list[str], tmp: Path, shard_bytes: int, index: dict, bar) -> None:
+    shard, f = -1, None
+    for key in keys:
+        t = ckpt.get(key)
+        nbytes = t.numel() * t.element_size()
+        if f is None or (f.pos > 0 and f.pos + nbytes > shard_bytes):
+            if f is not None:
+                index["files"][f.path.name] = f.close()
+            shard += 1
+            f = _BlockFile(tmp / f"dense-{shard:05d}.bin")
+        f.pad()
+        index["tensors"][key] = {"file": f.path.name, "offset": f.pos, "nbytes": nbytes,
+                                 "dtype": dtype_name(t.dtype), "shape": list(t.shape)}
+        f.write(_raw(t))
+        bar.update(1)
+    if f is not None:
+        index["files"][f.path.name] = f.close()
+
+
+def _write_bank(ckpt, fam, moe, hidden: int, dtype: torch.dtype, tmp: Path, shard_bytes: int,
+                index: dict, bar) -> None:
+    E, inter, L = moe.num_experts, moe.intermediate_size, len(moe.layers)
+    es = torch.empty(0, dtype=dtype).element_size()
+    per_layer = E * 2 * inter * hidden * es                    # one layer of w13
+    step = max(1, shard_bytes // per_layer)
+    index["bank"] = {"moe_layers": list(moe.layers), "num_experts": E, "hidden": hidden,
+                     "inter": inter, "pieces": []}
+    for a in range(0, L, step):
+        b = min(L, a + step)
+        f13 = _BlockFile(tmp / f"bank-w13-{a:05d}.bin")
+        f2 = _BlockFile(tmp / f"bank-w2-{a:05d}.bin")
+        for li in range(a, b):
+            layer = moe.layers[li]
+            for e in range(E):
+                gate, up, down = (ckpt.get(fam.expert_key(layer, e, p)) for p in range(3))
+                if gate.shape != (inter, hidden) or up.shape != (inter, hidden) or down.shape != (hidden, inter):
+                    raise PackedFormatError(f"expert {e} of layer {layer}: shapes {tuple(gate.shape)}, "
+                                            f"{tuple(down.shape)}; config implies {(inter, hidden)}")
+                if gate.dtype != dtype or up.dtype != dtype or down.dtype != dtype:
+                    raise PackedFormatError(f"expert {e} of layer {layer} is {gate.dtype}, the bank is {dtype}")
+                f13.write(_raw(gate))
+                f13.write(_raw(up))
+                f2.write(_raw(down))
+            bar.update(1)
+        for f, name in ((f13, "w13"), (f2, "w2")):
+            index["files"][f.path.name] = f.close()
+            index["bank"]["pieces"].append({"tensor": name, "layers": [a, b], "file": f.path.name})

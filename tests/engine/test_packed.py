@@ -1,0 +1,116 @@
+"""The packed fast-start format: convert a real (tiny, transformers-written) checkpoint, load it
+back bit for bit, and fail clearly on corrupt, truncated or mismatched folders."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from freetoken_engine.models import family
+from freetoken_engine.models.loader import Checkpoint
+from freetoken_engine.packed import PackedFormatError, convert, is_packed, load_packed
+
+
+@pytest.fixture(scope="module")
+def packed(tiny_checkpoint, tmp_path_factory):
+    src = tiny_checkpoint("qwen3_moe")
+    out = tmp_path_factory.mktemp("packed") / "tiny-packed"
+    # Small shards: the bank splits into one piece per MoE layer, the dense tensors into several files.
+    convert(src, out, shard_bytes=40_000, progress=False)
+    return src, out
+
+
+def _copy(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
+def test_packed_folder_stands_alone_and_loads_bit_exact(packed):
+    src, out = packed
+    assert is_packed(out) and not is_packed(src)
+    others = {f.name for f in src.iterdir() if not f.name.endswith(".safetensors")} - {"model.safetensors.index.json"}
+    assert others <= {f.name for f in out.iterdir()}       # config, tokenizer, template copied
+    assert "tokenizer.json" in others and "config.json" in others
+    pm = load_packed(out, threads=3)
+    ckpt = Checkpoint(src)
+    fam = family(ckpt.config["model_type"])
+    moe = fam.parse(ckpt.config).moe
+    expert_keys = {fam.expert_key(layer, e, p) for layer in moe.layers for e in range(moe.num_experts) for p in range(3)}
+    assert set(pm.names()) == set(ckpt.names()) - expert_keys
+    for key in pm.names():
+        assert torch.equal(pm.get(key), ckpt.get(key)), key
+    I = moe.intermediate_size
+    assert pm.w13.shape == (len(moe.layers), moe.num_experts, 2 * I, ckpt.config["hidden_size"])
+    assert pm.w13.data_ptr() % 4096 == 0 and pm.w2.data_ptr() % 4096 == 0
+    for li, layer in enumerate(moe.layers):
+        for e in range(moe.num_experts):
+            gate, up, down = (ckpt.get(fam.expert_key(layer, e, p)) for p in range(3))
+            assert torch.equal(pm.w13[li, e, :I], gate) and torch.equal(pm.w13[li, e, I:], up)
+            assert torch.equal(pm.w2[li, e], down)
+    assert pm.stats["bytes"] == sum(m["size"] for m in pm.index["files"].values())
+    assert len(pm.index["bank"]["pieces"]) == 2 * len(moe.layers)
+
+
+def test_bank_dtype_conversion_on_load(packed):
+    _, out = packed
+    full = load_packed(out)
+    half = load_packed(out, dtype=torch.bfloat16, pin="none")
+    assert half.w13.dtype == torch.bfloat16
+    assert torch.equal(half.w13, full.w13.to(torch.bfloat16)) and torch.equal(half.w2, full.w2.to(torch.bfloat16))
+
+
+def test_corrupt_block_is_caught_by_its_checksum(packed, tmp_path):
+    _, out = packed
+    bad = _copy(out, tmp_path / "bad")
+    victim = bad / "bank-w2-00001.bin"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    victim.write_bytes(bytes(data))
+    with pytest.raises(PackedFormatError, match=r"bank-w2-00001\.bin: block 0 .*CRC32"):
+        load_packed(bad)
+    assert load_packed(bad, verify=False).w2 is not None     # unverified loads do not check
+
+
+def test_truncated_or_missing_files_fail_before_loading(packed, tmp_path):
+    _, out = packed
+    bad = _copy(out, tmp_path / "trunc")
+    f = bad / "bank-w13-00000.bin"
+    f.write_bytes(f.read_bytes()[:-4096])
+    with pytest.raises(PackedFormatError, match="bytes on disk"):
+        load_packed(bad)
+    f.unlink()
+    with pytest.raises(PackedFormatError, match="missing packed file bank-w13-00000.bin"):
+        load_packed(bad)
+
+
+def test_config_that_does_not_match_the_bank_is_rejected(packed, tmp_path):
+    _, out = packed
+    bad = _copy(out, tmp_path / "mismatch")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["moe_intermediate_size"] *= 2
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(PackedFormatError, match="does not match config.json"):
+        load_packed(bad)
+
+
+def test_convert_refuses_a_non_empty_output(tiny_checkpoint, tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(PackedFormatError, match="not empty"):
+        convert(tiny_checkpoint("qwen3_moe"), tmp_path, progress=False)
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
+
+
+def test_cli_convert_writes_a_loadable_folder(tiny_checkpoint, tmp_path):
+    out = tmp_path / "cli-packed"
+    r = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "convert",
+                        "--model", str(tiny_checkpoint("qwen3_moe")), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120, env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    assert load_packed(out).w13 is not None
