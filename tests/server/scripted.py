@@ -75,9 +75,10 @@ class ScriptedService:
         self.live = 0
         self.capacity = 8
         self.running = 0
+        self.health_state = {"status": "ok", "progress": 1.0, "error": None}
 
     def health(self):
-        return {"status": "ok", "progress": 1.0, "error": None}
+        return dict(self.health_state)
 
     def _cached(self, ids):
         best = 0

@@ -164,3 +164,22 @@ async def test_oversized_body_is_413_before_it_is_read(tiny_service):
         r = await c.post("/v1/messages", content=b"x" * 10_000,
                          headers={"content-type": "application/json"})
         assert r.status_code == 413 and r.json()["type"] == "error"
+
+
+async def test_health_and_inference_while_loading_and_after_a_failed_load(tiny_dir):
+    from freetoken_engine.models.tokenizer import Tokenizer
+    from scripted import ScriptedService
+    svc = ScriptedService(Tokenizer(tiny_dir))
+    app = create_app(svc, ServerConfig())
+    async with asgi(app) as c:
+        svc.health_state = {"status": "loading", "progress": 0.25, "error": None}
+        r = await c.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "loading", "progress": 0.25}
+        r = await c.post("/v1/chat/completions", json={"model": "tiny", "messages": MSGS})
+        assert r.status_code == 503 and "loading (25%)" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "2"
+        svc.health_state = {"status": "error", "progress": 0.0, "error": "no such file"}
+        r = await c.get("/health")
+        assert r.status_code == 503 and r.json() == {"status": "error", "error": "no such file"}
+        svc.health_state = {"status": "ok", "progress": 1.0, "error": None}
+        assert (await c.get("/health")).json() == {"status": "ok", "model": "tiny"}

@@ -16,7 +16,7 @@ import secrets
 from collections.abc import AsyncIterator, Awaitable
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from .generation import Generation
 from .parser import Event, OutputParser
@@ -59,8 +59,8 @@ def sse_response(chunks: AsyncIterator[str], gen: Generation) -> StreamingRespon
 
 
 async def until_disconnect(request: Request, work: Awaitable, gen: Generation, poll_s=0.25):
-    """Await ``work``; if the client disconnects first, abort the request and re-raise
-    CancelledError (Starlette drops the response for a gone client anyway)."""
+    """Await ``work``; if the client disconnects first, abort the request and answer 499
+    (nginx's "client closed request"; nobody reads it, the access log and metrics do)."""
     task = asyncio.ensure_future(work)
     try:
         while True:
@@ -70,7 +70,7 @@ async def until_disconnect(request: Request, work: Awaitable, gen: Generation, p
             if await request.is_disconnected():
                 task.cancel()
                 gen.close()
-                raise asyncio.CancelledError("client disconnected")
+                return Response(status_code=499)
     finally:
         if not task.done():
             task.cancel()
