@@ -10,7 +10,15 @@ Data flow of one request (each arrow is one typed object, documented where it is
 Layers import downward only: server -> scheduler -> executor -> models -> layers -> kernels;
 ``cache`` never imports ``models``.
 """
-from .executor.sampler import SamplingParams
-from .llm import LLM, Generation
-
 __all__ = ["LLM", "Generation", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    # Lazy: ``import freetoken_engine.x`` stays light and no lower layer imports the top API.
+    if name == "SamplingParams":
+        from .executor.sampler import SamplingParams
+        return SamplingParams
+    if name in ("LLM", "Generation"):
+        from . import llm
+        return getattr(llm, name)
+    raise AttributeError(name)

@@ -1,0 +1,167 @@
+"""``freetoken``: generate, serve, calibrate, convert.
+
+Every user error ends as one line on stderr and exit code 2 (no traceback): argparse errors,
+``EngineError`` and the OS errors of reading a model folder.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import ConfigError, EngineError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + error
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _add_engine_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", type=Path, help="model folder (Hugging Face layout); default: embedded SmolLM2 MoE")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--expert-cache-experts", type=int, help="slots in the shared expert cache")
+    g.add_argument("--expert-cache-gb", type=float, help="expert cache size in GB")
+    p.add_argument("--cpu-expert-fraction", type=float,
+                   help="force the share (0..1) of each step's cache misses computed in place")
+    p.add_argument("--max-context", type=int, help="limit the context length (tokens)")
+
+
+def _engine_kwargs(args) -> dict:
+    kw = dict(device=args.device, dtype=args.dtype, expert_cache_experts=args.expert_cache_experts,
+              expert_cache_gb=args.expert_cache_gb, cpu_expert_fraction=args.cpu_expert_fraction,
+              max_context=args.max_context)
+    return kw
+
+
+def _model_dir(args) -> Path:
+    if args.model is not None:
+        return args.model
+    from .models.default import default_model_dir
+    return default_model_dir(progress=True)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise ConfigError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+
+
+def cmd_generate(args) -> int:
+    from .executor.sampler import SamplingParams
+    from .llm import LLM
+    llm = LLM(_model_dir(args), **_engine_kwargs(args))
+    if args.prompt_ids is not None:
+        ids = _parse_ids(args.prompt_ids)
+    elif llm.tokenizer is None:
+        raise ConfigError("this model has no tokenizer.json: use --prompt-ids")
+    elif llm.tokenizer.chat_template:
+        ids = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    else:
+        ids = llm.tokenizer.encode(args.prompt)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    out = llm.generate(ids, params)
+    text = llm.tokenizer.decode(out.token_ids) if llm.tokenizer else None
+    if args.json:
+        if text is not None:
+            print(text)
+        print(json.dumps({"token_ids": out.token_ids, "text": text, "finish_reason": out.finish_reason,
+                          "stats": out.stats}))
+    else:
+        print(text if text is not None else ",".join(map(str, out.token_ids)))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from .calibrate import load_or_measure
+    result = load_or_measure(args.device, refresh=args.refresh)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key in ("pcie_gbps", "cpu_expert_gbps", "fill_fraction"):
+            print(f"{key:16} {result[key]}")
+        print(f"{'concurrent':16} {result['concurrent']}")
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from .server.serve import serve_main
+    return serve_main(args) or 0
+
+
+def cmd_convert(args) -> int:
+    from .packed import convert
+    convert(args.model, args.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="freetoken", description="Edge-native MoE inference engine")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    gen = sub.add_parser("generate", help="generate text for one prompt")
+    _add_engine_options(gen)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="user message (goes through the chat template when present)")
+    src.add_argument("--prompt-ids", help="comma-separated token ids, sent as they are")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    gen.set_defaults(func=cmd_generate)
+
+    srv = sub.add_parser("serve", help="serve OpenAI- and Anthropic-compatible APIs")
+    _add_engine_options(srv)
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=1919)
+    srv.add_argument("--api-key", help="require this key for inference endpoints")
+    srv.add_argument("--admin-token", help="require this token for /admin/* (else loopback only)")
+    srv.add_argument("--served-model-name", help="model name in the API (default: folder name)")
+    srv.add_argument("--max-batch", type=int, default=32, help="requests decoded together")
+    srv.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")
+    srv.set_defaults(func=cmd_serve)
+
+    cal = sub.add_parser("calibrate", help="measure PCIe and CPU-expert bandwidth for q*")
+    cal.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    cal.add_argument("--json", action="store_true")
+    cal.add_argument("--refresh", action="store_true", help="re-measure instead of using the cache")
+    cal.set_defaults(func=cmd_calibrate)
+
+    conv = sub.add_parser("convert", help="write the pre-packed fast-start format")
+    conv.add_argument("--model", type=Path, required=True)
+    conv.add_argument("--out", type=Path, required=True)
+    conv.set_defaults(func=cmd_convert)
+    return parser
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except EngineError as exc:
+        print(f"freetoken: error: {exc}", file=sys.stderr)
+        return 2
+    except (OSError, ValueError) as exc:
+        print(f"freetoken: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

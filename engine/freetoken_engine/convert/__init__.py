@@ -1,0 +1,1 @@
+"""MoEfication of dense checkpoints (the embedded default model)."""

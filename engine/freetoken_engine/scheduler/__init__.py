@@ -1,0 +1,1 @@
+"""Continuous batching: requests, the scheduling policy, the radix prefix tree and EngineService."""

@@ -1,0 +1,30 @@
+"""Shared fixtures. ``tiny_models.make_tiny_checkpoint`` writes transformers checkpoints;
+``tiny_checkpoint(model_type, **overrides)`` caches them for the whole test session."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import make_tiny_checkpoint  # noqa: E402
+
+# Keep test runs away from the user's caches (converted default model, calibration) unless a
+# session-wide cache folder is given, and keep torch from oversubscribing the 2-core CI machine.
+os.environ.setdefault("FREETOKEN_CACHE_DIR", str(Path(__file__).parent.parent / ".test-cache"))
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory):
+    made: dict = {}
+
+    def get(model_type: str = "qwen3_moe", **overrides) -> Path:
+        key = (model_type, tuple(sorted(overrides.items())))
+        if key not in made:
+            folder = tmp_path_factory.mktemp(f"tiny-{model_type}")
+            made[key] = make_tiny_checkpoint(folder, model_type, **overrides)
+        return made[key]
+
+    return get

@@ -1,0 +1,98 @@
+"""The ``freetoken`` command line: the JSON contract and one-line errors with exit code 2."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from freetoken_engine.cli import main
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "freetoken_engine.cli", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_generate_json_contract(tiny_checkpoint, capsys):
+    folder = tiny_checkpoint("qwen3_moe")
+    assert main(["generate", "--model", str(folder), "--prompt", "Paris is", "--max-new-tokens", "6",
+                 "--temperature", "0", "--expert-cache-experts", "3", "--cpu-expert-fraction", "0.5",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(out["token_ids"]) <= 6 and isinstance(out["text"], str)
+    stats = out["stats"]
+    for key in ("prefill_tokens_per_s", "decode_tokens_per_s", "capacity", "hits", "misses", "fills",
+                "cpu_computed"):
+        assert key in stats
+    assert stats["capacity"] == 3 and stats["fills"] + stats["cpu_computed"] == stats["misses"]
+
+
+def test_prompt_ids_are_sent_as_given(tiny_checkpoint, capsys):
+    folder = tiny_checkpoint("qwen3_moe")
+    main(["generate", "--model", str(folder), "--prompt-ids", "1,2,3", "--max-new-tokens", "3", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["stats"]["prompt_tokens"] == 3
+
+
+def _broken(tmp_path, tiny_checkpoint, kind: str):
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint("qwen3_moe"), folder)
+    if kind == "truncated":
+        shard = folder / "model.safetensors"
+        shard.write_bytes(shard.read_bytes()[:-100])
+    elif kind == "missing-shard":
+        (folder / "model.safetensors").unlink()
+    elif kind == "model-type":
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["model_type"] = "gpt_neox_moe"
+        (folder / "config.json").write_text(json.dumps(cfg))
+    return folder
+
+
+@pytest.mark.parametrize("kind,needle", [
+    ("truncated", "truncated"),
+    ("missing-shard", "no *.safetensors"),
+    ("model-type", "supported: freetoken_llama_moe, llama, mixtral, olmoe, qwen2_moe, qwen3, qwen3_moe"),
+])
+def test_broken_folders_fail_in_one_line(tmp_path, tiny_checkpoint, kind, needle):
+    r = run("generate", "--model", str(_broken(tmp_path, tiny_checkpoint, kind)), "--prompt-ids", "1,2")
+    assert r.returncode == 2 and needle in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_missing_shard_named_in_index(tmp_path):
+    from tiny_models import make_tiny_checkpoint
+    folder = make_tiny_checkpoint(tmp_path, "qwen3_moe", shard_kb=20)
+    sorted(folder.glob("model-*.safetensors"))[1].unlink()
+    r = run("generate", "--model", str(folder), "--prompt-ids", "1,2")
+    assert r.returncode == 2 and "missing weight shard" in r.stderr and len(r.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--model", "/nonexistent/model", "--prompt-ids", "1"], "does not exist"),
+    (["--prompt-ids", "1,2,99999"], "outside the vocabulary"),
+    (["--prompt-ids", ",".join(["5"] * 600)], "exceeds the context"),
+    (["--prompt-ids", "1", "--expert-cache-experts", "0"], "at least 1"),
+    (["--prompt-ids", "1", "--expert-cache-experts", "1000"], "larger than the model"),
+    (["--prompt-ids", "1", "--expert-cache-gb", "1e-9"], "holds no expert"),
+    (["--prompt-ids", "1", "--cpu-expert-fraction", "1.5"], "within 0..1"),
+    (["--prompt-ids", "a,b"], "comma-separated integers"),
+    (["--prompt-ids", "1", "--no-such-flag"], "unrecognized arguments"),
+])
+def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, args, needle):
+    if "--model" not in args:
+        args = ["--model", str(tiny_checkpoint("qwen3_moe")), *args]
+    r = run("generate", *args)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_calibrate_json_contract():
+    r = run("calibrate", "--device", "cpu", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["pcie_gbps"] is None and out["cpu_expert_gbps"] > 0 and out["fill_fraction"] == 1.0
+    assert set(out["concurrent"]) == {"pcie_gbps", "cpu_expert_gbps"}

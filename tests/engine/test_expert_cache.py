@@ -1,0 +1,118 @@
+"""Caching, offload and the q* split never change the output, and the cache keeps its invariants."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken_engine import LLM, SamplingParams
+from freetoken_engine.cache.bank import ExpertBank
+from freetoken_engine.cache.experts import ExpertCache
+
+PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+
+
+def checked(llm: LLM) -> LLM:
+    """Run the cache's integrity check (deep: slot rows equal bank rows) after every step."""
+    cache = llm.runner.cache
+    step = cache.step
+
+    def step_and_check(layer, ids):
+        out = step(layer, ids)
+        cache.check_integrity(deep=True)
+        resident = out >= 0
+        assert torch.equal(cache.slot_of[layer, ids[resident]], out[resident])
+        return out
+
+    cache.step = step_and_check
+    return llm
+
+
+@pytest.mark.parametrize("model_type,capacities,fractions", [
+    ("qwen3_moe", "all", (0.0, 0.5, 1.0)),
+    ("qwen2_moe", "all", (0.0, 0.5, 1.0)),
+    ("mixtral", "some", (0.5,)),
+    ("olmoe", "some", (0.0, 1.0)),
+])
+def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
+    folder = tiny_checkpoint(model_type)
+    full = LLM(folder)
+    total = full.runner.bank.total_experts
+    want = full.generate(PROMPT, GREEDY).token_ids
+    sizes = range(1, total + 1) if capacities == "all" else (1, 3, total // 2)
+    for capacity in sizes:
+        for fraction in fractions:
+            llm = checked(LLM(folder, expert_cache_experts=capacity, cpu_expert_fraction=fraction))
+            got = llm.generate(PROMPT, GREEDY)
+            assert got.token_ids == want, (capacity, fraction)
+            s = got.stats
+            assert s["hits"] + s["misses"] > 0 and s["fills"] + s["cpu_computed"] == s["misses"]
+            if fraction == 1.0:
+                assert s["fills"] == 0                       # everything missed is computed in place
+            if fraction == 0.0 and capacity >= llm.runner.mcfg.moe.num_experts:
+                assert s["cpu_computed"] == 0                # a layer's experts all fit: all filled
+
+
+def test_resize_between_steps_changes_nothing(tiny_checkpoint):
+    folder = tiny_checkpoint("qwen3_moe")
+    llm = checked(LLM(folder, expert_cache_experts=8, cpu_expert_fraction=0.5))
+    want = llm.generate(PROMPT, GREEDY).token_ids
+    runner = llm.runner
+    sizes = iter([1, 16, 3, 5, 2, 16, 7] * 10)
+    forward = runner.forward
+
+    def forward_then_resize(chunks):
+        out = forward(chunks)
+        runner.resize_expert_cache(next(sizes))
+        runner.cache.check_integrity(deep=True)
+        return out
+
+    runner.forward = forward_then_resize
+    assert llm.generate(PROMPT, GREEDY).token_ids == want
+
+
+def _cache(capacity: int, layers: int = 2, experts: int = 6) -> ExpertCache:
+    bank = ExpertBank(layers, experts, hidden=4, inter=2, dtype=torch.float32)
+    bank.w13.copy_(torch.randn_like(bank.w13))
+    bank.w2.copy_(torch.randn_like(bank.w2))
+    return ExpertCache(bank, capacity, torch.device("cpu"))
+
+
+def test_global_lru_evicts_least_recent_and_never_an_active_expert():
+    cache = _cache(capacity=3)
+    cache.step(0, torch.tensor([0, 1]))       # slots 0,1 <- (0,0),(0,1)
+    cache.step(1, torch.tensor([2]))          # slot 2 <- (1,2)
+    cache.step(0, torch.tensor([1]))          # touch (0,1)
+    slots = cache.step(0, torch.tensor([1, 4]))   # (0,1) hit; (0,4) evicts LRU (0,0) at slot 0
+    assert slots.tolist() == [1, 0]
+    assert cache.slot_of[0, 0] == -1 and cache.slot_of[1, 2] == 2
+    assert (cache.stats.hits, cache.stats.misses, cache.stats.fills) == (2, 4, 4)
+    cache.check_integrity(deep=True)
+
+
+def test_misses_beyond_free_slots_are_computed_in_place():
+    cache = _cache(capacity=2)
+    slots = cache.step(0, torch.tensor([0, 1, 2, 3]))
+    assert (slots >= 0).sum() == 2 and cache.stats.cpu_computed == 2
+    cache.check_integrity(deep=True)
+
+
+def test_fill_fraction_splits_misses():
+    cache = _cache(capacity=12)
+    cache.fill_fraction = 0.5
+    slots = cache.step(0, torch.tensor([0, 1, 2, 3]))
+    assert slots.tolist() == [0, 1, -1, -1]               # first half (ascending ids) filled
+    assert cache.stats.fills == 2 and cache.stats.cpu_computed == 2
+
+
+def test_resize_keeps_most_recent_residents():
+    cache = _cache(capacity=4)
+    for e in range(4):
+        cache.step(0, torch.tensor([e]))
+    cache.resize(2)
+    assert sorted(cache.slot_of[0].tolist()) == [-1, -1, -1, -1, 0, 1]
+    assert cache.slot_of[0, 3] >= 0 and cache.slot_of[0, 2] >= 0
+    cache.check_integrity(deep=True)
+    cache.resize(6)
+    cache.check_integrity(deep=True)
+    assert cache.capacity == 6 and cache.resident() == 2

@@ -1,0 +1,81 @@
+"""The engine against transformers, token for token, on checkpoints it has never seen."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken_engine import LLM, SamplingParams
+from tiny_models import SUPPORTED, load_reference, make_tiny_checkpoint
+
+PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
+
+
+def reference_greedy(ref, ids: list[int], n: int) -> list[int]:
+    ref.generation_config.eos_token_id = None      # compare raw greedy continuations
+    out = ref.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(ids):].tolist()
+
+
+def check(folder, n_new: int = 32, **engine_options):
+    ref = load_reference(folder)
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPT])).logits[0]
+    llm = LLM(folder, **engine_options)
+    assert (llm.prefill_logits(PROMPT) - want).abs().max() < 1e-4      # whole-prompt path
+    assert (llm.forward_logits(PROMPT) - want).abs().max() < 1e-4      # token-by-token decode path
+    got = llm.generate(PROMPT, SamplingParams(max_new_tokens=n_new, temperature=0, ignore_eos=True))
+    assert got.token_ids == reference_greedy(ref, PROMPT, n_new)
+
+
+@pytest.mark.parametrize("model_type", SUPPORTED)
+def test_every_family_matches_transformers(tiny_checkpoint, model_type):
+    check(tiny_checkpoint(model_type))
+
+
+@pytest.mark.parametrize("model_type,overrides", [
+    ("qwen3_moe", dict(num_experts=16, num_experts_per_tok=1, norm_topk_prob=False)),
+    ("qwen3_moe", dict(num_experts=6, num_experts_per_tok=6, norm_topk_prob=True, hidden_size=48)),
+    ("qwen3_moe", dict(num_experts_per_tok=3, norm_topk_prob=False, tie_word_embeddings=True)),
+    ("qwen3_moe", dict(decoder_sparse_step=2, num_hidden_layers=3)),          # dense + sparse layers
+    ("qwen2_moe", dict(num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=3)),
+    ("mixtral", dict(num_local_experts=4, num_experts_per_tok=1, num_key_value_heads=1)),
+    ("olmoe", dict(num_experts_per_tok=3, norm_topk_prob=True, clip_qkv=0.5)),
+    ("llama", dict(tie_word_embeddings=True, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    ("qwen3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+])
+def test_unseen_variants_match(tmp_path, model_type, overrides):
+    check(make_tiny_checkpoint(tmp_path, model_type, seed=3, **overrides), n_new=16)
+
+
+def test_sharded_checkpoint_matches(tmp_path):
+    folder = make_tiny_checkpoint(tmp_path, "qwen2_moe", seed=5, shard_kb=20)
+    assert len(list(folder.glob("*.safetensors"))) > 3
+    check(folder, n_new=16)
+
+
+def test_chunked_prefill_equals_one_pass(tiny_checkpoint):
+    folder = tiny_checkpoint("qwen3_moe")
+    whole = LLM(folder).generate(PROMPT, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
+    chunked = LLM(folder, prefill_chunk=5).generate(
+        PROMPT, SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True))
+    assert chunked.token_ids == whole.token_ids
+
+
+def test_sampling_is_reproducible_by_seed(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("qwen3_moe"))
+    params = dict(max_new_tokens=16, temperature=0.9, top_p=0.9, top_k=50, ignore_eos=True)
+    a = llm.generate(PROMPT, SamplingParams(seed=1, **params)).token_ids
+    b = llm.generate(PROMPT, SamplingParams(seed=1, **params)).token_ids
+    c = llm.generate(PROMPT, SamplingParams(seed=2, **params)).token_ids
+    assert a == b and a != c
+
+
+def test_generation_stops_on_eos(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("qwen3_moe"))
+    greedy = llm.generate(PROMPT, SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True)).token_ids
+    stop_at = greedy[5]
+    out = llm.generate(PROMPT, SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=(stop_at,)))
+    assert out.token_ids == greedy[:greedy.index(stop_at) + 1] and out.finish_reason == "stop"
