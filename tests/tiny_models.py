@@ -8,8 +8,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>",
-            "<tool_call>", "</tool_call>"]
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Added but not special, as in real Qwen3 tokenizers: decoding keeps them in the text.
+TAGS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 CHAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nYou may call these tools: {{ tools | tojson }}\n"
@@ -46,9 +47,10 @@ def build_tokenizer(vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TAGS), special_tokens=SPECIALS,
+                                  show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([_TEXT], trainer)
+    tok.add_tokens(TAGS)
     return tok
 
 

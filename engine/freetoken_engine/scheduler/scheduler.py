@@ -1,0 +1,223 @@
+"""Continuous batching over one ``ModelRunner``.
+
+Every step the scheduler thread (1) runs queued commands at this safe point (expert-cache
+resize, calibration), (2) drops aborted requests, (3) admits waiting requests while the batch
+and the KV pool allow, reusing cached prompt prefixes from the radix tree, (4) runs one forward
+pass holding every running request's next piece of work (a prefill chunk within the token
+budget, or one decode token) and (5) samples, streams and retires. When a decode step needs a
+KV block and none is free, unlocked prefix-tree leaves are evicted first, then the newest
+request is preempted (its KV recomputed when it is re-admitted; its output so far is kept).
+
+Thread-safety: ``add``, ``abort`` and ``call`` may be called from any thread; everything else
+runs on the scheduler thread.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from typing import Callable
+
+from ..cache.radix import RadixCache
+from ..errors import OutOfKVCache, QueueFull
+from ..executor.inputs import SeqChunk
+from ..executor.runner import ModelRunner
+from ..executor.sampler import sample
+from .request import Request, TokenEvent
+
+log = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, max_batch: int, max_queue: int, prefill_chunk: int):
+        self.runner, self.kv = runner, runner.kv
+        self.radix = RadixCache(self.kv)
+        self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._cv = threading.Condition()
+        self._commands: deque[tuple[Callable, concurrent.futures.Future]] = deque()
+        self._stop = False
+        self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
+                         "preemptions": 0, "steps": 0}
+        self.thread = threading.Thread(target=self._loop, name="freetoken-scheduler", daemon=True)
+
+    # -- any thread ------------------------------------------------------------------------------
+    def add(self, req: Request) -> None:
+        with self._cv:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are already waiting; retry shortly",
+                                retry_after=1.0)
+            self.waiting.append(req)
+            self._cv.notify()
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    def call(self, fn: Callable) -> concurrent.futures.Future:
+        """Run ``fn()`` on the scheduler thread between two forward passes."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cv:
+            self._commands.append((fn, fut))
+            self._cv.notify()
+        return fut
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        self.thread.join(timeout=10)
+
+    # -- scheduler thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not (self._stop or self._commands or self.waiting or self.running):
+                    self._cv.wait()
+                if self._stop:
+                    break
+                commands = list(self._commands)
+                self._commands.clear()
+            for fn, fut in commands:
+                try:
+                    fut.set_result(fn())
+                except Exception as exc:  # delivered to the caller, the loop goes on
+                    fut.set_exception(exc)
+            try:
+                self._drop_aborted()
+                self._admit()
+                if self.running:
+                    self._step()
+            except Exception:  # a bug must not hang every client: fail the running requests
+                log.exception("scheduler step failed; aborting running requests")
+                for req in list(self.running):
+                    self._finish(req, "abort")
+
+    def _drop_aborted(self) -> None:
+        with self._cv:
+            for req in [r for r in self.waiting if r.aborted.is_set()]:
+                self.waiting.remove(req)
+                self._release(req)
+                req.sink.push(TokenEvent(None, "abort"))
+        for req in [r for r in self.running if r.aborted.is_set()]:
+            self._finish(req, "abort")
+
+    def _free_blocks(self, n: int) -> bool:
+        if self.kv.free_blocks < n:
+            self.radix.evict(n - self.kv.free_blocks)
+        return self.kv.free_blocks >= n
+
+    def _admit(self) -> None:
+        while len(self.running) < self.max_batch:
+            with self._cv:
+                if not self.waiting:
+                    return
+                req = self.waiting[0]
+            tokens = req.tokens
+            matched = self.radix.match(tokens, len(tokens) - 1)
+            need = self.kv.blocks_for(len(tokens)) - len(matched)
+            if not self._free_blocks(need):
+                self.kv.release(matched)
+                if not self.running:     # alone and still too big: it can never run
+                    with self._cv:
+                        self.waiting.popleft()
+                    req.sink.push(TokenEvent(None, "abort"))
+                    log.warning("request %d needs %d KV blocks, the pool has %d", req.id, need,
+                                self.kv.num_blocks)
+                return
+            with self._cv:
+                self.waiting.popleft()
+            req.blocks = matched + self.kv.allocate(need)
+            req.computed = len(matched) * self.kv.block_size
+            if not req.output_ids:       # first admission (not a re-admission after preemption)
+                req.cached_tokens = req.computed
+                req.sink.prompt_tokens, req.sink.cached_tokens = len(req.prompt_ids), req.computed
+                self.counters["prompt_tokens"] += len(req.prompt_ids)
+                self.counters["cached_tokens"] += req.computed
+            self.running.append(req)
+
+    def _ensure_block(self, req: Request) -> bool:
+        """Make room for the KV of ``req.computed + 1`` tokens, preempting others if needed."""
+        while self.kv.blocks_for(req.computed + 1) > len(req.blocks):
+            if self._free_blocks(1):
+                req.blocks += self.kv.allocate(1)
+                continue
+            victims = [r for r in self.running if r is not req]
+            if not victims:
+                return False
+            self._preempt(max(victims, key=lambda r: r.arrival))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self._release(req)
+        req.computed = 0
+        self.counters["preemptions"] += 1
+        with self._cv:
+            self.waiting.appendleft(req)
+
+    def _step(self) -> None:
+        budget = self.prefill_chunk
+        chunks, batch = [], []
+        for req in list(self.running):
+            if req not in self.running:      # preempted by an earlier request of this step
+                continue
+            n = req.pending
+            if n > 1:
+                n = min(n, budget)
+                if n == 0:
+                    continue
+                budget -= n
+            elif not self._ensure_block(req):
+                self._finish(req, "abort")
+                continue
+            batch.append((req, n))
+        batch = [(r, n) for r, n in batch if r in self.running]
+        if not batch:
+            return
+        for req, n in batch:
+            chunks.append(SeqChunk(req.blocks, req.computed, req.tokens[req.computed:req.computed + n]))
+        logits = self.runner.forward(chunks)
+        self.counters["steps"] += 1
+        for row, (req, n) in enumerate(batch):
+            req.computed += n
+            if req.pending:
+                continue                      # prefill continues next step
+            tok = sample(logits[row], req.params, req.generator)
+            req.output_ids.append(tok)
+            self.counters["generated_tokens"] += 1
+            if tok in req.stop_ids:
+                self._finish(req, "stop", tok)
+            elif len(req.output_ids) >= req.max_new_tokens:
+                self._finish(req, "length", tok)
+            else:
+                req.sink.push(TokenEvent(tok, None))
+
+    def _release(self, req: Request) -> None:
+        self.kv.release(req.blocks)
+        req.blocks = []
+
+    def _finish(self, req: Request, reason: str, last_token: int | None = None) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        full = req.computed // self.kv.block_size
+        if full:
+            self.radix.insert(req.tokens, req.blocks[:full])
+        self._release(req)
+        req.finished = True
+        req.sink.push(TokenEvent(last_token, reason))
+
+    def check_integrity(self) -> None:
+        """Pool, tree and requests agree: every block a request holds is live."""
+        self.kv.check_integrity()
+        self.radix.check_integrity()
+        for req in self.running:
+            if any(self.kv.refs[b] < 1 for b in req.blocks):
+                raise RuntimeError(f"request {req.id} holds a freed KV block")
+            if self.kv.blocks_for(req.computed) > len(req.blocks):
+                raise RuntimeError(f"request {req.id} computed past its blocks")
+
+
+__all__ = ["Scheduler", "OutOfKVCache"]
