@@ -4,8 +4,9 @@ Runs on one NVIDIA GPU (the project's H200). Random bf16 weights in the exact ex
 Qwen3-30B-A3B (48 MoE layers, 128 experts, top-8, H 2048, I 768) and of Qwen3.6-35B-A3B's MoE
 layers (40 layers, 256 experts, top-8, H 2048, I 512, one shared expert), generated in memory
 into a pinned host bank. Only the MoE layers run: the non-expert compute (attention, norms,
-router, LM head) is excluded; a token's hidden state still passes from layer to layer (an RMS
-normalisation of the MoE output) so that the CPU branch sits on the critical path as it would.
+router, LM head) is excluded; a token's hidden state still passes from layer to layer (one
+kernel: the sum over k and an RMS normalisation) so that the CPU branch sits on the critical
+path as it would.
 
 Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 GB cards:
   (a) all     every expert resident on the GPU (the ceiling; budget independent)
@@ -37,6 +38,8 @@ import time
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "engine"))
@@ -59,6 +62,7 @@ from freetoken_engine.cache.bank import ExpertBank  # noqa: E402
 from freetoken_engine.cache.device_control import DeviceControl  # noqa: E402
 from freetoken_engine.cache.prefetch import LayerStreamer  # noqa: E402
 from freetoken_engine.kernels.triton.gather import gather_fill_rows  # noqa: E402
+from freetoken_engine.kernels.triton import moe as moe_mod  # noqa: E402
 from freetoken_engine.kernels.triton.moe import moe_slots_forward  # noqa: E402
 
 CUDA = torch.device("cuda")
@@ -101,7 +105,7 @@ class Bank(ExpertBank):
             self.shared = ((torch.randn(L, 2 * si, H, device=CUDA) * 0.02).to(torch.bfloat16),
                            (torch.randn(L, H, si, device=CUDA) * 0.02).to(torch.bfloat16))
         self.shared_bytes = 3 * model["hidden"] * si * 2
-        self._all = None
+        self._all = self._streamer = None
 
     def all_resident(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole bank on the GPU as a slot pool [L*E, ...] (slot = layer * E + expert)."""
@@ -111,7 +115,7 @@ class Bank(ExpertBank):
         return self._all
 
     def free(self) -> None:
-        self._all = None
+        self._all = self._streamer = None
         rt = torch.cuda.cudart()
         for t in (self.w13, self.w2):
             if self.pinned:
@@ -263,6 +267,62 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
+# Kernel tuning and the control step's cost
+# ---------------------------------------------------------------------------------------------
+TILE_CANDIDATES = [
+    {"bn1": 32, "bk1": 128, "bn2": 64, "bk2": 128, "warps": 4},
+    {"bn1": 16, "bk1": 256, "bn2": 32, "bk2": 256, "warps": 4},
+    {"bn1": 64, "bk1": 64, "bn2": 64, "bk2": 64, "warps": 4},
+    {"bn1": 32, "bk1": 256, "bn2": 64, "bk2": 256, "warps": 8},
+]
+
+
+def tune_decode(model: dict) -> dict:
+    """Time moe_slots_forward for batch 1 and 4 (8 different expert sets per graph, so weights
+    come from HBM, not L2) for each tile candidate; set the fastest as DECODE_TILES."""
+    H, I, k = model["hidden"], model["inter"], model["top_k"]
+    n_slots = 64
+    pool13 = (torch.randn(n_slots, 2 * I, H, device=CUDA) * 0.02).to(torch.bfloat16)
+    pool2 = (torch.randn(n_slots, H, I, device=CUDA) * 0.02).to(torch.bfloat16)
+    rows = []
+    for tiles in TILE_CANDIDATES:
+        moe_mod.DECODE_TILES = tiles
+        row = {"tiles": tiles}
+        for batch in (1, 4):
+            x = torch.randn(batch, H, device=CUDA).to(torch.bfloat16)
+            tok = torch.arange(batch, device=CUDA).repeat_interleave(k)
+            calls = [torch.stack([torch.randperm(n_slots, device=CUDA)[:k] for _ in range(batch)]).flatten()
+                     for _ in range(8)]
+            out = torch.empty(batch * k, H, dtype=torch.bfloat16, device=CUDA)
+            run = lambda: [moe_slots_forward(x, pool13, pool2, tok, ps, out=out) for ps in calls]  # noqa: E731
+            run()
+            graph = _capture(run)
+            secs = _events_seconds(graph.replay, 10) / 80
+            distinct = sum(len(set(ps.tolist())) for ps in calls) / len(calls)
+            row[f"us_batch{batch}"] = secs * 1e6
+            row[f"gbps_batch{batch}"] = distinct * model["expert_bytes"] / secs / 1e9
+        rows.append(row)
+    best = min(rows, key=lambda r: r["us_batch1"] + r["us_batch4"])
+    moe_mod.DECODE_TILES = best["tiles"]
+    return {"candidates": rows, "chosen": best["tiles"]}
+
+
+def control_step_us(bank: "Bank", slots: int) -> float:
+    """Microseconds per control step (one MoE layer, batch 1) at a pool of ``slots``, graph-replayed."""
+    m = bank.model
+    L, E, k = m["layers"], m["experts"], m["top_k"]
+    dummy13 = torch.empty((1, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+    dummy2 = torch.empty((1, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+    minus = lambda n: torch.full((n,), -1, dtype=torch.int64, device=CUDA)  # noqa: E731
+    ctl = DeviceControl(bank.w13, bank.w2, dummy13, dummy2, minus(L * E).view(L, E), minus(slots), minus(slots), 0, 1.0)
+    ids = torch.rand(L, 1, E, device=CUDA).topk(k, dim=-1).indices
+    run = lambda: [ctl.step(l, ids[l], copy=False) for l in range(L)]  # noqa: E731
+    run()
+    graph = _capture(run)
+    return _events_seconds(graph.replay, 5) / (5 * L) * 1e6
+
+
+# ---------------------------------------------------------------------------------------------
 # Decode
 # ---------------------------------------------------------------------------------------------
 class _Token:
@@ -279,21 +339,45 @@ class _Token:
         self.x[0].copy_(torch.randn(batch, self.H))
         self.rows = torch.zeros(self.L, self.P, self.H, dtype=torch.bfloat16, device=CUDA)
         self.ids = torch.zeros(self.L, batch, self.k, dtype=torch.int64, device=CUDA)
-        self.h_ids_in = torch.zeros(self.L, batch, self.k, dtype=torch.int64).pin_memory()
+        self.h_ids_in = torch.zeros(self.L, batch, self.k, dtype=torch.int64)
         self.shared_tok = torch.arange(batch, device=CUDA)
         self.shared_slot = [torch.full((batch,), l, dtype=torch.int64, device=CUDA) for l in range(self.L)]
 
-    def load_ids(self, ids_t: torch.Tensor) -> None:
-        self.h_ids_in.copy_(ids_t)
-        self.ids.copy_(self.h_ids_in, non_blocking=True)
+    def load_ids(self, ids_dev: torch.Tensor, ids_host: torch.Tensor, t: int) -> None:
+        """Token t's routing: a device-to-device copy in stream order (a pinned staging buffer
+        rewritten by the host would race the graphs still queued), and the host's copy for the
+        CPU branch."""
+        self.ids.copy_(ids_dev[t])
+        self.h_ids_in.copy_(ids_host[t])
 
     def combine(self, layer: int, rows: torch.Tensor) -> None:
-        """x[l+1] = RMS-normalised (mean over k of the pair rows + shared expert), fixed order."""
-        y = rows.view(self.T, self.k, self.H).float().sum(1) / self.k
+        """x[l+1] = RMS-normalised sum over k of the pair rows (+ the shared expert)."""
+        shared = None
         if self.bank.shared is not None:
             s13, s2 = self.bank.shared
-            y = y + moe_slots_forward(self.x[layer], s13, s2, self.shared_tok, self.shared_slot[layer]).float()
-        self.x[layer + 1].copy_(y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6))
+            shared = moe_slots_forward(self.x[layer], s13, s2, self.shared_tok, self.shared_slot[layer])
+        combine(rows, shared, self.x[layer + 1], self.k)
+
+
+@triton.jit
+def _combine_kernel(rows_ptr, add_ptr, x_ptr, K: tl.constexpr, H: tl.constexpr, HAS_ADD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, H)
+    acc = tl.zeros([H], dtype=tl.float32)
+    for j in tl.static_range(K):                       # fixed order over k
+        acc += tl.load(rows_ptr + (t * K + j) * H + h).to(tl.float32)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + t * H + h).to(tl.float32)
+    acc = acc * tl.rsqrt(tl.sum(acc * acc, 0) / H + 1e-6)
+    tl.store(x_ptr + t * H + h, acc.to(x_ptr.dtype.element_ty))
+
+
+def combine(rows: torch.Tensor, shared: torch.Tensor | None, x: torch.Tensor, k: int) -> torch.Tensor:
+    """x = rmsnorm(sum_j rows[t*k + j] (+ shared[t])): what stands in for the rest of the layer
+    (one kernel; the non-expert compute itself is excluded)."""
+    t, h = x.shape
+    _combine_kernel[(t,)](rows, shared if shared is not None else rows, x, K=k, H=h, HAS_ADD=shared is not None)
+    return x
 
 
 def _capture(fn) -> torch.cuda.CUDAGraph:
@@ -372,37 +456,42 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
             def seg_c(l):              # CPU rows in, select per pair, reduce over k in fixed order
                 d_rows.copy_(h_rows, non_blocking=True)
                 sel = (ctl.outputs(st.P).pair_slot >= 0)[:, None]
-                st.rows[l].copy_(torch.where(sel, gpu_rows, d_rows))
+                torch.where(sel, gpu_rows, d_rows, out=st.rows[l])
                 st.combine(l, st.rows[l])
+                if l + 1 < L:
+                    seg_a(l + 1)       # the next layer's control step joins the same graph
 
             def token(graphs):
+                graphs[L][0].replay() if graphs else seg_a(0)
+                ev.record()
                 for l in range(L):
-                    graphs[l][0].replay() if graphs else seg_a(l)
-                    ev.record()
-                    graphs[l][1].replay() if graphs else seg_b(l)
+                    graphs[l][0].replay() if graphs else seg_b(l)
                     ev.synchronize()    # control step done: the CPU works while fills + GPU run
                     cpu = h_ps[l] < 0
                     if bool(cpu.any()):
                         h_rows[cpu] = cpu_fn(h_x, bank.w13[l], bank.w2[l], st.h_tok[cpu], st.h_ids_in[l].view(-1)[cpu])
-                    graphs[l][2].replay() if graphs else seg_c(l)
+                    graphs[l][1].replay() if graphs else seg_c(l)
+                    ev.record()
 
-    st.load_ids(ids[0])
+    ids_dev = ids.to(CUDA)
+    st.load_ids(ids_dev, ids, 0)
     token(None)                                            # compiles every kernel; first warm token
     torch.cuda.synchronize()
     if policy == "lru+q*":
-        graphs = [[_capture(lambda f=f, l=l: f(l)) for f in (seg_a, seg_b, seg_c)] for l in range(L)]
+        graphs = [[_capture(lambda f=f, l=l: f(l)) for f in (seg_b, seg_c)] for l in range(L)]
+        graphs.append([_capture(lambda: seg_a(0))])
     elif policy == "static" and n_gpu == 0:
         graphs = None
     else:
         graphs = _capture(gpu_layers)
     for t in range(1, warm):
-        st.load_ids(ids[t])
+        st.load_ids(ids_dev, ids, t)
         token(graphs)
     torch.cuda.synchronize()
     before = ctl.counters() if ctl else None
     t0 = time.perf_counter()
     for t in range(warm, n_tok):
-        st.load_ids(ids[t])
+        st.load_ids(ids_dev, ids, t)
         token(graphs)
     torch.cuda.synchronize()
     secs = (time.perf_counter() - t0) / (n_tok - warm)
@@ -473,12 +562,11 @@ def prefill_row(bank: Bank, seq: int, mode: str, bw: dict) -> dict:
         for layer in range(n_layers):
             w13, w2 = weights(layer)
             rows = moe_slots_forward(x, w13, w2, tok[:tokens * k], ids[layer, :tokens * k])
-            y = rows.view(tokens, k, H).float().sum(1) / k
+            shared = None
             if bank.shared is not None:
                 s13, s2 = bank.shared
-                y = y + moe_slots_forward(x, s13, s2, shared_tok[:tokens],
-                                          torch.full((tokens,), layer, device=CUDA)).float()
-            x = (y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+                shared = moe_slots_forward(x, s13, s2, shared_tok[:tokens], torch.full((tokens,), layer, device=CUDA))
+            x = combine(rows, shared, torch.empty_like(x), k)
         return x
 
     run(2, 256)                                   # compiles the kernels
@@ -501,7 +589,6 @@ GiB = 1 << 30
 def hardware() -> dict:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     mem = next((int(ln.split()[1]) * 1024 for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), 0)
-    import triton
     return {"gpu": torch.cuda.get_device_name(), "gpu_memory_bytes": torch.cuda.get_device_properties(0).total_memory,
             "cpu": cpu, "cpu_cores": os.cpu_count(), "ram_bytes": mem, "python": platform.python_version(),
             "torch": torch.__version__, "triton": triton.__version__}
@@ -543,10 +630,22 @@ def main() -> None:
         bw = bandwidths(bank, cpu_fn)
         result["bandwidth"][name] = bw
         print(f"[{name}] " + ", ".join(f"{k} {v:.1f}" for k, v in bw.items() if isinstance(v, float)), flush=True)
+        if "decode_tiles" not in result:
+            result["decode_tiles"] = tune_decode(model)
+            for r in result["decode_tiles"]["candidates"]:
+                print(f"tiles {r['tiles']}: b1 {r['us_batch1']:.1f} us ({r['gbps_batch1']:.0f} GB/s), "
+                      f"b4 {r['us_batch4']:.1f} us ({r['gbps_batch4']:.0f} GB/s)", flush=True)
+        result.setdefault("control_step_us", {})[name] = {
+            str(b): control_step_us(bank, cache_slots(b, model)) for b in budgets}
+        print(f"[{name}] control step us per layer call: {result['control_step_us'][name]}", flush=True)
         save()
         for seq in ([8192] if args.quick else [4096, 8192, 16384]):
             for mode in ("double", "single"):
-                row = prefill_row(bank, seq, mode, bw)
+                try:
+                    row = prefill_row(bank, seq, mode, bw)
+                except Exception as exc:  # keep the other rows: record the failure in the results
+                    row = {"tokens": seq, "mode": mode, "error": repr(exc), "tok_s": 0.0, "seconds": 0.0,
+                           "bound_seconds": 0.0, "fraction_of_bound": 0.0}
                 row["model"] = name
                 result["prefill"].append(row)
                 print(f"[{name}] prefill {seq:6d} {mode:7s} {row['tok_s']:8.0f} tok/s  {row['seconds']:.3f} s  "
@@ -560,7 +659,13 @@ def main() -> None:
                 plans = [("all", None)] + [(p, b) for b in budgets for p in ("static", "lru", "lru+q*")]
                 for policy, budget in plans:
                     slots = bank.total_experts if budget is None else cache_slots(budget, model)
-                    row = decode_row(bank, policy, slots, ids, warm, bw, cpu_fn)
+                    try:
+                        row = decode_row(bank, policy, slots, ids, warm, bw, cpu_fn)
+                    except Exception as exc:  # keep the other rows: record the failure in the results
+                        row = {"policy": policy, "cache_slots": slots, "error": repr(exc), "tok_s": 0.0,
+                               "miss_rate": 0.0, "bound_tok_s": 0.0, "fraction_of_bound": 0.0}
+                        torch.cuda.synchronize()
+                        torch.cuda.empty_cache()
                     row.update(model=name, routing=routing, batch=batch, budget_gib=budget)
                     result["decode"].append(row)
                     print(f"[{name}] {routing:8s} b{batch} {policy:7s} {str(budget):5s} slots {slots:6d} "

@@ -21,13 +21,22 @@ CUDA = torch.device("cuda")
 H, I, K = 2048, 768, 8          # Qwen3-30B-A3B expert shape
 
 
-def _bank(layers: int, experts: int, hidden: int = 256, inter: int = 128, seed: int = 0) -> ExpertBank:
-    bank = ExpertBank(layers, experts, hidden, inter, torch.bfloat16)
-    g = torch.Generator().manual_seed(seed)
-    bank.w13.copy_(torch.randn(bank.w13.shape, generator=g) * 0.05)
-    bank.w2.copy_(torch.randn(bank.w2.shape, generator=g) * 0.05)
-    bank.pin()
-    return bank
+LAYERS, EXPERTS, HID, INTER = 6, 32, 512, 256
+
+
+@pytest.fixture(scope="module")
+def bank():
+    """One pinned bank for the module (registered in place; unregistered at the end, so a later
+    allocation reusing its addresses can be registered again)."""
+    b = ExpertBank(LAYERS, EXPERTS, HID, INTER, torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    b.w13.copy_(torch.randn(b.w13.shape, generator=g) * 0.05)
+    b.w2.copy_(torch.randn(b.w2.shape, generator=g) * 0.05)
+    b.pin()
+    yield b
+    torch.cuda.synchronize()
+    for t in (b.w13, b.w2):
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 512])
@@ -46,9 +55,8 @@ def test_moe_slots_forward_bf16_matches_reference(tokens):
 
 
 @pytest.mark.parametrize("fill_fraction", [1.0, 0.6])
-def test_device_control_exact_against_cache_on_gpu(fill_fraction):
-    layers, experts = 6, 32
-    bank = _bank(layers, experts)
+def test_device_control_exact_against_cache_on_gpu(bank, fill_fraction):
+    layers = LAYERS
     assert bank.w13.is_pinned()
     ref = ExpertCache(bank, 40, CUDA, fill_fraction=fill_fraction)
     dev = ExpertCache(bank, 40, CUDA, fill_fraction=fill_fraction)
@@ -71,9 +79,8 @@ def test_device_control_exact_against_cache_on_gpu(fill_fraction):
     assert dev.stats == ref.stats
 
 
-def test_cuda_graph_decode_step_equals_eager():
-    layers, experts = 4, 32
-    bank = _bank(layers, experts, hidden=512, inter=256)
+def test_cuda_graph_decode_step_equals_eager(bank):
+    layers, experts = LAYERS, EXPERTS
     caches = [ExpertCache(bank, 48, CUDA) for _ in range(2)]
     ctls = [DeviceControl.from_cache(c) for c in caches]
     ids = torch.zeros(layers, 4, K, dtype=torch.int64, device=CUDA)
@@ -106,9 +113,8 @@ def test_cuda_graph_decode_step_equals_eager():
     assert ctls[1].counters() == ctls[0].counters()
 
 
-def test_layer_streamer_double_buffered_contents():
-    layers, experts = 5, 16
-    bank = _bank(layers, experts)
+def test_layer_streamer_double_buffered_contents(bank):
+    layers = LAYERS
     cache = ExpertCache(bank, 30, CUDA)
     for layer in range(layers):                       # make part of each layer resident
         cache.step(layer, torch.arange(layer, layer + 6, device=CUDA))

@@ -27,6 +27,10 @@ from ._common import check_tensor, interpreting, next_pow2
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX = (torch.int32, torch.int64)
 SMALL_P = 64          # calls with at most this many pairs group inside the kernel
+#: tile sizes (BN, BK of gate/up; BN, BK of down; warps) for small calls and for large ones;
+#: module-level so that a benchmark or a tuning run can set them for the GPU at hand.
+DECODE_TILES = {"bn1": 32, "bk1": 128, "bn2": 64, "bk2": 128, "warps": 4}
+PREFILL_TILES = {"bn1": 64, "bk1": 64, "bn2": 128, "bk2": 64, "warps": 8}
 
 
 @triton.jit
@@ -186,12 +190,13 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     if in_kernel:
         bm = max(16, next_pow2(min(p, t)))
         nb, rows, slots = p, pair_slot, pair_slot          # rows/slots tables unused
-        bn1, bk1, bn2, bk2, warps = 32, 128, 64, 128, 4
+        tiles = DECODE_TILES
     else:
         bm = 64
         rows, slots = block_table(pair_slot, bm, s)
         nb = slots.numel()
-        bn1, bk1, bn2, bk2, warps = 64, 64, 128, 64, 8
+        tiles = PREFILL_TILES
+    bn1, bk1, bn2, bk2, warps = (tiles[key] for key in ("bn1", "bk1", "bn2", "bk2", "warps"))
     block_p = next_pow2(p) if in_kernel else 1
     _gate_up_kernel[(nb, triton.cdiv(inter, bn1))](
         x, w13_slots, inter_buf, pair_tok, pair_slot, rows, slots, p, h, inter,
