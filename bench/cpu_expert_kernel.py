@@ -1,0 +1,211 @@
+"""CPU expert kernel vs PyTorch vs STREAM-style read, on expert rows larger than the LLC.
+
+Workload: a bank of E experts in the Qwen3-30B-A3B expert shape (H 2048, I 768, bf16, 9.4 MB
+each), E chosen so the bank is at least 8x the last-level cache; each call is one MoE layer's
+decode step whose experts are the next ones of a fixed permutation, so no call finds its
+weights in cache. GB/s = bytes of distinct experts' weights read per second.
+
+Sides, interleaved round by round in the same run: the compiled kernel
+(``cpu_experts.experts_forward``) at its default thread count and at all CPUs, PyTorch's path
+(``reference.expert_pairs_forward``, torch threads = all CPUs), and a STREAM-style read of the
+same bank (vector loads, same threads as the kernel). Best and median of the rounds.
+
+    python bench/cpu_expert_kernel.py --label cpu-2core [--rounds 5] [--quick]
+
+Merges this machine's entry into bench/results/cpu_expert_kernel.json (other machines' entries
+are kept) and redraws bench/results/cpu_expert_kernel.png from every entry.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from freetoken_engine.kernels import cpu_experts as ce
+from freetoken_engine.kernels.reference import expert_pairs_forward
+
+RESULTS = Path(__file__).resolve().parent / "results"
+H, I, K = 2048, 768, 8            # Qwen3-30B-A3B: hidden, expert intermediate, top-k
+FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def hardware() -> dict:
+    """CPU model, CPU count, ISA flags, LLC and RAM of this machine (Linux)."""
+    info = {"cpu_model": platform.processor() or "?", "flags": [], "llc_bytes": None}
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name") and info["cpu_model"] in ("?", "x86_64", ""):
+                info["cpu_model"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                info["flags"] = [f for f in FLAGS if f in have]
+                break
+    except OSError:
+        pass
+    for idx in range(8):
+        base = Path(f"/sys/devices/system/cpu/cpu0/cache/index{idx}")
+        if (base / "level").exists() and (base / "level").read_text().strip() == "3":
+            s = (base / "size").read_text().strip()
+            info["llc_bytes"] = int(s[:-1]) * 1024 if s.endswith("K") else int(s)
+    info["cpus"] = len(os.sched_getaffinity(0))
+    info["ram_bytes"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    info["torch"] = torch.__version__
+    try:
+        info["gxx"] = subprocess.run(["g++", "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+    except (OSError, IndexError):
+        info["gxx"] = None
+    return info
+
+
+def make_plans(E: int, T: int, mode: str, gen: torch.Generator) -> list[tuple]:
+    """Calls covering the bank once: (tok, exp, distinct_experts) per call."""
+    perm = torch.randperm(E, generator=gen)
+    plans = []
+    window = K if mode in ("one_token", "same_experts") else 4 * K
+    for s in range(0, E - window + 1, window):
+        w = perm[s:s + window]
+        if mode == "one_token":          # T = 1: 8 experts, one token each
+            tok, exp = torch.zeros(K, dtype=torch.long), w
+        elif mode == "same_experts":     # T tokens all routed to the same 8 experts
+            tok, exp = torch.arange(T).repeat_interleave(K), w.repeat(T)
+        else:                            # T tokens, each top-8 of a window of 32 experts
+            tok = torch.arange(T).repeat_interleave(K)
+            exp = torch.cat([w[torch.randperm(window, generator=gen)[:K]] for _ in range(T)])
+        plans.append((tok, exp, int(torch.unique(exp).numel())))
+    return plans
+
+
+def gbps(fn, x, w13, w2, plans, min_s: float, ebytes: int) -> float:
+    """Weights' GB/s of fn over the plans (at least min_s seconds and 3 calls, whole calls)."""
+    fn(x, w13, w2, *plans[-1][:2])  # wake the pool / allocator
+    n, nbytes, t0 = 0, 0, time.perf_counter()
+    while True:
+        tok, exp, d = plans[n % len(plans)]
+        fn(x, w13, w2, tok, exp)
+        n, nbytes = n + 1, nbytes + d * ebytes
+        dt = time.perf_counter() - t0
+        if n >= 3 and dt >= min_s:
+            return nbytes / dt / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--label", default=platform.node())
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--quick", action="store_true", help="fewer cases (smoke run)")
+    ap.add_argument("--prefetch", default="0,512,1024", help="prefetch distances to sweep (bytes)")
+    args = ap.parse_args()
+
+    hw = hardware()
+    ncpu = hw["cpus"]
+    ebytes = 3 * H * I * 2
+    llc = hw["llc_bytes"] or 32 << 20
+    E = max(128, -(-8 * llc // ebytes))
+    E = min(E, int(0.4 * hw["ram_bytes"] // ebytes))
+    print(f"{hw['cpu_model']} | {ncpu} CPUs | LLC {llc >> 20} MiB | flags {' '.join(hw['flags'])}")
+    print(f"bank: {E} experts x {ebytes / 1e6:.2f} MB = {E * ebytes / 1e9:.2f} GB bf16 (>= 8x LLC)")
+    t0 = time.perf_counter()
+    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16).uniform_(-0.05, 0.05)
+    w2 = torch.empty(E, H, I, dtype=torch.bfloat16).uniform_(-0.05, 0.05)
+    print(f"filled in {time.perf_counter() - t0:.1f} s; kernel: {ce.backend_name()} {ce.cpu_features()}")
+    torch.set_num_threads(ncpu)
+    default_threads = ce.default_threads()
+    pf_list = [int(p) for p in args.prefetch.split(",")]
+    gen = torch.Generator().manual_seed(0)
+
+    cases = [("one_token", 1, torch.bfloat16), ("one_token", 1, torch.float32),
+             ("random_top8", 4, torch.bfloat16), ("same_experts", 8, torch.bfloat16)]
+    if args.quick:
+        cases = cases[:2]
+    plans = {(m, T): make_plans(E, T, m, gen) for m, T, _ in cases}
+    xs = {(T, dt): torch.randn(T, H).to(dt) for _, T, dt in cases}
+    thread_set = sorted({default_threads, ncpu})
+    samples: dict[str, list[float]] = {}
+
+    def add(key: str, v: float) -> None:
+        samples.setdefault(key, []).append(v)
+
+    for r in range(args.rounds):
+        for th in thread_set:
+            ce.configure(threads=th, prefetch_bytes=0)
+            add(f"read/threads={th}", w13.numel() * 2 / ce.read_seconds(w13) / 1e9)
+            for pf in pf_list:
+                ce.configure(prefetch_bytes=pf)
+                for m, T, dt in cases:
+                    if pf != pf_list[0] and (m, T, dt) != cases[0]:
+                        continue  # prefetch sweep on the main decode case only
+                    v = gbps(ce.experts_forward, xs[(T, dt)], w13, w2, plans[(m, T)], 0.25, ebytes)
+                    add(f"kernel/{m}/T={T}/x={str(dt)[6:]}/threads={th}/prefetch={pf}", v)
+        if r < 2:  # PyTorch's path is slow; two rounds are enough to rank it
+            for m, T, dt in cases:
+                v = gbps(expert_pairs_forward, xs[(T, dt)], w13, w2, plans[(m, T)][:6], 0.5, ebytes)
+                add(f"pytorch/{m}/T={T}/x={str(dt)[6:]}/threads={ncpu}", v)
+        print(f"round {r + 1}/{args.rounds} done")
+
+    summary = {k: {"best": max(v), "median": statistics.median(v), "samples": len(v)}
+               for k, v in samples.items()}
+    read_all = summary[f"read/threads={ncpu}"]["best"]
+    print(f"\n{'side':70s} {'best GB/s':>10s} {'median':>8s} {'% read':>7s}")
+    for k, s in summary.items():
+        print(f"{k:70s} {s['best']:10.1f} {s['median']:8.1f} {100 * s['best'] / read_all:6.0f}%")
+    main_key = max((k for k in summary if k.startswith(f"kernel/one_token/T=1/x=bfloat16/threads={default_threads}/")),
+                   key=lambda k: summary[k]["best"])
+    entry = {
+        "hardware": hw, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "kernel_backend": ce.backend_name(), "default_threads": default_threads,
+        "bank": {"experts": E, "expert_bytes": ebytes, "total_bytes": E * ebytes, "dtype": "bfloat16"},
+        "results_gbps": summary,
+        "headline": {"kernel_key": main_key, "kernel_gbps": summary[main_key]["best"],
+                     "read_gbps_all_cpus": read_all,
+                     "fraction_of_read": summary[main_key]["best"] / read_all, "target": 0.75},
+    }
+    print(f"\nheadline: {main_key}: {entry['headline']['kernel_gbps']:.1f} GB/s = "
+          f"{100 * entry['headline']['fraction_of_read']:.0f}% of the {read_all:.1f} GB/s read (target 75%)")
+    out = RESULTS / "cpu_expert_kernel.json"
+    data = json.loads(out.read_text()) if out.exists() else {}
+    data.update({"benchmark": "cpu_expert_kernel", "shape": {"H": H, "I": I, "top_k": K},
+                 "method": __doc__.strip().split("\n\n")[1]})
+    data.setdefault("machines", {})[args.label] = entry
+    RESULTS.mkdir(exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    plot(data, RESULTS / "cpu_expert_kernel.png")
+    print(f"wrote {out}")
+
+
+def plot(data: dict, path: Path) -> None:
+    """One panel per machine: best GB/s of each side against the read bandwidth."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    machines = data["machines"]
+    fig, axes = plt.subplots(len(machines), 1, figsize=(11, 4.2 * len(machines)), squeeze=False)
+    for ax, (label, m) in zip(axes[:, 0], machines.items()):
+        res = m["results_gbps"]
+        keys = [k for k in res if not k.startswith("read/")]
+        keys = [k for k in keys if "/prefetch=" not in k or k.endswith(f"/prefetch={k.split('prefetch=')[1]}")]
+        vals = [res[k]["best"] for k in keys]
+        colors = ["tab:blue" if k.startswith("kernel") else "tab:orange" for k in keys]
+        ax.barh(range(len(keys)), vals, color=colors)
+        ax.set_yticks(range(len(keys)), [k.replace("kernel/", "K ").replace("pytorch/", "PT ") for k in keys],
+                      fontsize=6)
+        read = m["headline"]["read_gbps_all_cpus"]
+        ax.axvline(read, color="k", ls="--", label=f"STREAM-style read {read:.0f} GB/s")
+        ax.axvline(0.75 * read, color="g", ls=":", label="75% of read")
+        hw = m["hardware"]
+        ax.set_title(f"{label}: {hw['cpu_model']}, {hw['cpus']} CPUs ({m['kernel_backend']})", fontsize=9)
+        ax.set_xlabel("GB/s of expert weights (bf16, H 2048, I 768)")
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Time to ready: a safetensors folder vs the packed format, against the disk's own read speed.
+
+Workload: a synthetic Qwen3-MoE checkpoint in the hub layout (H 2048, 128 experts of I 768, bf16,
+``--layers`` MoE layers: 1.21 GB of experts per layer) written with safetensors; then
+``freetoken convert`` (``packed.convert``) of it. Sides, each after dropping the page cache
+(``echo 3 > /proc/sys/vm/drop_caches``; the JSON says whether that worked):
+
+* disk: ``dd iflag=direct bs=16M`` over the packed files (one stream), and a parallel O_DIRECT
+  read of the same bytes (``--threads`` threads, 16 MiB blocks, no checksum): the ceilings;
+* safetensors -> ready: the engine's ``models.build.build_model`` (dense tensors into the model,
+  experts into the bank one by one, bank pinned after fill when CUDA exists);
+* packed -> ready: ``load_packed`` + the same model assembly (the wiring proposed in
+  docs/cpu_kernel.md), with pin after fill; pin before fill and no checksum as variants.
+  Pinning exists only where CUDA does: on a CPU machine the pin variants are not run.
+
+    python bench/fast_load.py --label cpu-2core --dir /tmp/ft-fastload [--layers 4] [--threads 8]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_expert_kernel import hardware  # noqa: E402
+
+from freetoken_engine.models import family  # noqa: E402
+from freetoken_engine.packed import convert, load_packed  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+H, I, E, VOCAB = 2048, 768, 128, 32000
+
+
+def write_checkpoint(folder: Path, layers: int) -> int:
+    """A hub-layout qwen3_moe folder, one safetensors shard per layer; returns bytes written."""
+    from freetoken_engine.layers.rope import Rotary
+    from freetoken_engine.models.decoder import DecoderLM
+    cfg_raw = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": H,
+               "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4,
+               "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": I,
+               "num_experts": E, "num_experts_per_tok": 8, "norm_topk_prob": True, "vocab_size": VOCAB,
+               "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 4096,
+               "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(cfg_raw))
+    fam = family("qwen3_moe")
+    cfg = fam.parse(cfg_raw)
+    with torch.device("meta"):
+        model = DecoderLM(cfg, Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, "meta"))
+    rnd = lambda shape: torch.empty(shape, dtype=torch.int16).random_(-16000, 16000).view(torch.bfloat16)  # noqa: E731
+    dense = {k: rnd(p.shape) for k, p in model.named_parameters()}
+    weight_map, total = {}, 0
+    shards = [("dense", dense)] + [(f"layer{i}", {fam.expert_key(i, e, p): rnd((I, H) if p < 2 else (H, I))
+                                                  for e in range(E) for p in range(3)}) for i in range(layers)]
+    for n, (tag, tensors) in enumerate(shards):
+        name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(folder / name), metadata={"format": "pt"})
+        weight_map.update({k: name for k in tensors})
+        total += (folder / name).stat().st_size
+        del tensors
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return total
+
+
+def drop_caches() -> bool:
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def dd_read(files: list[Path]) -> tuple[float, str]:
+    """Seconds for dd to read the files one after another (O_DIRECT when the filesystem allows)."""
+    t0 = time.perf_counter()
+    mode = "iflag=direct"
+    for f in files:
+        r = subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M", "iflag=direct", "status=none"],
+                           capture_output=True)
+        if r.returncode != 0:
+            mode = "page cache (no O_DIRECT here)"
+            subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M", "status=none"], check=True)
+    return time.perf_counter() - t0, mode
+
+
+def parallel_direct_read(files: list[Path], threads: int) -> float:
+    """Seconds to read the files in 16 MiB blocks on ``threads`` threads, O_DIRECT, no checksum."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from freetoken_engine.packed.reader import aligned_empty
+    block = 16 << 20
+    jobs = [(f, off) for f in files for off in range(0, f.stat().st_size, block)]
+    bufs = [aligned_empty(block) for _ in range(threads)]
+    fds = {}
+    for f in files:
+        try:
+            fds[f] = os.open(f, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            fds[f] = os.open(f, os.O_RDONLY)
+
+    def work(k: int) -> None:
+        mv = memoryview(bufs[k].numpy())
+        for f, off in jobs[k::threads]:
+            n = min(block, f.stat().st_size - off)
+            os.preadv(fds[f], [mv[:n]], off)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(work, range(threads)))
+    dt = time.perf_counter() - t0
+    for fd in fds.values():
+        os.close(fd)
+    return dt
+
+
+def ready_from_packed(folder: Path, pin: str, verify: bool, threads: int):
+    """load_packed + model assembly as models.build.build_model does it (proposed wiring)."""
+    from freetoken_engine.cache.bank import ExpertBank
+    from freetoken_engine.layers.rope import Rotary
+    from freetoken_engine.models.decoder import DecoderLM
+    pm = load_packed(folder, torch.bfloat16, threads=threads, pin=pin, verify=verify)
+    fam = family(pm.config["model_type"])
+    cfg = fam.parse(pm.config)
+    rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, torch.device("cpu"))
+    with torch.device("meta"):
+        model = DecoderLM(cfg, rotary).to(torch.bfloat16)   # dtype on meta: no fp32 detour
+    by_engine = {fam.rename(k): k for k in pm.names()}
+    for prefix, mod in model.named_modules():  # CPU, same dtype: parameters alias the packed arena
+        for name, _ in list(mod.named_parameters(recurse=False)):
+            src = pm.get(by_engine[f"{prefix}.{name}" if prefix else name])
+            mod.register_parameter(name, torch.nn.Parameter(src, requires_grad=False))
+    if any(t.is_meta for t in model.buffers()):
+        raise RuntimeError("model has buffers that the packed folder does not provide")
+    bank = ExpertBank(len(cfg.moe.layers), cfg.moe.num_experts, cfg.hidden_size, cfg.moe.intermediate_size, torch.bfloat16)
+    bank.w13, bank.w2 = pm.bank_tensors()
+    bank.pinned = pm.pinned
+    pm.close()
+    return model, bank, pm.stats
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--label", default=os.uname().nodename)
+    ap.add_argument("--dir", type=Path, default=Path("/tmp/ft-fastload"))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--keep", action="store_true", help="keep the synthetic folders")
+    args = ap.parse_args()
+    from freetoken_engine.models.build import build_model
+
+    cuda = torch.cuda.is_available()
+    st_dir, pk_dir = args.dir / "safetensors", args.dir / "packed"
+    shutil.rmtree(args.dir, ignore_errors=True)
+    t0 = time.perf_counter()
+    st_bytes = write_checkpoint(st_dir, args.layers)
+    t_write = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    convert(st_dir, pk_dir, progress=False)
+    t_convert = time.perf_counter() - t0
+    files = sorted(pk_dir.glob("*.bin"))
+    pk_bytes = sum(f.stat().st_size for f in files)
+    print(f"synthetic checkpoint: {st_bytes / 1e9:.2f} GB safetensors (written in {t_write:.1f} s), "
+          f"{pk_bytes / 1e9:.2f} GB packed (convert {t_convert:.1f} s); CUDA: {cuda}")
+
+    rows, dropped = [], []
+
+    def side(name: str, nbytes: int, fn) -> None:
+        dropped.append(drop_caches())
+        t = time.perf_counter()
+        extra = fn() or {}
+        dt = time.perf_counter() - t
+        rows.append({"side": name, "seconds": dt, "gbps": nbytes / dt / 1e9, "page_cache_dropped": dropped[-1], **extra})
+        print(f"{name:52s} {dt:7.2f} s {nbytes / dt / 1e9:7.2f} GB/s  {extra}")
+
+    side("disk: dd bs=16M, one stream", pk_bytes, lambda: {"mode": dd_read(files)[1]})
+    side(f"disk: parallel O_DIRECT read, {args.threads} threads", pk_bytes,
+         lambda: parallel_direct_read(files, args.threads) and None)
+    side("safetensors -> ready (build_model)", st_bytes,
+         lambda: {"bank_pinned": bool(build_model(st_dir, torch.bfloat16, torch.device("cpu"))[1].pinned)})
+    for label, pin, verify in (("packed -> ready, pin after fill, CRC", "after", True),
+                               ("packed -> ready, pin after fill, no CRC", "after", False),
+                               ("packed -> ready, pin before fill, CRC", "before", True)):
+        if pin == "before" and not cuda:
+            print(f"{label}: skipped (no CUDA here: nothing can be pinned)")
+            continue
+        side(label, pk_bytes, lambda: {k: v for k, v in ready_from_packed(pk_dir, pin, verify, args.threads)[2].items()
+                                       if k in ("read_seconds", "pin_seconds", "direct_bytes")})
+    disk = max(r["gbps"] for r in rows if r["side"].startswith("disk"))
+    best_packed = max((r for r in rows if r["side"].startswith("packed") and "CRC" in r["side"]
+                       and "no CRC" not in r["side"]), key=lambda r: r["gbps"])
+    st = next(r for r in rows if r["side"].startswith("safetensors"))
+    headline = {"disk_gbps": disk, "packed_gbps": best_packed["gbps"], "packed_fraction_of_disk": best_packed["gbps"] / disk,
+                "target": 0.8, "safetensors_seconds": st["seconds"], "packed_seconds": best_packed["seconds"],
+                "speedup": st["seconds"] / best_packed["seconds"]}
+    print(f"\npacked loads at {100 * headline['packed_fraction_of_disk']:.0f}% of the disk's {disk:.2f} GB/s "
+          f"(target 80%); {headline['speedup']:.1f}x faster to ready than safetensors")
+    entry = {"hardware": hardware(), "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+             "cuda": cuda, "page_cache_dropped": all(dropped), "disk_dir": str(args.dir),
+             "df": subprocess.run(["df", "-hT", str(args.dir)], capture_output=True, text=True).stdout.strip(),
+             "checkpoint": {"moe_layers": args.layers, "experts": E, "hidden": H, "inter": I, "vocab": VOCAB,
+                            "safetensors_bytes": st_bytes, "packed_bytes": pk_bytes, "convert_seconds": t_convert},
+             "threads": args.threads, "rows": rows, "headline": headline,
+             "notes": [] if cuda else ["no CUDA on this machine: the bank is not pinned, the pin-before-fill side is not run"]}
+    out = RESULTS / "fast_load.json"
+    data = json.loads(out.read_text()) if out.exists() else {}
+    data.update({"benchmark": "fast_load", "method": __doc__.strip().split("\n\n")[1]})
+    data.setdefault("machines", {})[args.label] = entry
+    RESULTS.mkdir(exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    plot(data, RESULTS / "fast_load.png")
+    print(f"wrote {out}")
+    if not args.keep:
+        shutil.rmtree(args.dir, ignore_errors=True)
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    machines = data["machines"]
+    fig, axes = plt.subplots(len(machines), 1, figsize=(10, 3.2 * len(machines)), squeeze=False)
+    for ax, (label, m) in zip(axes[:, 0], machines.items()):
+        rows = m["rows"]
+        ax.barh(range(len(rows)), [r["gbps"] for r in rows],
+                color=["gray" if r["side"].startswith("disk") else "tab:orange" if "safetensors" in r["side"] else "tab:blue"
+                       for r in rows])
+        ax.set_yticks(range(len(rows)), [f"{r['side']} ({r['seconds']:.1f} s)" for r in rows], fontsize=7)
+        ax.axvline(0.8 * m["headline"]["disk_gbps"], color="g", ls=":", label="80% of disk read")
+        ck = m["checkpoint"]
+        ax.set_title(f"{label}: {ck['packed_bytes'] / 1e9:.1f} GB checkpoint, cache dropped: {m['page_cache_dropped']}",
+                     fontsize=9)
+        ax.set_xlabel("GB/s (checkpoint bytes / time to ready)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
