@@ -1,0 +1,146 @@
+"""Continuous batching, prefix reuse, preemption and live resize through ``EngineService``."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from freetoken_engine import LLM, SamplingParams
+from freetoken_engine.cache.kv import KVPool
+from freetoken_engine.cache.radix import RadixCache
+from freetoken_engine.config import EngineConfig
+from freetoken_engine.errors import QueueFull, RequestTooLong
+from freetoken_engine.scheduler.service import EngineService
+
+BASE = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150, 31, 64, 2, 7, 19, 23]
+GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [BASE[: 6 + i % 12] + [40 + i] for i in range(n)]
+
+
+async def collect(svc: EngineService, ids: list[int], params=GREEDY) -> list[int]:
+    handle = svc.submit(ids, params)
+    return [ev.token_id async for ev in handle if ev.token_id is not None]
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_checkpoint):
+    return tiny_checkpoint("qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def alone(folder):
+    llm = LLM(folder)
+    return [llm.generate(p, GREEDY).token_ids for p in prompts(32)]
+
+
+def service(folder, **kw) -> EngineService:
+    return EngineService.start(EngineConfig(model=folder, **kw), wait=True)
+
+
+async def test_32_concurrent_requests_equal_each_run_alone(folder, alone):
+    svc = service(folder, expert_cache_experts=5, cpu_expert_fraction=0.5, max_batch=32)
+    try:
+        got = await asyncio.gather(*(collect(svc, p) for p in prompts(32)))
+        assert got == alone
+        svc.scheduler.check_integrity()
+        assert svc.runner.kv.used_blocks == svc.scheduler.radix.cached_blocks()   # only the tree holds KV
+    finally:
+        svc.shutdown()
+
+
+async def test_kv_pressure_preempts_and_evicts_without_changing_output(folder, alone):
+    # 12 blocks of 16 tokens: four requests cannot all hold their KV at once.
+    svc = service(folder, kv_cache_tokens=192, max_context=64, max_batch=8, prefill_chunk=8)
+    try:
+        got = await asyncio.gather(*(collect(svc, p) for p in prompts(12)))
+        assert got == alone[:12]
+        assert svc.stats()["preemptions"] > 0
+        svc.scheduler.check_integrity()
+    finally:
+        svc.shutdown()
+
+
+async def test_a_second_turn_reuses_the_first_turns_prefix(folder):
+    svc = service(folder)
+    try:
+        first = BASE * 3
+        out1 = await collect(svc, first)
+        turn2 = first + out1 + [11, 12, 13]
+        handle = svc.submit(turn2, GREEDY)
+        out2 = [ev.token_id async for ev in handle if ev.token_id is not None]
+        assert handle.cached_tokens >= 48 and handle.prompt_tokens == len(turn2)
+        assert out2 == LLM(folder).generate(turn2, GREEDY).token_ids
+        assert svc.stats()["prefix_hit_ratio"] > 0
+    finally:
+        svc.shutdown()
+
+
+async def test_live_resize_in_flight_changes_no_token(folder, alone):
+    svc = service(folder, expert_cache_experts=16, max_batch=4)
+    try:
+        tasks = [asyncio.create_task(collect(svc, p)) for p in prompts(4)]
+        for size in (1, 9, 2, 16, 3):
+            await asyncio.sleep(0.02)
+            stats = await svc.resize_expert_cache(experts=size)
+            assert stats["expert_cache"]["capacity_experts"] == size
+            svc.runner.cache.check_integrity(deep=True)
+        assert await asyncio.gather(*tasks) == alone[:4]
+        by_bytes = await svc.resize_expert_cache(bytes=3 * svc.runner.bank.expert_bytes + 1)
+        assert by_bytes["expert_cache"]["capacity_experts"] == 3
+    finally:
+        svc.shutdown()
+
+
+async def test_abort_frees_the_request_at_once(folder):
+    svc = service(folder)
+    try:
+        handle = svc.submit(BASE, SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True))
+        async for ev in handle:
+            if ev.token_id is not None:
+                handle.abort()
+            if ev.finish_reason:
+                assert ev.finish_reason == "abort"
+        await asyncio.sleep(0.05)
+        assert svc.stats()["running"] == 0
+        assert svc.runner.kv.used_blocks == svc.scheduler.radix.cached_blocks()
+    finally:
+        svc.shutdown()
+
+
+async def test_limits_give_clear_errors(folder):
+    svc = service(folder, max_queue=1, max_batch=1)
+    try:
+        with pytest.raises(RequestTooLong, match="context is 512"):
+            svc.submit(BASE, SamplingParams(max_new_tokens=600))
+        long = SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True)
+        first = svc.submit(BASE, long)
+        await asyncio.sleep(0.05)                   # first is running, the queue is empty
+        second = svc.submit(BASE, long)
+        with pytest.raises(QueueFull) as err:
+            svc.submit(BASE, long)
+        assert err.value.retry_after > 0
+        first.abort()
+        second.abort()
+    finally:
+        svc.shutdown()
+
+
+def test_radix_tree_shares_and_evicts_only_unlocked_leaves():
+    pool = KVPool(1, 8, 4, 1, 2, torch.float32, torch.device("cpu"))
+    tree = RadixCache(pool)
+    a = pool.allocate(3)
+    tree.insert(list(range(12)), a)
+    pool.release(a)                                 # the request is done; the tree keeps them
+    assert pool.free_blocks == 5
+    got = tree.match(list(range(10)) + [99, 98], max_tokens=11)
+    assert got == a[:2]                             # two full blocks match
+    assert tree.evict(3) == 1                       # only the unlocked leaf can go
+    tree.check_integrity()
+    pool.release(got)
+    assert tree.evict(3) == 2 and pool.free_blocks == 8
+    tree.check_integrity()
+    pool.check_integrity()
