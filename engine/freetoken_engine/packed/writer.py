@@ -19,7 +19,6 @@ import zlib
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from .format import ALIGN, BLOCK, FORMAT, INDEX_NAME, VERSION, PackedFormatError, align_up, dtype_name
 
@@ -58,6 +57,23 @@ class _BlockFile:
         return {"size": self.pos, "crc32": self.crcs}
 
 
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _bar(total: int, show: bool):
+    """A tqdm progress bar over tensors and bank layers (silent without tqdm or when not shown)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoBar()
+    return tqdm(total=total, unit="part", desc="convert", disable=not show)
+
+
 def _raw(t: torch.Tensor):
     """The bytes of a tensor, without a copy when it is already contiguous."""
     return t.contiguous().view(torch.uint8).numpy()
@@ -94,8 +110,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
         index = {"format": FORMAT, "version": VERSION, "alignment": ALIGN, "block_bytes": BLOCK,
                  "dtype": dtype_name(dtype), "model_type": cfg.model_type, "source": str(src.resolve()),
                  "tensors": {}, "files": {}}
-        bar = tqdm(total=len(dense_keys) + (len(moe.layers) if moe else 0), unit="part",
-                   desc="convert", disable=not progress)
+        bar = _bar(len(dense_keys) + (len(moe.layers) if moe else 0), progress)
         _write_dense(ckpt, dense_keys, tmp, shard_bytes, index, bar)
         if moe:
             _write_bank(ckpt, fam, moe, cfg.hidden_size, dtype, tmp, shard_bytes, index, bar)
