@@ -1,0 +1,99 @@
+"""Every query of the Grafana dashboards, run against the real Prometheus server scraping real
+node agents (``freetoken-agent run``), each supervising a real engine (``freetoken serve``) on a
+tiny checkpoint, after real chat requests. One agent has a simulated GPU and a seeded PCIe
+calibration, the other runs in cpu mode, so both kinds of node feed the panels."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import httpx
+import pytest
+
+import fleet
+from freetoken_agent.calibration import CalibrationCache, HostConfig
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARDS = ROOT / "charts" / "freetoken" / "dashboards"
+# Queries that need what a CI machine may lack (kept in step with charts/generate.py).
+HARDWARE_DEPENDENT = ("pcie_bytes_per_second", "vram_used_bytes", "vram_total_bytes", "psi_")
+
+
+def panel_queries() -> list[tuple[str, str, str]]:
+    out = []
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        for panel in json.loads(path.read_text())["panels"]:
+            for target in panel["targets"]:
+                out.append((path.stem, panel["title"], target["expr"]))
+    return out
+
+
+def concrete(expr: str) -> str:
+    """Grafana variables as Grafana would expand them for 'all nodes' and a 1 s scrape interval."""
+    return expr.replace("$__rate_interval", "1m").replace('"$node"', '".*"')
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory, tiny_checkpoint):
+    if shutil.which("prometheus") is None:
+        pytest.skip("the prometheus binary (Debian package `prometheus`) is not installed; CI installs it")
+    tmp = tmp_path_factory.mktemp("dashboards")
+    ckpt = tiny_checkpoint("qwen3_moe", max_position_embeddings=1024)
+    gpu = tmp / "gpu.json"
+    gpu.write_text(json.dumps({"name": "Simulated GPU", "total_bytes": 24 * fleet.GB, "foreign_bytes": 3 * fleet.GB}))
+    nodes = {"gpu-pc": {"FREETOKEN_AGENT_SIMULATED_GPU": str(gpu)}, "cpu-pc": {}}
+    agents, engines, targets = [], [], []
+    prom = None
+    try:
+        for i, (node, extra) in enumerate(nodes.items()):
+            models = tmp / f"{node}.yaml"
+            models.write_text(json.dumps({"models": [{
+                "key": "default.tiny", "namespace": "default", "model": "tiny", "port": 20000,
+                "source": {"path": str(ckpt)}, "format": "safetensors",
+                "engine": {"device": "cpu", "dtype": "float32", "expertCacheShare": 0.9}}]}))
+            if extra:   # a node calibrated earlier: PCIe and CPU-expert bandwidths from its cache
+                CalibrationCache(str(tmp / f"state-{node}")).save(HostConfig.detect(node, ()), {
+                    "pcie_gbps": 25.0, "cpu_expert_gbps": 6.0, "fill_fraction": 0.8, "device": "cpu",
+                    "concurrent": {"pcie_gbps": 22.0, "cpu_expert_gbps": 5.0}})
+            metrics_port, offset = fleet.free_port(), fleet.free_port() - 20000
+            agents.append(fleet.start_agent(tmp, node, metrics_port=metrics_port, port_offset=offset,
+                                            standalone=models, env=fleet.agent_env(**extra)))
+            engines.append(f"http://127.0.0.1:{20000 + offset}")
+            targets.append(f"127.0.0.1:{metrics_port}")
+        prom = fleet.Prometheus(tmp, targets)
+        for url in engines:
+            fleet.wait_until(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 120,
+                             f"engine {url} healthy")
+            for _ in range(2):
+                r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+                    "model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]})
+                assert r.status_code == 200, r.text
+        # two scrapes after the requests, for every node: rates and quantiles have their samples
+        fleet.wait_until(lambda: len(prom.query("increase(freetoken_generation_tokens_total[1m]) > 0")) == 2,
+                         30, "Prometheus to see generated tokens on both nodes")
+        yield prom
+    finally:
+        for a in agents:
+            fleet.stop(a)
+        if prom is not None:
+            prom.close()
+
+
+def test_both_nodes_are_in_the_node_variable(prometheus):
+    nodes = {r["metric"]["node"] for r in prometheus.query("count by (node) (freetoken_agent_info)")}
+    assert nodes == {"gpu-pc", "cpu-pc"}
+
+
+@pytest.mark.parametrize("dashboard,title,expr", panel_queries(),
+                         ids=[f"{d}:{t}:{i}" for i, (d, t, _) in enumerate(panel_queries())])
+def test_dashboard_query_returns_data(prometheus, dashboard, title, expr):
+    result = prometheus.query(concrete(expr))
+    if not result and any(h in expr for h in HARDWARE_DEPENDENT):
+        pytest.skip(f"{title}: needs hardware this machine lacks ({expr})")
+    assert result, f"{dashboard} / {title}: no data for {expr}"
+    values = [float(r["value"][1]) for r in result]
+    assert any(math.isfinite(v) for v in values), f"{dashboard} / {title}: only NaN/Inf for {expr}"
