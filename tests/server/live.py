@@ -85,12 +85,7 @@ def wait_ready(service, timeout=120.0):
 
 
 def start_service(model_dir: Path, **options):
-    try:
-        from freetoken_engine.config import EngineConfig
-        from freetoken_engine.scheduler.service import EngineService
-    except ImportError:
-        from scripted import ScriptedService as StandinService  # TEMPORARY until the scheduler lands
-        from freetoken_engine.models.tokenizer import Tokenizer
-        return StandinService(Tokenizer(model_dir), **{k: v for k, v in options.items()
-                                                      if k in ("max_context", "queue_limit")})
+    """A real EngineService on ``model_dir``, loaded (``options`` go to EngineConfig)."""
+    from freetoken_engine.config import EngineConfig
+    from freetoken_engine.scheduler.service import EngineService
     return wait_ready(EngineService.start(EngineConfig(model=model_dir, **options)))

@@ -1,128 +1,68 @@
-"""TEMPORARY stand-in for the lead's EngineService (docs/contracts.md), used only until
-freetoken_engine.scheduler.service lands. Deterministic fake generation over the real tokenizer."""
+"""``ScriptedService``: the EngineService interface with an answer fixed by the test.
+
+A random tiny checkpoint never writes ``<tool_call>`` or ``<think>``, so the tests of how the
+server renders tool calls and reasoning need a model whose output is known. This service keeps
+everything else real: the checkpoint's tokenizer and chat template encode the prompt, the
+answer is encoded to token ids and streamed back as ``TokenEvent``s through the same
+``RequestHandle`` the scheduler uses, ending with EOS. It also lets tests set ``health_state``
+(loading / error), which a real load passes through too quickly to observe.
+"""
 from __future__ import annotations
 
 import asyncio
-import sys
-import types
-from dataclasses import dataclass
+import threading
 
-from freetoken_engine.errors import QueueFull, RequestTooLong
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    stop_token_ids: tuple = ()
-    ignore_eos: bool = False
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    token_id: int
-    finish_reason: str | None
-
-
-def install_fake_module():
-    try:
-        import freetoken_engine.scheduler.service  # noqa: F401
-    except ImportError:
-        mod = types.ModuleType("freetoken_engine.scheduler.service")
-        mod.SamplingParams = SamplingParams
-        sys.modules["freetoken_engine.scheduler.service"] = mod
-
-
-class Handle:
-    def __init__(self, svc, ids, params, out):
-        self.svc, self.params, self.out = svc, params, out
-        self.prompt_tokens = len(ids)
-        self.cached_tokens = svc._cached(ids)
-        self.aborted = False
-        self.i = 0
-
-    def abort(self):
-        self.aborted = True
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self):
-        if self.aborted or self.i >= len(self.out) or self.i >= self.params.max_new_tokens:
-            self.svc.running -= 0
-            raise StopAsyncIteration
-        await asyncio.sleep(self.svc.delay)
-        tok = self.out[self.i]
-        self.i += 1
-        reason = None
-        if tok in self.params.stop_token_ids:
-            reason = "stop"
-        elif self.i >= self.params.max_new_tokens:
-            reason = "length"
-        if reason:
-            self.aborted = True
-        return TokenEvent(tok, reason)
+from freetoken_engine.errors import RequestTooLong
+from freetoken_engine.scheduler.request import RequestHandle, TokenEvent
 
 
 class ScriptedService:
-    def __init__(self, tokenizer, script=None, max_context=512, delay=0.001, queue_limit=1000):
-        self.tokenizer, self.script, self.max_context = tokenizer, script, max_context
-        self.delay, self.queue_limit, self.model_name = delay, queue_limit, "tiny"
-        self.seen: list[list[int]] = []
-        self.live = 0
-        self.capacity = 8
-        self.running = 0
-        self.health_state = {"status": "ok", "progress": 1.0, "error": None}
+    model_name = "tiny"
 
-    def health(self):
+    def __init__(self, tokenizer, script=lambda prompt: "", max_context: int = 512,
+                 delay_s: float = 0.0):
+        self.tokenizer, self.script = tokenizer, script
+        self.max_context, self.delay_s = max_context, delay_s
+        self.health_state = {"status": "ok", "progress": 1.0, "error": None}
+        self.capacity = 8
+
+    def health(self) -> dict:
         return dict(self.health_state)
 
-    def _cached(self, ids):
-        best = 0
-        for s in self.seen:
-            n = 0
-            for a, b in zip(s, ids):
-                if a != b:
-                    break
-                n += 1
-            best = max(best, n // 16 * 16)
-        self.seen.append(list(ids))
-        return best
+    def submit(self, prompt_ids, params) -> RequestHandle:
+        if len(prompt_ids) + params.max_new_tokens > self.max_context:
+            raise RequestTooLong(f"{len(prompt_ids)} + {params.max_new_tokens} tokens exceed "
+                                 f"the context of {self.max_context}")
+        prompt = self.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        answer = self.tokenizer.encode(self.script(prompt), add_special_tokens=False)
+        answer = (answer + [self.tokenizer.eos_token_ids[0]])[: params.max_new_tokens]
+        handle = RequestHandle(asyncio.get_running_loop())
+        handle.prompt_tokens = len(prompt_ids)
+        stop = threading.Event()
+        handle._abort_cb = stop.set
 
-    def submit(self, ids, params):
-        if len(ids) + params.max_new_tokens > self.max_context:
-            raise RequestTooLong("too long")
-        if self.queue_limit <= 0:
-            raise QueueFull("queue full", retry_after=2.5)
-        if self.script is not None:
-            text = self.script(self.tokenizer.decode(ids, skip_special_tokens=False))
-            out = self.tokenizer.encode(text, add_special_tokens=False) + [self.tokenizer.eos_token_ids[0]]
-        else:
-            v = self.tokenizer.vocab_size
-            out = [(sum(ids) * 31 + 17 * i * i) % (v - 20) + 10 for i in range(params.max_new_tokens)]
-        return Handle(self, ids, params, out)
+        def produce():
+            for i, tok in enumerate(answer):
+                if stop.wait(self.delay_s):
+                    handle.push(TokenEvent(None, "abort"))
+                    return
+                last = i == len(answer) - 1
+                reason = ("stop" if tok in self.tokenizer.eos_token_ids
+                          else "length" if last else None)
+                handle.push(TokenEvent(tok, reason))
+        threading.Thread(target=produce, daemon=True).start()
+        return handle
 
-    def cache_stats(self):
-        return {"expert_cache": {"capacity_experts": self.capacity, "capacity_bytes": self.capacity * 3,
-                                 "expert_bytes": 3, "min_experts": 1, "max_experts": 16, "hits": 1,
-                                 "misses": 2, "fills": 2, "cpu_computed": 0, "fill_fraction": 1.0},
-                "kv": {"blocks_total": 10, "blocks_used": 2, "block_size": 16},
+    def cache_stats(self) -> dict:
+        return {"expert_cache": {"capacity_experts": self.capacity, "capacity_bytes": 0,
+                                 "expert_bytes": 0, "min_experts": 1, "max_experts": 8,
+                                 "hits": 0, "misses": 0, "fills": 0, "cpu_computed": 0,
+                                 "fill_fraction": 1.0},
+                "kv": {"blocks_total": 0, "blocks_used": 0, "block_size": 16},
                 "device": "cpu", "device_bytes": 0}
 
-    async def resize_expert_cache(self, experts=None, bytes=None):
-        self.capacity = max(1, experts if experts is not None else bytes // 3)
-        return self.cache_stats()
+    def stats(self) -> dict:
+        return {"running": 0, "queued": 0}
 
-    def calibrate(self, measure=False, pcie_gbps=None, cpu_expert_gbps=None, fill_fraction=None):
-        return {"pcie_gbps": None, "cpu_expert_gbps": 20.0, "concurrent": {}, "fill_fraction": 1.0,
-                "device": "cpu", "host": "x", "measured_at": "now"}
-
-    def stats(self):
-        return {"running": 0, "queued": 0, "kv_blocks_total": 10, "kv_blocks_used": 2,
-                "prefix_hit_ratio": 0.5, "cpu_expert_gbps": 20.0}
-
-    def shutdown(self):
+    def shutdown(self) -> None:
         pass

@@ -3,6 +3,7 @@ queue limits, metrics."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httpx
 import openai
@@ -34,8 +35,8 @@ async def stream_text(client, model, messages, max_tokens, on_chunk=None) -> str
 async def test_32_concurrent_greedy_streams_equal_each_run_alone(live):
     client = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key=API_KEY, max_retries=0)
     msgs = prompts(N_STREAMS)
-    alone = [await stream_text(client, live.model, m, 12) for m in msgs]
-    together = await asyncio.gather(*(stream_text(client, live.model, m, 12) for m in msgs))
+    alone = [await stream_text(client, live.model, m, 8) for m in msgs]
+    together = await asyncio.gather(*(stream_text(client, live.model, m, 8) for m in msgs))
     assert together == alone
     assert len(set(alone)) > 1, "different prompts should give different answers"
 
@@ -120,3 +121,27 @@ def test_past_the_queue_limit_requests_get_429_with_retry_after(tiny_dir):
     assert refused, results
     assert int(refused[0].response.headers["retry-after"]) >= 1
     assert refused[0].body["type"] == "rate_limit_error"
+
+
+def test_a_client_that_disconnects_frees_its_request(live):
+    body = {"model": live.model, "messages": prompts(1)[0], "max_tokens": 400,
+            "temperature": 0, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+
+    def idle_within(seconds):
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            s = live.service.stats()
+            if s["running"] == 0 and s["queued"] == 0:
+                return True
+            time.sleep(0.05)
+        return False
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json=dict(body, stream=True),
+                      headers=headers, timeout=30) as r:
+        lines = r.iter_lines()
+        [next(lines) for _ in range(6)]
+        assert live.service.stats()["running"] == 1
+    assert idle_within(3), live.service.stats()
+    with pytest.raises(httpx.TimeoutException):      # a plain request the client gives up on
+        httpx.post(f"{live.url}/v1/chat/completions", json=body, headers=headers, timeout=1.0)
+    assert idle_within(3), live.service.stats()

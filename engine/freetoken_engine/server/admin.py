@@ -62,22 +62,24 @@ async def health(request: Request):
 
 @router.get("/admin/cache")
 async def get_cache(request: Request):
-    return ready_service(request).cache_stats()
+    return ready_service(request, need_tokenizer=False).cache_stats()
 
 
 @router.post("/admin/cache")
 async def resize_cache(body: CacheResize, request: Request):
-    svc = ready_service(request)
+    svc = ready_service(request, need_tokenizer=False)
     return await svc.resize_expert_cache(experts=body.expert_cache_experts,
                                          bytes=body.expert_cache_bytes)
 
 
 @router.post("/admin/calibrate")
 async def calibrate(body: Calibrate, request: Request):
-    svc = ready_service(request)
+    svc = ready_service(request, need_tokenizer=False)
+    # the service waits for a scheduler safe point (and measuring takes seconds): run it off
+    # the event loop so streams keep flowing meanwhile
     if body.measure:
-        # measuring takes seconds: keep the event loop (and the streams) running
         return await asyncio.to_thread(svc.calibrate, measure=True)
     if body.fill_fraction is not None:
-        return svc.calibrate(fill_fraction=body.fill_fraction)
-    return svc.calibrate(pcie_gbps=body.pcie_gbps, cpu_expert_gbps=body.cpu_expert_gbps)
+        return await asyncio.to_thread(svc.calibrate, fill_fraction=body.fill_fraction)
+    return await asyncio.to_thread(svc.calibrate, pcie_gbps=body.pcie_gbps,
+                                   cpu_expert_gbps=body.cpu_expert_gbps)

@@ -6,11 +6,14 @@ from fastapi import Request
 from .errors import ApiError
 
 
-def ready_service(request: Request):
+def ready_service(request: Request, need_tokenizer: bool = True):
     """The EngineService, or 503 while it loads / after it failed (with Retry-After)."""
     svc = request.app.state.service
     health = svc.health()
     if health.get("status") == "ok":
+        if need_tokenizer and svc.tokenizer is None:
+            raise ApiError(400, "this model folder has no tokenizer.json; the HTTP API needs one",
+                           code="no_tokenizer")
         return svc
     if health.get("status") == "loading":
         pct = 100.0 * float(health.get("progress") or 0.0)

@@ -63,10 +63,13 @@ class Generation:
     async def __aiter__(self) -> AsyncIterator[str]:
         try:
             async for ev in self.handle:
-                self.completion_tokens += 1
-                if self.t_first is None:
-                    self.t_first = time.monotonic()
-                text = "" if ev.token_id in self.skip_ids else self.decoder.step(ev.token_id)
+                text = ""
+                if ev.token_id is not None:      # a final event may carry no token (abort)
+                    self.completion_tokens += 1
+                    if self.t_first is None:
+                        self.t_first = time.monotonic()
+                    if ev.token_id not in self.skip_ids:
+                        text = self.decoder.step(ev.token_id)
                 shown = self.matcher.feed(text) if text else ""
                 if shown:
                     yield shown
