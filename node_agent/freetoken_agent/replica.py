@@ -64,8 +64,12 @@ def backoff_delay(failures_in_a_row: int, initial: float, maximum: float) -> flo
 
 
 def serve_command(a: Assignment, launch: LaunchConfig, admin_token: str, api_key: str | None,
-                  cache_bytes: int | None, cpu_expert_fraction: float | None) -> list[str]:
-    """The ``freetoken serve`` command line for one replica (docs/contracts.md)."""
+                  cpu_expert_fraction: float | None) -> list[str]:
+    """The ``freetoken serve`` command line for one replica (docs/contracts.md).
+
+    The engine starts with a one-expert cache: it refuses a start size larger than the model
+    (which the agent cannot know before loading), whereas ``POST /admin/cache`` clamps. The
+    budget is applied once the engine is ready (``Replica._became_ready``)."""
     cmd = [*launch.engine_command, "serve", "--host", launch.bind_host,
            "--port", str(a.port + launch.port_offset), "--served-model-name", a.served_name,
            "--admin-token", admin_token, "--device", a.engine.device]
@@ -73,8 +77,7 @@ def serve_command(a: Assignment, launch: LaunchConfig, admin_token: str, api_key
         cmd += ["--model", a.path]
     if a.engine.dtype:
         cmd += ["--dtype", a.engine.dtype]
-    if cache_bytes is not None and cache_bytes > 0:
-        cmd += ["--expert-cache-gb", f"{cache_bytes / 1e9:.6f}"]
+    cmd += ["--expert-cache-experts", "1"]
     if cpu_expert_fraction is not None:
         cmd += ["--cpu-expert-fraction", f"{cpu_expert_fraction:.4f}"]
     if api_key:
@@ -115,6 +118,7 @@ class Replica:
         self._on_ready = on_ready
         self._on_restart = on_restart
         self._proc: asyncio.subprocess.Process | None = None
+        self._budget: int | None = None
         self._stopping = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -126,9 +130,8 @@ class Replica:
         self._task = asyncio.create_task(self.run(), name=f"replica:{self.key}")
 
     async def _spawn(self) -> asyncio.subprocess.Process:
-        cache_bytes, cpu_fraction = self._launch_args(self.assignment)
-        cmd = serve_command(self.assignment, self.launch, self.admin_token, self.api_key,
-                            cache_bytes, cpu_fraction)
+        self._budget, cpu_fraction = self._launch_args(self.assignment)
+        cmd = serve_command(self.assignment, self.launch, self.admin_token, self.api_key, cpu_fraction)
         out = None
         if self.launch.log_dir:
             os.makedirs(self.launch.log_dir, exist_ok=True)
@@ -175,7 +178,10 @@ class Replica:
 
     async def _became_ready(self) -> None:
         try:
-            self.cache = await self.client.cache()
+            async with self.resize_lock:
+                self.cache = await self.client.cache()
+                if self._budget:  # the engine clamps to [min_experts, max_experts]
+                    self.cache = await self.client.resize(self._budget)
         except EngineUnreachable as exc:
             log.warning("engine %s: %s", self.key, exc)
         if self._on_ready is not None:

@@ -193,6 +193,8 @@ async def test_pressure_mid_stream_restart_and_prometheus(tmp_path, tiny_checkpo
         watcher.cancel()
         shrunk_at = [t for t, b in sizes if b <= half * ec["expert_bytes"]]
         assert shrunk_at and shrunk_at[0] < ended, "the cache must shrink while the stream decodes"
+        after = [b for t, b in sizes if t >= shrunk_at[0]]
+        assert max(after) <= half * ec["expert_bytes"], "no regrowth while the foreign use stays"
         assert (disturbed, n2) == (undisturbed, n_tokens), "pressure must not change a greedy stream"
         assert (await cache())["capacity_bytes"] <= half * ec["expert_bytes"]
         assert await metric(agent_metrics, "freetoken_agent_pressure_events_total", action="shrink") >= 1
@@ -200,9 +202,7 @@ async def test_pressure_mid_stream_restart_and_prometheus(tmp_path, tiny_checkpo
         assert 0 < reaction < 5
 
         write_gpu(gpu, foreign=0)  # the game quits
-        t_quit = time.monotonic()
         await wait_for(lambda: _eq(cache, "capacity_bytes", full), 15, "the cache to grow back")
-        assert time.monotonic() - t_quit >= 1.5, "growth waits for the cool-down"
 
         old = engine_pid(port + offset)
         assert old is not None
@@ -265,13 +265,23 @@ async def test_cluster_mode_assign_then_unassign(kube, tmp_path, tiny_checkpoint
         assert r["expertCacheBytes"] > 0
         async with httpx.AsyncClient() as c:
             assert (await c.get(r["endpoint"] + "/health")).json()["model"] == "tiny"
-        kube.objects[nodes, None, "k-node"] = {**dict(kube.objects[nodes, None, "k-node"]),
-                                               "spec": {"models": []}}
+        await asyncio.to_thread(_operator_patch, str(kube.url), "k-node", {"spec": {"models": []}})
         await wait_for(lambda: _gone(replicas), 30, "the replica to leave the status", interval=0.2)
         assert engine_pid(port + offset) is None
     finally:
         stop.set()
         await task
+
+
+def _operator_patch(server: str, name: str, body: dict) -> None:
+    """What the operator does when it moves the model away: merge-patch the node's spec."""
+    from kubernetes import client
+    cfg = client.Configuration()
+    cfg.host = server
+    with client.ApiClient(cfg) as api:
+        client.CustomObjectsApi(api).patch_cluster_custom_object(
+            "freetoken.io", "v1alpha1", "freetokennodes", name, body,
+            _content_type="application/merge-patch+json")
 
 
 async def _ready(replicas):

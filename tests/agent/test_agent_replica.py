@@ -11,20 +11,19 @@ def test_serve_command_follows_the_engine_contract():
                          "source": {"path": "/models/qwen3"},
                          "engine": {"device": "cuda", "dtype": "bfloat16"}}]).values()
     launch = LaunchConfig(engine_command=("freetoken",), bind_host="10.0.0.5", port_offset=100)
-    cmd = serve_command(a, launch, admin_token="t0k", api_key="sk", cache_bytes=12_500_000_000,
-                        cpu_expert_fraction=0.25)
+    cmd = serve_command(a, launch, admin_token="t0k", api_key="sk", cpu_expert_fraction=0.25)
     assert cmd[:2] == ["freetoken", "serve"]
     opts = dict(zip(cmd[2::2], cmd[3::2]))
     assert opts == {"--host": "10.0.0.5", "--port": "2019", "--served-model-name": "qwen",
                     "--admin-token": "t0k", "--device": "cuda", "--model": "/models/qwen3",
-                    "--dtype": "bfloat16", "--expert-cache-gb": "12.500000",
+                    "--dtype": "bfloat16", "--expert-cache-experts": "1",
                     "--cpu-expert-fraction": "0.2500", "--api-key": "sk"}
 
 
 def test_default_model_sends_no_model_flag():
     [a] = parse_models([{"model": "tiny", "port": 2000}]).values()
-    cmd = serve_command(a, LaunchConfig(engine_command=("x",)), "t", None, None, None)
-    assert "--model" not in cmd and "--api-key" not in cmd and "--expert-cache-gb" not in cmd
+    cmd = serve_command(a, LaunchConfig(engine_command=("x",)), "t", None, None)
+    assert "--model" not in cmd and "--api-key" not in cmd and "--cpu-expert-fraction" not in cmd
 
 
 def test_backoff_doubles_to_a_cap():
