@@ -66,6 +66,24 @@ def stop(proc: subprocess.Popen, sig: int = signal.SIGTERM, timeout: float = 20)
             proc.wait(5)
 
 
+async def astop(procs: list[subprocess.Popen], timeout: float = 20) -> None:
+    """``stop`` for code running on an event loop that the stopping processes still talk to
+    (kmock): signal all, then await their exit without blocking the loop."""
+    import asyncio
+
+    for proc in procs:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    for proc in procs:
+        stop(proc, sig=signal.SIGKILL, timeout=5)
+
+
 def engine_pids(port: int) -> list[int]:
     """Pids of ``freetoken serve`` processes listening on ``port`` (from /proc)."""
     needle = f"--port\0{port}\0".encode()

@@ -121,8 +121,7 @@ async def test_fleet_serves_survives_a_lost_node_and_cleans_up(kmock, tmp_path, 
         await kc.wait_for(stopped, 60, "the model to go and its engines to stop", step=0.3)
         assert await _slice_endpoints(kmock) == []
     finally:
-        for proc in agents.values():
-            fleet.stop(proc)
-        fleet.stop(operator)
+        await fleet.astop([*agents.values(), operator])
+    assert operator.returncode == 0, (tmp_path / "operator.log").read_text()[-4000:]
     log = (tmp_path / "operator.log").read_text()
     assert "Traceback" not in log, log[-4000:]
