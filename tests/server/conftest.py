@@ -1,19 +1,17 @@
 """Fixtures for the API tests: the tiny checkpoint, its EngineService, a live server per module."""
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from live import API_KEY, live_server, start_service  # noqa: E402
-from tiny_models import make_tiny_checkpoint  # noqa: E402
+from live import API_KEY, live_server, start_service
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "qwen3_moe", "qwen3_moe")
+def tiny_dir(tiny_checkpoint) -> Path:
+    """The session's tiny random qwen3_moe checkpoint (tests/conftest.py)."""
+    return tiny_checkpoint("qwen3_moe")
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ parsed objects is the production path.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -27,23 +26,10 @@ A_TOOLS = [{"name": "get_weather", "description": "weather",
 MSGS = [{"role": "user", "content": "Weather in Paris?"}]
 
 
-def qwen_like_tokenizer(tiny_dir: Path, out: Path) -> Tokenizer:
-    """The tiny tokenizer with the tag tokens non-special, as in Qwen3's tokenizer.json
-    (decoding skips special tokens, and Qwen keeps <think>/<tool_call> visible)."""
-    out.mkdir(exist_ok=True)
-    raw = json.loads((tiny_dir / "tokenizer.json").read_text())
-    for t in raw["added_tokens"]:
-        if t["content"] in ("<think>", "</think>", "<tool_call>", "</tool_call>"):
-            t["special"] = False
-    (out / "tokenizer.json").write_text(json.dumps(raw))
-    (out / "tokenizer_config.json").write_text((tiny_dir / "tokenizer_config.json").read_text())
-    return Tokenizer(out)
-
-
 @pytest.fixture(scope="module")
-def live(tiny_dir, tmp_path_factory):
-    tok = qwen_like_tokenizer(tiny_dir, tmp_path_factory.mktemp("qwen_tok"))
-    with live_server(ScriptedService(tok, script=lambda prompt: ANSWER)) as srv:
+def live(tiny_dir):
+    # the tiny tokenizer keeps <think>/<tool_call> as non-special added tokens, as Qwen3 does
+    with live_server(ScriptedService(Tokenizer(tiny_dir), script=lambda prompt: ANSWER)) as srv:
         yield srv
 
 
