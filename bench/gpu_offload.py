@@ -606,6 +606,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one model, one budget, few tokens (smoke test)")
     ap.add_argument("--models", default="qwen3-30b-a3b,qwen3.6-35b-a3b")
     ap.add_argument("--budgets", default="8,16,32")
+    ap.add_argument("--policies", default="all,static,lru,lru+q*")
+    ap.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
+    ap.add_argument("--no-tune", action="store_true", help="keep the default decode tiles")
     ap.add_argument("--out", default=str(ROOT / "bench/results/gpu_offload.json"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -630,7 +633,7 @@ def main() -> None:
         bw = bandwidths(bank, cpu_fn)
         result["bandwidth"][name] = bw
         print(f"[{name}] " + ", ".join(f"{k} {v:.1f}" for k, v in bw.items() if isinstance(v, float)), flush=True)
-        if "decode_tiles" not in result:
+        if "decode_tiles" not in result and not args.no_tune:
             result["decode_tiles"] = tune_decode(model)
             for r in result["decode_tiles"]["candidates"]:
                 print(f"tiles {r['tiles']}: b1 {r['us_batch1']:.1f} us ({r['gbps_batch1']:.0f} GB/s), "
@@ -639,7 +642,7 @@ def main() -> None:
             str(b): control_step_us(bank, cache_slots(b, model)) for b in budgets}
         print(f"[{name}] control step us per layer call: {result['control_step_us'][name]}", flush=True)
         save()
-        for seq in ([8192] if args.quick else [4096, 8192, 16384]):
+        for seq in [] if args.no_prefill else ([8192] if args.quick else [4096, 8192, 16384]):
             for mode in ("double", "single"):
                 try:
                     row = prefill_row(bank, seq, mode, bw)
@@ -656,7 +659,9 @@ def main() -> None:
             for batch in (1, 4):
                 warm, meas = tokens[batch]
                 ids = make_routing(model, warm + meas, batch, routing, result["routing_locality"], seed=batch)
-                plans = [("all", None)] + [(p, b) for b in budgets for p in ("static", "lru", "lru+q*")]
+                policies = args.policies.split(",")
+                plans = [("all", None)] if "all" in policies else []
+                plans += [(p, b) for b in budgets for p in ("static", "lru", "lru+q*") if p in policies]
                 for policy, budget in plans:
                     slots = bank.total_experts if budget is None else cache_slots(budget, model)
                     try:
