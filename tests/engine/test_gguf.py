@@ -1,0 +1,109 @@
+"""The GGUF loader against transformers' own GGUF reader and its llama, on SmolLM2-135M-Instruct."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import jinja2
+import pytest
+import torch
+
+from freetoken_engine.convert.source import smollm2_gguf_path
+from freetoken_engine.models.gguf import GGUFError, load_gguf, write_hf_folder
+
+
+@pytest.fixture(scope="module")
+def gguf_path():
+    try:
+        return smollm2_gguf_path()
+    except FileNotFoundError as exc:
+        pytest.fail(f"{exc} (CI installs it)")
+
+
+@pytest.fixture(scope="module")
+def model(gguf_path):
+    return load_gguf(gguf_path)
+
+
+@pytest.fixture(scope="module")
+def dense_dir(model, tmp_path_factory):
+    return write_hf_folder(model, tmp_path_factory.mktemp("smollm2-dense"))
+
+
+def test_config_is_smollm2_135m(model):
+    cfg = model.config
+    assert cfg["model_type"] == "llama"
+    assert (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"]) == (30, 576, 1536)
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["vocab_size"]) == (9, 3, 49152)
+    assert cfg["tie_word_embeddings"] is True and "lm_head.weight" not in model.tensors
+    assert cfg["rope_theta"] == 100000.0 and cfg["bos_token_id"] == 1 and cfg["eos_token_id"] == 2
+
+
+def test_tensors_equal_transformers_gguf_reader(model, gguf_path, dense_dir):
+    """transformers dequantizes and un-permutes Q/K on its own: every tensor must agree exactly."""
+    from transformers import AutoConfig, LlamaForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    with torch.device("meta"):
+        skeleton = LlamaForCausalLM(AutoConfig.from_pretrained(dense_dir))
+    ref = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    assert set(ref) == set(model.tensors)
+    for key, value in ref.items():
+        assert torch.equal(torch.as_tensor(value).float(), model.tensors[key]), key
+
+
+def test_dense_folder_answers_in_transformers(dense_dir):
+    """The written folder is a working HF checkpoint: greedy chat answer names Paris."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(dense_dir)
+    lm = LlamaForCausalLM.from_pretrained(dense_dir, dtype=torch.float32).eval()
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                   tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tok(text)["input_ids"]])
+    out = lm.generate(ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_tokenizer_matches_transformers_gguf_tokenizer(dense_dir, gguf_path):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_file(str(dense_dir / "tokenizer.json"))
+    ref = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    text = ("In 1987 the 3 quick foxes paid $12,345.67 for déjà-vu 🙂.\n\t  def f(x):\n"
+            "        return x**2  # indented <|im_start|>user\nhi<|im_end|>")
+    ids = ours.encode(text).ids
+    assert ids == ref(text)["input_ids"]
+    assert ours.decode(ids, skip_special_tokens=False) == text  # byte-level BPE round trip
+    assert ours.encode("<|im_start|><|im_end|>").ids == [1, 2]
+    assert ours.encode("2024").ids == [ours.token_to_id(d) for d in "2024"]  # digits split
+
+
+def test_chat_template_present(model, dense_dir):
+    tcfg = json.loads((dense_dir / "tokenizer_config.json").read_text())
+    assert tcfg["bos_token"] == "<|im_start|>" and tcfg["eos_token"] == "<|im_end|>"
+    rendered = jinja2.Template(tcfg["chat_template"]).render(
+        messages=[{"role": "user", "content": "Hi"}], add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    assert "You are a helpful AI assistant named SmolLM" in rendered
+    gen = json.loads((dense_dir / "generation_config.json").read_text())
+    assert gen["eos_token_id"] == 2
+
+
+def test_truncated_file_is_a_clear_error(gguf_path, tmp_path):
+    bad = tmp_path / "broken.gguf"
+    with open(gguf_path, "rb") as src, open(bad, "wb") as dst:
+        dst.write(src.read(1 << 20))  # header and metadata intact, tensor data cut off
+    with pytest.raises(GGUFError):
+        load_gguf(bad)
+    with pytest.raises(GGUFError, match="not found"):
+        load_gguf(tmp_path / "absent.gguf")
+
+
+def test_non_gguf_file_is_a_clear_error(tmp_path):
+    junk = tmp_path / "junk.gguf"
+    shutil.copyfile(__file__, junk)
+    with pytest.raises(GGUFError):
+        load_gguf(junk)
