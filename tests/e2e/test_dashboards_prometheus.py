@@ -68,13 +68,21 @@ def prometheus(tmp_path_factory, tiny_checkpoint):
         for url in engines:
             fleet.wait_until(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 120,
                              f"engine {url} healthy")
-            for _ in range(2):
+
+        def chat_round() -> None:
+            for url in engines:
                 r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
                     "model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hello"}]})
                 assert r.status_code == 200, r.text
-        # two scrapes after the requests, for every node: rates and quantiles have their samples
-        fleet.wait_until(lambda: len(prom.query("increase(freetoken_generation_tokens_total[1m]) > 0")) == 2,
-                         30, "Prometheus to see generated tokens on both nodes")
+        # Histogram series appear with the first request; a rate needs Prometheus to have seen
+        # them before a later request, so: one round, a scrape of both nodes, another round.
+        chat_round()
+        fleet.wait_until(lambda: len(prom.query("freetoken_time_to_first_token_seconds_count")) == 2,
+                         30, "Prometheus to scrape both engines' histograms")
+        chat_round()
+        fleet.wait_until(lambda: len(prom.query(
+            "increase(freetoken_time_to_first_token_seconds_count[1m]) > 0")) == 2, 30,
+            "Prometheus to see requests on both nodes")
         yield prom
     finally:
         for a in agents:
