@@ -151,3 +151,49 @@ async def _both(placed) -> dict | None:
 
 async def _moved(k) -> bool:
     return await _spec_models(k, "a") == [] and await _spec_models(k, "c") == ["default.m"]
+
+
+@pytest.mark.timeout(60)
+async def test_unsatisfiable_model_says_why_and_is_retried_when_nodes_change(kmock, monkeypatch):
+    kc.prepare(kmock)
+    kmock.objects[kc.NODES, None, "pc"] = node_body("pc", "127.0.0.21")
+    kmock.objects[kc.MODELS, "default", "big"] = kc.seeded({
+        "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenModel",
+        "metadata": {"name": "big", "namespace": "default"},
+        "spec": {"source": {"path": "/models/big"}, "placement": {"device": "gpu", "minVram": "16Gi"},
+                 "memory": {"nonExpert": "4Gi", "minExpertCache": "2Gi", "kvCache": "1Gi"}}})
+    monkeypatch.setenv("FREETOKEN_OPERATOR_KUBE_SERVER", str(kmock.url).rstrip("/"))
+    monkeypatch.setenv("FREETOKEN_OPERATOR_RESYNC_SECONDS", "0.2")
+    alive = {"pc"}
+    beats = asyncio.create_task(_heartbeats(kmock, alive))
+    try:
+        with KopfRunner(["run", "--standalone", "-A", "-m", "freetoken_operator.handlers"], timeout=30) as runner:
+            async def scheduled():
+                body = await kc.get(kmock, kc.model_path("default", "big"))
+                conds = {c["type"]: c for c in (body.get("status") or {}).get("conditions") or []}
+                return conds.get("Scheduled")
+            cond = await kc.wait_for(scheduled, 15, "a Scheduled condition")
+            assert (cond["status"], cond["reason"]) == ("False", "Unschedulable")
+            assert "0/1 replicas placed" in cond["message"] and "cpu-only" in cond["message"]
+            events = await kc.items(kmock, "/api/v1/namespaces/default/events")
+            assert [e["type"] for e in events if e["reason"] == "Unschedulable"] == ["Warning"]
+
+            # the owner installs a 24 GiB GPU and the agent reports it: the model is placed
+            await kc.patch(kmock, kc.node_path("pc") + "/status", {"status": {
+                "mode": "gpu", "pcieGbps": 25.0, "gpu": {"name": "RTX 4090", "count": 1,
+                                                          "vramTotalBytes": 24 * 2**30, "vramForeignBytes": 2**30}}})
+            await kc.wait_for(lambda: _spec_models(kmock, "pc"), 10, "placement after the node changed")
+            assert await _spec_models(kmock, "pc") == ["default.big"]
+            cond = await kc.wait_for(lambda: _true(scheduled), 10, "Scheduled=True")
+            assert cond["reason"] == "Placed"
+            node = await kc.get(kmock, kc.node_path("pc"))
+            assert node["spec"]["models"][0]["engine"] == {"device": "cuda", "dtype": "bfloat16",
+                                                           "expertCacheShare": 0.9}
+    finally:
+        beats.cancel()
+    assert runner.exit_code == 0, runner.output
+
+
+async def _true(get_condition):
+    cond = await get_condition()
+    return cond if cond and cond["status"] == "True" else None
