@@ -14,6 +14,12 @@ from tiny_models import make_tiny_checkpoint  # noqa: E402
 # Keep test runs away from the user's caches (converted default model, calibration) unless a
 # session-wide cache folder is given, and keep torch from oversubscribing the 2-core CI machine.
 os.environ.setdefault("FREETOKEN_CACHE_DIR", str(Path(__file__).parent.parent / ".test-cache"))
+# Tiny test models gain nothing from intra-op threads, and spinning OpenMP workers make every
+# op slow when the machine is shared; subprocesses (CLI, servers) inherit the setting.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(scope="session")

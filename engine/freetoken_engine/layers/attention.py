@@ -9,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -30,12 +29,17 @@ class AttnBatch:
     q_max: int
     _masks: dict = field(default_factory=dict)
 
+    @property
+    def q_flat(self) -> torch.Tensor:
+        """[T] row of each new token in the padded ``[B * Qmax]`` query layout."""
+        return self.q_seq * self.q_max + self.q_idx
+
     def mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, Qmax, Lmax] bool: causal (and sliding-window) visibility, cached per window."""
         if window not in self._masks:
             b = self.kv_index.shape[0]
-            qpos = torch.full((b, self.q_max), -1, dtype=torch.int64, device=self.positions.device)
-            qpos[self.q_seq, self.q_idx] = self.positions
+            qpos = torch.full((b * self.q_max,), -1, dtype=torch.int64, device=self.positions.device)
+            qpos = qpos.index_copy(0, self.q_flat, self.positions).view(b, self.q_max)
             kpos = torch.arange(self.kv_index.shape[1], device=qpos.device)
             m = self.kv_valid[:, None, :] & (kpos[None, None, :] <= qpos[:, :, None])   # [B, Q, L]
             if window is not None:
@@ -76,15 +80,21 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        k_cache[batch.slot_mapping] = k                                    # write new K/V
-        v_cache[batch.slot_mapping] = v
-        keys = k_cache[batch.kv_index].transpose(1, 2)                     # [B, kvh, L, d]
-        values = v_cache[batch.kv_index].transpose(1, 2)
-        b = batch.kv_index.shape[0]
-        qp = q.new_zeros((b, batch.q_max, self.h, self.d))
-        qp[batch.q_seq, batch.q_idx] = q
-        out = F.scaled_dot_product_attention(
-            qp.transpose(1, 2), keys, values, attn_mask=batch.mask(self.window),
-            scale=self.scale, enable_gqa=self.h != self.kvh)                 # [B, h, Q, d]
-        out = out.transpose(1, 2)[batch.q_seq, batch.q_idx].reshape(t, self.h * self.d)
+        k_cache.index_copy_(0, batch.slot_mapping, k)                      # write new K/V
+        v_cache.index_copy_(0, batch.slot_mapping, v)
+        b, lmax = batch.kv_index.shape
+        flat_kv = batch.kv_index.view(-1)          # index_select: advanced indexing is ~100x slower
+        keys = k_cache.index_select(0, flat_kv).view(b, lmax, self.kvh, self.d).transpose(1, 2)  # [B, kvh, L, d]
+        values = v_cache.index_select(0, flat_kv).view(b, lmax, self.kvh, self.d).transpose(1, 2)
+        q_flat = batch.q_flat
+        qp = q.new_zeros((b * batch.q_max, self.h, self.d)).index_copy(0, q_flat, q)
+        g = self.h // self.kvh
+        # [B, kvh, g, Q, d]: query heads grouped under their KV head, so K/V are never repeated
+        qp = qp.view(b, batch.q_max, self.kvh, g, self.d).permute(0, 2, 3, 1, 4)
+        scores = torch.matmul(qp, keys.unsqueeze(2).transpose(-1, -2)) * self.scale     # [B, kvh, g, Q, L]
+        scores = scores.masked_fill(~batch.mask(self.window).unsqueeze(1), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, values.unsqueeze(2))                                   # [B, kvh, g, Q, d]
+        out = out.permute(0, 3, 1, 2, 4).reshape(b * batch.q_max, self.h, self.d).index_select(0, q_flat)
+        out = out.reshape(t, self.h * self.d)
         return self.o_proj(out)

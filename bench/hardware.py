@@ -1,0 +1,29 @@
+"""Names the machine a benchmark ran on (CPU model, cores, flags of interest, GPU, versions)."""
+from __future__ import annotations
+
+import os
+import platform
+
+
+def describe() -> dict:
+    cpu, flags = platform.processor() or "unknown", []
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                flags = sorted(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in have)
+                break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "cpu_flags": flags, "python": platform.python_version()}
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        info["torch_threads"] = torch.get_num_threads()
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name(0)
+    except ImportError:
+        pass
+    return info
