@@ -99,34 +99,35 @@ sys.stdin.readline(); del x; torch.cuda.empty_cache(); print("freed", flush=True
 
 
 class Client(threading.Thread):
-    """Streams greedy completions back to back; records one timestamp per streamed chunk."""
+    """Sends greedy completions back to back; records (start, end, completion tokens) of each.
+
+    Token counts come from the response's ``usage`` (a random model's tokens often decode to
+    no visible text, so counting streamed chunks would undercount)."""
 
     def __init__(self, url: str, max_tokens: int) -> None:
         super().__init__(daemon=True)
         self.url, self.max_tokens = url, max_tokens
-        self.stamps: list[float] = []
+        self.requests: list[tuple[float, float, int]] = []
         self.errors: list[str] = []
         self.stop = threading.Event()
 
     def run(self) -> None:
         body = {"model": "bench", "prompt": [5, 17, 42, 99, 7], "max_tokens": self.max_tokens,
-                "temperature": 0, "ignore_eos": True, "stream": True}
+                "temperature": 0, "ignore_eos": True}
         with httpx.Client(base_url=self.url, timeout=300) as c:
             while not self.stop.is_set():
-                with c.stream("POST", "/v1/completions", json=body) as r:
-                    for line in r.iter_lines():
-                        if line.startswith("data: {"):
-                            chunk = json.loads(line[6:])
-                            if "error" in chunk:
-                                self.errors.append(str(chunk["error"]))
-                            elif chunk["choices"] and chunk["choices"][0]["text"]:
-                                self.stamps.append(time.time())
-                        if self.stop.is_set():
-                            break
+                t0 = time.time()
+                r = c.post("/v1/completions", json=body)
+                if r.status_code != 200:
+                    self.errors.append(f"HTTP {r.status_code}: {r.text[:200]}")
+                    continue
+                self.requests.append((t0, time.time(), r.json()["usage"]["completion_tokens"]))
 
     def rate(self, t0: float, t1: float) -> float | None:
-        n = sum(1 for t in self.stamps if t0 <= t < t1)
-        return n / (t1 - t0) if t1 > t0 else None
+        """Tokens per second over the requests that ran entirely inside [t0, t1)."""
+        inside = [(b - a, n) for a, b, n in self.requests if t0 <= a and b < t1]
+        seconds = sum(d for d, _ in inside)
+        return round(sum(n for _, n in inside) / seconds, 1) if seconds > 0 else None
 
 
 def wait(pred, timeout: float, what: str, interval: float = 0.05):
@@ -160,6 +161,7 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--window", type=float, default=4.0, help="seconds per measured phase")
+    ap.add_argument("--request-tokens", type=int, default=32, help="tokens per completion request")
     ap.add_argument("--out", default=str(RESULTS / "pressure_gpu.json"))
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="ft-pressure-"))
@@ -219,12 +221,12 @@ def main() -> int:
                 cap = admin.get("/admin/cache").json()["expert_cache"]["capacity_bytes"]
                 used = nvml.read()[1] if nvml else agent_metric(mport, "freetoken_agent_memory_used_bytes")
                 timeline.append((time.time(), cap, int(used or 0)))
-                time.sleep(0.02)
+                time.sleep(0.05)
         mon = threading.Thread(target=monitor, daemon=True)
         mon.start()
-        client = Client(url, max_tokens=4000)
+        client = Client(url, max_tokens=args.request_tokens)
         client.start()
-        wait(lambda: len(client.stamps) > 10, 120, "the first tokens")
+        wait(lambda: len(client.requests) > 1, 120, "the first completions")
         t_before = time.time()
         time.sleep(args.window)
 
@@ -270,11 +272,14 @@ def main() -> int:
         result["tokens_per_second"] = {
             "before": client.rate(t_before, t_alloc0), "during": client.rate(t_release, t_during_end),
             "after": client.rate(t_regrown, t_end)}
-        result["note"] = ("tokens/s counts streamed chunks (one per decoded token with this tokenizer); "
+        result["requests"] = len(client.requests)
+        result["note"] = ("tokens/s = completion tokens / wall time of the requests that ran entirely "
+                          "inside a phase (before: until the allocation; during: from the release to the "
+                          "foreign memory being freed; after: from the regrowth on); "
                           "reaction = foreign cudaMalloc returned -> NVML free >= headroom (GPU) or "
                           "simulated allocation -> engine reports the smaller cache (--simulate)")
         t0 = timeline[0][0]
-        result["timeline"] = [(round(t - t0, 3), c, u) for t, c, u in timeline[::5]]
+        result["timeline"] = [(round(t - t0, 3), c, u) for t, c, u in timeline[::2]]
         result["events"] = {k: round(v - t0, 3) for k, v in dict(
             before=t_before, alloc=t_alloc, release=t_release, freed=t_freed, regrown=t_regrown, end=t_end).items()}
     finally:
