@@ -11,8 +11,9 @@ on the default model (or ``--model DIR``) and drives it with the official ``open
    with tool definitions, then per turn an assistant tool call and a tool result (a file
    listing, ~150 tokens) are appended and the model is asked for its next step. Two sides in
    the same run: *reuse*, the conversation as an agent sends it (its prefix is shared with the
-   previous turn), and *no reuse*, the same conversation with a fresh nonce at the very start
-   of the system prompt every turn, so no prefix can be shared and everything is recomputed.
+   previous turn), and *no reuse*, the same conversation with a fresh nonce at the start of the
+   system prompt and of the first tool's description every turn (whichever the chat template
+   renders first), so no prefix can be shared and everything is recomputed.
    Reported per turn: prompt tokens, recomputed tokens (prompt - cached, from ``usage``) and TTFT.
 
     python bench/serve_concurrency.py [--model DIR] [--max-tokens 32] [--rounds 2] [--turns 8]
@@ -95,7 +96,12 @@ async def one_stream(client, model, messages, max_tokens, *, ignore_eos, tools=N
 
 
 async def concurrency(url, model, n, rounds, max_tokens) -> dict:
-    client = openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=3600)
+    async with openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0,
+                                  timeout=3600) as client:
+        return await _concurrency(client, model, n, rounds, max_tokens)
+
+
+async def _concurrency(client, model, n, rounds, max_tokens) -> dict:
 
     async def worker(w):
         out = []
@@ -115,16 +121,27 @@ async def concurrency(url, model, n, rounds, max_tokens) -> dict:
 
 
 async def agent(url, model, turns, *, reuse: bool) -> list[dict]:
-    client = openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0, timeout=3600)
+    async with openai.AsyncOpenAI(base_url=url, api_key="bench", max_retries=0,
+                                  timeout=3600) as client:
+        return await _agent(client, model, turns, reuse=reuse)
+
+
+async def _agent(client, model, turns, *, reuse: bool) -> list[dict]:
     system = ("You are a coding agent working in the FreeToken repository. Use the tools to "
               "inspect files before you answer. Keep answers short.")
     history = [{"role": "user", "content": "Find where the expert cache is resized and explain it."}]
     rows = []
     for t in range(turns):
-        head = system if reuse else f"[session {uuid.uuid4().hex}] {system}"
+        head, tools = system, TOOLS
+        if not reuse:    # a nonce in whatever the chat template renders first (tools or system)
+            nonce = f"[session {uuid.uuid4().hex}] "
+            head = nonce + system
+            first = dict(TOOLS[0], function=dict(TOOLS[0]["function"]))
+            first["function"]["description"] = nonce + first["function"]["description"]
+            tools = [first] + TOOLS[1:]
         msgs = [{"role": "system", "content": head}] + history
         ttft, _, prompt, cached = await one_stream(client, model, msgs, 8, ignore_eos=True,
-                                                   tools=TOOLS)
+                                                   tools=tools)
         rows.append({"turn": t + 1, "prompt_tokens": prompt, "cached_tokens": cached,
                      "recomputed_tokens": prompt - cached, "ttft_s": ttft})
         call = {"id": f"call_{t}", "type": "function", "function": {
@@ -169,21 +186,23 @@ def plot(result: dict, path: Path) -> None:
     a2.set_ylabel("TTFT (s)")
     a2.legend(loc="upper left")
     a.set_title("Concurrent streaming clients")
+    handles = []
+    for side, color, shift in (("reuse", "#55a868", 0.2), ("no_reuse", "#8172b2", -0.2)):
+        turns = result["agent"][side]
+        handles.append(b.bar([r["turn"] + shift for r in turns],
+                             [r["recomputed_tokens"] for r in turns], width=0.4, alpha=0.45,
+                             color=color, label=f"recomputed tokens, {side.replace('_', ' ')}"))
+    b.set_xlabel("turn")
+    b.set_ylabel("recomputed prompt tokens")
+    b.set_xticks([r["turn"] for r in result["agent"]["reuse"]])
+    b2 = b.twinx()
     for side, style in (("reuse", "o-"), ("no_reuse", "s--")):
         turns = result["agent"][side]
-        b.plot([r["turn"] for r in turns], [r["ttft_s"] for r in turns], style,
-               label=f"TTFT, {side.replace('_', ' ')}")
-    b.set_xlabel("turn")
-    b.set_ylabel("TTFT (s)")
-    b2 = b.twinx()
-    for side, color in (("reuse", "#55a868"), ("no_reuse", "#8172b2")):
-        turns = result["agent"][side]
-        b2.bar([r["turn"] + (0.2 if side == "reuse" else -0.2) for r in turns],
-               [r["recomputed_tokens"] for r in turns], width=0.4, alpha=0.35, color=color,
-               label=f"recomputed tokens, {side.replace('_', ' ')}")
-    b2.set_ylabel("recomputed prompt tokens")
-    b.legend(loc="upper left")
-    b2.legend(loc="upper center")
+        handles += b2.plot([r["turn"] for r in turns], [r["ttft_s"] for r in turns], style,
+                           label=f"TTFT, {side.replace('_', ' ')}")
+    b2.set_ylabel("TTFT (s)")
+    b2.set_ylim(bottom=0)
+    b.legend(handles=handles, loc="upper left", fontsize=8)
     b.set_title("Agent conversation: prefix reuse")
     hw = result["hardware"]
     fig.suptitle(f"{result['model']} on {hw['cpu_model']} ({hw['cpus']} CPUs), "
@@ -240,11 +259,12 @@ def main(argv=None) -> int:
     for r in result["concurrency"]:
         print(f"{r['clients']:>8} {r['requests']:>9} {r['tokens_per_s']:>8.1f} "
               f"{r['ttft_p50_s']:>8.3f}s {r['ttft_p95_s']:>8.3f}s")
-    print(f"\n{'turn':>4} {'prompt':>7} | {'recomputed':>10} {'TTFT':>7} (reuse) | "
-          f"{'recomputed':>10} {'TTFT':>7} (no reuse)")
+    print(f"\n{'turn':>4} | {'prompt':>6} {'recomputed':>10} {'TTFT':>7} (reuse) | "
+          f"{'prompt':>6} {'recomputed':>10} {'TTFT':>7} (no reuse)")
     for a, b in zip(reuse, no_reuse):
-        print(f"{a['turn']:>4} {a['prompt_tokens']:>7} | {a['recomputed_tokens']:>10} "
-              f"{a['ttft_s']:>6.3f}s         | {b['recomputed_tokens']:>10} {b['ttft_s']:>6.3f}s")
+        print(f"{a['turn']:>4} | {a['prompt_tokens']:>6} {a['recomputed_tokens']:>10} "
+              f"{a['ttft_s']:>6.3f}s         | {b['prompt_tokens']:>6} {b['recomputed_tokens']:>10} "
+              f"{b['ttft_s']:>6.3f}s")
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "serve_concurrency.json").write_text(json.dumps(result, indent=1))
     plot(result, RESULTS / "serve_concurrency.png")
