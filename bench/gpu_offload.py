@@ -712,6 +712,8 @@ def plot(result: dict, path: Path) -> None:
     for name in models:
         for mode, ls in (("double", "-"), ("single", ":")):
             rows = [r for r in result["prefill"] if r["model"] == name and r["mode"] == mode]
+            if not rows:
+                continue
             ax.plot([r["tokens"] for r in rows], [r["tok_s"] for r in rows], ls, marker="o", label=f"{name} {mode}")
         rows = [r for r in result["prefill"] if r["model"] == name and r["mode"] == "double"]
         ax.plot([r["tokens"] for r in rows], [r["tokens"] / r["bound_seconds"] for r in rows], "k--", lw=0.8)
