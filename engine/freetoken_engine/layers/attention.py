@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -67,11 +68,24 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window[layer] if cfg.sliding_window else None
         self.rotary = rotary
         self.scale = d ** -0.5
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+
+    def fuse(self) -> None:
+        """After loading: one [q; k; v] matmul instead of three (fewer ops per decode step)."""
+        with torch.no_grad():
+            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+            b = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+                 if self.q_proj.bias is not None else None)
+        self.qkv = (w, b)
+        del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x: torch.Tensor, batch: AttnBatch, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)          # [T, h*d], [T, kvh*d] x2
+        if self.qkv is not None:
+            q, k, v = F.linear(x, *self.qkv).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)      # [T, h*d], [T, kvh*d] x2
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip is not None:

@@ -71,5 +71,8 @@ def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
                     progress(done / total)
             bank.pin()
     ckpt.close()
+    for module in model.modules():
+        if hasattr(module, "fuse"):
+            module.fuse()
     model.eval()
     return model, bank, cfg
