@@ -69,7 +69,8 @@ class _EngineCollector:
         ready = GaugeMetricFamily("freetoken_engine_ready",
                                   "1 when the model is loaded and serving", labels=["model"])
         health = self.service.health()
-        ready.add_metric([self.model_name], 1.0 if health.get("status") == "ok" else 0.0)
+        name = self.model_name or str(getattr(self.service, "model_name", ""))
+        ready.add_metric([name], 1.0 if health.get("status") == "ok" else 0.0)
         yield ready
         if health.get("status") != "ok":
             return
@@ -153,7 +154,8 @@ class EngineMetrics:
         self.ttft.labels(gen.endpoint).observe(gen.t_first - gen.t_arrival)
         self.latency.labels(gen.endpoint).observe(end - gen.t_arrival)
         if gen.completion_tokens > 1:
-            self.tpot.labels(gen.endpoint).observe((end - gen.t_first) / (gen.completion_tokens - 1))
+            gap = (end - gen.t_first) / (gen.completion_tokens - 1)
+            self.tpot.labels(gen.endpoint).observe(gap)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

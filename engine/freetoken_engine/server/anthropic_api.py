@@ -6,8 +6,8 @@ Streaming follows Anthropic's event sequence: ``message_start``, then per conten
 ``end_turn``, ``max_tokens``, ``stop_sequence`` or ``tool_use``; cumulative usage) and
 ``message_stop``. A tool's ``input`` is sent as one ``input_json_delta`` when the call is
 complete and validated (the block itself starts as soon as the name is known), because the
-clients parse partial JSON as it arrives. ``usage.cache_read_input_tokens`` is the prompt served from the prefix cache
-and ``input_tokens`` the rest (Anthropic's accounting).
+clients parse partial JSON as it arrives. ``usage.cache_read_input_tokens`` is the prompt
+served from the prefix cache and ``input_tokens`` the rest (Anthropic's accounting).
 """
 from __future__ import annotations
 

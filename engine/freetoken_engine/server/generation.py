@@ -3,9 +3,10 @@
 ``start_generation`` tokenizes nothing: it takes prompt ids, checks the context budget, submits
 to the service (so 413 / 429 / 400 are raised *before* any response is started) and returns a
 ``Generation``. Iterating it yields decoded text pieces with stop strings applied; afterwards
-``finish_reason`` is ``"stop"`` (EOS or a stop string), ``"length"`` or ``"abort"``, and the
-token counts are final. ``close()`` aborts the request in the engine (client disconnect, stop
-string) and is idempotent; the protocol modules call it in ``finally``.
+``finish_reason`` is ``"stop"`` (EOS or a stop string) or ``"length"``, and the token counts
+are final. An abort the server did not ask for raises ``ApiError(503)``. ``close()`` aborts
+the request in the engine (client disconnect, stop string) and is idempotent; the protocol
+modules call it in ``finally``.
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 from ..errors import RequestTooLong
 from ..executor.sampler import SamplingParams
+from .errors import ApiError
 from .stops import StopMatcher
 
 #: Upper bound accepted for max_tokens before clamping to the context (anything larger is a typo).
@@ -76,6 +78,10 @@ class Generation:
                 if self.matcher.stopped:
                     self.finish_reason, self.stop_string = "stop", self.matcher.matched
                     break
+                if ev.finish_reason == "abort":   # not ours (close() was not called)
+                    raise ApiError(503, "the engine stopped this request before it finished "
+                                        "(it does not fit the KV cache, or the engine failed; "
+                                        "see the server log)", code="engine_abort")
                 if ev.finish_reason is not None:
                     self.finish_reason = ev.finish_reason
                     break

@@ -58,7 +58,8 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
     if prefill and in_reasoning:
         prefill = f"{THINK_CLOSE}\n\n{prefill}"
     # the template already wrote BOS and friends: do not add special tokens again
-    return Prompt(ids=list(tokenizer.encode(text + prefill, add_special_tokens=False)), in_reasoning=in_reasoning,
+    ids = tokenizer.encode(text + prefill, add_special_tokens=False)
+    return Prompt(ids=list(ids), in_reasoning=in_reasoning,
                   prefill=prefill, tools=use_tools)
 
 
