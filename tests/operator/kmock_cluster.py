@@ -76,3 +76,33 @@ async def wait_for(check: Callable[[], Any], timeout: float, what: str, step: fl
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         await asyncio.sleep(step)
+
+
+def rbac_requests(k: Any, user_agents: tuple[str, ...]) -> set[tuple[str, str, str]]:
+    """(verb, apiGroup, resource) of every recorded request whose User-Agent starts with one of
+    ``user_agents``, in RBAC terms (``get``/``list``/``watch``, subresources as ``res/sub``).
+    Discovery (``/api``, ``/apis/g/v``, ``/version``) is left out: every user may read it."""
+    out = set()
+    for i in range(len(k)):
+        req = k[i]
+        if not str(req.headers.get("User-Agent", "")).startswith(user_agents):
+            continue
+        parts = [p for p in str(req.url.path).split("/") if p]
+        if parts[:1] == ["api"]:
+            group, rest = "", parts[2:]
+        elif parts[:1] == ["apis"] and len(parts) > 3:
+            group, rest = parts[1], parts[3:]
+        else:
+            continue
+        if rest[:1] == ["namespaces"] and len(rest) >= 3:
+            rest = rest[2:]
+        if not rest:
+            continue
+        resource = rest[0] + (f"/{rest[2]}" if len(rest) >= 3 else "")
+        method = str(req.method).upper().rsplit(".", 1)[-1]
+        if method == "GET":
+            verb = "watch" if req.url.query.get("watch") in ("true", "1") else ("get" if len(rest) >= 2 else "list")
+        else:
+            verb = {"POST": "create", "PATCH": "patch", "DELETE": "delete", "PUT": "update"}[method]
+        out.add((verb, group, resource))
+    return out

@@ -135,6 +135,14 @@ async def test_operator_places_serves_moves_and_cleans_up(kmock, monkeypatch):
     finally:
         beats.cancel()
     assert runner.exit_code == 0, runner.output
+    # the chart's ClusterRole allows every request the operator (kopf and apply.py) made
+    used = kc.rbac_requests(kmock, ("kopf", "OpenAPI-Generator"))
+    assert {("watch", "freetoken.io", "freetokennodes"), ("patch", "freetoken.io", "freetokenmodels/status"),
+            ("create", "discovery.k8s.io", "endpointslices"), ("create", "", "events")} <= used
+    rules = operator_cluster_role()["rules"]
+    denied = {(v, g, r) for v, g, r in used
+              if not any(g in rule["apiGroups"] and r in rule["resources"] and v in rule["verbs"] for rule in rules)}
+    assert denied == set(), f"the chart's RBAC forbids {sorted(denied)}"
     # a real API server needs the patch type to match the body (kmock guesses from the body)
     patches = [kmock[i] for i in range(len(kmock)) if str(kmock[i].method).upper().endswith("PATCH")]
     assert patches
@@ -142,6 +150,16 @@ async def test_operator_places_serves_moves_and_cleans_up(kmock, monkeypatch):
         ctype = req.headers.get("Content-Type", "")
         assert ("json-patch" in ctype) if isinstance(req.data, list) else ("merge-patch" in ctype), (req.url, ctype)
     assert "Traceback" not in runner.output, runner.output
+
+
+def operator_cluster_role() -> dict:
+    import helm_python as helm
+    import yaml
+    from crdcheck import ROOT
+
+    text = helm.Chart.load(ROOT / "charts" / "freetoken").render({}, name="ft", namespace="ft")
+    docs = yaml.safe_load_all(text["freetoken/templates/operator-rbac.yaml"])
+    return next(d for d in docs if d and d["kind"] == "ClusterRole")
 
 
 async def _both(placed) -> dict | None:
