@@ -14,6 +14,8 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
               the CPU (the policy of llama.cpp's --n-cpu-moe)
   (c) lru     global LRU cache, every miss filled over PCIe (q = m)
   (d) lru+q*  global LRU cache, q* of the misses filled, the rest computed on the CPU meanwhile
+  optional, --policies lru+sync: (d)'s per-layer host round trip with every miss filled, so
+              that lru+sync minus lru is the measured cost of not capturing the CPU branch
 Routing: uniform random (worst case) and a locality model (per-layer Zipf popularity, each of
 the previous token's experts kept with probability `overlap`). Decode at batch 1 and 4;
 prefill at 4k/8k/16k tokens with the double-buffered streamer vs a single buffer.
@@ -426,7 +428,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         w2s = torch.empty((slots, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
         minus = lambda n: torch.full((n,), -1, dtype=torch.int64, device=CUDA)  # noqa: E731
         ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots), minus(slots), 0,
-                            1.0 if policy == "lru" else bw["fill_fraction"])
+                            bw["fill_fraction"] if policy == "lru+q*" else 1.0)
         if policy == "lru":
             def gpu_layers():
                 for l in range(L):
@@ -477,7 +479,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
     st.load_ids(ids_dev, ids, 0)
     token(None)                                            # compiles every kernel; first warm token
     torch.cuda.synchronize()
-    if policy == "lru+q*":
+    if policy in ("lru+q*", "lru+sync"):
         graphs = [[_capture(lambda f=f, l=l: f(l)) for f in (seg_b, seg_c)] for l in range(L)]
         graphs.append([_capture(lambda: seg_a(0))])
     elif policy == "static" and n_gpu == 0:
@@ -512,7 +514,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         after = ctl.counters()
         c = {key: after[key] - before[key] for key in after}
         steps = n_tok - warm
-        if policy == "lru":
+        if policy in ("lru", "lru+sync"):
             bound = (c["fills"] * se / pcie + (c["hits"] + c["fills"]) * se / hbm) / steps
         else:
             # the misses split ideally between PCIe and the CPU, both at their concurrent rates
@@ -661,7 +663,7 @@ def main() -> None:
                 ids = make_routing(model, warm + meas, batch, routing, result["routing_locality"], seed=batch)
                 policies = args.policies.split(",")
                 plans = [("all", None)] if "all" in policies else []
-                plans += [(p, b) for b in budgets for p in ("static", "lru", "lru+q*") if p in policies]
+                plans += [(p, b) for b in budgets for p in ("static", "lru", "lru+q*", "lru+sync") if p in policies]
                 for policy, budget in plans:
                     slots = bank.total_experts if budget is None else cache_slots(budget, model)
                     try:
