@@ -112,3 +112,14 @@ def test_tool_results_round_trip_into_the_next_turn(client, live):
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
     r = chat(client, live, messages=history, tools=TOOLS)
     assert r.usage.prompt_tokens > chat(client, live).usage.prompt_tokens
+
+
+def test_history_with_arguments_that_are_not_json_is_still_accepted(client, live):
+    """A model may write malformed arguments; the agent sends them back next turn."""
+    history = MSGS + [
+        {"role": "assistant", "content": "", "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Par'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "error: bad arguments"}]
+    r = chat(client, live, messages=history, tools=TOOLS, max_tokens=2)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")

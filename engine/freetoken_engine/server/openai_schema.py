@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .errors import unsupported
 from .generation import MAX_TOKENS_LIMIT, GenOptions
 
-TOOL_NAME = r"^[A-Za-z0-9_.:-]{1,128}$"
+TOOL_NAME = r"^[A-Za-z0-9_.:-]{1,256}$"
 
 
 class _Body(BaseModel):

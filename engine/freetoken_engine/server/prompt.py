@@ -63,8 +63,11 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
                   prefill=prefill, tools=use_tools)
 
 
-def arguments_object(raw, where: str) -> dict:
-    """A tool call's arguments as the templates expect (a dict); accepts a JSON string."""
+def arguments_object(raw, where: str) -> dict | str:
+    """A tool call's arguments as the templates expect: a dict, parsed from the JSON string the
+    OpenAI API carries. Text that is not a JSON object is passed on as it is (templates accept
+    strings): it is usually this server's own earlier output, and refusing it would break the
+    client's conversation."""
     if isinstance(raw, dict):
         return raw
     if raw is None or raw == "":
@@ -73,11 +76,9 @@ def arguments_object(raw, where: str) -> dict:
         try:
             value = json.loads(raw)
         except ValueError:
-            raise ApiError(400, f"{where}: arguments must be a JSON object encoded as a string",
-                           param=where) from None
-        if isinstance(value, dict):
-            return value
-    raise ApiError(400, f"{where}: arguments must be a JSON object", param=where)
+            return raw
+        return value if isinstance(value, dict) else raw
+    raise ApiError(400, f"{where}: arguments must be a JSON object or a string", param=where)
 
 
 def check_tool_schema(name: str, schema, where: str) -> None:
