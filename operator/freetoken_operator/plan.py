@@ -9,7 +9,8 @@ always give the same ``Plan``. Rules, in order:
    even if a faster node has appeared. Models are served in (priority desc, key) order and kept
    replicas are counted before anything new is placed, so a new model never displaces an old one.
 3. Memory pressure: the agent shrinks the expert cache first; a node still reporting pressure
-   loses one replica per plan (the lowest-priority one that fits elsewhere), never all at once.
+   loses one replica (the lowest-priority one that fits elsewhere), and no other until the agent
+   has stopped that one and still reports pressure: never all at once.
 4. New replicas go to healthy, unpressured, matching nodes where the model fits: device memory
    (non-expert weights + minimum expert cache + KV, summed over the node's models, within VRAM
    minus foreign use, or host RAM in cpu mode), host RAM for the expert bank, and a free port.
@@ -136,6 +137,12 @@ def _why_not(model: ModelView, node: NodeView, ledger: _Ledger, stale: float, ba
     return None
 
 
+def _draining(node: NodeView, previous: Mapping[str, Mapping[str, int]]) -> bool:
+    """True while the agent still runs a replica that is no longer in the node's spec."""
+    assigned = {key for key, where in previous.items() if node.name in where}
+    return any(key not in assigned and r.state in ("starting", "ready") for key, r in node.replicas.items())
+
+
 def _score(model: ModelView, node: NodeView, ledger: _Ledger) -> tuple:
     local = 0 if model.key in node.replicas else 1
     load = ledger.count[node.name] if model.strategy == "Spread" else ledger.free(node.name) - model.need_bytes
@@ -173,9 +180,10 @@ def plan(models: Sequence[ModelView], nodes: Sequence[NodeView],
             kept[model.key][name] = prev[name]
             ledger.add(model, name, prev[name])
 
-    # 3. one replica off each pressured node, when another node can take it
+    # 3. one replica off each pressured node, when another node can take it; none while the node
+    #    still runs a replica already taken off it (its memory is not freed yet)
     for node in sorted(nodes, key=lambda n: n.name):
-        if not node.memory_pressure or _health(node, stale_seconds):
+        if not node.memory_pressure or _health(node, stale_seconds) or _draining(node, previous):
             continue
         for model in reversed(live):
             if node.name not in kept[model.key]:

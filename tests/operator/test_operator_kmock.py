@@ -215,3 +215,57 @@ async def test_unsatisfiable_model_says_why_and_is_retried_when_nodes_change(kmo
 async def _true(get_condition):
     cond = await get_condition()
     return cond if cond and cond["status"] == "True" else None
+
+
+@pytest.mark.timeout(60)
+async def test_memory_pressure_moves_the_lowest_priority_replica(kmock, monkeypatch):
+    kc.prepare(kmock)
+    for name, ip in (("a", "127.0.0.31"), ("b", "127.0.0.32")):
+        body = node_body(name, ip)
+        body["status"].update(mode="gpu", pcieGbps=25.0, gpu={"name": "RTX 4090", "count": 1,
+                                                               "vramTotalBytes": 24 * 2**30, "vramForeignBytes": 0})
+        kmock.objects[kc.NODES, None, name] = body
+    for name, prio in (("hi", 5), ("lo", 0)):   # Binpack: both start on node a
+        kmock.objects[kc.MODELS, "default", name] = kc.seeded({
+            "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenModel",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"source": {"path": f"/models/{name}"}, "priority": prio,
+                     "placement": {"device": "gpu", "strategy": "Binpack"}, "memory": {"nonExpert": "4Gi"}}})
+    monkeypatch.setenv("FREETOKEN_OPERATOR_KUBE_SERVER", str(kmock.url).rstrip("/"))
+    monkeypatch.setenv("FREETOKEN_OPERATOR_RESYNC_SECONDS", "0.2")
+    beats = asyncio.create_task(_heartbeats(kmock, {"a", "b"}))
+    try:
+        with KopfRunner(["run", "--standalone", "-A", "-m", "freetoken_operator.handlers"], timeout=30) as runner:
+            async def both_on_a():
+                return sorted(await _spec_models(kmock, "a")) == ["default.hi", "default.lo"]
+            await kc.wait_for(both_on_a, 15, "binpacked placement on a")
+            # a game takes the VRAM back; the agent's caches hit their floor and it reports pressure
+            running = [{"key": f"default.{m}", "state": "ready", "endpoint": f"http://127.0.0.31:{p}"}
+                       for m, p in (("hi", 1919), ("lo", 1920))]
+            await kc.patch(kmock, kc.node_path("a") + "/status", {"status": {
+                "memoryPressure": True, "gpu": {"vramForeignBytes": 18 * 2**30}, "replicas": running}})
+
+            async def moved():
+                return (await _spec_models(kmock, "a") == ["default.hi"]
+                        and await _spec_models(kmock, "b") == ["default.lo"])
+            await kc.wait_for(moved, 10, "the low-priority replica to leave the pressured node")
+
+            async def hi_pressure():
+                st = (await kc.get(kmock, kc.model_path("default", "hi"))).get("status") or {}
+                conds = {c["type"]: c for c in st.get("conditions") or []}
+                return conds.get("MemoryPressure", {}).get("status") == "True" and conds["MemoryPressure"]
+            cond = await kc.wait_for(hi_pressure, 10, "MemoryPressure on the model that stayed")
+            assert cond["message"] == "under pressure: a"
+            await asyncio.sleep(1.0)   # several passes: while lo's engine still runs on a, hi stays
+            assert await _spec_models(kmock, "a") == ["default.hi"]
+            # the agent stops lo; freeing its memory ended the pressure: nothing else moves
+            await kc.patch(kmock, kc.node_path("a") + "/status", {"status": {
+                "memoryPressure": False, "replicas": running[:1]}})
+            await asyncio.sleep(1.0)
+            assert await _spec_models(kmock, "a") == ["default.hi"]
+            assert await _spec_models(kmock, "b") == ["default.lo"]
+            events = await kc.items(kmock, "/api/v1/namespaces/default/events")
+            assert [e["involvedObject"]["name"] for e in events if e["reason"] == "MemoryPressure"] == ["lo"]
+    finally:
+        beats.cancel()
+    assert runner.exit_code == 0, runner.output
