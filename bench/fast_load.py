@@ -190,8 +190,14 @@ def main() -> None:
         rows.append({"side": name, "seconds": dt, "gbps": nbytes / dt / 1e9, "page_cache_dropped": dropped[-1], **extra})
         print(f"{name:52s} {dt:7.2f} s {nbytes / dt / 1e9:7.2f} GB/s  {extra}")
 
+    keep = []
+
     def st_ready():
         model, bank, _ = build_model(st_dir, torch.bfloat16, torch.device("cpu"))
+        if bank.pinned:
+            # ExpertBank.pin() never unregisters: freeing the bank would leave a stale
+            # registration that a later allocation at the same address trips over. Keep it.
+            keep.append(bank)
         return (model, bank), {"bank_pinned": bool(bank.pinned)}
 
     def pk_ready(pin: str, verify: bool):

@@ -18,6 +18,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,24 +30,52 @@ import torch
 from .format import ALIGN, DTYPES, PackedFormatError, align_up, read_index
 
 
+class _Arena(mmap.mmap):
+    """An anonymous mapping that can carry a finalizer (a subclass accepts weak references)."""
+
+
+_ARENAS: "weakref.WeakValueDictionary[int, _Arena]" = weakref.WeakValueDictionary()
+
+
 def aligned_empty(nbytes: int) -> torch.Tensor:
     """A page-aligned uint8 tensor of ``nbytes`` (anonymous mmap; it keeps the mapping alive)."""
-    mm = mmap.mmap(-1, align_up(max(nbytes, 1)))
+    mm = _Arena(-1, align_up(max(nbytes, 1)))
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
             pass
-    return torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+    t = torch.frombuffer(mm, dtype=torch.uint8)
+    _ARENAS[t.data_ptr()] = mm
+    return t[:nbytes]
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the driver may be gone already
+        pass
 
 
 def _host_register(t: torch.Tensor) -> bool:
-    """Page-lock ``t`` in place for fast host-to-device copies; False without CUDA."""
+    """Page-lock ``t`` (a whole ``aligned_empty`` tensor) in place; False without CUDA.
+
+    The registration is undone before the mapping is unmapped (a finalizer on the arena), so a
+    later mapping at the same address is never mistaken for pinned memory.
+    """
     if not torch.cuda.is_available():
         return False
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(rc) != 0:
-        raise PackedFormatError(f"cudaHostRegister failed with code {int(rc)}")
+    ptr = t.data_ptr()
+    arena = _ARENAS.get(ptr)
+    if arena is None:
+        raise ValueError("only tensors from aligned_empty can be registered here")
+    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, t.numel() * t.element_size(), 0))
+    if rc == 712:  # cudaErrorHostMemoryAlreadyRegistered
+        raise PackedFormatError("cudaHostRegister: this address range is already registered; a pinned "
+                                "buffer freed earlier in this process was not unregistered")
+    if rc != 0:
+        raise PackedFormatError(f"cudaHostRegister failed with code {rc}")
+    weakref.finalize(arena, _unregister, ptr)
     return True
 
 
