@@ -18,7 +18,8 @@ from freetoken_engine.server.app import ServerConfig, create_app
 from live import start_service
 
 SMALL_INTS = st.integers(-3, 8) | st.sampled_from([0, 2**31, 2**63, -2**63, 10**40])
-SCALARS = st.none() | st.booleans() | SMALL_INTS | st.floats(allow_nan=False, width=32) | st.text(max_size=12)
+TEXT = st.text(max_size=12) | st.text(st.characters(categories=["Cs"]), max_size=2)  # surrogates
+SCALARS = st.none() | st.booleans() | SMALL_INTS | st.floats(allow_nan=False, width=32) | TEXT
 JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4)
                     | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12)
 
@@ -84,6 +85,10 @@ def check(app, path: str, raw: bytes):
 @example(case=("/v1/completions", b'{"model": "M", "prompt": [[]], "max_tokens": 1}'))
 @example(case=("/v1/messages", b'{"model": "M", "messages": [{"role": "user", "content": []}], "max_tokens": 1}'))
 @example(case=("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "seed": 18446744073709551615}'))
+@example(case=("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 1}'))
+@example(case=("/v1/completions", b'{"model": "M", "prompt": "a\\udfff", "max_tokens": 1}'))
+@example(case=("/v1/messages/count_tokens", b'{"model": "M", "system": "\\ud800", "messages": [{"role": "user", "content": "x"}]}'))
+@example(case=("/v1/chat/completions", b"[" * 50_000 + b"]" * 50_000))
 def test_no_request_body_breaks_the_server(app, case):
     check(app, *case)
 

@@ -19,7 +19,7 @@ from .errors import ApiError, error_body
 from .generation import Generation, start_generation
 from .openai_schema import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice
 from .parser import Content, Reasoning, ToolArgs, ToolStart
-from .prompt import Prompt, arguments_object, build_prompt, check_tool_schema
+from .prompt import Prompt, arguments_object, build_prompt, check_tool_schema, encode_text
 from .streaming import new_id, parsed_events, sse, sse_response, until_disconnect
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -169,7 +169,7 @@ async def completions(body: CompletionRequest, request: Request):
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         p = p[0]
     if isinstance(p, str):
-        ids = list(svc.tokenizer.encode(p))
+        ids = list(encode_text(svc.tokenizer, p, add_special_tokens=True, param="prompt"))
     else:
         vocab = getattr(svc.tokenizer, "vocab_size", None)
         if any(t < 0 or (vocab is not None and t >= vocab) for t in p):

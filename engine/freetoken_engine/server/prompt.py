@@ -58,9 +58,20 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
     if prefill and in_reasoning:
         prefill = f"{THINK_CLOSE}\n\n{prefill}"
     # the template already wrote BOS and friends: do not add special tokens again
-    ids = tokenizer.encode(text + prefill, add_special_tokens=False)
+    ids = encode_text(tokenizer, text + prefill, add_special_tokens=False)
     return Prompt(ids=list(ids), in_reasoning=in_reasoning,
                   prefill=prefill, tools=use_tools)
+
+
+def encode_text(tokenizer, text: str, *, add_special_tokens: bool, param: str = "messages"):
+    """Encode, refusing text that is not valid Unicode (JSON allows lone surrogates such as
+    ``"\\ud800"``; the tokenizer does not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{param}: the text is not valid Unicode ({exc.reason} at "
+                            f"character {exc.start})", param=param) from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def arguments_object(raw, where: str) -> dict | str:
