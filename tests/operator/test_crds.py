@@ -136,3 +136,34 @@ def test_operator_writes_schema_valid_status_and_node_specs():
             "spec": {"models": state.node_specs["a"]}}
     assert validate(NODES, node)[1] == []
     assert state.node_specs["a"][0]["engine"]["device"] == "cpu"
+
+
+def _jsonpath(obj, path: str) -> list:
+    """The subset of JSONPath printer columns use here: dotted names and ``[*]``."""
+    values = [obj]
+    for part in path.lstrip(".").split("."):
+        name, star = (part[:-3], True) if part.endswith("[*]") else (part, False)
+        values = [v.get(name) for v in values if isinstance(v, dict) and v.get(name) is not None]
+        if star:
+            values = [item for v in values for item in v]
+    return values
+
+
+def test_printer_columns_show_data():
+    body = validate(MODELS, dict(ftm({"source": {"default": True}}), metadata={
+        "name": "m", "namespace": "default", "uid": "u", "creationTimestamp": "2026-11-29T12:00:00Z"}))[0]
+    nodes = [NodeView("a", 1.0, mode="cpu", ram_total_bytes=2**34,
+                      replicas={"default.m": ReplicaView("ready", "http://127.0.0.1:1919")})]
+    state = desired({("default", "m"): body}, nodes, plan([model_view(body)], nodes, {}), stale_seconds=30,
+                    now=dt.datetime(2026, 11, 29, tzinfo=dt.timezone.utc))
+    model = dict(body, status=state.model_status[("default", "m")])
+    node = dict(CONTRACT_NODE, metadata={"name": "pc1", "creationTimestamp": "2026-11-29T12:00:00Z"})
+    node["status"] = dict(node["status"], pcieGbps=48.6)
+    for crd, obj, expected in ((MODELS, model, {"Phase": ["Ready"], "Ready": ["1/1"], "Nodes": ["a"]}),
+                               (NODES, node, {"GPU": ["NVIDIA H200"], "PCIe GB/s": [48.6], "q*": [0.7],
+                                              "Models": ["my-model"], "Ready": ["starting"]})):
+        columns = crd["spec"]["versions"][0]["additionalPrinterColumns"]
+        shown = {c["name"]: _jsonpath(obj, c["jsonPath"]) for c in columns}
+        assert all(shown.values()), shown   # every column has a value, Age included
+        for name, value in expected.items():
+            assert shown[name] == value
