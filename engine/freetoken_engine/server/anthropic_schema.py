@@ -104,9 +104,9 @@ class CountRequest(_Body):
         return "auto", tc.name
 
     def template_kwargs(self) -> dict:
-        if self.thinking is None:
-            return {}
-        return {"enable_thinking": self.thinking.type != "disabled"}
+        """Anthropic thinks only when asked: no ``thinking`` means ``enable_thinking=False`` for
+        templates that have the switch (Qwen3); others ignore the variable."""
+        return {"enable_thinking": self.thinking is not None and self.thinking.type != "disabled"}
 
 
 class MessagesRequest(CountRequest):
