@@ -15,8 +15,9 @@ Data flow, one reconcile pass (level-based; runs on every watch event and on a 1
                                                                     to the Kubernetes API
 
 Modules: ``config`` (the one place that reads environment variables), ``resources`` (API
-names), ``observe``, ``plan``, ``status``, ``apply``, ``reconciler`` (the loop), ``handlers``
-(kopf registrations), ``cli`` (the ``freetoken-operator`` console script).
+names), ``observe``, ``plan``, ``status``, ``objects`` (Service, EndpointSlice and node-spec
+builders), ``apply``, ``reconciler`` (the loop), ``handlers`` (kopf registrations), ``cli`` (the
+``freetoken-operator`` console script).
 """
 
 __all__ = ["__version__"]

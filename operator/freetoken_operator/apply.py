@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -41,10 +42,16 @@ def _same(old: Any, new: Any) -> bool:
 
 
 class Applier:
-    def __init__(self, api: client.ApiClient) -> None:
+    """Writes DesiredStates. Services and EndpointSlices are not watched: what was last written
+    is remembered and forgotten every ``refresh_seconds``, so objects someone else changed or
+    deleted are repaired within that time."""
+
+    def __init__(self, api: client.ApiClient, refresh_seconds: float = 60.0) -> None:
         self.custom = client.CustomObjectsApi(api)
         self.core = client.CoreV1Api(api)
         self.discovery = client.DiscoveryV1Api(api)
+        self.refresh_seconds = refresh_seconds
+        self._refreshed = time.monotonic()
         self.services: dict[tuple[str, str], dict[str, Any]] = {}     # last written, by (ns, name)
         self.slices: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (ns, model) -> name -> body
 
@@ -52,6 +59,10 @@ class Applier:
               models: Mapping[tuple[str, str], Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]:
         """Write the differences; returns {"nodes": [...], "models": [...]} bodies as written."""
         written: dict[str, list[dict[str, Any]]] = {"nodes": [], "models": []}
+        if time.monotonic() - self._refreshed > self.refresh_seconds:
+            self.services.clear()
+            self.slices.clear()
+            self._refreshed = time.monotonic()
         for name, entries in sorted(state.node_specs.items()):
             current = (nodes.get(name, {}).get("spec") or {}).get("models") or []
             if current != entries:

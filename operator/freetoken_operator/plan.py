@@ -218,7 +218,8 @@ def plan(models: Sequence[ModelView], nodes: Sequence[NodeView],
                 break
             best = min(fits, key=lambda n: _score(model, n, ledger))
             port = _port(model, best.name, ledger, base_port)
-            assert port is not None  # _why_not checked it; internal invariant, not input validation
+            if port is None:   # unreachable: _why_not rejected nodes without a free port
+                break
             mine[best.name] = port
             ledger.add(model, best.name, port)
             local = " (weights already there)" if model.key in best.replicas else ""

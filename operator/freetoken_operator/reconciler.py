@@ -32,7 +32,8 @@ class Reconciler:
         self._wake.set()
 
     async def run(self) -> None:
-        """Loop until cancelled (kopf cancels it on shutdown)."""
+        """Loop until cancelled (kopf cancels it on shutdown). Failed passes back off 1, 2, 4 ... 30 s."""
+        failures = 0
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=self.config.resync_seconds)
@@ -42,10 +43,14 @@ class Reconciler:
             self._wake.clear()
             try:
                 await self.reconcile_once()
+                failures = 0
             except asyncio.CancelledError:
                 raise
-            except Exception:   # noqa: BLE001 - keep the loop alive; the next tick retries
-                log.exception("reconcile pass failed; retrying on the next tick")
+            except Exception:   # noqa: BLE001 - keep the loop alive and retry
+                failures += 1
+                delay = min(30.0, 2.0 ** (failures - 1))
+                log.exception("reconcile pass failed (%d in a row); retrying in %gs", failures, delay)
+                await asyncio.sleep(delay)
 
     async def reconcile_once(self, now: dt.datetime | None = None) -> Plan:
         async with self._lock:

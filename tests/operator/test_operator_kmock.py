@@ -269,3 +269,27 @@ async def test_memory_pressure_moves_the_lowest_priority_replica(kmock, monkeypa
     finally:
         beats.cancel()
     assert runner.exit_code == 0, runner.output
+
+
+async def test_apply_repairs_owned_objects_deleted_behind_its_back(kmock):
+    from freetoken_operator.apply import Applier, api_client
+    from freetoken_operator.objects import endpoint_slices, service
+    from freetoken_operator.status import DesiredState
+
+    kc.prepare(kmock)
+    model = {"metadata": {"name": "m", "namespace": "default", "uid": "u"}, "spec": {"serving": {"servicePort": 8080}}}
+    state = DesiredState(node_specs={}, model_status={}, services=[service(model)],
+                         slices={("default", "m"): endpoint_slices(model, [("a", "http://10.0.0.1:1919")])}, events=[])
+    applier = Applier(api_client(str(kmock.url).rstrip("/")), refresh_seconds=0.5)
+    svc_path = "/api/v1/namespaces/default/services/m"
+    await asyncio.to_thread(applier.apply, state, {}, {})
+    assert (await kc.get(kmock, svc_path))["spec"]["ports"][0]["port"] == 8080
+    n_requests = len(kmock)
+    await asyncio.to_thread(applier.apply, state, {}, {})
+    assert len(kmock) == n_requests   # nothing changed: not a single request
+    await kmock.delete(svc_path)
+    await asyncio.sleep(0.6)
+    await asyncio.to_thread(applier.apply, state, {}, {})
+    assert (await kc.get(kmock, svc_path)) is not None   # recreated after the refresh interval
+    slices = await kc.items(kmock, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices")
+    assert [s["metadata"]["name"] for s in slices] == ["m-ipv4-1919"]
