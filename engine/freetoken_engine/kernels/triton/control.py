@@ -23,6 +23,7 @@ S = 4585 on the H200; this costs O(q * S) and no sort).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -133,7 +134,6 @@ def fill_table(fill_fraction: float, experts: int, device: torch.device) -> torc
     """``[E + 1]`` int32: q before the slot cap for each miss count m, rounded on the host."""
     if not 0.0 <= fill_fraction <= 1.0:
         raise ValueError(f"fill_fraction must be in [0, 1], got {fill_fraction}")
-    import math
     return torch.tensor([int(math.floor(fill_fraction * m + 0.5)) for m in range(experts + 1)],
                         dtype=torch.int32, device=device)
 
