@@ -29,6 +29,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def script(name: str) -> str:
+    """A console script of this environment (``pip install -e .`` puts them next to python)."""
+    path = Path(sys.executable).with_name(name)
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: install the project (pip install -e .)")
+    return str(path)
+
+
 def agent_env(**extra: str) -> dict[str, str]:
     """Fast agent timings for tests, one torch thread per engine (2-core CI machine)."""
     return {**os.environ, "OMP_NUM_THREADS": "1", "FREETOKEN_AGENT_TICK_SECONDS": "0.2",
@@ -39,7 +47,7 @@ def agent_env(**extra: str) -> dict[str, str]:
 def start_agent(tmp: Path, node: str, *, metrics_port: int, port_offset: int, kube_server: str | None = None,
                 standalone: Path | None = None, heartbeat: float = 1.0, env: dict[str, str] | None = None
                 ) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "freetoken_agent.cli", "run", "--node-name", node, "--address", "127.0.0.1",
+    cmd = [script("freetoken-agent"), "run", "--node-name", node, "--address", "127.0.0.1",
            "--metrics-host", "127.0.0.1", "--metrics-port", str(metrics_port),
            "--engine-port-offset", str(port_offset), "--state-dir", str(tmp / f"state-{node}"),
            "--heartbeat-seconds", str(heartbeat)]

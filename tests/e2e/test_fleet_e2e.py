@@ -10,11 +10,8 @@ the third node within the stale timeout; deleting the model stops every engine.
 
 from __future__ import annotations
 
-import asyncio
-import os
 import signal
 import subprocess
-import sys
 import time
 
 import openai
@@ -57,8 +54,7 @@ async def test_fleet_serves_survives_a_lost_node_and_cleans_up(kmock, tmp_path, 
     kc.prepare(kmock)
     server = str(kmock.url).rstrip("/")
     operator = subprocess.Popen(
-        [sys.executable, "-c", "from freetoken_operator.cli import main; raise SystemExit(main())",
-         "--kube-server", server, "--stale-seconds", str(STALE), "--resync-seconds", "0.3"],
+        [fleet.script("freetoken-operator"), "--kube-server", server, "--stale-seconds", str(STALE), "--resync-seconds", "0.3"],
         stdout=open(tmp_path / "operator.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     nodes = ["n1", "n2", "n3"]
     offsets = {n: fleet.free_port() - BASE_PORT for n in nodes}
