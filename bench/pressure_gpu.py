@@ -209,8 +209,15 @@ def main() -> int:
     admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
     timeline: list[tuple[float, int, int]] = []  # (time, cache bytes, device used bytes)
     stop = threading.Event()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     try:
-        wait(lambda: admin.get("/health").status_code == 200, 300, "the engine")
+        def engine_up():
+            restarts = agent_metric(mport, "freetoken_agent_engine_restarts_total") or 0
+            if restarts >= 2:  # the engine cannot start here: stop now, not at the time limit
+                raise RuntimeError(f"the engine failed {int(restarts)} times; see its log")
+            return admin.get("/health").status_code == 200
+        wait(engine_up, 300, "the engine", interval=0.5)
         ec = admin.get("/admin/cache").json()["expert_cache"]
         full = ec["max_experts"] * ec["expert_bytes"]
         wait(lambda: admin.get("/admin/cache").json()["expert_cache"]["capacity_bytes"] == full, 30, "a full cache")
@@ -282,16 +289,21 @@ def main() -> int:
         result["timeline"] = [(round(t - t0, 3), c, u) for t, c, u in timeline[::2]]
         result["events"] = {k: round(v - t0, 3) for k, v in dict(
             before=t_before, alloc=t_alloc, release=t_release, freed=t_freed, regrown=t_regrown, end=t_end).items()}
+    except Exception as exc:  # keep what was measured (hardware, calibration) and say what broke
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        logs = sorted((work / "state" / "logs").glob("*.log"))
+        result["engine_log_tail"] = logs[0].read_text(errors="replace")[-1500:] if logs else ""
     finally:
         stop.set()
         agent.send_signal(signal.SIGTERM)
         agent.wait(60)
         result["agent_log_tail"] = (work / "agent.log").read_text(errors="replace")[-1500:]
+        out.write_text(json.dumps(result, indent=1, default=str))
     print_table(result)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1, default=str))
     plot(result, out.with_suffix(".png"))
+    if "error" in result:
+        print(f"FAILED: {result['error']}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -304,8 +316,9 @@ def _mean_reaction(mport: int) -> float | None:
 def print_table(r: dict) -> None:
     hw, p, tps, cal = r["hardware"], r.get("pressure", {}), r.get("tokens_per_second", {}), r["calibration"]
     print(f"\n{hw.get('gpu')} / {hw.get('cpu')} ({hw.get('cpu_cores')} cores), mode {r['mode']}")
+    cal = cal if isinstance(cal, dict) else {}
     print(f"calibration: pcie {cal.get('pcie_gbps')} GB/s, cpu expert {cal.get('cpu_expert_gbps')} GB/s, "
-          f"concurrent {cal.get('concurrent')}, q* {cal.get('fill_fraction')} ({r['calibration_seconds']} s)")
+          f"concurrent {cal.get('concurrent')}, q* {cal.get('fill_fraction')} ({r.get('calibration_seconds')} s)")
     print(f"{'phase':<10}{'tokens/s':>10}")
     for k in ("before", "during", "after"):
         v = tps.get(k)

@@ -79,5 +79,5 @@ def test_nvml_reads_a_real_gpu():
         readings = src.read()
     finally:
         src.close()
-    assert readings and all(0 < r.used_bytes <= r.total_bytes for r in readings)
+    assert readings and all(0 <= r.used_bytes < r.total_bytes for r in readings)  # an idle card reads 0
     assert readings[0].name
