@@ -67,27 +67,25 @@ class ExpertCache:
 
         ``expert_ids [P]`` are the routed experts of every (token, k) pair of the call.
         """
+        row = self.slot_of[layer]                               # [E] view
         active = torch.unique(expert_ids)                       # [A] ascending
-        slots = self.slot_of[layer, active]                      # [A]
+        slots = row.index_select(0, active)                     # [A]
         hit = slots >= 0
-        misses = active[~hit]
         n_hit = int(hit.sum())
-        m = misses.numel()
-        q = min(math.floor(self.fill_fraction * m + 0.5), self.capacity - n_hit)
+        m = active.numel() - n_hit
+        q = min(math.floor(self.fill_fraction * m + 0.5), self.capacity - n_hit) if m else 0
         if q > 0:
-            self._fill(layer, misses[:q], protected=slots[hit])
-        self.slot_of_layer_touch(layer, active)
+            self._fill(layer, active[~hit][:q], protected=slots[hit])
+            slots = row.index_select(0, active)
+        used = slots[slots >= 0] if m else slots
+        self.last_used.index_fill_(0, used, self.clock)        # touch hits and fills
+        self.clock += 1
         st = self.stats
         st.hits += n_hit
         st.misses += m
         st.fills += max(q, 0)
         st.cpu_computed += m - max(q, 0)
-        return self.slot_of[layer, expert_ids]
-
-    def slot_of_layer_touch(self, layer: int, active: torch.Tensor) -> None:
-        used = self.slot_of[layer, active]
-        self.last_used[used[used >= 0]] = self.clock
-        self.clock += 1
+        return row.index_select(0, expert_ids)
 
     def _fill(self, layer: int, experts: torch.Tensor, protected: torch.Tensor) -> None:
         key = self.last_used.clone()

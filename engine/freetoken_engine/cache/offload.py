@@ -51,6 +51,7 @@ class OffloadedExperts:
         self.bank, self.cache = bank, cache
         self.device = cache.device
         self.prefill_threshold = prefill_threshold
+        self._pair_tok: dict[tuple[int, int], torch.Tensor] = {}
         self.streamer = streamer or BankStreamer(bank, cache.device)
         self.cpu_backend_name, self.cpu_forward = cpu_expert_forward(cpu_backend)
         if self.device.type == "cpu":
@@ -59,16 +60,25 @@ class OffloadedExperts:
         else:
             self.slots_forward = slots_forward or expert_pairs_forward
 
+    def _pair_tokens(self, t: int, k: int, device: torch.device) -> torch.Tensor:
+        key = (t, k)
+        cached = self._pair_tok.get(key)
+        if cached is None:
+            cached = self._pair_tok[key] = torch.arange(t, device=device).repeat_interleave(k)
+        return cached
+
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H] on the device, topk_ids [T, k] -> pair outputs [T*k, H] in (t, j) order."""
         t, k = topk_ids.shape
         pair_exp = topk_ids.reshape(-1)                                   # [P]
-        pair_tok = torch.arange(t, device=x.device).repeat_interleave(k)  # [P]
+        pair_tok = self._pair_tokens(t, k, x.device)                      # [P]
         if t >= self.prefill_threshold:
             w13, w2 = self.streamer.layer(layer)
             fn = self.cpu_forward if w13.device.type == "cpu" else self.slots_forward
             return fn(x, w13, w2, pair_tok, pair_exp)
         pair_slot = self.cache.step(layer, pair_exp)                      # [P], -1 = CPU
+        if self.device.type == "cpu" and bool((pair_slot >= 0).all()):
+            return self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot)
         out = x.new_empty((t * k, x.shape[1]))
         on_dev = pair_slot >= 0
         cpu = ~on_dev

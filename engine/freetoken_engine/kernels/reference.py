@@ -31,18 +31,22 @@ def expert_pairs_forward(
     """
     if pair_tok.numel() == 0:
         return x.new_zeros((0, x.shape[1]))
-    inter = w2.shape[2]
+    if w13.dtype != x.dtype:
+        w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
+    if pair_tok.numel() == 1:                       # one pair (decode, top-1): no grouping needed
+        h = F.linear(x[pair_tok], w13[pair_exp[0]])            # [1, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, w2[pair_exp[0]])   # [1, H]
     order = torch.argsort(pair_exp, stable=True)
-    exp_sorted = pair_exp[order]
-    experts, counts = torch.unique_consecutive(exp_sorted, return_counts=True)
-    out = x.new_empty((pair_tok.numel(), x.shape[1]))
-    xs = x[pair_tok[order]]                               # [P, H] grouped by expert
+    experts, counts = torch.unique_consecutive(pair_exp[order], return_counts=True)
+    xs = x.index_select(0, pair_tok[order])               # [P, H] grouped by expert
+    outs = []
     start = 0
     # One group per distinct expert: the reference is readable, the compiled kernels fuse this.
     for e, n in zip(experts.tolist(), counts.tolist()):
-        rows = xs[start:start + n]                         # [n, H]
-        h = rows @ w13[e].to(x.dtype).t()                  # [n, 2I]
-        h = F.silu(h[:, :inter]) * h[:, inter:]            # [n, I]
-        out[order[start:start + n]] = h @ w2[e].to(x.dtype).t()   # [n, H]
+        h = F.linear(xs[start:start + n], w13[e])          # [n, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        outs.append(F.linear(F.silu(gate) * up, w2[e]))    # [n, H]
         start += n
-    return out
+    grouped = torch.cat(outs)                              # [P, H] in expert order
+    return torch.empty_like(grouped).index_copy_(0, order, grouped)

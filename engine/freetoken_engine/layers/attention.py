@@ -36,7 +36,8 @@ class AttnBatch:
         return self.q_seq * self.q_max + self.q_idx
 
     def mask(self, window: int | None) -> torch.Tensor:
-        """[B, 1, Qmax, Lmax] bool: causal (and sliding-window) visibility, cached per window."""
+        """[B, 1, 1, Qmax, Lmax] bool: True where a key is *hidden* from a query (causal and
+        sliding-window), cached per window; shaped for the grouped scores [B, kvh, g, Q, L]."""
         if window not in self._masks:
             b = self.kv_index.shape[0]
             qpos = torch.full((b * self.q_max,), -1, dtype=torch.int64, device=self.positions.device)
@@ -46,7 +47,7 @@ class AttnBatch:
             if window is not None:
                 m &= kpos[None, None, :] > qpos[:, :, None] - window
             m[:, :, 0] |= qpos < 0          # padded query rows see one key: no NaN rows
-            self._masks[window] = m[:, None]
+            self._masks[window] = ~m[:, None, None]
         return self._masks[window]
 
 
@@ -93,22 +94,27 @@ class Attention(nn.Module):
         q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(torch.cat((q, k), dim=1), cos, sin).split([self.h, self.kvh], dim=1)
         k_cache.index_copy_(0, batch.slot_mapping, k)                      # write new K/V
         v_cache.index_copy_(0, batch.slot_mapping, v)
         b, lmax = batch.kv_index.shape
         flat_kv = batch.kv_index.view(-1)          # index_select: advanced indexing is ~100x slower
         keys = k_cache.index_select(0, flat_kv).view(b, lmax, self.kvh, self.d).transpose(1, 2)  # [B, kvh, L, d]
         values = v_cache.index_select(0, flat_kv).view(b, lmax, self.kvh, self.d).transpose(1, 2)
-        q_flat = batch.q_flat
-        qp = q.new_zeros((b * batch.q_max, self.h, self.d)).index_copy(0, q_flat, q)
         g = self.h // self.kvh
+        if batch.q_max == 1:       # pure decode: token b is sequence b, no padding to undo
+            qp = q.view(b, 1, self.kvh, g, self.d)
+        else:
+            qp = q.new_zeros((b * batch.q_max, self.h, self.d)).index_copy(0, batch.q_flat, q)
+            qp = qp.view(b, batch.q_max, self.kvh, g, self.d)
         # [B, kvh, g, Q, d]: query heads grouped under their KV head, so K/V are never repeated
-        qp = qp.view(b, batch.q_max, self.kvh, g, self.d).permute(0, 2, 3, 1, 4)
+        qp = qp.permute(0, 2, 3, 1, 4)
         scores = torch.matmul(qp, keys.unsqueeze(2).transpose(-1, -2)) * self.scale     # [B, kvh, g, Q, L]
-        scores = scores.masked_fill(~batch.mask(self.window).unsqueeze(1), float("-inf"))
+        scores = scores.masked_fill(batch.mask(self.window), float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         out = torch.matmul(probs, values.unsqueeze(2))                                   # [B, kvh, g, Q, d]
-        out = out.permute(0, 3, 1, 2, 4).reshape(b * batch.q_max, self.h, self.d).index_select(0, q_flat)
+        out = out.permute(0, 3, 1, 2, 4).reshape(b * batch.q_max, self.h, self.d)
+        if batch.q_max > 1:
+            out = out.index_select(0, batch.q_flat)
         out = out.reshape(t, self.h * self.d)
         return self.o_proj(out)

@@ -51,16 +51,17 @@ class Rotary:
         self.inv_freq = inv.to(device)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (cos [T, 1, d], signed sin [T, 1, d]) for ``apply_rotary``, once per forward pass.
+
+        The sin's first half is negated so that rotate-half becomes a roll:
+        ``rotate_half(x) * sin == roll(x, d/2) * signed_sin`` exactly.
+        """
         freqs = positions.float()[:, None] * self.inv_freq[None, :]       # [T, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)                           # [T, d]
-        return (emb.cos() * self.scaling).to(dtype), (emb.sin() * self.scaling).to(dtype)
+        cos = (torch.cat((freqs, freqs), dim=-1).cos() * self.scaling).to(dtype)
+        sin = (freqs.sin() * self.scaling).to(dtype)
+        return cos[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos/sin [T, d]."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, d]; cos / signed_sin [T, 1, d] from ``Rotary.cos_sin``."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
