@@ -28,12 +28,14 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-expert-fraction", type=float,
                    help="force the share (0..1) of each step's cache misses computed in place")
     p.add_argument("--max-context", type=int, help="limit the context length (tokens)")
+    p.add_argument("--expert-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="expert cache control and kernels: triton on CUDA by default")
 
 
 def _engine_kwargs(args) -> dict:
     kw = dict(device=args.device, dtype=args.dtype, expert_cache_experts=args.expert_cache_experts,
               expert_cache_gb=args.expert_cache_gb, cpu_expert_fraction=args.cpu_expert_fraction,
-              max_context=args.max_context)
+              max_context=args.max_context, expert_backend=args.expert_backend)
     return kw
 
 

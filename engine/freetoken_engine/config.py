@@ -107,6 +107,7 @@ class EngineConfig:
     expert_cache_experts: int | None = None  # slots in the shared expert cache
     expert_cache_gb: float | None = None
     cpu_expert_fraction: float | None = None  # forced share of misses computed in place
+    expert_backend: str = "auto"             # torch | triton | auto (triton on CUDA)
     prefill_chunk: int = 512
     prefill_expert_threshold: int = 16       # tokens in a batch from which MoE runs whole layers
     kv_block_size: int = 16
@@ -131,6 +132,8 @@ class EngineConfig:
         f = self.cpu_expert_fraction
         if f is not None and not 0.0 <= f <= 1.0:
             raise ConfigError(f"--cpu-expert-fraction must be within 0..1, got {f}")
+        if self.expert_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"--expert-backend must be auto, torch or triton, got {self.expert_backend!r}")
         for name in ("prefill_chunk", "kv_block_size", "max_batch", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")

@@ -12,7 +12,7 @@
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -24,6 +24,14 @@ from .experts import ExpertCache
 
 class LayerStreamer(Protocol):
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 class BankStreamer:
@@ -45,20 +53,53 @@ class BankStreamer:
 
 
 class OffloadedExperts:
+    """``backend``: ``torch`` (the reference control step and expert math), ``triton`` (the
+    device control step, one-launch fills, the Triton MoE kernel and the double-buffered prefill
+    streamer of ``cache/device_control.py`` / ``cache/prefetch.py``; on a CPU only under
+    ``TRITON_INTERPRET=1``, for tests) or ``auto`` (triton on CUDA when importable)."""
+
     def __init__(self, bank: ExpertBank, cache: ExpertCache, prefill_threshold: int,
-                 streamer: LayerStreamer | None = None, cpu_backend: str | None = None,
-                 slots_forward: Callable | None = None):
+                 cpu_backend: str | None = None, backend: str = "auto"):
         self.bank, self.cache = bank, cache
         self.device = cache.device
         self.prefill_threshold = prefill_threshold
         self._pair_tok: dict[tuple[int, int], torch.Tensor] = {}
-        self.streamer = streamer or BankStreamer(bank, cache.device)
         self.cpu_backend_name, self.cpu_forward = cpu_expert_forward(cpu_backend)
-        if self.device.type == "cpu":
+        self.control = None
+        if backend == "auto":
+            backend = "triton" if self.device.type == "cuda" and _triton_importable() else "torch"
+        self.backend = backend
+        if backend == "triton":
+            from ..kernels.triton.moe import moe_slots_forward
+            from .device_control import DeviceControl
+            from .prefetch import LayerStreamer as DoubleBuffered
+            self.control = DeviceControl.from_cache(cache)
+            self.slots_forward = moe_slots_forward
+            self.streamer: LayerStreamer = DoubleBuffered(bank, cache.device, cache)
+        elif self.device.type == "cpu":
             # Same arithmetic on both sides of the split: outputs cannot depend on the split.
-            self.slots_forward = slots_forward or self.cpu_forward
+            self.slots_forward = self.cpu_forward
+            self.streamer = BankStreamer(bank, cache.device)
         else:
-            self.slots_forward = slots_forward or expert_pairs_forward
+            self.slots_forward = expert_pairs_forward
+            self.streamer = BankStreamer(bank, cache.device)
+
+    # -- safe-point operations (scheduler thread, between forward passes) ------------------------
+    def sync_stats(self) -> None:
+        """Fold the device control's counters and clock into ``cache.stats`` (one sync)."""
+        if self.control is not None:
+            self.control.write_back(self.cache)
+
+    def resize(self, capacity: int) -> None:
+        self.sync_stats()
+        self.cache.resize(capacity)
+        if self.control is not None:
+            self.control.refresh(self.cache)
+
+    def set_fill_fraction(self, fraction: float) -> None:
+        self.cache.fill_fraction = fraction
+        if self.control is not None:
+            self.control.set_fill_fraction(fraction)
 
     def _pair_tokens(self, t: int, k: int, device: torch.device) -> torch.Tensor:
         key = (t, k)
@@ -74,9 +115,12 @@ class OffloadedExperts:
         pair_tok = self._pair_tokens(t, k, x.device)                      # [P]
         if t >= self.prefill_threshold:
             w13, w2 = self.streamer.layer(layer)
-            fn = self.cpu_forward if w13.device.type == "cpu" else self.slots_forward
+            fn = self.cpu_forward if w13.device.type == "cpu" and self.control is None else self.slots_forward
             return fn(x, w13, w2, pair_tok, pair_exp)
-        pair_slot = self.cache.step(layer, pair_exp)                      # [P], -1 = CPU
+        if self.control is not None:
+            pair_slot = self.control.step(layer, topk_ids).pair_slot       # on the device, no sync
+        else:
+            pair_slot = self.cache.step(layer, pair_exp)                  # [P], -1 = CPU
         if self.device.type == "cpu" and bool((pair_slot >= 0).all()):
             return self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot)
         out = x.new_empty((t * k, x.shape[1]))

@@ -53,7 +53,8 @@ class ModelRunner:
         self.cache = None
         if self.bank is not None:
             self.cache = ExpertCache(self.bank, self._capacity(), self.device, self._fill_fraction())
-            self.experts = OffloadedExperts(self.bank, self.cache, cfg.prefill_expert_threshold)
+            self.experts = OffloadedExperts(self.bank, self.cache, cfg.prefill_expert_threshold,
+                                            backend=cfg.expert_backend)
             for block in self.model.moe_blocks():
                 block.experts = self.experts
         kv_tokens = cfg.kv_cache_tokens or min(2 * self.max_context, 32768)
@@ -100,11 +101,18 @@ class ModelRunner:
         if self.cache is None:
             return 0
         n = max(1, min(int(experts), self.bank.total_experts))
-        self.cache.resize(n)
+        self.experts.resize(n)
         return n
+
+    def set_fill_fraction(self, fraction: float) -> None:
+        """Set q*/m (at a safe point)."""
+        if self.cache is not None:
+            self.experts.set_fill_fraction(fraction)
 
     def expert_stats(self) -> dict:
         c = self.cache
+        if c is not None:
+            self.experts.sync_stats()
         if c is None:
             return {"capacity_experts": 0, "capacity_bytes": 0, "expert_bytes": 0, "min_experts": 0,
                     "max_experts": 0, "hits": 0, "misses": 0, "fills": 0, "cpu_computed": 0,
@@ -114,7 +122,7 @@ class ModelRunner:
                 "expert_bytes": self.bank.expert_bytes, "min_experts": 1,
                 "max_experts": self.bank.total_experts, "hits": s.hits, "misses": s.misses,
                 "fills": s.fills, "cpu_computed": s.cpu_computed, "fill_fraction": c.fill_fraction,
-                "cpu_backend": self.experts.cpu_backend_name}
+                "cpu_backend": self.experts.cpu_backend_name, "backend": self.experts.backend}
 
     def device_bytes(self) -> int:
         if self.device.type != "cuda":

@@ -148,7 +148,7 @@ class EngineService:
         if not 0.0 <= f <= 1.0:
             raise InvalidRequest(f"fill_fraction must be within 0..1, got {f}")
         if self.runner.cache is not None:
-            self.scheduler.call(lambda: setattr(self.runner.cache, "fill_fraction", f)).result(timeout=60)
+            self.scheduler.call(lambda: self.runner.set_fill_fraction(f)).result(timeout=60)
         self._calibration = result
         return dict(result)
 
