@@ -78,6 +78,21 @@ def test_corrupt_block_is_caught_by_its_checksum(packed, tmp_path):
     assert load_packed(bad, verify=False).w2 is not None     # unverified loads do not check
 
 
+def test_restart_skips_the_checksum_pass_until_a_file_changes(packed, tmp_path):
+    """verify="auto": the first load checks every block, a restart of unchanged files does not,
+    and a file rewritten since (new mtime) is checked again and caught."""
+    _, out = packed
+    folder = _copy(out, tmp_path / "restart")
+    assert load_packed(folder).stats["verified"] is True
+    assert load_packed(folder).stats["verified"] is False
+    victim = folder / "bank-w13-00000.bin"
+    data = bytearray(victim.read_bytes())
+    data[100] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(PackedFormatError, match="CRC32"):
+        load_packed(folder)
+
+
 def test_truncated_or_missing_files_fail_before_loading(packed, tmp_path):
     _, out = packed
     bad = _copy(out, tmp_path / "trunc")

@@ -8,17 +8,21 @@ Order of work, so a bad folder never yields a half-loaded model:
    when ``pin="before"`` is asked for (the benchmark's comparison);
 3. 16 MiB blocks are read by ``threads`` threads with ``os.preadv`` (GIL released), through an
    O_DIRECT descriptor when the filesystem takes one and the block is aligned, into their final
-   place; each block's CRC32 is checked as it lands (``verify=True``);
+   place; each block's CRC32 is checked as it lands. ``verify="auto"`` (default) checks the
+   first load of a folder and records its files' (size, mtime, inode) in the engine cache; later
+   loads of unchanged files (an engine restart) skip the CRC pass, which costs CPU that a small
+   machine does not have spare; any change to a file brings the check back. ``True`` always
+   checks, ``False`` never;
 4. with ``pin="after"`` (default) and CUDA present, the bank is page-locked in place.
 Any failure raises ``PackedFormatError`` naming the file and block; nothing is returned.
 """
 from __future__ import annotations
 
-import mmap
+import hashlib
+import json
 import os
 import threading
 import time
-import weakref
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -27,56 +31,8 @@ from typing import Callable
 
 import torch
 
-from .format import ALIGN, DTYPES, PackedFormatError, align_up, read_index
-
-
-class _Arena(mmap.mmap):
-    """An anonymous mapping that can carry a finalizer (a subclass accepts weak references)."""
-
-
-_ARENAS: "weakref.WeakValueDictionary[int, _Arena]" = weakref.WeakValueDictionary()
-
-
-def aligned_empty(nbytes: int) -> torch.Tensor:
-    """A page-aligned uint8 tensor of ``nbytes`` (anonymous mmap; it keeps the mapping alive)."""
-    mm = _Arena(-1, align_up(max(nbytes, 1)))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mm.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:
-            pass
-    t = torch.frombuffer(mm, dtype=torch.uint8)
-    _ARENAS[t.data_ptr()] = mm
-    return t[:nbytes]
-
-
-def _unregister(ptr: int) -> None:
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except Exception:  # interpreter shutdown: the driver may be gone already
-        pass
-
-
-def _host_register(t: torch.Tensor) -> bool:
-    """Page-lock ``t`` (a whole ``aligned_empty`` tensor) in place; False without CUDA.
-
-    The registration is undone before the mapping is unmapped (a finalizer on the arena), so a
-    later mapping at the same address is never mistaken for pinned memory.
-    """
-    if not torch.cuda.is_available():
-        return False
-    ptr = t.data_ptr()
-    arena = _ARENAS.get(ptr)
-    if arena is None:
-        raise ValueError("only tensors from aligned_empty can be registered here")
-    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, t.numel() * t.element_size(), 0))
-    if rc == 712:  # cudaErrorHostMemoryAlreadyRegistered
-        raise PackedFormatError("cudaHostRegister: this address range is already registered; a pinned "
-                                "buffer freed earlier in this process was not unregistered")
-    if rc != 0:
-        raise PackedFormatError(f"cudaHostRegister failed with code {rc}")
-    weakref.finalize(arena, _unregister, ptr)
-    return True
+from .format import ALIGN, DTYPES, INDEX_NAME, PackedFormatError, read_index
+from .memory import aligned_empty, host_register
 
 
 @dataclass
@@ -113,8 +69,6 @@ class PackedModel:
 
 
 def _check_config(folder: Path, index: dict) -> dict:
-    import json
-
     from ..models import family
     try:
         config = json.loads((folder / "config.json").read_text())
@@ -216,23 +170,59 @@ class _Reader:
                 self.progress(frac)
 
 
+def _stamp_path(folder: Path) -> Path:
+    from .. import env
+    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:24]
+    return env.cache_dir() / "packed-verified" / f"{key}.json"
+
+
+def _file_stamps(folder: Path, index: dict) -> dict:
+    stamps = {}
+    for name in sorted(index["files"]) + [INDEX_NAME]:
+        st = (folder / name).stat()
+        stamps[name] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    return stamps
+
+
+def _already_verified(folder: Path, index: dict) -> bool:
+    try:
+        return json.loads(_stamp_path(folder).read_text()) == _file_stamps(folder, index)
+    except (OSError, ValueError):
+        return False
+
+
+def _record_verified(folder: Path, index: dict) -> None:
+    path = _stamp_path(folder)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(_file_stamps(folder, index)))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs a re-check next time
+
+
 def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads: int = 8,
-                pin: str = "after", verify: bool = True, direct: bool = True,
+                pin: str = "after", verify: bool | str = "auto", direct: bool = True,
                 progress: Callable[[float], None] | None = None) -> PackedModel:
     """Load a packed folder (see the module docstring). ``dtype``: the bank's dtype (default:
     the stored one; another dtype costs a conversion pass). ``pin``: "after" | "before" | "none"
-    (pinning only happens when CUDA is present). Raises ``PackedFormatError``."""
+    (pinning only happens when CUDA is present). ``verify``: "auto" | True | False (module
+    docstring). Raises ``PackedFormatError``."""
     if pin not in ("after", "before", "none"):
         raise ValueError(f"pin must be 'after', 'before' or 'none', got {pin!r}")
     if threads < 1:
         raise ValueError(f"threads must be >= 1, got {threads}")
+    if verify not in (True, False, "auto"):
+        raise ValueError(f"verify must be True, False or 'auto', got {verify!r}")
     folder = Path(folder)
     t0 = time.perf_counter()
     index = read_index(folder)
     config = _check_config(folder, index)
     stored = DTYPES[index["dtype"]]
     dtype = dtype or stored
-    reader = _Reader(folder, index, verify, direct, progress)
+    check = verify is True or (verify == "auto" and not _already_verified(folder, index))
+    reader = _Reader(folder, index, check, direct, progress)
     try:
         jobs, arenas, tensors = [], {}, {}
         for name, meta in index["files"].items():
@@ -258,7 +248,7 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
                 jobs += reader.read_file(p["file"], dest)
         pinned = False
         if pin == "before" and bank:
-            pinned = _host_register(w13) and _host_register(w2)
+            pinned = host_register(w13) and host_register(w2)
         t_read = time.perf_counter()
         with ThreadPoolExecutor(max_workers=threads) as pool:
             for f in [pool.submit(reader.run_job, j) for j in jobs]:
@@ -271,12 +261,14 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
             tensors[key] = arena[t["offset"]:t["offset"] + t["nbytes"]].view(DTYPES[t["dtype"]]).view(t["shape"])
         t_pin = time.perf_counter()
         if pin == "after" and bank:
-            pinned = _host_register(w13) and _host_register(w2)
+            pinned = host_register(w13) and host_register(w2)
         t_pin = time.perf_counter() - t_pin
     finally:
         reader.close()
+    if check:
+        _record_verified(folder, index)
     stats = {"bytes": reader.total, "seconds": time.perf_counter() - t0, "read_seconds": t_read,
              "pin_seconds": t_pin, "direct_bytes": reader.direct_bytes, "threads": threads,
-             "verified": verify}
+             "verified": check}
     return PackedModel(folder, config, index, tensors, w13, w2,
                        tuple(bank["moe_layers"]) if bank else (), pinned, stats)

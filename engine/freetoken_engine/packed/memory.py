@@ -1,0 +1,65 @@
+"""Host memory for the bank: page-aligned anonymous mappings that can be page-locked in place.
+
+``aligned_empty(n)`` returns a uint8 tensor on its own mapping (4 KiB-aligned, so O_DIRECT reads
+land in it directly; transparent huge pages advised). ``host_register(t)`` page-locks such a
+tensor with ``cudaHostRegister`` and undoes it before the mapping is unmapped, so a later
+mapping at the same address is never mistaken for pinned memory (a freed registered buffer
+would otherwise make CUDA copy stale pages, or fail with "already registered").
+"""
+from __future__ import annotations
+
+import mmap
+import weakref
+
+import torch
+
+from .format import PackedFormatError, align_up
+
+
+class _Arena(mmap.mmap):
+    """An anonymous mapping that can carry a finalizer (a subclass accepts weak references)."""
+
+
+_ARENAS: "weakref.WeakValueDictionary[int, _Arena]" = weakref.WeakValueDictionary()
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """A page-aligned uint8 tensor of ``nbytes`` (anonymous mmap; it keeps the mapping alive)."""
+    mm = _Arena(-1, align_up(max(nbytes, 1)))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:
+            pass
+    t = torch.frombuffer(mm, dtype=torch.uint8)
+    _ARENAS[t.data_ptr()] = mm
+    return t[:nbytes]
+
+
+def _unregister(ptr: int) -> None:
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except Exception:  # interpreter shutdown: the driver may be gone already
+        pass
+
+
+def host_register(t: torch.Tensor) -> bool:
+    """Page-lock ``t`` (a whole ``aligned_empty`` tensor) in place; False without CUDA.
+
+    The registration is undone before the mapping is unmapped (a finalizer on the arena), so a
+    later mapping at the same address is never mistaken for pinned memory.
+    """
+    if not torch.cuda.is_available():
+        return False
+    ptr = t.data_ptr()
+    arena = _ARENAS.get(ptr)
+    if arena is None:
+        raise ValueError("only tensors from aligned_empty can be registered here")
+    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, t.numel() * t.element_size(), 0))
+    if rc == 712:  # cudaErrorHostMemoryAlreadyRegistered
+        raise PackedFormatError("cudaHostRegister: this address range is already registered; a pinned "
+                                "buffer freed earlier in this process was not unregistered")
+    if rc != 0:
+        raise PackedFormatError(f"cudaHostRegister failed with code {rc}")
+    weakref.finalize(arena, _unregister, ptr)
+    return True
