@@ -124,7 +124,7 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, step: float 
 class Prometheus:
     """The real Prometheus server on loopback, scraping ``targets`` every second."""
 
-    def __init__(self, tmp: Path, targets: list[str]) -> None:
+    def __init__(self, tmp: Path, targets: list[str], rule_files: list[Path] = ()) -> None:
         binary = shutil.which("prometheus")
         if binary is None:
             raise FileNotFoundError("prometheus")
@@ -133,6 +133,7 @@ class Prometheus:
         cfg = tmp / "prometheus.yml"
         cfg.write_text(json.dumps({   # JSON is YAML
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+            "rule_files": [str(p) for p in rule_files],
             "scrape_configs": [{"job_name": "freetoken-agent", "static_configs": [{"targets": targets}]}]}))
         self.proc = subprocess.Popen(
             [binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp / 'tsdb'}",
@@ -146,6 +147,11 @@ class Prometheus:
         if body.get("status") != "success":
             raise AssertionError(f"{expr}: {body.get('errorType')}: {body.get('error')}")
         return body["data"]["result"]
+
+    def rules(self) -> list[dict[str, Any]]:
+        """Every loaded rule with its evaluation ``health`` ("ok", "err", "unknown")."""
+        body = httpx.get(f"{self.url}/api/v1/rules", timeout=10).json()
+        return [r for g in body["data"]["groups"] for r in g["rules"]]
 
     def close(self) -> None:
         stop(self.proc, timeout=10)

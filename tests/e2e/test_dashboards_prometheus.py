@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 
 import fleet
 from freetoken_agent.calibration import CalibrationCache, HostConfig
@@ -30,6 +31,16 @@ def panel_queries() -> list[tuple[str, str, str]]:
             for target in panel["targets"]:
                 out.append((path.stem, panel["title"], target["expr"]))
     return out
+
+
+def prometheus_rule_spec() -> dict:
+    """The chart's PrometheusRule ``spec`` (alert groups) as rendered with the default thresholds."""
+    import helm_python as helm
+
+    out = helm.Chart.load(ROOT / "charts" / "freetoken").render(
+        {"monitoring": {"prometheusRule": {"enabled": True}}}, name="ft", namespace="ft")
+    docs = yaml.safe_load_all(out["freetoken/templates/monitoring.yaml"])
+    return next(d for d in docs if d and d["kind"] == "PrometheusRule")["spec"]
 
 
 def concrete(expr: str) -> str:
@@ -64,7 +75,9 @@ def prometheus(tmp_path_factory, tiny_checkpoint):
                                             standalone=models, env=fleet.agent_env(**extra)))
             engines.append(f"http://127.0.0.1:{20000 + offset}")
             targets.append(f"127.0.0.1:{metrics_port}")
-        prom = fleet.Prometheus(tmp, targets)
+        rules = tmp / "rules.yaml"
+        rules.write_text(yaml.safe_dump(prometheus_rule_spec()))
+        prom = fleet.Prometheus(tmp, targets, rule_files=[rules])
         for url in engines:
             fleet.wait_until(lambda: httpx.get(f"{url}/health", timeout=2).status_code == 200, 120,
                              f"engine {url} healthy")
@@ -105,3 +118,16 @@ def test_dashboard_query_returns_data(prometheus, dashboard, title, expr):
     assert result, f"{dashboard} / {title}: no data for {expr}"
     values = [float(r["value"][1]) for r in result]
     assert any(math.isfinite(v) for v in values), f"{dashboard} / {title}: only NaN/Inf for {expr}"
+
+
+def test_alert_rules_evaluate_without_errors(prometheus):
+    fleet.wait_until(lambda: all(r["health"] != "unknown" for r in prometheus.rules()), 20,
+                     "every alert rule to be evaluated once")
+    rules = prometheus.rules()
+    assert sorted(r["name"] for r in rules) == ["FreeTokenEngineDown", "FreeTokenHighTTFT",
+                                                "FreeTokenLowExpertHitRate", "FreeTokenMemoryPressure",
+                                                "FreeTokenNodeLost"]
+    assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []
+    # a healthy fleet raises nothing but (possibly) the low hit rate of a tiny random model
+    firing = {r["name"] for r in rules if r["state"] != "inactive"}
+    assert firing <= {"FreeTokenLowExpertHitRate"}, firing

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -53,8 +54,9 @@ async def test_fleet_serves_survives_a_lost_node_and_cleans_up(kmock, tmp_path, 
     ckpt = tiny_checkpoint("qwen3_moe", max_position_embeddings=1024)
     kc.prepare(kmock)
     server = str(kmock.url).rstrip("/")
+    liveness = f"http://127.0.0.1:{fleet.free_port()}/healthz"   # the chart's livenessProbe target
     operator = subprocess.Popen(
-        [fleet.script("freetoken-operator"), "--kube-server", server, "--stale-seconds", str(STALE), "--resync-seconds", "0.3"],
+        [fleet.script("freetoken-operator"), "--kube-server", server, "--liveness", liveness, "--stale-seconds", str(STALE), "--resync-seconds", "0.3"],
         stdout=open(tmp_path / "operator.log", "wb"), stderr=subprocess.STDOUT, start_new_session=True)
     nodes = ["n1", "n2", "n3"]
     offsets = {n: fleet.free_port() - BASE_PORT for n in nodes}
@@ -65,6 +67,14 @@ async def test_fleet_serves_survives_a_lost_node_and_cleans_up(kmock, tmp_path, 
             return {n["metadata"]["name"] for n in await kc.items(kmock, kc.node_path())
                     if (n.get("status") or {}).get("heartbeat")} == set(nodes)
         await kc.wait_for(registered, 60, "three agents to report their FreeTokenNodes", step=0.3)
+
+        async def alive():
+            async with httpx.AsyncClient() as http:
+                try:
+                    return (await http.get(liveness, timeout=5)).status_code == 200
+                except httpx.HTTPError:
+                    return False
+        await kc.wait_for(alive, 30, "the operator's liveness endpoint", step=0.3)
 
         # kubectl apply (kmock assigns no resourceVersion/uid, so the body carries them)
         resp = await kmock.post(kc.model_path("default"), json=kc.seeded({
