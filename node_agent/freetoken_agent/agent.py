@@ -135,10 +135,10 @@ class Agent:
         if desired is None:
             return
         for key in [k for k, r in self.replicas.items() if desired.get(k) != r.assignment]:
-            r = self.replicas.pop(key)
-            self._view = tuple(self.replicas.values())
             log.info("stopping engine %s (unassigned or changed)", key)
-            await r.stop()
+            await self.replicas[key].stop()  # reported until its process is gone
+            del self.replicas[key]
+            self._view = tuple(self.replicas.values())
         for key, a in desired.items():
             if key in self.replicas:
                 continue
@@ -155,10 +155,10 @@ class Agent:
 
     # ---- calibration --------------------------------------------------------------------
     async def _push_calibration(self, r: Replica, cal: dict) -> None:
-        body = ({"pcie_gbps": cal["pcie_gbps"], "cpu_expert_gbps": cal["cpu_expert_gbps"]}
-                if cal.get("pcie_gbps") is not None else {"fill_fraction": cal["fill_fraction"]})
+        # q* itself: the engine would derive it from whichever bandwidth pair it is sent, and the
+        # right pair is the concurrent one, already folded into fill_fraction by the measurement.
         try:
-            await r.client.calibrate(body, timeout=30.0)
+            await r.client.calibrate({"fill_fraction": float(cal["fill_fraction"])}, timeout=30.0)
         except EngineUnreachable as exc:
             log.warning("pushing calibration to %s: %s", r.key, exc)
 

@@ -109,7 +109,7 @@ class PressureController:
 
     async def tick(self) -> Decision | None:
         """One observation and decision; ``None`` when memory could not be read."""
-        ready = [r for r in self._replicas() if r.state == "ready"]
+        ready = [r for r in self._replicas() if r.serving]
         await self._refresh_caches(ready)
         t0 = time.monotonic()
         try:

@@ -126,6 +126,11 @@ class Replica:
     def key(self) -> str:
         return self.assignment.key
 
+    @property
+    def serving(self) -> bool:
+        """Ready and not being stopped: the only state in which its cache may be resized."""
+        return self.state == "ready" and not self._stopping.is_set()
+
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name=f"replica:{self.key}")
 

@@ -211,6 +211,9 @@ async def test_pressure_mid_stream_restart_and_prometheus(tmp_path, tiny_checkpo
                                       model="default.tiny"), 10, "the restart to be counted")
         await wait_for(ready, 120, "the restarted engine to become healthy")
         assert engine_pid(port + offset) not in (None, old)
+        await wait_for(lambda: metric(agent_metrics, "freetoken_agent_replica_state", state="ready"),
+                       10, "the agent to mark the restarted engine ready")
+        agent.send_signal(signal.SIGUSR1)  # "re-measure now": through the running engine
 
         # Prometheus saw the agent's metrics and the engine's own, relabelled by node and model.
         for q in ['freetoken_agent_expert_cache_bytes{model="default.tiny"}',
@@ -218,6 +221,9 @@ async def test_pressure_mid_stream_restart_and_prometheus(tmp_path, tiny_checkpo
                   f'freetoken_agent_pressure_events_total{{action="shrink",node="{NODE}"}} >= 1',
                   f'freetoken_expert_cache_capacity_bytes{{node="{NODE}",model="default.tiny"}}']:
             await wait_for(lambda: prom_query(prom, q), 30, f"Prometheus to answer {q}", interval=0.5)
+        await wait_for(lambda: metric(agent_metrics, "freetoken_agent_calibrations_total", source="engine"),
+                       90, "the re-measurement asked for with SIGUSR1", interval=0.5)
+        assert (await cache())["fill_fraction"] == pytest.approx(1.0)  # measured q* on CPU, pushed
     finally:
         await admin.aclose()
         agent.send_signal(signal.SIGTERM)
