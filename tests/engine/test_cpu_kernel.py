@@ -149,3 +149,12 @@ def test_falls_back_to_reference_with_one_warning_without_compiler(tmp_path):
     assert r.stdout.split() == ["False", "reference"]
     warnings = [ln for ln in r.stderr.splitlines() if "CPU expert kernel unavailable" in ln]
     assert len(warnings) == 1 and "no C++ compiler" in warnings[0]
+
+
+@needs_compiler
+def test_engine_registry_uses_the_compiled_kernel(monkeypatch):
+    """The engine's CPU expert path (kernels.cpu_expert_forward) picks this kernel when it builds."""
+    monkeypatch.delenv("FREETOKEN_CPU_EXPERT_BACKEND", raising=False)
+    from freetoken_engine.kernels import cpu_expert_forward
+    name, fn = cpu_expert_forward()
+    assert name == "compiled" and fn is ce.experts_forward
