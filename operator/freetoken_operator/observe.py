@@ -53,6 +53,7 @@ class ModelView:
     strategy: str = "Spread"     # Spread | Binpack
     port: int | None = None      # explicit engine port, else one is allocated per node
     deleting: bool = False
+    unsupported: str | None = None   # why no node can run it whatever its resources, or None
 
     @property
     def key(self) -> str:
@@ -129,7 +130,18 @@ def model_view(body: Mapping[str, Any]) -> ModelView:
         strategy=placement.get("strategy", "Spread"),
         port=(spec.get("serving") or {}).get("port"),
         deleting=bool(meta.get("deletionTimestamp")),
+        unsupported=_unsupported_source(spec.get("source") or {"default": True}),
     )
+
+
+# What node agents can load today (docs/contracts.md); the CRD already describes more.
+AGENT_SOURCES = ("path", "default")
+
+
+def _unsupported_source(source: Mapping[str, Any]) -> str | None:
+    kinds = [k for k in ("path", "pvc", "url") if k in source] + (["default"] if source.get("default") else [])
+    bad = [k for k in kinds if k not in AGENT_SOURCES]
+    return f"source.{bad[0]} is not supported by the node agents yet (use source.path)" if bad else None
 
 
 class Store:

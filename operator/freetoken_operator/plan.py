@@ -16,7 +16,8 @@ always give the same ``Plan``. Rules, in order:
    minus foreign use, or host RAM in cpu mode), host RAM for the expert bank, and a free port.
    Preference: nodes that already hold the weights (ran this model), then Spread (fewest replicas)
    or Binpack (least free memory), then measured PCIe then CPU-expert bandwidth, then name.
-5. A model short of replicas gets an ``unsatisfied`` reason in kube-scheduler style.
+5. A model short of replicas gets an ``unsatisfied`` reason in kube-scheduler style; so does a
+   model whose source the node agents cannot load yet (``ModelView.unsupported``).
 """
 
 from __future__ import annotations
@@ -156,6 +157,7 @@ def plan(models: Sequence[ModelView], nodes: Sequence[NodeView],
     by_name = {n.name: n for n in nodes}
     ledger = _Ledger(nodes)
     live = sorted((m for m in models if not m.deleting), key=lambda m: (-m.priority, m.key))
+    unsatisfied: dict[str, str] = {}
     kept: dict[str, dict[str, int]] = {m.key: {} for m in live}
     decisions: list[Decision] = []
     live_keys = {m.key for m in live}
@@ -199,9 +201,11 @@ def plan(models: Sequence[ModelView], nodes: Sequence[NodeView],
             ledger.add(model, node.name, port)
 
     # 4-5. place what is missing
-    unsatisfied: dict[str, str] = {}
     for model in live:
         mine = kept[model.key]
+        if model.unsupported:
+            unsatisfied[model.key] = f"{len(mine)}/{model.replicas} replicas placed; {model.unsupported}"
+            continue
         rejected: collections.Counter[str] = collections.Counter()
         while len(mine) < model.replicas:
             fits = []

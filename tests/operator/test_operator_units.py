@@ -110,3 +110,11 @@ def test_store_ages_heartbeats_on_the_operator_clock():
     assert store.node_views(T0 + dt.timedelta(seconds=3))[0].heartbeat_age_s == 2.0
     store.put_node(node, now=T0 + dt.timedelta(seconds=40))   # same value again: no new beat
     assert store.node_views(T0 + dt.timedelta(seconds=40))[0].heartbeat_age_s == 39.0
+
+
+@pytest.mark.parametrize("source,supported", [
+    ({"path": "/models/x"}, True), ({"default": True}, True),
+    ({"url": "https://example.org/m.gguf"}, False), ({"pvc": {"claimName": "weights"}}, False)])
+def test_sources_the_agents_cannot_load_are_flagged(source, supported):
+    view = model_view({"metadata": {"name": "m", "namespace": "default"}, "spec": {"source": source}})
+    assert (view.unsupported is None) == supported
