@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import kopf
+from kubernetes.client.exceptions import ApiException
 
 from .apply import Applier, api_client
 from .config import OperatorConfig
@@ -89,7 +90,12 @@ def k8s_node_event(event: Mapping[str, Any], body: Any, memo: Any, **_: Any) -> 
 
 @kopf.on.delete(GROUP, VERSION, MODELS)
 async def model_deleted(body: Any, name: str, namespace: str, memo: Any, **_: Any) -> None:
-    """Finalizer: drop the model from every node's spec, then delete its Service and slices."""
+    """Finalizer: drop the model from every node's spec, then delete its Service and slices.
+    An API error keeps the finalizer and retries in 5 s (kopf.TemporaryError)."""
     memo["store"].put_model(plain(body))   # carries deletionTimestamp: the plan drops it
-    await memo["reconciler"].reconcile_once()
-    await asyncio.to_thread(memo["reconciler"].applier.forget_model, namespace, name)
+    try:
+        await memo["reconciler"].reconcile_once()
+        await asyncio.to_thread(memo["reconciler"].applier.forget_model, namespace, name)
+    except ApiException as exc:
+        raise kopf.TemporaryError(f"cleanup of {namespace}/{name} failed: {exc.status} {exc.reason}",
+                                  delay=5) from exc
