@@ -293,3 +293,42 @@ async def test_apply_repairs_owned_objects_deleted_behind_its_back(kmock):
     assert (await kc.get(kmock, svc_path)) is not None   # recreated after the refresh interval
     slices = await kc.items(kmock, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices")
     assert [s["metadata"]["name"] for s in slices] == ["m-ipv4-1919"]
+
+
+@pytest.mark.timeout(60)
+async def test_examples_are_placed_as_documented(kmock, monkeypatch):
+    import yaml
+    from crdcheck import ROOT
+
+    kc.prepare(kmock)
+    kmock.objects[kc.NODES, None, "laptop"] = node_body("laptop", "127.0.0.41")
+    gaming = node_body("gaming-pc", "127.0.0.42")
+    gaming["status"].update(mode="gpu", pcieGbps=25.0, ramTotalBytes=128 * 2**30, gpu={
+        "name": "RTX 4090", "count": 1, "vramTotalBytes": 24 * 2**30, "vramForeignBytes": 2 * 2**30})
+    kmock.objects[kc.NODES, None, "gaming-pc"] = gaming
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            kind = {"FreeTokenModel": kc.MODELS, "Secret": "v1/secrets"}[doc["kind"]]
+            kmock.objects[kind, doc["metadata"]["namespace"], doc["metadata"]["name"]] = kc.seeded(doc)
+    monkeypatch.setenv("FREETOKEN_OPERATOR_KUBE_SERVER", str(kmock.url).rstrip("/"))
+    monkeypatch.setenv("FREETOKEN_OPERATOR_RESYNC_SECONDS", "0.2")
+    beats = asyncio.create_task(_heartbeats(kmock, {"laptop", "gaming-pc"}))
+    try:
+        with KopfRunner(["run", "--standalone", "-A", "-m", "freetoken_operator.handlers"], timeout=30) as runner:
+            async def placed():
+                specs = {n: (await kc.get(kmock, kc.node_path(n))).get("spec") or {} for n in ("laptop", "gaming-pc")}
+                keys = {n: sorted(m["key"] for m in s.get("models") or []) for n, s in specs.items()}
+                return keys == {"laptop": ["default.smollm2-moe"],
+                                "gaming-pc": ["default.qwen3-30b-a3b", "default.smollm2-moe"]} and specs
+            specs = await kc.wait_for(placed, 15, "both examples placed")
+    finally:
+        beats.cancel()
+    assert runner.exit_code == 0, runner.output
+    qwen = next(m for m in specs["gaming-pc"]["models"] if m["model"] == "qwen3-30b-a3b")
+    assert qwen["source"] == {"path": "/models/qwen3-30b-a3b"} and qwen["format"] == "safetensors"
+    assert qwen["engine"] == {"device": "cuda", "dtype": "bfloat16", "expertCacheShare": 0.9, "contextLength": 8192}
+    assert qwen["apiKeySecret"] == {"name": "qwen3-api-key", "key": "api-key"}
+    smol = [m for s in specs.values() for m in s["models"] if m["model"] == "smollm2-moe"]
+    assert {m["engine"]["device"] for m in smol} == {"cpu", "cuda"} and {m["format"] for m in smol} == {"default"}
+    ports = [m["port"] for m in specs["gaming-pc"]["models"]]
+    assert len(set(ports)) == 2   # two engines on one node never share a port
