@@ -50,7 +50,7 @@ def is_packed(folder: str | Path) -> bool:
 
 def bank_piece_bytes(index: dict, tensor: str, layers: tuple[int, int]) -> int:
     b = index["bank"]
-    per_layer = b["num_experts"] * 2 * b["inter"] * b["hidden"] * torch.empty(0, dtype=DTYPES[index["dtype"]]).element_size()
+    per_layer = b["num_experts"] * 2 * b["inter"] * b["hidden"] * DTYPES[index["dtype"]].itemsize
     if tensor not in ("w13", "w2"):
         raise PackedFormatError(f"unknown bank tensor {tensor!r}")
     return per_layer * (layers[1] - layers[0]) // (1 if tensor == "w13" else 2)
@@ -74,6 +74,8 @@ def read_index(folder: Path) -> dict:
     if index.get("dtype") not in DTYPES:
         raise PackedFormatError(f"{path}: unknown dtype {index.get('dtype')!r}")
     block = index.get("block_bytes")
+    if not isinstance(block, int) or block <= 0 or block % ALIGN:
+        raise PackedFormatError(f"{path}: bad block_bytes {block!r}")
     files = index.get("files", {})
     for name, meta in files.items():
         f = folder / name
@@ -94,7 +96,7 @@ def read_index(folder: Path) -> dict:
         numel = 1
         for d in t["shape"]:
             numel *= d
-        if numel * torch.empty(0, dtype=DTYPES[t["dtype"]]).element_size() != t["nbytes"]:
+        if numel * DTYPES[t["dtype"]].itemsize != t["nbytes"]:
             raise PackedFormatError(f"{path}: tensor {key}: shape {t['shape']} does not match {t['nbytes']} bytes")
     bank = index.get("bank")
     if bank:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .format import ALIGN, BLOCK, FORMAT, INDEX_NAME, VERSION, PackedFormatError, align_up, dtype_name
+from .format import ALIGN, BLOCK, FORMAT, INDEX_NAME, VERSION, PackedFormatError, dtype_name
 
 log = logging.getLogger(__name__)
 SHARD_BYTES = 2 << 30
