@@ -20,6 +20,17 @@ from conftest_default import default_moe_dir  # noqa: E402,F401  (session fixtur
 
 KEY = "k-default"
 NAME = "smollm2"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def reference(default_moe_dir) -> str:
+    """The engine's own offline answer (greedy, 24 tokens): what the server must serve."""
+    from freetoken_engine import LLM, SamplingParams
+    llm = LLM(default_moe_dir)
+    out = llm.generate(llm.tokenizer.encode_chat(QUESTION),
+                       SamplingParams(max_new_tokens=24, temperature=0))
+    return llm.tokenizer.decode(out.token_ids)
 
 
 @pytest.fixture(scope="module")
@@ -52,25 +63,23 @@ def served(default_moe_dir):
             proc.wait()
 
 
-def test_openai_client_gets_a_real_answer(served):
+def test_openai_client_gets_the_engines_answer(served, reference):
     url, _ = served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
-    r = client.chat.completions.create(
-        model=NAME, temperature=0, max_tokens=24,
-        messages=[{"role": "user", "content": "What is the capital of France?"}])
-    assert "Paris" in r.choices[0].message.content
+    r = client.chat.completions.create(model=NAME, temperature=0, max_tokens=24,
+                                       messages=QUESTION)
+    assert r.choices[0].message.content == reference and reference.strip()
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=NAME, temperature=0, max_tokens=24, stream=True,
-        messages=[{"role": "user", "content": "What is the capital of France?"}]) if c.choices)
-    assert streamed == r.choices[0].message.content
+        model=NAME, temperature=0, max_tokens=24, stream=True, messages=QUESTION) if c.choices)
+    assert streamed == reference
 
 
-def test_anthropic_client_gets_a_real_answer(served):
+def test_anthropic_client_gets_the_engines_answer(served, reference):
     url, _ = served
     client = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0, timeout=120)
     m = client.messages.create(model=NAME, max_tokens=24, extra_body={"temperature": 0},
-                               messages=[{"role": "user", "content": "What is the capital of France?"}])
-    assert "Paris" in m.content[0].text and m.usage.output_tokens >= 1
+                               messages=QUESTION)
+    assert m.content[0].text == reference and m.usage.output_tokens >= 1
 
 
 def test_ctrl_c_stops_the_server_cleanly(served):
