@@ -19,6 +19,10 @@ os.environ.setdefault("FREETOKEN_CACHE_DIR", str(Path(__file__).parent.parent / 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
+# Without a GPU, Triton kernels run in the interpreter; set it before any test imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 

@@ -37,10 +37,31 @@ class ExpertBank:
         """Page-lock the bank (after filling: pinning first would slow the fill) when CUDA exists."""
         if self.pinned or not torch.cuda.is_available():
             return
+        cudart = torch.cuda.cudart()
+        self._registered = []
         for name in ("w13", "w2"):
             t = getattr(self, name)
             # Register in place (no second copy of a 60 GB bank); fall back to a pinned copy.
-            rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+            rc = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
             if int(rc) != 0:
+                cudart.cudaGetLastError()          # clear the sticky error before going on
                 setattr(self, name, t.pin_memory())
+            else:
+                self._registered.append(t.data_ptr())
         self.pinned = True
+
+    def unpin(self) -> None:
+        """Unregister memory pinned in place (also done when the bank is garbage-collected), so
+        a later allocation at the same addresses can be registered again."""
+        if getattr(self, "_registered", None) and torch.cuda.is_available():
+            cudart = torch.cuda.cudart()
+            for ptr in self._registered:
+                cudart.cudaHostUnregister(ptr)
+                cudart.cudaGetLastError()
+        self._registered = []
+
+    def __del__(self):
+        try:
+            self.unpin()
+        except Exception:  # interpreter shutdown: CUDA may already be gone
+            pass

@@ -9,7 +9,7 @@ State (all on the cache's device, so the GPU path can run it without host syncs)
 
 ``step`` is the per-layer decode control, the reference for the device kernel:
 deduplicate the routed experts; hits are resident; of the m misses, the first
-q = min(floor(f*m + 1/2), S - hits) in ascending expert id are filled into the q least recently
+q = min(fills_for(m, f), S - hits) in ascending expert id (``kernels/split.py``) are filled into the q least recently
 used slots not holding a hit of this call (ties: lower slot index first; empty slots first),
 the other m - q are computed on the CPU from the bank. The clock advances once per call.
 
@@ -17,11 +17,11 @@ Not thread-safe: the scheduler thread owns it; ``resize`` runs at a scheduler sa
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
+from ..kernels.split import fills_for
 from .bank import ExpertBank
 
 
@@ -73,7 +73,7 @@ class ExpertCache:
         hit = slots >= 0
         n_hit = int(hit.sum())
         m = active.numel() - n_hit
-        q = min(math.floor(self.fill_fraction * m + 0.5), self.capacity - n_hit) if m else 0
+        q = min(fills_for(m, self.fill_fraction), self.capacity - n_hit) if m else 0
         if q > 0:
             self._fill(layer, active[~hit][:q], protected=slots[hit])
             slots = row.index_select(0, active)

@@ -119,6 +119,10 @@ class OffloadedExperts:
             return fn(x, w13, w2, pair_tok, pair_exp)
         if self.control is not None:
             pair_slot = self.control.step(layer, topk_ids).pair_slot       # on the device, no sync
+            if self.cache.fill_fraction >= 1.0 and self.cache.capacity >= t * k:
+                # Every miss is filled: no CPU pair is possible, so no host sync in this layer
+                # (a decode step of such layers can be captured in a CUDA graph).
+                return self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot)
         else:
             pair_slot = self.cache.step(layer, pair_exp)                  # [P], -1 = CPU
         if self.device.type == "cpu" and bool((pair_slot >= 0).all()):

@@ -23,13 +23,13 @@ S = 4585 on the H200; this costs O(q * S) and no sort).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from ..split import fills_for
 from ._common import check_contiguous, check_tensor, next_pow2
 
 _SLOT_BITS = 20
@@ -132,9 +132,7 @@ class ControlOutputs:
 
 def fill_table(fill_fraction: float, experts: int, device: torch.device) -> torch.Tensor:
     """``[E + 1]`` int32: q before the slot cap for each miss count m, rounded on the host."""
-    if not 0.0 <= fill_fraction <= 1.0:
-        raise ValueError(f"fill_fraction must be in [0, 1], got {fill_fraction}")
-    return torch.tensor([int(math.floor(fill_fraction * m + 0.5)) for m in range(experts + 1)],
+    return torch.tensor([fills_for(m, fill_fraction) for m in range(experts + 1)],
                         dtype=torch.int32, device=device)
 
 
