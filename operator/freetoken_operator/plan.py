@@ -194,9 +194,15 @@ def plan(models: Sequence[ModelView], nodes: Sequence[NodeView],
             ledger.remove(model, node.name, port)
             elsewhere = [n for n in nodes if n.name not in kept[model.key] and n.name != node.name
                          and _why_not(model, n, ledger, stale_seconds, base_port) is None]
-            if elsewhere:
-                decisions.append(Decision(model.key, node.name, "remove", "memory pressure on the node"))
-                break
+            if elsewhere:   # move it now, so no later placement can take the target's room
+                target = min(elsewhere, key=lambda n: _score(model, n, ledger))
+                new_port = _port(model, target.name, ledger, base_port)
+                if new_port is not None:
+                    decisions += [Decision(model.key, node.name, "remove", "memory pressure on the node"),
+                                  Decision(model.key, target.name, "place", f"moved off pressured {node.name}")]
+                    kept[model.key][target.name] = new_port
+                    ledger.add(model, target.name, new_port)
+                    break
             kept[model.key][node.name] = port
             ledger.add(model, node.name, port)
 

@@ -146,3 +146,15 @@ def test_plan_is_deterministic_and_pure():
     models = [m("x", replicas=2), m("y", need=3)]
     nodes = [gpu("a", pcie=20), gpu("b", pcie=20), gpu("c", pcie=20)]
     assert plan(models, nodes, {}) == plan(list(reversed(models)), list(reversed(nodes)), {})
+
+
+def test_a_replica_moved_off_a_pressured_node_keeps_its_target():
+    # hot is pressed; "low" must move to the one free node although "big" (higher priority,
+    # not yet placed) would fit there too: the move reserves the room first
+    nodes = [gpu("hot", vram=24, pressure=True), gpu("spare", vram=24)]
+    models = [m("low", need=10), m("big", need=20, priority=9)]
+    result = plan(models, nodes, {"default.low": {"hot": 1919}})
+    assert nodes_of(result, "low") == ["spare"]
+    assert nodes_of(result, "big") == [] and "default.big" in result.unsatisfied
+    assert [(d.action, d.node) for d in result.decisions if d.model == "default.low"] == [
+        ("remove", "hot"), ("place", "spare")]
