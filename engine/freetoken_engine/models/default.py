@@ -2,8 +2,8 @@
 
     default_model_dir(progress=True) -> Path
 
-returns a `freetoken_llama_moe` checkpoint folder in the user's cache
-(`$XDG_CACHE_HOME/freetoken/` or `~/.cache/freetoken/`). The first call converts the GGUF with
+returns a `freetoken_llama_moe` checkpoint folder in the engine's cache (`env.cache_dir()`:
+`$FREETOKEN_CACHE_DIR`, else `$XDG_CACHE_HOME/freetoken/`, else `~/.cache/freetoken/`). The first call converts the GGUF with
 the committed fitted routers (`freetoken_engine.convert`), showing a progress bar; the folder
 is written under a temporary name and renamed into place, so a crash or a concurrent first use
 never leaves a half-written model behind. Later calls return the folder at once.
@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from ..env import cache_dir
 from ..errors import ConfigError
 
 __all__ = ["cache_root", "default_model_dir"]
@@ -27,24 +28,24 @@ _DONE = ".complete"
 
 
 def cache_root() -> Path:
-    """$XDG_CACHE_HOME/freetoken, or ~/.cache/freetoken."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "freetoken"
+    """Where converted default models live: the engine cache (see `env.cache_dir`)."""
+    return cache_dir()
 
 
 def _folder_name() -> str:
     import json
 
-    from ..convert.source import DEFAULT_EXPERTS, artifact_paths
+    from ..convert.source import DEFAULT_EXPERTS, artifact_paths, sha256_file
 
-    _, meta_path = artifact_paths(DEFAULT_EXPERTS)
+    tensors_path, meta_path = artifact_paths(DEFAULT_EXPERTS)
     try:
         meta = json.loads(meta_path.read_text())
+        fit_id = sha256_file(tensors_path)[:10]
     except (OSError, ValueError) as exc:
         raise ConfigError(f"the default model's fitted artifacts are unreadable ({meta_path}): {exc}") from exc
     # The name pins both the GGUF and the fit, so a refit never reuses a stale folder.
     return (f"smollm2-135m-instruct-moe-e{meta['num_experts']}-k{meta['num_experts_per_tok']}-"
-            f"{meta['gguf_sha256'][:12]}-{meta.get('fit_id', 'v1')}")
+            f"{meta['gguf_sha256'][:10]}-{fit_id}")
 
 
 def default_model_dir(progress: bool = True) -> Path:

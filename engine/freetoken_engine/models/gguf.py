@@ -120,7 +120,6 @@ def _llama_config(meta: dict, vocab_size: int, has_output: bool) -> dict:
         "hidden_act": "silu",
         "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "rope_scaling": None,
         "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
         "tie_word_embeddings": not has_output,
         "attention_bias": False,
@@ -130,7 +129,7 @@ def _llama_config(meta: dict, vocab_size: int, has_output: bool) -> dict:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
-    kind = meta.get("llama.rope.scaling.type")
+    kind = meta.get("llama.rope.scaling.type")  # no "rope_scaling" key at all when absent
     if kind and kind != "none":
         cfg["rope_scaling"] = {
             "rope_type": kind,
