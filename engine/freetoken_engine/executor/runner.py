@@ -73,6 +73,7 @@ class ModelRunner:
             if n < 1:
                 raise ConfigError(f"--expert-cache-gb {self.cfg.expert_cache_gb} holds no expert "
                                   f"(one expert is {per / 1e9:.4f} GB)")
+            n = min(n, total)               # a budget larger than the model: cache everything
         elif self.device.type == "cpu":
             n = total
         else:
