@@ -129,3 +129,17 @@ def test_cli_convert_writes_a_loadable_folder(tiny_checkpoint, tmp_path):
                        capture_output=True, text=True, timeout=120, env=dict(os.environ))
     assert r.returncode == 0, r.stderr
     assert load_packed(out).w13 is not None
+
+
+@pytest.mark.gpu
+def test_pinned_bank_reloads_and_copies_exactly(packed):
+    """Pin after fill, free, load again in the same process: the old registration is undone
+    (no 'already registered'), and a host-to-device copy of the pinned bank is exact."""
+    _, out = packed
+    first = load_packed(out, pin="after")
+    assert first.pinned
+    expect = first.w13.clone()
+    del first
+    again = load_packed(out, pin="after")
+    assert again.pinned
+    assert torch.equal(again.w13.to("cuda", non_blocking=True).cpu(), expect)
