@@ -109,25 +109,31 @@ class ExpertCache:
         Call only at a safe point (no forward pass in flight). Outputs never change: evicted
         experts are simply misses later, and the bank is the source of truth.
         """
+        if not 1 <= capacity <= self.bank.total_experts:
+            raise ValueError(f"expert cache capacity must be within 1..{self.bank.total_experts}, got {capacity}")
         if capacity == self.capacity:
             return
         owners, last = self.slot_owner.clone(), self.last_used.clone()
-        old_w13, old_w2 = self.w13, self.w2
         order = torch.argsort(-last, stable=True)                # most recent first
         keep = order[(owners[order] >= 0)][:capacity]
-        del self.w13, self.w2
-        self._allocate(capacity)
-        n = keep.numel()
-        if n:
-            new = torch.arange(n, device=self.device)
-            self.w13[new] = old_w13[keep]
-            self.w2[new] = old_w2[keep]
-            self.slot_owner[new] = owners[keep]
-            self.last_used[new] = last[keep]
-            self.slot_of.view(-1)[owners[keep]] = new
-        del old_w13, old_w2
+        kept_owners, kept_last = owners[keep], last[keep]
+        # Free the old pool before allocating the new one, so a shrink under memory pressure
+        # never needs old + new at once; the kept residents are refilled from the bank (the
+        # source of truth), which costs n expert copies at a safe point.
+        self.w13 = self.w2 = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        self._allocate(capacity)
+        n = kept_owners.numel()
+        if n:
+            new = torch.arange(n, device=self.device)
+            layer, expert = (kept_owners // self.bank.num_experts).cpu(), (kept_owners % self.bank.num_experts).cpu()
+            nb = self.device.type == "cuda"
+            self.w13[:n] = self.bank.w13[layer, expert].to(self.device, non_blocking=nb)
+            self.w2[:n] = self.bank.w2[layer, expert].to(self.device, non_blocking=nb)
+            self.slot_owner[new] = kept_owners
+            self.last_used[new] = kept_last
+            self.slot_of.view(-1)[kept_owners] = new
 
     # -- invariants ----------------------------------------------------------------------------
     def check_integrity(self, deep: bool = False) -> None:

@@ -92,6 +92,8 @@ class OffloadedExperts:
 
     def resize(self, capacity: int) -> None:
         self.sync_stats()
+        if self.control is not None:      # drop its views of the old pool so it can be freed
+            self.control.w13_slots = self.control.w2_slots = None
         self.cache.resize(capacity)
         if self.control is not None:
             self.control.refresh(self.cache)

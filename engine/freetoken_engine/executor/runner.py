@@ -78,7 +78,7 @@ class ModelRunner:
             n = total
         else:
             free, _ = torch.cuda.mem_get_info(self.device)
-            n = max(1, math.floor(0.85 * free / per))
+            n = min(total, max(1, math.floor(0.85 * free / per)))   # a small model: cache it all
         if n > total:
             raise ConfigError(f"expert cache of {n} experts is larger than the model's {total} experts")
         return n
