@@ -38,7 +38,9 @@ def test_packed_folder_stands_alone_and_loads_bit_exact(packed):
     others = {f.name for f in src.iterdir() if not f.name.endswith(".safetensors")} - {"model.safetensors.index.json"}
     assert others <= {f.name for f in out.iterdir()}       # config, tokenizer, template copied
     assert "tokenizer.json" in others and "config.json" in others
-    pm = load_packed(out, threads=3)
+    seen: list[float] = []
+    pm = load_packed(out, threads=3, progress=seen.append)
+    assert seen and seen[-1] == 1.0 and seen == sorted(seen)  # progress reaches 100%, never goes back
     ckpt = Checkpoint(src)
     fam = family(ckpt.config["model_type"])
     moe = fam.parse(ckpt.config).moe
