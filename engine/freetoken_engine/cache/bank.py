@@ -9,6 +9,26 @@ from __future__ import annotations
 import torch
 
 
+_PAGE = 4096
+_REGISTER_MIN = 2 << 20
+
+
+def _clear_cuda_error() -> None:
+    """Reset CUDA's last error after a failed cudaHostRegister, which PyTorch would otherwise
+    report at its next error check. torch's cudart binding lacks cudaGetLastError: use ctypes."""
+    import ctypes
+    import glob
+    import os
+    roots = [os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(torch.__file__))]
+    for root in roots:
+        for lib in glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True):
+            try:
+                ctypes.CDLL(lib).cudaGetLastError()
+                return
+            except OSError:
+                continue
+
+
 class ExpertBank:
     def __init__(self, num_layers: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype):
         self.num_layers, self.num_experts, self.hidden, self.inter = num_layers, num_experts, hidden, inter
@@ -41,13 +61,15 @@ class ExpertBank:
         self._registered = []
         for name in ("w13", "w2"):
             t = getattr(self, name)
-            # Register in place (no second copy of a 60 GB bank); fall back to a pinned copy.
-            rc = cudart.cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-            if int(rc) != 0:
-                cudart.cudaGetLastError()          # clear the sticky error before going on
-                setattr(self, name, t.pin_memory())
-            else:
-                self._registered.append(t.data_ptr())
+            size = t.numel() * t.element_size()
+            # Register large, page-aligned banks in place (no second copy of a 60 GB bank);
+            # registration is page-granular, so small tensors sharing pages get a pinned copy.
+            if size >= _REGISTER_MIN and t.data_ptr() % _PAGE == 0:
+                if int(cudart.cudaHostRegister(t.data_ptr(), size, 0)) == 0:
+                    self._registered.append(t.data_ptr())
+                    continue
+                _clear_cuda_error()
+            setattr(self, name, t.pin_memory())
         self.pinned = True
 
     def unpin(self) -> None:

@@ -90,6 +90,14 @@ class OffloadedExperts:
         if self.control is not None:
             self.control.write_back(self.cache)
 
+    def stats(self):
+        """Counters so far, including the device control's (read-only; any thread)."""
+        st = self.cache.stats
+        if self.control is None:
+            return st
+        extra = self.control.counters()
+        return type(st)(**{k: getattr(st, k) + extra[k] for k in ("hits", "misses", "fills", "cpu_computed")})
+
     def resize(self, capacity: int) -> None:
         self.sync_stats()
         if self.control is not None:      # drop its views of the old pool so it can be freed

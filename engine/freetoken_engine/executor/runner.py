@@ -112,13 +112,11 @@ class ModelRunner:
 
     def expert_stats(self) -> dict:
         c = self.cache
-        if c is not None:
-            self.experts.sync_stats()
         if c is None:
             return {"capacity_experts": 0, "capacity_bytes": 0, "expert_bytes": 0, "min_experts": 0,
                     "max_experts": 0, "hits": 0, "misses": 0, "fills": 0, "cpu_computed": 0,
                     "fill_fraction": 1.0}
-        s = c.stats
+        s = self.experts.stats()     # read-only: safe from any thread
         return {"capacity_experts": c.capacity, "capacity_bytes": c.capacity_bytes,
                 "expert_bytes": self.bank.expert_bytes, "min_experts": 1,
                 "max_experts": self.bank.total_experts, "hits": s.hits, "misses": s.misses,
