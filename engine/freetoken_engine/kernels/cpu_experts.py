@@ -18,8 +18,7 @@ intermediate may round the other way).
 
 Threads: ``threads`` participants, the calling thread included (it is released from the GIL and
 does a share); the other ``threads - 1`` are pinned to the *last* CPUs of the process affinity
-set, so the first CPUs stay free for the engine. Default: all CPUs on machines with 1-2 CPUs,
-else all but one. ``FREETOKEN_CPU_EXPERT_THREADS`` overrides the default; ``FREETOKEN_CPU_KERNEL``
+set, so the first CPUs stay free for the engine. Default: all CPUs but one (at least one). ``FREETOKEN_CPU_EXPERT_THREADS`` overrides the default; ``FREETOKEN_CPU_KERNEL``
 = ``off`` forces the reference, = ``generic|avx2|avx512|avx512bf16`` forces an instruction set
 (default ``auto``: the best one cpuid reports). ``configure()`` changes all of these at run time.
 
@@ -51,8 +50,10 @@ class KernelConfig:
 
     threads: int
     isa: str = "auto"            # "auto" or one of ISAS
-    prefetch_bytes: int = 1024   # software prefetch distance along weight rows; 0 = off
-    # (1024: +20% on the 16-core Xeon host, bench/results/cpu_expert_kernel.json)
+    prefetch_bytes: int = 4096   # software prefetch distance along weight rows; 0 = off
+    # One bf16 row of H 2048 ahead. bench/results/cpu_expert_kernel.json: on the 16-core Xeon
+    # 0 -> 512 -> 1024 gave 77 -> 87 -> 92 GB/s (larger not measured there); on the 2-CPU EPYC
+    # 4096 beat 1024 for one token (79% vs 74% of read) and for 8 tokens (53% vs 37%).
     spin_us: int = 200           # how long idle workers spin before sleeping
 
     def __post_init__(self) -> None:
@@ -67,7 +68,10 @@ class KernelConfig:
 
 
 def default_threads() -> int:
-    """All CPUs of the affinity set on 1-2 CPU machines, else all but one (left to the engine)."""
+    """All CPUs of the affinity set but one (left to the engine), at least one.
+
+    On the 2-CPU machine one core already saturates memory (bench: 1 thread 97% of read,
+    2 threads 61% while other work shares the CPUs)."""
     env = os.environ.get(ENV_THREADS)
     if env:
         try:
@@ -77,8 +81,7 @@ def default_threads() -> int:
         if n < 1:
             raise ValueError(f"{ENV_THREADS} must be >= 1, got {n}")
         return n
-    n = len(os.sched_getaffinity(0))
-    return n if n <= 2 else n - 1
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 _lock = threading.Lock()
