@@ -29,7 +29,9 @@ MSGS = [{"role": "user", "content": "Weather in Paris?"}]
 @pytest.fixture(scope="module")
 def live(tiny_dir):
     # the tiny tokenizer keeps <think>/<tool_call> as non-special added tokens, as Qwen3 does
-    with live_server(ScriptedService(Tokenizer(tiny_dir), script=lambda prompt: ANSWER)) as srv:
+    def script(prompt: str) -> str:
+        return " 42." if prompt.endswith("The answer is") else ANSWER
+    with live_server(ScriptedService(Tokenizer(tiny_dir), script=script)) as srv:
         yield srv
 
 
@@ -103,3 +105,9 @@ def test_anthropic_tool_result_history_is_accepted(live):
     m = client.messages.create(model=live.model, max_tokens=200, messages=history, tools=A_TOOLS)
     n = client.messages.count_tokens(model=live.model, messages=history, tools=A_TOOLS)
     assert m.usage.input_tokens + m.usage.cache_read_input_tokens == n.input_tokens
+
+
+def test_anthropic_assistant_prefill_is_continued_not_repeated(live):
+    m = live.anthropic().messages.create(model=live.model, max_tokens=20, messages=MSGS + [
+        {"role": "assistant", "content": "The answer is"}])
+    assert [b.type for b in m.content] == ["text"] and m.content[0].text == " 42."

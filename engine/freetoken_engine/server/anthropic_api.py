@@ -30,8 +30,14 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 def _prompt(svc, body: CountRequest) -> Prompt:
     mode, named = body.choice()
-    return build_prompt(svc.tokenizer, body.template_messages(), body.template_tools(),
-                        tool_choice=mode, named_tool=named, template_kwargs=body.template_kwargs())
+    messages = body.template_messages()
+    prefill = ""
+    if len(messages) > 1 and messages[-1]["role"] == "assistant" \
+            and not messages[-1].get("tool_calls"):
+        prefill = messages.pop()["content"]   # Anthropic pre-fill: the answer continues it
+    return build_prompt(svc.tokenizer, messages, body.template_tools(), tool_choice=mode,
+                        named_tool=named, template_kwargs=body.template_kwargs(),
+                        continue_text=prefill)
 
 
 def _usage(gen: Generation, *, n_prompt: int) -> dict:

@@ -40,9 +40,10 @@ def tool_prefill(tool_choice: str | None, named: str | None) -> str:
 
 def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
                  tool_choice: str = "auto", named_tool: str | None = None,
-                 template_kwargs: dict | None = None) -> Prompt:
+                 template_kwargs: dict | None = None, continue_text: str = "") -> Prompt:
     """Render ``messages`` with the chat template; raise ApiError(400) if the template refuses
-    them (a template may reject, e.g., a conversation that does not alternate roles)."""
+    them (a template may reject, e.g., a conversation that does not alternate roles).
+    ``continue_text`` is an assistant pre-fill: the answer continues it (it is not returned)."""
     use_tools = bool(tools) and tool_choice != "none"
     kwargs = dict(template_kwargs or {})
     try:
@@ -54,9 +55,11 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
         raise ApiError(400, f"the model's chat template rejected these messages: {exc}",
                        param="messages") from exc
     in_reasoning = text.rstrip().endswith(THINK_OPEN)
-    prefill = tool_prefill(tool_choice, named_tool) if use_tools else ""
+    prefill = tool_prefill(tool_choice, named_tool) if use_tools and not continue_text else ""
     if prefill and in_reasoning:
         prefill = f"{THINK_CLOSE}\n\n{prefill}"
+    if continue_text:
+        text, in_reasoning = text + continue_text, False
     # the template already wrote BOS and friends: do not add special tokens again
     ids = encode_text(tokenizer, text + prefill, add_special_tokens=False)
     return Prompt(ids=list(ids), in_reasoning=in_reasoning,
