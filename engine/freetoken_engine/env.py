@@ -10,6 +10,12 @@ FREETOKEN_CACHE_DIR = "FREETOKEN_CACHE_DIR"
 FREETOKEN_CPU_THREADS = "FREETOKEN_CPU_THREADS"
 #: Force the CPU expert backend: "reference" or a compiled backend's name.
 FREETOKEN_CPU_EXPERT_BACKEND = "FREETOKEN_CPU_EXPERT_BACKEND"
+#: Threads of the compiled CPU expert kernel (default: all CPUs of the affinity set but one).
+FREETOKEN_CPU_EXPERT_THREADS = "FREETOKEN_CPU_EXPERT_THREADS"
+#: Compiled CPU expert kernel: "auto" (build on first use), "off"/"reference", or an ISA name.
+FREETOKEN_CPU_KERNEL = "FREETOKEN_CPU_KERNEL"
+#: C++ compiler for the CPU expert kernel (the usual variable; default g++).
+CXX = "CXX"
 
 
 def cache_dir() -> Path:

@@ -30,11 +30,19 @@ def _clear_cuda_error() -> None:
 
 
 class ExpertBank:
-    def __init__(self, num_layers: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype):
+    def __init__(self, num_layers: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
+                 w13: torch.Tensor | None = None, w2: torch.Tensor | None = None):
+        """Allocate an empty bank, or adopt ``w13``/``w2`` already in the final layout (a packed
+        checkpoint read straight into place)."""
         self.num_layers, self.num_experts, self.hidden, self.inter = num_layers, num_experts, hidden, inter
         self.dtype = dtype
-        self.w13 = torch.empty((num_layers, num_experts, 2 * inter, hidden), dtype=dtype)  # gate ; up
-        self.w2 = torch.empty((num_layers, num_experts, hidden, inter), dtype=dtype)       # down
+        shape13, shape2 = (num_layers, num_experts, 2 * inter, hidden), (num_layers, num_experts, hidden, inter)
+        if w13 is None:
+            w13, w2 = torch.empty(shape13, dtype=dtype), torch.empty(shape2, dtype=dtype)
+        elif tuple(w13.shape) != shape13 or tuple(w2.shape) != shape2 or w13.dtype != dtype:
+            raise ValueError(f"bank tensors {tuple(w13.shape)} {w13.dtype} do not match {shape13} {dtype}")
+        self.w13 = w13      # [L, E, 2I, H]: gate ; up
+        self.w2 = w2        # [L, E, H, I]: down
         self.pinned = False
 
     @property

@@ -39,8 +39,8 @@ from . import reference
 
 log = logging.getLogger(__name__)
 
-ENV_THREADS = "FREETOKEN_CPU_EXPERT_THREADS"
-ENV_KERNEL = "FREETOKEN_CPU_KERNEL"
+from ..env import FREETOKEN_CPU_EXPERT_THREADS as ENV_THREADS  # noqa: E402  (declared in env.py)
+from ..env import FREETOKEN_CPU_KERNEL as ENV_KERNEL  # noqa: E402
 ISAS = ("generic", "avx2", "avx512", "avx512bf16")
 
 

@@ -20,29 +20,40 @@ log = logging.getLogger(__name__)
 Progress = Callable[[float], None]
 
 
-def read_config(folder: Path) -> tuple[Checkpoint, ModelConfig]:
-    ckpt = Checkpoint(folder)
+def read_config(folder: Path, dtype: torch.dtype | None = None):
+    """-> (checkpoint, ModelConfig). A packed folder (``freetoken convert``) is read straight
+    into its final bank layout; a Hugging Face folder is validated and read lazily."""
+    from ..packed import is_packed, load_packed
+    if is_packed(folder):
+        ckpt = load_packed(folder, dtype=dtype, pin="none")   # the bank pins itself after
+    else:
+        ckpt = Checkpoint(folder)
     fam = family(ckpt.config.get("model_type"))
     return ckpt, fam.parse(ckpt.config)
 
 
 def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
                 progress: Progress | None = None) -> tuple[DecoderLM, ExpertBank | None, ModelConfig]:
-    ckpt, cfg = read_config(folder)
+    ckpt, cfg = read_config(folder, dtype)
     fam = family(cfg.model_type)
     rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
     with torch.device("meta"):
-        model = DecoderLM(cfg, rotary)
-    model = model.to_empty(device=device).to(dtype)
+        model = DecoderLM(cfg, rotary).to(dtype)       # cast while still free: no fp32 pass
+    model = model.to_empty(device=device)
     params = dict(model.named_parameters())
     tied = cfg.tie_word_embeddings or not ckpt.has("lm_head.weight")
     wanted = [k for k in params if not (tied and k == "lm_head.weight")]
     by_engine_name = {fam.rename(k): k for k in ckpt.names()}
     bank = None
+    packed = hasattr(ckpt, "bank_tensors")
     if cfg.moe:
         m = cfg.moe
-        bank = ExpertBank(len(m.layers), m.num_experts, cfg.hidden_size, m.intermediate_size, dtype)
-    total = len(wanted) + (bank.total_experts if bank else 0)
+        try:
+            bank = ExpertBank(len(m.layers), m.num_experts, cfg.hidden_size, m.intermediate_size, dtype,
+                              *(ckpt.bank_tensors() if packed else ()))
+        except ValueError as exc:
+            raise ConfigError(f"packed checkpoint {folder}: {exc}") from None
+    total = len(wanted) + (bank.total_experts if bank and not packed else 0)
     done = 0
     with torch.no_grad():
         for name in wanted:
@@ -58,7 +69,9 @@ def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
                 progress(done / total)
         if tied:
             model.lm_head.weight = model.model.embed_tokens.weight
-        if bank is not None:
+        if bank is not None and packed:
+            bank.pin()                                         # read in its final layout already
+        elif bank is not None:
             for li, layer in enumerate(cfg.moe.layers):
                 for e in range(cfg.moe.num_experts):
                     gate, up, down = (ckpt.get(fam.expert_key(layer, e, p)) for p in range(3))

@@ -7,6 +7,7 @@
 // the CPUs given to ft_configure. Workers spin for spin_us after a call, then sleep on a
 // condition variable, so an idle engine costs no CPU.
 #include <cpuid.h>
+#include <cstdio>
 #include <pthread.h>
 #include <sched.h>
 #include <string.h>
