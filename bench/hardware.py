@@ -17,7 +17,8 @@ def describe() -> dict:
                 break
     except OSError:
         pass
-    info = {"cpu": cpu, "cores": os.cpu_count(), "cpu_flags": flags, "python": platform.python_version()}
+    info = {"cpu": cpu, "cores": os.cpu_count(), "cpu_flags": flags, "python": platform.python_version(),
+            "load_average_1m": round(os.getloadavg()[0], 2)}   # other work sharing the machine
     try:
         import torch
         info["torch"] = torch.__version__
