@@ -61,7 +61,8 @@ def hardware() -> dict:
         pass
     import torch
     return {"cpu_model": model, "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-            "device": "cpu", "python": platform.python_version()}
+            "device": "cpu", "python": platform.python_version(),
+            "load_average_1m_at_start": os.getloadavg()[0]}
 
 
 def pct(values, q):
@@ -250,11 +251,13 @@ def main(argv=None) -> int:
             reuse = asyncio.run(agent(url, svc.model_name, args.turns, reuse=True))
             result["agent"] = {"reuse": reuse, "no_reuse": no_reuse}
             result["engine_stats"] = svc.stats()
+            result["hardware"]["load_average_1m_at_end"] = os.getloadavg()[0]
     finally:
         svc.shutdown()
 
-    print(f"\n{result['model']} on {result['hardware']['cpu_model']} "
-          f"({result['hardware']['cpus']} CPUs)")
+    hw = result["hardware"]
+    print(f"\n{result['model']} on {hw['cpu_model']} ({hw['cpus']} CPUs; load average "
+          f"{hw['load_average_1m_at_start']:.1f} -> {hw['load_average_1m_at_end']:.1f})")
     print(f"{'clients':>8} {'requests':>9} {'tok/s':>8} {'TTFT p50':>9} {'TTFT p95':>9}")
     for r in result["concurrency"]:
         print(f"{r['clients']:>8} {r['requests']:>9} {r['tokens_per_s']:>8.1f} "
