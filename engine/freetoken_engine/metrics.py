@@ -82,6 +82,10 @@ class _EngineCollector:
         for name, doc, key in _STATS_GAUGES:
             if stats.get(key) is not None:
                 yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+        if stats.get("preemptions") is not None:
+            yield CounterMetricFamily("freetoken_preemptions",
+                                      "Running requests pushed back to the queue to free KV blocks",
+                                      value=float(stats["preemptions"]))
         kv = cache.get("kv") or {}
         total, used = kv.get("blocks_total"), kv.get("blocks_used")
         if total:

@@ -96,7 +96,7 @@ def test_metrics_count_requests_tokens_and_read_the_engine(live):
                  "freetoken_expert_cache_hits", "freetoken_expert_cache_misses",
                  "freetoken_requests_running", "freetoken_requests_queued",
                  "freetoken_kv_blocks_total", "freetoken_expert_fill_fraction",
-                 "freetoken_engine_ready"):
+                 "freetoken_engine_ready", "freetoken_preemptions"):
         assert name in fams, name
 
 
