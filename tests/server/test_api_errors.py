@@ -92,6 +92,11 @@ def test_image_content_is_400_naming_the_part(http, live):
                  says="only text parts")
 
 
+def test_token_ids_outside_the_vocabulary_are_400(http, live):
+    r = http.post("/v1/completions", json={"model": live.model, "prompt": [5, 10**9], "max_tokens": 2})
+    openai_error(r, 400, says="outside the vocabulary")
+
+
 def test_api_key_is_required_and_checked_with_either_header(live):
     with pytest.raises(openai.AuthenticationError):
         live.openai(api_key="wrong").models.list()
