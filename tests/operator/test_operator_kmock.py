@@ -193,8 +193,10 @@ async def test_unsatisfiable_model_says_why_and_is_retried_when_nodes_change(kmo
             cond = await kc.wait_for(scheduled, 15, "a Scheduled condition")
             assert (cond["status"], cond["reason"]) == ("False", "Unschedulable")
             assert "0/1 replicas placed" in cond["message"] and "cpu-only" in cond["message"]
-            events = await kc.items(kmock, "/api/v1/namespaces/default/events")
-            assert [e["type"] for e in events if e["reason"] == "Unschedulable"] == ["Warning"]
+            async def unschedulable_events():   # events are posted asynchronously by kopf
+                events = await kc.items(kmock, "/api/v1/namespaces/default/events")
+                return [e["type"] for e in events if e["reason"] == "Unschedulable"]
+            assert await kc.wait_for(unschedulable_events, 10, "an Unschedulable event") == ["Warning"]
 
             # the owner installs a 24 GiB GPU and the agent reports it: the model is placed
             await kc.patch(kmock, kc.node_path("pc") + "/status", {"status": {
