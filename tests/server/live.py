@@ -5,7 +5,6 @@ ephemeral port and yields a ``Live`` with the base URL and ready-made official c
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from dataclasses import dataclass

@@ -118,7 +118,6 @@ class OutputParser:
         self._started = False         # current tool call's ToolStart emitted
         self._args_end: _JsonValueEnd | None = None
         self._args_done = False
-        self.content_seen = False
 
     def feed(self, text: str) -> list[Event]:
         self.buf += text
@@ -156,7 +155,6 @@ class OutputParser:
             if not text:
                 return
             self._strip_ws = False
-        self.content_seen = True
         out.append(Content(text))
 
     def _step_content(self, out: list[Event]) -> None:
