@@ -5,12 +5,19 @@ Every user error ends as one line on stderr and exit code 2 (no traceback): argp
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from pathlib import Path
+import os
 
-from .errors import ConfigError, EngineError
+# Before torch (and its OpenMP runtime) loads: idle OpenMP workers sleep instead of spinning.
+# Spinning workers make every op ~20x slower when a game, a browser or another engine shares the
+# cores (measured on the 2-core CI machine); sleeping costs a few microseconds per parallel op.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from .errors import ConfigError, EngineError  # noqa: E402
 
 
 class _Parser(argparse.ArgumentParser):

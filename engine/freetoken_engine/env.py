@@ -6,7 +6,8 @@ from pathlib import Path
 
 #: Root of the engine's on-disk caches (converted default model, calibration results).
 FREETOKEN_CACHE_DIR = "FREETOKEN_CACHE_DIR"
-#: Number of CPU threads torch may use for the engine's CPU work (default: all cores).
+#: Number of CPU threads torch may use for the engine's CPU work (default: all cores). The CLI
+#: also defaults ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP workers sleep: shared machines).
 FREETOKEN_CPU_THREADS = "FREETOKEN_CPU_THREADS"
 #: Force the CPU expert backend: "reference" or a compiled backend's name.
 FREETOKEN_CPU_EXPERT_BACKEND = "FREETOKEN_CPU_EXPERT_BACKEND"

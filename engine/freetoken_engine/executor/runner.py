@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from .. import env
 from ..cache.experts import ExpertCache
 from ..cache.kv import KVPool
 from ..cache.offload import OffloadedExperts
@@ -41,6 +42,8 @@ class ModelRunner:
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("--device cuda was given but no CUDA GPU is available")
         self.cfg = cfg
+        if env.cpu_threads():
+            torch.set_num_threads(env.cpu_threads())
         self.device = torch.device(cfg.device)
         self.dtype = torch_dtype(cfg.resolved_dtype)
         folder = cfg.model
