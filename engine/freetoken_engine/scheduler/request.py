@@ -23,6 +23,7 @@ _ids = itertools.count()
 class TokenEvent:
     token_id: int | None          # None on a final event without a token (abort)
     finish_reason: str | None     # None | "stop" | "length" | "abort"
+    error: Exception | None = None  # why the engine aborted (an EngineError), None if asked to
 
 
 @dataclass

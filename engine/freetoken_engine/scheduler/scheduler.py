@@ -123,9 +123,10 @@ class Scheduler:
                 if not self.running:     # alone and still too big: it can never run
                     with self._cv:
                         self.waiting.popleft()
-                    req.sink.push(TokenEvent(None, "abort"))
-                    log.warning("request %d needs %d KV blocks, the pool has %d", req.id, need,
-                                self.kv.num_blocks)
+                    error = OutOfKVCache(f"the request needs {need} KV blocks of {self.kv.block_size} "
+                                         f"tokens; the KV cache holds {self.kv.num_blocks}: shorten it")
+                    req.sink.push(TokenEvent(None, "abort", error))
+                    log.warning("request %d: %s", req.id, error)
                 return
             with self._cv:
                 self.waiting.popleft()
@@ -171,7 +172,9 @@ class Scheduler:
                     continue
                 budget -= n
             elif not self._ensure_block(req):
-                self._finish(req, "abort")
+                self._finish(req, "abort", error=OutOfKVCache(
+                    f"the KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens) cannot "
+                    f"hold this request's {req.computed + 1} tokens: lower max_tokens or shorten the prompt"))
                 continue
             batch.append((req, n))
         batch = [(r, n) for r, n in batch if r in self.running]
@@ -199,7 +202,8 @@ class Scheduler:
         self.kv.release(req.blocks)
         req.blocks = []
 
-    def _finish(self, req: Request, reason: str, last_token: int | None = None) -> None:
+    def _finish(self, req: Request, reason: str, last_token: int | None = None,
+                error: Exception | None = None) -> None:
         if req in self.running:
             self.running.remove(req)
         full = req.computed // self.kv.block_size
@@ -207,7 +211,7 @@ class Scheduler:
             self.radix.insert(req.tokens, req.blocks[:full])
         self._release(req)
         req.finished = True
-        req.sink.push(TokenEvent(last_token, reason))
+        req.sink.push(TokenEvent(last_token, reason, error))
 
     def check_integrity(self) -> None:
         """Pool, tree and requests agree: every block a request holds is live."""
@@ -220,4 +224,4 @@ class Scheduler:
                 raise RuntimeError(f"request {req.id} computed past its blocks")
 
 
-__all__ = ["Scheduler", "OutOfKVCache"]
+__all__ = ["Scheduler"]

@@ -78,6 +78,8 @@ class Generation:
                 if self.matcher.stopped:
                     self.finish_reason, self.stop_string = "stop", self.matcher.matched
                     break
+                if ev.finish_reason == "abort" and ev.error is not None:
+                    raise ev.error                # an EngineError: mapped to its status (e.g. 413)
                 if ev.finish_reason == "abort":   # not ours (close() was not called)
                     raise ApiError(503, "the engine stopped this request before it finished "
                                         "(it does not fit the KV cache, or the engine failed; "
