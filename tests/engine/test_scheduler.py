@@ -145,15 +145,3 @@ def test_radix_tree_shares_and_evicts_only_unlocked_leaves():
     tree.check_integrity()
     pool.check_integrity()
 
-
-async def test_a_request_larger_than_the_kv_cache_is_refused_with_a_reason(folder):
-    from freetoken_engine.errors import OutOfKVCache
-    svc = service(folder, kv_cache_tokens=32, max_context=512)
-    try:
-        handle = svc.submit(BASE * 4, SamplingParams(max_new_tokens=4, temperature=0))
-        events = [ev async for ev in handle]
-        assert events[-1].finish_reason == "abort" and isinstance(events[-1].error, OutOfKVCache)
-        assert events[-1].error.http_status == 413 and "KV" in str(events[-1].error)
-        assert await collect(svc, BASE[:10]) and svc.runner.kv.used_blocks <= 2   # still serving
-    finally:
-        svc.shutdown()
