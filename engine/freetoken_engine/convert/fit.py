@@ -1,6 +1,6 @@
 """Offline MoEfication fitting: cluster each MLP's neurons into experts, fit the routers.
 
-    python -m freetoken_engine.convert.fit [--experts 16] [--tokens 32768] [--out DIR]
+    python -m freetoken_engine.convert.fit [--experts 16] [--top-k 15] [--tokens 16384] [--capture FILE]
 
 Deterministic (fixed seeds, fixed corpus order), about ten minutes on 2 CPU cores. Per layer:
 
@@ -18,7 +18,8 @@ Deterministic (fixed seeds, fixed corpus order), about ten minutes on 2 CPU core
    the true norms.
 
 Writes `data/<name>.safetensors` with perms [L, I] int32 and routers [L, E, H] float32, and a
-JSON sidecar with the GGUF's sha256, E, the default k and the corpus names.
+JSON sidecar with the GGUF's sha256, E, the default k and the corpus names. The default k
+(`--top-k`) is chosen from bench/default_model.py's curve: the smallest k within 15% of dense.
 """
 
 from __future__ import annotations
@@ -187,6 +188,8 @@ def main(argv=None) -> None:
         "fitting_tokens": sum(map(len, wins)),
         "fit_seconds": round(time.time() - t0, 1),
         "method": "co-activation balanced k-means; least squares + listwise-softmax router on expert output norms",
+        "default_k_rule": "smallest k whose held-out perplexity is within 15% of dense "
+                          "(no k <= E/2 is: see bench/results/default_model.json)",
     }
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     print(json.dumps(meta, indent=2))

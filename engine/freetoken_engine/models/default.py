@@ -62,6 +62,7 @@ def default_model_dir(progress: bool = True) -> Path:
     try:
         build_default_moe(tmp, progress=progress)
         (tmp / _DONE).write_text("ok\n")
+        tmp.chmod(0o755)  # mkdtemp makes it private; the model is not a secret
         try:
             os.rename(tmp, target)
         except OSError:
