@@ -47,6 +47,9 @@ class ModelRunner:
         self.device = torch.device(cfg.device)
         self.dtype = torch_dtype(cfg.resolved_dtype)
         folder = cfg.model
+        if folder.suffix == ".gguf" and folder.is_file():       # a llama GGUF: convert once, cached
+            from ..models.gguf_folder import gguf_folder
+            folder = gguf_folder(folder)
         self.model, self.bank, self.mcfg = build_model(folder, self.dtype, self.device, progress)
         eos = tuple(dict.fromkeys(_generation_eos(folder) + self.mcfg.eos_token_ids))
         self.tokenizer = load_tokenizer(folder, eos)
