@@ -201,8 +201,8 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if lib is None or not _compiled_ok(x, w13, w2):
         return reference.expert_pairs_forward(x, w13, w2, pair_tok, pair_exp)
     x = x.contiguous()
-    tok = pair_tok.to(torch.int64).contiguous()
-    exp = pair_exp.to(torch.int64).contiguous()
+    tok = pair_tok if pair_tok.dtype == torch.int64 and pair_tok.is_contiguous() else pair_tok.to(torch.int64).contiguous()
+    exp = pair_exp if pair_exp.dtype == torch.int64 and pair_exp.is_contiguous() else pair_exp.to(torch.int64).contiguous()
     out = torch.empty((P, H), dtype=x.dtype)
     rc = lib.ft_experts_forward(
         x.data_ptr(), _DT[x.dtype], T, H, I, w13.data_ptr(), w2.data_ptr(), _DT[w13.dtype], E,

@@ -28,6 +28,8 @@ class AttnBatch:
     kv_index: torch.Tensor      # [B, Lmax] int64 KV slots each sequence reads (padded with 0)
     kv_valid: torch.Tensor      # [B, Lmax] bool
     q_max: int
+    needs_mask: bool = True     # False when every query may see every key it reads (1-token decode)
+    max_position: int | None = None   # max(positions), known on the host
     _masks: dict = field(default_factory=dict)
 
     @property
@@ -110,8 +112,11 @@ class Attention(nn.Module):
         # [B, kvh, g, Q, d]: query heads grouped under their KV head, so K/V are never repeated
         qp = qp.permute(0, 2, 3, 1, 4)
         scores = torch.matmul(qp, keys.unsqueeze(2).transpose(-1, -2)) * self.scale     # [B, kvh, g, Q, L]
-        scores = scores.masked_fill(batch.mask(self.window), float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        if batch.needs_mask or self.window is not None:
+            scores = scores.masked_fill(batch.mask(self.window), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        if probs.dtype != q.dtype:
+            probs = probs.to(q.dtype)
         out = torch.matmul(probs, values.unsqueeze(2))                                   # [B, kvh, g, Q, d]
         out = out.permute(0, 3, 1, 2, 4).reshape(b * batch.q_max, self.h, self.d)
         if batch.q_max > 1:

@@ -35,7 +35,7 @@ class SparseMoE(nn.Module):
         weights, ids = torch.topk(probs, self.moe.top_k, dim=-1)
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        return (weights if weights.dtype == x.dtype else weights.to(x.dtype)), ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)

@@ -49,17 +49,31 @@ class Rotary:
     def __init__(self, rope: RopeConfig, head_dim: int, max_position: int, device: torch.device):
         inv, self.scaling = inverse_frequencies(rope, head_dim, max_position)
         self.inv_freq = inv.to(device)
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (cos [T, 1, d], signed sin [T, 1, d]) for ``apply_rotary``, once per forward pass.
-
-        The sin's first half is negated so that rotate-half becomes a roll:
-        ``rotate_half(x) * sin == roll(x, d/2) * signed_sin`` exactly.
-        """
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]       # [T, d/2]
         cos = (torch.cat((freqs, freqs), dim=-1).cos() * self.scaling).to(dtype)
         sin = (freqs.sin() * self.scaling).to(dtype)
         return cos[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (cos [T, 1, d], signed sin [T, 1, d]) for ``apply_rotary``, once per forward pass.
+
+        The sin's first half is negated so that rotate-half becomes a roll:
+        ``rotate_half(x) * sin == roll(x, d/2) * signed_sin`` exactly. Values come from a table
+        of the same computation over positions 0..n (grown by doubling), so each pass costs two
+        gathers; the table is bit-identical to computing the positions directly.
+        """
+        table = self._tables.get(dtype)
+        if max_position is None:                 # known on the host when the caller built positions
+            max_position = int(positions.max()) if positions.numel() else 0
+        need = max_position + 1
+        if table is None or table[0].shape[0] < need:
+            n = max(need, 2 * table[0].shape[0] if table is not None else 4096)
+            table = self._tables[dtype] = self._compute(torch.arange(n, device=self.inv_freq.device), dtype)
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -55,8 +55,10 @@ class DecoderLM(nn.Module):
 
     def forward(self, ids: torch.Tensor, batch: AttnBatch, kv, logits_at: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(ids)                                  # [T, H]
-        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype)          # [T, d]
+        cos, sin = self.rotary.cos_sin(batch.positions, h.dtype, batch.max_position)   # [T, 1, d]
         for i, layer in enumerate(self.model.layers):
             h = layer(h, batch, cos, sin, kv.k[i], kv.v[i])
-        h = self.model.norm(h[logits_at])                                 # [B, H]
-        return self.lm_head(h).float()                                    # [B, V]
+        if h.shape[0] != logits_at.shape[0]:                              # keep each sequence's last row
+            h = h.index_select(0, logits_at)
+        logits = self.lm_head(self.model.norm(h))                         # [B, V]
+        return logits if logits.dtype == torch.float32 else logits.float()
