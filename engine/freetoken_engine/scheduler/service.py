@@ -10,8 +10,6 @@ import asyncio
 import logging
 import threading
 import time
-from dataclasses import replace
-
 from ..config import EngineConfig
 from ..errors import ConfigError, EngineError, InvalidRequest, RequestTooLong
 from ..executor.runner import ModelRunner
@@ -172,4 +170,4 @@ class EngineService:
             self.scheduler.stop()
 
 
-__all__ = ["EngineService", "SamplingParams", "replace"]
+__all__ = ["EngineService", "SamplingParams"]
