@@ -118,7 +118,10 @@ async def test_limits_give_clear_errors(folder):
             svc.submit(BASE, SamplingParams(max_new_tokens=600))
         long = SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True)
         first = svc.submit(BASE, long)
-        await asyncio.sleep(0.05)                   # first is running, the queue is empty
+        for _ in range(200):                        # wait until first runs and the queue is empty
+            if svc.stats()["running"] == 1 and svc.stats()["queued"] == 0:
+                break
+            await asyncio.sleep(0.01)
         second = svc.submit(BASE, long)
         with pytest.raises(QueueFull) as err:
             svc.submit(BASE, long)
