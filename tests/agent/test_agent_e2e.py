@@ -24,6 +24,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from procs import engine_pids
 
 from freetoken_agent.calibration import CalibrationCache, HostConfig
 
@@ -46,17 +47,9 @@ def write_gpu(path: Path, foreign: int, total: int = 64 * GB) -> None:
 
 
 def engine_pid(port: int) -> int | None:
-    """The pid of the `freetoken serve` listening on ``port`` (from /proc, no extra tools)."""
-    needle = f"--port\0{port}\0".encode()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"serve" in cmd and needle in cmd:
-                return int(entry)
-    return None
+    """The pid of the `freetoken serve` listening on ``port``."""
+    pids = engine_pids(port)
+    return pids[0] if pids else None
 
 
 async def wait_for(predicate, timeout: float, what: str, interval: float = 0.1):

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from procs import engine_pids  # noqa: F401  (re-exported: fleet.engine_pids)
 
 GB = 1 << 30
 
@@ -92,19 +93,6 @@ async def astop(procs: list[subprocess.Popen], timeout: float = 20) -> None:
         stop(proc, sig=signal.SIGKILL, timeout=5)
 
 
-def engine_pids(port: int) -> list[int]:
-    """Pids of ``freetoken serve`` processes listening on ``port`` (from /proc)."""
-    needle = f"--port\0{port}\0".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                cmd = Path(f"/proc/{entry}/cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"serve" in cmd and needle in cmd:
-                pids.append(int(entry))
-    return pids
 
 
 def wait_until(check: Callable[[], Any], timeout: float, what: str, step: float = 0.25) -> Any:

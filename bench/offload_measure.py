@@ -1,0 +1,224 @@
+"""Measurements of ``bench/gpu_offload.py``: bandwidths, decode-kernel tile tuning, the control
+step's cost, the per-token combine kernel and CUDA-graph capture."""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+import triton
+import triton.language as tl
+
+from offload_workload import CUDA, Bank  # first: it makes the engine package importable
+from freetoken_engine.cache.device_control import DeviceControl
+from freetoken_engine.kernels.triton import moe as moe_mod
+from freetoken_engine.kernels.triton.gather import gather_fill_rows
+from freetoken_engine.kernels.triton.moe import moe_slots_forward
+
+# ---------------------------------------------------------------------------------------------
+# Bandwidths
+# ---------------------------------------------------------------------------------------------
+def _events_seconds(fn, reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def bandwidths(bank: Bank, cpu_fn) -> dict:
+    """GB/s (1e9 B/s): pinned H2D DMA of expert rows, the gather kernel's fills (GPU reading the
+    pinned bank), HBM copy (read + write counted), the CPU expert kernel on one token and 8
+    experts, and the gather kernel and CPU kernel running at once; q* from the concurrent pair."""
+    m = bank.model
+    L, E, se = m["layers"], m["experts"], m["expert_bytes"]
+    n = 8
+    d13 = torch.empty((n, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+    d2 = torch.empty((n, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+    counter = [0]
+
+    def dma():
+        layer = counter[0] % L
+        counter[0] += 1
+        for i in range(n):
+            d13[i].copy_(bank.w13[layer, i], non_blocking=True)
+            d2[i].copy_(bank.w2[layer, i], non_blocking=True)
+
+    fill_exp = torch.arange(n, device=CUDA) + 16
+    fill_slot = torch.arange(n, device=CUDA)
+
+    def gather():
+        layer = counter[0] % L
+        counter[0] += 1
+        gather_fill_rows(bank.w13, bank.w2, d13, d2, layer, fill_exp, fill_slot)
+
+    dma(); gather(); torch.cuda.synchronize()
+    pcie = max(n * se * 24 / _events_seconds(dma, 24) for _ in range(2)) / 1e9
+    gat = max(n * se * 24 / _events_seconds(gather, 24) for _ in range(2)) / 1e9
+    big = torch.empty(1 << 30, dtype=torch.uint8, device=CUDA)
+    big2 = torch.empty_like(big)
+    hbm = 2 * big.numel() * 20 / _events_seconds(lambda: big2.copy_(big), 20) / 1e9
+    del big, big2
+    x = torch.randn(1, m["hidden"]).to(torch.bfloat16)
+    tok = torch.zeros(n, dtype=torch.int64)
+
+    def cpu_once(i: int) -> None:
+        layer = i % L
+        cpu_fn(x, bank.w13[layer], bank.w2[layer], tok, torch.arange(n) + 32 + (i // L) % (E - 40))
+
+    cpu_once(0)
+    t0 = time.perf_counter()
+    for i in range(24):
+        cpu_once(i)
+    cpu = n * se * 24 / (time.perf_counter() - t0) / 1e9
+
+    def concurrent(gpu_fn, reps: int) -> tuple[float, float]:
+        """(GPU GB/s, CPU GB/s) with the CPU kernel looping in a thread during the GPU copies."""
+        stop, done = threading.Event(), [0, 0.0]
+
+        def cpu_loop():
+            t, i = time.perf_counter(), 0
+            while not stop.is_set():
+                cpu_once(i)
+                i += 1
+            done[0], done[1] = i, time.perf_counter() - t
+
+        th = threading.Thread(target=cpu_loop)
+        th.start()
+        time.sleep(0.05)
+        secs = _events_seconds(gpu_fn, reps)
+        stop.set()
+        th.join()
+        return n * se * reps / secs / 1e9, n * se * done[0] / done[1] / 1e9
+
+    pcie_c, cpu_c1 = concurrent(dma, 100)
+    gat_c, cpu_c = concurrent(gather, 100)
+    return {"pcie_h2d_gbps": pcie, "gather_fill_gbps": gat, "hbm_copy_gbps": hbm, "cpu_expert_gbps": cpu,
+            "concurrent_pcie_h2d_gbps": pcie_c, "concurrent_cpu_expert_gbps_with_dma": cpu_c1,
+            "concurrent_gather_fill_gbps": gat_c, "concurrent_cpu_expert_gbps": cpu_c,
+            "fill_fraction": gat_c / (gat_c + cpu_c), "expert_bytes": se}
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel tuning and the control step's cost
+# ---------------------------------------------------------------------------------------------
+TILE_CANDIDATES = [
+    {"bn1": 32, "bk1": 128, "bn2": 64, "bk2": 128, "warps": 4},
+    {"bn1": 16, "bk1": 256, "bn2": 32, "bk2": 256, "warps": 4},
+    {"bn1": 64, "bk1": 64, "bn2": 64, "bk2": 64, "warps": 4},
+    {"bn1": 32, "bk1": 256, "bn2": 64, "bk2": 256, "warps": 8},
+]
+
+
+def tune_decode(model: dict) -> dict:
+    """Time moe_slots_forward for batch 1 and 4 (8 different expert sets per graph, so weights
+    come from HBM, not L2) for each tile candidate; set the fastest as DECODE_TILES."""
+    H, I, k = model["hidden"], model["inter"], model["top_k"]
+    n_slots = 64
+    pool13 = (torch.randn(n_slots, 2 * I, H, device=CUDA) * 0.02).to(torch.bfloat16)
+    pool2 = (torch.randn(n_slots, H, I, device=CUDA) * 0.02).to(torch.bfloat16)
+    rows = []
+    for tiles in TILE_CANDIDATES:
+        moe_mod.DECODE_TILES = tiles
+        row = {"tiles": tiles}
+        for batch in (1, 4):
+            x = torch.randn(batch, H, device=CUDA).to(torch.bfloat16)
+            tok = torch.arange(batch, device=CUDA).repeat_interleave(k)
+            calls = [torch.stack([torch.randperm(n_slots, device=CUDA)[:k] for _ in range(batch)]).flatten()
+                     for _ in range(8)]
+            out = torch.empty(batch * k, H, dtype=torch.bfloat16, device=CUDA)
+            run = lambda: [moe_slots_forward(x, pool13, pool2, tok, ps, out=out) for ps in calls]  # noqa: E731
+            run()
+            graph = _capture(run)
+            secs = _events_seconds(graph.replay, 10) / 80
+            distinct = sum(len(set(ps.tolist())) for ps in calls) / len(calls)
+            row[f"us_batch{batch}"] = secs * 1e6
+            row[f"gbps_batch{batch}"] = distinct * model["expert_bytes"] / secs / 1e9
+        rows.append(row)
+    best = min(rows, key=lambda r: r["us_batch1"] + r["us_batch4"])
+    moe_mod.DECODE_TILES = best["tiles"]
+    return {"candidates": rows, "chosen": best["tiles"]}
+
+
+def control_step_us(bank: "Bank", slots: int) -> float:
+    """Microseconds per control step (one MoE layer, batch 1) at a pool of ``slots``, graph-replayed."""
+    m = bank.model
+    L, E, k = m["layers"], m["experts"], m["top_k"]
+    dummy13 = torch.empty((1, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+    dummy2 = torch.empty((1, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+    minus = lambda n: torch.full((n,), -1, dtype=torch.int64, device=CUDA)  # noqa: E731
+    ctl = DeviceControl(bank.w13, bank.w2, dummy13, dummy2, minus(L * E).view(L, E), minus(slots), minus(slots), 0, 1.0)
+    ids = torch.rand(L, 1, E, device=CUDA).topk(k, dim=-1).indices
+    run = lambda: [ctl.step(l, ids[l], copy=False) for l in range(L)]  # noqa: E731
+    run()
+    graph = _capture(run)
+    return _events_seconds(graph.replay, 5) / (5 * L) * 1e6
+
+
+# ---------------------------------------------------------------------------------------------
+# Decode
+# ---------------------------------------------------------------------------------------------
+class _Token:
+    """Static buffers of one decode configuration (stable addresses for CUDA graphs)."""
+
+    def __init__(self, bank: Bank, batch: int):
+        m = bank.model
+        self.T, self.k, self.L, self.E, self.H = batch, m["top_k"], m["layers"], m["experts"], m["hidden"]
+        self.bank = bank
+        self.P = batch * self.k
+        self.tok = torch.arange(batch, device=CUDA).repeat_interleave(self.k)
+        self.h_tok = self.tok.cpu()
+        self.x = torch.zeros(self.L + 1, batch, self.H, dtype=torch.bfloat16, device=CUDA)
+        self.x[0].copy_(torch.randn(batch, self.H))
+        self.rows = torch.zeros(self.L, self.P, self.H, dtype=torch.bfloat16, device=CUDA)
+        self.ids = torch.zeros(self.L, batch, self.k, dtype=torch.int64, device=CUDA)
+        self.h_ids_in = torch.zeros(self.L, batch, self.k, dtype=torch.int64)
+        self.shared_tok = torch.arange(batch, device=CUDA)
+        self.shared_slot = [torch.full((batch,), l, dtype=torch.int64, device=CUDA) for l in range(self.L)]
+
+    def load_ids(self, ids_dev: torch.Tensor, ids_host: torch.Tensor, t: int) -> None:
+        """Token t's routing: a device-to-device copy in stream order (a pinned staging buffer
+        rewritten by the host would race the graphs still queued), and the host's copy for the
+        CPU branch."""
+        self.ids.copy_(ids_dev[t])
+        self.h_ids_in.copy_(ids_host[t])
+
+    def combine(self, layer: int, rows: torch.Tensor) -> None:
+        """x[l+1] = RMS-normalised sum over k of the pair rows (+ the shared expert)."""
+        shared = None
+        if self.bank.shared is not None:
+            s13, s2 = self.bank.shared
+            shared = moe_slots_forward(self.x[layer], s13, s2, self.shared_tok, self.shared_slot[layer])
+        combine(rows, shared, self.x[layer + 1], self.k)
+
+
+@triton.jit
+def _combine_kernel(rows_ptr, add_ptr, x_ptr, K: tl.constexpr, H: tl.constexpr, HAS_ADD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.arange(0, H)
+    acc = tl.zeros([H], dtype=tl.float32)
+    for j in tl.static_range(K):                       # fixed order over k
+        acc += tl.load(rows_ptr + (t * K + j) * H + h).to(tl.float32)
+    if HAS_ADD:
+        acc += tl.load(add_ptr + t * H + h).to(tl.float32)
+    acc = acc * tl.rsqrt(tl.sum(acc * acc, 0) / H + 1e-6)
+    tl.store(x_ptr + t * H + h, acc.to(x_ptr.dtype.element_ty))
+
+
+def combine(rows: torch.Tensor, shared: torch.Tensor | None, x: torch.Tensor, k: int) -> torch.Tensor:
+    """x = rmsnorm(sum_j rows[t*k + j] (+ shared[t])): what stands in for the rest of the layer
+    (one kernel; the non-expert compute itself is excluded)."""
+    t, h = x.shape
+    _combine_kernel[(t,)](rows, shared if shared is not None else rows, x, K=k, H=h, HAS_ADD=shared is not None)
+    return x
+
+
+def _capture(fn) -> torch.cuda.CUDAGraph:
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
