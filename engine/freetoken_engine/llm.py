@@ -15,7 +15,7 @@ import torch
 
 from .config import EngineConfig
 from .errors import InvalidRequest, RequestTooLong
-from .executor.inputs import SeqChunk
+from .executor.inputs import SeqChunk, build_inputs
 from .executor.runner import ModelRunner
 from .executor.sampler import SamplingParams, make_generator, sample
 
@@ -52,7 +52,7 @@ class LLM:
                                  f"the context of {self.max_context}")
 
     def _run(self, ids: list[int], chunk: int | None = None):
-        """Prefill ``ids`` in chunks into fresh KV blocks; yield (blocks, logits of the last token)."""
+        """Prefill ``ids`` in chunks into fresh KV blocks; return (blocks, logits of the last token)."""
         kv = self.runner.kv
         blocks: list[int] = []
         start = 0
@@ -90,9 +90,7 @@ class LLM:
         kv = self.runner.kv
         blocks = kv.allocate(kv.blocks_for(len(ids)))
         try:
-            inputs_last = [SeqChunk(blocks, 0, ids)]
-            from .executor.inputs import build_inputs
-            inp = build_inputs(inputs_last, kv.block_size, self.runner.device)
+            inp = build_inputs([SeqChunk(blocks, 0, ids)], kv.block_size, self.runner.device)
             inp.logits_at = torch.arange(len(ids), device=self.runner.device)
             return self.runner.model(inp.ids, inp.batch, kv, inp.logits_at)
         finally:
