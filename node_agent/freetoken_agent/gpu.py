@@ -1,7 +1,8 @@
 """Where the agent reads GPU memory: NVML on a real GPU, a simulated device in tests.
 
 Interface (``GpuSource``): ``kind`` ("nvml" | "simulated"), ``read() -> list[GpuReading]``
-(one per device, bytes, device-level totals: what ``nvidia-smi`` shows), ``close()``.
+(one per device, bytes, device-level totals; ``used`` is everything not free, reserved
+memory included), ``close()``.
 ``read`` raises ``GpuError`` when the driver stops answering; the agent then keeps its last
 decision and retries.
 
@@ -35,6 +36,18 @@ class GpuReading:
     used_bytes: int
     pcie_generation: int | None = None
     pcie_width: int | None = None
+
+
+def used_of(mem) -> int:
+    """Device memory nobody can allocate any more: ``total - free``.
+
+    ``free`` is the one field every NVML memory struct agrees on and what a ``cudaMalloc``
+    can still get. ``used`` is not: in ``nvmlMemory_v2_t`` the driver's reserved memory
+    (about half a GB on an H200) is reported apart from ``used`` (newer drivers), so
+    ``total - used`` overstates what the node's owner can still take by that much, and a
+    shrink that the headroom calls for would never come.
+    """
+    return max(0, int(mem.total) - int(mem.free))
 
 
 class GpuSource(Protocol):
@@ -82,16 +95,13 @@ class NvmlSource:
         out = []
         try:
             for i, h in enumerate(self._handles):
-                try:  # v2 counts reserved memory inside `used`, like nvidia-smi
-                    mem = nv.nvmlDeviceGetMemoryInfo(h, version=nv.nvmlMemory_v2)
-                except (TypeError, AttributeError, nv.NVMLError):
-                    mem = nv.nvmlDeviceGetMemoryInfo(h)
+                mem = nv.nvmlDeviceGetMemoryInfo(h)
                 try:
                     gen = int(nv.nvmlDeviceGetCurrPcieLinkGeneration(h))
                     width = int(nv.nvmlDeviceGetCurrPcieLinkWidth(h))
                 except nv.NVMLError:
                     gen = width = None
-                out.append(GpuReading(i, self._names[i], int(mem.total), int(mem.used), gen, width))
+                out.append(GpuReading(i, self._names[i], int(mem.total), used_of(mem), gen, width))
         except nv.NVMLError as exc:
             raise GpuError(f"NVML read failed: {exc}") from exc
         return out

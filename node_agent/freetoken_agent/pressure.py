@@ -49,6 +49,7 @@ class PressureController:
         self.last_decision: Decision | None = None
         self.last_reaction_seconds: float | None = None
         self.memory_pressure = False
+        self._last_reason = ""
 
     def counts_here(self, cache: CacheInfo) -> bool:
         """Whether an engine's cache lives in this controller's memory domain."""
@@ -127,6 +128,10 @@ class PressureController:
         decision = decide(self.policy, obs, self.state)
         self.state, self.last_obs, self.last_decision = decision.state, obs, decision
         self.memory_pressure = decision.memory_pressure
+        if decision.reason != self._last_reason:  # what the policy thinks, once per change
+            self._last_reason = decision.reason
+            log.debug("%s: %s (free %d B, headroom %d B, ours %d B)", decision.action, decision.reason,
+                      obs.free_bytes, self.policy.headroom(total), obs.ours_bytes)
         if decision.targets:
             by_key = {r.key: r for r in members}
             await asyncio.gather(*(self._resize(by_key[k], v) for k, v in decision.targets.items()))

@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from types import SimpleNamespace
+
 from freetoken_agent.gpu import GpuError, NvmlSource, SimulatedGpu, open_gpu_source
 from freetoken_agent.host import read_meminfo, read_psi
 
@@ -70,6 +72,52 @@ def test_without_gpu_nvml_reports_cpu_mode():
     with pytest.raises(GpuError):
         NvmlSource.open()
     assert open_gpu_source(lambda: 0) is None  # the agent then runs in CPU mode
+
+
+class _Nvml:
+    """The few pynvml calls the source makes, answering like a driver that reports reserved
+    memory apart from ``used`` (so ``total - used`` is not what can be allocated)."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, total: int, used: int, reserved: int) -> None:
+        self.mem = SimpleNamespace(total=total, used=used, reserved=reserved, free=total - used - reserved)
+
+    def nvmlDeviceGetName(self, h):
+        return b"H200 (fake)"
+
+    def nvmlDeviceGetMemoryInfo(self, h, version=None):
+        return self.mem
+
+    def nvmlDeviceGetCurrPcieLinkGeneration(self, h):
+        return 5
+
+    def nvmlDeviceGetCurrPcieLinkWidth(self, h):
+        return 16
+
+
+def test_nvml_used_is_everything_not_free():
+    # H200 at 580.x: 1.74 GB free, 0.6 GB reserved. Reading total - used said 2.34 GB free, above
+    # a 2 GiB headroom, and the agent never shrank (the first pressure run on the H200).
+    nv = _Nvml(total=150_754_820_096, used=148_410_000_000, reserved=600_000_000)
+    [r] = NvmlSource(nv, [object()]).read()
+    assert r.total_bytes - r.used_bytes == nv.mem.free == 1_744_820_096
+    assert (r.name, r.pcie_generation, r.pcie_width) == ("H200 (fake)", 5, 16)
+
+
+@pytest.mark.gpu
+def test_nvml_free_is_what_cuda_can_allocate():
+    torch = pytest.importorskip("torch")
+    src = NvmlSource.open()
+    try:
+        free_cuda, total_cuda = torch.cuda.mem_get_info(0)
+        [r, *_] = src.read()
+    finally:
+        src.close()
+    assert r.total_bytes == total_cuda
+    # Both read the same device a moment apart; this process's own context is already counted.
+    assert abs((r.total_bytes - r.used_bytes) - free_cuda) < 64 << 20
 
 
 @pytest.mark.gpu
