@@ -203,7 +203,8 @@ def main() -> int:
         agent_env["FREETOKEN_AGENT_SIMULATED_GPU"] = str(gpu_file)
     agent = subprocess.Popen([sys.executable, "-m", "freetoken_agent.cli", "run", "--node-name", "bench",
                               "--standalone", str(work / "models.yaml"), "--metrics-host", "127.0.0.1",
-                              "--metrics-port", str(mport), "--state-dir", str(work / "state")],
+                              "--metrics-port", str(mport), "--state-dir", str(work / "state"),
+                              "--log-level", "DEBUG"],
                              env=agent_env, stdout=open(work / "agent.log", "wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     admin = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
@@ -297,7 +298,7 @@ def main() -> int:
         stop.set()
         agent.send_signal(signal.SIGTERM)
         agent.wait(60)
-        result["agent_log_tail"] = (work / "agent.log").read_text(errors="replace")[-1500:]
+        result["agent_log_tail"] = (work / "agent.log").read_text(errors="replace")[-6000:]
         out.write_text(json.dumps(result, indent=1, default=str))
     print_table(result)
     plot(result, out.with_suffix(".png"))
