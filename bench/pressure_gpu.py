@@ -281,12 +281,19 @@ def main() -> int:
             "before": client.rate(t_before, t_alloc0), "during": client.rate(t_release, t_during_end),
             "after": client.rate(t_regrown, t_end)}
         result["requests"] = len(client.requests)
+        # Every request (start, end, tokens), seconds from the first sample: a request that spans
+        # a phase (a stall) shows here even when no request fits inside the phase's window.
+        t0 = timeline[0][0]
+        result["request_log"] = [(round(a - t0, 3), round(b - t0, 3), n) for a, b, n in client.requests]
+        result["longest_request_seconds"] = {
+            phase: max((round(b - a, 3) for a, b, _ in client.requests if a < hi and b > lo), default=None)
+            for phase, lo, hi in (("before", t_before, t_alloc0), ("during", t_alloc0, t_during_end),
+                                  ("after", t_regrown, t_end))}
         result["note"] = ("tokens/s = completion tokens / wall time of the requests that ran entirely "
                           "inside a phase (before: until the allocation; during: from the release to the "
                           "foreign memory being freed; after: from the regrowth on); "
                           "reaction = foreign cudaMalloc returned -> NVML free >= headroom (GPU) or "
                           "simulated allocation -> engine reports the smaller cache (--simulate)")
-        t0 = timeline[0][0]
         result["timeline"] = [(round(t - t0, 3), c, u) for t, c, u in timeline[::2]]
         result["events"] = {k: round(v - t0, 3) for k, v in dict(
             before=t_before, alloc=t_alloc, release=t_release, freed=t_freed, regrown=t_regrown, end=t_end).items()}
@@ -320,10 +327,11 @@ def print_table(r: dict) -> None:
     cal = cal if isinstance(cal, dict) else {}
     print(f"calibration: pcie {cal.get('pcie_gbps')} GB/s, cpu expert {cal.get('cpu_expert_gbps')} GB/s, "
           f"concurrent {cal.get('concurrent')}, q* {cal.get('fill_fraction')} ({r.get('calibration_seconds')} s)")
-    print(f"{'phase':<10}{'tokens/s':>10}")
+    longest = r.get("longest_request_seconds", {})
+    print(f"{'phase':<10}{'tokens/s':>10}{'longest request (s)':>22}")
     for k in ("before", "during", "after"):
-        v = tps.get(k)
-        print(f"{k:<10}{'n/a' if v is None else f'{v:.1f}':>10}")
+        v, w = tps.get(k), longest.get(k)
+        print(f"{k:<10}{'n/a' if v is None else f'{v:.1f}':>10}{'n/a' if w is None else f'{w:.2f}':>22}")
     print(f"cache {p.get('cache_full_bytes')} -> {p.get('cache_shrunk_bytes')} B; reaction "
           f"{p.get('reaction_seconds')} s (agent side {p.get('agent_reaction_seconds_mean')} s); "
           f"regrown {p.get('regrow_seconds_after_free')} s after the foreign memory was freed")

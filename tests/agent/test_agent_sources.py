@@ -115,7 +115,8 @@ def test_nvml_free_is_what_cuda_can_allocate():
         [r, *_] = src.read()
     finally:
         src.close()
-    assert r.total_bytes == total_cuda
+    # CUDA's total leaves out the driver's reserved memory (0.64 GB on the H200); NVML's does not.
+    assert 0 <= r.total_bytes - total_cuda < 2 << 30
     # Both read the same device a moment apart; this process's own context is already counted.
     assert abs((r.total_bytes - r.used_bytes) - free_cuda) < 64 << 20
 
