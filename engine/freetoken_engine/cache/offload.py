@@ -73,7 +73,7 @@ class OffloadedExperts:
             from ..kernels.triton.moe import moe_slots_forward
             from .device_control import DeviceControl
             from .prefetch import LayerStreamer as DoubleBuffered
-            self.control = DeviceControl.from_cache(cache)
+            self.control = DeviceControl.from_cache(cache, resizable=True)
             self.slots_forward = moe_slots_forward
             self.streamer: LayerStreamer = DoubleBuffered(bank, cache.device, cache)
         elif self.device.type == "cpu":
@@ -127,6 +127,12 @@ class OffloadedExperts:
             w13, w2 = self.streamer.layer(layer)
             fn = self.cpu_forward if w13.device.type == "cpu" and self.control is None else self.slots_forward
             return fn(x, w13, w2, pair_tok, pair_exp)
+        if self.cache.device.type == "cpu" and self.cache.capacity == self.bank.total_experts:
+            # Every expert fits and the cache's device is the host: the bank *is* the resident
+            # copy, so compute from it in place (no fills, no slot lookups). Each distinct
+            # routed expert counts as a hit (a token's top-k experts are distinct).
+            self.cache.stats.hits += k if t == 1 else int(torch.unique(pair_exp).numel())
+            return self.cpu_forward(x, self.bank.w13[layer], self.bank.w2[layer], pair_tok, pair_exp)
         if self.control is not None:
             pair_slot = self.control.step(layer, topk_ids).pair_slot       # on the device, no sync
             if self.cache.fill_fraction >= 1.0 and self.cache.capacity >= t * k:

@@ -19,6 +19,7 @@ from ..cache.kv import KVPool
 from ..cache.offload import OffloadedExperts
 from ..config import EngineConfig
 from ..errors import ConfigError
+from ..layers.linear import use_compiled_linears
 from ..models.build import build_model
 from ..models.loader import torch_dtype
 from ..models.tokenizer import load_tokenizer
@@ -51,6 +52,8 @@ class ModelRunner:
             from ..models.gguf_folder import gguf_folder
             folder = gguf_folder(folder)
         self.model, self.bank, self.mcfg = build_model(folder, self.dtype, self.device, progress)
+        if self.device.type == "cpu":
+            use_compiled_linears(self.model)     # decode projections at memory bandwidth
         eos = tuple(dict.fromkeys(_generation_eos(folder) + self.mcfg.eos_token_ids))
         self.tokenizer = load_tokenizer(folder, eos)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else eos

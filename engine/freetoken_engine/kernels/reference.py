@@ -50,3 +50,52 @@ def expert_pairs_forward(
         start += n
     grouped = torch.cat(outs)                              # [P, H] in expert order
     return torch.empty_like(grouped).index_copy_(0, order, grouped)
+
+
+def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense projection ``x [T, K] @ weight [N, K]^T (+ bias [N]) -> [T, N]`` in ``x.dtype``:
+    the specification of the compiled decode projection (``kernels/cpu/linear.py``)."""
+    return F.linear(x, weight, bias)
+
+
+def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension as layers/norm.py computes it: fp32 statistics; in bf16
+    the normalised row is rounded to bf16 and then multiplied by the weight (one more rounding)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
+    return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
+
+
+def decode_attention_forward(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                             q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
+                             cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, slot: torch.Tensor, kv_index: torch.Tensor,
+                             kv_len: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    """Attention of one new token per sequence over a paged KV pool (the compiled decode kernel's
+    specification, kernels/cpu/attention.py). Writes the new K/V into ``k_cache``/``v_cache`` at
+    ``slot`` and returns ``[B, heads * head_dim]`` in ``qkv.dtype``.
+
+    qkv [B, (h + 2 kvh) d] (q heads, k heads, v heads); q_norm / k_norm [d] per-head RMSNorm
+    weights or None; cos / signed sin [B, 1, d] (rotate-half as a roll, layers/rope.py); caches
+    [S, kvh, d]; kv_index [B, Lmax] slot of each position; kv_len [B] keys per sequence (the new
+    token included); the last ``window`` keys only when a window is given. Norm and rotary run
+    in the data type; scores, softmax and the weighted sum in fp32.
+    """
+    b, d = qkv.shape[0], head_dim
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k, v = q.reshape(b, heads, d), k.reshape(b, kv_heads, d), v.reshape(b, kv_heads, d)
+    if q_norm is not None:
+        q, k = rms_norm_forward(q, q_norm, eps), rms_norm_forward(k, k_norm, eps)
+    q = q * cos + torch.roll(q, d // 2, dims=-1) * sin
+    k = k * cos + torch.roll(k, d // 2, dims=-1) * sin
+    k_cache[slot], v_cache[slot] = k, v
+    out = []
+    for i in range(b):
+        n = int(kv_len[i])
+        lo = max(0, n - window) if window else 0
+        keys = k_cache[kv_index[i, lo:n]].float()                     # [L, kvh, d]
+        values = v_cache[kv_index[i, lo:n]].float()
+        qi = q[i].float().view(kv_heads, heads // kv_heads, d)        # [kvh, g, d]
+        probs = torch.softmax(torch.einsum("kgd,lkd->kgl", qi, keys) * scale, dim=-1)
+        out.append(torch.einsum("kgl,lkd->kgd", probs, values).reshape(-1))
+    return torch.stack(out).to(qkv.dtype)

@@ -9,10 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
+from ..kernels.cpu import attention as cpu_attention
+from .linear import linear
 from .norm import RMSNorm
 from .rope import Rotary, apply_rotary
 
@@ -30,6 +31,7 @@ class AttnBatch:
     q_max: int
     needs_mask: bool = True     # False when every query may see every key it reads (1-token decode)
     max_position: int | None = None   # max(positions), known on the host
+    kv_len: torch.Tensor | None = None  # [B] int64 keys of each sequence after this pass
     _masks: dict = field(default_factory=dict)
 
     @property
@@ -84,9 +86,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: AttnBatch, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if (batch.q_max == 1 and batch.kv_len is not None and self.qkv is not None and self.clip is None
+                and self.qk_norm != "full" and cpu_attention.supported(x, k_cache)):
+            # Decode on the CPU: norm, rotary, K/V write and attention in one compiled call.
+            head = self.qk_norm == "head"
+            out = cpu_attention.decode_attention(
+                linear(x, *self.qkv), self.h, self.kvh, self.d, self.q_norm.weight if head else None,
+                self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0, cos, sin,
+                k_cache, v_cache, batch.slot_mapping, batch.kv_index, batch.kv_len, self.window, self.scale)
+            return self.o_proj(out)
         t = x.shape[0]
         if self.qkv is not None:
-            q, k, v = F.linear(x, *self.qkv).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
+            q, k, v = linear(x, *self.qkv).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)      # [T, h*d], [T, kvh*d] x2
         if self.qk_norm == "full":

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .linear import linear
+
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, inter: int, bias: bool = False):
@@ -26,5 +28,5 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = F.linear(x, *self.gate_up).chunk(2, dim=-1)
+        gate, up = linear(x, *self.gate_up).chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

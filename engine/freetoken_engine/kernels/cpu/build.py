@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SRC_DIR = Path(__file__).resolve().parent
-SOURCES = ("experts.h", "experts.cpp", "experts_isa.cpp")
+SOURCES = ("experts.h", "simd.h", "experts.cpp", "experts_isa.cpp", "decode_isa.cpp")
 LIB_NAME = "libftexperts.so"
 
 _COMMON = ["-O3", "-std=c++17", "-fPIC", "-fno-strict-aliasing", "-w"]
@@ -38,6 +38,10 @@ _UNITS = (
     ("isa_avx2.o", "experts_isa.cpp", ["-DFT_ISA=1"] + _AVX2),
     ("isa_avx512.o", "experts_isa.cpp", ["-DFT_ISA=2"] + _AVX512),
     ("isa_avx512bf16.o", "experts_isa.cpp", ["-DFT_ISA=3"] + _AVX512 + ["-mavx512bf16"]),
+    ("decode_generic.o", "decode_isa.cpp", ["-DFT_ISA=0"]),
+    ("decode_avx2.o", "decode_isa.cpp", ["-DFT_ISA=1"] + _AVX2),
+    ("decode_avx512.o", "decode_isa.cpp", ["-DFT_ISA=2"] + _AVX512),
+    ("decode_avx512bf16.o", "decode_isa.cpp", ["-DFT_ISA=3"] + _AVX512 + ["-mavx512bf16"]),
 )
 # Static C++ runtime: the cached library then loads on hosts with another libstdc++.
 _LINK = ["-shared", "-pthread", "-static-libstdc++", "-static-libgcc"]
@@ -123,6 +127,12 @@ def load() -> ctypes.CDLL:
     lib.ft_experts_forward.restype = ci
     lib.ft_experts_forward.argtypes = [vp, ci, i64, i64, i64, vp, vp, ci, i64,
                                        i64, i64, i64, i64, vp, vp, i64, vp]
+    lib.ft_linear.restype = ci
+    lib.ft_linear.argtypes = [vp, ci, i64, i64, vp, ci, i64, i64, vp, vp]
+    lib.ft_rmsnorm.restype = ci
+    lib.ft_rmsnorm.argtypes = [vp, i64, i64, vp, ctypes.c_float, ci, vp]
+    lib.ft_attn.restype = ci
+    lib.ft_attn.argtypes = [vp]          # FtAttn* (kernels/cpu/attention.py)
     lib.ft_read_seconds.restype = ctypes.c_double
     lib.ft_read_seconds.argtypes = [vp, i64]
     return lib

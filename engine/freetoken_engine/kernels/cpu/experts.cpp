@@ -71,6 +71,18 @@ ft_stage_fn stage2_of(int isa) {
   ft_stage_fn f[] = {ft_stage2_generic, ft_stage2_avx2, ft_stage2_avx512, ft_stage2_avx512bf16};
   return f[isa];
 }
+ft_linear_fn linear_of(int isa) {
+  ft_linear_fn f[] = {ft_linear_generic, ft_linear_avx2, ft_linear_avx512, ft_linear_avx512bf16};
+  return f[isa];
+}
+ft_norm_fn norm_of(int isa) {
+  ft_norm_fn f[] = {ft_rmsnorm_generic, ft_rmsnorm_avx2, ft_rmsnorm_avx512, ft_rmsnorm_avx512bf16};
+  return f[isa];
+}
+ft_attn_fn attn_of(int isa) {
+  ft_attn_fn f[] = {ft_attn_generic, ft_attn_avx2, ft_attn_avx512, ft_attn_avx512bf16};
+  return f[isa];
+}
 typedef uint64_t (*ft_read_fn)(const void*, int64_t);
 ft_read_fn read_of(int isa) {
   ft_read_fn f[] = {ft_read_generic, ft_read_avx2, ft_read_avx512, ft_read_avx512bf16};
@@ -209,6 +221,43 @@ void exp_job(void* c, int tid, int n) {
   }
 }
 
+// Output rows in chunks of about 64 KiB of weights, handed out dynamically.
+struct LinJob {
+  const FtLinear* p;
+  ft_linear_fn fn;
+  int64_t chunk, total;
+  std::atomic<int64_t> next{0};
+};
+
+void lin_job(void* c, int tid, int n) {
+  (void)tid; (void)n;
+  LinJob* J = (LinJob*)c;
+  for (;;) {
+    const int64_t k = J->next.fetch_add(1, std::memory_order_relaxed);
+    if (k >= J->total) return;
+    const int64_t n0 = k * J->chunk, n1 = n0 + J->chunk < J->p->N ? n0 + J->chunk : J->p->N;
+    J->fn(J->p, n0, n1);
+  }
+}
+
+// Sequences handed out one at a time; each participant has its own scratch.
+struct AttnJob {
+  const FtAttn* p;
+  ft_attn_fn fn;
+  int64_t per;                     // scratch floats per participant
+  std::atomic<int64_t> next{0};
+};
+
+void attn_job(void* c, int tid, int n) {
+  (void)n;
+  AttnJob* J = (AttnJob*)c;
+  for (;;) {
+    const int64_t b = J->next.fetch_add(1, std::memory_order_relaxed);
+    if (b >= J->p->B) return;
+    J->fn(J->p, b, b + 1, J->p->scratch + tid * J->per);
+  }
+}
+
 struct ReadJob {
   const char* p;
   int64_t bytes;
@@ -233,7 +282,7 @@ void read_job(void* c, int tid, int n) {
 }
 
 std::vector<int64_t> s_done1, s_cnt, s_gexp, s_gstart, s_gcount, s_sorted;
-std::vector<float> s_xf, s_act;
+std::vector<float> s_xf, s_act, s_attn;
 std::vector<uint16_t> s_actb;
 
 }  // namespace
@@ -343,6 +392,72 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
   s_done1.assign(p.n_groups, 0);
   J.done1 = s_done1.data();
   pool_run(pool_get(), exp_job, &J);
+  return 0;
+}
+
+// out[t, n] = sum_k w[n, k] x[t, k] (+ bias[n]) for T tokens (see kernels/cpu/linear.py).
+// x: [T, K] contiguous, bf16 or fp32; w: [N, K] with row stride w_rs, bf16 or fp32; bias: [N] in
+// the weight's dtype or null; out: [T, N] contiguous in x's dtype.
+int ft_linear(const void* x, int x_bf16, int64_t T, int64_t K, const void* w, int w_bf16,
+              int64_t N, int64_t w_rs, const void* bias, void* out) {
+  std::lock_guard<std::mutex> lk(g_call);
+  if (g_isa < 0) g_isa = detect_isa();
+  if (T <= 0 || N <= 0) return 0;
+  FtLinear p;
+  memset(&p, 0, sizeof p);
+  p.T = T; p.K = K; p.N = N; p.w = w; p.w_bf16 = w_bf16; p.w_rs = w_rs; p.bias = bias;
+  p.out = out; p.out_bf16 = x_bf16; p.prefetch = g_prefetch;
+  if (x_bf16 && w_bf16 && g_isa == ISA_AVX512BF16) {
+    p.xb = (const uint16_t*)x;
+  } else if (x_bf16) {
+    s_xf.resize(T * K);
+    const uint16_t* xb = (const uint16_t*)x;
+    for (int64_t i = 0; i < T * K; ++i) {
+      uint32_t u = (uint32_t)xb[i] << 16;
+      memcpy(&s_xf[i], &u, 4);
+    }
+    p.xf = s_xf.data();
+  } else {
+    p.xf = (const float*)x;
+  }
+  LinJob J;
+  J.p = &p;
+  J.fn = linear_of(g_isa);
+  J.chunk = (65536 / (K * (w_bf16 ? 2 : 4))) & ~int64_t(3);
+  if (J.chunk < 4) J.chunk = 4;
+  J.total = (N + J.chunk - 1) / J.chunk;
+  if (g_threads == 1 || J.total == 1) J.fn(&p, 0, N);   // no pool round trip for one participant
+  else pool_run(pool_get(), lin_job, &J);
+  return 0;
+}
+
+// RMSNorm rows (see FtNorm in experts.h); one participant (a few rows of a decode step).
+int ft_rmsnorm(const void* x, int64_t T, int64_t H, const void* w, float eps, int bf16, void* out) {
+  std::lock_guard<std::mutex> lk(g_call);
+  if (g_isa < 0) g_isa = detect_isa();
+  FtNorm p = {T, H, x, w, eps, bf16, out};
+  norm_of(g_isa)(&p);
+  return 0;
+}
+
+// Decode attention (see FtAttn in experts.h). The caller fills every field but scratch.
+int ft_attn(FtAttn* p) {
+  std::lock_guard<std::mutex> lk(g_call);
+  if (g_isa < 0) g_isa = detect_isa();
+  if (p->h % p->kvh != 0 || p->d % 2 != 0) {
+    snprintf(g_err, sizeof g_err, "heads %lld not a multiple of kv heads %lld, or odd head_dim %lld",
+             (long long)p->h, (long long)p->kvh, (long long)p->d);
+    return -1;
+  }
+  AttnJob J;
+  J.p = p;
+  J.fn = attn_of(g_isa);
+  J.per = (p->h / p->kvh) * p->lmax + (p->h + 3) * p->d + 16;
+  const int n = p->B > 1 ? g_threads : 1;
+  s_attn.resize((size_t)(J.per * n));
+  p->scratch = s_attn.data();
+  if (n == 1) J.fn(p, 0, p->B, p->scratch);
+  else pool_run(pool_get(), attn_job, &J);
   return 0;
 }
 

@@ -46,6 +46,74 @@ void ft_stage1_avx512(const FtProblem*, int64_t, int64_t, int64_t);
 void ft_stage2_avx512(const FtProblem*, int64_t, int64_t, int64_t);
 void ft_stage1_avx512bf16(const FtProblem*, int64_t, int64_t, int64_t);
 void ft_stage2_avx512bf16(const FtProblem*, int64_t, int64_t, int64_t);
+
+// A dense projection of a few tokens (decode): out[t, n] = sum_k w[n, k] x[t, k] (+ bias[n]),
+// fp32 accumulation, rounded once to bf16 when out_bf16.
+struct FtLinear {
+  int64_t T, K, N;              // tokens, input features, output features
+  const void* w;                // [N, K] rows of K, bf16 or fp32
+  int w_bf16;
+  int64_t w_rs;                 // row stride (elements)
+  const void* bias;             // [N] in the weight's dtype, or null
+  const float* xf;              // [T, K] fp32 (fp32 paths)
+  const uint16_t* xb;           // [T, K] bf16 (bf16-dot path), else null
+  void* out;                    // [T, N], contiguous
+  int out_bf16;
+  int64_t prefetch;
+};
+
+// RMSNorm of T rows of H: out = x * rsqrt(mean(x^2) + eps) * w, computed in fp32; with bf16
+// data the normalised row is rounded to bf16 before the weight multiplies it (as the reference).
+struct FtNorm {
+  int64_t T, H;
+  const void* x;                // [T, H] contiguous
+  const void* w;                // [H]
+  float eps;
+  int bf16;                     // 1: x, w, out are bf16; 0: fp32
+  void* out;                    // [T, H]
+};
+
+// Attention of one new token per sequence (decode) over a paged KV pool, for sequences
+// [b0, b1): optional per-head RMSNorm of q and k, rotary embedding, K/V written to their slots,
+// then softmax(q k^T * scale) v over the sequence's keys, all in fp32 (see kernels/cpu/attention.py).
+struct FtAttn {
+  int64_t B, h, kvh, d;
+  const void* qkv;              // [B, (h + 2 kvh) d] rows: q heads, then k heads, then v heads
+  const void* qn_w;             // [d] per-head q RMSNorm weight, or null
+  const void* kn_w;             // [d] per-head k RMSNorm weight, or null
+  float eps;
+  const void* cos;              // [B, d]
+  const void* sin;              // [B, d] signed sin (first half negated): rotate-half as a roll
+  void* k_cache;                // [S, kvh, d]
+  void* v_cache;                // [S, kvh, d]
+  const int64_t* slot;          // [B] slot of the new token
+  const int64_t* kv_index;      // [B, lmax] slot of each position
+  int64_t lmax;
+  const int64_t* kv_len;        // [B] keys of each sequence (the new token included)
+  int64_t window;               // sliding window (0: none)
+  float scale;
+  int bf16;                     // 1: every tensor above is bf16 (indices aside); 0: fp32
+  void* out;                    // [B, h d]
+  float* scratch;               // >= (h / kvh) * lmax + 2 (h + kvh) d floats per participant
+};
+
+typedef void (*ft_norm_fn)(const FtNorm*);
+typedef void (*ft_attn_fn)(const FtAttn*, int64_t b0, int64_t b1, float* scratch);
+void ft_rmsnorm_generic(const FtNorm*);
+void ft_rmsnorm_avx2(const FtNorm*);
+void ft_rmsnorm_avx512(const FtNorm*);
+void ft_rmsnorm_avx512bf16(const FtNorm*);
+void ft_attn_generic(const FtAttn*, int64_t, int64_t, float*);
+void ft_attn_avx2(const FtAttn*, int64_t, int64_t, float*);
+void ft_attn_avx512(const FtAttn*, int64_t, int64_t, float*);
+void ft_attn_avx512bf16(const FtAttn*, int64_t, int64_t, float*);
+
+// Output features [n0, n1) for every token.
+typedef void (*ft_linear_fn)(const FtLinear*, int64_t n0, int64_t n1);
+void ft_linear_generic(const FtLinear*, int64_t, int64_t);
+void ft_linear_avx2(const FtLinear*, int64_t, int64_t);
+void ft_linear_avx512(const FtLinear*, int64_t, int64_t);
+void ft_linear_avx512bf16(const FtLinear*, int64_t, int64_t);
 }
 
 extern "C" {

@@ -1,0 +1,194 @@
+// Per-ISA decode kernels (compiled once per instruction set by build.py, like experts_isa.cpp):
+// the dense projection of a few tokens (ft_linear), RMSNorm (ft_rmsnorm) and the attention of
+// one new token per sequence over the paged KV pool (ft_attn). Decode is bounded by reading
+// weights (linear) or by per-op overhead (norm, attention): each replaces a chain of torch ops
+// with one call that touches its data once.
+#include "simd.h"
+
+namespace {
+
+// Dense projection rows [n0, n1) for every token, NR rows at a time (more streams in flight).
+template <bool WB>
+void linear_rows(const FtLinear* p, int64_t n0, int64_t n1) {
+  enum { NR = 4 };
+  const int64_t K = p->K, N = p->N, es = WB ? 2 : 4;
+  const char* base = (const char*)p->w;
+  const int64_t rs = p->w_rs * es;
+  for (int64_t tb = 0; tb < p->T; tb += NTMAX) {
+    const int nt = (int)(p->T - tb < NTMAX ? p->T - tb : NTMAX);
+    const float* xs[NTMAX];
+#if FT_ISA == 3
+    const uint16_t* xbs[NTMAX];
+#endif
+    for (int t = 0; t < nt; ++t) {
+      xs[t] = p->xf ? p->xf + (tb + t) * K : 0;
+#if FT_ISA == 3
+      xbs[t] = p->xb ? p->xb + (tb + t) * K : 0;
+#endif
+    }
+    for (int64_t n = n0; n < n1; n += NR) {
+      const int nr = (int)(n1 - n < NR ? n1 - n : NR);
+      const void* rows[NR];
+      for (int r = 0; r < NR; ++r) rows[r] = base + (n + (r < nr ? r : 0)) * rs;
+      float o[NR][NTMAX];
+#if FT_ISA == 3
+      if (p->xb) {
+        const uint16_t* const* rb = (const uint16_t* const*)rows;
+        if (nr == NR) dotn_bf<NR>(nt, rb, xbs, K, p->prefetch, o);
+        else for (int r = 0; r < nr; ++r) dotn_bf<1>(nt, rb + r, xbs, K, p->prefetch, o + r);
+      } else
+#endif
+      if (nr == NR) {
+        dotn<NR, WB>(nt, rows, xs, K, p->prefetch, o);
+      } else {
+        for (int r = 0; r < nr; ++r) dotn<1, WB>(nt, rows + r, xs, K, p->prefetch, o + r);
+      }
+      for (int r = 0; r < nr; ++r) {
+        const float b = p->bias ? sw<WB>(p->bias, n + r) : 0.f;
+        for (int t = 0; t < nt; ++t) {
+          const float v = o[r][t] + b;
+          const int64_t at = (tb + t) * N + n + r;
+          if (p->out_bf16) ((uint16_t*)p->out)[at] = f2bf(v);
+          else ((float*)p->out)[at] = v;
+        }
+      }
+    }
+  }
+}
+
+template <bool B16>
+inline float ld(const void* p, int64_t i) {
+  return B16 ? bf2f(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+
+template <bool B16>
+inline void st(void* p, int64_t i, float v) {
+  if (B16) ((uint16_t*)p)[i] = f2bf(v);
+  else ((float*)p)[i] = v;
+}
+
+// Rounds to the data type (identity for fp32): where the reference rounds an intermediate.
+template <bool B16>
+inline float rd(float v) { return B16 ? rbf(v) : v; }
+
+template <bool B16>
+float sum_squares(const void* x, int64_t n) {
+  vf acc = vzero();
+  int64_t k = 0;
+  for (; k + VW <= n; k += VW) {
+    const vf v = vw<B16>(x, k);
+    acc = vfma(v, v, acc);
+  }
+  float s = vsum(acc);
+  for (; k < n; ++k) s += ld<B16>(x, k) * ld<B16>(x, k);
+  return s;
+}
+
+template <bool B16>
+void rmsnorm(const FtNorm* p) {
+  for (int64_t t = 0; t < p->T; ++t) {
+    const void* x = (const char*)p->x + t * p->H * (B16 ? 2 : 4);
+    const float r = 1.f / sqrtf(sum_squares<B16>(x, p->H) / (float)p->H + p->eps);
+    for (int64_t i = 0; i < p->H; ++i)
+      st<B16>(p->out, t * p->H + i, ld<B16>(p->w, i) * rd<B16>(ld<B16>(x, i) * r));
+  }
+}
+
+// One head of d values -> fp32 dst: optional RMSNorm (weight w), then the rotary embedding,
+// rounding to the data type wherever the reference (layers/norm.py, layers/rope.py) does.
+template <bool B16>
+void norm_rope(const void* src, const void* w, float eps, const void* cos, const void* sin,
+               int64_t d, float* tmp, float* dst) {
+  float r = 1.f;
+  if (w) r = 1.f / sqrtf(sum_squares<B16>(src, d) / (float)d + eps);
+  for (int64_t i = 0; i < d; ++i) {
+    const float x = ld<B16>(src, i);
+    tmp[i] = w ? rd<B16>(ld<B16>(w, i) * rd<B16>(x * r)) : x;
+  }
+  const int64_t half = d / 2;
+  for (int64_t i = 0; i < d; ++i) {
+    const float a = rd<B16>(tmp[i] * ld<B16>(cos, i));
+    const float b = rd<B16>(tmp[(i + half) % d] * ld<B16>(sin, i));
+    dst[i] = rd<B16>(a + b);
+  }
+}
+
+template <bool B16>
+float dot(const float* q, const void* k, int64_t d) {
+  vf acc = vzero();
+  int64_t i = 0;
+  for (; i + VW <= d; i += VW) acc = vfma(vld(q + i), vw<B16>(k, i), acc);
+  float s = vsum(acc);
+  for (; i < d; ++i) s += q[i] * ld<B16>(k, i);
+  return s;
+}
+
+template <bool B16>
+void attn(const FtAttn* p, int64_t b0, int64_t b1, float* scratch) {
+  const int64_t h = p->h, kvh = p->kvh, d = p->d, grp = h / kvh, es = B16 ? 2 : 4;
+  const int64_t row = (h + 2 * kvh) * d;
+  float* qf = scratch;                 // [h, d] normed + rotated queries
+  float* kf = qf + h * d;              // [d]
+  float* tmp = kf + d;                 // [d]
+  float* acc = tmp + d;                // [d]
+  float* sc = acc + d;                 // [grp, lmax] scores, then probabilities
+  for (int64_t b = b0; b < b1; ++b) {
+    const char* x = (const char*)p->qkv + b * row * es;
+    const void* cs = (const char*)p->cos + b * d * es;
+    const void* sn = (const char*)p->sin + b * d * es;
+    const int64_t slot = p->slot[b];
+    for (int64_t g = 0; g < kvh; ++g) {          // the new token's K (normed, rotated) and V
+      norm_rope<B16>(x + (h + g) * d * es, p->kn_w, p->eps, cs, sn, d, tmp, kf);
+      const void* v = x + (h + kvh + g) * d * es;
+      for (int64_t i = 0; i < d; ++i) {
+        st<B16>(p->k_cache, (slot * kvh + g) * d + i, kf[i]);
+        st<B16>(p->v_cache, (slot * kvh + g) * d + i, ld<B16>(v, i));
+      }
+    }
+    for (int64_t hq = 0; hq < h; ++hq)
+      norm_rope<B16>(x + hq * d * es, p->qn_w, p->eps, cs, sn, d, tmp, qf + hq * d);
+    const int64_t len = p->kv_len[b];
+    const int64_t lo = p->window > 0 && len > p->window ? len - p->window : 0;
+    const int64_t* idx = p->kv_index + b * p->lmax;
+    for (int64_t g = 0; g < kvh; ++g) {
+      for (int64_t j = lo; j < len; ++j) {
+        const void* key = (const char*)p->k_cache + (idx[j] * kvh + g) * d * es;
+        for (int64_t q = 0; q < grp; ++q) sc[q * p->lmax + j] = dot<B16>(qf + (g * grp + q) * d, key, d) * p->scale;
+      }
+      for (int64_t q = 0; q < grp; ++q) {
+        float* s = sc + q * p->lmax;
+        float m = s[lo];
+        for (int64_t j = lo + 1; j < len; ++j) m = s[j] > m ? s[j] : m;
+        float z = 0.f;
+        for (int64_t j = lo; j < len; ++j) {
+          s[j] = expf(s[j] - m);
+          z += s[j];
+        }
+        for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
+        for (int64_t j = lo; j < len; ++j) {
+          const void* v = (const char*)p->v_cache + (idx[j] * kvh + g) * d * es;
+          const float w = s[j] / z;
+          for (int64_t i = 0; i < d; ++i) acc[i] += w * ld<B16>(v, i);
+        }
+        for (int64_t i = 0; i < d; ++i) st<B16>(p->out, b * h * d + (g * grp + q) * d + i, acc[i]);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" void FT_SUFFIX(ft_linear)(const FtLinear* p, int64_t n0, int64_t n1) {
+  if (p->w_bf16) linear_rows<true>(p, n0, n1);
+  else linear_rows<false>(p, n0, n1);
+}
+
+extern "C" void FT_SUFFIX(ft_rmsnorm)(const FtNorm* p) {
+  if (p->bf16) rmsnorm<true>(p);
+  else rmsnorm<false>(p);
+}
+
+extern "C" void FT_SUFFIX(ft_attn)(const FtAttn* p, int64_t b0, int64_t b1, float* scratch) {
+  if (p->bf16) attn<true>(p, b0, b1, scratch);
+  else attn<false>(p, b0, b1, scratch);
+}

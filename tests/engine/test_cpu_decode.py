@@ -1,0 +1,172 @@
+"""Compiled decode kernels (kernels/cpu/linear.py, norm.py, attention.py) against the PyTorch
+reference (kernels/reference.py), on every instruction set this CPU runs.
+
+Tolerances (the modules' contracts): projection fp32 ``|y - ref| <= 1e-5 (|x|.|w|) + 1e-6`` per
+element (summation order only), bf16 ``|y - ref32| <= 2^-8 |ref32| + 1e-5 (|x|.|w|)`` against the
+fp32 reference of the same bf16 inputs (one final rounding); RMSNorm bf16 ``|y - ref| <= 2^-7 |ref| + 1e-6``; attention
+fp32 ``|y - ref| <= 1e-5 max|ref| + 1e-6``, bf16 ``|y - ref32| <= 2^-7 max|ref32|`` against the
+fp32 reference of the same inputs; the K/V written to the cache equal the reference's.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from freetoken_engine.kernels import cpu_experts as ce
+from freetoken_engine.kernels.cpu import attention as ca
+from freetoken_engine.kernels.cpu import linear as cl
+from freetoken_engine.kernels.cpu.norm import rms_norm
+from freetoken_engine.kernels.reference import decode_attention_forward, linear_forward, rms_norm_forward
+from freetoken_engine.layers.linear import Linear, use_compiled_linears
+
+pytestmark = pytest.mark.skipif(not ce.available(), reason="compiled CPU kernel unavailable")
+
+
+@pytest.fixture
+def isas():
+    before = ce.configure()
+    best = ce.cpu_features()["best_isa"]
+    yield ce.ISAS[: ce.ISAS.index(best) + 1]
+    ce.configure(threads=before.threads, isa=before.isa)
+
+
+def _check_linear(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    ref32 = linear_forward(x.float(), w.float(), None if b is None else b.float())
+    mag = x.float().abs() @ w.float().abs().T + (0 if b is None else b.float().abs())
+    assert y.shape == ref32.shape and y.dtype == x.dtype
+    if x.dtype == torch.float32:
+        tol = 1e-5 * mag + 1e-6
+    else:
+        tol = 2.0 ** -8 * ref32.abs() + 1e-5 * mag
+    err = (y.float() - ref32).abs()
+    assert bool((err <= tol).all()), f"max error {err.max():.3g}, worst ratio {(err / tol).max():.3g}"
+
+
+LINEAR_SHAPES = [(1, 64, 16), (1, 1000, 37), (3, 257, 129), (8, 576, 1000), (5, 1024, 3072)]   # T, K, N
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("shape", LINEAR_SHAPES, ids=lambda s: "T%d_K%d_N%d" % s)
+def test_linear_matches_reference(isas, shape, bias, dtype):
+    t, k, n = shape
+    g = torch.Generator().manual_seed(t * k + n)
+    x = torch.randn(t, k, generator=g).to(dtype)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    for isa in isas:
+        ce.configure(isa=isa)
+        _check_linear(cl.linear(x, w, b), x, w, b)
+
+
+def test_linear_strided_rows_and_threads_give_the_same_bits(isas):
+    """A weight view with a row stride (a slice of a fused matrix) is read in place, and the
+    result does not depend on the thread count."""
+    big = torch.randn(300, 200).to(torch.bfloat16)
+    w = big[:, 8:136]                                   # [300, 128], row stride 200
+    x = torch.randn(2, 128).to(torch.bfloat16)
+    ce.configure(threads=1)
+    one = cl.linear(x, w)
+    ce.configure(threads=2)
+    assert torch.equal(cl.linear(x, w), one)
+    _check_linear(one, x, w, None)
+
+
+def test_linear_other_cases_are_exactly_f_linear():
+    """Prefill-sized batches, other dtypes and autograd go to F.linear unchanged."""
+    w = torch.randn(48, 32)
+    x = torch.randn(cl.MAX_TOKENS + 1, 32)
+    assert torch.equal(cl.linear(x, w), torch.nn.functional.linear(x, w))
+    x = torch.randn(1, 32, dtype=torch.float64)
+    assert torch.equal(cl.linear(x, w.double()), torch.nn.functional.linear(x, w.double()))
+    wg = w.clone().requires_grad_()
+    y = cl.linear(torch.randn(1, 32), wg)
+    assert y.requires_grad
+
+
+def test_model_linears_are_swapped_in_place():
+    model = nn.Sequential(nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 4, bias=False))
+    x = torch.randn(1, 16)
+    with torch.inference_mode():
+        want = model(x)
+        assert use_compiled_linears(model) == 2
+        assert all(isinstance(m, Linear) for m in (model[0], model[2]))
+        assert torch.allclose(model(x), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(1, 1024), (3, 37), (2, 8)])
+def test_rms_norm_bf16_matches_reference(isas, shape):
+    g = torch.Generator().manual_seed(shape[1])
+    x = (3 * torch.randn(*shape, generator=g)).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(shape[1], generator=g)).to(torch.bfloat16)
+    ref = rms_norm_forward(x, w, 1e-6).float()
+    for isa in isas:
+        ce.configure(isa=isa)
+        y = rms_norm(x, w, 1e-6)
+        assert y.dtype == torch.bfloat16 and y.shape == x.shape
+        assert bool(((y.float() - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-6).all())
+
+
+def _attention_problem(lens, h, kvh, d, dtype, qk_norm, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    b, block, slots = len(lens), 4, 96
+    qkv = torch.randn(b, (h + 2 * kvh) * d, generator=g).to(dtype)
+    k_cache = torch.randn(slots, kvh, d, generator=g).to(dtype)
+    v_cache = torch.randn(slots, kvh, d, generator=g).to(dtype)
+    lmax = max(lens)
+    perm = torch.randperm(slots // block, generator=g)         # scattered blocks, none shared
+    kv_index = torch.zeros(b, lmax, dtype=torch.int64)
+    for i, n in enumerate(lens):
+        p = torch.arange(n)
+        kv_index[i, :n] = perm[i * 6 + p // block] * block + p % block
+    slot = kv_index[torch.arange(b), torch.tensor(lens) - 1].clone()
+    ang = torch.rand(b, 1, d // 2, generator=g) * 6
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
+    sin = torch.cat([-ang.sin(), ang.sin()], -1).to(dtype)
+    norms = ((1 + 0.1 * torch.randn(d, generator=g)).to(dtype), (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)) \
+        if qk_norm else (None, None)
+    return [qkv, h, kvh, d, *norms, 1e-6, cos, sin, k_cache, v_cache, slot, kv_index,
+            torch.tensor(lens, dtype=torch.int64)]
+
+
+CASES = [  # lens per sequence, heads, kv heads, head_dim, window
+    ((5,), 4, 2, 8, None),
+    ((1,), 2, 2, 16, None),
+    ((17, 3, 9), 16, 4, 128, None),
+    ((23, 2), 8, 1, 64, 6),
+]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qknorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "L%s_h%d_kv%d_d%d_w%s" % (
+    "-".join(map(str, c[0])), *c[1:]))
+def test_decode_attention_matches_reference(isas, case, dtype, qk_norm):
+    lens, h, kvh, d, window = case
+    args = _attention_problem(lens, h, kvh, d, dtype, qk_norm)
+    scale = d ** -0.5
+    ref_k, ref_v = args[9].clone(), args[10].clone()
+    want = decode_attention_forward(*args[:9], ref_k, ref_v, *args[11:], window, scale)
+    ref32 = decode_attention_forward(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a
+                                       for a in args], window, scale)
+    for isa in isas:
+        ce.configure(isa=isa)
+        k_cache, v_cache = args[9].clone(), args[10].clone()
+        got = ca.decode_attention(*args[:9], k_cache, v_cache, *args[11:], window, scale)
+        assert got.dtype == dtype and got.shape == want.shape
+        assert torch.equal(v_cache, ref_v)
+        assert (k_cache.float() - ref_k.float()).abs().max() <= (0 if dtype == torch.float32 else 2.0 ** -7) \
+            * ref_k.float().abs().max() + 1e-6
+        scale_ref = ref32.abs().max()
+        tol = 1e-5 * scale_ref + 1e-6 if dtype == torch.float32 else 2.0 ** -7 * scale_ref
+        assert (got.float() - ref32).abs().max() <= tol, isa
+
+
+def test_multi_sequence_batch_is_independent_of_threads(isas):
+    args = _attention_problem((17, 3, 9), 8, 2, 64, torch.float32, True)
+    outs = []
+    for threads in (1, 2):
+        ce.configure(threads=threads)
+        outs.append(ca.decode_attention(*args[:9], args[9].clone(), args[10].clone(), *args[11:], None, 0.125))
+    assert torch.equal(outs[0], outs[1])
