@@ -17,16 +17,21 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
   optional, --policies lru+sync: (d)'s per-layer host round trip with every miss filled, so
               that lru+sync minus lru is the measured cost of not capturing the CPU branch
 Routing: uniform random (worst case) and a locality model (per-layer Zipf popularity, each of
-the previous token's experts kept with probability `overlap`). Decode at batch 1 and 4;
-prefill at 4k/8k/16k tokens with the double-buffered streamer vs a single buffer.
+the previous token's experts kept with probability `keep`; both fitted to the default model's
+measured routing statistics, bench/results/default_model.json). Decode at batch 1 and 4;
+prefill at 4k/8k/16k tokens with the double-buffered streamer vs a single buffer. The CPU side
+of (b) and (d) is the engine's CPU expert path (the registry default: the compiled kernel).
 
 Bandwidth-model bound of each row, per token, summed over layers, from the counts the row
 measured: (a) active bytes / B_hbm; (b) GPU layers' active bytes / B_hbm + CPU layers' active
-bytes / B_cpu; (c) filled bytes / B_pcie + active bytes / B_hbm; (d) per layer
-max(filled / B_pcie, cpu bytes / B_cpu) + GPU-computed bytes / B_hbm, with B_pcie and B_cpu
-measured while both run at once. Prefill bound: bytes over PCIe / B_pcie.
+bytes / B_cpu; (c) filled bytes / B_pcie + active bytes / B_hbm; (d) missed bytes /
+(B_pcie + B_cpu) + GPU-computed bytes / B_hbm: the misses split as if divisible, with B_pcie
+and B_cpu measured while both run at once (the larger of each side's concurrent measurements).
+For (d) two looser diagnostics are reported too: the best whole-expert split per layer call
+(sum of min_q max(q / B_pcie, (m - q) / B_cpu)) and the split the policy chose.
+Prefill bound: bytes over PCIe / B_pcie.
 
-Usage: python bench/gpu_offload.py [--quick] [--out bench/results/gpu_offload.json]
+Usage: python bench/gpu_offload.py [--quick] [--layers N] [--models ...] [--out bench/results/gpu_offload.json]
 """
 from __future__ import annotations
 
@@ -42,152 +47,11 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from offload_workload import CUDA, MODELS, ROOT, Bank, make_routing, routing_params  # noqa: E402
-from offload_measure import _capture, _Token, bandwidths, combine, control_step_us, tune_decode  # noqa: E402
-from freetoken_engine.cache.device_control import DeviceControl  # noqa: E402
+from offload_workload import CUDA, MODELS, ROOT, Bank, make_routing, routing_params, routing_stats  # noqa: E402
+from offload_measure import bandwidths, combine, control_step_us, tune_decode, tune_gather  # noqa: E402
+from offload_decode import check_cpu_branch, decode_row  # noqa: E402
 from freetoken_engine.cache.prefetch import LayerStreamer  # noqa: E402
-from freetoken_engine.kernels.triton.gather import gather_fill_rows  # noqa: E402
 from freetoken_engine.kernels.triton.moe import moe_slots_forward  # noqa: E402
-
-
-def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int, bw: dict, cpu_fn) -> dict:
-    """Decode ``ids [n_tok, L, T, k]`` under ``policy``; time the tokens after ``warm``."""
-    m = bank.model
-    L, E, k, se = m["layers"], m["experts"], m["top_k"], m["expert_bytes"]
-    n_tok, batch = ids.shape[0], ids.shape[2]
-    st = _Token(bank, batch)
-    distinct = torch.tensor([[len(set(ids[t, l].flatten().tolist())) for l in range(L)] for t in range(n_tok)])
-    ctl = None
-    if policy in ("all", "static"):
-        pool13, pool2 = bank.all_resident()
-        n_gpu = L if policy == "all" else min(slots // E, L)
-        slots = n_gpu * E
-
-        def gpu_layers():
-            for l in range(n_gpu):
-                rows = moe_slots_forward(st.x[l], pool13, pool2, st.tok, st.ids[l].view(-1) + l * E, out=st.rows[l])
-                st.combine(l, rows)
-
-        ev = torch.cuda.Event()
-        h_x = torch.zeros(batch, m["hidden"], dtype=torch.bfloat16).pin_memory()
-        h_rows = torch.zeros(st.P, m["hidden"], dtype=torch.bfloat16).pin_memory()
-
-        def token(graph):
-            if graph is not None:
-                graph.replay()
-            else:
-                gpu_layers()
-            for l in range(n_gpu, L):                   # CPU layers: all their experts on the CPU
-                h_x.copy_(st.x[l], non_blocking=True)
-                ev.record()
-                ev.synchronize()
-                h_rows.copy_(cpu_fn(h_x, bank.w13[l], bank.w2[l], st.h_tok, st.h_ids_in[l].view(-1)))
-                st.rows[l].copy_(h_rows, non_blocking=True)
-                st.combine(l, st.rows[l])
-    else:
-        w13s = torch.empty((slots, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
-        w2s = torch.empty((slots, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
-        minus = lambda n: torch.full((n,), -1, dtype=torch.int64, device=CUDA)  # noqa: E731
-        ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots), minus(slots), 0,
-                            bw["fill_fraction"] if policy == "lru+q*" else 1.0)
-        if policy == "lru":
-            def gpu_layers():
-                for l in range(L):
-                    out = ctl.step(l, st.ids[l])
-                    st.combine(l, moe_slots_forward(st.x[l], w13s, w2s, st.tok, out.pair_slot, out=st.rows[l]))
-
-            def token(graph):
-                graph.replay() if graph is not None else gpu_layers()
-        else:
-            h_ps = torch.zeros(L, st.P, dtype=torch.int64).pin_memory()
-            h_x = torch.zeros(batch, m["hidden"], dtype=torch.bfloat16).pin_memory()
-            h_rows = torch.zeros(st.P, m["hidden"], dtype=torch.bfloat16).pin_memory()
-            d_rows = torch.zeros(st.P, m["hidden"], dtype=torch.bfloat16, device=CUDA)
-            gpu_rows = torch.zeros(st.P, m["hidden"], dtype=torch.bfloat16, device=CUDA)
-            ev = torch.cuda.Event()
-
-            def seg_a(l):              # control step; what the CPU branch needs goes to the host
-                out = ctl.step(l, st.ids[l], copy=False)
-                h_ps[l].copy_(out.pair_slot, non_blocking=True)
-                h_x.copy_(st.x[l], non_blocking=True)
-
-            def seg_b(l):              # fills over PCIe, then the GPU's experts
-                out = ctl.outputs(st.P)
-                gather_fill_rows(bank.w13, bank.w2, w13s, w2s, l, out.fill_exp, out.fill_slot)
-                moe_slots_forward(st.x[l], w13s, w2s, st.tok, out.pair_slot, out=gpu_rows)
-
-            def seg_c(l):              # CPU rows in, select per pair, reduce over k in fixed order
-                d_rows.copy_(h_rows, non_blocking=True)
-                sel = (ctl.outputs(st.P).pair_slot >= 0)[:, None]
-                torch.where(sel, gpu_rows, d_rows, out=st.rows[l])
-                st.combine(l, st.rows[l])
-                if l + 1 < L:
-                    seg_a(l + 1)       # the next layer's control step joins the same graph
-
-            def token(graphs):
-                graphs[L][0].replay() if graphs else seg_a(0)
-                ev.record()
-                for l in range(L):
-                    graphs[l][0].replay() if graphs else seg_b(l)
-                    ev.synchronize()    # control step done: the CPU works while fills + GPU run
-                    cpu = h_ps[l] < 0
-                    if bool(cpu.any()):
-                        h_rows[cpu] = cpu_fn(h_x, bank.w13[l], bank.w2[l], st.h_tok[cpu], st.h_ids_in[l].view(-1)[cpu])
-                    graphs[l][1].replay() if graphs else seg_c(l)
-                    ev.record()
-
-    ids_dev = ids.to(CUDA)
-    st.load_ids(ids_dev, ids, 0)
-    token(None)                                            # compiles every kernel; first warm token
-    torch.cuda.synchronize()
-    if policy in ("lru+q*", "lru+sync"):
-        graphs = [[_capture(lambda f=f, l=l: f(l)) for f in (seg_b, seg_c)] for l in range(L)]
-        graphs.append([_capture(lambda: seg_a(0))])
-    elif policy == "static" and n_gpu == 0:
-        graphs = None
-    else:
-        graphs = _capture(gpu_layers)
-    for t in range(1, warm):
-        st.load_ids(ids_dev, ids, t)
-        token(graphs)
-    torch.cuda.synchronize()
-    before = ctl.counters() if ctl else None
-    t0 = time.perf_counter()
-    for t in range(warm, n_tok):
-        st.load_ids(ids_dev, ids, t)
-        token(graphs)
-    torch.cuda.synchronize()
-    secs = (time.perf_counter() - t0) / (n_tok - warm)
-    if not torch.isfinite(st.x[L].float()).all():
-        raise RuntimeError(f"{policy}: non-finite hidden state")
-    # bandwidth-model bound for this row's measured counts
-    hbm, pcie, cpu_b = bw["hbm_copy_gbps"] * 1e9, bw["pcie_h2d_gbps"] * 1e9, bw["cpu_expert_gbps"] * 1e9
-    d_meas = distinct[warm:].float()
-    shared_t = L * bank.shared_bytes * 1.0 / hbm
-    res = {"policy": policy, "cache_slots": slots, "cache_fraction": slots / (L * E), "seconds_per_step": secs,
-           "tok_s": batch / secs}
-    if policy in ("all", "static"):
-        n_gpu_l = slots // E
-        bound = (d_meas[:, :n_gpu_l].sum() * se / hbm + d_meas[:, n_gpu_l:].sum() * se / cpu_b) / (n_tok - warm)
-        res.update(miss_rate=float(d_meas[:, n_gpu_l:].sum() / d_meas.sum()), fills_per_step=0.0,
-                   cpu_experts_per_step=float(d_meas[:, n_gpu_l:].sum()) / (n_tok - warm), gpu_layers=n_gpu_l)
-    else:
-        after = ctl.counters()
-        c = {key: after[key] - before[key] for key in after}
-        steps = n_tok - warm
-        if policy in ("lru", "lru+sync"):
-            bound = (c["fills"] * se / pcie + (c["hits"] + c["fills"]) * se / hbm) / steps
-        else:
-            # the misses split ideally between PCIe and the CPU, both at their concurrent rates
-            both = (bw["concurrent_pcie_h2d_gbps"] + bw["concurrent_cpu_expert_gbps"]) * 1e9
-            bound = (c["misses"] * se / both + (c["hits"] + c["fills"]) * se / hbm) / steps
-        res.update(miss_rate=c["misses"] / max(c["hits"] + c["misses"], 1), fills_per_step=c["fills"] / steps,
-                   cpu_experts_per_step=c["cpu_computed"] / steps, fill_fraction=ctl.fill_fraction)
-    bound = float(bound) + shared_t
-    res.update(bound_tok_s=batch / bound, fraction_of_bound=bound / secs)
-    del ctl
-    torch.cuda.empty_cache()
-    return res
 
 
 # ---------------------------------------------------------------------------------------------
@@ -249,6 +113,14 @@ def prefill_row(bank: Bank, seq: int, mode: str, bw: dict) -> dict:
 GiB = 1 << 30
 
 
+def _cpu_features() -> dict:
+    try:
+        from freetoken_engine.kernels import cpu_experts
+        return cpu_experts.cpu_features()
+    except Exception as exc:  # the bench still runs on the reference; say why
+        return {"backend": "reference", "error": repr(exc)}
+
+
 def hardware() -> dict:
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     mem = next((int(ln.split()[1]) * 1024 for ln in open("/proc/meminfo") if ln.startswith("MemTotal")), 0)
@@ -269,9 +141,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one model, one budget, few tokens (smoke test)")
     ap.add_argument("--models", default="qwen3-30b-a3b,qwen3.6-35b-a3b")
     ap.add_argument("--budgets", default="8,16,32")
-    ap.add_argument("--policies", default="all,static,lru,lru+q*")
+    ap.add_argument("--policies", default="all,static,lru,lru+q*,lru+sync",
+                    help="lru+sync runs at batch 1, locality routing only (the cost of the CPU branch's host round trip)")
+    ap.add_argument("--prefill-tokens", default="4096,8192,16384")
+    ap.add_argument("--layers", type=int, default=0, help="only the first N MoE layers (smoke tests)")
+    ap.add_argument("--routings", default="locality,uniform")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
     ap.add_argument("--no-tune", action="store_true", help="keep the default decode tiles")
+    ap.add_argument("--tune-gather", action="store_true",
+                    help="time fill-gather tiles first (on the H200 its 1-fill timings were erratic: 0.3-26 GB/s)")
     ap.add_argument("--out", default=str(ROOT / "bench/results/gpu_offload.json"))
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -279,7 +157,8 @@ def main() -> None:
     cpu_name, cpu_fn = cpu_expert_forward()
     result = {"benchmark": "gpu_offload", "hardware": hardware(), "cpu_expert_backend": cpu_name,
               "method": __doc__, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-              "routing_locality": routing_params(ROOT), "bandwidth": {}, "decode": [], "prefill": []}
+              "cpu_expert_features": _cpu_features(), "routing_locality": {}, "bandwidth": {},
+              "decode": [], "prefill": []}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -287,12 +166,21 @@ def main() -> None:
         out.write_text(json.dumps(result, indent=1))
 
     names = args.models.split(",")[:1] if args.quick else args.models.split(",")
-    budgets = [16.0] if args.quick else [float(b) for b in args.budgets.split(",")]
+    budgets = [float(b) for b in args.budgets.split(",")][:1 if args.quick else None]
     for name in names:
-        model = MODELS[name]
+        model = dict(MODELS[name], layers=args.layers or MODELS[name]["layers"])
+        params = routing_params(ROOT, model)
+        params["achieved"] = routing_stats(make_routing(model, 256, 1, "locality", params, seed=99), model["experts"])
+        result["routing_locality"][name] = params
+        print(f"[{name}] locality routing: {params}", flush=True)
         t0 = time.time()
         bank = Bank(model)
         print(f"[{name}] bank {bank.bytes / 1e9:.1f} GB pinned in {time.time() - t0:.0f} s", flush=True)
+        if args.tune_gather:
+            tiles = result.setdefault("gather_tiles", {})[name] = tune_gather(bank)
+            print(f"[{name}] gather tiles (1 fill / 8 fills GB/s): " + "; ".join(
+                f"{r['tiles']['chunks']}x{r['tiles']['block']}: {r['gbps_1']:.1f}/{r['gbps_8']:.1f}"
+                for r in tiles["candidates"]), flush=True)
         bw = bandwidths(bank, cpu_fn)
         result["bandwidth"][name] = bw
         print(f"[{name}] " + ", ".join(f"{k} {v:.1f}" for k, v in bw.items() if isinstance(v, float)), flush=True)
@@ -305,7 +193,7 @@ def main() -> None:
             str(b): control_step_us(bank, cache_slots(b, model)) for b in budgets}
         print(f"[{name}] control step us per layer call: {result['control_step_us'][name]}", flush=True)
         save()
-        for seq in [] if args.no_prefill else ([8192] if args.quick else [4096, 8192, 16384]):
+        for seq in [] if args.no_prefill else ([8192] if args.quick else [int(n) for n in args.prefill_tokens.split(",")]):
             for mode in ("double", "single"):
                 try:
                     row = prefill_row(bank, seq, mode, bw)
@@ -317,14 +205,19 @@ def main() -> None:
                 print(f"[{name}] prefill {seq:6d} {mode:7s} {row['tok_s']:8.0f} tok/s  {row['seconds']:.3f} s  "
                       f"bound {row['bound_seconds']:.3f} s ({row['fraction_of_bound']:.2f})", flush=True)
                 save()
+        if args.quick:
+            result.setdefault("checks", {})[name] = check_cpu_branch(bank, cache_slots(budgets[0], model), bw, cpu_fn)
+            print(f"[{name}] CPU-branch check: {result['checks'][name]}", flush=True)
         tokens = {1: (6, 8) if args.quick else (12, 16), 4: (4, 4) if args.quick else (6, 8)}
-        for routing in ("locality", "uniform"):
+        for routing in args.routings.split(","):
             for batch in (1, 4):
                 warm, meas = tokens[batch]
-                ids = make_routing(model, warm + meas, batch, routing, result["routing_locality"], seed=batch)
+                ids = make_routing(model, warm + meas, batch, routing, params, seed=batch)
                 policies = args.policies.split(",")
                 plans = [("all", None)] if "all" in policies else []
-                plans += [(p, b) for b in budgets for p in ("static", "lru", "lru+q*", "lru+sync") if p in policies]
+                fixed_f = [p for p in policies if p.startswith("lru+q*@")]   # fixed-f variants: b1 locality
+                plans += [(p, b) for b in budgets for p in ("static", "lru", "lru+q*", "lru+sync", *fixed_f)
+                          if p in policies and (p in ("static", "lru", "lru+q*") or (batch == 1 and routing == "locality"))]
                 for policy, budget in plans:
                     slots = bank.total_experts if budget is None else cache_slots(budget, model)
                     try:
@@ -336,9 +229,15 @@ def main() -> None:
                         torch.cuda.empty_cache()
                     row.update(model=name, routing=routing, batch=batch, budget_gib=budget)
                     result["decode"].append(row)
-                    print(f"[{name}] {routing:8s} b{batch} {policy:7s} {str(budget):5s} slots {slots:6d} "
+                    extra = ""
+                    if "fraction_of_integer_split_bound" in row:
+                        prof = row["host_profile_ms_per_step"]
+                        extra = (f" int {row['fraction_of_integer_split_bound']:.2f} act "
+                                 f"{row['fraction_of_actual_split_bound']:.2f} | ms wait {prof['wait']:.2f} cpu "
+                                 f"{prof['cpu']:.2f} launch {prof['launch']:.2f}")
+                    print(f"[{name}] {routing:8s} b{batch} {policy:8s} {str(budget):5s} slots {slots:6d} "
                           f"{row['tok_s']:8.2f} tok/s miss {row['miss_rate']:.3f} bound {row['bound_tok_s']:8.2f} "
-                          f"({row['fraction_of_bound']:.2f})", flush=True)
+                          f"({row['fraction_of_bound']:.2f}){extra}", flush=True)
                     save()
         bank.free()
         del bank

@@ -2,7 +2,6 @@
 step's cost, the per-token combine kernel and CUDA-graph capture."""
 from __future__ import annotations
 
-import threading
 import time
 
 import torch
@@ -11,6 +10,7 @@ import triton.language as tl
 
 from offload_workload import CUDA, Bank  # first: it makes the engine package importable
 from freetoken_engine.cache.device_control import DeviceControl
+from freetoken_engine.kernels.triton import gather as gather_mod
 from freetoken_engine.kernels.triton import moe as moe_mod
 from freetoken_engine.kernels.triton.gather import gather_fill_rows
 from freetoken_engine.kernels.triton.moe import moe_slots_forward
@@ -28,10 +28,38 @@ def _events_seconds(fn, reps: int) -> float:
     return start.elapsed_time(end) / 1e3
 
 
+def tune_gather(bank: Bank) -> dict:
+    """Time the fill gather (GPU reading the pinned bank) for 1 and 8 fills per launch over
+    grid/tile candidates; set the fastest (harmonic mean of the two rates) as GATHER_TILES."""
+    m = bank.model
+    d13 = torch.empty((8, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+    d2 = torch.empty((8, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+    rows, counter = [], [0]
+    for chunks, block, warps in ((16, 2048, 8), (32, 2048, 8), (64, 1024, 4), (128, 1024, 4)):
+        gather_mod.GATHER_TILES = {"chunks": chunks, "block": block, "warps": warps}
+        row = {"tiles": dict(gather_mod.GATHER_TILES)}
+        for n in (1, 8):
+            exp, slot = torch.arange(n, device=CUDA) + 16, torch.arange(n, device=CUDA)
+
+            def fill():
+                counter[0] += 1
+                gather_fill_rows(bank.w13, bank.w2, d13, d2, counter[0] % m["layers"], exp, slot)
+
+            fill()
+            row[f"gbps_{n}"] = n * m["expert_bytes"] * 16 / _events_seconds(fill, 16) / 1e9
+        rows.append(row)
+    best = max(rows, key=lambda r: 1 / (1 / r["gbps_1"] + 1 / r["gbps_8"]))
+    gather_mod.GATHER_TILES = best["tiles"]
+    return {"candidates": rows, "chosen": best["tiles"]}
+
+
 def bandwidths(bank: Bank, cpu_fn) -> dict:
     """GB/s (1e9 B/s): pinned H2D DMA of expert rows, the gather kernel's fills (GPU reading the
-    pinned bank), HBM copy (read + write counted), the CPU expert kernel on one token and 8
-    experts, and the gather kernel and CPU kernel running at once; q* from the concurrent pair."""
+    pinned bank), HBM copy (read + write counted), the CPU expert kernel (one token; calls of 8
+    experts and of 1 expert, the decode case), and each GPU transfer with the CPU kernel running
+    at once. The CPU kernel runs on the main thread while queued GPU copies run (no extra host
+    thread competes with its workers for cores). fill_fraction: from the gather + 1-expert CPU
+    pair, measured concurrently (what decode's CPU branch sees)."""
     m = bank.model
     L, E, se = m["layers"], m["experts"], m["expert_bytes"]
     n = 8
@@ -62,43 +90,49 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
     hbm = 2 * big.numel() * 20 / _events_seconds(lambda: big2.copy_(big), 20) / 1e9
     del big, big2
     x = torch.randn(1, m["hidden"]).to(torch.bfloat16)
-    tok = torch.zeros(n, dtype=torch.int64)
 
-    def cpu_once(i: int) -> None:
+    def cpu_call(i: int, experts: int) -> None:
         layer = i % L
-        cpu_fn(x, bank.w13[layer], bank.w2[layer], tok, torch.arange(n) + 32 + (i // L) % (E - 40))
+        first = 32 + (i // L * experts) % (E - 32 - experts)
+        cpu_fn(x, bank.w13[layer], bank.w2[layer], torch.zeros(experts, dtype=torch.int64),
+               torch.arange(first, first + experts))
 
-    cpu_once(0)
-    t0 = time.perf_counter()
-    for i in range(24):
-        cpu_once(i)
-    cpu = n * se * 24 / (time.perf_counter() - t0) / 1e9
+    def cpu_alone(experts: int, calls: int) -> float:
+        cpu_call(0, experts)
+        t0 = time.perf_counter()
+        for i in range(calls):
+            cpu_call(i, experts)
+        return experts * se * calls / (time.perf_counter() - t0) / 1e9
 
-    def concurrent(gpu_fn, reps: int) -> tuple[float, float]:
-        """(GPU GB/s, CPU GB/s) with the CPU kernel looping in a thread during the GPU copies."""
-        stop, done = threading.Event(), [0, 0.0]
+    cpu8, cpu1 = cpu_alone(8, 48), cpu_alone(1, 240)
 
-        def cpu_loop():
-            t, i = time.perf_counter(), 0
-            while not stop.is_set():
-                cpu_once(i)
-                i += 1
-            done[0], done[1] = i, time.perf_counter() - t
+    def concurrent(gpu_fn, reps: int, experts: int) -> tuple[float, float]:
+        """(GPU GB/s, CPU GB/s): queue ``reps`` GPU transfers, run the CPU kernel until they end."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            gpu_fn()
+        end.record()
+        t, i = time.perf_counter(), 0
+        while not end.query():
+            cpu_call(i, experts)
+            i += 1
+        cpu_secs = time.perf_counter() - t
+        end.synchronize()
+        return n * se * reps / (start.elapsed_time(end) / 1e3) / 1e9, experts * se * i / cpu_secs / 1e9
 
-        th = threading.Thread(target=cpu_loop)
-        th.start()
-        time.sleep(0.05)
-        secs = _events_seconds(gpu_fn, reps)
-        stop.set()
-        th.join()
-        return n * se * reps / secs / 1e9, n * se * done[0] / done[1] / 1e9
-
-    pcie_c, cpu_c1 = concurrent(dma, 100)
-    gat_c, cpu_c = concurrent(gather, 100)
-    return {"pcie_h2d_gbps": pcie, "gather_fill_gbps": gat, "hbm_copy_gbps": hbm, "cpu_expert_gbps": cpu,
-            "concurrent_pcie_h2d_gbps": pcie_c, "concurrent_cpu_expert_gbps_with_dma": cpu_c1,
+    pcie_c, cpu_c_dma = concurrent(dma, 120, 8)
+    gat_c, cpu_c = concurrent(gather, 120, 8)
+    gat_c1, cpu_c1 = concurrent(gather, 120, 1)
+    return {"pcie_h2d_gbps": pcie, "gather_fill_gbps": gat, "hbm_copy_gbps": hbm,
+            "cpu_expert_gbps": cpu8, "cpu_expert_gbps_1_expert_calls": cpu1,
+            "concurrent_pcie_h2d_gbps": pcie_c, "concurrent_cpu_expert_gbps_with_dma": cpu_c_dma,
             "concurrent_gather_fill_gbps": gat_c, "concurrent_cpu_expert_gbps": cpu_c,
-            "fill_fraction": gat_c / (gat_c + cpu_c), "expert_bytes": se}
+            "concurrent_gather_fill_gbps_1_expert_cpu": gat_c1, "concurrent_cpu_expert_gbps_1_expert_calls": cpu_c1,
+            "fill_fraction": gat_c1 / (gat_c1 + cpu_c1), "expert_bytes": se,
+            # the bound's rates: the larger of each side's concurrent measurements (the stricter bound)
+            "bound_pcie_gbps": max(pcie_c, gat_c, gat_c1), "bound_cpu_gbps": max(cpu_c_dma, cpu_c, cpu_c1)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -174,16 +208,14 @@ class _Token:
         self.x[0].copy_(torch.randn(batch, self.H))
         self.rows = torch.zeros(self.L, self.P, self.H, dtype=torch.bfloat16, device=CUDA)
         self.ids = torch.zeros(self.L, batch, self.k, dtype=torch.int64, device=CUDA)
-        self.h_ids_in = torch.zeros(self.L, batch, self.k, dtype=torch.int64)
         self.shared_tok = torch.arange(batch, device=CUDA)
         self.shared_slot = [torch.full((batch,), l, dtype=torch.int64, device=CUDA) for l in range(self.L)]
 
     def load_ids(self, ids_dev: torch.Tensor, ids_host: torch.Tensor, t: int) -> None:
         """Token t's routing: a device-to-device copy in stream order (a pinned staging buffer
-        rewritten by the host would race the graphs still queued), and the host's copy for the
-        CPU branch."""
+        rewritten by the host would race the graphs still queued); the host side reads its own
+        copy of the routing."""
         self.ids.copy_(ids_dev[t])
-        self.h_ids_in.copy_(ids_host[t])
 
     def combine(self, layer: int, rows: torch.Tensor) -> None:
         """x[l+1] = RMS-normalised sum over k of the pair rows (+ the shared expert)."""
@@ -195,23 +227,48 @@ class _Token:
 
 
 @triton.jit
-def _combine_kernel(rows_ptr, add_ptr, x_ptr, K: tl.constexpr, H: tl.constexpr, HAS_ADD: tl.constexpr):
+def _combine_kernel(rows_ptr, host_rows_ptr, ps_ptr, add_ptr, x_ptr, xh_ptr, P, K: tl.constexpr, H: tl.constexpr,
+                    BLOCK_P: tl.constexpr, SELECT: tl.constexpr, HAS_ADD: tl.constexpr, MIRROR: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, H)
     acc = tl.zeros([H], dtype=tl.float32)
+    if SELECT:      # CPU pairs (pair_slot < 0) take the next compact host row, in pair order
+        q = tl.arange(0, BLOCK_P)
+        ps_all = tl.load(ps_ptr + q, mask=q < P, other=0)
+        rank_all = tl.cumsum(((ps_all < 0) & (q < P)).to(tl.int32), 0) - 1
     for j in tl.static_range(K):                       # fixed order over k
-        acc += tl.load(rows_ptr + (t * K + j) * H + h).to(tl.float32)
+        p = t * K + j
+        if SELECT:
+            ps = tl.load(ps_ptr + p + h * 0)                      # [H], one value
+            rank = tl.sum(tl.where(q == p, rank_all, 0), 0).to(tl.int64)
+            gpu = tl.load(rows_ptr + p * H + h, mask=ps >= 0, other=0.0)
+            cpu = tl.load(host_rows_ptr + rank * H + h, mask=ps < 0, other=0.0)
+            acc += gpu.to(tl.float32) + cpu.to(tl.float32)   # one of the two is zero
+        else:
+            acc += tl.load(rows_ptr + p * H + h).to(tl.float32)
     if HAS_ADD:
         acc += tl.load(add_ptr + t * H + h).to(tl.float32)
     acc = acc * tl.rsqrt(tl.sum(acc * acc, 0) / H + 1e-6)
     tl.store(x_ptr + t * H + h, acc.to(x_ptr.dtype.element_ty))
+    if MIRROR:
+        tl.store(xh_ptr + t * H + h, acc.to(x_ptr.dtype.element_ty))
 
 
-def combine(rows: torch.Tensor, shared: torch.Tensor | None, x: torch.Tensor, k: int) -> torch.Tensor:
-    """x = rmsnorm(sum_j rows[t*k + j] (+ shared[t])): what stands in for the rest of the layer
-    (one kernel; the non-expert compute itself is excluded)."""
+def combine(rows: torch.Tensor, shared: torch.Tensor | None, x: torch.Tensor, k: int,
+            pair_slot: torch.Tensor | None = None, host_rows: torch.Tensor | None = None,
+            x_host: torch.Tensor | None = None) -> torch.Tensor:
+    """x = rmsnorm(sum_j row[t*k + j] (+ shared[t])): what stands in for the rest of the layer
+    (one kernel; the non-expert compute itself is excluded). With ``pair_slot``/``host_rows``:
+    pair p's row is rows[p] when pair_slot[p] >= 0, else the next row of ``host_rows`` (compact,
+    in pair order; pinned host memory, read by the kernel directly). ``x_host``: a pinned copy of x."""
     t, h = x.shape
-    _combine_kernel[(t,)](rows, shared if shared is not None else rows, x, K=k, H=h, HAS_ADD=shared is not None)
+    select = pair_slot is not None
+    _combine_kernel[(t,)](rows, host_rows if select else rows, pair_slot if select else rows,
+                          shared if shared is not None else rows, x, x_host if x_host is not None else x,
+                          rows.shape[0], K=k, H=h,
+                          # constexpr only where used: a prefill of a new length must not recompile
+                          BLOCK_P=triton.next_power_of_2(rows.shape[0]) if select else 1,
+                          SELECT=select, HAS_ADD=shared is not None, MIRROR=x_host is not None)
     return x
 
 

@@ -3,7 +3,10 @@ the routing models (uniform, and locality from the default model's measured stat
 from __future__ import annotations
 
 import json
+import math
+import mmap
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -46,6 +49,13 @@ MODELS = {   # shapes and non-expert bytes: ../shared/LIMITS.md (verified on the
 }
 
 
+def _page_aligned(shape: tuple, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """An uninitialised contiguous tensor on its own anonymous mapping: storage and data start on
+    a page boundary (what in-place registration and ``is_pinned()`` need)."""
+    n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)
+
+
 class Bank(ExpertBank):
     """The engine's ExpertBank, filled with random bf16 (a tiled 256 MB random block: contents
     do not change any timing) and pinned in place; plus the shared expert on the GPU."""
@@ -53,6 +63,12 @@ class Bank(ExpertBank):
     def __init__(self, model: dict):
         super().__init__(model["layers"], model["experts"], model["hidden"], model["inter"], torch.bfloat16)
         self.model = model
+        # Page-aligned storage (the untouched allocations above cost no memory), so that pin()
+        # registers the bank in place; an unaligned bank gets a pinned second copy, which for
+        # Qwen3.6's 64 GB does not fit next to the first in the H200 host's 128 GiB.
+        with warnings.catch_warnings():        # frombuffer: "the buffer is not writable" does not apply
+            warnings.simplefilter("ignore")
+            self.w13, self.w2 = _page_aligned(self.w13.shape), _page_aligned(self.w2.shape)
         block = (torch.randn(1 << 27) * 0.02).to(torch.bfloat16)
         for t in (self.w13, self.w2):
             flat = t.view(-1)
@@ -79,40 +95,71 @@ class Bank(ExpertBank):
 
     def free(self) -> None:
         self._all = self._streamer = None
-        rt = torch.cuda.cudart()
-        for t in (self.w13, self.w2):
-            if self.pinned:
-                rt.cudaHostUnregister(t.data_ptr())
+        torch.cuda.synchronize()
+        for ptr in getattr(self, "_registered", []):     # (ExpertBank.unpin calls a cudart function
+            torch.cuda.cudart().cudaHostUnregister(ptr)  # torch 2.11 lacks: cudaGetLastError)
+        self._registered = []
         self.w13 = self.w2 = None
         torch.cuda.empty_cache()
 
 
-def routing_params(root: Path) -> dict:
-    """Locality-model parameters: the default model's measured routing statistics when
-    bench/results/default_model.json has them, otherwise documented assumed values."""
-    params = {"zipf": 0.8, "overlap": 0.4, "source": "assumed (bench/results/default_model.json absent)"}
+def routing_params(root: Path, model: dict) -> dict:
+    """Locality-model parameters for ``model`` from the default model's measured routing
+    statistics (bench/results/default_model.json, ``routing_by_k`` at the model's top-k, else
+    the nearest k measured):
+
+    - ``keep``: each of the previous token's experts is kept with this probability = the
+      measured consecutive-token overlap beyond chance, (overlap - k/E) / (1 - k/E);
+    - ``zipf``: per-layer popularity ~ rank^-zipf, the exponent fitted so that the normalized
+      entropy of the per-layer selection shares (top-k draws) equals the measured mean.
+
+    Without the file: documented assumed values (Zipf 0.8, keep 0.4)."""
     path = root / "bench/results/default_model.json"
     if not path.exists():
-        return params
-    found = {}
+        return {"zipf": 0.8, "keep": 0.4, "source": "assumed (bench/results/default_model.json absent)"}
+    stats = json.loads(path.read_text())["routing_by_k"]
+    k = min(stats, key=lambda key: (abs(int(key) - model["top_k"]), -int(key)))
+    row = stats[k]
+    overlap, chance = row["consecutive_overlap_mean"], row["consecutive_overlap_random"]
+    entropy = row["popularity"]["normalized_entropy_mean"]
+    return {"zipf": fit_zipf(model["experts"], model["top_k"], entropy), "keep": (overlap - chance) / (1 - chance),
+            "source": f"bench/results/default_model.json routing_by_k[{k}] ({stats[k]['tokens']} tokens, "
+                      f"{json.loads(path.read_text())['num_experts']} experts)",
+            "measured_overlap": overlap, "measured_overlap_random": chance,
+            "measured_normalized_entropy": entropy,
+            "measured_max_over_uniform": row["popularity"]["max_over_uniform_mean"]}
 
-    def walk(obj, prefix=""):
-        if isinstance(obj, dict):
-            for k, v in obj.items():
-                walk(v, f"{prefix}.{k}" if prefix else k)
-        elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
-            low = prefix.lower()
-            if "zipf" in low and "zipf" not in found:
-                found["zipf"] = (float(obj), prefix)
-            if "overlap" in low and "overlap" not in found and 0 <= obj <= 1:
-                found["overlap"] = (float(obj), prefix)
 
-    walk(json.loads(path.read_text()))
-    for key, (value, where) in found.items():
-        params[key] = value
-        params[f"{key}_from"] = where
-    params["source"] = f"bench/results/default_model.json ({', '.join(found) or 'no usable fields'}; rest assumed)"
-    return params
+def _selection_entropy(experts: int, top_k: int, zipf: float, draws: int = 4096) -> float:
+    """Normalized entropy of the selection shares of top-k draws (without replacement) from
+    rank^-zipf popularity."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.arange(1, experts + 1, dtype=torch.float64) ** -zipf
+    picks = torch.multinomial(w.expand(draws, experts), top_k, generator=g).flatten()
+    share = torch.bincount(picks, minlength=experts).double() / picks.numel()
+    share = share[share > 0]
+    return float(-(share * share.log()).sum() / torch.log(torch.tensor(float(experts))))
+
+
+def fit_zipf(experts: int, top_k: int, entropy: float) -> float:
+    """The Zipf exponent whose top-k selection shares have ``entropy`` (bisection)."""
+    lo, hi = 0.0, 4.0
+    for _ in range(24):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _selection_entropy(experts, top_k, mid) > entropy else (lo, mid)
+    return (lo + hi) / 2
+
+
+def routing_stats(ids: torch.Tensor, experts: int) -> dict:
+    """What a generated routing ``[n_tok, L, T, k]`` achieved: consecutive-token overlap and the
+    normalized entropy of the per-layer selection shares (the default model's statistics)."""
+    n_tok, L, T, k = ids.shape
+    hot = torch.zeros(n_tok, L, T, experts, dtype=torch.bool).scatter_(3, ids, True)
+    overlap = float((hot[1:] & hot[:-1]).sum() / (hot[1:].sum())) if n_tok > 1 else float("nan")
+    share = hot.sum((0, 2)).double()
+    share = share / share.sum(1, keepdim=True)                                          # [L, E]
+    ent = -(share * share.clamp_min(1e-30).log()).sum(1) / torch.log(torch.tensor(float(experts)))
+    return {"consecutive_overlap": overlap, "normalized_entropy": float(ent.mean()), "tokens": n_tok}
 
 
 def make_routing(model: dict, n_tok: int, batch: int, kind: str, params: dict, seed: int) -> torch.Tensor:
@@ -131,7 +178,7 @@ def make_routing(model: dict, n_tok: int, batch: int, kind: str, params: dict, s
             if prev is None:
                 out[t, :, b] = torch.multinomial(w, k, generator=g)
             else:
-                keep = torch.rand(L, k, generator=g) < params["overlap"]                # [L, k]
+                keep = torch.rand(L, k, generator=g) < params["keep"]                   # [L, k]
                 order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)
                 kept = torch.gather(prev, 1, order)                                      # kept first
                 n_keep = keep.sum(1, keepdim=True)

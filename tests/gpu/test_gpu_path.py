@@ -79,6 +79,29 @@ def test_device_control_exact_against_cache_on_gpu(bank, fill_fraction):
     assert dev.stats == ref.stats
 
 
+def test_control_mirror_in_pinned_memory(bank):
+    """The control step's host mirror (pinned memory written by the kernel) equals its device
+    outputs once an event after the step has completed, also inside a CUDA graph."""
+    ctl = DeviceControl.from_cache(ExpertCache(bank, 20, CUDA, fill_fraction=0.5))
+    ids = torch.zeros(4, K, dtype=torch.int64, device=CUDA)
+    mirror = (torch.full((4 * K,), -7, dtype=torch.int64).pin_memory(),
+              torch.full((4,), -7, dtype=torch.int64).pin_memory())
+    ctl.step(0, ids, mirror=mirror)                    # compile
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ctl.step(1, ids, mirror=mirror)
+    g = torch.Generator().manual_seed(5)
+    ev = torch.cuda.Event()
+    for _ in range(6):
+        ids.copy_(torch.stack([torch.randperm(EXPERTS, generator=g)[:K] for _ in range(4)]))
+        graph.replay()
+        ev.record()
+        ev.synchronize()
+        out = ctl.outputs(4 * K)
+        assert torch.equal(mirror[0], out.pair_slot.cpu()) and torch.equal(mirror[1], out.step_counts.cpu())
+    assert (mirror[0] < 0).any() and (mirror[0] >= 0).any()
+
+
 def test_cuda_graph_decode_step_equals_eager(bank):
     layers, experts = LAYERS, EXPERTS
     caches = [ExpertCache(bank, 48, CUDA) for _ in range(2)]

@@ -32,19 +32,24 @@ class DeviceControl:
 
     def __init__(self, bank_w13: torch.Tensor, bank_w2: torch.Tensor, w13_slots: torch.Tensor,
                  w2_slots: torch.Tensor, slot_of: torch.Tensor, slot_owner: torch.Tensor,
-                 last_used: torch.Tensor, clock: int, fill_fraction: float) -> None:
+                 last_used: torch.Tensor, clock: int, fill_fraction: float,
+                 max_slots: int | None = None) -> None:
         self.device = w13_slots.device
+        self.max_slots = max_slots    # the largest pool a resize may bind: one compiled kernel for all
         self.bank_w13, self.bank_w2 = bank_w13, bank_w2
         self.totals = torch.zeros(4, dtype=torch.int64, device=self.device)
         self._bind(w13_slots, w2_slots, slot_of, slot_owner, last_used, clock)
         self.set_fill_fraction(fill_fraction)
 
     @classmethod
-    def from_cache(cls, cache) -> "DeviceControl":
+    def from_cache(cls, cache, resizable: bool = False) -> "DeviceControl":
         """Bind to an ``ExpertCache`` (its pool ``w13`` / ``w2``, residency, ``clock``,
-        ``fill_fraction`` and ``bank``) at a safe point."""
+        ``fill_fraction`` and ``bank``) at a safe point. ``resizable``: the pool may later be
+        resized to any size up to all experts (the engine's case), so the control kernel is
+        compiled once for that maximum instead of again after each resize."""
         return cls(cache.bank.w13, cache.bank.w2, cache.w13, cache.w2, cache.slot_of, cache.slot_owner,
-                   cache.last_used, int(cache.clock), float(cache.fill_fraction))
+                   cache.last_used, int(cache.clock), float(cache.fill_fraction),
+                   max_slots=cache.bank.total_experts if resizable else None)
 
     def _bind(self, w13_slots, w2_slots, slot_of, slot_owner, last_used, clock: int) -> None:
         dev = self.device = w13_slots.device
@@ -88,12 +93,16 @@ class DeviceControl:
                                                            self.slot_owner.numel(), self.device)
         return self._outputs[pairs]
 
-    def step(self, layer: int, topk_ids: torch.Tensor, copy: bool = True) -> ControlOutputs:
+    def step(self, layer: int, topk_ids: torch.Tensor, copy: bool = True,
+             mirror: tuple[torch.Tensor, torch.Tensor] | None = None) -> ControlOutputs:
         """Control step for ``layer`` on routed ``topk_ids [T, k]``, then (``copy``) the fills'
-        weights into their slots. Returns the reused output buffers; no host sync."""
+        weights into their slots. ``mirror`` (pinned host ``pair_slot [T*k]`` and ``counts [4]``,
+        int64) also receives the pair slots and the step's counts, for a host-side CPU branch.
+        Returns the reused output buffers; no host sync."""
         out = self.outputs(topk_ids.numel())
         control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used,
-                     self.clock, self.fill_table, self.totals, out)
+                     self.clock, self.fill_table, self.totals, out, mirror=mirror,
+                     block_slots=self.max_slots)
         if copy:
             gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer,
                              out.fill_exp, out.fill_slot)

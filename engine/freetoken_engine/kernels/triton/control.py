@@ -5,13 +5,18 @@ Specification (the expert cache's torch control step, bit for bit), for layer ``
 1. active = unique(topk_ids) ascending; hits = active experts with ``slot_of[l, e] >= 0``;
    misses = the others, ascending.
 2. ``m = len(misses)``; ``q = min(fill_table[m], S - n_hits)`` where the host precomputed
-   ``fill_table[m] = floor(fill_fraction * m + 0.5)`` (so the rounding is the host's, exactly).
+   ``fill_table[m] = fills_for(m, fill_fraction)`` (``kernels/split.py``: of floor and ceil of
+   f m, the one with the smaller max(q / B_pcie, (m - q) / B_cpu); the cache's own rule, exactly).
 3. The first q misses (ascending id) are filled: victims are the q slots with the smallest
    ``(last_used, slot)`` among slots not holding a hit (empty slots have last_used -1, so go
    first); the i-th filled miss takes the i-th victim. Old owners lose residency; ``slot_of``
    and ``slot_owner`` are updated. The weight copy is a separate kernel (``gather.py``).
 4. ``last_used`` of every hit and filled slot = clock; ``clock += 1``.
 5. ``pair_slot[p]`` = slot of pair p after the fills, -1 for pairs computed on the CPU.
+
+Optional host mirror (``mirror=(pair_slot_host [P], counts_host [4])``, pinned host memory on a
+GPU): the kernel also stores pair_slot and the step's counts there, so a host that waits for the
+step (an event) reads which pairs it must compute without a separate device-to-host copy.
 
 Why hits are never victims: the kernel first stamps the hits' slots with the current clock,
 which is larger than every stored ``last_used``; the q <= S - n_hits smallest keys are then
@@ -36,12 +41,12 @@ _SLOT_BITS = 20
 MAX_SLOTS = 1 << _SLOT_BITS
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["S"])   # a resized pool must not trigger a recompile
 def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, fill_table_ptr,
                     pair_slot_ptr, fill_exp_ptr, fill_slot_ptr, cpu_exp_ptr, step_ptr, totals_ptr,
-                    keys_ptr, newslot_ptr, layer, P, E, S, NF,
+                    keys_ptr, newslot_ptr, mirror_ps_ptr, mirror_counts_ptr, layer, P, E, S, NF,
                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr):
+                    BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr, MIRROR: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     pm = p < P
     ids = tl.load(topk_ptr + p, mask=pm, other=-1).to(tl.int64)               # [BLOCK_P]
@@ -97,6 +102,9 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     c = tl.arange(0, 4)
     counts = tl.where(c == 0, n_hit, tl.where(c == 1, m, tl.where(c == 2, q, m - q)))
     tl.store(step_ptr + c, counts)
+    if MIRROR:
+        tl.store(mirror_ps_ptr + p, ps, mask=pm)
+        tl.store(mirror_counts_ptr + c, counts)
     tl.store(totals_ptr + c, tl.load(totals_ptr + c) + counts)
     tl.store(clock_ptr, clock + 1)
 
@@ -138,12 +146,18 @@ def fill_table(fill_fraction: float, experts: int, device: torch.device) -> torc
 
 def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot_owner: torch.Tensor,
                  last_used: torch.Tensor, clock: torch.Tensor, table: torch.Tensor,
-                 totals: torch.Tensor, out: ControlOutputs) -> ControlOutputs:
+                 totals: torch.Tensor, out: ControlOutputs,
+                 mirror: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 block_slots: int | None = None) -> ControlOutputs:
     """Run the control step for ``layer`` (see the module docstring); mutates slot_of,
-    slot_owner, last_used, clock ([1] int64) and totals ([4] int64) in place and fills ``out``.
+    slot_owner, last_used, clock ([1] int64) and totals ([4] int64) in place and fills ``out``
+    (and ``mirror``: int64 [P] and [4], contiguous; pinned host memory when on a GPU).
 
     All tensors on one device; slot_of [L, E] int32/int64, slot_owner / last_used [S] int64,
-    topk_ids [T, k] int. Raises ValueError on bad shapes, dtypes, strides or sizes.
+    topk_ids [T, k] int. ``block_slots`` (>= S): size the slot block for a pool that may grow to
+    that many slots, so that resizing it never compiles a new kernel in the middle of serving
+    (a compile costs seconds on a GPU); default: S. Raises ValueError on bad shapes, dtypes,
+    strides or sizes.
     """
     dev = slot_of.device
     check_tensor("slot_of", slot_of, 2, (torch.int32, torch.int64), dev)
@@ -165,11 +179,26 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         raise ValueError(f"layer {layer} of {n_layers}, table of {table.numel()} for E={experts} (E <= 1024)")
     if out.pair_slot.numel() != pairs or out.keys.numel() < slots or out.newslot.numel() < experts:
         raise ValueError("ControlOutputs were allocated for another batch, pool or expert count")
+    if mirror is not None:
+        m_ps, m_counts = mirror
+        for name, t, n in (("mirror pair_slot", m_ps, pairs), ("mirror counts", m_counts, 4)):
+            check_tensor(name, t, 1, (torch.int64,))
+            check_contiguous(name, t)
+            if t.numel() != n:
+                raise ValueError(f"{name} needs {n} elements, got {t.numel()}")
+            if dev.type == "cuda" and not (t.device == dev or t.is_pinned()):
+                raise ValueError(f"{name} must be pinned host memory or on {dev}")
+    else:
+        m_ps, m_counts = out.pair_slot, out.step_counts              # unused (MIRROR=False)
+    if block_slots is not None and block_slots < slots:
+        raise ValueError(f"block_slots {block_slots} < the pool's {slots} slots")
+    block_s = next_pow2(block_slots or slots)
     nf = out.fill_exp.numel()
     _control_kernel[(1,)](
         topk_ids, slot_of, slot_owner, last_used, clock, table,
         out.pair_slot, out.fill_exp, out.fill_slot, out.cpu_exp, out.step_counts, totals,
-        out.keys, out.newslot, layer, pairs, experts, slots, nf,
-        BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=next_pow2(slots),
-        BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, num_warps=8 if slots > 2048 else 4)
+        out.keys, out.newslot, m_ps, m_counts, layer, pairs, experts, slots, nf,
+        BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=block_s,
+        BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, MIRROR=mirror is not None,
+        num_warps=8 if block_s > 2048 else 4)
     return out

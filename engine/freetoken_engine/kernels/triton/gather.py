@@ -17,6 +17,9 @@ import triton.language as tl
 from ._common import check_contiguous, check_tensor
 
 _WORD = torch.int64
+#: grid chunks per fill and words per chunk iteration; module-level so that a benchmark can set
+#: the fastest for the GPU and link at hand (bench/offload_measure.py ``tune_gather``).
+GATHER_TILES = {"chunks": 16, "block": 2048, "warps": 8}
 
 
 @triton.jit
@@ -53,10 +56,11 @@ def _words(name: str, t: torch.Tensor, lead: int) -> torch.Tensor:
 
 def gather_fill_rows(bank_w13: torch.Tensor, bank_w2: torch.Tensor, w13_slots: torch.Tensor,
                      w2_slots: torch.Tensor, layer: int, fill_exp: torch.Tensor, fill_slot: torch.Tensor,
-                     chunks: int = 16, block: int = 2048) -> None:
+                     chunks: int | None = None, block: int | None = None) -> None:
     """Copy the listed fills (see the module docstring). bank_w13 [L, E, 2I, H] and bank_w2
     [L, E, H, I] (pinned host memory on a GPU), slots [S, 2I, H] / [S, H, I] of the same dtype,
-    fill_exp / fill_slot [NF] int on the slots' device. Raises ValueError on a mismatch."""
+    fill_exp / fill_slot [NF] int on the slots' device. ``chunks`` / ``block`` default to
+    ``GATHER_TILES``. Raises ValueError on a mismatch."""
     dev = w13_slots.device
     check_tensor("fill_exp", fill_exp, 1, (torch.int32, torch.int64), dev)
     check_tensor("fill_slot", fill_slot, 1, (torch.int32, torch.int64), dev)
@@ -78,6 +82,8 @@ def gather_fill_rows(bank_w13: torch.Tensor, bank_w2: torch.Tensor, w13_slots: t
         return
     s13, s2 = _words("bank_w13", bank_w13, 2), _words("bank_w2", bank_w2, 2)
     d13, d2 = _words("w13_slots", w13_slots, 1), _words("w2_slots", w2_slots, 1)
+    chunks = GATHER_TILES["chunks"] if chunks is None else chunks
+    block = GATHER_TILES["block"] if block is None else block
     _gather_kernel[(fill_exp.numel(), chunks)](
         s13, s2, d13, d2, fill_exp, fill_slot, layer, experts, s13.shape[-1], s2.shape[-1],
-        CHUNKS=chunks, BLOCK=block, num_warps=8)
+        CHUNKS=chunks, BLOCK=block, num_warps=GATHER_TILES["warps"])

@@ -1,0 +1,258 @@
+"""Decode rows of ``bench/gpu_offload.py``: one side (policy) at one cache budget, timed, with the
+bandwidth-model bound for the counts the row measured.
+
+The CPU branch of (d) (and of lru+sync), per MoE layer l, as the host sees it:
+
+    seg1(l-1): combine(l-1) -> control(l) [pair slots and counts mirrored into pinned memory]
+    event(l)                                  <- the host waits here
+    seg2(l):   fills(l) (gather kernel) -> GPU experts(l) -> shared expert(l)
+    host:      experts of layer l with pair_slot < 0 on the CPU (the engine's CPU expert
+               kernel), rows written compactly into pinned memory; then seg1(l) is launched,
+               whose combine reads those rows straight from pinned memory.
+
+seg1 and seg2 are CUDA graphs (two launches and one event per layer); the host wait overlaps
+the fills and the GPU experts, so when a layer has no CPU work the GPU never waits for the host.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from offload_workload import CUDA, Bank  # first: it makes the engine package importable
+from offload_measure import _capture, _Token, combine
+from freetoken_engine.cache.device_control import DeviceControl
+from freetoken_engine.kernels.triton.gather import gather_fill_rows
+from freetoken_engine.kernels.triton.moe import moe_slots_forward
+
+
+class _CpuBranch:
+    """Host buffers of the CPU branch (pinned; read or written by kernels through UVA)."""
+
+    def __init__(self, st: _Token):
+        L, P, T, H = st.L, st.P, st.T, st.H
+        self.ps = torch.zeros(L, P, dtype=torch.int64).pin_memory()          # pair slots per layer
+        self.counts = torch.zeros(L, 4, dtype=torch.int64).pin_memory()      # hits, misses, fills, cpu
+        self.x = torch.zeros(L, T, H, dtype=torch.bfloat16).pin_memory()     # layer inputs
+        self.rows = torch.zeros(P, H, dtype=torch.bfloat16).pin_memory()     # compact CPU rows
+        self.ps_np, self.counts_np = self.ps.numpy(), self.counts.numpy()
+        self.x[0].copy_(st.x[0])
+        self.gpu_rows = torch.zeros(P, H, dtype=torch.bfloat16, device=CUDA)
+        self.shared = torch.zeros(L, T, H, dtype=torch.bfloat16, device=CUDA)
+        self.ev = [torch.cuda.Event() for _ in range(L)]
+
+
+def _lru_q_token(bank: Bank, st: _Token, ctl: DeviceControl, cpu_fn, prof: dict):
+    """Segments and the per-token driver of the CPU-branch policies (see the module docstring)."""
+    L, P = st.L, st.P
+    br = _CpuBranch(st)
+    w13s, w2s = ctl.w13_slots, ctl.w2_slots
+
+    def control(l):
+        ctl.step(l, st.ids[l], copy=False, mirror=(br.ps[l], br.counts[l]))
+
+    def seg2(l):
+        out = ctl.outputs(P)
+        gather_fill_rows(bank.w13, bank.w2, w13s, w2s, l, out.fill_exp, out.fill_slot)
+        moe_slots_forward(st.x[l], w13s, w2s, st.tok, out.pair_slot, out=br.gpu_rows)
+        if bank.shared is not None:
+            s13, s2 = bank.shared
+            moe_slots_forward(st.x[l], s13, s2, st.shared_tok, st.shared_slot[l], out=br.shared[l])
+
+    def seg1(l):
+        combine(br.gpu_rows, br.shared[l] if bank.shared is not None else None, st.x[l + 1], st.k,
+                pair_slot=ctl.outputs(P).pair_slot, host_rows=br.rows,
+                x_host=br.x[l + 1] if l + 1 < L else None)
+        if l + 1 < L:
+            control(l + 1)
+
+    h_tok = st.h_tok.numpy()
+
+    def token(graphs, h_ids: np.ndarray):
+        run = (lambda name, l: graphs[name][l].replay()) if graphs else \
+              (lambda name, l: (control(0) if name == "start" else (seg1 if name == "seg1" else seg2)(l)))
+        run("start", 0)
+        br.ev[0].record()
+        run("seg2", 0)
+        for l in range(L):
+            t0 = time.perf_counter()
+            br.ev[l].synchronize()                       # control(l) done, its mirror readable
+            t1 = time.perf_counter()
+            idx = np.flatnonzero(br.ps_np[l] < 0)
+            if idx.size:
+                rows = cpu_fn(br.x[l], bank.w13[l], bank.w2[l], torch.from_numpy(h_tok[idx]),
+                              torch.from_numpy(h_ids[l].reshape(-1)[idx]))
+                br.rows[:idx.size].copy_(rows)
+            t2 = time.perf_counter()
+            run("seg1", l)
+            if l + 1 < L:
+                br.ev[l + 1].record()
+                run("seg2", l + 1)
+            t3 = time.perf_counter()
+            prof["wait"] += t1 - t0
+            prof["cpu"] += t2 - t1
+            prof["launch"] += t3 - t2
+            prof["cpu_layers"] += bool(idx.size)
+
+    def capture():
+        return {"start": [_capture(lambda: control(0))],
+                "seg1": [_capture(lambda l=l: seg1(l)) for l in range(L)],
+                "seg2": [_capture(lambda l=l: seg2(l)) for l in range(L)]}
+
+    return token, capture, br
+
+
+def _static_token(bank: Bank, st: _Token, n_gpu: int, cpu_fn):
+    """(b): layers < n_gpu resident (one graph), the others' experts all on the CPU."""
+    L, E = st.L, st.E
+    pool13, pool2 = bank.all_resident()
+    h_x = torch.zeros(st.T, st.H, dtype=torch.bfloat16).pin_memory()
+    h_rows = torch.zeros(st.P, st.H, dtype=torch.bfloat16).pin_memory()
+    ev = torch.cuda.Event()
+
+    def gpu_layers():
+        for l in range(n_gpu):
+            rows = moe_slots_forward(st.x[l], pool13, pool2, st.tok, st.ids[l].view(-1) + l * E, out=st.rows[l])
+            st.combine(l, rows)
+
+    def token(graph, h_ids):
+        graph.replay() if graph is not None else gpu_layers()
+        for l in range(n_gpu, L):
+            h_x.copy_(st.x[l], non_blocking=True)
+            ev.record()
+            ev.synchronize()
+            h_rows.copy_(cpu_fn(h_x, bank.w13[l], bank.w2[l], st.h_tok, torch.from_numpy(h_ids[l].reshape(-1))))
+            st.rows[l].copy_(h_rows, non_blocking=True)
+            st.combine(l, st.rows[l])
+
+    return token, (lambda: _capture(gpu_layers) if n_gpu else None)
+
+
+def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int, bw: dict, cpu_fn,
+               keep_x: bool = False) -> dict:
+    """Decode ``ids [n_tok, L, T, k]`` under ``policy``; time the tokens after ``warm``.
+    ``keep_x``: also return the last hidden state (``x_final``, host) for equality checks."""
+    m = bank.model
+    L, E, se = m["layers"], m["experts"], m["expert_bytes"]
+    n_tok, batch = ids.shape[0], ids.shape[2]
+    st = _Token(bank, batch)
+    ids_np = ids.numpy()
+    distinct = torch.tensor([[len(set(ids_np[t, l].ravel().tolist())) for l in range(L)] for t in range(n_tok)])
+    ctl = br = None
+    prof = {"wait": 0.0, "cpu": 0.0, "launch": 0.0, "cpu_layers": 0}
+    if policy in ("all", "static"):
+        n_gpu = L if policy == "all" else min(slots // E, L)
+        slots = n_gpu * E
+        token, capture = _static_token(bank, st, n_gpu, cpu_fn)
+    else:
+        w13s = torch.empty((slots, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+        w2s = torch.empty((slots, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
+        minus = lambda n: torch.full((n,), -1, dtype=torch.int64, device=CUDA)  # noqa: E731
+        # lru+q*: f from the bandwidths measured in this run; lru+q*@F: a fixed f = F (A/B rows)
+        f = float(policy.split("@")[1]) if "@" in policy else bw["fill_fraction"] if policy == "lru+q*" else 1.0
+        ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots), minus(slots), 0, f)
+        if policy == "lru":
+            def gpu_layers():
+                for l in range(L):
+                    out = ctl.step(l, st.ids[l])
+                    st.combine(l, moe_slots_forward(st.x[l], w13s, w2s, st.tok, out.pair_slot, out=st.rows[l]))
+
+            def token(graph, h_ids):
+                graph.replay() if graph is not None else gpu_layers()
+
+            def capture():
+                return _capture(gpu_layers)
+        else:
+            token, capture, br = _lru_q_token(bank, st, ctl, cpu_fn, prof)
+
+    ids_dev = ids.to(CUDA)
+    st.load_ids(ids_dev, ids, 0)
+    token(None, ids_np[0])                                  # compiles every kernel; first warm token
+    torch.cuda.synchronize()
+    graphs = capture()
+    counts = []
+    for t in range(1, warm):
+        st.load_ids(ids_dev, ids, t)
+        token(graphs, ids_np[t])
+    torch.cuda.synchronize()
+    before = ctl.counters() if ctl else None
+    prof.update({key: 0 for key in prof})
+    t0 = time.perf_counter()
+    for t in range(warm, n_tok):
+        st.load_ids(ids_dev, ids, t)
+        token(graphs, ids_np[t])
+        if br is not None:
+            counts.append(br.counts_np.copy())               # final once the token's last wait returned
+    torch.cuda.synchronize()
+    steps = n_tok - warm
+    secs = (time.perf_counter() - t0) / steps
+    if not torch.isfinite(st.x[L].float()).all():
+        raise RuntimeError(f"{policy}: non-finite hidden state")
+    res = {"policy": policy, "cache_slots": slots, "cache_fraction": slots / (L * E), "seconds_per_step": secs,
+           "tok_s": batch / secs}
+    res.update(_bound(bank, policy, slots, distinct[warm:].float(), ctl, before, counts, bw, steps, batch, secs))
+    if keep_x:
+        res["x_final"] = st.x[L].float().cpu()
+    if br is not None:
+        res["host_profile_ms_per_step"] = {key: 1e3 * v / steps for key, v in prof.items() if key != "cpu_layers"}
+        res["cpu_layers_per_step"] = prof["cpu_layers"] / steps
+    del ctl
+    torch.cuda.empty_cache()
+    return res
+
+
+def check_cpu_branch(bank: Bank, slots: int, bw: dict, cpu_fn) -> dict:
+    """Exactness of the decode paths on the GPU: the per-layer CPU-branch driver with every miss
+    filled (lru+sync) must equal the one-graph fills-only decode (lru) bit for bit; with q* (the
+    CPU computing some experts in bf16) within 2e-2 of it. Raises RuntimeError otherwise."""
+    from offload_workload import make_routing
+    ids = make_routing(bank.model, 6, 1, "uniform", {}, seed=7)
+    x = {}
+    for policy in ("lru", "lru+sync", "lru+q*"):
+        torch.manual_seed(11)                              # the same x[0] for every policy
+        x[policy] = decode_row(bank, policy, slots, ids, 3, bw, cpu_fn, keep_x=True)["x_final"]
+    rel = float((x["lru+q*"] - x["lru"]).abs().max() / x["lru"].abs().max())
+    out = {"lru+sync_equals_lru": bool(torch.equal(x["lru"], x["lru+sync"])), "lru+q*_max_rel_diff": rel}
+    if not out["lru+sync_equals_lru"] or not rel < 2e-2:
+        raise RuntimeError(f"CPU-branch decode differs from the fills-only decode: {out}")
+    return out
+
+
+def _bound(bank, policy, slots, d_meas, ctl, before, counts, bw, steps, batch, secs) -> dict:
+    """The bandwidth-model bound of a row from its measured counts (see gpu_offload's docstring)."""
+    m = bank.model
+    L, E, se = m["layers"], m["experts"], m["expert_bytes"]
+    hbm, pcie, cpu_b = bw["hbm_copy_gbps"] * 1e9, bw["pcie_h2d_gbps"] * 1e9, bw["cpu_expert_gbps"] * 1e9
+    shared_t = L * bank.shared_bytes / hbm
+    out = {}
+    if policy in ("all", "static"):
+        n_gpu = slots // E
+        bound = (d_meas[:, :n_gpu].sum() * se / hbm + d_meas[:, n_gpu:].sum() * se / cpu_b) / steps
+        out.update(miss_rate=float(d_meas[:, n_gpu:].sum() / d_meas.sum()), fills_per_step=0.0,
+                   cpu_experts_per_step=float(d_meas[:, n_gpu:].sum()) / steps, gpu_layers=n_gpu)
+    else:
+        after = ctl.counters()
+        c = {key: after[key] - before[key] for key in after}
+        if policy in ("lru", "lru+sync"):
+            bound = (c["fills"] * se / pcie + (c["hits"] + c["fills"]) * se / hbm) / steps
+        else:
+            # misses split ideally (as if divisible) between PCIe and the CPU, both at their
+            # rates measured while the other runs (the larger of each side's measurements)
+            bp, bc = bw["bound_pcie_gbps"] * 1e9, bw["bound_cpu_gbps"] * 1e9
+            bound = (c["misses"] * se / (bp + bc) + (c["hits"] + c["fills"]) * se / hbm) / steps
+            cnt = np.stack(counts).reshape(-1, 4).astype(np.float64)        # [steps * L, 4]
+            miss, fills = cnt[:, 1], cnt[:, 2]
+            q = np.arange(int(miss.max()) + 1)[None, :] if miss.size else np.zeros((1, 1))
+            best = np.where(q <= miss[:, None], np.maximum(q * se / bp, (miss[:, None] - q) * se / bc), np.inf)
+            gpu_t = (cnt[:, 0] + fills) * se / hbm
+            integer = float((best.min(1) + gpu_t).sum() / steps + shared_t)
+            actual = float((np.maximum(fills * se / bp, cnt[:, 3] * se / bc) + gpu_t).sum() / steps + shared_t)
+            out.update(bound_integer_split_tok_s=batch / integer, fraction_of_integer_split_bound=integer / secs,
+                       bound_actual_split_tok_s=batch / actual, fraction_of_actual_split_bound=actual / secs,
+                       misses_per_layer_call_hist=np.bincount(miss.astype(int)).tolist())
+        out.update(miss_rate=c["misses"] / max(c["hits"] + c["misses"], 1), fills_per_step=c["fills"] / steps,
+                   cpu_experts_per_step=c["cpu_computed"] / steps, fill_fraction=ctl.fill_fraction)
+    bound = float(bound) + shared_t
+    out.update(bound_tok_s=batch / bound, fraction_of_bound=bound / secs)
+    return out
