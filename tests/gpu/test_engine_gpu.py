@@ -58,3 +58,37 @@ def test_cache_capacity_and_split_do_not_change_tokens_on_gpu(tiny_checkpoint, b
         assert out.stats["fills"] + out.stats["cpu_computed"] == out.stats["misses"]
         llm.runner.resize_expert_cache(2)
         llm.runner.cache.check_integrity(deep=True)
+
+
+def _compiled_variants(jit_fn) -> int:
+    """How many specialisations Triton has compiled for a kernel, on every device."""
+    return sum(len(entry[0]) for entry in jit_fn.device_caches.values())
+
+
+def test_resizing_the_cache_compiles_no_new_kernel(tiny_checkpoint):
+    # A shrink under VRAM pressure happens while requests stream: a Triton compile at that
+    # moment (seconds on a GPU) would stall every request. The first H200 pressure run did stall.
+    from freetoken_engine.kernels.triton.control import _control_kernel
+    folder = tiny_checkpoint("qwen3_moe")
+    llm = LLM(folder, device="cuda", dtype="float32", expert_backend="triton", cpu_expert_fraction=0.5)
+    total = llm.runner.bank.total_experts
+    want = llm.generate(PROMPT, GREEDY).token_ids
+    before = _compiled_variants(_control_kernel)
+    for capacity in (total - 1, total // 2 + 1, max(2, total // 3), 2, 1, total):  # across powers of two
+        llm.runner.resize_expert_cache(capacity)
+        assert llm.generate(PROMPT, GREEDY).token_ids == want, capacity
+    assert _compiled_variants(_control_kernel) == before
+
+
+def test_bank_pinned_in_place_unpins_and_pins_again():
+    from freetoken_engine.cache.bank import ExpertBank
+    bank = ExpertBank(2, 4, 1024, 512, torch.bfloat16)          # 25 MB: registered in place
+    ptr = bank.w13.data_ptr()
+    bank.pin()
+    assert bank.pinned and bank.w13.is_pinned() and bank.w13.data_ptr() == ptr  # no second copy
+    bank.unpin()
+    del bank
+    again = ExpertBank(2, 4, 1024, 512, torch.bfloat16)        # may reuse the same addresses
+    again.pin()
+    assert again.w13.is_pinned() and again.w2.is_pinned()
+    torch.cuda.synchronize()                                    # no sticky CUDA error left behind

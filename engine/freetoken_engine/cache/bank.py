@@ -85,9 +85,9 @@ class ExpertBank:
         a later allocation at the same addresses can be registered again."""
         if getattr(self, "_registered", None) and torch.cuda.is_available():
             cudart = torch.cuda.cudart()
-            for ptr in self._registered:
-                cudart.cudaHostUnregister(ptr)
-                cudart.cudaGetLastError()
+            failed = [ptr for ptr in self._registered if int(cudart.cudaHostUnregister(ptr)) != 0]
+            if failed:          # not registered any more (a CUDA reset): clear the sticky error
+                _clear_cuda_error()
         self._registered = []
 
     def __del__(self):
