@@ -29,6 +29,36 @@ def _clear_cuda_error() -> None:
                 continue
 
 
+def _page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor on its own page-aligned mapping, so that ``pin`` registers it in
+    place: ``torch.empty`` memory starts 16 bytes into a page and would need a pinned copy (a
+    second 60 GB for a large bank)."""
+    from ..packed.memory import aligned_empty
+    n = 1
+    for d in shape:
+        n *= d
+    return aligned_empty(n * torch.empty((), dtype=dtype).element_size()).view(dtype).view(shape)
+
+
+def _register_in_place(t: torch.Tensor, registered: list[int]) -> bool:
+    """Page-lock ``t`` where it lies. A mapping from ``aligned_empty`` is unregistered when the
+    mapping goes; any other address is remembered in ``registered`` for ``unpin``."""
+    from ..packed.format import PackedFormatError
+    from ..packed.memory import host_register
+    try:
+        return host_register(t)
+    except ValueError:                      # not such a mapping: register the address itself
+        pass
+    except PackedFormatError:
+        _clear_cuda_error()
+        return False
+    if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) == 0:
+        registered.append(t.data_ptr())
+        return True
+    _clear_cuda_error()
+    return False
+
+
 class ExpertBank:
     def __init__(self, num_layers: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
                  w13: torch.Tensor | None = None, w2: torch.Tensor | None = None):
@@ -38,7 +68,7 @@ class ExpertBank:
         self.dtype = dtype
         shape13, shape2 = (num_layers, num_experts, 2 * inter, hidden), (num_layers, num_experts, hidden, inter)
         if w13 is None:
-            w13, w2 = torch.empty(shape13, dtype=dtype), torch.empty(shape2, dtype=dtype)
+            w13, w2 = _page_aligned(shape13, dtype), _page_aligned(shape2, dtype)
         elif tuple(w13.shape) != shape13 or tuple(w2.shape) != shape2 or w13.dtype != dtype:
             raise ValueError(f"bank tensors {tuple(w13.shape)} {w13.dtype} do not match {shape13} {dtype}")
         self.w13 = w13      # [L, E, 2I, H]: gate ; up
@@ -65,24 +95,21 @@ class ExpertBank:
         """Page-lock the bank (after filling: pinning first would slow the fill) when CUDA exists."""
         if self.pinned or not torch.cuda.is_available():
             return
-        cudart = torch.cuda.cudart()
         self._registered = []
         for name in ("w13", "w2"):
             t = getattr(self, name)
             size = t.numel() * t.element_size()
             # Register large, page-aligned banks in place (no second copy of a 60 GB bank);
             # registration is page-granular, so small tensors sharing pages get a pinned copy.
-            if size >= _REGISTER_MIN and t.data_ptr() % _PAGE == 0:
-                if int(cudart.cudaHostRegister(t.data_ptr(), size, 0)) == 0:
-                    self._registered.append(t.data_ptr())
-                    continue
-                _clear_cuda_error()
+            if size >= _REGISTER_MIN and t.data_ptr() % _PAGE == 0 and _register_in_place(t, self._registered):
+                continue
             setattr(self, name, t.pin_memory())
         self.pinned = True
 
     def unpin(self) -> None:
-        """Unregister memory pinned in place (also done when the bank is garbage-collected), so
-        a later allocation at the same addresses can be registered again."""
+        """Unregister memory that was registered by address (also done when the bank is
+        garbage-collected), so a later allocation at the same addresses can be registered again.
+        A bank on its own mappings (the default) is unregistered when its mappings go."""
         if getattr(self, "_registered", None) and torch.cuda.is_available():
             cudart = torch.cuda.cudart()
             failed = [ptr for ptr in self._registered if int(cudart.cudaHostUnregister(ptr)) != 0]
