@@ -80,7 +80,8 @@ def calibrate(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per health check is noise
+    for noisy in ("httpx", "httpcore"):   # lines per health check and scrape: noise, even at DEBUG
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
         cfg = config_mod.from_env(
             node_name=args.node_name, kube_server=args.kube_server, standalone=args.standalone,
