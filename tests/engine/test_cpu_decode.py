@@ -3,7 +3,8 @@ reference (kernels/reference.py), on every instruction set this CPU runs.
 
 Tolerances (the modules' contracts): projection fp32 ``|y - ref| <= 1e-5 (|x|.|w|) + 1e-6`` per
 element (summation order only), bf16 ``|y - ref32| <= 2^-8 |ref32| + 1e-5 (|x|.|w|)`` against the
-fp32 reference of the same bf16 inputs (one final rounding); RMSNorm bf16 ``|y - ref| <= 2^-7 |ref| + 1e-6``; attention
+fp32 reference of the same bf16 inputs (one final rounding); RMSNorm fp32 ``|y - ref| <= 1e-6 |ref| + 1e-6``,
+bf16 ``|y - ref| <= 2^-7 |ref| + 1e-6``; attention
 fp32 ``|y - ref| <= 1e-5 max|ref| + 1e-6``, bf16 ``|y - ref32| <= 2^-7 max|ref32|`` against the
 fp32 reference of the same inputs; the K/V written to the cache equal the reference's.
 """
@@ -95,17 +96,19 @@ def test_model_linears_are_swapped_in_place():
         assert torch.allclose(model(x), want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", [(1, 1024), (3, 37), (2, 8)])
-def test_rms_norm_bf16_matches_reference(isas, shape):
+def test_rms_norm_matches_reference(isas, shape, dtype):
     g = torch.Generator().manual_seed(shape[1])
-    x = (3 * torch.randn(*shape, generator=g)).to(torch.bfloat16)
-    w = (1 + 0.1 * torch.randn(shape[1], generator=g)).to(torch.bfloat16)
+    x = (3 * torch.randn(*shape, generator=g)).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[1], generator=g)).to(dtype)
     ref = rms_norm_forward(x, w, 1e-6).float()
+    rel = 1e-6 if dtype == torch.float32 else 2.0 ** -7
     for isa in isas:
         ce.configure(isa=isa)
         y = rms_norm(x, w, 1e-6)
-        assert y.dtype == torch.bfloat16 and y.shape == x.shape
-        assert bool(((y.float() - ref).abs() <= 2.0 ** -7 * ref.abs() + 1e-6).all())
+        assert y.dtype == dtype and y.shape == x.shape
+        assert bool(((y.float() - ref).abs() <= rel * ref.abs() + 1e-6).all())
 
 
 def _attention_problem(lens, h, kvh, d, dtype, qk_norm, seed=0):

@@ -53,7 +53,11 @@ class KernelConfig:
     prefetch_bytes: int = 4096   # software prefetch distance along weight rows; 0 = off
     # One bf16 row of H 2048 ahead. bench/results/cpu_expert_kernel.json: on the 16-core Xeon
     # 0 -> 512 -> 1024 gave 77 -> 87 -> 92 GB/s (larger not measured there); on the 2-CPU EPYC
-    # 4096 beat 1024 for one token (79% vs 74% of read) and for 8 tokens (53% vs 37%).
+    # 4096 beat 1024 for one token (79% vs 74% of read) and for 8 tokens (53% vs 37%). With rows
+    # streamed one at a time in address order (simd.h dotr), the H200 host's Xeon gave, for one
+    # bf16 token at 15 threads, 93 / 101 / 108 GB/s at 0 / 1024 / 4096 (best of 3 rounds; the
+    # interleaved-row kernel before it: 83 / 97 / 98). The EPYC's dense fp32 projections
+    # prefer 0 by ~7% (SmolLM2 decode 58 vs 54 tok/s); one default serves both.
     spin_us: int = 200           # how long idle workers spin before sleeping
 
     def __post_init__(self) -> None:

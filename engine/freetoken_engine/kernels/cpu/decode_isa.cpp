@@ -7,10 +7,9 @@
 
 namespace {
 
-// Dense projection rows [n0, n1) for every token, NR rows at a time (more streams in flight).
+// Dense projection rows [n0, n1) for every token, one row at a time in address order.
 template <bool WB>
 void linear_rows(const FtLinear* p, int64_t n0, int64_t n1) {
-  enum { NR = 4 };
   const int64_t K = p->K, N = p->N, es = WB ? 2 : 4;
   const char* base = (const char*)p->w;
   const int64_t rs = p->w_rs * es;
@@ -26,31 +25,19 @@ void linear_rows(const FtLinear* p, int64_t n0, int64_t n1) {
       xbs[t] = p->xb ? p->xb + (tb + t) * K : 0;
 #endif
     }
-    for (int64_t n = n0; n < n1; n += NR) {
-      const int nr = (int)(n1 - n < NR ? n1 - n : NR);
-      const void* rows[NR];
-      for (int r = 0; r < NR; ++r) rows[r] = base + (n + (r < nr ? r : 0)) * rs;
-      float o[NR][NTMAX];
+    for (int64_t n = n0; n < n1; ++n) {
+      const char* row = base + n * rs;
+      float o[NTMAX];
 #if FT_ISA == 3
-      if (p->xb) {
-        const uint16_t* const* rb = (const uint16_t* const*)rows;
-        if (nr == NR) dotn_bf<NR>(nt, rb, xbs, K, p->prefetch, o);
-        else for (int r = 0; r < nr; ++r) dotn_bf<1>(nt, rb + r, xbs, K, p->prefetch, o + r);
-      } else
+      if (p->xb) dotrn_bf(nt, (const uint16_t*)row, xbs, K, p->prefetch, o);
+      else
 #endif
-      if (nr == NR) {
-        dotn<NR, WB>(nt, rows, xs, K, p->prefetch, o);
-      } else {
-        for (int r = 0; r < nr; ++r) dotn<1, WB>(nt, rows + r, xs, K, p->prefetch, o + r);
-      }
-      for (int r = 0; r < nr; ++r) {
-        const float b = p->bias ? sw<WB>(p->bias, n + r) : 0.f;
-        for (int t = 0; t < nt; ++t) {
-          const float v = o[r][t] + b;
-          const int64_t at = (tb + t) * N + n + r;
-          if (p->out_bf16) ((uint16_t*)p->out)[at] = f2bf(v);
-          else ((float*)p->out)[at] = v;
-        }
+        dotrn<WB>(nt, row, xs, K, p->prefetch, o);
+      const float b = p->bias ? sw<WB>(p->bias, n) : 0.f;
+      for (int t = 0; t < nt; ++t) {
+        const int64_t at = (tb + t) * N + n;
+        if (p->out_bf16) ((uint16_t*)p->out)[at] = f2bf(o[t] + b);
+        else ((float*)p->out)[at] = o[t] + b;
       }
     }
   }

@@ -3,9 +3,10 @@
 // Everything here is file-local except the two stage functions (see experts.h), and no C++
 // library header is included, so no ISA-specific inline code can leak into other units.
 //
-// Memory-bound design (decode: a few tokens per expert): each weight row is streamed once,
-// converted bf16 -> fp32 in registers (a 16-bit shift) and multiplied into up to NTMAX token
-// vectors kept hot in L1; gate and up rows are walked together so SwiGLU is fused. With x in
+// Memory-bound design (decode: a few tokens per expert): each weight row is streamed once, in
+// address order (a block of gate rows, then the matching up rows, then SwiGLU), converted
+// bf16 -> fp32 in registers (a 16-bit shift) and multiplied into up to NTMAX token vectors
+// kept hot in L1. With x in
 // bf16 and AVX512-BF16 present, vdpbf16ps multiplies bf16 pairs directly (products are exact
 // in fp32, so the result matches the fp32 path up to summation order).
 #include "simd.h"
@@ -22,12 +23,17 @@ inline float swiglu(float g, float u, int xb16) {
   return g / (1.f + expf(-g)) * u;
 }
 
+// Gate rows then up rows of a block of at most RB intermediate rows: two sequential streams
+// one after the other (dotr), then SwiGLU.
+enum { RB = 64 };
+
 template <bool WB>
 void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
   const int64_t H = p->H, I = p->I, s = p->g_start[g], n = p->g_count[g];
   const int64_t es = WB ? 2 : 4;
   const char* base = (const char*)p->w13 + p->g_expert[g] * p->w13_es * es;
   const int64_t rs = p->w13_rs * es;
+  float og[RB][NTMAX], ou[RB][NTMAX];
   for (int64_t tb = 0; tb < n; tb += NTMAX) {
     const int nt = (int)(n - tb < NTMAX ? n - tb : NTMAX);
     const float* xs[NTMAX];
@@ -41,21 +47,25 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
       xbs[t] = p->xb ? p->xb + tok * H : 0;
 #endif
     }
-    for (int64_t i = i0; i < i1; ++i) {
-      const void* rows[2] = {base + i * rs, base + (I + i) * rs};
-      float o[2][NTMAX];
+    for (int64_t ib = i0; ib < i1; ib += RB) {
+      const int64_t ie = ib + RB < i1 ? ib + RB : i1;
+      for (int half = 0; half < 2; ++half)
+        for (int64_t i = ib; i < ie; ++i) {
+          const char* row = base + (half * I + i) * rs;
+          float* o = half ? ou[i - ib] : og[i - ib];
 #if FT_ISA == 3
-      if (p->xb)
-        dotn_bf<2>(nt, (const uint16_t* const*)rows, xbs, H, p->prefetch, o);
-      else
+          if (p->xb) dotrn_bf(nt, (const uint16_t*)row, xbs, H, p->prefetch, o);
+          else
 #endif
-        dotn<2, WB>(nt, rows, xs, H, p->prefetch, o);
-      for (int t = 0; t < nt; ++t) {
-        const float a = swiglu(o[0][t], o[1][t], p->x_bf16);
-        const int64_t at = (s + tb + t) * I + i;
-        if (p->act) p->act[at] = a;
-        if (p->act_b) p->act_b[at] = f2bf(a);
-      }
+            dotrn<WB>(nt, row, xs, H, p->prefetch, o);
+        }
+      for (int64_t i = ib; i < ie; ++i)
+        for (int t = 0; t < nt; ++t) {
+          const float a = swiglu(og[i - ib][t], ou[i - ib][t], p->x_bf16);
+          const int64_t at = (s + tb + t) * I + i;
+          if (p->act) p->act[at] = a;
+          if (p->act_b) p->act_b[at] = f2bf(a);
+        }
     }
   }
 }
@@ -80,23 +90,18 @@ void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
 #endif
       dst[t] = p->sorted_pair[s + tb + t] * H;
     }
-    for (int64_t h = h0; h < h1; h += 2) {
-      const int nr = h + 1 < h1 ? 2 : 1;
-      const void* rows[2] = {base + h * rs, base + (h + 1) * rs};
-      float o[2][NTMAX];
+    for (int64_t h = h0; h < h1; ++h) {
+      const char* row = base + h * rs;
+      float o[NTMAX];
 #if FT_ISA == 3
-      if (p->xb) {
-        if (nr == 2) dotn_bf<2>(nt, (const uint16_t* const*)rows, xbs, I, p->prefetch, o);
-        else dotn_bf<1>(nt, (const uint16_t* const*)rows, xbs, I, p->prefetch, o);
-      } else
+      if (p->xb) dotrn_bf(nt, (const uint16_t*)row, xbs, I, p->prefetch, o);
+      else
 #endif
-      if (nr == 2) dotn<2, WB>(nt, rows, xs, I, p->prefetch, o);
-      else dotn<1, WB>(nt, rows, xs, I, p->prefetch, o);
-      for (int r = 0; r < nr; ++r)
-        for (int t = 0; t < nt; ++t) {
-          if (p->out_bf16) ((uint16_t*)p->out)[dst[t] + h + r] = f2bf(o[r][t]);
-          else ((float*)p->out)[dst[t] + h + r] = o[r][t];
-        }
+        dotrn<WB>(nt, row, xs, I, p->prefetch, o);
+      for (int t = 0; t < nt; ++t) {
+        if (p->out_bf16) ((uint16_t*)p->out)[dst[t] + h] = f2bf(o[t]);
+        else ((float*)p->out)[dst[t] + h] = o[t];
+      }
     }
   }
 }

@@ -3,11 +3,12 @@
 Same result as ``reference.linear_forward`` (``F.linear``): ``out[t] = w @ x[t] (+ b)`` in
 ``x.dtype``, fp32 accumulation, one rounding to bf16 at the end when ``x`` is bf16. A decode
 step multiplies one token (a few, batched) by every weight matrix, so it is a matrix-vector
-product bounded by reading the weights once: the kernel streams each row once (four rows at a
-time, software-prefetched) against up to 8 token vectors held in L1, converting bf16 in
-registers (AVX-512-BF16 ``vdpbf16ps`` when ``x`` is bf16 too). torch's single-token GEMV reads
-bf16 weights at 15-17 GB/s on the 2-CPU EPYC; this kernel at about 25-30 GB/s
-(bench/results/cpu_generate.json).
+product bounded by reading the weights once: the kernel streams the rows once, one at a time
+in address order (simd.h ``dotr``), against up to 8 token vectors held in L1, converting bf16
+in registers (AVX-512-BF16 ``vdpbf16ps`` when ``x`` is bf16 too). On the 2-CPU EPYC (one thread,
+single-thread read ~40 GB/s) torch's single-token GEMV reads bf16 weights at 14-17 GB/s and
+fp32 at 16-21 GB/s; this kernel reads both at 30-38 GB/s (shapes of SmolLM2 and of the bench's
+Qwen3-MoE, matrices larger than the LLC).
 
 Used only where it is the same computation: CPU tensors, 2-D ``x`` of at most ``MAX_TOKENS``
 rows, ``x`` and ``w`` both float32 or both bfloat16, ``w`` with unit stride in its last
