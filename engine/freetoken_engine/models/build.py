@@ -2,6 +2,7 @@
 into the host expert bank (final layout, filled expert by expert, then pinned)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Callable
@@ -32,14 +33,31 @@ def read_config(folder: Path, dtype: torch.dtype | None = None):
     return ckpt, fam.parse(ckpt.config)
 
 
+@contextlib.contextmanager
+def no_init():
+    """Skip ``torch.nn.init`` while modules are built on the meta device: every parameter is
+    overwritten from the checkpoint, and the init functions' meta-device path imports
+    ``torch._dynamo`` and sympy (about 1 s of every start, several on a cold disk)."""
+    names = [n for n in dir(torch.nn.init) if n.endswith("_") and not n.startswith("_")]
+    saved = {n: getattr(torch.nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(torch.nn.init, n, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for n, fn in saved.items():
+            setattr(torch.nn.init, n, fn)
+
+
 def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
                 progress: Progress | None = None) -> tuple[DecoderLM, ExpertBank | None, ModelConfig]:
     ckpt, cfg = read_config(folder, dtype)
     fam = family(cfg.model_type)
     rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
-    with torch.device("meta"):
+    with torch.device("meta"), no_init():
         model = DecoderLM(cfg, rotary).to(dtype)       # cast while still free: no fp32 pass
-    model = model.to_empty(device=device)
+    # Module.to_empty would call empty_like on meta tensors, whose reference path imports sympy.
+    model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     params = dict(model.named_parameters())
     tied = cfg.tie_word_embeddings or not ckpt.has("lm_head.weight")
     wanted = [k for k in params if not (tied and k == "lm_head.weight")]
