@@ -50,23 +50,27 @@ class KernelConfig:
 
     threads: int
     isa: str = "auto"            # "auto" or one of ISAS
-    prefetch_bytes: int = 4096   # software prefetch distance along weight rows; 0 = off
+    prefetch_bytes: int = 4096   # software prefetch distance along bf16 weight rows; 0 = off
     # One bf16 row of H 2048 ahead. bench/results/cpu_expert_kernel.json: on the 16-core Xeon
     # 0 -> 512 -> 1024 gave 77 -> 87 -> 92 GB/s (larger not measured there); on the 2-CPU EPYC
     # 4096 beat 1024 for one token (79% vs 74% of read) and for 8 tokens (53% vs 37%). With rows
     # streamed one at a time in address order (simd.h dotr), the H200 host's Xeon gave, for one
     # bf16 token at 15 threads, 93 / 101 / 108 GB/s at 0 / 1024 / 4096 (best of 3 rounds; the
-    # interleaved-row kernel before it: 83 / 97 / 98). The EPYC's dense fp32 projections
-    # prefer 0 by ~7% (SmolLM2 decode 58 vs 54 tok/s); one default serves both.
+    # interleaved-row kernel before it: 83 / 97 / 98). The EPYC's fp32 rows read faster without
+    # (SmolLM2's matrices in C++: 40 vs 36-37 GB/s; its decode +5-8% in 2 of 3 paired runs,
+    # -2% in one), hence a separate setting for fp32 rows.
     spin_us: int = 200           # how long idle workers spin before sleeping
+    prefetch_fp32_bytes: int = 0  # the same along fp32 weight rows
 
     def __post_init__(self) -> None:
         if not isinstance(self.threads, int) or self.threads < 1:
             raise ValueError(f"threads must be a positive int, got {self.threads!r}")
         if self.isa != "auto" and self.isa not in ISAS:
             raise ValueError(f"isa must be 'auto' or one of {ISAS}, got {self.isa!r}")
-        if self.prefetch_bytes < 0 or self.prefetch_bytes % 64:
-            raise ValueError(f"prefetch_bytes must be a non-negative multiple of 64, got {self.prefetch_bytes}")
+        for name in ("prefetch_bytes", "prefetch_fp32_bytes"):
+            v = getattr(self, name)
+            if v < 0 or v % 64:
+                raise ValueError(f"{name} must be a non-negative multiple of 64, got {v}")
         if self.spin_us < 0:
             raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")
 
@@ -127,14 +131,16 @@ def _apply(cfg: KernelConfig) -> None:
     workers = cpus[len(cpus) - (cfg.threads - 1):] if 1 < cfg.threads <= len(cpus) else cpus
     arr = (ctypes.c_int * max(1, len(workers)))(*workers)
     isa = -1 if cfg.isa == "auto" else ISAS.index(cfg.isa)
-    rc = _lib.ft_configure(cfg.threads, arr, len(workers), isa, cfg.prefetch_bytes, cfg.spin_us)
+    rc = _lib.ft_configure(cfg.threads, arr, len(workers), isa, cfg.prefetch_bytes, cfg.prefetch_fp32_bytes,
+                           cfg.spin_us)
     if rc < 0:
         raise ValueError(_lib.ft_last_error().decode())
     _isa, _config = ISAS[rc], cfg
 
 
 def configure(threads: int | None = None, isa: str | None = None,
-              prefetch_bytes: int | None = None, spin_us: int | None = None) -> KernelConfig:
+              prefetch_bytes: int | None = None, spin_us: int | None = None,
+              prefetch_fp32_bytes: int | None = None) -> KernelConfig:
     """Change thread count, instruction set, prefetch or spin at run time; returns the config.
 
     Raises ValueError for a bad value or an instruction set this CPU lacks; a no-op returning
@@ -146,6 +152,8 @@ def configure(threads: int | None = None, isa: str | None = None,
     cfg = KernelConfig(threads=cur.threads if threads is None else threads,
                        isa=cur.isa if isa is None else isa,
                        prefetch_bytes=cur.prefetch_bytes if prefetch_bytes is None else prefetch_bytes,
+                       prefetch_fp32_bytes=(cur.prefetch_fp32_bytes if prefetch_fp32_bytes is None
+                                            else prefetch_fp32_bytes),
                        spin_us=cur.spin_us if spin_us is None else spin_us)
     with _lock:
         _apply(cfg)
@@ -169,7 +177,7 @@ def cpu_features() -> dict:
         return {"backend": "reference"}
     return {"backend": backend_name(), "best_isa": ISAS[lib.ft_best_isa()],
             "amx": bool(lib.ft_has_amx()), "threads": _config.threads,
-            "prefetch_bytes": _config.prefetch_bytes}
+            "prefetch_bytes": _config.prefetch_bytes, "prefetch_fp32_bytes": _config.prefetch_fp32_bytes}
 
 
 _DT = {torch.float32: 0, torch.bfloat16: 1}

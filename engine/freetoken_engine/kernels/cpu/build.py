@@ -123,7 +123,7 @@ def load() -> ctypes.CDLL:
     lib.ft_isa_name.argtypes = [ci]
     lib.ft_last_error.restype = ctypes.c_char_p
     lib.ft_configure.restype = ci
-    lib.ft_configure.argtypes = [ci, ctypes.POINTER(ci), ci, ci, i64, ci]
+    lib.ft_configure.argtypes = [ci, ctypes.POINTER(ci), ci, ci, i64, i64, ci]
     lib.ft_experts_forward.restype = ci
     lib.ft_experts_forward.argtypes = [vp, ci, i64, i64, i64, vp, vp, ci, i64,
                                        i64, i64, i64, i64, vp, vp, i64, vp]

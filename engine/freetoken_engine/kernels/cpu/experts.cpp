@@ -178,7 +178,8 @@ int g_isa = -1;
 int g_threads = 1;
 std::vector<int> g_cpus;
 int g_spin_us = 200;
-int64_t g_prefetch = 0;
+int64_t g_prefetch = 0;       // bf16 weight rows
+int64_t g_prefetch_f32 = 0;   // fp32 weight rows
 char g_err[256];
 
 Pool* pool_get() {
@@ -295,8 +296,10 @@ const char* ft_isa_name(int isa) { return isa >= 0 && isa <= 3 ? kIsaNames[isa] 
 const char* ft_last_error() { return g_err; }
 
 // threads: participants including the caller; cpus: where workers 1..threads-1 are pinned
-// (none: unpinned); isa: -1 = best available; prefetch: bytes ahead (0 = off).
-int ft_configure(int threads, const int* cpus, int ncpus, int isa, int64_t prefetch, int spin_us) {
+// (none: unpinned); isa: -1 = best available; prefetch / prefetch_f32: bytes ahead along bf16 /
+// fp32 weight rows (0 = off).
+int ft_configure(int threads, const int* cpus, int ncpus, int isa, int64_t prefetch, int64_t prefetch_f32,
+                 int spin_us) {
   std::lock_guard<std::mutex> lk(g_call);
   const int best = detect_isa();
   if (isa > best) {
@@ -313,6 +316,7 @@ int ft_configure(int threads, const int* cpus, int ncpus, int isa, int64_t prefe
   g_threads = threads < 1 ? 1 : threads;
   g_cpus.assign(cpus, cpus + (ncpus > 0 ? ncpus : 0));
   g_prefetch = prefetch;
+  g_prefetch_f32 = prefetch_f32;
   g_spin_us = spin_us;
   return g_isa;
 }
@@ -355,7 +359,7 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
   p.n_groups = (int64_t)s_gexp.size();
   p.g_expert = s_gexp.data(); p.g_start = s_gstart.data(); p.g_count = s_gcount.data();
   p.sorted_pair = s_sorted.data(); p.pair_tok = pair_tok;
-  p.x_bf16 = x_bf16; p.out = out; p.out_bf16 = x_bf16; p.prefetch = g_prefetch;
+  p.x_bf16 = x_bf16; p.out = out; p.out_bf16 = x_bf16; p.prefetch = w_bf16 ? g_prefetch : g_prefetch_f32;
   if (bfdot) {
     p.xb = (const uint16_t*)x;
     s_actb.resize(P * I);
@@ -406,7 +410,7 @@ int ft_linear(const void* x, int x_bf16, int64_t T, int64_t K, const void* w, in
   FtLinear p;
   memset(&p, 0, sizeof p);
   p.T = T; p.K = K; p.N = N; p.w = w; p.w_bf16 = w_bf16; p.w_rs = w_rs; p.bias = bias;
-  p.out = out; p.out_bf16 = x_bf16; p.prefetch = g_prefetch;
+  p.out = out; p.out_bf16 = x_bf16; p.prefetch = w_bf16 ? g_prefetch : g_prefetch_f32;
   if (x_bf16 && w_bf16 && g_isa == ISA_AVX512BF16) {
     p.xb = (const uint16_t*)x;
   } else if (x_bf16) {
