@@ -237,14 +237,15 @@ def plot(rows: list[dict], out: Path) -> None:
         return
     shown = [r for r in rows if not r.get("transformers") or r["ratio_vs_transformers_same_dtype"] == 1.0]
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(shown) + 1.2))
-    ax.barh([f"{r['model']} {r['dtype']}: {r['side'][:40]}" for r in shown],
-            [r["ratio_vs_transformers_fastest"] for r in shown],
+    ax.barh([f"{r['model']} {r['dtype']}{'*' if 'cast_from_checkpoint_dtype' in r else ''}: {r['side'][:40]}"
+             for r in shown], [r["ratio_vs_transformers_same_dtype"] for r in shown],
             color=["grey" if r.get("transformers") else "C0" for r in shown])
     ax.axvline(1.0, color="k", lw=0.5)
     ax.axvline(2.0, color="C3", lw=0.5, ls="--")
     ax.invert_yaxis()
     ax.tick_params(axis="y", labelsize=7)
-    ax.set_xlabel("decode tokens/s relative to transformers' fastest configuration (higher is better)")
+    ax.set_xlabel("decode tok/s / transformers' fastest configuration in the same dtype\n"
+                  "(* float32 checkpoint narrowed to bf16 on both sides, lossy)", fontsize=8)
     hw = describe()
     ax.set_title(f"CPU decode, {hw['cpu'][:40]}, {hw['cores']} cores, 1 thread per side", fontsize=9)
     fig.tight_layout()
