@@ -44,6 +44,11 @@ def test_every_family_matches_transformers(tiny_checkpoint, model_type):
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})),
+    ("qwen3_moe", dict(max_position_embeddings=128, rope_parameters={                   # YaRN (Qwen3 long context)
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32})),
+    ("llama", dict(max_position_embeddings=512, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 2.0, "original_max_position_embeddings": 256,
+        "beta_fast": 16.0, "beta_slow": 2.0})),
     ("qwen3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
 ])
 def test_unseen_variants_match(tmp_path, model_type, overrides):
