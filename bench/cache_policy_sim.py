@@ -48,22 +48,26 @@ def steps(ids) -> list[tuple[int, list[int]]]:
     return [(l, sorted(set(ids[t, l].flatten().tolist()))) for t in range(n_tok) for l in range(n_layers)]
 
 
+def lru_call(cache: OrderedDict, keys: list, slots: int | None = None) -> int:
+    """One layer call on an LRU ``cache``: stamp the hits first (they are never victims), then
+    fill the misses, evicting the least recently used while ``slots`` is reached. -> misses."""
+    for key in keys:
+        if key in cache:
+            cache.move_to_end(key)
+    misses = 0
+    for key in keys:
+        if key not in cache:
+            misses += 1
+            if slots is not None and len(cache) >= slots:
+                cache.popitem(last=False)
+            cache[key] = True
+    return misses
+
+
 def global_lru(seq, slots: int) -> tuple[int, int]:
     cache: OrderedDict = OrderedDict()
-    misses = accesses = 0
-    for layer, active in seq:
-        keys = [(layer, e) for e in active]
-        for key in keys:                       # stamp the hits first: they are never victims
-            if key in cache:
-                cache.move_to_end(key)
-        for key in keys:
-            accesses += 1
-            if key not in cache:
-                misses += 1
-                if len(cache) >= slots:
-                    cache.popitem(last=False)
-                cache[key] = True
-    return misses, accesses
+    misses = sum(lru_call(cache, [(layer, e) for e in active], slots) for layer, active in seq)
+    return misses, sum(len(active) for _, active in seq)
 
 
 def layer_lru(seq, slots: int, n_layers: int, scratch: int) -> tuple[int, int]:
@@ -73,20 +77,12 @@ def layer_lru(seq, slots: int, n_layers: int, scratch: int) -> tuple[int, int]:
     kept = max(slots - scratch, 0)
     share = [kept // n_layers + (1 if l < kept % n_layers else 0) for l in range(n_layers)]
     caches = [OrderedDict() for _ in range(n_layers)]
-    misses = accesses = 0
+    misses = 0
     for layer, active in seq:
-        cache = caches[layer]
-        for e in active:
-            if e in cache:
-                cache.move_to_end(e)
-        for e in active:
-            accesses += 1
-            if e not in cache:
-                misses += 1
-                cache[e] = True
-        while len(cache) > share[layer]:       # keep the most recently used share
-            cache.popitem(last=False)
-    return misses, accesses
+        misses += lru_call(caches[layer], active)
+        while len(caches[layer]) > share[layer]:      # keep the most recently used share
+            caches[layer].popitem(last=False)
+    return misses, sum(len(active) for _, active in seq)
 
 
 def belady(seq, slots: int) -> tuple[int, int]:
