@@ -88,6 +88,8 @@ def check(app, path: str, raw: bytes):
 @example(case=("/v1/chat/completions", b'{"model": "M", "messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 1}'))
 @example(case=("/v1/completions", b'{"model": "M", "prompt": "a\\udfff", "max_tokens": 1}'))
 @example(case=("/v1/messages/count_tokens", b'{"model": "M", "system": "\\ud800", "messages": [{"role": "user", "content": "x"}]}'))
+@example(case=("/v1/completions", b'{"model": "\\ud800", "prompt": "hi", "max_tokens": 3}'))   # echoed in the 404
+@example(case=("/v1/messages", b'{"model": "\\udc00x", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}'))
 @example(case=("/v1/chat/completions", b"[" * 50_000 + b"]" * 50_000))
 def test_no_request_body_breaks_the_server(app, case):
     check(app, *case)

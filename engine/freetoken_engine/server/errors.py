@@ -49,9 +49,17 @@ def is_anthropic(path: str) -> bool:
     return path.startswith("/v1/messages")
 
 
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def error_body(path: str, status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict:
-    """The JSON error body for ``path`` (also used for errors inside an SSE stream)."""
+    """The JSON error body for ``path`` (also used for errors inside an SSE stream). Text that
+    echoes the request (a model name, a parameter) may hold lone surrogates, which JSON parses
+    but UTF-8 cannot encode: they are written as ``\\udXXX`` escapes, not turned into a 500."""
+    message = _encodable(message)
+    param = None if param is None else _encodable(param)
     if is_anthropic(path):
         return {"type": "error",
                 "error": {"type": _ANTHROPIC_TYPE.get(status, "api_error"), "message": message}}
