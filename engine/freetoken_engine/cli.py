@@ -17,6 +17,7 @@ import json  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from . import env  # noqa: E402
 from .errors import ConfigError, EngineError  # noqa: E402
 
 
@@ -130,8 +131,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_options(srv)
     srv.add_argument("--host", default="127.0.0.1")
     srv.add_argument("--port", type=int, default=1919)
-    srv.add_argument("--api-key", help="require this key for inference endpoints")
-    srv.add_argument("--admin-token", help="require this token for /admin/* (else loopback only)")
+    srv.add_argument("--api-key", default=env.api_key(),
+                     help="require this key for inference endpoints (default: $FREETOKEN_API_KEY)")
+    srv.add_argument("--admin-token", default=env.admin_token(),
+                     help="require this token for /admin/* (default: $FREETOKEN_ADMIN_TOKEN; "
+                          "none: loopback only)")
     srv.add_argument("--served-model-name", help="model name in the API (default: folder name)")
     srv.add_argument("--max-batch", type=int, default=32, help="requests decoded together")
     srv.add_argument("--max-queue", type=int, default=256, help="waiting requests before 429")

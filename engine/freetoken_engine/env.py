@@ -17,6 +17,10 @@ FREETOKEN_CPU_EXPERT_THREADS = "FREETOKEN_CPU_EXPERT_THREADS"
 FREETOKEN_CPU_KERNEL = "FREETOKEN_CPU_KERNEL"
 #: C++ compiler for the CPU expert kernel (the usual variable; default g++).
 CXX = "CXX"
+#: Default of ``serve --api-key`` / ``--admin-token``: secrets passed this way stay out of the
+#: process list (``ps`` shows every argument), which is how the node agent passes them.
+FREETOKEN_API_KEY = "FREETOKEN_API_KEY"
+FREETOKEN_ADMIN_TOKEN = "FREETOKEN_ADMIN_TOKEN"
 
 
 def cache_dir() -> Path:
@@ -35,3 +39,11 @@ def cpu_threads() -> int | None:
 
 def cpu_expert_backend() -> str | None:
     return os.environ.get(FREETOKEN_CPU_EXPERT_BACKEND) or None
+
+
+def api_key() -> str | None:
+    return os.environ.get(FREETOKEN_API_KEY) or None
+
+
+def admin_token() -> str | None:
+    return os.environ.get(FREETOKEN_ADMIN_TOKEN) or None

@@ -63,16 +63,16 @@ def backoff_delay(failures_in_a_row: int, initial: float, maximum: float) -> flo
     return min(maximum, initial * (2 ** max(0, failures_in_a_row - 1)))
 
 
-def serve_command(a: Assignment, launch: LaunchConfig, admin_token: str, api_key: str | None,
-                  cpu_expert_fraction: float | None) -> list[str]:
-    """The ``freetoken serve`` command line for one replica (docs/contracts.md).
+def serve_command(a: Assignment, launch: LaunchConfig, cpu_expert_fraction: float | None) -> list[str]:
+    """The ``freetoken serve`` command line for one replica (docs/contracts.md); its secrets go
+    through ``serve_env``, never the command line (which ``ps`` shows to every local user).
 
     The engine starts with a one-expert cache: it refuses a start size larger than the model
     (which the agent cannot know before loading), whereas ``POST /admin/cache`` clamps. The
     budget is applied once the engine is ready (``Replica._became_ready``)."""
     cmd = [*launch.engine_command, "serve", "--host", launch.bind_host,
            "--port", str(a.port + launch.port_offset), "--served-model-name", a.served_name,
-           "--admin-token", admin_token, "--device", a.engine.device]
+           "--device", a.engine.device]
     if a.path is not None:
         cmd += ["--model", a.path]
     if a.engine.dtype:
@@ -80,9 +80,17 @@ def serve_command(a: Assignment, launch: LaunchConfig, admin_token: str, api_key
     cmd += ["--expert-cache-experts", "1"]
     if cpu_expert_fraction is not None:
         cmd += ["--cpu-expert-fraction", f"{cpu_expert_fraction:.4f}"]
-    if api_key:
-        cmd += ["--api-key", api_key]
     return cmd
+
+
+def serve_env(admin_token: str, api_key: str | None) -> dict[str, str]:
+    """The engine's environment: the agent's, plus its admin token and API key (the engine reads
+    ``FREETOKEN_ADMIN_TOKEN`` / ``FREETOKEN_API_KEY``); an inherited key is never passed on."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FREETOKEN_API_KEY", "FREETOKEN_ADMIN_TOKEN")}
+    env["FREETOKEN_ADMIN_TOKEN"] = admin_token
+    if api_key:
+        env["FREETOKEN_API_KEY"] = api_key
+    return env
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -136,14 +144,14 @@ class Replica:
 
     async def _spawn(self) -> asyncio.subprocess.Process:
         self._budget, cpu_fraction = self._launch_args(self.assignment)
-        cmd = serve_command(self.assignment, self.launch, self.admin_token, self.api_key, cpu_fraction)
+        cmd = serve_command(self.assignment, self.launch, cpu_fraction)
         out = None
         if self.launch.log_dir:
             os.makedirs(self.launch.log_dir, exist_ok=True)
             out = open(os.path.join(self.launch.log_dir, f"{self.key}.log"), "ab")
         try:
             proc = await asyncio.create_subprocess_exec(
-                *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out,
+                *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=out, env=serve_env(self.admin_token, self.api_key),
                 stderr=asyncio.subprocess.STDOUT if out else None, preexec_fn=_die_with_parent)
         finally:
             if out is not None:

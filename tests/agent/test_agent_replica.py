@@ -1,9 +1,12 @@
 """Engine command lines and restart backoff (the live lifecycle is in test_agent_e2e.py)."""
 
+import subprocess
+import sys
+
 import pytest
 
 from freetoken_agent.assignments import parse_models
-from freetoken_agent.replica import LaunchConfig, backoff_delay, serve_command
+from freetoken_agent.replica import LaunchConfig, backoff_delay, serve_command, serve_env
 
 
 def test_serve_command_follows_the_engine_contract():
@@ -11,18 +14,32 @@ def test_serve_command_follows_the_engine_contract():
                          "source": {"path": "/models/qwen3"},
                          "engine": {"device": "cuda", "dtype": "bfloat16"}}]).values()
     launch = LaunchConfig(engine_command=("freetoken",), bind_host="10.0.0.5", port_offset=100)
-    cmd = serve_command(a, launch, admin_token="t0k", api_key="sk", cpu_expert_fraction=0.25)
+    cmd = serve_command(a, launch, cpu_expert_fraction=0.25)
     assert cmd[:2] == ["freetoken", "serve"]
     opts = dict(zip(cmd[2::2], cmd[3::2]))
     assert opts == {"--host": "10.0.0.5", "--port": "2019", "--served-model-name": "qwen",
-                    "--admin-token": "t0k", "--device": "cuda", "--model": "/models/qwen3",
+                    "--device": "cuda", "--model": "/models/qwen3",
                     "--dtype": "bfloat16", "--expert-cache-experts": "1",
-                    "--cpu-expert-fraction": "0.2500", "--api-key": "sk"}
+                    "--cpu-expert-fraction": "0.2500"}
+
+
+def test_secrets_travel_in_the_environment_not_the_command_line(monkeypatch):
+    # In argv a secret is visible to every local user (ps), and a token starting with "-" read
+    # as an option made `freetoken serve` exit ("expected one argument"): one start in 64.
+    monkeypatch.setenv("FREETOKEN_API_KEY", "inherited")
+    env = serve_env(admin_token="-t0k", api_key=None)
+    assert env["FREETOKEN_ADMIN_TOKEN"] == "-t0k" and "FREETOKEN_API_KEY" not in env
+    assert serve_env("t", "sk")["FREETOKEN_API_KEY"] == "sk"
+    code = ("import sys; from freetoken_engine.cli import build_parser; "
+            "a = build_parser().parse_args(['serve']); print(a.admin_token, a.api_key)")
+    out = subprocess.run([sys.executable, "-c", code], env=serve_env("-dash-token", "sk-1"),
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["-dash-token", "sk-1"], out.stderr
 
 
 def test_default_model_sends_no_model_flag():
     [a] = parse_models([{"model": "tiny", "port": 2000}]).values()
-    cmd = serve_command(a, LaunchConfig(engine_command=("x",)), "t", None, None)
+    cmd = serve_command(a, LaunchConfig(engine_command=("x",)), None)
     assert "--model" not in cmd and "--api-key" not in cmd and "--cpu-expert-fraction" not in cmd
 
 
