@@ -17,6 +17,7 @@ if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
 from freetoken_engine.cache.bank import ExpertBank
 from freetoken_engine.cache.device_control import DeviceControl
 from freetoken_engine.cache.experts import ExpertCache
+from freetoken_engine.kernels.triton.control import ControlOutputs, control_step, fill_table
 
 LAYERS, EXPERTS, H, I, K = 3, 12, 16, 8, 4
 
@@ -70,13 +71,17 @@ def test_device_step_matches_cache_step(capacity, fill_fraction):
     assert dev.stats == ref.stats
 
 
-def test_device_state_survives_resize():
+@pytest.mark.parametrize("resizable", [False, True])
+def test_device_state_survives_resize(resizable):
+    # resizable (the engine's binding): the control kernel is sized once for every expert, so a
+    # resize under memory pressure compiles nothing new (tests/gpu checks that on a GPU)
     bank = _bank(1)
     ref = ExpertCache(bank, 9, "cpu", fill_fraction=0.8)
     dev = ExpertCache(bank, 9, "cpu", fill_fraction=0.8)
-    ctl = DeviceControl.from_cache(dev)
+    ctl = DeviceControl.from_cache(dev, resizable=resizable)
+    assert ctl.max_slots == (LAYERS * EXPERTS if resizable else None)
     g = torch.Generator().manual_seed(7)
-    for capacity in (9, 4, 14):
+    for capacity in (9, 4, 14, LAYERS * EXPERTS):      # a game starts, takes more, quits
         ctl.write_back(dev)                           # the safe point: hand state to the cache
         ref.resize(capacity)
         dev.resize(capacity)
@@ -88,6 +93,17 @@ def test_device_state_survives_resize():
         _assert_same(ref, dev, ctl)
     ctl.write_back(dev)
     dev.check_integrity(deep=True)
+    assert dev.stats == ref.stats
+
+
+def test_block_slots_below_the_pool_is_refused():
+    slot_of = torch.full((1, 4), -1, dtype=torch.int64)
+    owner, last = torch.full((8,), -1, dtype=torch.int64), torch.full((8,), -1, dtype=torch.int64)
+    out = ControlOutputs.allocate(2, 4, 8, torch.device("cpu"))
+    with pytest.raises(ValueError, match="block_slots 4 < the pool's 8 slots"):
+        control_step(0, torch.tensor([[0, 1]]), slot_of, owner, last, torch.zeros(1, dtype=torch.int64),
+                     fill_table(1.0, 4, torch.device("cpu")), torch.zeros(4, dtype=torch.int64), out,
+                     block_slots=4)
 
 
 def test_host_mirror_receives_pair_slots_and_counts():
