@@ -3,10 +3,7 @@ the routing models (uniform, and locality from the default model's measured stat
 from __future__ import annotations
 
 import json
-import math
-import mmap
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -49,26 +46,13 @@ MODELS = {   # shapes and non-expert bytes: ../shared/LIMITS.md (verified on the
 }
 
 
-def _page_aligned(shape: tuple, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """An uninitialised contiguous tensor on its own anonymous mapping: storage and data start on
-    a page boundary (what in-place registration and ``is_pinned()`` need)."""
-    n = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, n), dtype=dtype).view(shape)
-
-
 class Bank(ExpertBank):
     """The engine's ExpertBank, filled with random bf16 (a tiled 256 MB random block: contents
     do not change any timing) and pinned in place; plus the shared expert on the GPU."""
 
     def __init__(self, model: dict):
         super().__init__(model["layers"], model["experts"], model["hidden"], model["inter"], torch.bfloat16)
-        self.model = model
-        # Page-aligned storage (the untouched allocations above cost no memory), so that pin()
-        # registers the bank in place; an unaligned bank gets a pinned second copy, which for
-        # Qwen3.6's 64 GB does not fit next to the first in the H200 host's 128 GiB.
-        with warnings.catch_warnings():        # frombuffer: "the buffer is not writable" does not apply
-            warnings.simplefilter("ignore")
-            self.w13, self.w2 = _page_aligned(self.w13.shape), _page_aligned(self.w2.shape)
+        self.model = model   # ExpertBank's storage is page-aligned: pin() registers it in place
         block = (torch.randn(1 << 27) * 0.02).to(torch.bfloat16)
         for t in (self.w13, self.w2):
             flat = t.view(-1)
@@ -96,9 +80,7 @@ class Bank(ExpertBank):
     def free(self) -> None:
         self._all = self._streamer = None
         torch.cuda.synchronize()
-        for ptr in getattr(self, "_registered", []):     # (ExpertBank.unpin calls a cudart function
-            torch.cuda.cudart().cudaHostUnregister(ptr)  # torch 2.11 lacks: cudaGetLastError)
-        self._registered = []
+        self.unpin()          # and the bank's own mappings unregister when they go, just below
         self.w13 = self.w2 = None
         torch.cuda.empty_cache()
 
