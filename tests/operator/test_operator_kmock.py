@@ -9,6 +9,7 @@ moving within the stale timeout, and finalizer-driven cleanup on delete.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import time
 
@@ -37,6 +38,25 @@ async def _heartbeats(k, alive: set[str]) -> None:
         for name in sorted(alive):
             await kc.patch(k, kc.node_path(name) + "/status", {"status": {"heartbeat": _now()}})
         await asyncio.sleep(0.3)
+
+
+RUN_ARGS = ["run", "--standalone", "-A", "-m", "freetoken_operator.handlers"]
+
+
+@contextlib.asynccontextmanager
+async def _operator(kmock, monkeypatch, alive: set[str], **env: str):
+    """kopf running the operator unmodified against kmock, with heartbeats from the ``alive``
+    nodes (a test may change the set while it runs); yields the ``KopfRunner``."""
+    monkeypatch.setenv("FREETOKEN_OPERATOR_KUBE_SERVER", str(kmock.url).rstrip("/"))
+    monkeypatch.setenv("FREETOKEN_OPERATOR_RESYNC_SECONDS", "0.2")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    beats = asyncio.create_task(_heartbeats(kmock, alive))
+    try:
+        with KopfRunner(RUN_ARGS, timeout=30) as runner:
+            yield runner
+    finally:
+        beats.cancel()
 
 
 async def _spec_models(k, name: str) -> list[str]:
@@ -70,70 +90,62 @@ async def test_operator_places_serves_moves_and_cleans_up(kmock, monkeypatch):
         "metadata": {"name": "m-ipv4-9999", "namespace": "default", "labels": {
             "freetoken.io/model": "m", "app.kubernetes.io/managed-by": "freetoken-operator"}},
         "endpoints": [{"addresses": ["10.9.9.9"]}], "ports": [{"name": "http", "port": 9999}]})
-    monkeypatch.setenv("FREETOKEN_OPERATOR_KUBE_SERVER", str(kmock.url).rstrip("/"))
-    monkeypatch.setenv("FREETOKEN_OPERATOR_STALE_SECONDS", str(STALE))
-    monkeypatch.setenv("FREETOKEN_OPERATOR_RESYNC_SECONDS", "0.2")
     alive = set(ips)
-    beats = asyncio.create_task(_heartbeats(kmock, alive))
-    args = ["run", "--standalone", "-A", "-m", "freetoken_operator.handlers"]
-    try:
-        with KopfRunner(args, timeout=30) as runner:
-            # 1. two replicas, spread over two nodes (equal nodes: by name)
-            async def placed():
-                return {n: await _spec_models(kmock, n) for n in ips}
-            spec = await kc.wait_for(lambda: _both(placed), 10, "two placements")
-            assert spec == {"a": ["default.m"], "b": ["default.m"], "c": []}
-            model = await kc.get(kmock, kc.model_path("default", "m"))
-            assert "freetoken.io/finalizer" in model["metadata"]["finalizers"]
+    async with _operator(kmock, monkeypatch, alive, FREETOKEN_OPERATOR_STALE_SECONDS=str(STALE)) as runner:
+        # 1. two replicas, spread over two nodes (equal nodes: by name)
+        async def placed():
+            return {n: await _spec_models(kmock, n) for n in ips}
+        spec = await kc.wait_for(lambda: _both(placed), 10, "two placements")
+        assert spec == {"a": ["default.m"], "b": ["default.m"], "c": []}
+        model = await kc.get(kmock, kc.model_path("default", "m"))
+        assert "freetoken.io/finalizer" in model["metadata"]["finalizers"]
 
-            # 2. agents report ready -> status Ready, Service, EndpointSlice with both endpoints
-            await _mark_ready(kmock, "a", ips["a"])
-            await _mark_ready(kmock, "b", ips["b"])
+        # 2. agents report ready -> status Ready, Service, EndpointSlice with both endpoints
+        await _mark_ready(kmock, "a", ips["a"])
+        await _mark_ready(kmock, "b", ips["b"])
 
-            async def phase():
-                body = await kc.get(kmock, kc.model_path("default", "m"))
-                return (body.get("status") or {}).get("phase") == "Ready" and body
-            model = await kc.wait_for(phase, 10, "phase Ready")
-            conds = {c["type"]: c["status"] for c in model["status"]["conditions"]}
-            assert conds == {"Scheduled": "True", "Ready": "True", "Degraded": "False", "MemoryPressure": "False"}
-            assert model["status"]["ready"] == "2/2" and model["status"]["nodes"] == "a,b"
-            svc = await kc.get(kmock, "/api/v1/namespaces/default/services/m")
-            assert svc and "selector" not in svc["spec"] and svc["spec"]["ports"][0]["port"] == 80
-            slices = await kc.items(kmock, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices")
-            addrs = sorted(e["addresses"][0] for s in slices for e in s["endpoints"])
-            assert addrs == [ips["a"], ips["b"]]
-            assert {s["metadata"]["labels"]["kubernetes.io/service-name"] for s in slices} == {"m"}
+        async def phase():
+            body = await kc.get(kmock, kc.model_path("default", "m"))
+            return (body.get("status") or {}).get("phase") == "Ready" and body
+        model = await kc.wait_for(phase, 10, "phase Ready")
+        conds = {c["type"]: c["status"] for c in model["status"]["conditions"]}
+        assert conds == {"Scheduled": "True", "Ready": "True", "Degraded": "False", "MemoryPressure": "False"}
+        assert model["status"]["ready"] == "2/2" and model["status"]["nodes"] == "a,b"
+        svc = await kc.get(kmock, "/api/v1/namespaces/default/services/m")
+        assert svc and "selector" not in svc["spec"] and svc["spec"]["ports"][0]["port"] == 80
+        slices = await kc.items(kmock, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices")
+        addrs = sorted(e["addresses"][0] for s in slices for e in s["endpoints"])
+        assert addrs == [ips["a"], ips["b"]]
+        assert {s["metadata"]["labels"]["kubernetes.io/service-name"] for s in slices} == {"m"}
 
-            # 3. node a stops heartbeating -> its replica moves to c within the stale timeout
-            alive.discard("a")
-            t0 = time.monotonic()
-            await kc.wait_for(lambda: _moved(kmock), STALE + 5, "replica moved to c")
-            moved_after = time.monotonic() - t0
-            assert moved_after < STALE + 3, moved_after
-            await _mark_ready(kmock, "c", ips["c"])
+        # 3. node a stops heartbeating -> its replica moves to c within the stale timeout
+        alive.discard("a")
+        t0 = time.monotonic()
+        await kc.wait_for(lambda: _moved(kmock), STALE + 5, "replica moved to c")
+        moved_after = time.monotonic() - t0
+        assert moved_after < STALE + 3, moved_after
+        await _mark_ready(kmock, "c", ips["c"])
 
-            async def serving_bc():
-                sl = await kc.items(kmock, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices")
-                return sorted(e["addresses"][0] for s in sl for e in s["endpoints"]) == [ips["b"], ips["c"]]
-            await kc.wait_for(serving_bc, 10, "EndpointSlice lists b and c")
-            events = await kc.items(kmock, "/api/v1/namespaces/default/events")
-            reasons = {e["reason"] for e in events}
-            assert {"Placed", "NodeLost"} <= reasons
-            lost = [e for e in events if e["reason"] == "NodeLost"]
-            assert "heartbeat stale" in lost[0]["message"] and lost[0]["type"] == "Warning"
+        async def serving_bc():
+            sl = await kc.items(kmock, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices")
+            return sorted(e["addresses"][0] for s in sl for e in s["endpoints"]) == [ips["b"], ips["c"]]
+        await kc.wait_for(serving_bc, 10, "EndpointSlice lists b and c")
+        events = await kc.items(kmock, "/api/v1/namespaces/default/events")
+        reasons = {e["reason"] for e in events}
+        assert {"Placed", "NodeLost"} <= reasons
+        lost = [e for e in events if e["reason"] == "NodeLost"]
+        assert "heartbeat stale" in lost[0]["message"] and lost[0]["type"] == "Warning"
 
-            # 4. delete -> finalizer empties node specs, removes Service and slices, object goes
-            resp = await kmock.delete(kc.model_path("default", "m"))
-            assert resp.status < 300
+        # 4. delete -> finalizer empties node specs, removes Service and slices, object goes
+        resp = await kmock.delete(kc.model_path("default", "m"))
+        assert resp.status < 300
 
-            async def gone():
-                return await kc.get(kmock, kc.model_path("default", "m")) is None
-            await kc.wait_for(gone, 15, "model deleted")
-            assert await _spec_models(kmock, "b") == [] and await _spec_models(kmock, "c") == []
-            assert await kc.get(kmock, "/api/v1/namespaces/default/services/m") is None
-            assert await kc.items(kmock, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices") == []
-    finally:
-        beats.cancel()
+        async def gone():
+            return await kc.get(kmock, kc.model_path("default", "m")) is None
+        await kc.wait_for(gone, 15, "model deleted")
+        assert await _spec_models(kmock, "b") == [] and await _spec_models(kmock, "c") == []
+        assert await kc.get(kmock, "/api/v1/namespaces/default/services/m") is None
+        assert await kc.items(kmock, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices") == []
     assert runner.exit_code == 0, runner.output
     # the chart's ClusterRole allows every request the operator (kopf and apply.py) made
     used = kc.rbac_requests(kmock, ("kopf", "OpenAPI-Generator"))
@@ -180,37 +192,31 @@ async def test_unsatisfiable_model_says_why_and_is_retried_when_nodes_change(kmo
         "metadata": {"name": "big", "namespace": "default"},
         "spec": {"source": {"path": "/models/big"}, "placement": {"device": "gpu", "minVram": "16Gi"},
                  "memory": {"nonExpert": "4Gi", "minExpertCache": "2Gi", "kvCache": "1Gi"}}})
-    monkeypatch.setenv("FREETOKEN_OPERATOR_KUBE_SERVER", str(kmock.url).rstrip("/"))
-    monkeypatch.setenv("FREETOKEN_OPERATOR_RESYNC_SECONDS", "0.2")
     alive = {"pc"}
-    beats = asyncio.create_task(_heartbeats(kmock, alive))
-    try:
-        with KopfRunner(["run", "--standalone", "-A", "-m", "freetoken_operator.handlers"], timeout=30) as runner:
-            async def scheduled():
-                body = await kc.get(kmock, kc.model_path("default", "big"))
-                conds = {c["type"]: c for c in (body.get("status") or {}).get("conditions") or []}
-                return conds.get("Scheduled")
-            cond = await kc.wait_for(scheduled, 15, "a Scheduled condition")
-            assert (cond["status"], cond["reason"]) == ("False", "Unschedulable")
-            assert "0/1 replicas placed" in cond["message"] and "cpu-only" in cond["message"]
-            async def unschedulable_events():   # events are posted asynchronously by kopf
-                events = await kc.items(kmock, "/api/v1/namespaces/default/events")
-                return [e["type"] for e in events if e["reason"] == "Unschedulable"]
-            assert await kc.wait_for(unschedulable_events, 10, "an Unschedulable event") == ["Warning"]
+    async with _operator(kmock, monkeypatch, alive) as runner:
+        async def scheduled():
+            body = await kc.get(kmock, kc.model_path("default", "big"))
+            conds = {c["type"]: c for c in (body.get("status") or {}).get("conditions") or []}
+            return conds.get("Scheduled")
+        cond = await kc.wait_for(scheduled, 15, "a Scheduled condition")
+        assert (cond["status"], cond["reason"]) == ("False", "Unschedulable")
+        assert "0/1 replicas placed" in cond["message"] and "cpu-only" in cond["message"]
+        async def unschedulable_events():   # events are posted asynchronously by kopf
+            events = await kc.items(kmock, "/api/v1/namespaces/default/events")
+            return [e["type"] for e in events if e["reason"] == "Unschedulable"]
+        assert await kc.wait_for(unschedulable_events, 10, "an Unschedulable event") == ["Warning"]
 
-            # the owner installs a 24 GiB GPU and the agent reports it: the model is placed
-            await kc.patch(kmock, kc.node_path("pc") + "/status", {"status": {
-                "mode": "gpu", "pcieGbps": 25.0, "gpu": {"name": "RTX 4090", "count": 1,
-                                                          "vramTotalBytes": 24 * 2**30, "vramForeignBytes": 2**30}}})
-            await kc.wait_for(lambda: _spec_models(kmock, "pc"), 10, "placement after the node changed")
-            assert await _spec_models(kmock, "pc") == ["default.big"]
-            cond = await kc.wait_for(lambda: _true(scheduled), 10, "Scheduled=True")
-            assert cond["reason"] == "Placed"
-            node = await kc.get(kmock, kc.node_path("pc"))
-            assert node["spec"]["models"][0]["engine"] == {"device": "cuda", "dtype": "bfloat16",
-                                                           "expertCacheShare": 0.9}
-    finally:
-        beats.cancel()
+        # the owner installs a 24 GiB GPU and the agent reports it: the model is placed
+        await kc.patch(kmock, kc.node_path("pc") + "/status", {"status": {
+            "mode": "gpu", "pcieGbps": 25.0, "gpu": {"name": "RTX 4090", "count": 1,
+                                                      "vramTotalBytes": 24 * 2**30, "vramForeignBytes": 2**30}}})
+        await kc.wait_for(lambda: _spec_models(kmock, "pc"), 10, "placement after the node changed")
+        assert await _spec_models(kmock, "pc") == ["default.big"]
+        cond = await kc.wait_for(lambda: _true(scheduled), 10, "Scheduled=True")
+        assert cond["reason"] == "Placed"
+        node = await kc.get(kmock, kc.node_path("pc"))
+        assert node["spec"]["models"][0]["engine"] == {"device": "cuda", "dtype": "bfloat16",
+                                                       "expertCacheShare": 0.9}
     assert runner.exit_code == 0, runner.output
 
 
@@ -233,43 +239,37 @@ async def test_memory_pressure_moves_the_lowest_priority_replica(kmock, monkeypa
             "metadata": {"name": name, "namespace": "default"},
             "spec": {"source": {"path": f"/models/{name}"}, "priority": prio,
                      "placement": {"device": "gpu", "strategy": "Binpack"}, "memory": {"nonExpert": "4Gi"}}})
-    monkeypatch.setenv("FREETOKEN_OPERATOR_KUBE_SERVER", str(kmock.url).rstrip("/"))
-    monkeypatch.setenv("FREETOKEN_OPERATOR_RESYNC_SECONDS", "0.2")
-    beats = asyncio.create_task(_heartbeats(kmock, {"a", "b"}))
-    try:
-        with KopfRunner(["run", "--standalone", "-A", "-m", "freetoken_operator.handlers"], timeout=30) as runner:
-            async def both_on_a():
-                return sorted(await _spec_models(kmock, "a")) == ["default.hi", "default.lo"]
-            await kc.wait_for(both_on_a, 15, "binpacked placement on a")
-            # a game takes the VRAM back; the agent's caches hit their floor and it reports pressure
-            running = [{"key": f"default.{m}", "state": "ready", "endpoint": f"http://127.0.0.31:{p}"}
-                       for m, p in (("hi", 1919), ("lo", 1920))]
-            await kc.patch(kmock, kc.node_path("a") + "/status", {"status": {
-                "memoryPressure": True, "gpu": {"vramForeignBytes": 18 * 2**30}, "replicas": running}})
+    async with _operator(kmock, monkeypatch, {"a", "b"}) as runner:
+        async def both_on_a():
+            return sorted(await _spec_models(kmock, "a")) == ["default.hi", "default.lo"]
+        await kc.wait_for(both_on_a, 15, "binpacked placement on a")
+        # a game takes the VRAM back; the agent's caches hit their floor and it reports pressure
+        running = [{"key": f"default.{m}", "state": "ready", "endpoint": f"http://127.0.0.31:{p}"}
+                   for m, p in (("hi", 1919), ("lo", 1920))]
+        await kc.patch(kmock, kc.node_path("a") + "/status", {"status": {
+            "memoryPressure": True, "gpu": {"vramForeignBytes": 18 * 2**30}, "replicas": running}})
 
-            async def moved():
-                return (await _spec_models(kmock, "a") == ["default.hi"]
-                        and await _spec_models(kmock, "b") == ["default.lo"])
-            await kc.wait_for(moved, 10, "the low-priority replica to leave the pressured node")
+        async def moved():
+            return (await _spec_models(kmock, "a") == ["default.hi"]
+                    and await _spec_models(kmock, "b") == ["default.lo"])
+        await kc.wait_for(moved, 10, "the low-priority replica to leave the pressured node")
 
-            async def hi_pressure():
-                st = (await kc.get(kmock, kc.model_path("default", "hi"))).get("status") or {}
-                conds = {c["type"]: c for c in st.get("conditions") or []}
-                return conds.get("MemoryPressure", {}).get("status") == "True" and conds["MemoryPressure"]
-            cond = await kc.wait_for(hi_pressure, 10, "MemoryPressure on the model that stayed")
-            assert cond["message"] == "under pressure: a"
-            await asyncio.sleep(1.0)   # several passes: while lo's engine still runs on a, hi stays
-            assert await _spec_models(kmock, "a") == ["default.hi"]
-            # the agent stops lo; freeing its memory ended the pressure: nothing else moves
-            await kc.patch(kmock, kc.node_path("a") + "/status", {"status": {
-                "memoryPressure": False, "replicas": running[:1]}})
-            await asyncio.sleep(1.0)
-            assert await _spec_models(kmock, "a") == ["default.hi"]
-            assert await _spec_models(kmock, "b") == ["default.lo"]
-            events = await kc.items(kmock, "/api/v1/namespaces/default/events")
-            assert [e["involvedObject"]["name"] for e in events if e["reason"] == "MemoryPressure"] == ["lo"]
-    finally:
-        beats.cancel()
+        async def hi_pressure():
+            st = (await kc.get(kmock, kc.model_path("default", "hi"))).get("status") or {}
+            conds = {c["type"]: c for c in st.get("conditions") or []}
+            return conds.get("MemoryPressure", {}).get("status") == "True" and conds["MemoryPressure"]
+        cond = await kc.wait_for(hi_pressure, 10, "MemoryPressure on the model that stayed")
+        assert cond["message"] == "under pressure: a"
+        await asyncio.sleep(1.0)   # several passes: while lo's engine still runs on a, hi stays
+        assert await _spec_models(kmock, "a") == ["default.hi"]
+        # the agent stops lo; freeing its memory ended the pressure: nothing else moves
+        await kc.patch(kmock, kc.node_path("a") + "/status", {"status": {
+            "memoryPressure": False, "replicas": running[:1]}})
+        await asyncio.sleep(1.0)
+        assert await _spec_models(kmock, "a") == ["default.hi"]
+        assert await _spec_models(kmock, "b") == ["default.lo"]
+        events = await kc.items(kmock, "/api/v1/namespaces/default/events")
+        assert [e["involvedObject"]["name"] for e in events if e["reason"] == "MemoryPressure"] == ["lo"]
     assert runner.exit_code == 0, runner.output
 
 
@@ -312,19 +312,13 @@ async def test_examples_are_placed_as_documented(kmock, monkeypatch):
         for doc in yaml.safe_load_all(path.read_text()):
             kind = {"FreeTokenModel": kc.MODELS, "Secret": "v1/secrets"}[doc["kind"]]
             kmock.objects[kind, doc["metadata"]["namespace"], doc["metadata"]["name"]] = kc.seeded(doc)
-    monkeypatch.setenv("FREETOKEN_OPERATOR_KUBE_SERVER", str(kmock.url).rstrip("/"))
-    monkeypatch.setenv("FREETOKEN_OPERATOR_RESYNC_SECONDS", "0.2")
-    beats = asyncio.create_task(_heartbeats(kmock, {"laptop", "gaming-pc"}))
-    try:
-        with KopfRunner(["run", "--standalone", "-A", "-m", "freetoken_operator.handlers"], timeout=30) as runner:
-            async def placed():
-                specs = {n: (await kc.get(kmock, kc.node_path(n))).get("spec") or {} for n in ("laptop", "gaming-pc")}
-                keys = {n: sorted(m["key"] for m in s.get("models") or []) for n, s in specs.items()}
-                return keys == {"laptop": ["default.smollm2-moe"],
-                                "gaming-pc": ["default.qwen3-30b-a3b", "default.smollm2-moe"]} and specs
-            specs = await kc.wait_for(placed, 15, "both examples placed")
-    finally:
-        beats.cancel()
+    async with _operator(kmock, monkeypatch, {"laptop", "gaming-pc"}) as runner:
+        async def placed():
+            specs = {n: (await kc.get(kmock, kc.node_path(n))).get("spec") or {} for n in ("laptop", "gaming-pc")}
+            keys = {n: sorted(m["key"] for m in s.get("models") or []) for n, s in specs.items()}
+            return keys == {"laptop": ["default.smollm2-moe"],
+                            "gaming-pc": ["default.qwen3-30b-a3b", "default.smollm2-moe"]} and specs
+        specs = await kc.wait_for(placed, 15, "both examples placed")
     assert runner.exit_code == 0, runner.output
     qwen = next(m for m in specs["gaming-pc"]["models"] if m["model"] == "qwen3-30b-a3b")
     assert qwen["source"] == {"path": "/models/qwen3-30b-a3b"} and qwen["format"] == "safetensors"
