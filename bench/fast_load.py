@@ -11,11 +11,13 @@ Workload: a synthetic Qwen3-MoE checkpoint in the hub layout (H 2048, 128 expert
   for any load, large on VMs);
 * safetensors -> ready: the engine's ``models.build.build_model`` (dense tensors into the model,
   experts into the bank one by one, bank pinned after fill when CUDA exists);
-* packed -> ready: ``load_packed`` + the same model assembly (the wiring proposed in
-  docs/cpu_kernel.md), with pin after fill: a first load (every block's CRC checked) and a
-  restart (``verify="auto"``: files unchanged since a verified load, CRC skipped); pin before
-  fill as a variant.
-  Pinning exists only where CUDA does: on a CPU machine the pin variants are not run.
+* packed -> ready: the loader alone, ``load_packed`` with each option the engine does not
+  expose, the model's parameters aliasing the packed arena: pin after fill, a first load
+  (every block's CRC checked) and a restart (``verify="auto"``: files unchanged since a verified
+  load, CRC skipped); pin before fill as a variant. Pinning exists only where CUDA does: on a
+  CPU machine the pin variants are not run;
+* packed -> ready through the engine's own ``build_model`` (what ``freetoken serve`` does: a
+  restart, dense tensors copied into the model, pin after fill).
 
     python bench/fast_load.py --label cpu-2core --dir /tmp/ft-fastload [--layers 4] [--threads 8]
 """
@@ -133,7 +135,7 @@ def parallel_direct_read(files: list[Path], threads: int, fresh: bool = False):
 
 
 def ready_from_packed(folder: Path, pin: str, verify: bool, threads: int):
-    """load_packed + model assembly as models.build.build_model does it (proposed wiring)."""
+    """load_packed with the given options, the model's parameters aliasing the packed arena."""
     from freetoken_engine.cache.bank import ExpertBank
     from freetoken_engine.layers.rope import Rotary
     from freetoken_engine.models.decoder import DecoderLM
