@@ -14,8 +14,13 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
               the CPU (the policy of llama.cpp's --n-cpu-moe)
   (c) lru     global LRU cache, every miss filled over PCIe (q = m)
   (d) lru+q*  global LRU cache, q* of the misses filled, the rest computed on the CPU meanwhile
-  optional, --policies lru+sync: (d)'s per-layer host round trip with every miss filled, so
-              that lru+sync minus lru is the measured cost of not capturing the CPU branch
+  (d) runs a token as one CUDA graph; its CPU branch is a C++ host loop answering flags in
+  pinned memory (freetoken_engine/kernels/cpu_branch.py). A/B rows at batch 1, locality:
+  lru+q*/layer  (d) with the per-layer driver it replaced (two graph launches, an event and a
+                Python call per layer)
+  lru+q*@1      the handshake with every miss filled: lru+q*@1 vs lru is the cost of the
+                captured CPU branch's flags
+  lru+sync      (optional) the per-layer driver with every miss filled
 Routing: uniform random (worst case) and a locality model (per-layer Zipf popularity, each of
 the previous token's experts kept with probability `keep`; both fitted to the default model's
 measured routing statistics, bench/results/default_model.json). Decode at batch 1 and 4;
@@ -141,8 +146,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="one model, one budget, few tokens (smoke test)")
     ap.add_argument("--models", default="qwen3-30b-a3b,qwen3.6-35b-a3b")
     ap.add_argument("--budgets", default="8,16,32")
-    ap.add_argument("--policies", default="all,static,lru,lru+q*,lru+sync",
-                    help="lru+sync runs at batch 1, locality routing only (the cost of the CPU branch's host round trip)")
+    ap.add_argument("--policies", default="all,static,lru,lru+q*,lru+q*/layer,lru+q*@1",
+                    help="lru+q*/layer, lru+q*@F and lru+sync run at batch 1, locality routing only")
     ap.add_argument("--prefill-tokens", default="4096,8192,16384")
     ap.add_argument("--layers", type=int, default=0, help="only the first N MoE layers (smoke tests)")
     ap.add_argument("--routings", default="locality,uniform")
@@ -215,8 +220,8 @@ def main() -> None:
                 ids = make_routing(model, warm + meas, batch, routing, params, seed=batch)
                 policies = args.policies.split(",")
                 plans = [("all", None)] if "all" in policies else []
-                fixed_f = [p for p in policies if p.startswith("lru+q*@")]   # fixed-f variants: b1 locality
-                plans += [(p, b) for b in budgets for p in ("static", "lru", "lru+q*", "lru+sync", *fixed_f)
+                ab = [p for p in policies if p.startswith("lru+q*@") or p.endswith("/layer")]   # b1 locality
+                plans += [(p, b) for b in budgets for p in ("static", "lru", "lru+q*", "lru+sync", *ab)
                           if p in policies and (p in ("static", "lru", "lru+q*") or (batch == 1 and routing == "locality"))]
                 for policy, budget in plans:
                     slots = bank.total_experts if budget is None else cache_slots(budget, model)

@@ -104,7 +104,8 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
             cpu_call(i, experts)
         return experts * se * calls / (time.perf_counter() - t0) / 1e9
 
-    cpu8, cpu1 = cpu_alone(8, 48), cpu_alone(1, 240)
+    # best of two: the host is a shared VM whose CPU rate can dip for seconds at a time
+    cpu8, cpu1 = max(cpu_alone(8, 48) for _ in range(2)), max(cpu_alone(1, 240) for _ in range(2))
 
     def concurrent(gpu_fn, reps: int, experts: int) -> tuple[float, float]:
         """(GPU GB/s, CPU GB/s): queue ``reps`` GPU transfers, run the CPU kernel until they end."""
@@ -124,7 +125,7 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
 
     pcie_c, cpu_c_dma = concurrent(dma, 120, 8)
     gat_c, cpu_c = concurrent(gather, 120, 8)
-    gat_c1, cpu_c1 = concurrent(gather, 120, 1)
+    gat_c1, cpu_c1 = max((concurrent(gather, 120, 1) for _ in range(2)), key=lambda r: r[1])
     return {"pcie_h2d_gbps": pcie, "gather_fill_gbps": gat, "hbm_copy_gbps": hbm,
             "cpu_expert_gbps": cpu8, "cpu_expert_gbps_1_expert_calls": cpu1,
             "concurrent_pcie_h2d_gbps": pcie_c, "concurrent_cpu_expert_gbps_with_dma": cpu_c_dma,
@@ -242,7 +243,8 @@ def _combine_kernel(rows_ptr, host_rows_ptr, ps_ptr, add_ptr, x_ptr, xh_ptr, P, 
             ps = tl.load(ps_ptr + p + h * 0)                      # [H], one value
             rank = tl.sum(tl.where(q == p, rank_all, 0), 0).to(tl.int64)
             gpu = tl.load(rows_ptr + p * H + h, mask=ps >= 0, other=0.0)
-            cpu = tl.load(host_rows_ptr + rank * H + h, mask=ps < 0, other=0.0)
+            # .cv: fetch the host's rows again each time (the buffer is rewritten every layer)
+            cpu = tl.load(host_rows_ptr + rank * H + h, mask=ps < 0, other=0.0, cache_modifier=".cv")
             acc += gpu.to(tl.float32) + cpu.to(tl.float32)   # one of the two is zero
         else:
             acc += tl.load(rows_ptr + p * H + h).to(tl.float32)

@@ -111,13 +111,18 @@ def test_host_mirror_receives_pair_slots_and_counts():
     dev = ExpertCache(_bank(2), 5, "cpu", fill_fraction=0.5)
     ctl = DeviceControl.from_cache(dev)
     g = torch.Generator().manual_seed(11)
-    mirror = (torch.full((2 * K,), -7, dtype=torch.int64), torch.full((4,), -7, dtype=torch.int64))
+    mirror = (torch.full((2 * K,), -7, dtype=torch.int64), torch.full((4,), -7, dtype=torch.int64),
+              torch.full((2 * K,), -7, dtype=torch.int64))
     for _ in range(3):
         for layer in range(LAYERS):
-            out = ctl.step(layer, _routing(g, tokens=2, hot=10), mirror=mirror)
+            ids = _routing(g, tokens=2, hot=10)
+            out = ctl.step(layer, ids, mirror=mirror)
             assert torch.equal(mirror[0], out.pair_slot) and torch.equal(mirror[1], out.step_counts)
+            assert torch.equal(mirror[2], ids.reshape(-1))        # the experts of the CPU's pairs
     with pytest.raises(ValueError, match="mirror pair_slot"):
         ctl.step(0, _routing(g, tokens=2, hot=10), mirror=(mirror[0][:-1], mirror[1]))
+    with pytest.raises(ValueError, match="mirror pair_exp"):
+        ctl.step(0, _routing(g, tokens=2, hot=10), mirror=(mirror[0], mirror[1], mirror[2][:-1]))
 
 
 def test_fill_fraction_is_validated():

@@ -94,10 +94,11 @@ class DeviceControl:
         return self._outputs[pairs]
 
     def step(self, layer: int, topk_ids: torch.Tensor, copy: bool = True,
-             mirror: tuple[torch.Tensor, torch.Tensor] | None = None) -> ControlOutputs:
+             mirror: tuple[torch.Tensor, ...] | None = None) -> ControlOutputs:
         """Control step for ``layer`` on routed ``topk_ids [T, k]``, then (``copy``) the fills'
         weights into their slots. ``mirror`` (pinned host ``pair_slot [T*k]`` and ``counts [4]``,
-        int64) also receives the pair slots and the step's counts, for a host-side CPU branch.
+        int64, and optionally ``pair_exp [T*k]``: the routed experts) also receives the pair slots
+        and the step's counts, for a host-side CPU branch (``kernels/cpu_branch.py``).
         Returns the reused output buffers; no host sync."""
         out = self.outputs(topk_ids.numel())
         control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used,

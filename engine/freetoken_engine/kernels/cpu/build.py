@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SRC_DIR = Path(__file__).resolve().parent
-SOURCES = ("experts.h", "simd.h", "experts.cpp", "experts_isa.cpp", "decode_isa.cpp")
+SOURCES = ("experts.h", "simd.h", "experts.cpp", "experts_isa.cpp", "decode_isa.cpp", "branch.cpp")
 LIB_NAME = "libftexperts.so"
 
 _COMMON = ["-O3", "-std=c++17", "-fPIC", "-fno-strict-aliasing", "-w"]
@@ -34,6 +34,7 @@ _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 # (object name, source, extra flags): the same kernel source compiled once per instruction set.
 _UNITS = (
     ("dispatch.o", "experts.cpp", []),
+    ("branch.o", "branch.cpp", []),
     ("isa_generic.o", "experts_isa.cpp", ["-DFT_ISA=0"]),
     ("isa_avx2.o", "experts_isa.cpp", ["-DFT_ISA=1"] + _AVX2),
     ("isa_avx512.o", "experts_isa.cpp", ["-DFT_ISA=2"] + _AVX512),
@@ -133,6 +134,8 @@ def load() -> ctypes.CDLL:
     lib.ft_rmsnorm.argtypes = [vp, i64, i64, vp, ctypes.c_float, ci, vp]
     lib.ft_attn.restype = ci
     lib.ft_attn.argtypes = [vp]          # FtAttn* (kernels/cpu/attention.py)
+    lib.ft_branch_run.restype = ci
+    lib.ft_branch_run.argtypes = [vp, i64]   # FtBranch* (kernels/cpu_branch.py), epoch
     lib.ft_read_seconds.restype = ctypes.c_double
     lib.ft_read_seconds.argtypes = [vp, i64]
     return lib

@@ -14,9 +14,10 @@ Specification (the expert cache's torch control step, bit for bit), for layer ``
 4. ``last_used`` of every hit and filled slot = clock; ``clock += 1``.
 5. ``pair_slot[p]`` = slot of pair p after the fills, -1 for pairs computed on the CPU.
 
-Optional host mirror (``mirror=(pair_slot_host [P], counts_host [4])``, pinned host memory on a
-GPU): the kernel also stores pair_slot and the step's counts there, so a host that waits for the
-step (an event) reads which pairs it must compute without a separate device-to-host copy.
+Optional host mirror (``mirror=(pair_slot_host [P], counts_host [4])`` or with a third tensor
+``pair_exp_host [P]``, pinned host memory on a GPU): the kernel also stores pair_slot, the step's
+counts (and the routed expert of every pair) there, so a host that waits for the step reads
+which pairs it must compute, and with which experts, without a device-to-host copy.
 
 Why hits are never victims: the kernel first stamps the hits' slots with the current clock,
 which is larger than every stored ``last_used``; the q <= S - n_hits smallest keys are then
@@ -44,9 +45,10 @@ MAX_SLOTS = 1 << _SLOT_BITS
 @triton.jit(do_not_specialize=["S"])   # a resized pool must not trigger a recompile
 def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, fill_table_ptr,
                     pair_slot_ptr, fill_exp_ptr, fill_slot_ptr, cpu_exp_ptr, step_ptr, totals_ptr,
-                    keys_ptr, newslot_ptr, mirror_ps_ptr, mirror_counts_ptr, layer, P, E, S, NF,
-                    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
-                    BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr, MIRROR: tl.constexpr):
+                    keys_ptr, newslot_ptr, mirror_ps_ptr, mirror_counts_ptr, mirror_ids_ptr, layer,
+                    P, E, S, NF, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+                    BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr, MIRROR: tl.constexpr,
+                    MIRROR_IDS: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     pm = p < P
     ids = tl.load(topk_ptr + p, mask=pm, other=-1).to(tl.int64)               # [BLOCK_P]
@@ -105,6 +107,8 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     if MIRROR:
         tl.store(mirror_ps_ptr + p, ps, mask=pm)
         tl.store(mirror_counts_ptr + c, counts)
+    if MIRROR_IDS:
+        tl.store(mirror_ids_ptr + p, ids, mask=pm)
     tl.store(totals_ptr + c, tl.load(totals_ptr + c) + counts)
     tl.store(clock_ptr, clock + 1)
 
@@ -147,11 +151,11 @@ def fill_table(fill_fraction: float, experts: int, device: torch.device) -> torc
 def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot_owner: torch.Tensor,
                  last_used: torch.Tensor, clock: torch.Tensor, table: torch.Tensor,
                  totals: torch.Tensor, out: ControlOutputs,
-                 mirror: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 mirror: tuple[torch.Tensor, ...] | None = None,
                  block_slots: int | None = None) -> ControlOutputs:
     """Run the control step for ``layer`` (see the module docstring); mutates slot_of,
     slot_owner, last_used, clock ([1] int64) and totals ([4] int64) in place and fills ``out``
-    (and ``mirror``: int64 [P] and [4], contiguous; pinned host memory when on a GPU).
+    (and ``mirror``: int64 [P], [4] and optionally [P], contiguous; pinned host memory on a GPU).
 
     All tensors on one device; slot_of [L, E] int32/int64, slot_owner / last_used [S] int64,
     topk_ids [T, k] int. ``block_slots`` (>= S): size the slot block for a pool that may grow to
@@ -179,9 +183,14 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         raise ValueError(f"layer {layer} of {n_layers}, table of {table.numel()} for E={experts} (E <= 1024)")
     if out.pair_slot.numel() != pairs or out.keys.numel() < slots or out.newslot.numel() < experts:
         raise ValueError("ControlOutputs were allocated for another batch, pool or expert count")
+    m_ids = None
     if mirror is not None:
-        m_ps, m_counts = mirror
-        for name, t, n in (("mirror pair_slot", m_ps, pairs), ("mirror counts", m_counts, 4)):
+        if len(mirror) not in (2, 3):
+            raise ValueError(f"mirror is (pair_slot, counts[, pair_exp]), got {len(mirror)} tensors")
+        m_ps, m_counts, m_ids = (*mirror, None)[:3]
+        checks = [("mirror pair_slot", m_ps, pairs), ("mirror counts", m_counts, 4)]
+        checks += [("mirror pair_exp", m_ids, pairs)] if m_ids is not None else []
+        for name, t, n in checks:
             check_tensor(name, t, 1, (torch.int64,))
             check_contiguous(name, t)
             if t.numel() != n:
@@ -197,8 +206,9 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
     _control_kernel[(1,)](
         topk_ids, slot_of, slot_owner, last_used, clock, table,
         out.pair_slot, out.fill_exp, out.fill_slot, out.cpu_exp, out.step_counts, totals,
-        out.keys, out.newslot, m_ps, m_counts, layer, pairs, experts, slots, nf,
+        out.keys, out.newslot, m_ps, m_counts, m_ids if m_ids is not None else m_ps, layer, pairs,
+        experts, slots, nf,
         BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=block_s,
-        BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, MIRROR=mirror is not None,
+        BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, MIRROR=mirror is not None, MIRROR_IDS=m_ids is not None,
         num_warps=8 if block_s > 2048 else 4)
     return out

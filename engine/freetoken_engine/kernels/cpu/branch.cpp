@@ -1,0 +1,111 @@
+// Decode's CPU branch driven from C++: the host half of a decode step whose device half is one
+// CUDA graph (see kernels/cpu_branch.py for the protocol). For each MoE layer in order: wait
+// until the device has published the layer's control step (flag[l] == epoch), compute the
+// pairs it left to the CPU (pair_slot < 0) with the expert kernel straight from the bank, write
+// their rows compactly, then publish them (done[l] = epoch) for the device's combine, which
+// waits on that word. No Python runs between a layer's control step and its CPU experts.
+#include <stdint.h>
+#include <stdio.h>
+#include <time.h>
+
+extern "C" {
+
+int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
+                       const void* w13, const void* w2, int w_bf16, int64_t E,
+                       int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
+                       const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out);
+
+struct FtBranch {
+  int64_t L, P, T, H, I, E;
+  const int64_t* flag;        // [L] the device stores the epoch after layer l's control step
+  int64_t* done;              // [L] stored here (release) once layer l's CPU rows are written
+  const int64_t* pair_slot;   // [L, P] the control step's pair slots (-1: computed here)
+  const int64_t* pair_exp;    // [L, P] the routed expert of every pair
+  const int64_t* pair_tok;    // [P] the token of every pair
+  const void* x;              // [L, T, H] bf16: layer l's input, stored by the device
+  const void* w13;            // bank [L, E, 2I, H], bf16, with the strides below (elements)
+  const void* w2;             // bank [L, E, H, I]
+  int64_t w13_ls, w13_es, w13_rs, w2_ls, w2_es, w2_rs;
+  void* rows;                 // [P, H] bf16: the layer's CPU pairs' rows, in pair order
+  double timeout_s;           // per layer wait
+  // outputs of the last run
+  double wait_s, compute_s;   // waiting for the device / in the expert kernel
+  int64_t cpu_layers, cpu_pairs, failed_layer;
+};
+
+}  // extern "C"
+
+namespace {
+
+double now_s() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + 1e-9 * ts.tv_nsec;
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Spin until *word >= epoch (acquire), at most timeout_s seconds.
+bool wait_for(const int64_t* word, int64_t epoch, double timeout_s) {
+  if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= epoch) return true;
+  const double deadline = now_s() + timeout_s;
+  for (uint32_t spin = 1;; ++spin) {
+    if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= epoch) return true;
+    cpu_relax();
+    if ((spin & 1023) == 0 && now_s() > deadline) return false;
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Runs layers 0..L-1 of decode step `epoch`. Returns 0; -1 when the expert kernel rejected a
+// pair (ft_last_error says why); -2 when the device did not publish layer failed_layer in time.
+int ft_branch_run(FtBranch* b, int64_t epoch) {
+  b->wait_s = b->compute_s = 0;
+  b->cpu_layers = b->cpu_pairs = 0;
+  b->failed_layer = -1;
+  int64_t tok[1024], exp[1024];
+  if (b->P > 1024) return -1;
+  const uint16_t* x = (const uint16_t*)b->x;
+  for (int64_t l = 0; l < b->L; ++l) {
+    double t0 = now_s();
+    if (!wait_for(b->flag + l, epoch, b->timeout_s)) {
+      b->failed_layer = l;
+      return -2;
+    }
+    double t1 = now_s();
+    b->wait_s += t1 - t0;
+    const int64_t* ps = b->pair_slot + l * b->P;
+    const int64_t* pe = b->pair_exp + l * b->P;
+    int64_t n = 0;
+    for (int64_t p = 0; p < b->P; ++p) {
+      if (ps[p] < 0) {
+        tok[n] = b->pair_tok[p];
+        exp[n] = pe[p];
+        ++n;
+      }
+    }
+    if (n) {
+      int rc = ft_experts_forward(x + l * b->T * b->H, 1, b->T, b->H, b->I,
+                                  (const uint16_t*)b->w13 + l * b->w13_ls, (const uint16_t*)b->w2 + l * b->w2_ls,
+                                  1, b->E, b->w13_es, b->w13_rs, b->w2_es, b->w2_rs, tok, exp, n, b->rows);
+      if (rc != 0) {
+        b->failed_layer = l;
+        return -1;
+      }
+      ++b->cpu_layers;
+      b->cpu_pairs += n;
+    }
+    __atomic_store_n(b->done + l, epoch, __ATOMIC_RELEASE);
+    b->compute_s += now_s() - t1;
+  }
+  return 0;
+}
+
+}  // extern "C"

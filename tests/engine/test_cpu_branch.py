@@ -1,0 +1,119 @@
+"""Decode's CPU branch as a handshake between device kernels and a C++ host loop
+(``kernels/cpu_branch.py``): on the CPU the Triton kernels run under TRITON_INTERPRET=1 in this
+thread while ``CpuBranch.run`` answers from another, as the host does next to a GPU graph. The
+rows must be exactly the expert kernel's, wherever each pair was computed, and neither side may
+hang when the other is gone."""
+from __future__ import annotations
+
+import os
+import threading
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
+    pytest.skip("Triton needs TRITON_INTERPRET=1 without a GPU", allow_module_level=True)
+
+from freetoken_engine.cache.bank import ExpertBank
+from freetoken_engine.cache.device_control import DeviceControl
+from freetoken_engine.cache.experts import ExpertCache
+from freetoken_engine.kernels import cpu_experts
+from freetoken_engine.kernels.cpu_branch import CpuBranch
+from freetoken_engine.kernels.triton import handshake
+
+if not cpu_experts.available():
+    pytest.skip("the compiled CPU kernel is not available (no C++ compiler)", allow_module_level=True)
+
+LAYERS, EXPERTS, H, I, K, T = 3, 12, 64, 32, 4, 2
+
+
+def _bank() -> ExpertBank:
+    bank = ExpertBank(LAYERS, EXPERTS, H, I, torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    bank.w13.copy_(torch.randn(bank.w13.shape, generator=g) * 0.1)
+    bank.w2.copy_(torch.randn(bank.w2.shape, generator=g) * 0.1)
+    return bank
+
+
+class _Host:
+    """``CpuBranch.run`` for one step on a thread: the host half next to the 'device' (this thread)."""
+
+    def __init__(self, br: CpuBranch, timeout_s: float = 60.0):
+        self.error: Exception | None = None
+
+        def body():
+            try:
+                br.run(timeout_s)
+            except Exception as exc:   # noqa: BLE001  (handed to the test thread)
+                self.error = exc
+
+        self.thread = threading.Thread(target=body)
+        self.thread.start()
+
+    def join(self) -> None:
+        self.thread.join(120)
+        assert not self.thread.is_alive(), "the host loop did not finish"
+        if self.error is not None:
+            raise self.error
+
+
+def test_step_rows_equal_the_expert_kernel_wherever_computed():
+    bank = _bank()
+    cache = ExpertCache(bank, 6, "cpu", fill_fraction=0.5)     # a small pool: misses go both ways
+    ctl = DeviceControl.from_cache(cache)
+    br = CpuBranch(bank.w13, bank.w2, T, K, torch.device("cpu"))
+    counts = torch.zeros(LAYERS, 4, dtype=torch.int64)
+    g = torch.Generator().manual_seed(5)
+    tok = torch.arange(T).repeat_interleave(K)
+    cpu_pairs = 0
+    for step in range(4):
+        host = _Host(br)
+        handshake.bump(br.epoch)
+        for l in range(LAYERS):
+            x = (torch.randn(T, H, generator=g)).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(8, generator=g)[:K] for _ in range(T)])
+            br.x[l].copy_(x)
+            out = ctl.step(l, ids, mirror=(br.pair_slot[l], counts[l], br.pair_exp[l]))
+            handshake.signal(br.flag[l:l + 1], br.epoch)
+            dev = out.pair_slot >= 0
+            got = torch.empty(T * K, H, dtype=torch.bfloat16)
+            got[dev] = cpu_experts.experts_forward(x, cache.w13, cache.w2, tok[dev], out.pair_slot[dev])
+            handshake.wait(br.done[l:l + 1], br.epoch, br.err)
+            got[~dev] = br.rows[:int((~dev).sum())]
+            want = cpu_experts.experts_forward(x, bank.w13[l], bank.w2[l], tok, ids.reshape(-1))
+            assert torch.equal(got, want), (step, l)
+            cpu_pairs += int((~dev).sum())
+        host.join()
+    br.check()
+    assert cpu_pairs > 0 and br.totals["cpu_pairs"] == cpu_pairs and br.totals["steps"] == 4
+    assert int(br.epoch) == br.host_epoch == 4
+
+
+def test_host_gives_up_on_a_silent_device_with_a_clear_error():
+    bank = _bank()
+    br = CpuBranch(bank.w13, bank.w2, T, K, torch.device("cpu"), timeout_s=0.05)
+    with pytest.raises(RuntimeError, match="did not publish layer 0 of step 1 within 0.05 s"):
+        br.run()
+
+
+def test_device_wait_gives_up_and_flags_the_step():
+    bank = _bank()
+    br = CpuBranch(bank.w13, bank.w2, T, K, torch.device("cpu"))
+    handshake.bump(br.epoch)
+    handshake.wait(br.done[0:1], br.epoch, br.err, max_spins=3)       # no host answers
+    with pytest.raises(RuntimeError, match="stopped waiting for the host in step 1"):
+        br.check()
+
+
+def test_bad_arguments_are_refused():
+    bank = _bank()
+    with pytest.raises(ValueError, match="bank must be bf16"):
+        CpuBranch(bank.w13.float(), bank.w2.float(), T, K, torch.device("cpu"))
+    with pytest.raises(ValueError, match="at most 1024 pairs"):
+        CpuBranch(bank.w13, bank.w2, 200, 8, torch.device("cpu"))
+    br = CpuBranch(bank.w13, bank.w2, T, K, torch.device("cpu"))
+    with pytest.raises(ValueError, match="one int64 element"):
+        handshake.signal(br.flag, br.epoch)

@@ -1,0 +1,81 @@
+"""Decode's CPU branch captured in a CUDA graph (``pytest -m gpu tests/gpu``): the device's
+control step, its host mirrors and the handshake flags in pinned memory, answered by the C++ host
+loop while the graph runs. The rows the device receives must be exactly the CPU kernel's for the
+pairs the control step left to the CPU, step after step (a missing fence or a stale read shows
+up as a wrong or old row)."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from freetoken_engine.cache.bank import ExpertBank
+from freetoken_engine.cache.device_control import DeviceControl
+from freetoken_engine.cache.experts import ExpertCache
+from freetoken_engine.kernels import cpu_experts
+from freetoken_engine.kernels.cpu_branch import CpuBranch
+from freetoken_engine.kernels.triton import handshake
+
+CUDA = torch.device("cuda")
+LAYERS, EXPERTS, H, I, K, T = 6, 32, 512, 256, 8, 2
+
+
+def test_graph_step_receives_the_cpu_kernels_rows():
+    bank = ExpertBank(LAYERS, EXPERTS, H, I, torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    bank.w13.copy_(torch.randn(bank.w13.shape, generator=g) * 0.05)
+    bank.w2.copy_(torch.randn(bank.w2.shape, generator=g) * 0.05)
+    bank.pin()
+    cache = ExpertCache(bank, 40, CUDA, fill_fraction=0.5)
+    ctl = DeviceControl.from_cache(cache)
+    br = CpuBranch(bank.w13, bank.w2, T, K, CUDA)
+    counts = torch.zeros(LAYERS, 4, dtype=torch.int64).pin_memory()
+    ids = torch.zeros(LAYERS, T, K, dtype=torch.int64, device=CUDA)
+    x = torch.zeros(LAYERS, T, H, dtype=torch.bfloat16, device=CUDA)
+    got = torch.zeros(LAYERS, T * K, H, dtype=torch.bfloat16, device=CUDA)
+
+    def step():
+        handshake.bump(br.epoch)
+        for l in range(LAYERS):
+            br.x[l].copy_(x[l], non_blocking=True)
+            ctl.step(l, ids[l], mirror=(br.pair_slot[l], counts[l], br.pair_exp[l]))
+            handshake.signal(br.flag[l:l + 1], br.epoch)
+            handshake.wait(br.done[l:l + 1], br.epoch, br.err)
+            got[l].copy_(br.rows, non_blocking=True)
+
+    def new_inputs(seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        ids.copy_(torch.stack([torch.stack([torch.randperm(EXPERTS, generator=gen)[:K] for _ in range(T)])
+                               for _ in range(LAYERS)]))
+        x.copy_(torch.randn(LAYERS, T, H, generator=gen).to(torch.bfloat16))
+
+    new_inputs(0)
+    with ThreadPoolExecutor(1) as pool:          # eager first step: compiles, the host loop answers
+        host = pool.submit(br.run, 120.0)
+        step()
+        host.result()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    cpu_pairs = 0
+    for seed in range(1, 6):
+        new_inputs(seed)
+        graph.replay()
+        br.run()
+        torch.cuda.synchronize()
+        br.check()
+        tok = torch.arange(T).repeat_interleave(K)
+        for l in range(LAYERS):
+            cpu = br.pair_slot[l] < 0
+            n = int(cpu.sum())
+            want = cpu_experts.experts_forward(x[l].cpu(), bank.w13[l], bank.w2[l], tok[cpu], ids[l].cpu().reshape(-1)[cpu])
+            assert torch.equal(got[l, :n].cpu(), want), (seed, l)
+            cpu_pairs += n
+    assert cpu_pairs > 0 and br.host_epoch == int(br.epoch) == 6
+    torch.cuda.synchronize()
+    bank.unpin()
