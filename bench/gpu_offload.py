@@ -217,7 +217,10 @@ def main() -> None:
         for routing in args.routings.split(","):
             for batch in (1, 4):
                 warm, meas = tokens[batch]
-                ids = make_routing(model, warm + meas, batch, routing, params, seed=batch)
+                # the first n_fill tokens only fill the LRU caches (offload_decode._fill_cache)
+                n_fill = 16 if args.quick else 48
+                ids = make_routing(model, n_fill + warm + meas, batch, routing, params, seed=batch)
+                fill_ids, ids = ids[:n_fill], ids[n_fill:]
                 policies = args.policies.split(",")
                 plans = [("all", None)] if "all" in policies else []
                 ab = [p for p in policies if p.startswith("lru+q*@") or p.endswith("/layer")]   # b1 locality
@@ -226,7 +229,7 @@ def main() -> None:
                 for policy, budget in plans:
                     slots = bank.total_experts if budget is None else cache_slots(budget, model)
                     try:
-                        row = decode_row(bank, policy, slots, ids, warm, bw, cpu_fn)
+                        row = decode_row(bank, policy, slots, ids, warm, bw, cpu_fn, fill_ids=fill_ids)
                     except Exception as exc:  # keep the other rows: record the failure in the results
                         row = {"policy": policy, "cache_slots": slots, "error": repr(exc), "tok_s": 0.0,
                                "miss_rate": 0.0, "bound_tok_s": 0.0, "fraction_of_bound": 0.0}

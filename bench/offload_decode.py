@@ -189,10 +189,31 @@ def _static_token(bank: Bank, st: _Token, n_gpu: int, cpu_fn):
     return token, (lambda: _capture(gpu_layers) if n_gpu else None)
 
 
+def _fill_cache(ctl: DeviceControl, ids_dev: torch.Tensor, max_passes: int = 8) -> dict:
+    """Bring an LRU cache to its steady state before the timed tokens: fills-only control steps
+    (no expert compute) over the routing of the tokens before the warm-up ones, repeated until
+    every slot holds an expert. Without it a policy that fills only part of its misses (q*) would be timed with a
+    cache still filling (its miss rate inflated by warm-up, (c)'s not). The counters and f are
+    restored; LRU order afterwards is that of the replayed warm-up tokens."""
+    f = ctl.fill_fraction
+    ctl.set_fill_fraction(1.0)
+    passes = 0
+    while passes < max_passes and bool((ctl.slot_owner < 0).any()):
+        for t in range(ids_dev.shape[0]):
+            for l in range(ids_dev.shape[1]):
+                ctl.step(l, ids_dev[t, l])
+        passes += 1
+    ctl.set_fill_fraction(f)
+    ctl.totals.zero_()
+    return {"cache_prefill_passes": passes, "cache_full_at_start": not bool((ctl.slot_owner < 0).any())}
+
+
 def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int, bw: dict, cpu_fn,
-               keep_x: bool = False) -> dict:
+               keep_x: bool = False, fill_ids: torch.Tensor | None = None) -> dict:
     """Decode ``ids [n_tok, L, T, k]`` under ``policy``; time the tokens after ``warm``.
-    ``keep_x``: also return every layer's hidden state (``x_layers``, host) for equality checks."""
+    ``keep_x``: also return every layer's hidden state (``x_layers``, host) for equality checks.
+    ``fill_ids``: routing of the tokens before ``ids``, replayed to fill an LRU cache first
+    (default: the warm-up tokens')."""
     m = bank.model
     L, E, se = m["layers"], m["experts"], m["expert_bytes"]
     n_tok, batch = ids.shape[0], ids.shape[2]
@@ -231,6 +252,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
             token, capture, br = _lru_q_graph_token(bank, st, ctl, prof)
 
     ids_dev = ids.to(CUDA)
+    res_warm = _fill_cache(ctl, (fill_ids if fill_ids is not None else ids[:warm]).to(CUDA)) if ctl is not None else {}
     st.load_ids(ids_dev, ids, 0)
     token(None, ids_np[0])                                  # compiles every kernel; first warm token
     torch.cuda.synchronize()
@@ -254,7 +276,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
     if not torch.isfinite(st.x[L].float()).all():
         raise RuntimeError(f"{policy}: non-finite hidden state")
     res = {"policy": policy, "cache_slots": slots, "cache_fraction": slots / (L * E), "seconds_per_step": secs,
-           "tok_s": batch / secs}
+           "tok_s": batch / secs, **res_warm}
     res.update(_bound(bank, policy, slots, distinct[warm:].float(), ctl, before, counts, bw, steps, batch, secs))
     if keep_x:
         res["x_layers"] = st.x.float().cpu()                  # [L + 1, T, H]: every layer's input
