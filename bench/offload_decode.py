@@ -111,17 +111,42 @@ def _lru_q_token(bank: Bank, st: _Token, ctl: DeviceControl, cpu_fn, prof: dict)
     return token, capture, br
 
 
+class _GpuExperts:
+    """A layer's GPU experts with the hits (and the shared expert) computed on a side stream
+    while the fills are copied; then the filled experts. Rows land in two buffers (``hit``,
+    ``fill``), each zero where the other has its row, which ``combine(..., rows2=)`` adds."""
+
+    def __init__(self, bank: Bank, st: _Token, ctl: DeviceControl):
+        self.bank, self.st, self.ctl = bank, st, ctl
+        self.side = torch.cuda.Stream()
+        self.hit, self.fill = (torch.zeros(st.P, st.H, dtype=torch.bfloat16, device=CUDA) for _ in range(2))
+        self.shared = torch.zeros(st.L, st.T, st.H, dtype=torch.bfloat16, device=CUDA)
+
+    def __call__(self, l: int, out) -> torch.Tensor | None:
+        """Queue layer l's experts after its control step ``out``; returns the shared rows."""
+        bank, st, ctl = self.bank, self.st, self.ctl
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            moe_slots_forward(st.x[l], ctl.w13_slots, ctl.w2_slots, st.tok, out.pair_hit_slot, out=self.hit)
+            if bank.shared is not None:
+                s13, s2 = bank.shared
+                moe_slots_forward(st.x[l], s13, s2, st.shared_tok, st.shared_slot[l], out=self.shared[l])
+        gather_fill_rows(bank.w13, bank.w2, ctl.w13_slots, ctl.w2_slots, l, out.fill_exp, out.fill_slot)
+        moe_slots_forward(st.x[l], ctl.w13_slots, ctl.w2_slots, st.tok, out.pair_fill_slot, out=self.fill)
+        main.wait_stream(self.side)
+        return self.shared[l] if bank.shared is not None else None
+
+
 def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict):
     """(d) as one CUDA graph per token: the host half of the CPU branch is the C++ loop of
     ``kernels/cpu_branch.py`` (flags in pinned memory instead of per-layer launches and events)."""
-    L, P, H = st.L, st.P, st.H
+    L, P = st.L, st.P
     br = CpuBranch(bank.w13, bank.w2, st.T, st.k, CUDA)
     br.x[0].copy_(st.x[0])
     br.counts = torch.zeros(L, 4, dtype=torch.int64).pin_memory()
     br.counts_np = br.counts.numpy()
-    gpu_rows = torch.zeros(P, H, dtype=torch.bfloat16, device=CUDA)
-    shared = torch.zeros(L, st.T, H, dtype=torch.bfloat16, device=CUDA)
-    w13s, w2s = ctl.w13_slots, ctl.w2_slots
+    experts = _GpuExperts(bank, st, ctl)
 
     def control(l):
         ctl.step(l, st.ids[l], copy=False, mirror=(br.pair_slot[l], br.counts[l], br.pair_exp[l]))
@@ -132,14 +157,10 @@ def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict):
         control(0)
         for l in range(L):
             out = ctl.outputs(P)
-            gather_fill_rows(bank.w13, bank.w2, w13s, w2s, l, out.fill_exp, out.fill_slot)
-            moe_slots_forward(st.x[l], w13s, w2s, st.tok, out.pair_slot, out=gpu_rows)
-            if bank.shared is not None:
-                s13, s2 = bank.shared
-                moe_slots_forward(st.x[l], s13, s2, st.shared_tok, st.shared_slot[l], out=shared[l])
+            shared = experts(l, out)
             handshake.wait(br.done[l:l + 1], br.epoch, br.err)
-            combine(gpu_rows, shared[l] if bank.shared is not None else None, st.x[l + 1], st.k,
-                    pair_slot=out.pair_slot, host_rows=br.rows, x_host=br.x[l + 1] if l + 1 < L else None)
+            combine(experts.hit, shared, st.x[l + 1], st.k, pair_slot=out.pair_slot, host_rows=br.rows,
+                    x_host=br.x[l + 1] if l + 1 < L else None, rows2=experts.fill)
             if l + 1 < L:
                 control(l + 1)
 
@@ -236,10 +257,12 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         f = float(base.split("@")[1]) if "@" in base else bw["fill_fraction"] if base == "lru+q*" else 1.0
         ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots), minus(slots), 0, f)
         if policy == "lru":
+            experts = _GpuExperts(bank, st, ctl)
+
             def gpu_layers():
                 for l in range(L):
-                    out = ctl.step(l, st.ids[l])
-                    st.combine(l, moe_slots_forward(st.x[l], w13s, w2s, st.tok, out.pair_slot, out=st.rows[l]))
+                    out = ctl.step(l, st.ids[l], copy=False)
+                    combine(experts.hit, experts(l, out), st.x[l + 1], st.k, rows2=experts.fill)
 
             def token(graph, h_ids):
                 graph.replay() if graph is not None else gpu_layers()

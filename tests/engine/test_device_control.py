@@ -54,9 +54,12 @@ def test_device_step_matches_cache_step(capacity, fill_fraction):
     for step in range(8):
         for layer in range(LAYERS):
             ids = _routing(g, tokens=1 + step % 3, hot=8)
+            was_resident = ref.slot_of[layer, ids.reshape(-1)] >= 0
             want = ref.step(layer, ids.reshape(-1))
             out = ctl.step(layer, ids)
             assert torch.equal(out.pair_slot, want), (step, layer)
+            assert torch.equal(out.pair_hit_slot, torch.where(was_resident, want, -1))
+            assert torch.equal(out.pair_fill_slot, torch.where(~was_resident & (want >= 0), want, -1))
             n_fill = int((out.fill_exp >= 0).sum())
             n_cpu = int((out.cpu_exp >= 0).sum())
             assert out.step_counts.tolist()[2:] == [n_fill, n_cpu]

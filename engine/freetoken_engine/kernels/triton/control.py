@@ -12,7 +12,9 @@ Specification (the expert cache's torch control step, bit for bit), for layer ``
    first); the i-th filled miss takes the i-th victim. Old owners lose residency; ``slot_of``
    and ``slot_owner`` are updated. The weight copy is a separate kernel (``gather.py``).
 4. ``last_used`` of every hit and filled slot = clock; ``clock += 1``.
-5. ``pair_slot[p]`` = slot of pair p after the fills, -1 for pairs computed on the CPU.
+5. ``pair_slot[p]`` = slot of pair p after the fills, -1 for pairs computed on the CPU;
+   ``pair_hit_slot[p]`` / ``pair_fill_slot[p]``: pair_slot where p's expert was a hit / was
+   filled by this step, else -1 (a caller computes the hits while the fills are copied).
 
 Optional host mirror (``mirror=(pair_slot_host [P], counts_host [4])`` or with a third tensor
 ``pair_exp_host [P]``, pinned host memory on a GPU): the kernel also stores pair_slot, the step's
@@ -44,7 +46,8 @@ MAX_SLOTS = 1 << _SLOT_BITS
 
 @triton.jit(do_not_specialize=["S"])   # a resized pool must not trigger a recompile
 def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, fill_table_ptr,
-                    pair_slot_ptr, fill_exp_ptr, fill_slot_ptr, cpu_exp_ptr, step_ptr, totals_ptr,
+                    pair_slot_ptr, pair_hit_ptr, pair_fill_ptr, fill_exp_ptr, fill_slot_ptr, cpu_exp_ptr,
+                    step_ptr, totals_ptr,
                     keys_ptr, newslot_ptr, mirror_ps_ptr, mirror_counts_ptr, mirror_ids_ptr, layer,
                     P, E, S, NF, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr, MIRROR: tl.constexpr,
@@ -96,11 +99,15 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     tl.store(fill_exp_ptr + rank, e, mask=fill)
     tl.store(fill_slot_ptr + rank, victim, mask=fill)
     tl.store(cpu_exp_ptr + rank - q, e, mask=cpu)
-    tl.store(newslot_ptr + e, tl.where(hit, slot, tl.where(fill, victim, -1)), mask=em)
+    # per expert: its slot if a hit, -(slot + 2) if filled now, -1 if computed on the CPU
+    tl.store(newslot_ptr + e, tl.where(hit, slot, tl.where(fill, -victim - 2, -1)), mask=em)
     tl.debug_barrier()
 
-    ps = tl.load(newslot_ptr + ids, mask=pm & (ids >= 0), other=-1)
+    v = tl.load(newslot_ptr + ids, mask=pm & (ids >= 0), other=-1)
+    ps = tl.where(v >= -1, v, -v - 2)
     tl.store(pair_slot_ptr + p, ps, mask=pm)
+    tl.store(pair_hit_ptr + p, tl.where(v >= 0, v, -1), mask=pm)
+    tl.store(pair_fill_ptr + p, tl.where(v < -1, ps, -1), mask=pm)
     c = tl.arange(0, 4)
     counts = tl.where(c == 0, n_hit, tl.where(c == 1, m, tl.where(c == 2, q, m - q)))
     tl.store(step_ptr + c, counts)
@@ -117,13 +124,18 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
 class ControlOutputs:
     """Fixed-size outputs of one control step (device tensors, reused across calls).
 
-    pair_slot [P]: slot per pair, -1 = CPU pair. fill_exp / fill_slot [NF]: the step's fills in
+    pair_slot [P]: slot per pair, -1 = CPU pair; pair_hit_slot / pair_fill_slot [P]: the same
+    split by whether the expert was resident before the step (a hit) or is filled by it, -1
+    elsewhere, so the hits can be computed while the fills are still being copied.
+    fill_exp / fill_slot [NF]: the step's fills in
     ascending expert id and their victim slots, -1 padded. cpu_exp [NF]: experts computed on the
     CPU, ascending, -1 padded. step_counts [4]: hits, misses, fills, cpu_computed of the call.
     NF = min(P, E) bounds the distinct experts of a call. keys / newslot are workspace.
     """
 
     pair_slot: torch.Tensor
+    pair_hit_slot: torch.Tensor
+    pair_fill_slot: torch.Tensor
     fill_exp: torch.Tensor
     fill_slot: torch.Tensor
     cpu_exp: torch.Tensor
@@ -138,7 +150,8 @@ class ControlOutputs:
         def full(n: int) -> torch.Tensor:
             return torch.full((n,), -1, dtype=torch.int64, device=device)
 
-        return cls(full(pairs), full(nf), full(nf), full(nf), torch.zeros(4, dtype=torch.int64, device=device),
+        return cls(full(pairs), full(pairs), full(pairs), full(nf), full(nf), full(nf),
+                   torch.zeros(4, dtype=torch.int64, device=device),
                    full(next_pow2(slots)), full(next_pow2(experts)))
 
 
@@ -205,7 +218,8 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
     nf = out.fill_exp.numel()
     _control_kernel[(1,)](
         topk_ids, slot_of, slot_owner, last_used, clock, table,
-        out.pair_slot, out.fill_exp, out.fill_slot, out.cpu_exp, out.step_counts, totals,
+        out.pair_slot, out.pair_hit_slot, out.pair_fill_slot, out.fill_exp, out.fill_slot, out.cpu_exp,
+        out.step_counts, totals,
         out.keys, out.newslot, m_ps, m_counts, m_ids if m_ids is not None else m_ps, layer, pairs,
         experts, slots, nf,
         BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=block_s,
