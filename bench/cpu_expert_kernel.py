@@ -1,9 +1,17 @@
 """CPU expert kernel vs PyTorch vs STREAM-style read, on expert rows larger than the LLC.
 
 Workload: a bank of E experts in the Qwen3-30B-A3B expert shape (H 2048, I 768, bf16, 9.4 MB
-each), E chosen so the bank is at least 8x the last-level cache; each call is one MoE layer's
-decode step whose experts are the next ones of a fixed permutation, so no call finds its
+each), allocated like the engine's (page-aligned, ``packed.memory.aligned_empty``), E chosen so
+the bank is at least 8x the last-level cache and 6 layers of 128 experts; each call is one MoE
+layer's decode step whose experts are the next ones of a fixed permutation, so no call finds its
 weights in cache. GB/s = bytes of distinct experts' weights read per second.
+
+Cases: one token on 8 experts (bf16 and fp32 x), one token on 1 and on 2 experts (the GPU
+offload path's calls), 4 tokens over random top-8 of 32 experts, 4 and 8 tokens all on the same
+8 experts (on an AMX CPU also with the tiles off, ``isa=avx512bf16``); and the static layer split
+of bench/offload_decode.py (``_static_token``): per layer of 128 experts, 4 tokens with uniform
+random top-8 (~29 experts, most with one token) or 1 token, the kernel's result copied by torch
+into a preallocated buffer as that benchmark does, or written in place (``out=``), or neither.
 
 Sides, interleaved round by round in the same run: the compiled kernel
 (``cpu_experts.experts_forward``) at its default thread count and at all CPUs, PyTorch's path
@@ -13,10 +21,10 @@ and just after each kernel batch). Best and median of the rounds, and for the ke
 over rounds of kernel / (all-CPU read measured around it): the headline, robust to other jobs
 sharing the machine.
 
-    python bench/cpu_expert_kernel.py --label cpu-2core [--rounds 5] [--quick]
+    python bench/cpu_expert_kernel.py --label cpu-2core [--rounds 5] [--quick] [--out DIR]
 
-Merges this machine's entry into bench/results/cpu_expert_kernel.json (other machines' entries
-are kept) and redraws bench/results/cpu_expert_kernel.png from every entry.
+Merges this machine's entry into bench/results/cpu_expert_kernel.json (or DIR's copy; other
+machines' entries are kept) and redraws the .png next to it from every entry.
 """
 from __future__ import annotations
 
@@ -34,6 +42,7 @@ import torch
 
 from freetoken_engine.kernels import cpu_experts as ce
 from freetoken_engine.kernels.reference import expert_pairs_forward
+from freetoken_engine.packed.memory import aligned_empty
 
 RESULTS = Path(__file__).resolve().parent / "results"
 H, I, K = 2048, 768, 8            # Qwen3-30B-A3B: hidden, expert intermediate, top-k
@@ -69,15 +78,28 @@ def hardware() -> dict:
     return info
 
 
+def bank_tensor(*shape: int) -> torch.Tensor:
+    """A bf16 tensor in page-aligned memory as the engine allocates its bank, filled by tiling
+    one random block (contents do not change any timing; uniform_ over gigabytes is slow)."""
+    n = 1
+    for d in shape:
+        n *= d
+    t = aligned_empty(2 * n).view(torch.bfloat16)
+    block = (torch.rand(1 << 26) * 0.1 - 0.05).to(torch.bfloat16)
+    for i in range(0, n, block.numel()):
+        t[i:i + block.numel()].copy_(block[:n - i])
+    return t.view(*shape)
+
+
 def make_plans(E: int, T: int, mode: str, gen: torch.Generator) -> list[tuple]:
     """Calls covering the bank once: (tok, exp, distinct_experts) per call."""
     perm = torch.randperm(E, generator=gen)
     plans = []
-    window = K if mode in ("one_token", "same_experts") else 4 * K
+    window = {"1_expert": 1, "2_experts": 2, "random_top8": 4 * K}.get(mode, K)
     for s in range(0, E - window + 1, window):
         w = perm[s:s + window]
-        if mode == "one_token":          # T = 1: 8 experts, one token each
-            tok, exp = torch.zeros(K, dtype=torch.long), w
+        if mode in ("one_token", "1_expert", "2_experts"):   # T = 1: one token on each expert
+            tok, exp = torch.zeros(window, dtype=torch.long), w
         elif mode == "same_experts":     # T tokens all routed to the same 8 experts
             tok, exp = torch.arange(T).repeat_interleave(K), w.repeat(T)
         else:                            # T tokens, each top-8 of a window of 32 experts
@@ -85,6 +107,36 @@ def make_plans(E: int, T: int, mode: str, gen: torch.Generator) -> list[tuple]:
             exp = torch.cat([w[torch.randperm(window, generator=gen)[:K]] for _ in range(T)])
         plans.append((tok, exp, int(torch.unique(exp).numel())))
     return plans
+
+
+def static_plans(E: int, T: int, layers: int, calls: int, gen: torch.Generator) -> list[tuple]:
+    """offload_decode._static_token's calls: (layer, tok, exp, distinct) per MoE layer of a CPU
+    layer range; every token routes to a uniform random top-8 of the layer's 128 experts."""
+    plans = []
+    for c in range(calls):
+        ids = torch.stack([torch.randperm(128, generator=gen)[:K] for _ in range(T)])   # [T, k]
+        plans.append((c % layers, torch.arange(T).repeat_interleave(K), ids.reshape(-1),
+                      int(torch.unique(ids).numel())))
+    return plans
+
+
+def static_gbps(w13l, w2l, x, plans, mode: str, min_s: float, ebytes: int) -> float:
+    """GB/s of the static split's per-layer calls; mode: "copy" (torch copies the result into a
+    preallocated buffer, as offload_decode does), "out" (the kernel writes it: out=), "plain"."""
+    buf = torch.empty(x.shape[0] * K, H, dtype=x.dtype)
+    n, nbytes, t0 = 0, 0, time.perf_counter()
+    while True:
+        layer, tok, exp, d = plans[n % len(plans)]
+        if mode == "out":
+            ce.experts_forward(x, w13l[layer], w2l[layer], tok, exp, out=buf)
+        elif mode == "copy":
+            buf.copy_(ce.experts_forward(x, w13l[layer], w2l[layer], tok, exp))
+        else:
+            ce.experts_forward(x, w13l[layer], w2l[layer], tok, exp)
+        n, nbytes = n + 1, nbytes + d * ebytes
+        dt = time.perf_counter() - t0
+        if n >= 3 and dt >= min_s:
+            return nbytes / dt / 1e9
 
 
 def gbps(fn, x, w13, w2, plans, min_s: float, ebytes: int) -> float:
@@ -106,19 +158,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer cases (smoke run)")
     ap.add_argument("--prefetch", default="4096,0,512,1024,2048", help="prefetch distances to sweep (bytes); the first one is used for every case")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="folder of the JSON and PNG (default bench/results)")
     args = ap.parse_args()
 
     hw = hardware()
     ncpu = hw["cpus"]
     ebytes = 3 * H * I * 2
     llc = hw["llc_bytes"] or 32 << 20
-    E = max(128, -(-8 * llc // ebytes))
-    E = min(E, int(0.4 * hw["ram_bytes"] // ebytes))
+    E = max(6 * 128, -(-8 * llc // ebytes))
+    E = min(E, int(0.4 * hw["ram_bytes"] // ebytes)) // 128 * 128
+    layers = E // 128
     print(f"{hw['cpu_model']} | {ncpu} CPUs | LLC {llc >> 20} MiB | flags {' '.join(hw['flags'])}")
-    print(f"bank: {E} experts x {ebytes / 1e6:.2f} MB = {E * ebytes / 1e9:.2f} GB bf16 (>= 8x LLC)")
+    print(f"bank: {E} experts x {ebytes / 1e6:.2f} MB = {E * ebytes / 1e9:.2f} GB bf16 ({layers} layers of 128)")
     t0 = time.perf_counter()
-    w13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16).uniform_(-0.05, 0.05)
-    w2 = torch.empty(E, H, I, dtype=torch.bfloat16).uniform_(-0.05, 0.05)
+    w13, w2 = bank_tensor(E, 2 * I, H), bank_tensor(E, H, I)
+    w13l, w2l = w13.view(layers, 128, 2 * I, H), w2.view(layers, 128, H, I)
     print(f"filled in {time.perf_counter() - t0:.1f} s; kernel: {ce.backend_name()} {ce.cpu_features()}")
     torch.set_num_threads(ncpu)
     default_threads = ce.default_threads()
@@ -126,10 +180,14 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
 
     cases = [("one_token", 1, torch.bfloat16), ("one_token", 1, torch.float32),
-             ("random_top8", 4, torch.bfloat16), ("same_experts", 8, torch.bfloat16)]
+             ("1_expert", 1, torch.bfloat16), ("2_experts", 1, torch.bfloat16),
+             ("random_top8", 4, torch.bfloat16), ("same_experts", 4, torch.bfloat16),
+             ("same_experts", 8, torch.bfloat16)]
     if args.quick:
         cases = cases[:2]
+    amx = ce.cpu_features().get("best_isa") == "amx"   # then also the same cases with the tiles off
     plans = {(m, T): make_plans(E, T, m, gen) for m, T, _ in cases}
+    splans = {T: static_plans(E, T, layers, 64, gen) for T in (1, 4)}
     xs = {(T, dt): torch.randn(T, H).to(dt) for _, T, dt in cases}
     thread_set = sorted({default_threads, ncpu} | ({1} if ncpu <= 4 else set()))
     samples: dict[str, list[float]] = {}
@@ -159,12 +217,27 @@ def main() -> None:
                         continue  # the prefetch sweep: one-token and many-token cases
                     v = gbps(ce.experts_forward, xs[(T, dt)], w13, w2, plans[(m, T)], 0.25, ebytes)
                     got[f"kernel/{m}/T={T}/x={str(dt)[6:]}/threads={th}/prefetch={pf}"] = v
+            ce.configure(prefetch_bytes=pf_list[0])
+            if amx:
+                ce.configure(isa="avx512bf16")
+                for m, T, dt in cases:
+                    if m == "same_experts":
+                        v = gbps(ce.experts_forward, xs[(T, dt)], w13, w2, plans[(m, T)], 0.25, ebytes)
+                        got[f"kernel/{m}/T={T}/x={str(dt)[6:]}/threads={th}/prefetch={pf_list[0]}/isa=avx512bf16"] = v
+                ce.configure(isa="auto")
+            if not args.quick:
+                for T, mode in ((4, "copy"), (4, "out"), (4, "plain"), (1, "copy")):
+                    x = xs[(T, torch.bfloat16)]
+                    got[f"kernel/static_split/T={T}/{mode}/threads={th}"] = static_gbps(w13l, w2l, x, splans[T], mode,
+                                                                                      0.4, ebytes)
             after = read_all_cpus()
             for k, v in got.items():  # paired: robust to other jobs coming and going between rounds
                 add(k, v)
                 ratios.setdefault(k, []).append(v / (0.5 * (before + after)))
         if r < 2:  # PyTorch's path is slow; two rounds are enough to rank it
             for m, T, dt in cases:
+                if m in ("1_expert", "2_experts") or (m, T) == ("same_experts", 4):
+                    continue
                 v = gbps(expert_pairs_forward, xs[(T, dt)], w13, w2, plans[(m, T)][:6], 0.5, ebytes)
                 add(f"pytorch/{m}/T={T}/x={str(dt)[6:]}/threads={ncpu}", v)
         print(f"round {r + 1}/{args.rounds} done")
@@ -185,7 +258,8 @@ def main() -> None:
     entry = {
         "hardware": hw, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "kernel_backend": ce.backend_name(), "default_threads": default_threads,
-        "bank": {"experts": E, "expert_bytes": ebytes, "total_bytes": E * ebytes, "dtype": "bfloat16"},
+        "bank": {"experts": E, "layers_of_128": layers, "expert_bytes": ebytes, "total_bytes": E * ebytes,
+                 "dtype": "bfloat16", "allocation": "packed.memory.aligned_empty"},
         "results_gbps": summary,
         "headline": {"kernel_key": main_key, "kernel_gbps": summary[main_key]["best"],
                      "read_gbps_all_cpus": read_all,
@@ -196,15 +270,18 @@ def main() -> None:
     print(f"\nheadline: {main_key}: best {entry['headline']['kernel_gbps']:.1f} GB/s, paired median "
           f"{100 * entry['headline']['fraction_of_read']:.0f}% of the all-CPU read (best {read_all:.1f} GB/s; "
           f"best/best {100 * entry['headline']['best_over_best']:.0f}%; target 75%)")
-    out = RESULTS / "cpu_expert_kernel.json"
+    out = args.out / "cpu_expert_kernel.json"
+    if not out.exists() and (RESULTS / out.name).exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text((RESULTS / out.name).read_text())   # merge into the entries already recorded
     data = json.loads(out.read_text()) if out.exists() else {}
     data.update({"benchmark": "cpu_expert_kernel", "shape": {"H": H, "I": I, "top_k": K},
                  "method": __doc__.strip().split("\n\n")[1]})
     data.setdefault("machines", {})[args.label] = entry
-    RESULTS.mkdir(exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     try:
-        plot(data, RESULTS / "cpu_expert_kernel.png")
+        plot(data, out.with_suffix(".png"))
     except ImportError as exc:  # matplotlib absent (e.g. the GPU machine): the JSON is what counts
         print(f"no plot: {exc}")
     print(f"wrote {out}")

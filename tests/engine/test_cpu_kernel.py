@@ -1,7 +1,8 @@
 """The compiled CPU expert kernel against the PyTorch reference (kernels/reference.py).
 
 Tolerance (the contract in cpu_experts' docstring): fp32 x: |y - ref| <= 1e-4 max|ref| + 1e-5;
-bf16 x: |y - ref| <= 2e-2 max|ref|. Every instruction set this CPU supports is checked.
+bf16 x: |y - ref| <= 2e-2 max|ref|. Every instruction set this CPU supports is checked (the AMX
+tiles only where the CPU and the OS allow them; those tests skip elsewhere, saying why).
 """
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ SHAPES = [  # T, H, I, E, P: decode sizes, odd sizes (vector tails), one pair, m
     (3, 100, 37, 6, 17),
     (8, 257, 129, 16, 64),
     (5, 512, 96, 128, 40),
+    (16, 256, 96, 3, 48),     # 4-16+ tokens per expert, H and I multiples of 32 (the AMX tiles)
 ]
 
 
@@ -90,6 +92,74 @@ def test_one_expert_many_tokens(kernel_config, xd):
     for isa in _isas():
         ce.configure(isa=isa)
         _close(ce.experts_forward(x, w13, w2, tok, exp), ref)
+
+
+needs_amx = pytest.mark.skipif(not ce.available() or ce.cpu_features()["best_isa"] != "amx",
+                               reason="no AMX-BF16 here (or the OS does not grant the tile state)")
+
+
+@needs_amx
+def test_amx_tiles_match_reference_and_ignore_thread_count(kernel_config):
+    """Groups of 1-40 tokens on one expert each (below the tile threshold, one 16-token tile
+    block, several blocks and a tail): the tile path against the reference, bitwise the same at
+    1 and 2 threads, and an AMX group's rows do not depend on the other experts' pairs."""
+    counts = [1, 3, 4, 7, 16, 17, 40]
+    x, w13, w2, _, _ = _problem(40, 256, 96, len(counts), 1, torch.bfloat16, torch.bfloat16)
+    tok = torch.cat([torch.randperm(40, generator=torch.Generator().manual_seed(e))[:c] for e, c in enumerate(counts)])
+    exp = torch.cat([torch.full((c,), e) for e, c in enumerate(counts)])
+    ref = expert_pairs_forward(x, w13, w2, tok, exp)
+    ce.configure(isa="amx", threads=1)
+    one = ce.experts_forward(x, w13, w2, tok, exp)
+    _close(one, ref)
+    ce.configure(threads=2)
+    assert torch.equal(ce.experts_forward(x, w13, w2, tok, exp), one)
+    alone = exp == 4                                   # the 16-token group by itself
+    assert torch.equal(ce.experts_forward(x, w13, w2, tok[alone], exp[alone]), one[alone])
+
+
+def test_isa_the_cpu_lacks_is_refused(kernel_config):
+    """Forcing an instruction set this CPU (or its OS) does not allow raises instead of crashing."""
+    missing = [isa for isa in ce.ISAS if isa not in _isas()]
+    if not missing:
+        pytest.skip("this CPU has every instruction set the kernel knows")
+    with pytest.raises(ValueError, match="not supported"):
+        ce.configure(isa=missing[-1])
+    assert ce.backend_name() != f"cpu-{missing[-1]}"
+
+
+def test_out_is_written_in_place(kernel_config):
+    """out= (e.g. a pinned buffer) receives the rows and is returned; a wrong one is refused."""
+    x, w13, w2, tok, exp = _problem(4, 128, 64, 6, 32, torch.bfloat16, torch.bfloat16)
+    out = torch.full((32, 128), float("nan"), dtype=torch.bfloat16)
+    y = ce.experts_forward(x, w13, w2, tok, exp, out=out)
+    assert y is out
+    _close(out, expert_pairs_forward(x, w13, w2, tok, exp))
+    with pytest.raises(ValueError, match="out must be"):
+        ce.experts_forward(x, w13, w2, tok, exp, out=torch.empty(32, 128))   # fp32 for bf16 x
+
+
+@needs_compiler
+def test_workers_wake_from_sleep(tmp_path):
+    """After the pool's workers went to sleep (idle longer than spin_us), the next calls wake
+    them and give the same rows as one thread (a lost wake-up would hang: run in a child)."""
+    code = textwrap.dedent("""
+        import time, torch
+        from freetoken_engine.kernels import cpu_experts as ce
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(3, 256, generator=g).to(torch.bfloat16)
+        w13 = (torch.randn(5, 192, 256, generator=g) / 16).to(torch.bfloat16)
+        w2 = (torch.randn(5, 256, 96, generator=g) / 10).to(torch.bfloat16)
+        tok, exp = torch.tensor([0, 1, 2, 0]), torch.tensor([1, 1, 4, 0])
+        ce.configure(threads=1)
+        want = ce.experts_forward(x, w13, w2, tok, exp)
+        ce.configure(threads=3, spin_us=0)
+        for _ in range(20):
+            time.sleep(0.005)
+            assert torch.equal(ce.experts_forward(x, w13, w2, tok, exp), want)
+        print("ok")
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["ok"], r.stderr
 
 
 def test_empty_pairs_give_empty_output():

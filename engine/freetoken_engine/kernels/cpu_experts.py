@@ -18,9 +18,17 @@ intermediate may round the other way).
 
 Threads: ``threads`` participants, the calling thread included (it is released from the GIL and
 does a share); the other ``threads - 1`` are pinned to the *last* CPUs of the process affinity
-set, so the first CPUs stay free for the engine. Default: all CPUs but one (at least one). ``FREETOKEN_CPU_EXPERT_THREADS`` overrides the default; ``FREETOKEN_CPU_KERNEL``
-= ``off`` forces the reference, = ``generic|avx2|avx512|avx512bf16`` forces an instruction set
-(default ``auto``: the best one cpuid reports). ``configure()`` changes all of these at run time.
+set, so the first CPUs stay free for the engine. Default: all CPUs but one (at least one).
+``FREETOKEN_CPU_EXPERT_THREADS`` overrides the default; ``FREETOKEN_CPU_KERNEL`` = ``off`` forces
+the reference, = ``generic|avx2|avx512|avx512bf16|amx`` forces an instruction set (default
+``auto``: the best one cpuid and the OS allow). ``configure()`` changes all of these at run time.
+
+AMX (``amx``: Intel CPUs with AMX-BF16, Linux granting the tile state): groups of at least 4
+tokens on one expert (bf16 ``x`` and weights, H and I multiples of 32) run on the tiles, the rest
+on the AVX-512-BF16 kernels. Such a group sums in another order, so on an AMX machine a pair's
+output can depend, in its last bits, on whether 4 or more tokens of the call share its expert;
+it never depends on the thread count or on other experts' pairs. ``configure(isa="avx512bf16")``
+turns the tiles off.
 
 The library is built on first use (``kernels/cpu/build.py``); without a compiler (or when the
 build fails) one warning line is logged and every call uses the reference.
@@ -41,7 +49,7 @@ log = logging.getLogger(__name__)
 
 from ..env import FREETOKEN_CPU_EXPERT_THREADS as ENV_THREADS  # noqa: E402  (declared in env.py)
 from ..env import FREETOKEN_CPU_KERNEL as ENV_KERNEL  # noqa: E402
-ISAS = ("generic", "avx2", "avx512", "avx512bf16")
+ISAS = ("generic", "avx2", "avx512", "avx512bf16", "amx")
 
 
 @dataclass(frozen=True)
@@ -166,7 +174,7 @@ def available() -> bool:
 
 
 def backend_name() -> str:
-    """``cpu-<isa>`` (e.g. ``cpu-avx512bf16``) for the compiled kernel, else ``reference``."""
+    """``cpu-<isa>`` (e.g. ``cpu-avx512bf16``, ``cpu-amx``) for the compiled kernel, else ``reference``."""
     return f"cpu-{_isa}" if _load() is not None else "reference"
 
 
@@ -184,18 +192,24 @@ _DT = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def _compiled_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    return (x.device.type == w13.device.type == w2.device.type == "cpu"
+    # cheapest tests first: this runs once per MoE layer call (the decode hot path)
+    return (x.is_cpu and w13.is_cpu and w2.is_cpu
             and x.dtype in _DT and w13.dtype in _DT and w2.dtype == w13.dtype
             and w13.stride(-1) == 1 and w2.stride(-1) == 1
-            and not (torch.is_grad_enabled() and (x.requires_grad or w13.requires_grad)))
+            and not ((x.requires_grad or w13.requires_grad) and torch.is_grad_enabled()))
 
 
 def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                    pair_tok: torch.Tensor, pair_exp: torch.Tensor) -> torch.Tensor:
+                    pair_tok: torch.Tensor, pair_exp: torch.Tensor,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """``[P, H]`` outputs of every (token, expert) pair; see the module docstring.
 
-    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; pair_tok, pair_exp [P] integer. Raises ValueError
-    for inconsistent shapes and IndexError for an out-of-range token or expert index.
+    x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; pair_tok, pair_exp [P] integer. ``out``: an optional
+    contiguous ``[P, H]`` CPU tensor of ``x.dtype`` (e.g. pinned) that the kernel writes in place
+    and returns: no second copy, and no torch op between calls. (A torch copy of a large enough
+    result runs on torch's OpenMP threads, which then spin for milliseconds on the CPUs the
+    kernel's workers are pinned to: bench/cpu_expert_kernel.py's static-split rows.) Raises
+    ValueError for inconsistent shapes or a bad ``out``, IndexError for an out-of-range index.
     """
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"expected x [T,H], w13 [E,2I,H], w2 [E,H,I]; got {tuple(x.shape)}, "
@@ -207,15 +221,21 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if pair_tok.shape != pair_exp.shape or pair_tok.dim() != 1:
         raise ValueError(f"pair_tok {tuple(pair_tok.shape)} and pair_exp {tuple(pair_exp.shape)} must be equal 1-D")
     P = pair_tok.numel()
+    if out is not None and (out.shape != (P, H) or out.dtype != x.dtype or out.device.type != "cpu"
+                            or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous CPU [{P}, {H}] {x.dtype} tensor, got "
+                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if P == 0:
-        return x.new_zeros((0, H))
+        return x.new_zeros((0, H)) if out is None else out
     lib = _load()
     if lib is None or not _compiled_ok(x, w13, w2):
-        return reference.expert_pairs_forward(x, w13, w2, pair_tok, pair_exp)
+        y = reference.expert_pairs_forward(x, w13, w2, pair_tok, pair_exp)
+        return y if out is None else out.copy_(y)
     x = x.contiguous()
     tok = pair_tok if pair_tok.dtype == torch.int64 and pair_tok.is_contiguous() else pair_tok.to(torch.int64).contiguous()
     exp = pair_exp if pair_exp.dtype == torch.int64 and pair_exp.is_contiguous() else pair_exp.to(torch.int64).contiguous()
-    out = torch.empty((P, H), dtype=x.dtype)
+    if out is None:
+        out = torch.empty((P, H), dtype=x.dtype)
     rc = lib.ft_experts_forward(
         x.data_ptr(), _DT[x.dtype], T, H, I, w13.data_ptr(), w2.data_ptr(), _DT[w13.dtype], E,
         w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),

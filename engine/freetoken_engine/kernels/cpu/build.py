@@ -8,7 +8,7 @@ and the build flags. A cached library is reused without any compiler, so a prebu
 cache directory can be shipped to a machine that has none. Parallel first uses (test workers,
 several engines) are serialised by a file lock; the library is published with an atomic rename.
 
-One library holds every instruction-set variant (generic, AVX2, AVX-512, AVX-512-BF16); the C++
+One library holds every instruction-set variant (generic, AVX2, AVX-512, AVX-512-BF16, AMX); the C++
 dispatcher picks one by cpuid at run time. ``BuildError`` is raised when no compiler is found or
 the build fails; the caller (``cpu_experts``) turns that into one warning and the reference path.
 """
@@ -25,7 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 SRC_DIR = Path(__file__).resolve().parent
-SOURCES = ("experts.h", "simd.h", "experts.cpp", "experts_isa.cpp", "decode_isa.cpp", "branch.cpp")
+SOURCES = ("experts.h", "simd.h", "experts.cpp", "experts_isa.cpp", "decode_isa.cpp", "branch.cpp",
+           "pool.h", "isa.h", "experts_amx.cpp")
 LIB_NAME = "libftexperts.so"
 
 _COMMON = ["-O3", "-std=c++17", "-fPIC", "-fno-strict-aliasing", "-w"]
@@ -39,6 +40,7 @@ _UNITS = (
     ("isa_avx2.o", "experts_isa.cpp", ["-DFT_ISA=1"] + _AVX2),
     ("isa_avx512.o", "experts_isa.cpp", ["-DFT_ISA=2"] + _AVX512),
     ("isa_avx512bf16.o", "experts_isa.cpp", ["-DFT_ISA=3"] + _AVX512 + ["-mavx512bf16"]),
+    ("isa_amx.o", "experts_amx.cpp", ["-DFT_ISA=3"] + _AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"]),
     ("decode_generic.o", "decode_isa.cpp", ["-DFT_ISA=0"]),
     ("decode_avx2.o", "decode_isa.cpp", ["-DFT_ISA=1"] + _AVX2),
     ("decode_avx512.o", "decode_isa.cpp", ["-DFT_ISA=2"] + _AVX512),

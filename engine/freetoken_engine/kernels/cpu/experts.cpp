@@ -1,175 +1,23 @@
-// Dispatcher: instruction-set choice (cpuid at run time), a persistent pool of pinned worker
-// threads, grouping of (token, expert) pairs by expert, and the C entry points that
-// cpu_experts.py calls through ctypes. Compiled for baseline x86-64.
+// Dispatcher: grouping of (token, expert) pairs by expert, the work queue over the thread pool
+// (pool.h) with the instruction set chosen at run time (isa.h), and the C entry points that
+// cpu_experts.py (and branch.cpp) call. Compiled for baseline x86-64.
 //
 // Threading contract: one call at a time runs on the pool (a mutex serialises callers); the
 // calling thread does a share of the work itself, unpinned; the other n-1 workers are pinned to
-// the CPUs given to ft_configure. Workers spin for spin_us after a call, then sleep on a
-// condition variable, so an idle engine costs no CPU.
-#include <cpuid.h>
+// the CPUs given to ft_configure. Workers spin for spin_us after a call, then sleep, so an idle
+// engine costs no CPU.
 #include <cstdio>
-#include <pthread.h>
-#include <sched.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
 
 #include <atomic>
-#include <condition_variable>
 #include <mutex>
-#include <thread>
 #include <vector>
 
 #include "experts.h"
+#include "isa.h"
+#include "pool.h"
 
 namespace {
-
-inline void cpu_pause() { __builtin_ia32_pause(); }
-
-// One step of a wait loop: pause a while, then yield, so a waiter that shares its CPU with the
-// thread it waits for (more runnable threads than CPUs) hands the CPU over instead of burning
-// its whole time slice.
-inline void wait_step(int& it) {
-  if (++it < 256) cpu_pause();
-  else sched_yield();
-}
-
-double now_s() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
-
-// ---- instruction sets --------------------------------------------------------------------
-
-enum { ISA_GENERIC = 0, ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512BF16 = 3 };
-const char* kIsaNames[] = {"generic", "avx2", "avx512", "avx512bf16"};
-
-int detect_isa() {
-  __builtin_cpu_init();  // __builtin_cpu_supports also checks that the OS saves the state
-  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                      __builtin_cpu_supports("avx512vl");
-  if (avx512) {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5))) return ISA_AVX512BF16;
-    return ISA_AVX512;
-  }
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return ISA_AVX2;
-  return ISA_GENERIC;
-}
-
-bool has_amx() {
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 22)) && (d & (1u << 24));
-}
-
-ft_stage_fn stage1_of(int isa) {
-  ft_stage_fn f[] = {ft_stage1_generic, ft_stage1_avx2, ft_stage1_avx512, ft_stage1_avx512bf16};
-  return f[isa];
-}
-ft_stage_fn stage2_of(int isa) {
-  ft_stage_fn f[] = {ft_stage2_generic, ft_stage2_avx2, ft_stage2_avx512, ft_stage2_avx512bf16};
-  return f[isa];
-}
-ft_linear_fn linear_of(int isa) {
-  ft_linear_fn f[] = {ft_linear_generic, ft_linear_avx2, ft_linear_avx512, ft_linear_avx512bf16};
-  return f[isa];
-}
-ft_norm_fn norm_of(int isa) {
-  ft_norm_fn f[] = {ft_rmsnorm_generic, ft_rmsnorm_avx2, ft_rmsnorm_avx512, ft_rmsnorm_avx512bf16};
-  return f[isa];
-}
-ft_attn_fn attn_of(int isa) {
-  ft_attn_fn f[] = {ft_attn_generic, ft_attn_avx2, ft_attn_avx512, ft_attn_avx512bf16};
-  return f[isa];
-}
-typedef uint64_t (*ft_read_fn)(const void*, int64_t);
-ft_read_fn read_of(int isa) {
-  ft_read_fn f[] = {ft_read_generic, ft_read_avx2, ft_read_avx512, ft_read_avx512bf16};
-  return f[isa];
-}
-
-// ---- thread pool -------------------------------------------------------------------------
-
-typedef void (*job_fn)(void* ctx, int tid, int n);
-
-struct Pool {
-  int n = 1;                       // participants, the caller included
-  int spin_us = 200;
-  pid_t pid = 0;
-  std::vector<std::thread> threads;
-  std::atomic<uint64_t> gen{0};
-  std::atomic<int> sleepers{0};
-  std::atomic<int> done{0};
-  std::atomic<bool> stop{false};
-  std::mutex m;
-  std::condition_variable cv;
-  job_fn fn = nullptr;
-  void* ctx = nullptr;
-};
-
-void worker_main(Pool* P, int tid, int cpu) {
-  if (cpu >= 0) {
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
-  }
-  uint64_t seen = 0;
-  for (;;) {
-    uint64_t g;
-    const double t0 = now_s();
-    int it = 0;
-    while ((g = P->gen.load()) == seen) {
-      if (P->stop.load()) return;
-      wait_step(it);
-      if ((it & 255) == 0 && now_s() - t0 > 1e-6 * P->spin_us) {
-        std::unique_lock<std::mutex> lk(P->m);
-        P->sleepers.fetch_add(1);
-        P->cv.wait(lk, [&] { return P->gen.load() != seen || P->stop.load(); });
-        P->sleepers.fetch_sub(1);
-        it = 0;
-      }
-    }
-    seen = g;
-    if (P->stop.load()) return;
-    P->fn(P->ctx, tid, P->n);
-    P->done.fetch_add(1, std::memory_order_release);
-  }
-}
-
-void pool_stop(Pool* P) {
-  {
-    std::lock_guard<std::mutex> lk(P->m);
-    P->stop.store(true);
-    P->cv.notify_all();
-  }
-  for (auto& t : P->threads) t.join();
-}
-
-Pool* pool_start(int n, const int* cpus, int ncpus, int spin_us) {
-  Pool* P = new Pool();
-  P->n = n < 1 ? 1 : n;
-  P->spin_us = spin_us;
-  P->pid = getpid();
-  for (int t = 1; t < P->n; ++t)
-    P->threads.emplace_back(worker_main, P, t, ncpus > 0 ? cpus[(t - 1) % ncpus] : -1);
-  return P;
-}
-
-void pool_run(Pool* P, job_fn fn, void* ctx) {
-  P->fn = fn;
-  P->ctx = ctx;
-  P->done.store(0);
-  P->gen.fetch_add(1);
-  if (P->sleepers.load() > 0) {
-    std::lock_guard<std::mutex> lk(P->m);
-    P->cv.notify_all();
-  }
-  fn(ctx, 0, P->n);
-  int it = 0;
-  while (P->done.load(std::memory_order_acquire) < P->n - 1) wait_step(it);
-}
 
 // Global state, guarded by g_call (a call holds it for its whole duration).
 std::mutex g_call;
@@ -192,15 +40,30 @@ Pool* pool_get() {
 
 struct ExpJob {
   const FtProblem* p;
-  ft_stage_fn s1, s2;
+  ft_stage_fn s1, s2;              // the vector kernels; groups with p->g_amx[g] use the tile ones
   int64_t ch1, per1, tot1, ch2, per2, tot2;
+  int64_t es;                      // bytes per weight element
   int64_t* done1;                  // [n_groups] finished stage-1 chunks per group
   std::atomic<int64_t> next{0};
 };
 
+// Prefetch the first `bytes` of `rows` rows (row stride rs) at p: a chunk's streams start with
+// their first lines in flight instead of waiting for the software prefetch to get ahead.
+// l2: into L2 only (lines needed after the block that is read first).
+void prefetch_start(const char* p, int64_t rs, int64_t rows, int64_t row_bytes, int64_t bytes, bool l2) {
+  for (int64_t off = 0; off < bytes; off += 64) {
+    const int64_t r = off / row_bytes;
+    if (r >= rows) return;
+    if (l2) __builtin_prefetch(p + r * rs + off % row_bytes, 0, 2);
+    else __builtin_prefetch(p + r * rs + off % row_bytes, 0, 3);
+  }
+}
+
 // One queue of chunks: every group's stage 1, then every group's stage 2. A stage-2 chunk waits
 // only for its own group's stage 1 (long finished, except for the last groups), so threads flow
-// from one stage into the next without a global barrier.
+// from one stage into the next without a global barrier; a thread that must wait (a call with
+// one or two experts) spends the wait prefetching its chunk's w2 rows into L2, so the wait still
+// moves the bytes the call needs.
 void exp_job(void* c, int tid, int n) {
   (void)tid; (void)n;
   ExpJob* J = (ExpJob*)c;
@@ -209,13 +72,33 @@ void exp_job(void* c, int tid, int n) {
     const int64_t k = J->next.fetch_add(1, std::memory_order_relaxed);
     if (k < J->tot1) {
       const int64_t g = k / J->per1, r0 = (k % J->per1) * J->ch1;
-      J->s1(p, g, r0, r0 + J->ch1 < p->I ? r0 + J->ch1 : p->I);
+      const int64_t r1 = r0 + J->ch1 < p->I ? r0 + J->ch1 : p->I;
+      const char* w = (const char*)p->w13 + p->g_expert[g] * p->w13_es * J->es;
+      const int64_t rs = p->w13_rs * J->es;
+      prefetch_start(w + r0 * rs, rs, r1 - r0, p->H * J->es, p->prefetch, false);         // gate rows
+      prefetch_start(w + (p->I + r0) * rs, rs, r1 - r0, p->H * J->es, p->prefetch, true);  // up rows
+      (p->g_amx && p->g_amx[g] ? ft_stage1_amx : J->s1)(p, g, r0, r1);
       __atomic_fetch_add(&J->done1[g], 1, __ATOMIC_RELEASE);
     } else if (k < J->tot1 + J->tot2) {
       const int64_t g = (k - J->tot1) / J->per2, r0 = ((k - J->tot1) % J->per2) * J->ch2;
+      const int64_t r1 = r0 + J->ch2 < p->H ? r0 + J->ch2 : p->H;
+      const char* w = (const char*)p->w2 + p->g_expert[g] * p->w2_es * J->es;
+      const int64_t rs = p->w2_rs * J->es, row_bytes = p->I * J->es;
+      const int64_t lines = (r1 - r0) * ((row_bytes + 63) / 64);
+      int64_t line = 0;
       int it = 0;
-      while (__atomic_load_n(&J->done1[g], __ATOMIC_ACQUIRE) < J->per1) wait_step(it);
-      J->s2(p, g, r0, r0 + J->ch2 < p->H ? r0 + J->ch2 : p->H);
+      while (__atomic_load_n(&J->done1[g], __ATOMIC_ACQUIRE) < J->per1) {
+        if (line < lines) {
+          for (int q = 0; q < 8 && line < lines; ++q, ++line) {
+            const int64_t per_row = (row_bytes + 63) / 64;
+            __builtin_prefetch(w + (r0 + line / per_row) * rs + (line % per_row) * 64, 0, 2);
+          }
+        } else {
+          wait_step(it);
+        }
+      }
+      if (line == 0) prefetch_start(w + r0 * rs, rs, r1 - r0, row_bytes, p->prefetch, false);
+      (p->g_amx && p->g_amx[g] ? ft_stage2_amx : J->s2)(p, g, r0, r1);
     } else {
       return;
     }
@@ -283,6 +166,8 @@ void read_job(void* c, int tid, int n) {
 }
 
 std::vector<int64_t> s_done1, s_cnt, s_gexp, s_gstart, s_gcount, s_sorted;
+std::vector<uint8_t> s_gamx;
+std::vector<uint32_t> s_xv;
 std::vector<float> s_xf, s_act, s_attn;
 std::vector<uint16_t> s_actb;
 
@@ -292,7 +177,7 @@ extern "C" {
 
 int ft_best_isa() { return detect_isa(); }
 int ft_has_amx() { return has_amx() ? 1 : 0; }
-const char* ft_isa_name(int isa) { return isa >= 0 && isa <= 3 ? kIsaNames[isa] : "?"; }
+const char* ft_isa_name(int isa) { return isa >= 0 && isa <= ISA_AMX ? kIsaNames[isa] : "?"; }
 const char* ft_last_error() { return g_err; }
 
 // threads: participants including the caller; cpus: where workers 1..threads-1 are pinned
@@ -351,7 +236,7 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
   s_sorted.resize(P);
   for (int64_t i = 0; i < P; ++i) s_sorted[s_cnt[pair_exp[i]]++] = i;
 
-  const bool bfdot = g_isa == ISA_AVX512BF16 && x_bf16 && w_bf16;
+  const bool bfdot = base_isa(g_isa) == ISA_AVX512BF16 && x_bf16 && w_bf16;
   FtProblem p;
   memset(&p, 0, sizeof p);
   p.H = H; p.I = I; p.w13 = w13; p.w2 = w2; p.w_bf16 = w_bf16;
@@ -380,15 +265,47 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
     p.act = s_act.data();
   }
   if (P == 0) return 0;
+  // Groups with enough tokens go to the AMX tiles (a group's path depends only on its own token
+  // count): their x rows are packed here in VNNI pairs, the tiles' B operand, per block of up to
+  // 16 tokens: word [(start + tb) * H/2 + k/2 * nt + t] = (x[t][k], x[t][k + 1]).
+  bool any_amx = false;
+  p.g_amx = nullptr;
+  if (g_isa == ISA_AMX && bfdot && H % 32 == 0 && I % 32 == 0) {
+    s_gamx.assign(p.n_groups, 0);
+    for (int64_t g = 0; g < p.n_groups; ++g) {
+      if (s_gcount[g] < AMX_MIN_TOKENS) continue;
+      if (!any_amx) s_xv.resize(P * H / 2);
+      s_gamx[g] = 1;
+      any_amx = true;
+      const int64_t st = s_gstart[g], n = s_gcount[g];
+      for (int64_t tb = 0; tb < n; tb += 16) {
+        const int64_t nt = n - tb < 16 ? n - tb : 16;
+        uint32_t* dst = s_xv.data() + (st + tb) * (H / 2);
+        for (int64_t t = 0; t < nt; ++t) {
+          const uint32_t* src = (const uint32_t*)((const uint16_t*)x + pair_tok[s_sorted[st + tb + t]] * H);
+          for (int64_t kp = 0; kp < H / 2; ++kp) dst[kp * nt + t] = src[kp];
+        }
+      }
+    }
+    p.g_amx = s_gamx.data();
+    p.xv = s_xv.data();
+  }
 
   ExpJob J;
   J.p = &p;
   J.s1 = stage1_of(g_isa);
   J.s2 = stage2_of(g_isa);
   const int64_t es = w_bf16 ? 2 : 4;
-  // About 64 KiB of weights per chunk: long sequential streams, yet enough chunks to balance.
-  J.ch1 = 65536 / (2 * H * es); if (J.ch1 < 1) J.ch1 = 1;
-  J.ch2 = (65536 / (I * es)) & ~int64_t(1); if (J.ch2 < 2) J.ch2 = 2;
+  J.es = es;
+  // Up to 64 KiB of weights per chunk (long sequential streams), smaller when a stage has fewer
+  // than 8 chunks per thread (a call of one or two experts: a shorter tail), at least 16 KiB.
+  auto chunk = [&](int64_t stage_bytes) {
+    const int64_t c = stage_bytes / (8 * (int64_t)g_threads);
+    return c > 65536 ? 65536 : c < 16384 ? 16384 : c;
+  };
+  J.ch1 = chunk(p.n_groups * 2 * I * H * es) / (2 * H * es); if (J.ch1 < 1) J.ch1 = 1;
+  J.ch2 = (chunk(p.n_groups * H * I * es) / (I * es)) & ~int64_t(any_amx ? 15 : 1);  // AMX: 16-row tiles
+  if (J.ch2 < 2) J.ch2 = 2;
   J.per1 = (I + J.ch1 - 1) / J.ch1;
   J.per2 = (H + J.ch2 - 1) / J.ch2;
   J.tot1 = J.per1 * p.n_groups;
@@ -411,7 +328,7 @@ int ft_linear(const void* x, int x_bf16, int64_t T, int64_t K, const void* w, in
   memset(&p, 0, sizeof p);
   p.T = T; p.K = K; p.N = N; p.w = w; p.w_bf16 = w_bf16; p.w_rs = w_rs; p.bias = bias;
   p.out = out; p.out_bf16 = x_bf16; p.prefetch = w_bf16 ? g_prefetch : g_prefetch_f32;
-  if (x_bf16 && w_bf16 && g_isa == ISA_AVX512BF16) {
+  if (x_bf16 && w_bf16 && base_isa(g_isa) == ISA_AVX512BF16) {
     p.xb = (const uint16_t*)x;
   } else if (x_bf16) {
     s_xf.resize(T * K);

@@ -32,6 +32,9 @@ struct FtProblem {
   void* out;                    // [P, H] output in caller pair order
   int out_bf16;
   int64_t prefetch;             // software prefetch distance in bytes (0: off)
+  const uint8_t* g_amx;         // [n_groups] 1: the group runs on the AMX tiles, else null
+  const uint32_t* xv;           // AMX groups' x in VNNI pairs (experts.cpp), and their act_b is
+                                // kept in the same layout: [(start + tb) * I + i/2 * 2nt + 2t + i%2]
 };
 
 // Stage 1: for group g and intermediate rows [i0, i1): act = silu(x W1^T) * (x W3^T).
@@ -46,6 +49,8 @@ void ft_stage1_avx512(const FtProblem*, int64_t, int64_t, int64_t);
 void ft_stage2_avx512(const FtProblem*, int64_t, int64_t, int64_t);
 void ft_stage1_avx512bf16(const FtProblem*, int64_t, int64_t, int64_t);
 void ft_stage2_avx512bf16(const FtProblem*, int64_t, int64_t, int64_t);
+void ft_stage1_amx(const FtProblem*, int64_t, int64_t, int64_t);   // experts_amx.cpp
+void ft_stage2_amx(const FtProblem*, int64_t, int64_t, int64_t);
 
 // A dense projection of a few tokens (decode): out[t, n] = sum_k w[n, k] x[t, k] (+ bias[n]),
 // fp32 accumulation, rounded once to bf16 when out_bf16.

@@ -4,27 +4,104 @@
 // library header is included, so no ISA-specific inline code can leak into other units.
 //
 // Memory-bound design (decode: a few tokens per expert): each weight row is streamed once, in
-// address order (a block of gate rows, then the matching up rows, then SwiGLU), converted
-// bf16 -> fp32 in registers (a 16-bit shift) and multiplied into up to NTMAX token vectors
-// kept hot in L1. With x in
-// bf16 and AVX512-BF16 present, vdpbf16ps multiplies bf16 pairs directly (products are exact
-// in fp32, so the result matches the fp32 path up to summation order).
+// address order (a block of gate rows, then the matching up rows, then SwiGLU, vectorised),
+// converted bf16 -> fp32 in registers (a 16-bit shift) and multiplied into up to NTMAX token
+// vectors kept hot in L1. With x in bf16 and AVX512-BF16 present, vdpbf16ps multiplies bf16
+// pairs directly (products are exact in fp32, so the result matches the fp32 path up to
+// summation order). Groups of 4+ tokens on an AMX CPU go to experts_amx.cpp instead.
 #include "simd.h"
 
 namespace {
 
-// SwiGLU of one (gate, up) pair, rounding where the reference rounds when x is bf16.
-inline float swiglu(float g, float u, int xb16) {
-  if (xb16) {
-    g = rbf(g);
-    u = rbf(u);
-    return rbf(rbf(g / (1.f + expf(-g))) * u);
-  }
-  return g / (1.f + expf(-g)) * u;
+#if FT_ISA == 3
+// Sums of n <= 16 vectors, out[v] = _mm512_reduce_add_ps(acc[v]) bitwise (the same tree of
+// adds: halves of 256, of 128, then pairs), done as one transposing tree: 15 adds instead of
+// 16 separate reductions. Lanes of different vectors never mix, so zero padding is exact.
+inline void reduce16(const __m512* acc, int n, float* out) {
+  __m512 v[16], s[8], t[4], u[2];
+  for (int i = 0; i < 16; ++i) v[i] = i < n ? acc[i] : _mm512_setzero_ps();
+  for (int i = 0; i < 8; ++i)
+    s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                         _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+  for (int i = 0; i < 4; ++i)
+    t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int i = 0; i < 2; ++i)
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  float lanes[16];
+  _mm512_storeu_ps(lanes, r);
+  for (int i = 0; i < n; ++i) out[i] = lanes[4 * (i & 3) + (i >> 2)];  // lane 4L+e holds vector L+4e
 }
 
-// Gate rows then up rows of a block of at most RB intermediate rows: two sequential streams
-// one after the other (dotr), then SwiGLU.
+// With many tokens the loop spends long enough on each weight line that the L1 prefetch one
+// distance ahead no longer keeps enough misses in flight: a second prefetch into L2, FAR_PF
+// distances ahead, for NT >= FAR_PF_TOKENS. On the 2-CPU EPYC, one thread, 8 tokens on the same
+// 8 experts: 16 -> 22-24 GB/s (paired, same run); for 1-4 tokens it cost 0-15% (not used there).
+enum { FAR_PF = 4, FAR_PF_TOKENS = 5 };
+
+// out[t] = dot(row[0:K], xs[t][0:K]) for NT bf16 token vectors: vdpbf16ps with one fp32
+// accumulator per token, as simd.h dotr_bf (the same summation order for every NT, so a pair's
+// result never depends on the others), one sequential weight stream, the NT sums in one tree.
+// (Two rows at once, each token load serving both, cost 4 tokens 18% on the EPYC: two streams.)
+template <int NT>
+inline void dot_row_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K, int64_t pf, float* out) {
+  __m512 acc[NT];
+  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(row + k));
+    if (pf) {
+      prefetch((const char*)(row + k) + pf);
+      if (NT >= FAR_PF_TOKENS) _mm_prefetch((const char*)(row + k) + FAR_PF * pf, _MM_HINT_T2);
+    }
+    for (int t = 0; t < NT; ++t)
+      acc[t] = _mm512_dpbf16_ps(acc[t], w, (__m512bh)_mm512_loadu_si512((const void*)(xs[t] + k)));
+  }
+  if (NT >= 4) {
+    reduce16(acc, NT, out);
+  } else {
+    for (int t = 0; t < NT; ++t) out[t] = _mm512_reduce_add_ps(acc[t]);
+  }
+  for (; k < K; ++k) {
+    const float wv = bf2f(row[k]);
+    for (int t = 0; t < NT; ++t) out[t] += wv * bf2f(xs[t][k]);
+  }
+}
+
+// Rows [r0, r1) at base + r * rs against NT tokens: out[(r - r0) * NTMAX + t].
+template <int NT>
+inline void rows_bf(const char* base, int64_t rs, int64_t r0, int64_t r1, const uint16_t* const* xs,
+                    int64_t K, int64_t pf, float* out) {
+  for (int64_t r = r0; r < r1; ++r) dot_row_bf<NT>((const uint16_t*)(base + r * rs), xs, K, pf, out + (r - r0) * NTMAX);
+}
+
+inline void rows_bf_n(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1,
+                      const uint16_t* const* xs, int64_t K, int64_t pf, float* out) {
+  switch (nt) {
+    case 1: rows_bf<1>(base, rs, r0, r1, xs, K, pf, out); break;
+    case 2: rows_bf<2>(base, rs, r0, r1, xs, K, pf, out); break;
+    case 3: rows_bf<3>(base, rs, r0, r1, xs, K, pf, out); break;
+    case 4: rows_bf<4>(base, rs, r0, r1, xs, K, pf, out); break;
+    case 5: rows_bf<5>(base, rs, r0, r1, xs, K, pf, out); break;
+    case 6: rows_bf<6>(base, rs, r0, r1, xs, K, pf, out); break;
+    case 7: rows_bf<7>(base, rs, r0, r1, xs, K, pf, out); break;
+    default: rows_bf<8>(base, rs, r0, r1, xs, K, pf, out); break;
+  }
+}
+#endif
+
+// Rows [r0, r1) at base + r * rs (fp32 token vectors): out[(r - r0) * NTMAX + t].
+template <bool WB>
+inline void rows_f(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1, const float* const* xs,
+                   int64_t K, int64_t pf, float* out) {
+  for (int64_t r = r0; r < r1; ++r) dotrn<WB>(nt, base + r * rs, xs, K, pf, out + (r - r0) * NTMAX);
+}
+
+// A block of at most RB intermediate rows: the gate rows, then the matching up rows (each a
+// sequential stream), then SwiGLU over the block.
 enum { RB = 64 };
 
 template <bool WB>
@@ -33,7 +110,7 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
   const int64_t es = WB ? 2 : 4;
   const char* base = (const char*)p->w13 + p->g_expert[g] * p->w13_es * es;
   const int64_t rs = p->w13_rs * es;
-  float og[RB][NTMAX], ou[RB][NTMAX];
+  float og[RB * NTMAX], ou[RB * NTMAX], oa[RB * NTMAX];
   for (int64_t tb = 0; tb < n; tb += NTMAX) {
     const int nt = (int)(n - tb < NTMAX ? n - tb : NTMAX);
     const float* xs[NTMAX];
@@ -49,19 +126,20 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
     }
     for (int64_t ib = i0; ib < i1; ib += RB) {
       const int64_t ie = ib + RB < i1 ? ib + RB : i1;
-      for (int half = 0; half < 2; ++half)
-        for (int64_t i = ib; i < ie; ++i) {
-          const char* row = base + (half * I + i) * rs;
-          float* o = half ? ou[i - ib] : og[i - ib];
 #if FT_ISA == 3
-          if (p->xb) dotrn_bf(nt, (const uint16_t*)row, xbs, H, p->prefetch, o);
-          else
+      if (p->xb) {
+        rows_bf_n(nt, base, rs, ib, ie, xbs, H, p->prefetch, og);
+        rows_bf_n(nt, base + I * rs, rs, ib, ie, xbs, H, p->prefetch, ou);
+      } else
 #endif
-            dotrn<WB>(nt, row, xs, H, p->prefetch, o);
-        }
+      {
+        rows_f<WB>(nt, base, rs, ib, ie, xs, H, p->prefetch, og);
+        rows_f<WB>(nt, base + I * rs, rs, ib, ie, xs, H, p->prefetch, ou);
+      }
+      swiglu_block(og, ou, oa, (ie - ib) * NTMAX, p->x_bf16);
       for (int64_t i = ib; i < ie; ++i)
         for (int t = 0; t < nt; ++t) {
-          const float a = swiglu(og[i - ib][t], ou[i - ib][t], p->x_bf16);
+          const float a = oa[(i - ib) * NTMAX + t];
           const int64_t at = (s + tb + t) * I + i;
           if (p->act) p->act[at] = a;
           if (p->act_b) p->act_b[at] = f2bf(a);
@@ -76,6 +154,8 @@ void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
   const int64_t es = WB ? 2 : 4;
   const char* base = (const char*)p->w2 + p->g_expert[g] * p->w2_es * es;
   const int64_t rs = p->w2_rs * es;
+  enum { HB = 32 };
+  float o[HB * NTMAX];
   for (int64_t tb = 0; tb < n; tb += NTMAX) {
     const int nt = (int)(n - tb < NTMAX ? n - tb : NTMAX);
     const float* xs[NTMAX];
@@ -90,18 +170,19 @@ void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
 #endif
       dst[t] = p->sorted_pair[s + tb + t] * H;
     }
-    for (int64_t h = h0; h < h1; ++h) {
-      const char* row = base + h * rs;
-      float o[NTMAX];
+    for (int64_t hb = h0; hb < h1; hb += HB) {
+      const int64_t he = hb + HB < h1 ? hb + HB : h1;
 #if FT_ISA == 3
-      if (p->xb) dotrn_bf(nt, (const uint16_t*)row, xbs, I, p->prefetch, o);
+      if (p->xb) rows_bf_n(nt, base, rs, hb, he, xbs, I, p->prefetch, o);
       else
 #endif
-        dotrn<WB>(nt, row, xs, I, p->prefetch, o);
-      for (int t = 0; t < nt; ++t) {
-        if (p->out_bf16) ((uint16_t*)p->out)[dst[t] + h] = f2bf(o[t]);
-        else ((float*)p->out)[dst[t] + h] = o[t];
-      }
+        rows_f<WB>(nt, base, rs, hb, he, xs, I, p->prefetch, o);
+      for (int64_t h = hb; h < he; ++h)
+        for (int t = 0; t < nt; ++t) {
+          const float v = o[(h - hb) * NTMAX + t];
+          if (p->out_bf16) ((uint16_t*)p->out)[dst[t] + h] = f2bf(v);
+          else ((float*)p->out)[dst[t] + h] = v;
+        }
     }
   }
 }

@@ -154,6 +154,109 @@ inline void dotrn(int nt, const void* row, const float* const* xs, int64_t K, in
   }
 }
 
+// ---- SwiGLU over a block ------------------------------------------------------------------
+
+#if FT_ISA >= 1
+// exp(x) in fp32 (Cephes' expf: 2^n * P(r), |r| <= ln2/2, degree-6 polynomial; within 2 ulp
+// of libm on the range SiLU uses; +-inf-safe by clamping). Vector lanes only, no library call.
+#if FT_ISA >= 2
+typedef __m512i vi;
+inline vf vsplat(float a) { return _mm512_set1_ps(a); }
+inline vf vmul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm512_div_ps(a, b); }
+inline vf vclamp(vf a, float lo, float hi) { return _mm512_min_ps(_mm512_max_ps(a, vsplat(lo)), vsplat(hi)); }
+inline vf vround(vf a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2i(vf n) {  // 2^n for integral n in [-126, 127]
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+}
+// Round to bf16 (nearest even) and back, as f2bf; NaN stays NaN.
+inline vf vrbf(vf a) {
+  const vi u = _mm512_castps_si512(a);
+  const vi r = _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)),
+                                _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1)));
+  const __mmask16 nan = _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q);
+  return _mm512_castsi512_ps(_mm512_mask_or_epi32(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)),
+                                                  nan, u, _mm512_set1_epi32(0x400000)));
+}
+#else
+typedef __m256i vi;
+inline vf vsplat(float a) { return _mm256_set1_ps(a); }
+inline vf vmul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+inline vf vsub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+inline vf vdiv(vf a, vf b) { return _mm256_div_ps(a, b); }
+inline vf vclamp(vf a, float lo, float hi) { return _mm256_min_ps(_mm256_max_ps(a, vsplat(lo)), vsplat(hi)); }
+inline vf vround(vf a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline vf vpow2i(vf n) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+}
+inline vf vrbf(vf a) {
+  const vi u = _mm256_castps_si256(a);
+  const vi r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)),
+                                _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)));
+  const vf kept = _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32((int)0xffff0000u)));
+  const vf qnan = _mm256_castsi256_ps(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)));
+  return _mm256_blendv_ps(kept, qnan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+}
+#endif
+
+inline vf vexp(vf x) {
+  x = vclamp(x, -87.3f, 88.3f);
+  const vf n = vround(vmul(x, vsplat(1.44269504088896341f)));
+  vf r = vsub(x, vmul(n, vsplat(0.693359375f)));
+  r = vsub(r, vmul(n, vsplat(-2.12194440e-4f)));
+  vf p = vsplat(1.9875691500E-4f);
+  p = vfma(p, r, vsplat(1.3981999507E-3f));
+  p = vfma(p, r, vsplat(8.3334519073E-3f));
+  p = vfma(p, r, vsplat(4.1665795894E-2f));
+  p = vfma(p, r, vsplat(1.6666665459E-1f));
+  p = vfma(p, r, vsplat(5.0000001201E-1f));
+  p = vfma(p, vmul(r, r), vadd(r, vsplat(1.f)));
+  // 2^n in two halves so n = 128 (x near 88.7) does not overflow the exponent field
+  const vf h = vround(vmul(n, vsplat(0.5f)));
+  return vmul(vmul(p, vpow2i(h)), vpow2i(vsub(n, h)));
+}
+#endif
+
+// a[j] = silu(g[j]) * u[j] for j < n, rounding where the reference rounds when x is bf16
+// (the gate/up outputs, the SiLU, the product). Vectorised; the same function for every block
+// size, so an element's result does not depend on its neighbours.
+inline void swiglu_block(const float* g, const float* u, float* a, int64_t n, int xb16) {
+  int64_t j = 0;
+#if FT_ISA >= 1
+  for (; j + VW <= n; j += VW) {
+    vf gv = vld(g + j), uv = vld(u + j);
+    if (xb16) { gv = vrbf(gv); uv = vrbf(uv); }
+    vf s = vdiv(gv, vadd(vsplat(1.f), vexp(vsub(vzero(), gv))));
+    if (xb16) s = vrbf(s);
+    vf o = vmul(s, uv);
+    if (xb16) o = vrbf(o);
+#if FT_ISA >= 2
+    _mm512_storeu_ps(a + j, o);
+#else
+    _mm256_storeu_ps(a + j, o);
+#endif
+  }
+  if (j < n) {  // the tail through the same vector code (padded), so no element takes another path
+    float gb[VW], ub[VW], ab[VW];
+    for (int q = 0; q < VW; ++q) { gb[q] = j + q < n ? g[j + q] : 0.f; ub[q] = j + q < n ? u[j + q] : 0.f; }
+    swiglu_block(gb, ub, ab, VW, xb16);
+    for (int q = 0; j + q < n; ++q) a[j + q] = ab[q];
+  }
+#else
+  for (; j < n; ++j) {
+    float gv = g[j], uv = u[j];
+    if (xb16) {
+      gv = rbf(gv);
+      uv = rbf(uv);
+      a[j] = rbf(rbf(gv / (1.f + expf(-gv))) * uv);
+    } else {
+      a[j] = gv / (1.f + expf(-gv)) * uv;
+    }
+  }
+#endif
+}
+
 #if FT_ISA == 3
 // The same with bf16 token vectors and vdpbf16ps (32 elements per instruction).
 template <int NT>

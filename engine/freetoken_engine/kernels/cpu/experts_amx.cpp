@@ -1,0 +1,101 @@
+// AMX-BF16 expert kernels: the stage functions of experts.h for groups of at least
+// AMX_MIN_TOKENS tokens (experts.cpp decides; bf16 x and weights, H and I multiples of 32).
+// Compiled once, with -DFT_ISA=3 -mamx-tile -mamx-bf16; called only where cpuid, the OS and the
+// process's tile permission say AMX is usable (experts.cpp amx_usable).
+//
+// C^T[rows, tokens] = W[rows, K] x^T[K, tokens]: the weight rows are the tiles' A operand, loaded
+// straight from the bank with the row stride (no repacking); the tokens are the B operand in VNNI
+// pairs (x packed by the dispatcher, the activations written in that layout by stage 1), up to 16
+// per block. One fp32 accumulator per (row, token) summed over K in order (tdpbf16ps); the
+// rounding points are those of the vector kernels (simd.h swiglu_block, f2bf), the summation
+// order is not, so an AMX group's output can differ from the vector path's in the last bits
+// (the same tolerance against the reference). A group's path depends only on its token count,
+// never on the thread count or on other groups.
+#include "simd.h"
+
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// tmm0: C [m rows, nt tokens] fp32; tmm1: A [m rows, 32 bf16 of K]; tmm2: B [16 pairs, nt tokens].
+void configure_tiles(int m, int nt) {
+  TileConfig c;
+  __builtin_memset(&c, 0, sizeof c);
+  c.palette_id = 1;
+  c.rows[0] = (uint8_t)m;  c.colsb[0] = (uint16_t)(nt * 4);
+  c.rows[1] = (uint8_t)m;  c.colsb[1] = 64;
+  c.rows[2] = 16;          c.colsb[2] = (uint16_t)(nt * 4);
+  _tile_loadconfig(&c);
+}
+
+// out[r * 16 + t] = sum_k w[r][k] x[t][k] for m <= 16 rows at w (row stride rs bytes) and the
+// nt-token VNNI block xv (K/2 rows of nt words). Each row is also prefetched PF bytes ahead.
+void tile_rows(const char* w, int64_t rs, int m, const uint32_t* xv, int nt, int64_t K, int64_t pf, float* out) {
+  _tile_zero(0);
+  for (int64_t k = 0; k < K; k += 32) {
+    if (pf)
+      for (int r = 0; r < m; ++r) prefetch(w + r * rs + k * 2 + pf);
+    _tile_loadd(1, w + k * 2, rs);
+    _tile_loadd(2, xv + (k / 2) * nt, nt * 4);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, out, 16 * 4);
+}
+
+// Within a row the next lines, not the next row: rows are read 16 at a time side by side.
+enum { PF = 512 };
+
+}  // namespace
+
+extern "C" void ft_stage1_amx(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
+  const int64_t H = p->H, I = p->I, s = p->g_start[g], n = p->g_count[g];
+  const char* base = (const char*)p->w13 + p->g_expert[g] * p->w13_es * 2;
+  const int64_t rs = p->w13_rs * 2;
+  float og[16 * 16], ou[16 * 16], oa[16 * 16];
+  int cm = -1, cn = -1;
+  for (int64_t tb = 0; tb < n; tb += 16) {
+    const int nt = (int)(n - tb < 16 ? n - tb : 16);
+    const uint32_t* xv = p->xv + (s + tb) * (H / 2);
+    uint16_t* act = p->act_b + (s + tb) * I;
+    for (int64_t ib = i0; ib < i1; ib += 16) {
+      const int m = (int)(i1 - ib < 16 ? i1 - ib : 16);
+      if (m != cm || nt != cn) configure_tiles(cm = m, cn = nt);
+      tile_rows(base + ib * rs, rs, m, xv, nt, H, PF, og);
+      tile_rows(base + (I + ib) * rs, rs, m, xv, nt, H, PF, ou);
+      swiglu_block(og, ou, oa, m * 16, p->x_bf16);
+      for (int r = 0; r < m; ++r) {
+        const int64_t i = ib + r;
+        for (int t = 0; t < nt; ++t) act[(i / 2) * 2 * nt + 2 * t + (i & 1)] = f2bf(oa[r * 16 + t]);
+      }
+    }
+  }
+  _tile_release();
+}
+
+extern "C" void ft_stage2_amx(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
+  const int64_t H = p->H, I = p->I, s = p->g_start[g], n = p->g_count[g];
+  const char* base = (const char*)p->w2 + p->g_expert[g] * p->w2_es * 2;
+  const int64_t rs = p->w2_rs * 2;
+  float o[16 * 16];
+  int cm = -1, cn = -1;
+  for (int64_t tb = 0; tb < n; tb += 16) {
+    const int nt = (int)(n - tb < 16 ? n - tb : 16);
+    const uint32_t* av = (const uint32_t*)(p->act_b + (s + tb) * I);
+    int64_t dst[16];
+    for (int t = 0; t < nt; ++t) dst[t] = p->sorted_pair[s + tb + t] * H;
+    for (int64_t hb = h0; hb < h1; hb += 16) {
+      const int m = (int)(h1 - hb < 16 ? h1 - hb : 16);
+      if (m != cm || nt != cn) configure_tiles(cm = m, cn = nt);
+      tile_rows(base + hb * rs, rs, m, av, nt, I, PF, o);
+      for (int r = 0; r < m; ++r)
+        for (int t = 0; t < nt; ++t) ((uint16_t*)p->out)[dst[t] + hb + r] = f2bf(o[r * 16 + t]);
+    }
+  }
+  _tile_release();
+}
