@@ -30,8 +30,8 @@ if not cpu_experts.available():
 LAYERS, EXPERTS, H, I, K, T = 3, 12, 64, 32, 4, 2
 
 
-def _bank() -> ExpertBank:
-    bank = ExpertBank(LAYERS, EXPERTS, H, I, torch.bfloat16)
+def _bank(dtype=torch.bfloat16) -> ExpertBank:
+    bank = ExpertBank(LAYERS, EXPERTS, H, I, dtype)
     g = torch.Generator().manual_seed(3)
     bank.w13.copy_(torch.randn(bank.w13.shape, generator=g) * 0.1)
     bank.w2.copy_(torch.randn(bank.w2.shape, generator=g) * 0.1)
@@ -41,12 +41,12 @@ def _bank() -> ExpertBank:
 class _Host:
     """``CpuBranch.run`` for one step on a thread: the host half next to the 'device' (this thread)."""
 
-    def __init__(self, br: CpuBranch, timeout_s: float = 60.0):
+    def __init__(self, br: CpuBranch, timeout_s: float = 60.0, tokens: int | None = None):
         self.error: Exception | None = None
 
         def body():
             try:
-                br.run(timeout_s)
+                br.run(timeout_s, tokens)
             except Exception as exc:   # noqa: BLE001  (handed to the test thread)
                 self.error = exc
 
@@ -60,26 +60,28 @@ class _Host:
             raise self.error
 
 
-def test_step_rows_equal_the_expert_kernel_wherever_computed():
-    bank = _bank()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_step_rows_equal_the_expert_kernel_wherever_computed(dtype):
+    bank = _bank(dtype)
     cache = ExpertCache(bank, 6, "cpu", fill_fraction=0.5)     # a small pool: misses go both ways
     ctl = DeviceControl.from_cache(cache)
     br = CpuBranch(bank.w13, bank.w2, T, K, torch.device("cpu"))
-    counts = torch.zeros(LAYERS, 4, dtype=torch.int64)
     g = torch.Generator().manual_seed(5)
-    tok = torch.arange(T).repeat_interleave(K)
     cpu_pairs = 0
     for step in range(4):
-        host = _Host(br)
+        t = 1 + step % T                                          # steps of 1..T tokens
+        tok = torch.arange(t).repeat_interleave(K)
+        counts = torch.zeros(LAYERS, 4, dtype=torch.int64)
+        host = _Host(br, tokens=t)
         handshake.bump(br.epoch)
         for l in range(LAYERS):
-            x = (torch.randn(T, H, generator=g)).to(torch.bfloat16)
-            ids = torch.stack([torch.randperm(8, generator=g)[:K] for _ in range(T)])
-            br.x[l].copy_(x)
-            out = ctl.step(l, ids, mirror=(br.pair_slot[l], counts[l], br.pair_exp[l]))
+            x = (torch.randn(t, H, generator=g)).to(dtype)
+            ids = torch.stack([torch.randperm(8, generator=g)[:K] for _ in range(t)])
+            br.x[l, :t].copy_(x)
+            out = ctl.step(l, ids, mirror=(br.pair_slot[l, :t * K], counts[l], br.pair_exp[l, :t * K]))
             handshake.signal(br.flag[l:l + 1], br.epoch)
             dev = out.pair_slot >= 0
-            got = torch.empty(T * K, H, dtype=torch.bfloat16)
+            got = torch.empty(t * K, H, dtype=dtype)
             got[dev] = cpu_experts.experts_forward(x, cache.w13, cache.w2, tok[dev], out.pair_slot[dev])
             handshake.wait(br.done[l:l + 1], br.epoch, br.err)
             got[~dev] = br.rows[:int((~dev).sum())]
@@ -110,10 +112,34 @@ def test_device_wait_gives_up_and_flags_the_step():
 
 def test_bad_arguments_are_refused():
     bank = _bank()
-    with pytest.raises(ValueError, match="bank must be bf16"):
-        CpuBranch(bank.w13.float(), bank.w2.float(), T, K, torch.device("cpu"))
+    with pytest.raises(ValueError, match="must be bf16 or fp32"):
+        CpuBranch(bank.w13.half(), bank.w2.half(), T, K, torch.device("cpu"))
     with pytest.raises(ValueError, match="at most 1024 pairs"):
         CpuBranch(bank.w13, bank.w2, 200, 8, torch.device("cpu"))
     br = CpuBranch(bank.w13, bank.w2, T, K, torch.device("cpu"))
     with pytest.raises(ValueError, match="one int64 element"):
         handshake.signal(br.flag, br.epoch)
+
+
+def test_an_abandoned_step_is_cancelled_not_waited_for():
+    """A step whose caller stopped after layer 0 (an exception between layers) must end at once
+    when cancelled, not after the host loop's timeout, and leave the next step working."""
+    from freetoken_engine.kernels.cpu_branch import StepCancelled
+    bank = _bank()
+    br = CpuBranch(bank.w13, bank.w2, T, K, torch.device("cpu"), timeout_s=60.0)
+    host = _Host(br)
+    handshake.bump(br.epoch)
+    br.pair_slot[0].fill_(0)                          # layer 0: nothing for the CPU
+    handshake.signal(br.flag[0:1], br.epoch)
+    handshake.wait(br.done[0:1], br.epoch, br.err)    # answered; then the caller gives up
+    br.cancel()
+    with pytest.raises(StepCancelled, match="step 1 cancelled at layer 1"):
+        host.join()
+    host = _Host(br)                                  # the next step runs normally
+    handshake.bump(br.epoch)
+    for l in range(LAYERS):
+        br.pair_slot[l].fill_(0)
+        handshake.signal(br.flag[l:l + 1], br.epoch)
+        handshake.wait(br.done[l:l + 1], br.epoch, br.err)
+    host.join()
+    br.check()

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import logging
 from typing import Protocol
 
 import torch
@@ -20,6 +21,8 @@ from ..kernels import cpu_expert_forward
 from ..kernels.reference import expert_pairs_forward
 from .bank import ExpertBank
 from .experts import ExpertCache
+
+log = logging.getLogger(__name__)
 
 
 class LayerStreamer(Protocol):
@@ -59,8 +62,9 @@ class OffloadedExperts:
     ``TRITON_INTERPRET=1``, for tests) or ``auto`` (triton on CUDA when importable)."""
 
     def __init__(self, bank: ExpertBank, cache: ExpertCache, prefill_threshold: int,
-                 cpu_backend: str | None = None, backend: str = "auto"):
-        self.bank, self.cache = bank, cache
+                 cpu_backend: str | None = None, backend: str = "auto", top_k: int = 8):
+        self.bank, self.cache, self.top_k = bank, cache, top_k
+        self.host_branch = None
         self.device = cache.device
         self.prefill_threshold = prefill_threshold
         self._pair_tok: dict[tuple[int, int], torch.Tensor] = {}
@@ -84,9 +88,23 @@ class OffloadedExperts:
             self.slots_forward = expert_pairs_forward
             self.streamer = BankStreamer(bank, cache.device)
 
+    def _host_branch(self, x: torch.Tensor):
+        """The sync-free CPU branch (``cache/host_branch.py``) when it applies: the Triton path
+        with the compiled CPU kernel as the CPU backend; built on first use, None otherwise."""
+        if self.host_branch is None and self.cpu_backend_name == "compiled":
+            from .host_branch import HostBranch
+            try:
+                self.host_branch = HostBranch(self.bank, self.top_k, self.prefill_threshold - 1, self.device, x.dtype)
+            except (RuntimeError, ValueError) as exc:    # e.g. too many pairs per call: keep the sync path
+                log.info("sync-free CPU branch unavailable (%s); syncing per layer", exc)
+                self.cpu_backend_name = f"{self.cpu_backend_name} (per-layer sync)"
+        return self.host_branch
+
     # -- safe-point operations (scheduler thread, between forward passes) ------------------------
     def sync_stats(self) -> None:
         """Fold the device control's counters and clock into ``cache.stats`` (one sync)."""
+        if self.host_branch is not None:
+            self.host_branch.finish()
         if self.control is not None:
             self.control.write_back(self.cache)
 
@@ -99,7 +117,7 @@ class OffloadedExperts:
         return type(st)(**{k: getattr(st, k) + extra[k] for k in ("hits", "misses", "fills", "cpu_computed")})
 
     def resize(self, capacity: int) -> None:
-        self.sync_stats()
+        self.sync_stats()                 # also ends a running CPU-branch step
         if self.control is not None:      # drop its views of the old pool so it can be freed
             self.control.w13_slots = self.control.w2_slots = None
         self.cache.resize(capacity)
@@ -107,6 +125,8 @@ class OffloadedExperts:
             self.control.refresh(self.cache)
 
     def set_fill_fraction(self, fraction: float) -> None:
+        if self.host_branch is not None:
+            self.host_branch.finish()
         self.cache.fill_fraction = fraction
         if self.control is not None:
             self.control.set_fill_fraction(fraction)
@@ -134,11 +154,16 @@ class OffloadedExperts:
             self.cache.stats.hits += k if t == 1 else int(torch.unique(pair_exp).numel())
             return self.cpu_forward(x, self.bank.w13[layer], self.bank.w2[layer], pair_tok, pair_exp)
         if self.control is not None:
-            pair_slot = self.control.step(layer, topk_ids).pair_slot       # on the device, no sync
             if self.cache.fill_fraction >= 1.0 and self.cache.capacity >= t * k:
                 # Every miss is filled: no CPU pair is possible, so no host sync in this layer
                 # (a decode step of such layers can be captured in a CUDA graph).
+                pair_slot = self.control.step(layer, topk_ids).pair_slot   # on the device, no sync
                 return self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot)
+            branch = self._host_branch(x)
+            if branch is not None:      # CPU pairs answered by a host thread: still no sync here
+                return branch.layer(self.control, layer, x, topk_ids, self.slots_forward,
+                                    self.cache.w13, self.cache.w2, pair_tok)
+            pair_slot = self.control.step(layer, topk_ids).pair_slot
         else:
             pair_slot = self.cache.step(layer, pair_exp)                  # [P], -1 = CPU
         if self.device.type == "cpu" and bool((pair_slot >= 0).all()):

@@ -63,7 +63,7 @@ class ModelRunner:
         if self.bank is not None:
             self.cache = ExpertCache(self.bank, self._capacity(), self.device, self._fill_fraction())
             self.experts = OffloadedExperts(self.bank, self.cache, cfg.prefill_expert_threshold,
-                                            backend=cfg.expert_backend)
+                                            backend=cfg.expert_backend, top_k=self.mcfg.moe.top_k)
             for block in self.model.moe_blocks():
                 block.experts = self.experts
         kv_tokens = cfg.kv_cache_tokens or min(2 * self.max_context, 32768)

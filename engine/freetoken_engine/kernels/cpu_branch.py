@@ -21,7 +21,8 @@ after a bounded number of polls and flags ``err``) and the host never hangs on a
 (``timeout_s`` per layer).
 
 Buffers (``CpuBranch``): ``flag``, ``done`` [L] int64; ``pair_slot``, ``pair_exp`` [L, P] int64;
-``x`` [L, T, H] bf16 (the layer inputs); ``rows`` [P, H] bf16; pinned when CUDA is present.
+``x`` [L, T, H] (the layer inputs); ``rows`` [P, H], in the model's dtype (bf16 or fp32), for at
+most T = ``max_tokens`` tokens (a step may have fewer); pinned when CUDA is present.
 On the device: ``epoch`` and ``err`` [1] int64. Steps are numbered from 1 in lock step:
 every ``bump(epoch)`` on the device is matched by exactly one ``run()`` on the host.
 """
@@ -36,72 +37,91 @@ from .cpu_experts import _load
 _i64, _vp = ctypes.c_int64, ctypes.c_void_p
 
 
+class StepCancelled(RuntimeError):
+    """``run`` returned because ``cancel()`` abandoned its step."""
+
+
 class _FtBranch(ctypes.Structure):   # FtBranch in kernels/cpu/branch.cpp, field for field
     _fields_ = [("L", _i64), ("P", _i64), ("T", _i64), ("H", _i64), ("I", _i64), ("E", _i64),
-                ("flag", _vp), ("done", _vp), ("pair_slot", _vp), ("pair_exp", _vp), ("pair_tok", _vp),
-                ("x", _vp), ("w13", _vp), ("w2", _vp),
+                ("flag", _vp), ("done", _vp), ("cancel", _vp), ("pair_slot", _vp), ("pair_exp", _vp), ("ps_ls", _i64),
+                ("pair_tok", _vp), ("x", _vp), ("x_ls", _i64), ("x_bf16", ctypes.c_int),
+                ("w_bf16", ctypes.c_int), ("w13", _vp), ("w2", _vp),
                 ("w13_ls", _i64), ("w13_es", _i64), ("w13_rs", _i64), ("w2_ls", _i64), ("w2_es", _i64),
                 ("w2_rs", _i64), ("rows", _vp), ("timeout_s", ctypes.c_double),
                 ("wait_s", ctypes.c_double), ("compute_s", ctypes.c_double),
                 ("cpu_layers", _i64), ("cpu_pairs", _i64), ("failed_layer", _i64)]
 
 
+_DTYPES = (torch.bfloat16, torch.float32)
+
+
 class CpuBranch:
     """Host buffers and the host loop of the handshake (see the module docstring).
 
-    bank_w13 [L, E, 2I, H] and bank_w2 [L, E, H, I]: bf16 host tensors with unit last stride
-    (the expert bank); ``tokens`` T and ``top_k`` k give the P = T k pairs of one call; the pair
-    order is token-major, as the control step's. ``device``: where ``epoch`` / ``err`` live.
+    bank_w13 [L, E, 2I, H] and bank_w2 [L, E, H, I]: bf16 or fp32 host tensors with unit last
+    stride (the expert bank); a step has up to ``max_tokens`` tokens of ``top_k`` pairs each, in
+    token-major order as the control step's; ``dtype``: the layer inputs' and rows' dtype
+    (default: the bank's). ``device``: where ``epoch`` / ``err`` live.
     """
 
-    def __init__(self, bank_w13: torch.Tensor, bank_w2: torch.Tensor, tokens: int, top_k: int,
-                 device: torch.device, timeout_s: float = 10.0):
+    def __init__(self, bank_w13: torch.Tensor, bank_w2: torch.Tensor, max_tokens: int, top_k: int,
+                 device: torch.device, timeout_s: float = 10.0, dtype: torch.dtype | None = None):
         lib = _load()
         if lib is None:
             raise RuntimeError("the CPU branch needs the compiled CPU kernel (kernels/cpu/build.py)")
-        if bank_w13.dtype != torch.bfloat16 or bank_w2.dtype != torch.bfloat16:
-            raise ValueError(f"bank must be bf16, got {bank_w13.dtype} / {bank_w2.dtype}")
+        dtype = dtype or bank_w13.dtype
+        if bank_w13.dtype not in _DTYPES or bank_w2.dtype != bank_w13.dtype or dtype not in _DTYPES:
+            raise ValueError(f"bank and inputs must be bf16 or fp32, got {bank_w13.dtype} / {bank_w2.dtype} / {dtype}")
         if bank_w13.device.type != "cpu" or bank_w13.stride(-1) != 1 or bank_w2.stride(-1) != 1:
             raise ValueError("bank tensors must be host tensors with a unit stride in their last dim")
         L, E, two_i, H = bank_w13.shape
-        P = tokens * top_k
+        P = max_tokens * top_k
         if P > 1024:
-            raise ValueError(f"at most 1024 pairs per call, got {tokens} x {top_k}")
-        self._lib, self.device = lib, torch.device(device)
+            raise ValueError(f"at most 1024 pairs per call, got {max_tokens} x {top_k}")
+        self._lib, self.device, self.top_k, self.max_tokens = lib, torch.device(device), top_k, max_tokens
         pin = self.device.type == "cuda"
 
         def host(*shape, dtype=torch.int64):
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
 
-        self.flag, self.done = host(L), host(L)
+        self.flag, self.done, self.cancel_word = host(L), host(L), host(1)
         self.pair_slot, self.pair_exp = host(L, P), host(L, P)
-        self.pair_tok = torch.arange(tokens).repeat_interleave(top_k)
-        self.x = host(L, tokens, H, dtype=torch.bfloat16)
-        self.rows = host(P, H, dtype=torch.bfloat16)
+        self.pair_tok = torch.arange(max_tokens).repeat_interleave(top_k)
+        self.x = host(L, max_tokens, H, dtype=dtype)
+        self.rows = host(P, H, dtype=dtype)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.err = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.host_epoch = 0
         self._bank = (bank_w13, bank_w2)
         s13, s2 = bank_w13.stride(), bank_w2.stride()
-        self._c = _FtBranch(L, P, tokens, H, two_i // 2, E,
-                            *(t.data_ptr() for t in (self.flag, self.done, self.pair_slot, self.pair_exp,
-                                                     self.pair_tok, self.x, bank_w13, bank_w2)),
+        bf = int(dtype == torch.bfloat16), int(bank_w13.dtype == torch.bfloat16)
+        self._c = _FtBranch(L, P, max_tokens, H, two_i // 2, E,
+                            *(t.data_ptr() for t in (self.flag, self.done, self.cancel_word, self.pair_slot,
+                                                     self.pair_exp)), P,
+                            self.pair_tok.data_ptr(), self.x.data_ptr(), max_tokens * H, *bf,
+                            bank_w13.data_ptr(), bank_w2.data_ptr(),
                             s13[0], s13[1], s13[2], s2[0], s2[1], s2[2], self.rows.data_ptr(), timeout_s,
                             0.0, 0.0, 0, 0, -1)
         self.totals = {"wait_s": 0.0, "compute_s": 0.0, "cpu_layers": 0, "cpu_pairs": 0, "steps": 0}
 
-    def run(self, timeout_s: float | None = None) -> None:
+    def run(self, timeout_s: float | None = None, tokens: int | None = None) -> None:
         """The host half of the next step (blocks until its last layer's rows are published).
         ``timeout_s``: per-layer wait for this step (default: the constructor's; a first step
-        that compiles kernels needs more). Raises RuntimeError when the device did not reach a
-        layer in time or a pair is invalid."""
+        that compiles kernels needs more); ``tokens``: the step's tokens (default: max_tokens).
+        Raises RuntimeError when the device did not reach a layer in time or a pair is invalid."""
+        tokens = self.max_tokens if tokens is None else tokens
+        if not 0 < tokens <= self.max_tokens:
+            raise ValueError(f"a step has 1..{self.max_tokens} tokens, got {tokens}")
         self.host_epoch += 1
         c = self._c
+        c.T, c.P = tokens, tokens * self.top_k
         default, c.timeout_s = c.timeout_s, timeout_s or c.timeout_s
         try:
             rc = self._lib.ft_branch_run(ctypes.addressof(c), self.host_epoch)
         finally:
             c.timeout_s = default
+        if rc == -3:
+            raise StepCancelled(f"CPU branch: step {self.host_epoch} cancelled at layer {c.failed_layer}")
         if rc == -2:
             raise RuntimeError(f"CPU branch: the device did not publish layer {c.failed_layer} of step "
                                f"{self.host_epoch} within {c.timeout_s} s")
@@ -110,6 +130,11 @@ class CpuBranch:
         for name in ("wait_s", "compute_s", "cpu_layers", "cpu_pairs"):
             self.totals[name] += getattr(c, name)
         self.totals["steps"] += 1
+
+    def cancel(self) -> None:
+        """Abandon the step the host loop is running (its caller stopped launching layers); the
+        loop returns with ``StepCancelled`` instead of waiting for its timeout."""
+        self.cancel_word[0] = self.host_epoch
 
     def check(self) -> None:
         """After a sync: raise RuntimeError if a device ``wait`` timed out (that step is invalid)."""

@@ -16,17 +16,21 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
                        const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out);
 
 struct FtBranch {
-  int64_t L, P, T, H, I, E;
+  int64_t L, P, T, H, I, E;   // P = T k pairs of this step (token-major), T tokens
   const int64_t* flag;        // [L] the device stores the epoch after layer l's control step
   int64_t* done;              // [L] stored here (release) once layer l's CPU rows are written
-  const int64_t* pair_slot;   // [L, P] the control step's pair slots (-1: computed here)
-  const int64_t* pair_exp;    // [L, P] the routed expert of every pair
+  const int64_t* cancel;      // [1] the caller stores an epoch here to abandon that step
+  const int64_t* pair_slot;   // [L, >= P] the control step's pair slots (-1: computed here)
+  const int64_t* pair_exp;    // [L, >= P] the routed expert of every pair
+  int64_t ps_ls;              // layer stride of pair_slot / pair_exp (elements)
   const int64_t* pair_tok;    // [P] the token of every pair
-  const void* x;              // [L, T, H] bf16: layer l's input, stored by the device
-  const void* w13;            // bank [L, E, 2I, H], bf16, with the strides below (elements)
+  const void* x;              // [L, >= T, H]: layer l's input, stored by the device
+  int64_t x_ls;               // its layer stride (elements)
+  int x_bf16, w_bf16;         // 1: bf16 (x and rows; the bank), 0: fp32
+  const void* w13;            // bank [L, E, 2I, H] with the strides below (elements)
   const void* w2;             // bank [L, E, H, I]
   int64_t w13_ls, w13_es, w13_rs, w2_ls, w2_es, w2_rs;
-  void* rows;                 // [P, H] bf16: the layer's CPU pairs' rows, in pair order
+  void* rows;                 // [P, H] in x's dtype: the layer's CPU pairs' rows, in pair order
   double timeout_s;           // per layer wait
   // outputs of the last run
   double wait_s, compute_s;   // waiting for the device / in the expert kernel
@@ -49,14 +53,17 @@ inline void cpu_relax() {
 #endif
 }
 
-// Spin until *word >= epoch (acquire), at most timeout_s seconds.
-bool wait_for(const int64_t* word, int64_t epoch, double timeout_s) {
-  if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= epoch) return true;
+// Spin until *word >= epoch (acquire): 0; -3 once *cancel >= epoch; -2 after timeout_s seconds.
+int wait_for(const int64_t* word, const int64_t* cancel, int64_t epoch, double timeout_s) {
+  if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= epoch) return 0;
   const double deadline = now_s() + timeout_s;
   for (uint32_t spin = 1;; ++spin) {
-    if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= epoch) return true;
+    if (__atomic_load_n(word, __ATOMIC_ACQUIRE) >= epoch) return 0;
     cpu_relax();
-    if ((spin & 1023) == 0 && now_s() > deadline) return false;
+    if ((spin & 255) == 0) {
+      if (__atomic_load_n(cancel, __ATOMIC_ACQUIRE) >= epoch) return -3;
+      if (now_s() > deadline) return -2;
+    }
   }
 }
 
@@ -65,24 +72,29 @@ bool wait_for(const int64_t* word, int64_t epoch, double timeout_s) {
 extern "C" {
 
 // Runs layers 0..L-1 of decode step `epoch`. Returns 0; -1 when the expert kernel rejected a
-// pair (ft_last_error says why); -2 when the device did not publish layer failed_layer in time.
+// pair (ft_last_error says why); -2 when the device did not publish layer failed_layer in time;
+// -3 when the step was cancelled while waiting for layer failed_layer.
 int ft_branch_run(FtBranch* b, int64_t epoch) {
   b->wait_s = b->compute_s = 0;
   b->cpu_layers = b->cpu_pairs = 0;
   b->failed_layer = -1;
   int64_t tok[1024], exp[1024];
   if (b->P > 1024) return -1;
-  const uint16_t* x = (const uint16_t*)b->x;
+  const char* x = (const char*)b->x;
+  const char* w13 = (const char*)b->w13;
+  const char* w2 = (const char*)b->w2;
+  const int64_t xs = b->x_bf16 ? 2 : 4, ws = b->w_bf16 ? 2 : 4;
   for (int64_t l = 0; l < b->L; ++l) {
     double t0 = now_s();
-    if (!wait_for(b->flag + l, epoch, b->timeout_s)) {
+    int w = wait_for(b->flag + l, b->cancel, epoch, b->timeout_s);
+    if (w != 0) {
       b->failed_layer = l;
-      return -2;
+      return w;
     }
     double t1 = now_s();
     b->wait_s += t1 - t0;
-    const int64_t* ps = b->pair_slot + l * b->P;
-    const int64_t* pe = b->pair_exp + l * b->P;
+    const int64_t* ps = b->pair_slot + l * b->ps_ls;
+    const int64_t* pe = b->pair_exp + l * b->ps_ls;
     int64_t n = 0;
     for (int64_t p = 0; p < b->P; ++p) {
       if (ps[p] < 0) {
@@ -92,9 +104,9 @@ int ft_branch_run(FtBranch* b, int64_t epoch) {
       }
     }
     if (n) {
-      int rc = ft_experts_forward(x + l * b->T * b->H, 1, b->T, b->H, b->I,
-                                  (const uint16_t*)b->w13 + l * b->w13_ls, (const uint16_t*)b->w2 + l * b->w2_ls,
-                                  1, b->E, b->w13_es, b->w13_rs, b->w2_es, b->w2_rs, tok, exp, n, b->rows);
+      int rc = ft_experts_forward(x + l * b->x_ls * xs, b->x_bf16, b->T, b->H, b->I,
+                                  w13 + l * b->w13_ls * ws, w2 + l * b->w2_ls * ws, b->w_bf16, b->E,
+                                  b->w13_es, b->w13_rs, b->w2_es, b->w2_rs, tok, exp, n, b->rows);
       if (rc != 0) {
         b->failed_layer = l;
         return -1;

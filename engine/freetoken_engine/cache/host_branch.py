@@ -1,0 +1,81 @@
+"""The engine's decode-time CPU branch without a host sync per layer.
+
+With the q* split some misses of every MoE layer are computed on the CPU. Done naively the
+scheduler thread waits for each layer's control step, reads the pair slots back, computes the
+CPU pairs and copies their rows up: one device-to-host sync per MoE layer. ``HostBranch`` uses
+the handshake of ``kernels/cpu_branch.py`` instead: the scheduler thread only queues kernels
+(control step with host mirrors, a signal, the GPU experts, a bounded device-side wait, the
+merge), and a worker thread runs the C++ host loop that answers each layer as its flag arrives.
+A decode step then has no sync until its sampler reads the tokens.
+
+One step is one pass over the MoE layers in order (layer 0 starts it); every decode-sized call
+of a step goes through here or none does. A step abandoned half-way (an exception between
+layers) is cancelled when the next one begins, so the host loop never waits for its timeout.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from ..kernels.cpu_branch import CpuBranch, StepCancelled
+from ..kernels.triton import handshake
+from .bank import ExpertBank
+
+
+class HostBranch:
+    """For an ``ExpertBank`` on the host and a cache on ``device``; steps of up to ``max_tokens``
+    tokens with ``top_k`` experts each. Raises RuntimeError / ValueError when the compiled CPU
+    kernel is missing or the shapes are unsupported (the caller then keeps its synchronous path)."""
+
+    def __init__(self, bank: ExpertBank, top_k: int, max_tokens: int, device: torch.device,
+                 dtype: torch.dtype, timeout_s: float = 30.0):
+        self.br = CpuBranch(bank.w13, bank.w2, max_tokens, top_k, device, timeout_s=timeout_s, dtype=dtype)
+        self.layers = bank.w13.shape[0]
+        self.counts = torch.zeros(self.layers, 4, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.rows = torch.empty(max_tokens * top_k, bank.w13.shape[3], dtype=dtype, device=device)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="freetoken-cpu-branch")
+        self._pending: Future | None = None
+        self._first = True
+
+    def finish(self) -> None:
+        """Wait for the running step's host loop (at a safe point or before the next step);
+        cancel it if the step stopped before its last layer. Raises the loop's error."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if not pending.done() and int(self.br.flag[self.layers - 1]) < self.br.host_epoch:
+            self.br.cancel()
+        try:
+            pending.result()
+        except StepCancelled:
+            pass
+        self.br.check()
+
+    def layer(self, control, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, slots_forward,
+              w13_slots: torch.Tensor, w2_slots: torch.Tensor, pair_tok: torch.Tensor) -> torch.Tensor:
+        """Queue MoE layer ``layer`` of the current step; returns its pair rows [T*k, H] (on the
+        device, valid in stream order)."""
+        br = self.br
+        t, k = topk_ids.shape
+        p = t * k
+        if layer == 0:
+            self.finish()
+            handshake.bump(br.epoch)
+            # the first step compiles kernels while the loop waits: give it longer
+            self._pending = self._pool.submit(br.run, 300.0 if self._first else None, t)
+            self._first = False
+        br.x[layer, :t].copy_(x, non_blocking=True)
+        out = control.step(layer, topk_ids, mirror=(br.pair_slot[layer, :p], self.counts[layer], br.pair_exp[layer, :p]))
+        handshake.signal(br.flag[layer:layer + 1], br.epoch)
+        gpu = slots_forward(x, w13_slots, w2_slots, pair_tok, out.pair_slot)      # zero rows for CPU pairs
+        handshake.wait(br.done[layer:layer + 1], br.epoch, br.err)
+        rows = self.rows[:p]
+        rows.copy_(br.rows[:p], non_blocking=True)
+        cpu = out.pair_slot < 0
+        rank = (torch.cumsum(cpu, 0) - 1).clamp_min(0)                            # compact host order
+        return torch.where(cpu[:, None], rows[rank], gpu)
+
+    def close(self) -> None:
+        self.finish()
+        self._pool.shutdown(wait=True)
