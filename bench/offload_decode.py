@@ -89,9 +89,10 @@ def _lru_q_token(bank: Bank, st: _Token, ctl: DeviceControl, cpu_fn, prof: dict)
             t1 = time.perf_counter()
             idx = np.flatnonzero(br.ps_np[l] < 0)
             if idx.size:
-                rows = cpu_fn(br.x[l], bank.w13[l], bank.w2[l], torch.from_numpy(h_tok[idx]),
-                              torch.from_numpy(h_ids[l].reshape(-1)[idx]))
-                br.rows[:idx.size].copy_(rows)
+                # out=: the kernel writes the pinned rows itself (a torch copy of 16+ rows runs
+                # on torch's OpenMP threads, which then spin on the kernel's CPUs)
+                cpu_fn(br.x[l], bank.w13[l], bank.w2[l], torch.from_numpy(h_tok[idx]),
+                       torch.from_numpy(h_ids[l].reshape(-1)[idx]), out=br.rows[:idx.size])
             t2 = time.perf_counter()
             run("seg1", l)
             if l + 1 < L:
@@ -203,7 +204,9 @@ def _static_token(bank: Bank, st: _Token, n_gpu: int, cpu_fn):
             h_x.copy_(st.x[l], non_blocking=True)
             ev.record()
             ev.synchronize()
-            h_rows.copy_(cpu_fn(h_x, bank.w13[l], bank.w2[l], st.h_tok, torch.from_numpy(h_ids[l].reshape(-1))))
+            # out=: at batch 4 a torch copy of the result ran on torch's OpenMP threads, which then
+            # spun on the kernel's CPUs (34 vs 108 GB/s on the H200 host, docs/cpu_kernel.md)
+            cpu_fn(h_x, bank.w13[l], bank.w2[l], st.h_tok, torch.from_numpy(h_ids[l].reshape(-1)), out=h_rows)
             st.rows[l].copy_(h_rows, non_blocking=True)
             st.combine(l, st.rows[l])
 
