@@ -152,6 +152,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=0, help="only the first N MoE layers (smoke tests)")
     ap.add_argument("--routings", default="locality,uniform")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
+    ap.add_argument("--check", action="store_true", help="run --quick's exactness check of the decode paths too")
     ap.add_argument("--no-tune", action="store_true", help="keep the default decode tiles")
     ap.add_argument("--tune-gather", action="store_true",
                     help="time fill-gather tiles first (on the H200 its 1-fill timings were erratic: 0.3-26 GB/s)")
@@ -210,7 +211,7 @@ def main() -> None:
                 print(f"[{name}] prefill {seq:6d} {mode:7s} {row['tok_s']:8.0f} tok/s  {row['seconds']:.3f} s  "
                       f"bound {row['bound_seconds']:.3f} s ({row['fraction_of_bound']:.2f})", flush=True)
                 save()
-        if args.quick:
+        if args.quick or args.check:
             result.setdefault("checks", {})[name] = check_cpu_branch(bank, cache_slots(budgets[0], model), bw, cpu_fn)
             print(f"[{name}] CPU-branch check: {result['checks'][name]}", flush=True)
         tokens = {1: (6, 8) if args.quick else (12, 16), 4: (4, 4) if args.quick else (6, 8)}
