@@ -77,9 +77,8 @@ def test_step_rows_equal_the_expert_kernel_wherever_computed(dtype):
         for l in range(LAYERS):
             x = (torch.randn(t, H, generator=g)).to(dtype)
             ids = torch.stack([torch.randperm(8, generator=g)[:K] for _ in range(t)])
-            br.x[l, :t].copy_(x)
             out = ctl.step(l, ids, mirror=(br.pair_slot[l, :t * K], counts[l], br.pair_exp[l, :t * K]))
-            handshake.signal(br.flag[l:l + 1], br.epoch)
+            handshake.signal(br.flag[l:l + 1], br.epoch, src=x, dst=br.x[l, :t])
             dev = out.pair_slot >= 0
             got = torch.empty(t * K, H, dtype=dtype)
             got[dev] = cpu_experts.experts_forward(x, cache.w13, cache.w2, tok[dev], out.pair_slot[dev])
@@ -143,3 +142,33 @@ def test_an_abandoned_step_is_cancelled_not_waited_for():
         handshake.wait(br.done[l:l + 1], br.epoch, br.err)
     host.join()
     br.check()
+
+
+def test_engine_step_abandoned_after_one_layer_is_cancelled_at_the_next():
+    """cache/host_branch.py: a decode step that raised after its first MoE layer must not leave
+    the host loop waiting (the next step would stall for its timeout); the next step is exact."""
+    import time
+
+    from freetoken_engine.cache.host_branch import HostBranch
+    from freetoken_engine.kernels.triton.moe import moe_slots_forward
+    bank = _bank()
+    cache = ExpertCache(bank, 6, "cpu", fill_fraction=0.5)
+    ctl = DeviceControl.from_cache(cache)
+    hb = HostBranch(bank, K, T, torch.device("cpu"), torch.bfloat16, timeout_s=60.0)
+    g = torch.Generator().manual_seed(9)
+    tok = torch.arange(T).repeat_interleave(K)
+
+    def layer(l):
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(8, generator=g)[:K] for _ in range(T)])
+        got = hb.layer(ctl, l, x, ids, moe_slots_forward, cache.w13, cache.w2, tok)
+        return got, cpu_experts.experts_forward(x, bank.w13[l], bank.w2[l], tok, ids.reshape(-1))
+
+    layer(0)                                    # then the step is abandoned
+    t0 = time.perf_counter()
+    for l in range(LAYERS):                     # the next step starts by finishing the last one
+        got, want = layer(l)
+        assert torch.allclose(got.float(), want.float(), atol=2e-2 * want.abs().max().item()), l
+    hb.finish()
+    assert time.perf_counter() - t0 < 30
+    hb.close()

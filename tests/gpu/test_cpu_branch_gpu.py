@@ -42,9 +42,8 @@ def test_graph_step_receives_the_cpu_kernels_rows():
     def step():
         handshake.bump(br.epoch)
         for l in range(LAYERS):
-            br.x[l].copy_(x[l], non_blocking=True)
             ctl.step(l, ids[l], mirror=(br.pair_slot[l], counts[l], br.pair_exp[l]))
-            handshake.signal(br.flag[l:l + 1], br.epoch)
+            handshake.signal(br.flag[l:l + 1], br.epoch, src=x[l], dst=br.x[l])
             handshake.wait(br.done[l:l + 1], br.epoch, br.err)
             got[l].copy_(br.rows, non_blocking=True)
 
@@ -79,3 +78,18 @@ def test_graph_step_receives_the_cpu_kernels_rows():
     assert cpu_pairs > 0 and br.host_epoch == int(br.epoch) == 6
     torch.cuda.synchronize()
     bank.unpin()
+
+
+def test_device_wait_gives_up_after_its_timeout():
+    """No host answers: the device's wait must end after its timeout (the GPU clock) and flag
+    the step, not hang the stream."""
+    import time
+    bank = ExpertBank(1, 4, 64, 32, torch.bfloat16)
+    br = CpuBranch(bank.w13, bank.w2, 1, 2, CUDA)
+    handshake.bump(br.epoch)
+    t0 = time.perf_counter()
+    handshake.wait(br.done[0:1], br.epoch, br.err, timeout_s=0.2)
+    torch.cuda.synchronize()
+    assert 0.2 <= time.perf_counter() - t0 < 30
+    with pytest.raises(RuntimeError, match="stopped waiting for the host in step 1"):
+        br.check()

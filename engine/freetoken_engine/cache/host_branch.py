@@ -29,7 +29,7 @@ class HostBranch:
     kernel is missing or the shapes are unsupported (the caller then keeps its synchronous path)."""
 
     def __init__(self, bank: ExpertBank, top_k: int, max_tokens: int, device: torch.device,
-                 dtype: torch.dtype, timeout_s: float = 30.0):
+                 dtype: torch.dtype, timeout_s: float = 120.0):
         self.br = CpuBranch(bank.w13, bank.w2, max_tokens, top_k, device, timeout_s=timeout_s, dtype=dtype)
         self.layers = bank.w13.shape[0]
         self.counts = torch.zeros(self.layers, 4, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -37,15 +37,23 @@ class HostBranch:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="freetoken-cpu-branch")
         self._pending: Future | None = None
         self._first = True
+        self._queued = 0              # layers of the current step queued so far
+        self._steps = 0               # steps started (the device epoch after their bump)
 
     def finish(self) -> None:
         """Wait for the running step's host loop (at a safe point or before the next step);
-        cancel it if the step stopped before its last layer. Raises the loop's error."""
+        cancel it if the step stopped before queuing its last layer. Raises the loop's error.
+
+        A step whose every layer was queued is in flight, not abandoned, even when the device
+        has not reached its last layers yet (kernels run asynchronously): its loop must answer
+        them, so it is waited for. (Cancelling on "last flag not yet set" was the bug the H200
+        found: every step that finished queuing before the device finished running it lost its
+        remaining layers, and the device waited for them until its timeout.)"""
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        if not pending.done() and int(self.br.flag[self.layers - 1]) < self.br.host_epoch:
-            self.br.cancel()
+        if self._queued < self.layers:
+            self.br.cancel(self._steps)
         try:
             pending.result()
         except StepCancelled:
@@ -61,19 +69,21 @@ class HostBranch:
         p = t * k
         if layer == 0:
             self.finish()
+            self._queued = 0
             handshake.bump(br.epoch)
+            self._steps += 1
             # the first step compiles kernels while the loop waits: give it longer
             self._pending = self._pool.submit(br.run, 300.0 if self._first else None, t)
             self._first = False
-        br.x[layer, :t].copy_(x, non_blocking=True)
         out = control.step(layer, topk_ids, mirror=(br.pair_slot[layer, :p], self.counts[layer], br.pair_exp[layer, :p]))
-        handshake.signal(br.flag[layer:layer + 1], br.epoch)
+        handshake.signal(br.flag[layer:layer + 1], br.epoch, src=x.contiguous(), dst=br.x[layer, :t])
         gpu = slots_forward(x, w13_slots, w2_slots, pair_tok, out.pair_slot)      # zero rows for CPU pairs
         handshake.wait(br.done[layer:layer + 1], br.epoch, br.err)
         rows = self.rows[:p]
         rows.copy_(br.rows[:p], non_blocking=True)
         cpu = out.pair_slot < 0
         rank = (torch.cumsum(cpu, 0) - 1).clamp_min(0)                            # compact host order
+        self._queued = layer + 1
         return torch.where(cpu[:, None], rows[rank], gpu)
 
     def close(self) -> None:

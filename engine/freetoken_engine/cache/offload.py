@@ -17,6 +17,7 @@ from typing import Protocol
 
 import torch
 
+from .. import env
 from ..kernels import cpu_expert_forward
 from ..kernels.reference import expert_pairs_forward
 from .bank import ExpertBank
@@ -91,7 +92,7 @@ class OffloadedExperts:
     def _host_branch(self, x: torch.Tensor):
         """The sync-free CPU branch (``cache/host_branch.py``) when it applies: the Triton path
         with the compiled CPU kernel as the CPU backend; built on first use, None otherwise."""
-        if self.host_branch is None and self.cpu_backend_name == "compiled":
+        if self.host_branch is None and self.cpu_backend_name == "compiled" and env.host_branch(self.device.type):
             from .host_branch import HostBranch
             try:
                 self.host_branch = HostBranch(self.bank, self.top_k, self.prefill_threshold - 1, self.device, x.dtype)
@@ -99,6 +100,13 @@ class OffloadedExperts:
                 log.info("sync-free CPU branch unavailable (%s); syncing per layer", exc)
                 self.cpu_backend_name = f"{self.cpu_backend_name} (per-layer sync)"
         return self.host_branch
+
+    def end_step(self) -> None:
+        """After a forward pass: wait for its CPU-branch host loop and raise RuntimeError if either
+        side gave up waiting for the other, so a broken step fails instead of returning wrong
+        logits (one sync, which the sampler needs anyway)."""
+        if self.host_branch is not None:
+            self.host_branch.finish()
 
     # -- safe-point operations (scheduler thread, between forward passes) ------------------------
     def sync_stats(self) -> None:

@@ -104,7 +104,10 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         inputs = build_inputs(chunks, self.kv.block_size, self.device)
-        return self.model(inputs.ids, inputs.batch, self.kv, inputs.logits_at)
+        logits = self.model(inputs.ids, inputs.batch, self.kv, inputs.logits_at)
+        if self.cache is not None:
+            self.experts.end_step()
+        return logits
 
     def resize_expert_cache(self, experts: int) -> int:
         """Resize at a safe point; clamps to 1..all experts; returns the applied capacity."""

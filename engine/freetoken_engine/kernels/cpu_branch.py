@@ -131,10 +131,11 @@ class CpuBranch:
             self.totals[name] += getattr(c, name)
         self.totals["steps"] += 1
 
-    def cancel(self) -> None:
-        """Abandon the step the host loop is running (its caller stopped launching layers); the
-        loop returns with ``StepCancelled`` instead of waiting for its timeout."""
-        self.cancel_word[0] = self.host_epoch
+    def cancel(self, epoch: int | None = None) -> None:
+        """Abandon step ``epoch`` (default: the one the host loop runs) because its caller stopped
+        launching layers: the loop returns with ``StepCancelled`` instead of waiting for its
+        timeout, also when it only starts that step later."""
+        self.cancel_word[0] = self.host_epoch if epoch is None else epoch
 
     def check(self) -> None:
         """After a sync: raise RuntimeError if a device ``wait`` timed out (that step is invalid)."""
