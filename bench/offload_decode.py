@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -145,12 +146,11 @@ def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict):
     L, P = st.L, st.P
     br = CpuBranch(bank.w13, bank.w2, st.T, st.k, CUDA)
     br.x[0].copy_(st.x[0])
-    br.counts = torch.zeros(L, 4, dtype=torch.int64).pin_memory()
-    br.counts_np = br.counts.numpy()
+    counts = torch.zeros(L, 4, dtype=torch.int64).pin_memory()        # the control steps' counts
     experts = _GpuExperts(bank, st, ctl)
 
     def control(l):
-        ctl.step(l, st.ids[l], copy=False, mirror=(br.pair_slot[l], br.counts[l], br.pair_exp[l]))
+        ctl.step(l, st.ids[l], copy=False, mirror=(br.pair_slot[l], counts[l], br.pair_exp[l]))
         handshake.signal(br.flag[l:l + 1], br.epoch)
 
     def step():
@@ -182,7 +182,7 @@ def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict):
         prof["cpu"] += br.totals["compute_s"] - before["compute_s"]
         prof["cpu_layers"] += br.totals["cpu_layers"] - before["cpu_layers"]
 
-    return token, (lambda: _capture(step)), br
+    return token, (lambda: _capture(step)), SimpleNamespace(counts_np=counts.numpy())
 
 
 def _static_token(bank: Bank, st: _Token, n_gpu: int, cpu_fn):
@@ -216,9 +216,9 @@ def _static_token(bank: Bank, st: _Token, n_gpu: int, cpu_fn):
 def _fill_cache(ctl: DeviceControl, ids_dev: torch.Tensor, max_passes: int = 8) -> dict:
     """Bring an LRU cache to its steady state before the timed tokens: fills-only control steps
     (no expert compute) over the routing of the tokens before the warm-up ones, repeated until
-    every slot holds an expert. Without it a policy that fills only part of its misses (q*) would be timed with a
-    cache still filling (its miss rate inflated by warm-up, (c)'s not). The counters and f are
-    restored; LRU order afterwards is that of the replayed warm-up tokens."""
+    every slot holds an expert. Without it a policy that fills only part of its misses (q*)
+    would be timed with a cache still filling (its miss rate inflated by warm-up, (c)'s not).
+    The counters and f are restored; LRU order afterwards is that of the replayed tokens."""
     f = ctl.fill_fraction
     ctl.set_fill_fraction(1.0)
     passes = 0

@@ -72,7 +72,8 @@ def test_graph_step_receives_the_cpu_kernels_rows():
         for l in range(LAYERS):
             cpu = br.pair_slot[l] < 0
             n = int(cpu.sum())
-            want = cpu_experts.experts_forward(x[l].cpu(), bank.w13[l], bank.w2[l], tok[cpu], ids[l].cpu().reshape(-1)[cpu])
+            exp = ids[l].cpu().reshape(-1)[cpu]
+            want = cpu_experts.experts_forward(x[l].cpu(), bank.w13[l], bank.w2[l], tok[cpu], exp)
             assert torch.equal(got[l, :n].cpu(), want), (seed, l)
             cpu_pairs += n
     assert cpu_pairs > 0 and br.host_epoch == int(br.epoch) == 6

@@ -75,7 +75,8 @@ class HostBranch:
             # the first step compiles kernels while the loop waits: give it longer
             self._pending = self._pool.submit(br.run, 300.0 if self._first else None, t)
             self._first = False
-        out = control.step(layer, topk_ids, mirror=(br.pair_slot[layer, :p], self.counts[layer], br.pair_exp[layer, :p]))
+        mirror = (br.pair_slot[layer, :p], self.counts[layer], br.pair_exp[layer, :p])
+        out = control.step(layer, topk_ids, mirror=mirror)
         handshake.signal(br.flag[layer:layer + 1], br.epoch, src=x.contiguous(), dst=br.x[layer, :t])
         gpu = slots_forward(x, w13_slots, w2_slots, pair_tok, out.pair_slot)      # zero rows for CPU pairs
         handshake.wait(br.done[layer:layer + 1], br.epoch, br.err)
