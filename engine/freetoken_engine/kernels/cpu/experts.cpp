@@ -169,6 +169,18 @@ std::vector<int64_t> s_done1, s_cnt, s_gexp, s_gstart, s_gcount, s_sorted;
 std::vector<uint8_t> s_gamx;
 std::vector<uint32_t> s_xv;
 std::vector<float> s_xf, s_act, s_attn;
+
+// x as fp32: itself, or its n bf16 values widened into s_xf (callers hold g_call).
+const float* as_f32(const void* x, int x_bf16, int64_t n) {
+  if (!x_bf16) return (const float*)x;
+  s_xf.resize(n);
+  const uint16_t* xb = (const uint16_t*)x;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u = (uint32_t)xb[i] << 16;
+    memcpy(&s_xf[i], &u, 4);
+  }
+  return s_xf.data();
+}
 std::vector<uint16_t> s_actb;
 
 }  // namespace
@@ -250,17 +262,7 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
     s_actb.resize(P * I);
     p.act_b = s_actb.data();
   } else {
-    if (x_bf16) {
-      s_xf.resize(T * H);
-      const uint16_t* xb = (const uint16_t*)x;
-      for (int64_t i = 0; i < T * H; ++i) {
-        uint32_t u = (uint32_t)xb[i] << 16;
-        memcpy(&s_xf[i], &u, 4);
-      }
-      p.xf = s_xf.data();
-    } else {
-      p.xf = (const float*)x;
-    }
+    p.xf = as_f32(x, x_bf16, T * H);
     s_act.resize(P * I);
     p.act = s_act.data();
   }
@@ -330,16 +332,8 @@ int ft_linear(const void* x, int x_bf16, int64_t T, int64_t K, const void* w, in
   p.out = out; p.out_bf16 = x_bf16; p.prefetch = w_bf16 ? g_prefetch : g_prefetch_f32;
   if (x_bf16 && w_bf16 && base_isa(g_isa) == ISA_AVX512BF16) {
     p.xb = (const uint16_t*)x;
-  } else if (x_bf16) {
-    s_xf.resize(T * K);
-    const uint16_t* xb = (const uint16_t*)x;
-    for (int64_t i = 0; i < T * K; ++i) {
-      uint32_t u = (uint32_t)xb[i] << 16;
-      memcpy(&s_xf[i], &u, 4);
-    }
-    p.xf = s_xf.data();
   } else {
-    p.xf = (const float*)x;
+    p.xf = as_f32(x, x_bf16, T * K);
   }
   LinJob J;
   J.p = &p;
