@@ -74,6 +74,9 @@ class OffloadedExperts:
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" and _triton_importable() else "torch"
         self.backend = backend
+        # the sync-free CPU branch (cache/host_branch.py): decided once, built on first use
+        self._want_branch = (backend == "triton" and self.cpu_backend_name == "compiled"
+                             and env.host_branch(self.device.type))
         if backend == "triton":
             from ..kernels.triton.moe import moe_slots_forward
             from .device_control import DeviceControl
@@ -92,13 +95,13 @@ class OffloadedExperts:
     def _host_branch(self, x: torch.Tensor):
         """The sync-free CPU branch (``cache/host_branch.py``) when it applies: the Triton path
         with the compiled CPU kernel as the CPU backend; built on first use, None otherwise."""
-        if self.host_branch is None and self.cpu_backend_name == "compiled" and env.host_branch(self.device.type):
+        if self.host_branch is None and self._want_branch:
             from .host_branch import HostBranch
             try:
                 self.host_branch = HostBranch(self.bank, self.top_k, self.prefill_threshold - 1, self.device, x.dtype)
             except (RuntimeError, ValueError) as exc:    # e.g. too many pairs per call: keep the sync path
                 log.info("sync-free CPU branch unavailable (%s); syncing per layer", exc)
-                self.cpu_backend_name = f"{self.cpu_backend_name} (per-layer sync)"
+                self._want_branch = False
         return self.host_branch
 
     def end_step(self) -> None:

@@ -79,6 +79,7 @@ class CpuBranch:
         if P > 1024:
             raise ValueError(f"at most 1024 pairs per call, got {max_tokens} x {top_k}")
         self._lib, self.device, self.top_k, self.max_tokens = lib, torch.device(device), top_k, max_tokens
+        self.timeout_s = timeout_s
         pin = self.device.type == "cuda"
 
         def host(*shape, dtype=torch.int64):
@@ -115,11 +116,8 @@ class CpuBranch:
         self.host_epoch += 1
         c = self._c
         c.T, c.P = tokens, tokens * self.top_k
-        default, c.timeout_s = c.timeout_s, timeout_s or c.timeout_s
-        try:
-            rc = self._lib.ft_branch_run(ctypes.addressof(c), self.host_epoch)
-        finally:
-            c.timeout_s = default
+        c.timeout_s = timeout_s or self.timeout_s
+        rc = self._lib.ft_branch_run(ctypes.addressof(c), self.host_epoch)
         if rc == -3:
             raise StepCancelled(f"CPU branch: step {self.host_epoch} cancelled at layer {c.failed_layer}")
         if rc == -2:
