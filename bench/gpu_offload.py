@@ -264,7 +264,9 @@ def plot(result: dict, path: Path) -> None:
     axes = list(axes) if len(models) else [axes]
     colors = {"all": "k", "static": "tab:red", "lru": "tab:blue", "lru+q*": "tab:green"}
     for ax, name in zip(axes, models):
-        rows = [r for r in result["decode"] if r["model"] == name and r["routing"] == "locality" and r["batch"] == 1]
+        mine = [r for r in result["decode"] if r["model"] == name and r["batch"] == 1]
+        routing = "locality" if any(r["routing"] == "locality" for r in mine) else "uniform"
+        rows = [r for r in mine if r["routing"] == routing]
         budgets = sorted({r["budget_gib"] for r in rows if r["budget_gib"] is not None})
         for i, pol in enumerate(("static", "lru", "lru+q*")):
             sel = [next((r for r in rows if r["policy"] == pol and r["budget_gib"] == b), None) for b in budgets]
@@ -275,8 +277,9 @@ def plot(result: dict, path: Path) -> None:
         if allr:
             ax.axhline(allr["tok_s"], color="k", ls="--", label=f"all resident {allr['tok_s']:.0f}")
         ax.set_xticks(range(len(budgets)), [f"{b:g} GB card" for b in budgets])
-        ax.set_yscale("log")
-        ax.set_title(f"{name} decode, batch 1, locality routing\n(bars measured, '-' bandwidth bound)")
+        if any(r["tok_s"] > 0 for r in rows):
+            ax.set_yscale("log")
+        ax.set_title(f"{name} decode, batch 1, {routing} routing\n(bars measured, '-' bandwidth bound)")
         ax.set_ylabel("tok/s (MoE layers only)")
         ax.legend(fontsize=8)
     ax = axes[-1]
@@ -288,7 +291,8 @@ def plot(result: dict, path: Path) -> None:
             ax.plot([r["tokens"] for r in rows], [r["tok_s"] for r in rows], ls, marker="o", label=f"{name} {mode}")
         rows = [r for r in result["prefill"] if r["model"] == name and r["mode"] == "double"]
         ax.plot([r["tokens"] for r in rows], [r["tokens"] / r["bound_seconds"] for r in rows], "k--", lw=0.8)
-    ax.set_xscale("log", base=2)
+    if result["prefill"]:
+        ax.set_xscale("log", base=2)
     ax.set_title("prefill (dashed: PCIe bound)")
     ax.set_xlabel("tokens")
     ax.set_ylabel("tok/s")

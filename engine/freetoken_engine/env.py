@@ -18,7 +18,7 @@ FREETOKEN_CPU_KERNEL = "FREETOKEN_CPU_KERNEL"
 #: C++ compiler for the CPU expert kernel (the usual variable; default g++).
 CXX = "CXX"
 #: Decode's CPU branch without a per-layer sync (cache/host_branch.py): "on", "off", or "auto"
-#: (default: on under the Triton interpreter, off on a CUDA GPU until its GPU tests pass there).
+#: (the default: on; "off" keeps the per-layer-sync path, for A/B measurements).
 FREETOKEN_HOST_BRANCH = "FREETOKEN_HOST_BRANCH"
 #: Default of ``serve --api-key`` / ``--admin-token``: secrets passed this way stay out of the
 #: process list (``ps`` shows every argument), which is how the node agent passes them.
@@ -44,12 +44,12 @@ def cpu_expert_backend() -> str | None:
     return os.environ.get(FREETOKEN_CPU_EXPERT_BACKEND) or None
 
 
-def host_branch(device_type: str) -> bool:
+def host_branch() -> bool:
     """Whether the engine answers decode's CPU pairs from a host thread (see FREETOKEN_HOST_BRANCH)."""
     mode = os.environ.get(FREETOKEN_HOST_BRANCH, "auto").strip().lower()
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"{FREETOKEN_HOST_BRANCH} must be auto, on or off, got {mode!r}")
-    return mode == "on" or (mode == "auto" and device_type != "cuda")
+    return mode != "off"
 
 
 def api_key() -> str | None:

@@ -76,7 +76,7 @@ class OffloadedExperts:
         self.backend = backend
         # the sync-free CPU branch (cache/host_branch.py): decided once, built on first use
         self._want_branch = (backend == "triton" and self.cpu_backend_name == "compiled"
-                             and env.host_branch(self.device.type))
+                             and env.host_branch())
         if backend == "triton":
             from ..kernels.triton.moe import moe_slots_forward
             from .device_control import DeviceControl
