@@ -42,28 +42,45 @@ inline void reduce16(const __m512* acc, int n, float* out) {
 // 8 experts: 16 -> 22-24 GB/s (paired, same run); for 1-4 tokens it cost 0-15% (not used there).
 enum { FAR_PF = 4, FAR_PF_TOKENS = 5 };
 
-// out[t] = dot(row[0:K], xs[t][0:K]) for NT bf16 token vectors: vdpbf16ps with one fp32
-// accumulator per token, as simd.h dotr_bf (the same summation order for every NT, so a pair's
-// result never depends on the others), one sequential weight stream, the NT sums in one tree.
+// out[t] = dot(row[0:K], xs[t][0:K]) for NT bf16 token vectors: vdpbf16ps into U_BF fp32
+// accumulators per token (32-element block j of the row goes to accumulator j % U_BF, added
+// before the horizontal sum), one sequential weight stream, the NT sums in one tree. U_BF does
+// not depend on NT, so a pair's result never depends on the other tokens of its group.
+// (One accumulator made a row a chain of dependent vdpbf16ps, 6 cycles each on the EPYC: a
+// w2 row of 1536 bytes took ~150 cycles, a bound of ~40 GB/s per thread, the memory's rate.)
 // (Two rows at once, each token load serving both, cost 4 tokens 18% on the EPYC: two streams.)
+enum { U_BF = 2 };
+
 template <int NT>
 inline void dot_row_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K, int64_t pf, float* out) {
-  __m512 acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = _mm512_setzero_ps();
+  __m512 acc[U_BF][NT];
+  for (int u = 0; u < U_BF; ++u)
+    for (int t = 0; t < NT; ++t) acc[u][t] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(row + k));
+  for (; k + U_BF * 32 <= K; k += U_BF * 32) {
     if (pf) {
       prefetch((const char*)(row + k) + pf);
+      prefetch((const char*)(row + k) + pf + 64);
       if (NT >= FAR_PF_TOKENS) _mm_prefetch((const char*)(row + k) + FAR_PF * pf, _MM_HINT_T2);
     }
-    for (int t = 0; t < NT; ++t)
-      acc[t] = _mm512_dpbf16_ps(acc[t], w, (__m512bh)_mm512_loadu_si512((const void*)(xs[t] + k)));
+    for (int u = 0; u < U_BF; ++u) {
+      const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(row + k + 32 * u));
+      for (int t = 0; t < NT; ++t)
+        acc[u][t] = _mm512_dpbf16_ps(acc[u][t], w, (__m512bh)_mm512_loadu_si512((const void*)(xs[t] + k + 32 * u)));
+    }
   }
+  if (k + 32 <= K) {
+    const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(row + k));
+    for (int t = 0; t < NT; ++t)
+      acc[0][t] = _mm512_dpbf16_ps(acc[0][t], w, (__m512bh)_mm512_loadu_si512((const void*)(xs[t] + k)));
+    k += 32;
+  }
+  __m512 sum[NT];
+  for (int t = 0; t < NT; ++t) sum[t] = _mm512_add_ps(acc[0][t], acc[1][t]);
   if (NT >= 4) {
-    reduce16(acc, NT, out);
+    reduce16(sum, NT, out);
   } else {
-    for (int t = 0; t < NT; ++t) out[t] = _mm512_reduce_add_ps(acc[t]);
+    for (int t = 0; t < NT; ++t) out[t] = _mm512_reduce_add_ps(sum[t]);
   }
   for (; k < K; ++k) {
     const float wv = bf2f(row[k]);
@@ -71,33 +88,40 @@ inline void dot_row_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K
   }
 }
 
-// Rows [r0, r1) at base + r * rs against NT tokens: out[(r - r0) * NTMAX + t].
+// Rows [r0, r1) at base + r * rs against NT tokens: out[(r - r0) * NTMAX + t]. The software
+// prefetch runs pf bytes ahead along the rows, so it stops at the chunk's last row rend: rows
+// past it are another thread's (they cost 4 KiB per stream per chunk, 6-12% of the reads with
+// 64 KiB chunks).
 template <int NT>
 inline void rows_bf(const char* base, int64_t rs, int64_t r0, int64_t r1, const uint16_t* const* xs,
-                    int64_t K, int64_t pf, float* out) {
-  for (int64_t r = r0; r < r1; ++r) dot_row_bf<NT>((const uint16_t*)(base + r * rs), xs, K, pf, out + (r - r0) * NTMAX);
+                    int64_t K, int64_t pf, float* out, int64_t rend) {
+  const int64_t last = rend - (pf + rs - 1) / rs;   // rows before it prefetch inside the chunk
+  for (int64_t r = r0; r < r1; ++r)
+    dot_row_bf<NT>((const uint16_t*)(base + r * rs), xs, K, r < last ? pf : 0, out + (r - r0) * NTMAX);
 }
 
 inline void rows_bf_n(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1,
-                      const uint16_t* const* xs, int64_t K, int64_t pf, float* out) {
+                      const uint16_t* const* xs, int64_t K, int64_t pf, float* out, int64_t rend) {
   switch (nt) {
-    case 1: rows_bf<1>(base, rs, r0, r1, xs, K, pf, out); break;
-    case 2: rows_bf<2>(base, rs, r0, r1, xs, K, pf, out); break;
-    case 3: rows_bf<3>(base, rs, r0, r1, xs, K, pf, out); break;
-    case 4: rows_bf<4>(base, rs, r0, r1, xs, K, pf, out); break;
-    case 5: rows_bf<5>(base, rs, r0, r1, xs, K, pf, out); break;
-    case 6: rows_bf<6>(base, rs, r0, r1, xs, K, pf, out); break;
-    case 7: rows_bf<7>(base, rs, r0, r1, xs, K, pf, out); break;
-    default: rows_bf<8>(base, rs, r0, r1, xs, K, pf, out); break;
+    case 1: rows_bf<1>(base, rs, r0, r1, xs, K, pf, out, rend); break;
+    case 2: rows_bf<2>(base, rs, r0, r1, xs, K, pf, out, rend); break;
+    case 3: rows_bf<3>(base, rs, r0, r1, xs, K, pf, out, rend); break;
+    case 4: rows_bf<4>(base, rs, r0, r1, xs, K, pf, out, rend); break;
+    case 5: rows_bf<5>(base, rs, r0, r1, xs, K, pf, out, rend); break;
+    case 6: rows_bf<6>(base, rs, r0, r1, xs, K, pf, out, rend); break;
+    case 7: rows_bf<7>(base, rs, r0, r1, xs, K, pf, out, rend); break;
+    default: rows_bf<8>(base, rs, r0, r1, xs, K, pf, out, rend); break;
   }
 }
 #endif
 
-// Rows [r0, r1) at base + r * rs (fp32 token vectors): out[(r - r0) * NTMAX + t].
+// Rows [r0, r1) at base + r * rs (fp32 token vectors): out[(r - r0) * NTMAX + t]; the prefetch
+// stops at the chunk's last row rend, as rows_bf's.
 template <bool WB>
 inline void rows_f(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1, const float* const* xs,
-                   int64_t K, int64_t pf, float* out) {
-  for (int64_t r = r0; r < r1; ++r) dotrn<WB>(nt, base + r * rs, xs, K, pf, out + (r - r0) * NTMAX);
+                   int64_t K, int64_t pf, float* out, int64_t rend) {
+  const int64_t last = rend - (pf + rs - 1) / rs;
+  for (int64_t r = r0; r < r1; ++r) dotrn<WB>(nt, base + r * rs, xs, K, r < last ? pf : 0, out + (r - r0) * NTMAX);
 }
 
 // A block of at most RB intermediate rows: the gate rows, then the matching up rows (each a
@@ -128,13 +152,13 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
       const int64_t ie = ib + RB < i1 ? ib + RB : i1;
 #if FT_ISA == 3
       if (p->xb) {
-        rows_bf_n(nt, base, rs, ib, ie, xbs, H, p->prefetch, og);
-        rows_bf_n(nt, base + I * rs, rs, ib, ie, xbs, H, p->prefetch, ou);
+        rows_bf_n(nt, base, rs, ib, ie, xbs, H, p->prefetch, og, i1);
+        rows_bf_n(nt, base + I * rs, rs, ib, ie, xbs, H, p->prefetch, ou, i1);
       } else
 #endif
       {
-        rows_f<WB>(nt, base, rs, ib, ie, xs, H, p->prefetch, og);
-        rows_f<WB>(nt, base + I * rs, rs, ib, ie, xs, H, p->prefetch, ou);
+        rows_f<WB>(nt, base, rs, ib, ie, xs, H, p->prefetch, og, i1);
+        rows_f<WB>(nt, base + I * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
       }
       swiglu_block(og, ou, oa, (ie - ib) * NTMAX, p->x_bf16);
       for (int64_t i = ib; i < ie; ++i)
@@ -173,10 +197,10 @@ void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
     for (int64_t hb = h0; hb < h1; hb += HB) {
       const int64_t he = hb + HB < h1 ? hb + HB : h1;
 #if FT_ISA == 3
-      if (p->xb) rows_bf_n(nt, base, rs, hb, he, xbs, I, p->prefetch, o);
+      if (p->xb) rows_bf_n(nt, base, rs, hb, he, xbs, I, p->prefetch, o, h1);
       else
 #endif
-        rows_f<WB>(nt, base, rs, hb, he, xs, I, p->prefetch, o);
+        rows_f<WB>(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);
       for (int64_t h = hb; h < he; ++h)
         for (int t = 0; t < nt; ++t) {
           const float v = o[(h - hb) * NTMAX + t];
