@@ -61,7 +61,10 @@ inline void dot_row_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K
     if (pf) {
       prefetch((const char*)(row + k) + pf);
       prefetch((const char*)(row + k) + pf + 64);
-      if (NT >= FAR_PF_TOKENS) _mm_prefetch((const char*)(row + k) + FAR_PF * pf, _MM_HINT_T2);
+      if (NT >= FAR_PF_TOKENS) {
+        _mm_prefetch((const char*)(row + k) + FAR_PF * pf, _MM_HINT_T2);
+        _mm_prefetch((const char*)(row + k) + FAR_PF * pf + 64, _MM_HINT_T2);
+      }
     }
     for (int u = 0; u < U_BF; ++u) {
       const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(row + k + 32 * u));
