@@ -18,10 +18,11 @@ intermediate may round the other way).
 
 Threads: ``threads`` participants, the calling thread included (it is released from the GIL and
 does a share); the other ``threads - 1`` are pinned to the *last* CPUs of the process affinity
-set, so the first CPUs stay free for the engine. Default: all CPUs but one (at least one).
-``FREETOKEN_CPU_EXPERT_THREADS`` overrides the default; ``FREETOKEN_CPU_KERNEL`` = ``off`` forces
-the reference, = ``generic|avx2|avx512|avx512bf16|amx`` forces an instruction set (default
-``auto``: the best one cpuid and the OS allow). ``configure()`` changes all of these at run time.
+set, so the first CPUs stay free for the engine. Default (``default_threads``): every CPU without
+a GPU, all but one with a GPU. ``FREETOKEN_CPU_EXPERT_THREADS`` overrides the default;
+``FREETOKEN_CPU_KERNEL`` = ``off`` forces the reference, = ``generic|avx2|avx512|avx512bf16|amx``
+forces an instruction set (default ``auto``: the best one cpuid and the OS allow).
+``configure()`` changes all of these at run time.
 
 AMX (``amx``: Intel CPUs with AMX-BF16, Linux granting the tile state): groups of at least 4
 tokens on one expert (bf16 ``x`` and weights, H and I multiples of 32) run on the tiles, the rest
@@ -36,6 +37,7 @@ build fails) one warning line is logged and every call uses the reference.
 from __future__ import annotations
 
 import ctypes
+import glob
 import logging
 import os
 import threading
@@ -83,11 +85,21 @@ class KernelConfig:
             raise ValueError(f"spin_us must be >= 0, got {self.spin_us}")
 
 
-def default_threads() -> int:
-    """All CPUs of the affinity set but one (left to the engine), at least one.
+def gpu_present() -> bool:
+    """A CUDA build of torch and an NVIDIA device node: asked without initialising CUDA (a
+    process that forks later must not have touched the driver), so a GPU the driver would refuse
+    still counts."""
+    return torch.backends.cuda.is_built() and bool(glob.glob("/dev/nvidia[0-9]*"))
 
-    On the 2-CPU machine one core already saturates memory (bench: 1 thread 97% of read,
-    2 threads 61% while other work shares the CPUs)."""
+
+def default_threads() -> int:
+    """Every CPU of the affinity set without a GPU; all but one (at least one) with a GPU.
+
+    Without a GPU the engine's thread has nothing to do while the experts compute (decode calls
+    the kernel layer after layer), so it works as one of the participants and every CPU reads
+    weights: on the 2-CPU EPYC one token on 8 experts reads 53-70 GB/s at 2 threads against
+    28-37 at 1 (bench/results/cpu_expert_kernel.json). With a GPU (``gpu_present``) one CPU is
+    left to the engine's own work (kernel launches, the CPU branch's host loop)."""
     env = os.environ.get(ENV_THREADS)
     if env:
         try:
@@ -97,7 +109,8 @@ def default_threads() -> int:
         if n < 1:
             raise ValueError(f"{ENV_THREADS} must be >= 1, got {n}")
         return n
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    n = len(os.sched_getaffinity(0))
+    return max(1, n - 1) if gpu_present() else n
 
 
 _lock = threading.Lock()
