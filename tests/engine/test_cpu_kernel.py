@@ -200,6 +200,21 @@ def test_bad_inputs_raise_clear_errors():
         ce.configure(threads=0)
 
 
+def test_default_threads_use_every_cpu_without_a_gpu_and_leave_one_with_it(monkeypatch):
+    """Without a GPU the engine's thread only waits for the experts: every CPU computes; with a
+    GPU one CPU stays with the engine; the environment variable overrides both."""
+    monkeypatch.delenv(ce.ENV_THREADS, raising=False)
+    monkeypatch.setattr(ce.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(ce, "gpu_present", lambda: False)
+    assert ce.default_threads() == 4
+    monkeypatch.setattr(ce, "gpu_present", lambda: True)
+    assert ce.default_threads() == 3
+    monkeypatch.setattr(ce.os, "sched_getaffinity", lambda pid: {5})
+    assert ce.default_threads() == 1
+    monkeypatch.setenv(ce.ENV_THREADS, "2")
+    assert ce.default_threads() == 2
+
+
 def test_falls_back_to_reference_with_one_warning_without_compiler(tmp_path):
     """No compiler and no cached build: one warning line, reference results, nothing breaks."""
     code = textwrap.dedent("""
