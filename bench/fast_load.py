@@ -46,8 +46,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 H, I, E, VOCAB = 2048, 768, 128, 32000
 
 
-def write_checkpoint(folder: Path, layers: int) -> int:
-    """A hub-layout qwen3_moe folder, one safetensors shard per layer; returns bytes written."""
+def write_checkpoint(folder: Path, layers: int, rnd=None) -> int:
+    """A hub-layout qwen3_moe folder, one safetensors shard per layer; returns bytes written.
+    ``rnd(shape)`` makes each bf16 tensor (default: random bit patterns, the cheapest to make)."""
     from freetoken_engine.layers.rope import Rotary
     from freetoken_engine.models.decoder import DecoderLM
     cfg_raw = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": H,
@@ -62,7 +63,7 @@ def write_checkpoint(folder: Path, layers: int) -> int:
     cfg = fam.parse(cfg_raw)
     with torch.device("meta"):
         model = DecoderLM(cfg, Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, "meta"))
-    rnd = lambda shape: torch.empty(shape, dtype=torch.int16).random_(-16000, 16000).view(torch.bfloat16)  # noqa: E731
+    rnd = rnd or (lambda shape: torch.empty(shape, dtype=torch.int16).random_(-16000, 16000).view(torch.bfloat16))
     dense = {k: rnd(p.shape) for k, p in model.named_parameters()}
     weight_map, total = {}, 0
     shards = [("dense", dense)] + [(f"layer{i}", {fam.expert_key(i, e, p): rnd((I, H) if p < 2 else (H, I))

@@ -108,6 +108,7 @@ class EngineConfig:
     expert_cache_gb: float | None = None
     cpu_expert_fraction: float | None = None  # forced share of misses computed in place
     expert_backend: str = "auto"             # torch | triton | auto (triton on CUDA)
+    cuda_graphs: bool = True                 # capture decode steps as CUDA graphs (CUDA + triton)
     prefill_chunk: int = 512
     prefill_expert_threshold: int = 16       # tokens in a batch from which MoE runs whole layers
     kv_block_size: int = 16

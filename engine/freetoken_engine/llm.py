@@ -134,3 +134,40 @@ class LLM:
         stats.update({k: stats["expert_cache"][k] for k in ("hits", "misses", "fills", "cpu_computed")})
         stats["capacity"] = stats["expert_cache"]["capacity_experts"]
         return Generation(out, finish, stats)
+
+
+class Lockstep:
+    """Greedy decode of several prompts together, one forward pass per step for the whole batch
+    (the batches the scheduler forms for concurrent requests, without its queue): for tests and
+    benchmarks of batched decode. ``step()`` -> logits [B, V] and each prompt's next token."""
+
+    def __init__(self, llm: LLM, prompts: list[list[int]]):
+        self.runner, self.kv = llm.runner, llm.runner.kv
+        self.seqs: list[tuple[list[int], int, list[int]]] = []     # (KV blocks, prompt length, new tokens)
+        for p in prompts:
+            llm.check_prompt(p)
+            blocks, logits = llm._run(p)
+            self.seqs.append((blocks, len(p), [int(logits.argmax())]))
+
+    @property
+    def tokens(self) -> list[list[int]]:
+        return [out for _, _, out in self.seqs]
+
+    @torch.inference_mode()
+    def step(self) -> torch.Tensor:
+        chunks = []
+        for blocks, n, out in self.seqs:
+            pos = n + len(out) - 1
+            if self.kv.blocks_for(pos + 1) > len(blocks):
+                blocks += self.kv.allocate(1)
+            chunks.append(SeqChunk(blocks, pos, [out[-1]]))
+        logits = self.runner.forward(chunks)
+        for (_, _, out), tok in zip(self.seqs, logits.argmax(-1).tolist()):
+            out.append(tok)
+        return logits
+
+    def close(self) -> None:
+        """Release the KV blocks (the tokens stay readable)."""
+        for blocks, _, _ in self.seqs:
+            self.kv.release(blocks)
+            blocks.clear()

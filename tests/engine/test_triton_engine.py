@@ -32,3 +32,79 @@ def test_triton_path_equals_torch_path(tiny_checkpoint, capacity, fraction):
     llm.runner.resize_expert_cache(2)                   # a resize keeps the device state coherent
     llm.runner.cache.check_integrity(deep=True)
     assert llm.generate(PROMPT, GREEDY).token_ids == want
+
+
+def test_a_replayed_decode_step_is_answered_by_the_host_loop(tiny_checkpoint):
+    """What a CUDA-graph replay of a decode step does, run eagerly under the interpreter: the host
+    loop is started by ``begin_replay`` before the step, and the step's own work is queued in
+    capture mode (layer 0 only bumps the epoch). The tokens are those of the eager engine."""
+    import torch
+
+    from freetoken_engine.executor.inputs import build_inputs
+
+    folder = tiny_checkpoint("qwen3_moe")
+    llm = LLM(folder, expert_backend="triton", expert_cache_experts=3, cpu_expert_fraction=0.5)
+    want = llm.generate(PROMPT, GREEDY).token_ids
+    runner, experts = llm.runner, llm.runner.experts
+    eager, replayed = runner.forward, []
+
+    @torch.inference_mode()
+    def replay_like(chunks):
+        if any(len(c.tokens) != 1 for c in chunks):
+            return eager(chunks)
+        mode = experts.graph_mode(len(chunks))
+        assert mode == "branch"
+        inputs = build_inputs(chunks, runner.kv.block_size, runner.device)
+        experts.begin_replay(len(chunks), mode)
+        experts.capturing(True)
+        try:
+            logits = runner.model(inputs.ids, inputs.batch, runner.kv, inputs.logits_at)
+        finally:
+            experts.capturing(False)
+        experts.end_step()
+        replayed.append(len(chunks))
+        return logits
+
+    runner.forward = replay_like
+    pairs = experts.host_branch.br.totals["cpu_pairs"]
+    got = llm.generate(PROMPT, GREEDY)
+    assert got.token_ids == want and len(replayed) == GREEDY.max_new_tokens - 1
+    assert experts.host_branch.br.totals["cpu_pairs"] > pairs        # the loop computed CPU pairs
+
+
+def test_graph_mode_follows_the_split():
+    """A step can be captured as device work only when every miss is filled; with CPU pairs only
+    through the sync-free branch; never with a per-layer sync."""
+    from types import SimpleNamespace
+
+    from freetoken_engine.cache.offload import OffloadedExperts
+
+    e = OffloadedExperts.__new__(OffloadedExperts)
+    e.top_k, e.prefill_threshold, e.host_branch = 2, 16, None
+    e.control, e.cache = object(), SimpleNamespace(fill_fraction=1.0, capacity=4)
+    e.bank = SimpleNamespace(total_experts=8)
+    assert e.graph_mode(2) == "device" and e.graph_mode(3) is None     # 6 pairs > 4 slots
+    e.cache.fill_fraction = 0.5
+    assert e.graph_mode(1) is None
+    e.host_branch = object()
+    assert e.graph_mode(1) == "branch" and e.graph_mode(16) is None    # prefill-sized: never
+    e.cache.capacity = 8
+    assert e.graph_mode(1) == "device"             # every expert fits: every miss is filled
+    e.control = None
+    assert e.graph_mode(1) is None
+
+
+def test_every_miss_is_filled_once_every_expert_fits(tiny_checkpoint):
+    """With room for every expert a fill is never evicted, so the device control fills every miss
+    whatever q* says (and the engine may then skip the CPU branch); below that, q* applies."""
+    folder = tiny_checkpoint("qwen3_moe")
+    llm = LLM(folder, expert_backend="triton", cpu_expert_fraction=0.5, expert_cache_experts=16)
+    experts = llm.runner.experts
+    assert llm.runner.bank.total_experts == 16
+    assert experts.control.fill_fraction == 1.0 and experts.graph_mode(1) == "device"
+    llm.runner.resize_expert_cache(15)
+    assert experts.control.fill_fraction == 0.5
+    llm.runner.set_fill_fraction(0.25)
+    assert experts.control.fill_fraction == 0.25
+    llm.runner.resize_expert_cache(16)
+    assert experts.control.fill_fraction == 1.0 and experts.cache.fill_fraction == 0.25

@@ -11,6 +11,10 @@ A decode step then has no sync until its sampler reads the tokens.
 One step is one pass over the MoE layers in order (layer 0 starts it); every decode-sized call
 of a step goes through here or none does. A step abandoned half-way (an exception between
 layers) is cancelled when the next one begins, so the host loop never waits for its timeout.
+
+Under CUDA-graph capture (``capturing``, set by ``executor/graphs.py``) only the device work is
+recorded, the epoch bump included; each replay is then preceded by ``start_replay(tokens)``,
+which starts the host loop for the step the graph is about to run.
 """
 from __future__ import annotations
 
@@ -39,6 +43,7 @@ class HostBranch:
         self._first = True
         self._queued = 0              # layers of the current step queued so far
         self._steps = 0               # steps started (the device epoch after their bump)
+        self.capturing = False        # recording a CUDA graph: queue device work only
 
     def finish(self) -> None:
         """Wait for the running step's host loop (at a safe point or before the next step);
@@ -68,13 +73,10 @@ class HostBranch:
         t, k = topk_ids.shape
         p = t * k
         if layer == 0:
-            self.finish()
-            self._queued = 0
-            handshake.bump(br.epoch)
-            self._steps += 1
-            # the first step compiles kernels while the loop waits: give it longer
-            self._pending = self._pool.submit(br.run, 300.0 if self._first else None, t)
-            self._first = False
+            if self.capturing:
+                handshake.bump(br.epoch)
+            else:
+                self._start(t, bump=True)
         mirror = (br.pair_slot[layer, :p], self.counts[layer], br.pair_exp[layer, :p])
         out = control.step(layer, topk_ids, mirror=mirror)
         handshake.signal(br.flag[layer:layer + 1], br.epoch, src=x.contiguous(), dst=br.x[layer, :t])
@@ -86,6 +88,22 @@ class HostBranch:
         rank = (torch.cumsum(cpu, 0) - 1).clamp_min(0)                            # compact host order
         self._queued = layer + 1
         return torch.where(cpu[:, None], rows[rank], gpu)
+
+    def _start(self, tokens: int, bump: bool) -> None:
+        self.finish()
+        self._queued = 0
+        if bump:
+            handshake.bump(self.br.epoch)
+        self._steps += 1
+        # the first step compiles kernels while the loop waits: give it longer
+        self._pending = self._pool.submit(self.br.run, 300.0 if self._first else None, tokens)
+        self._first = False
+
+    def start_replay(self, tokens: int) -> None:
+        """Before replaying a graph captured over a whole step of ``tokens`` tokens: start the
+        host loop that answers it (the graph bumps the epoch and queues every layer itself)."""
+        self._start(tokens, bump=False)
+        self._queued = self.layers
 
     def close(self) -> None:
         self.finish()

@@ -82,6 +82,7 @@ class OffloadedExperts:
             from .device_control import DeviceControl
             from .prefetch import LayerStreamer as DoubleBuffered
             self.control = DeviceControl.from_cache(cache, resizable=True)
+            self.control.set_fill_fraction(self._control_fraction())
             self.slots_forward = moe_slots_forward
             self.streamer: LayerStreamer = DoubleBuffered(bank, cache.device, cache)
         elif self.device.type == "cpu":
@@ -111,6 +112,36 @@ class OffloadedExperts:
         if self.host_branch is not None:
             self.host_branch.finish()
 
+    # -- CUDA graphs of the decode step (executor/graphs.py) ---------------------------------------
+    def graph_mode(self, tokens: int) -> str | None:
+        """How a decode step of ``tokens`` tokens can be captured, as the last eager step ran it:
+        ``"device"`` (every miss filled: device work only), ``"branch"`` (the sync-free CPU
+        branch: each replay needs ``begin_replay``), or None (a per-layer sync: not capturable)."""
+        if self.control is None or tokens >= self.prefill_threshold:
+            return None
+        if self._fills_only(tokens):
+            return "device"
+        return "branch" if self.host_branch is not None else None
+
+    def _control_fraction(self) -> float:
+        """q*/m for the device control step: every miss is filled once every expert fits (a fill
+        is then never evicted), else the calibrated split."""
+        return 1.0 if self.cache.capacity == self.bank.total_experts else self.cache.fill_fraction
+
+    def _fills_only(self, tokens: int) -> bool:
+        """Whether every miss of a decode call is filled: q* says so (and the slots hold every
+        pair), or every expert fits, so that a fill is never evicted and beats any CPU pass."""
+        c = self.cache
+        return (c.fill_fraction >= 1.0 and c.capacity >= tokens * self.top_k) or c.capacity == self.bank.total_experts
+
+    def capturing(self, on: bool) -> None:
+        if self.host_branch is not None:
+            self.host_branch.capturing = on
+
+    def begin_replay(self, tokens: int, mode: str) -> None:
+        if mode == "branch":
+            self.host_branch.start_replay(tokens)
+
     # -- safe-point operations (scheduler thread, between forward passes) ------------------------
     def sync_stats(self) -> None:
         """Fold the device control's counters and clock into ``cache.stats`` (one sync)."""
@@ -134,13 +165,14 @@ class OffloadedExperts:
         self.cache.resize(capacity)
         if self.control is not None:
             self.control.refresh(self.cache)
+            self.control.set_fill_fraction(self._control_fraction())
 
     def set_fill_fraction(self, fraction: float) -> None:
         if self.host_branch is not None:
             self.host_branch.finish()
         self.cache.fill_fraction = fraction
         if self.control is not None:
-            self.control.set_fill_fraction(fraction)
+            self.control.set_fill_fraction(self._control_fraction())
 
     def _pair_tokens(self, t: int, k: int, device: torch.device) -> torch.Tensor:
         key = (t, k)
@@ -165,7 +197,7 @@ class OffloadedExperts:
             self.cache.stats.hits += k if t == 1 else int(torch.unique(pair_exp).numel())
             return self.cpu_forward(x, self.bank.w13[layer], self.bank.w2[layer], pair_tok, pair_exp)
         if self.control is not None:
-            if self.cache.fill_fraction >= 1.0 and self.cache.capacity >= t * k:
+            if self._fills_only(t):
                 # Every miss is filled: no CPU pair is possible, so no host sync in this layer
                 # (a decode step of such layers can be captured in a CUDA graph).
                 pair_slot = self.control.step(layer, topk_ids).pair_slot   # on the device, no sync

@@ -30,17 +30,36 @@ class ForwardInputs:
     logits_at: torch.Tensor   # [B] int64 row of each sequence's last new token
 
 
+def _kv_index(chunks: list[SeqChunk], ends: np.ndarray, block_size: int, width: int) -> np.ndarray:
+    """[B, width] KV slot of each position of each sequence (0 past its end)."""
+    p = np.arange(width, dtype=np.int64)
+    kv_index = np.zeros((len(chunks), width), dtype=np.int64)
+    for i, c in enumerate(chunks):
+        table = np.asarray(c.block_table, dtype=np.int64)
+        e = ends[i]
+        kv_index[i, :e] = table[p[:e] // block_size] * block_size + p[:e] % block_size
+    return kv_index
+
+
+def decode_arrays(chunks: list[SeqChunk], block_size: int, width: int) -> np.ndarray:
+    """One decode step (one new token per sequence) packed for a captured graph: int64
+    ``[4 * B + B * width]`` = token ids, positions, KV slots written, keys per sequence after the
+    step, then the ``[B, width]`` KV index (``width`` >= every sequence's keys; 0-padded)."""
+    ends = np.array([c.start + 1 for c in chunks], dtype=np.int64)
+    kv_index = _kv_index(chunks, ends, block_size, width)
+    rows = np.arange(len(chunks))
+    head = np.stack([np.array([c.tokens[0] for c in chunks], dtype=np.int64), ends - 1,
+                     kv_index[rows, ends - 1], ends])
+    return np.concatenate([head.reshape(-1), kv_index.reshape(-1)])
+
+
 def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) -> ForwardInputs:
     b = len(chunks)
     ends = np.array([c.start + len(c.tokens) for c in chunks], dtype=np.int64)
     counts = np.array([len(c.tokens) for c in chunks], dtype=np.int64)
     lmax, q_max = int(ends.max()), int(counts.max())
     p = np.arange(lmax, dtype=np.int64)
-    kv_index = np.zeros((b, lmax), dtype=np.int64)
-    for i, c in enumerate(chunks):
-        table = np.asarray(c.block_table, dtype=np.int64)
-        e = ends[i]
-        kv_index[i, :e] = table[p[:e] // block_size] * block_size + p[:e] % block_size
+    kv_index = _kv_index(chunks, ends, block_size, lmax)
     kv_valid = p[None, :] < ends[:, None]                                  # [B, Lmax]
     starts = ends - counts
     q_seq = np.repeat(np.arange(b, dtype=np.int64), counts)                 # [T]

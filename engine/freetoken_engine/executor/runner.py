@@ -71,6 +71,12 @@ class ModelRunner:
         m = self.mcfg
         self.kv = KVPool(m.num_layers, -(-kv_tokens // cfg.kv_block_size), cfg.kv_block_size,
                          m.num_kv_heads, m.head_dim, self.dtype, self.device)
+        self.graphs = None
+        if cfg.cuda_graphs and self.device.type == "cuda" and (self.cache is None or self.experts.control is not None):
+            from .graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self.model, self.kv, self.experts if self.cache is not None else None,
+                                       self.device, self.dtype, self.max_context,
+                                       min(cfg.max_batch, cfg.prefill_expert_threshold - 1))
 
     # -- configuration -------------------------------------------------------------------------
     def _capacity(self) -> int:
@@ -103,10 +109,16 @@ class ModelRunner:
     # -- work ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        inputs = build_inputs(chunks, self.kv.block_size, self.device)
-        logits = self.model(inputs.ids, inputs.batch, self.kv, inputs.logits_at)
+        key = self.graphs.key(chunks) if self.graphs is not None else None
+        if key is not None and key in self.graphs:
+            logits = self.graphs.replay(chunks, key)
+        else:
+            inputs = build_inputs(chunks, self.kv.block_size, self.device)
+            logits = self.model(inputs.ids, inputs.batch, self.kv, inputs.logits_at)
         if self.cache is not None:
             self.experts.end_step()
+        if key is not None and key not in self.graphs:
+            self.graphs.capture(chunks, key)      # after its first eager run: replayed from the next
         return logits
 
     def resize_expert_cache(self, experts: int) -> int:
@@ -114,12 +126,16 @@ class ModelRunner:
         if self.cache is None:
             return 0
         n = max(1, min(int(experts), self.bank.total_experts))
+        if self.graphs is not None:
+            self.graphs.clear()                  # they hold the old pools' addresses
         self.experts.resize(n)
         return n
 
     def set_fill_fraction(self, fraction: float) -> None:
         """Set q*/m (at a safe point)."""
         if self.cache is not None:
+            if self.graphs is not None:
+                self.graphs.clear()              # a captured step keeps its fill table and branch
             self.experts.set_fill_fraction(fraction)
 
     def expert_stats(self) -> dict:

@@ -1,0 +1,171 @@
+"""The whole engine's decode on a GPU: CUDA graphs vs eager, sync-free CPU branch vs per-layer sync.
+
+The MoE-only benchmark (``gpu_offload.py``) times the expert layers alone; this one times the
+engine a user runs (``freetoken serve`` / ``LLM``): attention over the paged KV pool, routers,
+the expert cache's device control, fills, the q* split with its CPU experts, the LM head, and
+the sampler's read of the logits. Sides, each in its own process on the same checkpoint and in
+the same run (the engine reads its switches at start):
+
+  eager/sync    no graphs, CPU pairs by a per-layer device-to-host sync (FREETOKEN_HOST_BRANCH=off)
+  eager/branch  no graphs, the sync-free CPU branch (host loop answering device flags)
+  graphs        one CUDA graph per decode step, the CPU branch inside it (the default)
+
+Checkpoint: random bf16 weights (normal, std 0.02) in Qwen3-30B-A3B's shapes (H 2048, 32/4 heads
+of 128, 128 experts of I 768, top-8, vocab 32000) but ``--layers`` layers, written once with
+safetensors. Expert-cache budgets are fractions of the experts; q* comes from the engine's own
+calibration. Per budget and batch: 32-token prompts, 24 warm-up steps (cache fills, graph
+captures), then ``--steps`` timed steps; tok/s = batch * steps / seconds.
+
+    python bench/engine_gpu_decode.py            # on the GPU machine; writes bench/results/engine_gpu_decode.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from hardware import describe  # noqa: E402
+
+SIDES = {"eager/sync": ("off", False), "eager/branch": ("on", False), "graphs": ("on", True)}
+
+
+def worker(model: Path, side: str, fractions: list[float], batches: list[int], steps: int,
+           device: str) -> list[dict]:
+    from freetoken_engine import LLM
+    from freetoken_engine.llm import Lockstep
+    llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1])
+    runner = llm.runner
+    total = runner.bank.total_experts
+    rows = []
+    for frac in fractions:
+        runner.resize_expert_cache(max(1, round(frac * total)))
+        for b in batches:
+            batch = Lockstep(llm, [[(37 * i + 11 * t) % 31000 + 100 for t in range(32)] for i in range(b)])
+            for _ in range(24):
+                batch.step()
+            before = runner.expert_stats()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                batch.step()
+            secs = time.perf_counter() - t0
+            after = runner.expert_stats()
+            d = {k: after[k] - before[k] for k in ("hits", "misses", "fills", "cpu_computed")}
+            graphs = runner.graphs
+            rows.append({"side": side, "cache_fraction": frac, "cache_experts": runner.cache.capacity,
+                         "batch": b, "steps": steps, "tok_s": b * steps / secs, "ms_per_step": 1e3 * secs / steps,
+                         "miss_rate": d["misses"] / max(d["hits"] + d["misses"], 1),
+                         "cpu_experts_per_step": d["cpu_computed"] / steps, "fills_per_step": d["fills"] / steps,
+                         "fill_fraction": after["fill_fraction"],
+                         "graph_replays": graphs.replays if graphs is not None else 0})
+            print(json.dumps(rows[-1]), flush=True)
+            batch.close()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--fractions", default="0.25,0.5,1.0")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint (default: a temp dir)")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/engine_gpu_decode.json"))
+    args = ap.parse_args()
+    fractions = [float(x) for x in args.fractions.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    if args.worker:
+        rows = worker(args.model, args.worker, fractions, batches, args.steps, args.device)
+        print("ROWS " + json.dumps(rows), flush=True)
+        return
+    from fast_load import write_checkpoint
+    work = Path(tempfile.mkdtemp(dir=args.dir))
+    t0 = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    nbytes = write_checkpoint(work / "model", args.layers,
+                              rnd=lambda shape: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
+    print(f"checkpoint: {args.layers} layers, {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
+    rows, failed = [], []
+    for side, (branch, _) in SIDES.items():
+        env = dict(os.environ, FREETOKEN_HOST_BRANCH=branch)
+        proc = subprocess.run([sys.executable, __file__, "--worker", side, "--model", str(work / "model"),
+                               "--fractions", args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device],
+                              env=env, capture_output=True, text=True)
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ROWS ")), None)
+        if proc.returncode or line is None:
+            log = Path(args.out).with_suffix(f".{side.replace('/', '-')}.log")
+            log.parent.mkdir(parents=True, exist_ok=True)
+            log.write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+            print(f"{side} failed (exit {proc.returncode}; full log {log}):\n{proc.stderr[:3000]}", flush=True)
+            failed.append(side)
+            continue
+        rows += json.loads(line[5:])
+    table(rows)
+    result = {"benchmark": "engine_gpu_decode", "hardware": describe(),
+              "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python", "bench/engine_gpu_decode.py"] + sys.argv[1:]),
+              "method": __doc__, "layers": args.layers, "checkpoint_bytes": nbytes, "rows": rows,
+              "failed_sides": failed, "ratios": ratios(rows)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    plot(result, out.with_suffix(".png"))
+    print(f"wrote {out}")
+    if failed:
+        sys.exit(f"failed sides: {', '.join(failed)}")
+
+
+def ratios(rows: list[dict]) -> dict:
+    """graphs / eager-branch and eager-branch / eager-sync per budget and batch (same run)."""
+    by = {(r["side"], r["cache_fraction"], r["batch"]): r["tok_s"] for r in rows}
+    out = {}
+    for (side, frac, b), v in by.items():
+        if side == "graphs" and ("eager/branch", frac, b) in by and ("eager/sync", frac, b) in by:
+            key = f"cache {frac:g} b{b}"
+            out[key] = {"graphs_vs_eager_branch": v / by[("eager/branch", frac, b)],
+                        "graphs_vs_eager_sync": v / by[("eager/sync", frac, b)],
+                        "eager_branch_vs_eager_sync": by[("eager/branch", frac, b)] / by[("eager/sync", frac, b)]}
+    return out
+
+
+def table(rows: list[dict]) -> None:
+    print(f"{'side':13} {'cache':>5} {'batch':>5} {'tok/s':>8} {'ms/step':>8} {'miss':>6} {'cpu/step':>8}")
+    for r in rows:
+        print(f"{r['side']:13} {r['cache_fraction']:5.2f} {r['batch']:5d} {r['tok_s']:8.1f} {r['ms_per_step']:8.2f} "
+              f"{r['miss_rate']:6.3f} {r['cpu_experts_per_step']:8.1f}")
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["rows"]
+    keys = sorted({(r["cache_fraction"], r["batch"]) for r in rows})
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, side in enumerate(SIDES):
+        vals = [next((r["tok_s"] for r in rows if r["side"] == side and (r["cache_fraction"], r["batch"]) == k), 0)
+                for k in keys]
+        ax.bar([j + 0.27 * (i - 1) for j in range(len(keys))], vals, 0.27, label=side)
+    ax.set_xticks(range(len(keys)), [f"cache {f:g}\nbatch {b}" for f, b in keys])
+    ax.set_ylabel("decode tok/s (whole engine)")
+    ax.set_title(f"engine decode, {result['layers']}-layer Qwen3-30B-shaped MoE\n"
+                 f"{result['hardware'].get('gpu', '?')}, {result['hardware']['cpu']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

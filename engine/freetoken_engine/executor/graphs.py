@@ -1,0 +1,131 @@
+"""CUDA graphs of the decode step: one graph launch per token instead of a few thousand kernels.
+
+A decode step (every sequence of the batch adds one token) is captured once per key
+``(B, width)``: B sequences, KV index padded to ``width`` keys (the next power of two, at least
+256, at most the context), so a handful of graphs covers a conversation's whole length. The
+whole forward pass is inside: embeddings, attention over the paged KV pool, the routers, the
+expert cache's device control step with its fills, the GPU experts and, when misses are computed
+on the CPU, the sync-free CPU branch (``cache/host_branch.py``: its flags and waits are device
+kernels, its host loop is started before each replay). Logits come out of a static buffer.
+
+A key's first step runs eagerly (it compiles what the step needs and is the step's real output);
+the graph is captured right after and replayed from the next step with the same key. Inputs
+cross in one copy: ``inputs.decode_arrays`` packs token ids, positions, KV slots, lengths and the
+KV index into one int64 array. The padded keys are masked, so a replay computes what the eager
+step computes; float32 logits agree within summation-order noise (tested on the GPU).
+
+Every tensor a graph reads outside its own memory pool is kept alive by ``_Graph`` (a freed one
+would be reused by the allocator under the graph). Graphs hold the addresses of the KV pool, the expert cache's pools and residency, the CPU
+branch's buffers and the rotary table: the runner drops them all (``clear``) whenever the cache
+is resized or q* changes. A capture that fails (an op that syncs) disables graphs for the
+process and decode stays eager.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from ..layers.attention import AttnBatch
+from .inputs import SeqChunk, decode_arrays
+
+log = logging.getLogger(__name__)
+
+MIN_WIDTH = 256
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    staging: torch.Tensor     # pinned int64, the packed inputs of one step
+    inputs: torch.Tensor      # the same on the device (the graph reads it)
+    rows: torch.Tensor        # [B] arange: each sequence's row (the graph reads it too)
+    logits: torch.Tensor      # [B, V] written by the graph
+    mode: str | None          # experts' graph mode ("device" / "branch"), None without experts
+    copied: torch.cuda.Event  # the last copy out of ``staging`` (it is reused only after that)
+
+
+class DecodeGraphs:
+    """Captured decode steps of one ``ModelRunner`` (its model, KV pool and expert executor)."""
+
+    def __init__(self, model, kv, experts, device: torch.device, dtype: torch.dtype, max_context: int,
+                 max_batch: int):
+        self.model, self.kv, self.experts, self.device = model, kv, experts, device
+        self.max_context, self.max_batch = max_context, max_batch
+        self.enabled = True
+        self.replays = 0
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool = None
+        # the rotary table must never be regrown under a graph: size it for the whole context now
+        model.rotary.cos_sin(torch.zeros(1, dtype=torch.int64, device=device), dtype, max_context - 1)
+
+    def width(self, keys: int) -> int:
+        w = MIN_WIDTH
+        while w < keys:
+            w *= 2
+        return min(w, max(self.max_context, keys))
+
+    def key(self, chunks: list[SeqChunk]) -> tuple[int, int] | None:
+        """The graph key of a forward pass, or None when it is not a capturable decode step."""
+        if not self.enabled or not 0 < len(chunks) <= self.max_batch:
+            return None
+        if any(len(c.tokens) != 1 for c in chunks):
+            return None
+        return len(chunks), self.width(max(c.start + 1 for c in chunks))
+
+    def __contains__(self, key) -> bool:
+        return key in self._graphs
+
+    def clear(self) -> None:
+        self._graphs.clear()
+        self._pool = None
+
+    def replay(self, chunks: list[SeqChunk], key: tuple[int, int]) -> torch.Tensor:
+        g = self._graphs[key]
+        arrays = decode_arrays(chunks, self.kv.block_size, key[1])
+        g.copied.synchronize()
+        g.staging.numpy()[:] = arrays
+        g.inputs.copy_(g.staging, non_blocking=True)
+        g.copied.record()
+        if g.mode is not None:
+            self.experts.begin_replay(key[0], g.mode)
+        g.graph.replay()
+        self.replays += 1
+        return g.logits.clone()
+
+    def capture(self, chunks: list[SeqChunk], key: tuple[int, int]) -> None:
+        """Capture the step ``chunks`` (already run eagerly once: kernels compiled, buffers made)."""
+        b, width = key
+        mode = None
+        if self.experts is not None:
+            mode = self.experts.graph_mode(b)
+            if mode is None:
+                return                     # a per-layer sync: this step stays eager
+        arrays = decode_arrays(chunks, self.kv.block_size, width)
+        staging = torch.from_numpy(arrays).pin_memory()
+        inputs = staging.to(self.device)
+        ids, positions, slots, ends = inputs[:4 * b].view(4, b)
+        kv_index = inputs[4 * b:].view(b, width)
+        rows = torch.arange(b, device=self.device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        if self.experts is not None:
+            self.experts.capturing(True)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                kv_valid = torch.arange(width, device=self.device)[None, :] < ends[:, None]
+                batch = AttnBatch(positions=positions, slot_mapping=slots, q_seq=rows,
+                                  q_idx=torch.zeros_like(rows), kv_index=kv_index, kv_valid=kv_valid,
+                                  q_max=1, needs_mask=True, max_position=self.max_context - 1)
+                logits = self.model(ids, batch, self.kv, rows)
+        except Exception as exc:        # noqa: BLE001 - any capture failure: stay eager, say why once
+            log.warning("CUDA graph capture failed (%s: %s); decode stays eager", type(exc).__name__, exc)
+            self.enabled = False
+            self.clear()
+            return
+        finally:
+            if self.experts is not None:
+                self.experts.capturing(False)
+        self._graphs[key] = _Graph(graph, staging, inputs, rows, logits, mode, torch.cuda.Event())
