@@ -301,8 +301,9 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
   J.es = es;
   // About 4 chunks per thread and stage (between 16 KiB and 4 MiB of weights): long sequential
   // streams, yet a thread slowed by other work still hands chunks to the others. On the 2-CPU
-  // EPYC, one token on 8 experts at 2 threads, chunks of 64 KiB (at most) read 40-44 GB/s and
-  // 1-4 MiB 53-62 (paired, same process); each chunk restarts the hardware prefetchers' streams.
+  // EPYC, one token on 8 experts at 2 threads, chunks of at most 64 KiB read 51 GB/s and these
+  // 70 (91% of the read; alternating in one process, docs/cpu_kernel.md): each chunk restarts
+  // the hardware prefetchers' streams.
   auto chunk = [&](int64_t stage_bytes) {
     const int64_t c = stage_bytes / (4 * (int64_t)g_threads);
     return c > (4 << 20) ? (4 << 20) : c < 16384 ? 16384 : c;
