@@ -36,6 +36,17 @@ Pool* pool_get() {
   return g_pool;
 }
 
+// Bytes of weights per work chunk for `total` bytes read by `threads` participants: about 4
+// chunks each (between 16 KiB and 4 MiB): long sequential streams, yet a thread slowed by other
+// work still hands chunks to the others. Each chunk restarts the hardware prefetchers' streams:
+// on the 2-CPU EPYC at 2 threads, chunks of at most 64 KiB read one token on 8 experts at
+// 51 GB/s and these at 70 (91% of the read), a 1-token bf16 projection at 50-51 and 65-68
+// (alternating in one process, docs/cpu_kernel.md).
+int64_t chunk_bytes(int64_t total, int threads) {
+  const int64_t c = total / (4 * (int64_t)threads);
+  return c > (4 << 20) ? (4 << 20) : c < 16384 ? 16384 : c;
+}
+
 // ---- the expert job ----------------------------------------------------------------------
 
 struct ExpJob {
@@ -105,7 +116,7 @@ void exp_job(void* c, int tid, int n) {
   }
 }
 
-// Output rows in chunks of about 64 KiB of weights, handed out dynamically.
+// Output rows in chunks handed out dynamically (sized in ft_linear).
 struct LinJob {
   const FtLinear* p;
   ft_linear_fn fn;
@@ -299,15 +310,7 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
   J.s2 = stage2_of(g_isa);
   const int64_t es = w_bf16 ? 2 : 4;
   J.es = es;
-  // About 4 chunks per thread and stage (between 16 KiB and 4 MiB of weights): long sequential
-  // streams, yet a thread slowed by other work still hands chunks to the others. On the 2-CPU
-  // EPYC, one token on 8 experts at 2 threads, chunks of at most 64 KiB read 51 GB/s and these
-  // 70 (91% of the read; alternating in one process, docs/cpu_kernel.md): each chunk restarts
-  // the hardware prefetchers' streams.
-  auto chunk = [&](int64_t stage_bytes) {
-    const int64_t c = stage_bytes / (4 * (int64_t)g_threads);
-    return c > (4 << 20) ? (4 << 20) : c < 16384 ? 16384 : c;
-  };
+  auto chunk = [&](int64_t stage_bytes) { return chunk_bytes(stage_bytes, g_threads); };
   J.ch1 = chunk(p.n_groups * 2 * I * H * es) / (2 * H * es); if (J.ch1 < 1) J.ch1 = 1;
   J.ch2 = (chunk(p.n_groups * H * I * es) / (I * es)) & ~int64_t(any_amx ? 15 : 1);  // AMX: 16-row tiles
   if (J.ch2 < 2) J.ch2 = 2;
@@ -341,7 +344,8 @@ int ft_linear(const void* x, int x_bf16, int64_t T, int64_t K, const void* w, in
   LinJob J;
   J.p = &p;
   J.fn = linear_of(g_isa);
-  J.chunk = (65536 / (K * (w_bf16 ? 2 : 4))) & ~int64_t(3);
+  const int64_t es = w_bf16 ? 2 : 4;
+  J.chunk = (chunk_bytes(N * K * es, g_threads) / (K * es)) & ~int64_t(3);
   if (J.chunk < 4) J.chunk = 4;
   J.total = (N + J.chunk - 1) / J.chunk;
   if (g_threads == 1 || J.total == 1) J.fn(&p, 0, N);   // no pool round trip for one participant
