@@ -39,8 +39,11 @@ inline void reduce16(const __m512* acc, int n, float* out) {
 // With many tokens the loop spends long enough on each weight line that the L1 prefetch one
 // distance ahead no longer keeps enough misses in flight: a second prefetch into L2, FAR_PF
 // distances ahead, for NT >= FAR_PF_TOKENS. On the 2-CPU EPYC, one thread, 8 tokens on the same
-// 8 experts: 16 -> 22-24 GB/s (paired, same run); for 1-4 tokens it cost 0-15% (not used there).
-enum { FAR_PF = 4, FAR_PF_TOKENS = 5 };
+// 8 experts: 16 -> 22-24 GB/s (paired, same run). With the larger work chunks, at 2 threads
+// (same-expert tokens, the two libraries alternating in one process): 3 tokens 50.8 -> 54.3,
+// 4 tokens 42.3 -> 49.2 (1 thread 22.6 -> 25.5) from 3 tokens on instead of 5; 2 tokens
+// 65.3 -> 63.8 (not used there); 8 distances instead of 4 changed nothing.
+enum { FAR_PF = 4, FAR_PF_TOKENS = 3 };
 
 // out[t] = dot(row[0:K], xs[t][0:K]) for NT bf16 token vectors: vdpbf16ps into U_BF fp32
 // accumulators per token (32-element block j of the row goes to accumulator j % U_BF, added
