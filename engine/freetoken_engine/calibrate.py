@@ -2,7 +2,8 @@
 
 q* balances a step's two sides: q filled experts cost q*S/B_pcie, the m - q computed in
 place cost (m - q)*S/B_cpu, so the fill fraction q*/m = B_pcie / (B_pcie + B_cpu), taken from
-the *concurrent* pair (they share host memory). Without a GPU there is no PCIe side: the cache
+the *concurrent* pair (they share host memory). B_cpu is the rate of decode-sized calls (one
+expert per call), the CPU's real share of a layer call. Without a GPU there is no PCIe side: the cache
 lives in host memory and ``fill_fraction`` is 1.0. Results are cached per host configuration.
 """
 from __future__ import annotations
@@ -31,23 +32,31 @@ def _llc_bytes() -> int:
         return 32 * 1024 * 1024
 
 
-def _cpu_gbps(stop: threading.Event | None, seconds: float) -> float:
-    """GB/s of expert weights the engine's CPU expert kernel reads, one token per expert."""
+def _cpu_gbps(stop: threading.Event | None, seconds: float, per_call: int = 1) -> float:
+    """GB/s of expert weights the engine's CPU expert kernel reads in decode-sized calls: one
+    token on ``per_call`` experts per call, cycling through rows well beyond the last-level
+    cache. q* leaves the CPU one to a few experts per MoE layer call, and a call's fixed costs
+    weigh on so few: on the H200 host one expert per call ran at 45-53 GB/s where calls of
+    eight ran at 68-74 (bench/gpu_offload.py), and a split balanced on the larger rate gives the
+    CPU more than it finishes in time."""
     from .kernels import cpu_expert_forward
     _, fn = cpu_expert_forward()
     per = 3 * HIDDEN * INTER * 2
-    n = max(4, 3 * _llc_bytes() // per + 1)             # rows well beyond the last-level cache
+    n = max(4 * per_call, 3 * _llc_bytes() // per + 1)   # rows well beyond the last-level cache
     w13 = torch.randn(n, 2 * INTER, HIDDEN).to(torch.bfloat16)
     w2 = torch.randn(n, HIDDEN, INTER).to(torch.bfloat16)
     x = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
-    tok = torch.zeros(n, dtype=torch.int64)
+    tok = torch.zeros(per_call, dtype=torch.int64)
     exp = torch.arange(n)
-    fn(x, w13, w2, tok, exp)                             # warm-up (and first-use build)
+    starts = range(0, n - per_call + 1, per_call)
+    for i in starts:                                     # warm-up (and first-use build), one pass
+        fn(x, w13, w2, tok, exp[i:i + per_call])
     done, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds and not (stop and stop.is_set()):
-        fn(x, w13, w2, tok, exp)
+        i = starts[done % len(starts)]
+        fn(x, w13, w2, tok, exp[i:i + per_call])
         done += 1
-    return done * n * per / (time.perf_counter() - t0) / 1e9
+    return done * per_call * per / (time.perf_counter() - t0) / 1e9
 
 
 def _pcie_gbps(device: torch.device, stop: threading.Event | None, seconds: float) -> float:
