@@ -97,7 +97,7 @@ def default_threads() -> int:
 
     Without a GPU the engine's thread has nothing to do while the experts compute (decode calls
     the kernel layer after layer), so it works as one of the participants and every CPU reads
-    weights: on the 2-CPU EPYC the kernel reads 68.6 GB/s at 2 threads against 36.2 at 1, and the
+    weights: on the 2-CPU EPYC the kernel reads 67.2 GB/s at 2 threads against 33.8 at 1, and the
     engine's bf16 CPU decode runs 172 against 108 tok/s (docs/cpu_kernel.md). With
     a GPU (``gpu_present``) one CPU is left to the engine's own work (kernel launches, the CPU
     branch's host loop)."""
