@@ -49,8 +49,9 @@ enum { FAR_PF = 4, FAR_PF_TOKENS = 3 };
 // accumulators per token (32-element block j of the row goes to accumulator j % U_BF, added
 // before the horizontal sum), one sequential weight stream, the NT sums in one tree. U_BF does
 // not depend on NT, so a pair's result never depends on the other tokens of its group.
-// (One accumulator made a row a chain of dependent vdpbf16ps, 6 cycles each on the EPYC: a
-// w2 row of 1536 bytes took ~150 cycles, a bound of ~40 GB/s per thread, the memory's rate.)
+// Against one accumulator per token (EPYC, 2 threads, same-expert tokens, the two libraries
+// alternating in one process): 8 tokens 32.9-34.6 vs 27.8-27.9 GB/s, 3-4 tokens 2-5% slower,
+// 1 token the same (49 GB/s; 38.5 at 1 thread).
 // (Two rows at once, each token load serving both, cost 4 tokens 18% on the EPYC: two streams.)
 enum { U_BF = 2 };
 
