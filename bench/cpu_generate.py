@@ -256,13 +256,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads for every side (1: robust on a shared machine)")
+                    help="threads for every side: torch's intra-op threads and the engine's compiled "
+                         "kernels (1: robust on a shared machine)")
     ap.add_argument("--only", default="", help="comma-separated checkpoint names (default: all)")
     ap.add_argument("--no-casts", dest="casts", action="store_false",
                     help="skip the float32 checkpoints narrowed to bfloat16 on both sides")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "cpu_generate.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    from freetoken_engine.kernels import cpu_experts as ce
+    if ce.available():                  # the engine's compiled kernels get the threads torch gets
+        ce.configure(threads=args.threads)
     hw_start, read = describe(), read_gbps()
     print(f"single-thread read bandwidth: {read:.1f} GB/s; load average {hw_start['load_average_1m']}")
     rows, configs = [], {}

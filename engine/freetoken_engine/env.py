@@ -11,7 +11,8 @@ FREETOKEN_CACHE_DIR = "FREETOKEN_CACHE_DIR"
 FREETOKEN_CPU_THREADS = "FREETOKEN_CPU_THREADS"
 #: Force the CPU expert backend: "reference" or a compiled backend's name.
 FREETOKEN_CPU_EXPERT_BACKEND = "FREETOKEN_CPU_EXPERT_BACKEND"
-#: Threads of the compiled CPU expert kernel (default: all CPUs of the affinity set but one).
+#: Threads of the compiled CPU expert kernel (default: every CPU of the affinity set without a
+#: GPU, all but one with a GPU; ``kernels/cpu_experts.default_threads``).
 FREETOKEN_CPU_EXPERT_THREADS = "FREETOKEN_CPU_EXPERT_THREADS"
 #: Compiled CPU expert kernel: "auto" (build on first use), "off"/"reference", or an ISA name.
 FREETOKEN_CPU_KERNEL = "FREETOKEN_CPU_KERNEL"
