@@ -100,9 +100,9 @@ def main() -> None:
     rows, failed = [], []
     for side, (branch, _) in SIDES.items():
         env = dict(os.environ, FREETOKEN_HOST_BRANCH=branch)
-        proc = subprocess.run([sys.executable, __file__, "--worker", side, "--model", str(work / "model"),
-                               "--fractions", args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device],
-                              env=env, capture_output=True, text=True)
+        cmd = [sys.executable, __file__, "--worker", side, "--model", str(work / "model"), "--fractions",
+               args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ROWS ")), None)
         if proc.returncode or line is None:
             log = Path(args.out).with_suffix(f".{side.replace('/', '-')}.log")

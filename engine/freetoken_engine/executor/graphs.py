@@ -15,9 +15,9 @@ KV index into one int64 array. The padded keys are masked, so a replay computes 
 step computes; float32 logits agree within summation-order noise (tested on the GPU).
 
 Every tensor a graph reads outside its own memory pool is kept alive by ``_Graph`` (a freed one
-would be reused by the allocator under the graph). Graphs hold the addresses of the KV pool, the expert cache's pools and residency, the CPU
-branch's buffers and the rotary table: the runner drops them all (``clear``) whenever the cache
-is resized or q* changes. A capture that fails (an op that syncs) disables graphs for the
+would be reused by the allocator under the graph). Graphs hold the addresses of the KV pool,
+the expert cache's pools and residency, the CPU branch's buffers and the rotary table: the
+runner drops them all (``clear``) whenever the cache is resized or q* changes. A capture that fails (an op that syncs) disables graphs for the
 process and decode stays eager.
 """
 from __future__ import annotations
