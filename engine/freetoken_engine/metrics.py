@@ -82,6 +82,13 @@ class _EngineCollector:
         for name, doc, key in _STATS_GAUGES:
             if stats.get(key) is not None:
                 yield GaugeMetricFamily(name, doc, value=float(stats[key]))
+        if stats.get("decode_graphs") is not None:
+            yield GaugeMetricFamily("freetoken_decode_graphs",
+                                    "Decode steps captured as CUDA graphs (0: decode runs eagerly)",
+                                    value=float(stats["decode_graphs"]))
+            yield CounterMetricFamily("freetoken_decode_graph_replays",
+                                      "Decode steps replayed from a captured CUDA graph",
+                                      value=float(stats["decode_graph_replays"]))
         if stats.get("preemptions") is not None:
             yield CounterMetricFamily("freetoken_preemptions",
                                       "Running requests pushed back to the queue to free KV blocks",

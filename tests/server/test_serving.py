@@ -96,8 +96,10 @@ def test_metrics_count_requests_tokens_and_read_the_engine(live):
                  "freetoken_expert_cache_hits", "freetoken_expert_cache_misses",
                  "freetoken_requests_running", "freetoken_requests_queued",
                  "freetoken_kv_blocks_total", "freetoken_expert_fill_fraction",
-                 "freetoken_engine_ready", "freetoken_preemptions"):
+                 "freetoken_engine_ready", "freetoken_preemptions", "freetoken_decode_graphs",
+                 "freetoken_decode_graph_replays"):
         assert name in fams, name
+    assert fams["freetoken_decode_graphs"].samples[0].value == 0        # on a CPU decode is eager
 
 
 def test_past_the_queue_limit_requests_get_429_with_retry_after(tiny_dir):

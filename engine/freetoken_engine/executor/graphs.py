@@ -77,6 +77,9 @@ class DecodeGraphs:
     def __contains__(self, key) -> bool:
         return key in self._graphs
 
+    def __len__(self) -> int:
+        return len(self._graphs)
+
     def clear(self) -> None:
         self._graphs.clear()
         self._pool = None

@@ -151,6 +151,12 @@ class ModelRunner:
                 "fills": s.fills, "cpu_computed": s.cpu_computed, "fill_fraction": c.fill_fraction,
                 "cpu_backend": self.experts.cpu_backend_name, "backend": self.experts.backend}
 
+    def graph_stats(self) -> dict:
+        """Decode CUDA graphs captured now and steps replayed from them (0 and 0: eager decode)."""
+        g = self.graphs
+        return {"decode_graphs": len(g) if g is not None else 0,
+                "decode_graph_replays": g.replays if g is not None else 0}
+
     def device_bytes(self) -> int:
         if self.device.type != "cuda":
             return 0

@@ -163,7 +163,8 @@ class EngineService:
                 "pcie_gbps": self._calibration.get("pcie_gbps"),
                 "cpu_expert_gbps": self._calibration.get("cpu_expert_gbps"),
                 "fill_fraction": self._calibration.get("fill_fraction"),
-                "expert_cache": self.runner.expert_stats(), "device_bytes": self.runner.device_bytes()}
+                "expert_cache": self.runner.expert_stats(), "device_bytes": self.runner.device_bytes(),
+                **self.runner.graph_stats()}
 
     def shutdown(self) -> None:
         if self.scheduler is not None:
