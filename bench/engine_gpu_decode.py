@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -72,26 +73,9 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
     return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--fractions", default="0.25,0.5,1.0")
-    ap.add_argument("--batches", default="1,4")
-    ap.add_argument("--steps", type=int, default=48)
-    ap.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint (default: a temp dir)")
-    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
-    ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/engine_gpu_decode.json"))
-    args = ap.parse_args()
-    fractions = [float(x) for x in args.fractions.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
-    if args.worker:
-        rows = worker(args.model, args.worker, fractions, batches, args.steps, args.device)
-        print("ROWS " + json.dumps(rows), flush=True)
-        return
+def run_sides(work: Path, args) -> tuple[int, list[dict], list[str]]:
+    """Write the checkpoint into ``work``, then run each side in its own process on it."""
     from fast_load import write_checkpoint
-    work = Path(tempfile.mkdtemp(dir=args.dir))
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     nbytes = write_checkpoint(work / "model", args.layers,
@@ -112,6 +96,32 @@ def main() -> None:
             failed.append(side)
             continue
         rows += json.loads(line[5:])
+    return nbytes, rows, failed
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--fractions", default="0.25,0.5,1.0")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint (default: a temp dir)")
+    ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--out", default=str(ROOT / "bench/results/engine_gpu_decode.json"))
+    args = ap.parse_args()
+    fractions = [float(x) for x in args.fractions.split(",")]
+    batches = [int(x) for x in args.batches.split(",")]
+    if args.worker:
+        rows = worker(args.model, args.worker, fractions, batches, args.steps, args.device)
+        print("ROWS " + json.dumps(rows), flush=True)
+        return
+    work = Path(tempfile.mkdtemp(dir=args.dir))
+    try:
+        nbytes, rows, failed = run_sides(work, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)      # the checkpoint is several GB
     table(rows)
     result = {"benchmark": "engine_gpu_decode", "hardware": describe(),
               "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
