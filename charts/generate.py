@@ -95,6 +95,9 @@ NODE = [
     ("Memory-pressure actions", "timeseries", "short", [(pressure_events(N), "{{action}}")], 12),
     ("Engine up", "stat", "none", [(f"freetoken_agent_engine_up{N}", "{{model}}")], 12),
     ("Replica states", "stat", "none", [(f"freetoken_agent_replica_state{N} == 1", "{{model}} {{state}}")], 12),
+    ("Decode steps from CUDA graphs (0 graphs on a GPU: decode runs eagerly)", "timeseries", "short",
+     [(f"sum by (model) (rate(freetoken_decode_graph_replays_total{N}[{RI}]))", "{{model}} steps/s"),
+      (f"freetoken_decode_graphs{N}", "{{model}} graphs")], 24),
 ]
 
 
