@@ -87,13 +87,14 @@ class DecodeGraphs:
     def replay(self, chunks: list[SeqChunk], key: tuple[int, int]) -> torch.Tensor:
         g = self._graphs[key]
         arrays = decode_arrays(chunks, self.kv.block_size, key[1])
-        g.copied.synchronize()
-        g.staging.numpy()[:] = arrays
-        g.inputs.copy_(g.staging, non_blocking=True)
-        g.copied.record()
-        if g.mode is not None:
-            self.experts.begin_replay(key[0], g.mode)
-        g.graph.replay()
+        with torch.cuda.device(self.device):        # the engine's device, whichever is current
+            g.copied.synchronize()
+            g.staging.numpy()[:] = arrays
+            g.inputs.copy_(g.staging, non_blocking=True)
+            g.copied.record()
+            if g.mode is not None:
+                self.experts.begin_replay(key[0], g.mode)
+            g.graph.replay()
         self.replays += 1
         return g.logits.clone()
 
@@ -117,7 +118,7 @@ class DecodeGraphs:
         if self.experts is not None:
             self.experts.capturing(True)
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self._pool):
                 kv_valid = torch.arange(width, device=self.device)[None, :] < ends[:, None]
                 batch = AttnBatch(positions=positions, slot_mapping=slots, q_seq=rows,
                                   q_idx=torch.zeros_like(rows), kv_index=kv_index, kv_valid=kv_valid,
