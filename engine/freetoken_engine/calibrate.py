@@ -32,31 +32,38 @@ def _llc_bytes() -> int:
         return 32 * 1024 * 1024
 
 
-def _cpu_gbps(stop: threading.Event | None, seconds: float, per_call: int = 1) -> float:
-    """GB/s of expert weights the engine's CPU expert kernel reads in decode-sized calls: one
-    token on ``per_call`` experts per call, cycling through rows well beyond the last-level
-    cache. q* leaves the CPU one to a few experts per MoE layer call, and a call's fixed costs
-    weigh on so few: on the H200 host one expert per call ran at 45-53 GB/s where calls of
-    eight ran at 68-74 (bench/gpu_offload.py), and a split balanced on the larger rate gives the
-    CPU more than it finishes in time."""
-    from .kernels import cpu_expert_forward
-    _, fn = cpu_expert_forward()
-    per = 3 * HIDDEN * INTER * 2
-    n = max(4 * per_call, 3 * _llc_bytes() // per + 1)   # rows well beyond the last-level cache
-    w13 = torch.randn(n, 2 * INTER, HIDDEN).to(torch.bfloat16)
-    w2 = torch.randn(n, HIDDEN, INTER).to(torch.bfloat16)
-    x = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
-    tok = torch.zeros(per_call, dtype=torch.int64)
-    exp = torch.arange(n)
-    starts = range(0, n - per_call + 1, per_call)
-    for i in starts:                                     # warm-up (and first-use build), one pass
-        fn(x, w13, w2, tok, exp[i:i + per_call])
-    done, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds and not (stop and stop.is_set()):
-        i = starts[done % len(starts)]
-        fn(x, w13, w2, tok, exp[i:i + per_call])
-        done += 1
-    return done * per_call * per / (time.perf_counter() - t0) / 1e9
+class _CpuExperts:
+    """The engine's CPU expert kernel on expert rows well beyond the last-level cache, built (and
+    warmed up: first-use build, one pass) once, then timed alone and beside the PCIe copies.
+
+    Decode-sized calls: one token on ``per_call`` experts per call. q* leaves the CPU one to a few
+    experts per MoE layer call, and a call's fixed costs weigh on so few: on the H200 host one
+    expert per call ran at 45-53 GB/s where calls of eight ran at 68-74 (bench/gpu_offload.py),
+    and a split balanced on the larger rate gives the CPU more than it finishes in time."""
+
+    def __init__(self, per_call: int = 1):
+        from .kernels import cpu_expert_forward
+        _, self.fn = cpu_expert_forward()
+        self.per = 3 * HIDDEN * INTER * 2
+        n = max(4 * per_call, 3 * _llc_bytes() // self.per + 1)
+        self.w13 = torch.randn(n, 2 * INTER, HIDDEN).to(torch.bfloat16)
+        self.w2 = torch.randn(n, HIDDEN, INTER).to(torch.bfloat16)
+        self.x = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
+        self.tok = torch.zeros(per_call, dtype=torch.int64)
+        self.calls = [torch.arange(i, i + per_call) for i in range(0, n - per_call + 1, per_call)]
+        for exp in self.calls:
+            self._call(exp)
+
+    def _call(self, exp: torch.Tensor) -> None:
+        self.fn(self.x, self.w13, self.w2, self.tok, exp)
+
+    def gbps(self, seconds: float) -> float:
+        """GB/s of expert weights read, cycling through the rows for ``seconds``."""
+        done, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            self._call(self.calls[done % len(self.calls)])
+            done += 1
+        return done * self.tok.numel() * self.per / (time.perf_counter() - t0) / 1e9
 
 
 def _pcie_gbps(device: torch.device, stop: threading.Event | None, seconds: float) -> float:
@@ -82,7 +89,8 @@ def fill_fraction(pcie: float | None, cpu: float) -> float:
 
 def measure(device: str = "cpu", seconds: float = 1.0) -> dict:
     dev = torch.device(device)
-    cpu_alone = _cpu_gbps(None, seconds)
+    cpu = _CpuExperts()
+    cpu_alone = cpu.gbps(seconds)
     pcie_alone = conc_pcie = None
     conc_cpu = cpu_alone
     if dev.type == "cuda":
@@ -90,7 +98,7 @@ def measure(device: str = "cpu", seconds: float = 1.0) -> dict:
         out: dict = {}
         t = threading.Thread(target=lambda: out.setdefault("pcie", _pcie_gbps(dev, None, seconds)))
         t.start()
-        conc_cpu = _cpu_gbps(None, seconds)
+        conc_cpu = cpu.gbps(seconds)
         t.join()
         conc_pcie = out["pcie"]
     return {"pcie_gbps": pcie_alone, "cpu_expert_gbps": cpu_alone,
