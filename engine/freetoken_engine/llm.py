@@ -60,9 +60,7 @@ class LLM:
         logits = None
         while start < len(ids):
             piece = ids[start:start + chunk]
-            need = kv.blocks_for(start + len(piece)) - len(blocks)
-            if need > 0:
-                blocks += kv.allocate(need)
+            kv.extend(blocks, start + len(piece))
             logits = self.runner.forward([SeqChunk(blocks, start, piece)])[0]
             start += len(piece)
         return blocks, logits
@@ -76,8 +74,7 @@ class LLM:
         blocks, rows = [], []
         try:
             for pos, tok in enumerate(ids):
-                if kv.blocks_for(pos + 1) > len(blocks):
-                    blocks += kv.allocate(1)
+                kv.extend(blocks, pos + 1)
                 rows.append(self.runner.forward([SeqChunk(blocks, pos, [tok])])[0])
         finally:
             kv.release(blocks)
@@ -120,8 +117,7 @@ class LLM:
                 if len(out) >= max_new:
                     break
                 pos = len(prompt_ids) + len(out) - 1
-                if kv.blocks_for(pos + 1) > len(blocks):
-                    blocks += kv.allocate(1)
+                kv.extend(blocks, pos + 1)
                 logits = self.runner.forward([SeqChunk(blocks, pos, [tok])])[0]
         finally:
             kv.release(blocks)
@@ -158,8 +154,7 @@ class Lockstep:
         chunks = []
         for blocks, n, out in self.seqs:
             pos = n + len(out) - 1
-            if self.kv.blocks_for(pos + 1) > len(blocks):
-                blocks += self.kv.allocate(1)
+            self.kv.extend(blocks, pos + 1)
             chunks.append(SeqChunk(blocks, pos, [out[-1]]))
         logits = self.runner.forward(chunks)
         for (_, _, out), tok in zip(self.seqs, logits.argmax(-1).tolist()):

@@ -58,6 +58,12 @@ class KVPool:
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
+    def extend(self, blocks: list[int], tokens: int) -> None:
+        """Append to ``blocks`` (in place) the blocks that holding ``tokens`` tokens needs."""
+        need = self.blocks_for(tokens) - len(blocks)
+        if need > 0:
+            blocks += self.allocate(need)
+
     def check_integrity(self) -> None:
         free = set(self._free)
         if len(free) != len(self._free):
