@@ -278,10 +278,15 @@ def main() -> None:
     data.update({"benchmark": "cpu_expert_kernel", "shape": {"H": H, "I": I, "top_k": K},
                  "method": __doc__.strip().split("\n\n")[1]})
     data.setdefault("machines", {})[args.label] = entry
+    write_results(out, data, plot)
+
+
+def write_results(out: Path, data: dict, plot_fn) -> None:
+    """The JSON, then its PNG next to it drawn by plot_fn (skipped, saying so, without matplotlib)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1) + "\n")
     try:
-        plot(data, out.with_suffix(".png"))
+        plot_fn(data, out.with_suffix(".png"))
     except ImportError as exc:  # matplotlib absent (e.g. the GPU machine): the JSON is what counts
         print(f"no plot: {exc}")
     print(f"wrote {out}")

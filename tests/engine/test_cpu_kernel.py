@@ -190,6 +190,47 @@ def test_result_independent_of_threads_and_pair_order(kernel_config):
     assert torch.equal(two, one[perm])
 
 
+@pytest.fixture
+def knobs():
+    """Restore the kernel's tuning knobs after a test changes them."""
+    if not ce.available():
+        pytest.skip("compiled kernel unavailable")
+    before = ce.tune()
+    yield before
+    ce.tune(**before)
+
+
+def test_tuning_knobs_change_no_bit_of_the_result(kernel_config, knobs):
+    """Chunk sizes and prefetch settings (bench/cpu_kernel_tune.py sweeps them) only move work
+    between threads and lines between caches: every pair's output stays bitwise the same, on
+    the vector path and (where the CPU has them) the tiles; and the call's phases are in order."""
+    x, w13, w2, tok, exp = _problem(12, 256, 96, 6, 48, torch.bfloat16, torch.bfloat16)
+    exp[:16] = 2                                        # a 16-token group: the tiles on an AMX CPU
+    ce.configure(threads=2)
+    want = ce.experts_forward(x, w13, w2, tok, exp)
+    _close(want, expert_pairs_forward(x, w13, w2, tok, exp))
+    phases = ce.last_timing()
+    assert 0 <= phases["posted"] <= phases["last_start"] <= phases["end"]
+    assert phases["posted"] <= phases["stage1_end"] <= phases["end"]
+    for setting in ({"chunks_per_thread": 1}, {"chunks_per_thread": 64}, {"far_pf": 0}, {"far_pf": 16},
+                    {"far_pf_tokens": 1}, {"amx_next": 1, "amx_pf": 0}, {"amx_pf": 4096}):
+        ce.tune(**{**knobs, **setting})
+        assert torch.equal(ce.experts_forward(x, w13, w2, tok, exp), want), setting
+    ce.tune(**knobs)
+    ce.tune(amx_min_tokens=1 << 20)                     # tiles off: the vector path, same tolerance
+    _close(ce.experts_forward(x, w13, w2, tok, exp), expert_pairs_forward(x, w13, w2, tok, exp))
+
+
+def test_unknown_or_out_of_range_knobs_are_refused(knobs):
+    with pytest.raises(ValueError, match="unknown tuning knob 'chunk'"):
+        ce.tune(chunk=4)
+    with pytest.raises(ValueError, match="amx_next"):
+        ce.tune(amx_next=2)
+    with pytest.raises(ValueError, match="non-negative int"):
+        ce.tune(far_pf=-1)
+    assert ce.tune() == knobs
+
+
 def test_bad_inputs_raise_clear_errors():
     x, w13, w2, tok, exp = _problem(2, 64, 32, 4, 3, torch.float32, torch.float32)
     with pytest.raises(IndexError):

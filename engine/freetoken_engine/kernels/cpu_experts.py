@@ -182,6 +182,40 @@ def configure(threads: int | None = None, isa: str | None = None,
     return cfg
 
 
+TUNING_KNOBS = ("chunks_per_thread", "amx_min_tokens", "amx_pf", "amx_next", "far_pf", "far_pf_tokens")
+
+
+def tune(**knobs: int) -> dict:
+    """Set tuning knobs of the compiled kernel (kernels/cpu/tune.h; the defaults are the measured
+    best), e.g. ``tune(chunks_per_thread=8)``, for sweeps such as ``bench/cpu_kernel_tune.py``;
+    returns every knob's value after the change ({} on the reference). Raises ValueError for an
+    unknown knob or a value out of its range."""
+    for name, value in knobs.items():
+        if name not in TUNING_KNOBS:
+            raise ValueError(f"unknown tuning knob {name!r}; known: {', '.join(TUNING_KNOBS)}")
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"tuning knob {name} must be a non-negative int, got {value!r}")
+    lib = _load()
+    if lib is None:
+        return {}
+    with _lock:
+        for name, value in knobs.items():
+            if lib.ft_tune(name.encode(), value) < 0:
+                raise ValueError(lib.ft_last_error().decode())
+        return {name: lib.ft_tune(name.encode(), -1) for name in TUNING_KNOBS}
+
+
+def last_timing() -> dict:
+    """The last compiled expert call's phases, microseconds from its start: ``posted`` (grouping
+    done), ``last_start`` (the last participant began), ``stage1_end``, ``end``; {} on the reference."""
+    lib = _load()
+    if lib is None:
+        return {}
+    buf = (ctypes.c_double * 4)()
+    lib.ft_last_timing(buf)
+    return dict(zip(("posted", "last_start", "stage1_end", "end"), buf))
+
+
 def available() -> bool:
     """True when the compiled kernel is loaded (built on first use if needed)."""
     return _load() is not None

@@ -26,7 +26,7 @@ from pathlib import Path
 
 SRC_DIR = Path(__file__).resolve().parent
 SOURCES = ("experts.h", "simd.h", "experts.cpp", "experts_isa.cpp", "decode_isa.cpp", "branch.cpp",
-           "pool.h", "isa.h", "experts_amx.cpp")
+           "pool.h", "isa.h", "tune.h", "jobs.h", "experts_amx.cpp")
 LIB_NAME = "libftexperts.so"
 
 _COMMON = ["-O3", "-std=c++17", "-fPIC", "-fno-strict-aliasing", "-w"]
@@ -140,4 +140,8 @@ def load() -> ctypes.CDLL:
     lib.ft_branch_run.argtypes = [vp, i64]   # FtBranch* (kernels/cpu_branch.py), epoch
     lib.ft_read_seconds.restype = ctypes.c_double
     lib.ft_read_seconds.argtypes = [vp, i64]
+    lib.ft_tune.restype = i64
+    lib.ft_tune.argtypes = [ctypes.c_char_p, i64]
+    lib.ft_last_timing.restype = None
+    lib.ft_last_timing.argtypes = [ctypes.POINTER(ctypes.c_double)]
     return lib

@@ -16,6 +16,8 @@
 #include "experts.h"
 #include "isa.h"
 #include "pool.h"
+#include "tune.h"
+#include "jobs.h"
 
 namespace {
 
@@ -34,17 +36,6 @@ Pool* pool_get() {
   if (g_pool && g_pool->pid != getpid()) g_pool = nullptr;  // forked child: threads are gone
   if (!g_pool) g_pool = pool_start(g_threads, g_cpus.data(), (int)g_cpus.size(), g_spin_us);
   return g_pool;
-}
-
-// Bytes of weights per work chunk for `total` bytes read by `threads` participants: about 4
-// chunks each (between 16 KiB and 4 MiB): long sequential streams, yet a thread slowed by other
-// work still hands chunks to the others. Each chunk restarts the hardware prefetchers' streams:
-// on the 2-CPU EPYC at 2 threads, chunks of at most 64 KiB read one token on 8 experts at
-// 51 GB/s and these at 70 (91% of the read), a 1-token bf16 projection at 50-51 and 65-68
-// (alternating in one process, docs/cpu_kernel.md).
-int64_t chunk_bytes(int64_t total, int threads) {
-  const int64_t c = total / (4 * (int64_t)threads);
-  return c > (4 << 20) ? (4 << 20) : c < 16384 ? 16384 : c;
 }
 
 // ---- the expert job ----------------------------------------------------------------------
@@ -79,6 +70,7 @@ void exp_job(void* c, int tid, int n) {
   (void)tid; (void)n;
   ExpJob* J = (ExpJob*)c;
   const FtProblem* p = J->p;
+  atomic_max(g_timing.last_start, now_ns());
   for (;;) {
     const int64_t k = J->next.fetch_add(1, std::memory_order_relaxed);
     if (k < J->tot1) {
@@ -89,6 +81,7 @@ void exp_job(void* c, int tid, int n) {
       prefetch_start(w + r0 * rs, rs, r1 - r0, p->H * J->es, p->prefetch, false);         // gate rows
       prefetch_start(w + (p->I + r0) * rs, rs, r1 - r0, p->H * J->es, p->prefetch, true);  // up rows
       (p->g_amx && p->g_amx[g] ? ft_stage1_amx : J->s1)(p, g, r0, r1);
+      atomic_max(g_timing.stage1_end, now_ns());
       __atomic_fetch_add(&J->done1[g], 1, __ATOMIC_RELEASE);
     } else if (k < J->tot1 + J->tot2) {
       const int64_t g = (k - J->tot1) / J->per2, r0 = ((k - J->tot1) % J->per2) * J->ch2;
@@ -114,66 +107,6 @@ void exp_job(void* c, int tid, int n) {
       return;
     }
   }
-}
-
-// Output rows in chunks handed out dynamically (sized in ft_linear).
-struct LinJob {
-  const FtLinear* p;
-  ft_linear_fn fn;
-  int64_t chunk, total;
-  std::atomic<int64_t> next{0};
-};
-
-void lin_job(void* c, int tid, int n) {
-  (void)tid; (void)n;
-  LinJob* J = (LinJob*)c;
-  for (;;) {
-    const int64_t k = J->next.fetch_add(1, std::memory_order_relaxed);
-    if (k >= J->total) return;
-    const int64_t n0 = k * J->chunk, n1 = n0 + J->chunk < J->p->N ? n0 + J->chunk : J->p->N;
-    J->fn(J->p, n0, n1);
-  }
-}
-
-// Sequences handed out one at a time; each participant has its own scratch.
-struct AttnJob {
-  const FtAttn* p;
-  ft_attn_fn fn;
-  int64_t per;                     // scratch floats per participant
-  std::atomic<int64_t> next{0};
-};
-
-void attn_job(void* c, int tid, int n) {
-  (void)n;
-  AttnJob* J = (AttnJob*)c;
-  for (;;) {
-    const int64_t b = J->next.fetch_add(1, std::memory_order_relaxed);
-    if (b >= J->p->B) return;
-    J->fn(J->p, b, b + 1, J->p->scratch + tid * J->per);
-  }
-}
-
-struct ReadJob {
-  const char* p;
-  int64_t bytes;
-  ft_read_fn fn;
-  std::atomic<int64_t> next{0};
-  std::atomic<uint64_t> sink{0};
-};
-
-// 1 MiB chunks handed out dynamically, so a thread that shares its core with another process
-// does not hold the others back (the same scheduling as the expert job).
-void read_job(void* c, int tid, int n) {
-  (void)tid; (void)n;
-  ReadJob* J = (ReadJob*)c;
-  const int64_t chunk = 1 << 20;
-  uint64_t acc = 0;
-  for (;;) {
-    const int64_t b0 = J->next.fetch_add(chunk, std::memory_order_relaxed);
-    if (b0 >= J->bytes) break;
-    acc ^= J->fn(J->p + b0, b0 + chunk < J->bytes ? chunk : J->bytes - b0);
-  }
-  J->sink.fetch_xor(acc, std::memory_order_relaxed);
 }
 
 std::vector<int64_t> s_done1, s_cnt, s_gexp, s_gstart, s_gcount, s_sorted;
@@ -236,6 +169,7 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
                        int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
                        const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out) {
   std::lock_guard<std::mutex> lk(g_call);
+  g_timing.enter = now_ns();
   if (g_isa < 0) g_isa = detect_isa();
   for (int64_t i = 0; i < P; ++i) {
     if (pair_tok[i] < 0 || pair_tok[i] >= T || pair_exp[i] < 0 || pair_exp[i] >= E) {
@@ -268,6 +202,8 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
   p.g_expert = s_gexp.data(); p.g_start = s_gstart.data(); p.g_count = s_gcount.data();
   p.sorted_pair = s_sorted.data(); p.pair_tok = pair_tok;
   p.x_bf16 = x_bf16; p.out = out; p.out_bf16 = x_bf16; p.prefetch = w_bf16 ? g_prefetch : g_prefetch_f32;
+  p.far_pf = g_tune.far_pf; p.far_pf_tokens = g_tune.far_pf_tokens;
+  p.amx_pf = g_tune.amx_pf; p.amx_next = g_tune.amx_next;
   if (bfdot) {
     p.xb = (const uint16_t*)x;
     s_actb.resize(P * I);
@@ -286,7 +222,7 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
   if (g_isa == ISA_AMX && bfdot && H % 32 == 0 && I % 32 == 0) {
     s_gamx.assign(p.n_groups, 0);
     for (int64_t g = 0; g < p.n_groups; ++g) {
-      if (s_gcount[g] < AMX_MIN_TOKENS) continue;
+      if (s_gcount[g] < g_tune.amx_min_tokens) continue;
       if (!any_amx) s_xv.resize(P * H / 2);
       s_gamx[g] = 1;
       any_amx = true;
@@ -320,8 +256,37 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
   J.tot2 = J.per2 * p.n_groups;
   s_done1.assign(p.n_groups, 0);
   J.done1 = s_done1.data();
+  g_timing.last_start.store(0);
+  g_timing.stage1_end.store(0);
+  g_timing.posted = now_ns();
   pool_run(pool_get(), exp_job, &J);
+  g_timing.end = now_ns();
   return 0;
+}
+
+// The knob `name` of tune.h set to value (value < 0: left as it is); returns its value before,
+// or -1 (unknown name, value out of range).
+int64_t ft_tune(const char* name, int64_t value) {
+  std::lock_guard<std::mutex> lk(g_call);
+  const Knob* k = tune_find(name);
+  if (!k || value > k->hi || (value >= 0 && value < k->lo)) {
+    snprintf(g_err, sizeof g_err, "unknown tuning knob %s or value %lld out of its range", name, (long long)value);
+    return -1;
+  }
+  const int64_t was = *k->at;
+  if (value >= 0) *k->at = value;
+  return was;
+}
+
+// The last expert call's phases in microseconds from its start: grouping done (job posted),
+// the last participant's first chunk, the last stage-1 chunk's end, the call's end.
+void ft_last_timing(double* out4) {
+  std::lock_guard<std::mutex> lk(g_call);
+  const int64_t e = g_timing.enter;
+  out4[0] = 1e-3 * (g_timing.posted - e);
+  out4[1] = 1e-3 * (g_timing.last_start.load() - e);
+  out4[2] = 1e-3 * (g_timing.stage1_end.load() - e);
+  out4[3] = 1e-3 * (g_timing.end - e);
 }
 
 // out[t, n] = sum_k w[n, k] x[t, k] (+ bias[n]) for T tokens (see kernels/cpu/linear.py).

@@ -35,6 +35,11 @@ struct FtProblem {
   const uint8_t* g_amx;         // [n_groups] 1: the group runs on the AMX tiles, else null
   const uint32_t* xv;           // AMX groups' x in VNNI pairs (experts.cpp), and their act_b is
                                 // kept in the same layout: [(start + tb) * I + i/2 * 2nt + 2t + i%2]
+  // Tuning (tune.h, set by ft_tune): the vector kernels' second prefetch into L2, far_pf times
+  // `prefetch` ahead for groups of at least far_pf_tokens tokens (0: off); the tiles' prefetch
+  // distance along each of their 16 rows (bytes, 0: off) and, with amx_next, the next 16-row
+  // block prefetched into L2 in address order while the tiles read the current one.
+  int64_t far_pf, far_pf_tokens, amx_pf, amx_next;
 };
 
 // Stage 1: for group g and intermediate rows [i0, i1): act = silu(x W1^T) * (x W3^T).

@@ -35,21 +35,27 @@ void configure_tiles(int m, int nt) {
 }
 
 // out[r * 16 + t] = sum_k w[r][k] x[t][k] for m <= 16 rows at w (row stride rs bytes) and the
-// nt-token VNNI block xv (K/2 rows of nt words). Each row is also prefetched PF bytes ahead.
-void tile_rows(const char* w, int64_t rs, int m, const uint32_t* xv, int nt, int64_t K, int64_t pf, float* out) {
+// nt-token VNNI block xv (K/2 rows of nt words). Each row is also prefetched pf bytes ahead
+// (FtProblem::amx_pf: the next lines within a row, the rows being read 16 at a time side by
+// side); with nxt, the next block's nm rows are prefetched into L2 in address order, m lines
+// per step of 32 K, so the whole block is under way when its tiles start.
+void tile_rows(const char* w, int64_t rs, int m, const uint32_t* xv, int nt, int64_t K, int64_t pf,
+               const char* nxt, int nm, float* out) {
+  const int64_t lpr = K * 2 / 64;   // 64-byte lines per row (K is a multiple of 32)
+  int64_t line = 0;
   _tile_zero(0);
   for (int64_t k = 0; k < K; k += 32) {
     if (pf)
       for (int r = 0; r < m; ++r) prefetch(w + r * rs + k * 2 + pf);
+    if (nxt)
+      for (int q = 0; q < m && line < nm * lpr; ++q, ++line)
+        _mm_prefetch(nxt + (line / lpr) * rs + (line % lpr) * 64, _MM_HINT_T1);
     _tile_loadd(1, w + k * 2, rs);
     _tile_loadd(2, xv + (k / 2) * nt, nt * 4);
     _tile_dpbf16ps(0, 1, 2);
   }
   _tile_stored(0, out, 16 * 4);
 }
-
-// Within a row the next lines, not the next row: rows are read 16 at a time side by side.
-enum { PF = 512 };
 
 }  // namespace
 
@@ -66,8 +72,11 @@ extern "C" void ft_stage1_amx(const FtProblem* p, int64_t g, int64_t i0, int64_t
     for (int64_t ib = i0; ib < i1; ib += 16) {
       const int m = (int)(i1 - ib < 16 ? i1 - ib : 16);
       if (m != cm || nt != cn) configure_tiles(cm = m, cn = nt);
-      tile_rows(base + ib * rs, rs, m, xv, nt, H, PF, og);
-      tile_rows(base + (I + ib) * rs, rs, m, xv, nt, H, PF, ou);
+      // next: this block's up rows after its gate rows, then the next block's gate rows
+      const int nm = (int)(i1 - ib - m < 16 ? i1 - ib - m : 16);
+      tile_rows(base + ib * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (I + ib) * rs : 0, m, og);
+      tile_rows(base + (I + ib) * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (ib + m) * rs : 0, nm,
+                ou);
       swiglu_block(og, ou, oa, m * 16, p->x_bf16);
       for (int r = 0; r < m; ++r) {
         const int64_t i = ib + r;
@@ -92,7 +101,8 @@ extern "C" void ft_stage2_amx(const FtProblem* p, int64_t g, int64_t h0, int64_t
     for (int64_t hb = h0; hb < h1; hb += 16) {
       const int m = (int)(h1 - hb < 16 ? h1 - hb : 16);
       if (m != cm || nt != cn) configure_tiles(cm = m, cn = nt);
-      tile_rows(base + hb * rs, rs, m, av, nt, I, PF, o);
+      const int nm = (int)(h1 - hb - m < 16 ? h1 - hb - m : 16);
+      tile_rows(base + hb * rs, rs, m, av, nt, I, p->amx_pf, p->amx_next ? base + (hb + m) * rs : 0, nm, o);
       for (int r = 0; r < m; ++r)
         for (int t = 0; t < nt; ++t) ((uint16_t*)p->out)[dst[t] + hb + r] = f2bf(o[r * 16 + t]);
     }

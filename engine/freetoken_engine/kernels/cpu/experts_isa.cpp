@@ -42,8 +42,8 @@ inline void reduce16(const __m512* acc, int n, float* out) {
 // 8 experts: 16 -> 22-24 GB/s (paired, same run). With the larger work chunks, at 2 threads
 // (same-expert tokens, the two libraries alternating in one process): 3 tokens 50.8 -> 54.3,
 // 4 tokens 42.3 -> 49.2 (1 thread 22.6 -> 25.5) from 3 tokens on instead of 5; 2 tokens
-// 65.3 -> 63.8 (not used there); 8 distances instead of 4 changed nothing.
-enum { FAR_PF = 4, FAR_PF_TOKENS = 3 };
+// 65.3 -> 63.8 (not used there); 8 distances instead of 4 changed nothing. The distance
+// (FtProblem::far_pf, in units of the L1 distance) and the token threshold are tune.h's.
 
 // out[t] = dot(row[0:K], xs[t][0:K]) for NT bf16 token vectors: vdpbf16ps into U_BF fp32
 // accumulators per token (32-element block j of the row goes to accumulator j % U_BF, added
@@ -56,7 +56,8 @@ enum { FAR_PF = 4, FAR_PF_TOKENS = 3 };
 enum { U_BF = 2 };
 
 template <int NT>
-inline void dot_row_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K, int64_t pf, float* out) {
+inline void dot_row_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K, int64_t pf, int64_t far,
+                       float* out) {
   __m512 acc[U_BF][NT];
   for (int u = 0; u < U_BF; ++u)
     for (int t = 0; t < NT; ++t) acc[u][t] = _mm512_setzero_ps();
@@ -65,9 +66,9 @@ inline void dot_row_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K
     if (pf) {
       prefetch((const char*)(row + k) + pf);
       prefetch((const char*)(row + k) + pf + 64);
-      if (NT >= FAR_PF_TOKENS) {
-        _mm_prefetch((const char*)(row + k) + FAR_PF * pf, _MM_HINT_T2);
-        _mm_prefetch((const char*)(row + k) + FAR_PF * pf + 64, _MM_HINT_T2);
+      if (far) {
+        _mm_prefetch((const char*)(row + k) + far, _MM_HINT_T2);
+        _mm_prefetch((const char*)(row + k) + far + 64, _MM_HINT_T2);
       }
     }
     for (int u = 0; u < U_BF; ++u) {
@@ -101,23 +102,25 @@ inline void dot_row_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K
 // 64 KiB chunks).
 template <int NT>
 inline void rows_bf(const char* base, int64_t rs, int64_t r0, int64_t r1, const uint16_t* const* xs,
-                    int64_t K, int64_t pf, float* out, int64_t rend) {
+                    int64_t K, int64_t pf, int64_t far, float* out, int64_t rend) {
   const int64_t last = rend - (pf + rs - 1) / rs;   // rows before it prefetch inside the chunk
   for (int64_t r = r0; r < r1; ++r)
-    dot_row_bf<NT>((const uint16_t*)(base + r * rs), xs, K, r < last ? pf : 0, out + (r - r0) * NTMAX);
+    dot_row_bf<NT>((const uint16_t*)(base + r * rs), xs, K, r < last ? pf : 0, r < last ? far : 0,
+                   out + (r - r0) * NTMAX);
 }
 
-inline void rows_bf_n(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1,
-                      const uint16_t* const* xs, int64_t K, int64_t pf, float* out, int64_t rend) {
+inline void rows_bf_n(const FtProblem* p, int nt, const char* base, int64_t rs, int64_t r0, int64_t r1,
+                      const uint16_t* const* xs, int64_t K, float* out, int64_t rend) {
+  const int64_t pf = p->prefetch, far = nt >= p->far_pf_tokens ? p->far_pf * pf : 0;
   switch (nt) {
-    case 1: rows_bf<1>(base, rs, r0, r1, xs, K, pf, out, rend); break;
-    case 2: rows_bf<2>(base, rs, r0, r1, xs, K, pf, out, rend); break;
-    case 3: rows_bf<3>(base, rs, r0, r1, xs, K, pf, out, rend); break;
-    case 4: rows_bf<4>(base, rs, r0, r1, xs, K, pf, out, rend); break;
-    case 5: rows_bf<5>(base, rs, r0, r1, xs, K, pf, out, rend); break;
-    case 6: rows_bf<6>(base, rs, r0, r1, xs, K, pf, out, rend); break;
-    case 7: rows_bf<7>(base, rs, r0, r1, xs, K, pf, out, rend); break;
-    default: rows_bf<8>(base, rs, r0, r1, xs, K, pf, out, rend); break;
+    case 1: rows_bf<1>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    case 2: rows_bf<2>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    case 3: rows_bf<3>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    case 4: rows_bf<4>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    case 5: rows_bf<5>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    case 6: rows_bf<6>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    case 7: rows_bf<7>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    default: rows_bf<8>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
   }
 }
 #endif
@@ -159,8 +162,8 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
       const int64_t ie = ib + RB < i1 ? ib + RB : i1;
 #if FT_ISA == 3
       if (p->xb) {
-        rows_bf_n(nt, base, rs, ib, ie, xbs, H, p->prefetch, og, i1);
-        rows_bf_n(nt, base + I * rs, rs, ib, ie, xbs, H, p->prefetch, ou, i1);
+        rows_bf_n(p, nt, base, rs, ib, ie, xbs, H, og, i1);
+        rows_bf_n(p, nt, base + I * rs, rs, ib, ie, xbs, H, ou, i1);
       } else
 #endif
       {
@@ -204,7 +207,7 @@ void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
     for (int64_t hb = h0; hb < h1; hb += HB) {
       const int64_t he = hb + HB < h1 ? hb + HB : h1;
 #if FT_ISA == 3
-      if (p->xb) rows_bf_n(nt, base, rs, hb, he, xbs, I, p->prefetch, o, h1);
+      if (p->xb) rows_bf_n(p, nt, base, rs, hb, he, xbs, I, o, h1);
       else
 #endif
         rows_f<WB>(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);

@@ -1,0 +1,155 @@
+"""Tuning sweep of the CPU expert kernel: settings of its knobs side by side, in one process.
+
+The same bank and calls as bench/cpu_expert_kernel.py (Qwen3-30B-A3B expert shape, bf16, a bank
+at least 8x the last-level cache, each call on experts not read since long). Every round runs
+every setting (``cpu_experts.tune`` knobs, see kernels/cpu/tune.h) on every case, with the
+all-CPU STREAM-style read just before and after each setting, so each figure is also a paired
+fraction of the read. For 1-expert calls it also reports where a call's time goes (the kernel's
+own clock, ``cpu_experts.last_timing``): grouping, the last participant's start, the end of the
+stage-1 chunks, the end; and the Python call around it.
+
+    python bench/cpu_kernel_tune.py --label h200-host-16core \\
+        --settings "default; chunks_per_thread=8; amx_next=1,amx_pf=0" [--rounds 2] [--out DIR]
+
+Writes DIR/cpu_kernel_tune.json (this machine's entry merged with the others') and a PNG.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from cpu_expert_kernel import RESULTS, H, I, bank_tensor, gbps, hardware, make_plans, write_results
+from freetoken_engine.kernels import cpu_experts as ce
+
+CASES = (("1_expert", 1), ("2_experts", 1), ("one_token", 1), ("random_top8", 4),
+         ("same_experts", 4), ("same_experts", 8))
+
+
+def parse_settings(text: str) -> list[tuple[str, dict]]:
+    """"default; a=1,b=2; ..." -> [(label, knobs)]; raises ValueError naming a bad item."""
+    out = []
+    for item in filter(None, (s.strip() for s in text.split(";"))):
+        knobs = {}
+        if item != "default":
+            for kv in item.split(","):
+                name, _, value = kv.partition("=")
+                if name.strip() not in ce.TUNING_KNOBS or not value.strip().isdigit():
+                    raise ValueError(f"bad setting {kv!r}: want knob=int, knobs {', '.join(ce.TUNING_KNOBS)}")
+                knobs[name.strip()] = int(value)
+        out.append((item, knobs))
+    return out
+
+
+def call_phases(x, w13, w2, plans, n: int) -> dict:
+    """Median microseconds of n 1-expert calls: the kernel's phases and the Python call."""
+    rows = []
+    for i in range(n):
+        tok, exp, _ = plans[i % len(plans)]
+        t0 = time.perf_counter()
+        ce.experts_forward(x, w13, w2, tok, exp)
+        wall = 1e6 * (time.perf_counter() - t0)
+        rows.append({**ce.last_timing(), "python_call": wall})
+    return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--label", default="this-machine")
+    ap.add_argument("--settings", default="default")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: the kernel's default)")
+    ap.add_argument("--seconds", type=float, default=0.2, help="per case and setting")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    settings = parse_settings(args.settings)
+
+    hw = hardware()
+    ncpu, ebytes = hw["cpus"], 3 * H * I * 2
+    llc = hw["llc_bytes"] or 32 << 20
+    E = max(6 * 128, -(-8 * llc // ebytes))
+    E = min(E, int(0.4 * hw["ram_bytes"] // ebytes)) // 128 * 128
+    w13, w2 = bank_tensor(E, 2 * I, H), bank_tensor(E, H, I)
+    threads = args.threads or ce.default_threads()
+    base = ce.tune()
+    print(f"{hw['cpu_model']} | {ncpu} CPUs | {ce.backend_name()} | {threads} threads | bank {E} experts | "
+          f"defaults {base}")
+    gen = torch.Generator().manual_seed(0)
+    plans = {c: make_plans(E, c[1], c[0], gen) for c in CASES}
+    xs = {T: torch.randn(T, H).to(torch.bfloat16) for T in (1, 4, 8)}
+    samples: dict[str, dict[str, list[float]]] = {}
+    phases: dict[str, list[dict]] = {}
+
+    def read_all() -> float:
+        ce.configure(threads=ncpu)
+        v = w13.numel() * 2 / ce.read_seconds(w13) / 1e9
+        ce.configure(threads=threads)
+        return v
+
+    for r in range(args.rounds):
+        for label, knobs in settings:
+            ce.tune(**{**base, **knobs})
+            before = read_all()
+            got = {f"{m}/T={T}": gbps(ce.experts_forward, xs[T], w13, w2, plans[(m, T)], args.seconds, ebytes)
+                   for m, T in CASES}
+            phases.setdefault(label, []).append(call_phases(xs[1], w13, w2, plans[("1_expert", 1)], 200))
+            read = 0.5 * (before + read_all())
+            s = samples.setdefault(label, {})
+            for k, v in got.items():
+                s.setdefault(k, []).append(v)
+                s.setdefault(k + "/of_read", []).append(v / read)
+            s.setdefault("read", []).append(read)
+        print(f"round {r + 1}/{args.rounds} done")
+    ce.tune(**base)
+
+    table = {label: {k: statistics.median(v) for k, v in s.items()} for label, s in samples.items()}
+    for label, ph in phases.items():
+        table[label]["phases_1_expert_us"] = {k: statistics.median(p[k] for p in ph) for k in ph[0]}
+    cols = [f"{m}/T={T}" for m, T in CASES]
+    print(f"\n{'setting':40s} " + " ".join(f"{c:>18s}" for c in cols) + "   (GB/s, % of paired read)")
+    for label, t in table.items():
+        print(f"{label:40s} " + " ".join(f"{t[c]:9.1f} ({100 * t[c + '/of_read']:3.0f}%)" for c in cols))
+    print(f"\n1-expert call phases, median us: {'setting':30s} posted last_start stage1_end end python_call")
+    for label, t in table.items():
+        p = t["phases_1_expert_us"]
+        print(f"{'':33s}{label:30s} " + " ".join(f"{p[k]:8.1f}" for k in p))
+
+    out = args.out / "cpu_kernel_tune.json"
+    data = json.loads(out.read_text()) if out.exists() else {"benchmark": "cpu_kernel_tune", "machines": {}}
+    data["method"] = __doc__.strip().split("\n\n")[1]
+    data["machines"][args.label] = {
+        "hardware": hw, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "kernel_backend": ce.backend_name(), "threads": threads, "defaults": base, "rounds": args.rounds,
+        "medians": table}
+    write_results(out, data, plot)
+
+
+def plot(data: dict, path: Path) -> None:
+    """One panel per machine: paired % of read per case, one bar per setting."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    machines = data["machines"]
+    fig, axes = plt.subplots(len(machines), 1, figsize=(11, 4 * len(machines)), squeeze=False)
+    cols = [f"{m}/T={T}" for m, T in CASES]
+    for ax, (label, m) in zip(axes[:, 0], machines.items()):
+        table = m["medians"]
+        w = 0.8 / max(1, len(table))
+        for i, (setting, t) in enumerate(table.items()):
+            ax.bar([j + i * w for j in range(len(cols))], [100 * t[c + "/of_read"] for c in cols], w, label=setting)
+        ax.axhline(75, color="g", ls=":", label="75% of read")
+        ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cols))], cols, fontsize=7)
+        ax.set_ylabel("% of all-CPU read (paired)")
+        ax.set_title(f"{label}: {m['hardware']['cpu_model']}, {m['threads']} threads ({m['kernel_backend']})", fontsize=9)
+        ax.legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

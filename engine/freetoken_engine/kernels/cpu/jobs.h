@@ -1,0 +1,72 @@
+// The pool jobs of the dense decode kernels (experts.cpp; baseline ISA, included once): a
+// projection's output rows, attention's sequences, and the STREAM-style read, each handed out
+// in chunks from an atomic counter so a thread slowed by other work holds no one back.
+#pragma once
+#include <atomic>
+
+#include "experts.h"
+#include "isa.h"
+
+namespace {
+
+// Output rows in chunks handed out dynamically (sized in ft_linear).
+struct LinJob {
+  const FtLinear* p;
+  ft_linear_fn fn;
+  int64_t chunk, total;
+  std::atomic<int64_t> next{0};
+};
+
+void lin_job(void* c, int tid, int n) {
+  (void)tid; (void)n;
+  LinJob* J = (LinJob*)c;
+  for (;;) {
+    const int64_t k = J->next.fetch_add(1, std::memory_order_relaxed);
+    if (k >= J->total) return;
+    const int64_t n0 = k * J->chunk, n1 = n0 + J->chunk < J->p->N ? n0 + J->chunk : J->p->N;
+    J->fn(J->p, n0, n1);
+  }
+}
+
+// Sequences handed out one at a time; each participant has its own scratch.
+struct AttnJob {
+  const FtAttn* p;
+  ft_attn_fn fn;
+  int64_t per;                     // scratch floats per participant
+  std::atomic<int64_t> next{0};
+};
+
+void attn_job(void* c, int tid, int n) {
+  (void)n;
+  AttnJob* J = (AttnJob*)c;
+  for (;;) {
+    const int64_t b = J->next.fetch_add(1, std::memory_order_relaxed);
+    if (b >= J->p->B) return;
+    J->fn(J->p, b, b + 1, J->p->scratch + tid * J->per);
+  }
+}
+
+struct ReadJob {
+  const char* p;
+  int64_t bytes;
+  ft_read_fn fn;
+  std::atomic<int64_t> next{0};
+  std::atomic<uint64_t> sink{0};
+};
+
+// 1 MiB chunks handed out dynamically, so a thread that shares its core with another process
+// does not hold the others back (the same scheduling as the expert job).
+void read_job(void* c, int tid, int n) {
+  (void)tid; (void)n;
+  ReadJob* J = (ReadJob*)c;
+  const int64_t chunk = 1 << 20;
+  uint64_t acc = 0;
+  for (;;) {
+    const int64_t b0 = J->next.fetch_add(chunk, std::memory_order_relaxed);
+    if (b0 >= J->bytes) break;
+    acc ^= J->fn(J->p + b0, b0 + chunk < J->bytes ? chunk : J->bytes - b0);
+  }
+  J->sink.fetch_xor(acc, std::memory_order_relaxed);
+}
+
+}  // namespace
