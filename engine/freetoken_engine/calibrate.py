@@ -12,7 +12,6 @@ import hashlib
 import json
 import platform
 import socket
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -39,46 +38,76 @@ class _CpuExperts:
     Decode-sized calls: one token on ``per_call`` experts per call. q* leaves the CPU one to a few
     experts per MoE layer call, and a call's fixed costs weigh on so few: on the H200 host one
     expert per call ran at 45-53 GB/s where calls of eight ran at 68-74 (bench/gpu_offload.py),
-    and a split balanced on the larger rate gives the CPU more than it finishes in time."""
+    and a split balanced on the larger rate gives the CPU more than it finishes in time.
+
+    With the compiled kernel the calls run back to back from C (``cpu_experts.calls_seconds``),
+    as the engine's C++ CPU branch runs them: no Python call around each (15-20 us on the H200
+    host against ~100 us for the call) and the GIL released, so a thread queueing the PCIe
+    copies is not held up either. Without it, a Python loop over the reference."""
 
     def __init__(self, per_call: int = 1):
         from .kernels import cpu_expert_forward
-        _, self.fn = cpu_expert_forward()
+        backend, self.fn = cpu_expert_forward()
         self.per = 3 * HIDDEN * INTER * 2
         n = max(4 * per_call, 3 * _llc_bytes() // self.per + 1)
         self.w13 = torch.randn(n, 2 * INTER, HIDDEN).to(torch.bfloat16)
         self.w2 = torch.randn(n, HIDDEN, INTER).to(torch.bfloat16)
         self.x = torch.randn(1, HIDDEN, dtype=torch.bfloat16)
         self.tok = torch.zeros(per_call, dtype=torch.int64)
-        self.calls = [torch.arange(i, i + per_call) for i in range(0, n - per_call + 1, per_call)]
-        for exp in self.calls:
-            self._call(exp)
+        self.calls = torch.arange(n // per_call * per_call).view(-1, per_call)
+        self.from_c = backend == "compiled"
+        self._batch(self.calls)                      # first use: build, pool start, page faults
 
-    def _call(self, exp: torch.Tensor) -> None:
-        self.fn(self.x, self.w13, self.w2, self.tok, exp)
+    def _batch(self, exps: torch.Tensor) -> float:
+        """Seconds for one call per row of exps."""
+        if self.from_c:
+            from .kernels import cpu_experts
+            return cpu_experts.calls_seconds(self.x, self.w13, self.w2, self.tok, exps)
+        t0 = time.perf_counter()
+        for e in exps:
+            self.fn(self.x, self.w13, self.w2, self.tok, e)
+        return time.perf_counter() - t0
+
+    def gbps(self, seconds: float, until=None) -> float:
+        """GB/s of expert weights read, cycling through the rows for ``seconds`` or, given
+        ``until``, until it returns True (checked every 16 calls)."""
+        done, busy, t0, i = 0, 0.0, time.perf_counter(), 0
+        while True:
+            batch = self.calls[i:i + 16]
+            busy += self._batch(batch)
+            done, i = done + len(batch), (i + 16) % len(self.calls)
+            if (until() if until else time.perf_counter() - t0 >= seconds):
+                return done * self.tok.numel() * self.per / busy / 1e9
+
+
+class _PcieCopies:
+    """Pinned host -> device copies of 16 experts' bytes (151 MB) each, queued on the current
+    stream and timed by events; the host thread only queues them, so it can time the CPU
+    kernel meanwhile (a second Python thread would contend with it for the GIL)."""
+
+    def __init__(self, device: torch.device):
+        self.per = 16 * 3 * HIDDEN * INTER * 2
+        self.src = torch.empty(self.per, dtype=torch.uint8).pin_memory()
+        self.dst = torch.empty(self.per, dtype=torch.uint8, device=device)
+        self.device = device
+        self.dst.copy_(self.src, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    def queue(self, seconds: float, gbps_guess: float = 50.0):
+        """Queue about ``seconds`` of copies; -> (copies, start event, end event)."""
+        n = max(4, int(seconds * gbps_guess * 1e9 / self.per))
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.device(self.device):
+            start.record()
+            for _ in range(n):
+                self.dst.copy_(self.src, non_blocking=True)
+            end.record()
+        return n, start, end
 
     def gbps(self, seconds: float) -> float:
-        """GB/s of expert weights read, cycling through the rows for ``seconds``."""
-        done, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            self._call(self.calls[done % len(self.calls)])
-            done += 1
-        return done * self.tok.numel() * self.per / (time.perf_counter() - t0) / 1e9
-
-
-def _pcie_gbps(device: torch.device, stop: threading.Event | None, seconds: float) -> float:
-    per = 3 * HIDDEN * INTER * 2
-    src = torch.empty(16, per, dtype=torch.uint8).pin_memory()
-    dst = torch.empty(16, per, dtype=torch.uint8, device=device)
-    dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize(device)
-    done, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds and not (stop and stop.is_set()):
-        for i in range(16):
-            dst[i].copy_(src[i], non_blocking=True)
-        torch.cuda.synchronize(device)
-        done += 16
-    return done * per / (time.perf_counter() - t0) / 1e9
+        n, start, end = self.queue(seconds)
+        end.synchronize()
+        return n * self.per / (start.elapsed_time(end) / 1e3) / 1e9
 
 
 def fill_fraction(pcie: float | None, cpu: float) -> float:
@@ -94,13 +123,12 @@ def measure(device: str = "cpu", seconds: float = 1.0) -> dict:
     pcie_alone = conc_pcie = None
     conc_cpu = cpu_alone
     if dev.type == "cuda":
-        pcie_alone = _pcie_gbps(dev, None, seconds)
-        out: dict = {}
-        t = threading.Thread(target=lambda: out.setdefault("pcie", _pcie_gbps(dev, None, seconds)))
-        t.start()
-        conc_cpu = cpu.gbps(seconds)
-        t.join()
-        conc_pcie = out["pcie"]
+        pcie = _PcieCopies(dev)
+        pcie_alone = pcie.gbps(seconds)
+        n, start, end = pcie.queue(seconds, pcie_alone)
+        conc_cpu = cpu.gbps(seconds, until=end.query)        # the CPU works while the copies run
+        end.synchronize()
+        conc_pcie = n * pcie.per / (start.elapsed_time(end) / 1e3) / 1e9
     return {"pcie_gbps": pcie_alone, "cpu_expert_gbps": cpu_alone,
             "concurrent": {"pcie_gbps": conc_pcie, "cpu_expert_gbps": conc_cpu},
             "fill_fraction": fill_fraction(conc_pcie, conc_cpu), "device": dev.type,
@@ -109,7 +137,8 @@ def measure(device: str = "cpu", seconds: float = 1.0) -> dict:
 
 def _cache_path(device: torch.device) -> Path:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
-    key = f"{platform.processor()}|{torch.get_num_threads()}|{gpu}|{torch.__version__}"
+    # v2: B_cpu from C-driven calls, the PCIe copies queued (not driven by a second thread)
+    key = f"v2|{platform.processor()}|{torch.get_num_threads()}|{gpu}|{torch.__version__}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return env.cache_dir() / "calibration" / f"{socket.gethostname()}-{device.type}-{digest}.json"
 

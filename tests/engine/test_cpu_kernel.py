@@ -221,6 +221,18 @@ def test_tuning_knobs_change_no_bit_of_the_result(kernel_config, knobs):
     _close(ce.experts_forward(x, w13, w2, tok, exp), expert_pairs_forward(x, w13, w2, tok, exp))
 
 
+def test_calls_timed_from_c_run_the_same_calls(kernel_config):
+    """calls_seconds (calibration's B_cpu) times a batch of calls, and an expert out of range in
+    any row is refused before it is read, with the row's pair named."""
+    x, w13, w2, _, _ = _problem(1, 256, 64, 8, 1, torch.bfloat16, torch.bfloat16)
+    tok, exps = torch.zeros(2, dtype=torch.int64), torch.tensor([[0, 1], [2, 3], [4, 5]])
+    assert 0 < ce.calls_seconds(x, w13, w2, tok, exps) < 10
+    with pytest.raises(IndexError, match="expert 8 out of range"):
+        ce.calls_seconds(x, w13, w2, tok, torch.tensor([[0, 1], [8, 2]]))
+    with pytest.raises(ValueError, match="pair_exps must be"):
+        ce.calls_seconds(x, w13, w2, tok, torch.tensor([0, 1]))
+
+
 def test_unknown_or_out_of_range_knobs_are_refused(knobs):
     with pytest.raises(ValueError, match="unknown tuning knob 'chunk'"):
         ce.tune(chunk=4)

@@ -293,6 +293,32 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+def calls_seconds(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: torch.Tensor,
+                  pair_exps: torch.Tensor) -> float:
+    """Seconds for ``len(pair_exps)`` expert calls run back to back from C, call c on the pairs
+    (pair_tok, pair_exps[c]): the kernel's rate as the engine's C++ CPU branch sees it, with no
+    Python call around each (a 1-expert call costs ~100 us on the H200 host, the Python call
+    15-20 us more). The GIL is released throughout. Needs the compiled kernel (RuntimeError)."""
+    lib = _load()
+    if lib is None or not _compiled_ok(x, w13, w2):
+        raise RuntimeError("calls_seconds needs the compiled CPU kernel and CPU bf16/fp32 tensors")
+    if pair_exps.dim() != 2 or pair_tok.dim() != 1 or pair_exps.shape[1] != pair_tok.numel():
+        raise ValueError(f"pair_exps must be [calls, P] and pair_tok [P], got {tuple(pair_exps.shape)}, "
+                         f"{tuple(pair_tok.shape)}")
+    x = x.contiguous()
+    tok = pair_tok.to(torch.int64).contiguous()
+    exps = pair_exps.to(torch.int64).contiguous()
+    T, H = x.shape
+    E, I = w2.shape[0], w2.shape[2]
+    out = torch.empty((tok.numel(), H), dtype=x.dtype)
+    secs = lib.ft_experts_loop(x.data_ptr(), _DT[x.dtype], T, H, I, w13.data_ptr(), w2.data_ptr(), _DT[w13.dtype], E,
+                               w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
+                               tok.data_ptr(), exps.data_ptr(), tok.numel(), exps.shape[0], out.data_ptr())
+    if secs < 0:
+        raise IndexError(lib.ft_last_error().decode())
+    return secs
+
+
 def read_seconds(buf: torch.Tensor) -> float:
     """Seconds to read ``buf`` once with the kernel's threads (the STREAM-style yardstick)."""
     lib = _load()

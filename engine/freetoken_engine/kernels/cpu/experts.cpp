@@ -264,6 +264,22 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
   return 0;
 }
 
+// Seconds for n_calls calls of ft_experts_forward back to back, call c on the P experts
+// pair_exps[c * P .. c * P + P) (same tokens): the kernel's rate as a C caller such as
+// branch.cpp sees it, without the Python call around each (calibrate.py's B_cpu). Negative:
+// a call failed (ft_last_error says why).
+double ft_experts_loop(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
+                       const void* w13, const void* w2, int w_bf16, int64_t E,
+                       int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
+                       const int64_t* pair_tok, const int64_t* pair_exps, int64_t P, int64_t n_calls, void* out) {
+  const double t0 = now_s();
+  for (int64_t c = 0; c < n_calls; ++c)
+    if (ft_experts_forward(x, x_bf16, T, H, I, w13, w2, w_bf16, E, w13_es, w13_rs, w2_es, w2_rs,
+                           pair_tok, pair_exps + c * P, P, out) != 0)
+      return -1.0;
+  return now_s() - t0;
+}
+
 // The knob `name` of tune.h set to value (value < 0: left as it is); returns its value before,
 // or -1 (unknown name, value out of range).
 int64_t ft_tune(const char* name, int64_t value) {
