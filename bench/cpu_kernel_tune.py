@@ -28,7 +28,7 @@ from cpu_expert_kernel import RESULTS, H, I, bank_tensor, gbps, hardware, make_p
 from freetoken_engine.kernels import cpu_experts as ce
 
 CASES = (("1_expert", 1), ("2_experts", 1), ("one_token", 1), ("random_top8", 4),
-         ("same_experts", 4), ("same_experts", 8))
+         ("same_experts", 4), ("same_experts", 6), ("same_experts", 8))
 
 
 def parse_settings(text: str) -> list[tuple[str, dict]]:
@@ -81,7 +81,7 @@ def main() -> None:
           f"defaults {base}")
     gen = torch.Generator().manual_seed(0)
     plans = {c: make_plans(E, c[1], c[0], gen) for c in CASES}
-    xs = {T: torch.randn(T, H).to(torch.bfloat16) for T in (1, 4, 8)}
+    xs = {T: torch.randn(T, H).to(torch.bfloat16) for T in {c[1] for c in CASES}}
     samples: dict[str, dict[str, list[float]]] = {}
     phases: dict[str, list[dict]] = {}
 

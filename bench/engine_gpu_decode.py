@@ -41,36 +41,49 @@ SIDES = {"eager/sync": ("off", False), "eager/branch": ("on", False), "graphs": 
 
 
 def worker(model: Path, side: str, fractions: list[float], batches: list[int], steps: int,
-           device: str) -> list[dict]:
+           device: str, splits: list[float]) -> list[dict]:
+    """Rows of one side; with ``splits`` (the graphs side), each budget and batch also runs at
+    those fill fractions in place of the calibrated q* (side "graphs q=F"): where the calibrated
+    split sits among the ones around it, in the same process."""
     from freetoken_engine import LLM
     from freetoken_engine.llm import Lockstep
     llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1])
     runner = llm.runner
     total = runner.bank.total_experts
+    calibrated = runner.expert_stats()["fill_fraction"]
     rows = []
     for frac in fractions:
         runner.resize_expert_cache(max(1, round(frac * total)))
         for b in batches:
-            batch = Lockstep(llm, [[(37 * i + 11 * t) % 31000 + 100 for t in range(32)] for i in range(b)])
-            for _ in range(24):
-                batch.step()
-            before = runner.expert_stats()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                batch.step()
-            secs = time.perf_counter() - t0
-            after = runner.expert_stats()
-            d = {k: after[k] - before[k] for k in ("hits", "misses", "fills", "cpu_computed")}
-            graphs = runner.graphs
-            rows.append({"side": side, "cache_fraction": frac, "cache_experts": runner.cache.capacity,
-                         "batch": b, "steps": steps, "tok_s": b * steps / secs, "ms_per_step": 1e3 * secs / steps,
-                         "miss_rate": d["misses"] / max(d["hits"] + d["misses"], 1),
-                         "cpu_experts_per_step": d["cpu_computed"] / steps, "fills_per_step": d["fills"] / steps,
-                         "fill_fraction": after["fill_fraction"],
-                         "graph_replays": graphs.replays if graphs is not None else 0})
-            print(json.dumps(rows[-1]), flush=True)
-            batch.close()
+            for q in [None] + (splits if frac < 1.0 else []):
+                runner.set_fill_fraction(calibrated if q is None else q)
+                rows.append(_timed(llm, Lockstep, side if q is None else f"{side} q={q:g}", frac, b, steps))
+                print(json.dumps(rows[-1]), flush=True)
+    runner.set_fill_fraction(calibrated)
     return rows
+
+
+def _timed(llm, Lockstep, side: str, frac: float, b: int, steps: int) -> dict:
+    """24 warm-up steps (fills, captures), then ``steps`` timed lockstep decode steps of b prompts."""
+    runner = llm.runner
+    batch = Lockstep(llm, [[(37 * i + 11 * t) % 31000 + 100 for t in range(32)] for i in range(b)])
+    for _ in range(24):
+        batch.step()
+    before = runner.expert_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        batch.step()
+    secs = time.perf_counter() - t0
+    after = runner.expert_stats()
+    batch.close()
+    d = {k: after[k] - before[k] for k in ("hits", "misses", "fills", "cpu_computed")}
+    graphs = runner.graphs
+    return {"side": side, "cache_fraction": frac, "cache_experts": runner.cache.capacity,
+            "batch": b, "steps": steps, "tok_s": b * steps / secs, "ms_per_step": 1e3 * secs / steps,
+            "miss_rate": d["misses"] / max(d["hits"] + d["misses"], 1),
+            "cpu_experts_per_step": d["cpu_computed"] / steps, "fills_per_step": d["fills"] / steps,
+            "fill_fraction": after["fill_fraction"],
+            "graph_replays": graphs.replays if graphs is not None else 0}
 
 
 def run_sides(work: Path, args) -> tuple[int, list[dict], list[str]]:
@@ -85,7 +98,8 @@ def run_sides(work: Path, args) -> tuple[int, list[dict], list[str]]:
     for side, (branch, _) in SIDES.items():
         env = dict(os.environ, FREETOKEN_HOST_BRANCH=branch)
         cmd = [sys.executable, __file__, "--worker", side, "--model", str(work / "model"), "--fractions",
-               args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device]
+               args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device,
+               "--splits", args.splits if side == "graphs" else ""]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ROWS ")), None)
         if proc.returncode or line is None:
@@ -110,11 +124,14 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench/results/engine_gpu_decode.json"))
+    ap.add_argument("--splits", default="", help="fill fractions to run beside the calibrated q* (graphs side), "
+                    "e.g. 0.3,0.45,0.6")
     args = ap.parse_args()
     fractions = [float(x) for x in args.fractions.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     if args.worker:
-        rows = worker(args.model, args.worker, fractions, batches, args.steps, args.device)
+        splits = [float(x) for x in args.splits.split(",") if x]
+        rows = worker(args.model, args.worker, fractions, batches, args.steps, args.device, splits)
         print("ROWS " + json.dumps(rows), flush=True)
         return
     work = Path(tempfile.mkdtemp(dir=args.dir))
@@ -151,10 +168,10 @@ def ratios(rows: list[dict]) -> dict:
 
 
 def table(rows: list[dict]) -> None:
-    print(f"{'side':13} {'cache':>5} {'batch':>5} {'tok/s':>8} {'ms/step':>8} {'miss':>6} {'cpu/step':>8}")
+    print(f"{'side':16} {'cache':>5} {'batch':>5} {'tok/s':>8} {'ms/step':>8} {'miss':>6} {'cpu/step':>8} {'q':>5}")
     for r in rows:
-        print(f"{r['side']:13} {r['cache_fraction']:5.2f} {r['batch']:5d} {r['tok_s']:8.1f} {r['ms_per_step']:8.2f} "
-              f"{r['miss_rate']:6.3f} {r['cpu_experts_per_step']:8.1f}")
+        print(f"{r['side']:16} {r['cache_fraction']:5.2f} {r['batch']:5d} {r['tok_s']:8.1f} {r['ms_per_step']:8.2f} "
+              f"{r['miss_rate']:6.3f} {r['cpu_experts_per_step']:8.1f} {r['fill_fraction']:5.2f}")
 
 
 def plot(result: dict, path: Path) -> None:
