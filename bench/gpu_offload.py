@@ -147,7 +147,8 @@ def main() -> None:
     ap.add_argument("--models", default="qwen3-30b-a3b,qwen3.6-35b-a3b")
     ap.add_argument("--budgets", default="8,16,32")
     ap.add_argument("--policies", default="all,static,lru,lru+q*,lru+q*/layer,lru+q*@1",
-                    help="lru+q*/layer, lru+q*@F and lru+sync run at batch 1, locality routing only")
+                    help="lru+q*/layer and lru+sync run at batch 1, locality routing only; lru+q*@F (a fixed "
+                         "fill fraction F instead of the measured q*) on every routing and batch")
     ap.add_argument("--prefill-tokens", default="4096,8192,16384")
     ap.add_argument("--layers", type=int, default=0, help="only the first N MoE layers (smoke tests)")
     ap.add_argument("--routings", default="locality,uniform")
@@ -224,9 +225,10 @@ def main() -> None:
                 fill_ids, ids = ids[:n_fill], ids[n_fill:]
                 policies = args.policies.split(",")
                 plans = [("all", None)] if "all" in policies else []
-                ab = [p for p in policies if p.startswith("lru+q*@") or p.endswith("/layer")]   # b1 locality
-                plans += [(p, b) for b in budgets for p in ("static", "lru", "lru+q*", "lru+sync", *ab)
-                          if p in policies and (p in ("static", "lru", "lru+q*") or (batch == 1 and routing == "locality"))]
+                fixed = [p for p in policies if p.startswith("lru+q*@")]
+                b1_loc = [p for p in policies if p.endswith("/layer")] + ["lru+sync"]    # b1 locality only
+                plans += [(p, b) for b in budgets for p in ("static", "lru", "lru+q*", *fixed, *b1_loc)
+                          if p in policies and (p not in b1_loc or (batch == 1 and routing == "locality"))]
                 for policy, budget in plans:
                     slots = bank.total_experts if budget is None else cache_slots(budget, model)
                     try:
