@@ -97,6 +97,17 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
         cpu_fn(x, bank.w13[layer], bank.w2[layer], torch.zeros(experts, dtype=torch.int64),
                torch.arange(first, first + experts))
 
+    from freetoken_engine.kernels import cpu_experts
+    from_c = cpu_experts.available()
+
+    def c_calls(i: int) -> tuple[int, float]:
+        """8 one-expert calls of one layer run back to back from C (calls_seconds: as the
+        engine's C++ branch runs them, no Python call around each); -> (experts, seconds)."""
+        layer = i % L
+        first = 32 + (i // L * 8) % (E - 40)
+        exps = torch.arange(first, first + 8).view(8, 1)
+        return 8, cpu_experts.calls_seconds(x, bank.w13[layer], bank.w2[layer], torch.zeros(1, dtype=torch.int64), exps)
+
     def cpu_alone(experts: int, calls: int) -> float:
         cpu_call(0, experts)
         t0 = time.perf_counter()
@@ -123,17 +134,50 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
         end.synchronize()
         return n * se * reps / (start.elapsed_time(end) / 1e3) / 1e9, experts * se * i / cpu_secs / 1e9
 
+    def concurrent_c(reps: int) -> tuple[float, float]:
+        """concurrent() with the CPU side's 1-expert calls driven from C (c_calls)."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(reps):
+            gather()
+        end.record()
+        done, secs, i = 0, 0.0, 0
+        while not end.query():
+            k, dt = c_calls(i)
+            done, secs, i = done + k, secs + dt, i + 1
+        end.synchronize()
+        return n * se * reps / (start.elapsed_time(end) / 1e3) / 1e9, done * se / secs / 1e9
+
     pcie_c, cpu_c_dma = concurrent(dma, 120, 8)
     gat_c, cpu_c = concurrent(gather, 120, 8)
     gat_c1, cpu_c1 = max((concurrent(gather, 120, 1) for _ in range(2)), key=lambda r: r[1])
-    return {"pcie_h2d_gbps": pcie, "gather_fill_gbps": gat, "hbm_copy_gbps": hbm,
-            "cpu_expert_gbps": cpu8, "cpu_expert_gbps_1_expert_calls": cpu1,
-            "concurrent_pcie_h2d_gbps": pcie_c, "concurrent_cpu_expert_gbps_with_dma": cpu_c_dma,
-            "concurrent_gather_fill_gbps": gat_c, "concurrent_cpu_expert_gbps": cpu_c,
-            "concurrent_gather_fill_gbps_1_expert_cpu": gat_c1, "concurrent_cpu_expert_gbps_1_expert_calls": cpu_c1,
-            "fill_fraction": gat_c1 / (gat_c1 + cpu_c1), "expert_bytes": se,
-            # the bound's rates: the larger of each side's concurrent measurements (the stricter bound)
-            "bound_pcie_gbps": max(pcie_c, gat_c, gat_c1), "bound_cpu_gbps": max(cpu_c_dma, cpu_c, cpu_c1)}
+    out = {"pcie_h2d_gbps": pcie, "gather_fill_gbps": gat, "hbm_copy_gbps": hbm,
+           "cpu_expert_gbps": cpu8, "cpu_expert_gbps_1_expert_calls": cpu1,
+           "concurrent_pcie_h2d_gbps": pcie_c, "concurrent_cpu_expert_gbps_with_dma": cpu_c_dma,
+           "concurrent_gather_fill_gbps": gat_c, "concurrent_cpu_expert_gbps": cpu_c,
+           "concurrent_gather_fill_gbps_1_expert_cpu": gat_c1, "concurrent_cpu_expert_gbps_1_expert_calls": cpu_c1,
+           "fill_fraction_python_calls": gat_c1 / (gat_c1 + cpu_c1), "expert_bytes": se}
+    if from_c:
+        # q* from the CPU rate as the C++ branch sees it: the Python call around each 1-expert
+        # call (15-20 us against ~100 us on the H200 host) made the CPU look slower and q* fill
+        # more (0.47 where 0.3 decoded faster, bench/results/gpu_offload.json run I)
+        def c_alone(batches: int) -> float:
+            done = [c_calls(i) for i in range(batches)]
+            return sum(k for k, _ in done) * se / sum(dt for _, dt in done) / 1e9
+
+        c_calls(0)
+        cpu1_c = max(c_alone(30) for _ in range(2))
+        gat_cc, cpu_cc = max((concurrent_c(120) for _ in range(2)), key=lambda r: r[1])
+        out.update({"cpu_expert_gbps_1_expert_calls_from_c": cpu1_c,
+                    "concurrent_gather_fill_gbps_1_expert_cpu_from_c": gat_cc,
+                    "concurrent_cpu_expert_gbps_1_expert_calls_from_c": cpu_cc})
+        gat_c1, cpu_c1 = gat_cc, cpu_cc
+    # the bound's rates: the larger of each side's concurrent measurements (the stricter bound)
+    out.update({"fill_fraction": gat_c1 / (gat_c1 + cpu_c1), "fill_fraction_from": "C-driven calls" if from_c
+                else "Python calls", "bound_pcie_gbps": max(pcie_c, gat_c, gat_c1),
+                "bound_cpu_gbps": max(cpu_c_dma, cpu_c, cpu_c1)})
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
