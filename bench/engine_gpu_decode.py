@@ -8,7 +8,9 @@ the same run (the engine reads its switches at start):
 
   eager/sync    no graphs, CPU pairs by a per-layer device-to-host sync (FREETOKEN_HOST_BRANCH=off)
   eager/branch  no graphs, the sync-free CPU branch (host loop answering device flags)
-  graphs        one CUDA graph per decode step, the CPU branch inside it (the default)
+  graphs        one CUDA graph per decode step, the CPU branch inside it, q* as calibrated
+  graphs+tuning the same with the split tuner (executor/split_tuner.py, the default): q* refined
+                by measured step time over 600 warm-up steps before the timed ones
 
 Checkpoint: random bf16 weights (normal, std 0.02) in Qwen3-30B-A3B's shapes (H 2048, 32/4 heads
 of 128, 128 experts of I 768, top-8, vocab 32000) but ``--layers`` layers, written once with
@@ -37,7 +39,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from hardware import describe  # noqa: E402
 
-SIDES = {"eager/sync": ("off", False), "eager/branch": ("on", False), "graphs": ("on", True)}
+SIDES = {"eager/sync": ("off", False), "eager/branch": ("on", False), "graphs": ("on", True),
+         "graphs+tuning": ("on", True)}
+TUNING_WARMUP = 600
 
 
 def worker(model: Path, side: str, fractions: list[float], batches: list[int], steps: int,
@@ -47,7 +51,8 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
     split sits among the ones around it, in the same process."""
     from freetoken_engine import LLM
     from freetoken_engine.llm import Lockstep
-    llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1])
+    tuning = side == "graphs+tuning"
+    llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1], split_tuning=tuning)
     runner = llm.runner
     total = runner.bank.total_experts
     calibrated = runner.expert_stats()["fill_fraction"]
@@ -56,18 +61,20 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
         runner.resize_expert_cache(max(1, round(frac * total)))
         for b in batches:
             for q in [None] + (splits if frac < 1.0 else []):
-                runner.set_fill_fraction(calibrated if q is None else q)
-                rows.append(_timed(llm, Lockstep, side if q is None else f"{side} q={q:g}", frac, b, steps))
+                runner.set_fill_fraction(calibrated if q is None else q)     # (the tuner starts over)
+                rows.append(_timed(llm, Lockstep, side if q is None else f"{side} q={q:g}", frac, b, steps,
+                                   TUNING_WARMUP if tuning else 24))
                 print(json.dumps(rows[-1]), flush=True)
     runner.set_fill_fraction(calibrated)
     return rows
 
 
-def _timed(llm, Lockstep, side: str, frac: float, b: int, steps: int) -> dict:
-    """24 warm-up steps (fills, captures), then ``steps`` timed lockstep decode steps of b prompts."""
+def _timed(llm, Lockstep, side: str, frac: float, b: int, steps: int, warmup: int) -> dict:
+    """``warmup`` steps (fills, captures, the tuner's search), then ``steps`` timed lockstep decode
+    steps of b prompts."""
     runner = llm.runner
     batch = Lockstep(llm, [[(37 * i + 11 * t) % 31000 + 100 for t in range(32)] for i in range(b)])
-    for _ in range(24):
+    for _ in range(warmup):
         batch.step()
     before = runner.expert_stats()
     t0 = time.perf_counter()
@@ -82,7 +89,7 @@ def _timed(llm, Lockstep, side: str, frac: float, b: int, steps: int) -> dict:
             "batch": b, "steps": steps, "tok_s": b * steps / secs, "ms_per_step": 1e3 * secs / steps,
             "miss_rate": d["misses"] / max(d["hits"] + d["misses"], 1),
             "cpu_experts_per_step": d["cpu_computed"] / steps, "fills_per_step": d["fills"] / steps,
-            "fill_fraction": after["fill_fraction"],
+            "fill_fraction": after["fill_fraction"], "split_tuner": after.get("split_tuner"),
             "graph_replays": graphs.replays if graphs is not None else 0}
 
 
@@ -161,7 +168,8 @@ def ratios(rows: list[dict]) -> dict:
     for (side, frac, b), v in by.items():
         if side == "graphs" and ("eager/branch", frac, b) in by and ("eager/sync", frac, b) in by:
             key = f"cache {frac:g} b{b}"
-            out[key] = {"graphs_vs_eager_branch": v / by[("eager/branch", frac, b)],
+            out[key] = {"graphs_tuning_vs_graphs": by.get(("graphs+tuning", frac, b), 0.0) / v,
+                        "graphs_vs_eager_branch": v / by[("eager/branch", frac, b)],
                         "graphs_vs_eager_sync": v / by[("eager/sync", frac, b)],
                         "eager_branch_vs_eager_sync": by[("eager/branch", frac, b)] / by[("eager/sync", frac, b)]}
     return out
@@ -184,7 +192,7 @@ def plot(result: dict, path: Path) -> None:
     for i, side in enumerate(SIDES):
         vals = [next((r["tok_s"] for r in rows if r["side"] == side and (r["cache_fraction"], r["batch"]) == k), 0)
                 for k in keys]
-        ax.bar([j + 0.27 * (i - 1) for j in range(len(keys))], vals, 0.27, label=side)
+        ax.bar([j + 0.2 * (i - 1.5) for j in range(len(keys))], vals, 0.2, label=side)
     ax.set_xticks(range(len(keys)), [f"cache {f:g}\nbatch {b}" for f, b in keys])
     ax.set_ylabel("decode tok/s (whole engine)")
     ax.set_title(f"engine decode, {result['layers']}-layer Qwen3-30B-shaped MoE\n"

@@ -40,12 +40,15 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="expert cache control and kernels: triton on CUDA by default")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode eagerly instead of as captured CUDA graphs (CUDA only)")
+    p.add_argument("--no-split-tuning", dest="split_tuning", action="store_false",
+                   help="keep the calibrated q* instead of refining it by measured decode step time (CUDA only)")
 
 
 def _engine_kwargs(args) -> dict:
     kw = dict(device=args.device, dtype=args.dtype, expert_cache_experts=args.expert_cache_experts,
               expert_cache_gb=args.expert_cache_gb, cpu_expert_fraction=args.cpu_expert_fraction,
-              max_context=args.max_context, expert_backend=args.expert_backend, cuda_graphs=args.cuda_graphs)
+              max_context=args.max_context, expert_backend=args.expert_backend, cuda_graphs=args.cuda_graphs,
+              split_tuning=args.split_tuning)
     return kw
 
 

@@ -109,3 +109,18 @@ def test_the_metrics_show_decode_running_from_graphs(tiny_checkpoint):
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     assert fams["freetoken_decode_graphs"].samples[0].value >= 1
     assert fams["freetoken_decode_graph_replays"].samples[0].value >= 8
+
+
+def test_split_tuning_moves_q_without_changing_tokens(tiny_checkpoint):
+    """The split tuner (on by default) changes q* mid-decode, recapturing the graphs each time;
+    greedy tokens stay those of a fixed split and logits within float32 noise."""
+    folder = tiny_checkpoint("qwen3_moe")
+    fixed = LLM(folder, device="cuda", dtype="float32", expert_cache_experts=3, split_tuning=False)
+    want, want_logits = lockstep(fixed, PROMPTS[1:], 150)
+    llm = LLM(folder, device="cuda", dtype="float32", expert_cache_experts=3)
+    got, logits = lockstep(llm, PROMPTS[1:], 150)
+    tuner = llm.runner.tuner
+    assert tuner is not None and tuner.probes >= 3, tuner.stats()
+    assert got == want
+    assert (logits - want_logits).abs().max() < 1e-3
+    assert llm.runner.expert_stats()["split_tuner"]["probes"] == tuner.probes

@@ -24,6 +24,7 @@ from ..models.build import build_model
 from ..models.loader import torch_dtype
 from ..models.tokenizer import load_tokenizer
 from .inputs import SeqChunk, build_inputs
+from .split_tuner import SplitTuner, decode_batch
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,12 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.model, self.kv, self.experts if self.cache is not None else None,
                                        self.device, self.dtype, self.max_context,
                                        min(cfg.max_batch, cfg.prefill_expert_threshold - 1))
+        # q* refined online by measured step time; not when the user fixed the split
+        self.tuner = None
+        if (cfg.split_tuning and self.cache is not None and self.device.type == "cuda"
+                and cfg.cpu_expert_fraction is None):
+            self.tuner = SplitTuner(self.cache.fill_fraction)
+        self._timed: tuple | None = None         # (decode batch, start event, end event) of the last step
 
     # -- configuration -------------------------------------------------------------------------
     def _capacity(self) -> int:
@@ -109,6 +116,7 @@ class ModelRunner:
     # -- work ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        timed = self._tune(chunks)
         key = self.graphs.key(chunks) if self.graphs is not None else None
         if key is not None and key in self.graphs:
             logits = self.graphs.replay(chunks, key)
@@ -119,7 +127,37 @@ class ModelRunner:
             self.experts.end_step()
         if key is not None and key not in self.graphs:
             self.graphs.capture(chunks, key)      # after its first eager run: replayed from the next
+            if timed is not None:
+                self._timed = timed = (timed[0], None, None)     # not a step's time: left out
+        if timed is not None and timed[2] is not None:
+            timed[2].record()
         return logits
+
+    def _tune(self, chunks: list[SeqChunk]) -> tuple | None:
+        """Hand the previous step's device time to the split tuner (the caller has read its logits
+        by now, so its end event is complete), apply the q it asks for, and time this step if it
+        is a decode step whose split matters (misses exist only while some expert is not cached)."""
+        if self.tuner is None:
+            return None
+        last, self._timed = self._timed, None
+        secs = None
+        if last is not None and last[2] is not None and last[2].query():
+            secs = last[1].elapsed_time(last[2]) / 1e3
+        q = self.tuner.observe(last[0] if last is not None else None, secs)
+        if q is not None and q != self.cache.fill_fraction:
+            self._set_q(q)
+        batch = decode_batch(chunks)
+        if batch is None or self.cache.capacity >= self.bank.total_experts:
+            return None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._timed = (batch, start, end)
+        return self._timed
+
+    def _set_q(self, fraction: float) -> None:
+        if self.graphs is not None:
+            self.graphs.clear()                  # a captured step keeps its fill table and branch
+        self.experts.set_fill_fraction(fraction)
 
     def resize_expert_cache(self, experts: int) -> int:
         """Resize at a safe point; clamps to 1..all experts; returns the applied capacity."""
@@ -132,11 +170,11 @@ class ModelRunner:
         return n
 
     def set_fill_fraction(self, fraction: float) -> None:
-        """Set q*/m (at a safe point)."""
+        """Set q*/m (at a safe point); the split tuner starts over from it."""
         if self.cache is not None:
-            if self.graphs is not None:
-                self.graphs.clear()              # a captured step keeps its fill table and branch
-            self.experts.set_fill_fraction(fraction)
+            self._set_q(fraction)
+            if self.tuner is not None:
+                self.tuner.reset(fraction)
 
     def expert_stats(self) -> dict:
         c = self.cache
@@ -149,7 +187,8 @@ class ModelRunner:
                 "expert_bytes": self.bank.expert_bytes, "min_experts": 1,
                 "max_experts": self.bank.total_experts, "hits": s.hits, "misses": s.misses,
                 "fills": s.fills, "cpu_computed": s.cpu_computed, "fill_fraction": c.fill_fraction,
-                "cpu_backend": self.experts.cpu_backend_name, "backend": self.experts.backend}
+                "cpu_backend": self.experts.cpu_backend_name, "backend": self.experts.backend,
+                "split_tuner": self.tuner.stats() if self.tuner is not None else None}
 
     def graph_stats(self) -> dict:
         """Decode CUDA graphs captured now and steps replayed from them (0 and 0: eager decode)."""

@@ -25,7 +25,8 @@ _ENGINE_OPTIONS = {"device": "device", "dtype": "dtype",
                    "expert_cache_gb": "expert_cache_gb",
                    "cpu_expert_fraction": "cpu_expert_fraction", "max_context": "max_context",
                    "context_length": "max_context", "max_batch": "max_batch",
-                   "max_queue": "max_queue", "seed": "seed", "expert_backend": "expert_backend"}
+                   "max_queue": "max_queue", "seed": "seed", "expert_backend": "expert_backend",
+                   "cuda_graphs": "cuda_graphs", "split_tuning": "split_tuning"}
 
 
 def server_config(args) -> ServerConfig:
