@@ -9,8 +9,9 @@ the same run (the engine reads its switches at start):
   eager/sync    no graphs, CPU pairs by a per-layer device-to-host sync (FREETOKEN_HOST_BRANCH=off)
   eager/branch  no graphs, the sync-free CPU branch (host loop answering device flags)
   graphs        one CUDA graph per decode step, the CPU branch inside it, q* as calibrated
-  graphs+tuning the same with the split tuner (executor/split_tuner.py, the default): q* refined
-                by measured step time over 600 warm-up steps before the timed ones
+  graphs+tuning the same with the split tuner (executor/split_tuner.py, the default): it searches
+                over 900 decode steps of other prompts first; the q it found is then held for
+                the same warm-up and timed steps as the other sides (same prompts, same contexts)
 
 Checkpoint: random bf16 weights (normal, std 0.02) in Qwen3-30B-A3B's shapes (H 2048, 32/4 heads
 of 128, 128 experts of I 768, top-8, vocab 32000) but ``--layers`` layers, written once with
@@ -41,7 +42,7 @@ from hardware import describe  # noqa: E402
 
 SIDES = {"eager/sync": ("off", False), "eager/branch": ("on", False), "graphs": ("on", True),
          "graphs+tuning": ("on", True)}
-TUNING_WARMUP = 600
+TUNING_SEARCH = 900
 
 
 def worker(model: Path, side: str, fractions: list[float], batches: list[int], steps: int,
@@ -62,19 +63,33 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
         for b in batches:
             for q in [None] + (splits if frac < 1.0 else []):
                 runner.set_fill_fraction(calibrated if q is None else q)     # (the tuner starts over)
-                rows.append(_timed(llm, Lockstep, side if q is None else f"{side} q={q:g}", frac, b, steps,
-                                   TUNING_WARMUP if tuning else 24))
+                found = _search(llm, Lockstep, b) if tuning and frac < 1.0 and runner.tuner else None
+                tuner = runner.tuner
+                if found is not None:
+                    runner.tuner = None                   # hold the q it found while timing
+                    runner.set_fill_fraction(found["fill_fraction"])
+                rows.append(_timed(llm, Lockstep, side if q is None else f"{side} q={q:g}", frac, b, steps))
+                rows[-1]["split_tuner"] = found
+                runner.tuner = tuner
                 print(json.dumps(rows[-1]), flush=True)
     runner.set_fill_fraction(calibrated)
     return rows
 
 
-def _timed(llm, Lockstep, side: str, frac: float, b: int, steps: int, warmup: int) -> dict:
-    """``warmup`` steps (fills, captures, the tuner's search), then ``steps`` timed lockstep decode
-    steps of b prompts."""
+def _search(llm, Lockstep, b: int) -> dict:
+    """The split tuner's search: TUNING_SEARCH decode steps of b other prompts; -> its stats."""
+    batch = Lockstep(llm, [[(53 * i + 7 * t) % 31000 + 100 for t in range(32)] for i in range(b)])
+    for _ in range(TUNING_SEARCH):
+        batch.step()
+    batch.close()
+    return llm.runner.tuner.stats()
+
+
+def _timed(llm, Lockstep, side: str, frac: float, b: int, steps: int) -> dict:
+    """24 warm-up steps (fills, captures), then ``steps`` timed lockstep decode steps of b prompts."""
     runner = llm.runner
     batch = Lockstep(llm, [[(37 * i + 11 * t) % 31000 + 100 for t in range(32)] for i in range(b)])
-    for _ in range(warmup):
+    for _ in range(24):
         batch.step()
     before = runner.expert_stats()
     t0 = time.perf_counter()
@@ -89,7 +104,7 @@ def _timed(llm, Lockstep, side: str, frac: float, b: int, steps: int, warmup: in
             "batch": b, "steps": steps, "tok_s": b * steps / secs, "ms_per_step": 1e3 * secs / steps,
             "miss_rate": d["misses"] / max(d["hits"] + d["misses"], 1),
             "cpu_experts_per_step": d["cpu_computed"] / steps, "fills_per_step": d["fills"] / steps,
-            "fill_fraction": after["fill_fraction"], "split_tuner": after.get("split_tuner"),
+            "fill_fraction": after["fill_fraction"],
             "graph_replays": graphs.replays if graphs is not None else 0}
 
 

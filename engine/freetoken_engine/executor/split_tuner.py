@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 
 class SplitTuner:
-    def __init__(self, q: float, delta: float = 0.1, min_delta: float = 0.025, window: int = 24,
-                 skip: int = 3, margin: float = 0.02, recheck: int = 64):
+    def __init__(self, q: float, delta: float = 0.1, min_delta: float = 0.025, window: int = 32,
+                 skip: int = 3, margin: float = 0.03, recheck: int = 64):
         if not 0.0 <= q <= 1.0:
             raise ValueError(f"fill fraction must be within 0..1, got {q}")
         self.delta0, self.min_delta, self.window, self.skip = delta, min_delta, window, skip
