@@ -9,7 +9,7 @@ the same run (the engine reads its switches at start):
   eager/sync    no graphs, CPU pairs by a per-layer device-to-host sync (FREETOKEN_HOST_BRANCH=off)
   eager/branch  no graphs, the sync-free CPU branch (host loop answering device flags)
   graphs        one CUDA graph per decode step, the CPU branch inside it, q* as calibrated
-  graphs+tuning the same with the split tuner (executor/split_tuner.py, the default): it searches
+  graphs+tuning the same with the split tuner (executor/split_tuner.py, --split-tuning): it searches
                 over 900 decode steps of other prompts first; the q it found is then held for
                 the same warm-up and timed steps as the other sides (same prompts, same contexts)
 

@@ -40,8 +40,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="expert cache control and kernels: triton on CUDA by default")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode eagerly instead of as captured CUDA graphs (CUDA only)")
-    p.add_argument("--no-split-tuning", dest="split_tuning", action="store_false",
-                   help="keep the calibrated q* instead of refining it by measured decode step time (CUDA only)")
+    p.add_argument("--split-tuning", action="store_true",
+                   help="refine the calibrated q* online by measured decode step time (CUDA only; "
+                        "see docs/gpu.md for when it helps)")
 
 
 def _engine_kwargs(args) -> dict:

@@ -109,7 +109,7 @@ class EngineConfig:
     cpu_expert_fraction: float | None = None  # forced share of misses computed in place
     expert_backend: str = "auto"             # torch | triton | auto (triton on CUDA)
     cuda_graphs: bool = True                 # capture decode steps as CUDA graphs (CUDA + triton)
-    split_tuning: bool = True                # refine q* online by measured decode step time (CUDA)
+    split_tuning: bool = False               # refine q* online by measured decode step time (CUDA)
     prefill_chunk: int = 512
     prefill_expert_threshold: int = 16       # tokens in a batch from which MoE runs whole layers
     kv_block_size: int = 16

@@ -76,8 +76,8 @@ def test_bad_start_is_refused():
 
 
 def test_serve_passes_the_decode_switches_to_the_engine(tmp_path):
-    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--no-cuda-graphs", "--no-split-tuning"])
+    args = build_parser().parse_args(["serve", "--model", str(tmp_path), "--no-cuda-graphs", "--split-tuning"])
     cfg = engine_config(args)
-    assert cfg.cuda_graphs is False and cfg.split_tuning is False
+    assert cfg.cuda_graphs is False and cfg.split_tuning is True
     cfg = engine_config(build_parser().parse_args(["serve", "--model", str(tmp_path)]))
-    assert cfg.cuda_graphs is True and cfg.split_tuning is True
+    assert cfg.cuda_graphs is True and cfg.split_tuning is False

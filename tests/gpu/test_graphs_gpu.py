@@ -112,12 +112,12 @@ def test_the_metrics_show_decode_running_from_graphs(tiny_checkpoint):
 
 
 def test_split_tuning_moves_q_without_changing_tokens(tiny_checkpoint):
-    """The split tuner (on by default) changes q* mid-decode, recapturing the graphs each time;
+    """The split tuner (--split-tuning) changes q* mid-decode, recapturing the graphs each time;
     greedy tokens stay those of a fixed split and logits within float32 noise."""
     folder = tiny_checkpoint("qwen3_moe")
-    fixed = LLM(folder, device="cuda", dtype="float32", expert_cache_experts=3, split_tuning=False)
+    fixed = LLM(folder, device="cuda", dtype="float32", expert_cache_experts=3)
     want, want_logits = lockstep(fixed, PROMPTS[1:], 150)
-    llm = LLM(folder, device="cuda", dtype="float32", expert_cache_experts=3)
+    llm = LLM(folder, device="cuda", dtype="float32", expert_cache_experts=3, split_tuning=True)
     got, logits = lockstep(llm, PROMPTS[1:], 150)
     tuner = llm.runner.tuner
     assert tuner is not None and tuner.probes >= 3, tuner.stats()

@@ -15,6 +15,13 @@ batch size at the current best q, at q - delta and at q + delta; a probe that is
 size changes or a prefill step comes between two decode steps; the first ``skip`` steps after each
 change of q are not timed (the decode graphs are captured again). The split never changes the
 output (the CPU and the GPU compute the same experts), only the time.
+
+Off by default (``--split-tuning`` turns it on). Measured on the H200 (engine_gpu_decode.json, the
+q it found held for the same timed steps as the calibrated one): 1.10x / 1.27x / 0.99x / 1.08x the
+calibrated q at cache 0.25 / 0.25 / 0.5 / 0.5 and batch 1 / 4 / 1 / 4, where a fixed 0.3 gave
+1.06x / 1.11x / 1.15x / 1.06x. It settled at q 0.0-0.13: a window sees what a fill costs now but
+not the hits it brings later, so the search leans towards filling less than it should, which
+would cost most where routing has locality (there the bandwidth q* beat 0.3 in the MoE bench).
 """
 from __future__ import annotations
 
