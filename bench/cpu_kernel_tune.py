@@ -141,7 +141,8 @@ def plot(data: dict, path: Path) -> None:
         table = m["medians"]
         w = 0.8 / max(1, len(table))
         for i, (setting, t) in enumerate(table.items()):
-            ax.bar([j + i * w for j in range(len(cols))], [100 * t[c + "/of_read"] for c in cols], w, label=setting)
+            ax.bar([j + i * w for j in range(len(cols))], [100 * t.get(c + "/of_read", 0.0) for c in cols], w,
+                   label=setting)                     # 0: a case that machine's sweep did not have
         ax.axhline(75, color="g", ls=":", label="75% of read")
         ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cols))], cols, fontsize=7)
         ax.set_ylabel("% of all-CPU read (paired)")
