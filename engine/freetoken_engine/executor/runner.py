@@ -130,7 +130,7 @@ class ModelRunner:
             if timed is not None:
                 self._timed = timed = (timed[0], None, None)     # not a step's time: left out
         if timed is not None and timed[2] is not None:
-            timed[2].record()
+            timed[2].record(torch.cuda.current_stream(self.device))
         return logits
 
     def _tune(self, chunks: list[SeqChunk]) -> tuple | None:
@@ -150,7 +150,7 @@ class ModelRunner:
         if batch is None or self.cache.capacity >= self.bank.total_experts:
             return None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        start.record(torch.cuda.current_stream(self.device))     # the engine's device, whichever is current
         self._timed = (batch, start, end)
         return self._timed
 
