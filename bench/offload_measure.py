@@ -118,35 +118,26 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
         exps = torch.arange(first, first + 8).view(8, 1)
         return 8, cpu_experts.calls_seconds(x, bank.w13[layer], bank.w2[layer], torch.zeros(1, dtype=torch.int64), exps)
 
-    def cpu_alone(experts: int, calls: int) -> float:
-        cpu_call(0, experts)
-        t0 = time.perf_counter()
-        for i in range(calls):
+    def py_calls(experts: int):
+        """A CPU step of one Python-driven call of ``experts`` experts: i -> (experts, seconds)."""
+        def step(i: int) -> tuple[int, float]:
+            t = time.perf_counter()
             cpu_call(i, experts)
-        return experts * se * calls / (time.perf_counter() - t0) / 1e9
+            return experts, time.perf_counter() - t
+        return step
+
+    def alone(cpu_step, steps: int) -> float:
+        """GB/s of ``steps`` CPU steps (i -> (experts, seconds)) after one to warm up."""
+        cpu_step(0)
+        done = [cpu_step(i) for i in range(steps)]
+        return sum(k for k, _ in done) * se / sum(dt for _, dt in done) / 1e9
 
     # best of two: the host is a shared VM whose CPU rate can dip for seconds at a time
-    cpu8, cpu1 = max(cpu_alone(8, 48) for _ in range(2)), max(cpu_alone(1, 240) for _ in range(2))
+    cpu8, cpu1 = max(alone(py_calls(8), 48) for _ in range(2)), max(alone(py_calls(1), 240) for _ in range(2))
 
-    def concurrent(gpu_fn, reps: int, experts: int) -> tuple[float, float]:
-        """(GPU GB/s, CPU GB/s): queue ``reps`` GPU transfers, run the CPU kernel until they end."""
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
-        for _ in range(reps):
-            gpu_fn()
-        end.record()
-        t, i = time.perf_counter(), 0
-        while not end.query():
-            cpu_call(i, experts)
-            i += 1
-        cpu_secs = time.perf_counter() - t
-        end.synchronize()
-        return n * se * reps / (start.elapsed_time(end) / 1e3) / 1e9, experts * se * i / cpu_secs / 1e9
-
-    def concurrent_c(reps: int, gpu_fn=gather, per: int = n) -> tuple[float, float]:
-        """concurrent() with the CPU side's 1-expert calls driven from C (c_calls); gpu_fn moves
-        ``per`` experts."""
+    def concurrent(gpu_fn, reps: int, cpu_step, per: int = n) -> tuple[float, float]:
+        """(GPU GB/s, CPU GB/s): queue ``reps`` GPU transfers of ``per`` experts, run CPU steps
+        (i -> (experts, seconds)) until they end."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
         start.record()
@@ -155,14 +146,14 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
         end.record()
         done, secs, i = 0, 0.0, 0
         while not end.query():
-            k, dt = c_calls(i)
+            k, dt = cpu_step(i)
             done, secs, i = done + k, secs + dt, i + 1
         end.synchronize()
         return per * se * reps / (start.elapsed_time(end) / 1e3) / 1e9, done * se / secs / 1e9
 
-    pcie_c, cpu_c_dma = concurrent(dma, 120, 8)
-    gat_c, cpu_c = concurrent(gather, 120, 8)
-    gat_c1, cpu_c1 = max((concurrent(gather, 120, 1) for _ in range(2)), key=lambda r: r[1])
+    pcie_c, cpu_c_dma = concurrent(dma, 120, py_calls(8))
+    gat_c, cpu_c = concurrent(gather, 120, py_calls(8))
+    gat_c1, cpu_c1 = max((concurrent(gather, 120, py_calls(1)) for _ in range(2)), key=lambda r: r[1])
     out = {"pcie_h2d_gbps": pcie, "gather_fill_gbps": gat, "gather_fill_gbps_1_fill_per_launch": gat1,
            "hbm_copy_gbps": hbm,
            "cpu_expert_gbps": cpu8, "cpu_expert_gbps_1_expert_calls": cpu1,
@@ -174,15 +165,10 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
         # q* from the CPU rate as the C++ branch sees it: the Python call around each 1-expert
         # call (15-20 us against ~100 us on the H200 host) made the CPU look slower and q* fill
         # more (0.47 where 0.3 decoded faster, bench/results/gpu_offload.json run I)
-        def c_alone(batches: int) -> float:
-            done = [c_calls(i) for i in range(batches)]
-            return sum(k for k, _ in done) * se / sum(dt for _, dt in done) / 1e9
-
-        c_calls(0)
-        cpu1_c = max(c_alone(30) for _ in range(2))
-        gat_cc, cpu_cc = max((concurrent_c(120) for _ in range(2)), key=lambda r: r[1])
+        cpu1_c = max(alone(c_calls, 30) for _ in range(2))
+        gat_cc, cpu_cc = max((concurrent(gather, 120, c_calls) for _ in range(2)), key=lambda r: r[1])
         # both sides decode-sized: one fill per launch (a layer call fills 1-3), one expert per call
-        gat1_cc, cpu1_cc = max((concurrent_c(960, gather1, 1) for _ in range(2)), key=lambda r: r[1])
+        gat1_cc, cpu1_cc = max((concurrent(gather1, 960, c_calls, 1) for _ in range(2)), key=lambda r: r[1])
         out.update({"cpu_expert_gbps_1_expert_calls_from_c": cpu1_c,
                     "concurrent_gather_fill_gbps_1_expert_cpu_from_c": gat_cc,
                     "concurrent_cpu_expert_gbps_1_expert_calls_from_c": cpu_cc,
