@@ -71,6 +71,7 @@ void exp_job(void* c, int tid, int n) {
   ExpJob* J = (ExpJob*)c;
   const FtProblem* p = J->p;
   atomic_max(g_timing.last_start, now_ns());
+  int64_t s1_end = 0;                  // this thread's last stage-1 chunk: published once, on leaving
   for (;;) {
     const int64_t k = J->next.fetch_add(1, std::memory_order_relaxed);
     if (k < J->tot1) {
@@ -81,7 +82,7 @@ void exp_job(void* c, int tid, int n) {
       prefetch_start(w + r0 * rs, rs, r1 - r0, p->H * J->es, p->prefetch, false);         // gate rows
       prefetch_start(w + (p->I + r0) * rs, rs, r1 - r0, p->H * J->es, p->prefetch, true);  // up rows
       (p->g_amx && p->g_amx[g] ? ft_stage1_amx : J->s1)(p, g, r0, r1);
-      atomic_max(g_timing.stage1_end, now_ns());
+      s1_end = now_ns();
       __atomic_fetch_add(&J->done1[g], 1, __ATOMIC_RELEASE);
     } else if (k < J->tot1 + J->tot2) {
       const int64_t g = (k - J->tot1) / J->per2, r0 = ((k - J->tot1) % J->per2) * J->ch2;
@@ -104,6 +105,7 @@ void exp_job(void* c, int tid, int n) {
       if (line == 0) prefetch_start(w + r0 * rs, rs, r1 - r0, row_bytes, p->prefetch, false);
       (p->g_amx && p->g_amx[g] ? ft_stage2_amx : J->s2)(p, g, r0, r1);
     } else {
+      if (s1_end) atomic_max(g_timing.stage1_end, s1_end);
       return;
     }
   }
