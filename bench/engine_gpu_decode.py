@@ -12,6 +12,11 @@ the same run (the engine reads its switches at start):
   graphs+tuning the same with the split tuner (executor/split_tuner.py, --split-tuning): it searches
                 over 900 decode steps of other prompts first; the q it found is then held for
                 the same warm-up and timed steps as the other sides (same prompts, same contexts)
+  graphs/copy-first  graphs with a layer's fill copies queued before the host is signalled (the
+                engine's order before 2026-11-29: PCIe, then the CPU experts, in series)
+  graphs+stream graphs with the streamed split (FREETOKEN_STREAM_SPLIT=on: the first rows of the
+                CPU experts also cross PCIe and run on the GPU; same fills)
+  graphs+stream-floor  the same with floor(q* m) fills (FREETOKEN_STREAM_SPLIT=floor)
 
 Checkpoint: random bf16 weights (normal, std 0.02) in Qwen3-30B-A3B's shapes (H 2048, 32/4 heads
 of 128, 128 experts of I 768, top-8, vocab 32000) but ``--layers`` layers, written once with
@@ -41,7 +46,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from hardware import describe  # noqa: E402
 
 SIDES = {"eager/sync": ("off", False), "eager/branch": ("on", False), "graphs": ("on", True),
-         "graphs+tuning": ("on", True)}
+         "graphs+tuning": ("on", True), "graphs/copy-first": ("on", True), "graphs+stream": ("on", True),
+         "graphs+stream-floor": ("on", True)}
+STREAM = {"graphs+stream": "on", "graphs+stream-floor": "floor"}      # FREETOKEN_STREAM_SPLIT per side
 TUNING_SEARCH = 900
 
 
@@ -53,6 +60,9 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
     from freetoken_engine import LLM
     from freetoken_engine.llm import Lockstep
     tuning = side == "graphs+tuning"
+    if side == "graphs/copy-first":
+        from freetoken_engine.cache.host_branch import HostBranch
+        HostBranch.copy_after_signal = False
     llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1], split_tuning=tuning)
     runner = llm.runner
     total = runner.bank.total_experts
@@ -118,7 +128,9 @@ def run_sides(work: Path, args) -> tuple[int, list[dict], list[str]]:
     print(f"checkpoint: {args.layers} layers, {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     rows, failed = [], []
     for side, (branch, _) in SIDES.items():
-        env = dict(os.environ, FREETOKEN_HOST_BRANCH=branch)
+        if side not in args.sides.split(","):
+            continue
+        env = dict(os.environ, FREETOKEN_HOST_BRANCH=branch, FREETOKEN_STREAM_SPLIT=STREAM.get(side, "off"))
         cmd = [sys.executable, __file__, "--worker", side, "--model", str(work / "model"), "--fractions",
                args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device,
                "--splits", args.splits if side == "graphs" else ""]
@@ -146,6 +158,8 @@ def main() -> None:
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench/results/engine_gpu_decode.json"))
+    ap.add_argument("--sides", default="eager/sync,eager/branch,graphs,graphs+tuning,graphs/copy-first,graphs+stream,"
+                    "graphs+stream-floor", help="comma-separated sides (see the docstring)")
     ap.add_argument("--splits", default="", help="fill fractions to run beside the calibrated q* (graphs side), "
                     "e.g. 0.3,0.45,0.6")
     args = ap.parse_args()
@@ -177,16 +191,19 @@ def main() -> None:
 
 
 def ratios(rows: list[dict]) -> dict:
-    """graphs / eager-branch and eager-branch / eager-sync per budget and batch (same run)."""
+    """Every other side against graphs, and eager-branch / eager-sync, per budget and batch (same run)."""
     by = {(r["side"], r["cache_fraction"], r["batch"]): r["tok_s"] for r in rows}
     out = {}
     for (side, frac, b), v in by.items():
-        if side == "graphs" and ("eager/branch", frac, b) in by and ("eager/sync", frac, b) in by:
-            key = f"cache {frac:g} b{b}"
-            out[key] = {"graphs_tuning_vs_graphs": by.get(("graphs+tuning", frac, b), 0.0) / v,
-                        "graphs_vs_eager_branch": v / by[("eager/branch", frac, b)],
-                        "graphs_vs_eager_sync": v / by[("eager/sync", frac, b)],
-                        "eager_branch_vs_eager_sync": by[("eager/branch", frac, b)] / by[("eager/sync", frac, b)]}
+        if side != "graphs":
+            continue
+        key = f"cache {frac:g} b{b}"
+        out[key] = {f"{other}_vs_graphs": by[(other, frac, b)] / v for other in SIDES
+                    if other not in ("graphs", "eager/sync", "eager/branch") and (other, frac, b) in by}
+        if ("eager/branch", frac, b) in by and ("eager/sync", frac, b) in by:
+            out[key] |= {"graphs_vs_eager_branch": v / by[("eager/branch", frac, b)],
+                         "graphs_vs_eager_sync": v / by[("eager/sync", frac, b)],
+                         "eager_branch_vs_eager_sync": by[("eager/branch", frac, b)] / by[("eager/sync", frac, b)]}
     return out
 
 
@@ -204,10 +221,12 @@ def plot(result: dict, path: Path) -> None:
     rows = result["rows"]
     keys = sorted({(r["cache_fraction"], r["batch"]) for r in rows})
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for i, side in enumerate(SIDES):
+    sides = [side for side in SIDES if any(r["side"] == side for r in rows)]
+    width = 0.8 / len(sides)
+    for i, side in enumerate(sides):
         vals = [next((r["tok_s"] for r in rows if r["side"] == side and (r["cache_fraction"], r["batch"]) == k), 0)
                 for k in keys]
-        ax.bar([j + 0.2 * (i - 1.5) for j in range(len(keys))], vals, 0.2, label=side)
+        ax.bar([j + width * (i - (len(sides) - 1) / 2) for j in range(len(keys))], vals, width, label=side)
     ax.set_xticks(range(len(keys)), [f"cache {f:g}\nbatch {b}" for f, b in keys])
     ax.set_ylabel("decode tok/s (whole engine)")
     ax.set_title(f"engine decode, {result['layers']}-layer Qwen3-30B-shaped MoE\n"

@@ -21,6 +21,11 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
   lru+q*@1      the handshake with every miss filled: lru+q*@1 vs lru is the cost of the
                 captured CPU branch's flags
   lru+sync      (optional) the per-layer driver with every miss filled
+  ...+s         (suffix, e.g. lru+q*+s, lru+q*@0.3+s) the streamed split: the first rows of the
+                CPU experts also cross PCIe into scratch slots and are computed on the GPU, the
+                CPU computes the rest (freetoken_engine/kernels/triton/stream.py); same fills
+  ...+sf        the streamed split with floor(f m) fills instead of the rounded rule, so that no
+                layer is PCIe-bound (fewer fills; the streamed rows balance the rest)
 Routing: uniform random (worst case) and a locality model (per-layer Zipf popularity, each of
 the previous token's experts kept with probability `keep`; both fitted to the default model's
 measured routing statistics, bench/results/default_model.json). Decode at batch 1 and 4;
@@ -225,7 +230,7 @@ def main() -> None:
                 fill_ids, ids = ids[:n_fill], ids[n_fill:]
                 policies = args.policies.split(",")
                 plans = [("all", None)] if "all" in policies else []
-                fixed = [p for p in policies if p.startswith("lru+q*@")]
+                fixed = [p for p in policies if p.startswith("lru+q*@") or p.startswith("lru+q*+")]
                 b1_loc = [p for p in policies if p.endswith("/layer")] + ["lru+sync"]    # b1 locality only
                 plans += [(p, b) for b in budgets for p in ("static", "lru", "lru+q*", *fixed, *b1_loc)
                           if p in policies and (p not in b1_loc or (batch == 1 and routing == "locality"))]

@@ -122,6 +122,8 @@ class _GpuExperts:
         self.bank, self.st, self.ctl = bank, st, ctl
         self.side = torch.cuda.Stream()
         self.hit, self.fill = (torch.zeros(st.P, st.H, dtype=torch.bfloat16, device=CUDA) for _ in range(2))
+        # the streamed split's GPU part of the CPU pairs (zero rows elsewhere), when it is on
+        self.streamed = torch.zeros_like(self.hit) if ctl.stream is not None else None
         self.shared = torch.zeros(st.L, st.T, st.H, dtype=torch.bfloat16, device=CUDA)
 
     def __call__(self, l: int, out) -> torch.Tensor | None:
@@ -134,8 +136,9 @@ class _GpuExperts:
             if bank.shared is not None:
                 s13, s2 = bank.shared
                 moe_slots_forward(st.x[l], s13, s2, st.shared_tok, st.shared_slot[l], out=self.shared[l])
-        gather_fill_rows(bank.w13, bank.w2, ctl.w13_slots, ctl.w2_slots, l, out.fill_exp, out.fill_slot)
+        ctl.copy(l, out)                        # the fills, then the streamed rows (with the split)
         moe_slots_forward(st.x[l], ctl.w13_slots, ctl.w2_slots, st.tok, out.pair_fill_slot, out=self.fill)
+        ctl.streamed_forward(st.x[l], st.tok, out, rows=self.streamed)
         main.wait_stream(self.side)
         return self.shared[l] if bank.shared is not None else None
 
@@ -150,7 +153,8 @@ def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict):
     experts = _GpuExperts(bank, st, ctl)
 
     def control(l):
-        ctl.step(l, st.ids[l], copy=False, mirror=(br.pair_slot[l], counts[l], br.pair_exp[l]))
+        from_rows = (br.from_rows[l:l + 1],) if ctl.stream is not None else ()
+        ctl.step(l, st.ids[l], copy=False, mirror=(br.pair_slot[l], counts[l], br.pair_exp[l], *from_rows))
         handshake.signal(br.flag[l:l + 1], br.epoch)
 
     def step():
@@ -161,7 +165,7 @@ def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict):
             shared = experts(l, out)
             handshake.wait(br.done[l:l + 1], br.epoch, br.err)
             combine(experts.hit, shared, st.x[l + 1], st.k, pair_slot=out.pair_slot, host_rows=br.rows,
-                    x_host=br.x[l + 1] if l + 1 < L else None, rows2=experts.fill)
+                    x_host=br.x[l + 1] if l + 1 < L else None, rows2=experts.fill, rows3=experts.streamed)
             if l + 1 < L:
                 control(l + 1)
 
@@ -181,6 +185,7 @@ def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict):
         prof["wait"] += br.totals["wait_s"] - before["wait_s"]
         prof["cpu"] += br.totals["compute_s"] - before["compute_s"]
         prof["cpu_layers"] += br.totals["cpu_layers"] - before["cpu_layers"]
+        prof["streamed_rows"] += br.totals["streamed_rows"] - before["streamed_rows"]
 
     return token, (lambda: _capture(step)), SimpleNamespace(counts_np=counts.numpy())
 
@@ -245,7 +250,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
     ids_np = ids.numpy()
     distinct = torch.tensor([[len(set(ids_np[t, l].ravel().tolist())) for l in range(L)] for t in range(n_tok)])
     ctl = br = None
-    prof = {"wait": 0.0, "cpu": 0.0, "launch": 0.0, "cpu_layers": 0}
+    prof = {"wait": 0.0, "cpu": 0.0, "launch": 0.0, "cpu_layers": 0, "streamed_rows": 0}
     if policy in ("all", "static"):
         n_gpu = L if policy == "all" else min(slots // E, L)
         slots = n_gpu * E
@@ -257,8 +262,12 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         # lru+q*: f from the bandwidths measured in this run; lru+q*@F: a fixed f = F (A/B rows);
         # a "/layer" suffix: the per-layer launch driver instead of the one-graph handshake
         base = policy.split("/")[0]
+        split = next((sfx for sfx in ("+sf", "+s") if base.endswith(sfx)), "")   # the streamed split
+        base = base[:len(base) - len(split)]
         f = float(base.split("@")[1]) if "@" in base else bw["fill_fraction"] if base == "lru+q*" else 1.0
         ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots), minus(slots), 0, f)
+        if split:
+            ctl.set_stream(min(st.P, E), floor_fills=split == "+sf")
         if policy == "lru":
             experts = _GpuExperts(bank, st, ctl)
 
@@ -307,8 +316,11 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
     if keep_x:
         res["x_layers"] = st.x.float().cpu()                  # [L + 1, T, H]: every layer's input
     if br is not None:
-        res["host_profile_ms_per_step"] = {key: 1e3 * v / steps for key, v in prof.items() if key != "cpu_layers"}
+        res["host_profile_ms_per_step"] = {key: 1e3 * v / steps for key, v in prof.items()
+                                           if key not in ("cpu_layers", "streamed_rows")}
         res["cpu_layers_per_step"] = prof["cpu_layers"] / steps
+        # the streamed split: expert-equivalents per step whose first rows crossed PCIe
+        res["streamed_experts_per_step"] = prof["streamed_rows"] / bank.w2.shape[3] / steps
     del ctl
     torch.cuda.empty_cache()
     return res

@@ -276,9 +276,9 @@ class _Token:
 
 
 @triton.jit
-def _combine_kernel(rows_ptr, rows2_ptr, host_rows_ptr, ps_ptr, add_ptr, x_ptr, xh_ptr, P, K: tl.constexpr,
-                    H: tl.constexpr, BLOCK_P: tl.constexpr, SELECT: tl.constexpr, HAS_ADD: tl.constexpr,
-                    MIRROR: tl.constexpr, TWO: tl.constexpr):
+def _combine_kernel(rows_ptr, rows2_ptr, rows3_ptr, host_rows_ptr, ps_ptr, add_ptr, x_ptr, xh_ptr, P,
+                    K: tl.constexpr, H: tl.constexpr, BLOCK_P: tl.constexpr, SELECT: tl.constexpr,
+                    HAS_ADD: tl.constexpr, MIRROR: tl.constexpr, TWO: tl.constexpr, THREE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     h = tl.arange(0, H)
     acc = tl.zeros([H], dtype=tl.float32)
@@ -291,12 +291,14 @@ def _combine_kernel(rows_ptr, rows2_ptr, host_rows_ptr, ps_ptr, add_ptr, x_ptr, 
         gpu = tl.load(rows_ptr + p * H + h).to(tl.float32)   # a zero row for a CPU pair
         if TWO:                                            # hits and fills in two buffers, zero elsewhere
             gpu += tl.load(rows2_ptr + p * H + h).to(tl.float32)
+        if THREE:                                          # a streamed split's GPU part of a CPU pair
+            gpu += tl.load(rows3_ptr + p * H + h).to(tl.float32)
         if SELECT:
             ps = tl.load(ps_ptr + p + h * 0)                      # [H], one value
             rank = tl.sum(tl.where(q == p, rank_all, 0), 0).to(tl.int64)
             # .cv: fetch the host's rows again each time (the buffer is rewritten every layer)
             cpu = tl.load(host_rows_ptr + rank * H + h, mask=ps < 0, other=0.0, cache_modifier=".cv")
-            acc += gpu + cpu.to(tl.float32)                # one of the two is zero
+            acc += gpu + cpu.to(tl.float32)                # one is zero, or both parts of a split pair
         else:
             acc += gpu
     if HAS_ADD:
@@ -309,23 +311,26 @@ def _combine_kernel(rows_ptr, rows2_ptr, host_rows_ptr, ps_ptr, add_ptr, x_ptr, 
 
 def combine(rows: torch.Tensor, shared: torch.Tensor | None, x: torch.Tensor, k: int,
             pair_slot: torch.Tensor | None = None, host_rows: torch.Tensor | None = None,
-            x_host: torch.Tensor | None = None, rows2: torch.Tensor | None = None) -> torch.Tensor:
+            x_host: torch.Tensor | None = None, rows2: torch.Tensor | None = None,
+            rows3: torch.Tensor | None = None) -> torch.Tensor:
     """x = rmsnorm(sum_j row[t*k + j] (+ shared[t])): what stands in for the rest of the layer
     (one kernel; the non-expert compute itself is excluded). With ``pair_slot``/``host_rows``:
     pair p's row is rows[p] when pair_slot[p] >= 0, else the next row of ``host_rows`` (compact,
     in pair order; pinned host memory, read by the kernel directly). ``x_host``: a pinned copy of x.
     ``rows2``: a second buffer of GPU rows added to ``rows`` (hits and fills computed apart, each
-    zero where the other has a row: the sum is the row, exactly)."""
+    zero where the other has a row: the sum is the row, exactly). ``rows3``: the GPU part of the
+    streamed split's CPU pairs (zero elsewhere), added to their host rows."""
     t, h = x.shape
     select = pair_slot is not None
-    _combine_kernel[(t,)](rows, rows2 if rows2 is not None else rows, host_rows if select else rows,
+    _combine_kernel[(t,)](rows, rows2 if rows2 is not None else rows, rows3 if rows3 is not None else rows,
+                          host_rows if select else rows,
                           pair_slot if select else rows,
                           shared if shared is not None else rows, x, x_host if x_host is not None else x,
                           rows.shape[0], K=k, H=h,
                           # constexpr only where used: a prefill of a new length must not recompile
                           BLOCK_P=triton.next_power_of_2(rows.shape[0]) if select else 1,
                           SELECT=select, HAS_ADD=shared is not None, MIRROR=x_host is not None,
-                          TWO=rows2 is not None)
+                          TWO=rows2 is not None, THREE=rows3 is not None)
     return x
 
 

@@ -21,6 +21,11 @@ CXX = "CXX"
 #: Decode's CPU branch without a per-layer sync (cache/host_branch.py): "on", "off", or "auto"
 #: (the default: on; "off" keeps the per-layer-sync path, for A/B measurements).
 FREETOKEN_HOST_BRANCH = "FREETOKEN_HOST_BRANCH"
+#: Decode's streamed split on a GPU (kernels/triton/stream.py): "on" (the first rows of up to
+#: 8 CPU experts per layer also cross PCIe and run on the GPU; same fills), "floor" (also fill
+#: only floor(q* m) of m misses, so no layer waits for PCIe) or "off". Default: STREAM_SPLIT_DEFAULT.
+FREETOKEN_STREAM_SPLIT = "FREETOKEN_STREAM_SPLIT"
+STREAM_SPLIT_DEFAULT = "off"
 #: Default of ``serve --api-key`` / ``--admin-token``: secrets passed this way stay out of the
 #: process list (``ps`` shows every argument), which is how the node agent passes them.
 FREETOKEN_API_KEY = "FREETOKEN_API_KEY"
@@ -51,6 +56,14 @@ def host_branch() -> bool:
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"{FREETOKEN_HOST_BRANCH} must be auto, on or off, got {mode!r}")
     return mode != "off"
+
+
+def stream_split() -> str:
+    """"on", "floor" or "off" (see FREETOKEN_STREAM_SPLIT); ValueError for anything else."""
+    mode = os.environ.get(FREETOKEN_STREAM_SPLIT, STREAM_SPLIT_DEFAULT).strip().lower()
+    if mode not in ("on", "floor", "off"):
+        raise ValueError(f"{FREETOKEN_STREAM_SPLIT} must be on, floor or off, got {mode!r}")
+    return mode
 
 
 def api_key() -> str | None:

@@ -6,7 +6,6 @@ hang when the other is gone."""
 from __future__ import annotations
 
 import os
-import threading
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -17,6 +16,7 @@ pytest.importorskip("triton")
 if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
     pytest.skip("Triton needs TRITON_INTERPRET=1 without a GPU", allow_module_level=True)
 
+from branch_steps import HostThread
 from freetoken_engine.cache.bank import ExpertBank
 from freetoken_engine.cache.device_control import DeviceControl
 from freetoken_engine.cache.experts import ExpertCache
@@ -38,28 +38,6 @@ def _bank(dtype=torch.bfloat16) -> ExpertBank:
     return bank
 
 
-class _Host:
-    """``CpuBranch.run`` for one step on a thread: the host half next to the 'device' (this thread)."""
-
-    def __init__(self, br: CpuBranch, timeout_s: float = 60.0, tokens: int | None = None):
-        self.error: Exception | None = None
-
-        def body():
-            try:
-                br.run(timeout_s, tokens)
-            except Exception as exc:   # noqa: BLE001  (handed to the test thread)
-                self.error = exc
-
-        self.thread = threading.Thread(target=body)
-        self.thread.start()
-
-    def join(self) -> None:
-        self.thread.join(120)
-        assert not self.thread.is_alive(), "the host loop did not finish"
-        if self.error is not None:
-            raise self.error
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_step_rows_equal_the_expert_kernel_wherever_computed(dtype):
     bank = _bank(dtype)
@@ -72,7 +50,7 @@ def test_step_rows_equal_the_expert_kernel_wherever_computed(dtype):
         t = 1 + step % T                                          # steps of 1..T tokens
         tok = torch.arange(t).repeat_interleave(K)
         counts = torch.zeros(LAYERS, 4, dtype=torch.int64)
-        host = _Host(br, tokens=t)
+        host = HostThread(br, tokens=t)
         handshake.bump(br.epoch)
         for l in range(LAYERS):
             x = (torch.randn(t, H, generator=g)).to(dtype)
@@ -126,7 +104,7 @@ def test_an_abandoned_step_is_cancelled_not_waited_for():
     from freetoken_engine.kernels.cpu_branch import StepCancelled
     bank = _bank()
     br = CpuBranch(bank.w13, bank.w2, T, K, torch.device("cpu"), timeout_s=60.0)
-    host = _Host(br)
+    host = HostThread(br)
     handshake.bump(br.epoch)
     br.pair_slot[0].fill_(0)                          # layer 0: nothing for the CPU
     handshake.signal(br.flag[0:1], br.epoch)
@@ -134,7 +112,7 @@ def test_an_abandoned_step_is_cancelled_not_waited_for():
     br.cancel()
     with pytest.raises(StepCancelled, match="step 1 cancelled at layer 1"):
         host.join()
-    host = _Host(br)                                  # the next step runs normally
+    host = HostThread(br)                                  # the next step runs normally
     handshake.bump(br.epoch)
     for l in range(LAYERS):
         br.pair_slot[l].fill_(0)

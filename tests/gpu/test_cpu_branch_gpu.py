@@ -5,8 +5,6 @@ pairs the control step left to the CPU, step after step (a missing fence or a st
 up as a wrong or old row)."""
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 import torch
 
@@ -14,6 +12,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from branch_steps import graph_replays
 from freetoken_engine.cache.bank import ExpertBank
 from freetoken_engine.cache.device_control import DeviceControl
 from freetoken_engine.cache.experts import ExpertCache
@@ -53,21 +52,8 @@ def test_graph_step_receives_the_cpu_kernels_rows():
                                for _ in range(LAYERS)]))
         x.copy_(torch.randn(LAYERS, T, H, generator=gen).to(torch.bfloat16))
 
-    new_inputs(0)
-    with ThreadPoolExecutor(1) as pool:          # eager first step: compiles, the host loop answers
-        host = pool.submit(br.run, 120.0)
-        step()
-        host.result()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
     cpu_pairs = 0
-    for seed in range(1, 6):
-        new_inputs(seed)
-        graph.replay()
-        br.run()
-        torch.cuda.synchronize()
-        br.check()
+    for seed in graph_replays(br, step, new_inputs, range(1, 6)):
         tok = torch.arange(T).repeat_interleave(K)
         for l in range(LAYERS):
             cpu = br.pair_slot[l] < 0

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.triton.control import ControlOutputs, control_step, fill_table
+from ..kernels.triton.control import ControlOutputs, StreamSplit, control_step, fill_table
 from ..kernels.triton.gather import gather_fill_rows
+from ..kernels.triton.moe import moe_slots_forward
+from ..kernels.triton.stream import stream_rows_copy
 
 COUNTERS = ("hits", "misses", "fills", "cpu_computed")
 
@@ -38,6 +40,9 @@ class DeviceControl:
         self.max_slots = max_slots    # the largest pool a resize may bind: one compiled kernel for all
         self.bank_w13, self.bank_w2 = bank_w13, bank_w2
         self.totals = torch.zeros(4, dtype=torch.int64, device=self.device)
+        self.stream: StreamSplit | None = None
+        self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.floor_fills = False
         self._bind(w13_slots, w2_slots, slot_of, slot_owner, last_used, clock)
         self.set_fill_fraction(fill_fraction)
 
@@ -83,8 +88,33 @@ class DeviceControl:
 
     def set_fill_fraction(self, fill_fraction: float) -> None:
         """Set q*/m; the rounding table is built on the host (raises ValueError outside [0, 1])."""
-        self.fill_table = fill_table(fill_fraction, self.slot_of.shape[1], self.device)
+        floor = self.stream is not None and self.floor_fills
+        self.fill_table = fill_table(fill_fraction, self.slot_of.shape[1], self.device, floor)
         self.fill_fraction = fill_fraction
+        if self.stream is not None:
+            self.stream = StreamSplit(fill_fraction, self.stream.inter, self.stream.granule, self.stream.max_streamed)
+
+    def set_stream(self, max_streamed: int | None, granule: int = 64, floor_fills: bool = False) -> None:
+        """Turn the streamed split on (``kernels/triton/stream.py``): of up to ``max_streamed``
+        CPU experts per layer call, the first rows are copied to ``max_streamed`` device scratch
+        slots (that many experts' bytes of device memory) and computed there, balancing PCIe
+        against the CPU at the fill fraction; the cache's fills and residency do not change.
+        ``floor_fills``: fill floor(f m) of m misses instead of the rounded q* rule, so that no
+        layer waits for PCIe (``kernels/split.py``); fewer fills, a different cache.
+        ``None``: off. Raises ValueError when the expert's intermediate size does not split into
+        at least two granules."""
+        if max_streamed is None:
+            self.stream = self.scratch = None
+            self.set_fill_fraction(self.fill_fraction)
+            return
+        inter = self.w2_slots.shape[2]
+        split = StreamSplit(self.fill_fraction, inter, granule, max_streamed)
+        split.check(self.slot_of.shape[1], 1)
+        like = dict(dtype=self.w13_slots.dtype, device=self.device)
+        self.scratch = (torch.zeros((max_streamed, *self.w13_slots.shape[1:]), **like),
+                        torch.zeros((max_streamed, *self.w2_slots.shape[1:]), **like))
+        self.stream, self.floor_fills = split, floor_fills
+        self.set_fill_fraction(self.fill_fraction)
 
     def outputs(self, pairs: int) -> ControlOutputs:
         """The fixed output buffers for calls of ``pairs`` (T*k) pairs: stable addresses for graphs."""
@@ -103,11 +133,26 @@ class DeviceControl:
         out = self.outputs(topk_ids.numel())
         control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used,
                      self.clock, self.fill_table, self.totals, out, mirror=mirror,
-                     block_slots=self.max_slots)
+                     block_slots=self.max_slots, stream=self.stream)
         if copy:
-            gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer,
-                             out.fill_exp, out.fill_slot)
+            self.copy(layer, out)
         return out
+
+    def copy(self, layer: int, out: ControlOutputs) -> None:
+        """The copies of a control step run with ``copy=False``: its fills into their slots and,
+        with the streamed split, the streamed rows into the scratch slots. One launch each."""
+        gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer,
+                         out.fill_exp, out.fill_slot)
+        if self.stream is not None:
+            stream_rows_copy(self.bank_w13, self.bank_w2, *self.scratch, layer, out.cpu_exp, out.stream_rows)
+
+    def streamed_forward(self, x: torch.Tensor, pair_tok: torch.Tensor, out: ControlOutputs,
+                         rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The GPU's part of the streamed pairs (rows [0, stream_rows) of their experts, zero rows
+        for every other pair), or None when the streamed split is off. After ``copy``."""
+        if self.stream is None:
+            return None
+        return moe_slots_forward(x, *self.scratch, pair_tok, out.pair_stream, out=rows, limit=out.stream_rows)
 
     def host_clock(self) -> int:
         """The device clock (one sync)."""

@@ -32,6 +32,11 @@ class HostBranch:
     tokens with ``top_k`` experts each. Raises RuntimeError / ValueError when the compiled CPU
     kernel is missing or the shapes are unsupported (the caller then keeps its synchronous path)."""
 
+    #: Queue a layer's fill copies after the signal that starts the host's experts, so PCIe and
+    #: the CPU work at once. False: the order before 2026-11-29 (copies first, so the host waited
+    #: for PCIe before computing), kept only for the A/B rows of bench/engine_gpu_decode.py.
+    copy_after_signal = True
+
     def __init__(self, bank: ExpertBank, top_k: int, max_tokens: int, device: torch.device,
                  dtype: torch.dtype, timeout_s: float = 120.0):
         self.br = CpuBranch(bank.w13, bank.w2, max_tokens, top_k, device, timeout_s=timeout_s, dtype=dtype)
@@ -78,16 +83,23 @@ class HostBranch:
             else:
                 self._start(t, bump=True)
         mirror = (br.pair_slot[layer, :p], self.counts[layer], br.pair_exp[layer, :p])
-        out = control.step(layer, topk_ids, mirror=mirror)
+        if control.stream is not None:
+            mirror += (br.from_rows[layer:layer + 1],)
+        out = control.step(layer, topk_ids, copy=not self.copy_after_signal, mirror=mirror)
         handshake.signal(br.flag[layer:layer + 1], br.epoch, src=x.contiguous(), dst=br.x[layer, :t])
+        # The copies only after the signal: the host starts its experts while the fills cross PCIe.
+        if self.copy_after_signal:
+            control.copy(layer, out)
         gpu = slots_forward(x, w13_slots, w2_slots, pair_tok, out.pair_slot)      # zero rows for CPU pairs
+        part = control.streamed_forward(x, pair_tok, out)     # the streamed split's GPU part, or None
         handshake.wait(br.done[layer:layer + 1], br.epoch, br.err)
         rows = self.rows[:p]
         rows.copy_(br.rows[:p], non_blocking=True)
         cpu = out.pair_slot < 0
         rank = (torch.cumsum(cpu, 0) - 1).clamp_min(0)                            # compact host order
         self._queued = layer + 1
-        return torch.where(cpu[:, None], rows[rank], gpu)
+        host = rows[rank] if part is None else rows[rank] + part
+        return torch.where(cpu[:, None], host, gpu)
 
     def _start(self, tokens: int, bump: bool) -> None:
         self.finish()

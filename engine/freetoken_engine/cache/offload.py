@@ -24,6 +24,8 @@ from .bank import ExpertBank
 from .experts import ExpertCache
 
 log = logging.getLogger(__name__)
+#: the streamed split's scratch slots (env FREETOKEN_STREAM_SPLIT): a batch-1 step's CPU experts
+STREAMED = 8
 
 
 class LayerStreamer(Protocol):
@@ -100,6 +102,12 @@ class OffloadedExperts:
             from .host_branch import HostBranch
             try:
                 self.host_branch = HostBranch(self.bank, self.top_k, self.prefill_threshold - 1, self.device, x.dtype)
+                mode = env.stream_split()
+                if mode != "off" and self.device.type == "cuda":
+                    try:   # scratch for STREAMED experts' rows: that many experts' bytes of device memory
+                        self.control.set_stream(min(STREAMED, self.bank.w13.shape[1]), floor_fills=mode == "floor")
+                    except ValueError as exc:   # an intermediate size the granule does not split
+                        log.info("streamed split unavailable (%s)", exc)
             except (RuntimeError, ValueError) as exc:    # e.g. too many pairs per call: keep the sync path
                 log.info("sync-free CPU branch unavailable (%s); syncing per layer", exc)
                 self._want_branch = False

@@ -20,7 +20,11 @@ away is Python and the launches. The device never hangs on a dead host (``wait``
 after a bounded number of polls and flags ``err``) and the host never hangs on a dead device
 (``timeout_s`` per layer).
 
-Buffers (``CpuBranch``): ``flag``, ``done`` [L] int64; ``pair_slot``, ``pair_exp`` [L, P] int64;
+Streamed split (optional): a pair mirrored with slot -2 has its expert's intermediate rows
+[0, from_rows[l]) streamed to the GPU and computed there (``kernels/triton/stream.py``); the host
+computes the rest, rows [from_rows[l], I), and the combine adds the two partial sums.
+
+Buffers (``CpuBranch``): ``flag``, ``done``, ``from_rows`` [L] int64; ``pair_slot``, ``pair_exp`` [L, P] int64;
 ``x`` [L, T, H] (the layer inputs); ``rows`` [P, H], in the model's dtype (bf16 or fp32), for at
 most T = ``max_tokens`` tokens (a step may have fewer); pinned when CUDA is present.
 On the device: ``epoch`` and ``err`` [1] int64. Steps are numbered from 1 in lock step:
@@ -49,7 +53,8 @@ class _FtBranch(ctypes.Structure):   # FtBranch in kernels/cpu/branch.cpp, field
                 ("w13_ls", _i64), ("w13_es", _i64), ("w13_rs", _i64), ("w2_ls", _i64), ("w2_es", _i64),
                 ("w2_rs", _i64), ("rows", _vp), ("timeout_s", ctypes.c_double),
                 ("wait_s", ctypes.c_double), ("compute_s", ctypes.c_double),
-                ("cpu_layers", _i64), ("cpu_pairs", _i64), ("failed_layer", _i64)]
+                ("cpu_layers", _i64), ("cpu_pairs", _i64), ("failed_layer", _i64),
+                ("from_rows", _vp), ("rows_tmp", _vp), ("streamed_rows", _i64)]
 
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -90,6 +95,8 @@ class CpuBranch:
         self.pair_tok = torch.arange(max_tokens).repeat_interleave(top_k)
         self.x = host(L, max_tokens, H, dtype=dtype)
         self.rows = host(P, H, dtype=dtype)
+        self.from_rows = host(L)                       # streamed pairs' first CPU row, per layer
+        self._rows_tmp = torch.empty(P, H, dtype=dtype)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.err = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.host_epoch = 0
@@ -102,8 +109,9 @@ class CpuBranch:
                             self.pair_tok.data_ptr(), self.x.data_ptr(), max_tokens * H, *bf,
                             bank_w13.data_ptr(), bank_w2.data_ptr(),
                             s13[0], s13[1], s13[2], s2[0], s2[1], s2[2], self.rows.data_ptr(), timeout_s,
-                            0.0, 0.0, 0, 0, -1)
-        self.totals = {"wait_s": 0.0, "compute_s": 0.0, "cpu_layers": 0, "cpu_pairs": 0, "steps": 0}
+                            0.0, 0.0, 0, 0, -1, self.from_rows.data_ptr(), self._rows_tmp.data_ptr(), 0)
+        self.totals = {"wait_s": 0.0, "compute_s": 0.0, "cpu_layers": 0, "cpu_pairs": 0, "streamed_rows": 0,
+                       "steps": 0}
 
     def run(self, timeout_s: float | None = None, tokens: int | None = None) -> None:
         """The host half of the next step (blocks until its last layer's rows are published).
@@ -125,7 +133,7 @@ class CpuBranch:
                                f"{self.host_epoch} within {c.timeout_s} s")
         if rc != 0:
             raise RuntimeError(f"CPU branch, layer {c.failed_layer}: {self._lib.ft_last_error().decode()}")
-        for name in ("wait_s", "compute_s", "cpu_layers", "cpu_pairs"):
+        for name in ("wait_s", "compute_s", "cpu_layers", "cpu_pairs", "streamed_rows"):
             self.totals[name] += getattr(c, name)
         self.totals["steps"] += 1
 

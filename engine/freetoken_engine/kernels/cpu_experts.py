@@ -249,8 +249,12 @@ def _compiled_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
 
 def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     pair_tok: torch.Tensor, pair_exp: torch.Tensor,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, rows_from: int = 0) -> torch.Tensor:
     """``[P, H]`` outputs of every (token, expert) pair; see the module docstring.
+
+    ``rows_from`` (0 <= rows_from < I): only the intermediate rows [rows_from, I) of each expert,
+    the CPU's share of an expert whose rows [0, rows_from) a GPU computes from a streamed copy
+    (the two partial sums add up to the expert's output). 0: the whole expert.
 
     x [T, H]; w13 [E, 2I, H]; w2 [E, H, I]; pair_tok, pair_exp [P] integer. ``out``: an optional
     contiguous ``[P, H]`` CPU tensor of ``x.dtype`` (e.g. pinned) that the kernel writes in place
@@ -266,6 +270,8 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     E, I = w2.shape[0], w2.shape[2]
     if tuple(w13.shape) != (E, 2 * I, H) or w2.shape[1] != H:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if not 0 <= rows_from < I:
+        raise ValueError(f"rows_from must be in [0, {I}), got {rows_from}")
     if pair_tok.shape != pair_exp.shape or pair_tok.dim() != 1:
         raise ValueError(f"pair_tok {tuple(pair_tok.shape)} and pair_exp {tuple(pair_exp.shape)} must be equal 1-D")
     P = pair_tok.numel()
@@ -277,6 +283,9 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return x.new_zeros((0, H)) if out is None else out
     lib = _load()
     if lib is None or not _compiled_ok(x, w13, w2):
+        if rows_from:
+            w13 = torch.cat((w13[:, rows_from:I], w13[:, I + rows_from:]), 1)
+            w2 = w2[:, :, rows_from:]
         y = reference.expert_pairs_forward(x, w13, w2, pair_tok, pair_exp)
         return y if out is None else out.copy_(y)
     x = x.contiguous()
@@ -284,10 +293,10 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     exp = pair_exp if pair_exp.dtype == torch.int64 and pair_exp.is_contiguous() else pair_exp.to(torch.int64).contiguous()
     if out is None:
         out = torch.empty((P, H), dtype=x.dtype)
-    rc = lib.ft_experts_forward(
+    rc = lib.ft_experts_range(
         x.data_ptr(), _DT[x.dtype], T, H, I, w13.data_ptr(), w2.data_ptr(), _DT[w13.dtype], E,
         w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
-        tok.data_ptr(), exp.data_ptr(), P, out.data_ptr())
+        tok.data_ptr(), exp.data_ptr(), P, out.data_ptr(), rows_from)
     if rc != 0:
         raise IndexError(lib.ft_last_error().decode())
     return out

@@ -6,21 +6,23 @@
 // waits on that word. No Python runs between a layer's control step and its CPU experts.
 #include <stdint.h>
 #include <stdio.h>
+#include <string.h>
 #include <time.h>
 
 extern "C" {
 
-int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
-                       const void* w13, const void* w2, int w_bf16, int64_t E,
-                       int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
-                       const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out);
+int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
+                     const void* w13, const void* w2, int w_bf16, int64_t E,
+                     int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
+                     const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out, int64_t i0);
 
 struct FtBranch {
   int64_t L, P, T, H, I, E;   // P = T k pairs of this step (token-major), T tokens
   const int64_t* flag;        // [L] the device stores the epoch after layer l's control step
   int64_t* done;              // [L] stored here (release) once layer l's CPU rows are written
   const int64_t* cancel;      // [1] the caller stores an epoch here to abandon that step
-  const int64_t* pair_slot;   // [L, >= P] the control step's pair slots (-1: computed here)
+  const int64_t* pair_slot;   // [L, >= P] the control step's pair slots (-1: computed here, -2: its
+                              // rows [from_rows[l], I) computed here, the rest streamed to the GPU)
   const int64_t* pair_exp;    // [L, >= P] the routed expert of every pair
   int64_t ps_ls;              // layer stride of pair_slot / pair_exp (elements)
   const int64_t* pair_tok;    // [P] the token of every pair
@@ -35,6 +37,9 @@ struct FtBranch {
   // outputs of the last run
   double wait_s, compute_s;   // waiting for the device / in the expert kernel
   int64_t cpu_layers, cpu_pairs, failed_layer;
+  const int64_t* from_rows;   // [L] stored by the device with the flag: the streamed pairs' first CPU row
+  void* rows_tmp;             // [P, H] scratch in x's dtype (a layer with both kinds of CPU pairs)
+  int64_t streamed_rows;      // output: sum over layers of from_rows x the streamed pairs' experts
 };
 
 }  // extern "C"
@@ -76,9 +81,9 @@ extern "C" {
 // -3 when the step was cancelled while waiting for layer failed_layer.
 int ft_branch_run(FtBranch* b, int64_t epoch) {
   b->wait_s = b->compute_s = 0;
-  b->cpu_layers = b->cpu_pairs = 0;
+  b->cpu_layers = b->cpu_pairs = b->streamed_rows = 0;
   b->failed_layer = -1;
-  int64_t tok[1024], exp[1024];
+  int64_t tok[1024], exp[1024], pos[1024], tok2[1024], exp2[1024], pos2[1024];
   if (b->P > 1024) return -1;
   const char* x = (const char*)b->x;
   const char* w13 = (const char*)b->w13;
@@ -95,24 +100,55 @@ int ft_branch_run(FtBranch* b, int64_t epoch) {
     b->wait_s += t1 - t0;
     const int64_t* ps = b->pair_slot + l * b->ps_ls;
     const int64_t* pe = b->pair_exp + l * b->ps_ls;
-    int64_t n = 0;
+    const int64_t i0 = b->from_rows ? b->from_rows[l] : 0;
+    // CPU pairs in pair order: whole ones (-1) into tok/exp, streamed ones (-2: rows from i0)
+    // into tok2/exp2; pos / pos2: each one's compact place among the layer's CPU rows.
+    int64_t n = 0, n2 = 0, nall = 0;
     for (int64_t p = 0; p < b->P; ++p) {
-      if (ps[p] < 0) {
+      if (ps[p] == -2 && i0 > 0) {
+        tok2[n2] = b->pair_tok[p];
+        exp2[n2] = pe[p];
+        pos2[n2++] = nall++;
+      } else if (ps[p] < 0) {
         tok[n] = b->pair_tok[p];
         exp[n] = pe[p];
-        ++n;
+        pos[n++] = nall++;
       }
     }
-    if (n) {
-      int rc = ft_experts_forward(x + l * b->x_ls * xs, b->x_bf16, b->T, b->H, b->I,
-                                  w13 + l * b->w13_ls * ws, w2 + l * b->w2_ls * ws, b->w_bf16, b->E,
-                                  b->w13_es, b->w13_rs, b->w2_es, b->w2_rs, tok, exp, n, b->rows);
-      if (rc != 0) {
-        b->failed_layer = l;
-        return -1;
+    const char* xl = x + l * b->x_ls * xs;
+    const char* w13l = w13 + l * b->w13_ls * ws;
+    const char* w2l = w2 + l * b->w2_ls * ws;
+    const int64_t row = b->H * xs;
+    // one kind only: straight into rows (compact order is then the call's order)
+    char* out1 = n2 ? (char*)b->rows_tmp : (char*)b->rows;
+    char* out2 = n ? (char*)b->rows_tmp + n * row : (char*)b->rows;
+    int rc = 0;
+    if (n)
+      rc = ft_experts_range(xl, b->x_bf16, b->T, b->H, b->I, w13l, w2l, b->w_bf16, b->E, b->w13_es, b->w13_rs,
+                            b->w2_es, b->w2_rs, tok, exp, n, out1, 0);
+    if (n2 && rc == 0)
+      rc = ft_experts_range(xl, b->x_bf16, b->T, b->H, b->I, w13l, w2l, b->w_bf16, b->E, b->w13_es, b->w13_rs,
+                            b->w2_es, b->w2_rs, tok2, exp2, n2, out2, i0);
+    if (rc != 0) {
+      b->failed_layer = l;
+      return -1;
+    }
+    if (n && n2) {          // both kinds: the scratch holds them by kind, rows wants pair order
+      for (int64_t j = 0; j < n; ++j) memcpy((char*)b->rows + pos[j] * row, out1 + j * row, row);
+      for (int64_t j = 0; j < n2; ++j) memcpy((char*)b->rows + pos2[j] * row, out2 + j * row, row);
+    }
+    if (n2) {               // distinct streamed experts (a handful) for the statistics
+      int64_t d = 0;
+      for (int64_t j = 0; j < n2; ++j) {
+        bool seen = false;
+        for (int64_t i = 0; i < j && !seen; ++i) seen = exp2[i] == exp2[j];
+        d += !seen;
       }
+      b->streamed_rows += d * i0;
+    }
+    if (n + n2) {
       ++b->cpu_layers;
-      b->cpu_pairs += n;
+      b->cpu_pairs += n + n2;
     }
     __atomic_store_n(b->done + l, epoch, __ATOMIC_RELEASE);
     b->compute_s += now_s() - t1;

@@ -80,7 +80,7 @@ void exp_job(void* c, int tid, int n) {
       const char* w = (const char*)p->w13 + p->g_expert[g] * p->w13_es * J->es;
       const int64_t rs = p->w13_rs * J->es;
       prefetch_start(w + r0 * rs, rs, r1 - r0, p->H * J->es, p->prefetch, false);         // gate rows
-      prefetch_start(w + (p->I + r0) * rs, rs, r1 - r0, p->H * J->es, p->prefetch, true);  // up rows
+      prefetch_start(w + (p->up + r0) * rs, rs, r1 - r0, p->H * J->es, p->prefetch, true);  // up rows
       (p->g_amx && p->g_amx[g] ? ft_stage1_amx : J->s1)(p, g, r0, r1);
       s1_end = now_ns();
       __atomic_fetch_add(&J->done1[g], 1, __ATOMIC_RELEASE);
@@ -165,16 +165,26 @@ int ft_configure(int threads, const int* cpus, int ncpus, int isa, int64_t prefe
 }
 
 // y[p] = W2[e] (silu(W1[e] x[t]) * W3[e] x[t]) for every pair p = (t, e); see reference.py.
+// Only the intermediate rows [i0, I) (0 <= i0 < I): the part of each expert's sum that the rows
+// [0, i0) streamed to a GPU leave to the CPU (cpu_branch.py); i0 = 0 is the whole expert.
 // Returns 0, or -1 with ft_last_error() set when an index is out of range.
-int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
-                       const void* w13, const void* w2, int w_bf16, int64_t E,
-                       int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
-                       const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out) {
+int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
+                     const void* w13, const void* w2, int w_bf16, int64_t E,
+                     int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
+                     const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out, int64_t i0) {
   std::lock_guard<std::mutex> lk(g_call);
   g_timing.enter = g_timing.posted = g_timing.end = now_ns();   // a call that returns early: all 0
   g_timing.last_start.store(g_timing.enter);
   g_timing.stage1_end.store(g_timing.enter);
   if (g_isa < 0) g_isa = detect_isa();
+  if (i0 < 0 || i0 >= I) {
+    snprintf(g_err, sizeof g_err, "first intermediate row %lld outside [0, %lld)", (long long)i0, (long long)I);
+    return -1;
+  }
+  const int64_t up = I;       // gate row i's up row stays at i + I; the call sees rows [i0, I) only
+  w13 = (const char*)w13 + i0 * w13_rs * (w_bf16 ? 2 : 4);
+  w2 = (const char*)w2 + i0 * (w_bf16 ? 2 : 4);
+  I -= i0;
   for (int64_t i = 0; i < P; ++i) {
     if (pair_tok[i] < 0 || pair_tok[i] >= T || pair_exp[i] < 0 || pair_exp[i] >= E) {
       snprintf(g_err, sizeof g_err, "pair %lld: token %lld / expert %lld out of range (T=%lld, E=%lld)",
@@ -200,7 +210,7 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
   const bool bfdot = base_isa(g_isa) == ISA_AVX512BF16 && x_bf16 && w_bf16;
   FtProblem p;
   memset(&p, 0, sizeof p);
-  p.H = H; p.I = I; p.w13 = w13; p.w2 = w2; p.w_bf16 = w_bf16;
+  p.H = H; p.I = I; p.up = up; p.w13 = w13; p.w2 = w2; p.w_bf16 = w_bf16;
   p.w13_es = w13_es; p.w13_rs = w13_rs; p.w2_es = w2_es; p.w2_rs = w2_rs;
   p.n_groups = (int64_t)s_gexp.size();
   p.g_expert = s_gexp.data(); p.g_start = s_gstart.data(); p.g_count = s_gcount.data();
@@ -264,6 +274,12 @@ int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t 
   pool_run(pool_get(), exp_job, &J);
   g_timing.end = now_ns();
   return 0;
+}
+
+int ft_experts_forward(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I, const void* w13,
+                       const void* w2, int w_bf16, int64_t E, int64_t w13_es, int64_t w13_rs, int64_t w2_es,
+                       int64_t w2_rs, const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out) {
+  return ft_experts_range(x, x_bf16, T, H, I, w13, w2, w_bf16, E, w13_es, w13_rs, w2_es, w2_rs, pair_tok, pair_exp, P, out, 0);
 }
 
 // Seconds for n_calls calls of ft_experts_forward back to back, call c on the P experts

@@ -12,7 +12,8 @@ extern "C" {
 //   pairs are sorted by expert (stable); group g covers sorted positions
 //   [g_start[g], g_start[g] + g_count[g]) and uses expert g_expert[g].
 struct FtProblem {
-  int64_t H, I;                 // hidden size, intermediate size
+  int64_t H, I;                 // hidden size, intermediate rows this call computes
+  int64_t up;                   // rows from a gate row to its up row (the full I; see ft_experts_range)
   const void* w13;              // [E, 2I, H] rows of H, bf16 or fp32
   const void* w2;               // [E, H, I]  rows of I
   int w_bf16;                   // 1: weights are bf16, 0: fp32

@@ -74,8 +74,8 @@ extern "C" void ft_stage1_amx(const FtProblem* p, int64_t g, int64_t i0, int64_t
       if (m != cm || nt != cn) configure_tiles(cm = m, cn = nt);
       // next: this block's up rows after its gate rows, then the next block's gate rows
       const int nm = (int)(i1 - ib - m < 16 ? i1 - ib - m : 16);
-      tile_rows(base + ib * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (I + ib) * rs : 0, m, og);
-      tile_rows(base + (I + ib) * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (ib + m) * rs : 0, nm,
+      tile_rows(base + ib * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (p->up + ib) * rs : 0, m, og);
+      tile_rows(base + (p->up + ib) * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (ib + m) * rs : 0, nm,
                 ou);
       swiglu_block(og, ou, oa, m * 16, p->x_bf16);
       for (int r = 0; r < m; ++r) {

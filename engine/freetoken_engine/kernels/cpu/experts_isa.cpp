@@ -163,12 +163,12 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
 #if FT_ISA == 3
       if (p->xb) {
         rows_bf_n(p, nt, base, rs, ib, ie, xbs, H, og, i1);
-        rows_bf_n(p, nt, base + I * rs, rs, ib, ie, xbs, H, ou, i1);
+        rows_bf_n(p, nt, base + p->up * rs, rs, ib, ie, xbs, H, ou, i1);
       } else
 #endif
       {
         rows_f<WB>(nt, base, rs, ib, ie, xs, H, p->prefetch, og, i1);
-        rows_f<WB>(nt, base + I * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
+        rows_f<WB>(nt, base + p->up * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
       }
       swiglu_block(og, ou, oa, (ie - ib) * NTMAX, p->x_bf16);
       for (int64_t i = ib; i < ie; ++i)

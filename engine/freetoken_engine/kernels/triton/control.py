@@ -49,9 +49,11 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
                     pair_slot_ptr, pair_hit_ptr, pair_fill_ptr, fill_exp_ptr, fill_slot_ptr, cpu_exp_ptr,
                     step_ptr, totals_ptr,
                     keys_ptr, newslot_ptr, mirror_ps_ptr, mirror_counts_ptr, mirror_ids_ptr, layer,
-                    P, E, S, NF, BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
+                    P, E, S, NF, pair_stream_ptr, stream_rows_ptr, cpurank_ptr, mirror_from_ptr,
+                    share, INTER, GRANULE, NS,
+                    BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr, MIRROR: tl.constexpr,
-                    MIRROR_IDS: tl.constexpr):
+                    MIRROR_IDS: tl.constexpr, STREAM: tl.constexpr, MIRROR_FROM: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     pm = p < P
     ids = tl.load(topk_ptr + p, mask=pm, other=-1).to(tl.int64)               # [BLOCK_P]
@@ -84,10 +86,13 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     key = tl.where(sm, ((lu + 1) << SLOT_BITS) | s, 0x7FFFFFFFFFFFFFFF)      # unique per slot
     # The q smallest keys in ascending order: q rounds of a block-wide min (q <= the call's
     # distinct experts, a handful in decode), much cheaper than sorting all S keys.
-    for r in range(0, q.to(tl.int32)):
+    # (a while loop: Triton 3.6's interpreter cannot take a tensor as a range bound)
+    r = q * 0
+    while r < q:
         smallest = tl.min(key, 0)
         tl.store(keys_ptr + r, smallest)
         key = tl.where(key == smallest, 0x7FFFFFFFFFFFFFFF, key)
+        r += 1
     tl.debug_barrier()
 
     victim = tl.load(keys_ptr + rank, mask=fill, other=0) & ((1 << SLOT_BITS) - 1)
@@ -101,6 +106,8 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     tl.store(cpu_exp_ptr + rank - q, e, mask=cpu)
     # per expert: its slot if a hit, -(slot + 2) if filled now, -1 if computed on the CPU
     tl.store(newslot_ptr + e, tl.where(hit, slot, tl.where(fill, -victim - 2, -1)), mask=em)
+    if STREAM:
+        tl.store(cpurank_ptr + e, tl.where(cpu, rank - q, -1), mask=em)
     tl.debug_barrier()
 
     v = tl.load(newslot_ptr + ids, mask=pm & (ids >= 0), other=-1)
@@ -111,8 +118,25 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     c = tl.arange(0, 4)
     counts = tl.where(c == 0, n_hit, tl.where(c == 1, m, tl.where(c == 2, q, m - q)))
     tl.store(step_ptr + c, counts)
+    mirrored = ps
+    if STREAM:
+        # Streamed split: the first NS CPU experts' rows [0, rows) go to the GPU too, rows chosen
+        # so that PCIe (q whole experts + the streamed rows) and the CPU (the rest) take equal
+        # time at the PCIe share `share` of the bandwidth: rows / I = (c share - q (1 - share)) / cs.
+        n_cpu = m - q
+        n_str = tl.minimum(n_cpu, NS)
+        r = (n_cpu.to(tl.float32) * share - q.to(tl.float32) * (1.0 - share)) / tl.maximum(n_str, 1).to(tl.float32)
+        rows = (tl.floor(r * INTER / GRANULE + 0.5)).to(tl.int64) * GRANULE
+        rows = tl.where(n_str > 0, tl.minimum(tl.maximum(rows, 0), INTER - GRANULE), 0)
+        cr = tl.load(cpurank_ptr + ids, mask=pm & (ids >= 0), other=-1)
+        pstream = tl.where((v == -1) & (cr >= 0) & (cr < NS) & (rows > 0), cr, -1)
+        tl.store(pair_stream_ptr + p, pstream, mask=pm)
+        tl.store(stream_rows_ptr, rows)
+        mirrored = tl.where(pstream >= 0, -2, ps)
+        if MIRROR_FROM:
+            tl.store(mirror_from_ptr, rows)
     if MIRROR:
-        tl.store(mirror_ps_ptr + p, ps, mask=pm)
+        tl.store(mirror_ps_ptr + p, mirrored, mask=pm)
         tl.store(mirror_counts_ptr + c, counts)
     if MIRROR_IDS:
         tl.store(mirror_ids_ptr + p, ids, mask=pm)
@@ -130,7 +154,10 @@ class ControlOutputs:
     fill_exp / fill_slot [NF]: the step's fills in
     ascending expert id and their victim slots, -1 padded. cpu_exp [NF]: experts computed on the
     CPU, ascending, -1 padded. step_counts [4]: hits, misses, fills, cpu_computed of the call.
-    NF = min(P, E) bounds the distinct experts of a call. keys / newslot are workspace.
+    NF = min(P, E) bounds the distinct experts of a call. With a streamed split (``stream=``):
+    pair_stream [P]: the scratch slot (the CPU rank of its expert, < NS) of each pair whose rows
+    [0, stream_rows) the GPU computes from a streamed copy, -1 elsewhere; stream_rows [1].
+    keys / newslot / cpurank are workspace.
     """
 
     pair_slot: torch.Tensor
@@ -142,6 +169,9 @@ class ControlOutputs:
     step_counts: torch.Tensor
     keys: torch.Tensor
     newslot: torch.Tensor
+    pair_stream: torch.Tensor
+    stream_rows: torch.Tensor
+    cpurank: torch.Tensor
 
     @classmethod
     def allocate(cls, pairs: int, experts: int, slots: int, device: torch.device) -> "ControlOutputs":
@@ -152,12 +182,36 @@ class ControlOutputs:
 
         return cls(full(pairs), full(pairs), full(pairs), full(nf), full(nf), full(nf),
                    torch.zeros(4, dtype=torch.int64, device=device),
-                   full(next_pow2(slots)), full(next_pow2(experts)))
+                   full(next_pow2(slots)), full(next_pow2(experts)), full(pairs),
+                   torch.zeros(1, dtype=torch.int64, device=device), full(next_pow2(experts)))
 
 
-def fill_table(fill_fraction: float, experts: int, device: torch.device) -> torch.Tensor:
-    """``[E + 1]`` int32: q before the slot cap for each miss count m, rounded on the host."""
-    return torch.tensor([fills_for(m, fill_fraction) for m in range(experts + 1)],
+@dataclass(frozen=True)
+class StreamSplit:
+    """The streamed split of a control step: of the first ``max_streamed`` CPU experts, the
+    intermediate rows [0, rows) are also copied to the GPU (``stream.py``) and computed there, the
+    CPU computes rows [rows, I); rows is a multiple of ``granule`` in [0, I - granule] that
+    balances PCIe against the CPU for the layer's fills at PCIe share ``share`` (q*/m)."""
+
+    share: float
+    inter: int
+    granule: int = 64
+    max_streamed: int = 8
+
+    def check(self, experts: int, pairs: int) -> None:
+        if not 0.0 <= self.share <= 1.0 or self.granule < 1 or self.inter % self.granule \
+                or self.inter < 2 * self.granule or self.max_streamed < 1:
+            raise ValueError(f"bad stream split {self}: need 0 <= share <= 1, I a multiple of the granule "
+                             f"and at least two granules, max_streamed >= 1")
+
+    def args(self) -> tuple:
+        return float(self.share), self.inter, self.granule, self.max_streamed
+
+
+def fill_table(fill_fraction: float, experts: int, device: torch.device, floor: bool = False) -> torch.Tensor:
+    """``[E + 1]`` int32: q before the slot cap for each miss count m, rounded on the host
+    (``floor``: floor(f m), the streamed split's rule; see ``kernels/split.py``)."""
+    return torch.tensor([fills_for(m, fill_fraction, floor) for m in range(experts + 1)],
                         dtype=torch.int32, device=device)
 
 
@@ -165,7 +219,7 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
                  last_used: torch.Tensor, clock: torch.Tensor, table: torch.Tensor,
                  totals: torch.Tensor, out: ControlOutputs,
                  mirror: tuple[torch.Tensor, ...] | None = None,
-                 block_slots: int | None = None) -> ControlOutputs:
+                 block_slots: int | None = None, stream: "StreamSplit | None" = None) -> ControlOutputs:
     """Run the control step for ``layer`` (see the module docstring); mutates slot_of,
     slot_owner, last_used, clock ([1] int64) and totals ([4] int64) in place and fills ``out``
     (and ``mirror``: int64 [P], [4] and optionally [P], contiguous; pinned host memory on a GPU).
@@ -173,8 +227,9 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
     All tensors on one device; slot_of [L, E] int32/int64, slot_owner / last_used [S] int64,
     topk_ids [T, k] int. ``block_slots`` (>= S): size the slot block for a pool that may grow to
     that many slots, so that resizing it never compiles a new kernel in the middle of serving
-    (a compile costs seconds on a GPU); default: S. Raises ValueError on bad shapes, dtypes,
-    strides or sizes.
+    (a compile costs seconds on a GPU); default: S. ``stream``: also choose the streamed split
+    (``out.pair_stream``, ``out.stream_rows``); a fourth mirror tensor ([1] int64) then receives
+    stream_rows. Raises ValueError on bad shapes, dtypes, strides or sizes.
     """
     dev = slot_of.device
     check_tensor("slot_of", slot_of, 2, (torch.int32, torch.int64), dev)
@@ -198,11 +253,13 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         raise ValueError("ControlOutputs were allocated for another batch, pool or expert count")
     m_ids = None
     if mirror is not None:
-        if len(mirror) not in (2, 3):
-            raise ValueError(f"mirror is (pair_slot, counts[, pair_exp]), got {len(mirror)} tensors")
-        m_ps, m_counts, m_ids = (*mirror, None)[:3]
+        if len(mirror) not in (2, 3, 4) or (len(mirror) == 4 and stream is None):
+            raise ValueError(f"mirror is (pair_slot, counts[, pair_exp[, stream_rows]]) (stream_rows with "
+                             f"stream=), got {len(mirror)} tensors")
+        m_ps, m_counts, m_ids, m_from = (*mirror, None, None)[:4]
         checks = [("mirror pair_slot", m_ps, pairs), ("mirror counts", m_counts, 4)]
         checks += [("mirror pair_exp", m_ids, pairs)] if m_ids is not None else []
+        checks += [("mirror stream_rows", m_from, 1)] if m_from is not None else []
         for name, t, n in checks:
             check_tensor(name, t, 1, (torch.int64,))
             check_contiguous(name, t)
@@ -211,7 +268,9 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
             if dev.type == "cuda" and not (t.device == dev or t.is_pinned()):
                 raise ValueError(f"{name} must be pinned host memory or on {dev}")
     else:
-        m_ps, m_counts = out.pair_slot, out.step_counts              # unused (MIRROR=False)
+        m_ps, m_counts, m_from = out.pair_slot, out.step_counts, None  # unused (MIRROR=False)
+    if stream is not None:
+        stream.check(experts, pairs)
     if block_slots is not None and block_slots < slots:
         raise ValueError(f"block_slots {block_slots} < the pool's {slots} slots")
     block_s = next_pow2(block_slots or slots)
@@ -221,8 +280,11 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         out.pair_slot, out.pair_hit_slot, out.pair_fill_slot, out.fill_exp, out.fill_slot, out.cpu_exp,
         out.step_counts, totals,
         out.keys, out.newslot, m_ps, m_counts, m_ids if m_ids is not None else m_ps, layer, pairs,
-        experts, slots, nf,
+        experts, slots, nf, out.pair_stream, out.stream_rows, out.cpurank,
+        m_from if m_from is not None else out.stream_rows,
+        *(stream.args() if stream is not None else (0.0, 1, 1, 0)),
         BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=block_s,
         BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, MIRROR=mirror is not None, MIRROR_IDS=m_ids is not None,
+        STREAM=stream is not None, MIRROR_FROM=m_from is not None,
         num_warps=8 if block_s > 2048 else 4)
     return out

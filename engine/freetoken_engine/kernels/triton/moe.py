@@ -57,17 +57,20 @@ def _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, block_rows_ptr,
-                    block_slot_ptr, P, H, I, stride_xt, stride_ws, stride_wn,
+                    block_slot_ptr, limit_ptr, P, H, I, stride_xt, stride_ws, stride_wn,
                     BLOCK_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr):
+                    IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr, LIMIT: tl.constexpr):
     pid = tl.program_id(0)
     s, rows = _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
                                BLOCK_P, BM, IN_KERNEL)
-    if s >= 0:
+    lim = I
+    if LIMIT:       # only intermediate rows [0, limit) (a streamed part of an expert)
+        lim = tl.minimum(tl.load(limit_ptr).to(tl.int32), I)
+    if (s >= 0) & (tl.program_id(1) * BN < lim):
         valid = rows >= 0
         toks = tl.load(pair_tok_ptr + rows, mask=valid, other=0).to(tl.int64)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < I
+        nmask = n < lim
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         w_base = w13_ptr + s * stride_ws
@@ -93,22 +96,25 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, bloc
 
 
 @triton.jit
-def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, block_slot_ptr,
+def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, block_slot_ptr, limit_ptr,
                  P, H, I, stride_ws, stride_wn, stride_ot,
                  BLOCK_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr):
+                 IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr, LIMIT: tl.constexpr):
     pid = tl.program_id(0)
     s, rows = _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
                                BLOCK_P, BM, IN_KERNEL)
+    lim = I
+    if LIMIT:
+        lim = tl.minimum(tl.load(limit_ptr).to(tl.int32), I)
     if s >= 0:
         valid = rows >= 0
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = n < H
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         w_base = w2_ptr + s * stride_ws
-        for k0 in range(0, I, BK):
+        for k0 in range(0, lim, BK):
             k = k0 + tl.arange(0, BK)
-            kmask = k < I
+            kmask = k < lim
             a = tl.load(inter_ptr + rows[:, None] * I + k[None, :],
                         mask=valid[:, None] & kmask[None, :], other=0.0)            # [BM, BK]
             w = tl.load(w_base + n[None, :] * stride_wn + k[:, None],
@@ -149,8 +155,10 @@ def block_table(pair_slot: torch.Tensor, block_m: int, slots: int) -> tuple[torc
 
 def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.Tensor,
                       pair_tok: torch.Tensor, pair_slot: torch.Tensor,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, limit: torch.Tensor | None = None) -> torch.Tensor:
     """Compute every (token, slot) pair from the slot pool; see the module docstring.
+    ``limit`` ([1] int on the device): only the intermediate rows [0, limit) of every slot, the
+    GPU's part of a streamed split (``stream.py``); the slots' other rows are not read.
 
     x [T, H]; w13_slots [S, 2I, H]; w2_slots [S, H, I]; pair_tok, pair_slot [P] int32/int64 on
     x's device. Returns ``out [P, H]`` in x.dtype (written into ``out`` when given). Raises
@@ -172,6 +180,8 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
         raise ValueError("slot rows must be dense: w13_slots.stride(1) == H and w2_slots.stride(1) == I")
     if x.stride(1) != 1:
         raise ValueError("x needs a unit stride in its last dim")
+    if limit is not None:
+        check_tensor("limit", limit, 1, _INDEX, dev)
     p = pair_tok.numel()
     if pair_slot.numel() != p:
         raise ValueError(f"pair_tok has {p} pairs, pair_slot {pair_slot.numel()}")
@@ -199,11 +209,13 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     bn1, bk1, bn2, bk2, warps = (tiles[key] for key in ("bn1", "bk1", "bn2", "bk2", "warps"))
     block_p = next_pow2(p) if in_kernel else 1
     _gate_up_kernel[(nb, triton.cdiv(inter, bn1))](
-        x, w13_slots, inter_buf, pair_tok, pair_slot, rows, slots, p, h, inter,
-        x.stride(0), w13_slots.stride(0), w13_slots.stride(1),
-        BLOCK_P=block_p, BM=bm, BN=bn1, BK=bk1, IN_KERNEL=in_kernel, UPCAST=upcast, num_warps=warps)
+        x, w13_slots, inter_buf, pair_tok, pair_slot, rows, slots, limit if limit is not None else pair_slot,
+        p, h, inter, x.stride(0), w13_slots.stride(0), w13_slots.stride(1),
+        BLOCK_P=block_p, BM=bm, BN=bn1, BK=bk1, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limit is not None,
+        num_warps=warps)
     _down_kernel[(nb, triton.cdiv(h, bn2))](
-        inter_buf, w2_slots, out, pair_slot, rows, slots, p, h, inter,
-        w2_slots.stride(0), w2_slots.stride(1), out.stride(0),
-        BLOCK_P=block_p, BM=bm, BN=bn2, BK=bk2, IN_KERNEL=in_kernel, UPCAST=upcast, num_warps=warps)
+        inter_buf, w2_slots, out, pair_slot, rows, slots, limit if limit is not None else pair_slot,
+        p, h, inter, w2_slots.stride(0), w2_slots.stride(1), out.stride(0),
+        BLOCK_P=block_p, BM=bm, BN=bn2, BK=bk2, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limit is not None,
+        num_warps=warps)
     return out
