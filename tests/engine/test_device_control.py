@@ -3,16 +3,12 @@ expert cache's torch step: same pair slots, residency, LRU clocks, counters and 
 across layers, fill fractions, a full pool and a resize."""
 from __future__ import annotations
 
-import os
+import interpret  # noqa: E402  (first: it turns the Triton interpreter on)
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+interpret.require()
 
-import pytest
-import torch
-
-pytest.importorskip("triton")
-if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
-    pytest.skip("Triton needs TRITON_INTERPRET=1 without a GPU", allow_module_level=True)
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from freetoken_engine.cache.bank import ExpertBank
 from freetoken_engine.cache.device_control import DeviceControl

@@ -4,16 +4,12 @@ what the cache holds or fills, its rows must balance PCIe against the CPU as doc
 two partial sums must add up to the whole expert (exactly in float32 up to summation order)."""
 from __future__ import annotations
 
-import os
+import interpret  # noqa: E402  (first: it turns the Triton interpreter on)
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+interpret.require()
 
-import pytest
-import torch
-
-pytest.importorskip("triton")
-if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
-    pytest.skip("Triton needs TRITON_INTERPRET=1 without a GPU", allow_module_level=True)
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from branch_steps import HostThread
 from freetoken_engine.cache.bank import ExpertBank

@@ -2,13 +2,11 @@
 same tokens as the torch reference path. On CPU it runs under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
-import os
+import interpret  # noqa: E402  (first: it turns the Triton interpreter on)
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+interpret.require()
 
 import pytest  # noqa: E402
-
-pytest.importorskip("triton")
 
 from freetoken_engine import LLM, SamplingParams  # noqa: E402
 

@@ -1,16 +1,12 @@
 """Triton kernels against the PyTorch reference, on CPU under TRITON_INTERPRET=1 (small shapes)."""
 from __future__ import annotations
 
-import os
+import interpret  # noqa: E402  (first: it turns the Triton interpreter on)
 
-os.environ.setdefault("TRITON_INTERPRET", "1")   # before triton is imported; CPU tensors then run
+interpret.require()
 
-import pytest
-import torch
-
-pytest.importorskip("triton")
-if os.environ["TRITON_INTERPRET"] != "1" and not torch.cuda.is_available():
-    pytest.skip("Triton needs TRITON_INTERPRET=1 without a GPU", allow_module_level=True)
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from freetoken_engine.kernels.reference import expert_pairs_forward
 from freetoken_engine.kernels.triton.gather import gather_fill_rows
