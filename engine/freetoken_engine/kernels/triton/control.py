@@ -125,8 +125,8 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
         # time at the PCIe share `share` of the bandwidth: rows / I = (c share - q (1 - share)) / cs.
         n_cpu = m - q
         n_str = tl.minimum(n_cpu, NS)
-        r = (n_cpu.to(tl.float32) * share - q.to(tl.float32) * (1.0 - share)) / tl.maximum(n_str, 1).to(tl.float32)
-        rows = (tl.floor(r * INTER / GRANULE + 0.5)).to(tl.int64) * GRANULE
+        frac = (n_cpu.to(tl.float32) * share - q.to(tl.float32) * (1.0 - share)) / tl.maximum(n_str, 1).to(tl.float32)
+        rows = (tl.floor(frac * INTER / GRANULE + 0.5)).to(tl.int64) * GRANULE
         rows = tl.where(n_str > 0, tl.minimum(tl.maximum(rows, 0), INTER - GRANULE), 0)
         cr = tl.load(cpurank_ptr + ids, mask=pm & (ids >= 0), other=-1)
         pstream = tl.where((v == -1) & (cr >= 0) & (cr < NS) & (rows > 0), cr, -1)
