@@ -263,47 +263,47 @@ def main() -> None:
 
 
 def plot(result: dict, path: Path) -> None:
+    """Per model: decode tok/s of every policy the run has (bars) against its bound ('-'), grouped
+    by routing, batch and budget; then prefill against the PCIe bound when the run has it."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     models = list(result["bandwidth"])
-    fig, axes = plt.subplots(1, len(models) + 1, figsize=(6 * (len(models) + 1), 4.5))
-    axes = list(axes) if len(models) else [axes]
-    colors = {"all": "k", "static": "tab:red", "lru": "tab:blue", "lru+q*": "tab:green"}
+    panels = len(models) + bool(result["prefill"])
+    fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4.8), squeeze=False)
+    axes = list(axes[0])
     for ax, name in zip(axes, models):
-        mine = [r for r in result["decode"] if r["model"] == name and r["batch"] == 1]
-        routing = "locality" if any(r["routing"] == "locality" for r in mine) else "uniform"
-        rows = [r for r in mine if r["routing"] == routing]
-        budgets = sorted({r["budget_gib"] for r in rows if r["budget_gib"] is not None})
-        for i, pol in enumerate(("static", "lru", "lru+q*")):
-            sel = [next((r for r in rows if r["policy"] == pol and r["budget_gib"] == b), None) for b in budgets]
-            xs = [j + 0.25 * (i - 1) for j in range(len(budgets))]
-            ax.bar(xs, [r["tok_s"] if r else 0 for r in sel], 0.25, color=colors[pol], label=pol)
-            ax.scatter(xs, [r["bound_tok_s"] if r else 0 for r in sel], marker="_", s=300, color="k")
-        allr = next((r for r in rows if r["policy"] == "all"), None)
-        if allr:
-            ax.axhline(allr["tok_s"], color="k", ls="--", label=f"all resident {allr['tok_s']:.0f}")
-        ax.set_xticks(range(len(budgets)), [f"{b:g} GB card" for b in budgets])
+        rows = [r for r in result["decode"] if r["model"] == name and r["policy"] != "all"]
+        groups = sorted({(r["routing"], r["batch"], r["budget_gib"]) for r in rows})
+        policies = list(dict.fromkeys(r["policy"] for r in rows))
+        width = 0.8 / max(len(policies), 1)
+        for i, pol in enumerate(policies):
+            sel = [next((r for r in rows if r["policy"] == pol and (r["routing"], r["batch"], r["budget_gib"]) == g),
+                        None) for g in groups]
+            xs = [j + width * (i - (len(policies) - 1) / 2) for j in range(len(groups))]
+            ax.bar(xs, [r["tok_s"] if r else 0 for r in sel], width, label=pol)
+            ax.scatter(xs, [r["bound_tok_s"] if r else 0 for r in sel], marker="_", s=200, color="k")
+        ax.set_xticks(range(len(groups)), [f"{rt}\nb{b}, {g:g} GB" for rt, b, g in groups], fontsize=8)
         if any(r["tok_s"] > 0 for r in rows):
             ax.set_yscale("log")
-        ax.set_title(f"{name} decode, batch 1, {routing} routing\n(bars measured, '-' bandwidth bound)")
+        ax.set_title(f"{name} decode (bars measured, '-' bandwidth bound)")
         ax.set_ylabel("tok/s (MoE layers only)")
         ax.legend(fontsize=8)
-    ax = axes[-1]
-    for name in models:
-        for mode, ls in (("double", "-"), ("single", ":")):
-            rows = [r for r in result["prefill"] if r["model"] == name and r["mode"] == mode]
-            if not rows:
-                continue
-            ax.plot([r["tokens"] for r in rows], [r["tok_s"] for r in rows], ls, marker="o", label=f"{name} {mode}")
-        rows = [r for r in result["prefill"] if r["model"] == name and r["mode"] == "double"]
-        ax.plot([r["tokens"] for r in rows], [r["tokens"] / r["bound_seconds"] for r in rows], "k--", lw=0.8)
     if result["prefill"]:
+        ax = axes[-1]
+        for name in models:
+            for mode, ls in (("double", "-"), ("single", ":")):
+                rows = [r for r in result["prefill"] if r["model"] == name and r["mode"] == mode]
+                if rows:
+                    ax.plot([r["tokens"] for r in rows], [r["tok_s"] for r in rows], ls, marker="o",
+                            label=f"{name} {mode}")
+            rows = [r for r in result["prefill"] if r["model"] == name and r["mode"] == "double"]
+            ax.plot([r["tokens"] for r in rows], [r["tokens"] / r["bound_seconds"] for r in rows], "k--", lw=0.8)
         ax.set_xscale("log", base=2)
-    ax.set_title("prefill (dashed: PCIe bound)")
-    ax.set_xlabel("tokens")
-    ax.set_ylabel("tok/s")
-    ax.legend(fontsize=8)
+        ax.set_title("prefill (dashed: PCIe bound)")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("tok/s")
+        ax.legend(fontsize=8)
     fig.suptitle(f"{result['hardware']['gpu']}, {result['hardware']['cpu']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
