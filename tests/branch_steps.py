@@ -1,11 +1,24 @@
-"""Driving decode's CPU-branch handshake in tests: the host loop on a thread next to the 'device'
-(``HostThread``, CPU tests under TRITON_INTERPRET=1), and a step captured as a CUDA graph and
-replayed with the host loop answering it (``graph_replays``, GPU tests)."""
+"""Driving decode's CPU-branch handshake in tests: a bank of random experts (``random_bank``), the
+host loop on a thread next to the 'device' (``HostThread``, CPU tests under TRITON_INTERPRET=1),
+and a step captured as a CUDA graph and replayed with the host loop answering it
+(``graph_replays``, GPU tests)."""
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+
+
+def random_bank(layers: int, experts: int, hidden: int, inter: int, dtype, seed: int, scale: float):
+    """An ``ExpertBank`` of normal weights times ``scale``, the same for a seed."""
+    import torch
+    from freetoken_engine.cache.bank import ExpertBank
+
+    bank = ExpertBank(layers, experts, hidden, inter, dtype)
+    g = torch.Generator().manual_seed(seed)
+    bank.w13.copy_(torch.randn(bank.w13.shape, generator=g) * scale)
+    bank.w2.copy_(torch.randn(bank.w2.shape, generator=g) * scale)
+    return bank
 
 
 class HostThread:

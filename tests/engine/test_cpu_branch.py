@@ -12,7 +12,7 @@ interpret.require()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from branch_steps import HostThread
+from branch_steps import HostThread, random_bank
 from freetoken_engine.cache.bank import ExpertBank
 from freetoken_engine.cache.device_control import DeviceControl
 from freetoken_engine.cache.experts import ExpertCache
@@ -27,11 +27,7 @@ LAYERS, EXPERTS, H, I, K, T = 3, 12, 64, 32, 4, 2
 
 
 def _bank(dtype=torch.bfloat16) -> ExpertBank:
-    bank = ExpertBank(LAYERS, EXPERTS, H, I, dtype)
-    g = torch.Generator().manual_seed(3)
-    bank.w13.copy_(torch.randn(bank.w13.shape, generator=g) * 0.1)
-    bank.w2.copy_(torch.randn(bank.w2.shape, generator=g) * 0.1)
-    return bank
+    return random_bank(LAYERS, EXPERTS, H, I, dtype, seed=3, scale=0.1)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

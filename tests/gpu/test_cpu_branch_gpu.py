@@ -12,7 +12,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from branch_steps import graph_replays
+from branch_steps import graph_replays, random_bank
 from freetoken_engine.cache.bank import ExpertBank
 from freetoken_engine.cache.device_control import DeviceControl
 from freetoken_engine.cache.experts import ExpertCache
@@ -25,10 +25,7 @@ LAYERS, EXPERTS, H, I, K, T = 6, 32, 512, 256, 8, 2
 
 
 def test_graph_step_receives_the_cpu_kernels_rows():
-    bank = ExpertBank(LAYERS, EXPERTS, H, I, torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    bank.w13.copy_(torch.randn(bank.w13.shape, generator=g) * 0.05)
-    bank.w2.copy_(torch.randn(bank.w2.shape, generator=g) * 0.05)
+    bank = random_bank(LAYERS, EXPERTS, H, I, torch.bfloat16, seed=0, scale=0.05)
     bank.pin()
     cache = ExpertCache(bank, 40, CUDA, fill_fraction=0.5)
     ctl = DeviceControl.from_cache(cache)

@@ -11,8 +11,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from branch_steps import graph_replays
-from freetoken_engine.cache.bank import ExpertBank
+from branch_steps import graph_replays, random_bank
 from freetoken_engine.cache.device_control import DeviceControl
 from freetoken_engine.cache.experts import ExpertCache
 from freetoken_engine.kernels import reference
@@ -26,10 +25,7 @@ LAYERS, EXPERTS, H, I, K, T = 6, 32, 512, 256, 8, 1
 
 @pytest.mark.parametrize("floor_fills", [False, True])
 def test_graph_step_with_streamed_rows_matches_the_experts(floor_fills):
-    bank = ExpertBank(LAYERS, EXPERTS, H, I, torch.bfloat16)
-    g = torch.Generator().manual_seed(1)
-    bank.w13.copy_(torch.randn(bank.w13.shape, generator=g) * 0.05)
-    bank.w2.copy_(torch.randn(bank.w2.shape, generator=g) * 0.05)
+    bank = random_bank(LAYERS, EXPERTS, H, I, torch.bfloat16, seed=1, scale=0.05)
     bank.pin()
     cache = ExpertCache(bank, 150, CUDA, fill_fraction=0.3)
     ctl = DeviceControl.from_cache(cache)

@@ -18,6 +18,8 @@ new tensors and every ``ControlOutputs`` sized for the old pool is dropped.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..kernels.triton.control import ControlOutputs, StreamSplit, control_step, fill_table
@@ -92,7 +94,7 @@ class DeviceControl:
         self.fill_table = fill_table(fill_fraction, self.slot_of.shape[1], self.device, floor)
         self.fill_fraction = fill_fraction
         if self.stream is not None:
-            self.stream = StreamSplit(fill_fraction, self.stream.inter, self.stream.granule, self.stream.max_streamed)
+            self.stream = dataclasses.replace(self.stream, share=fill_fraction)
 
     def set_stream(self, max_streamed: int | None, granule: int = 64, floor_fills: bool = False) -> None:
         """Turn the streamed split on (``kernels/triton/stream.py``): of up to ``max_streamed``
@@ -109,7 +111,7 @@ class DeviceControl:
             return
         inter = self.w2_slots.shape[2]
         split = StreamSplit(self.fill_fraction, inter, granule, max_streamed)
-        split.check(self.slot_of.shape[1], 1)
+        split.check()
         like = dict(dtype=self.w13_slots.dtype, device=self.device)
         self.scratch = (torch.zeros((max_streamed, *self.w13_slots.shape[1:]), **like),
                         torch.zeros((max_streamed, *self.w2_slots.shape[1:]), **like))

@@ -198,7 +198,7 @@ class StreamSplit:
     granule: int = 64
     max_streamed: int = 8
 
-    def check(self, experts: int, pairs: int) -> None:
+    def check(self) -> None:
         if not 0.0 <= self.share <= 1.0 or self.granule < 1 or self.inter % self.granule \
                 or self.inter < 2 * self.granule or self.max_streamed < 1:
             raise ValueError(f"bad stream split {self}: need 0 <= share <= 1, I a multiple of the granule "
@@ -270,7 +270,7 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
     else:
         m_ps, m_counts, m_from = out.pair_slot, out.step_counts, None  # unused (MIRROR=False)
     if stream is not None:
-        stream.check(experts, pairs)
+        stream.check()
     if block_slots is not None and block_slots < slots:
         raise ValueError(f"block_slots {block_slots} < the pool's {slots} slots")
     block_s = next_pow2(block_slots or slots)
