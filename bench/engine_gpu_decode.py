@@ -45,10 +45,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from hardware import describe  # noqa: E402
 
-SIDES = {"eager/sync": ("off", False), "eager/branch": ("on", False), "graphs": ("on", True),
-         "graphs+tuning": ("on", True), "graphs/copy-first": ("on", True), "graphs+stream": ("on", True),
-         "graphs+stream-floor": ("on", True)}
-STREAM = {"graphs+stream": "on", "graphs+stream-floor": "floor"}      # FREETOKEN_STREAM_SPLIT per side
+# side -> (FREETOKEN_HOST_BRANCH, CUDA graphs, FREETOKEN_STREAM_SPLIT)
+SIDES = {"eager/sync": ("off", False, "off"), "eager/branch": ("on", False, "off"), "graphs": ("on", True, "off"),
+         "graphs+tuning": ("on", True, "off"), "graphs/copy-first": ("on", True, "off"),
+         "graphs+stream": ("on", True, "on"), "graphs+stream-floor": ("on", True, "floor")}
 TUNING_SEARCH = 900
 
 
@@ -127,10 +127,10 @@ def run_sides(work: Path, args) -> tuple[int, list[dict], list[str]]:
                               rnd=lambda shape: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
     print(f"checkpoint: {args.layers} layers, {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     rows, failed = [], []
-    for side, (branch, _) in SIDES.items():
+    for side, (branch, _, stream) in SIDES.items():
         if side not in args.sides.split(","):
             continue
-        env = dict(os.environ, FREETOKEN_HOST_BRANCH=branch, FREETOKEN_STREAM_SPLIT=STREAM.get(side, "off"))
+        env = dict(os.environ, FREETOKEN_HOST_BRANCH=branch, FREETOKEN_STREAM_SPLIT=stream)
         cmd = [sys.executable, __file__, "--worker", side, "--model", str(work / "model"), "--fractions",
                args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device,
                "--splits", args.splits if side == "graphs" else ""]
