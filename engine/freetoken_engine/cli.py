@@ -40,6 +40,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="expert cache control and kernels: triton on CUDA by default")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode eagerly instead of as captured CUDA graphs (CUDA only)")
+    p.add_argument("--graph-warmup", type=int, default=4, metavar="N",
+                   help="capture the decode graphs of batch sizes 1..N at every context width before "
+                        "serving (default 4; 0: capture each on its first use)")
     p.add_argument("--split-tuning", action="store_true",
                    help="refine the calibrated q* online by measured decode step time (CUDA only; "
                         "see docs/gpu.md for when it helps)")
@@ -49,7 +52,7 @@ def _engine_kwargs(args) -> dict:
     kw = dict(device=args.device, dtype=args.dtype, expert_cache_experts=args.expert_cache_experts,
               expert_cache_gb=args.expert_cache_gb, cpu_expert_fraction=args.cpu_expert_fraction,
               max_context=args.max_context, expert_backend=args.expert_backend, cuda_graphs=args.cuda_graphs,
-              split_tuning=args.split_tuning)
+              graph_warmup=args.graph_warmup, split_tuning=args.split_tuning)
     return kw
 
 

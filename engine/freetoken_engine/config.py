@@ -109,6 +109,7 @@ class EngineConfig:
     cpu_expert_fraction: float | None = None  # forced share of misses computed in place
     expert_backend: str = "auto"             # torch | triton | auto (triton on CUDA)
     cuda_graphs: bool = True                 # capture decode steps as CUDA graphs (CUDA + triton)
+    graph_warmup: int = 4                    # capture batch sizes 1..N at start (0: on first use)
     split_tuning: bool = False               # refine q* online by measured decode step time (CUDA)
     prefill_chunk: int = 512
     prefill_expert_threshold: int = 16       # tokens in a batch from which MoE runs whole layers
@@ -136,6 +137,8 @@ class EngineConfig:
             raise ConfigError(f"--cpu-expert-fraction must be within 0..1, got {f}")
         if self.expert_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"--expert-backend must be auto, torch or triton, got {self.expert_backend!r}")
+        if self.graph_warmup < 0:
+            raise ConfigError(f"--graph-warmup must be 0 or more, got {self.graph_warmup}")
         for name in ("prefill_chunk", "kv_block_size", "max_batch", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")

@@ -42,6 +42,15 @@ def test_graph_keys_bucket_the_context():
     assert g.key([one(9)]) is None
 
 
+def test_warm_up_covers_every_width_a_request_can_reach():
+    """``--graph-warmup`` captures each of ``widths()``: every context length must map to one."""
+    g = DecodeGraphs.__new__(DecodeGraphs)
+    for ctx, want in ((3000, [256, 512, 1024, 2048, 3000]), (4096, [256, 512, 1024, 2048, 4096]), (200, [200])):
+        g.max_context = ctx
+        assert g.widths() == want
+        assert {g.width(n) for n in range(1, ctx + 1)} == set(want)
+
+
 def test_lockstep_batches_decode_like_each_prompt_alone(tiny_checkpoint):
     """``Lockstep`` (the batched decode the GPU graph tests and bench drive) gives each prompt the
     tokens it gets alone, and returns its KV blocks."""

@@ -68,6 +68,32 @@ def test_graphs_are_dropped_and_recaptured_after_a_resize(tiny_checkpoint):
     llm.runner.cache.check_integrity(deep=True)
 
 
+def test_graphs_captured_before_the_first_request_serve_all_of_it(tiny_checkpoint):
+    """--graph-warmup 2: batch sizes 1 and 2 at every width are captured when the engine starts,
+    the warm-up's dummy steps count in no cache statistic, and a request's decode then replays
+    from its first step to its last (no capture mid-request, across the 256 -> 512 width), with
+    the eager engine's tokens."""
+    folder = tiny_checkpoint("qwen3_moe")
+    opts = {"expert_cache_experts": 3, "cpu_expert_fraction": 0.5}
+    want, want_logits = lockstep(LLM(folder, device="cuda", dtype="float32", cuda_graphs=False, **opts),
+                                 PROMPTS[:2], 16)
+    llm = LLM(folder, device="cuda", dtype="float32", graph_warmup=2, **opts)
+    graphs = llm.runner.graphs
+    keys = {(b, w) for w in graphs.widths() for b in (1, 2)}
+    assert graphs.widths() == [256, 512] and set(graphs._graphs) == keys
+    assert {g.mode for g in graphs._graphs.values()} == {"branch"}
+    s = llm.runner.expert_stats()
+    assert s["hits"] == s["misses"] == s["fills"] == s["cpu_computed"] == 0, s
+    assert llm.runner.graph_stats()["decode_graph_warmup_seconds"] > 0
+    assert llm.runner.kv.used_blocks == 0                       # the scratch block went back
+    got, logits = lockstep(llm, PROMPTS[:2], 16)
+    assert set(graphs._graphs) == keys and graphs.replays == 16
+    assert got == want
+    assert (logits - want_logits).abs().max() < 1e-4
+    s = llm.runner.expert_stats()
+    assert s["misses"] > 0 and s["fills"] + s["cpu_computed"] == s["misses"]
+
+
 def test_bfloat16_graph_decode_agrees_with_eager(tiny_checkpoint):
     folder = tiny_checkpoint("qwen3_moe")
     opts = {"dtype": "bfloat16", "expert_cache_experts": 3, "cpu_expert_fraction": 0.5}

@@ -6,9 +6,11 @@ must be called between forward passes (a safe point).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
+import time
 from typing import Callable
 
 import torch
@@ -84,6 +86,9 @@ class ModelRunner:
                 and cfg.cpu_expert_fraction is None):
             self.tuner = SplitTuner(self.cache.fill_fraction)
         self._timed: tuple | None = None         # (decode batch, start event, end event) of the last step
+        self.graph_warmup_seconds = 0.0
+        if self.graphs is not None and self.tuner is None and cfg.graph_warmup > 0:
+            self.warm_graphs(cfg.graph_warmup)   # the tuner's first probes would drop them again
 
     # -- configuration -------------------------------------------------------------------------
     def _capacity(self) -> int:
@@ -159,6 +164,28 @@ class ModelRunner:
             self.graphs.clear()                  # a captured step keeps its fill table and branch
         self.experts.set_fill_fraction(fraction)
 
+    @torch.inference_mode()
+    def warm_graphs(self, batches: int) -> int:
+        """Capture the decode graphs of batch sizes 1..``batches`` at every KV width now, before
+        any request (``DecodeGraphs.warm``); returns how many were captured. Their dummy steps
+        route through the expert cache like a short prompt would, so residency may change (never
+        an output), but they are not counted in the cache's statistics."""
+        if self.graphs is None or batches < 1:
+            return 0
+        before = None
+        if self.cache is not None:
+            self.experts.sync_stats()
+            before = dataclasses.replace(self.cache.stats)
+        t0 = time.perf_counter()
+        n = self.graphs.warm(batches)
+        if before is not None:
+            self.experts.sync_stats()
+            for f in dataclasses.fields(before):
+                setattr(self.cache.stats, f.name, getattr(before, f.name))
+        self.graph_warmup_seconds += time.perf_counter() - t0
+        log.info("captured %d decode graphs ahead of time in %.1f s", n, self.graph_warmup_seconds)
+        return n
+
     def resize_expert_cache(self, experts: int) -> int:
         """Resize at a safe point; clamps to 1..all experts; returns the applied capacity."""
         if self.cache is None:
@@ -194,7 +221,8 @@ class ModelRunner:
         """Decode CUDA graphs captured now and steps replayed from them (0 and 0: eager decode)."""
         g = self.graphs
         return {"decode_graphs": len(g) if g is not None else 0,
-                "decode_graph_replays": g.replays if g is not None else 0}
+                "decode_graph_replays": g.replays if g is not None else 0,
+                "decode_graph_warmup_seconds": round(self.graph_warmup_seconds, 3)}
 
     def device_bytes(self) -> int:
         if self.device.type != "cuda":

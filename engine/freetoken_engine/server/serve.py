@@ -26,7 +26,8 @@ _ENGINE_OPTIONS = {"device": "device", "dtype": "dtype",
                    "cpu_expert_fraction": "cpu_expert_fraction", "max_context": "max_context",
                    "context_length": "max_context", "max_batch": "max_batch",
                    "max_queue": "max_queue", "seed": "seed", "expert_backend": "expert_backend",
-                   "cuda_graphs": "cuda_graphs", "split_tuning": "split_tuning"}
+                   "cuda_graphs": "cuda_graphs", "graph_warmup": "graph_warmup",
+                   "split_tuning": "split_tuning"}
 
 
 def server_config(args) -> ServerConfig:
