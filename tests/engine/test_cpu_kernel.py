@@ -213,8 +213,7 @@ def test_tuning_knobs_change_no_bit_of_the_result(kernel_config, knobs):
     assert 0 <= phases["posted"] <= phases["last_start"] <= phases["end"]
     assert phases["posted"] <= phases["stage1_end"] <= phases["end"]
     for setting in ({"chunks_per_thread": 1}, {"chunks_per_thread": 64}, {"far_pf": 0}, {"far_pf": 16},
-                    {"far_pf_tokens": 1}, {"amx_next": 1, "amx_pf": 0}, {"amx_pf": 4096},
-                    {"amx_mode": 1}, {"amx_mode": 2}, {"amx_mode": 3, "amx_next": 1}):
+                    {"far_pf_tokens": 1}, {"amx_next": 1, "amx_pf": 0}, {"amx_pf": 4096}):
         ce.tune(**{**knobs, **setting})
         assert torch.equal(ce.experts_forward(x, w13, w2, tok, exp), want), setting
     ce.tune(**knobs)
@@ -239,8 +238,6 @@ def test_unknown_or_out_of_range_knobs_are_refused(knobs):
         ce.tune(chunk=4)
     with pytest.raises(ValueError, match="amx_next"):
         ce.tune(amx_next=2)
-    with pytest.raises(ValueError, match="amx_mode"):
-        ce.tune(amx_mode=4)
     with pytest.raises(ValueError, match="non-negative int"):
         ce.tune(far_pf=-1)
     assert ce.tune() == knobs

@@ -46,7 +46,8 @@ def test_graph_decode_equals_eager_decode(tiny_checkpoint, options, mode):
         got, logits = lockstep(llm, batch, 16)
         graphs = llm.runner.graphs
         assert graphs.enabled and graphs.replays >= 12, graphs.replays
-        assert {g.mode for g in graphs._graphs.values()} == {mode}
+        # the batch this test runs (the warm-up's larger batches may need the CPU branch)
+        assert {g.mode for (b, _), g in graphs._graphs.items() if b == len(batch)} == {mode}
         assert got == want
         assert (logits - want_logits).abs().max() < 1e-4
         s = llm.runner.expert_stats()

@@ -217,7 +217,7 @@ int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   p.sorted_pair = s_sorted.data(); p.pair_tok = pair_tok;
   p.x_bf16 = x_bf16; p.out = out; p.out_bf16 = x_bf16; p.prefetch = w_bf16 ? g_prefetch : g_prefetch_f32;
   p.far_pf = g_tune.far_pf; p.far_pf_tokens = g_tune.far_pf_tokens;
-  p.amx_pf = g_tune.amx_pf; p.amx_next = g_tune.amx_next; p.amx_mode = g_tune.amx_mode;
+  p.amx_pf = g_tune.amx_pf; p.amx_next = g_tune.amx_next;
   if (bfdot) {
     p.xb = (const uint16_t*)x;
     s_actb.resize(P * I);

@@ -39,10 +39,8 @@ struct FtProblem {
   // Tuning (tune.h, set by ft_tune): the vector kernels' second prefetch into L2, far_pf times
   // `prefetch` ahead for groups of at least far_pf_tokens tokens (0: off); the tiles' prefetch
   // distance along each of their 16 rows (bytes, 0: off) and, with amx_next, the next 16-row
-  // block prefetched into L2 in address order while the tiles read the current one. amx_mode
-  // bit 0: the tiles' row prefetch goes to L2 instead of L1; bit 1: two accumulator tiles share
-  // each x tile (stage 1: a block's gate and up rows together; stage 2: 32 rows at a time).
-  int64_t far_pf, far_pf_tokens, amx_pf, amx_next, amx_mode;
+  // block prefetched into L2 in address order while the tiles read the current one.
+  int64_t far_pf, far_pf_tokens, amx_pf, amx_next;
 };
 
 // Stage 1: for group g and intermediate rows [i0, i1): act = silu(x W1^T) * (x W3^T).

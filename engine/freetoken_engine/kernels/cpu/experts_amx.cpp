@@ -23,59 +23,38 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// tmm0 / tmm3: C [m rows, nt tokens] fp32 of row sets a / b; tmm1 / tmm4: their A [m rows, 32
-// bf16 of K]; tmm2: B [16 pairs, nt tokens], shared.
+// tmm0: C [m rows, nt tokens] fp32; tmm1: A [m rows, 32 bf16 of K]; tmm2: B [16 pairs, nt tokens].
 void configure_tiles(int m, int nt) {
   TileConfig c;
   __builtin_memset(&c, 0, sizeof c);
   c.palette_id = 1;
-  for (int t = 0; t <= 3; t += 3) {
-    c.rows[t] = c.rows[t + 1] = (uint8_t)m;
-    c.colsb[t] = (uint16_t)(nt * 4);
-    c.colsb[t + 1] = 64;
-  }
-  c.rows[2] = 16;  c.colsb[2] = (uint16_t)(nt * 4);
+  c.rows[0] = (uint8_t)m;  c.colsb[0] = (uint16_t)(nt * 4);
+  c.rows[1] = (uint8_t)m;  c.colsb[1] = 64;
+  c.rows[2] = 16;          c.colsb[2] = (uint16_t)(nt * 4);
   _tile_loadconfig(&c);
 }
 
-inline void prefetch_row(const char* p, bool l2) {
-  if (l2) _mm_prefetch(p, _MM_HINT_T1);
-  else prefetch(p);
-}
-
-// outa[r * 16 + t] = sum_k wa[r][k] x[t][k] for m <= 16 rows at wa (row stride rs bytes) and the
-// nt-token VNNI block xv (K/2 rows of nt words); with TWO, outb the same for the m rows at wb,
-// on a second accumulator tile that shares each load of the x tile. Each row is also prefetched
-// pf bytes ahead (FtProblem::amx_pf: the next lines within a row, the rows being read 16 at a
-// time side by side; into L2 with l2); with nxt, the next block's nm rows are prefetched into L2
-// in address order, m lines per step of 32 K, so the whole block is under way when its tiles
-// start. Each (row, token) sums over K in order whichever the mode: the same bits.
-template <bool TWO>
-void tile_rows(const char* wa, const char* wb, int64_t rs, int m, const uint32_t* xv, int nt, int64_t K,
-               int64_t pf, bool l2, const char* nxt, int nm, float* outa, float* outb) {
+// out[r * 16 + t] = sum_k w[r][k] x[t][k] for m <= 16 rows at w (row stride rs bytes) and the
+// nt-token VNNI block xv (K/2 rows of nt words). Each row is also prefetched pf bytes ahead
+// (FtProblem::amx_pf: the next lines within a row, the rows being read 16 at a time side by
+// side); with nxt, the next block's nm rows are prefetched into L2 in address order, m lines
+// per step of 32 K, so the whole block is under way when its tiles start.
+void tile_rows(const char* w, int64_t rs, int m, const uint32_t* xv, int nt, int64_t K, int64_t pf,
+               const char* nxt, int nm, float* out) {
   const int64_t lpr = K * 2 / 64;   // 64-byte lines per row (K is a multiple of 32)
   int64_t line = 0;
   _tile_zero(0);
-  if (TWO) _tile_zero(3);
   for (int64_t k = 0; k < K; k += 32) {
     if (pf)
-      for (int r = 0; r < m; ++r) {
-        prefetch_row(wa + r * rs + k * 2 + pf, l2);
-        if (TWO) prefetch_row(wb + r * rs + k * 2 + pf, l2);
-      }
+      for (int r = 0; r < m; ++r) prefetch(w + r * rs + k * 2 + pf);
     if (nxt)
       for (int q = 0; q < m && line < nm * lpr; ++q, ++line)
         _mm_prefetch(nxt + (line / lpr) * rs + (line % lpr) * 64, _MM_HINT_T1);
+    _tile_loadd(1, w + k * 2, rs);
     _tile_loadd(2, xv + (k / 2) * nt, nt * 4);
-    _tile_loadd(1, wa + k * 2, rs);
     _tile_dpbf16ps(0, 1, 2);
-    if (TWO) {
-      _tile_loadd(4, wb + k * 2, rs);
-      _tile_dpbf16ps(3, 4, 2);
-    }
   }
-  _tile_stored(0, outa, 16 * 4);
-  if (TWO) _tile_stored(3, outb, 16 * 4);
+  _tile_stored(0, out, 16 * 4);
 }
 
 }  // namespace
@@ -85,7 +64,6 @@ extern "C" void ft_stage1_amx(const FtProblem* p, int64_t g, int64_t i0, int64_t
   const char* base = (const char*)p->w13 + p->g_expert[g] * p->w13_es * 2;
   const int64_t rs = p->w13_rs * 2;
   float og[16 * 16], ou[16 * 16], oa[16 * 16];
-  const bool l2 = p->amx_mode & 1;
   int cm = -1, cn = -1;
   for (int64_t tb = 0; tb < n; tb += 16) {
     const int nt = (int)(n - tb < 16 ? n - tb : 16);
@@ -96,13 +74,9 @@ extern "C" void ft_stage1_amx(const FtProblem* p, int64_t g, int64_t i0, int64_t
       if (m != cm || nt != cn) configure_tiles(cm = m, cn = nt);
       // next: this block's up rows after its gate rows, then the next block's gate rows
       const int nm = (int)(i1 - ib - m < 16 ? i1 - ib - m : 16);
-      const char *gate = base + ib * rs, *up = base + (p->up + ib) * rs;
-      if (p->amx_mode & 2) {
-        tile_rows<true>(gate, up, rs, m, xv, nt, H, p->amx_pf, l2, p->amx_next ? base + (ib + m) * rs : 0, nm, og, ou);
-      } else {
-        tile_rows<false>(gate, 0, rs, m, xv, nt, H, p->amx_pf, l2, p->amx_next ? up : 0, m, og, 0);
-        tile_rows<false>(up, 0, rs, m, xv, nt, H, p->amx_pf, l2, p->amx_next ? base + (ib + m) * rs : 0, nm, ou, 0);
-      }
+      tile_rows(base + ib * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (p->up + ib) * rs : 0, m, og);
+      tile_rows(base + (p->up + ib) * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (ib + m) * rs : 0, nm,
+                ou);
       swiglu_block(og, ou, oa, m * 16, p->x_bf16);
       for (int r = 0; r < m; ++r) {
         const int64_t i = ib + r;
@@ -117,29 +91,20 @@ extern "C" void ft_stage2_amx(const FtProblem* p, int64_t g, int64_t h0, int64_t
   const int64_t H = p->H, I = p->I, s = p->g_start[g], n = p->g_count[g];
   const char* base = (const char*)p->w2 + p->g_expert[g] * p->w2_es * 2;
   const int64_t rs = p->w2_rs * 2;
-  float o[2][16 * 16];
-  const bool l2 = p->amx_mode & 1, two = p->amx_mode & 2;
+  float o[16 * 16];
   int cm = -1, cn = -1;
   for (int64_t tb = 0; tb < n; tb += 16) {
     const int nt = (int)(n - tb < 16 ? n - tb : 16);
     const uint32_t* av = (const uint32_t*)(p->act_b + (s + tb) * I);
     int64_t dst[16];
     for (int t = 0; t < nt; ++t) dst[t] = p->sorted_pair[s + tb + t] * H;
-    for (int64_t hb = h0; hb < h1;) {
+    for (int64_t hb = h0; hb < h1; hb += 16) {
       const int m = (int)(h1 - hb < 16 ? h1 - hb : 16);
       if (m != cm || nt != cn) configure_tiles(cm = m, cn = nt);
-      const int blocks = two && h1 - hb >= 32 ? 2 : 1;     // two full blocks: one x tile load each step
-      const int64_t next = hb + blocks * m;
-      const int nm = (int)(h1 - next < 16 ? h1 - next : 16);
-      const char* nxt = p->amx_next ? base + next * rs : 0;
-      if (blocks == 2)
-        tile_rows<true>(base + hb * rs, base + (hb + 16) * rs, rs, m, av, nt, I, p->amx_pf, l2, nxt, nm, o[0], o[1]);
-      else
-        tile_rows<false>(base + hb * rs, 0, rs, m, av, nt, I, p->amx_pf, l2, nxt, nm, o[0], 0);
-      for (int b = 0; b < blocks; ++b)
-        for (int r = 0; r < m; ++r)
-          for (int t = 0; t < nt; ++t) ((uint16_t*)p->out)[dst[t] + hb + 16 * b + r] = f2bf(o[b][r * 16 + t]);
-      hb = next;
+      const int nm = (int)(h1 - hb - m < 16 ? h1 - hb - m : 16);
+      tile_rows(base + hb * rs, rs, m, av, nt, I, p->amx_pf, p->amx_next ? base + (hb + m) * rs : 0, nm, o);
+      for (int r = 0; r < m; ++r)
+        for (int t = 0; t < nt; ++t) ((uint16_t*)p->out)[dst[t] + hb + r] = f2bf(o[r * 16 + t]);
     }
   }
   _tile_release();

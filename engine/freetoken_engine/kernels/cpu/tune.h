@@ -16,7 +16,6 @@ struct Tune {
   int64_t amx_min_tokens = AMX_MIN_TOKENS; // a group with this many tokens goes to the tiles
   int64_t amx_pf = 512;                    // FtProblem::amx_pf
   int64_t amx_next = 0;                    // FtProblem::amx_next
-  int64_t amx_mode = 0;                    // FtProblem::amx_mode
   int64_t far_pf = 4;                      // FtProblem::far_pf
   int64_t far_pf_tokens = 3;               // FtProblem::far_pf_tokens
 };
@@ -31,7 +30,6 @@ const Knob* tune_find(const char* name) {
       {"amx_min_tokens", &g_tune.amx_min_tokens, 1, 1 << 20},
       {"amx_pf", &g_tune.amx_pf, 0, 1 << 16},
       {"amx_next", &g_tune.amx_next, 0, 1},
-      {"amx_mode", &g_tune.amx_mode, 0, 3},
       {"far_pf", &g_tune.far_pf, 0, 64},
       {"far_pf_tokens", &g_tune.far_pf_tokens, 1, 1 << 20},
   };
