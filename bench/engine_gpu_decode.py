@@ -20,7 +20,9 @@ the same run (the engine reads its switches at start):
 
 Checkpoint: random bf16 weights (normal, std 0.02) in Qwen3-30B-A3B's shapes (H 2048, 32/4 heads
 of 128, 128 experts of I 768, top-8, vocab 32000) but ``--layers`` layers, written once with
-safetensors. Expert-cache budgets are fractions of the experts; q* comes from the engine's own
+safetensors; or, with ``--stretch DIR`` (deeper models than the disk holds: 48 layers are about
+60 GB), a 2-layer packed checkpoint whose layers repeat up to ``--layers``, in a RAM-backed DIR
+such as /dev/shm (``bench/stretch.py``). Expert-cache budgets are fractions of the experts; q* comes from the engine's own
 calibration. Per budget and batch: 32-token prompts, 24 warm-up steps (cache fills, graph
 captures), then ``--steps`` timed steps; tok/s = batch * steps / seconds.
 
@@ -63,7 +65,8 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
     if side == "graphs/copy-first":
         from freetoken_engine.cache.host_branch import HostBranch
         HostBranch.copy_after_signal = False
-    llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1], split_tuning=tuning)
+    # no graphs ahead of time: the resize below would drop them (warm-up steps capture instead)
+    llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1], split_tuning=tuning, graph_warmup=0)
     runner = llm.runner
     total = runner.bank.total_experts
     calibrated = runner.expert_stats()["fill_fraction"]
@@ -119,19 +122,26 @@ def _timed(llm, Lockstep, side: str, frac: float, b: int, steps: int) -> dict:
 
 
 def run_sides(work: Path, args) -> tuple[int, list[dict], list[str]]:
-    """Write the checkpoint into ``work``, then run each side in its own process on it."""
+    """Write the checkpoint into ``work`` (with ``--stretch``: a 2-layer packed one repeated to
+    ``--layers`` layers in ``work / "fast"``, bench/stretch.py), then run each side in its own
+    process on it."""
     from fast_load import write_checkpoint
     t0 = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
-    nbytes = write_checkpoint(work / "model", args.layers,
-                              rnd=lambda shape: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
+    rnd = lambda shape: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)   # noqa: E731
+    if args.stretch:
+        from stretch import stretched_checkpoint
+        model, nbytes = stretched_checkpoint(work, work / "fast", args.layers, rnd)
+    else:
+        model = work / "model"
+        nbytes = write_checkpoint(model, args.layers, rnd=rnd)
     print(f"checkpoint: {args.layers} layers, {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     rows, failed = [], []
     for side, (branch, _, stream) in SIDES.items():
         if side not in args.sides.split(","):
             continue
         env = dict(os.environ, FREETOKEN_HOST_BRANCH=branch, FREETOKEN_STREAM_SPLIT=stream)
-        cmd = [sys.executable, __file__, "--worker", side, "--model", str(work / "model"), "--fractions",
+        cmd = [sys.executable, __file__, "--worker", side, "--model", str(model), "--fractions",
                args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device,
                "--splits", args.splits if side == "graphs" else ""]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -154,6 +164,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--steps", type=int, default=48)
     ap.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint (default: a temp dir)")
+    ap.add_argument("--stretch", type=Path, default=None, metavar="FAST_DIR",
+                    help="a 2-layer packed checkpoint repeated to --layers layers, in a temp folder under "
+                         "FAST_DIR (e.g. /dev/shm: no disk reads; bench/stretch.py): deep models on a small disk")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -171,15 +184,21 @@ def main() -> None:
         print("ROWS " + json.dumps(rows), flush=True)
         return
     work = Path(tempfile.mkdtemp(dir=args.dir))
+    fast = Path(tempfile.mkdtemp(dir=args.stretch)) if args.stretch else None
     try:
+        if fast is not None:
+            (work / "fast").symlink_to(fast)
         nbytes, rows, failed = run_sides(work, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)      # the checkpoint is several GB
+        if fast is not None:
+            shutil.rmtree(fast, ignore_errors=True)
     table(rows)
     result = {"benchmark": "engine_gpu_decode", "hardware": describe(),
               "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python", "bench/engine_gpu_decode.py"] + sys.argv[1:]),
-              "method": __doc__, "layers": args.layers, "checkpoint_bytes": nbytes, "rows": rows,
+              "method": __doc__, "layers": args.layers, "checkpoint_bytes": nbytes,
+              "stretched": bool(args.stretch), "rows": rows,
               "failed_sides": failed, "ratios": ratios(rows)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

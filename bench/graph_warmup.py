@@ -68,6 +68,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--stretch", type=Path, default=None, metavar="FAST_DIR",
+                    help="a 2-layer packed checkpoint repeated to --layers layers under FAST_DIR (bench/stretch.py)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/graph_warmup.json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -78,15 +80,20 @@ def main() -> None:
         print("RUN " + json.dumps(worker(args.model, args.worker, args.fraction, batches, args.steps, args.device)), flush=True)
         return
     from fast_load import write_checkpoint
-    work = Path(tempfile.mkdtemp())
+    work = Path(tempfile.mkdtemp(dir=args.stretch))
     runs = []
     try:
         gen = torch.Generator().manual_seed(0)
-        write_checkpoint(work / "model", args.layers,
-                         rnd=lambda shape: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
+        rnd = lambda shape: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)   # noqa: E731
+        if args.stretch:
+            from stretch import stretched_checkpoint
+            model, _ = stretched_checkpoint(work, work, args.layers, rnd)
+        else:
+            model = work / "model"
+            write_checkpoint(model, args.layers, rnd=rnd)
         for r in range(args.rounds):
             for side in SIDES:
-                cmd = [sys.executable, __file__, "--worker", side, "--model", str(work / "model"),
+                cmd = [sys.executable, __file__, "--worker", side, "--model", str(model),
                        "--fraction", str(args.fraction), "--batches", args.batches, "--steps", str(args.steps),
                        "--device", args.device]
                 proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -113,6 +120,7 @@ def main() -> None:
     print(json.dumps(ratios, indent=1))
     result = {"benchmark": "graph_warmup", "hardware": describe(), "method": __doc__,
               "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "layers": args.layers,
+              "command": " ".join(["python", "bench/graph_warmup.py"] + sys.argv[1:]),
               "prompt_tokens": PROMPT, "steps": args.steps, "runs": runs, "ratios_later_rounds": ratios}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
