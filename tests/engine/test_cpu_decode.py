@@ -20,6 +20,7 @@ from freetoken_engine.kernels.cpu import linear as cl
 from freetoken_engine.kernels.cpu.norm import rms_norm
 from freetoken_engine.kernels.reference import decode_attention_forward, linear_forward, rms_norm_forward
 from freetoken_engine.layers.linear import Linear, use_compiled_linears
+from attention_cases import CASES, attention_problem  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ce.available(), reason="compiled CPU kernel unavailable")
 
@@ -111,43 +112,13 @@ def test_rms_norm_matches_reference(isas, shape, dtype):
         assert bool(((y.float() - ref).abs() <= rel * ref.abs() + 1e-6).all())
 
 
-def _attention_problem(lens, h, kvh, d, dtype, qk_norm, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    b, block, slots = len(lens), 4, 96
-    qkv = torch.randn(b, (h + 2 * kvh) * d, generator=g).to(dtype)
-    k_cache = torch.randn(slots, kvh, d, generator=g).to(dtype)
-    v_cache = torch.randn(slots, kvh, d, generator=g).to(dtype)
-    lmax = max(lens)
-    perm = torch.randperm(slots // block, generator=g)         # scattered blocks, none shared
-    kv_index = torch.zeros(b, lmax, dtype=torch.int64)
-    for i, n in enumerate(lens):
-        p = torch.arange(n)
-        kv_index[i, :n] = perm[i * 6 + p // block] * block + p % block
-    slot = kv_index[torch.arange(b), torch.tensor(lens) - 1].clone()
-    ang = torch.rand(b, 1, d // 2, generator=g) * 6
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dtype)
-    sin = torch.cat([-ang.sin(), ang.sin()], -1).to(dtype)
-    norms = ((1 + 0.1 * torch.randn(d, generator=g)).to(dtype), (1 + 0.1 * torch.randn(d, generator=g)).to(dtype)) \
-        if qk_norm else (None, None)
-    return [qkv, h, kvh, d, *norms, 1e-6, cos, sin, k_cache, v_cache, slot, kv_index,
-            torch.tensor(lens, dtype=torch.int64)]
-
-
-CASES = [  # lens per sequence, heads, kv heads, head_dim, window
-    ((5,), 4, 2, 8, None),
-    ((1,), 2, 2, 16, None),
-    ((17, 3, 9), 16, 4, 128, None),
-    ((23, 2), 8, 1, 64, 6),
-]
-
-
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qknorm"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "L%s_h%d_kv%d_d%d_w%s" % (
     "-".join(map(str, c[0])), *c[1:]))
 def test_decode_attention_matches_reference(isas, case, dtype, qk_norm):
     lens, h, kvh, d, window = case
-    args = _attention_problem(lens, h, kvh, d, dtype, qk_norm)
+    args = attention_problem(lens, h, kvh, d, dtype, qk_norm)
     scale = d ** -0.5
     ref_k, ref_v = args[9].clone(), args[10].clone()
     want = decode_attention_forward(*args[:9], ref_k, ref_v, *args[11:], window, scale)
@@ -167,7 +138,7 @@ def test_decode_attention_matches_reference(isas, case, dtype, qk_norm):
 
 
 def test_multi_sequence_batch_is_independent_of_threads(isas):
-    args = _attention_problem((17, 3, 9), 8, 2, 64, torch.float32, True)
+    args = attention_problem((17, 3, 9), 8, 2, 64, torch.float32, True)
     outs = []
     for threads in (1, 2):
         ce.configure(threads=threads)

@@ -160,7 +160,7 @@ class DecodeGraphs:
                 kv_valid = torch.arange(width, device=self.device)[None, :] < ends[:, None]
                 batch = AttnBatch(positions=positions, slot_mapping=slots, q_seq=rows,
                                   q_idx=torch.zeros_like(rows), kv_index=kv_index, kv_valid=kv_valid,
-                                  q_max=1, needs_mask=True, max_position=self.max_context - 1)
+                                  q_max=1, needs_mask=True, max_position=self.max_context - 1, kv_len=ends)
                 logits = self.model(ids, batch, self.kv, rows)
         except Exception as exc:        # noqa: BLE001 - any capture failure: stay eager, say why once
             log.warning("CUDA graph capture failed (%s: %s); decode stays eager", type(exc).__name__, exc)

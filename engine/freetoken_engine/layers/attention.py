@@ -6,6 +6,7 @@ forward pass) says where each new token's K/V goes and which slots each sequence
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,7 @@ class AttnBatch:
     q_max: int
     needs_mask: bool = True     # False when every query may see every key it reads (1-token decode)
     max_position: int | None = None   # max(positions), known on the host
-    kv_len: torch.Tensor | None = None  # [B] int64 keys of each sequence after this pass
+    kv_len: torch.Tensor | None = None  # [B] int64 keys of each sequence after this pass (fused decode)
     _masks: dict = field(default_factory=dict)
 
     @property
@@ -53,6 +54,16 @@ class AttnBatch:
             m[:, :, 0] |= qpos < 0          # padded query rows see one key: no NaN rows
             self._masks[window] = ~m[:, None, None]
         return self._masks[window]
+
+
+@functools.cache
+def _triton_attention():
+    """kernels/triton/attention.py, or None where Triton is not importable (the torch path)."""
+    try:
+        from ..kernels.triton import attention
+    except ImportError:
+        return None
+    return attention
 
 
 class Attention(nn.Module):
@@ -86,8 +97,18 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: AttnBatch, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        if (batch.q_max == 1 and batch.kv_len is not None and self.qkv is not None and self.clip is None
-                and self.qk_norm != "full" and cpu_attention.supported(x, k_cache)):
+        fused = (batch.q_max == 1 and batch.kv_len is not None and self.qkv is not None and self.clip is None
+                 and self.qk_norm != "full")
+        if fused and x.device.type == "cuda" and _triton_attention() is not None \
+                and _triton_attention().supported(x, k_cache, self.d):
+            # Decode on the GPU: norm, rotary and K/V write in one launch, attention in another.
+            head = self.qk_norm == "head"
+            out = _triton_attention().decode_attention(
+                linear(x, *self.qkv), self.h, self.kvh, self.d, self.q_norm.weight if head else None,
+                self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0, cos, sin,
+                k_cache, v_cache, batch.slot_mapping, batch.kv_index, batch.kv_len, self.window, self.scale)
+            return self.o_proj(out)
+        if fused and cpu_attention.supported(x, k_cache):
             # Decode on the CPU: norm, rotary, K/V write and attention in one compiled call.
             head = self.qk_norm == "head"
             out = cpu_attention.decode_attention(

@@ -1,0 +1,75 @@
+"""The GPU decode attention (kernels/triton/attention.py) against the reference, on CPU under
+TRITON_INTERPRET=1 (CI) and compiled on a GPU (``TRITON_INTERPRET=0 pytest`` this file there):
+K/V written where the reference writes them, the output within fp32 1e-5 / bf16 2^-7 of the
+largest output (the reference computed in fp32). Triton's interpreter truncates fp32 -> bf16
+instead of rounding to nearest, so under it bf16 may be off by one more ulp: 2^-6 there."""
+from __future__ import annotations
+
+import interpret  # noqa: E402  (first: it turns the Triton interpreter on)
+
+interpret.require()
+
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from attention_cases import CASES, attention_problem  # noqa: E402
+from freetoken_engine.kernels.reference import decode_attention_forward  # noqa: E402
+from freetoken_engine.kernels.triton import attention as ta  # noqa: E402
+
+COMPILED = os.environ["TRITON_INTERPRET"] != "1"
+DEVICE = "cuda" if COMPILED else "cpu"
+BF16_REL = 2.0 ** -7 if COMPILED else 2.0 ** -6
+
+TRITON_CASES = [c for c in CASES if c[3] >= 16] + [
+    ((130, 1, 64), 32, 4, 128, None),      # Qwen3-30B's heads; keys across several blocks of 64
+    ((100, 7), 8, 2, 64, 40),              # a window that starts inside a block
+]
+
+
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qknorm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "L%s_h%d_kv%d_d%d_w%s" % (
+    "-".join(map(str, c[0])), *c[1:]))
+def test_decode_attention_matches_reference(case, dtype, qk_norm):
+    lens, h, kvh, d, window = case
+    args = attention_problem(lens, h, kvh, d, dtype, qk_norm)
+    scale = d ** -0.5
+    ref_k, ref_v = args[9].clone(), args[10].clone()
+    decode_attention_forward(*args[:9], ref_k, ref_v, *args[11:], window, scale)
+    ref32 = decode_attention_forward(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a
+                                       for a in args], window, scale)
+    dev = [a.to(DEVICE) if torch.is_tensor(a) else a for a in args]
+    assert ta.supported(dev[0], dev[9], d)
+    got = ta.decode_attention(*dev, window, scale).cpu()
+    assert got.dtype == dtype and got.shape == ref32.shape
+    assert torch.equal(dev[10].cpu(), ref_v)
+    assert (dev[9].cpu().float() - ref_k.float()).abs().max() <= (1e-6 if dtype == torch.float32 else BF16_REL) \
+        * ref_k.float().abs().max() + 1e-6
+    top = ref32.abs().max()
+    tol = 1e-5 * top + 1e-6 if dtype == torch.float32 else BF16_REL * top
+    assert (got.float() - ref32).abs().max() <= tol
+
+
+def test_small_heads_and_other_layouts_are_left_to_torch():
+    x = torch.zeros(1, 8, dtype=torch.bfloat16)
+    assert not ta.supported(x, torch.zeros(4, 2, 8, dtype=torch.bfloat16), 8)        # head dim below 16
+    assert not ta.supported(x, torch.zeros(4, 2, 48, dtype=torch.bfloat16), 48)      # not a power of two
+    assert not ta.supported(x, torch.zeros(4, 2, 64), 64)                            # pool in another dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 37), (4, 8, 128)])
+def test_rms_norm_matches_reference(shape, dtype):
+    from freetoken_engine.kernels.reference import rms_norm_forward
+    from freetoken_engine.kernels.triton.norm import rms_norm, supported
+    g = torch.Generator().manual_seed(shape[-1])
+    x = (3 * torch.randn(*shape, generator=g)).to(dtype)
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=g)).to(dtype)
+    ref = rms_norm_forward(x, w, 1e-6).float()
+    assert supported(x.to(DEVICE), w.to(DEVICE))
+    y = rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-6).cpu()
+    assert y.dtype == dtype and y.shape == x.shape
+    rel = 1e-6 if dtype == torch.float32 else BF16_REL
+    assert bool(((y.float() - ref).abs() <= rel * ref.abs() + 1e-6).all())
