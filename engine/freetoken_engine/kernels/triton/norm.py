@@ -2,7 +2,7 @@
 weight's multiply; ``bench/engine_profile.py`` counted 193 such norm launches in a 48-layer decode
 step). One program per row; the same rounding points as ``reference.rms_norm_forward``: fp32
 statistics, and with 16-bit data the normalised row rounded to the data type before the weight
-multiplies it. Tolerance (tests/engine/test_triton_attention.py): fp32 1e-6 relative; 16-bit
+multiplies it. Tolerance (tests/engine/test_triton_decode.py): fp32 1e-6 relative; 16-bit
 one rounding (2^-7 relative; 2^-6 under Triton's interpreter, which truncates instead of rounding).
 """
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""The GPU decode attention (kernels/triton/attention.py) against the reference, on CPU under
+"""The GPU decode layer kernels against their references: attention (kernels/triton/attention.py),
+RMSNorm (norm.py) and the router's selection (route.py). On CPU under
 TRITON_INTERPRET=1 (CI) and compiled on a GPU (``TRITON_INTERPRET=0 pytest`` this file there):
-K/V written where the reference writes them, the output within fp32 1e-5 / bf16 2^-7 of the
+attention: K/V written where the reference writes them, the output within fp32 1e-5 / bf16 2^-7 of the
 largest output (the reference computed in fp32). Triton's interpreter truncates fp32 -> bf16
 instead of rounding to nearest, so under it bf16 may be off by one more ulp: 2^-6 there."""
 from __future__ import annotations
@@ -25,6 +26,8 @@ BF16_REL = 2.0 ** -7 if COMPILED else 2.0 ** -6
 TRITON_CASES = [c for c in CASES if c[3] >= 16] + [
     ((130, 1, 64), 32, 4, 128, None),      # Qwen3-30B's heads; keys across several blocks of 64
     ((100, 7), 8, 2, 64, 40),              # a window that starts inside a block
+    ((700, 3), 4, 2, 32, None),            # three chunks of 256 keys, merged
+    ((600, 2), 4, 1, 32, 300),             # a window across a chunk boundary
 ]
 
 
@@ -73,3 +76,42 @@ def test_rms_norm_matches_reference(shape, dtype):
     assert y.dtype == dtype and y.shape == x.shape
     rel = 1e-6 if dtype == torch.float32 else BF16_REL
     assert bool(((y.float() - ref).abs() <= rel * ref.abs() + 1e-6).all())
+
+
+def _torch_route(logits, k, softmax, norm, dtype):
+    """layers/moe.py's torch path (the reference)."""
+    if not softmax:
+        ids = torch.topk(logits, k, dim=-1).indices
+        return torch.ones(ids.shape, dtype=dtype), ids
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if norm:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w.to(dtype), ids
+
+
+@pytest.mark.parametrize("softmax,norm", [(True, True), (True, False), (False, False)],
+                         ids=["softmax-norm", "softmax", "unit"])
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (4, 256, 8), (3, 60, 4), (2, 8, 8)])
+def test_route_picks_the_reference_experts_and_weights(t, e, k, softmax, norm):
+    from freetoken_engine.kernels.triton.route import route, supported
+    logits = torch.randn(t, e, generator=torch.Generator().manual_seed(e + k)).to(torch.bfloat16)
+    want_w, want_ids = _torch_route(logits, k, softmax, norm, torch.bfloat16)
+    assert supported(logits.to(DEVICE), k)
+    w, ids = route(logits.to(DEVICE), k, softmax, norm, torch.bfloat16)
+    ids = ids.cpu()
+    # a top-k: the chosen experts' logits are the k largest, best first (bf16 logits tie often;
+    # among equal ones torch's order is unspecified, this kernel takes the lower index)
+    assert torch.equal(logits.gather(1, ids), logits.gather(1, want_ids)), (ids, want_ids)
+    assert all(len(set(row)) == k for row in ids.tolist())
+    distinct = (logits.gather(1, want_ids)[:, :, None] != logits[:, None, :]).sum(-1) == e - 1
+    assert torch.equal(ids[distinct], want_ids[distinct])
+    assert w.dtype == torch.bfloat16 and (w.cpu().float() - want_w.float()).abs().max() <= BF16_REL
+
+
+def test_route_breaks_ties_toward_the_lower_expert():
+    from freetoken_engine.kernels.triton.route import route
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 1.0, 1.0]])
+    w, ids = route(logits.to(DEVICE), 4, True, True, torch.float32)
+    assert ids.cpu().tolist() == [[1, 3, 2, 4]]
+    assert abs(float(w.sum()) - 1.0) < 1e-6 and float(w[0, 0]) == float(w[0, 1])
