@@ -17,6 +17,9 @@ the same run (the engine reads its switches at start):
   graphs+stream graphs with the streamed split (FREETOKEN_STREAM_SPLIT=on: the first rows of the
                 CPU experts also cross PCIe and run on the GPU; same fills)
   graphs+stream-floor  the same with floor(q* m) fills (FREETOKEN_STREAM_SPLIT=floor)
+  graphs/torch-ops  graphs with attention, RMSNorm and the router's selection as torch's ops
+                (FREETOKEN_GPU_DECODE_KERNELS=off: the engine before kernels/triton/attention.py,
+                norm.py and route.py)
 
 Checkpoint: random bf16 weights (normal, std 0.02) in Qwen3-30B-A3B's shapes (H 2048, 32/4 heads
 of 128, 128 experts of I 768, top-8, vocab 32000) but ``--layers`` layers, written once with
@@ -47,10 +50,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from hardware import describe  # noqa: E402
 
-# side -> (FREETOKEN_HOST_BRANCH, CUDA graphs, FREETOKEN_STREAM_SPLIT)
-SIDES = {"eager/sync": ("off", False, "off"), "eager/branch": ("on", False, "off"), "graphs": ("on", True, "off"),
-         "graphs+tuning": ("on", True, "off"), "graphs/copy-first": ("on", True, "off"),
-         "graphs+stream": ("on", True, "on"), "graphs+stream-floor": ("on", True, "floor")}
+# side -> (FREETOKEN_HOST_BRANCH, CUDA graphs, FREETOKEN_STREAM_SPLIT, FREETOKEN_GPU_DECODE_KERNELS)
+SIDES = {"eager/sync": ("off", False, "off", "on"), "eager/branch": ("on", False, "off", "on"),
+         "graphs": ("on", True, "off", "on"), "graphs+tuning": ("on", True, "off", "on"),
+         "graphs/copy-first": ("on", True, "off", "on"), "graphs+stream": ("on", True, "on", "on"),
+         "graphs+stream-floor": ("on", True, "floor", "on"), "graphs/torch-ops": ("on", True, "off", "off")}
 TUNING_SEARCH = 900
 
 
@@ -137,10 +141,11 @@ def run_sides(work: Path, args) -> tuple[int, list[dict], list[str]]:
         nbytes = write_checkpoint(model, args.layers, rnd=rnd)
     print(f"checkpoint: {args.layers} layers, {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     rows, failed = [], []
-    for side, (branch, _, stream) in SIDES.items():
+    for side, (branch, _, stream, kernels) in SIDES.items():
         if side not in args.sides.split(","):
             continue
-        env = dict(os.environ, FREETOKEN_HOST_BRANCH=branch, FREETOKEN_STREAM_SPLIT=stream)
+        env = dict(os.environ, FREETOKEN_HOST_BRANCH=branch, FREETOKEN_STREAM_SPLIT=stream,
+                   FREETOKEN_GPU_DECODE_KERNELS=kernels)
         cmd = [sys.executable, __file__, "--worker", side, "--model", str(model), "--fractions",
                args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device,
                "--splits", args.splits if side == "graphs" else ""]

@@ -26,6 +26,10 @@ FREETOKEN_HOST_BRANCH = "FREETOKEN_HOST_BRANCH"
 #: only floor(q* m) of m misses, so no layer waits for PCIe) or "off". Default: STREAM_SPLIT_DEFAULT.
 FREETOKEN_STREAM_SPLIT = "FREETOKEN_STREAM_SPLIT"
 STREAM_SPLIT_DEFAULT = "off"
+#: The GPU decode's Triton kernels for attention, RMSNorm and the router's selection
+#: (kernels/triton/attention.py, norm.py, route.py): "on" (the default) or "off" (torch's ops,
+#: for A/B measurements).
+FREETOKEN_GPU_DECODE_KERNELS = "FREETOKEN_GPU_DECODE_KERNELS"
 #: Default of ``serve --api-key`` / ``--admin-token``: secrets passed this way stay out of the
 #: process list (``ps`` shows every argument), which is how the node agent passes them.
 FREETOKEN_API_KEY = "FREETOKEN_API_KEY"
@@ -56,6 +60,14 @@ def host_branch() -> bool:
     if mode not in ("auto", "on", "off"):
         raise ValueError(f"{FREETOKEN_HOST_BRANCH} must be auto, on or off, got {mode!r}")
     return mode != "off"
+
+
+def gpu_decode_kernels() -> bool:
+    """Whether GPU layers use the Triton decode kernels (see FREETOKEN_GPU_DECODE_KERNELS)."""
+    mode = os.environ.get(FREETOKEN_GPU_DECODE_KERNELS, "on").strip().lower()
+    if mode not in ("on", "off"):
+        raise ValueError(f"{FREETOKEN_GPU_DECODE_KERNELS} must be on or off, got {mode!r}")
+    return mode == "on"
 
 
 def stream_split() -> str:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from .. import env
 from ..config import ModelConfig
 from ..kernels.cpu import attention as cpu_attention
 from .linear import linear
@@ -59,6 +60,8 @@ class AttnBatch:
 @functools.cache
 def _triton_attention():
     """kernels/triton/attention.py, or None where Triton is not importable (the torch path)."""
+    if not env.gpu_decode_kernels():
+        return None
     try:
         from ..kernels.triton import attention
     except ImportError:

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import env
 from ..config import MoeConfig
 from .mlp import GatedMLP
 
@@ -18,6 +19,8 @@ from .mlp import GatedMLP
 @functools.cache
 def _triton_route():
     """kernels/triton/route.py, or None where Triton is not importable (the torch path)."""
+    if not env.gpu_decode_kernels():
+        return None
     try:
         from ..kernels.triton import route
     except ImportError:

@@ -8,11 +8,14 @@ import functools
 import torch
 from torch import nn
 
+from .. import env
 from ..kernels.cpu.norm import rms_norm
 
 
 @functools.cache
 def _triton_norm():
+    if not env.gpu_decode_kernels():
+        return None
     try:
         from ..kernels.triton import norm
     except ImportError:
