@@ -6,7 +6,10 @@ backend computes ``(x, w13, w2, pair_tok, pair_exp) -> [P, H]`` as the reference
 """
 from __future__ import annotations
 
+import functools
+import importlib
 import logging
+from types import ModuleType
 from typing import Callable
 
 from .. import env
@@ -48,3 +51,15 @@ def cpu_expert_forward(name: str | None = None) -> tuple[str, ExpertFn]:
     if wanted:
         log.warning("CPU expert backend %r is not available; using the reference", wanted)
     return "reference", _reference()
+
+
+@functools.cache
+def gpu_decode_kernels(name: str) -> ModuleType | None:
+    """``kernels/triton/<name>.py`` (attention, norm, route) for GPU layers' decode, or None
+    where Triton is not importable or FREETOKEN_GPU_DECODE_KERNELS=off: torch's ops then."""
+    if not env.gpu_decode_kernels():
+        return None
+    try:
+        return importlib.import_module(f".triton.{name}", __name__)
+    except ImportError:
+        return None

@@ -6,14 +6,13 @@ forward pass) says where each new token's K/V goes and which slots each sequence
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .. import env
 from ..config import ModelConfig
+from ..kernels import gpu_decode_kernels
 from ..kernels.cpu import attention as cpu_attention
 from .linear import linear
 from .norm import RMSNorm
@@ -57,18 +56,6 @@ class AttnBatch:
         return self._masks[window]
 
 
-@functools.cache
-def _triton_attention():
-    """kernels/triton/attention.py, or None where Triton is not importable (the torch path)."""
-    if not env.gpu_decode_kernels():
-        return None
-    try:
-        from ..kernels.triton import attention
-    except ImportError:
-        return None
-    return attention
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
         super().__init__()
@@ -102,23 +89,19 @@ class Attention(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         fused = (batch.q_max == 1 and batch.kv_len is not None and self.qkv is not None and self.clip is None
                  and self.qk_norm != "full")
-        if fused and x.device.type == "cuda" and _triton_attention() is not None \
-                and _triton_attention().supported(x, k_cache, self.d):
-            # Decode on the GPU: norm, rotary and K/V write in one launch, attention in another.
-            head = self.qk_norm == "head"
-            out = _triton_attention().decode_attention(
-                linear(x, *self.qkv), self.h, self.kvh, self.d, self.q_norm.weight if head else None,
-                self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0, cos, sin,
-                k_cache, v_cache, batch.slot_mapping, batch.kv_index, batch.kv_len, self.window, self.scale)
-            return self.o_proj(out)
-        if fused and cpu_attention.supported(x, k_cache):
-            # Decode on the CPU: norm, rotary, K/V write and attention in one compiled call.
-            head = self.qk_norm == "head"
-            out = cpu_attention.decode_attention(
-                linear(x, *self.qkv), self.h, self.kvh, self.d, self.q_norm.weight if head else None,
-                self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0, cos, sin,
-                k_cache, v_cache, batch.slot_mapping, batch.kv_index, batch.kv_len, self.window, self.scale)
-            return self.o_proj(out)
+        if fused:
+            gpu = gpu_decode_kernels("attention") if x.device.type == "cuda" else None
+            impl = gpu if gpu is not None and gpu.supported(x, k_cache, self.d) else (
+                cpu_attention if cpu_attention.supported(x, k_cache) else None)
+            if impl is not None:
+                # Decode: norm, rotary, K/V write and attention in one compiled call on the CPU,
+                # in two Triton launches on a GPU.
+                head = self.qk_norm == "head"
+                out = impl.decode_attention(
+                    linear(x, *self.qkv), self.h, self.kvh, self.d, self.q_norm.weight if head else None,
+                    self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0, cos, sin,
+                    k_cache, v_cache, batch.slot_mapping, batch.kv_index, batch.kv_len, self.window, self.scale)
+                return self.o_proj(out)
         t = x.shape[0]
         if self.qkv is not None:
             q, k, v = linear(x, *self.qkv).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)

@@ -5,27 +5,13 @@ The expert executor is attached after construction (``attach_experts``): where e
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import env
 from ..config import MoeConfig
+from ..kernels import gpu_decode_kernels
 from .mlp import GatedMLP
-
-
-@functools.cache
-def _triton_route():
-    """kernels/triton/route.py, or None where Triton is not importable (the torch path)."""
-    if not env.gpu_decode_kernels():
-        return None
-    try:
-        from ..kernels.triton import route
-    except ImportError:
-        return None
-    return route
 
 
 class SparseMoE(nn.Module):
@@ -43,9 +29,9 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] in x.dtype, expert ids [T, k])."""
         logits = self.gate(x)                                            # [T, E]
-        if x.device.type == "cuda" and _triton_route() is not None and _triton_route().supported(logits, self.moe.top_k):
-            return _triton_route().route(logits, self.moe.top_k, self.moe.scoring != "unit",
-                                         self.moe.norm_topk_prob, x.dtype)       # one launch
+        gpu = gpu_decode_kernels("route") if x.device.type == "cuda" else None
+        if gpu is not None and gpu.supported(logits, self.moe.top_k):     # one launch
+            return gpu.route(logits, self.moe.top_k, self.moe.scoring != "unit", self.moe.norm_topk_prob, x.dtype)
         if self.moe.scoring == "unit":
             ids = torch.topk(logits, self.moe.top_k, dim=-1).indices
             return torch.ones(ids.shape, dtype=x.dtype, device=x.device), ids
