@@ -7,9 +7,9 @@ read measured around it) in its own process, alternating old, new, old, new, ...
 times; the old side from a temporary ``git worktree`` of ``--old`` (its library is built from its
 own sources). Reported per pair and case: GB/s, the paired fraction of the read, and the case's
 rate over the one-token rate of the same process (a ratio the machine's memory state moves
-least). Same-expert 6 / 8 tokens are what the two-row path changed.
+least). Quote a pair only when both of its sides saw the same memory state (their reads agree).
 
-    python bench/cpu_kernel_ab.py --old 20f6b1e --pairs 3 --label cpu-2core
+    python bench/cpu_kernel_ab.py --old REV --pairs 3 --label cpu-2core
 """
 from __future__ import annotations
 

@@ -192,10 +192,9 @@ def test_result_independent_of_threads_and_pair_order(kernel_config):
 
 @pytest.mark.skipif("avx512bf16" not in _isas(), reason="no AVX512-BF16 here: bf16 x goes through fp32")
 def test_bf16_groups_ignore_pair_order_and_threads(kernel_config):
-    """bf16 x on the vector path: a group of 12 tokens on one expert (two rows at a time, in token
-    blocks of 8 and 4) and groups of 3 and 1 (one row at a time): within tolerance of the
-    reference, and each pair's output bitwise the same whatever the pair order and the thread
-    count (the group's size picks the path, for all its token blocks alike)."""
+    """bf16 x on the vector path (the bf16 dot): a group of 12 tokens on one expert (token blocks
+    of 8 and 4) and groups of 3 and 1: within tolerance of the reference, and each pair's output
+    bitwise the same whatever the pair order, the thread count and the other groups."""
     x, w13, w2, _, _ = _problem(16, 256, 96, 3, 1, torch.bfloat16, torch.bfloat16)
     g = torch.Generator().manual_seed(3)
     tok = torch.cat([torch.randperm(16, generator=g)[:12], torch.randperm(16, generator=g)[:3], torch.tensor([5])])

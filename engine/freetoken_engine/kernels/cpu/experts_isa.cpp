@@ -48,8 +48,7 @@ inline void reduce16(const __m512* acc, int n, float* out) {
 // out[t] = dot(row[0:K], xs[t][0:K]) for NT bf16 token vectors: vdpbf16ps into U_BF fp32
 // accumulators per token (32-element block j of the row goes to accumulator j % U_BF, added
 // before the horizontal sum), one sequential weight stream, the NT sums in one tree. U_BF does
-// not depend on NT, so a pair's result does not depend on how many other tokens (below
-// MULTI_ROW_TOKENS) its group has.
+// not depend on NT, so a pair's result never depends on the other tokens of its group.
 // Against one accumulator per token (EPYC, 2 threads, same-expert tokens, the two libraries
 // alternating in one process): 8 tokens 32.9-34.6 vs 27.8-27.9 GB/s, 3-4 tokens 2-5% slower,
 // 1 token the same (49 GB/s; 38.5 at 1 thread).
@@ -97,93 +96,31 @@ inline void dot_row_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K
   }
 }
 
-// out[r * NTMAX + t] = dot(row r, xs[t]) for R rows at row, row + rs, ... and NT bf16 token
-// vectors: vdpbf16ps into one fp32 accumulator per row and token, the row's 32-element blocks in
-// order, then one horizontal sum (the NT sums of a row in one tree). That order depends on neither
-// R nor NT, so a pair's result does not depend on the other tokens of its group (of at least
-// MULTI_ROW_TOKENS, where rows_bf uses it; below, dot_row_bf's order holds). R rows at once load
-// each token's block once for all of them and keep R NT independent chains in flight. The prefetches run pf (L1) and far (L2) bytes
-// ahead of each row.
-template <int NT, int R>
-inline void dot_rows_bf(const uint16_t* row, int64_t rs, const uint16_t* const* xs, int64_t K, int64_t pf,
-                        int64_t far, float* out) {
-  __m512 acc[R][NT];
-  for (int r = 0; r < R; ++r)
-    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    __m512bh w[R];
-    for (int r = 0; r < R; ++r) {
-      const char* at = (const char*)(row + r * rs + k);
-      if (pf) prefetch(at + pf);
-      if (far) _mm_prefetch(at + far, _MM_HINT_T2);
-      w[r] = (__m512bh)_mm512_loadu_si512((const void*)at);
-    }
-    for (int t = 0; t < NT; ++t) {
-      const __m512bh x = (__m512bh)_mm512_loadu_si512((const void*)(xs[t] + k));
-      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], w[r], x);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float* o = out + r * NTMAX;
-    if (NT >= 4) {
-      reduce16(acc[r], NT, o);
-    } else {
-      for (int t = 0; t < NT; ++t) o[t] = _mm512_reduce_add_ps(acc[r][t]);
-    }
-    for (int64_t j = k; j < K; ++j) {
-      const float wv = bf2f(row[r * rs + j]);
-      for (int t = 0; t < NT; ++t) o[t] += wv * bf2f(xs[t][j]);
-    }
-  }
-}
-
-// Rows [r0, r1) at base + r * rs against NT tokens: out[(r - r0) * NTMAX + t]. For a group of
-// fewer than MULTI_ROW_TOKENS tokens (multi false) one row at a time (dot_row_bf: one sequential
-// stream, the fastest from memory), for larger groups two rows at a time, every token block of
-// the group alike (dot_rows_bf: the tokens' arithmetic, not memory, bounds many tokens on one
-// expert). So a pair's bits depend on its group's size (below MULTI_ROW_TOKENS or not), never on
-// the pair order or the thread count. The software prefetch runs pf bytes ahead along the rows (a pair's
-// second row skipped: pf + rs from each), so it stops at the chunk's last row rend: rows past it
-// are another thread's (they cost 4 KiB per stream per chunk, 6-12% of the reads with 64 KiB
-// chunks).
-enum { MULTI_ROW_TOKENS = 5 };
-
+// Rows [r0, r1) at base + r * rs against NT tokens: out[(r - r0) * NTMAX + t]. The software
+// prefetch runs pf bytes ahead along the rows, so it stops at the chunk's last row rend: rows
+// past it are another thread's (they cost 4 KiB per stream per chunk, 6-12% of the reads with
+// 64 KiB chunks).
 template <int NT>
 inline void rows_bf(const char* base, int64_t rs, int64_t r0, int64_t r1, const uint16_t* const* xs,
-                    int64_t K, int64_t pf, int64_t far, float* out, int64_t rend, bool multi) {
-  const int64_t last = rend - (pf + rs - 1) / rs;             // rows before it prefetch inside the chunk
-  int64_t r = r0;
-  if (multi) {
-    for (; r + 2 <= r1; r += 2) {
-      const bool on = r + 1 < last;
-      dot_rows_bf<NT, 2>((const uint16_t*)(base + r * rs), rs / 2, xs, K, on ? pf + rs : 0,
-                         on && far ? far + rs : 0, out + (r - r0) * NTMAX);
-    }
-    if (r < r1)
-      dot_rows_bf<NT, 1>((const uint16_t*)(base + r * rs), rs / 2, xs, K, r < last ? pf : 0, r < last ? far : 0,
-                         out + (r - r0) * NTMAX);
-    return;
-  }
-  for (; r < r1; ++r)
+                    int64_t K, int64_t pf, int64_t far, float* out, int64_t rend) {
+  const int64_t last = rend - (pf + rs - 1) / rs;   // rows before it prefetch inside the chunk
+  for (int64_t r = r0; r < r1; ++r)
     dot_row_bf<NT>((const uint16_t*)(base + r * rs), xs, K, r < last ? pf : 0, r < last ? far : 0,
                    out + (r - r0) * NTMAX);
 }
 
-// The group's rows [r0, r1) against its token block of nt tokens (rows_bf); multi: the whole
-// group has at least MULTI_ROW_TOKENS tokens.
-inline void rows_bf_n(const FtProblem* p, int nt, bool multi, const char* base, int64_t rs, int64_t r0,
-                      int64_t r1, const uint16_t* const* xs, int64_t K, float* out, int64_t rend) {
+inline void rows_bf_n(const FtProblem* p, int nt, const char* base, int64_t rs, int64_t r0, int64_t r1,
+                      const uint16_t* const* xs, int64_t K, float* out, int64_t rend) {
   const int64_t pf = p->prefetch, far = nt >= p->far_pf_tokens ? p->far_pf * pf : 0;
   switch (nt) {
-    case 1: rows_bf<1>(base, rs, r0, r1, xs, K, pf, far, out, rend, multi); break;
-    case 2: rows_bf<2>(base, rs, r0, r1, xs, K, pf, far, out, rend, multi); break;
-    case 3: rows_bf<3>(base, rs, r0, r1, xs, K, pf, far, out, rend, multi); break;
-    case 4: rows_bf<4>(base, rs, r0, r1, xs, K, pf, far, out, rend, multi); break;
-    case 5: rows_bf<5>(base, rs, r0, r1, xs, K, pf, far, out, rend, multi); break;
-    case 6: rows_bf<6>(base, rs, r0, r1, xs, K, pf, far, out, rend, multi); break;
-    case 7: rows_bf<7>(base, rs, r0, r1, xs, K, pf, far, out, rend, multi); break;
-    default: rows_bf<8>(base, rs, r0, r1, xs, K, pf, far, out, rend, multi); break;
+    case 1: rows_bf<1>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    case 2: rows_bf<2>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    case 3: rows_bf<3>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    case 4: rows_bf<4>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    case 5: rows_bf<5>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    case 6: rows_bf<6>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    case 7: rows_bf<7>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
+    default: rows_bf<8>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
   }
 }
 #endif
@@ -225,8 +162,8 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
       const int64_t ie = ib + RB < i1 ? ib + RB : i1;
 #if FT_ISA == 3
       if (p->xb) {
-        rows_bf_n(p, nt, n >= MULTI_ROW_TOKENS, base, rs, ib, ie, xbs, H, og, i1);
-        rows_bf_n(p, nt, n >= MULTI_ROW_TOKENS, base + p->up * rs, rs, ib, ie, xbs, H, ou, i1);
+        rows_bf_n(p, nt, base, rs, ib, ie, xbs, H, og, i1);
+        rows_bf_n(p, nt, base + p->up * rs, rs, ib, ie, xbs, H, ou, i1);
       } else
 #endif
       {
@@ -270,7 +207,7 @@ void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
     for (int64_t hb = h0; hb < h1; hb += HB) {
       const int64_t he = hb + HB < h1 ? hb + HB : h1;
 #if FT_ISA == 3
-      if (p->xb) rows_bf_n(p, nt, n >= MULTI_ROW_TOKENS, base, rs, hb, he, xbs, I, o, h1);
+      if (p->xb) rows_bf_n(p, nt, base, rs, hb, he, xbs, I, o, h1);
       else
 #endif
         rows_f<WB>(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);
