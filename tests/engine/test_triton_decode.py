@@ -1,9 +1,10 @@
 """The GPU decode layer kernels against their references: attention (kernels/triton/attention.py),
 RMSNorm (norm.py) and the router's selection (route.py). On CPU under
 TRITON_INTERPRET=1 (CI) and compiled on a GPU (``TRITON_INTERPRET=0 pytest`` this file there):
-attention: K/V written where the reference writes them, the output within fp32 1e-5 / bf16 2^-7 of the
-largest output (the reference computed in fp32). Triton's interpreter truncates fp32 -> bf16
-instead of rounding to nearest, so under it bf16 may be off by one more ulp: 2^-6 there."""
+attention: K/V written where the reference writes them, the output within fp32 1e-5 / bf16 and
+fp16 2^-7 of the largest output (the reference computed in fp32). Triton's interpreter truncates
+fp32 -> bf16 instead of rounding to nearest, so under it 16-bit types may be off by one more ulp:
+2^-6 there."""
 from __future__ import annotations
 
 import interpret  # noqa: E402  (first: it turns the Triton interpreter on)
@@ -21,7 +22,7 @@ from freetoken_engine.kernels.triton import attention as ta  # noqa: E402
 
 COMPILED = os.environ["TRITON_INTERPRET"] != "1"
 DEVICE = "cuda" if COMPILED else "cpu"
-BF16_REL = 2.0 ** -7 if COMPILED else 2.0 ** -6
+REL16 = 2.0 ** -7 if COMPILED else 2.0 ** -6
 
 TRITON_CASES = [c for c in CASES if c[3] >= 16] + [
     ((130, 1, 64), 32, 4, 128, None),      # Qwen3-30B's heads; keys across several blocks of 64
@@ -32,7 +33,7 @@ TRITON_CASES = [c for c in CASES if c[3] >= 16] + [
 
 
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["plain", "qknorm"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("case", TRITON_CASES, ids=lambda c: "L%s_h%d_kv%d_d%d_w%s" % (
     "-".join(map(str, c[0])), *c[1:]))
 def test_decode_attention_matches_reference(case, dtype, qk_norm):
@@ -48,10 +49,10 @@ def test_decode_attention_matches_reference(case, dtype, qk_norm):
     got = ta.decode_attention(*dev, window, scale).cpu()
     assert got.dtype == dtype and got.shape == ref32.shape
     assert torch.equal(dev[10].cpu(), ref_v)
-    assert (dev[9].cpu().float() - ref_k.float()).abs().max() <= (1e-6 if dtype == torch.float32 else BF16_REL) \
+    assert (dev[9].cpu().float() - ref_k.float()).abs().max() <= (1e-6 if dtype == torch.float32 else REL16) \
         * ref_k.float().abs().max() + 1e-6
     top = ref32.abs().max()
-    tol = 1e-5 * top + 1e-6 if dtype == torch.float32 else BF16_REL * top
+    tol = 1e-5 * top + 1e-6 if dtype == torch.float32 else REL16 * top
     assert (got.float() - ref32).abs().max() <= tol
 
 
@@ -62,7 +63,7 @@ def test_small_heads_and_other_layouts_are_left_to_torch():
     assert not ta.supported(x, torch.zeros(4, 2, 64), 64)                            # pool in another dtype
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("shape", [(1, 2048), (3, 37), (4, 8, 128)])
 def test_rms_norm_matches_reference(shape, dtype):
     from freetoken_engine.kernels.reference import rms_norm_forward
@@ -74,7 +75,7 @@ def test_rms_norm_matches_reference(shape, dtype):
     assert supported(x.to(DEVICE), w.to(DEVICE))
     y = rms_norm(x.to(DEVICE), w.to(DEVICE), 1e-6).cpu()
     assert y.dtype == dtype and y.shape == x.shape
-    rel = 1e-6 if dtype == torch.float32 else BF16_REL
+    rel = 1e-6 if dtype == torch.float32 else REL16
     assert bool(((y.float() - ref).abs() <= rel * ref.abs() + 1e-6).all())
 
 
@@ -106,7 +107,7 @@ def test_route_picks_the_reference_experts_and_weights(t, e, k, softmax, norm):
     assert all(len(set(row)) == k for row in ids.tolist())
     distinct = (logits.gather(1, want_ids)[:, :, None] != logits[:, None, :]).sum(-1) == e - 1
     assert torch.equal(ids[distinct], want_ids[distinct])
-    assert w.dtype == torch.bfloat16 and (w.cpu().float() - want_w.float()).abs().max() <= BF16_REL
+    assert w.dtype == torch.bfloat16 and (w.cpu().float() - want_w.float()).abs().max() <= REL16
 
 
 def test_route_breaks_ties_toward_the_lower_expert():
