@@ -44,7 +44,6 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -125,20 +124,12 @@ def _timed(llm, Lockstep, side: str, frac: float, b: int, steps: int) -> dict:
             "graph_replays": graphs.replays if graphs is not None else 0}
 
 
-def run_sides(work: Path, args) -> tuple[int, list[dict], list[str]]:
+def run_sides(work: Path, fast: Path | None, args) -> tuple[int, list[dict], list[str]]:
     """Write the checkpoint into ``work`` (with ``--stretch``: a 2-layer packed one repeated to
-    ``--layers`` layers in ``work / "fast"``, bench/stretch.py), then run each side in its own
-    process on it."""
-    from fast_load import write_checkpoint
+    ``--layers`` layers in ``fast``, bench/stretch.py), then run each side in its own process on it."""
+    from stretch import bench_checkpoint
     t0 = time.perf_counter()
-    gen = torch.Generator().manual_seed(0)
-    rnd = lambda shape: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)   # noqa: E731
-    if args.stretch:
-        from stretch import stretched_checkpoint
-        model, nbytes = stretched_checkpoint(work, work / "fast", args.layers, rnd)
-    else:
-        model = work / "model"
-        nbytes = write_checkpoint(model, args.layers, rnd=rnd)
+    model, nbytes = bench_checkpoint(work, args.layers, fast)
     print(f"checkpoint: {args.layers} layers, {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     rows, failed = [], []
     for side, (branch, _, stream, kernels) in SIDES.items():
@@ -191,9 +182,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(dir=args.dir))
     fast = Path(tempfile.mkdtemp(dir=args.stretch)) if args.stretch else None
     try:
-        if fast is not None:
-            (work / "fast").symlink_to(fast)
-        nbytes, rows, failed = run_sides(work, args)
+        nbytes, rows, failed = run_sides(work, fast, args)
     finally:
         shutil.rmtree(work, ignore_errors=True)      # the checkpoint is several GB
         if fast is not None:

@@ -48,15 +48,13 @@ def main() -> None:
     ap.add_argument("--stretch", type=Path, default=Path("/dev/shm"))
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results")
     args = ap.parse_args()
-    from stretch import stretched_checkpoint
+    from stretch import bench_checkpoint
 
     from freetoken_engine import LLM
     from freetoken_engine.llm import Lockstep
     work = Path(tempfile.mkdtemp(dir=args.stretch))
     try:
-        gen = torch.Generator().manual_seed(0)
-        model, _ = stretched_checkpoint(work, work, args.layers,
-                                        lambda shape: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16))
+        model, _ = bench_checkpoint(work, args.layers, work)
         cfg = json.loads((model / "config.json").read_text())
         experts = round(args.fraction * cfg["num_hidden_layers"] * cfg["num_experts"])
         llm = LLM(model, device="cuda", dtype="bfloat16", expert_cache_experts=experts, graph_warmup=0)

@@ -26,7 +26,6 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
@@ -79,18 +78,11 @@ def main() -> None:
     if args.worker:
         print("RUN " + json.dumps(worker(args.model, args.worker, args.fraction, batches, args.steps, args.device)), flush=True)
         return
-    from fast_load import write_checkpoint
+    from stretch import bench_checkpoint
     work = Path(tempfile.mkdtemp(dir=args.stretch))
     runs = []
     try:
-        gen = torch.Generator().manual_seed(0)
-        rnd = lambda shape: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)   # noqa: E731
-        if args.stretch:
-            from stretch import stretched_checkpoint
-            model, _ = stretched_checkpoint(work, work, args.layers, rnd)
-        else:
-            model = work / "model"
-            write_checkpoint(model, args.layers, rnd=rnd)
+        model, _ = bench_checkpoint(work, args.layers, work if args.stretch else None)
         for r in range(args.rounds):
             for side in SIDES:
                 cmd = [sys.executable, __file__, "--worker", side, "--model", str(model),

@@ -67,6 +67,21 @@ def stretched_checkpoint(work: Path, fast: Path, layers: int, rnd) -> tuple[Path
 
     from freetoken_engine.packed.writer import convert
     write_checkpoint(work / "hf2", 2, rnd=rnd)
-    convert(work / "hf2", fast / "packed2", progress=False)
+    convert(work / "hf2", fast / "packed-2-layers", progress=False)
     shutil.rmtree(work / "hf2")
-    return fast / f"packed{layers}", stretch_packed(fast / "packed2", fast / f"packed{layers}", layers)
+    return fast / f"packed{layers}", stretch_packed(fast / "packed-2-layers", fast / f"packed{layers}", layers)
+
+
+def bench_checkpoint(work: Path, layers: int, fast: Path | None = None) -> tuple[Path, int]:
+    """The engine benches' checkpoint: random bf16 weights (normal, std 0.02, seed 0) in
+    Qwen3-30B-A3B's shapes, ``layers`` layers; a safetensors folder under ``work``, or with
+    ``fast`` the stretched packed one there (``stretched_checkpoint``). -> (folder, bytes)."""
+    import torch
+    from fast_load import write_checkpoint
+    gen = torch.Generator().manual_seed(0)
+
+    def rnd(shape):
+        return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+    if fast is not None:
+        return stretched_checkpoint(work, fast, layers, rnd)
+    return work / "model", write_checkpoint(work / "model", layers, rnd=rnd)
