@@ -104,10 +104,13 @@ class _PcieCopies:
             end.record()
         return n, start, end
 
-    def gbps(self, seconds: float) -> float:
-        n, start, end = self.queue(seconds)
+    def rate(self, n: int, start, end) -> float:
+        """GB/s of ``n`` queued copies timed by (start, end), once they are done."""
         end.synchronize()
         return n * self.per / (start.elapsed_time(end) / 1e3) / 1e9
+
+    def gbps(self, seconds: float) -> float:
+        return self.rate(*self.queue(seconds))
 
 
 def fill_fraction(pcie: float | None, cpu: float) -> float:
@@ -127,8 +130,7 @@ def measure(device: str = "cpu", seconds: float = 1.0) -> dict:
         pcie_alone = pcie.gbps(seconds)
         n, start, end = pcie.queue(seconds, pcie_alone)
         conc_cpu = cpu.gbps(seconds, until=end.query)        # the CPU works while the copies run
-        end.synchronize()
-        conc_pcie = n * pcie.per / (start.elapsed_time(end) / 1e3) / 1e9
+        conc_pcie = pcie.rate(n, start, end)
     return {"pcie_gbps": pcie_alone, "cpu_expert_gbps": cpu_alone,
             "concurrent": {"pcie_gbps": conc_pcie, "cpu_expert_gbps": conc_cpu},
             "fill_fraction": fill_fraction(conc_pcie, conc_cpu), "device": dev.type,

@@ -247,6 +247,17 @@ def _compiled_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
             and not ((x.requires_grad or w13.requires_grad) and torch.is_grad_enabled()))
 
 
+def _int64(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
+
+
+def _problem_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple:
+    """The leading arguments of ft_experts_range / ft_experts_loop: x (contiguous) and the bank."""
+    (T, H), E, I = x.shape, w2.shape[0], w2.shape[2]
+    return (x.data_ptr(), _DT[x.dtype], T, H, I, w13.data_ptr(), w2.data_ptr(), _DT[w13.dtype], E,
+            w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1))
+
+
 def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     pair_tok: torch.Tensor, pair_exp: torch.Tensor,
                     out: torch.Tensor | None = None, rows_from: int = 0) -> torch.Tensor:
@@ -289,14 +300,10 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = reference.expert_pairs_forward(x, w13, w2, pair_tok, pair_exp)
         return y if out is None else out.copy_(y)
     x = x.contiguous()
-    tok = pair_tok if pair_tok.dtype == torch.int64 and pair_tok.is_contiguous() else pair_tok.to(torch.int64).contiguous()
-    exp = pair_exp if pair_exp.dtype == torch.int64 and pair_exp.is_contiguous() else pair_exp.to(torch.int64).contiguous()
+    tok, exp = _int64(pair_tok), _int64(pair_exp)
     if out is None:
         out = torch.empty((P, H), dtype=x.dtype)
-    rc = lib.ft_experts_range(
-        x.data_ptr(), _DT[x.dtype], T, H, I, w13.data_ptr(), w2.data_ptr(), _DT[w13.dtype], E,
-        w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
-        tok.data_ptr(), exp.data_ptr(), P, out.data_ptr(), rows_from)
+    rc = lib.ft_experts_range(*_problem_args(x, w13, w2), tok.data_ptr(), exp.data_ptr(), P, out.data_ptr(), rows_from)
     if rc != 0:
         raise IndexError(lib.ft_last_error().decode())
     return out
@@ -315,14 +322,10 @@ def calls_seconds(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok
         raise ValueError(f"pair_exps must be [calls, P] and pair_tok [P], got {tuple(pair_exps.shape)}, "
                          f"{tuple(pair_tok.shape)}")
     x = x.contiguous()
-    tok = pair_tok.to(torch.int64).contiguous()
-    exps = pair_exps.to(torch.int64).contiguous()
-    T, H = x.shape
-    E, I = w2.shape[0], w2.shape[2]
-    out = torch.empty((tok.numel(), H), dtype=x.dtype)
-    secs = lib.ft_experts_loop(x.data_ptr(), _DT[x.dtype], T, H, I, w13.data_ptr(), w2.data_ptr(), _DT[w13.dtype], E,
-                               w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1),
-                               tok.data_ptr(), exps.data_ptr(), tok.numel(), exps.shape[0], out.data_ptr())
+    tok, exps = _int64(pair_tok), _int64(pair_exps)
+    out = torch.empty((tok.numel(), x.shape[1]), dtype=x.dtype)
+    secs = lib.ft_experts_loop(*_problem_args(x, w13, w2), tok.data_ptr(), exps.data_ptr(), tok.numel(),
+                               exps.shape[0], out.data_ptr())
     if secs < 0:
         raise IndexError(lib.ft_last_error().decode())
     return secs
