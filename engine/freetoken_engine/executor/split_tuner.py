@@ -3,10 +3,11 @@
 Calibration balances bandwidths: fills cost S / B_pcie, CPU experts S / B_cpu (kernels/split.py).
 The model leaves out the GPU's serial work after a layer's fills (the experts computed from the
 filled slots, the merge) and how much the fills slow the CPU (the DMA reads the same host memory),
-so the best split on a real engine sits elsewhere: on the H200 with the 4-layer Qwen3-30B-shaped
-engine, q = 0.3 decoded 6-22% faster than the calibrated 0.40 (bench/results/engine_gpu_decode.json),
-and in the MoE benchmark 0.3 beat the bandwidth split in 7 of 8 rows while locality routing at
-batch 1 was faster at the bandwidth split (fills there turn into later hits).
+so the best split on a real engine may sit elsewhere. On the H200 with the 4-layer Qwen3-30B-shaped
+engine, after the copy-order fix of 2026-11-29 (run N, bench/results/engine_gpu_decode.json),
+fixed splits of 0.2 / 0.3 gave 0.94-1.11x the calibrated q* (0.37); in the MoE benchmark a fixed
+0.3 beat the bandwidth split in most uniform-routing rows while locality routing at batch 1 was
+faster at the bandwidth split (fills there turn into later hits).
 
 So the engine starts from the calibrated q and measures: windows of ``window`` decode steps of one
 batch size at the current best q, at q - delta and at q + delta; a probe that is faster by more than
@@ -16,12 +17,12 @@ size changes or a prefill step comes between two decode steps; the first ``skip`
 change of q are not timed (the decode graphs are captured again). The split never changes the
 output (the CPU and the GPU compute the same experts), only the time.
 
-Off by default (``--split-tuning`` turns it on). Measured on the H200 (engine_gpu_decode.json, the
-q it found held for the same timed steps as the calibrated one): 1.10x / 1.27x / 0.99x / 1.08x the
-calibrated q at cache 0.25 / 0.25 / 0.5 / 0.5 and batch 1 / 4 / 1 / 4, where a fixed 0.3 gave
-1.06x / 1.11x / 1.15x / 1.06x. It settled at q 0.0-0.13: a window sees what a fill costs now but
-not the hits it brings later, so the search leans towards filling less than it should, which
-would cost most where routing has locality (there the bandwidth q* beat 0.3 in the MoE bench).
+Off by default (``--split-tuning`` turns it on). Measured on the H200 after the copy-order fix
+(run N, the q it found held for the same timed steps as the calibrated one): 0.81-1.07x the
+calibrated q. Before the fix (the host waited for PCIe, so every fill added its time to the step)
+it settled at q 0.0-0.13; a window sees what a fill costs now but not the hits it brings later,
+so the search leans towards filling less than it should, which costs most where routing has
+locality.
 """
 from __future__ import annotations
 
