@@ -9,10 +9,11 @@ on the CPU, the sync-free CPU branch (``cache/host_branch.py``: its flags and wa
 kernels, its host loop is started before each replay). Logits come out of a static buffer.
 
 A key's first step runs eagerly (it compiles what the step needs and is the step's real output);
-the graph is captured right after and replayed from the next step with the same key. ``warm``
-does that ahead of time, before any request, for batch sizes 1..N at every width up to the
-context: each key's eager step runs on one scratch KV block (a dummy token at the last position
-of the width), so a request's first decode steps replay instead of waiting for a capture. Inputs
+the graph is captured right after and replayed from the next step with the same key.
+``ModelRunner.warm_graphs`` does that ahead of time, before any request, for batch sizes 1..N at
+every width (``widths``) up to the context: each key's step runs on one scratch KV block (a dummy
+token at the last position of the width), so a request's first decode steps replay instead of
+waiting for a capture. Inputs
 cross in one copy: ``inputs.decode_arrays`` packs token ids, positions, KV slots, lengths and the
 KV index into one int64 array. The padded keys are masked, so a replay computes what the eager
 step computes; float32 logits agree within summation-order noise (tested on the GPU).
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layers.attention import AttnBatch
-from .inputs import SeqChunk, build_inputs, decode_arrays
+from .inputs import SeqChunk, decode_arrays
 
 log = logging.getLogger(__name__)
 
@@ -77,32 +78,6 @@ class DecodeGraphs:
             if w >= self.max_context:
                 return sorted(set(out))
             w *= 2
-
-    def warm(self, batches: int) -> int:
-        """Capture the keys of batch sizes 1..``batches`` at every width ahead of time (keys
-        already captured are kept); returns how many were captured. Each key's eager step runs
-        on one scratch KV block, released after: every sequence of the dummy batch reads and
-        writes only that block, at the width's last position."""
-        bs, done = self.kv.block_size, 0
-        scratch = self.kv.allocate(1)
-        try:
-            for width in self.widths():
-                for b in range(1, min(batches, self.max_batch) + 1):
-                    chunks = [SeqChunk(scratch * -(-width // bs), width - 1, [0]) for _ in range(b)]
-                    key = self.key(chunks)
-                    if key is None or key in self._graphs:
-                        continue
-                    inputs = build_inputs(chunks, bs, self.device)
-                    self.model(inputs.ids, inputs.batch, self.kv, inputs.logits_at)
-                    if self.experts is not None:
-                        self.experts.end_step()
-                    self.capture(chunks, key)
-                    if not self.enabled:         # a capture failed: decode stays eager
-                        return done
-                    done += key in self._graphs
-        finally:
-            self.kv.release(scratch)
-        return done
 
     def key(self, chunks: list[SeqChunk]) -> tuple[int, int] | None:
         """The graph key of a forward pass, or None when it is not a capturable decode step."""

@@ -167,7 +167,8 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_graphs(self, batches: int) -> int:
         """Capture the decode graphs of batch sizes 1..``batches`` at every KV width now, before
-        any request (``DecodeGraphs.warm``); returns how many were captured. Their dummy steps
+        any request; returns how many were captured. Each key's step is a dummy token at the
+        width's last position on one scratch KV block (released after). Their dummy steps
         route through the expert cache like a short prompt would, so residency may change (never
         an output), but they are not counted in the cache's statistics."""
         if self.graphs is None or batches < 1:
@@ -177,7 +178,18 @@ class ModelRunner:
             self.experts.sync_stats()
             before = dataclasses.replace(self.cache.stats)
         t0 = time.perf_counter()
-        n = self.graphs.warm(batches)
+        n, bs = 0, self.kv.block_size
+        scratch = self.kv.allocate(1)             # every dummy sequence reads and writes only it
+        try:
+            for width in self.graphs.widths():
+                for b in range(1, min(batches, self.graphs.max_batch) + 1):
+                    chunks = [SeqChunk(scratch * -(-width // bs), width - 1, [0]) for _ in range(b)]
+                    key = self.graphs.key(chunks)
+                    if key is not None and key not in self.graphs:
+                        self.forward(chunks)      # its eager run, then the capture
+                        n += key in self.graphs
+        finally:
+            self.kv.release(scratch)
         if before is not None:
             self.experts.sync_stats()
             for f in dataclasses.fields(before):
