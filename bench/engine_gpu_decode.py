@@ -20,6 +20,10 @@ the same run (the engine reads its switches at start):
   graphs/torch-ops  graphs with attention, RMSNorm and the router's selection as torch's ops
                 (FREETOKEN_GPU_DECODE_KERNELS=off: the engine before kernels/triton/attention.py,
                 norm.py and route.py)
+  graphs/no-combine  graphs without the residual stream's fusions (the MoE combine, the CPU
+                branch's row selection and the residual adds as torch's ops:
+                FREETOKEN_GPU_DECODE_KERNELS=attention,norm,route, the engine before
+                kernels/triton/combine.py)
 
 Checkpoint: random bf16 weights (normal, std 0.02) in Qwen3-30B-A3B's shapes (H 2048, 32/4 heads
 of 128, 128 experts of I 768, top-8, vocab 32000) but ``--layers`` layers, written once with
@@ -53,7 +57,8 @@ from hardware import describe  # noqa: E402
 SIDES = {"eager/sync": ("off", False, "off", "on"), "eager/branch": ("on", False, "off", "on"),
          "graphs": ("on", True, "off", "on"), "graphs+tuning": ("on", True, "off", "on"),
          "graphs/copy-first": ("on", True, "off", "on"), "graphs+stream": ("on", True, "on", "on"),
-         "graphs+stream-floor": ("on", True, "floor", "on"), "graphs/torch-ops": ("on", True, "off", "off")}
+         "graphs+stream-floor": ("on", True, "floor", "on"), "graphs/torch-ops": ("on", True, "off", "off"),
+         "graphs/no-combine": ("on", True, "off", "attention,norm,route")}
 TUNING_SEARCH = 900
 
 

@@ -26,9 +26,10 @@ FREETOKEN_HOST_BRANCH = "FREETOKEN_HOST_BRANCH"
 #: only floor(q* m) of m misses, so no layer waits for PCIe) or "off". Default: STREAM_SPLIT_DEFAULT.
 FREETOKEN_STREAM_SPLIT = "FREETOKEN_STREAM_SPLIT"
 STREAM_SPLIT_DEFAULT = "off"
-#: The GPU decode's Triton kernels for attention, RMSNorm and the router's selection
-#: (kernels/triton/attention.py, norm.py, route.py): "on" (the default) or "off" (torch's ops,
-#: for A/B measurements).
+#: The GPU decode's Triton kernels (kernels/triton/<name>.py): attention, RMSNorm (norm), the
+#: router's selection (route), and the MoE combine with the residual adds fused into it and into
+#: the next norm (combine): "on" (the default: all), "off" (torch's ops) or a comma-separated list
+#: of those names (the others torch's ops), for A/B measurements.
 FREETOKEN_GPU_DECODE_KERNELS = "FREETOKEN_GPU_DECODE_KERNELS"
 #: Default of ``serve --api-key`` / ``--admin-token``: secrets passed this way stay out of the
 #: process list (``ps`` shows every argument), which is how the node agent passes them.
@@ -62,12 +63,20 @@ def host_branch() -> bool:
     return mode != "off"
 
 
-def gpu_decode_kernels() -> bool:
-    """Whether GPU layers use the Triton decode kernels (see FREETOKEN_GPU_DECODE_KERNELS)."""
+GPU_DECODE_KERNELS = ("attention", "norm", "route", "combine")
+
+
+def gpu_decode_kernels() -> frozenset[str]:
+    """The Triton decode kernels GPU layers use (see FREETOKEN_GPU_DECODE_KERNELS); ValueError
+    for an unknown name."""
     mode = os.environ.get(FREETOKEN_GPU_DECODE_KERNELS, "on").strip().lower()
-    if mode not in ("on", "off"):
-        raise ValueError(f"{FREETOKEN_GPU_DECODE_KERNELS} must be on or off, got {mode!r}")
-    return mode == "on"
+    if mode in ("on", "off"):
+        return frozenset(GPU_DECODE_KERNELS if mode == "on" else ())
+    names = frozenset(n.strip() for n in mode.split(",") if n.strip())
+    if not names <= set(GPU_DECODE_KERNELS):
+        raise ValueError(f"{FREETOKEN_GPU_DECODE_KERNELS} must be on, off or a list of "
+                         f"{', '.join(GPU_DECODE_KERNELS)}; got {mode!r}")
+    return names
 
 
 def stream_split() -> str:

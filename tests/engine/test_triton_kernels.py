@@ -53,6 +53,10 @@ def test_moe_slots_bf16_within_tolerance_and_cpu_pairs_zero():
     assert torch.all(out[~gpu] == 0)
     err = (out[gpu].float() - ref).abs().max() / ref.abs().max()
     assert err < 2e-2
+    # zero=False (the engine's call: its combine selects per pair) computes the same device rows
+    buf = torch.full_like(out, 7.0)
+    moe_slots_forward(x, w13, w2, tok, slot, out=buf, zero=False)
+    assert torch.equal(buf[gpu], out[gpu]) and torch.all(buf[~gpu] == 7.0)
 
 
 def test_moe_slots_rejects_bad_strides_and_shapes():

@@ -23,6 +23,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..kernels.cpu_branch import CpuBranch, StepCancelled
+from ..kernels.reference import SplitRows
 from ..kernels.triton import handshake
 from .bank import ExpertBank
 
@@ -42,7 +43,6 @@ class HostBranch:
         self.br = CpuBranch(bank.w13, bank.w2, max_tokens, top_k, device, timeout_s=timeout_s, dtype=dtype)
         self.layers = bank.w13.shape[0]
         self.counts = torch.zeros(self.layers, 4, dtype=torch.int64, pin_memory=device.type == "cuda")
-        self.rows = torch.empty(max_tokens * top_k, bank.w13.shape[3], dtype=dtype, device=device)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="freetoken-cpu-branch")
         self._pending: Future | None = None
         self._first = True
@@ -72,8 +72,8 @@ class HostBranch:
 
     def layer(self, control, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, slots_forward,
               w13_slots: torch.Tensor, w2_slots: torch.Tensor, pair_tok: torch.Tensor) -> torch.Tensor:
-        """Queue MoE layer ``layer`` of the current step; returns its pair rows [T*k, H] (on the
-        device, valid in stream order)."""
+        """Queue MoE layer ``layer`` of the current step; returns its pair rows (``SplitRows``:
+        the device's rows, the host's compact rows in pinned memory; valid in stream order)."""
         br = self.br
         t, k = topk_ids.shape
         p = t * k
@@ -93,13 +93,10 @@ class HostBranch:
         gpu = slots_forward(x, w13_slots, w2_slots, pair_tok, out.pair_slot)      # zero rows for CPU pairs
         part = control.streamed_forward(x, pair_tok, out)     # the streamed split's GPU part, or None
         handshake.wait(br.done[layer:layer + 1], br.epoch, br.err)
-        rows = self.rows[:p]
-        rows.copy_(br.rows[:p], non_blocking=True)
-        cpu = out.pair_slot < 0
-        rank = (torch.cumsum(cpu, 0) - 1).clamp_min(0)                            # compact host order
         self._queued = layer + 1
-        host = rows[rank] if part is None else rows[rank] + part
-        return torch.where(cpu[:, None], host, gpu)
+        # The combine reads the host's rows straight from pinned memory (kernels/triton/combine.py):
+        # nothing more between the wait and the next layer.
+        return SplitRows(gpu, out.pair_slot[:p], br.rows, part)
 
     def _start(self, tokens: int, bump: bool) -> None:
         self.finish()

@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Protocol
 
@@ -85,7 +86,9 @@ class OffloadedExperts:
             from .prefetch import LayerStreamer as DoubleBuffered
             self.control = DeviceControl.from_cache(cache, resizable=True)
             self.control.set_fill_fraction(self._control_fraction())
-            self.slots_forward = moe_slots_forward
+            # Rows of CPU pairs are never read from the device's output (the combine selects per
+            # pair, kernels/triton/combine.py), so they are not zeroed.
+            self.slots_forward = functools.partial(moe_slots_forward, zero=False)
             self.streamer: LayerStreamer = DoubleBuffered(bank, cache.device, cache)
         elif self.device.type == "cpu":
             # Same arithmetic on both sides of the split: outputs cannot depend on the split.
@@ -190,7 +193,8 @@ class OffloadedExperts:
         return cached
 
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, H] on the device, topk_ids [T, k] -> pair outputs [T*k, H] in (t, j) order."""
+        """x [T, H] on the device, topk_ids [T, k] -> pair outputs [T*k, H] in (t, j) order; from
+        the CPU branch a ``SplitRows`` (device rows + the host's rows in pinned memory) instead."""
         t, k = topk_ids.shape
         pair_exp = topk_ids.reshape(-1)                                   # [P]
         pair_tok = self._pair_tokens(t, k, x.device)                      # [P]

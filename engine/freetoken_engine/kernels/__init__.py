@@ -55,9 +55,10 @@ def cpu_expert_forward(name: str | None = None) -> tuple[str, ExpertFn]:
 
 @functools.cache
 def gpu_decode_kernels(name: str) -> ModuleType | None:
-    """``kernels/triton/<name>.py`` (attention, norm, route) for GPU layers' decode, or None
-    where Triton is not importable or FREETOKEN_GPU_DECODE_KERNELS=off: torch's ops then."""
-    if not env.gpu_decode_kernels():
+    """``kernels/triton/<name>.py`` (attention, norm, route, combine) for GPU layers' decode, or
+    None where Triton is not importable or FREETOKEN_GPU_DECODE_KERNELS leaves it out: torch's
+    ops then."""
+    if name not in env.gpu_decode_kernels():
         return None
     try:
         return importlib.import_module(f".triton.{name}", __name__)

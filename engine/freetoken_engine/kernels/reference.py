@@ -12,6 +12,8 @@ and the q* split leave the model's output unchanged.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -50,6 +52,49 @@ def expert_pairs_forward(
         start += n
     grouped = torch.cat(outs)                              # [P, H] in expert order
     return torch.empty_like(grouped).index_copy_(0, order, grouped)
+
+
+class SplitRows(NamedTuple):
+    """A decode layer's pair rows split between the device and the host (the CPU branch):
+    pair p's row is ``gpu[p]`` where ``pair_slot[p] >= 0``, else the next row of ``host``
+    (compact, in pair order; pinned host memory on a GPU) plus ``part[p]`` when the streamed
+    split computed that pair's first rows on the device (``part`` is zero elsewhere)."""
+    gpu: torch.Tensor                  # [P, H] (rows of host pairs are ignored)
+    pair_slot: torch.Tensor            # [P] int, < 0: a host pair
+    host: torch.Tensor                 # [>= host pairs, H]
+    part: torch.Tensor | None = None   # [P, H] or None
+
+    def dense(self) -> torch.Tensor:
+        """The rows as one ``[P, H]`` tensor on the device (torch's ops)."""
+        p = self.pair_slot.numel()
+        cpu = self.pair_slot < 0
+        rank = (torch.cumsum(cpu, 0) - 1).clamp_min(0)
+        host = self.host[:p].to(self.gpu.device, non_blocking=True)[rank]
+        if self.part is not None:
+            host = host + self.part
+        return torch.where(cpu[:, None], host, self.gpu)
+
+
+def moe_combine_forward(rows: torch.Tensor | SplitRows, weights: torch.Tensor,
+                        shared: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """An MoE layer's output from its pair rows ``[T*k, H]`` (or ``SplitRows``) and routing
+    weights ``[T, k]``: ``sum_j weights[t, j] * rows[t*k + j]`` (each product rounded to the
+    data type, summed in fp32 in the order of j, rounded), ``+ shared[t]`` (the shared expert's
+    gated output, rounded), then ``residual[t] +`` (the decoder's residual add, rounded)."""
+    if isinstance(rows, SplitRows):
+        rows = rows.dense()
+    out = (rows.view(*weights.shape, -1) * weights[..., None]).sum(dim=1)
+    if shared is not None:
+        out = out + shared
+    return out if residual is None else residual + out
+
+
+def add_rms_norm_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder's residual add followed by the next RMSNorm: ``(s, rms_norm(s))`` with
+    ``s = residual + x`` rounded to the data type first."""
+    s = residual + x
+    return s, rms_norm_forward(s, weight, eps)
 
 
 def linear_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -25,8 +25,11 @@ class GatedMLP(nn.Module):
         self.gate_up = (w, b)
         del self.gate_proj, self.up_proj
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of x, plus ``residual`` when given (the decoder's residual add)."""
         if self.gate_up is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = linear(x, *self.gate_up).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+            out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        else:
+            gate, up = linear(x, *self.gate_up).chunk(2, dim=-1)
+            out = self.down_proj(F.silu(gate) * up)
+        return out if residual is None else residual + out

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..config import MoeConfig
 from ..kernels import gpu_decode_kernels
+from ..kernels.reference import SplitRows, moe_combine_forward
 from .mlp import GatedMLP
 
 
@@ -41,13 +42,19 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if weights.dtype == x.dtype else weights.to(x.dtype)), ids
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer's output for x [T, H], plus ``residual`` when given (the decoder's residual
+        add, fused into the combine on a GPU)."""
         weights, ids = self.route(x)
-        rows = self.experts.forward(self.moe_layer, x, ids)              # [T*k, H]
-        out = (rows.view(*ids.shape, -1) * weights[..., None]).sum(dim=1)  # fixed order over k
+        rows = self.experts.forward(self.moe_layer, x, ids)              # [T*k, H] or SplitRows
+        shared = None
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out
+        dense = rows.gpu if isinstance(rows, SplitRows) else rows
+        gpu = gpu_decode_kernels("combine") if dense.device.type == "cuda" else None
+        if gpu is not None and not (torch.is_grad_enabled() and dense.requires_grad) \
+                and gpu.supported(rows, weights, shared, residual):
+            return gpu.combine(rows, weights, shared, residual)            # one launch
+        return moe_combine_forward(rows, weights, shared, residual)

@@ -21,3 +21,14 @@ class RMSNorm(nn.Module):
         if gpu is not None and gpu.supported(x, self.weight) and not (torch.is_grad_enabled() and x.requires_grad):
             return gpu.rms_norm(x, self.weight, self.eps)
         return rms_norm(x, self.weight, self.eps)      # one compiled call on the CPU, else torch
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder's residual add and this norm: ``(residual + x, norm(residual + x))``; one
+        launch on a GPU, the same rounding either way."""
+        gpu = gpu_decode_kernels("combine") if x.device.type == "cuda" else None
+        if (gpu is not None and gpu.norm_supported(x, self.weight) and residual.is_contiguous()
+                and residual.shape == x.shape and residual.dtype == x.dtype
+                and not (torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad))):
+            return gpu.add_rms_norm(x, residual, self.weight, self.eps)
+        s = residual + x
+        return s, self(s)

@@ -28,8 +28,9 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
     def forward(self, h, batch, cos, sin, k_cache, v_cache):
-        h = h + self.self_attn(self.input_layernorm(h), batch, cos, sin, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        a = self.self_attn(self.input_layernorm(h), batch, cos, sin, k_cache, v_cache)
+        h, x = self.post_attention_layernorm.add_forward(a, h)           # h + a and its norm
+        return self.mlp(x, residual=h)                                   # h + mlp(x)
 
 
 class Backbone(nn.Module):

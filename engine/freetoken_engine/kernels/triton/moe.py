@@ -155,8 +155,11 @@ def block_table(pair_slot: torch.Tensor, block_m: int, slots: int) -> tuple[torc
 
 def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.Tensor,
                       pair_tok: torch.Tensor, pair_slot: torch.Tensor,
-                      out: torch.Tensor | None = None, limit: torch.Tensor | None = None) -> torch.Tensor:
+                      out: torch.Tensor | None = None, limit: torch.Tensor | None = None,
+                      zero: bool = True) -> torch.Tensor:
     """Compute every (token, slot) pair from the slot pool; see the module docstring.
+    ``zero=False``: the rows of pairs with a negative slot are left unset instead of zeroed (one
+    launch less, for callers that select per pair, as the engine's combine does).
     ``limit`` ([1] int on the device): only the intermediate rows [0, limit) of every slot, the
     GPU's part of a streamed split (``stream.py``); the slots' other rows are not read.
 
@@ -186,12 +189,13 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     if pair_slot.numel() != p:
         raise ValueError(f"pair_tok has {p} pairs, pair_slot {pair_slot.numel()}")
     if out is None:
-        out = torch.zeros((p, h), dtype=x.dtype, device=dev)
+        out = (torch.zeros if zero else torch.empty)((p, h), dtype=x.dtype, device=dev)
     else:
         check_tensor("out", out, 2, (x.dtype,), dev)
         if tuple(out.shape) != (p, h):
             raise ValueError(f"out must be [{p}, {h}], got {tuple(out.shape)}")
-        out.zero_()
+        if zero:
+            out.zero_()
     if p == 0:
         return out
     upcast = interpreting() or x.dtype == torch.float32 or w13_slots.dtype == torch.float32
