@@ -71,7 +71,7 @@ class HostBranch:
         self.br.check()
 
     def layer(self, control, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, slots_forward,
-              w13_slots: torch.Tensor, w2_slots: torch.Tensor, pair_tok: torch.Tensor) -> torch.Tensor:
+              w13_slots: torch.Tensor, w2_slots: torch.Tensor, pair_tok: torch.Tensor) -> SplitRows:
         """Queue MoE layer ``layer`` of the current step; returns its pair rows (``SplitRows``:
         the device's rows, the host's compact rows in pinned memory; valid in stream order)."""
         br = self.br
@@ -90,7 +90,7 @@ class HostBranch:
         # The copies only after the signal: the host starts its experts while the fills cross PCIe.
         if self.copy_after_signal:
             control.copy(layer, out)
-        gpu = slots_forward(x, w13_slots, w2_slots, pair_tok, out.pair_slot)      # zero rows for CPU pairs
+        gpu = slots_forward(x, w13_slots, w2_slots, pair_tok, out.pair_slot)      # CPU pairs' rows: unused
         part = control.streamed_forward(x, pair_tok, out)     # the streamed split's GPU part, or None
         handshake.wait(br.done[layer:layer + 1], br.epoch, br.err)
         self._queued = layer + 1
