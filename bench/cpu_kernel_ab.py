@@ -10,6 +10,8 @@ rate over the one-token rate of the same process (a ratio the machine's memory s
 least). Quote a pair only when both of its sides saw the same memory state (their reads agree).
 
     python bench/cpu_kernel_ab.py --old REV --pairs 3 --label cpu-2core
+    python bench/cpu_kernel_ab.py --old-tree DIR --old REV ...   # where git is absent (the GPU
+        machine): DIR holds the old side's engine/ and bench/ (git archive REV engine bench)
 """
 from __future__ import annotations
 
@@ -41,17 +43,21 @@ def run_side(root: Path, out: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--old", required=True, help="git revision of the old side")
+    ap.add_argument("--old-tree", type=Path, default=None,
+                    help="a folder with the old side's engine/ and bench/ instead of a git worktree of --old")
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--label", default="this-machine")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/cpu_kernel_ab.json")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp())
-    subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(work / "old"), args.old],
-                   check=True)
+    old_root = args.old_tree.resolve() if args.old_tree else work / "old"
+    if args.old_tree is None:
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(old_root), args.old],
+                       check=True)
     runs = []
     try:
         for i in range(args.pairs):
-            for side, root in (("old", work / "old"), ("new", ROOT)):
+            for side, root in (("old", old_root), ("new", ROOT)):
                 m = run_side(root, work / f"{side}{i}")
                 row = {"pair": i, "side": side}
                 for c in CASES:
@@ -62,7 +68,8 @@ def main() -> None:
                     f"{c.split('/')[0][:12]}/{c.split('=')[1]} {row[c]['gbps']:5.1f} ({row[c]['of_read']:4.0%})"
                     for c in CASES), flush=True)
     finally:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(work / "old")], check=False)
+        if args.old_tree is None:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old_root)], check=False)
     summary = {}
     for c in CASES:
         med = {side: {k: statistics.median(r[c][k] for r in runs if r["side"] == side)

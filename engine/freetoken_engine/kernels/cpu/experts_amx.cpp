@@ -92,6 +92,7 @@ extern "C" void ft_stage2_amx(const FtProblem* p, int64_t g, int64_t h0, int64_t
   const char* base = (const char*)p->w2 + p->g_expert[g] * p->w2_es * 2;
   const int64_t rs = p->w2_rs * 2;
   float o[16 * 16];
+  void* const out = p->out;
   int cm = -1, cn = -1;
   for (int64_t tb = 0; tb < n; tb += 16) {
     const int nt = (int)(n - tb < 16 ? n - tb : 16);
@@ -103,8 +104,7 @@ extern "C" void ft_stage2_amx(const FtProblem* p, int64_t g, int64_t h0, int64_t
       if (m != cm || nt != cn) configure_tiles(cm = m, cn = nt);
       const int nm = (int)(h1 - hb - m < 16 ? h1 - hb - m : 16);
       tile_rows(base + hb * rs, rs, m, av, nt, I, p->amx_pf, p->amx_next ? base + (hb + m) * rs : 0, nm, o);
-      for (int r = 0; r < m; ++r)
-        for (int t = 0; t < nt; ++t) ((uint16_t*)p->out)[dst[t] + hb + r] = f2bf(o[r * 16 + t]);
+      for (int t = 0; t < nt; ++t) store_strided(o + t, 16, m, true, (uint16_t*)out + dst[t] + hb);
     }
   }
   _tile_release();

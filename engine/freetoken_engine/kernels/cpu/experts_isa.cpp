@@ -145,6 +145,8 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
   const char* base = (const char*)p->w13 + p->g_expert[g] * p->w13_es * es;
   const int64_t rs = p->w13_rs * es;
   float og[RB * NTMAX], ou[RB * NTMAX], oa[RB * NTMAX];
+  float* const act = p->act;
+  uint16_t* const act_b = p->act_b;
   for (int64_t tb = 0; tb < n; tb += NTMAX) {
     const int nt = (int)(n - tb < NTMAX ? n - tb : NTMAX);
     const float* xs[NTMAX];
@@ -171,13 +173,11 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
         rows_f<WB>(nt, base + p->up * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
       }
       swiglu_block(og, ou, oa, (ie - ib) * NTMAX, p->x_bf16);
-      for (int64_t i = ib; i < ie; ++i)
-        for (int t = 0; t < nt; ++t) {
-          const float a = oa[(i - ib) * NTMAX + t];
-          const int64_t at = (s + tb + t) * I + i;
-          if (p->act) p->act[at] = a;
-          if (p->act_b) p->act_b[at] = f2bf(a);
-        }
+      for (int t = 0; t < nt; ++t) {
+        const int64_t at = (s + tb + t) * I + ib;
+        if (act) store_strided(oa + t, NTMAX, ie - ib, false, act + at);
+        if (act_b) store_strided(oa + t, NTMAX, ie - ib, true, act_b + at);
+      }
     }
   }
 }
@@ -190,6 +190,8 @@ void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
   const int64_t rs = p->w2_rs * es;
   enum { HB = 32 };
   float o[HB * NTMAX];
+  void* const out = p->out;           // locals: a store through out cannot change them
+  const bool obf = p->out_bf16;
   for (int64_t tb = 0; tb < n; tb += NTMAX) {
     const int nt = (int)(n - tb < NTMAX ? n - tb : NTMAX);
     const float* xs[NTMAX];
@@ -211,12 +213,9 @@ void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
       else
 #endif
         rows_f<WB>(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);
-      for (int64_t h = hb; h < he; ++h)
-        for (int t = 0; t < nt; ++t) {
-          const float v = o[(h - hb) * NTMAX + t];
-          if (p->out_bf16) ((uint16_t*)p->out)[dst[t] + h] = f2bf(v);
-          else ((float*)p->out)[dst[t] + h] = v;
-        }
+      for (int t = 0; t < nt; ++t)
+        store_strided(o + t, NTMAX, he - hb, obf,
+                      obf ? (void*)((uint16_t*)out + dst[t] + hb) : (void*)((float*)out + dst[t] + hb));
     }
   }
 }
