@@ -24,6 +24,8 @@ the same run (the engine reads its switches at start):
                 branch's row selection and the residual adds as torch's ops:
                 FREETOKEN_GPU_DECODE_KERNELS=attention,norm,route, the engine before
                 kernels/triton/combine.py)
+  graphs/lru    graphs with plain LRU victims (FREETOKEN_FILL_ADMISSION=off: the engine before the
+                expert cache's fill admission, cache/experts.py)
 
 Checkpoint: random bf16 weights (normal, std 0.02) in Qwen3-30B-A3B's shapes (H 2048, 32/4 heads
 of 128, 128 experts of I 768, top-8, vocab 32000) but ``--layers`` layers, written once with
@@ -53,12 +55,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from hardware import describe  # noqa: E402
 
-# side -> (FREETOKEN_HOST_BRANCH, CUDA graphs, FREETOKEN_STREAM_SPLIT, FREETOKEN_GPU_DECODE_KERNELS)
-SIDES = {"eager/sync": ("off", False, "off", "on"), "eager/branch": ("on", False, "off", "on"),
-         "graphs": ("on", True, "off", "on"), "graphs+tuning": ("on", True, "off", "on"),
-         "graphs/copy-first": ("on", True, "off", "on"), "graphs+stream": ("on", True, "on", "on"),
-         "graphs+stream-floor": ("on", True, "floor", "on"), "graphs/torch-ops": ("on", True, "off", "off"),
-         "graphs/no-combine": ("on", True, "off", "attention,norm,route")}
+# side -> (FREETOKEN_HOST_BRANCH, CUDA graphs, FREETOKEN_STREAM_SPLIT, FREETOKEN_GPU_DECODE_KERNELS,
+#          FREETOKEN_FILL_ADMISSION)
+SIDES = {"eager/sync": ("off", False, "off", "on", "on"), "eager/branch": ("on", False, "off", "on", "on"),
+         "graphs": ("on", True, "off", "on", "on"), "graphs+tuning": ("on", True, "off", "on", "on"),
+         "graphs/copy-first": ("on", True, "off", "on", "on"), "graphs+stream": ("on", True, "on", "on", "on"),
+         "graphs+stream-floor": ("on", True, "floor", "on", "on"),
+         "graphs/torch-ops": ("on", True, "off", "off", "on"),
+         "graphs/no-combine": ("on", True, "off", "attention,norm,route", "on"),
+         "graphs/lru": ("on", True, "off", "on", "off")}
 TUNING_SEARCH = 900
 
 
@@ -137,11 +142,11 @@ def run_sides(work: Path, fast: Path | None, args) -> tuple[int, list[dict], lis
     model, nbytes = bench_checkpoint(work, args.layers, fast)
     print(f"checkpoint: {args.layers} layers, {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     rows, failed = [], []
-    for side, (branch, _, stream, kernels) in SIDES.items():
+    for side, (branch, _, stream, kernels, admission) in SIDES.items():
         if side not in args.sides.split(","):
             continue
         env = dict(os.environ, FREETOKEN_HOST_BRANCH=branch, FREETOKEN_STREAM_SPLIT=stream,
-                   FREETOKEN_GPU_DECODE_KERNELS=kernels)
+                   FREETOKEN_GPU_DECODE_KERNELS=kernels, FREETOKEN_FILL_ADMISSION=admission)
         cmd = [sys.executable, __file__, "--worker", side, "--model", str(model), "--fractions",
                args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device,
                "--splits", args.splits if side == "graphs" else ""]

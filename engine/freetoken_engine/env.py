@@ -31,6 +31,10 @@ STREAM_SPLIT_DEFAULT = "off"
 #: the next norm (combine): "on" (the default: all), "off" (torch's ops) or a comma-separated list
 #: of those names (the others torch's ops), for A/B measurements.
 FREETOKEN_GPU_DECODE_KERNELS = "FREETOKEN_GPU_DECODE_KERNELS"
+#: Fill admission of the expert cache under the q* split (cache/experts.py): "on" (the default:
+#: a miss is filled only over a victim unused for a whole decode step, else computed on the CPU)
+#: or "off" (plain LRU victims), for A/B measurements.
+FREETOKEN_FILL_ADMISSION = "FREETOKEN_FILL_ADMISSION"
 #: Default of ``serve --api-key`` / ``--admin-token``: secrets passed this way stay out of the
 #: process list (``ps`` shows every argument), which is how the node agent passes them.
 FREETOKEN_API_KEY = "FREETOKEN_API_KEY"
@@ -77,6 +81,15 @@ def gpu_decode_kernels() -> frozenset[str]:
         raise ValueError(f"{FREETOKEN_GPU_DECODE_KERNELS} must be on, off or a list of "
                          f"{', '.join(GPU_DECODE_KERNELS)}; got {mode!r}")
     return names
+
+
+def fill_admission() -> bool:
+    """Whether the expert cache admits fills only over victims idle for a step (see
+    FREETOKEN_FILL_ADMISSION); ValueError for anything but on / off."""
+    mode = os.environ.get(FREETOKEN_FILL_ADMISSION, "on").strip().lower()
+    if mode not in ("on", "off"):
+        raise ValueError(f"{FREETOKEN_FILL_ADMISSION} must be on or off, got {mode!r}")
+    return mode == "on"
 
 
 def stream_split() -> str:

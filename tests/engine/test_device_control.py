@@ -95,6 +95,27 @@ def test_device_state_survives_resize(resizable):
     assert dev.stats == ref.stats
 
 
+@pytest.mark.parametrize("admit_window", [0, LAYERS], ids=["lru", "admission"])
+def test_device_fill_admission_matches_cache(admit_window):
+    """The cyclic scan (every step routes the same 6 experts in each layer, 18 > 8 slots, nearly
+    every miss filled): the kernel refuses the same fills as the cache (victims used within the
+    last step), so pair slots, residency and clocks stay identical; plain LRU there hits nothing."""
+    bank = _bank(3)
+    ref = ExpertCache(bank, 8, "cpu", fill_fraction=0.99, admit_window=admit_window)
+    dev = ExpertCache(bank, 8, "cpu", fill_fraction=0.99, admit_window=admit_window)
+    ctl = DeviceControl.from_cache(dev)
+    ids = torch.arange(6).view(1, 6)
+    for step in range(5):
+        for layer in range(LAYERS):
+            want = ref.step(layer, ids.reshape(-1))
+            assert torch.equal(ctl.step(layer, ids).pair_slot, want), (step, layer)
+            _assert_same(ref, dev, ctl)
+    counters = ctl.counters()
+    assert counters == {k: getattr(ref.stats, k) for k in counters}
+    assert (counters["hits"] > 0) == (admit_window > 0)
+    assert (counters["fills"] < counters["misses"]) == (admit_window > 0)       # refused fills went to the CPU
+
+
 def test_block_slots_below_the_pool_is_refused():
     slot_of = torch.full((1, 4), -1, dtype=torch.int64)
     owner, last = torch.full((8,), -1, dtype=torch.int64), torch.full((8,), -1, dtype=torch.int64)

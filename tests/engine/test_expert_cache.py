@@ -105,6 +105,38 @@ def test_fill_fraction_splits_misses():
     assert cache.stats.fills == 2 and cache.stats.cpu_computed == 2
 
 
+def _cyclic_hits(admit_window: int | None, steps: int = 6) -> list[int]:
+    """Hits per decode step when every step routes the same 4 experts in each of 3 layers (12
+    experts) through 6 slots with almost every miss filled (q* = 0.99): plain LRU's worst case."""
+    cache = _cache(capacity=6, layers=3)
+    cache.fill_fraction = 0.99
+    if admit_window is not None:
+        cache.admit_window = admit_window
+    hits = []
+    for _ in range(steps):
+        before = cache.stats.hits
+        for layer in range(3):
+            slots = cache.step(layer, torch.tensor([0, 1, 2, 3]))
+            assert int((slots >= 0).sum()) <= 4
+        hits.append(cache.stats.hits - before)
+        cache.check_integrity(deep=True)
+    return hits
+
+
+def test_fill_admission_stops_the_cyclic_scan_from_evicting_every_expert():
+    """cache/experts.py: plain LRU evicts each layer's experts just before the next step needs
+    them (no hits at all); with admission (the default window: one step of 3 layers) the fills
+    stop once every slot was used in the last step, and half the experts hit from then on."""
+    assert _cyclic_hits(admit_window=0) == [0] * 6
+    with_admission = _cyclic_hits(admit_window=None)
+    assert with_admission[0] == 0 and with_admission[2:] == [6] * 4
+    # fills-only caches (q* = 1) keep plain LRU: every miss must be filled there
+    cache = _cache(capacity=6, layers=3)
+    assert cache.admit_window == 3 and cache.window() == 0
+    cache.fill_fraction = 0.5
+    assert cache.window() == 3
+
+
 def test_resize_keeps_most_recent_residents():
     cache = _cache(capacity=4)
     for e in range(4):
@@ -116,3 +148,12 @@ def test_resize_keeps_most_recent_residents():
     cache.resize(6)
     cache.check_integrity(deep=True)
     assert cache.capacity == 6 and cache.resident() == 2
+
+
+def test_fill_admission_switch(monkeypatch):
+    """FREETOKEN_FILL_ADMISSION=off gives plain LRU victims (the A/B side); a typo is refused."""
+    monkeypatch.setenv("FREETOKEN_FILL_ADMISSION", "off")
+    assert _cache(capacity=6, layers=3).admit_window == 0
+    monkeypatch.setenv("FREETOKEN_FILL_ADMISSION", "of")
+    with pytest.raises(ValueError, match="FREETOKEN_FILL_ADMISSION"):
+        _cache(capacity=6, layers=3)

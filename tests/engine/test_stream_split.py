@@ -68,7 +68,7 @@ def test_floor_rule_fills_no_more_than_f_m():
     """With floor_fills no layer call is PCIe-bound: q = floor(f m) (the slot cap aside), and the
     streamed rows then balance the rest."""
     bank = _bank()
-    ctl = DeviceControl.from_cache(ExpertCache(bank, 5, "cpu", fill_fraction=0.4))
+    ctl = DeviceControl.from_cache(ExpertCache(bank, 5, "cpu", fill_fraction=0.4, admit_window=0))  # the rule alone
     ctl.set_stream(8, GRANULE, floor_fills=True)
     g = torch.Generator().manual_seed(6)
     seen = set()

@@ -37,7 +37,7 @@ class DeviceControl:
     def __init__(self, bank_w13: torch.Tensor, bank_w2: torch.Tensor, w13_slots: torch.Tensor,
                  w2_slots: torch.Tensor, slot_of: torch.Tensor, slot_owner: torch.Tensor,
                  last_used: torch.Tensor, clock: int, fill_fraction: float,
-                 max_slots: int | None = None) -> None:
+                 max_slots: int | None = None, admit_window: int = 0) -> None:
         self.device = w13_slots.device
         self.max_slots = max_slots    # the largest pool a resize may bind: one compiled kernel for all
         self.bank_w13, self.bank_w2 = bank_w13, bank_w2
@@ -45,6 +45,7 @@ class DeviceControl:
         self.stream: StreamSplit | None = None
         self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.floor_fills = False
+        self.admit_window = admit_window   # fill admission (cache/experts.py), used while fill_fraction < 1
         self._bind(w13_slots, w2_slots, slot_of, slot_owner, last_used, clock)
         self.set_fill_fraction(fill_fraction)
 
@@ -56,7 +57,8 @@ class DeviceControl:
         compiled once for that maximum instead of again after each resize."""
         return cls(cache.bank.w13, cache.bank.w2, cache.w13, cache.w2, cache.slot_of, cache.slot_owner,
                    cache.last_used, int(cache.clock), float(cache.fill_fraction),
-                   max_slots=cache.bank.total_experts if resizable else None)
+                   max_slots=cache.bank.total_experts if resizable else None,
+                   admit_window=cache.admit_window)
 
     def _bind(self, w13_slots, w2_slots, slot_of, slot_owner, last_used, clock: int) -> None:
         dev = self.device = w13_slots.device
@@ -135,7 +137,8 @@ class DeviceControl:
         out = self.outputs(topk_ids.numel())
         control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used,
                      self.clock, self.fill_table, self.totals, out, mirror=mirror,
-                     block_slots=self.max_slots, stream=self.stream)
+                     block_slots=self.max_slots, stream=self.stream,
+                     admit_window=self.admit_window if self.fill_fraction < 1.0 else 0)
         if copy:
             self.copy(layer, out)
         return out

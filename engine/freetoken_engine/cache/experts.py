@@ -9,9 +9,17 @@ State (all on the cache's device, so the GPU path can run it without host syncs)
 
 ``step`` is the per-layer decode control, the reference for the device kernel:
 deduplicate the routed experts; hits are resident; of the m misses, the first
-q = min(fills_for(m, f), S - hits) in ascending expert id (``kernels/split.py``) are filled into the q least recently
+q = min(fills_for(m, f), S - hits, admissible) in ascending expert id (``kernels/split.py``) are filled into the q least recently
 used slots not holding a hit of this call (ties: lower slot index first; empty slots first),
 the other m - q are computed on the CPU from the bank. The clock advances once per call.
+
+Fill admission (``admit_window`` W > 0, only while the fill fraction f < 1, i.e. when misses go to
+the CPU anyway): a slot is an admissible victim when it is empty or unused for more than W calls
+(W = the MoE layer count: a whole decode step). When a step's experts outnumber the slots, plain
+LRU evicts each expert just before the next step needs it again (the cyclic-scan failure: a miss
+rate of 1.00 at batch 4 on an 8 GB card, ``bench/cache_policy_sim.py``); refusing to evict what the
+last step used turns those fills into CPU work and keeps the rest of the cache useful (simulated
+0.76-0.77 there), and changes nothing while the working set fits (victims are then older).
 
 Not thread-safe: the scheduler thread owns it; ``resize`` runs at a scheduler safe point.
 """
@@ -21,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import env
 from ..kernels.split import fills_for
 from .bank import ExpertBank
 
@@ -34,10 +43,14 @@ class CacheStats:
 
 
 class ExpertCache:
-    def __init__(self, bank: ExpertBank, capacity: int, device: torch.device, fill_fraction: float = 1.0):
+    def __init__(self, bank: ExpertBank, capacity: int, device: torch.device, fill_fraction: float = 1.0,
+                 admit_window: int | None = None):
         self.bank = bank
         self.device = torch.device(device)
         self.fill_fraction = fill_fraction
+        # calls a victim must have been idle (0: plain LRU); default: one decode step, unless
+        # FREETOKEN_FILL_ADMISSION=off
+        self.admit_window = (bank.num_layers if env.fill_admission() else 0) if admit_window is None else admit_window
         self.stats = CacheStats()
         self.clock = 0
         self._allocate(capacity)
@@ -74,6 +87,12 @@ class ExpertCache:
         n_hit = int(hit.sum())
         m = active.numel() - n_hit
         q = min(fills_for(m, self.fill_fraction), self.capacity - n_hit) if m else 0
+        window = self.window()
+        if q > 0 and window > 0:
+            lu = self.last_used
+            ok = (lu < 0) | (lu < self.clock - window)
+            ok[slots[hit]] = False                              # hits are never victims
+            q = min(q, int(ok.sum()))
         if q > 0:
             self._fill(layer, active[~hit][:q], protected=slots[hit])
             slots = row.index_select(0, active)
@@ -86,6 +105,10 @@ class ExpertCache:
         st.fills += max(q, 0)
         st.cpu_computed += m - max(q, 0)
         return row.index_select(0, expert_ids)
+
+    def window(self) -> int:
+        """The fill admission window in effect: ``admit_window`` under the q* split, else 0."""
+        return self.admit_window if self.fill_fraction < 1.0 else 0
 
     def _fill(self, layer: int, experts: torch.Tensor, protected: torch.Tensor) -> None:
         key = self.last_used.clone()

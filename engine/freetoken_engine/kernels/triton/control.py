@@ -7,6 +7,8 @@ Specification (the expert cache's torch control step, bit for bit), for layer ``
 2. ``m = len(misses)``; ``q = min(fill_table[m], S - n_hits)`` where the host precomputed
    ``fill_table[m] = fills_for(m, fill_fraction)`` (``kernels/split.py``: of floor and ceil of
    f m, the one with the smaller max(q / B_pcie, (m - q) / B_cpu); the cache's own rule, exactly).
+   With a fill admission window W > 0, q is further capped by the number of admissible victims:
+   slots not holding a hit that are empty or were last used before ``clock - W``.
 3. The first q misses (ascending id) are filled: victims are the q slots with the smallest
    ``(last_used, slot)`` among slots not holding a hit (empty slots have last_used -1, so go
    first); the i-th filled miss takes the i-th victim. Old owners lose residency; ``slot_of``
@@ -50,7 +52,7 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
                     step_ptr, totals_ptr,
                     keys_ptr, newslot_ptr, mirror_ps_ptr, mirror_counts_ptr, mirror_ids_ptr, layer,
                     P, E, S, NF, pair_stream_ptr, stream_rows_ptr, cpurank_ptr, mirror_from_ptr,
-                    share, INTER, GRANULE, NS,
+                    share, INTER, GRANULE, NS, window,
                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr, MIRROR: tl.constexpr,
                     MIRROR_IDS: tl.constexpr, STREAM: tl.constexpr, MIRROR_FROM: tl.constexpr):
@@ -68,8 +70,6 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     m = tl.sum(miss.to(tl.int64), 0)
     q = tl.minimum(tl.load(fill_table_ptr + m).to(tl.int64), S - n_hit)
     rank = tl.cumsum(miss.to(tl.int64), 0) - 1                                  # among misses
-    fill = miss & (rank < q)
-    cpu = miss & (rank >= q)
     clock = tl.load(clock_ptr)
 
     # Stamp the hits first: they now hold the largest keys and are never chosen below.
@@ -83,6 +83,12 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     s = tl.arange(0, BLOCK_S)
     sm = s < S
     lu = tl.load(last_used_ptr + s, mask=sm, other=0)
+    # Fill admission: only victims idle for more than `window` calls (hits were stamped with the
+    # clock above, so they never qualify); they are exactly the smallest keys below.
+    admissible = sm & ((window <= 0) | (lu < 0) | (lu < clock - window))
+    q = tl.minimum(q, tl.sum(admissible.to(tl.int64), 0))
+    fill = miss & (rank < q)
+    cpu = miss & (rank >= q)
     key = tl.where(sm, ((lu + 1) << SLOT_BITS) | s, 0x7FFFFFFFFFFFFFFF)      # unique per slot
     # The q smallest keys in ascending order: q rounds of a block-wide min (q <= the call's
     # distinct experts, a handful in decode), much cheaper than sorting all S keys.
@@ -219,7 +225,8 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
                  last_used: torch.Tensor, clock: torch.Tensor, table: torch.Tensor,
                  totals: torch.Tensor, out: ControlOutputs,
                  mirror: tuple[torch.Tensor, ...] | None = None,
-                 block_slots: int | None = None, stream: "StreamSplit | None" = None) -> ControlOutputs:
+                 block_slots: int | None = None, stream: "StreamSplit | None" = None,
+                 admit_window: int = 0) -> ControlOutputs:
     """Run the control step for ``layer`` (see the module docstring); mutates slot_of,
     slot_owner, last_used, clock ([1] int64) and totals ([4] int64) in place and fills ``out``
     (and ``mirror``: int64 [P], [4] and optionally [P], contiguous; pinned host memory on a GPU).
@@ -229,7 +236,8 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
     that many slots, so that resizing it never compiles a new kernel in the middle of serving
     (a compile costs seconds on a GPU); default: S. ``stream``: also choose the streamed split
     (``out.pair_stream``, ``out.stream_rows``); a fourth mirror tensor ([1] int64) then receives
-    stream_rows. Raises ValueError on bad shapes, dtypes, strides or sizes.
+    stream_rows. ``admit_window``: the fill admission window (step 2; 0 = plain LRU). Raises
+    ValueError on bad shapes, dtypes, strides or sizes.
     """
     dev = slot_of.device
     check_tensor("slot_of", slot_of, 2, (torch.int32, torch.int64), dev)
@@ -282,7 +290,7 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         out.keys, out.newslot, m_ps, m_counts, m_ids if m_ids is not None else m_ps, layer, pairs,
         experts, slots, nf, out.pair_stream, out.stream_rows, out.cpurank,
         m_from if m_from is not None else out.stream_rows,
-        *(stream.args() if stream is not None else (0.0, 1, 1, 0)),
+        *(stream.args() if stream is not None else (0.0, 1, 1, 0)), int(admit_window),
         BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=block_s,
         BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, MIRROR=mirror is not None, MIRROR_IDS=m_ids is not None,
         STREAM=stream is not None, MIRROR_FROM=m_from is not None,
