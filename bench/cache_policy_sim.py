@@ -8,13 +8,18 @@ the classic cyclic-scan failure. This simulation measures, on the same routing g
 (bench/offload_workload.py, fitted to the default model's routing statistics) and the same
 cache sizes (card - non-expert weights - 1.5 GiB), how far other policies get:
 
-* ``global-lru``: the engine's policy (one pool, LRU victims, hits of the step never evicted);
+* ``global-lru``: the engine's policy before fill admission (one pool, LRU victims, hits of the
+  step never evicted);
+* ``admission``: the engine's policy (cache/experts.py): global LRU, but a miss is filled only
+  when its victim is empty or unused for more than one step (the layer count of calls), else it
+  is computed on the CPU and not cached;
 * ``layer-lru``: the pool less one call's worth of scratch slots split evenly between layers,
   LRU inside each layer's share (a call's extra experts stream through the scratch slots);
 * ``belady``: the offline optimum for one global pool (evict the resident used furthest in the
   future): a bound, not a policy.
 
-Every miss is filled (side (c) of the GPU benchmark); a policy's miss rate is hardware
+Every miss is filled (side (c) of the GPU benchmark) except where admission refuses it (then it
+is computed on the CPU, as in side (d)); a policy's miss rate is hardware
 independent, so this runs on any CPU. Output: a table, bench/results/cache_policy_sim.json
 and a PNG.
 
@@ -68,6 +73,30 @@ def global_lru(seq, slots: int) -> tuple[int, int]:
     cache: OrderedDict = OrderedDict()
     misses = sum(lru_call(cache, [(layer, e) for e in active], slots) for layer, active in seq)
     return misses, sum(len(active) for _, active in seq)
+
+
+def admission_lru(seq, slots: int, window: int) -> tuple[int, int]:
+    """Global LRU whose fills need a victim idle for more than ``window`` calls (or an empty
+    slot); refused misses are not cached."""
+    cache: OrderedDict = OrderedDict()         # key -> the call index of its last use, LRU first
+    misses = accesses = 0
+    for i, (layer, active) in enumerate(seq):
+        keys = [(layer, e) for e in active]
+        for key in keys:                       # stamp the hits first: never victims
+            if key in cache:
+                cache[key] = i
+                cache.move_to_end(key)
+        for key in keys:
+            accesses += 1
+            if key in cache:
+                continue
+            misses += 1
+            if len(cache) >= slots:
+                if i - next(iter(cache.values())) <= window:
+                    continue                   # the LRU victim was used within the last step
+                cache.popitem(last=False)
+            cache[key] = i
+    return misses, accesses
 
 
 def layer_lru(seq, slots: int, n_layers: int, scratch: int) -> tuple[int, int]:
@@ -127,7 +156,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "cache_policy_sim.json")
     args = ap.parse_args()
     rows = []
-    print(f"{'model':<16}{'routing':<10}{'batch':>6}{'card':>6}{'slots':>7}{'global-lru':>12}{'layer-lru':>11}{'belady':>9}")
+    print(f"{'model':<16}{'routing':<10}{'batch':>6}{'card':>6}{'slots':>7}{'global-lru':>12}{'admission':>11}"
+          f"{'layer-lru':>11}{'belady':>9}")
     for name, model in MODELS.items():
         params = routing_params(ROOT, model)
         for kind in ("locality", "uniform"):
@@ -138,6 +168,7 @@ def main() -> None:
                     rates = {}
                     scratch = model["top_k"] * batch           # the largest call's distinct experts
                     for policy, fn in (("global-lru", lambda: global_lru(seq, slots)),
+                                       ("admission", lambda: admission_lru(seq, slots, model["layers"])),
                                        ("layer-lru", lambda: layer_lru(seq, slots, model["layers"], scratch)),
                                        ("belady", lambda: belady(seq, slots))):
                         m, a = fn()
@@ -145,7 +176,8 @@ def main() -> None:
                     rows.append({"model": name, "routing": kind, "batch": batch, "card_gib": card,
                                  "slots": slots, "miss_rate": rates})
                     print(f"{name:<16}{kind:<10}{batch:>6}{card:>6.0f}{slots:>7}"
-                          f"{rates['global-lru']:>12.3f}{rates['layer-lru']:>11.3f}{rates['belady']:>9.3f}")
+                          f"{rates['global-lru']:>12.3f}{rates['admission']:>11.3f}{rates['layer-lru']:>11.3f}"
+                          f"{rates['belady']:>9.3f}")
     result = {"benchmark": "cache_policy_sim", "hardware": describe(), "tokens": args.tokens,
               "method": __doc__.strip().split("\n\n")[1], "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -162,14 +194,15 @@ def plot(rows: list[dict], path: Path) -> None:
     fig, axes = plt.subplots(2, len(panels) // 2, figsize=(3.2 * len(panels) // 2, 6), squeeze=False)
     for ax, key in zip(axes.flat, panels):
         sel = [r for r in rows if (r["model"], r["routing"], r["batch"]) == key]
-        for policy, style in (("global-lru", "o-"), ("layer-lru", "s-"), ("belady", "^:")):
+        for policy, style in (("global-lru", "o-"), ("admission", "d-"), ("layer-lru", "s-"), ("belady", "^:")):
             ax.plot([r["card_gib"] for r in sel], [r["miss_rate"][policy] for r in sel], style, label=policy)
         ax.set_title(f"{key[0]}\n{key[1]}, batch {key[2]}", fontsize=8)
         ax.set_ylim(0, 1.05)
         ax.set_xlabel("card (GiB)", fontsize=7)
         ax.set_ylabel("miss rate", fontsize=7)
     axes.flat[0].legend(fontsize=7)
-    fig.suptitle("Expert-cache miss rate by replacement policy (simulated, every miss filled)", fontsize=9)
+    fig.suptitle("Expert-cache miss rate by replacement policy (simulated; every miss filled but where admission "
+                 "refuses)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
