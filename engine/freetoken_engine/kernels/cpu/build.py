@@ -127,10 +127,8 @@ def load() -> ctypes.CDLL:
     lib.ft_last_error.restype = ctypes.c_char_p
     lib.ft_configure.restype = ci
     lib.ft_configure.argtypes = [ci, ctypes.POINTER(ci), ci, ci, i64, i64, ci]
-    experts_args = [vp, ci, i64, i64, i64, vp, vp, ci, i64, i64, i64, i64, i64, vp, vp, i64, vp]
-    lib.ft_experts_forward.restype = lib.ft_experts_range.restype = ci
-    lib.ft_experts_forward.argtypes = experts_args
-    lib.ft_experts_range.argtypes = experts_args + [i64]
+    lib.ft_experts_range.restype = ci
+    lib.ft_experts_range.argtypes = [vp, ci, i64, i64, i64, vp, vp, ci, i64, i64, i64, i64, i64, vp, vp, i64, vp, i64]
     lib.ft_linear.restype = ci
     lib.ft_linear.argtypes = [vp, ci, i64, i64, vp, ci, i64, i64, vp, vp]
     lib.ft_rmsnorm.restype = ci
