@@ -26,6 +26,7 @@ from ..kernels.triton.control import ControlOutputs, StreamSplit, control_step, 
 from ..kernels.triton.gather import gather_fill_rows
 from ..kernels.triton.moe import moe_slots_forward
 from ..kernels.triton.stream import stream_rows_copy
+from .experts import admission_window
 
 COUNTERS = ("hits", "misses", "fills", "cpu_computed")
 
@@ -95,6 +96,7 @@ class DeviceControl:
         floor = self.stream is not None and self.floor_fills
         self.fill_table = fill_table(fill_fraction, self.slot_of.shape[1], self.device, floor)
         self.fill_fraction = fill_fraction
+        self.window = admission_window(self.admit_window, fill_fraction)
         if self.stream is not None:
             self.stream = dataclasses.replace(self.stream, share=fill_fraction)
 
@@ -138,7 +140,7 @@ class DeviceControl:
         control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used,
                      self.clock, self.fill_table, self.totals, out, mirror=mirror,
                      block_slots=self.max_slots, stream=self.stream,
-                     admit_window=self.admit_window if self.fill_fraction < 1.0 else 0)
+                     admit_window=self.window)
         if copy:
             self.copy(layer, out)
         return out

@@ -34,6 +34,12 @@ from ..kernels.split import fills_for
 from .bank import ExpertBank
 
 
+def admission_window(admit_window: int, fill_fraction: float) -> int:
+    """The fill admission window in effect: ``admit_window`` under the q* split (misses may go to
+    the CPU), 0 for a fills-only cache (f >= 1: every miss must be filled)."""
+    return admit_window if fill_fraction < 1.0 else 0
+
+
 @dataclass
 class CacheStats:
     hits: int = 0
@@ -107,8 +113,8 @@ class ExpertCache:
         return row.index_select(0, expert_ids)
 
     def window(self) -> int:
-        """The fill admission window in effect: ``admit_window`` under the q* split, else 0."""
-        return self.admit_window if self.fill_fraction < 1.0 else 0
+        """The fill admission window in effect (``admission_window``)."""
+        return admission_window(self.admit_window, self.fill_fraction)
 
     def _fill(self, layer: int, experts: torch.Tensor, protected: torch.Tensor) -> None:
         key = self.last_used.clone()
