@@ -54,6 +54,27 @@ def _words(name: str, t: torch.Tensor, lead: int) -> torch.Tensor:
     return t.view(-1).view(_WORD).view(*t.shape[:lead], row_bytes // 8)
 
 
+def check_bank_copy(bank_w13: torch.Tensor, bank_w2: torch.Tensor, dst13: torch.Tensor, dst2: torch.Tensor,
+                    layer: int) -> None:
+    """Raise ValueError unless rows of ``layer`` of the bank (``[L, E, 2I, H]`` / ``[L, E, H, I]``,
+    pinned host memory on a GPU) can be copied into the device pools ``dst13 [S, 2I, H]`` /
+    ``dst2 [S, H, I]`` (one dtype, as many slots in both). For this module and ``stream.py``."""
+    dev = dst13.device
+    if bank_w13.dim() != 4 or bank_w2.dim() != 4 or dst13.dim() != 3 or dst2.dim() != 3:
+        raise ValueError("bank tensors are [L, E, ...] and slot pools [S, ...]")
+    if bank_w13.shape[2:] != dst13.shape[1:] or bank_w2.shape[2:] != dst2.shape[1:] \
+            or dst13.shape[0] != dst2.shape[0]:
+        raise ValueError(f"row shapes differ: bank {tuple(bank_w13.shape)} / {tuple(bank_w2.shape)}, "
+                         f"slots {tuple(dst13.shape)} / {tuple(dst2.shape)}")
+    if len({bank_w13.dtype, bank_w2.dtype, dst13.dtype, dst2.dtype}) != 1:
+        raise ValueError("bank and slot pools must share one dtype")
+    n_layers = bank_w13.shape[0]
+    if not 0 <= layer < n_layers:
+        raise ValueError(f"layer {layer} out of range [0, {n_layers})")
+    if dev.type == "cuda" and not (bank_w13.device == dev or bank_w13.is_pinned()):
+        raise ValueError("on a GPU the bank must be pinned host memory (or on the device)")
+
+
 def gather_fill_rows(bank_w13: torch.Tensor, bank_w2: torch.Tensor, w13_slots: torch.Tensor,
                      w2_slots: torch.Tensor, layer: int, fill_exp: torch.Tensor, fill_slot: torch.Tensor,
                      chunks: int | None = None, block: int | None = None) -> None:
@@ -64,20 +85,10 @@ def gather_fill_rows(bank_w13: torch.Tensor, bank_w2: torch.Tensor, w13_slots: t
     dev = w13_slots.device
     check_tensor("fill_exp", fill_exp, 1, (torch.int32, torch.int64), dev)
     check_tensor("fill_slot", fill_slot, 1, (torch.int32, torch.int64), dev)
-    if bank_w13.dim() != 4 or bank_w2.dim() != 4 or w13_slots.dim() != 3 or w2_slots.dim() != 3:
-        raise ValueError("bank tensors are [L, E, ...] and slot pools [S, ...]")
-    if bank_w13.shape[2:] != w13_slots.shape[1:] or bank_w2.shape[2:] != w2_slots.shape[1:]:
-        raise ValueError(f"row shapes differ: bank {tuple(bank_w13.shape)} / {tuple(bank_w2.shape)}, "
-                         f"slots {tuple(w13_slots.shape)} / {tuple(w2_slots.shape)}")
-    if len({bank_w13.dtype, bank_w2.dtype, w13_slots.dtype, w2_slots.dtype}) != 1:
-        raise ValueError("bank and slot pools must share one dtype")
+    check_bank_copy(bank_w13, bank_w2, w13_slots, w2_slots, layer)
     if fill_exp.numel() != fill_slot.numel():
         raise ValueError("fill_exp and fill_slot differ in length")
-    n_layers, experts = bank_w13.shape[:2]
-    if not 0 <= layer < n_layers:
-        raise ValueError(f"layer {layer} out of range [0, {n_layers})")
-    if dev.type == "cuda" and not (bank_w13.device == dev or bank_w13.is_pinned()):
-        raise ValueError("on a GPU the bank must be pinned host memory (or on the device)")
+    experts = bank_w13.shape[1]
     if fill_exp.numel() == 0:
         return
     s13, s2 = _words("bank_w13", bank_w13, 2), _words("bank_w2", bank_w2, 2)

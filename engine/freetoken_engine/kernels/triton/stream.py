@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_tensor
-from .gather import GATHER_TILES, _words
+from .gather import GATHER_TILES, _words, check_bank_copy
 
 
 @triton.jit
@@ -63,18 +63,8 @@ def stream_rows_copy(bank_w13: torch.Tensor, bank_w2: torch.Tensor, scratch13: t
     dev = scratch13.device
     check_tensor("cpu_exp", cpu_exp, 1, (torch.int32, torch.int64), dev)
     check_tensor("rows", rows, 1, (torch.int32, torch.int64), dev)
-    if bank_w13.dim() != 4 or bank_w2.dim() != 4 or scratch13.dim() != 3 or scratch2.dim() != 3 \
-            or bank_w13.shape[2:] != scratch13.shape[1:] or bank_w2.shape[2:] != scratch2.shape[1:] \
-            or scratch13.shape[0] != scratch2.shape[0]:
-        raise ValueError(f"bank {tuple(bank_w13.shape)} / {tuple(bank_w2.shape)} and scratch "
-                         f"{tuple(scratch13.shape)} / {tuple(scratch2.shape)} disagree")
-    if len({bank_w13.dtype, bank_w2.dtype, scratch13.dtype, scratch2.dtype}) != 1:
-        raise ValueError("bank and scratch must share one dtype")
-    if dev.type == "cuda" and not (bank_w13.device == dev or bank_w13.is_pinned()):
-        raise ValueError("on a GPU the bank must be pinned host memory (or on the device)")
-    n_layers, experts, two_i, hidden = bank_w13.shape
-    if not 0 <= layer < n_layers:
-        raise ValueError(f"layer {layer} out of range [0, {n_layers})")
+    check_bank_copy(bank_w13, bank_w2, scratch13, scratch2, layer)
+    experts, two_i, hidden = bank_w13.shape[1:]
     s13, s2 = _words("bank_w13", bank_w13, 2), _words("bank_w2", bank_w2, 2)
     d13, d2 = _words("scratch13", scratch13, 1), _words("scratch2", scratch2, 1)
     row_w = s13.shape[-1] // two_i
