@@ -4,9 +4,11 @@ The same bank and calls as bench/cpu_expert_kernel.py (Qwen3-30B-A3B expert shap
 at least 8x the last-level cache, each call on experts not read since long). Every round runs
 every setting (``cpu_experts.tune`` knobs, see kernels/cpu/tune.h) on every case, with the
 all-CPU STREAM-style read just before and after each setting, so each figure is also a paired
-fraction of the read. For 1-expert calls it also reports where a call's time goes (the kernel's
-own clock, ``cpu_experts.last_timing``): grouping, the last participant's start, the end of the
-stage-1 chunks, the end; and the Python call around it.
+fraction of the read. Each case runs twice: called from Python (``experts_forward``, one call at a
+time) and from C (``calls_seconds``: the same calls back to back in C, as the engine's CPU branch
+and the calibration's B_cpu call the kernel; ``.../c`` keys). For every case it also reports where
+a call's time goes (the kernel's own clock, ``cpu_experts.last_timing``): grouping, the last
+participant's start, the end of the stage-1 chunks, the end; and the Python call around it.
 
     python bench/cpu_kernel_tune.py --label h200-host-16core \\
         --settings "default; chunks_per_thread=8; amx_next=1,amx_pf=0" [--rounds 2] [--out DIR]
@@ -47,7 +49,7 @@ def parse_settings(text: str) -> list[tuple[str, dict]]:
 
 
 def call_phases(x, w13, w2, plans, n: int) -> dict:
-    """Median microseconds of n 1-expert calls: the kernel's phases and the Python call."""
+    """Median microseconds of n calls of a case: the kernel's phases and the Python call."""
     rows = []
     for i in range(n):
         tok, exp, _ = plans[i % len(plans)]
@@ -56,6 +58,18 @@ def call_phases(x, w13, w2, plans, n: int) -> dict:
         wall = 1e6 * (time.perf_counter() - t0)
         rows.append({**ce.last_timing(), "python_call": wall})
     return {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+
+
+def c_gbps(x, w13, w2, plans, min_s: float, ebytes: int) -> float:
+    """Weights' GB/s of the plans' calls run back to back from C (whole passes, >= min_s)."""
+    exps = torch.stack([exp for _, exp, _ in plans])
+    nbytes, secs = sum(d for *_, d in plans) * ebytes, 0.0
+    ce.calls_seconds(x, w13, w2, plans[0][0], exps[:1])      # wake the pool
+    n = 0
+    while n == 0 or secs < min_s:
+        secs += ce.calls_seconds(x, w13, w2, plans[0][0], exps)
+        n += 1
+    return n * nbytes / secs / 1e9
 
 
 def main() -> None:
@@ -97,7 +111,10 @@ def main() -> None:
             before = read_all()
             got = {f"{m}/T={T}": gbps(ce.experts_forward, xs[T], w13, w2, plans[(m, T)], args.seconds, ebytes)
                    for m, T in CASES}
-            phases.setdefault(label, []).append(call_phases(xs[1], w13, w2, plans[("1_expert", 1)], 200))
+            got.update({f"{m}/T={T}/c": c_gbps(xs[T], w13, w2, plans[(m, T)], args.seconds, ebytes)
+                        for m, T in CASES})
+            phases.setdefault(label, []).append({f"{m}/T={T}": call_phases(xs[T], w13, w2, plans[(m, T)], 100)
+                                                 for m, T in CASES})
             read = 0.5 * (before + read_all())
             s = samples.setdefault(label, {})
             for k, v in got.items():
@@ -109,15 +126,18 @@ def main() -> None:
 
     table = {label: {k: statistics.median(v) for k, v in s.items()} for label, s in samples.items()}
     for label, ph in phases.items():
-        table[label]["phases_1_expert_us"] = {k: statistics.median(p[k] for p in ph) for k in ph[0]}
+        table[label]["phases_us"] = {case: {k: statistics.median(p[case][k] for p in ph) for k in ph[0][case]}
+                                     for case in ph[0]}
     cols = [f"{m}/T={T}" for m, T in CASES]
-    print(f"\n{'setting':40s} " + " ".join(f"{c:>18s}" for c in cols) + "   (GB/s, % of paired read)")
+    print(f"\n{'setting':28s} {'driver':6s} " + " ".join(f"{c:>18s}" for c in cols) + "   (GB/s, % of paired read)")
     for label, t in table.items():
-        print(f"{label:40s} " + " ".join(f"{t[c]:9.1f} ({100 * t[c + '/of_read']:3.0f}%)" for c in cols))
-    print(f"\n1-expert call phases, median us: {'setting':30s} posted last_start stage1_end end python_call")
+        for drv, suffix in (("python", ""), ("C", "/c")):
+            print(f"{label:28s} {drv:6s} " + " ".join(f"{t[c + suffix]:9.1f} ({100 * t[c + suffix + '/of_read']:3.0f}%)"
+                                                      for c in cols))
+    print(f"\ncall phases, median us: {'setting':28s} {'case':16s} posted last_start stage1_end end python_call")
     for label, t in table.items():
-        p = t["phases_1_expert_us"]
-        print(f"{'':33s}{label:30s} " + " ".join(f"{p[k]:8.1f}" for k in p))
+        for case, p in t["phases_us"].items():
+            print(f"{'':24s}{label:28s} {case:16s} " + " ".join(f"{p[k]:8.1f}" for k in p))
 
     out = args.out / "cpu_kernel_tune.json"
     data = json.loads(out.read_text()) if out.exists() else {"benchmark": "cpu_kernel_tune", "machines": {}}

@@ -94,6 +94,21 @@ def test_one_expert_many_tokens(kernel_config, xd):
         _close(ce.experts_forward(x, w13, w2, tok, exp), ref)
 
 
+@pytest.mark.parametrize("xd", [torch.float32, torch.bfloat16], ids=["x32", "xbf16"])
+def test_few_pairs_on_a_large_bank(kernel_config, xd):
+    """A few pairs on a bank of many experts (a decode step's CPU experts over a whole bank) are
+    grouped by sorting the pairs instead of counting over the experts: the same groups in the
+    same order, so the rows are bitwise those of the same pairs on a slice of the bank that the
+    counting sort groups, and match the reference."""
+    x, w13, w2, _, _ = _problem(6, 128, 64, 256, 1, xd, torch.bfloat16)
+    tok = torch.tensor([5, 0, 3, 1, 0, 2, 4, 5, 1, 3, 2])
+    exp = torch.tensor([9, 2, 9, 30, 2, 9, 17, 2, 30, 30, 9])        # repeats, out of order
+    big = ce.experts_forward(x, w13, w2, tok, exp)                  # 11 * 8 < 256: sorted pairs
+    small = ce.experts_forward(x, w13[:32].contiguous(), w2[:32].contiguous(), tok, exp)   # counted
+    assert torch.equal(big, small)
+    _close(big, expert_pairs_forward(x, w13, w2, tok, exp))
+
+
 needs_amx = pytest.mark.skipif(not ce.available() or ce.cpu_features()["best_isa"] != "amx",
                                reason="no AMX-BF16 here (or the OS does not grant the tile state)")
 
@@ -115,6 +130,31 @@ def test_amx_tiles_match_reference_and_ignore_thread_count(kernel_config):
     assert torch.equal(ce.experts_forward(x, w13, w2, tok, exp), one)
     alone = exp == 4                                   # the 16-token group by itself
     assert torch.equal(ce.experts_forward(x, w13, w2, tok[alone], exp[alone]), one[alone])
+
+
+@needs_amx
+def test_amx_groups_sharing_token_lists(kernel_config):
+    """Groups with equal token lists share one packed copy of their tokens (amx_pack.h): equal
+    lists next to each other and apart, beyond the look-back (10 distinct lists in between), and
+    near misses that must not share (the same tokens in another order, a longer list with the
+    same start). Every group's rows match the reference and are bitwise those of the group
+    computed alone, at 1 and 4 threads."""
+    gen = torch.Generator().manual_seed(5)
+    a = [0, 2, 3, 5, 7, 8]
+    lists = ([a, a, a[::-1], a + [9], a]                         # experts 0-4
+             + [torch.randperm(24, generator=gen)[:5 + e % 4].tolist() for e in range(10)]   # 5-14
+             + [a, a])                                            # 15-16: beyond the look-back
+    x, w13, w2, _, _ = _problem(24, 256, 96, len(lists), 1, torch.bfloat16, torch.bfloat16)
+    tok = torch.tensor([t for lst in lists for t in lst])
+    exp = torch.cat([torch.full((len(lst),), e) for e, lst in enumerate(lists)])
+    ref = expert_pairs_forward(x, w13, w2, tok, exp)
+    for threads in (1, 4):
+        ce.configure(isa="amx", threads=threads)
+        y = ce.experts_forward(x, w13, w2, tok, exp)
+        _close(y, ref)
+        for e in range(len(lists)):
+            alone = exp == e
+            assert torch.equal(ce.experts_forward(x, w13, w2, tok[alone], exp[alone]), y[alone]), f"expert {e}"
 
 
 def test_isa_the_cpu_lacks_is_refused(kernel_config):

@@ -12,6 +12,8 @@
 
 #include <new>
 
+#include <algorithm>
+
 #include <atomic>
 #include <mutex>
 #include <vector>
@@ -21,6 +23,7 @@
 #include "pool.h"
 #include "tune.h"
 #include "jobs.h"
+#include "exp_job.h"
 
 namespace {
 
@@ -39,79 +42,6 @@ Pool* pool_get() {
   if (g_pool && g_pool->pid != getpid()) g_pool = nullptr;  // forked child: threads are gone
   if (!g_pool) g_pool = pool_start(g_threads, g_cpus.data(), (int)g_cpus.size(), g_spin_us);
   return g_pool;
-}
-
-// ---- the expert job ----------------------------------------------------------------------
-
-struct ExpJob {
-  const FtProblem* p;
-  ft_stage_fn s1, s2;              // the vector kernels; groups with p->g_amx[g] use the tile ones
-  int64_t ch1, per1, tot1, ch2, per2, tot2;
-  int64_t es;                      // bytes per weight element
-  int64_t* done1;                  // [n_groups] finished stage-1 chunks per group
-  std::atomic<int64_t> next{0};
-};
-
-// Prefetch the first `bytes` of `rows` rows (row stride rs) at p: a chunk's streams start with
-// their first lines in flight instead of waiting for the software prefetch to get ahead.
-// l2: into L2 only (lines needed after the block that is read first).
-void prefetch_start(const char* p, int64_t rs, int64_t rows, int64_t row_bytes, int64_t bytes, bool l2) {
-  for (int64_t off = 0; off < bytes; off += 64) {
-    const int64_t r = off / row_bytes;
-    if (r >= rows) return;
-    if (l2) __builtin_prefetch(p + r * rs + off % row_bytes, 0, 2);
-    else __builtin_prefetch(p + r * rs + off % row_bytes, 0, 3);
-  }
-}
-
-// One queue of chunks: every group's stage 1, then every group's stage 2. A stage-2 chunk waits
-// only for its own group's stage 1 (long finished, except for the last groups), so threads flow
-// from one stage into the next without a global barrier; a thread that must wait (a call with
-// one or two experts) spends the wait prefetching its chunk's w2 rows into L2, so the wait still
-// moves the bytes the call needs.
-void exp_job(void* c, int tid, int n) {
-  (void)tid; (void)n;
-  ExpJob* J = (ExpJob*)c;
-  const FtProblem* p = J->p;
-  atomic_max(g_timing.last_start, now_ns());
-  int64_t s1_end = 0;                  // this thread's last stage-1 chunk: published once, on leaving
-  for (;;) {
-    const int64_t k = J->next.fetch_add(1, std::memory_order_relaxed);
-    if (k < J->tot1) {
-      const int64_t g = k / J->per1, r0 = (k % J->per1) * J->ch1;
-      const int64_t r1 = r0 + J->ch1 < p->I ? r0 + J->ch1 : p->I;
-      const char* w = (const char*)p->w13 + p->g_expert[g] * p->w13_es * J->es;
-      const int64_t rs = p->w13_rs * J->es;
-      prefetch_start(w + r0 * rs, rs, r1 - r0, p->H * J->es, p->prefetch, false);         // gate rows
-      prefetch_start(w + (p->up + r0) * rs, rs, r1 - r0, p->H * J->es, p->prefetch, true);  // up rows
-      (p->g_amx && p->g_amx[g] ? ft_stage1_amx : J->s1)(p, g, r0, r1);
-      s1_end = now_ns();
-      __atomic_fetch_add(&J->done1[g], 1, __ATOMIC_RELEASE);
-    } else if (k < J->tot1 + J->tot2) {
-      const int64_t g = (k - J->tot1) / J->per2, r0 = ((k - J->tot1) % J->per2) * J->ch2;
-      const int64_t r1 = r0 + J->ch2 < p->H ? r0 + J->ch2 : p->H;
-      const char* w = (const char*)p->w2 + p->g_expert[g] * p->w2_es * J->es;
-      const int64_t rs = p->w2_rs * J->es, row_bytes = p->I * J->es;
-      const int64_t lines = (r1 - r0) * ((row_bytes + 63) / 64);
-      int64_t line = 0;
-      int it = 0;
-      while (__atomic_load_n(&J->done1[g], __ATOMIC_ACQUIRE) < J->per1) {
-        if (line < lines) {
-          for (int q = 0; q < 8 && line < lines; ++q, ++line) {
-            const int64_t per_row = (row_bytes + 63) / 64;
-            __builtin_prefetch(w + (r0 + line / per_row) * rs + (line % per_row) * 64, 0, 2);
-          }
-        } else {
-          wait_step(it);
-        }
-      }
-      if (line == 0) prefetch_start(w + r0 * rs, rs, r1 - r0, row_bytes, p->prefetch, false);
-      (p->g_amx && p->g_amx[g] ? ft_stage2_amx : J->s2)(p, g, r0, r1);
-    } else {
-      if (s1_end) atomic_max(g_timing.stage1_end, s1_end);
-      return;
-    }
-  }
 }
 
 // Cache-line-aligned storage for the buffers the kernels read as token vectors (x in fp32, x in
@@ -135,10 +65,46 @@ struct Aligned64 {
 };
 template <class T> using avec = std::vector<T, Aligned64<T>>;
 
-std::vector<int64_t> s_done1, s_cnt, s_gexp, s_gstart, s_gcount, s_sorted;
+PackPlan s_pack;
+std::vector<int64_t> s_done0, s_done1, s_cnt, s_gexp, s_gstart, s_gcount, s_sorted;
 std::vector<uint8_t> s_gamx;
 avec<uint32_t> s_xv;
 avec<float> s_xf, s_act, s_attn;
+
+// Groups the pairs by expert, stably (each expert's weights are then read once): s_sorted holds
+// the pair at each sorted position, group g covers [s_gstart[g], + s_gcount[g]) of expert
+// s_gexp[g]. A counting sort over the experts, or, for a few pairs on a large bank (a decode
+// step's CPU experts of a whole bank: 1 pair on 768 experts took 1-2 us of counting), a sort of
+// the pairs themselves.
+void group_pairs(const int64_t* pair_exp, int64_t P, int64_t E) {
+  s_gexp.clear(); s_gstart.clear(); s_gcount.clear();
+  s_sorted.resize(P);
+  if (P * 8 < E) {
+    for (int64_t i = 0; i < P; ++i) s_sorted[i] = i;
+    std::stable_sort(s_sorted.begin(), s_sorted.end(),
+                     [&](int64_t a, int64_t b) { return pair_exp[a] < pair_exp[b]; });
+    for (int64_t i = 0; i < P; ++i) {
+      if (i == 0 || pair_exp[s_sorted[i]] != s_gexp.back()) {
+        s_gexp.push_back(pair_exp[s_sorted[i]]);
+        s_gstart.push_back(i);
+        s_gcount.push_back(0);
+      }
+      ++s_gcount.back();
+    }
+    return;
+  }
+  s_cnt.assign(E + 1, 0);
+  for (int64_t i = 0; i < P; ++i) ++s_cnt[pair_exp[i] + 1];
+  for (int64_t e = 0; e < E; ++e) {
+    if (s_cnt[e + 1]) {
+      s_gexp.push_back(e);
+      s_gstart.push_back(s_cnt[e]);
+      s_gcount.push_back(s_cnt[e + 1]);
+    }
+    s_cnt[e + 1] += s_cnt[e];
+  }
+  for (int64_t i = 0; i < P; ++i) s_sorted[s_cnt[pair_exp[i]]++] = i;
+}
 
 // x as fp32: itself, or its n bf16 values widened into s_xf (callers hold g_call).
 const float* as_f32(const void* x, int x_bf16, int64_t n) {
@@ -216,20 +182,7 @@ int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
       return -1;
     }
   }
-  // Stable counting sort of pairs by expert: each expert's weights are then read once.
-  s_cnt.assign(E + 1, 0);
-  for (int64_t i = 0; i < P; ++i) ++s_cnt[pair_exp[i] + 1];
-  s_gexp.clear(); s_gstart.clear(); s_gcount.clear();
-  for (int64_t e = 0; e < E; ++e) {
-    if (s_cnt[e + 1]) {
-      s_gexp.push_back(e);
-      s_gstart.push_back(s_cnt[e]);
-      s_gcount.push_back(s_cnt[e + 1]);
-    }
-    s_cnt[e + 1] += s_cnt[e];
-  }
-  s_sorted.resize(P);
-  for (int64_t i = 0; i < P; ++i) s_sorted[s_cnt[pair_exp[i]]++] = i;
+  group_pairs(pair_exp, P, E);
 
   const bool bfdot = base_isa(g_isa) == ISA_AVX512BF16 && x_bf16 && w_bf16;
   FtProblem p;
@@ -257,28 +210,27 @@ int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   // 16 tokens: word [(start + tb) * H/2 + k/2 * nt + t] = (x[t][k], x[t][k + 1]).
   bool any_amx = false;
   p.g_amx = nullptr;
+  ExpJob J;
+  J.tot0 = 0;
   if (g_isa == ISA_AMX && bfdot && H % 32 == 0 && I % 32 == 0) {
     s_gamx.assign(p.n_groups, 0);
-    for (int64_t g = 0; g < p.n_groups; ++g) {
-      if (s_gcount[g] < g_tune.amx_min_tokens) continue;
-      if (!any_amx) s_xv.resize(P * H / 2);
-      s_gamx[g] = 1;
-      any_amx = true;
-      const int64_t st = s_gstart[g], n = s_gcount[g];
-      for (int64_t tb = 0; tb < n; tb += 16) {
-        const int64_t nt = n - tb < 16 ? n - tb : 16;
-        uint32_t* dst = s_xv.data() + (st + tb) * (H / 2);
-        for (int64_t t = 0; t < nt; ++t) {
-          const uint32_t* src = (const uint32_t*)((const uint16_t*)x + pair_tok[s_sorted[st + tb + t]] * H);
-          for (int64_t kp = 0; kp < H / 2; ++kp) dst[kp * nt + t] = src[kp];
-        }
-      }
+    for (int64_t g = 0; g < p.n_groups; ++g)
+      if (s_gcount[g] >= g_tune.amx_min_tokens) s_gamx[g] = 1, any_amx = true;
+    if (any_amx) {
+      plan_packs(p.n_groups, s_gamx.data(), s_gstart.data(), s_gcount.data(), s_sorted.data(), pair_tok, H, s_pack);
+      s_xv.resize(s_pack.words);
+      s_done0.assign(s_pack.group.size(), 0);
+      p.g_amx = s_gamx.data();
+      p.xv = s_xv.data();
+      p.g_xv = s_pack.g_xv.data();
+      J.tot0 = (int64_t)s_pack.group.size();
+      J.pk = &s_pack;
+      J.x = (const uint16_t*)x;
+      J.xv = s_xv.data();
+      J.done0 = s_done0.data();
     }
-    p.g_amx = s_gamx.data();
-    p.xv = s_xv.data();
   }
 
-  ExpJob J;
   J.p = &p;
   J.s1 = stage1_of(g_isa);
   J.s2 = stage2_of(g_isa);

@@ -34,8 +34,11 @@ struct FtProblem {
   int out_bf16;
   int64_t prefetch;             // software prefetch distance in bytes (0: off)
   const uint8_t* g_amx;         // [n_groups] 1: the group runs on the AMX tiles, else null
-  const uint32_t* xv;           // AMX groups' x in VNNI pairs (experts.cpp), and their act_b is
-                                // kept in the same layout: [(start + tb) * I + i/2 * 2nt + 2t + i%2]
+  const uint32_t* xv;           // AMX groups' x in VNNI pairs (amx_pack.h): group g's block tb at
+                                // xv + g_xv[g] + tb * H/2, words [k/2 * nt + t]; their act_b is kept
+                                // in the same layout: [(start + tb) * I + i/2 * 2nt + 2t + i%2]
+  const int64_t* g_xv;          // [n_groups] word offset of an AMX group's packed x (shared by
+                                // groups with equal token lists)
   // Tuning (tune.h, set by ft_tune): the vector kernels' second prefetch into L2, far_pf times
   // `prefetch` ahead for groups of at least far_pf_tokens tokens (0: off); the tiles' prefetch
   // distance along each of their 16 rows (bytes, 0: off) and, with amx_next, the next 16-row

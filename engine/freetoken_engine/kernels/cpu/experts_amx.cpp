@@ -5,7 +5,8 @@
 //
 // C^T[rows, tokens] = W[rows, K] x^T[K, tokens]: the weight rows are the tiles' A operand, loaded
 // straight from the bank with the row stride (no repacking); the tokens are the B operand in VNNI
-// pairs (x packed by the dispatcher, the activations written in that layout by stage 1), up to 16
+// pairs (x packed in the call's work queue, amx_pack.h; the activations written in that layout
+// by stage 1), up to 16
 // per block. One fp32 accumulator per (row, token) summed over K in order (tdpbf16ps); the
 // rounding points are those of the vector kernels (simd.h swiglu_block, f2bf), the summation
 // order is not, so an AMX group's output can differ from the vector path's in the last bits
@@ -67,7 +68,7 @@ extern "C" void ft_stage1_amx(const FtProblem* p, int64_t g, int64_t i0, int64_t
   int cm = -1, cn = -1;
   for (int64_t tb = 0; tb < n; tb += 16) {
     const int nt = (int)(n - tb < 16 ? n - tb : 16);
-    const uint32_t* xv = p->xv + (s + tb) * (H / 2);
+    const uint32_t* xv = p->xv + p->g_xv[g] + tb * (H / 2);
     uint16_t* act = p->act_b + (s + tb) * I;
     for (int64_t ib = i0; ib < i1; ib += 16) {
       const int m = (int)(i1 - ib < 16 ? i1 - ib : 16);
