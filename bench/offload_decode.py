@@ -260,12 +260,17 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         w2s = torch.empty((slots, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
         minus = lambda n: torch.full((n,), -1, dtype=torch.int64, device=CUDA)  # noqa: E731
         # lru+q*: f from the bandwidths measured in this run; lru+q*@F: a fixed f = F (A/B rows);
-        # a "/layer" suffix: the per-layer launch driver instead of the one-graph handshake
+        # a "/layer" suffix: the per-layer launch driver instead of the one-graph handshake;
+        # "/plain": no fill admission
         base = policy.split("/")[0]
         split = next((sfx for sfx in ("+sf", "+s") if base.endswith(sfx)), "")   # the streamed split
         base = base[:len(base) - len(split)]
         f = float(base.split("@")[1]) if "@" in base else bw["fill_fraction"] if base == "lru+q*" else 1.0
-        ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots), minus(slots), 0, f)
+        # the engine's fill admission (window: the MoE layer count; in effect only while f < 1),
+        # except on the "/plain" side
+        admit = 0 if policy.endswith("/plain") else L
+        ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots), minus(slots), 0, f,
+                            admit_window=admit)
         if split:
             ctl.set_stream(min(st.P, E), floor_fills=split == "+sf")
         if policy == "lru":
