@@ -1,0 +1,85 @@
+"""Merge decode runs of bench/gpu_offload.py into bench/results/gpu_offload.json.
+
+A full decode run of both models does not fit in one 10-minute call on the GPU machine, so each
+model runs in its own call (``gpu_offload.py --models M --no-prefill --out runM.json``) and this
+script makes their rows the file's decode rows: the rows they replace move, with their bandwidths,
+checks, control-step timings and targets, to ``decode_split_runs[<previous label>]``; the prefill rows
+stay. The targets of the fast-path issue are recomputed from the new rows:
+  * decode_lru_q_fraction_of_bound (target 0.85) and ..._of_integer_split_bound, per row of (d);
+  * decode_lru_q_vs_static_32gb (target 1.5) and the same ratio of the two bounds;
+  * decode_admission_vs_plain: (d) over (d) without fill admission (rows of lru+q*/plain).
+
+    python bench/offload_merge.py --label N --previous G+H --note "..." runN_30b.json runN_36.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parent.parent
+RESULT = ROOT / "bench/results/gpu_offload.json"
+PER_MODEL = ("bandwidth", "checks", "control_step_us", "routing_locality")
+
+
+def _key(r: dict) -> str:
+    budget = "" if r["budget_gib"] is None else f" {r['budget_gib']:g}GB"
+    return f"{r['model']} {r['routing']} b{r['batch']}{budget}"
+
+
+def targets(rows: list[dict]) -> dict:
+    """The issue's decode targets from a run's rows (see the module docstring)."""
+    by = {(_key(r), r["policy"]): r for r in rows if "error" not in r}
+    q = {k: r for (k, p), r in by.items() if p == "lru+q*"}
+    out = {"decode_lru_q_fraction_of_bound": {k: round(r["fraction_of_bound"], 3) for k, r in q.items()},
+           "decode_lru_q_fraction_of_integer_split_bound":
+               {k: round(r["fraction_of_integer_split_bound"], 3) for k, r in q.items()
+                if "fraction_of_integer_split_bound" in r},
+           "decode_lru_q_vs_static_32gb": {}, "decode_bound_ratio_lru_q_vs_static_32gb": {},
+           "decode_admission_vs_plain": {}}
+    for k, r in q.items():
+        s, plain = by.get((k, "static")), by.get((k, "lru+q*/plain"))
+        if s and k.endswith(" 32GB"):
+            out["decode_lru_q_vs_static_32gb"][k] = round(r["tok_s"] / s["tok_s"], 2)
+            out["decode_bound_ratio_lru_q_vs_static_32gb"][k] = round(r["bound_tok_s"] / s["bound_tok_s"], 2)
+        if plain:
+            out["decode_admission_vs_plain"][k] = {"tok_s": round(r["tok_s"] / plain["tok_s"], 2),
+                                                   "miss_rate": [round(r["miss_rate"], 3), round(plain["miss_rate"], 3)]}
+    fr = out["decode_lru_q_fraction_of_bound"]
+    out["decode_rows_at_or_above_0.85"] = f"{sum(v >= 0.85 for v in fr.values())} of {len(fr)}"
+    vs = out["decode_lru_q_vs_static_32gb"]
+    out["decode_32gb_rows_at_or_above_1.5x"] = f"{sum(v >= 1.5 for v in vs.values())} of {len(vs)}"
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("runs", nargs="+", type=Path, help="gpu_offload.py output JSONs (one per model)")
+    ap.add_argument("--label", required=True, help="name of the new run (e.g. N)")
+    ap.add_argument("--previous", required=True, help="name under which the replaced rows are kept")
+    ap.add_argument("--note", required=True, help="what the run is: date, command, code")
+    ap.add_argument("--result", type=Path, default=RESULT)
+    args = ap.parse_args()
+    data = json.loads(args.result.read_text())
+    runs = [json.loads(p.read_text()) for p in args.runs]
+    old = {"rows": data["decode"], **{k: data.get(k) for k in PER_MODEL}, "started": data.get("started"),
+           "targets": data.get("targets")}
+    data.setdefault("decode_split_runs", {})[args.previous] = old
+    data["decode"] = [r for run in runs for r in run["decode"]]
+    for k in PER_MODEL:
+        data[k] = {name: v for run in runs for name, v in run.get(k, {}).items()}
+    data["started"] = min(run["started"] for run in runs)
+    data["hardware"], data["cpu_expert_features"] = runs[0]["hardware"], runs[0]["cpu_expert_features"]
+    data["method"] = runs[0]["method"]
+    data.setdefault("runs", {})[args.label] = args.note
+    data["targets"] = {**targets(data["decode"]), "prefill_8k": data["targets"]["prefill_8k"]}
+    args.result.write_text(json.dumps(data, indent=1))
+    from gpu_offload import plot
+    plot(data, args.result.with_suffix(".png"))
+    print(json.dumps({k: v for k, v in data["targets"].items() if k != "prefill_8k"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
