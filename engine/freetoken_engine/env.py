@@ -35,6 +35,10 @@ FREETOKEN_GPU_DECODE_KERNELS = "FREETOKEN_GPU_DECODE_KERNELS"
 #: a miss is filled only over a victim unused for a whole decode step, else computed on the CPU)
 #: or "off" (plain LRU victims), for A/B measurements.
 FREETOKEN_FILL_ADMISSION = "FREETOKEN_FILL_ADMISSION"
+#: Prefill seeds the decode expert cache (cache/offload.py): "on" (the default: after each MoE
+#: layer of a prefill on a GPU, the last token's experts are copied into the cache from the
+#: prefill's whole-layer buffer, device to device) or "off", for A/B measurements.
+FREETOKEN_PREFILL_SEED = "FREETOKEN_PREFILL_SEED"
 #: Default of ``serve --api-key`` / ``--admin-token``: secrets passed this way stay out of the
 #: process list (``ps`` shows every argument), which is how the node agent passes them.
 FREETOKEN_API_KEY = "FREETOKEN_API_KEY"
@@ -89,6 +93,15 @@ def fill_admission() -> bool:
     mode = os.environ.get(FREETOKEN_FILL_ADMISSION, "on").strip().lower()
     if mode not in ("on", "off"):
         raise ValueError(f"{FREETOKEN_FILL_ADMISSION} must be on or off, got {mode!r}")
+    return mode == "on"
+
+
+def prefill_seed() -> bool:
+    """Whether a prefill seeds the decode expert cache (see FREETOKEN_PREFILL_SEED); ValueError
+    for anything but on / off."""
+    mode = os.environ.get(FREETOKEN_PREFILL_SEED, "on").strip().lower()
+    if mode not in ("on", "off"):
+        raise ValueError(f"{FREETOKEN_PREFILL_SEED} must be on or off, got {mode!r}")
     return mode == "on"
 
 

@@ -146,3 +146,31 @@ def test_layer_streamer_double_buffered_contents(bank):
             w13, w2 = streamer.layer(layer)
             assert torch.equal(w13.cpu(), bank.w13[layer]) and torch.equal(w2.cpu(), bank.w2[layer])
     assert streamer.device_bytes > 0 and streamer.pcie_bytes > 0
+
+
+@pytest.mark.parametrize("seed", ["on", "off"])
+def test_prefill_seed_keeps_the_streamed_layers_exact(bank, seed, monkeypatch):
+    """A prefill pass through the engine's MoE path with the double-buffered streamer while the
+    seed (cache/offload.py) changes the slot pool after every layer: a small pool whose slots
+    hold experts of the later layers (which the streamer copies on the device), so a seed that
+    evicted one under a queued copy, or a stale residency snapshot, would hand a layer wrong
+    weights. Every layer's rows equal the reference on the bank's own layer."""
+    from freetoken_engine.cache.offload import OffloadedExperts
+    monkeypatch.setenv("FREETOKEN_PREFILL_SEED", seed)
+    cache = ExpertCache(bank, 20, CUDA, fill_fraction=0.5)
+    for layer in range(LAYERS):                       # part of every layer resident
+        cache.step(layer, torch.arange(3 * layer, 3 * layer + 3, device=CUDA) % EXPERTS)
+    experts = OffloadedExperts(bank, cache, prefill_threshold=4, cpu_backend="reference", backend="triton", top_k=K)
+    g = torch.Generator().manual_seed(3)
+    tokens = 16
+    for rnd in range(2):                              # the second pass starts from seeded residency
+        x = (torch.randn(tokens, HID, generator=g) * 0.5).to(torch.bfloat16).to(CUDA)
+        for layer in range(LAYERS):
+            ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:K] for _ in range(tokens)]).to(CUDA)
+            got = experts.forward(layer, x, ids)
+            tok = torch.arange(tokens, device=CUDA).repeat_interleave(K)
+            want = moe_slots_forward(x, bank.w13[layer].to(CUDA), bank.w2[layer].to(CUDA), tok, ids.reshape(-1))
+            assert torch.equal(got, want), (rnd, layer)
+    assert (experts.seeded > 0) == (seed == "on")
+    experts.control.write_back(cache)
+    cache.check_integrity(deep=True)

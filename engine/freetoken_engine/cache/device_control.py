@@ -47,6 +47,8 @@ class DeviceControl:
         self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.floor_fills = False
         self.admit_window = admit_window   # fill admission (cache/experts.py), used while fill_fraction < 1
+        self._seed_table: torch.Tensor | None = None   # fill every miss (seed)
+        self._seed_clock, self._seed_run = -2, 0         # the last seed's clock; seeds in a row
         self._bind(w13_slots, w2_slots, slot_of, slot_owner, last_used, clock)
         self.set_fill_fraction(fill_fraction)
 
@@ -144,6 +146,35 @@ class DeviceControl:
         if copy:
             self.copy(layer, out)
         return out
+
+    def seed(self, layer: int, topk_ids: torch.Tensor, src_w13: torch.Tensor, src_w2: torch.Tensor) -> int:
+        """Make the experts of ``topk_ids [T, k]`` in ``layer`` resident, copied from ``src_w13
+        [E, 2I, H]`` / ``src_w2 [E, H, I]`` on the pool's device (a prefill's whole-layer buffer)
+        instead of over PCIe: a control step that fills every miss it may (LRU victims, never one
+        of these experts, and with fill admission on never a slot used within its window, so a
+        running decode keeps its experts), whose copies run device to device. The counters are
+        left as they were (a seed is not a decode miss). Returns how many experts were copied
+        (one host sync)."""
+        if self._seed_table is None:
+            self._seed_table = fill_table(1.0, self.slot_of.shape[1], self.device)
+        # Each control step advances the clock, the seeds' too; the admission window is widened
+        # by the seeds run since the last other step, so it still spans that many decode layer
+        # calls (graph replays step without Python, hence the clock tells whether one came between).
+        now = self.host_clock()
+        if now != self._seed_clock + 1:
+            self._seed_run = 0
+        window = self.admit_window + self._seed_run if self.admit_window > 0 else 0
+        saved = self.totals.clone()
+        out = self.outputs(topk_ids.numel())
+        control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used, self.clock,
+                     self._seed_table, self.totals, out, block_slots=self.max_slots, admit_window=window)
+        self.totals.copy_(saved)
+        self._seed_clock, self._seed_run = now, self._seed_run + 1
+        filled = out.fill_slot >= 0
+        slots, experts = out.fill_slot[filled], out.fill_exp[filled]
+        self.w13_slots[slots] = src_w13[experts]
+        self.w2_slots[slots] = src_w2[experts]
+        return int(slots.numel())
 
     def copy(self, layer: int, out: ControlOutputs) -> None:
         """The copies of a control step run with ``copy=False``: its fills into their slots and,

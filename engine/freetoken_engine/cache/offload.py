@@ -74,6 +74,7 @@ class OffloadedExperts:
         self._pair_tok: dict[tuple[int, int], torch.Tensor] = {}
         self.cpu_backend_name, self.cpu_forward = cpu_expert_forward(cpu_backend)
         self.control = None
+        self.seeded = 0          # experts the prefills copied into the cache (_seed_cache)
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" and _triton_importable() else "torch"
         self.backend = backend
@@ -97,6 +98,21 @@ class OffloadedExperts:
         else:
             self.slots_forward = expert_pairs_forward
             self.streamer = BankStreamer(bank, cache.device)
+        # prefill seeds the decode cache (with the device control step; while not every expert fits)
+        self._seed = self.control is not None and env.prefill_seed()
+
+    def _seed_cache(self, layer: int, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Prefill seeds the decode cache: the experts of the call's last token (those the first
+        decode step most likely routes to again) are copied into the cache from the whole-layer
+        buffer the prefill just used, device to device, instead of crossing PCIe one step at a
+        time in the first decode steps. Residency only: no output changes."""
+        settle, refresh = getattr(self.streamer, "settle", None), getattr(self.streamer, "refresh", None)
+        if settle is not None:
+            settle()
+        n = self.control.seed(layer, topk_ids, w13, w2)
+        self.seeded += n
+        if n and refresh is not None:
+            refresh()
 
     def _host_branch(self, x: torch.Tensor):
         """The sync-free CPU branch (``cache/host_branch.py``) when it applies: the Triton path
@@ -201,7 +217,10 @@ class OffloadedExperts:
         if t >= self.prefill_threshold:
             w13, w2 = self.streamer.layer(layer)
             fn = self.cpu_forward if w13.device.type == "cpu" and self.control is None else self.slots_forward
-            return fn(x, w13, w2, pair_tok, pair_exp)
+            out = fn(x, w13, w2, pair_tok, pair_exp)
+            if self._seed and self.cache.capacity < self.bank.total_experts:
+                self._seed_cache(layer, topk_ids[-1:], w13, w2)
+            return out
         if self.cache.device.type == "cpu" and self.cache.capacity == self.bank.total_experts:
             # Every expert fits and the cache's device is the host: the bank *is* the resident
             # copy, so compute from it in place (no fills, no slot lookups). Each distinct

@@ -12,8 +12,10 @@ holds are copied device to device (one gather launch); only the others cross PCI
 Ordering contract: the caller uses the returned tensors on the stream that was current when it
 called ``layer`` and calls ``layer`` in increasing order within a forward pass; any other order
 (a new pass, a repeated layer) restarts streaming at that layer, which is correct but does not
-overlap. The cache's residency is read once per pass (one host sync) and must not change during
-the pass (the engine runs no decode control step inside a prefill forward).
+overlap. The cache's residency is read once per pass (one host sync); a caller that changes the
+pool inside a pass (the prefill's seed of the decode cache, cache/offload.py) first calls
+``settle`` (its stream waits for the load already queued, which reads the pool) and afterwards
+``refresh`` (the layers not yet queued see the new residency).
 """
 from __future__ import annotations
 
@@ -58,6 +60,18 @@ class LayerStreamer:
             self._load(layer + 1, (layer + 1) % 2, current)
         self._next = layer + 1
         return self._bufs[layer % 2]
+
+    def settle(self) -> None:
+        """The current stream waits for the load queued for the next layer (it gathers cached
+        experts from the slot pool), so the pool may change after this point on that stream."""
+        if self.device.type == "cuda" and 0 <= self._next < self.num_layers:
+            torch.cuda.current_stream(self.device).wait_event(self._ready[self._next % 2])
+
+    def refresh(self) -> None:
+        """Re-read the cache's residency (one host sync) after the pool changed inside a pass:
+        the layers queued from now on copy what the slots hold now."""
+        if self.device.type == "cuda" and self.cache is not None:
+            self._resident = self.cache.slot_of.cpu()
 
     def _load(self, layer: int, buf: int, after: torch.cuda.Stream) -> None:
         """Queue layer ``layer`` into buffer ``buf`` on the copy stream once ``after`` reaches
