@@ -6,7 +6,9 @@ width (256, 512, ...). ``--graph-warmup N`` captures batch sizes 1..N at every w
 engine starts. Per side, in its own process (alternating, ``--rounds`` times, on the same
 checkpoint; the first round also fills Triton's kernel cache, so it is reported but the ratios
 use the later rounds): the engine's start time and warm-up time, then one request per batch size,
-prompts of 240 tokens so that decode crosses the 256 -> 512 width, every decode step timed.
+prompts of 240 tokens so that decode crosses the 256 -> 512 width, every decode step timed. The
+side ``ahead-of-time-noseed`` also turns off the prefill's seed of the decode expert cache
+(``FREETOKEN_PREFILL_SEED=off``): its first decode steps against ``ahead-of-time``'s.
 
 Checkpoint: ``engine_gpu_decode.py``'s (random bf16 weights in Qwen3-30B-A3B's shapes, ``--layers``
 layers), expert cache at ``--fraction`` of the experts, q* as calibrated.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -31,7 +34,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from hardware import describe  # noqa: E402
 
-SIDES = {"on-first-use": 0, "ahead-of-time": 4}
+SIDES = {"on-first-use": 0, "ahead-of-time": 4, "ahead-of-time-noseed": 4}
+SIDE_ENV = {"ahead-of-time-noseed": {"FREETOKEN_PREFILL_SEED": "off"}}   # the prefill's seed of the cache off
 PROMPT = 240
 
 
@@ -70,11 +74,15 @@ def main() -> None:
     ap.add_argument("--stretch", type=Path, default=None, metavar="FAST_DIR",
                     help="a 2-layer packed checkpoint repeated to --layers layers under FAST_DIR (bench/stretch.py)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    ap.add_argument("--sides", default=",".join(SIDES), help=f"some of {', '.join(SIDES)}")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/graph_warmup.json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     batches = [int(x) for x in args.batches.split(",")]
+    sides = args.sides.split(",")
+    if any(side not in SIDES for side in sides):
+        sys.exit(f"--sides: pick from {', '.join(SIDES)}")
     if args.worker:
         print("RUN " + json.dumps(worker(args.model, args.worker, args.fraction, batches, args.steps, args.device)), flush=True)
         return
@@ -84,11 +92,11 @@ def main() -> None:
     try:
         model, _ = bench_checkpoint(work, args.layers, work if args.stretch else None)
         for r in range(args.rounds):
-            for side in SIDES:
+            for side in sides:
                 cmd = [sys.executable, __file__, "--worker", side, "--model", str(model),
                        "--fraction", str(args.fraction), "--batches", args.batches, "--steps", str(args.steps),
                        "--device", args.device]
-                proc = subprocess.run(cmd, capture_output=True, text=True)
+                proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **SIDE_ENV.get(side, {})})
                 line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RUN ")), None)
                 if proc.returncode or line is None:
                     sys.exit(f"{side} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -107,8 +115,16 @@ def main() -> None:
     for b in batches:
         def mean(side, field):
             return statistics.mean(q[field] for x in later if x["side"] == side for q in x["requests"] if q["batch"] == b)
-        ratios[f"batch_{b}"] = {f"{f}_first_use_over_ahead": mean("on-first-use", f) / mean("ahead-of-time", f)
-                                for f in ("first_step_ms", "max_step_ms", "total_ms", "median_step_ms")}
+
+        def first4(side):
+            return statistics.mean(sum(q["step_ms"][:4]) for x in later if x["side"] == side
+                                   for q in x["requests"] if q["batch"] == b)
+        r = ratios[f"batch_{b}"] = {}
+        for other, name in (("on-first-use", "first_use"), ("ahead-of-time-noseed", "noseed")):
+            if other in sides and "ahead-of-time" in sides:
+                r.update({f"{f}_{name}_over_ahead": mean(other, f) / mean("ahead-of-time", f)
+                          for f in ("first_step_ms", "max_step_ms", "total_ms", "median_step_ms")})
+                r[f"first_4_steps_ms_{name}_over_ahead"] = first4(other) / first4("ahead-of-time")
     print(json.dumps(ratios, indent=1))
     result = {"benchmark": "graph_warmup", "hardware": describe(), "method": __doc__,
               "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "layers": args.layers,
