@@ -167,7 +167,8 @@ class ModelRunner:
     @torch.inference_mode()
     def warm_graphs(self, batches: int) -> int:
         """Capture the decode graphs of batch sizes 1..``batches`` at every KV width now, before
-        any request; returns how many were captured. Each key's step is a dummy token at the
+        any request, and replay each once (a graph's first launch also uploads it to the device);
+        returns how many were captured. Each key's step is a dummy token at the
         width's last position on one scratch KV block (released after). Their dummy steps
         route through the expert cache like a short prompt would, so residency may change (never
         an output), but they are not counted in the cache's statistics."""
@@ -179,6 +180,7 @@ class ModelRunner:
             before = dataclasses.replace(self.cache.stats)
         t0 = time.perf_counter()
         n, bs = 0, self.kv.block_size
+        replays = self.graphs.replays             # the warm-up's replays are not serving's
         scratch = self.kv.allocate(1)             # every dummy sequence reads and writes only it
         try:
             for width in self.graphs.widths():
@@ -187,9 +189,12 @@ class ModelRunner:
                     key = self.graphs.key(chunks)
                     if key is not None and key not in self.graphs:
                         self.forward(chunks)      # its eager run, then the capture
-                        n += key in self.graphs
+                        if key in self.graphs:
+                            n += 1
+                            self.forward(chunks)  # its first replay too (bench/graph_first_replay.py)
         finally:
             self.kv.release(scratch)
+            self.graphs.replays = replays
         if before is not None:
             self.experts.sync_stats()
             for f in dataclasses.fields(before):
