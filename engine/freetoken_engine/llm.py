@@ -61,7 +61,7 @@ class LLM:
         while start < len(ids):
             piece = ids[start:start + chunk]
             kv.extend(blocks, start + len(piece))
-            logits = self.runner.forward([SeqChunk(blocks, start, piece)])[0]
+            logits = self.runner.forward([SeqChunk(blocks, start, piece, last=start + len(piece) == len(ids))])[0]
             start += len(piece)
         return blocks, logits
 

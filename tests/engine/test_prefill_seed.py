@@ -95,7 +95,7 @@ def test_engine_tokens_do_not_depend_on_the_seed(tiny_checkpoint, monkeypatch):
     the same greedy tokens with the seed on and off, and the seed copied experts."""
     from freetoken_engine import LLM, SamplingParams
     folder = tiny_checkpoint("qwen3_moe")
-    prompt = [(7 * i + 3) % 400 + 5 for i in range(40)]
+    prompt = [(7 * i + 3) % 300 + 5 for i in range(40)]
     greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
     got = {}
     for mode in ("off", "on"):
@@ -104,3 +104,16 @@ def test_engine_tokens_do_not_depend_on_the_seed(tiny_checkpoint, monkeypatch):
         got[mode] = (llm.generate(prompt, greedy).token_ids, llm.runner.experts.seeded)
     assert got["on"][0] == got["off"][0]
     assert got["on"][1] > 0 and got["off"][1] == 0
+
+
+def test_only_a_prompts_last_chunk_seeds(tiny_checkpoint, monkeypatch):
+    """A prompt prefilled in three whole-layer chunks seeds from its last chunk only: at most one
+    token's experts per MoE layer (the earlier chunks' last tokens are not what decode needs)."""
+    from freetoken_engine import LLM, SamplingParams
+    monkeypatch.setenv("FREETOKEN_PREFILL_SEED", "on")
+    folder = tiny_checkpoint("qwen3_moe")
+    llm = LLM(folder, expert_backend="triton", expert_cache_experts=12, cpu_expert_fraction=0.5, prefill_chunk=16)
+    prompt = [(11 * i + 5) % 300 + 5 for i in range(48)]
+    llm.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True))
+    layers, k = llm.runner.bank.w13.shape[0], 2
+    assert 0 < llm.runner.experts.seeded <= layers * k

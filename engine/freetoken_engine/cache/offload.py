@@ -75,6 +75,7 @@ class OffloadedExperts:
         self.cpu_backend_name, self.cpu_forward = cpu_expert_forward(cpu_backend)
         self.control = None
         self.seeded = 0          # experts the prefills copied into the cache (_seed_cache)
+        self.seed_now = True     # the runner's: this forward ends some sequence's prompt
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" and _triton_importable() else "torch"
         self.backend = backend
@@ -102,7 +103,8 @@ class OffloadedExperts:
         self._seed = self.control is not None and env.prefill_seed()
 
     def _seed_cache(self, layer: int, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Prefill seeds the decode cache: the experts of the call's last token (those the first
+        """Prefill seeds the decode cache: in a forward that ends a prompt (``seed_now``, set by
+        the runner from ``SeqChunk.last``), the experts of the call's last token (those the first
         decode step most likely routes to again) are copied into the cache from the whole-layer
         buffer the prefill just used, device to device, instead of crossing PCIe one step at a
         time in the first decode steps. Residency only: no output changes."""
@@ -218,7 +220,7 @@ class OffloadedExperts:
             w13, w2 = self.streamer.layer(layer)
             fn = self.cpu_forward if w13.device.type == "cpu" and self.control is None else self.slots_forward
             out = fn(x, w13, w2, pair_tok, pair_exp)
-            if self._seed and self.cache.capacity < self.bank.total_experts:
+            if self._seed and self.seed_now and self.cache.capacity < self.bank.total_experts:
                 self._seed_cache(layer, topk_ids[-1:], w13, w2)
             return out
         if self.cache.device.type == "cpu" and self.cache.capacity == self.bank.total_experts:

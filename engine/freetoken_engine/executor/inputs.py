@@ -21,6 +21,8 @@ class SeqChunk:
     block_table: list[int]    # KV blocks of the sequence (covering start + len(tokens))
     start: int                # position of the first new token (= tokens already in the KV cache)
     tokens: list[int]         # new token ids to run
+    last: bool = True         # they end the tokens to run before the next sample (a prompt's last
+                              # chunk, a decode token): a prefill seeds the decode cache only then
 
 
 @dataclass

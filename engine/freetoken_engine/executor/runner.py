@@ -123,6 +123,8 @@ class ModelRunner:
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
         timed = self._tune(chunks)
         key = self.graphs.key(chunks) if self.graphs is not None else None
+        if self.cache is not None:     # a prefill seeds the decode cache from a prompt's last chunk only
+            self.experts.seed_now = any(c.last for c in chunks)
         if key is not None and key in self.graphs:
             logits = self.graphs.replay(chunks, key)
         else:

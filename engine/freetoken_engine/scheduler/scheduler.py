@@ -181,7 +181,8 @@ class Scheduler:
         if not batch:
             return
         for req, n in batch:
-            chunks.append(SeqChunk(req.blocks, req.computed, req.tokens[req.computed:req.computed + n]))
+            chunks.append(SeqChunk(req.blocks, req.computed, req.tokens[req.computed:req.computed + n],
+                                   last=n == req.pending))
         logits = self.runner.forward(chunks)
         self.counters["steps"] += 1
         for row, (req, n) in enumerate(batch):

@@ -12,7 +12,6 @@
 #pragma once
 #include <stdint.h>
 
-#include <atomic>
 #include <vector>
 
 namespace {

@@ -13,11 +13,11 @@ namespace {
 struct ExpJob {
   const FtProblem* p;
   ft_stage_fn s1, s2;              // the vector kernels; groups with p->g_amx[g] use the tile ones
-  int64_t tot0;                    // packs of the AMX groups' tokens (amx_pack.h), queued first
-  const PackPlan* pk;
-  const uint16_t* x;               // bf16 x, the packs' source
-  uint32_t* xv;                    // the packs' destination (p->xv)
-  int64_t* done0;                  // [packs] 1 once packed
+  int64_t tot0 = 0;                // packs of the AMX groups' tokens (amx_pack.h), queued first
+  const PackPlan* pk = nullptr;
+  const uint16_t* x = nullptr;     // bf16 x, the packs' source
+  uint32_t* xv = nullptr;          // the packs' destination (p->xv)
+  int64_t* done0 = nullptr;        // [packs] 1 once packed
   int64_t ch1, per1, tot1, ch2, per2, tot2;
   int64_t es;                      // bytes per weight element
   int64_t* done1;                  // [n_groups] finished stage-1 chunks per group
@@ -37,12 +37,11 @@ void prefetch_start(const char* p, int64_t rs, int64_t rows, int64_t row_bytes, 
 }
 
 // One queue: the AMX groups' token packs, every group's stage 1, then every group's stage 2. An
-// AMX group's stage-1 chunk waits for its pack (started by then: the packs are first in line).
-// A stage-2 chunk waits
-// only for its own group's stage 1 (long finished, except for the last groups), so threads flow
-// from one stage into the next without a global barrier; a thread that must wait (a call with
-// one or two experts) spends the wait prefetching its chunk's w2 rows into L2, so the wait still
-// moves the bytes the call needs.
+// AMX group's stage-1 chunk waits for its pack (started by then: the packs are first in line). A
+// stage-2 chunk waits only for its own group's stage 1 (long finished, except for the last
+// groups), so threads flow from one stage into the next without a global barrier; a thread that
+// must wait (a call with one or two experts) spends the wait prefetching its chunk's w2 rows into
+// L2, so the wait still moves the bytes the call needs.
 void exp_job(void* c, int tid, int n) {
   (void)tid; (void)n;
   ExpJob* J = (ExpJob*)c;

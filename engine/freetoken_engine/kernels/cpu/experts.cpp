@@ -211,7 +211,6 @@ int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   bool any_amx = false;
   p.g_amx = nullptr;
   ExpJob J;
-  J.tot0 = 0;
   if (g_isa == ISA_AMX && bfdot && H % 32 == 0 && I % 32 == 0) {
     s_gamx.assign(p.n_groups, 0);
     for (int64_t g = 0; g < p.n_groups; ++g)
