@@ -150,7 +150,8 @@ def main() -> None:
 
 
 def plot(data: dict, path: Path) -> None:
-    """One panel per machine: paired % of read per case, one bar per setting."""
+    """One panel per machine: paired % of read per case, one bar per setting (driven from Python),
+    a black tick on it where the same case driven from C was measured too."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -161,8 +162,13 @@ def plot(data: dict, path: Path) -> None:
         table = m["medians"]
         w = 0.8 / max(1, len(table))
         for i, (setting, t) in enumerate(table.items()):
-            ax.bar([j + i * w for j in range(len(cols))], [100 * t.get(c + "/of_read", 0.0) for c in cols], w,
+            xs = [j + i * w for j in range(len(cols))]
+            ax.bar(xs, [100 * t.get(c + "/of_read", 0.0) for c in cols], w,
                    label=setting)                     # 0: a case that machine's sweep did not have
+            c_runs = [(x, 100 * t[c + "/c/of_read"]) for x, c in zip(xs, cols) if c + "/c/of_read" in t]
+            if c_runs:
+                ax.scatter(*zip(*c_runs), marker="_", s=200, color="k", zorder=3,
+                           label="driven from C" if i == 0 else None)
         ax.axhline(75, color="g", ls=":", label="75% of read")
         ax.set_xticks([j + 0.4 - w / 2 for j in range(len(cols))], cols, fontsize=7)
         ax.set_ylabel("% of all-CPU read (paired)")
