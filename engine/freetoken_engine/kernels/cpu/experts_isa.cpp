@@ -115,29 +115,29 @@ inline void dot_row_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K
 // prefetch runs pf bytes ahead along the rows, so it stops at the chunk's last row rend: rows
 // past it are another thread's (they cost 4 KiB per stream per chunk, 6-12% of the reads with
 // 64 KiB chunks).
-// With 4 to 8 tokens (those that reduce in a tree) and K a multiple of 32, rows go in pairs whose
-// 2 NT sums share one tree (reduce16 is bitwise the per-vector sums, so the results do not
+// With 4 to 8 tokens (those that reduce in a tree) and K a multiple of 32, rows go in groups of
+// 16 / NT (4 rows of 4 tokens, 3 of 5, 2 of 6-8) whose sums share one tree (reduce16 is bitwise the per-vector sums, so the results do not
 // change): with 8 tokens a row's own tree was half zero padding, and a down-projection row
 // (I = 768: 12 steps of the loop) spent about a quarter of its time in it. Hot in L3, 2 threads,
-// the EPYC, one expert (alternating processes, 3 each): 8 tokens 61.4-61.6 -> 68.4-70.6 GB/s,
-// 4 tokens 94.6-98.0 -> 99.8-102.4; 1-2 tokens keep one row at a time (the same rates).
+// the EPYC, one expert (alternating processes, 3 each, against one tree per row): 4 / 5 / 6 / 8
+// tokens 96-102 / 88-92 / 78-81 / 64-65 -> 100-107 / 93-98 / 83-87 / 69-71 GB/s. 1-3 tokens
+// keep one row at a time.
 template <int NT>
 inline void rows_bf(const char* base, int64_t rs, int64_t r0, int64_t r1, const uint16_t* const* xs,
                     int64_t K, int64_t pf, int64_t far, float* out, int64_t rend) {
   const int64_t last = rend - (pf + rs - 1) / rs;   // rows before it prefetch inside the chunk
   int64_t r = r0;
-  if (NT >= 4 && K % 32 == 0) {
-    for (; r + 1 < r1; r += 2) {
-      __m512 sum[2 * NT];
+  constexpr int R = NT >= 4 ? 16 / NT : 1;          // rows per tree: as many as fill its 16 sums
+  if (R > 1 && K % 32 == 0) {
+    for (; r + R <= r1; r += R) {
+      __m512 sum[R * NT];
       float o[16];
-      dot_row_sums<NT>((const uint16_t*)(base + r * rs), xs, K, r < last ? pf : 0, r < last ? far : 0, sum);
-      dot_row_sums<NT>((const uint16_t*)(base + (r + 1) * rs), xs, K, r + 1 < last ? pf : 0,
-                       r + 1 < last ? far : 0, sum + NT);
-      reduce16(sum, 2 * NT, o);
-      for (int t = 0; t < NT; ++t) {
-        out[(r - r0) * NTMAX + t] = o[t];
-        out[(r + 1 - r0) * NTMAX + t] = o[NT + t];
-      }
+      for (int j = 0; j < R; ++j)
+        dot_row_sums<NT>((const uint16_t*)(base + (r + j) * rs), xs, K, r + j < last ? pf : 0,
+                         r + j < last ? far : 0, sum + j * NT);
+      reduce16(sum, R * NT, o);
+      for (int j = 0; j < R; ++j)
+        for (int t = 0; t < NT; ++t) out[(r + j - r0) * NTMAX + t] = o[j * NT + t];
     }
   }
   for (; r < r1; ++r)
