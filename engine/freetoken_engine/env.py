@@ -63,12 +63,18 @@ def cpu_expert_backend() -> str | None:
     return os.environ.get(FREETOKEN_CPU_EXPERT_BACKEND) or None
 
 
+def _mode(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    """The switch ``name`` (lower case, default ``default``); ValueError naming the allowed values
+    for anything else."""
+    mode = os.environ.get(name, default).strip().lower()
+    if mode not in allowed:
+        raise ValueError(f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, got {mode!r}")
+    return mode
+
+
 def host_branch() -> bool:
     """Whether the engine answers decode's CPU pairs from a host thread (see FREETOKEN_HOST_BRANCH)."""
-    mode = os.environ.get(FREETOKEN_HOST_BRANCH, "auto").strip().lower()
-    if mode not in ("auto", "on", "off"):
-        raise ValueError(f"{FREETOKEN_HOST_BRANCH} must be auto, on or off, got {mode!r}")
-    return mode != "off"
+    return _mode(FREETOKEN_HOST_BRANCH, "auto", ("auto", "on", "off")) != "off"
 
 
 GPU_DECODE_KERNELS = ("attention", "norm", "route", "combine")
@@ -90,27 +96,18 @@ def gpu_decode_kernels() -> frozenset[str]:
 def fill_admission() -> bool:
     """Whether the expert cache admits fills only over victims idle for a step (see
     FREETOKEN_FILL_ADMISSION); ValueError for anything but on / off."""
-    mode = os.environ.get(FREETOKEN_FILL_ADMISSION, "on").strip().lower()
-    if mode not in ("on", "off"):
-        raise ValueError(f"{FREETOKEN_FILL_ADMISSION} must be on or off, got {mode!r}")
-    return mode == "on"
+    return _mode(FREETOKEN_FILL_ADMISSION, "on", ("on", "off")) == "on"
 
 
 def prefill_seed() -> bool:
     """Whether a prefill seeds the decode expert cache (see FREETOKEN_PREFILL_SEED); ValueError
     for anything but on / off."""
-    mode = os.environ.get(FREETOKEN_PREFILL_SEED, "on").strip().lower()
-    if mode not in ("on", "off"):
-        raise ValueError(f"{FREETOKEN_PREFILL_SEED} must be on or off, got {mode!r}")
-    return mode == "on"
+    return _mode(FREETOKEN_PREFILL_SEED, "on", ("on", "off")) == "on"
 
 
 def stream_split() -> str:
     """"on", "floor" or "off" (see FREETOKEN_STREAM_SPLIT); ValueError for anything else."""
-    mode = os.environ.get(FREETOKEN_STREAM_SPLIT, STREAM_SPLIT_DEFAULT).strip().lower()
-    if mode not in ("on", "floor", "off"):
-        raise ValueError(f"{FREETOKEN_STREAM_SPLIT} must be on, floor or off, got {mode!r}")
-    return mode
+    return _mode(FREETOKEN_STREAM_SPLIT, STREAM_SPLIT_DEFAULT, ("on", "floor", "off"))
 
 
 def api_key() -> str | None:
