@@ -138,13 +138,18 @@ class DeviceControl:
         int64, and optionally ``pair_exp [T*k]``: the routed experts) also receives the pair slots
         and the step's counts, for a host-side CPU branch (``kernels/cpu_branch.py``).
         Returns the reused output buffers; no host sync."""
-        out = self.outputs(topk_ids.numel())
-        control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used,
-                     self.clock, self.fill_table, self.totals, out, mirror=mirror,
-                     block_slots=self.max_slots, stream=self.stream,
-                     admit_window=self.window)
+        out = self._control(layer, topk_ids, self.fill_table, self.window, mirror, self.stream)
         if copy:
             self.copy(layer, out)
+        return out
+
+    def _control(self, layer: int, topk_ids: torch.Tensor, table: torch.Tensor, window: int,
+                 mirror: tuple[torch.Tensor, ...] | None = None, stream: StreamSplit | None = None) -> ControlOutputs:
+        """The control kernel on this pool's state with ``table`` and admission ``window``."""
+        out = self.outputs(topk_ids.numel())
+        control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used, self.clock,
+                     table, self.totals, out, mirror=mirror, block_slots=self.max_slots, stream=stream,
+                     admit_window=window)
         return out
 
     def seed(self, layer: int, topk_ids: torch.Tensor, src_w13: torch.Tensor, src_w2: torch.Tensor) -> int:
@@ -165,9 +170,7 @@ class DeviceControl:
             self._seed_run = 0
         window = self.admit_window + self._seed_run if self.admit_window > 0 else 0
         saved = self.totals.clone()
-        out = self.outputs(topk_ids.numel())
-        control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used, self.clock,
-                     self._seed_table, self.totals, out, block_slots=self.max_slots, admit_window=window)
+        out = self._control(layer, topk_ids, self._seed_table, window)
         self.totals.copy_(saved)
         self._seed_clock, self._seed_run = now, self._seed_run + 1
         filled = out.fill_slot >= 0
