@@ -108,13 +108,11 @@ class OffloadedExperts:
         decode step most likely routes to again) are copied into the cache from the whole-layer
         buffer the prefill just used, device to device, instead of crossing PCIe one step at a
         time in the first decode steps. Residency only: no output changes."""
-        settle, refresh = getattr(self.streamer, "settle", None), getattr(self.streamer, "refresh", None)
-        if settle is not None:
-            settle()
+        self.streamer.settle()           # the double-buffered streamer (the Triton path's)
         n = self.control.seed(layer, topk_ids, w13, w2)
         self.seeded += n
-        if n and refresh is not None:
-            refresh()
+        if n:
+            self.streamer.refresh()
 
     def _host_branch(self, x: torch.Tensor):
         """The sync-free CPU branch (``cache/host_branch.py``) when it applies: the Triton path
