@@ -31,14 +31,13 @@ from hardware import describe  # noqa: E402
 def steps_ms(runner, batch: int, n: int) -> list[float]:
     """n decode steps of ``batch`` dummy tokens at the first width's last position, ms each."""
     import torch
-    from freetoken_engine.executor.inputs import SeqChunk
-    width, bs = runner.graphs.widths()[0], runner.kv.block_size
+    width = runner.graphs.widths()[0]
     scratch = runner.kv.allocate(1)
     out = []
     try:
         with torch.inference_mode():
             for _ in range(n):
-                chunks = [SeqChunk(scratch * -(-width // bs), width - 1, [0]) for _ in range(batch)]
+                chunks = runner.dummy_decode(scratch, width, batch)
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 runner.forward(chunks)

@@ -166,6 +166,11 @@ class ModelRunner:
             self.graphs.clear()                  # a captured step keeps its fill table and branch
         self.experts.set_fill_fraction(fraction)
 
+    def dummy_decode(self, scratch: list[int], width: int, batch: int) -> list[SeqChunk]:
+        """A decode step of ``batch`` dummy tokens at the last position of KV ``width``, every
+        sequence reading and writing only the ``scratch`` block (``kv.allocate(1)``)."""
+        return [SeqChunk(scratch * -(-width // self.kv.block_size), width - 1, [0]) for _ in range(batch)]
+
     @torch.inference_mode()
     def warm_graphs(self, batches: int) -> int:
         """Capture the decode graphs of batch sizes 1..``batches`` at every KV width now, before
@@ -181,13 +186,13 @@ class ModelRunner:
             self.experts.sync_stats()
             before = dataclasses.replace(self.cache.stats)
         t0 = time.perf_counter()
-        n, bs = 0, self.kv.block_size
+        n = 0
         replays = self.graphs.replays             # the warm-up's replays are not serving's
         scratch = self.kv.allocate(1)             # every dummy sequence reads and writes only it
         try:
             for width in self.graphs.widths():
                 for b in range(1, min(batches, self.graphs.max_batch) + 1):
-                    chunks = [SeqChunk(scratch * -(-width // bs), width - 1, [0]) for _ in range(b)]
+                    chunks = self.dummy_decode(scratch, width, b)
                     key = self.graphs.key(chunks)
                     if key is not None and key not in self.graphs:
                         self.forward(chunks)      # its eager run, then the capture
