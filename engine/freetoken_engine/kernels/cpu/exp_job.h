@@ -74,15 +74,13 @@ void exp_job(void* c, int tid, int n) {
       const int64_t r1 = r0 + J->ch2 < p->H ? r0 + J->ch2 : p->H;
       const char* w = (const char*)p->w2 + p->g_expert[g] * p->w2_es * J->es;
       const int64_t rs = p->w2_rs * J->es, row_bytes = p->I * J->es;
-      const int64_t lines = (r1 - r0) * ((row_bytes + 63) / 64);
+      const int64_t per_row = (row_bytes + 63) / 64, lines = (r1 - r0) * per_row;
       int64_t line = 0;
       int it = 0;
       while (__atomic_load_n(&J->done1[g], __ATOMIC_ACQUIRE) < J->per1) {
         if (line < lines) {
-          for (int q = 0; q < 8 && line < lines; ++q, ++line) {
-            const int64_t per_row = (row_bytes + 63) / 64;
+          for (int q = 0; q < 8 && line < lines; ++q, ++line)
             __builtin_prefetch(w + (r0 + line / per_row) * rs + (line % per_row) * 64, 0, 2);
-          }
         } else {
           wait_step(it);
         }
