@@ -15,12 +15,16 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
   (c) lru     global LRU cache, every miss filled over PCIe (q = m)
   (d) lru+q*  global LRU cache, q* of the misses filled, the rest computed on the CPU meanwhile,
               with the engine's fill admission (cache/experts.py: a fill only evicts a slot idle for
-              more than one token's layer calls, window = the MoE layer count)
+              more than one token's layer calls, window = the MoE layer count) and its bypass slots
+              (8 of the budget's slots outside the LRU: a refused fill still crosses PCIe into one,
+              for its layer call only, so PCIe keeps its q* share)
   (d) runs a token as one CUDA graph; its CPU branch is a C++ host loop answering flags in
   pinned memory (freetoken_engine/kernels/cpu_branch.py). A/B rows at batch 1, locality:
   lru+q*/layer  (d) with the per-layer driver it replaced (two graph launches, an event and a
                 Python call per layer)
-  lru+q*/plain  (d) without fill admission (plain LRU victims), the policy before it
+  lru+q*/plain  (d) without fill admission (plain LRU victims) nor bypass slots
+  lru+q*/nobypass  (d) with fill admission but no bypass slots (refused fills go to the CPU;
+                the policy of run N)
   lru+q*@1      the handshake with every miss filled: lru+q*@1 vs lru is the cost of the
                 captured CPU branch's flags
   lru+sync      (optional) the per-layer driver with every miss filled
@@ -233,7 +237,7 @@ def main() -> None:
                 fill_ids, ids = ids[:n_fill], ids[n_fill:]
                 policies = args.policies.split(",")
                 plans = [("all", None)] if "all" in policies else []
-                fixed = [p for p in policies if p.startswith(("lru+q*@", "lru+q*+", "lru+q*/plain"))]
+                fixed = [p for p in policies if p.startswith(("lru+q*@", "lru+q*+", "lru+q*/plain", "lru+q*/nobypass"))]
                 b1_loc = [p for p in policies if p.endswith("/layer")] + ["lru+sync"]    # b1 locality only
                 plans += [(p, b) for b in budgets for p in ("static", "lru", "lru+q*", *fixed, *b1_loc)
                           if p in policies and (p not in b1_loc or (batch == 1 and routing == "locality"))]

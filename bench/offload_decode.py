@@ -30,6 +30,8 @@ import torch
 from offload_workload import CUDA, Bank  # first: it makes the engine package importable
 from offload_measure import _capture, _Token, combine
 from freetoken_engine.cache.device_control import DeviceControl
+from freetoken_engine.cache.experts import bypass_slots
+from freetoken_engine.env import BYPASS_SLOTS_DEFAULT
 from freetoken_engine.kernels.cpu_branch import CpuBranch
 from freetoken_engine.kernels.triton import handshake
 from freetoken_engine.kernels.triton.gather import gather_fill_rows
@@ -251,11 +253,15 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
     distinct = torch.tensor([[len(set(ids_np[t, l].ravel().tolist())) for l in range(L)] for t in range(n_tok)])
     ctl = br = None
     prof = {"wait": 0.0, "cpu": 0.0, "launch": 0.0, "cpu_layers": 0, "streamed_rows": 0}
+    nb = 0                                                  # bypass slots (lru policies)
     if policy in ("all", "static"):
         n_gpu = L if policy == "all" else min(slots // E, L)
         slots = n_gpu * E
         token, capture = _static_token(bank, st, n_gpu, cpu_fn)
     else:
+        # the engine's bypass slots (cache/experts.py) out of the same budget, but not on the
+        # "/nobypass" (admission alone: run N's policy) and "/plain" sides
+        nb = 0 if policy.endswith(("/plain", "/nobypass")) else bypass_slots(slots, L * E, BYPASS_SLOTS_DEFAULT)
         w13s = torch.empty((slots, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
         w2s = torch.empty((slots, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
         minus = lambda n: torch.full((n,), -1, dtype=torch.int64, device=CUDA)  # noqa: E731
@@ -269,8 +275,8 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         # the engine's fill admission (window: the MoE layer count; in effect only while f < 1),
         # except on the "/plain" side
         admit = 0 if policy.endswith("/plain") else L
-        ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots), minus(slots), 0, f,
-                            admit_window=admit)
+        ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots - nb),
+                            minus(slots - nb), 0, f, admit_window=admit)
         if split:
             ctl.set_stream(min(st.P, E), floor_fills=split == "+sf")
         if policy == "lru":
@@ -316,7 +322,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
     if not torch.isfinite(st.x[L].float()).all():
         raise RuntimeError(f"{policy}: non-finite hidden state")
     res = {"policy": policy, "cache_slots": slots, "cache_fraction": slots / (L * E), "seconds_per_step": secs,
-           "tok_s": batch / secs, **res_warm}
+           "tok_s": batch / secs, "bypass_slots": nb, **res_warm}
     res.update(_bound(bank, policy, slots, distinct[warm:].float(), ctl, before, counts, bw, steps, batch, secs))
     if keep_x:
         res["x_layers"] = st.x.float().cpu()                  # [L + 1, T, H]: every layer's input
@@ -324,6 +330,9 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         res["host_profile_ms_per_step"] = {key: 1e3 * v / steps for key, v in prof.items()
                                            if key not in ("cpu_layers", "streamed_rows")}
         res["cpu_layers_per_step"] = prof["cpu_layers"] / steps
+        # the CPU kernel's rate inside this row: the host's rate drifts during a run
+        if prof["cpu"] > 0 and not prof["streamed_rows"]:
+            res["cpu_gbps_in_row"] = res["cpu_experts_per_step"] * steps * bank.model["expert_bytes"] / prof["cpu"] / 1e9
         # the streamed split: expert-equivalents per step whose first rows crossed PCIe
         res["streamed_experts_per_step"] = prof["streamed_rows"] / bank.w2.shape[3] / steps
     del ctl

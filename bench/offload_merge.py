@@ -7,7 +7,10 @@ checks, control-step timings and targets, to ``decode_split_runs[<previous label
 stay. The targets of the fast-path issue are recomputed from the new rows:
   * decode_lru_q_fraction_of_bound (target 0.85) and ..._of_integer_split_bound, per row of (d);
   * decode_lru_q_vs_static_32gb (target 1.5) and the same ratio of the two bounds;
-  * decode_admission_vs_plain: (d) over (d) without fill admission (rows of lru+q*/plain).
+  * decode_admission_vs_plain: (d) over (d) without fill admission (rows of lru+q*/plain);
+  * decode_bypass_vs_nobypass: (d) over (d) without bypass slots (rows of lru+q*/nobypass);
+  * decode_cpu_gbps_in_row: each (d) row's CPU expert rate inside the decode (CPU experts' bytes
+    over the C++ branch's time in the kernel): the host's rate drifts during a run.
 
     python bench/offload_merge.py --label N --previous G+H --note "..." runN_30b.json runN_36.json
 """
@@ -38,9 +41,15 @@ def targets(rows: list[dict]) -> dict:
                {k: round(r["fraction_of_integer_split_bound"], 3) for k, r in q.items()
                 if "fraction_of_integer_split_bound" in r},
            "decode_lru_q_vs_static_32gb": {}, "decode_bound_ratio_lru_q_vs_static_32gb": {},
-           "decode_admission_vs_plain": {}}
+           "decode_admission_vs_plain": {}, "decode_bypass_vs_nobypass": {}, "decode_cpu_gbps_in_row": {}}
     for k, r in q.items():
-        s, plain = by.get((k, "static")), by.get((k, "lru+q*/plain"))
+        s, plain, nob = by.get((k, "static")), by.get((k, "lru+q*/plain")), by.get((k, "lru+q*/nobypass"))
+        if nob:
+            out["decode_bypass_vs_nobypass"][k] = {"tok_s": round(r["tok_s"] / nob["tok_s"], 2),
+                                                   "cpu_experts_per_step": [round(r["cpu_experts_per_step"], 1),
+                                                                            round(nob["cpu_experts_per_step"], 1)]}
+        if r.get("cpu_gbps_in_row"):
+            out["decode_cpu_gbps_in_row"][k] = round(r["cpu_gbps_in_row"], 1)
         if s and k.endswith(" 32GB"):
             out["decode_lru_q_vs_static_32gb"][k] = round(r["tok_s"] / s["tok_s"], 2)
             out["decode_bound_ratio_lru_q_vs_static_32gb"][k] = round(r["bound_tok_s"] / s["bound_tok_s"], 2)

@@ -35,6 +35,11 @@ FREETOKEN_GPU_DECODE_KERNELS = "FREETOKEN_GPU_DECODE_KERNELS"
 #: a miss is filled only over a victim unused for a whole decode step, else computed on the CPU)
 #: or "off" (plain LRU victims), for A/B measurements.
 FREETOKEN_FILL_ADMISSION = "FREETOKEN_FILL_ADMISSION"
+#: Bypass slots of the GPU expert cache (cache/experts.py): pool rows outside the LRU that a fill
+#: refused by admission still crosses PCIe into, for its layer call only, so PCIe keeps its q*
+#: share. An integer >= 0 (0: off); default BYPASS_SLOTS_DEFAULT, at most a quarter of the pool.
+FREETOKEN_BYPASS_SLOTS = "FREETOKEN_BYPASS_SLOTS"
+BYPASS_SLOTS_DEFAULT = 8
 #: Prefill seeds the decode expert cache (cache/offload.py): "on" (the default: after each MoE
 #: layer of a prefill on a GPU, the last token's experts are copied into the cache from the
 #: prefill's whole-layer buffer, device to device) or "off", for A/B measurements.
@@ -97,6 +102,17 @@ def fill_admission() -> bool:
     """Whether the expert cache admits fills only over victims idle for a step (see
     FREETOKEN_FILL_ADMISSION); ValueError for anything but on / off."""
     return _mode(FREETOKEN_FILL_ADMISSION, "on", ("on", "off")) == "on"
+
+
+def bypass_slots() -> int:
+    """The GPU expert cache's bypass slots (see FREETOKEN_BYPASS_SLOTS); ValueError for anything
+    but an integer >= 0."""
+    value = os.environ.get(FREETOKEN_BYPASS_SLOTS, "").strip()
+    if not value:
+        return BYPASS_SLOTS_DEFAULT
+    if not value.isdigit():
+        raise ValueError(f"{FREETOKEN_BYPASS_SLOTS} must be an integer >= 0, got {value!r}")
+    return int(value)
 
 
 def prefill_seed() -> bool:

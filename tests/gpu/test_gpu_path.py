@@ -53,14 +53,17 @@ def test_moe_slots_forward_bf16_matches_reference(tokens):
     assert err < 2e-2, err
 
 
-@pytest.mark.parametrize("fill_fraction", [1.0, 0.6])
-def test_device_control_exact_against_cache_on_gpu(bank, fill_fraction):
+@pytest.mark.parametrize("fill_fraction,bypass", [(1.0, 0), (0.6, 0), (0.6, 4)])
+def test_device_control_exact_against_cache_on_gpu(bank, fill_fraction, bypass):
+    """Pair slots, residency and counters equal the cache's torch step; with bypass slots the
+    refused fills' rows (gathered from the pinned bank into rows past the LRU) equal the bank's."""
     layers = LAYERS
     assert bank.w13.is_pinned()
-    ref = ExpertCache(bank, 40, CUDA, fill_fraction=fill_fraction)
-    dev = ExpertCache(bank, 40, CUDA, fill_fraction=fill_fraction)
+    ref = ExpertCache(bank, 40, CUDA, fill_fraction=fill_fraction, bypass=bypass)
+    dev = ExpertCache(bank, 40, CUDA, fill_fraction=fill_fraction, bypass=bypass)
     ctl = DeviceControl.from_cache(dev)
     g = torch.Generator().manual_seed(1)
+    bypassed = 0
     for capacity in (40, 17, 64):
         ctl.write_back(dev)
         ref.resize(capacity)
@@ -71,7 +74,13 @@ def test_device_control_exact_against_cache_on_gpu(bank, fill_fraction):
                 ids = torch.stack([torch.randperm(20, generator=g)[:K] for _ in range(4)]).to(CUDA)
                 want = ref.step(layer, ids.reshape(-1))
                 assert torch.equal(ctl.step(layer, ids).pair_slot, want)
+                byp = want >= dev.lru_slots
+                bypassed += int(byp.sum())
+                for s, e in zip(want[byp].tolist(), ids.reshape(-1)[byp].tolist()):
+                    assert torch.equal(dev.w13[s].cpu(), bank.w13[layer, e])
+                    assert torch.equal(dev.w2[s].cpu(), bank.w2[layer, e])
         assert torch.equal(ctl.slot_of, ref.slot_of) and torch.equal(ctl.last_used, ref.last_used)
+    assert (bypassed > 0) == (bypass > 0)
     torch.cuda.synchronize()
     ctl.write_back(dev)
     dev.check_integrity(deep=True)          # every resident slot equals its bank rows (gather kernel)

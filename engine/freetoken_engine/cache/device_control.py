@@ -66,6 +66,11 @@ class DeviceControl:
     def _bind(self, w13_slots, w2_slots, slot_of, slot_owner, last_used, clock: int) -> None:
         dev = self.device = w13_slots.device
         self.w13_slots, self.w2_slots = w13_slots, w2_slots
+        # pool rows past the LRU's slots: bypass slots for refused fills (cache/experts.py)
+        self.bypass = w13_slots.shape[0] - slot_owner.numel()
+        if self.bypass < 0 or w2_slots.shape[0] != w13_slots.shape[0]:
+            raise ValueError(f"slot pools of {w13_slots.shape[0]} / {w2_slots.shape[0]} rows for "
+                             f"{slot_owner.numel()} LRU slots: need equal pools of at least that many")
         self._host_state = slot_of.device != dev
         self.slot_of = slot_of.to(dev).contiguous()
         self.slot_owner = slot_owner.to(dev, torch.int64).contiguous()
@@ -138,18 +143,20 @@ class DeviceControl:
         int64, and optionally ``pair_exp [T*k]``: the routed experts) also receives the pair slots
         and the step's counts, for a host-side CPU branch (``kernels/cpu_branch.py``).
         Returns the reused output buffers; no host sync."""
-        out = self._control(layer, topk_ids, self.fill_table, self.window, mirror, self.stream)
+        out = self._control(layer, topk_ids, self.fill_table, self.window, mirror, self.stream, self.bypass)
         if copy:
             self.copy(layer, out)
         return out
 
     def _control(self, layer: int, topk_ids: torch.Tensor, table: torch.Tensor, window: int,
-                 mirror: tuple[torch.Tensor, ...] | None = None, stream: StreamSplit | None = None) -> ControlOutputs:
-        """The control kernel on this pool's state with ``table`` and admission ``window``."""
+                 mirror: tuple[torch.Tensor, ...] | None = None, stream: StreamSplit | None = None,
+                 bypass: int = 0) -> ControlOutputs:
+        """The control kernel on this pool's state with ``table``, admission ``window`` and
+        ``bypass`` slots (a seed uses none: it only makes experts resident)."""
         out = self.outputs(topk_ids.numel())
         control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used, self.clock,
                      table, self.totals, out, mirror=mirror, block_slots=self.max_slots, stream=stream,
-                     admit_window=window)
+                     admit_window=window, bypass=bypass)
         return out
 
     def seed(self, layer: int, topk_ids: torch.Tensor, src_w13: torch.Tensor, src_w2: torch.Tensor) -> int:

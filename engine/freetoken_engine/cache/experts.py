@@ -21,6 +21,14 @@ rate of 1.00 at batch 4 on an 8 GB card, ``bench/cache_policy_sim.py``); refusin
 last step used turns those fills into CPU work and keeps the rest of the cache useful (simulated
 0.76-0.77 there), and changes nothing while the working set fits (victims are then older).
 
+Bypass slots (``bypass`` B > 0): the pool's last B rows are outside the LRU. A fill that the
+slot cap or admission refuses still crosses PCIe, into a bypass slot, for this call only (no
+residency, nothing evicted): the misses keep their q* share of PCIe instead of all landing on the
+CPU, which admission had overloaded while PCIe idled (Qwen3-30B shapes, batch 4, 8 GB: 205 CPU
+experts a step against 201 without admission, ``bench/results/gpu_offload.json`` run N). Of the
+m misses, the first q (ascending id) fill LRU victims, the next b = min(q_target - q, B) go to
+bypass slots ``S + j`` (S = the LRU slots), the rest to the CPU; ``stats.fills`` counts both.
+
 Not thread-safe: the scheduler thread owns it; ``resize`` runs at a scheduler safe point.
 """
 from __future__ import annotations
@@ -40,6 +48,12 @@ def admission_window(admit_window: int, fill_fraction: float) -> int:
     return admit_window if fill_fraction < 1.0 else 0
 
 
+def bypass_slots(capacity: int, total_experts: int, wanted: int) -> int:
+    """Bypass slots of a pool of ``capacity`` rows: ``wanted``, but none when every expert fits,
+    and at most a quarter of the pool (the LRU keeps the rest)."""
+    return 0 if capacity >= total_experts else min(wanted, capacity // 4)
+
+
 @dataclass
 class CacheStats:
     hits: int = 0
@@ -50,13 +64,16 @@ class CacheStats:
 
 class ExpertCache:
     def __init__(self, bank: ExpertBank, capacity: int, device: torch.device, fill_fraction: float = 1.0,
-                 admit_window: int | None = None):
+                 admit_window: int | None = None, bypass: int = 0):
         self.bank = bank
         self.device = torch.device(device)
         self.fill_fraction = fill_fraction
         # calls a victim must have been idle (0: plain LRU); default: one decode step, unless
         # FREETOKEN_FILL_ADMISSION=off
         self.admit_window = (bank.num_layers if env.fill_admission() else 0) if admit_window is None else admit_window
+        if bypass < 0:
+            raise ValueError(f"bypass slots must be >= 0, got {bypass}")
+        self.bypass_wanted = bypass
         self.stats = CacheStats()
         self.clock = 0
         self._allocate(capacity)
@@ -67,11 +84,13 @@ class ExpertCache:
         if not 1 <= capacity <= b.total_experts:
             raise ValueError(f"expert cache capacity must be within 1..{b.total_experts}, got {capacity}")
         self.capacity = capacity
+        self.bypass = bypass_slots(capacity, b.total_experts, self.bypass_wanted)
+        self.lru_slots = capacity - self.bypass
         self.w13 = torch.empty((capacity, 2 * b.inter, b.hidden), dtype=b.dtype, device=self.device)
         self.w2 = torch.empty((capacity, b.hidden, b.inter), dtype=b.dtype, device=self.device)
         self.slot_of = torch.full((b.num_layers, b.num_experts), -1, dtype=torch.int64, device=self.device)
-        self.slot_owner = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
-        self.last_used = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
+        self.slot_owner = torch.full((self.lru_slots,), -1, dtype=torch.int64, device=self.device)
+        self.last_used = torch.full((self.lru_slots,), -1, dtype=torch.int64, device=self.device)
 
     @property
     def capacity_bytes(self) -> int:
@@ -92,13 +111,16 @@ class ExpertCache:
         hit = slots >= 0
         n_hit = int(hit.sum())
         m = active.numel() - n_hit
-        q = min(fills_for(m, self.fill_fraction), self.capacity - n_hit) if m else 0
+        target = fills_for(m, self.fill_fraction) if m else 0
+        q = min(target, self.lru_slots - n_hit)
         window = self.window()
         if q > 0 and window > 0:
             lu = self.last_used
             ok = (lu < 0) | (lu < self.clock - window)
             ok[slots[hit]] = False                              # hits are never victims
             q = min(q, int(ok.sum()))
+        q = max(q, 0)
+        b = min(target - q, self.bypass)                        # refused fills into bypass slots
         if q > 0:
             self._fill(layer, active[~hit][:q], protected=slots[hit])
             slots = row.index_select(0, active)
@@ -108,9 +130,18 @@ class ExpertCache:
         st = self.stats
         st.hits += n_hit
         st.misses += m
-        st.fills += max(q, 0)
-        st.cpu_computed += m - max(q, 0)
-        return row.index_select(0, expert_ids)
+        st.fills += q + b
+        st.cpu_computed += m - q - b
+        pair_slot = row.index_select(0, expert_ids)
+        if b > 0:
+            passing = active[~hit][q:q + b]
+            where = torch.arange(self.lru_slots, self.lru_slots + b, device=self.device)
+            self._copy_rows(layer, passing, where)
+            lookup = torch.full((self.bank.num_experts,), -1, dtype=torch.int64, device=self.device)
+            lookup[passing] = where
+            byp = lookup.index_select(0, expert_ids)
+            pair_slot = torch.where(byp >= 0, byp, pair_slot)
+        return pair_slot
 
     def window(self) -> int:
         """The fill admission window in effect (``admission_window``)."""
@@ -125,11 +156,13 @@ class ExpertCache:
         self.slot_of.view(-1)[old] = -1
         self.slot_owner[victims] = layer * self.bank.num_experts + experts
         self.slot_of[layer, experts] = victims
-        bank_w13, bank_w2 = self.bank.w13[layer], self.bank.w2[layer]
+        self._copy_rows(layer, experts, victims)
+
+    def _copy_rows(self, layer: int, experts: torch.Tensor, slots: torch.Tensor) -> None:
         cpu_experts = experts.cpu()
         nb = self.device.type == "cuda"
-        self.w13[victims] = bank_w13[cpu_experts].to(self.device, non_blocking=nb)
-        self.w2[victims] = bank_w2[cpu_experts].to(self.device, non_blocking=nb)
+        self.w13[slots] = self.bank.w13[layer][cpu_experts].to(self.device, non_blocking=nb)
+        self.w2[slots] = self.bank.w2[layer][cpu_experts].to(self.device, non_blocking=nb)
 
     # -- elasticity ----------------------------------------------------------------------------
     def resize(self, capacity: int) -> None:
@@ -144,7 +177,8 @@ class ExpertCache:
             return
         owners, last = self.slot_owner.clone(), self.last_used.clone()
         order = torch.argsort(-last, stable=True)                # most recent first
-        keep = order[(owners[order] >= 0)][:capacity]
+        keep = order[(owners[order] >= 0)][:capacity - bypass_slots(capacity, self.bank.total_experts,
+                                                                     self.bypass_wanted)]
         kept_owners, kept_last = owners[keep], last[keep]
         # Free the old pool before allocating the new one, so a shrink under memory pressure
         # never needs old + new at once; the kept residents are refilled from the bank (the

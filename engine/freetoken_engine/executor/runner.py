@@ -64,7 +64,8 @@ class ModelRunner:
                                self.mcfg.max_position_embeddings)
         self.cache = None
         if self.bank is not None:
-            self.cache = ExpertCache(self.bank, self._capacity(), self.device, self._fill_fraction())
+            self.cache = ExpertCache(self.bank, self._capacity(), self.device, self._fill_fraction(),
+                                     bypass=env.bypass_slots() if self.device.type == "cuda" else 0)
             self.experts = OffloadedExperts(self.bank, self.cache, cfg.prefill_expert_threshold,
                                             backend=cfg.expert_backend, top_k=self.mcfg.moe.top_k)
             for block in self.model.moe_blocks():

@@ -8,8 +8,11 @@ Specification (the expert cache's torch control step, bit for bit), for layer ``
    ``fill_table[m] = fills_for(m, fill_fraction)`` (``kernels/split.py``: of floor and ceil of
    f m, the one with the smaller max(q / B_pcie, (m - q) / B_cpu); the cache's own rule, exactly).
    With a fill admission window W > 0, q is further capped by the number of admissible victims:
-   slots not holding a hit that are empty or were last used before ``clock - W``.
-3. The first q misses (ascending id) are filled: victims are the q slots with the smallest
+   slots not holding a hit that are empty or were last used before ``clock - W``. With NB bypass
+   slots (pool rows S..S+NB-1, outside the LRU), b = min(fill_table[m] - q, NB) of the refused
+   fills still cross PCIe, into those rows, for this call only (``cache/experts.py``).
+3. The first q misses (ascending id) are filled, the next b go to slots S + j (no residency
+   change), the rest to the CPU. Victims are the q slots with the smallest
    ``(last_used, slot)`` among slots not holding a hit (empty slots have last_used -1, so go
    first); the i-th filled miss takes the i-th victim. Old owners lose residency; ``slot_of``
    and ``slot_owner`` are updated. The weight copy is a separate kernel (``gather.py``).
@@ -52,7 +55,7 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
                     step_ptr, totals_ptr,
                     keys_ptr, newslot_ptr, mirror_ps_ptr, mirror_counts_ptr, mirror_ids_ptr, layer,
                     P, E, S, NF, pair_stream_ptr, stream_rows_ptr, cpurank_ptr, mirror_from_ptr,
-                    share, INTER, GRANULE, NS, window,
+                    share, INTER, GRANULE, NS, window, NB,
                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr, MIRROR: tl.constexpr,
                     MIRROR_IDS: tl.constexpr, STREAM: tl.constexpr, MIRROR_FROM: tl.constexpr):
@@ -68,7 +71,8 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     miss = present & (slot < 0)
     n_hit = tl.sum(hit.to(tl.int64), 0)
     m = tl.sum(miss.to(tl.int64), 0)
-    q = tl.minimum(tl.load(fill_table_ptr + m).to(tl.int64), S - n_hit)
+    target = tl.load(fill_table_ptr + m).to(tl.int64)
+    q = tl.minimum(target, S - n_hit)
     rank = tl.cumsum(miss.to(tl.int64), 0) - 1                                  # among misses
     clock = tl.load(clock_ptr)
 
@@ -86,9 +90,11 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     # Fill admission: only victims idle for more than `window` calls (hits were stamped with the
     # clock above, so they never qualify); they are exactly the smallest keys below.
     admissible = sm & ((window <= 0) | (lu < 0) | (lu < clock - window))
-    q = tl.minimum(q, tl.sum(admissible.to(tl.int64), 0))
+    q = tl.maximum(tl.minimum(q, tl.sum(admissible.to(tl.int64), 0)), 0)
+    qf = q + tl.minimum(target - q, NB)           # the refused fills go to the bypass slots S..S+NB
     fill = miss & (rank < q)
-    cpu = miss & (rank >= q)
+    byp = miss & (rank >= q) & (rank < qf)
+    cpu = miss & (rank >= qf)
     key = tl.where(sm, ((lu + 1) << SLOT_BITS) | s, 0x7FFFFFFFFFFFFFFF)      # unique per slot
     # The q smallest keys in ascending order: q rounds of a block-wide min (q <= the call's
     # distinct experts, a handful in decode), much cheaper than sorting all S keys.
@@ -102,18 +108,19 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     tl.debug_barrier()
 
     victim = tl.load(keys_ptr + rank, mask=fill, other=0) & ((1 << SLOT_BITS) - 1)
+    victim = tl.where(byp, S + rank - q, victim)
     old = tl.load(owner_ptr + victim, mask=fill, other=-1)
     tl.store(slot_of_ptr + old, -1, mask=fill & (old >= 0))                     # old owners lose residency
     tl.store(row_ptr + e, victim.to(slot_of_ptr.dtype.element_ty), mask=fill)
     tl.store(owner_ptr + victim, layer * E + e, mask=fill)
     tl.store(last_used_ptr + victim, clock, mask=fill)
-    tl.store(fill_exp_ptr + rank, e, mask=fill)
-    tl.store(fill_slot_ptr + rank, victim, mask=fill)
-    tl.store(cpu_exp_ptr + rank - q, e, mask=cpu)
-    # per expert: its slot if a hit, -(slot + 2) if filled now, -1 if computed on the CPU
-    tl.store(newslot_ptr + e, tl.where(hit, slot, tl.where(fill, -victim - 2, -1)), mask=em)
+    tl.store(fill_exp_ptr + rank, e, mask=fill | byp)
+    tl.store(fill_slot_ptr + rank, victim, mask=fill | byp)
+    tl.store(cpu_exp_ptr + rank - qf, e, mask=cpu)
+    # per expert: its slot if a hit, -(slot + 2) if filled now (bypass too), -1 if computed on the CPU
+    tl.store(newslot_ptr + e, tl.where(hit, slot, tl.where(fill | byp, -victim - 2, -1)), mask=em)
     if STREAM:
-        tl.store(cpurank_ptr + e, tl.where(cpu, rank - q, -1), mask=em)
+        tl.store(cpurank_ptr + e, tl.where(cpu, rank - qf, -1), mask=em)
     tl.debug_barrier()
 
     v = tl.load(newslot_ptr + ids, mask=pm & (ids >= 0), other=-1)
@@ -122,16 +129,16 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     tl.store(pair_hit_ptr + p, tl.where(v >= 0, v, -1), mask=pm)
     tl.store(pair_fill_ptr + p, tl.where(v < -1, ps, -1), mask=pm)
     c = tl.arange(0, 4)
-    counts = tl.where(c == 0, n_hit, tl.where(c == 1, m, tl.where(c == 2, q, m - q)))
+    counts = tl.where(c == 0, n_hit, tl.where(c == 1, m, tl.where(c == 2, qf, m - qf)))
     tl.store(step_ptr + c, counts)
     mirrored = ps
     if STREAM:
         # Streamed split: the first NS CPU experts' rows [0, rows) go to the GPU too, rows chosen
-        # so that PCIe (q whole experts + the streamed rows) and the CPU (the rest) take equal
-        # time at the PCIe share `share` of the bandwidth: rows / I = (c share - q (1 - share)) / cs.
-        n_cpu = m - q
+        # so that PCIe (qf whole experts, bypass included, + the streamed rows) and the CPU (the
+        # rest) take equal time at the PCIe share `share`: rows / I = (c share - qf (1 - share)) / cs.
+        n_cpu = m - qf
         n_str = tl.minimum(n_cpu, NS)
-        frac = (n_cpu.to(tl.float32) * share - q.to(tl.float32) * (1.0 - share)) / tl.maximum(n_str, 1).to(tl.float32)
+        frac = (n_cpu.to(tl.float32) * share - qf.to(tl.float32) * (1.0 - share)) / tl.maximum(n_str, 1).to(tl.float32)
         rows = (tl.floor(frac * INTER / GRANULE + 0.5)).to(tl.int64) * GRANULE
         rows = tl.where(n_str > 0, tl.minimum(tl.maximum(rows, 0), INTER - GRANULE), 0)
         cr = tl.load(cpurank_ptr + ids, mask=pm & (ids >= 0), other=-1)
@@ -226,7 +233,7 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
                  totals: torch.Tensor, out: ControlOutputs,
                  mirror: tuple[torch.Tensor, ...] | None = None,
                  block_slots: int | None = None, stream: "StreamSplit | None" = None,
-                 admit_window: int = 0) -> ControlOutputs:
+                 admit_window: int = 0, bypass: int = 0) -> ControlOutputs:
     """Run the control step for ``layer`` (see the module docstring); mutates slot_of,
     slot_owner, last_used, clock ([1] int64) and totals ([4] int64) in place and fills ``out``
     (and ``mirror``: int64 [P], [4] and optionally [P], contiguous; pinned host memory on a GPU).
@@ -236,7 +243,8 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
     that many slots, so that resizing it never compiles a new kernel in the middle of serving
     (a compile costs seconds on a GPU); default: S. ``stream``: also choose the streamed split
     (``out.pair_stream``, ``out.stream_rows``); a fourth mirror tensor ([1] int64) then receives
-    stream_rows. ``admit_window``: the fill admission window (step 2; 0 = plain LRU). Raises
+    stream_rows. ``admit_window``: the fill admission window (step 2; 0 = plain LRU). ``bypass``:
+    pool rows S..S+bypass-1 past the LRU slots that refused fills may use (step 3). Raises
     ValueError on bad shapes, dtypes, strides or sizes.
     """
     dev = slot_of.device
@@ -279,6 +287,8 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         m_ps, m_counts, m_from = out.pair_slot, out.step_counts, None  # unused (MIRROR=False)
     if stream is not None:
         stream.check()
+    if bypass < 0:
+        raise ValueError(f"bypass slots must be >= 0, got {bypass}")
     if block_slots is not None and block_slots < slots:
         raise ValueError(f"block_slots {block_slots} < the pool's {slots} slots")
     block_s = next_pow2(block_slots or slots)
@@ -290,7 +300,7 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         out.keys, out.newslot, m_ps, m_counts, m_ids if m_ids is not None else m_ps, layer, pairs,
         experts, slots, nf, out.pair_stream, out.stream_rows, out.cpurank,
         m_from if m_from is not None else out.stream_rows,
-        *(stream.args() if stream is not None else (0.0, 1, 1, 0)), int(admit_window),
+        *(stream.args() if stream is not None else (0.0, 1, 1, 0)), int(admit_window), int(bypass),
         BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=block_s,
         BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, MIRROR=mirror is not None, MIRROR_IDS=m_ids is not None,
         STREAM=stream is not None, MIRROR_FROM=m_from is not None,
