@@ -49,7 +49,7 @@ _SLOT_BITS = 20
 MAX_SLOTS = 1 << _SLOT_BITS
 
 
-@triton.jit(do_not_specialize=["S"])   # a resized pool must not trigger a recompile
+@triton.jit(do_not_specialize=["S", "NB"])   # a resized pool (and its bypass rows) must not recompile
 def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, fill_table_ptr,
                     pair_slot_ptr, pair_hit_ptr, pair_fill_ptr, fill_exp_ptr, fill_slot_ptr, cpu_exp_ptr,
                     step_ptr, totals_ptr,
