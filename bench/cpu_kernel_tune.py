@@ -9,6 +9,8 @@ time) and from C (``calls_seconds``: the same calls back to back in C, as the en
 and the calibration's B_cpu call the kernel; ``.../c`` keys). For every case it also reports where
 a call's time goes (the kernel's own clock, ``cpu_experts.last_timing``): grouping, the last
 participant's start, the end of the stage-1 chunks, the end; and the Python call around it.
+A setting may also name ``threads=N`` (kernel participants, the caller included), e.g.
+``"default; threads=16"`` on the 16-CPU GPU host, whose default leaves one CPU to the engine.
 
     python bench/cpu_kernel_tune.py --label h200-host-16core \\
         --settings "default; chunks_per_thread=8; amx_next=1,amx_pf=0" [--rounds 2] [--out DIR]
@@ -42,8 +44,8 @@ def parse_settings(text: str) -> list[tuple[str, dict]]:
         if item != "default":
             for kv in item.split(","):
                 name, _, value = kv.partition("=")
-                if name.strip() not in ce.TUNING_KNOBS or not value.strip().isdigit():
-                    raise ValueError(f"bad setting {kv!r}: want knob=int, knobs {', '.join(ce.TUNING_KNOBS)}")
+                if name.strip() not in (*ce.TUNING_KNOBS, "threads") or not value.strip().isdigit():
+                    raise ValueError(f"bad setting {kv!r}: want knob=int, knobs {', '.join(ce.TUNING_KNOBS)}, threads")
                 knobs[name.strip()] = int(value)
         out.append((item, knobs))
     return out
@@ -107,8 +109,10 @@ def main() -> None:
     def read_all() -> float:
         ce.configure(threads=ncpu)
         v = w13.numel() * 2 / ce.read_seconds(w13) / 1e9
-        ce.configure(threads=threads)
+        ce.configure(threads=current[0])
         return v
+
+    current = [threads]                      # the setting's kernel threads
 
     def measure() -> tuple[float, dict, dict]:
         """One setting's round: every case from Python and from C, the phases, and the all-CPU
@@ -123,7 +127,9 @@ def main() -> None:
     dropped: dict[str, int] = {}
     for r in range(args.rounds):
         for label, knobs in settings:
-            ce.tune(**{**base, **knobs})
+            current[0] = knobs.get("threads", threads)
+            ce.configure(threads=current[0])
+            ce.tune(**{**base, **{k: v for k, v in knobs.items() if k != "threads"}})
             for _ in range(4):
                 read, got, ph = measure()
                 if read >= args.min_read:
@@ -140,6 +146,7 @@ def main() -> None:
             s.setdefault("read", []).append(read)
         print(f"round {r + 1}/{args.rounds} done")
     ce.tune(**base)
+    ce.configure(threads=threads)
 
     table = {label: {k: statistics.median(v) for k, v in s.items()} for label, s in samples.items()}
     for label, ph in phases.items():
