@@ -291,6 +291,10 @@ def test_calls_timed_from_c_run_the_same_calls(kernel_config):
         ce.calls_seconds(x, w13, w2, tok, torch.tensor([[0, 1], [8, 2]]))
     with pytest.raises(ValueError, match="pair_exps must be"):
         ce.calls_seconds(x, w13, w2, tok, torch.tensor([0, 1]))
+    # partial rows (the streamed split's CPU share, bench/cpu_partial_rows.py), range-checked
+    assert 0 < ce.calls_seconds(x, w13, w2, tok, exps, rows_from=32) < 10
+    with pytest.raises(ValueError, match=r"rows_from must be in \[0, 64\), got 64"):
+        ce.calls_seconds(x, w13, w2, tok, exps, rows_from=64)
 
 
 def test_unknown_or_out_of_range_knobs_are_refused(knobs):

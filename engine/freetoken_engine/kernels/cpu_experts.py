@@ -310,22 +310,26 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 
 def calls_seconds(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: torch.Tensor,
-                  pair_exps: torch.Tensor) -> float:
+                  pair_exps: torch.Tensor, rows_from: int = 0) -> float:
     """Seconds for ``len(pair_exps)`` expert calls run back to back from C, call c on the pairs
     (pair_tok, pair_exps[c]): the kernel's rate as the engine's C++ CPU branch sees it, with no
     Python call around each (a 1-expert call costs ~100 us on the H200 host, the Python call
-    15-20 us more). The GIL is released throughout. Needs the compiled kernel (RuntimeError)."""
+    15-20 us more). ``rows_from``: each call computes the intermediate rows [rows_from, I) only
+    (``experts_forward``'s). The GIL is released throughout. Needs the compiled kernel
+    (RuntimeError)."""
     lib = _load()
     if lib is None or not _compiled_ok(x, w13, w2):
         raise RuntimeError("calls_seconds needs the compiled CPU kernel and CPU bf16/fp32 tensors")
     if pair_exps.dim() != 2 or pair_tok.dim() != 1 or pair_exps.shape[1] != pair_tok.numel():
         raise ValueError(f"pair_exps must be [calls, P] and pair_tok [P], got {tuple(pair_exps.shape)}, "
                          f"{tuple(pair_tok.shape)}")
+    if not 0 <= rows_from < w2.shape[2]:
+        raise ValueError(f"rows_from must be in [0, {w2.shape[2]}), got {rows_from}")
     x = x.contiguous()
     tok, exps = _int64(pair_tok), _int64(pair_exps)
     out = torch.empty((tok.numel(), x.shape[1]), dtype=x.dtype)
     secs = lib.ft_experts_loop(*_problem_args(x, w13, w2), tok.data_ptr(), exps.data_ptr(), tok.numel(),
-                               exps.shape[0], out.data_ptr())
+                               exps.shape[0], out.data_ptr(), rows_from)
     if secs < 0:
         raise IndexError(lib.ft_last_error().decode())
     return secs

@@ -141,7 +141,7 @@ def load() -> ctypes.CDLL:
     lib.ft_read_seconds.argtypes = [vp, i64]
     lib.ft_experts_loop.restype = ctypes.c_double
     lib.ft_experts_loop.argtypes = [vp, ci, i64, i64, i64, vp, vp, ci, i64,
-                                    i64, i64, i64, i64, vp, vp, i64, i64, vp]
+                                    i64, i64, i64, i64, vp, vp, i64, i64, vp, i64]
     lib.ft_tune.restype = i64
     lib.ft_tune.argtypes = [ctypes.c_char_p, i64]
     lib.ft_last_timing.restype = None

@@ -251,18 +251,19 @@ int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   return 0;
 }
 
-// Seconds for n_calls calls of ft_experts_range (whole experts) back to back, call c on the P experts
-// pair_exps[c * P .. c * P + P) (same tokens): the kernel's rate as a C caller such as
+// Seconds for n_calls calls of ft_experts_range (intermediate rows [i0, I); 0: whole experts) back
+// to back, call c on the P experts pair_exps[c * P .. c * P + P) (same tokens): the kernel's rate as a C caller such as
 // branch.cpp sees it, without the Python call around each (calibrate.py's B_cpu). Negative:
 // a call failed (ft_last_error says why).
 double ft_experts_loop(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
                        const void* w13, const void* w2, int w_bf16, int64_t E,
                        int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
-                       const int64_t* pair_tok, const int64_t* pair_exps, int64_t P, int64_t n_calls, void* out) {
+                       const int64_t* pair_tok, const int64_t* pair_exps, int64_t P, int64_t n_calls, void* out,
+                       int64_t i0) {
   const double t0 = now_s();
   for (int64_t c = 0; c < n_calls; ++c)
     if (ft_experts_range(x, x_bf16, T, H, I, w13, w2, w_bf16, E, w13_es, w13_rs, w2_es, w2_rs,
-                         pair_tok, pair_exps + c * P, P, out, 0) != 0)
+                         pair_tok, pair_exps + c * P, P, out, i0) != 0)
       return -1.0;
   return now_s() - t0;
 }
