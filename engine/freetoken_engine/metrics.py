@@ -47,7 +47,8 @@ _STATS_GAUGES = (
 _EXPERT_COUNTERS = (
     ("freetoken_expert_cache_hits", "Routed experts found in the expert cache", "hits"),
     ("freetoken_expert_cache_misses", "Routed experts not in the expert cache", "misses"),
-    ("freetoken_expert_cache_fills", "Experts copied into the cache (PCIe on GPU)", "fills"),
+    ("freetoken_expert_cache_fills",
+     "Experts copied into the cache (PCIe on GPU), copies into its bypass slots included", "fills"),
     ("freetoken_expert_cpu_computed", "Missed experts computed on the CPU where they live",
      "cpu_computed"),
 )

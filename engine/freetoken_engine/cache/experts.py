@@ -24,8 +24,9 @@ last step used turns those fills into CPU work and keeps the rest of the cache u
 Bypass slots (``bypass`` B > 0): the pool's last B rows are outside the LRU. A fill that the
 slot cap or admission refuses still crosses PCIe, into a bypass slot, for this call only (no
 residency, nothing evicted): the misses keep their q* share of PCIe instead of all landing on the
-CPU, which admission had overloaded while PCIe idled (Qwen3-30B shapes, batch 4, 8 GB: 205 CPU
-experts a step against 201 without admission, ``bench/results/gpu_offload.json`` run N). Of the
+CPU, which admission had overloaded while PCIe idled (Qwen3-30B shapes, locality, batch 4, 8 GB:
+822 CPU experts and 167 fills a step, against 674 and 319 with 8 bypass slots and 806 / 406 with
+plain LRU; ``bench/results/gpu_offload.json``, ``bypass_ab_run_33``). Of the
 m misses, the first q (ascending id) fill LRU victims, the next b = min(q_target - q, B) go to
 bypass slots ``S + j`` (S = the LRU slots), the rest to the CPU; ``stats.fills`` counts both.
 

@@ -235,7 +235,7 @@ class ModelRunner:
                     "max_experts": 0, "hits": 0, "misses": 0, "fills": 0, "cpu_computed": 0,
                     "fill_fraction": 1.0}
         s = self.experts.stats()     # read-only: safe from any thread
-        return {"capacity_experts": c.capacity, "capacity_bytes": c.capacity_bytes,
+        return {"capacity_experts": c.capacity, "capacity_bytes": c.capacity_bytes, "bypass_slots": c.bypass,
                 "expert_bytes": self.bank.expert_bytes, "min_experts": 1,
                 "max_experts": self.bank.total_experts, "hits": s.hits, "misses": s.misses,
                 "fills": s.fills, "cpu_computed": s.cpu_computed, "fill_fraction": c.fill_fraction,
