@@ -102,10 +102,8 @@ def _lru_q_token(bank: Bank, st: _Token, ctl: DeviceControl, cpu_fn, prof: dict)
                 br.ev[l + 1].record()
                 run("seg2", l + 1)
             t3 = time.perf_counter()
-            prof["wait"] += t1 - t0
-            prof["cpu"] += t2 - t1
-            prof["launch"] += t3 - t2
-            prof["cpu_layers"] += bool(idx.size)
+            for key, v in (("wait", t1 - t0), ("cpu", t2 - t1), ("launch", t3 - t2), ("cpu_layers", bool(idx.size))):
+                prof[key] += v
 
     def capture():
         return {"start": [_capture(lambda: control(0))],
@@ -259,8 +257,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         slots = n_gpu * E
         token, capture = _static_token(bank, st, n_gpu, cpu_fn)
     else:
-        # the engine's bypass slots (cache/experts.py) out of the same budget, but not on the
-        # "/nobypass" (admission alone: run N's policy) and "/plain" sides
+        # the engine's bypass slots out of the same budget; "/nobypass": admission alone (run N)
         nb = 0 if policy.endswith(("/plain", "/nobypass")) else bypass_slots(slots, L * E, BYPASS_SLOTS_DEFAULT)
         w13s = torch.empty((slots, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
         w2s = torch.empty((slots, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
@@ -330,8 +327,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         res["host_profile_ms_per_step"] = {key: 1e3 * v / steps for key, v in prof.items()
                                            if key not in ("cpu_layers", "streamed_rows")}
         res["cpu_layers_per_step"] = prof["cpu_layers"] / steps
-        # the CPU kernel's rate inside this row: the host's rate drifts during a run
-        if prof["cpu"] > 0 and not prof["streamed_rows"]:
+        if prof["cpu"] > 0 and not prof["streamed_rows"]:      # the host's CPU rate drifts in a run
             res["cpu_gbps_in_row"] = res["cpu_experts_per_step"] * steps * bank.model["expert_bytes"] / prof["cpu"] / 1e9
         # the streamed split: expert-equivalents per step whose first rows crossed PCIe
         res["streamed_experts_per_step"] = prof["streamed_rows"] / bank.w2.shape[3] / steps
