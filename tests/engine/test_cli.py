@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -89,6 +90,16 @@ def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, args, needle):
     r = run("generate", *args)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_bad_bypass_slots_setting_is_one_line_and_exit_2(tiny_checkpoint):
+    env = {**os.environ, "FREETOKEN_BYPASS_SLOTS": "eight"}
+    r = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "generate", "--model",
+                        str(tiny_checkpoint("qwen3_moe")), "--prompt-ids", "1", "--expert-cache-experts", "4"],
+                       capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 2, r.stderr
+    assert "FREETOKEN_BYPASS_SLOTS must be an integer >= 0, got 'eight'" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
 def test_calibrate_json_contract():

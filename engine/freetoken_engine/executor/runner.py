@@ -64,8 +64,9 @@ class ModelRunner:
                                self.mcfg.max_position_embeddings)
         self.cache = None
         if self.bank is not None:
+            bypass = env.bypass_slots()          # parsed everywhere, so a typo fails on a CPU too
             self.cache = ExpertCache(self.bank, self._capacity(), self.device, self._fill_fraction(),
-                                     bypass=env.bypass_slots() if self.device.type == "cuda" else 0)
+                                     bypass=bypass if self.device.type == "cuda" else 0)
             self.experts = OffloadedExperts(self.bank, self.cache, cfg.prefill_expert_threshold,
                                             backend=cfg.expert_backend, top_k=self.mcfg.moe.top_k)
             for block in self.model.moe_blocks():
