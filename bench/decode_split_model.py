@@ -11,6 +11,11 @@ control) plus ``--gpu-us`` of GPU experts. Policies:
   partial    only the first rows of a PCIe-bound layer's fills on the critical path, the CPU
              computing the rest of them from the bank, the fills' remainders copied in the
              background (they delay the next layers' copies)
+  stage      a split by stage (not built; docs/gpu.md): of the m - q CPU experts, n have their
+             down projection (W2, a third of the bytes, whole rows) copied over PCIe while the
+             CPU computes their gate/up (two thirds) first and hands over the activations
+             (``--handoff-us``); the GPU's down projection starts when both are there. q and n
+             minimise the layer's time
   divisible  the misses split as if divisible, no backlog: m T_pcie T_cpu / (T_pcie + T_cpu)
 
 The defaults are run L's (Qwen3-30B, 32 GB, locality, batch 1: 1.92 misses a layer, 185 us a
@@ -29,7 +34,21 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def step_us(policy: str, m: np.ndarray, tp: float, tc: float, chain: float, gpu: float, granule: int) -> float:
+def stage_us(mm: int, tp: float, tc: float, handoff: float) -> float:
+    """The best layer time with q whole fills and n experts split by stage (see the docstring)."""
+    best = float("inf")
+    for q in range(mm + 1):
+        for n in range(mm - q + 1):
+            cpu_s1 = n * tc * 2 / 3                      # the split experts' gate/up first
+            cpu = cpu_s1 + (mm - q - n) * tc
+            pcie = (q + n / 3) * tp
+            gpu_down = max(pcie, cpu_s1 + handoff) if n else pcie
+            best = min(best, max(cpu, gpu_down))
+    return best
+
+
+def step_us(policy: str, m: np.ndarray, tp: float, tc: float, chain: float, gpu: float, granule: int,
+            handoff: float = 8.0) -> float:
     """Mean step time (us) over the rows of m [steps, layers] (misses per layer)."""
     f = tc / (tp + tc)
     total, backlog = 0.0, 0.0
@@ -41,6 +60,8 @@ def step_us(policy: str, m: np.ndarray, tp: float, tc: float, chain: float, gpu:
                 t = max(q * tp, c * tc)
             elif policy == "divisible":
                 t = mm * tp * tc / (tp + tc)
+            elif policy == "stage":
+                t = stage_us(int(mm), tp, tc, handoff)
             else:
                 x = 1.0 if q == 0 or q <= mm * f else min(1.0, np.ceil(mm * f / q * granule) / granule)
                 backlog = max(0.0, backlog - chain)          # copies continue through the chain
@@ -60,12 +81,15 @@ def main() -> None:
     ap.add_argument("--chain-us", type=float, default=20.0)
     ap.add_argument("--gpu-us", type=float, default=18.0)
     ap.add_argument("--granule", type=int, default=12, help="row granules per expert (768 / 64)")
+    ap.add_argument("--handoff-us", type=float, default=8.0,
+                    help="stage split: activations to the GPU and its down projection")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/decode_split_model.json")
     args = ap.parse_args()
     m = np.random.default_rng(0).poisson(args.misses, size=(args.steps, args.layers))
-    res = {p: step_us(p, m, args.fill_us, args.cpu_us, args.chain_us, args.gpu_us, args.granule) / 1e3
-           for p in ("whole", "partial", "divisible")}
+    res = {p: step_us(p, m, args.fill_us, args.cpu_us, args.chain_us, args.gpu_us, args.granule,
+                      args.handoff_us) / 1e3
+           for p in ("whole", "partial", "stage", "divisible")}
     no_chain = step_us("divisible", m, args.fill_us, args.cpu_us, 0.0, args.gpu_us, args.granule) / 1e3
     print(f"{'policy':10} {'ms/step':>8} {'vs whole':>9}")
     for p, ms in res.items():
