@@ -332,7 +332,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
                                            if key not in ("cpu_layers", "streamed_rows", "stage_pairs")}
         res["cpu_layers_per_step"] = prof["cpu_layers"] / steps
         if prof["cpu"] > 0 and not prof["streamed_rows"] + prof["stage_pairs"]:   # the host's CPU rate drifts
-            res["cpu_gbps_in_row"] = res["cpu_experts_per_step"] * steps * bank.model["expert_bytes"] / prof["cpu"] / 1e9
+            res["cpu_gbps_in_row"] = res["cpu_experts_per_step"] * steps * se / prof["cpu"] / 1e9
         # the streamed split: expert-equivalents per step whose first rows crossed PCIe
         res["streamed_experts_per_step"] = prof["streamed_rows"] / bank.w2.shape[3] / steps
         res["stage_pairs_per_step"] = prof["stage_pairs"] / steps
