@@ -33,6 +33,9 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
                 CPU computes the rest (freetoken_engine/kernels/triton/stream.py); same fills
   ...+sf        the streamed split with floor(f m) fills instead of the rounded rule, so that no
                 layer is PCIe-bound (fewer fills; the streamed rows balance the rest)
+  ...+st        the split by stage (freetoken_engine/kernels/triton/stage.py): floor fills, and the
+                whole W2 of n CPU experts a layer crosses PCIe while the CPU computes their
+                activations, the GPU their down projection (n balances PCIe against the CPU)
 Routing: uniform random (worst case) and a locality model (per-layer Zipf popularity, each of
 the previous token's experts kept with probability `keep`; both fitted to the default model's
 measured routing statistics, bench/results/default_model.json). Decode at batch 1 and 4;
@@ -66,7 +69,8 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offload_workload import CUDA, MODELS, ROOT, Bank, make_routing, routing_params, routing_stats  # noqa: E402
 from offload_measure import bandwidths, combine, control_step_us, tune_decode, tune_gather  # noqa: E402
-from offload_decode import check_cpu_branch, decode_row  # noqa: E402
+from offload_check import check_cpu_branch  # noqa: E402
+from offload_decode import decode_row  # noqa: E402
 from freetoken_engine.cache.prefetch import LayerStreamer  # noqa: E402
 from freetoken_engine.kernels.triton.moe import moe_slots_forward  # noqa: E402
 

@@ -23,7 +23,10 @@ CXX = "CXX"
 FREETOKEN_HOST_BRANCH = "FREETOKEN_HOST_BRANCH"
 #: Decode's streamed split on a GPU (kernels/triton/stream.py): "on" (the first rows of up to
 #: 8 CPU experts per layer also cross PCIe and run on the GPU; same fills), "floor" (also fill
-#: only floor(q* m) of m misses, so no layer waits for PCIe) or "off". Default: STREAM_SPLIT_DEFAULT.
+#: only floor(q* m) of m misses, so no layer waits for PCIe), "stage" (the split by stage,
+#: kernels/triton/stage.py: the whole W2 of up to 8 CPU experts per layer crosses PCIe and their down
+#: projection runs on the GPU from the host's activations; floor fills) or "off".
+#: Default: STREAM_SPLIT_DEFAULT.
 FREETOKEN_STREAM_SPLIT = "FREETOKEN_STREAM_SPLIT"
 STREAM_SPLIT_DEFAULT = "off"
 #: The GPU decode's Triton kernels (kernels/triton/<name>.py): attention, RMSNorm (norm), the
@@ -122,8 +125,8 @@ def prefill_seed() -> bool:
 
 
 def stream_split() -> str:
-    """"on", "floor" or "off" (see FREETOKEN_STREAM_SPLIT); ValueError for anything else."""
-    return _mode(FREETOKEN_STREAM_SPLIT, STREAM_SPLIT_DEFAULT, ("on", "floor", "off"))
+    """"on", "floor", "stage" or "off" (see FREETOKEN_STREAM_SPLIT); ValueError for anything else."""
+    return _mode(FREETOKEN_STREAM_SPLIT, STREAM_SPLIT_DEFAULT, ("on", "floor", "stage", "off"))
 
 
 def api_key() -> str | None:

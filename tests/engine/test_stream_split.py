@@ -84,15 +84,18 @@ def test_floor_rule_fills_no_more_than_f_m():
 
 
 @pytest.mark.skipif(not cpu_experts.available(), reason="needs the compiled CPU kernel")
+@pytest.mark.parametrize("stage", [False, True], ids=["rows", "stage"])
 @pytest.mark.parametrize("dtype,max_streamed", [(torch.float32, 8), (torch.float32, 1), (torch.bfloat16, 2)])
-def test_device_and_host_halves_add_up_to_the_expert(dtype, max_streamed):
+def test_device_and_host_halves_add_up_to_the_expert(dtype, max_streamed, stage):
     """The whole handshake with the split on: GPU pairs from the slots, streamed pairs as the
     device part plus the host part, the other CPU pairs from the host; max_streamed 1 gives
-    layers with both kinds of CPU pair (two host calls, rows put back in pair order)."""
+    layers with both kinds of CPU pair (two host calls, rows put back in pair order). With the
+    split by stage (``stage.py``) the device part is the down projection of the host's
+    activations (after the act flag) and the host part a zero row."""
     bank = _bank(dtype)
-    cache = ExpertCache(bank, 10, "cpu", fill_fraction=0.25)
+    cache = ExpertCache(bank, 10, "cpu", fill_fraction=0.34 if stage else 0.25)
     ctl = DeviceControl.from_cache(cache)
-    ctl.set_stream(max_streamed, GRANULE)
+    ctl.set_stream(max_streamed, GRANULE, stage=stage)
     br = CpuBranch(bank.w13, bank.w2, T, K, torch.device("cpu"))
     g = torch.Generator().manual_seed(4)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -113,14 +116,21 @@ def test_device_and_host_halves_add_up_to_the_expert(dtype, max_streamed):
             got = torch.zeros(t * K, H, dtype=dtype)
             got[dev] = cpu_experts.experts_forward(x, cache.w13, cache.w2, tok[dev], out.pair_slot[dev])
             part = ctl.streamed_forward(x, tok, out)
+            if stage:
+                assert part is None
+                handshake.wait(br.act_flag[l:l + 1], br.epoch, br.err)
+                part = ctl.stage_forward(br.act, out)
             assert part[out.pair_stream < 0].abs().max() == 0     # zero rows for every other pair
             handshake.wait(br.done[l:l + 1], br.epoch, br.err)
-            got[~dev] = br.rows[:int((~dev).sum())] + part[~dev]
+            host_rows = br.rows[:int((~dev).sum())]
+            if stage:
+                assert not host_rows[out.pair_stream[~dev] >= 0].any()      # split pairs: zero host rows
+            got[~dev] = host_rows + part[~dev]
             want = reference.expert_pairs_forward(x, bank.w13[l], bank.w2[l], tok, ids.reshape(-1))
             torch.testing.assert_close(got.float(), want.float(), **tol)
         host.join()
     br.check()
-    assert br.totals["streamed_rows"] > 0 and br.totals["steps"] == 4
+    assert br.totals["stage_pairs" if stage else "streamed_rows"] > 0 and br.totals["steps"] == 4
 
 
 @pytest.mark.skipif(not cpu_experts.available(), reason="needs the compiled CPU kernel")

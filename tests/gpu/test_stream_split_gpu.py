@@ -23,13 +23,15 @@ CUDA = torch.device("cuda")
 LAYERS, EXPERTS, H, I, K, T = 6, 32, 512, 256, 8, 1
 
 
-@pytest.mark.parametrize("floor_fills", [False, True])
-def test_graph_step_with_streamed_rows_matches_the_experts(floor_fills):
+@pytest.mark.parametrize("mode", ["rows", "rows-floor", "stage"])
+def test_graph_step_with_streamed_rows_matches_the_experts(mode):
+    """Also the split by stage: the whole W2 of some CPU experts copied, their down projection on
+    the GPU from the host's activations (after the graph's wait on the act flag)."""
     bank = random_bank(LAYERS, EXPERTS, H, I, torch.bfloat16, seed=1, scale=0.05)
     bank.pin()
     cache = ExpertCache(bank, 150, CUDA, fill_fraction=0.3)
     ctl = DeviceControl.from_cache(cache)
-    ctl.set_stream(8, 64, floor_fills=floor_fills)
+    ctl.set_stream(8, 64, floor_fills=mode == "rows-floor", stage=mode == "stage")
     br = CpuBranch(bank.w13, bank.w2, T, K, CUDA)
     counts = torch.zeros(LAYERS, 4, dtype=torch.int64).pin_memory()
     ids = torch.zeros(LAYERS, T, K, dtype=torch.int64, device=CUDA)
@@ -47,6 +49,9 @@ def test_graph_step_with_streamed_rows_matches_the_experts(floor_fills):
             ctl.copy(l, out)
             gpu = moe_slots_forward(x[l], cache.w13, cache.w2, tok, out.pair_slot)
             part = ctl.streamed_forward(x[l], tok, out)
+            if mode == "stage":
+                handshake.wait(br.act_flag[l:l + 1], br.epoch, br.err)
+                part = ctl.stage_forward(br.act, out)
             handshake.wait(br.done[l:l + 1], br.epoch, br.err)
             host_rows.copy_(br.rows, non_blocking=True)
             cpu = out.pair_slot < 0
@@ -66,5 +71,5 @@ def test_graph_step_with_streamed_rows_matches_the_experts(floor_fills):
             want = reference.expert_pairs_forward(x[l].cpu().float(), bank.w13[l].float(), bank.w2[l].float(),
                                                   tok.cpu(), ids[l].cpu().reshape(-1))
             torch.testing.assert_close(got[l].cpu().float(), want, rtol=3e-2, atol=3e-2 * float(want.abs().max()))
-            streamed_pairs += int((br.pair_slot[l, :T * K] == -2).sum())
-    assert streamed_pairs > 0 and br.totals["streamed_rows"] > 0
+            streamed_pairs += int((br.pair_slot[l, :T * K] == (-3 if mode == "stage" else -2)).sum())
+    assert streamed_pairs > 0 and br.totals["stage_pairs" if mode == "stage" else "streamed_rows"] > 0

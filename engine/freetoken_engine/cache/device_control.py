@@ -24,6 +24,7 @@ import torch
 
 from ..kernels.triton.control import ControlOutputs, StreamSplit, control_step, fill_table
 from ..kernels.triton.gather import gather_fill_rows
+from ..kernels.triton.stage import stage_down_forward
 from ..kernels.triton.moe import moe_slots_forward
 from ..kernels.triton.stream import stream_rows_copy
 from .experts import admission_window
@@ -105,13 +106,17 @@ class DeviceControl:
         if self.stream is not None:
             self.stream = dataclasses.replace(self.stream, share=fill_fraction)
 
-    def set_stream(self, max_streamed: int | None, granule: int = 64, floor_fills: bool = False) -> None:
+    def set_stream(self, max_streamed: int | None, granule: int = 64, floor_fills: bool = False,
+                   stage: bool = False) -> None:
         """Turn the streamed split on (``kernels/triton/stream.py``): of up to ``max_streamed``
         CPU experts per layer call, the first rows are copied to ``max_streamed`` device scratch
         slots (that many experts' bytes of device memory) and computed there, balancing PCIe
         against the CPU at the fill fraction; the cache's fills and residency do not change.
         ``floor_fills``: fill floor(f m) of m misses instead of the rounded q* rule, so that no
         layer waits for PCIe (``kernels/split.py``); fewer fills, a different cache.
+        ``stage``: the split by stage instead (``StreamSplit.stage``; floor fills): the GPU runs
+        the down projection of up to ``max_streamed`` CPU experts a layer from their copied W2 and
+        the host's activations (``stage_forward``).
         ``None``: off. Raises ValueError when the expert's intermediate size does not split into
         at least two granules."""
         if max_streamed is None:
@@ -119,7 +124,8 @@ class DeviceControl:
             self.set_fill_fraction(self.fill_fraction)
             return
         inter = self.w2_slots.shape[2]
-        split = StreamSplit(self.fill_fraction, inter, granule, max_streamed)
+        split = StreamSplit(self.fill_fraction, inter, granule, max_streamed, stage)
+        floor_fills = floor_fills or stage
         split.check()
         like = dict(dtype=self.w13_slots.dtype, device=self.device)
         self.scratch = (torch.zeros((max_streamed, *self.w13_slots.shape[1:]), **like),
@@ -190,15 +196,22 @@ class DeviceControl:
         gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer,
                          out.fill_exp, out.fill_slot)
         if self.stream is not None:
-            stream_rows_copy(self.bank_w13, self.bank_w2, *self.scratch, layer, out.cpu_exp, out.stream_rows)
+            stream_rows_copy(self.bank_w13, self.bank_w2, *self.scratch, layer, out.cpu_exp, out.stream_rows,
+                             stage=self.stream.stage)
 
     def streamed_forward(self, x: torch.Tensor, pair_tok: torch.Tensor, out: ControlOutputs,
                          rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """The GPU's part of the streamed pairs (rows [0, stream_rows) of their experts, zero rows
         for every other pair), or None when the streamed split is off. After ``copy``."""
-        if self.stream is None:
+        if self.stream is None or self.stream.stage:
             return None
         return moe_slots_forward(x, *self.scratch, pair_tok, out.pair_stream, out=rows, limit=out.stream_rows)
+
+    def stage_forward(self, act: torch.Tensor, out: ControlOutputs, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The split by stage's GPU part: the down projection of every pair the control step marked
+        (``out.pair_stream``) from the host's activations ``act [>= P, I]`` (pinned; read once the
+        caller has waited for them), zero rows for the other pairs. After ``copy``."""
+        return stage_down_forward(act, self.scratch[1], out.pair_stream, out=rows)
 
     def host_clock(self) -> int:
         """The device clock (one sync)."""

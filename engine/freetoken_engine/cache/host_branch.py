@@ -92,6 +92,10 @@ class HostBranch:
             control.copy(layer, out)
         gpu = slots_forward(x, w13_slots, w2_slots, pair_tok, out.pair_slot)      # CPU pairs' rows: unused
         part = control.streamed_forward(x, pair_tok, out)     # the streamed split's GPU part, or None
+        if control.stream is not None and control.stream.stage:
+            # the split by stage: the host publishes the activations before its other CPU pairs
+            handshake.wait(br.act_flag[layer:layer + 1], br.epoch, br.err)
+            part = control.stage_forward(br.act, out)
         handshake.wait(br.done[layer:layer + 1], br.epoch, br.err)
         self._queued = layer + 1
         # The combine reads the host's rows straight from pinned memory (kernels/triton/combine.py):

@@ -124,7 +124,8 @@ class OffloadedExperts:
                 mode = env.stream_split()
                 if mode != "off" and self.device.type == "cuda":
                     try:   # scratch for STREAMED experts' rows: that many experts' bytes of device memory
-                        self.control.set_stream(min(STREAMED, self.bank.w13.shape[1]), floor_fills=mode == "floor")
+                        self.control.set_stream(min(STREAMED, self.bank.w13.shape[1]), floor_fills=mode == "floor",
+                                                stage=mode == "stage")
                     except ValueError as exc:   # an intermediate size the granule does not split
                         log.info("streamed split unavailable (%s)", exc)
             except (RuntimeError, ValueError) as exc:    # e.g. too many pairs per call: keep the sync path

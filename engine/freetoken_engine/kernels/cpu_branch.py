@@ -24,6 +24,12 @@ Streamed split (optional): a pair mirrored with slot -2 has its expert's interme
 [0, from_rows[l]) streamed to the GPU and computed there (``kernels/triton/stream.py``); the host
 computes the rest, rows [from_rows[l], I), and the combine adds the two partial sums.
 
+Split by stage (optional): a pair mirrored with slot -3 has its expert's down projection (W2)
+copied to the GPU while the host computes its activations first (``act`` [P, I], at the pair's
+index), publishes them (``act_flag[l] = e``, stored for every layer, before the layer's other CPU
+pairs) and writes a zero row for it; the device waits for the flag, runs the down projection
+(``kernels/triton/stage.py``) and the combine adds it to that zero row.
+
 Buffers (``CpuBranch``): ``flag``, ``done``, ``from_rows`` [L] int64; ``pair_slot``, ``pair_exp`` [L, P] int64;
 ``x`` [L, T, H] (the layer inputs); ``rows`` [P, H], in the model's dtype (bf16 or fp32), for at
 most T = ``max_tokens`` tokens (a step may have fewer); pinned when CUDA is present.
@@ -54,7 +60,8 @@ class _FtBranch(ctypes.Structure):   # FtBranch in kernels/cpu/branch.cpp, field
                 ("w2_rs", _i64), ("rows", _vp), ("timeout_s", ctypes.c_double),
                 ("wait_s", ctypes.c_double), ("compute_s", ctypes.c_double),
                 ("cpu_layers", _i64), ("cpu_pairs", _i64), ("failed_layer", _i64),
-                ("from_rows", _vp), ("rows_tmp", _vp), ("streamed_rows", _i64)]
+                ("from_rows", _vp), ("rows_tmp", _vp), ("streamed_rows", _i64),
+                ("act", _vp), ("act_flag", _vp), ("act_tmp", _vp), ("stage_pairs", _i64)]
 
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -97,6 +104,8 @@ class CpuBranch:
         self.rows = host(P, H, dtype=dtype)
         self.from_rows = host(L)                       # streamed pairs' first CPU row, per layer
         self._rows_tmp = torch.empty(P, H, dtype=dtype)
+        self.act, self.act_flag = host(P, two_i // 2, dtype=dtype), host(L)   # split by stage
+        self._act_tmp = torch.empty(P, two_i // 2, dtype=dtype)
         self.epoch = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.err = torch.zeros(1, dtype=torch.int64, device=self.device)
         self.host_epoch = 0
@@ -109,9 +118,10 @@ class CpuBranch:
                             self.pair_tok.data_ptr(), self.x.data_ptr(), max_tokens * H, *bf,
                             bank_w13.data_ptr(), bank_w2.data_ptr(),
                             s13[0], s13[1], s13[2], s2[0], s2[1], s2[2], self.rows.data_ptr(), timeout_s,
-                            0.0, 0.0, 0, 0, -1, self.from_rows.data_ptr(), self._rows_tmp.data_ptr(), 0)
+                            0.0, 0.0, 0, 0, -1, self.from_rows.data_ptr(), self._rows_tmp.data_ptr(), 0,
+                            self.act.data_ptr(), self.act_flag.data_ptr(), self._act_tmp.data_ptr(), 0)
         self.totals = {"wait_s": 0.0, "compute_s": 0.0, "cpu_layers": 0, "cpu_pairs": 0, "streamed_rows": 0,
-                       "steps": 0}
+                       "stage_pairs": 0, "steps": 0}
 
     def run(self, timeout_s: float | None = None, tokens: int | None = None) -> None:
         """The host half of the next step (blocks until its last layer's rows are published).
@@ -133,7 +143,7 @@ class CpuBranch:
                                f"{self.host_epoch} within {c.timeout_s} s")
         if rc != 0:
             raise RuntimeError(f"CPU branch, layer {c.failed_layer}: {self._lib.ft_last_error().decode()}")
-        for name in ("wait_s", "compute_s", "cpu_layers", "cpu_pairs", "streamed_rows"):
+        for name in ("wait_s", "compute_s", "cpu_layers", "cpu_pairs", "streamed_rows", "stage_pairs"):
             self.totals[name] += getattr(c, name)
         self.totals["steps"] += 1
 

@@ -309,6 +309,30 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     return out
 
 
+def experts_act(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: torch.Tensor,
+                pair_exp: torch.Tensor) -> torch.Tensor:
+    """``[P, I]`` activations ``silu(W1[e] x[t]) * W3[e] x[t]`` of every pair (the first stage of
+    ``experts_forward``, rounded where it rounds): a split by stage computes them here and the down
+    projection elsewhere. Same arguments and errors as ``experts_forward``; the reference when the
+    compiled kernel does not take the tensors."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or tuple(w13.shape[1:]) != (2 * w2.shape[2], x.shape[1]):
+        raise ValueError(f"expected x [T,H], w13 [E,2I,H], w2 [E,H,I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    if pair_tok.shape != pair_exp.shape or pair_tok.dim() != 1:
+        raise ValueError(f"pair_tok {tuple(pair_tok.shape)} and pair_exp {tuple(pair_exp.shape)} must be equal 1-D")
+    P, I = pair_tok.numel(), w2.shape[2]
+    lib = _load()
+    if P == 0 or lib is None or not _compiled_ok(x, w13, w2):
+        return reference.expert_pairs_act(x, w13, pair_tok, pair_exp)
+    x = x.contiguous()
+    tok, exp = _int64(pair_tok), _int64(pair_exp)
+    act = torch.empty((P, I), dtype=x.dtype)
+    rc = lib.ft_experts_act(*_problem_args(x, w13, w2), tok.data_ptr(), exp.data_ptr(), P, act.data_ptr())
+    if rc != 0:
+        raise IndexError(lib.ft_last_error().decode())
+    return act
+
+
 def calls_seconds(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: torch.Tensor,
                   pair_exps: torch.Tensor, rows_from: int = 0) -> float:
     """Seconds for ``len(pair_exps)`` expert calls run back to back from C, call c on the pairs

@@ -18,6 +18,20 @@ import torch
 import torch.nn.functional as F
 
 
+def expert_pairs_act(x: torch.Tensor, w13: torch.Tensor, pair_tok: torch.Tensor,
+                     pair_exp: torch.Tensor) -> torch.Tensor:
+    """``[P, I]`` in x.dtype: ``silu(gate) * up`` of every pair, the first stage of
+    ``expert_pairs_forward`` with its rounding (a split by stage runs the second elsewhere)."""
+    if w13.dtype != x.dtype:
+        w13 = w13.to(x.dtype)
+    inter = w13.shape[1] // 2
+    out = x.new_empty((pair_tok.numel(), inter))
+    for i, (t, e) in enumerate(zip(pair_tok.tolist(), pair_exp.tolist())):
+        gate, up = F.linear(x[t:t + 1], w13[e]).chunk(2, dim=-1)
+        out[i] = (F.silu(gate) * up)[0]
+    return out
+
+
 def expert_pairs_forward(
     x: torch.Tensor,          # [T, H]
     w13: torch.Tensor,        # [E, 2I, H]  (a bank layer or the cache's slot pool)

@@ -15,6 +15,10 @@ int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
                      const void* w13, const void* w2, int w_bf16, int64_t E,
                      int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
                      const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out, int64_t i0);
+int ft_experts_act(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
+                   const void* w13, const void* w2, int w_bf16, int64_t E,
+                   int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
+                   const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* act);
 
 struct FtBranch {
   int64_t L, P, T, H, I, E;   // P = T k pairs of this step (token-major), T tokens
@@ -40,6 +44,10 @@ struct FtBranch {
   const int64_t* from_rows;   // [L] stored by the device with the flag: the streamed pairs' first CPU row
   void* rows_tmp;             // [P, H] scratch in x's dtype (a layer with both kinds of CPU pairs)
   int64_t streamed_rows;      // output: sum over layers of from_rows x the streamed pairs' experts
+  void* act;                  // [P, I] in x's dtype: split-by-stage pairs' (-3) activations, at their pair index
+  int64_t* act_flag;          // [L] stored here (release) once layer l's activations are written
+  void* act_tmp;              // [P, I] scratch in x's dtype
+  int64_t stage_pairs;        // output: split-by-stage pairs answered
 };
 
 }  // extern "C"
@@ -81,9 +89,10 @@ extern "C" {
 // -3 when the step was cancelled while waiting for layer failed_layer.
 int ft_branch_run(FtBranch* b, int64_t epoch) {
   b->wait_s = b->compute_s = 0;
-  b->cpu_layers = b->cpu_pairs = b->streamed_rows = 0;
+  b->cpu_layers = b->cpu_pairs = b->streamed_rows = b->stage_pairs = 0;
   b->failed_layer = -1;
-  int64_t tok[1024], exp[1024], pos[1024], tok2[1024], exp2[1024], pos2[1024];
+  int64_t tok[1024], exp[1024], pos[1024], tok2[1024], exp2[1024], pos2[1024], tok3[1024], exp3[1024],
+      pos3[1024], pair3[1024];
   if (b->P > 1024) return -1;
   const char* x = (const char*)b->x;
   const char* w13 = (const char*)b->w13;
@@ -102,10 +111,17 @@ int ft_branch_run(FtBranch* b, int64_t epoch) {
     const int64_t* pe = b->pair_exp + l * b->ps_ls;
     const int64_t i0 = b->from_rows ? b->from_rows[l] : 0;
     // CPU pairs in pair order: whole ones (-1) into tok/exp, streamed ones (-2: rows from i0)
-    // into tok2/exp2; pos / pos2: each one's compact place among the layer's CPU rows.
-    int64_t n = 0, n2 = 0, nall = 0;
+    // into tok2/exp2, split by stage (-3: the activations only; the device adds the down
+    // projection to a zero row) into tok3/exp3; pos*: each one's compact place among the layer's
+    // CPU rows.
+    int64_t n = 0, n2 = 0, n3 = 0, nall = 0;
     for (int64_t p = 0; p < b->P; ++p) {
-      if (ps[p] == -2 && i0 > 0) {
+      if (ps[p] == -3 && b->act) {
+        tok3[n3] = b->pair_tok[p];
+        exp3[n3] = pe[p];
+        pair3[n3] = p;
+        pos3[n3++] = nall++;
+      } else if (ps[p] == -2 && i0 > 0) {
         tok2[n2] = b->pair_tok[p];
         exp2[n2] = pe[p];
         pos2[n2++] = nall++;
@@ -119,10 +135,26 @@ int ft_branch_run(FtBranch* b, int64_t epoch) {
     const char* w13l = w13 + l * b->w13_ls * ws;
     const char* w2l = w2 + l * b->w2_ls * ws;
     const int64_t row = b->H * xs;
-    // one kind only: straight into rows (compact order is then the call's order)
-    char* out1 = n2 ? (char*)b->rows_tmp : (char*)b->rows;
-    char* out2 = n ? (char*)b->rows_tmp + n * row : (char*)b->rows;
     int rc = 0;
+    if (n3) {               // the activations first: the device's down projection waits for them
+      rc = ft_experts_act(xl, b->x_bf16, b->T, b->H, b->I, w13l, w2l, b->w_bf16, b->E, b->w13_es, b->w13_rs,
+                          b->w2_es, b->w2_rs, tok3, exp3, n3, b->act_tmp);
+      if (rc != 0) {
+        b->failed_layer = l;
+        return -1;
+      }
+      const int64_t arow = b->I * xs;
+      for (int64_t j = 0; j < n3; ++j)
+        memcpy((char*)b->act + pair3[j] * arow, (const char*)b->act_tmp + j * arow, arow);
+      for (int64_t j = 0; j < n3; ++j) memset((char*)b->rows + pos3[j] * row, 0, row);
+      b->stage_pairs += n3;
+    }
+    // every layer, split pairs or not: the device's wait for the activations is in its graph
+    if (b->act_flag) __atomic_store_n(b->act_flag + l, epoch, __ATOMIC_RELEASE);
+    // one kind only: straight into rows (compact order is then the call's order)
+    const bool scatter = (n && n2) || n3;
+    char* out1 = scatter || n2 ? (char*)b->rows_tmp : (char*)b->rows;
+    char* out2 = n ? (char*)b->rows_tmp + n * row : scatter ? (char*)b->rows_tmp : (char*)b->rows;
     if (n)
       rc = ft_experts_range(xl, b->x_bf16, b->T, b->H, b->I, w13l, w2l, b->w_bf16, b->E, b->w13_es, b->w13_rs,
                             b->w2_es, b->w2_rs, tok, exp, n, out1, 0);
@@ -133,7 +165,7 @@ int ft_branch_run(FtBranch* b, int64_t epoch) {
       b->failed_layer = l;
       return -1;
     }
-    if (n && n2) {          // both kinds: the scratch holds them by kind, rows wants pair order
+    if (scatter) {          // several kinds: the scratch holds them by kind, rows wants pair order
       for (int64_t j = 0; j < n; ++j) memcpy((char*)b->rows + pos[j] * row, out1 + j * row, row);
       for (int64_t j = 0; j < n2; ++j) memcpy((char*)b->rows + pos2[j] * row, out2 + j * row, row);
     }
@@ -146,9 +178,9 @@ int ft_branch_run(FtBranch* b, int64_t epoch) {
       }
       b->streamed_rows += d * i0;
     }
-    if (n + n2) {
+    if (n + n2 + n3) {
       ++b->cpu_layers;
-      b->cpu_pairs += n + n2;
+      b->cpu_pairs += n + n2 + n3;
     }
     __atomic_store_n(b->done + l, epoch, __ATOMIC_RELEASE);
     b->compute_s += now_s() - t1;

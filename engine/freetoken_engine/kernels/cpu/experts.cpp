@@ -154,15 +154,18 @@ int ft_configure(int threads, const int* cpus, int ncpus, int isa, int64_t prefe
   return g_isa;
 }
 
-// y[p] = W2[e] (silu(W1[e] x[t]) * W3[e] x[t]) for every pair p = (t, e); see reference.py.
-// Only the intermediate rows [i0, I) (0 <= i0 < I): the part of each expert's sum that the rows
-// [0, i0) streamed to a GPU leave to the CPU (cpu_branch.py); i0 = 0 is the whole expert.
-// Returns 0, or -1 with ft_last_error() set when an index is out of range.
-int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
-                     const void* w13, const void* w2, int w_bf16, int64_t E,
-                     int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
-                     const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out, int64_t i0) {
-  std::lock_guard<std::mutex> lk(g_call);
+}  // extern "C"
+
+namespace {
+
+// The body of ft_experts_range and ft_experts_act (the caller holds g_call). act_out: stage 1
+// only (the vector kernels, no tiles), each pair's activations [I] written at act_out + pair * I
+// in x's dtype, out unused.
+int experts_call(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
+                 const void* w13, const void* w2, int w_bf16, int64_t E,
+                 int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
+                 const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out, int64_t i0,
+                 void* act_out) {
   g_timing.enter = g_timing.posted = g_timing.end = now_ns();   // a call that returns early: all 0
   g_timing.last_start.store(g_timing.enter);
   g_timing.stage1_end.store(g_timing.enter);
@@ -211,7 +214,7 @@ int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   bool any_amx = false;
   p.g_amx = nullptr;
   ExpJob J;
-  if (g_isa == ISA_AMX && bfdot && H % 32 == 0 && I % 32 == 0) {
+  if (g_isa == ISA_AMX && bfdot && H % 32 == 0 && I % 32 == 0 && !act_out) {
     s_gamx.assign(p.n_groups, 0);
     for (int64_t g = 0; g < p.n_groups; ++g)
       if (s_gcount[g] >= g_tune.amx_min_tokens) s_gamx[g] = 1, any_amx = true;
@@ -242,13 +245,58 @@ int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   J.per1 = (I + J.ch1 - 1) / J.ch1;
   J.per2 = (H + J.ch2 - 1) / J.ch2;
   J.tot1 = J.per1 * p.n_groups;
-  J.tot2 = J.per2 * p.n_groups;
+  J.tot2 = act_out ? 0 : J.per2 * p.n_groups;
   s_done1.assign(p.n_groups, 0);
   J.done1 = s_done1.data();
   g_timing.posted = now_ns();
   pool_run(pool_get(), exp_job, &J);
   g_timing.end = now_ns();
+  if (act_out) {            // sorted order -> pair order; bf16 activations are already rounded
+    for (int64_t i = 0; i < P; ++i) {
+      const int64_t pair = s_sorted[i];
+      if (bfdot) {
+        memcpy((uint16_t*)act_out + pair * I, p.act_b + i * I, I * 2);
+      } else if (x_bf16) {
+        for (int64_t j = 0; j < I; ++j) {
+          uint32_t u;
+          memcpy(&u, p.act + i * I + j, 4);
+          ((uint16_t*)act_out)[pair * I + j] = (uint16_t)(u >> 16);
+        }
+      } else {
+        memcpy((float*)act_out + pair * I, p.act + i * I, I * 4);
+      }
+    }
+  }
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// y[p] = W2[e] (silu(W1[e] x[t]) * W3[e] x[t]) for every pair p = (t, e); see reference.py.
+// Only the intermediate rows [i0, I) (0 <= i0 < I): the part of each expert's sum that the rows
+// [0, i0) streamed to a GPU leave to the CPU (cpu_branch.py); i0 = 0 is the whole expert.
+// Returns 0, or -1 with ft_last_error() set when an index is out of range.
+int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
+                     const void* w13, const void* w2, int w_bf16, int64_t E,
+                     int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
+                     const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out, int64_t i0) {
+  std::lock_guard<std::mutex> lk(g_call);
+  return experts_call(x, x_bf16, T, H, I, w13, w2, w_bf16, E, w13_es, w13_rs, w2_es, w2_rs, pair_tok, pair_exp,
+                      P, out, i0, nullptr);
+}
+
+// The first stage only: act[p] = silu(W1[e] x[t]) * W3[e] x[t] ([P, I] in x's dtype, rounded as
+// the reference rounds it), for a split by stage whose down projection runs on a GPU
+// (kernels/triton/stage.py). Returns 0, or -1 as ft_experts_range.
+int ft_experts_act(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
+                   const void* w13, const void* w2, int w_bf16, int64_t E,
+                   int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
+                   const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* act) {
+  std::lock_guard<std::mutex> lk(g_call);
+  return experts_call(x, x_bf16, T, H, I, w13, w2, w_bf16, E, w13_es, w13_rs, w2_es, w2_rs, pair_tok, pair_exp,
+                      P, nullptr, 0, act);
 }
 
 // Seconds for n_calls calls of ft_experts_range (intermediate rows [i0, I); 0: whole experts) back

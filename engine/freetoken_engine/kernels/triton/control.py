@@ -58,7 +58,8 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
                     share, INTER, GRANULE, NS, window, NB,
                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr, MIRROR: tl.constexpr,
-                    MIRROR_IDS: tl.constexpr, STREAM: tl.constexpr, MIRROR_FROM: tl.constexpr):
+                    MIRROR_IDS: tl.constexpr, STREAM: tl.constexpr, MIRROR_FROM: tl.constexpr,
+                    STAGE: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     pm = p < P
     ids = tl.load(topk_ptr + p, mask=pm, other=-1).to(tl.int64)               # [BLOCK_P]
@@ -137,15 +138,24 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
         # so that PCIe (qf whole experts, bypass included, + the streamed rows) and the CPU (the
         # rest) take equal time at the PCIe share `share`: rows / I = (c share - qf (1 - share)) / cs.
         n_cpu = m - qf
-        n_str = tl.minimum(n_cpu, NS)
-        frac = (n_cpu.to(tl.float32) * share - qf.to(tl.float32) * (1.0 - share)) / tl.maximum(n_str, 1).to(tl.float32)
-        rows = (tl.floor(frac * INTER / GRANULE + 0.5)).to(tl.int64) * GRANULE
-        rows = tl.where(n_str > 0, tl.minimum(tl.maximum(rows, 0), INTER - GRANULE), 0)
         cr = tl.load(cpurank_ptr + ids, mask=pm & (ids >= 0), other=-1)
-        pstream = tl.where((v == -1) & (cr >= 0) & (cr < NS) & (rows > 0), cr, -1)
+        if STAGE:
+            # Split by stage: the first n CPU experts' W2 (a third of an expert) crosses PCIe and
+            # their W13 stays on the CPU; equal time when (qf + n/3) (1 - share) = (n_cpu - n/3)
+            # share, i.e. n = 3 (n_cpu share - qf (1 - share)). stream_rows holds n.
+            want = 3.0 * (n_cpu.to(tl.float32) * share - qf.to(tl.float32) * (1.0 - share))
+            rows = tl.minimum(tl.maximum(tl.floor(want + 0.5).to(tl.int64), 0), tl.minimum(n_cpu, NS))
+            pstream = tl.where((v == -1) & (cr >= 0) & (cr < rows), cr, -1)
+            mirrored = tl.where(pstream >= 0, -3, ps)
+        else:
+            n_str = tl.minimum(n_cpu, NS)
+            frac = (n_cpu.to(tl.float32) * share - qf.to(tl.float32) * (1.0 - share)) / tl.maximum(n_str, 1).to(tl.float32)
+            rows = (tl.floor(frac * INTER / GRANULE + 0.5)).to(tl.int64) * GRANULE
+            rows = tl.where(n_str > 0, tl.minimum(tl.maximum(rows, 0), INTER - GRANULE), 0)
+            pstream = tl.where((v == -1) & (cr >= 0) & (cr < NS) & (rows > 0), cr, -1)
+            mirrored = tl.where(pstream >= 0, -2, ps)
         tl.store(pair_stream_ptr + p, pstream, mask=pm)
         tl.store(stream_rows_ptr, rows)
-        mirrored = tl.where(pstream >= 0, -2, ps)
         if MIRROR_FROM:
             tl.store(mirror_from_ptr, rows)
     if MIRROR:
@@ -204,16 +214,22 @@ class StreamSplit:
     """The streamed split of a control step: of the first ``max_streamed`` CPU experts, the
     intermediate rows [0, rows) are also copied to the GPU (``stream.py``) and computed there, the
     CPU computes rows [rows, I); rows is a multiple of ``granule`` in [0, I - granule] that
-    balances PCIe against the CPU for the layer's fills at PCIe share ``share`` (q*/m)."""
+    balances PCIe against the CPU for the layer's fills at PCIe share ``share`` (q*/m).
+    ``stage``: the split by stage instead: of the CPU experts, the first n (at most
+    ``max_streamed``) have their whole W2 copied and their down projection run on the GPU from the
+    host's activations (``stage.py``); n balances PCIe against the CPU the same way; pairs
+    mirrored -3; ``stream_rows`` holds n."""
 
     share: float
     inter: int
     granule: int = 64
     max_streamed: int = 8
+    stage: bool = False          # split by stage instead: whole W2 of n CPU experts (see the kernel)
 
     def check(self) -> None:
-        if not 0.0 <= self.share <= 1.0 or self.granule < 1 or self.inter % self.granule \
-                or self.inter < 2 * self.granule or self.max_streamed < 1:
+        rows_ok = self.stage or (self.granule >= 1 and not self.inter % self.granule
+                                 and self.inter >= 2 * self.granule)     # the split by stage has no rows
+        if not 0.0 <= self.share <= 1.0 or not rows_ok or self.max_streamed < 1:
             raise ValueError(f"bad stream split {self}: need 0 <= share <= 1, I a multiple of the granule "
                              f"and at least two granules, max_streamed >= 1")
 
@@ -303,6 +319,6 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         *(stream.args() if stream is not None else (0.0, 1, 1, 0)), int(admit_window), int(bypass),
         BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=block_s,
         BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, MIRROR=mirror is not None, MIRROR_IDS=m_ids is not None,
-        STREAM=stream is not None, MIRROR_FROM=m_from is not None,
+        STREAM=stream is not None, MIRROR_FROM=m_from is not None, STAGE=stream is not None and stream.stage,
         num_warps=8 if block_s > 2048 else 4)
     return out

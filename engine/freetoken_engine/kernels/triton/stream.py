@@ -24,13 +24,23 @@ from .gather import GATHER_TILES, _words, check_bank_copy
 
 @triton.jit
 def _stream_kernel(src13_ptr, src2_ptr, dst13_ptr, dst2_ptr, cpu_exp_ptr, rows_ptr, layer, E,
-                   ROW_W, I, H, ROW2_W, CHUNKS: tl.constexpr, BLOCK: tl.constexpr):
+                   ROW_W, I, H, ROW2_W, CHUNKS: tl.constexpr, BLOCK: tl.constexpr, STAGE: tl.constexpr):
     # words: ROW_W per w13 row (H elements), ROW2_W per w2 row (I elements); I rows of each half
     j = tl.program_id(0)
     c = tl.program_id(1)
     e = tl.load(cpu_exp_ptr + j).to(tl.int64)
     rows = tl.load(rows_ptr).to(tl.int64)
-    if (e >= 0) & (rows > 0):
+    if STAGE:       # split by stage: rows = n, the first n CPU experts' whole w2
+        if (e >= 0) & (j < rows):
+            off = tl.arange(0, BLOCK)
+            per2 = H * ROW2_W
+            src2 = src2_ptr + (layer * E + e) * per2
+            dst2 = dst2_ptr + j * per2
+            for base in range(c * BLOCK, per2, CHUNKS * BLOCK):
+                idx = base + off
+                msk = idx < per2
+                tl.store(dst2 + idx, tl.load(src2 + idx, mask=msk), mask=msk)
+    elif (e >= 0) & (rows > 0):
         off = tl.arange(0, BLOCK)
         per13 = 2 * I * ROW_W
         src13 = src13_ptr + (layer * E + e) * per13
@@ -54,12 +64,14 @@ def _stream_kernel(src13_ptr, src2_ptr, dst13_ptr, dst2_ptr, cpu_exp_ptr, rows_p
 
 
 def stream_rows_copy(bank_w13: torch.Tensor, bank_w2: torch.Tensor, scratch13: torch.Tensor,
-                     scratch2: torch.Tensor, layer: int, cpu_exp: torch.Tensor, rows: torch.Tensor) -> None:
+                     scratch2: torch.Tensor, layer: int, cpu_exp: torch.Tensor, rows: torch.Tensor,
+                     stage: bool = False) -> None:
     """Copy rows [0, rows) of experts ``cpu_exp[j]`` (j < NS = len(scratch13); -1: none) of
     ``layer`` into scratch slot j. bank_w13 [L, E, 2I, H] / bank_w2 [L, E, H, I] (pinned host
     memory on a GPU), scratch13 [NS, 2I, H] / scratch2 [NS, H, I] of the same dtype on the
     device, cpu_exp [>= 1] and rows [1] integer device tensors (the control step's). Rows must
-    keep a w2 row's head a whole number of 8-byte words (the granule does). No host sync."""
+    keep a w2 row's head a whole number of 8-byte words (the granule does). ``stage``: the split
+    by stage's copy instead: the whole w2 of experts ``cpu_exp[j]``, j < rows[0]. No host sync."""
     dev = scratch13.device
     check_tensor("cpu_exp", cpu_exp, 1, (torch.int32, torch.int64), dev)
     check_tensor("rows", rows, 1, (torch.int32, torch.int64), dev)
@@ -74,4 +86,4 @@ def stream_rows_copy(bank_w13: torch.Tensor, bank_w2: torch.Tensor, scratch13: t
         return
     _stream_kernel[(n, GATHER_TILES["chunks"])](
         s13, s2, d13, d2, cpu_exp, rows, layer, experts, row_w, two_i // 2, hidden, row2_w,
-        CHUNKS=GATHER_TILES["chunks"], BLOCK=GATHER_TILES["block"], num_warps=GATHER_TILES["warps"])
+        CHUNKS=GATHER_TILES["chunks"], BLOCK=GATHER_TILES["block"], num_warps=GATHER_TILES["warps"], STAGE=stage)
