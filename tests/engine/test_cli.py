@@ -92,13 +92,18 @@ def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, args, needle):
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
-def test_bad_bypass_slots_setting_is_one_line_and_exit_2(tiny_checkpoint):
-    env = {**os.environ, "FREETOKEN_BYPASS_SLOTS": "eight"}
+@pytest.mark.parametrize("name,value,needle", [
+    ("FREETOKEN_BYPASS_SLOTS", "eight", "FREETOKEN_BYPASS_SLOTS must be an integer >= 0, got 'eight'"),
+    ("FREETOKEN_STREAM_SPLIT", "stages", "FREETOKEN_STREAM_SPLIT"),
+])
+def test_bad_engine_settings_are_one_line_and_exit_2_on_a_cpu(tiny_checkpoint, name, value, needle):
+    """GPU-only settings are still parsed on a CPU: a typo fails at start, not on the first GPU."""
+    env = {**os.environ, name: value}
     r = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "generate", "--model",
                         str(tiny_checkpoint("qwen3_moe")), "--prompt-ids", "1", "--expert-cache-experts", "4"],
                        capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 2, r.stderr
-    assert "FREETOKEN_BYPASS_SLOTS must be an integer >= 0, got 'eight'" in r.stderr
+    assert needle in r.stderr and value in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
 
 
