@@ -80,6 +80,14 @@ def _mode(name: str, default: str, allowed: tuple[str, ...]) -> str:
     return mode
 
 
+def validate() -> None:
+    """Parse every engine switch of this module now (ValueError naming the first bad one): the
+    engine calls it at start, so a typo in a GPU-only setting fails on a CPU too, not on the first
+    GPU that reads it."""
+    for parse in (host_branch, gpu_decode_kernels, fill_admission, prefill_seed, stream_split, bypass_slots):
+        parse()
+
+
 def host_branch() -> bool:
     """Whether the engine answers decode's CPU pairs from a host thread (see FREETOKEN_HOST_BRANCH)."""
     return _mode(FREETOKEN_HOST_BRANCH, "auto", ("auto", "on", "off")) != "off"

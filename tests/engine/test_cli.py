@@ -95,6 +95,9 @@ def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, args, needle):
 @pytest.mark.parametrize("name,value,needle", [
     ("FREETOKEN_BYPASS_SLOTS", "eight", "FREETOKEN_BYPASS_SLOTS must be an integer >= 0, got 'eight'"),
     ("FREETOKEN_STREAM_SPLIT", "stages", "FREETOKEN_STREAM_SPLIT"),
+    ("FREETOKEN_HOST_BRANCH", "yes", "FREETOKEN_HOST_BRANCH"),
+    ("FREETOKEN_GPU_DECODE_KERNELS", "attn", "FREETOKEN_GPU_DECODE_KERNELS"),
+    ("FREETOKEN_PREFILL_SEED", "true", "FREETOKEN_PREFILL_SEED"),
 ])
 def test_bad_engine_settings_are_one_line_and_exit_2_on_a_cpu(tiny_checkpoint, name, value, needle):
     """GPU-only settings are still parsed on a CPU: a typo fails at start, not on the first GPU."""

@@ -82,7 +82,6 @@ class OffloadedExperts:
         # the sync-free CPU branch (cache/host_branch.py): decided once, built on first use
         self._want_branch = (backend == "triton" and self.cpu_backend_name == "compiled"
                              and env.host_branch())
-        self._stream_mode = env.stream_split()   # parsed here, so a typo fails on any device
         if backend == "triton":
             from ..kernels.triton.moe import moe_slots_forward
             from .device_control import DeviceControl
@@ -122,7 +121,7 @@ class OffloadedExperts:
             from .host_branch import HostBranch
             try:
                 self.host_branch = HostBranch(self.bank, self.top_k, self.prefill_threshold - 1, self.device, x.dtype)
-                mode = self._stream_mode
+                mode = env.stream_split()
                 if mode != "off" and self.device.type == "cuda":
                     try:   # scratch for STREAMED experts' rows: that many experts' bytes of device memory
                         self.control.set_stream(min(STREAMED, self.bank.w13.shape[1]), floor_fills=mode == "floor",

@@ -46,6 +46,7 @@ class ModelRunner:
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("--device cuda was given but no CUDA GPU is available")
         self.cfg = cfg
+        env.validate()
         if env.cpu_threads():
             torch.set_num_threads(env.cpu_threads())
         self.device = torch.device(cfg.device)
@@ -64,9 +65,8 @@ class ModelRunner:
                                self.mcfg.max_position_embeddings)
         self.cache = None
         if self.bank is not None:
-            bypass = env.bypass_slots()          # parsed everywhere, so a typo fails on a CPU too
             self.cache = ExpertCache(self.bank, self._capacity(), self.device, self._fill_fraction(),
-                                     bypass=bypass if self.device.type == "cuda" else 0)
+                                     bypass=env.bypass_slots() if self.device.type == "cuda" else 0)
             self.experts = OffloadedExperts(self.bank, self.cache, cfg.prefill_expert_threshold,
                                             backend=cfg.expert_backend, top_k=self.mcfg.moe.top_k)
             for block in self.model.moe_blocks():
