@@ -178,16 +178,15 @@ class ExpertCache:
             return
         owners, last = self.slot_owner.clone(), self.last_used.clone()
         order = torch.argsort(-last, stable=True)                # most recent first
-        keep = order[(owners[order] >= 0)][:capacity - bypass_slots(capacity, self.bank.total_experts,
-                                                                     self.bypass_wanted)]
-        kept_owners, kept_last = owners[keep], last[keep]
         # Free the old pool before allocating the new one, so a shrink under memory pressure
-        # never needs old + new at once; the kept residents are refilled from the bank (the
-        # source of truth), which costs n expert copies at a safe point.
+        # never needs old + new at once; the kept residents (as many as the new LRU holds) are
+        # refilled from the bank (the source of truth), which costs n expert copies at a safe point.
         self.w13 = self.w2 = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         self._allocate(capacity)
+        keep = order[(owners[order] >= 0)][:self.lru_slots]
+        kept_owners, kept_last = owners[keep], last[keep]
         n = kept_owners.numel()
         if n:
             new = torch.arange(n, device=self.device)

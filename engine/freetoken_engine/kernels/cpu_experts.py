@@ -258,6 +258,19 @@ def _problem_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple
             w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1))
 
 
+def _check_problem(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: torch.Tensor,
+                   pair_exp: torch.Tensor) -> None:
+    """ValueError unless x [T, H], w13 [E, 2I, H], w2 [E, H, I] and equal 1-D pair tensors."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"expected x [T,H], w13 [E,2I,H], w2 [E,H,I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    H, E, I = x.shape[1], w2.shape[0], w2.shape[2]
+    if tuple(w13.shape) != (E, 2 * I, H) or w2.shape[1] != H:
+        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if pair_tok.shape != pair_exp.shape or pair_tok.dim() != 1:
+        raise ValueError(f"pair_tok {tuple(pair_tok.shape)} and pair_exp {tuple(pair_exp.shape)} must be equal 1-D")
+
+
 def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     pair_tok: torch.Tensor, pair_exp: torch.Tensor,
                     out: torch.Tensor | None = None, rows_from: int = 0) -> torch.Tensor:
@@ -274,18 +287,10 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     kernel's workers are pinned to: bench/cpu_expert_kernel.py's static-split rows.) Raises
     ValueError for inconsistent shapes or a bad ``out``, IndexError for an out-of-range index.
     """
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"expected x [T,H], w13 [E,2I,H], w2 [E,H,I]; got {tuple(x.shape)}, "
-                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
-    T, H = x.shape
-    E, I = w2.shape[0], w2.shape[2]
-    if tuple(w13.shape) != (E, 2 * I, H) or w2.shape[1] != H:
-        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    _check_problem(x, w13, w2, pair_tok, pair_exp)
+    H, I, P = x.shape[1], w2.shape[2], pair_tok.numel()
     if not 0 <= rows_from < I:
         raise ValueError(f"rows_from must be in [0, {I}), got {rows_from}")
-    if pair_tok.shape != pair_exp.shape or pair_tok.dim() != 1:
-        raise ValueError(f"pair_tok {tuple(pair_tok.shape)} and pair_exp {tuple(pair_exp.shape)} must be equal 1-D")
-    P = pair_tok.numel()
     if out is not None and (out.shape != (P, H) or out.dtype != x.dtype or out.device.type != "cpu"
                             or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous CPU [{P}, {H}] {x.dtype} tensor, got "
@@ -315,11 +320,7 @@ def experts_act(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: 
     ``experts_forward``, rounded where it rounds): a split by stage computes them here and the down
     projection elsewhere. Same arguments and errors as ``experts_forward``; the reference when the
     compiled kernel does not take the tensors."""
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3 or tuple(w13.shape[1:]) != (2 * w2.shape[2], x.shape[1]):
-        raise ValueError(f"expected x [T,H], w13 [E,2I,H], w2 [E,H,I]; got {tuple(x.shape)}, "
-                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
-    if pair_tok.shape != pair_exp.shape or pair_tok.dim() != 1:
-        raise ValueError(f"pair_tok {tuple(pair_tok.shape)} and pair_exp {tuple(pair_exp.shape)} must be equal 1-D")
+    _check_problem(x, w13, w2, pair_tok, pair_exp)
     P, I = pair_tok.numel(), w2.shape[2]
     lib = _load()
     if P == 0 or lib is None or not _compiled_ok(x, w13, w2):
