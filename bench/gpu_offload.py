@@ -33,9 +33,11 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
                 CPU computes the rest (freetoken_engine/kernels/triton/stream.py); same fills
   ...+sf        the streamed split with floor(f m) fills instead of the rounded rule, so that no
                 layer is PCIe-bound (fewer fills; the streamed rows balance the rest)
-  ...+st        the split by stage (freetoken_engine/kernels/triton/stage.py): floor fills, and the
-                whole W2 of n CPU experts a layer crosses PCIe while the CPU computes their
-                activations, the GPU their down projection (n balances PCIe against the CPU)
+  ...+st        the split by stage (freetoken_engine/kernels/triton/stage.py): the same fills, and
+                in 1-token calls the whole W2 of n CPU experts a layer crosses PCIe while the CPU
+                computes their activations, the GPU their down projection (n balances PCIe
+                against the CPU: > 0 only where PCIe would finish first)
+  ...+stf       the split by stage with floor fills (the form of run 38)
 Routing: uniform random (worst case) and a locality model (per-layer Zipf popularity, each of
 the previous token's experts kept with probability `keep`; both fitted to the default model's
 measured routing statistics, bench/results/default_model.json). Decode at batch 1 and 4;

@@ -270,7 +270,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         # a "/layer" suffix: the per-layer launch driver instead of the one-graph handshake;
         # "/plain": no fill admission
         base = policy.split("/")[0]
-        split = next((sfx for sfx in ("+st", "+sf", "+s") if base.endswith(sfx)), "")   # streamed / by stage
+        split = next((sfx for sfx in ("+stf", "+st", "+sf", "+s") if base.endswith(sfx)), "")   # streamed / by stage
         base = base[:len(base) - len(split)]
         f = float(base.split("@")[1]) if "@" in base else bw["fill_fraction"] if base == "lru+q*" else 1.0
         # the engine's fill admission (window: the MoE layer count; in effect only while f < 1),
@@ -279,7 +279,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots - nb),
                             minus(slots - nb), 0, f, admit_window=admit)
         if split:
-            ctl.set_stream(min(st.P, E), floor_fills=split == "+sf", stage=split == "+st")
+            ctl.set_stream(min(st.P, E), floor_fills=split in ("+sf", "+stf"), stage=split in ("+st", "+stf"))
         if policy == "lru":
             experts = _GpuExperts(bank, st, ctl)
 

@@ -24,8 +24,9 @@ FREETOKEN_HOST_BRANCH = "FREETOKEN_HOST_BRANCH"
 #: Decode's streamed split on a GPU (kernels/triton/stream.py): "on" (the first rows of up to
 #: 8 CPU experts per layer also cross PCIe and run on the GPU; same fills), "floor" (also fill
 #: only floor(q* m) of m misses, so no layer waits for PCIe), "stage" (the split by stage,
-#: kernels/triton/stage.py: the whole W2 of up to 8 CPU experts per layer crosses PCIe and their down
-#: projection runs on the GPU from the host's activations; floor fills) or "off".
+#: kernels/triton/stage.py: in 1-token calls, the whole W2 of up to 8 CPU experts per layer crosses
+#: PCIe where PCIe would otherwise finish first, and their down projection runs on the GPU from the
+#: host's activations; the q* fills unchanged) or "off".
 #: Default: STREAM_SPLIT_DEFAULT.
 FREETOKEN_STREAM_SPLIT = "FREETOKEN_STREAM_SPLIT"
 STREAM_SPLIT_DEFAULT = "off"

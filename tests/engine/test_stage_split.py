@@ -1,7 +1,7 @@
 """The split by stage (``kernels/triton/stage.py``): n CPU experts of a layer have their W2 copied to
 the device while the host computes their activations; the device runs their down projection. It
-must mark as many experts as the documented balance asks and keep the cache's choices (with floor
-fills); the handshake that adds the device's down projection to the host's zero rows is tested
+must mark as many experts as the documented balance asks (in 1-token calls) and keep the cache's
+choices; the handshake that adds the device's down projection to the host's zero rows is tested
 with the streamed split's (``test_stream_split.py``)."""
 from __future__ import annotations
 
@@ -33,30 +33,37 @@ def _expected_n(m: int, q: int, share: float, max_streamed: int) -> int:
     return min(max(want, 0), min(c, max_streamed))
 
 
+@pytest.mark.parametrize("floor_fills", [False, True])
 @pytest.mark.parametrize("share,max_streamed", [(0.34, 8), (0.5, 2), (0.2, 8)])
-def test_stage_split_marks_the_balanced_count_and_keeps_the_floor_fills(share, max_streamed):
+def test_stage_split_marks_the_balanced_count_and_keeps_the_cache_choices(share, max_streamed, floor_fills):
+    """Against the same control without the split (rounded q* fills, or floor fills for both): the
+    same fills, victims and CPU experts every call; 1-token calls stage the balanced count of CPU
+    experts (so none where PCIe already has the longer share), 2-token calls none."""
     bank = _bank()
-    floor = DeviceControl.from_cache(ExpertCache(bank, 14, "cpu", fill_fraction=share))
-    floor.set_stream(max_streamed, GRANULE, floor_fills=True)
+    plain = DeviceControl.from_cache(ExpertCache(bank, 14, "cpu", fill_fraction=share))
+    if floor_fills:
+        plain.set_stream(max_streamed, GRANULE, floor_fills=True)
     stage = DeviceControl.from_cache(ExpertCache(bank, 14, "cpu", fill_fraction=share))
-    stage.set_stream(max_streamed, GRANULE, stage=True)
+    stage.set_stream(max_streamed, GRANULE, floor_fills=floor_fills, stage=True)
     g = torch.Generator().manual_seed(2)
-    marked = 0
-    for step in range(6):
+    marked = skipped = 0
+    for step in range(8):
         for layer in range(LAYERS):
-            ids = torch.stack([torch.randperm(7, generator=g)[:K] for _ in range(1 + step % 2)])
-            a, b = floor.step(layer, ids), stage.step(layer, ids)
+            tokens = 1 + step % 2
+            ids = torch.stack([torch.randperm(7, generator=g)[:K] for _ in range(tokens)])
+            a, b = plain.step(layer, ids), stage.step(layer, ids)
             for name in ("pair_slot", "fill_exp", "fill_slot", "cpu_exp", "step_counts"):
                 assert torch.equal(getattr(a, name), getattr(b, name)), name      # the same cache choices
             _, m, q, _ = b.step_counts.tolist()
             n = int(b.stream_rows)
-            assert n == _expected_n(m, q, share, max_streamed)
+            assert n == (_expected_n(m, q, share, max_streamed) if tokens == 1 else 0)
+            skipped += tokens > 1 and _expected_n(m, q, share, max_streamed) > 0
             first = set(b.cpu_exp[:n].tolist())
             want = [j if s < 0 and int(e) in first else -1 for e, s in zip(ids.reshape(-1), b.pair_slot)
                     for j in [b.cpu_exp.tolist().index(int(e)) if int(e) in first else -1]]
             assert b.pair_stream.tolist() == want
             marked += n
-    assert marked > 0
+    assert marked > 0 and skipped > 0
 
 
 def test_down_projection_kernel_matches_torch_and_zeroes_other_pairs():

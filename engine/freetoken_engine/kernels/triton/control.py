@@ -218,23 +218,29 @@ class StreamSplit:
     ``stage``: the split by stage instead: of the CPU experts, the first n (at most
     ``max_streamed``) have their whole W2 copied and their down projection run on the GPU from the
     host's activations (``stage.py``); n balances PCIe against the CPU the same way; pairs
-    mirrored -3; ``stream_rows`` holds n."""
+    mirrored -3; ``stream_rows`` holds n. Only in calls of at most ``stage_tokens`` tokens: with
+    more, a staged expert's first stage is a second CPU kernel call a layer, which on an AMX CPU
+    runs without the tiles (H200 run 38: batch 4 0.79x)."""
 
     share: float
     inter: int
     granule: int = 64
     max_streamed: int = 8
     stage: bool = False          # split by stage instead: whole W2 of n CPU experts (see the kernel)
+    stage_tokens: int = 1
 
     def check(self) -> None:
         rows_ok = self.stage or (self.granule >= 1 and not self.inter % self.granule
                                  and self.inter >= 2 * self.granule)     # the split by stage has no rows
-        if not 0.0 <= self.share <= 1.0 or not rows_ok or self.max_streamed < 1:
+        if not 0.0 <= self.share <= 1.0 or not rows_ok or self.max_streamed < 1 or self.stage_tokens < 1:
             raise ValueError(f"bad stream split {self}: need 0 <= share <= 1, I a multiple of the granule "
-                             f"and at least two granules, max_streamed >= 1")
+                             f"and at least two granules, max_streamed >= 1, stage_tokens >= 1")
 
-    def args(self) -> tuple:
-        return float(self.share), self.inter, self.granule, self.max_streamed
+    def args(self, tokens: int) -> tuple:
+        """The kernel's (share, INTER, GRANULE, NS) for a call of ``tokens`` tokens: NS = 0 (nothing
+        staged) in a split by stage over more than ``stage_tokens`` tokens."""
+        ns = 0 if self.stage and tokens > self.stage_tokens else self.max_streamed
+        return float(self.share), self.inter, self.granule, ns
 
 
 def fill_table(fill_fraction: float, experts: int, device: torch.device, floor: bool = False) -> torch.Tensor:
@@ -316,7 +322,7 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         out.keys, out.newslot, m_ps, m_counts, m_ids if m_ids is not None else m_ps, layer, pairs,
         experts, slots, nf, out.pair_stream, out.stream_rows, out.cpurank,
         m_from if m_from is not None else out.stream_rows,
-        *(stream.args() if stream is not None else (0.0, 1, 1, 0)), int(admit_window), int(bypass),
+        *(stream.args(topk_ids.shape[0]) if stream is not None else (0.0, 1, 1, 0)), int(admit_window), int(bypass),
         BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=block_s,
         BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, MIRROR=mirror is not None, MIRROR_IDS=m_ids is not None,
         STREAM=stream is not None, MIRROR_FROM=m_from is not None, STAGE=stream is not None and stream.stage,
