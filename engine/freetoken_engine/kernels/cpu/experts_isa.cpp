@@ -52,7 +52,10 @@ inline void reduce16(const __m512* acc, int n, float* out) {
 // Against one accumulator per token (EPYC, 2 threads, same-expert tokens, the two libraries
 // alternating in one process): 8 tokens 32.9-34.6 vs 27.8-27.9 GB/s, 3-4 tokens 2-5% slower,
 // 1 token the same (49 GB/s; 38.5 at 1 thread).
-// (Two rows at once, each token load serving both, cost 4 tokens 18% on the EPYC: two streams.)
+// Two rows at once, each token load serving both (half the loads per weight line), cost 4 tokens
+// 18% on the EPYC: two streams. Again at 6 and 8 tokens (2026-11-30, a `rows2` knob, the paired
+// sweep of bench/cpu_kernel_tune.py, 3 rounds, the read at 45-47 GB/s): 6 tokens 87 -> 78% of the
+// read, 8 tokens (two passes of 4 over the pair) 85 -> 66%; the same bits, dropped.
 enum { U_BF = 2 };
 
 // The NT per-token vectors whose horizontal sums are dot(row[0:K0], xs[t][0:K0]), K0 = K rounded
@@ -90,11 +93,7 @@ inline void dot_row_sums(const uint16_t* row, const uint16_t* const* xs, int64_t
 
 // out[t] = dot(row[0:K], xs[t][0:K]) for NT bf16 token vectors (dot_row_sums, the NT sums in one
 // tree, then the K % 32 tail). U_BF does not depend on NT, so a pair's result never depends on
-// the other tokens of its group.
-// Against one accumulator per token (EPYC, 2 threads, same-expert tokens, the two libraries
-// alternating in one process): 8 tokens 32.9-34.6 vs 27.8-27.9 GB/s, 3-4 tokens 2-5% slower,
-// 1 token the same (49 GB/s; 38.5 at 1 thread).
-// (Two rows at once, each token load serving both, cost 4 tokens 18% on the EPYC: two streams.)
+// the other tokens of its group (see U_BF).
 template <int NT>
 inline void dot_row_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K, int64_t pf, int64_t far,
                        float* out) {
