@@ -26,6 +26,8 @@ the same run (the engine reads its switches at start):
                 kernels/triton/combine.py)
   graphs/lru    graphs with plain LRU victims (FREETOKEN_FILL_ADMISSION=off: the engine before the
                 expert cache's fill admission, cache/experts.py)
+  graphs/all-cpus  graphs with the CPU expert kernel on every CPU (FREETOKEN_CPU_EXPERT_THREADS =
+                the affinity set) instead of the GPU host's default of all but one
 
 Checkpoint: random bf16 weights (normal, std 0.02) in Qwen3-30B-A3B's shapes (H 2048, 32/4 heads
 of 128, 128 experts of I 768, top-8, vocab 32000) but ``--layers`` layers, written once with
@@ -63,7 +65,9 @@ SIDES = {"eager/sync": ("off", False, "off", "on", "on"), "eager/branch": ("on",
          "graphs+stream-floor": ("on", True, "floor", "on", "on"),
          "graphs/torch-ops": ("on", True, "off", "off", "on"),
          "graphs/no-combine": ("on", True, "off", "attention,norm,route", "on"),
-         "graphs/lru": ("on", True, "off", "on", "off")}
+         "graphs/lru": ("on", True, "off", "on", "off"), "graphs/all-cpus": ("on", True, "off", "on", "on")}
+#: sides that also set the CPU expert kernel's threads: every CPU of the affinity set
+ALL_CPUS = {"graphs/all-cpus"}
 TUNING_SEARCH = 900
 
 
@@ -119,15 +123,20 @@ def _timed(llm, Lockstep, side: str, frac: float, b: int, steps: int) -> dict:
         batch.step()
     before = runner.expert_stats()
     t0 = time.perf_counter()
+    marks = [t0]
     for _ in range(steps):
         batch.step()
-    secs = time.perf_counter() - t0
+        marks.append(time.perf_counter())
+    secs = marks[-1] - t0
+    step_ms = sorted(1e3 * (b - a) for a, b in zip(marks, marks[1:]))
     after = runner.expert_stats()
     batch.close()
     d = {k: after[k] - before[k] for k in ("hits", "misses", "fills", "cpu_computed")}
     graphs = runner.graphs
     return {"side": side, "cache_fraction": frac, "cache_experts": runner.cache.capacity,
             "batch": b, "steps": steps, "tok_s": b * steps / secs, "ms_per_step": 1e3 * secs / steps,
+            # the spread of single steps: a few stalled steps against a uniformly slower decode
+            "step_ms_min": step_ms[0], "step_ms_median": step_ms[len(step_ms) // 2], "step_ms_max": step_ms[-1],
             "miss_rate": d["misses"] / max(d["hits"] + d["misses"], 1),
             "cpu_experts_per_step": d["cpu_computed"] / steps, "fills_per_step": d["fills"] / steps,
             "fill_fraction": after["fill_fraction"],
@@ -147,6 +156,8 @@ def run_sides(work: Path, fast: Path | None, args) -> tuple[int, list[dict], lis
             continue
         env = dict(os.environ, FREETOKEN_HOST_BRANCH=branch, FREETOKEN_STREAM_SPLIT=stream,
                    FREETOKEN_GPU_DECODE_KERNELS=kernels, FREETOKEN_FILL_ADMISSION=admission)
+        if side in ALL_CPUS:
+            env["FREETOKEN_CPU_EXPERT_THREADS"] = str(len(os.sched_getaffinity(0)))
         cmd = [sys.executable, __file__, "--worker", side, "--model", str(model), "--fractions",
                args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device,
                "--splits", args.splits if side == "graphs" else ""]
