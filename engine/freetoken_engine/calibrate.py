@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import socket
 import time
@@ -138,9 +139,14 @@ def measure(device: str = "cpu", seconds: float = 1.0) -> dict:
 
 
 def _cache_path(device: torch.device) -> Path:
+    from .kernels.cpu_experts import default_threads
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
-    # v2: B_cpu from C-driven calls, the PCIe copies queued (not driven by a second thread)
-    key = f"v2|{platform.processor()}|{torch.get_num_threads()}|{gpu}|{torch.__version__}"
+    # v2: B_cpu from C-driven calls, the PCIe copies queued (not driven by a second thread).
+    # v3: also the CPU expert kernel's threads and backend choice, which set B_cpu (before, a
+    # user who gave the kernel fewer CPUs kept the q* measured with all of them).
+    kernel = "|".join(os.environ.get(name, "") for name in (env.FREETOKEN_CPU_EXPERT_BACKEND, env.FREETOKEN_CPU_KERNEL))
+    key = (f"v3|{platform.processor()}|{torch.get_num_threads()}|{default_threads()}|{kernel}|{gpu}|"
+           f"{torch.__version__}")
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return env.cache_dir() / "calibration" / f"{socket.gethostname()}-{device.type}-{digest}.json"
 
