@@ -174,6 +174,9 @@ def _cuda() -> bool:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if args.func in (cmd_generate, cmd_serve, cmd_calibrate):
+            from . import env
+            env.validate()      # before anything slow (the default model's first conversion)
         return args.func(args)
     except EngineError as exc:
         print(f"freetoken: error: {exc}", file=sys.stderr)

@@ -85,8 +85,24 @@ def validate() -> None:
     """Parse every engine switch of this module now (ValueError naming the first bad one): the
     engine calls it at start, so a typo in a GPU-only setting fails on a CPU too, not on the first
     GPU that reads it."""
-    for parse in (host_branch, gpu_decode_kernels, fill_admission, prefill_seed, stream_split, bypass_slots):
+    for parse in (host_branch, gpu_decode_kernels, fill_admission, prefill_seed, stream_split, bypass_slots,
+                  cpu_expert_threads):
         parse()
+
+
+def cpu_expert_threads() -> int | None:
+    """FREETOKEN_CPU_EXPERT_THREADS as an integer >= 1, or None when unset (the kernel's default,
+    ``kernels/cpu_experts.default_threads``); ValueError for anything else."""
+    raw = os.environ.get(FREETOKEN_CPU_EXPERT_THREADS)
+    if not raw:
+        return None
+    try:
+        n = int(raw)
+    except ValueError:
+        raise ValueError(f"{FREETOKEN_CPU_EXPERT_THREADS} must be an integer, got {raw!r}") from None
+    if n < 1:
+        raise ValueError(f"{FREETOKEN_CPU_EXPERT_THREADS} must be >= 1, got {n}")
+    return n
 
 
 def host_branch() -> bool:

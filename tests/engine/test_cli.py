@@ -98,6 +98,8 @@ def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, args, needle):
     ("FREETOKEN_HOST_BRANCH", "yes", "FREETOKEN_HOST_BRANCH"),
     ("FREETOKEN_GPU_DECODE_KERNELS", "attn", "FREETOKEN_GPU_DECODE_KERNELS"),
     ("FREETOKEN_PREFILL_SEED", "true", "FREETOKEN_PREFILL_SEED"),
+    ("FREETOKEN_CPU_EXPERT_THREADS", "all", "FREETOKEN_CPU_EXPERT_THREADS must be an integer, got 'all'"),
+    ("FREETOKEN_CPU_EXPERT_THREADS", "0", "FREETOKEN_CPU_EXPERT_THREADS must be >= 1, got 0"),
 ])
 def test_bad_engine_settings_are_one_line_and_exit_2_on_a_cpu(tiny_checkpoint, name, value, needle):
     """GPU-only settings are still parsed on a CPU: a typo fails at start, not on the first GPU."""
@@ -108,6 +110,17 @@ def test_bad_engine_settings_are_one_line_and_exit_2_on_a_cpu(tiny_checkpoint, n
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr and value in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_a_bad_setting_fails_before_the_default_model_is_converted(tmp_path):
+    """The first run converts the embedded default model (seconds); a bad setting must fail before
+    that, in one line, and leave the cache empty."""
+    env = {**os.environ, "FREETOKEN_CACHE_DIR": str(tmp_path), "FREETOKEN_CPU_EXPERT_THREADS": "many"}
+    r = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "generate", "--prompt", "hi"],
+                       capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "FREETOKEN_CPU_EXPERT_THREADS must be an integer, got 'many'" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "converting" not in r.stderr
+    assert not any(tmp_path.iterdir())
 
 
 def test_calibrate_json_contract():

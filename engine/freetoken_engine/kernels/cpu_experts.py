@@ -49,8 +49,9 @@ from . import reference
 
 log = logging.getLogger(__name__)
 
-from ..env import FREETOKEN_CPU_EXPERT_THREADS as ENV_THREADS  # noqa: E402  (declared in env.py)
+from ..env import FREETOKEN_CPU_EXPERT_THREADS as ENV_THREADS  # noqa: E402,F401  (declared in env.py)
 from ..env import FREETOKEN_CPU_KERNEL as ENV_KERNEL  # noqa: E402
+from ..env import cpu_expert_threads  # noqa: E402
 ISAS = ("generic", "avx2", "avx512", "avx512bf16", "amx")
 
 
@@ -101,15 +102,9 @@ def default_threads() -> int:
     engine's bf16 CPU decode runs 172 against 108 tok/s (docs/cpu_kernel.md). With
     a GPU (``gpu_present``) one CPU is left to the engine's own work (kernel launches, the CPU
     branch's host loop)."""
-    env = os.environ.get(ENV_THREADS)
-    if env:
-        try:
-            n = int(env)
-        except ValueError:
-            raise ValueError(f"{ENV_THREADS} must be an integer, got {env!r}") from None
-        if n < 1:
-            raise ValueError(f"{ENV_THREADS} must be >= 1, got {n}")
-        return n
+    explicit = cpu_expert_threads()
+    if explicit is not None:
+        return explicit
     n = len(os.sched_getaffinity(0))
     return max(1, n - 1) if gpu_present() else n
 
