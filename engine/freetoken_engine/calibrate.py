@@ -144,7 +144,7 @@ def _cache_path(device: torch.device) -> Path:
     # v2: B_cpu from C-driven calls, the PCIe copies queued (not driven by a second thread).
     # v3: also the CPU expert kernel's threads and backend choice, which set B_cpu (before, a
     # user who gave the kernel fewer CPUs kept the q* measured with all of them).
-    kernel = "|".join(os.environ.get(name, "") for name in (env.FREETOKEN_CPU_EXPERT_BACKEND, env.FREETOKEN_CPU_KERNEL))
+    kernel = f"{env.cpu_expert_backend() or ''}|{os.environ.get(env.FREETOKEN_CPU_KERNEL, '')}"
     key = (f"v3|{platform.processor()}|{torch.get_num_threads()}|{default_threads()}|{kernel}|{gpu}|"
            f"{torch.__version__}")
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]

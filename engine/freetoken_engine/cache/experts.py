@@ -120,7 +120,6 @@ class ExpertCache:
             ok = (lu < 0) | (lu < self.clock - window)
             ok[slots[hit]] = False                              # hits are never victims
             q = min(q, int(ok.sum()))
-        q = max(q, 0)
         b = min(target - q, self.bypass)                        # refused fills into bypass slots
         if q > 0:
             self._fill(layer, active[~hit][:q], protected=slots[hit])
