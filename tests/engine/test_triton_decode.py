@@ -116,3 +116,27 @@ def test_route_breaks_ties_toward_the_lower_expert():
     w, ids = route(logits.to(DEVICE), 4, True, True, torch.float32)
     assert ids.cpu().tolist() == [[1, 3, 2, 4]]
     assert abs(float(w.sum()) - 1.0) < 1e-6 and float(w[0, 0]) == float(w[0, 1])
+
+
+@pytest.mark.parametrize("softmax", [True, False], ids=["softmax", "unit"])
+def test_route_of_nan_or_infinite_logits_stays_inside_the_experts(softmax):
+    """A NaN hidden state (fp16 overflow, a broken checkpoint) must not route to an expert that
+    does not exist: the ids index the cache's residency table and the bank. Rows: all NaN, NaN
+    among numbers, all -inf, +inf among numbers."""
+    from freetoken_engine.kernels.triton.route import route
+    e, k = 128, 8
+    logits = torch.randn(4, e, generator=torch.Generator().manual_seed(3))
+    logits[0] = float("nan")
+    logits[1, ::3] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, 5] = float("inf")
+    _, ids = route(logits.to(DEVICE), k, softmax, softmax, torch.float32)
+    ids = ids.cpu()
+    assert ((ids >= 0) & (ids < e)).all(), ids
+    assert all(len(set(row)) == k for row in ids.tolist()), ids
+    if softmax:     # one NaN or +inf makes the whole softmax NaN (as torch's): the lowest ids
+        assert ids[1].tolist() == ids[3].tolist() == list(range(k))
+    else:           # the scores themselves: NaN ranks last, +inf first
+        finite = logits[1].nan_to_num(nan=float("-inf"))
+        assert sorted(ids[1].tolist()) == sorted(finite.topk(k).indices.tolist())
+        assert ids[3, 0] == 5

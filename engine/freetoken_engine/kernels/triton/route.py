@@ -7,7 +7,8 @@ weights divided by their sum; weights in ``out_dtype``, ids int64. Same arithmet
 ``layers/moe.py``'s torch path up to the softmax's summation order (fp32), so weights agree to
 fp32 rounding and ids agree except between experts of equal probability, where torch's order is
 unspecified and this one takes the lower index. With ``softmax=False`` (the "unit" scoring) the
-top-k of the logits themselves and weights of one.
+top-k of the logits themselves and weights of one. NaN scores rank below every number, so a NaN
+hidden state still yields k distinct expert ids inside [0, E) (its weights are NaN).
 """
 from __future__ import annotations
 
@@ -34,12 +35,17 @@ def _route_kernel(logits, w_out, id_out, E, K: tl.constexpr, BE: tl.constexpr, B
     kk = tl.arange(0, BK)
     vals = tl.zeros([BK], tl.float32)
     ids = tl.zeros([BK], tl.int64)
+    # NaN (a NaN hidden state, e.g. fp16 overflow) ranks lowest, and a taken expert is never taken
+    # again even when every score left is -inf: ids stay distinct and inside [0, E) whatever the
+    # logits (a NaN compares unequal to the maximum, which once gave the id E: an illegal access)
+    p = tl.where(p == p, p, float("-inf"))
+    free = em
     for j in tl.static_range(K):
-        best = tl.max(p, 0)
-        idx = tl.min(tl.where(p == best, e, BE), 0)
+        best = tl.max(tl.where(free, p, float("-inf")), 0)
+        idx = tl.min(tl.where(free & (p >= best), e, BE), 0)
         vals = tl.where(kk == j, best, vals)
         ids = tl.where(kk == j, idx.to(tl.int64), ids)
-        p = tl.where(e == idx, float("-inf"), p)
+        free = free & (e != idx)
     if not SOFTMAX:
         vals = tl.zeros([BK], tl.float32) + 1.0
     if NORM:
