@@ -48,7 +48,7 @@ H, I, E, VOCAB = 2048, 768, 128, 32000
 
 def write_checkpoint(folder: Path, layers: int, rnd=None) -> int:
     """A hub-layout qwen3_moe folder, one safetensors shard per layer; returns bytes written.
-    ``rnd(shape)`` makes each bf16 tensor (default: random bit patterns, the cheapest to make)."""
+    ``rnd(shape)`` makes each bf16 tensor (default: finite random bit patterns, the cheapest to make)."""
     from freetoken_engine.layers.rope import Rotary
     from freetoken_engine.models.decoder import DecoderLM
     cfg_raw = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": H,
@@ -63,7 +63,10 @@ def write_checkpoint(folder: Path, layers: int, rnd=None) -> int:
     cfg = fam.parse(cfg_raw)
     with torch.device("meta"):
         model = DecoderLM(cfg, Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, "meta"))
-    rnd = rnd or (lambda shape: torch.empty(shape, dtype=torch.int16).random_(-16000, 16000).view(torch.bfloat16))
+    # random bit patterns with the exponent's top bit cleared: finite, |x| < 2 (NaN weights would
+    # make every hidden state NaN and route every token to the same experts)
+    rnd = rnd or (lambda shape: torch.empty(shape, dtype=torch.int16).random_(-16000, 16000)
+                  .bitwise_and_(~0x4000).view(torch.bfloat16))
     dense = {k: rnd(p.shape) for k, p in model.named_parameters()}
     weight_map, total = {}, 0
     shards = [("dense", dense)] + [(f"layer{i}", {fam.expert_key(i, e, p): rnd((I, H) if p < 2 else (H, I))
@@ -163,7 +166,18 @@ def ready_from_packed(folder: Path, pin: str, verify: bool, threads: int):
 FIRST_REQUEST = r"""
 import json, sys, time
 t0 = time.perf_counter()
+import freetoken_engine
+if sys.argv[3].startswith("preload"):      # what freetoken generate / serve do for a packed folder
+    freetoken_engine.preload(sys.argv[1], *[int(n) for n in sys.argv[3].split(":")[1:]])
 from freetoken_engine import LLM, SamplingParams
+t_import = time.perf_counter()
+import freetoken_engine.packed.reader as reader
+load, load_stats = reader.load_packed, {}
+def timed_load(*args, **kwargs):
+    pm = load(*args, **kwargs)
+    load_stats.update(pm.stats)
+    return pm
+reader.load_packed = timed_load
 llm = LLM(sys.argv[1], device=sys.argv[2], dtype="bfloat16")
 t1 = time.perf_counter()
 params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
@@ -171,19 +185,23 @@ first = llm.generate(list(range(3, 35)), params)
 t2 = time.perf_counter()
 second = llm.generate(list(range(40, 72)), params)
 t3 = time.perf_counter()
-print(json.dumps({"ready_seconds": t1 - t0, "first_request_seconds": t2 - t1, "second_request_seconds": t3 - t2,
+print(json.dumps({"ready_seconds": t1 - t0, "import_seconds": t_import - t0, "first_request_seconds": t2 - t1, "second_request_seconds": t3 - t2,
+                  "load": {k: load_stats.get(k) for k in ("seconds", "read_seconds", "waited_seconds", "preloaded", "threads")},
                   "first_request_stats": {k: first.stats.get(k) for k in ("hits", "misses", "fills", "cpu_computed")},
                   "tokens": len(first.token_ids)}))
 """
 
 
-def first_request(folder: Path, threads: int) -> dict:
+def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
     """A restart as a user sees it: a new process (imports included) loads the packed folder with
     ``LLM`` and serves its first request at once, cold expert cache, no warm-up pass; then a
     second request for comparison (32-token prompt, 8 new tokens each). Two processes, the page
     cache dropped before each: the first start on this folder (the CRC pass, and on a new machine
-    the kernel build and q* calibration) and a restart, against the disk's parallel O_DIRECT
-    read of the same files measured in the same run."""
+    the kernel build and q* calibration) and restarts, against the disk's parallel O_DIRECT
+    read of the same files measured in the same run. ``restarts``: one process each, in order,
+    "plain" (``LLM(folder)``) or "preload[:N]" (the process calls
+    ``freetoken_engine.preload(folder[, N threads])`` before importing torch, as ``freetoken
+    generate`` / ``serve`` do)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     files = sorted(folder.glob("*.bin"))
     nbytes = sum(f.stat().st_size for f in files)
@@ -192,16 +210,21 @@ def first_request(folder: Path, threads: int) -> dict:
     parallel_direct_read(files, threads)
     disk_s = time.perf_counter() - t
     out = {"device": device, "disk_read_seconds": disk_s, "disk_gbps": nbytes / disk_s / 1e9}
-    for start in ("first_start", "restart"):
+    for i, mode in enumerate(["plain"] + restarts):
+        start = "first_start" if i == 0 else f"restart_{i}_{mode}"
         dropped = drop_caches()
-        r = subprocess.run([sys.executable, "-c", FIRST_REQUEST, str(folder), device],
+        r = subprocess.run([sys.executable, "-c", FIRST_REQUEST, str(folder), device, mode],
                            capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if r.returncode != 0:
-            out[start] = {"error": r.stderr.strip().splitlines()[-1] if r.stderr.strip() else "failed"}
+            out[start] = {"error": r.stderr.strip().splitlines()[-40:] if r.stderr.strip() else "failed"}
+            print(f"{start}: failed\n" + "\n".join(out[start]["error"]) if r.stderr.strip() else f"{start}: failed")
             continue
         res = json.loads(r.stdout.strip().splitlines()[-1])
-        out[start] = {"page_cache_dropped": dropped, **res, "ready_over_disk_read": res["ready_seconds"] / disk_s}
-        print(f"{start}: ready {res['ready_seconds']:.2f} s ({res['ready_seconds'] / disk_s:.2f}x the disk read of "
+        out[start] = {"mode": mode, "page_cache_dropped": dropped, **res, "ready_over_disk_read": res["ready_seconds"] / disk_s}
+        ld = res["load"]
+        print(f"{start}: ready {res['ready_seconds']:.2f} s (imports {res['import_seconds']:.2f} s, load "
+              f"{ld['seconds']:.2f} s of which waiting for the read {ld['waited_seconds']:.2f} s; "
+              f"{res['ready_seconds'] / disk_s:.2f}x the disk read of "
               f"{disk_s:.2f} s), first request {res['first_request_seconds']:.2f} s (cold cache "
               f"{res['first_request_stats']}), second {res['second_request_seconds']:.2f} s ({device})")
     return out
@@ -216,6 +239,8 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the synthetic folders")
     ap.add_argument("--first-request-only", action="store_true",
                     help="only the restart -> first request measurement; added to this label's entry")
+    ap.add_argument("--restarts", default="plain,preload,plain,preload",
+                    help="the restarts after the first start, in order: plain | preload[:threads]")
     args = ap.parse_args()
     from freetoken_engine.models.build import build_model
 
@@ -234,7 +259,7 @@ def main() -> None:
     if args.first_request_only:
         data = json.loads(out.read_text())
         data["machines"].setdefault(args.label, {})["first_request"] = {
-            "moe_layers": args.layers, "packed_bytes": pk_bytes, **first_request(pk_dir, args.threads)}
+            "moe_layers": args.layers, "packed_bytes": pk_bytes, **first_request(pk_dir, args.threads, args.restarts.split(","))}
         out.write_text(json.dumps(data, indent=1) + "\n")
         shutil.rmtree(args.dir, ignore_errors=True)
         return
@@ -309,7 +334,7 @@ def main() -> None:
                             "safetensors_bytes": st_bytes, "packed_bytes": pk_bytes, "convert_seconds": t_convert},
              "threads": args.threads, "rows": rows, "headline": headline,
              "first_request": {"moe_layers": args.layers, "packed_bytes": pk_bytes,
-                               **first_request(pk_dir, args.threads)},
+                               **first_request(pk_dir, args.threads, args.restarts.split(","))},
              "notes": [] if cuda else ["no CUDA on this machine: the bank is not pinned, the pin-before-fill side is not run"]}
     data = json.loads(out.read_text()) if out.exists() else {}
     data.update({"benchmark": "fast_load", "method": __doc__.strip().split("\n\n")[1]})

@@ -47,3 +47,15 @@ def tiny_checkpoint(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def tiny_packed(tiny_checkpoint, tmp_path_factory):
+    """(source folder, packed folder) of the tiny qwen3_moe checkpoint. Small shards: the bank
+    splits into one piece per MoE layer, the dense tensors into several files. Tests that damage
+    files work on a ``copy_folder`` of it."""
+    from freetoken_engine.packed import convert
+    src = tiny_checkpoint("qwen3_moe")
+    out = tmp_path_factory.mktemp("packed") / "tiny-packed"
+    convert(src, out, shard_bytes=40_000, progress=False)
+    return src, out

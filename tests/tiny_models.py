@@ -97,3 +97,11 @@ def load_reference(path):
     """The same checkpoint in transformers (float32, eager attention)."""
     import transformers as T
     return T.AutoModelForCausalLM.from_pretrained(path, dtype="float32", attn_implementation="eager").eval()
+
+
+def copy_folder(src: Path, dst: Path) -> Path:
+    """A flat copy of the model folder ``src`` at ``dst`` (new files: new inodes and mtimes)."""
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    return dst

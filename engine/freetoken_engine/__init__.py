@@ -10,7 +10,7 @@ Data flow of one request (each arrow is one typed object, documented where it is
 Layers import downward only: server -> scheduler -> executor -> models -> layers -> kernels;
 ``cache`` never imports ``models``.
 """
-__all__ = ["LLM", "Generation", "SamplingParams"]
+__all__ = ["LLM", "Generation", "SamplingParams", "preload"]
 
 
 def __getattr__(name: str):
@@ -18,6 +18,9 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from .executor.sampler import SamplingParams
         return SamplingParams
+    if name == "preload":         # torch-free: call it first, so a packed bank's read overlaps the imports
+        from .packed.early import preload
+        return preload
     if name in ("LLM", "Generation"):
         from . import llm
         return getattr(llm, name)

@@ -98,7 +98,7 @@ def cmd_generate(args) -> int:
 
 def cmd_calibrate(args) -> int:
     from .calibrate import load_or_measure
-    result = load_or_measure(args.device, refresh=args.refresh)
+    result = load_or_measure(args.device or ("cuda" if _cuda() else "cpu"), refresh=args.refresh)
     if args.json:
         print(json.dumps(result))
     else:
@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.set_defaults(func=cmd_serve)
 
     cal = sub.add_parser("calibrate", help="measure PCIe and CPU-expert bandwidth for q*")
-    cal.add_argument("--device", default="cuda" if _cuda() else "cpu")
+    cal.add_argument("--device", help="cpu or cuda (default: cuda when present)")
     cal.add_argument("--json", action="store_true")
     cal.add_argument("--refresh", action="store_true", help="re-measure instead of using the cache")
     cal.set_defaults(func=cmd_calibrate)
@@ -177,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.func in (cmd_generate, cmd_serve, cmd_calibrate):
             from . import env
             env.validate()      # before anything slow (the default model's first conversion)
+        if args.func in (cmd_generate, cmd_serve) and args.model is not None:
+            from .packed import is_packed, preload
+            if is_packed(args.model):
+                preload(args.model)     # torch is not imported yet: the bank's read overlaps it
         return args.func(args)
     except EngineError as exc:
         print(f"freetoken: error: {exc}", file=sys.stderr)

@@ -10,30 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import copy_folder
 
 from freetoken_engine.models import family
 from freetoken_engine.models.loader import Checkpoint
-from freetoken_engine.packed import PackedFormatError, convert, is_packed, load_packed
+from freetoken_engine.packed import PackedFormatError, convert, early, is_packed, load_packed, preload
 
 
-@pytest.fixture(scope="module")
-def packed(tiny_checkpoint, tmp_path_factory):
-    src = tiny_checkpoint("qwen3_moe")
-    out = tmp_path_factory.mktemp("packed") / "tiny-packed"
-    # Small shards: the bank splits into one piece per MoE layer, the dense tensors into several files.
-    convert(src, out, shard_bytes=40_000, progress=False)
-    return src, out
-
-
-def _copy(src: Path, dst: Path) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        (dst / f.name).write_bytes(f.read_bytes())
-    return dst
-
-
-def test_packed_folder_stands_alone_and_loads_bit_exact(packed):
-    src, out = packed
+def test_packed_folder_stands_alone_and_loads_bit_exact(tiny_packed):
+    src, out = tiny_packed
     assert is_packed(out) and not is_packed(src)
     others = {f.name for f in src.iterdir() if not f.name.endswith(".safetensors")} - {"model.safetensors.index.json"}
     assert others <= {f.name for f in out.iterdir()}       # config, tokenizer, template copied
@@ -60,17 +45,17 @@ def test_packed_folder_stands_alone_and_loads_bit_exact(packed):
     assert len(pm.index["bank"]["pieces"]) == 2 * len(moe.layers)
 
 
-def test_bank_dtype_conversion_on_load(packed):
-    _, out = packed
+def test_bank_dtype_conversion_on_load(tiny_packed):
+    _, out = tiny_packed
     full = load_packed(out)
     half = load_packed(out, dtype=torch.bfloat16, pin="none")
     assert half.w13.dtype == torch.bfloat16
     assert torch.equal(half.w13, full.w13.to(torch.bfloat16)) and torch.equal(half.w2, full.w2.to(torch.bfloat16))
 
 
-def test_corrupt_block_is_caught_by_its_checksum(packed, tmp_path):
-    _, out = packed
-    bad = _copy(out, tmp_path / "bad")
+def test_corrupt_block_is_caught_by_its_checksum(tiny_packed, tmp_path):
+    _, out = tiny_packed
+    bad = copy_folder(out, tmp_path / "bad")
     victim = bad / "bank-w2-00001.bin"
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0x40
@@ -80,11 +65,11 @@ def test_corrupt_block_is_caught_by_its_checksum(packed, tmp_path):
     assert load_packed(bad, verify=False).w2 is not None     # unverified loads do not check
 
 
-def test_restart_skips_the_checksum_pass_until_a_file_changes(packed, tmp_path):
+def test_restart_skips_the_checksum_pass_until_a_file_changes(tiny_packed, tmp_path):
     """verify="auto": the first load checks every block, a restart of unchanged files does not,
     and a file rewritten since (new mtime) is checked again and caught."""
-    _, out = packed
-    folder = _copy(out, tmp_path / "restart")
+    _, out = tiny_packed
+    folder = copy_folder(out, tmp_path / "restart")
     assert load_packed(folder).stats["verified"] is True
     assert load_packed(folder).stats["verified"] is False
     victim = folder / "bank-w13-00000.bin"
@@ -95,11 +80,14 @@ def test_restart_skips_the_checksum_pass_until_a_file_changes(packed, tmp_path):
         load_packed(folder)
 
 
-def test_truncated_or_missing_files_fail_before_loading(packed, tmp_path):
-    _, out = packed
-    bad = _copy(out, tmp_path / "trunc")
+def test_truncated_or_missing_files_fail_before_loading(tiny_packed, tmp_path):
+    _, out = tiny_packed
+    bad = copy_folder(out, tmp_path / "trunc")
     f = bad / "bank-w13-00000.bin"
     f.write_bytes(f.read_bytes()[:-4096])
+    with pytest.raises(PackedFormatError, match="bytes on disk"):
+        preload(bad)                    # the early read checks first too, and starts nothing
+    assert early.take(bad) is None
     with pytest.raises(PackedFormatError, match="bytes on disk"):
         load_packed(bad)
     f.unlink()
@@ -107,9 +95,9 @@ def test_truncated_or_missing_files_fail_before_loading(packed, tmp_path):
         load_packed(bad)
 
 
-def test_config_that_does_not_match_the_bank_is_rejected(packed, tmp_path):
-    _, out = packed
-    bad = _copy(out, tmp_path / "mismatch")
+def test_config_that_does_not_match_the_bank_is_rejected(tiny_packed, tmp_path):
+    _, out = tiny_packed
+    bad = copy_folder(out, tmp_path / "mismatch")
     cfg = json.loads((bad / "config.json").read_text())
     cfg["moe_intermediate_size"] *= 2
     (bad / "config.json").write_text(json.dumps(cfg))
@@ -134,10 +122,10 @@ def test_cli_convert_writes_a_loadable_folder(tiny_checkpoint, tmp_path):
 
 
 @pytest.mark.gpu
-def test_pinned_bank_reloads_and_copies_exactly(packed):
+def test_pinned_bank_reloads_and_copies_exactly(tiny_packed):
     """Pin after fill, free, load again in the same process: the old registration is undone
     (no 'already registered'), and a host-to-device copy of the pinned bank is exact."""
-    _, out = packed
+    _, out = tiny_packed
     first = load_packed(out, pin="after")
     assert first.pinned
     expect = first.w13.clone()

@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from ..errors import ConfigError
 
 INDEX_NAME = "freetoken-packed.json"
@@ -25,18 +23,26 @@ FORMAT = "freetoken-packed"
 VERSION = 1
 ALIGN = 4096
 BLOCK = 16 << 20                 # CRC block and read chunk
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}   # the stored dtypes; no torch here, so a
+# read can start (packed/early.py) before torch is imported
+
+
+def torch_dtype(name: str):
+    """The torch dtype of a stored dtype name."""
+    import torch
+    return getattr(torch, name)
 
 
 class PackedFormatError(ConfigError):
     """A packed folder that is missing, corrupt or inconsistent; raised before the model is used."""
 
 
-def dtype_name(dt: torch.dtype) -> str:
-    for k, v in DTYPES.items():
-        if v == dt:
-            return k
-    raise PackedFormatError(f"dtype {dt} cannot be packed (supported: {', '.join(DTYPES)})")
+def dtype_name(dt) -> str:
+    """The stored name of torch dtype ``dt``."""
+    name = str(dt).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise PackedFormatError(f"dtype {dt} cannot be packed (supported: {', '.join(ITEMSIZE)})")
+    return name
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
@@ -50,7 +56,7 @@ def is_packed(folder: str | Path) -> bool:
 
 def bank_piece_bytes(index: dict, tensor: str, layers: tuple[int, int]) -> int:
     b = index["bank"]
-    per_layer = b["num_experts"] * 2 * b["inter"] * b["hidden"] * DTYPES[index["dtype"]].itemsize
+    per_layer = b["num_experts"] * 2 * b["inter"] * b["hidden"] * ITEMSIZE[index["dtype"]]
     if tensor not in ("w13", "w2"):
         raise PackedFormatError(f"unknown bank tensor {tensor!r}")
     return per_layer * (layers[1] - layers[0]) // (1 if tensor == "w13" else 2)
@@ -71,7 +77,7 @@ def read_index(folder: Path) -> dict:
     if index.get("format") != FORMAT or index.get("version") != VERSION:
         raise PackedFormatError(f"{path}: not a {FORMAT} v{VERSION} index "
                                 f"(format={index.get('format')!r}, version={index.get('version')!r})")
-    if index.get("dtype") not in DTYPES:
+    if index.get("dtype") not in ITEMSIZE:
         raise PackedFormatError(f"{path}: unknown dtype {index.get('dtype')!r}")
     block = index.get("block_bytes")
     if not isinstance(block, int) or block <= 0 or block % ALIGN:
@@ -91,12 +97,12 @@ def read_index(folder: Path) -> dict:
             raise PackedFormatError(f"{path}: tensor {key} lives in unlisted file {t['file']}")
         if t["offset"] % ALIGN or t["offset"] + t["nbytes"] > files[t["file"]]["size"]:
             raise PackedFormatError(f"{path}: tensor {key} is misaligned or runs past its file")
-        if t["dtype"] not in DTYPES:
+        if t["dtype"] not in ITEMSIZE:
             raise PackedFormatError(f"{path}: tensor {key} has unknown dtype {t['dtype']!r}")
         numel = 1
         for d in t["shape"]:
             numel *= d
-        if numel * DTYPES[t["dtype"]].itemsize != t["nbytes"]:
+        if numel * ITEMSIZE[t["dtype"]] != t["nbytes"]:
             raise PackedFormatError(f"{path}: tensor {key}: shape {t['shape']} does not match {t['nbytes']} bytes")
     bank = index.get("bank")
     if bank:

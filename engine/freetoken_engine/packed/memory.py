@@ -1,7 +1,9 @@
 """Host memory for the bank: page-aligned anonymous mappings that can be page-locked in place.
 
-``aligned_empty(n)`` returns a uint8 tensor on its own mapping (4 KiB-aligned, so O_DIRECT reads
-land in it directly; transparent huge pages advised). ``host_register(t)`` page-locks such a
+``arena(n)`` is such a mapping (4 KiB-aligned, so O_DIRECT reads land in it directly; transparent
+huge pages advised), made without torch so that a read can start before torch is imported
+(``early.py``); ``as_tensor(arena, n)`` views it as a uint8 tensor and ``aligned_empty(n)`` does
+both. ``host_register(t)`` page-locks such a
 tensor with ``cudaHostRegister`` and undoes it before the mapping is unmapped, so a later
 mapping at the same address is never mistaken for pinned memory (a freed registered buffer
 would otherwise make CUDA copy stale pages, or fail with "already registered").
@@ -10,8 +12,6 @@ from __future__ import annotations
 
 import mmap
 import weakref
-
-import torch
 
 from .format import PackedFormatError, align_up
 
@@ -23,32 +23,45 @@ class _Arena(mmap.mmap):
 _ARENAS: "weakref.WeakValueDictionary[int, _Arena]" = weakref.WeakValueDictionary()
 
 
-def aligned_empty(nbytes: int) -> torch.Tensor:
-    """A page-aligned uint8 tensor of ``nbytes`` (anonymous mmap; it keeps the mapping alive)."""
+def arena(nbytes: int) -> _Arena:
+    """A page-aligned anonymous mapping of at least ``nbytes`` (whole pages)."""
     mm = _Arena(-1, align_up(max(nbytes, 1)))
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
             pass
+    return mm
+
+
+def as_tensor(mm: _Arena, nbytes: int):
+    """The first ``nbytes`` of ``mm`` as a uint8 tensor (which keeps the mapping alive)."""
+    import torch
     t = torch.frombuffer(mm, dtype=torch.uint8)
     _ARENAS[t.data_ptr()] = mm
     return t[:nbytes]
 
 
+def aligned_empty(nbytes: int):
+    """A page-aligned uint8 tensor of ``nbytes`` (anonymous mmap; it keeps the mapping alive)."""
+    return as_tensor(arena(nbytes), nbytes)
+
+
 def _unregister(ptr: int) -> None:
+    import torch
     try:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # interpreter shutdown: the driver may be gone already
         pass
 
 
-def host_register(t: torch.Tensor) -> bool:
+def host_register(t) -> bool:
     """Page-lock ``t`` (a whole ``aligned_empty`` tensor) in place; False without CUDA.
 
     The registration is undone before the mapping is unmapped (a finalizer on the arena), so a
     later mapping at the same address is never mistaken for pinned memory.
     """
+    import torch
     if not torch.cuda.is_available():
         return False
     ptr = t.data_ptr()

@@ -1,0 +1,235 @@
+"""Reading a packed folder's files into page-aligned arenas, startable before torch is imported.
+
+A restart of a large model is the disk read of its bank plus the engine's start: ``import torch``
+alone takes 3-4 s on the H200 host. ``preload(folder)`` (``freetoken_engine.preload``; the CLI
+calls it for a packed ``--model`` before anything imports torch) checks the index structurally,
+allocates the arenas and returns at once while background threads read; ``load_packed`` then
+adopts that read (waiting for what is left of it) when its options match, and otherwise cancels
+it and reads again. A failed read raises from ``load_packed``, naming the file and block.
+
+``Fill``: 16 MiB blocks handed out to ``threads`` threads in turn, each read with ``os.preadv``
+(GIL released) through an O_DIRECT descriptor when the filesystem takes one and the block is
+aligned, straight into its final place, its CRC32 checked as it lands when ``check``. Nothing in
+this module imports torch.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+import time
+import zlib
+from pathlib import Path
+from typing import Callable
+
+from .format import ALIGN, INDEX_NAME, PackedFormatError, bank_piece_bytes, read_index
+from .memory import arena
+
+
+def _stamp_path(folder: Path) -> Path:
+    from .. import env
+    key = hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:24]
+    return env.cache_dir() / "packed-verified" / f"{key}.json"
+
+
+def _file_stamps(folder: Path, index: dict) -> dict:
+    stamps = {}
+    for name in sorted(index["files"]) + [INDEX_NAME]:
+        st = (folder / name).stat()
+        stamps[name] = [st.st_size, st.st_mtime_ns, st.st_ino]
+    return stamps
+
+
+def already_verified(folder: Path, index: dict) -> bool:
+    """True when every file is as it was at a load that checked every block's CRC."""
+    try:
+        return json.loads(_stamp_path(folder).read_text()) == _file_stamps(folder, index)
+    except (OSError, ValueError):
+        return False
+
+
+def record_verified(folder: Path, index: dict) -> None:
+    path = _stamp_path(folder)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(_file_stamps(folder, index)))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs a re-check next time
+
+
+class Fill:
+    """Every file of a packed folder read into arenas: ``arenas[name]`` for a dense file (the
+    whole file), ``arenas["w13"]`` / ``arenas["w2"]`` for the bank in the stored dtype and final
+    layout (each piece file at its layers' offset; padding past a piece is read for the CRC only).
+    The arenas exist from construction; ``start`` launches the reads, ``wait`` joins them."""
+
+    def __init__(self, folder: Path, index: dict, check: bool, direct: bool, threads: int,
+                 progress: Callable[[float], None] | None = None):
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.folder, self.index, self.check, self.direct, self.threads = folder, index, check, direct, threads
+        self.progress = progress
+        self.block = index["block_bytes"]
+        self.arenas: dict = {}
+        dests = {}                      # file -> (arena, offset of its first byte, bytes kept)
+        for name, meta in index["files"].items():
+            if name.startswith("dense-"):
+                self.arenas[name] = arena(meta["size"])
+                dests[name] = (self.arenas[name], 0, meta["size"])
+        bank = index.get("bank")
+        if bank:
+            layers = len(bank["moe_layers"])
+            per = {t: bank_piece_bytes(index, t, (0, 1)) for t in ("w13", "w2")}
+            for t in ("w13", "w2"):
+                self.arenas[t] = arena(per[t] * layers)
+            for p in bank["pieces"]:
+                a, b = p["layers"]
+                dests[p["file"]] = (self.arenas[p["tensor"]], a * per[p["tensor"]], (b - a) * per[p["tensor"]])
+        self.jobs = [(name, b, *dest) for name, dest in dests.items()
+                     for b in range((index["files"][name]["size"] + self.block - 1) // self.block)]
+        self.total = sum(index["files"][name]["size"] for name in dests)
+        self.done_bytes = self.direct_bytes = 0
+        self.error: PackedFormatError | None = None
+        self.cancelled = False
+        self._next = 0
+        self._lock = threading.Lock()
+        self._last = -1.0
+        self._workers: list[threading.Thread] = []
+        self.started = self.finished = 0.0
+        self.fds: dict[str, tuple[int, int | None]] = {}
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> "Fill":
+        for name in {j[0] for j in self.jobs}:
+            path = str(self.folder / name)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                self.close()
+                raise PackedFormatError(f"{path}: cannot open ({exc})") from None
+            dfd = None
+            if self.direct and hasattr(os, "O_DIRECT"):
+                try:
+                    dfd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                except OSError:
+                    dfd = None          # e.g. tmpfs: no O_DIRECT, the page cache it is
+            self.fds[name] = (fd, dfd)
+        self.started = time.perf_counter()
+        self._workers = [threading.Thread(target=self._work, name=f"ft-fill-{i}", daemon=True)
+                         for i in range(min(self.threads, max(1, len(self.jobs))))]
+        for w in self._workers:
+            w.start()
+        return self
+
+    def cancel(self) -> None:
+        """Stop handing out blocks (those being read finish), and release the files."""
+        self.cancelled = True
+        for w in self._workers:
+            w.join()
+        self.close()
+
+    def wait(self) -> float:
+        """Join the reads; -> seconds from start to the last block. Raises the first failure."""
+        for w in self._workers:
+            w.join()
+        self.close()
+        if self.error is not None:
+            raise self.error
+        if self.cancelled:
+            raise PackedFormatError(f"{self.folder}: the read was cancelled")
+        return self.finished - self.started
+
+    def close(self) -> None:
+        for fd, dfd in self.fds.values():
+            os.close(fd)
+            if dfd is not None:
+                os.close(dfd)
+        self.fds = {}
+
+    # -- the reads ---------------------------------------------------------------------------
+    def _work(self) -> None:
+        while not self.cancelled and self.error is None:
+            with self._lock:
+                k, self._next = self._next, self._next + 1
+            if k >= len(self.jobs):
+                break
+            try:
+                self._read(*self.jobs[k])
+            except PackedFormatError as exc:
+                with self._lock:
+                    self.error = self.error or exc
+        with self._lock:
+            self.finished = max(self.finished, time.perf_counter())
+
+    def _pread(self, fd: int, dest: memoryview, off: int) -> None:
+        got = 0
+        while got < len(dest):
+            n = os.preadv(fd, [dest[got:]], off + got)
+            if n <= 0:
+                raise PackedFormatError(f"short read at offset {off + got}")
+            got += n
+
+    def _read(self, name: str, b: int, mm, base: int, keep: int) -> None:
+        meta = self.index["files"][name]
+        fd, dfd = self.fds[name]
+        off = b * self.block
+        n = min(self.block, meta["size"] - off)
+        inside = max(0, min(n, keep - off))
+        try:
+            if inside == n:
+                mv = memoryview(mm)[base + off:base + off + n]
+                # arenas are page-aligned, so the address is aligned when base + off is
+                use_direct = dfd is not None and (base + off) % ALIGN == 0 and n % ALIGN == 0
+                try:
+                    self._pread(dfd if use_direct else fd, mv, off)
+                except OSError:
+                    if not use_direct:
+                        raise
+                    use_direct = False
+                    self._pread(fd, mv, off)
+            else:                       # the padded tail past what is kept: bounce it
+                mv = memoryview(bytearray(n))
+                self._pread(fd, mv, off)
+                if inside:
+                    memoryview(mm)[base + off:base + off + inside] = mv[:inside]
+                use_direct = False
+        except OSError as exc:
+            raise PackedFormatError(f"{self.folder / name}: read failed at block {b} ({exc})") from None
+        if self.check and zlib.crc32(mv) != meta["crc32"][b]:
+            raise PackedFormatError(f"{self.folder / name}: block {b} (bytes {off}..{off + n}) fails its "
+                                    f"CRC32 check: the file is corrupt; re-run freetoken convert")
+        with self._lock:
+            self.done_bytes += n
+            self.direct_bytes += n if use_direct else 0
+            frac = self.done_bytes / max(1, self.total)
+            if self.progress and (frac - self._last >= 0.01 or frac >= 1.0):
+                self._last = frac
+                self.progress(frac)
+
+
+_pending: dict[str, Fill] = {}
+_pending_lock = threading.Lock()
+
+
+def preload(folder: str | Path, threads: int = 8) -> None:
+    """Start reading the packed folder ``folder`` in the background; returns at once. The next
+    ``load_packed`` of the same folder (``LLM``, ``freetoken serve``) takes the read over. Call
+    it before importing torch so that the read overlaps the imports. Raises PackedFormatError
+    for a folder whose index or files fail the structural checks."""
+    folder = Path(folder)
+    index = read_index(folder)
+    fill = Fill(folder, index, not already_verified(folder, index), True, threads).start()
+    with _pending_lock:
+        old = _pending.pop(str(folder.resolve()), None)
+        _pending[str(folder.resolve())] = fill
+    if old is not None:
+        old.cancel()
+
+
+def take(folder: Path) -> Fill | None:
+    """The preloaded read of ``folder``, now the caller's; None if there is none."""
+    with _pending_lock:
+        return _pending.pop(str(Path(folder).resolve()), None)

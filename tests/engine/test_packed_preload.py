@@ -1,0 +1,142 @@
+"""``preload``: a packed folder's read starts before torch is imported and the load takes it over,
+with the same bytes as a plain load; its failures surface from the load; a load asking for other
+options reads again; ``freetoken generate`` starts it before torch."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import copy_folder
+
+from freetoken_engine.packed import PackedFormatError, convert, load_packed, preload
+from freetoken_engine.packed import early
+
+
+def _flip(path: Path, at: int, keep_stamp: bool) -> None:
+    """Corrupt one byte in place; with keep_stamp the file keeps its size, mtime and inode."""
+    st = path.stat()
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x20]))
+    if keep_stamp:
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_preloaded_read_is_taken_over_and_loads_the_same_bytes(tiny_packed):
+    _, out = tiny_packed
+    plain = load_packed(out, threads=2)
+    preload(out, threads=3)
+    seen: list[float] = []
+    pm = load_packed(out, threads=2, progress=seen.append)
+    assert pm.stats["preloaded"] is True and plain.stats["preloaded"] is False
+    assert early.take(out) is None                          # taken, not left behind
+    assert torch.equal(pm.w13, plain.w13) and torch.equal(pm.w2, plain.w2)
+    assert pm.names() == plain.names()
+    for key in pm.names():
+        assert torch.equal(pm.get(key), plain.get(key)), key
+    assert pm.w13.data_ptr() % 4096 == 0
+    assert pm.stats["bytes"] == plain.stats["bytes"]
+    assert all(0 < f <= 1 for f in seen)                    # progress of what was left, if anything
+
+
+def test_preloaded_read_converts_to_the_asked_dtype(tiny_packed):
+    _, out = tiny_packed
+    want = load_packed(out)
+    preload(out)
+    half = load_packed(out, dtype=torch.bfloat16)
+    assert half.stats["preloaded"] and half.w13.dtype == torch.bfloat16
+    assert torch.equal(half.w13, want.w13.to(torch.bfloat16)) and torch.equal(half.w2, want.w2.to(torch.bfloat16))
+
+
+def test_preload_starts_before_torch_is_imported(tiny_packed):
+    _, out = tiny_packed
+    code = ("import json, sys\n"
+            "import freetoken_engine\n"
+            f"freetoken_engine.preload({str(out)!r})\n"
+            "before = 'torch' in sys.modules\n"
+            "from freetoken_engine.packed import load_packed\n"
+            f"pm = load_packed({str(out)!r})\n"
+            "print(json.dumps({'torch_before': before, 'preloaded': pm.stats['preloaded'],\n"
+            "                  'sum': float(pm.w13.double().sum())}))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["torch_before"] is False and got["preloaded"] is True
+    assert got["sum"] == float(load_packed(out).w13.double().sum())
+
+
+def test_a_corrupt_block_found_by_the_preload_fails_the_load(tiny_packed, tmp_path):
+    _, out = tiny_packed
+    bad = copy_folder(out, tmp_path / "bad")                      # never loaded: every block is checked
+    _flip(bad / "bank-w2-00001.bin", 10, keep_stamp=False)
+    preload(bad)
+    with pytest.raises(PackedFormatError, match=r"bank-w2-00001\.bin: block 0 .*CRC32"):
+        load_packed(bad)
+    assert early.take(bad) is None
+
+
+def test_a_load_with_other_options_reads_again(tiny_packed, tmp_path):
+    """A restart's preload skips the CRC pass (files unchanged since a checked load); a load that
+    asks for verify=True must not take that read over: it reads again and catches the damage."""
+    _, out = tiny_packed
+    folder = copy_folder(out, tmp_path / "stamped")
+    assert load_packed(folder).stats["verified"] is True
+    _flip(folder / "bank-w13-00000.bin", 123, keep_stamp=True)  # the stamp still says verified
+    preload(folder)
+    with pytest.raises(PackedFormatError, match="CRC32"):
+        load_packed(folder, verify=True)
+    preload(folder)
+    assert load_packed(folder).stats["preloaded"] is True    # the same options: taken over
+
+
+CLI_PROBE = r"""
+import json, sys
+import freetoken_engine.packed as packed
+from freetoken_engine.packed import early
+seen = {}
+real_preload, real_take = early.preload, early.take
+def preload(folder, threads=8):
+    seen["torch_at_preload"] = "torch" in sys.modules
+    real_preload(folder, threads)
+def take(folder):
+    fill = real_take(folder)
+    seen["taken"] = fill is not None
+    return fill
+packed.preload = early.preload = preload
+early.take = take
+from freetoken_engine.cli import main
+rc = main(sys.argv[1:])
+print(json.dumps({"rc": rc, **seen}))
+"""
+
+
+def test_cli_generate_starts_the_read_before_torch(tiny_packed):
+    src, out = tiny_packed
+    args = ["generate", "--model", str(out), "--prompt-ids", "5,17,99,200", "--max-new-tokens", "4", "--json"]
+    r = subprocess.run([sys.executable, "-c", CLI_PROBE, *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.strip().splitlines()
+    probe = json.loads(lines[-1])
+    assert probe == {"rc": 0, "torch_at_preload": False, "taken": True}
+    got = json.loads(lines[-2])["token_ids"]
+    from freetoken_engine import LLM, SamplingParams
+    assert got == LLM(src).generate([5, 17, 99, 200], SamplingParams(max_new_tokens=4, temperature=0)).token_ids
+
+
+@pytest.mark.gpu
+def test_preloaded_bank_is_pinned_in_place_and_copies_exactly(tiny_packed):
+    """The arenas a preload filled are the bank: pinned after the fill where they lie, and a
+    host-to-device copy of them is exact."""
+    _, out = tiny_packed
+    want = load_packed(out, pin="none").w13.clone()
+    preload(out)
+    pm = load_packed(out, pin="after")
+    assert pm.stats["preloaded"] and pm.pinned
+    assert torch.equal(pm.w13.to("cuda", non_blocking=True).cpu(), want)
