@@ -201,7 +201,10 @@ def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
     read of the same files measured in the same run. ``restarts``: one process each, in order,
     "plain" (``LLM(folder)``) or "preload[:N]" (the process calls
     ``freetoken_engine.preload(folder[, N threads])`` before importing torch, as ``freetoken
-    generate`` / ``serve`` do)."""
+    generate`` / ``serve`` do); with "+warm" a throwaway process imports torch and the engine
+    after the page cache is dropped, so the libraries come from memory and only the bank from
+    the disk (a server restarted on a running machine: the bank's O_DIRECT reads never fill the
+    page cache)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     files = sorted(folder.glob("*.bin"))
     nbytes = sum(f.stat().st_size for f in files)
@@ -213,6 +216,10 @@ def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
     for i, mode in enumerate(["plain"] + restarts):
         start = "first_start" if i == 0 else f"restart_{i}_{mode}"
         dropped = drop_caches()
+        warm = mode.endswith("+warm")
+        if warm:                        # the libraries back in the page cache, the bank not
+            subprocess.run([sys.executable, "-c", "import torch, triton, freetoken_engine.llm"], check=True)
+            mode = mode.removesuffix("+warm")
         r = subprocess.run([sys.executable, "-c", FIRST_REQUEST, str(folder), device, mode],
                            capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
         if r.returncode != 0:
@@ -220,7 +227,7 @@ def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
             print(f"{start}: failed\n" + "\n".join(out[start]["error"]) if r.stderr.strip() else f"{start}: failed")
             continue
         res = json.loads(r.stdout.strip().splitlines()[-1])
-        out[start] = {"mode": mode, "page_cache_dropped": dropped, **res, "ready_over_disk_read": res["ready_seconds"] / disk_s}
+        out[start] = {"mode": mode, "libraries_warm": warm, "page_cache_dropped": dropped, **res, "ready_over_disk_read": res["ready_seconds"] / disk_s}
         ld = res["load"]
         print(f"{start}: ready {res['ready_seconds']:.2f} s (imports {res['import_seconds']:.2f} s, load "
               f"{ld['seconds']:.2f} s of which waiting for the read {ld['waited_seconds']:.2f} s; "
@@ -239,8 +246,9 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the synthetic folders")
     ap.add_argument("--first-request-only", action="store_true",
                     help="only the restart -> first request measurement; added to this label's entry")
-    ap.add_argument("--restarts", default="plain,preload,plain,preload",
-                    help="the restarts after the first start, in order: plain | preload[:threads]")
+    ap.add_argument("--restarts", default="plain,preload,plain+warm,preload+warm,plain+warm,preload+warm",
+                    help="the restarts after the first start, in order: plain | preload[:threads], "
+                         "each optionally +warm (libraries in the page cache)")
     args = ap.parse_args()
     from freetoken_engine.models.build import build_model
 
