@@ -105,3 +105,11 @@ def copy_folder(src: Path, dst: Path) -> Path:
     for f in src.iterdir():
         (dst / f.name).write_bytes(f.read_bytes())
     return dst
+
+
+def scale_config(folder: Path, key: str, factor: int) -> None:
+    """Multiply ``key`` of ``folder``'s config.json by ``factor`` (a config that no longer fits
+    the weights)."""
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg[key] *= factor
+    (folder / "config.json").write_text(json.dumps(cfg))

@@ -2,15 +2,13 @@
 back bit for bit, and fail clearly on corrupt, truncated or mismatched folders."""
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import copy_folder
+from tiny_models import copy_folder, scale_config
 
 from freetoken_engine.models import family
 from freetoken_engine.models.loader import Checkpoint
@@ -98,9 +96,7 @@ def test_truncated_or_missing_files_fail_before_loading(tiny_packed, tmp_path):
 def test_config_that_does_not_match_the_bank_is_rejected(tiny_packed, tmp_path):
     _, out = tiny_packed
     bad = copy_folder(out, tmp_path / "mismatch")
-    cfg = json.loads((bad / "config.json").read_text())
-    cfg["moe_intermediate_size"] *= 2
-    (bad / "config.json").write_text(json.dumps(cfg))
+    scale_config(bad, "moe_intermediate_size", 2)
     with pytest.raises(PackedFormatError, match="does not match config.json"):
         load_packed(bad)
 

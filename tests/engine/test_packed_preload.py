@@ -1,19 +1,21 @@
 """``preload``: a packed folder's read starts before torch is imported and the load takes it over,
 with the same bytes as a plain load; its failures surface from the load; a load asking for other
-options reads again; ``freetoken generate`` starts it before torch."""
+options reads again; ``freetoken generate`` starts it before torch. ``defer_bank``: the load
+returns with the dense files in and the bank finishing behind the model's construction."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import copy_folder
+from tiny_models import copy_folder, scale_config
 
-from freetoken_engine.packed import PackedFormatError, convert, load_packed, preload
+from freetoken_engine.packed import PackedFormatError, load_packed, preload
 from freetoken_engine.packed import early
 
 
@@ -94,6 +96,48 @@ def test_a_load_with_other_options_reads_again(tiny_packed, tmp_path):
         load_packed(folder, verify=True)
     preload(folder)
     assert load_packed(folder).stats["preloaded"] is True    # the same options: taken over
+
+
+def test_deferred_bank_finishes_to_the_same_bytes(tiny_packed):
+    _, out = tiny_packed
+    plain = load_packed(out)
+    pm = load_packed(out, defer_bank=True)
+    for key in plain.names():
+        assert torch.equal(pm.get(key), plain.get(key)), key     # the dense files are in at once
+    pm.finish()
+    pm.finish()                                                   # once is enough; twice is harmless
+    assert torch.equal(pm.w13, plain.w13) and torch.equal(pm.w2, plain.w2)
+    assert pm.stats["read_seconds"] > 0 and pm.stats["seconds"] >= pm.stats["read_seconds"]
+
+
+def test_a_corrupt_bank_fails_the_deferred_load(tiny_packed, tmp_path):
+    _, out = tiny_packed
+    bad = copy_folder(out, tmp_path / "bad-bank")
+    _flip(bad / "bank-w13-00001.bin", 77, keep_stamp=False)
+    with pytest.raises(PackedFormatError, match=r"bank-w13-00001\.bin: block 0 .*CRC32"):
+        load_packed(bad, defer_bank=True).finish()
+
+
+def test_a_model_that_fails_to_build_stops_its_bank_read(tiny_packed, tmp_path, monkeypatch):
+    """build_model defers the bank; when the dense weights do not fit the config it fails with a
+    clear error and leaves no reader thread behind (bank blocks slowed down to 0.3 s each, so
+    the read is still going when the error comes)."""
+    import time
+    from freetoken_engine.errors import ConfigError
+    from freetoken_engine.models.build import build_model
+    read = early.Fill._read
+
+    def slow_read(self, name, *rest):
+        if name.startswith("bank-"):
+            time.sleep(0.3)
+        read(self, name, *rest)
+    monkeypatch.setattr(early.Fill, "_read", slow_read)
+    _, out = tiny_packed
+    bad = copy_folder(out, tmp_path / "bad-heads")
+    scale_config(bad, "num_attention_heads", 2)
+    with pytest.raises(ConfigError, match="has shape"):
+        build_model(bad, torch.float32, torch.device("cpu"))
+    assert not [t for t in threading.enumerate() if t.name.startswith("ft-fill")]
 
 
 CLI_PROBE = r"""

@@ -26,7 +26,9 @@ def read_config(folder: Path, dtype: torch.dtype | None = None):
     into its final bank layout; a Hugging Face folder is validated and read lazily."""
     from ..packed import is_packed, load_packed
     if is_packed(folder):
-        ckpt = load_packed(folder, dtype=dtype, pin="none")   # the bank pins itself after
+        # the bank pins itself after; it is still being read while the dense weights go to the
+        # device (build_model calls finish() before it touches the bank)
+        ckpt = load_packed(folder, dtype=dtype, pin="none", defer_bank=True)
     else:
         ckpt = Checkpoint(folder)
     fam = family(ckpt.config.get("model_type"))
@@ -52,6 +54,15 @@ def no_init():
 def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
                 progress: Progress | None = None) -> tuple[DecoderLM, ExpertBank | None, ModelConfig]:
     ckpt, cfg = read_config(folder, dtype)
+    try:
+        return _build(folder, ckpt, cfg, dtype, device, progress)
+    except BaseException:
+        ckpt.close()                    # a packed bank still being read stops there
+        raise
+
+
+def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
+           progress: Progress | None) -> tuple[DecoderLM, ExpertBank | None, ModelConfig]:
     fam = family(cfg.model_type)
     rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
     with torch.device("meta"), no_init():
@@ -87,6 +98,8 @@ def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
                 progress(done / total)
         if tied:
             model.lm_head.weight = model.model.embed_tokens.weight
+        if packed:
+            ckpt.finish()                                      # the rest of the bank's read
         if bank is not None and packed:
             bank.pin()                                         # read in its final layout already
         elif bank is not None:

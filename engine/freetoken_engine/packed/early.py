@@ -64,7 +64,8 @@ class Fill:
     """Every file of a packed folder read into arenas: ``arenas[name]`` for a dense file (the
     whole file), ``arenas["w13"]`` / ``arenas["w2"]`` for the bank in the stored dtype and final
     layout (each piece file at its layers' offset; padding past a piece is read for the CRC only).
-    The arenas exist from construction; ``start`` launches the reads, ``wait`` joins them."""
+    The arenas exist from construction; ``start`` launches the reads (the dense files' blocks
+    first), ``wait_dense`` waits for the dense files, ``wait`` for everything."""
 
     def __init__(self, folder: Path, index: dict, check: bool, direct: bool, threads: int,
                  progress: Callable[[float], None] | None = None):
@@ -91,6 +92,11 @@ class Fill:
         self.jobs = [(name, b, *dest) for name, dest in dests.items()
                      for b in range((index["files"][name]["size"] + self.block - 1) // self.block)]
         self.total = sum(index["files"][name]["size"] for name in dests)
+        # dense files first in the queue: a deferred-bank load (load_packed) waits for them only
+        self.dense_left = sum(1 for j in self.jobs if j[0].startswith("dense-"))
+        self.dense_done = threading.Event()
+        if not self.dense_left:
+            self.dense_done.set()
         self.done_bytes = self.direct_bytes = 0
         self.error: PackedFormatError | None = None
         self.cancelled = False
@@ -127,6 +133,7 @@ class Fill:
     def cancel(self) -> None:
         """Stop handing out blocks (those being read finish), and release the files."""
         self.cancelled = True
+        self.dense_done.set()
         for w in self._workers:
             w.join()
         self.close()
@@ -141,6 +148,13 @@ class Fill:
         if self.cancelled:
             raise PackedFormatError(f"{self.folder}: the read was cancelled")
         return self.finished - self.started
+
+    def wait_dense(self) -> None:
+        """Wait until every dense file is in (the bank may still be reading). Raises the first
+        failure so far."""
+        self.dense_done.wait()
+        if self.error is not None:
+            self.wait()                 # join the workers, release the files, raise
 
     def close(self) -> None:
         for fd, dfd in self.fds.values():
@@ -161,6 +175,7 @@ class Fill:
             except PackedFormatError as exc:
                 with self._lock:
                     self.error = self.error or exc
+                self.dense_done.set()
         with self._lock:
             self.finished = max(self.finished, time.perf_counter())
 
@@ -204,6 +219,10 @@ class Fill:
         with self._lock:
             self.done_bytes += n
             self.direct_bytes += n if use_direct else 0
+            if name.startswith("dense-"):
+                self.dense_left -= 1
+                if not self.dense_left:
+                    self.dense_done.set()
             frac = self.done_bytes / max(1, self.total)
             if self.progress and (frac - self._last >= 0.01 or frac >= 1.0):
                 self._last = frac

@@ -60,11 +60,52 @@ class PackedModel:
             raise PackedFormatError(f"packed folder {self.folder} lacks tensor {name}")
         return self.tensors[name]
 
+    _pending: "_Pending | None" = None
+
     def close(self) -> None:
+        """Drop the dense tensors; a bank still being read (``defer_bank``) is cancelled."""
         self.tensors.clear()
+        if self._pending is not None:
+            self._pending.fill.cancel()
+            self._pending = None
 
     def bank_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bank's tensors; with ``defer_bank`` their bytes are there only after ``finish``."""
         return self.w13, self.w2
+
+    def finish(self) -> None:
+        """Wait for the rest of the read, convert the bank to the asked dtype, pin it (``pin=
+        "after"``) and record a verified folder; nothing to do when it is done already. Raises
+        the read's first failure (``PackedFormatError``)."""
+        p = self._pending
+        if p is None:
+            return
+        self._pending = None
+        t = time.perf_counter()
+        read = p.fill.wait()
+        waited = time.perf_counter() - t
+        if p.st13 is not None:
+            self.w13.copy_(p.st13)
+            self.w2.copy_(p.st2)
+        t_pin = time.perf_counter()
+        if p.pin_after and self.w13 is not None:
+            self.pinned = host_register(self.w13) and host_register(self.w2)
+        t_pin = time.perf_counter() - t_pin
+        if p.fill.check:
+            record_verified(self.folder, self.index)
+        self.stats.update({"seconds": time.perf_counter() - p.t0, "read_seconds": read,
+                           "waited_seconds": self.stats["waited_seconds"] + waited, "pin_seconds": t_pin,
+                           "direct_bytes": p.fill.direct_bytes})
+
+
+@dataclass
+class _Pending:
+    """What ``PackedModel.finish`` has left to do."""
+    fill: early.Fill
+    st13: torch.Tensor | None           # the bank as read, when another dtype was asked for
+    st2: torch.Tensor | None
+    pin_after: bool
+    t0: float
 
 
 def _check_config(folder: Path, index: dict) -> dict:
@@ -88,11 +129,13 @@ def _check_config(folder: Path, index: dict) -> dict:
 
 def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads: int = 8,
                 pin: str = "after", verify: bool | str = "auto", direct: bool = True,
-                progress: Callable[[float], None] | None = None) -> PackedModel:
+                progress: Callable[[float], None] | None = None, defer_bank: bool = False) -> PackedModel:
     """Load a packed folder (see the module docstring). ``dtype``: the bank's dtype (default:
     the stored one; another dtype costs a conversion pass). ``pin``: "after" | "before" | "none"
     (pinning only happens when CUDA is present). ``verify``: "auto" | True | False (module
-    docstring). Raises ``PackedFormatError``."""
+    docstring). ``defer_bank``: return once the dense files are in, the bank still being read;
+    the caller puts the dense weights on the device meanwhile and calls ``finish()`` before it
+    touches the bank (``close()`` cancels the read). Raises ``PackedFormatError``."""
     if pin not in ("after", "before", "none"):
         raise ValueError(f"pin must be 'after', 'before' or 'none', got {pin!r}")
     if threads < 1:
@@ -112,7 +155,7 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
         fill = None
     preloaded = fill is not None
     bank = index.get("bank")
-    w13 = w2 = None
+    w13 = w2 = st13 = st2 = None
     pinned = False
     try:
         if fill is None:
@@ -133,29 +176,23 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
         if not preloaded:
             fill.start()
         t_wait = time.perf_counter()
-        t_read = fill.wait()
+        fill.wait_dense()
         t_wait = time.perf_counter() - t_wait
     except BaseException:
         if fill is not None and fill.started:
             fill.cancel()
         raise
-    if bank and dtype != stored:
-        w13.copy_(st13)
-        w2.copy_(st2)
-        del st13, st2
     tensors, wholes = {}, {}
     for key, t in index["tensors"].items():
         if t["file"] not in wholes:
             wholes[t["file"]] = as_tensor(fill.arenas[t["file"]], index["files"][t["file"]]["size"])
         tensors[key] = wholes[t["file"]][t["offset"]:t["offset"] + t["nbytes"]].view(torch_dtype(t["dtype"])).view(t["shape"])
-    t_pin = time.perf_counter()
-    if pin == "after" and bank:
-        pinned = host_register(w13) and host_register(w2)
-    t_pin = time.perf_counter() - t_pin
-    if check:
-        record_verified(folder, index)
-    stats = {"bytes": fill.total, "seconds": time.perf_counter() - t0, "read_seconds": t_read,
-             "waited_seconds": t_wait, "preloaded": preloaded, "pin_seconds": t_pin,
-             "direct_bytes": fill.direct_bytes, "threads": fill.threads, "verified": check}
-    return PackedModel(folder, config, index, tensors, w13, w2,
-                       tuple(bank["moe_layers"]) if bank else (), pinned, stats)
+    stats = {"bytes": fill.total, "preloaded": preloaded, "threads": fill.threads, "verified": check,
+             "waited_seconds": t_wait}
+    pm = PackedModel(folder, config, index, tensors, w13, w2, tuple(bank["moe_layers"]) if bank else (),
+                     pinned, stats)
+    pm._pending = _Pending(fill, st13 if dtype != stored else None, st2 if dtype != stored else None,
+                           pin == "after", t0)
+    if not defer_bank:
+        pm.finish()
+    return pm
