@@ -47,3 +47,12 @@ class OutOfKVCache(EngineError):
 
     http_status = 413
     code = "out_of_kv_cache"
+
+
+class NonFiniteLogits(EngineError):
+    """The model produced NaN or infinite logits for a request (a broken checkpoint, or fp16
+    overflow): that request ends with this error instead of random or repeated tokens; the
+    others go on."""
+
+    http_status = 500
+    code = "non_finite_logits"

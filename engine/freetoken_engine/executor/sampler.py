@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import torch
 
-from ..errors import InvalidRequest
+from ..errors import InvalidRequest, NonFiniteLogits
 
 
 @dataclass(frozen=True)
@@ -36,9 +38,15 @@ def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generato
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """One token from ``logits [V]`` (float32). Sampling runs on the CPU for reproducibility."""
+    """One token from ``logits [V]`` (float32). Sampling runs on the CPU for reproducibility.
+    Raises NonFiniteLogits when a logit is NaN or +inf, or every one is -inf (one reduction:
+    max propagates NaN)."""
+    best, arg = logits.max(0)
+    if not math.isfinite(float(best)):
+        raise NonFiniteLogits(f"the model produced non-finite logits (max {float(best)}) for this request: "
+                              "the checkpoint or its dtype overflows; try --dtype bfloat16 or float32")
     if params.temperature == 0:
-        return int(torch.argmax(logits))
+        return int(arg)
     x = logits.float().cpu() / params.temperature
     if params.top_k and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]

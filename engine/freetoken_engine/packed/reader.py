@@ -16,7 +16,10 @@ Order of work, so a bad folder never yields a half-loaded model:
    machine does not have spare; any change to a file brings the check back. ``True`` always
    checks, ``False`` never;
 4. with ``pin="after"`` (default) and CUDA present, the bank is page-locked in place.
-Any failure raises ``PackedFormatError`` naming the file and block; nothing is returned.
+With ``defer_bank=True`` steps 3-4 finish in ``PackedModel.finish()``: the load returns once the
+dense files are in, so the engine builds the model while the bank is still read.
+Any failure raises ``PackedFormatError`` naming the file and block, from ``load_packed`` or, for
+the bank's blocks of a deferred load, from ``finish()``; nothing half-read is returned as loaded.
 """
 from __future__ import annotations
 
@@ -48,6 +51,7 @@ class PackedModel:
     moe_layers: tuple[int, ...]
     pinned: bool = False
     stats: dict = field(default_factory=dict)
+    _pending: "_Pending | None" = None   # a defer_bank load's unfinished part
 
     def names(self) -> list[str]:
         return list(self.tensors)
@@ -59,8 +63,6 @@ class PackedModel:
         if name not in self.tensors:
             raise PackedFormatError(f"packed folder {self.folder} lacks tensor {name}")
         return self.tensors[name]
-
-    _pending: "_Pending | None" = None
 
     def close(self) -> None:
         """Drop the dense tensors; a bank still being read (``defer_bank``) is cancelled."""

@@ -20,7 +20,7 @@ from collections import deque
 from typing import Callable
 
 from ..cache.radix import RadixCache
-from ..errors import OutOfKVCache, QueueFull
+from ..errors import NonFiniteLogits, OutOfKVCache, QueueFull
 from ..executor.inputs import SeqChunk
 from ..executor.runner import ModelRunner
 from ..executor.sampler import sample
@@ -189,7 +189,12 @@ class Scheduler:
             req.computed += n
             if req.pending:
                 continue                      # prefill continues next step
-            tok = sample(logits[row], req.params, req.generator)
+            try:
+                tok = sample(logits[row], req.params, req.generator)
+            except NonFiniteLogits as exc:    # this request's output is lost, the others go on
+                log.warning("request %d: %s", req.id, exc)
+                self._finish(req, "abort", error=exc)
+                continue
             req.output_ids.append(tok)
             self.counters["generated_tokens"] += 1
             if tok in req.stop_ids:

@@ -1,0 +1,75 @@
+"""A request whose logits turn NaN (here: its prompt holds a token whose embedding row is NaN)
+ends with a clear error through the official clients, while a request batched beside it
+completes; the server keeps serving."""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import openai
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny_models import copy_folder
+
+from freetoken_engine import LLM, SamplingParams
+from freetoken_engine.errors import NonFiniteLogits
+from freetoken_engine.executor.sampler import make_generator, sample
+from live import API_KEY, live_server, start_service
+
+POISON = 7          # this token's embedding row is NaN
+
+
+@pytest.fixture(scope="module")
+def poisoned_dir(tiny_dir, tmp_path_factory):
+    folder = copy_folder(tiny_dir, tmp_path_factory.mktemp("poisoned") / "model")
+    for shard in folder.glob("*.safetensors"):
+        tensors = load_file(str(shard))
+        for key, t in tensors.items():
+            if key.endswith("embed_tokens.weight"):
+                t[POISON] = float("nan")
+        save_file(tensors, str(shard), metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("logits", [[0.0, float("nan"), 1.0], [0.0, float("inf")], [float("-inf")] * 3],
+                         ids=["nan", "inf", "all-minus-inf"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_sampling_non_finite_logits_is_a_clear_error(logits, temperature):
+    params = SamplingParams(temperature=temperature)
+    with pytest.raises(NonFiniteLogits, match="non-finite logits"):
+        sample(torch.tensor(logits), params, make_generator(params, 0))
+    ok = torch.tensor([float("-inf"), 2.0, 1.0])            # a masked logit is not an error
+    assert sample(ok, params, make_generator(params, 0)) in (1, 2)
+
+
+def test_the_offline_api_raises_it_too(poisoned_dir):
+    llm = LLM(poisoned_dir)
+    with pytest.raises(NonFiniteLogits):
+        llm.generate([5, POISON, 9], SamplingParams(max_new_tokens=2, temperature=0))
+    assert len(llm.generate([5, 8, 9], SamplingParams(max_new_tokens=2, temperature=0)).token_ids) == 2
+
+
+def test_a_nan_request_fails_alone_and_the_server_goes_on(poisoned_dir):
+    svc = start_service(poisoned_dir, max_context=512)
+    try:
+        with live_server(svc, api_key=API_KEY) as srv:
+            client = srv.openai()
+
+            def complete(prompt):
+                try:
+                    return client.completions.create(model=srv.model, prompt=prompt, max_tokens=6,
+                                                     temperature=0)
+                except openai.APIStatusError as exc:
+                    return exc
+            with ThreadPoolExecutor(4) as pool:
+                bad, good, bad2, good2 = pool.map(complete, [[5, POISON, 9], [5, 8, 9], [POISON], [11, 12]])
+            for err in (bad, bad2):
+                assert isinstance(err, openai.InternalServerError), err
+                assert "non-finite logits" in err.message and "Traceback" not in err.message
+            for ok in (good, good2):
+                assert not isinstance(ok, Exception), ok
+                assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 6
+            again = client.completions.create(model=srv.model, prompt=[5, 8, 9], max_tokens=6, temperature=0)
+            assert again.choices[0].text == good.choices[0].text
+    finally:
+        svc.shutdown()
