@@ -178,9 +178,12 @@ def main(argv: list[str] | None = None) -> int:
             from . import env
             env.validate()      # before anything slow (the default model's first conversion)
         if args.func in (cmd_generate, cmd_serve) and args.model is not None:
-            from .packed import is_packed, preload
+            from .packed import PackedFormatError, is_packed, preload
             if is_packed(args.model):
-                preload(args.model)     # torch is not imported yet: the bank's read overlaps it
+                try:
+                    preload(args.model)     # torch is not imported yet: the bank's read overlaps it
+                except PackedFormatError:
+                    pass    # the load says it as usual: one line here, /health for a server
         return args.func(args)
     except EngineError as exc:
         print(f"freetoken: error: {exc}", file=sys.stderr)

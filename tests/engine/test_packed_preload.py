@@ -184,3 +184,16 @@ def test_preloaded_bank_is_pinned_in_place_and_copies_exactly(tiny_packed):
     pm = load_packed(out, pin="after")
     assert pm.stats["preloaded"] and pm.pinned
     assert torch.equal(pm.w13.to("cuda", non_blocking=True).cpu(), want)
+
+
+def test_cli_with_a_truncated_packed_folder_is_one_line(tiny_packed, tmp_path):
+    """The CLI's preload meets the damage first; the error still comes once, from the load, as
+    one line and exit 2 (a server reports it on /health the same way as before)."""
+    _, out = tiny_packed
+    bad = copy_folder(out, tmp_path / "trunc-cli")
+    f = bad / "bank-w2-00000.bin"
+    f.write_bytes(f.read_bytes()[:-4096])
+    r = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "generate", "--model", str(bad),
+                        "--prompt-ids", "1,2", "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "bytes on disk" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr

@@ -1,9 +1,8 @@
 """Sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import math
+from dataclasses import dataclass
 
 import torch
 

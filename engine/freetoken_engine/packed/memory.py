@@ -3,10 +3,10 @@
 ``arena(n)`` is such a mapping (4 KiB-aligned, so O_DIRECT reads land in it directly; transparent
 huge pages advised), made without torch so that a read can start before torch is imported
 (``early.py``); ``as_tensor(arena, n)`` views it as a uint8 tensor and ``aligned_empty(n)`` does
-both. ``host_register(t)`` page-locks such a
-tensor with ``cudaHostRegister`` and undoes it before the mapping is unmapped, so a later
-mapping at the same address is never mistaken for pinned memory (a freed registered buffer
-would otherwise make CUDA copy stale pages, or fail with "already registered").
+both. ``host_register(t)`` page-locks such a tensor with ``cudaHostRegister`` and undoes it
+before the mapping is unmapped, so a later mapping at the same address is never mistaken for
+pinned memory (a freed registered buffer would otherwise make CUDA copy stale pages, or fail
+with "already registered").
 """
 from __future__ import annotations
 
@@ -48,8 +48,8 @@ def aligned_empty(nbytes: int):
 
 
 def _unregister(ptr: int) -> None:
-    import torch
     try:
+        import torch
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except Exception:  # interpreter shutdown: the driver may be gone already
         pass
