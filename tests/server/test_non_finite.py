@@ -13,6 +13,7 @@ from tiny_models import copy_folder
 
 from freetoken_engine import LLM, SamplingParams
 from freetoken_engine.errors import NonFiniteLogits
+from freetoken_engine.executor.inputs import SeqChunk
 from freetoken_engine.executor.sampler import make_generator, sample
 from live import API_KEY, live_server, start_service
 
@@ -40,6 +41,23 @@ def test_sampling_non_finite_logits_is_a_clear_error(logits, temperature):
         sample(torch.tensor(logits), params, make_generator(params, 0))
     ok = torch.tensor([float("-inf"), 2.0, 1.0])            # a masked logit is not an error
     assert sample(ok, params, make_generator(params, 0)) in (1, 2)
+
+
+def test_a_poisoned_sequence_never_reaches_its_batch_neighbours(poisoned_dir):
+    """Sequence A (holding the NaN token) fills KV block 0; then B (3 tokens) and C (8 tokens)
+    run as one batch: B's keys are padded to C's length, and padding reads slot 0, A's NaN. Its
+    weight is 0, but 0 * NaN is NaN: the padding's values must be zeroed, so B's logits stay
+    finite and equal B's logits alone."""
+    runner = LLM(poisoned_dir).runner
+    bs = runner.kv.block_size
+    a = runner.kv.allocate(1)
+    assert a == [0]                                           # A's block holds slot 0
+    assert not torch.isfinite(runner.forward([SeqChunk(a, 0, [5, POISON, 9])])).all()
+    b, c = runner.kv.allocate(1), runner.kv.allocate(-(-8 // bs))
+    both = runner.forward([SeqChunk(b, 0, [5, 8, 9]), SeqChunk(c, 0, [11, 12, 13, 14, 15, 16, 17, 18])])
+    assert torch.isfinite(both).all()
+    alone = runner.forward([SeqChunk(runner.kv.allocate(1), 0, [5, 8, 9])])
+    assert torch.allclose(both[0], alone[0], atol=1e-5)
 
 
 def test_the_offline_api_raises_it_too(poisoned_dir):

@@ -55,6 +55,15 @@ class AttnBatch:
             self._masks[window] = ~m[:, None, None]
         return self._masks[window]
 
+    def padding(self) -> torch.Tensor:
+        """[B, 1, Lmax, 1] bool: True at the padding of ``kv_index``, shaped for the values
+        [B, kvh, L, d]. A padding entry reads slot 0, whatever sequence holds it; its weight is 0,
+        but 0 * NaN is NaN, so its value is zeroed before ``probs @ V``: one request's NaN never
+        reaches the others in its batch."""
+        if "padding" not in self._masks:
+            self._masks["padding"] = ~self.kv_valid[:, None, :, None]
+        return self._masks["padding"]
+
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
@@ -132,6 +141,8 @@ class Attention(nn.Module):
         scores = torch.matmul(qp, keys.unsqueeze(2).transpose(-1, -2)) * self.scale     # [B, kvh, g, Q, L]
         if batch.needs_mask or self.window is not None:
             scores = scores.masked_fill(batch.mask(self.window), float("-inf"))
+        if batch.needs_mask:
+            values = values.masked_fill(batch.padding(), 0.0)
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
         if probs.dtype != q.dtype:
             probs = probs.to(q.dtype)
