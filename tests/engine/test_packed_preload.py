@@ -110,6 +110,17 @@ def test_deferred_bank_finishes_to_the_same_bytes(tiny_packed):
     assert pm.stats["read_seconds"] > 0 and pm.stats["seconds"] >= pm.stats["read_seconds"]
 
 
+def test_building_from_a_packed_folder_reports_its_read(tiny_packed):
+    """The server's /health shows build_model's progress while loading: for a packed folder it
+    is the fraction of its bytes read, rising, never past 0.99 (the service says 1.0 when ready)."""
+    from freetoken_engine.models.build import build_model
+    _, out = tiny_packed
+    seen: list[float] = []
+    build_model(out, torch.float32, torch.device("cpu"), progress=seen.append)
+    assert len(seen) >= 3 and seen == sorted(seen)
+    assert 0 < seen[0] < 0.5 and seen[-1] == pytest.approx(0.99)
+
+
 def test_a_corrupt_bank_fails_the_deferred_load(tiny_packed, tmp_path):
     _, out = tiny_packed
     bad = copy_folder(out, tmp_path / "bad-bank")

@@ -21,14 +21,16 @@ log = logging.getLogger(__name__)
 Progress = Callable[[float], None]
 
 
-def read_config(folder: Path, dtype: torch.dtype | None = None):
+def read_config(folder: Path, dtype: torch.dtype | None = None, progress: Progress | None = None):
     """-> (checkpoint, ModelConfig). A packed folder (``freetoken convert``) is read straight
-    into its final bank layout; a Hugging Face folder is validated and read lazily."""
+    into its final bank layout (``progress``: the fraction of its bytes read, up to 0.99); a
+    Hugging Face folder is validated and read lazily."""
     from ..packed import is_packed, load_packed
     if is_packed(folder):
         # the bank pins itself after; it is still being read while the dense weights go to the
         # device (build_model calls finish() before it touches the bank)
-        ckpt = load_packed(folder, dtype=dtype, pin="none", defer_bank=True)
+        ckpt = load_packed(folder, dtype=dtype, pin="none", defer_bank=True,
+                           progress=(lambda f: progress(0.99 * f)) if progress else None)
     else:
         ckpt = Checkpoint(folder)
     fam = family(ckpt.config.get("model_type"))
@@ -53,9 +55,10 @@ def no_init():
 
 def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
                 progress: Progress | None = None) -> tuple[DecoderLM, ExpertBank | None, ModelConfig]:
-    ckpt, cfg = read_config(folder, dtype)
+    ckpt, cfg = read_config(folder, dtype, progress)
     try:
-        return _build(folder, ckpt, cfg, dtype, device, progress)
+        # a packed folder's progress is its read (the dense copies overlap it)
+        return _build(folder, ckpt, cfg, dtype, device, None if hasattr(ckpt, "bank_tensors") else progress)
     except BaseException:
         ckpt.close()                    # a packed bank still being read stops there
         raise
