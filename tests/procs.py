@@ -1,7 +1,13 @@
-"""Finding the engine processes a test started, from /proc (no extra tools)."""
+"""Engine processes in tests: finding those a test started, from /proc (no extra tools), and
+running ``freetoken serve`` until it is healthy."""
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 
@@ -18,3 +24,35 @@ def engine_pids(port: int) -> list[int]:
             if b"serve" in cmd and needle in cmd:
                 pids.append(int(entry))
     return pids
+
+
+@contextlib.contextmanager
+def serving(args: list[str], timeout: float = 180):
+    """``freetoken serve ARGS`` in a subprocess on a free loopback port, until /health says ok;
+    yields (url, process) and kills it after (unless the test ended it)."""
+    import httpx
+    import pytest
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "freetoken_engine.cli", "serve", "--port", str(port), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"freetoken serve exited: {proc.stdout.read()[-2000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).json().get("status") == "ok":
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail("freetoken serve did not become healthy")
+            time.sleep(0.2)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

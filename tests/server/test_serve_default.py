@@ -2,18 +2,14 @@
 model (SmolLM2-135M-Instruct as an MoE), the official clients, a clean shutdown on Ctrl-C."""
 from __future__ import annotations
 
-import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anthropic
-import httpx
 import openai
 import pytest
+from procs import serving
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engine"))
 from conftest_default import default_moe_dir  # noqa: E402,F401  (session fixture: converts once)
@@ -35,32 +31,8 @@ def reference(default_moe_dir) -> str:
 
 @pytest.fixture(scope="module")
 def served(default_moe_dir):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "freetoken_engine.cli", "serve", "--port", str(port),
-         "--api-key", KEY, "--served-model-name", NAME],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"freetoken serve exited: {proc.stdout.read()[-2000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).json().get("status") == "ok":
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("freetoken serve did not become healthy")
-            time.sleep(0.2)
-        yield url, proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    with serving(["--api-key", KEY, "--served-model-name", NAME]) as running:
+        yield running
 
 
 def test_openai_client_gets_the_engines_answer(served, reference):
