@@ -87,6 +87,9 @@ def test_a_nan_request_fails_alone_and_the_server_goes_on(poisoned_dir):
             for ok in (good, good2):
                 assert not isinstance(ok, Exception), ok
                 assert ok.choices[0].finish_reason == "length" and ok.usage.completion_tokens == 6
+            with pytest.raises(openai.APIError, match="non-finite logits"):   # a stream: an error event
+                for _ in client.completions.create(model=srv.model, prompt=[POISON, 5], max_tokens=4, stream=True):
+                    pass
             again = client.completions.create(model=srv.model, prompt=[5, 8, 9], max_tokens=6, temperature=0)
             assert again.choices[0].text == good.choices[0].text
     finally:
