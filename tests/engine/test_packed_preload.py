@@ -16,6 +16,7 @@ import torch
 from tiny_models import copy_folder, scale_config
 
 from freetoken_engine.packed import PackedFormatError, load_packed, preload
+from freetoken_engine import LLM
 from freetoken_engine.packed import early
 
 
@@ -151,6 +152,18 @@ def test_a_model_that_fails_to_build_stops_its_bank_read(tiny_packed, tmp_path, 
     assert not [t for t in threading.enumerate() if t.name.startswith("ft-fill")]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs an engine start that fails: no CUDA here")
+def test_an_engine_that_fails_to_start_drops_the_preloaded_read(tiny_packed):
+    """A server whose engine cannot start (here --device cuda without a GPU) stays up to say why
+    on /health; the bank its CLI preloaded must not stay in its memory."""
+    from freetoken_engine.errors import ConfigError
+    _, out = tiny_packed
+    preload(out)
+    with pytest.raises(ConfigError, match="no CUDA GPU"):
+        LLM(out, device="cuda")
+    assert early.take(out) is None
+
+
 CLI_PROBE = r"""
 import json, sys
 import freetoken_engine.packed as packed
@@ -181,7 +194,7 @@ def test_cli_generate_starts_the_read_before_torch(tiny_packed):
     probe = json.loads(lines[-1])
     assert probe == {"rc": 0, "torch_at_preload": False, "taken": True}
     got = json.loads(lines[-2])["token_ids"]
-    from freetoken_engine import LLM, SamplingParams
+    from freetoken_engine import SamplingParams
     assert got == LLM(src).generate([5, 17, 99, 200], SamplingParams(max_new_tokens=4, temperature=0)).token_ids
 
 

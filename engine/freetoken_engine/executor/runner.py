@@ -43,6 +43,14 @@ def _generation_eos(folder) -> tuple[int, ...]:
 
 class ModelRunner:
     def __init__(self, cfg: EngineConfig, progress: Callable[[float], None] | None = None):
+        try:
+            self._start(cfg, progress)
+        except BaseException:
+            from ..packed.early import discard
+            discard(cfg.model)      # a preloaded bank that no load will take: its memory goes now
+            raise
+
+    def _start(self, cfg: EngineConfig, progress: Callable[[float], None] | None) -> None:
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError("--device cuda was given but no CUDA GPU is available")
         self.cfg = cfg

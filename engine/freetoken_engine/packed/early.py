@@ -252,3 +252,11 @@ def take(folder: Path) -> Fill | None:
     """The preloaded read of ``folder``, now the caller's; None if there is none."""
     with _pending_lock:
         return _pending.pop(str(Path(folder).resolve()), None)
+
+
+def discard(folder: str | Path) -> None:
+    """Cancel and drop the preloaded read of ``folder``, if any (an engine that failed to start:
+    the read's memory is released instead of held by a process that will never load it)."""
+    fill = take(Path(folder))
+    if fill is not None:
+        fill.cancel()
