@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.func in (cmd_generate, cmd_serve, cmd_calibrate):
             from . import env
             env.validate()      # before anything slow (the default model's first conversion)
-        if args.func in (cmd_generate, cmd_serve) and args.model is not None:
+        if args.func in (cmd_generate, cmd_serve) and args.model is not None and env.preload():
             from .packed import PackedFormatError, is_packed, preload
             if is_packed(args.model):
                 try:

@@ -48,6 +48,11 @@ BYPASS_SLOTS_DEFAULT = 8
 #: layer of a prefill on a GPU, the last token's experts are copied into the cache from the
 #: prefill's whole-layer buffer, device to device) or "off", for A/B measurements.
 FREETOKEN_PREFILL_SEED = "FREETOKEN_PREFILL_SEED"
+#: The CLI's early read of a packed ``--model`` (packed/early.py): "auto" (the default: when the
+#: process may use at least PRELOAD_MIN_CPUS CPUs), "on" or "off". On 2 CPUs the read's page
+#: faults take the CPU the imports need (docs/cpu_kernel.md).
+FREETOKEN_PRELOAD = "FREETOKEN_PRELOAD"
+PRELOAD_MIN_CPUS = 4
 #: Default of ``serve --api-key`` / ``--admin-token``: secrets passed this way stay out of the
 #: process list (``ps`` shows every argument), which is how the node agent passes them.
 FREETOKEN_API_KEY = "FREETOKEN_API_KEY"
@@ -86,7 +91,7 @@ def validate() -> None:
     engine calls it at start, so a typo in a GPU-only setting fails on a CPU too, not on the first
     GPU that reads it."""
     for parse in (host_branch, gpu_decode_kernels, fill_admission, prefill_seed, stream_split, bypass_slots,
-                  cpu_expert_threads):
+                  cpu_expert_threads, preload):
         parse()
 
 
@@ -152,6 +157,16 @@ def prefill_seed() -> bool:
 def stream_split() -> str:
     """"on", "floor", "stage" or "off" (see FREETOKEN_STREAM_SPLIT); ValueError for anything else."""
     return _mode(FREETOKEN_STREAM_SPLIT, STREAM_SPLIT_DEFAULT, ("on", "floor", "stage", "off"))
+
+
+def preload() -> bool:
+    """Whether the CLI reads a packed folder before importing torch (see FREETOKEN_PRELOAD);
+    ValueError for anything but auto / on / off."""
+    mode = _mode(FREETOKEN_PRELOAD, "auto", ("auto", "on", "off"))
+    if mode != "auto":
+        return mode == "on"
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return cpus >= PRELOAD_MIN_CPUS
 
 
 def api_key() -> str | None:

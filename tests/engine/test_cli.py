@@ -100,6 +100,7 @@ def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, args, needle):
     ("FREETOKEN_PREFILL_SEED", "true", "FREETOKEN_PREFILL_SEED"),
     ("FREETOKEN_CPU_EXPERT_THREADS", "all", "FREETOKEN_CPU_EXPERT_THREADS must be an integer, got 'all'"),
     ("FREETOKEN_CPU_EXPERT_THREADS", "0", "FREETOKEN_CPU_EXPERT_THREADS must be >= 1, got 0"),
+    ("FREETOKEN_PRELOAD", "yes", "FREETOKEN_PRELOAD must be auto, on or off"),
 ])
 def test_bad_engine_settings_are_one_line_and_exit_2_on_a_cpu(tiny_checkpoint, name, value, needle):
     """GPU-only settings are still parsed on a CPU: a typo fails at start, not on the first GPU."""
