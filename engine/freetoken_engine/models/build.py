@@ -57,8 +57,7 @@ def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
                 progress: Progress | None = None) -> tuple[DecoderLM, ExpertBank | None, ModelConfig]:
     ckpt, cfg = read_config(folder, dtype, progress)
     try:
-        # a packed folder's progress is its read (the dense copies overlap it)
-        return _build(folder, ckpt, cfg, dtype, device, None if hasattr(ckpt, "bank_tensors") else progress)
+        return _build(folder, ckpt, cfg, dtype, device, progress)
     except BaseException:
         ckpt.close()                    # a packed bank still being read stops there
         raise
@@ -97,14 +96,14 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
                 raise ConfigError(f"tensor {src} has shape {tuple(t.shape)}, config implies {tuple(params[name].shape)}")
             params[name].copy_(t)
             done += 1
-            if progress and done % 16 == 0:
+            if progress and not packed and done % 16 == 0:   # a packed folder's progress is its read
                 progress(done / total)
         if tied:
             model.lm_head.weight = model.model.embed_tokens.weight
         if packed:
             ckpt.finish()                                      # the rest of the bank's read
-        if bank is not None and packed:
-            bank.pin()                                         # read in its final layout already
+            if bank is not None:
+                bank.pin()                                     # read in its final layout already
         elif bank is not None:
             for li, layer in enumerate(cfg.moe.layers):
                 for e in range(cfg.moe.num_experts):

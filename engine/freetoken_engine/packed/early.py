@@ -242,21 +242,25 @@ def preload(folder: str | Path, threads: int = 8) -> None:
     index = read_index(folder)
     fill = Fill(folder, index, not already_verified(folder, index), True, threads).start()
     with _pending_lock:
-        old = _pending.pop(str(folder.resolve()), None)
-        _pending[str(folder.resolve())] = fill
+        old = _pending.pop(_key(folder), None)
+        _pending[_key(folder)] = fill
     if old is not None:
         old.cancel()
 
 
-def take(folder: Path) -> Fill | None:
+def _key(folder: str | Path) -> str:
+    return str(Path(folder).resolve())
+
+
+def take(folder: str | Path) -> Fill | None:
     """The preloaded read of ``folder``, now the caller's; None if there is none."""
     with _pending_lock:
-        return _pending.pop(str(Path(folder).resolve()), None)
+        return _pending.pop(_key(folder), None)
 
 
 def discard(folder: str | Path) -> None:
     """Cancel and drop the preloaded read of ``folder``, if any (an engine that failed to start:
     the read's memory is released instead of held by a process that will never load it)."""
-    fill = take(Path(folder))
+    fill = take(folder)
     if fill is not None:
         fill.cancel()

@@ -27,12 +27,6 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}   # the stored dtypes; no
 # read can start (packed/early.py) before torch is imported
 
 
-def torch_dtype(name: str):
-    """The torch dtype of a stored dtype name."""
-    import torch
-    return getattr(torch, name)
-
-
 class PackedFormatError(ConfigError):
     """A packed folder that is missing, corrupt or inconsistent; raised before the model is used."""
 

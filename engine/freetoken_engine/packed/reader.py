@@ -33,7 +33,7 @@ import torch
 
 from . import early
 from .early import already_verified, record_verified
-from .format import PackedFormatError, read_index, torch_dtype
+from .format import PackedFormatError, read_index
 from .memory import aligned_empty, as_tensor, host_register
 
 
@@ -144,6 +144,7 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
         raise ValueError(f"threads must be >= 1, got {threads}")
     if verify not in (True, False, "auto"):
         raise ValueError(f"verify must be True, False or 'auto', got {verify!r}")
+    from ..models.loader import torch_dtype
     folder = Path(folder)
     t0 = time.perf_counter()
     index = read_index(folder)
