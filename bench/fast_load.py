@@ -166,17 +166,40 @@ def ready_from_packed(folder: Path, pin: str, verify: bool, threads: int):
 FIRST_REQUEST = r"""
 import json, sys, time
 t0 = time.perf_counter()
+mode, serial = sys.argv[3].removesuffix("/serial"), sys.argv[3].endswith("/serial")
 import freetoken_engine
-if sys.argv[3].startswith("preload"):      # what freetoken generate / serve do for a packed folder
-    freetoken_engine.preload(sys.argv[1], *[int(n) for n in sys.argv[3].split(":")[1:]])
+if mode.startswith("preload"):      # what freetoken generate / serve do for a packed folder
+    freetoken_engine.preload(sys.argv[1], *[int(n) for n in mode.split(":")[1:]])
 from freetoken_engine import LLM, SamplingParams
 t_import = time.perf_counter()
 import freetoken_engine.packed.reader as reader
-load, loaded = reader.load_packed, []
+from freetoken_engine.packed import early
+from freetoken_engine.executor import runner
+load, loaded, marks = reader.load_packed, [], {}
 def timed_load(*args, **kwargs):
     loaded.append(load(*args, **kwargs))     # its stats are complete once the bank is in
     return loaded[-1]
 reader.load_packed = timed_load
+fill_wait = early.Fill.wait
+def timed_wait(self):
+    secs = fill_wait(self)
+    marks["read_started"], marks["read_finished"] = self.started - t0, self.finished - t0
+    return secs
+early.Fill.wait = timed_wait
+warm = runner.ModelRunner.warm_graphs
+def timed_warm(self, *args, **kwargs):
+    marks["graphs_started"] = time.perf_counter() - t0
+    n = warm(self, *args, **kwargs)
+    marks["graphs_finished"] = time.perf_counter() - t0
+    return n
+runner.ModelRunner.warm_graphs = timed_warm
+if serial:                          # the order before: the bank read and pinned, then the graphs
+    start = runner.start_model
+    def start_then_finish(*args, **kwargs):
+        model, bank, cfg, rest = start(*args, **kwargs)
+        rest.finish()
+        return model, bank, cfg, runner.BankRead()
+    runner.start_model = start_then_finish
 llm = LLM(sys.argv[1], device=sys.argv[2], dtype="bfloat16")
 t1 = time.perf_counter()
 load_stats = loaded[-1].stats
@@ -186,9 +209,11 @@ t2 = time.perf_counter()
 second = llm.generate(list(range(40, 72)), params)
 t3 = time.perf_counter()
 print(json.dumps({"ready_seconds": t1 - t0, "import_seconds": t_import - t0, "first_request_seconds": t2 - t1, "second_request_seconds": t3 - t2,
-                  "load": {k: load_stats.get(k) for k in ("seconds", "read_seconds", "waited_seconds", "preloaded", "threads")},
+                  "load": {k: load_stats.get(k) for k in ("seconds", "read_seconds", "waited_seconds", "preloaded", "threads", "pin_seconds", "pin_after_read_seconds")},
+                  "timeline": {k: round(v, 3) for k, v in marks.items()},
                   "graph_warmup_seconds": llm.runner.graph_stats()["decode_graph_warmup_seconds"],
                   "first_request_stats": {k: first.stats.get(k) for k in ("hits", "misses", "fills", "cpu_computed")},
+                  "first_tokens": first.token_ids,
                   "tokens": len(first.token_ids)}))
 """
 
@@ -202,10 +227,12 @@ def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
     read of the same files measured in the same run. ``restarts``: one process each, in order,
     "plain" (``LLM(folder)``) or "preload[:N]" (the process calls
     ``freetoken_engine.preload(folder[, N threads])`` before importing torch, as ``freetoken
-    generate`` / ``serve`` do); with "+warm" a throwaway process imports torch and the engine
+    generate`` / ``serve`` do); "/serial" after either: the engine's order before the graphs were
+    captured during the bank's read (the bank read and pinned first, the decode graphs after:
+    the A/B of that change); with "+warm" a throwaway process imports torch and the engine
     after the page cache is dropped, so the libraries come from memory and only the bank from
     the disk (a server restarted on a running machine: the bank's O_DIRECT reads never fill the
-    page cache)."""
+    page cache). Each restart's first tokens are compared with the first start's."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     files = sorted(folder.glob("*.bin"))
     nbytes = sum(f.stat().st_size for f in files)
@@ -214,6 +241,7 @@ def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
     parallel_direct_read(files, threads)
     disk_s = time.perf_counter() - t
     out = {"device": device, "disk_read_seconds": disk_s, "disk_gbps": nbytes / disk_s / 1e9}
+    first_tokens = None
     for i, mode in enumerate(["plain"] + restarts):
         start = "first_start" if i == 0 else f"restart_{i}_{mode}"
         dropped = drop_caches()
@@ -228,14 +256,20 @@ def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
             print(f"{start}: failed\n" + "\n".join(out[start]["error"]) if r.stderr.strip() else f"{start}: failed")
             continue
         res = json.loads(r.stdout.strip().splitlines()[-1])
+        tokens = res.pop("first_tokens")
+        res["same_tokens_as_first_start"] = tokens == first_tokens if i else None
+        first_tokens = tokens if i == 0 else first_tokens
         out[start] = {"mode": mode, "libraries_warm": warm, "page_cache_dropped": dropped, **res, "ready_over_disk_read": res["ready_seconds"] / disk_s}
-        ld = res["load"]
+        ld, tl = res["load"], res["timeline"]
         print(f"{start}: ready {res['ready_seconds']:.2f} s (imports {res['import_seconds']:.2f} s, load "
-              f"{ld['seconds']:.2f} s of which waiting for the read {ld['waited_seconds']:.2f} s, graph capture "
-              f"{res['graph_warmup_seconds']:.2f} s; "
+              f"{ld['seconds']:.2f} s of which waiting for the read {ld['waited_seconds']:.2f} s, read "
+              f"{tl.get('read_started', 0):.2f}-{tl.get('read_finished', 0):.2f} s, graph capture "
+              f"{tl.get('graphs_started', 0):.2f}-{tl.get('graphs_finished', 0):.2f} s, pin after the read "
+              f"{ld.get('pin_after_read_seconds') or 0:.2f} s; "
               f"{res['ready_seconds'] / disk_s:.2f}x the disk read of "
               f"{disk_s:.2f} s), first request {res['first_request_seconds']:.2f} s (cold cache "
-              f"{res['first_request_stats']}), second {res['second_request_seconds']:.2f} s ({device})")
+              f"{res['first_request_stats']}), second {res['second_request_seconds']:.2f} s ({device}); "
+              f"same tokens as the first start: {res['same_tokens_as_first_start']}")
     return out
 
 
@@ -248,9 +282,12 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the synthetic folders")
     ap.add_argument("--first-request-only", action="store_true",
                     help="only the restart -> first request measurement; added to this label's entry")
+    ap.add_argument("--entry", default="first_request",
+                    help="with --first-request-only: the key of this label's entry that gets the result")
     ap.add_argument("--restarts", default="plain,preload,plain+warm,preload+warm,plain+warm,preload+warm",
                     help="the restarts after the first start, in order: plain | preload[:threads], "
-                         "each optionally +warm (libraries in the page cache)")
+                         "each optionally /serial (graphs after the bank) and +warm (libraries in the "
+                         "page cache)")
     args = ap.parse_args()
     from freetoken_engine.models.build import build_model
 
@@ -267,8 +304,9 @@ def main() -> None:
     pk_bytes = sum(f.stat().st_size for f in files)
     out = RESULTS / "fast_load.json"
     if args.first_request_only:
+        shutil.rmtree(st_dir, ignore_errors=True)     # the disk holds one large folder at a time
         data = json.loads(out.read_text())
-        data["machines"].setdefault(args.label, {})["first_request"] = {
+        data["machines"].setdefault(args.label, {})[args.entry] = {
             "moe_layers": args.layers, "packed_bytes": pk_bytes, **first_request(pk_dir, args.threads, args.restarts.split(","))}
         out.write_text(json.dumps(data, indent=1) + "\n")
         shutil.rmtree(args.dir, ignore_errors=True)

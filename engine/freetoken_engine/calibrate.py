@@ -151,6 +151,16 @@ def _cache_path(device: torch.device) -> Path:
     return env.cache_dir() / "calibration" / f"{socket.gethostname()}-{device.type}-{digest}.json"
 
 
+def calibrated(device: torch.device | str) -> bool:
+    """Whether ``load_or_measure`` has a cached calibration for this host configuration (so it
+    will measure nothing)."""
+    try:
+        json.loads(_cache_path(torch.device(device)).read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return True
+
+
 def load_or_measure(device: torch.device | str, refresh: bool = False) -> dict:
     """The cached calibration for this host configuration, measured (and cached) if absent."""
     dev = torch.device(device)

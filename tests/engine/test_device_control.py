@@ -162,3 +162,37 @@ def test_layer_streamer_on_cpu_returns_bank_views():
     with pytest.raises(ValueError, match="out of range"):
         streamer.layer(LAYERS)
     assert _runs(torch.tensor([True, True, False, True, False, False, True])) == [(0, 2), (3, 4), (6, 7)]
+
+
+@pytest.mark.parametrize("capacity,fill_fraction", [(10, 0.6), (LAYERS * EXPERTS, 1.0)], ids=["cache-smaller-than-bank", "all-fit"])
+def test_all_resident_reads_nothing_and_leaves_the_cache_as_it_was(capacity, fill_fraction):
+    """Decode graphs are captured while a packed bank is still being read, with every expert
+    resident: their steps must neither fill from the bank (it is not there yet, nor pinned) nor
+    leave pairs to the CPU, and afterwards the cache must go on exactly as if they never ran."""
+    bank = _bank(3)
+    ref = ExpertCache(bank, capacity, "cpu", fill_fraction=fill_fraction)
+    dev = ExpertCache(bank, capacity, "cpu", fill_fraction=fill_fraction)
+    ctl = DeviceControl.from_cache(dev)
+    g = torch.Generator().manual_seed(5)
+    for layer in range(LAYERS):                       # some residency and clock to keep
+        ids = _routing(g, tokens=2, hot=EXPERTS)
+        assert torch.equal(ctl.step(layer, ids).pair_slot, ref.step(layer, ids.reshape(-1)))
+    pools = (dev.w13.clone(), dev.w2.clone())
+    counts = ctl.counters()
+    bank.w13.fill_(float("nan"))                      # what a read still in progress may hold
+    with ctl.all_resident():
+        for _ in range(3):
+            for layer in range(LAYERS):
+                out = ctl.step(layer, _routing(g, tokens=3, hot=EXPERTS))
+                assert bool((out.pair_slot >= 0).all()) and bool((out.pair_slot < ctl.slot_owner.numel()).all())
+                assert bool((out.fill_exp < 0).all()) and bool((out.cpu_exp < 0).all())
+    for pool, before in zip((dev.w13, dev.w2), pools):   # nothing was copied (bits: empty slots may hold NaN)
+        assert torch.equal(pool.view(torch.int16), before.view(torch.int16))
+    assert ctl.counters() == counts
+    bank.w13.copy_(_bank(3).w13)
+    _assert_same(ref, dev, ctl)
+    for _ in range(2):                                # and it goes on as the reference does
+        for layer in range(LAYERS):
+            ids = _routing(g, tokens=2, hot=EXPERTS)
+            assert torch.equal(ctl.step(layer, ids).pair_slot, ref.step(layer, ids.reshape(-1)))
+    _assert_same(ref, dev, ctl)

@@ -165,3 +165,44 @@ def test_split_tuning_moves_q_without_changing_tokens(tiny_checkpoint):
     assert got == want
     assert (logits - want_logits).abs().max() < 1e-3
     assert llm.runner.expert_stats()["split_tuner"]["probes"] == tuner.probes
+
+
+@pytest.mark.parametrize("options", [{"cpu_expert_fraction": 0.0}, {"expert_cache_experts": 3, "cpu_expert_fraction": 0.5}],
+                         ids=["every-expert-fits", "cpu-branch"])
+def test_graphs_captured_while_the_bank_is_read_decode_the_same_tokens(tiny_packed, monkeypatch, options):
+    """A packed restart captures its decode graphs while the bank is still being read (every
+    expert resident for the warm-up, nothing read from the bank) and pins each piece as it lands;
+    it then serves exactly what an engine that loaded everything first serves, from a cold cache.
+    The bank's reads wait at a gate that only the end of the warm-up opens."""
+    import threading
+
+    from freetoken_engine.executor.runner import ModelRunner
+    from freetoken_engine.packed import early
+    src, out = tiny_packed
+    eager = LLM(src, device="cuda", dtype="float32", cuda_graphs=False, **options)
+    want, want_logits = lockstep(eager, PROMPTS, 12)
+    gate, seen = threading.Event(), {}
+    read, warm = early.Fill._read, ModelRunner.warm_graphs
+
+    def gated(self, name, *rest):
+        if name.startswith("bank-"):
+            seen.setdefault("released", gate.wait(60))
+        read(self, name, *rest)
+
+    def warm_then_release(self, batches, bank_pending=False):
+        seen["pending"] = bank_pending
+        seen["captured"] = n = warm(self, batches, bank_pending)
+        gate.set()
+        return n
+    monkeypatch.setattr(early.Fill, "_read", gated)
+    monkeypatch.setattr(ModelRunner, "warm_graphs", warm_then_release)
+    llm = LLM(out, device="cuda", dtype="float32", **options)
+    assert seen["pending"] and seen["captured"] > 0 and seen["released"]
+    bank = llm.runner.bank
+    assert bank.pinned and all(bank.w13[i].is_pinned() and bank.w2[i].is_pinned() for i in range(bank.num_layers))
+    got, logits = lockstep(llm, PROMPTS, 12)
+    assert got == want
+    assert (logits - want_logits).abs().max() < 1e-4
+    s = llm.runner.expert_stats()
+    assert s["misses"] > 0 and s["fills"] + s["cpu_computed"] == s["misses"]   # it started cold
+    assert llm.runner.graphs.replays >= 8

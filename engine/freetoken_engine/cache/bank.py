@@ -13,22 +13,6 @@ _PAGE = 4096
 _REGISTER_MIN = 2 << 20
 
 
-def _clear_cuda_error() -> None:
-    """Reset CUDA's last error after a failed cudaHostRegister, which PyTorch would otherwise
-    report at its next error check. torch's cudart binding lacks cudaGetLastError: use ctypes."""
-    import ctypes
-    import glob
-    import os
-    roots = [os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(torch.__file__))]
-    for root in roots:
-        for lib in glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True):
-            try:
-                ctypes.CDLL(lib).cudaGetLastError()
-                return
-            except OSError:
-                continue
-
-
 def _page_aligned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An empty host tensor on its own page-aligned mapping, so that ``pin`` registers it in
     place: ``torch.empty`` memory starts 16 bytes into a page and would need a pinned copy (a
@@ -44,18 +28,17 @@ def _register_in_place(t: torch.Tensor, registered: list[int]) -> bool:
     """Page-lock ``t`` where it lies. A mapping from ``aligned_empty`` is unregistered when the
     mapping goes; any other address is remembered in ``registered`` for ``unpin``."""
     from ..packed.format import PackedFormatError
-    from ..packed.memory import host_register
+    from ..packed.memory import clear_cuda_error, host_register
     try:
-        return host_register(t)
+        return bool(host_register(t))
     except ValueError:                      # not such a mapping: register the address itself
         pass
-    except PackedFormatError:
-        _clear_cuda_error()
+    except PackedFormatError:               # host_register cleared CUDA's error already
         return False
     if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) == 0:
         registered.append(t.data_ptr())
         return True
-    _clear_cuda_error()
+    clear_cuda_error()
     return False
 
 
@@ -114,7 +97,8 @@ class ExpertBank:
             cudart = torch.cuda.cudart()
             failed = [ptr for ptr in self._registered if int(cudart.cudaHostUnregister(ptr)) != 0]
             if failed:          # not registered any more (a CUDA reset): clear the sticky error
-                _clear_cuda_error()
+                from ..packed.memory import clear_cuda_error
+                clear_cuda_error()
         self._registered = []
 
     def __del__(self):

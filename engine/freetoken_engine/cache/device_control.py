@@ -18,6 +18,7 @@ new tensors and every ``ControlOutputs`` sized for the old pool is dropped.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -214,6 +215,29 @@ class DeviceControl:
         (``out.pair_stream``) from the host's activations ``act [>= P, I]`` (pinned; read once the
         caller has waited for them), zero rows for the other pairs. After ``copy``."""
         return stage_down_forward(act, self.scratch[1], out.pair_stream, out=rows)
+
+    @contextlib.contextmanager
+    def all_resident(self):
+        """Every (layer, expert) resident for the duration (expert i of the flattened
+        ``[L, E]`` table in LRU slot ``i % S``; the pools' bytes are whatever they hold), so no
+        step fills or leaves a pair to the CPU: nothing reads the bank, which may still be being
+        read. For capturing decode graphs ahead of time while the bank loads: a graph holds the
+        tables' addresses, not their values (the copy kernels are still launched, so the bank's
+        start must be registered already: ``PackedModel.pin_head``). On exit the residency, the
+        clock and the counters are what they were (restored in place, in stream order). The
+        caller syncs any host work first (``OffloadedExperts``)."""
+        saved = [t.clone() for t in (self.slot_of, self.slot_owner, self.last_used, self.clock, self.totals)]
+        n_slots, n_experts = self.slot_owner.numel(), self.slot_of.numel()
+        self.slot_of.copy_((torch.arange(n_experts, device=self.device) % n_slots).view_as(self.slot_of))
+        slots = torch.arange(n_slots, device=self.device)
+        held = slots < n_experts                # slot s holds expert s (and others when fewer slots)
+        self.slot_owner.copy_(torch.where(held, slots, -1))
+        self.last_used.copy_(torch.where(held, self.clock, -1))
+        try:
+            yield
+        finally:
+            for t, old in zip((self.slot_of, self.slot_owner, self.last_used, self.clock, self.totals), saved):
+                t.copy_(old)
 
     def host_clock(self) -> int:
         """The device clock (one sync)."""

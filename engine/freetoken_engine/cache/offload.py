@@ -12,6 +12,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from typing import Protocol
@@ -165,6 +166,20 @@ class OffloadedExperts:
     def capturing(self, on: bool) -> None:
         if self.host_branch is not None:
             self.host_branch.capturing = on
+
+    @contextlib.contextmanager
+    def all_resident(self):
+        """Every expert resident while inside (``DeviceControl.all_resident``): decode steps read
+        nothing from the bank, so graphs can be captured while it is still being read. Residency,
+        clock and counters come back as they were; the host branch's step is finished first."""
+        self.sync_stats()
+        with self.control.all_resident():
+            try:
+                yield
+            finally:
+                if self.host_branch is not None:
+                    self.host_branch.finish()
+        self.cache.clock = self.control.host_clock()
 
     def begin_replay(self, tokens: int, mode: str) -> None:
         if mode == "branch":

@@ -35,9 +35,8 @@ class LayerStreamer:
         self._next = -1
         self.pcie_bytes = 0          # bytes copied over PCIe since construction (stats, benchmarks)
         self.device_bytes = 0        # bytes copied from the cache on the device
-        if self.device.type == "cuda":
-            if not (bank.w13.is_pinned() and bank.w2.is_pinned()):
-                raise ValueError("LayerStreamer on a GPU needs the pinned bank (call bank.pin() first)")
+        self._checked = False        # the bank is pinned (checked at first use: the engine
+        if self.device.type == "cuda":  # builds this while a packed bank is still being read)
             w13, w2 = bank.w13[0], bank.w2[0]
             self._bufs = [(torch.empty_like(w13, device=self.device), torch.empty_like(w2, device=self.device))
                           for _ in range(2)]
@@ -51,6 +50,10 @@ class LayerStreamer:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
         if self.device.type != "cuda":
             return self.bank.w13[layer], self.bank.w2[layer]
+        if not self._checked:
+            if not (self.bank.w13.is_pinned() and self.bank.w2.is_pinned()):
+                raise ValueError("LayerStreamer on a GPU needs the pinned bank (call bank.pin() first)")
+            self._checked = True
         current = torch.cuda.current_stream(self.device)
         if layer != self._next:                      # a new pass (or out of order): load it now
             self._resident = self.cache.slot_of.cpu() if self.cache is not None else None

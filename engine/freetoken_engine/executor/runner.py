@@ -6,6 +6,7 @@ must be called between forward passes (a safe point).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -22,7 +23,8 @@ from ..cache.offload import OffloadedExperts
 from ..config import EngineConfig
 from ..errors import ConfigError
 from ..layers.linear import use_compiled_linears
-from ..models.build import build_model
+from ..calibrate import calibrated
+from ..models.build import BankRead, start_model
 from ..models.loader import torch_dtype
 from ..models.tokenizer import load_tokenizer
 from .inputs import SeqChunk, build_inputs
@@ -63,7 +65,19 @@ class ModelRunner:
         if folder.suffix == ".gguf" and folder.is_file():       # a llama GGUF: convert once, cached
             from ..models.gguf_folder import gguf_folder
             folder = gguf_folder(folder)
-        self.model, self.bank, self.mcfg = build_model(folder, self.dtype, self.device, progress)
+        self.model, self.bank, self.mcfg, rest = start_model(folder, self.dtype, self.device, progress)
+        try:
+            self._assemble(cfg, folder, rest)
+        except BaseException:
+            rest.cancel()                 # a packed bank still being read stops there
+            raise
+
+    def _assemble(self, cfg: EngineConfig, folder, rest: BankRead) -> None:
+        """Everything after the model's construction. A packed folder's bank may still be read
+        (``rest``): the cache, the KV pool and the decode graphs are made meanwhile (the graphs
+        with every expert resident, so their warm-up reads nothing from the bank), and the bank
+        is waited for (and pinned as it lands) last. A first start on a GPU waits for
+        it before the calibration, which must not share the memory bus with the read."""
         if self.device.type == "cpu":
             use_compiled_linears(self.model)     # decode projections at memory bandwidth
         eos = tuple(dict.fromkeys(_generation_eos(folder) + self.mcfg.eos_token_ids))
@@ -73,23 +87,18 @@ class ModelRunner:
                                self.mcfg.max_position_embeddings)
         self.cache = None
         if self.bank is not None:
+            if (rest.pending and self.device.type == "cuda" and cfg.cpu_expert_fraction is None
+                    and not calibrated(self.device)):
+                rest.finish()           # a first start measures B_cpu and PCIe: not beside the read
             self.cache = ExpertCache(self.bank, self._capacity(), self.device, self._fill_fraction(),
                                      bypass=env.bypass_slots() if self.device.type == "cuda" else 0)
-            self.experts = OffloadedExperts(self.bank, self.cache, cfg.prefill_expert_threshold,
-                                            backend=cfg.expert_backend, top_k=self.mcfg.moe.top_k)
-            for block in self.model.moe_blocks():
-                block.experts = self.experts
+            self._make_experts()
         kv_tokens = cfg.kv_cache_tokens or min(2 * self.max_context, 32768)
         kv_tokens = max(kv_tokens, self.max_context)
         m = self.mcfg
         self.kv = KVPool(m.num_layers, -(-kv_tokens // cfg.kv_block_size), cfg.kv_block_size,
                          m.num_kv_heads, m.head_dim, self.dtype, self.device)
-        self.graphs = None
-        if cfg.cuda_graphs and self.device.type == "cuda" and (self.cache is None or self.experts.control is not None):
-            from .graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(self.model, self.kv, self.experts if self.cache is not None else None,
-                                       self.device, self.dtype, self.max_context,
-                                       min(cfg.max_batch, cfg.prefill_expert_threshold - 1))
+        self._make_graphs()
         # q* refined online by measured step time; not when the user fixed the split
         self.tuner = None
         if (cfg.split_tuning and self.cache is not None and self.device.type == "cuda"
@@ -97,8 +106,39 @@ class ModelRunner:
             self.tuner = SplitTuner(self.cache.fill_fraction)
         self._timed: tuple | None = None         # (decode batch, start event, end event) of the last step
         self.graph_warmup_seconds = 0.0
-        if self.graphs is not None and self.tuner is None and cfg.graph_warmup > 0:
-            self.warm_graphs(cfg.graph_warmup)   # the tuner's first probes would drop them again
+        warm = self.graphs is not None and self.tuner is None and cfg.graph_warmup > 0
+        if warm and rest.pending and not (self.cache is None or rest.pin_head()):
+            rest.finish()                        # the steps could not be launched before the bank
+        if warm:                                 # (the tuner's first probes would drop them again)
+            self.warm_graphs(cfg.graph_warmup, bank_pending=rest.pending)
+        if rest.pending:
+            before = (self.bank.w13.data_ptr(), self.bank.w2.data_ptr())
+            rest.finish()
+            if (self.bank.w13.data_ptr(), self.bank.w2.data_ptr()) != before:
+                # pinned by a copy (registration in place failed): everything that holds the
+                # bank's addresses is made again
+                log.warning("the expert bank was pinned by copying it; decode graphs captured again")
+                if self.experts.host_branch is not None:
+                    self.experts.host_branch.close()
+                self._make_experts()
+                self._make_graphs()
+                if warm:
+                    self.warm_graphs(cfg.graph_warmup)
+
+    def _make_experts(self) -> None:
+        self.experts = OffloadedExperts(self.bank, self.cache, self.cfg.prefill_expert_threshold,
+                                        backend=self.cfg.expert_backend, top_k=self.mcfg.moe.top_k)
+        for block in self.model.moe_blocks():
+            block.experts = self.experts
+
+    def _make_graphs(self) -> None:
+        cfg = self.cfg
+        self.graphs = None
+        if cfg.cuda_graphs and self.device.type == "cuda" and (self.cache is None or self.experts.control is not None):
+            from .graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(self.model, self.kv, self.experts if self.cache is not None else None,
+                                       self.device, self.dtype, self.max_context,
+                                       min(cfg.max_batch, cfg.prefill_expert_threshold - 1))
 
     # -- configuration -------------------------------------------------------------------------
     def _capacity(self) -> int:
@@ -182,13 +222,15 @@ class ModelRunner:
         return [SeqChunk(scratch * -(-width // self.kv.block_size), width - 1, [0]) for _ in range(batch)]
 
     @torch.inference_mode()
-    def warm_graphs(self, batches: int) -> int:
+    def warm_graphs(self, batches: int, bank_pending: bool = False) -> int:
         """Capture the decode graphs of batch sizes 1..``batches`` at every KV width now, before
         any request, and replay each once (a graph's first launch also uploads it to the device);
         returns how many were captured. Each key's step is a dummy token at the
         width's last position on one scratch KV block (released after). Their dummy steps
         route through the expert cache like a short prompt would, so residency may change (never
-        an output), but they are not counted in the cache's statistics."""
+        an output), but they are not counted in the cache's statistics. ``bank_pending``: the
+        bank is still being read, so the steps run with every expert resident
+        (``OffloadedExperts.all_resident``: no fill, no CPU pair) and leave the cache as it was."""
         if self.graphs is None or batches < 1:
             return 0
         before = None
@@ -199,16 +241,19 @@ class ModelRunner:
         n = 0
         replays = self.graphs.replays             # the warm-up's replays are not serving's
         scratch = self.kv.allocate(1)             # every dummy sequence reads and writes only it
+        resident = (self.experts.all_resident() if bank_pending and self.cache is not None
+                    else contextlib.nullcontext())
         try:
-            for width in self.graphs.widths():
-                for b in range(1, min(batches, self.graphs.max_batch) + 1):
-                    chunks = self.dummy_decode(scratch, width, b)
-                    key = self.graphs.key(chunks)
-                    if key is not None and key not in self.graphs:
-                        self.forward(chunks)      # its eager run, then the capture
-                        if key in self.graphs:
-                            n += 1
-                            self.forward(chunks)  # its first replay too (bench/graph_first_replay.py)
+            with resident:
+                for width in self.graphs.widths():
+                    for b in range(1, min(batches, self.graphs.max_batch) + 1):
+                        chunks = self.dummy_decode(scratch, width, b)
+                        key = self.graphs.key(chunks)
+                        if key is not None and key not in self.graphs:
+                            self.forward(chunks)      # its eager run, then the capture
+                            if key in self.graphs:
+                                n += 1
+                                self.forward(chunks)  # its first replay too (bench/graph_first_replay.py)
         finally:
             self.kv.release(scratch)
             self.graphs.replays = replays

@@ -27,9 +27,9 @@ def read_config(folder: Path, dtype: torch.dtype | None = None, progress: Progre
     Hugging Face folder is validated and read lazily."""
     from ..packed import is_packed, load_packed
     if is_packed(folder):
-        # the bank pins itself after; it is still being read while the dense weights go to the
-        # device (build_model calls finish() before it touches the bank)
-        ckpt = load_packed(folder, dtype=dtype, pin="none", defer_bank=True,
+        # the bank is still being read (and pinned as it lands: packed/pinning.py) while the
+        # dense weights go to the device; BankRead.finish() waits for it before the bank is used
+        ckpt = load_packed(folder, dtype=dtype, pin="after", defer_bank=True,
                            progress=(lambda f: progress(0.99 * f)) if progress else None)
     else:
         ckpt = Checkpoint(folder)
@@ -53,8 +53,62 @@ def no_init():
             setattr(torch.nn.init, n, fn)
 
 
+class BankRead:
+    """What is left of a model's load once ``start_model`` returns: for a packed folder the rest
+    of its bank's read (the bank's bytes are there, and it is pinned, only after ``finish``);
+    nothing for a Hugging Face folder, whose bank is filled before ``start_model`` returns."""
+
+    def __init__(self, ckpt=None, bank: ExpertBank | None = None):
+        self._ckpt, self._bank = ckpt, bank
+
+    @property
+    def pending(self) -> bool:
+        return self._ckpt is not None
+
+    def pin_head(self) -> bool:
+        """Register the bank's first pages while it is still read, so that decode steps (which
+        take the bank as a kernel argument) can be captured before it is in; True when done
+        (``PackedModel.pin_head``). Nothing may read the bank's bytes before ``finish``."""
+        return self._ckpt is not None and self._ckpt.pin_head()
+
+    def finish(self) -> None:
+        """Wait for the bank's read and pin it (raises the read's failure, naming the file)."""
+        ckpt, self._ckpt = self._ckpt, None
+        if ckpt is None:
+            return
+        try:
+            ckpt.finish()
+            if self._bank is not None:
+                self._bank.pinned = ckpt.pinned      # pinned as it was read
+                self._bank.pin()                     # or here, when that was not possible
+        finally:
+            ckpt.close()
+
+    def cancel(self) -> None:
+        """Stop the read (a start that failed before ``finish``); the bank is unusable after."""
+        ckpt, self._ckpt = self._ckpt, None
+        if ckpt is not None:
+            ckpt.close()
+
+
 def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
                 progress: Progress | None = None) -> tuple[DecoderLM, ExpertBank | None, ModelConfig]:
+    """The model on ``device`` and its filled, pinned expert bank (None without MoE layers)."""
+    model, bank, cfg, rest = start_model(folder, dtype, device, progress)
+    try:
+        rest.finish()
+    except BaseException:
+        rest.cancel()
+        raise
+    return model, bank, cfg
+
+
+def start_model(folder: Path, dtype: torch.dtype, device: torch.device, progress: Progress | None = None
+                ) -> tuple[DecoderLM, ExpertBank | None, ModelConfig, BankRead]:
+    """``build_model`` that returns while a packed folder's bank is still being read: the
+    caller may do anything that does not read the bank's bytes (allocate the expert cache,
+    capture decode graphs with every expert resident) before ``BankRead.finish()``, and must
+    call ``cancel()`` if it gives up before that."""
     ckpt, cfg = read_config(folder, dtype, progress)
     try:
         return _build(folder, ckpt, cfg, dtype, device, progress)
@@ -64,7 +118,7 @@ def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
 
 
 def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-           progress: Progress | None) -> tuple[DecoderLM, ExpertBank | None, ModelConfig]:
+           progress: Progress | None) -> tuple[DecoderLM, ExpertBank | None, ModelConfig, BankRead]:
     fam = family(cfg.model_type)
     rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
     with torch.device("meta"), no_init():
@@ -100,11 +154,7 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
                 progress(done / total)
         if tied:
             model.lm_head.weight = model.model.embed_tokens.weight
-        if packed:
-            ckpt.finish()                                      # the rest of the bank's read
-            if bank is not None:
-                bank.pin()                                     # read in its final layout already
-        elif bank is not None:
+        if not packed and bank is not None:
             for li, layer in enumerate(cfg.moe.layers):
                 for e in range(cfg.moe.num_experts):
                     gate, up, down = (ckpt.get(fam.expert_key(layer, e, p)) for p in range(3))
@@ -116,9 +166,12 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
                 if progress:
                     progress(done / total)
             bank.pin()
-    ckpt.close()
+    if packed:
+        ckpt.release_dense()            # copied: the bank alone is still being read
+    else:
+        ckpt.close()
     for module in model.modules():
         if hasattr(module, "fuse"):
             module.fuse()
     model.eval()
-    return model, bank, cfg
+    return model, bank, cfg, BankRead(ckpt if packed else None, bank)

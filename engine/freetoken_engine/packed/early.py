@@ -86,7 +86,8 @@ class Fill:
             per = {t: bank_piece_bytes(index, t, (0, 1)) for t in ("w13", "w2")}
             for t in ("w13", "w2"):
                 self.arenas[t] = arena(per[t] * layers)
-            for p in bank["pieces"]:
+            # w13 (two thirds of the bank) first: it is pinned while w2 is still read (pinning.py)
+            for p in sorted(bank["pieces"], key=lambda p: (p["tensor"] != "w13", p["layers"][0])):
                 a, b = p["layers"]
                 dests[p["file"]] = (self.arenas[p["tensor"]], a * per[p["tensor"]], (b - a) * per[p["tensor"]])
         self.jobs = [(name, b, *dest) for name, dest in dests.items()
@@ -97,6 +98,14 @@ class Fill:
         self.dense_done = threading.Event()
         if not self.dense_left:
             self.dense_done.set()
+        # blocks still to read per file, and an event set once a file is all in (or the read ended)
+        self._blocks_left = {name: 0 for name in dests}
+        for job in self.jobs:
+            self._blocks_left[job[0]] += 1
+        self._file_done = {name: threading.Event() for name in dests}
+        for name, n in self._blocks_left.items():
+            if not n:
+                self._file_done[name].set()
         self.done_bytes = self.direct_bytes = 0
         self.error: PackedFormatError | None = None
         self.cancelled = False
@@ -133,7 +142,7 @@ class Fill:
     def cancel(self) -> None:
         """Stop handing out blocks (those being read finish), and release the files."""
         self.cancelled = True
-        self.dense_done.set()
+        self._wake_all()
         for w in self._workers:
             w.join()
         self.close()
@@ -156,6 +165,19 @@ class Fill:
         if self.error is not None:
             self.wait()                 # join the workers, release the files, raise
 
+    def wait_file(self, name: str) -> None:
+        """Wait until every block of file ``name`` is in (the rest may still be reading, which is
+        when a caller pins what has landed). Raises the read's first failure, or
+        PackedFormatError once the read was cancelled."""
+        self._file_done[name].wait()
+        if self.error is not None or self.cancelled:
+            self.wait()                 # join the workers, release the files, raise
+
+    def _wake_all(self) -> None:
+        self.dense_done.set()
+        for event in self._file_done.values():
+            event.set()
+
     def close(self) -> None:
         for fd, dfd in self.fds.values():
             os.close(fd)
@@ -175,7 +197,7 @@ class Fill:
             except PackedFormatError as exc:
                 with self._lock:
                     self.error = self.error or exc
-                self.dense_done.set()
+                self._wake_all()
         with self._lock:
             self.finished = max(self.finished, time.perf_counter())
 
@@ -223,6 +245,9 @@ class Fill:
                 self.dense_left -= 1
                 if not self.dense_left:
                     self.dense_done.set()
+            self._blocks_left[name] -= 1
+            if not self._blocks_left[name]:
+                self._file_done[name].set()
             frac = self.done_bytes / max(1, self.total)
             if self.progress and (frac - self._last >= 0.01 or frac >= 1.0):
                 self._last = frac

@@ -15,6 +15,8 @@ import weakref
 
 from .format import PackedFormatError, align_up
 
+PAGE = 4096
+
 
 class _Arena(mmap.mmap):
     """An anonymous mapping that can carry a finalizer (a subclass accepts weak references)."""
@@ -55,24 +57,52 @@ def _unregister(ptr: int) -> None:
         pass
 
 
-def host_register(t) -> bool:
-    """Page-lock ``t`` (a whole ``aligned_empty`` tensor) in place; False without CUDA.
+def clear_cuda_error() -> None:
+    """Reset CUDA's last error after a failed cudaHostRegister, which PyTorch would otherwise
+    report at its next error check. torch's cudart binding lacks cudaGetLastError: use ctypes."""
+    import ctypes
+    import glob
+    import os
+
+    import torch
+    roots = [os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(torch.__file__))]
+    for root in roots:
+        for lib in glob.glob(os.path.join(root, "**", "libcudart.so*"), recursive=True):
+            try:
+                ctypes.CDLL(lib).cudaGetLastError()
+                return
+            except OSError:
+                continue
+
+
+def host_register(t, start: int = 0, nbytes: int | None = None):
+    """Page-lock ``t`` (a whole ``aligned_empty`` tensor), or its bytes ``[start, start +
+    nbytes)`` (page-aligned), in place; False without CUDA, else the ``weakref.finalize`` that
+    undoes it (call it to unregister early).
 
     The registration is undone before the mapping is unmapped (a finalizer on the arena), so a
-    later mapping at the same address is never mistaken for pinned memory.
+    later mapping at the same address is never mistaken for pinned memory. Ranges registered one
+    by one are separate registrations: a kernel reads across them (unified addressing), but a
+    copy whose range spans two fails ("invalid argument"), so ``pinning.BankPins`` keeps one
+    registration per bank tensor in the end.
     """
     import torch
     if not torch.cuda.is_available():
         return False
-    ptr = t.data_ptr()
-    arena = _ARENAS.get(ptr)
+    arena = _ARENAS.get(t.data_ptr())
     if arena is None:
         raise ValueError("only tensors from aligned_empty can be registered here")
-    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, t.numel() * t.element_size(), 0))
+    size = t.numel() * t.element_size()
+    nbytes = size - start if nbytes is None else nbytes
+    if start % PAGE or start < 0 or nbytes <= 0 or start + nbytes > size:
+        raise ValueError(f"bytes [{start}, {start + nbytes}) are not a page-aligned range of {size}")
+    ptr = t.data_ptr() + start
+    rc = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
+    if rc != 0:
+        clear_cuda_error()          # or torch would report it at its next error check
     if rc == 712:  # cudaErrorHostMemoryAlreadyRegistered
         raise PackedFormatError("cudaHostRegister: this address range is already registered; a pinned "
                                 "buffer freed earlier in this process was not unregistered")
     if rc != 0:
         raise PackedFormatError(f"cudaHostRegister failed with code {rc}")
-    weakref.finalize(arena, _unregister, ptr)
-    return True
+    return weakref.finalize(arena, _unregister, ptr)

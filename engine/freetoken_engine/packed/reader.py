@@ -35,6 +35,7 @@ from . import early
 from .early import already_verified, record_verified
 from .format import PackedFormatError, read_index
 from .memory import aligned_empty, as_tensor, host_register
+from .pinning import BankPins
 
 
 @dataclass
@@ -64,9 +65,13 @@ class PackedModel:
             raise PackedFormatError(f"packed folder {self.folder} lacks tensor {name}")
         return self.tensors[name]
 
+    def release_dense(self) -> None:
+        """Drop the dense tensors (their memory goes once the caller's copies are made)."""
+        self.tensors.clear()
+
     def close(self) -> None:
         """Drop the dense tensors; a bank still being read (``defer_bank``) is cancelled."""
-        self.tensors.clear()
+        self.release_dense()
         if self._pending is not None:
             self._pending.fill.cancel()
             self._pending = None
@@ -75,28 +80,47 @@ class PackedModel:
         """The bank's tensors; with ``defer_bank`` their bytes are there only after ``finish``."""
         return self.w13, self.w2
 
+    def pin_head(self) -> bool:
+        """Register the first page of the bank's tensors now, while the bank is still read
+        (``defer_bank`` with ``pin="after"``), so that kernels taking the bank as an argument
+        can be launched and captured before it is in (``pinning.BankPins.head``). Nothing may
+        read the bank's bytes before ``finish``. False where that is not possible (no CUDA, no
+        deferred read, a tensor under a page)."""
+        p = self._pending
+        if p is None or not p.pin_after or self.w13 is None:
+            return False
+        return p.pins.head()
+
     def finish(self) -> None:
         """Wait for the rest of the read, convert the bank to the asked dtype, pin it (``pin=
         "after"``) and record a verified folder; nothing to do when it is done already. Raises
-        the read's first failure (``PackedFormatError``)."""
+        the read's first failure (``PackedFormatError``).
+
+        Pinning overlaps the read (``pinning.BankPins``): ``w13`` is page-locked as soon as all
+        of its files are in, while ``w2`` is still read. If a registration fails the bank is left
+        unpinned (``ExpertBank.pin`` takes over)."""
         p = self._pending
         if p is None:
             return
         self._pending = None
         t = time.perf_counter()
+        if p.pin_after and self.w13 is not None and p.st13 is None:
+            p.pins.as_read(p.fill, self.index)
+        busy = p.pins.busy
         read = p.fill.wait()
-        waited = time.perf_counter() - t
+        t_read = time.perf_counter()
         if p.st13 is not None:
             self.w13.copy_(p.st13)
             self.w2.copy_(p.st2)
-        t_pin = time.perf_counter()
         if p.pin_after and self.w13 is not None:
-            self.pinned = host_register(self.w13) and host_register(self.w2)
-        t_pin = time.perf_counter() - t_pin
+            self.pinned = p.pins.rest() and p.pins.complete
         if p.fill.check:
             record_verified(self.folder, self.index)
         self.stats.update({"seconds": time.perf_counter() - p.t0, "read_seconds": read,
-                           "waited_seconds": self.stats["waited_seconds"] + waited, "pin_seconds": t_pin,
+                           "waited_seconds": self.stats["waited_seconds"] + t_read - t - busy,
+                           "pin_seconds": p.pins.busy,
+                           # from the read's last block: what the load cost beyond the read
+                           "pin_after_read_seconds": time.perf_counter() - max(p.fill.finished, t),
                            "direct_bytes": p.fill.direct_bytes})
 
 
@@ -108,6 +132,7 @@ class _Pending:
     st2: torch.Tensor | None
     pin_after: bool
     t0: float
+    pins: BankPins | None = None        # the bank's registrations, made while it is read
 
 
 def _check_config(folder: Path, index: dict) -> dict:
@@ -175,7 +200,7 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
                 w13 = aligned_empty(st13.numel() * dtype.itemsize).view(dtype).view(st13.shape)
                 w2 = aligned_empty(st2.numel() * dtype.itemsize).view(dtype).view(st2.shape)
             if pin == "before":
-                pinned = host_register(w13) and host_register(w2)
+                pinned = bool(host_register(w13)) and bool(host_register(w2))
         if not preloaded:
             fill.start()
         t_wait = time.perf_counter()
@@ -195,7 +220,7 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
     pm = PackedModel(folder, config, index, tensors, w13, w2, tuple(bank["moe_layers"]) if bank else (),
                      pinned, stats)
     pm._pending = _Pending(fill, st13 if dtype != stored else None, st2 if dtype != stored else None,
-                           pin == "after", t0)
+                           pin == "after", t0, BankPins({"w13": w13, "w2": w2}) if bank else None)
     if not defer_bank:
         pm.finish()
     return pm
