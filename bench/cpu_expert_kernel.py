@@ -7,7 +7,9 @@ layer's decode step whose experts are the next ones of a fixed permutation, so n
 weights in cache. GB/s = bytes of distinct experts' weights read per second.
 
 Cases: one token on 8 experts (bf16 and fp32 x), one token on 1 and on 2 experts (the GPU
-offload path's calls), 4 tokens over random top-8 of 32 experts, 4 and 8 tokens all on the same
+offload path's calls), 4 and 8 tokens each over a random top-8 of 32 / 64 experts (about one
+token per expert, as a decode batch routes: denser than 8 tokens over 128 experts), 4 and 8
+tokens all on the same
 8 experts (on an AMX CPU also with the tiles off, ``isa=avx512bf16``); and the static layer split
 of bench/offload_decode.py (``_static_token``): per layer of 128 experts, 4 tokens with uniform
 random top-8 (~29 experts, most with one token) or 1 token, the kernel's result copied by torch
@@ -95,14 +97,14 @@ def make_plans(E: int, T: int, mode: str, gen: torch.Generator) -> list[tuple]:
     """Calls covering the bank once: (tok, exp, distinct_experts) per call."""
     perm = torch.randperm(E, generator=gen)
     plans = []
-    window = {"1_expert": 1, "2_experts": 2, "random_top8": 4 * K}.get(mode, K)
+    window = {"1_expert": 1, "2_experts": 2, "random_top8": T * K}.get(mode, K)
     for s in range(0, E - window + 1, window):
         w = perm[s:s + window]
         if mode in ("one_token", "1_expert", "2_experts"):   # T = 1: one token on each expert
             tok, exp = torch.zeros(window, dtype=torch.long), w
         elif mode == "same_experts":     # T tokens all routed to the same 8 experts
             tok, exp = torch.arange(T).repeat_interleave(K), w.repeat(T)
-        else:                            # T tokens, each top-8 of a window of 32 experts
+        else:                            # T tokens, each top-8 of a window of T * 8 experts
             tok = torch.arange(T).repeat_interleave(K)
             exp = torch.cat([w[torch.randperm(window, generator=gen)[:K]] for _ in range(T)])
         plans.append((tok, exp, int(torch.unique(exp).numel())))
@@ -181,8 +183,8 @@ def main() -> None:
 
     cases = [("one_token", 1, torch.bfloat16), ("one_token", 1, torch.float32),
              ("1_expert", 1, torch.bfloat16), ("2_experts", 1, torch.bfloat16),
-             ("random_top8", 4, torch.bfloat16), ("same_experts", 4, torch.bfloat16),
-             ("same_experts", 8, torch.bfloat16)]
+             ("random_top8", 4, torch.bfloat16), ("random_top8", 8, torch.bfloat16),
+             ("same_experts", 4, torch.bfloat16), ("same_experts", 8, torch.bfloat16)]
     if args.quick:
         cases = cases[:2]
     amx = ce.cpu_features().get("best_isa") == "amx"   # then also the same cases with the tiles off

@@ -106,3 +106,26 @@ def test_every_miss_is_filled_once_every_expert_fits(tiny_checkpoint):
     assert experts.control.fill_fraction == 0.25
     llm.runner.resize_expert_cache(16)
     assert experts.control.fill_fraction == 1.0 and experts.cache.fill_fraction == 0.25
+
+
+def test_a_bank_pinned_by_copying_is_bound_again_everywhere(tiny_packed, monkeypatch):
+    """A packed bank is read while the engine starts. When it cannot be page-locked where it lies,
+    ``ExpertBank.pin`` copies it, and everything that took the bank's addresses meanwhile (the
+    device control's fills, the decode graphs) must be made again: the first copy is poisoned
+    here, so an engine still reading it would not answer with the reference's tokens."""
+    from freetoken_engine.cache.bank import ExpertBank
+    src, out = tiny_packed
+    want = LLM(src, expert_backend="torch").generate(PROMPT, GREEDY).token_ids
+
+    def pin_by_copying(self):
+        for name in ("w13", "w2"):
+            first = getattr(self, name)
+            setattr(self, name, first.clone())
+            first.fill_(float("nan"))
+        self.pinned = True
+    monkeypatch.setattr(ExpertBank, "pin", pin_by_copying)
+    llm = LLM(out, expert_backend="triton", expert_cache_experts=3, cpu_expert_fraction=0.5)
+    assert llm.runner.experts.control.bank_w13.data_ptr() == llm.runner.bank.w13.data_ptr()
+    got = llm.generate(PROMPT, GREEDY)
+    assert got.token_ids == want
+    assert got.stats["fills"] > 0 and got.stats["cpu_computed"] > 0
