@@ -117,6 +117,22 @@ def test_cli_convert_writes_a_loadable_folder(tiny_checkpoint, tmp_path):
     assert load_packed(out).w13 is not None
 
 
+def test_a_model_without_experts_packs_and_serves_the_same_tokens(tiny_checkpoint, tmp_path):
+    """A dense model (no expert bank) packs too; loading it, plain or read early by ``preload``,
+    gives the Hugging Face folder's tokens."""
+    from freetoken_engine import LLM, SamplingParams
+    src = tiny_checkpoint("llama")
+    out = tmp_path / "dense-packed"
+    convert(src, out, progress=False)
+    pm = load_packed(out)
+    assert pm.w13 is None and pm.stats["pin_seconds"] == 0.0
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    want = LLM(src).generate([5, 17, 99], params).token_ids
+    assert LLM(out).generate([5, 17, 99], params).token_ids == want
+    preload(out)
+    assert LLM(out).generate([5, 17, 99], params).token_ids == want
+
+
 @pytest.mark.gpu
 def test_pinned_bank_reloads_and_copies_exactly(tiny_packed):
     """Pin after fill, free, load again in the same process: the old registration is undone

@@ -112,9 +112,9 @@ class ModelRunner:
         if warm:                                 # (the tuner's first probes would drop them again)
             self.warm_graphs(cfg.graph_warmup, bank_pending=rest.pending)
         if rest.pending:
-            before = (self.bank.w13.data_ptr(), self.bank.w2.data_ptr())
+            before = self._bank_addresses()
             rest.finish()
-            if (self.bank.w13.data_ptr(), self.bank.w2.data_ptr()) != before:
+            if self._bank_addresses() != before:
                 # pinned by a copy (registration in place failed): everything that holds the
                 # bank's addresses is made again
                 log.warning("the expert bank was pinned by copying it; decode graphs captured again")
@@ -124,6 +124,9 @@ class ModelRunner:
                 self._make_graphs()
                 if warm:
                     self.warm_graphs(cfg.graph_warmup)
+
+    def _bank_addresses(self) -> tuple[int, int] | None:
+        return (self.bank.w13.data_ptr(), self.bank.w2.data_ptr()) if self.bank is not None else None
 
     def _make_experts(self) -> None:
         self.experts = OffloadedExperts(self.bank, self.cache, self.cfg.prefill_expert_threshold,

@@ -104,21 +104,22 @@ class PackedModel:
             return
         self._pending = None
         t = time.perf_counter()
-        if p.pin_after and self.w13 is not None and p.st13 is None:
-            p.pins.as_read(p.fill, self.index)
-        busy = p.pins.busy
+        pins = p.pins if p.pin_after and self.w13 is not None else None    # None: nothing to pin
+        if pins is not None and p.st13 is None:
+            pins.as_read(p.fill, self.index)
+        busy = pins.busy if pins is not None else 0.0
         read = p.fill.wait()
         t_read = time.perf_counter()
         if p.st13 is not None:
             self.w13.copy_(p.st13)
             self.w2.copy_(p.st2)
-        if p.pin_after and self.w13 is not None:
-            self.pinned = p.pins.rest() and p.pins.complete
+        if pins is not None:
+            self.pinned = pins.rest() and pins.complete
         if p.fill.check:
             record_verified(self.folder, self.index)
         self.stats.update({"seconds": time.perf_counter() - p.t0, "read_seconds": read,
                            "waited_seconds": self.stats["waited_seconds"] + t_read - t - busy,
-                           "pin_seconds": p.pins.busy,
+                           "pin_seconds": pins.busy if pins is not None else 0.0,
                            # from the read's last block: what the load cost beyond the read
                            "pin_after_read_seconds": time.perf_counter() - max(p.fill.finished, t),
                            "direct_bytes": p.fill.direct_bytes})
