@@ -38,6 +38,8 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_expert_kernel import hardware  # noqa: E402
+from disk_read import dd_read, drop_caches, parallel_direct_read  # noqa: E402
+from fast_restart import first_request  # noqa: E402
 
 from freetoken_engine.models import family  # noqa: E402
 from freetoken_engine.packed import convert, load_packed  # noqa: E402
@@ -81,63 +83,6 @@ def write_checkpoint(folder: Path, layers: int, rnd=None) -> int:
     return total
 
 
-def drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
-def dd_read(files: list[Path]) -> tuple[float, str]:
-    """Seconds for dd to read the files one after another (O_DIRECT when the filesystem allows)."""
-    t0 = time.perf_counter()
-    mode = "iflag=direct"
-    for f in files:
-        r = subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M", "iflag=direct", "status=none"],
-                           capture_output=True)
-        if r.returncode != 0:
-            mode = "page cache (no O_DIRECT here)"
-            subprocess.run(["dd", f"if={f}", "of=/dev/null", "bs=16M", "status=none"], check=True)
-    return time.perf_counter() - t0, mode
-
-
-def parallel_direct_read(files: list[Path], threads: int, fresh: bool = False):
-    """Read the files in 16 MiB blocks on ``threads`` threads, O_DIRECT, no checksum, into one
-    reused buffer per thread, or (``fresh``) into new memory as large as the files, whose first
-    touch costs page faults like any load does. Returns the destination (freed untimed)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from freetoken_engine.packed.memory import aligned_empty
-    block = 16 << 20
-    jobs = [(f, off) for f in files for off in range(0, f.stat().st_size, block)]
-    dest = aligned_empty(len(jobs) * block) if fresh else None
-    bufs = [aligned_empty(block) for _ in range(threads)]
-    fds = {}
-    for f in files:
-        try:
-            fds[f] = os.open(f, os.O_RDONLY | os.O_DIRECT)
-        except OSError:
-            fds[f] = os.open(f, os.O_RDONLY)
-
-    def work(k: int) -> None:
-        mv = memoryview(bufs[k].numpy())
-        for j in range(k, len(jobs), threads):
-            f, off = jobs[j]
-            n = min(block, f.stat().st_size - off)
-            if dest is not None:
-                mv = memoryview(dest[j * block:(j + 1) * block].numpy())
-            os.preadv(fds[f], [mv[:n]], off)
-
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(work, range(threads)))
-    for fd in fds.values():
-        os.close(fd)
-    return dest
-
-
 def ready_from_packed(folder: Path, pin: str, verify: bool, threads: int):
     """load_packed with the given options, the model's parameters aliasing the packed arena."""
     from freetoken_engine.cache.bank import ExpertBank
@@ -161,116 +106,6 @@ def ready_from_packed(folder: Path, pin: str, verify: bool, threads: int):
     bank.pinned = pm.pinned
     pm.close()
     return model, bank, pm.stats
-
-
-FIRST_REQUEST = r"""
-import json, sys, time
-t0 = time.perf_counter()
-mode, serial = sys.argv[3].removesuffix("/serial"), sys.argv[3].endswith("/serial")
-import freetoken_engine
-if mode.startswith("preload"):      # what freetoken generate / serve do for a packed folder
-    freetoken_engine.preload(sys.argv[1], *[int(n) for n in mode.split(":")[1:]])
-from freetoken_engine import LLM, SamplingParams
-t_import = time.perf_counter()
-import freetoken_engine.packed.reader as reader
-from freetoken_engine.packed import early
-from freetoken_engine.executor import runner
-load, loaded, marks = reader.load_packed, [], {}
-def timed_load(*args, **kwargs):
-    loaded.append(load(*args, **kwargs))     # its stats are complete once the bank is in
-    return loaded[-1]
-reader.load_packed = timed_load
-fill_wait = early.Fill.wait
-def timed_wait(self):
-    secs = fill_wait(self)
-    marks["read_started"], marks["read_finished"] = self.started - t0, self.finished - t0
-    return secs
-early.Fill.wait = timed_wait
-warm = runner.ModelRunner.warm_graphs
-def timed_warm(self, *args, **kwargs):
-    marks["graphs_started"] = time.perf_counter() - t0
-    n = warm(self, *args, **kwargs)
-    marks["graphs_finished"] = time.perf_counter() - t0
-    return n
-runner.ModelRunner.warm_graphs = timed_warm
-if serial:                          # the order before: the bank read and pinned, then the graphs
-    start = runner.start_model
-    def start_then_finish(*args, **kwargs):
-        model, bank, cfg, rest = start(*args, **kwargs)
-        rest.finish()
-        return model, bank, cfg, runner.BankRead()
-    runner.start_model = start_then_finish
-llm = LLM(sys.argv[1], device=sys.argv[2], dtype="bfloat16")
-t1 = time.perf_counter()
-load_stats = loaded[-1].stats
-params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
-first = llm.generate(list(range(3, 35)), params)
-t2 = time.perf_counter()
-second = llm.generate(list(range(40, 72)), params)
-t3 = time.perf_counter()
-print(json.dumps({"ready_seconds": t1 - t0, "import_seconds": t_import - t0, "first_request_seconds": t2 - t1, "second_request_seconds": t3 - t2,
-                  "load": {k: load_stats.get(k) for k in ("seconds", "read_seconds", "waited_seconds", "preloaded", "threads", "pin_seconds", "pin_after_read_seconds")},
-                  "timeline": {k: round(v, 3) for k, v in marks.items()},
-                  "graph_warmup_seconds": llm.runner.graph_stats()["decode_graph_warmup_seconds"],
-                  "first_request_stats": {k: first.stats.get(k) for k in ("hits", "misses", "fills", "cpu_computed")},
-                  "first_tokens": first.token_ids,
-                  "tokens": len(first.token_ids)}))
-"""
-
-
-def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
-    """A restart as a user sees it: a new process (imports included) loads the packed folder with
-    ``LLM`` and serves its first request at once, cold expert cache, no warm-up pass; then a
-    second request for comparison (32-token prompt, 8 new tokens each). Two processes, the page
-    cache dropped before each: the first start on this folder (the CRC pass, and on a new machine
-    the kernel build and q* calibration) and restarts, against the disk's parallel O_DIRECT
-    read of the same files measured in the same run. ``restarts``: one process each, in order,
-    "plain" (``LLM(folder)``) or "preload[:N]" (the process calls
-    ``freetoken_engine.preload(folder[, N threads])`` before importing torch, as ``freetoken
-    generate`` / ``serve`` do); "/serial" after either: the engine's order before the graphs were
-    captured during the bank's read (the bank read and pinned first, the decode graphs after:
-    the A/B of that change); with "+warm" a throwaway process imports torch and the engine
-    after the page cache is dropped, so the libraries come from memory and only the bank from
-    the disk (a server restarted on a running machine: the bank's O_DIRECT reads never fill the
-    page cache). Each restart's first tokens are compared with the first start's."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    files = sorted(folder.glob("*.bin"))
-    nbytes = sum(f.stat().st_size for f in files)
-    drop_caches()
-    t = time.perf_counter()
-    parallel_direct_read(files, threads)
-    disk_s = time.perf_counter() - t
-    out = {"device": device, "disk_read_seconds": disk_s, "disk_gbps": nbytes / disk_s / 1e9}
-    first_tokens = None
-    for i, mode in enumerate(["plain"] + restarts):
-        start = "first_start" if i == 0 else f"restart_{i}_{mode}"
-        dropped = drop_caches()
-        warm = mode.endswith("+warm")
-        if warm:                        # the libraries back in the page cache, the bank not
-            subprocess.run([sys.executable, "-c", "import torch, triton, freetoken_engine.llm"], check=True)
-            mode = mode.removesuffix("+warm")
-        r = subprocess.run([sys.executable, "-c", FIRST_REQUEST, str(folder), device, mode],
-                           capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        if r.returncode != 0:
-            out[start] = {"error": r.stderr.strip().splitlines()[-40:] if r.stderr.strip() else "failed"}
-            print(f"{start}: failed\n" + "\n".join(out[start]["error"]) if r.stderr.strip() else f"{start}: failed")
-            continue
-        res = json.loads(r.stdout.strip().splitlines()[-1])
-        tokens = res.pop("first_tokens")
-        res["same_tokens_as_first_start"] = tokens == first_tokens if i else None
-        first_tokens = tokens if i == 0 else first_tokens
-        out[start] = {"mode": mode, "libraries_warm": warm, "page_cache_dropped": dropped, **res, "ready_over_disk_read": res["ready_seconds"] / disk_s}
-        ld, tl = res["load"], res["timeline"]
-        print(f"{start}: ready {res['ready_seconds']:.2f} s (imports {res['import_seconds']:.2f} s, load "
-              f"{ld['seconds']:.2f} s of which waiting for the read {ld['waited_seconds']:.2f} s, read "
-              f"{tl.get('read_started', 0):.2f}-{tl.get('read_finished', 0):.2f} s, graph capture "
-              f"{tl.get('graphs_started', 0):.2f}-{tl.get('graphs_finished', 0):.2f} s, pin after the read "
-              f"{ld.get('pin_after_read_seconds') or 0:.2f} s; "
-              f"{res['ready_seconds'] / disk_s:.2f}x the disk read of "
-              f"{disk_s:.2f} s), first request {res['first_request_seconds']:.2f} s (cold cache "
-              f"{res['first_request_stats']}), second {res['second_request_seconds']:.2f} s ({device}); "
-              f"same tokens as the first start: {res['same_tokens_as_first_start']}")
-    return out
 
 
 def main() -> None:

@@ -1,0 +1,71 @@
+"""Restart to first token: ``fast_load.py --first-request-only`` (a new process per restart,
+``restart_probe.py``), against the disk's read of the same folder in the same run."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from disk_read import drop_caches, parallel_direct_read
+
+PROBE = Path(__file__).resolve().parent / "restart_probe.py"
+
+
+def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
+    """A restart as a user sees it: a new process (imports included) loads the packed folder with
+    ``LLM`` and serves its first request at once, cold expert cache, no warm-up pass; then a
+    second request for comparison (32-token prompt, 8 new tokens each). Two processes, the page
+    cache dropped before each: the first start on this folder (the CRC pass, and on a new machine
+    the kernel build and q* calibration) and restarts, against the disk's parallel O_DIRECT
+    read of the same files measured in the same run. ``restarts``: one process each, in order,
+    "plain" (``LLM(folder)``) or "preload[:N]" (the process calls
+    ``freetoken_engine.preload(folder[, N threads])`` before importing torch, as ``freetoken
+    generate`` / ``serve`` do); "/serial" after either: the engine's order before the graphs were
+    captured during the bank's read (the bank read and pinned first, the decode graphs after:
+    the A/B of that change); with "+warm" a throwaway process imports torch and the engine
+    after the page cache is dropped, so the libraries come from memory and only the bank from
+    the disk (a server restarted on a running machine: the bank's O_DIRECT reads never fill the
+    page cache). Each restart's first tokens are compared with the first start's."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    files = sorted(folder.glob("*.bin"))
+    nbytes = sum(f.stat().st_size for f in files)
+    drop_caches()
+    t = time.perf_counter()
+    parallel_direct_read(files, threads)
+    disk_s = time.perf_counter() - t
+    out = {"device": device, "disk_read_seconds": disk_s, "disk_gbps": nbytes / disk_s / 1e9}
+    first_tokens = None
+    for i, mode in enumerate(["plain"] + restarts):
+        start = "first_start" if i == 0 else f"restart_{i}_{mode}"
+        dropped = drop_caches()
+        warm = mode.endswith("+warm")
+        if warm:                        # the libraries back in the page cache, the bank not
+            subprocess.run([sys.executable, "-c", "import torch, triton, freetoken_engine.llm"], check=True)
+            mode = mode.removesuffix("+warm")
+        r = subprocess.run([sys.executable, str(PROBE), str(folder), device, mode],
+                           capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if r.returncode != 0:
+            out[start] = {"error": r.stderr.strip().splitlines()[-40:] if r.stderr.strip() else "failed"}
+            print(f"{start}: failed\n" + "\n".join(out[start]["error"]) if r.stderr.strip() else f"{start}: failed")
+            continue
+        res = json.loads(r.stdout.strip().splitlines()[-1])
+        tokens = res.pop("first_tokens")
+        res["same_tokens_as_first_start"] = tokens == first_tokens if i else None
+        first_tokens = tokens if i == 0 else first_tokens
+        out[start] = {"mode": mode, "libraries_warm": warm, "page_cache_dropped": dropped, **res, "ready_over_disk_read": res["ready_seconds"] / disk_s}
+        ld, tl = res["load"], res["timeline"]
+        print(f"{start}: ready {res['ready_seconds']:.2f} s (imports {res['import_seconds']:.2f} s, load "
+              f"{ld['seconds']:.2f} s of which waiting for the read {ld['waited_seconds']:.2f} s, read "
+              f"{tl.get('read_started', 0):.2f}-{tl.get('read_finished', 0):.2f} s, graph capture "
+              f"{tl.get('graphs_started', 0):.2f}-{tl.get('graphs_finished', 0):.2f} s, pin after the read "
+              f"{ld.get('pin_after_read_seconds') or 0:.2f} s; "
+              f"{res['ready_seconds'] / disk_s:.2f}x the disk read of "
+              f"{disk_s:.2f} s), first request {res['first_request_seconds']:.2f} s (cold cache "
+              f"{res['first_request_stats']}), second {res['second_request_seconds']:.2f} s ({device}); "
+              f"same tokens as the first start: {res['same_tokens_as_first_start']}")
+    return out

@@ -1,0 +1,60 @@
+"""One restart as a user sees it, in its own process (run by ``fast_restart.first_request``):
+import the engine, ``LLM(folder)``, then two requests; prints one JSON line of timings.
+
+    python bench/restart_probe.py FOLDER DEVICE MODE
+
+MODE: "plain" or "preload[:N]" (``freetoken_engine.preload`` first, as the CLI does), either
+optionally followed by "/serial" (the engine's order before the decode graphs were captured
+during the bank's read: the bank read and pinned first, then the graphs).
+"""
+import json, sys, time
+t0 = time.perf_counter()
+mode, serial = sys.argv[3].removesuffix("/serial"), sys.argv[3].endswith("/serial")
+import freetoken_engine
+if mode.startswith("preload"):      # what freetoken generate / serve do for a packed folder
+    freetoken_engine.preload(sys.argv[1], *[int(n) for n in mode.split(":")[1:]])
+from freetoken_engine import LLM, SamplingParams
+t_import = time.perf_counter()
+import freetoken_engine.packed.reader as reader
+from freetoken_engine.packed import early
+from freetoken_engine.executor import runner
+load, loaded, marks = reader.load_packed, [], {}
+def timed_load(*args, **kwargs):
+    loaded.append(load(*args, **kwargs))     # its stats are complete once the bank is in
+    return loaded[-1]
+reader.load_packed = timed_load
+fill_wait = early.Fill.wait
+def timed_wait(self):
+    secs = fill_wait(self)
+    marks["read_started"], marks["read_finished"] = self.started - t0, self.finished - t0
+    return secs
+early.Fill.wait = timed_wait
+warm = runner.ModelRunner.warm_graphs
+def timed_warm(self, *args, **kwargs):
+    marks["graphs_started"] = time.perf_counter() - t0
+    n = warm(self, *args, **kwargs)
+    marks["graphs_finished"] = time.perf_counter() - t0
+    return n
+runner.ModelRunner.warm_graphs = timed_warm
+if serial:                          # the order before: the bank read and pinned, then the graphs
+    start = runner.start_model
+    def start_then_finish(*args, **kwargs):
+        model, bank, cfg, rest = start(*args, **kwargs)
+        rest.finish()
+        return model, bank, cfg, runner.BankRead()
+    runner.start_model = start_then_finish
+llm = LLM(sys.argv[1], device=sys.argv[2], dtype="bfloat16")
+t1 = time.perf_counter()
+load_stats = loaded[-1].stats
+params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+first = llm.generate(list(range(3, 35)), params)
+t2 = time.perf_counter()
+second = llm.generate(list(range(40, 72)), params)
+t3 = time.perf_counter()
+print(json.dumps({"ready_seconds": t1 - t0, "import_seconds": t_import - t0, "first_request_seconds": t2 - t1, "second_request_seconds": t3 - t2,
+                  "load": {k: load_stats.get(k) for k in ("seconds", "read_seconds", "waited_seconds", "preloaded", "threads", "pin_seconds", "pin_after_read_seconds")},
+                  "timeline": {k: round(v, 3) for k, v in marks.items()},
+                  "graph_warmup_seconds": llm.runner.graph_stats()["decode_graph_warmup_seconds"],
+                  "first_request_stats": {k: first.stats.get(k) for k in ("hits", "misses", "fills", "cpu_computed")},
+                  "first_tokens": first.token_ids,
+                  "tokens": len(first.token_ids)}))
