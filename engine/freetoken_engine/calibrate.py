@@ -151,25 +151,26 @@ def _cache_path(device: torch.device) -> Path:
     return env.cache_dir() / "calibration" / f"{socket.gethostname()}-{device.type}-{digest}.json"
 
 
+def _cached(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def calibrated(device: torch.device | str) -> bool:
     """Whether ``load_or_measure`` has a cached calibration for this host configuration (so it
     will measure nothing)."""
-    try:
-        json.loads(_cache_path(torch.device(device)).read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return True
+    return _cached(_cache_path(torch.device(device))) is not None
 
 
 def load_or_measure(device: torch.device | str, refresh: bool = False) -> dict:
     """The cached calibration for this host configuration, measured (and cached) if absent."""
     dev = torch.device(device)
     path = _cache_path(dev)
-    if path.is_file() and not refresh:
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError:
-            pass
+    cached = None if refresh else _cached(path)
+    if cached is not None:
+        return cached
     result = measure(dev.type if dev.type == "cpu" else str(dev))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

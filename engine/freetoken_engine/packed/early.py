@@ -93,12 +93,8 @@ class Fill:
         self.jobs = [(name, b, *dest) for name, dest in dests.items()
                      for b in range((index["files"][name]["size"] + self.block - 1) // self.block)]
         self.total = sum(index["files"][name]["size"] for name in dests)
+        # blocks still to read per file, and an event set once a file is all in (or the read ended);
         # dense files first in the queue: a deferred-bank load (load_packed) waits for them only
-        self.dense_left = sum(1 for j in self.jobs if j[0].startswith("dense-"))
-        self.dense_done = threading.Event()
-        if not self.dense_left:
-            self.dense_done.set()
-        # blocks still to read per file, and an event set once a file is all in (or the read ended)
         self._blocks_left = {name: 0 for name in dests}
         for job in self.jobs:
             self._blocks_left[job[0]] += 1
@@ -161,7 +157,9 @@ class Fill:
     def wait_dense(self) -> None:
         """Wait until every dense file is in (the bank may still be reading). Raises the first
         failure so far."""
-        self.dense_done.wait()
+        for name, done in self._file_done.items():
+            if name.startswith("dense-"):
+                done.wait()
         if self.error is not None:
             self.wait()                 # join the workers, release the files, raise
 
@@ -174,7 +172,6 @@ class Fill:
             self.wait()                 # join the workers, release the files, raise
 
     def _wake_all(self) -> None:
-        self.dense_done.set()
         for event in self._file_done.values():
             event.set()
 
@@ -241,10 +238,6 @@ class Fill:
         with self._lock:
             self.done_bytes += n
             self.direct_bytes += n if use_direct else 0
-            if name.startswith("dense-"):
-                self.dense_left -= 1
-                if not self.dense_left:
-                    self.dense_done.set()
             self._blocks_left[name] -= 1
             if not self._blocks_left[name]:
                 self._file_done[name].set()

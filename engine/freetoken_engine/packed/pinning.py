@@ -35,10 +35,6 @@ class BankPins:
         self.failed = False
         self.busy = 0.0                      # seconds spent registering
 
-    @property
-    def complete(self) -> bool:
-        return not self.failed and len(self.whole) == len(self.tensors)
-
     def _register(self, name: str, nbytes: int | None):
         if self.failed:
             return None

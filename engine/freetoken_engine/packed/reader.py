@@ -87,9 +87,7 @@ class PackedModel:
         read the bank's bytes before ``finish``. False where that is not possible (no CUDA, no
         deferred read, a tensor under a page)."""
         p = self._pending
-        if p is None or not p.pin_after or self.w13 is None:
-            return False
-        return p.pins.head()
+        return p is not None and p.pins is not None and p.pins.head()
 
     def finish(self) -> None:
         """Wait for the rest of the read, convert the bank to the asked dtype, pin it (``pin=
@@ -104,7 +102,7 @@ class PackedModel:
             return
         self._pending = None
         t = time.perf_counter()
-        pins = p.pins if p.pin_after and self.w13 is not None else None    # None: nothing to pin
+        pins = p.pins                   # None: nothing to pin (pin != "after", or no bank)
         if pins is not None and p.st13 is None:
             pins.as_read(p.fill, self.index)
         busy = pins.busy if pins is not None else 0.0
@@ -114,7 +112,7 @@ class PackedModel:
             self.w13.copy_(p.st13)
             self.w2.copy_(p.st2)
         if pins is not None:
-            self.pinned = pins.rest() and pins.complete
+            self.pinned = pins.rest()
         if p.fill.check:
             record_verified(self.folder, self.index)
         self.stats.update({"seconds": time.perf_counter() - p.t0, "read_seconds": read,
@@ -131,9 +129,8 @@ class _Pending:
     fill: early.Fill
     st13: torch.Tensor | None           # the bank as read, when another dtype was asked for
     st2: torch.Tensor | None
-    pin_after: bool
     t0: float
-    pins: BankPins | None = None        # the bank's registrations, made while it is read
+    pins: BankPins | None               # the bank's registrations (pin="after"), made while it is read
 
 
 def _check_config(folder: Path, index: dict) -> dict:
@@ -221,7 +218,7 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
     pm = PackedModel(folder, config, index, tensors, w13, w2, tuple(bank["moe_layers"]) if bank else (),
                      pinned, stats)
     pm._pending = _Pending(fill, st13 if dtype != stored else None, st2 if dtype != stored else None,
-                           pin == "after", t0, BankPins({"w13": w13, "w2": w2}) if bank else None)
+                           t0, BankPins({"w13": w13, "w2": w2}) if bank and pin == "after" else None)
     if not defer_bank:
         pm.finish()
     return pm
