@@ -24,10 +24,10 @@ def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
     the kernel build and q* calibration) and restarts, against the disk's parallel O_DIRECT
     read of the same files measured in the same run. ``restarts``: one process each, in order,
     "plain" (``LLM(folder)``) or "preload[:N]" (the process calls
-    ``freetoken_engine.preload(folder[, N threads])`` before importing torch, as ``freetoken
-    generate`` / ``serve`` do); "/serial" after either: the engine's order before the graphs were
-    captured during the bank's read (the bank read and pinned first, the decode graphs after:
-    the A/B of that change); with "+warm" a throwaway process imports torch and the engine
+    ``freetoken_engine.preload(folder[, N threads], device=...)`` before importing torch, as
+    ``freetoken generate`` / ``serve`` do), followed by A/B switches of ``restart_probe.py``
+    ("/serial", "/nocuda", "/allwidths": an earlier order of the start, each); with "+warm" a
+    throwaway process imports torch and the engine
     after the page cache is dropped, so the libraries come from memory and only the bank from
     the disk (a server restarted on a running machine: the bank's O_DIRECT reads never fill the
     page cache). Each restart's first tokens are compared with the first start's."""
@@ -62,7 +62,10 @@ def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
         print(f"{start}: ready {res['ready_seconds']:.2f} s (imports {res['import_seconds']:.2f} s, load "
               f"{ld['seconds']:.2f} s of which waiting for the read {ld['waited_seconds']:.2f} s, read "
               f"{tl.get('read_started', 0):.2f}-{tl.get('read_finished', 0):.2f} s, graph capture "
-              f"{tl.get('graphs_started', 0):.2f}-{tl.get('graphs_finished', 0):.2f} s, pin after the read "
+              f"{tl.get('graphs_started', 0):.2f}-{tl.get('graphs_finished', 0):.2f} s "
+              f"({res.get('graphs_at_ready')} graphs), model built {tl.get('start_model_called', 0):.2f}-"
+              f"{tl.get('start_model_returned', 0):.2f} s, CUDA context made early in "
+              f"{res.get('early_cuda', {}).get('seconds') or 0:.2f} s, pin after the read "
               f"{ld.get('pin_after_read_seconds') or 0:.2f} s; "
               f"{res['ready_seconds'] / disk_s:.2f}x the disk read of "
               f"{disk_s:.2f} s), first request {res['first_request_seconds']:.2f} s (cold cache "

@@ -3,16 +3,21 @@ import the engine, ``LLM(folder)``, then two requests; prints one JSON line of t
 
     python bench/restart_probe.py FOLDER DEVICE MODE
 
-MODE: "plain" or "preload[:N]" (``freetoken_engine.preload`` first, as the CLI does), either
-optionally followed by "/serial" (the engine's order before the decode graphs were captured
-during the bank's read: the bank read and pinned first, then the graphs).
+MODE: "plain" or "preload[:N]" (``freetoken_engine.preload`` first, as the CLI does, with the
+device: its CUDA context is made during the imports), followed by any of these A/B switches:
+"/serial" (the engine's order before the decode graphs were captured during the bank's read: the
+bank read and pinned first, then the graphs), "/nocuda" (preload without the device: torch makes
+the CUDA context after its import, the order before), "/allwidths" (decode graphs of every KV
+width captured before ready, ``graph_warmup_widths=0``, the engine's default before).
 """
 import json, sys, time
 t0 = time.perf_counter()
-mode, serial = sys.argv[3].removesuffix("/serial"), sys.argv[3].endswith("/serial")
+mode, *switches = sys.argv[3].split("/")
+serial, nocuda, allwidths = ("serial" in switches), ("nocuda" in switches), ("allwidths" in switches)
 import freetoken_engine
 if mode.startswith("preload"):      # what freetoken generate / serve do for a packed folder
-    freetoken_engine.preload(sys.argv[1], *[int(n) for n in mode.split(":")[1:]])
+    freetoken_engine.preload(sys.argv[1], *[int(n) for n in mode.split(":")[1:]],
+                             device=None if nocuda else sys.argv[2])
 from freetoken_engine import LLM, SamplingParams
 t_import = time.perf_counter()
 import freetoken_engine.packed.reader as reader
@@ -36,6 +41,13 @@ def timed_warm(self, *args, **kwargs):
     marks["graphs_finished"] = time.perf_counter() - t0
     return n
 runner.ModelRunner.warm_graphs = timed_warm
+start_model = runner.start_model
+def timed_start_model(*args, **kwargs):
+    marks["start_model_called"] = time.perf_counter() - t0
+    out = start_model(*args, **kwargs)
+    marks["start_model_returned"] = time.perf_counter() - t0
+    return out
+runner.start_model = timed_start_model
 if serial:                          # the order before: the bank read and pinned, then the graphs
     start = runner.start_model
     def start_then_finish(*args, **kwargs):
@@ -43,8 +55,10 @@ if serial:                          # the order before: the bank read and pinned
         rest.finish()
         return model, bank, cfg, runner.BankRead()
     runner.start_model = start_then_finish
-llm = LLM(sys.argv[1], device=sys.argv[2], dtype="bfloat16")
+llm = LLM(sys.argv[1], device=sys.argv[2], dtype="bfloat16", graph_warmup_widths=0 if allwidths else 1)
 t1 = time.perf_counter()
+graphs_at_ready = llm.runner.graph_stats()["decode_graphs"]
+from freetoken_engine.packed import early_cuda
 load_stats = loaded[-1].stats
 params = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
 first = llm.generate(list(range(3, 35)), params)
@@ -55,6 +69,7 @@ print(json.dumps({"ready_seconds": t1 - t0, "import_seconds": t_import - t0, "fi
                   "load": {k: load_stats.get(k) for k in ("seconds", "read_seconds", "waited_seconds", "preloaded", "threads", "pin_seconds", "pin_after_read_seconds")},
                   "timeline": {k: round(v, 3) for k, v in marks.items()},
                   "graph_warmup_seconds": llm.runner.graph_stats()["decode_graph_warmup_seconds"],
+                  "graphs_at_ready": graphs_at_ready, "early_cuda": early_cuda.status(),
                   "first_request_stats": {k: first.stats.get(k) for k in ("hits", "misses", "fills", "cpu_computed")},
                   "first_tokens": first.token_ids,
                   "tokens": len(first.token_ids)}))

@@ -41,8 +41,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode eagerly instead of as captured CUDA graphs (CUDA only)")
     p.add_argument("--graph-warmup", type=int, default=4, metavar="N",
-                   help="capture the decode graphs of batch sizes 1..N at every context width before "
-                        "serving (default 4; 0: capture each on its first use)")
+                   help="capture the decode graphs of batch sizes 1..N before serving (default 4; "
+                        "0: capture each on its first use)")
+    p.add_argument("--graph-warmup-widths", type=int, default=1, metavar="W",
+                   help="... at the narrowest W context widths (256, 512, ... keys; default 1, 0: every "
+                        "width); a server captures the wider ones while idle, otherwise on first use")
     p.add_argument("--split-tuning", action="store_true",
                    help="refine the calibrated q* online by measured decode step time (CUDA only; "
                         "see docs/gpu.md for when it helps)")
@@ -52,7 +55,8 @@ def _engine_kwargs(args) -> dict:
     kw = dict(device=args.device, dtype=args.dtype, expert_cache_experts=args.expert_cache_experts,
               expert_cache_gb=args.expert_cache_gb, cpu_expert_fraction=args.cpu_expert_fraction,
               max_context=args.max_context, expert_backend=args.expert_backend, cuda_graphs=args.cuda_graphs,
-              graph_warmup=args.graph_warmup, split_tuning=args.split_tuning)
+              graph_warmup=args.graph_warmup,
+              graph_warmup_widths=args.graph_warmup_widths, split_tuning=args.split_tuning)
     return kw
 
 
@@ -181,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
             from .packed import PackedFormatError, is_packed, preload
             if is_packed(args.model):
                 try:
-                    preload(args.model)     # torch is not imported yet: the bank's read overlaps it
+                    preload(args.model, device=args.device)   # torch is not imported yet: read and context overlap it
                 except PackedFormatError:
                     pass    # the load says it as usual: one line here, /health for a server
         return args.func(args)

@@ -110,6 +110,7 @@ class EngineConfig:
     expert_backend: str = "auto"             # torch | triton | auto (triton on CUDA)
     cuda_graphs: bool = True                 # capture decode steps as CUDA graphs (CUDA + triton)
     graph_warmup: int = 4                    # capture batch sizes 1..N at start (0: on first use)
+    graph_warmup_widths: int = 1             # ... at the narrowest N KV widths (0: all); the rest when idle
     split_tuning: bool = False               # refine q* online by measured decode step time (CUDA)
     prefill_chunk: int = 512
     prefill_expert_threshold: int = 16       # tokens in a batch from which MoE runs whole layers
@@ -139,6 +140,8 @@ class EngineConfig:
             raise ConfigError(f"--expert-backend must be auto, torch or triton, got {self.expert_backend!r}")
         if self.graph_warmup < 0:
             raise ConfigError(f"--graph-warmup must be 0 or more, got {self.graph_warmup}")
+        if self.graph_warmup_widths < 0:
+            raise ConfigError(f"--graph-warmup-widths must be 0 (every width) or more, got {self.graph_warmup_widths}")
         for name in ("prefill_chunk", "kv_block_size", "max_batch", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")

@@ -231,9 +231,9 @@ import freetoken_engine.packed as packed
 from freetoken_engine.packed import early
 seen = {}
 real_preload, real_take = early.preload, early.take
-def preload(folder, threads=8):
-    seen["torch_at_preload"] = "torch" in sys.modules
-    real_preload(folder, threads)
+def preload(folder, threads=8, device=None):
+    seen["torch_at_preload"], seen["device"] = "torch" in sys.modules, device
+    real_preload(folder, threads, device)
 def take(folder):
     fill = real_take(folder)
     seen["taken"] = fill is not None
@@ -254,7 +254,7 @@ def test_cli_generate_starts_the_read_before_torch(tiny_packed):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     probe = json.loads(lines[-1])
-    assert probe == {"rc": 0, "torch_at_preload": False, "taken": True}
+    assert probe == {"rc": 0, "torch_at_preload": False, "device": "cpu", "taken": True}
     got = json.loads(lines[-2])["token_ids"]
     from freetoken_engine import SamplingParams
     assert got == LLM(src).generate([5, 17, 99, 200], SamplingParams(max_new_tokens=4, temperature=0)).token_ids

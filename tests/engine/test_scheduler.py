@@ -132,6 +132,52 @@ async def test_limits_give_clear_errors(folder):
         svc.shutdown()
 
 
+async def test_an_idle_scheduler_does_the_runners_idle_work_and_serves_meanwhile(folder, alone):
+    """What a GPU server does with the decode graphs its start left for later (one capture per
+    pass while nothing is queued or running), with the runner's idle work stood in for on the
+    CPU: the work is done only while idle, a request arriving meanwhile gets its usual tokens,
+    the work resumes after it and stops once none is left; a failure stops it for good while
+    serving goes on."""
+    import threading
+    import time
+
+    svc = service(folder)
+    runner, sch = svc.runner, svc.scheduler
+    left, seen, first = list(range(6)), [], threading.Event()
+
+    def warm_idle():
+        seen.append((len(sch.running), len(sch.waiting), runner.kv.free_blocks > 0))
+        first.set()
+        time.sleep(0.05)
+        left.pop()
+        return 1
+    try:
+        runner.idle_warm = 1
+        runner.idle_warm_pending = lambda: bool(runner.idle_warm and left)
+        runner.warm_idle = warm_idle
+        sch.wake()
+        assert first.wait(10)
+        assert await asyncio.wait_for(collect(svc, prompts(1)[0]), 60) == alone[0]
+        for _ in range(200):
+            if not left:
+                break
+            await asyncio.sleep(0.02)
+        assert not left and len(seen) == 6
+        assert all(state == (0, 0, True) for state in seen), seen     # never beside a request
+
+        left[:] = [0, 1]
+        runner.warm_idle = lambda: 1 / 0
+        sch.wake()
+        for _ in range(200):
+            if not runner.idle_warm:
+                break
+            await asyncio.sleep(0.02)
+        assert runner.idle_warm == 0 and left == [0, 1]                # tried once, then given up
+        assert await asyncio.wait_for(collect(svc, prompts(2)[1]), 60) == alone[1]
+    finally:
+        svc.shutdown()
+
+
 def test_radix_tree_shares_and_evicts_only_unlocked_leaves():
     pool = KVPool(1, 8, 4, 1, 2, torch.float32, torch.device("cpu"))
     tree = RadixCache(pool)

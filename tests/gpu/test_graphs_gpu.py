@@ -84,7 +84,8 @@ def test_graphs_are_dropped_and_recaptured_after_a_resize(tiny_checkpoint):
 
 
 def test_graphs_captured_before_the_first_request_serve_all_of_it(tiny_checkpoint):
-    """--graph-warmup 2: batch sizes 1 and 2 at every width are captured when the engine starts,
+    """--graph-warmup 2 --graph-warmup-widths 0: batch sizes 1 and 2 at every width are captured
+    when the engine starts,
     the warm-up's dummy steps count in no cache statistic, and a request's decode then replays
     from its first step to its last (no capture mid-request, across the 256 -> 512 width), with
     the eager engine's tokens."""
@@ -92,7 +93,7 @@ def test_graphs_captured_before_the_first_request_serve_all_of_it(tiny_checkpoin
     opts = {"expert_cache_experts": 3, "cpu_expert_fraction": 0.5}
     want, want_logits = lockstep(LLM(folder, device="cuda", dtype="float32", cuda_graphs=False, **opts),
                                  PROMPTS[:2], 16)
-    llm = LLM(folder, device="cuda", dtype="float32", graph_warmup=2, **opts)
+    llm = LLM(folder, device="cuda", dtype="float32", graph_warmup=2, graph_warmup_widths=0, **opts)
     graphs = llm.runner.graphs
     keys = {(b, w) for w in graphs.widths() for b in (1, 2)}
     assert graphs.widths() == [256, 512] and set(graphs._graphs) == keys
@@ -107,6 +108,50 @@ def test_graphs_captured_before_the_first_request_serve_all_of_it(tiny_checkpoin
     assert (logits - want_logits).abs().max() < 1e-4
     s = llm.runner.expert_stats()
     assert s["misses"] > 0 and s["fills"] + s["cpu_computed"] == s["misses"]
+
+
+def test_the_narrowest_width_is_captured_at_start_and_a_server_captures_the_rest_while_idle(tiny_checkpoint):
+    """The default (--graph-warmup-widths 1): the engine is ready with batch sizes 1..N at the
+    narrowest KV width only. An ``LLM`` captures a wider width on first use; a server captures
+    every one while idle, counting nothing in the cache's statistics, so that a request across
+    the 256 -> 512 width then replays every decode step, with the eager engine's tokens."""
+    import asyncio
+    import time
+
+    from freetoken_engine import SamplingParams
+    from freetoken_engine.config import EngineConfig
+    from freetoken_engine.scheduler.service import EngineService
+
+    folder = tiny_checkpoint("qwen3_moe")
+    opts = {"expert_cache_experts": 3, "cpu_expert_fraction": 0.5}
+    eager = LLM(folder, device="cuda", dtype="float32", cuda_graphs=False, **opts)
+    want, _ = lockstep(eager, PROMPTS[:2], 16)
+    want_one, _ = lockstep(eager, PROMPTS[:1], 16)
+    llm = LLM(folder, device="cuda", dtype="float32", graph_warmup=2, **opts)
+    assert set(llm.runner.graphs._graphs) == {(1, 256), (2, 256)} and llm.runner.idle_warm_pending()
+    got, _ = lockstep(llm, PROMPTS[:2], 16)
+    assert got == want and (2, 512) in llm.runner.graphs._graphs        # captured on first use
+
+    svc = EngineService.start(EngineConfig(model=folder, device="cuda", dtype="float32", graph_warmup=2, **opts),
+                              wait=True)
+    try:
+        graphs = svc.runner.graphs
+        deadline = time.monotonic() + 60
+        while len(graphs) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert set(graphs._graphs) == {(b, w) for w in (256, 512) for b in (1, 2)}
+        assert not svc.scheduler.call(svc.runner.idle_warm_pending).result(10)
+        s = svc.scheduler.call(svc.runner.expert_stats).result(10)
+        assert s["hits"] == s["misses"] == s["fills"] == s["cpu_computed"] == 0, s
+        replays = graphs.replays
+        params = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+
+        async def run():
+            return [ev.token_id async for ev in svc.submit(PROMPTS[0], params) if ev.token_id is not None]
+        assert asyncio.run(run()) == want_one[0][:16]                     # the prefill's token + 15 steps
+        assert len(graphs) == 4 and graphs.replays - replays == 15     # every decode step replayed
+    finally:
+        svc.shutdown()
 
 
 def test_bfloat16_graph_decode_agrees_with_eager(tiny_checkpoint):
@@ -189,9 +234,9 @@ def test_graphs_captured_while_the_bank_is_read_decode_the_same_tokens(tiny_pack
             seen.setdefault("released", gate.wait(60))
         read(self, name, *rest)
 
-    def warm_then_release(self, batches, bank_pending=False):
+    def warm_then_release(self, batches, bank_pending=False, **kw):
         seen["pending"] = bank_pending
-        seen["captured"] = n = warm(self, batches, bank_pending)
+        seen["captured"] = n = warm(self, batches, bank_pending, **kw)
         gate.set()
         return n
     monkeypatch.setattr(early.Fill, "_read", gated)

@@ -60,6 +60,7 @@ class DecodeGraphs:
         self.enabled = True
         self.replays = 0
         self._graphs: dict[tuple[int, int], _Graph] = {}
+        self.tried: set[tuple[int, int]] = set()      # keys a capture was attempted for
         self._pool = None
         # the rotary table must never be regrown under a graph: size it for the whole context now
         model.rotary.cos_sin(torch.zeros(1, dtype=torch.int64, device=device), dtype, max_context - 1)
@@ -95,6 +96,7 @@ class DecodeGraphs:
 
     def clear(self) -> None:
         self._graphs.clear()
+        self.tried.clear()
         self._pool = None
 
     def replay(self, chunks: list[SeqChunk], key: tuple[int, int]) -> torch.Tensor:
@@ -114,6 +116,7 @@ class DecodeGraphs:
     def capture(self, chunks: list[SeqChunk], key: tuple[int, int]) -> None:
         """Capture the step ``chunks`` (already run eagerly once: kernels compiled, buffers made)."""
         b, width = key
+        self.tried.add(key)
         mode = None
         if self.experts is not None:
             mode = self.experts.graph_mode(b)

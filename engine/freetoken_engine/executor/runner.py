@@ -107,10 +107,13 @@ class ModelRunner:
         self._timed: tuple | None = None         # (decode batch, start event, end event) of the last step
         self.graph_warmup_seconds = 0.0
         warm = self.graphs is not None and self.tuner is None and cfg.graph_warmup > 0
+        # (the tuner's first probes would drop them again); the wider widths follow when idle
+        self.idle_warm = cfg.graph_warmup if warm else 0
+        widths = cfg.graph_warmup_widths or None
         if warm and rest.pending and not (self.cache is None or rest.pin_head()):
             rest.finish()                        # the steps could not be launched before the bank
-        if warm:                                 # (the tuner's first probes would drop them again)
-            self.warm_graphs(cfg.graph_warmup, bank_pending=rest.pending)
+        if warm:
+            self.warm_graphs(cfg.graph_warmup, bank_pending=rest.pending, widths=widths)
         if rest.pending:
             before = self._bank_addresses()
             rest.finish()
@@ -123,7 +126,7 @@ class ModelRunner:
                 self._make_experts()
                 self._make_graphs()
                 if warm:
-                    self.warm_graphs(cfg.graph_warmup)
+                    self.warm_graphs(cfg.graph_warmup, widths=widths)
 
     def _bank_addresses(self) -> tuple[int, int] | None:
         return (self.bank.w13.data_ptr(), self.bank.w2.data_ptr()) if self.bank is not None else None
@@ -224,17 +227,46 @@ class ModelRunner:
         sequence reading and writing only the ``scratch`` block (``kv.allocate(1)``)."""
         return [SeqChunk(scratch * -(-width // self.kv.block_size), width - 1, [0]) for _ in range(batch)]
 
+    def _warm_keys(self, batches: int, widths: int | None = None) -> list[tuple[int, int]]:
+        """Decode graph keys (B, width) of batch sizes 1..``batches`` at the narrowest ``widths``
+        KV widths (every width when None), narrow first, that are neither captured nor tried."""
+        g = self.graphs
+        if g is None or not g.enabled:
+            return []
+        ws = g.widths()[:widths]
+        return [(b, w) for w in ws for b in range(1, min(batches, g.max_batch) + 1)
+                if (b, w) not in g and (b, w) not in g.tried]
+
+    def warm_graphs(self, batches: int, bank_pending: bool = False, widths: int | None = None) -> int:
+        """Capture the decode graphs of batch sizes 1..``batches`` at the narrowest ``widths`` KV
+        widths (every width when None) now, before any request, and replay each once (a graph's
+        first launch also uploads it to the device); returns how many were captured. Each key's
+        step is a dummy token at the width's last position on one scratch KV block (released
+        after). Their dummy steps route through the expert cache like a short prompt would, so
+        residency may change (never an output), but they are not counted in the cache's
+        statistics. ``bank_pending``: the bank is still being read, so the steps run with every
+        expert resident (``OffloadedExperts.all_resident``: no fill, no CPU pair, nothing read
+        from the bank) and leave the cache as it was."""
+        t0 = time.perf_counter()
+        n = self._warm(self._warm_keys(batches, widths), resident=bank_pending)
+        log.info("captured %d decode graphs ahead of time in %.1f s", n, time.perf_counter() - t0)
+        return n
+
+    def idle_warm_pending(self) -> bool:
+        """Whether decode graphs left for later remain: the wider KV widths the start did not
+        capture (``--graph-warmup-widths``), or every key again after a resize or a q* change."""
+        return bool(self.idle_warm and self._warm_keys(self.idle_warm))
+
+    def warm_idle(self) -> int:
+        """Capture one decode graph left for later (``idle_warm_pending``), with every expert
+        resident so that the cache a conversation left stays as it was. The scheduler calls it
+        when it has nothing else to do, so a request waits for one capture at most. -> 1 when
+        one was captured (a key that cannot be captured is tried once)."""
+        return self._warm(self._warm_keys(self.idle_warm)[:1], resident=True) if self.idle_warm else 0
+
     @torch.inference_mode()
-    def warm_graphs(self, batches: int, bank_pending: bool = False) -> int:
-        """Capture the decode graphs of batch sizes 1..``batches`` at every KV width now, before
-        any request, and replay each once (a graph's first launch also uploads it to the device);
-        returns how many were captured. Each key's step is a dummy token at the
-        width's last position on one scratch KV block (released after). Their dummy steps
-        route through the expert cache like a short prompt would, so residency may change (never
-        an output), but they are not counted in the cache's statistics. ``bank_pending``: the
-        bank is still being read, so the steps run with every expert resident
-        (``OffloadedExperts.all_resident``: no fill, no CPU pair) and leave the cache as it was."""
-        if self.graphs is None or batches < 1:
+    def _warm(self, keys: list[tuple[int, int]], resident: bool) -> int:
+        if not keys:
             return 0
         before = None
         if self.cache is not None:
@@ -244,19 +276,18 @@ class ModelRunner:
         n = 0
         replays = self.graphs.replays             # the warm-up's replays are not serving's
         scratch = self.kv.allocate(1)             # every dummy sequence reads and writes only it
-        resident = (self.experts.all_resident() if bank_pending and self.cache is not None
-                    else contextlib.nullcontext())
+        inside = (self.experts.all_resident() if resident and self.cache is not None
+                  else contextlib.nullcontext())
         try:
-            with resident:
-                for width in self.graphs.widths():
-                    for b in range(1, min(batches, self.graphs.max_batch) + 1):
-                        chunks = self.dummy_decode(scratch, width, b)
-                        key = self.graphs.key(chunks)
-                        if key is not None and key not in self.graphs:
-                            self.forward(chunks)      # its eager run, then the capture
-                            if key in self.graphs:
-                                n += 1
-                                self.forward(chunks)  # its first replay too (bench/graph_first_replay.py)
+            with inside:
+                for b, width in keys:
+                    chunks = self.dummy_decode(scratch, width, b)
+                    key = self.graphs.key(chunks)
+                    if key is not None and key not in self.graphs:
+                        self.forward(chunks)      # its eager run, then the capture
+                        if key in self.graphs:
+                            n += 1
+                            self.forward(chunks)  # its first replay too (bench/graph_first_replay.py)
         finally:
             self.kv.release(scratch)
             self.graphs.replays = replays
@@ -265,7 +296,6 @@ class ModelRunner:
             for f in dataclasses.fields(before):
                 setattr(self.cache.stats, f.name, getattr(before, f.name))
         self.graph_warmup_seconds += time.perf_counter() - t0
-        log.info("captured %d decode graphs ahead of time in %.1f s", n, self.graph_warmup_seconds)
         return n
 
     def resize_expert_cache(self, experts: int) -> int:

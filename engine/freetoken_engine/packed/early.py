@@ -23,6 +23,7 @@ import zlib
 from pathlib import Path
 from typing import Callable
 
+from . import early_cuda
 from .format import ALIGN, INDEX_NAME, PackedFormatError, bank_piece_bytes, read_index
 from .memory import arena
 
@@ -251,14 +252,16 @@ _pending: dict[str, Fill] = {}
 _pending_lock = threading.Lock()
 
 
-def preload(folder: str | Path, threads: int = 8) -> None:
+def preload(folder: str | Path, threads: int = 8, device: str | None = None) -> None:
     """Start reading the packed folder ``folder`` in the background; returns at once. The next
     ``load_packed`` of the same folder (``LLM``, ``freetoken serve``) takes the read over. Call
-    it before importing torch so that the read overlaps the imports. Raises PackedFormatError
-    for a folder whose index or files fail the structural checks."""
+    it before importing torch so that the read overlaps the imports. ``device``: the engine's
+    device; a CUDA one gets its context made meanwhile too (``early_cuda``). Raises
+    PackedFormatError for a folder whose index or files fail the structural checks."""
     folder = Path(folder)
     index = read_index(folder)
     fill = Fill(folder, index, not already_verified(folder, index), True, threads).start()
+    early_cuda.start(device)
     with _pending_lock:
         old = _pending.pop(_key(folder), None)
         _pending[_key(folder)] = fill

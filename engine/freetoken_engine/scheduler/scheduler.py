@@ -8,6 +8,10 @@ budget, or one decode token) and (5) samples, streams and retires. When a decode
 KV block and none is free, unlocked prefix-tree leaves are evicted first, then the newest
 request is preempted (its KV recomputed when it is re-admitted; its output so far is kept).
 
+With nothing to serve, the thread captures the decode CUDA graphs the engine's start left for
+later (``ModelRunner.warm_idle``: the wider KV widths), one per pass, so a request that arrives
+meanwhile waits for one capture at most.
+
 Thread-safety: ``add``, ``abort`` and ``call`` may be called from any thread; everything else
 runs on the scheduler thread.
 """
@@ -75,16 +79,22 @@ class Scheduler:
         while True:
             with self._cv:
                 while not (self._stop or self._commands or self.waiting or self.running):
+                    if self._idle_work():
+                        break
                     self._cv.wait()
                 if self._stop:
                     break
                 commands = list(self._commands)
                 self._commands.clear()
+                idle = not (commands or self.waiting or self.running)
             for fn, fut in commands:
                 try:
                     fut.set_result(fn())
                 except Exception as exc:  # delivered to the caller, the loop goes on
                     fut.set_exception(exc)
+            if idle:
+                self._warm_idle()
+                continue
             try:
                 self._drop_aborted()
                 self._admit()
@@ -94,6 +104,21 @@ class Scheduler:
                 log.exception("scheduler step failed; aborting running requests")
                 for req in list(self.running):
                     self._finish(req, "abort")
+
+    def _idle_work(self) -> bool:
+        return self.runner.idle_warm_pending()
+
+    def _warm_idle(self) -> None:
+        """Nothing to serve: capture one decode graph the start left for later (a request that
+        comes meanwhile waits for that one capture). Its dummy step needs one KV block: a
+        cached prefix's leaf gives way when the pool is full."""
+        try:
+            if not self._free_blocks(1):
+                raise OutOfKVCache("no KV block for the capture's dummy step")
+            self.runner.warm_idle()
+        except Exception:  # noqa: BLE001 - serving goes on eagerly; never retried
+            log.exception("capturing a decode graph while idle failed; the rest are captured on first use")
+            self.runner.idle_warm = 0
 
     def _drop_aborted(self) -> None:
         with self._cv:
