@@ -123,6 +123,9 @@ def main() -> None:
                     help="the restarts after the first start, in order: plain | preload[:threads], "
                          "each optionally /serial (graphs after the bank) and +warm (libraries in the "
                          "page cache)")
+    ap.add_argument("--pycache", type=Path,
+                    help="restarts keep Python's bytecode here (PYTHONPYCACHEPREFIX): for a Python "
+                         "install without .pyc files that cannot be written to")
     args = ap.parse_args()
     from freetoken_engine.models.build import build_model
 
@@ -142,7 +145,7 @@ def main() -> None:
         shutil.rmtree(st_dir, ignore_errors=True)     # the disk holds one large folder at a time
         data = json.loads(out.read_text())
         data["machines"].setdefault(args.label, {})[args.entry] = {
-            "moe_layers": args.layers, "packed_bytes": pk_bytes, **first_request(pk_dir, args.threads, args.restarts.split(","))}
+            "moe_layers": args.layers, "packed_bytes": pk_bytes, **first_request(pk_dir, args.threads, args.restarts.split(","), args.pycache)}
         out.write_text(json.dumps(data, indent=1) + "\n")
         shutil.rmtree(args.dir, ignore_errors=True)
         return
@@ -217,7 +220,7 @@ def main() -> None:
                             "safetensors_bytes": st_bytes, "packed_bytes": pk_bytes, "convert_seconds": t_convert},
              "threads": args.threads, "rows": rows, "headline": headline,
              "first_request": {"moe_layers": args.layers, "packed_bytes": pk_bytes,
-                               **first_request(pk_dir, args.threads, args.restarts.split(","))},
+                               **first_request(pk_dir, args.threads, args.restarts.split(","), args.pycache)},
              "notes": [] if cuda else ["no CUDA on this machine: the bank is not pinned, the pin-before-fill side is not run"]}
     data = json.loads(out.read_text()) if out.exists() else {}
     data.update({"benchmark": "fast_load", "method": __doc__.strip().split("\n\n")[1]})

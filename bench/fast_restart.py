@@ -16,7 +16,7 @@ from disk_read import drop_caches, parallel_direct_read
 PROBE = Path(__file__).resolve().parent / "restart_probe.py"
 
 
-def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
+def first_request(folder: Path, threads: int, restarts: list[str], pycache: Path | None = None) -> dict:
     """A restart as a user sees it: a new process (imports included) loads the packed folder with
     ``LLM`` and serves its first request at once, cold expert cache, no warm-up pass; then a
     second request for comparison (32-token prompt, 8 new tokens each). Two processes, the page
@@ -30,25 +30,34 @@ def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
     throwaway process imports torch and the engine
     after the page cache is dropped, so the libraries come from memory and only the bank from
     the disk (a server restarted on a running machine: the bank's O_DIRECT reads never fill the
-    page cache). Each restart's first tokens are compared with the first start's."""
+    page cache). Each restart's first tokens are compared with the first start's. ``pycache``:
+    Python writes and reads its bytecode there (``PYTHONPYCACHEPREFIX``), for a Python install
+    that ships no ``.pyc`` files and cannot be written to, where every import compiles its
+    source again (the GPU machine's torch: 2.6 s a start, device run 57's profile); a user's
+    ``pip install`` writes them once."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if pycache is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(pycache)
     files = sorted(folder.glob("*.bin"))
     nbytes = sum(f.stat().st_size for f in files)
     drop_caches()
     t = time.perf_counter()
     parallel_direct_read(files, threads)
     disk_s = time.perf_counter() - t
-    out = {"device": device, "disk_read_seconds": disk_s, "disk_gbps": nbytes / disk_s / 1e9}
+    out = {"device": device, "disk_read_seconds": disk_s, "disk_gbps": nbytes / disk_s / 1e9,
+           "bytecode_cache": str(pycache) if pycache is not None else None}
     first_tokens = None
     for i, mode in enumerate(["plain"] + restarts):
         start = "first_start" if i == 0 else f"restart_{i}_{mode}"
         dropped = drop_caches()
         warm = mode.endswith("+warm")
         if warm:                        # the libraries back in the page cache, the bank not
-            subprocess.run([sys.executable, "-c", "import torch, triton, freetoken_engine.llm"], check=True)
+            subprocess.run([sys.executable, "-c", "import torch, triton, freetoken_engine.llm"], check=True, env=env)
             mode = mode.removesuffix("+warm")
         r = subprocess.run([sys.executable, str(PROBE), str(folder), device, mode],
-                           capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                           capture_output=True, text=True, env=env)
         if r.returncode != 0:
             out[start] = {"error": r.stderr.strip().splitlines()[-40:] if r.stderr.strip() else "failed"}
             print(f"{start}: failed\n" + "\n".join(out[start]["error"]) if r.stderr.strip() else f"{start}: failed")
@@ -71,4 +80,9 @@ def first_request(folder: Path, threads: int, restarts: list[str]) -> dict:
               f"{disk_s:.2f} s), first request {res['first_request_seconds']:.2f} s (cold cache "
               f"{res['first_request_stats']}), second {res['second_request_seconds']:.2f} s ({device}); "
               f"same tokens as the first start: {res['same_tokens_as_first_start']}")
+    drop_caches()                       # the disk's speed drifts: read it again after the restarts
+    t = time.perf_counter()
+    parallel_direct_read(files, threads)
+    out["disk_read_after_seconds"] = time.perf_counter() - t
+    print(f"disk read: {disk_s:.2f} s before the starts, {out['disk_read_after_seconds']:.2f} s after")
     return out

@@ -3,7 +3,9 @@
 With capture on first use, a request's first decode step at each (batch size, KV width) runs
 eagerly and is then captured: a stall in the token stream, again whenever the context crosses a
 width (256, 512, ...). ``--graph-warmup N`` captures batch sizes 1..N at every width when the
-engine starts. Per side, in its own process (alternating, ``--rounds`` times, on the same
+engine starts (here at every KV width, ``graph_warmup_widths=0``; the engine's default since the
+fourteenth session captures the narrowest width at start and the others while a server is idle,
+see docs/gpu.md). Per side, in its own process (alternating, ``--rounds`` times, on the same
 checkpoint; the first round also fills Triton's kernel cache, so it is reported but the ratios
 use the later rounds): the engine's start time and warm-up time, then one request per batch size,
 prompts of 240 tokens so that decode crosses the 256 -> 512 width, every decode step timed. The
@@ -45,7 +47,8 @@ def worker(model: Path, side: str, fraction: float, batches: list[int], steps: i
     cfg = json.loads((model / "config.json").read_text())      # every layer is MoE in this checkpoint
     experts = max(1, round(fraction * cfg["num_hidden_layers"] * cfg["num_experts"]))
     t0 = time.perf_counter()
-    llm = LLM(model, device=device, dtype="bfloat16", expert_cache_experts=experts, graph_warmup=SIDES[side])
+    llm = LLM(model, device=device, dtype="bfloat16", expert_cache_experts=experts, graph_warmup=SIDES[side],
+              graph_warmup_widths=0)         # every width ahead of time (the engine's default now: the first)
     start_s = time.perf_counter() - t0
     out = {"side": side, "start_seconds": start_s, "cache_experts": experts, **llm.runner.graph_stats(),
            "requests": []}

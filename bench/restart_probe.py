@@ -8,18 +8,26 @@ device: its CUDA context is made during the imports), followed by any of these A
 "/serial" (the engine's order before the decode graphs were captured during the bank's read: the
 bank read and pinned first, then the graphs), "/nocuda" (preload without the device: torch makes
 the CUDA context after its import, the order before), "/allwidths" (decode graphs of every KV
-width captured before ready, ``graph_warmup_widths=0``, the engine's default before).
+width captured before ready, ``graph_warmup_widths=0``, the engine's default before), "/nokey"
+(Triton's cache key computed at the first launch, not beside the build: ``prewarm``), "/span1"
+(the bank read one 16 MiB block per ``preadv``, ``early.SPAN = 1``).
 """
 import json, sys, time
 t0 = time.perf_counter()
 mode, *switches = sys.argv[3].split("/")
 serial, nocuda, allwidths = ("serial" in switches), ("nocuda" in switches), ("allwidths" in switches)
 import freetoken_engine
+if "span1" in switches:
+    from freetoken_engine.packed import early as early_read      # torch-free
+    early_read.SPAN = 1
 if mode.startswith("preload"):      # what freetoken generate / serve do for a packed folder
     freetoken_engine.preload(sys.argv[1], *[int(n) for n in mode.split(":")[1:]],
                              device=None if nocuda else sys.argv[2])
 from freetoken_engine import LLM, SamplingParams
 t_import = time.perf_counter()
+if "nokey" in switches:
+    from freetoken_engine.kernels.triton import prewarm
+    prewarm.start = lambda: (None, {})
 import freetoken_engine.packed.reader as reader
 from freetoken_engine.packed import early
 from freetoken_engine.executor import runner

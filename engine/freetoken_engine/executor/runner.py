@@ -61,6 +61,9 @@ class ModelRunner:
             torch.set_num_threads(env.cpu_threads())
         self.device = torch.device(cfg.device)
         self.dtype = torch_dtype(cfg.resolved_dtype)
+        if self.device.type == "cuda" and cfg.expert_backend != "torch":
+            from ..kernels.triton import prewarm
+            prewarm.start()                      # Triton's per-process cache key, beside the build
         folder = cfg.model
         if folder.suffix == ".gguf" and folder.is_file():       # a llama GGUF: convert once, cached
             from ..models.gguf_folder import gguf_folder

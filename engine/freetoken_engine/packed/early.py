@@ -7,10 +7,12 @@ allocates the arenas and returns at once while background threads read; ``load_p
 adopts that read (waiting for what is left of it) when its options match, and otherwise cancels
 it and reads again. A failed read raises from ``load_packed``, naming the file and block.
 
-``Fill``: 16 MiB blocks handed out to ``threads`` threads in turn, each read with ``os.preadv``
-(GIL released) through an O_DIRECT descriptor when the filesystem takes one and the block is
-aligned, straight into its final place, its CRC32 checked as it lands when ``check``. Nothing in
-this module imports torch.
+``Fill``: spans of ``SPAN`` 16 MiB blocks handed out to ``threads`` threads in turn, each read
+with one ``os.preadv`` (GIL released) through an O_DIRECT descriptor when the filesystem takes
+one and the span is aligned, straight into its final place, each block's CRC32 checked as it
+lands when ``check``. A reader needs the GIL between two reads, which the imports and the graph
+capture running beside it hold for long stretches: a span of several blocks takes it that many
+times less often. Nothing in this module imports torch.
 """
 from __future__ import annotations
 
@@ -26,6 +28,9 @@ from typing import Callable
 from . import early_cuda
 from .format import ALIGN, INDEX_NAME, PackedFormatError, bank_piece_bytes, read_index
 from .memory import arena
+
+
+SPAN = 4          # blocks per read (64 MiB at the format's 16 MiB blocks)
 
 
 def _stamp_path(folder: Path) -> Path:
@@ -69,9 +74,10 @@ class Fill:
     first), ``wait_dense`` waits for the dense files, ``wait`` for everything."""
 
     def __init__(self, folder: Path, index: dict, check: bool, direct: bool, threads: int,
-                 progress: Callable[[float], None] | None = None):
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
+                 progress: Callable[[float], None] | None = None, span: int | None = None):
+        span = SPAN if span is None else span
+        if threads < 1 or span < 1:
+            raise ValueError(f"threads and span must be >= 1, got {threads}, {span}")
         self.folder, self.index, self.check, self.direct, self.threads = folder, index, check, direct, threads
         self.progress = progress
         self.block = index["block_bytes"]
@@ -91,16 +97,22 @@ class Fill:
             for p in sorted(bank["pieces"], key=lambda p: (p["tensor"] != "w13", p["layers"][0])):
                 a, b = p["layers"]
                 dests[p["file"]] = (self.arenas[p["tensor"]], a * per[p["tensor"]], (b - a) * per[p["tensor"]])
-        self.jobs = [(name, b, *dest) for name, dest in dests.items()
-                     for b in range((index["files"][name]["size"] + self.block - 1) // self.block)]
+        # (file, first block, blocks, arena, offset, bytes kept): spans of whole blocks that are
+        # all kept; a block the kept bytes end inside (a piece's padded tail) is a job of its own
+        self.jobs = []
+        for name, dest in dests.items():
+            blocks = (index["files"][name]["size"] + self.block - 1) // self.block
+            whole = min(blocks, dest[2] // self.block)
+            self.jobs += [(name, b, min(span, whole - b), *dest) for b in range(0, whole, span)]
+            self.jobs += [(name, b, 1, *dest) for b in range(whole, blocks)]
         self.total = sum(index["files"][name]["size"] for name in dests)
-        # blocks still to read per file, and an event set once a file is all in (or the read ended);
+        # reads still to do per file, and an event set once a file is all in (or the read ended);
         # dense files first in the queue: a deferred-bank load (load_packed) waits for them only
-        self._blocks_left = {name: 0 for name in dests}
+        self._reads_left = {name: 0 for name in dests}
         for job in self.jobs:
-            self._blocks_left[job[0]] += 1
+            self._reads_left[job[0]] += 1
         self._file_done = {name: threading.Event() for name in dests}
-        for name, n in self._blocks_left.items():
+        for name, n in self._reads_left.items():
             if not n:
                 self._file_done[name].set()
         self.done_bytes = self.direct_bytes = 0
@@ -207,11 +219,11 @@ class Fill:
                 raise PackedFormatError(f"short read at offset {off + got}")
             got += n
 
-    def _read(self, name: str, b: int, mm, base: int, keep: int) -> None:
+    def _read(self, name: str, b: int, count: int, mm, base: int, keep: int) -> None:
         meta = self.index["files"][name]
         fd, dfd = self.fds[name]
         off = b * self.block
-        n = min(self.block, meta["size"] - off)
+        n = min(count * self.block, meta["size"] - off)
         inside = max(0, min(n, keep - off))
         try:
             if inside == n:
@@ -233,14 +245,16 @@ class Fill:
                 use_direct = False
         except OSError as exc:
             raise PackedFormatError(f"{self.folder / name}: read failed at block {b} ({exc})") from None
-        if self.check and zlib.crc32(mv) != meta["crc32"][b]:
-            raise PackedFormatError(f"{self.folder / name}: block {b} (bytes {off}..{off + n}) fails its "
-                                    f"CRC32 check: the file is corrupt; re-run freetoken convert")
+        for k in range(count if self.check else 0):
+            at, end = k * self.block, min(n, (k + 1) * self.block)
+            if zlib.crc32(mv[at:end]) != meta["crc32"][b + k]:
+                raise PackedFormatError(f"{self.folder / name}: block {b + k} (bytes {off + at}..{off + end}) "
+                                        f"fails its CRC32 check: the file is corrupt; re-run freetoken convert")
         with self._lock:
             self.done_bytes += n
             self.direct_bytes += n if use_direct else 0
-            self._blocks_left[name] -= 1
-            if not self._blocks_left[name]:
+            self._reads_left[name] -= 1
+            if not self._reads_left[name]:
                 self._file_done[name].set()
             frac = self.done_bytes / max(1, self.total)
             if self.progress and (frac - self._last >= 0.01 or frac >= 1.0):

@@ -6,9 +6,9 @@ Order of work, so a bad folder never yields a half-loaded model:
 2. the bank (``w13 [L_moe, E, 2I, H]``, ``w2 [L_moe, E, H, I]``) and one arena per dense file are
    allocated page-aligned (anonymous mmap, transparent huge pages advised), pinned first only
    when ``pin="before"`` is asked for (the benchmark's comparison);
-3. 16 MiB blocks are read by ``threads`` threads (``early.Fill``) with ``os.preadv`` (GIL
-   released), through an O_DIRECT descriptor when the filesystem takes one and the block is
-   aligned, into their final place; each block's CRC32 is checked as it lands. A read that
+3. spans of ``early.SPAN`` 16 MiB blocks are read by ``threads`` threads (``early.Fill``) with one
+   ``os.preadv`` each (GIL released), through an O_DIRECT descriptor when the filesystem takes
+   one and the span is aligned, into their final place; each block's CRC32 is checked as it lands. A read that
    ``preload`` started before torch was imported (``early.py``) is taken over when its options
    match: the load then only waits for what is left of it. ``verify="auto"`` (default) checks the
    first load of a folder and records its files' (size, mtime, inode) in the engine cache; later
