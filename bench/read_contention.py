@@ -11,7 +11,15 @@ page cache, alternating over ``--rounds`` in one process, on the same packed fol
 - ``fill span=S, idle``: the engine's reader (8 threads, no CRC, as a restart), the main thread
   waiting for it;
 - ``fill span=S, busy``: the same while the main thread runs pure Python until the read ends
-  (the worst case of an import or a capture: it never releases the GIL on its own).
+  (the worst case of an import or a capture: it never releases the GIL on its own);
+- with ``--mmap``: ``mmap alone``, the main thread mapping, touching and unmapping 4 MiB of
+  anonymous memory in a loop for 3 s (what CUDA's set-up and torch's allocations do underneath);
+  ``fill span=S, mmap``, the same loop beside the read, whose reads fault in the fresh pages
+  they land on (the engine's reader); ``... prefaulted``, beside the same read into arenas
+  whose pages were faulted in before the clock started (``MADV_POPULATE_WRITE``), and ``...
+  faulted in first``, the faulting timed too, on the reader's 8 threads before they read. The
+  loop's rate says whether the read's page faults hold the main thread's mappings up (the
+  process's page-table lock).
 
     python bench/read_contention.py --folder PACKED_FOLDER --label NAME
     python bench/read_contention.py --layers 6 --dir /tmp/rc --label NAME   # writes a synthetic folder first
@@ -52,21 +60,69 @@ def busy_until(done: threading.Event) -> int:
     return turns
 
 
-def fill_read(folder: Path, span: int, busy: bool) -> dict:
+def mmap_until(done: threading.Event) -> int:
+    """Map, touch and unmap 4 MiB on this thread until ``done``; -> loop turns."""
+    import mmap
+    turns = 0
+    while not done.is_set():
+        m = mmap.mmap(-1, 4 << 20)
+        for at in range(0, 4 << 20, 1 << 20):
+            m[at] = 1
+        m.close()
+        turns += 1
+    return turns
+
+
+def mmap_alone(seconds: float) -> dict:
+    done = threading.Event()
+    threading.Timer(seconds, done.set).start()
+    t0 = time.perf_counter()
+    turns = mmap_until(done)
+    secs = time.perf_counter() - t0
+    return {"seconds": secs, "gbps": 0.0, "python_turns": turns, "turns_per_second": turns / secs}
+
+
+def fault_in(arenas, threads: int) -> None:
+    """Fault every page of ``arenas`` in (``MADV_POPULATE_WRITE``, Linux 5.14+) on ``threads``
+    threads, 16 MiB per call (ctypes releases the GIL)."""
+    import ctypes
+    from concurrent.futures import ThreadPoolExecutor
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    views = [ctypes.c_char.from_buffer(mm) for mm in arenas]
+    pieces = [(ctypes.addressof(v) + at, min(16 << 20, len(mm) - at))
+              for v, mm in zip(views, arenas) for at in range(0, len(mm), 16 << 20)]
+    with ThreadPoolExecutor(threads) as pool:
+        failed = [rc for rc in pool.map(lambda p: libc.madvise(p[0], p[1], 23), pieces) if rc]
+    del views
+    if failed:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE) failed (Linux 5.14+ needed)")
+
+
+def fill_read(folder: Path, span: int, busy: bool | str, fault: str | None = None) -> dict:
+    """``fault``: None (the reads fault their pages), "before" (untimed) or "first" (timed)."""
     index = read_index(folder)
-    fill = early.Fill(folder, index, False, True, READERS, span=span).start()
+    fill = early.Fill(folder, index, False, True, READERS, span=span)
+    if fault == "before":
+        fault_in(list(fill.arenas.values()), READERS)
     done, turns = threading.Event(), 0
-    waiter = threading.Thread(target=lambda: (fill.wait(), done.set()))
+
+    def read():
+        if fault == "first":
+            fault_in(list(fill.arenas.values()), READERS)
+        fill.start().wait()
+        done.set()
+    waiter = threading.Thread(target=read)
     t0 = time.perf_counter()
     waiter.start()
     if busy:
-        turns = busy_until(done)
+        turns = (mmap_until if busy == "mmap" else busy_until)(done)
     waiter.join()
     secs = time.perf_counter() - t0
     nbytes = fill.total
     fill = None                 # its arenas are unmapped before the next side reads
     gc.collect()
-    return {"seconds": secs, "gbps": nbytes / secs / 1e9, "python_turns": turns}
+    return {"seconds": secs, "gbps": nbytes / secs / 1e9, "python_turns": turns, "turns_per_second": turns / secs}
 
 
 def disk_read(folder: Path, threads: int) -> dict:
@@ -101,6 +157,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=16, help="threads of the disk reference")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--spans", default=f"1,{early.SPAN}")
+    ap.add_argument("--mmap", action="store_true", help="also the sides with a main thread that maps memory")
     ap.add_argument("--label", required=True)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/read_contention.json")
     args = ap.parse_args()
@@ -115,25 +172,34 @@ def main() -> None:
         folder = args.dir / "packed"
     sides = {"disk": lambda: disk_read(folder, args.threads)}
     for span in (int(s) for s in args.spans.split(",")):
-        for busy in (False, True):
-            sides[f"fill span={span}, {'busy' if busy else 'idle'}"] = \
-                (lambda span=span, busy=busy: fill_read(folder, span, busy))
+        for busy in (False, True) + (("mmap",) if args.mmap else ()):
+            kind = {False: "idle", True: "busy"}.get(busy, busy)
+            sides[f"fill span={span}, {kind}"] = (lambda span=span, busy=busy: fill_read(folder, span, busy))
+    if args.mmap:
+        sides["mmap alone"] = lambda: mmap_alone(3.0)
+        for span in (int(s) for s in args.spans.split(",")):
+            for fault, what in (("before", "prefaulted"), ("first", "faulted in first")):
+                sides[f"fill span={span}, mmap, {what}"] = \
+                    (lambda span=span, fault=fault: fill_read(folder, span, "mmap", fault))
     runs = []
     for r in range(args.rounds):
         for name, fn in sides.items():
             dropped = drop_caches()
             runs.append({"round": r, "side": name, "page_cache_dropped": dropped, **fn()})
             x = runs[-1]
-            print(f"round {r} {name:<24} {x['seconds']:6.2f} s {x['gbps']:6.2f} GB/s", flush=True)
+            print(f"round {r} {name:<24} {x['seconds']:6.2f} s {x['gbps']:6.2f} GB/s "
+                  f"{x.get('turns_per_second', 0):8.0f} main-thread loops/s", flush=True)
     med = {name: statistics.median(x["seconds"] for x in runs if x["side"] == name) for name in sides}
     result = {"benchmark": "read_contention", "label": args.label, "hardware": describe(),
               "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "method": __doc__,
               "folder_bytes": sum(f.stat().st_size for f in folder.glob("*.bin")), "readers": READERS,
               "runs": runs, "median_seconds": med,
               "median_over_disk": {name: med[name] / med["disk"] for name in sides}}
-    print(f"\n{'side':<26}{'median s':>10}{'x disk':>9}")
+    rate = {name: statistics.median(x.get("turns_per_second", 0) for x in runs if x["side"] == name) for name in sides}
+    result["median_turns_per_second"] = rate
+    print(f"\n{'side':<26}{'median s':>10}{'x disk':>9}{'main loop/s':>13}")
     for name in sides:
-        print(f"{name:<26}{med[name]:>10.2f}{result['median_over_disk'][name]:>9.2f}")
+        print(f"{name:<26}{med[name]:>10.2f}{result['median_over_disk'][name]:>9.2f}{rate[name]:>13.0f}")
     data = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "read_contention", "machines": {}}
     data["machines"][args.label] = result
     args.out.write_text(json.dumps(data, indent=1) + "\n")
