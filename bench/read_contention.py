@@ -24,7 +24,7 @@ page cache, alternating over ``--rounds`` in one process, on the same packed fol
     python bench/read_contention.py --folder PACKED_FOLDER --label NAME
     python bench/read_contention.py --layers 6 --dir /tmp/rc --label NAME   # writes a synthetic folder first
 
-Writes bench/results/read_contention.json (+ .png): seconds and GB/s per side and round, and the
+Writes bench/results/read_contention.json (+ read_contention_LABEL.png): seconds and GB/s per side and round, and the
 median of each side against the same round's disk read.
 """
 from __future__ import annotations
@@ -141,10 +141,18 @@ def plot(result: dict, path: Path) -> None:
     except ImportError:
         return
     sides = list(result["median_seconds"])
-    fig, ax = plt.subplots(figsize=(8, 4))
-    ax.barh(sides, [result["median_seconds"][s] for s in sides], color="tab:blue")
+    rates = result.get("median_turns_per_second", {})
+    busy = [x for x in sides if rates.get(x)]
+    fig, axes = plt.subplots(1, 2 if busy else 1, figsize=(13 if busy else 8, 4.5), squeeze=False)
+    ax = axes[0][0]
+    ax.barh(sides, [result["median_seconds"][x] for x in sides], color="tab:blue")
     ax.set_xlabel("seconds to read the folder (median of rounds)")
-    ax.set_title(f"packed read beside Python work: {result['hardware'].get('cpu', '')}", fontsize=9)
+    ax.set_title(f"packed read beside main-thread work: {result['hardware'].get('cpu', '')}", fontsize=9)
+    if busy:
+        ax = axes[0][1]
+        ax.barh(busy, [rates[x] for x in busy], color="tab:orange")
+        ax.set_xlabel("main thread's loops per second (median)")
+        ax.set_title("how much the main thread got done meanwhile", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -203,7 +211,7 @@ def main() -> None:
     data = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "read_contention", "machines": {}}
     data["machines"][args.label] = result
     args.out.write_text(json.dumps(data, indent=1) + "\n")
-    plot(result, args.out.with_suffix(".png"))
+    plot(result, args.out.with_name(f"{args.out.stem}_{args.label}.png"))
     if args.folder is None:
         shutil.rmtree(args.dir, ignore_errors=True)
 
