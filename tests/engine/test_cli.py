@@ -81,6 +81,7 @@ def test_missing_shard_named_in_index(tmp_path):
     (["--prompt-ids", "1", "--expert-cache-gb", "1e-9"], "holds no expert"),
     (["--prompt-ids", "1", "--cpu-expert-fraction", "1.5"], "within 0..1"),
     (["--prompt-ids", "1", "--graph-warmup", "-1"], "0 or more"),
+    (["--prompt-ids", "1", "--graph-warmup-widths", "-2"], "0 (every width) or more"),
     (["--prompt-ids", "a,b"], "comma-separated integers"),
     (["--prompt-ids", "1", "--no-such-flag"], "unrecognized arguments"),
 ])
