@@ -11,9 +11,11 @@ kernels, its host loop is started before each replay). Logits come out of a stat
 A key's first step runs eagerly (it compiles what the step needs and is the step's real output);
 the graph is captured right after and replayed from the next step with the same key.
 ``ModelRunner.warm_graphs`` does that ahead of time, before any request, for batch sizes 1..N at
-every width (``widths``) up to the context: each key's step runs on one scratch KV block (a dummy
-token at the last position of the width), so a request's first decode steps replay instead of
-waiting for a capture. Inputs
+the narrowest widths (``widths``; ``--graph-warmup-widths``), and ``ModelRunner.warm_idle`` for
+the wider ones while a server is idle: each key's step runs on one scratch KV block (a dummy
+token at the last position of the width), so a request's decode steps replay instead of
+waiting for a capture. ``tried`` keeps the keys a capture was attempted for (until ``clear``),
+so that none is attempted twice. Inputs
 cross in one copy: ``inputs.decode_arrays`` packs token ids, positions, KV slots, lengths and the
 KV index into one int64 array. The padded keys are masked, so a replay computes what the eager
 step computes; float32 logits agree within summation-order noise (tested on the GPU).
