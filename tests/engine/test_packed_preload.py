@@ -228,8 +228,13 @@ def test_an_engine_that_fails_to_start_drops_the_preloaded_read(tiny_packed):
 CLI_PROBE = r"""
 import json, sys
 import freetoken_engine.packed as packed
-from freetoken_engine.packed import early
-seen = {}
+from freetoken_engine.packed import early, early_cuda
+seen = {"context": []}
+real_start = early_cuda.start
+def start(device):
+    seen["context"].append([device, "torch" in sys.modules])
+    return real_start(device)
+early_cuda.start = start
 real_preload, real_take = early.preload, early.take
 def preload(folder, threads=8, device=None):
     seen["torch_at_preload"], seen["device"] = "torch" in sys.modules, device
@@ -254,10 +259,21 @@ def test_cli_generate_starts_the_read_before_torch(tiny_packed):
     assert r.returncode == 0, r.stderr
     lines = r.stdout.strip().splitlines()
     probe = json.loads(lines[-1])
-    assert probe == {"rc": 0, "torch_at_preload": False, "device": "cpu", "taken": True}
+    assert probe == {"rc": 0, "torch_at_preload": False, "device": "cpu", "taken": True,
+                     "context": [["cpu", False], ["cpu", False]]}         # by preload, then the CLI (once)
     got = json.loads(lines[-2])["token_ids"]
     from freetoken_engine import SamplingParams
     assert got == LLM(src).generate([5, 17, 99, 200], SamplingParams(max_new_tokens=4, temperature=0)).token_ids
+
+
+def test_cli_starts_the_cuda_context_before_torch_for_any_model(tiny_checkpoint):
+    """A Hugging Face folder is not preloaded, but its engine's device context is still asked for
+    before torch is imported (a CPU device here: nothing is made, see test_early_cuda.py)."""
+    args = ["generate", "--model", str(tiny_checkpoint("qwen3_moe")), "--prompt-ids", "5,17", "--max-new-tokens", "2"]
+    r = subprocess.run([sys.executable, "-c", CLI_PROBE, *args], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "FREETOKEN_PRELOAD": "on"})
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"rc": 0, "context": [["cpu", False]]}
 
 
 @pytest.mark.gpu

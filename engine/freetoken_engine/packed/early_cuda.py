@@ -2,8 +2,9 @@
 
 A restart on a GPU pays, before the first kernel, for the driver's initialisation and the
 device's primary context; torch creates both lazily at the engine's first CUDA call, after its
-own import. ``start("cuda:N")`` (called by ``preload``, before torch is imported) does it on a
-background thread through the driver library: ``cuInit``, then ``cuDevicePrimaryCtxRetain``.
+own import. ``start("cuda:N")`` (called by ``preload``, and by ``freetoken generate`` / ``serve``
+for any model folder under the same rule, ``FREETOKEN_PRELOAD``; before torch is imported) does
+it on a background thread through the driver library: ``cuInit``, then ``cuDevicePrimaryCtxRetain``.
 The CUDA runtime, and so torch, uses that same primary context (one per device and process), so
 torch finds it made. The retained reference is kept for the process's life, as torch keeps its
 own. Nothing here imports torch; ctypes releases the GIL during each driver call, so the imports
