@@ -113,3 +113,19 @@ def scale_config(folder: Path, key: str, factor: int) -> None:
     cfg = json.loads((folder / "config.json").read_text())
     cfg[key] *= factor
     (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def gate_bank_reads(monkeypatch, files: str = "bank-"):
+    """Packed bank blocks (of files whose name starts with ``files``) wait until the returned
+    ``threading.Event`` is set (at most 60 s): the read is still going for as long as a test wants."""
+    import threading
+
+    from freetoken_engine.packed import early
+    read, gate = early.Fill._read, threading.Event()
+
+    def gated(self, name, *rest):
+        if name.startswith(files):
+            gate.wait(60)
+        read(self, name, *rest)
+    monkeypatch.setattr(early.Fill, "_read", gated)
+    return gate
