@@ -177,7 +177,8 @@ def configure(threads: int | None = None, isa: str | None = None,
     return cfg
 
 
-TUNING_KNOBS = ("chunks_per_thread", "amx_min_tokens", "amx_pf", "amx_next", "far_pf", "far_pf_tokens")
+TUNING_KNOBS = ("chunks_per_thread", "amx_min_tokens", "amx_pf", "amx_next", "far_pf", "far_pf_tokens",
+                "w2_ahead")
 
 
 def tune(**knobs: int) -> dict:
