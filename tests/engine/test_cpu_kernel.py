@@ -262,8 +262,7 @@ def knobs():
 
 def test_tuning_knobs_change_no_bit_of_the_result(kernel_config, knobs):
     """Chunk sizes and prefetch settings (bench/cpu_kernel_tune.py sweeps them) only move work
-    between threads and lines between caches (w2_ahead also which thread computes which
-    down-projection rows): every pair's output stays bitwise the same, on
+    between threads and lines between caches: every pair's output stays bitwise the same, on
     the vector path and (where the CPU has them) the tiles; and the call's phases are in order."""
     x, w13, w2, tok, exp = _problem(12, 256, 96, 6, 48, torch.bfloat16, torch.bfloat16)
     exp[:16] = 2                                        # a 16-token group: the tiles on an AMX CPU
@@ -274,8 +273,7 @@ def test_tuning_knobs_change_no_bit_of_the_result(kernel_config, knobs):
     assert 0 <= phases["posted"] <= phases["last_start"] <= phases["end"]
     assert phases["posted"] <= phases["stage1_end"] <= phases["end"]
     for setting in ({"chunks_per_thread": 1}, {"chunks_per_thread": 64}, {"far_pf": 0}, {"far_pf": 16},
-                    {"far_pf_tokens": 1}, {"amx_next": 1, "amx_pf": 0}, {"amx_pf": 4096},
-                    {"w2_ahead": 1}, {"w2_ahead": 1000}, {"w2_ahead": 2, "chunks_per_thread": 64}):
+                    {"far_pf_tokens": 1}, {"amx_next": 1, "amx_pf": 0}, {"amx_pf": 4096}):
         ce.tune(**{**knobs, **setting})
         got = ce.experts_forward(x, w13, w2, tok, exp, out=torch.full_like(want, float("nan")))  # no row left out
         assert torch.equal(got, want), setting

@@ -177,8 +177,7 @@ def configure(threads: int | None = None, isa: str | None = None,
     return cfg
 
 
-TUNING_KNOBS = ("chunks_per_thread", "amx_min_tokens", "amx_pf", "amx_next", "far_pf", "far_pf_tokens",
-                "w2_ahead")
+TUNING_KNOBS = ("chunks_per_thread", "amx_min_tokens", "amx_pf", "amx_next", "far_pf", "far_pf_tokens")
 
 
 def tune(**knobs: int) -> dict:

@@ -21,12 +21,6 @@ struct ExpJob {
   int64_t ch1, per1, tot1, ch2, per2, tot2;
   int64_t es;                      // bytes per weight element
   int64_t* done1;                  // [n_groups] finished stage-1 chunks per group
-  // W2 ahead (tune.h w2_ahead): groups [ahead_from, n_groups) prefetch their W2 in stage 1, chunk
-  // c's share being the rows of its stage-2 chunk c (ahead_rows); the thread that ran stage-1
-  // chunk c computes stage-2 chunk c from its own L2 (claim[] keeps a chunk from running twice).
-  // Their stage-2 chunks come after every other group's in the queue, per1 of them per group.
-  int64_t ahead_from;
-  int* claim = nullptr;            // [(n_groups - ahead_from) * per1] 1 once a stage-2 chunk is taken
   std::atomic<int64_t> next{0};
 };
 
@@ -42,67 +36,20 @@ void prefetch_start(const char* p, int64_t rs, int64_t rows, int64_t row_bytes, 
   }
 }
 
-// Rows [r0, r1) of the W2 share of an ahead group's chunk c (of per1), even-aligned.
-void ahead_rows(const ExpJob* J, int64_t c, int64_t* r0, int64_t* r1) {
-  const int64_t H = J->p->H;
-  *r0 = (c * H / J->per1) & ~int64_t(1);
-  *r1 = c + 1 == J->per1 ? H : ((c + 1) * H / J->per1) & ~int64_t(1);
-}
-
-// Stage-2 rows [r0, r1) of group g, once its stage 1 has finished; fetch: prefetch the rows into
-// L2 while waiting (false: this thread has them on chip already).
-void stage2_chunk(const ExpJob* J, int64_t g, int64_t r0, int64_t r1, bool fetch) {
-  const FtProblem* p = J->p;
-  const char* w = (const char*)p->w2 + p->g_expert[g] * p->w2_es * J->es;
-  const int64_t rs = p->w2_rs * J->es, row_bytes = p->I * J->es;
-  const int64_t per_row = (row_bytes + 63) / 64, lines = fetch ? (r1 - r0) * per_row : 0;
-  int64_t line = 0;
-  int it = 0;
-  while (__atomic_load_n(&J->done1[g], __ATOMIC_ACQUIRE) < J->per1) {
-    if (line < lines) {
-      for (int q = 0; q < 8 && line < lines; ++q, ++line)
-        __builtin_prefetch(w + (r0 + line / per_row) * rs + (line % per_row) * 64, 0, 2);
-    } else {
-      wait_step(it);
-    }
-  }
-  if (fetch && line == 0) prefetch_start(w + r0 * rs, rs, r1 - r0, row_bytes, p->prefetch, false);
-  (p->g_amx && p->g_amx[g] ? ft_stage2_amx : J->s2)(p, g, r0, r1);
-}
-
-// An ahead group's stage-2 chunk a (counted over the ahead groups), unless another thread took it.
-void ahead_chunk(const ExpJob* J, int64_t a, bool own) {
-  if (__atomic_exchange_n(&J->claim[a], 1, __ATOMIC_ACQ_REL)) return;
-  int64_t r0, r1;
-  ahead_rows(J, a % J->per1, &r0, &r1);
-  stage2_chunk(J, J->ahead_from + a / J->per1, r0, r1, !own);
-}
-
 // One queue: the AMX groups' token packs, every group's stage 1, then every group's stage 2. An
 // AMX group's stage-1 chunk waits for its pack (started by then: the packs are first in line). A
 // stage-2 chunk waits only for its own group's stage 1 (long finished, except for the last
 // groups), so threads flow from one stage into the next without a global barrier; a thread that
 // must wait (a call with one or two experts) spends the wait prefetching its chunk's w2 rows into
-// L2, so the wait still moves the bytes the call needs. With W2 ahead (ExpJob::ahead_from) the last
-// groups' W2 moves during their stage 1 instead, and each thread leaving stage 1 first runs the
-// stage-2 chunks whose rows it prefetched.
+// L2, so the wait still moves the bytes the call needs.
 void exp_job(void* c, int tid, int n) {
   (void)tid; (void)n;
   ExpJob* J = (ExpJob*)c;
   const FtProblem* p = J->p;
   atomic_max(g_timing.last_start, now_ns());
   int64_t s1_end = 0;                  // this thread's last stage-1 chunk: published once, on leaving
-  enum { MINE = 64 };
-  int64_t mine[MINE];                  // the ahead stage-2 chunks whose W2 this thread prefetched
-  int n_mine = 0;
-  bool mine_done = false;
-  const int64_t plain2 = J->ahead_from * J->per2;   // stage-2 chunks of the groups before ahead_from
   for (;;) {
     int64_t k = J->next.fetch_add(1, std::memory_order_relaxed);
-    if (k >= J->tot0 + J->tot1 && !mine_done) {     // out of stage 1: its own ahead chunks first
-      for (int i = 0; i < n_mine; ++i) ahead_chunk(J, mine[i], true);
-      mine_done = true;
-    }
     if (k < J->tot0) {
       pack_one(*J->pk, k, J->x, p->H, p->g_start, p->g_count, p->sorted_pair, p->pair_tok, J->xv);
       __atomic_store_n(&J->done0[k], 1, __ATOMIC_RELEASE);
@@ -119,24 +66,27 @@ void exp_job(void* c, int tid, int n) {
       const bool amx = p->g_amx && p->g_amx[g];
       if (amx)
         for (int it = 0; !__atomic_load_n(&J->done0[J->pk->g_pack[g]], __ATOMIC_ACQUIRE);) wait_step(it);
-      const bool ahead = g >= J->ahead_from && n_mine < MINE;
-      if (ahead) {                     // the W2 rows of this chunk's stage-2 twin, into this L2
-        int64_t a0, a1;
-        ahead_rows(J, k % J->per1, &a0, &a1);
-        const char* w2 = (const char*)p->w2 + p->g_expert[g] * p->w2_es * J->es;
-        ft_ahead.next = w2 + a0 * p->I * J->es;
-        ft_ahead.end = w2 + a1 * p->I * J->es;
-      }
       (amx ? ft_stage1_amx : J->s1)(p, g, r0, r1);
-      ft_ahead.next = ft_ahead.end = nullptr;
       s1_end = now_ns();
       __atomic_fetch_add(&J->done1[g], 1, __ATOMIC_RELEASE);
-      if (ahead) mine[n_mine++] = (g - J->ahead_from) * J->per1 + k % J->per1;
-    } else if (k < J->tot1 + plain2) {
-      const int64_t g = (k - J->tot1) / J->per2, r0 = ((k - J->tot1) % J->per2) * J->ch2;
-      stage2_chunk(J, g, r0, r0 + J->ch2 < p->H ? r0 + J->ch2 : p->H, true);
     } else if (k < J->tot1 + J->tot2) {
-      ahead_chunk(J, k - J->tot1 - plain2, false);
+      const int64_t g = (k - J->tot1) / J->per2, r0 = ((k - J->tot1) % J->per2) * J->ch2;
+      const int64_t r1 = r0 + J->ch2 < p->H ? r0 + J->ch2 : p->H;
+      const char* w = (const char*)p->w2 + p->g_expert[g] * p->w2_es * J->es;
+      const int64_t rs = p->w2_rs * J->es, row_bytes = p->I * J->es;
+      const int64_t per_row = (row_bytes + 63) / 64, lines = (r1 - r0) * per_row;
+      int64_t line = 0;
+      int it = 0;
+      while (__atomic_load_n(&J->done1[g], __ATOMIC_ACQUIRE) < J->per1) {
+        if (line < lines) {
+          for (int q = 0; q < 8 && line < lines; ++q, ++line)
+            __builtin_prefetch(w + (r0 + line / per_row) * rs + (line % per_row) * 64, 0, 2);
+        } else {
+          wait_step(it);
+        }
+      }
+      if (line == 0) prefetch_start(w + r0 * rs, rs, r1 - r0, row_bytes, p->prefetch, false);
+      (p->g_amx && p->g_amx[g] ? ft_stage2_amx : J->s2)(p, g, r0, r1);
     } else {
       if (s1_end) atomic_max(g_timing.stage1_end, s1_end);
       return;

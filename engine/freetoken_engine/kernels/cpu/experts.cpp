@@ -25,8 +25,6 @@
 #include "jobs.h"
 #include "exp_job.h"
 
-__thread FtAhead ft_ahead = {nullptr, nullptr};
-
 namespace {
 
 // Global state, guarded by g_call (a call holds it for its whole duration).
@@ -70,7 +68,6 @@ template <class T> using avec = std::vector<T, Aligned64<T>>;
 PackPlan s_pack;
 std::vector<int64_t> s_done0, s_done1, s_cnt, s_gexp, s_gstart, s_gcount, s_sorted;
 std::vector<uint8_t> s_gamx;
-std::vector<int> s_claim;
 avec<uint32_t> s_xv;
 avec<float> s_xf, s_act, s_attn;
 
@@ -248,15 +245,9 @@ int experts_call(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   J.per1 = (I + J.ch1 - 1) / J.ch1;
   J.per2 = (H + J.ch2 - 1) / J.ch2;
   J.tot1 = J.per1 * p.n_groups;
+  J.tot2 = act_out ? 0 : J.per2 * p.n_groups;
   s_done1.assign(p.n_groups, 0);
   J.done1 = s_done1.data();
-  // W2 ahead (exp_job.h) for the vector kernels' groups whose W2 rows are one block (whole experts
-  // of a contiguous bank)
-  J.ahead_from = p.w2_rs == p.I && !act_out && !any_amx ? p.n_groups - std::min(g_tune.w2_ahead, p.n_groups)
-                                                        : p.n_groups;
-  s_claim.assign((p.n_groups - J.ahead_from) * J.per1, 0);
-  J.claim = s_claim.data();
-  J.tot2 = act_out ? 0 : J.ahead_from * J.per2 + (p.n_groups - J.ahead_from) * J.per1;
   g_timing.posted = now_ns();
   pool_run(pool_get(), exp_job, &J);
   g_timing.end = now_ns();

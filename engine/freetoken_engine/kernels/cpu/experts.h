@@ -46,17 +46,6 @@ struct FtProblem {
   int64_t far_pf, far_pf_tokens, amx_pf, amx_next;
 };
 
-// The calling thread's W2-ahead cursor (tune.h knob w2_ahead; set by exp_job before each stage-1
-// chunk): while the bf16-dot row loop reads a chunk's gate/up rows it prefetches one line of
-// [next, end) into L2 per 128 bytes of weights, i.e. the chunk's proportional share of its
-// expert's W2 (half its W13 bytes), so the down projection that must wait for the whole stage 1
-// (a call of one or two experts) finds its rows on chip. Empty (next == end): nothing ahead.
-struct FtAhead {
-  const char* next;
-  const char* end;
-};
-extern __thread FtAhead ft_ahead;
-
 // Stage 1: for group g and intermediate rows [i0, i1): act = silu(x W1^T) * (x W3^T).
 // Stage 2: for group g and output rows [h0, h1): out = act W2^T.
 typedef void (*ft_stage_fn)(const FtProblem*, int64_t g, int64_t r0, int64_t r1);

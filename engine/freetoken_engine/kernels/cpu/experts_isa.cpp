@@ -61,10 +61,9 @@ enum { U_BF = 2 };
 // The NT per-token vectors whose horizontal sums are dot(row[0:K0], xs[t][0:K0]), K0 = K rounded
 // down to 32: vdpbf16ps into U_BF fp32 accumulators per token (32-element block j of the row goes
 // to accumulator j % U_BF, added before the horizontal sum), one sequential weight stream.
-// ahead / ahead_end: the W2-ahead cursor (FtAhead), one line prefetched per 128 bytes of the row.
 template <int NT>
 inline void dot_row_sums(const uint16_t* row, const uint16_t* const* xs, int64_t K, int64_t pf, int64_t far,
-                         __m512* sum, const char*& ahead, const char* ahead_end) {
+                         __m512* sum) {
   __m512 acc[U_BF][NT];
   for (int u = 0; u < U_BF; ++u)
     for (int t = 0; t < NT; ++t) acc[u][t] = _mm512_setzero_ps();
@@ -77,10 +76,6 @@ inline void dot_row_sums(const uint16_t* row, const uint16_t* const* xs, int64_t
         _mm_prefetch((const char*)(row + k) + far, _MM_HINT_T2);
         _mm_prefetch((const char*)(row + k) + far + 64, _MM_HINT_T2);
       }
-    }
-    if (ahead < ahead_end) {
-      _mm_prefetch(ahead, _MM_HINT_T1);
-      ahead += 64;
     }
     for (int u = 0; u < U_BF; ++u) {
       const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(row + k + 32 * u));
@@ -101,9 +96,9 @@ inline void dot_row_sums(const uint16_t* row, const uint16_t* const* xs, int64_t
 // the other tokens of its group (see U_BF).
 template <int NT>
 inline void dot_row_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K, int64_t pf, int64_t far,
-                       float* out, const char*& ahead, const char* ahead_end) {
+                       float* out) {
   __m512 sum[NT];
-  dot_row_sums<NT>(row, xs, K, pf, far, sum, ahead, ahead_end);
+  dot_row_sums<NT>(row, xs, K, pf, far, sum);
   if (NT >= 4) {
     reduce16(sum, NT, out);
   } else {
@@ -130,8 +125,6 @@ template <int NT>
 inline void rows_bf(const char* base, int64_t rs, int64_t r0, int64_t r1, const uint16_t* const* xs,
                     int64_t K, int64_t pf, int64_t far, float* out, int64_t rend) {
   const int64_t last = rend - (pf + rs - 1) / rs;   // rows before it prefetch inside the chunk
-  const char* ahead = ft_ahead.next;                // this thread's W2-ahead share (FtAhead)
-  const char* const ahead_end = ft_ahead.end;
   int64_t r = r0;
   constexpr int R = NT >= 4 ? 16 / NT : 1;          // rows per tree: as many as fill its 16 sums
   if (R > 1 && K % 32 == 0) {
@@ -140,7 +133,7 @@ inline void rows_bf(const char* base, int64_t rs, int64_t r0, int64_t r1, const 
       float o[16];
       for (int j = 0; j < R; ++j)
         dot_row_sums<NT>((const uint16_t*)(base + (r + j) * rs), xs, K, r + j < last ? pf : 0,
-                         r + j < last ? far : 0, sum + j * NT, ahead, ahead_end);
+                         r + j < last ? far : 0, sum + j * NT);
       reduce16(sum, R * NT, o);
       for (int j = 0; j < R; ++j)
         for (int t = 0; t < NT; ++t) out[(r + j - r0) * NTMAX + t] = o[j * NT + t];
@@ -148,8 +141,7 @@ inline void rows_bf(const char* base, int64_t rs, int64_t r0, int64_t r1, const 
   }
   for (; r < r1; ++r)
     dot_row_bf<NT>((const uint16_t*)(base + r * rs), xs, K, r < last ? pf : 0, r < last ? far : 0,
-                   out + (r - r0) * NTMAX, ahead, ahead_end);
-  ft_ahead.next = ahead;
+                   out + (r - r0) * NTMAX);
 }
 
 inline void rows_bf_n(const FtProblem* p, int nt, const char* base, int64_t rs, int64_t r0, int64_t r1,

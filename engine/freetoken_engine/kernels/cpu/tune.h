@@ -18,7 +18,6 @@ struct Tune {
   int64_t amx_next = 0;                    // FtProblem::amx_next
   int64_t far_pf = 4;                      // FtProblem::far_pf
   int64_t far_pf_tokens = 3;               // FtProblem::far_pf_tokens
-  int64_t w2_ahead = 0;                    // the call's last n groups prefetch their W2 in stage 1 (FtAhead)
 };
 Tune g_tune;
 
@@ -33,7 +32,6 @@ const Knob* tune_find(const char* name) {
       {"amx_next", &g_tune.amx_next, 0, 1},
       {"far_pf", &g_tune.far_pf, 0, 64},
       {"far_pf_tokens", &g_tune.far_pf_tokens, 1, 1 << 20},
-      {"w2_ahead", &g_tune.w2_ahead, 0, 1 << 20},
   };
   for (const Knob& k : knobs)
     if (!strcmp(k.name, name)) return &k;
