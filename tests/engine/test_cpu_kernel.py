@@ -318,6 +318,34 @@ def test_bad_inputs_raise_clear_errors():
         ce.configure(threads=0)
 
 
+def test_every_call_the_hot_path_declines_gets_the_general_paths_result_or_error(kernel_config):
+    """experts_forward's decode fast path (one read of each attribute) takes the usual call only:
+    int32 pairs, a transposed x, fp16 x, x needing grad, a strided w2 column, a bad ``out`` or
+    ``rows_from``, and mismatched pairs still get the reference's rows or a clear error."""
+    x, w13, w2, tok, exp = _problem(4, 64, 32, 6, 10, torch.bfloat16, torch.bfloat16)
+    want = expert_pairs_forward(x, w13, w2, tok, exp)
+    _close(ce.experts_forward(x, w13, w2, tok, exp), want)
+    _close(ce.experts_forward(x, w13, w2, tok.int(), exp.int()), want)
+    _close(ce.experts_forward(x.t().contiguous().t(), w13, w2, tok, exp), want)
+    xh = x.half()
+    _close(ce.experts_forward(xh, w13, w2, tok, exp), expert_pairs_forward(xh, w13, w2, tok, exp))
+    xg = x.float().requires_grad_()
+    y = ce.experts_forward(xg, w13.float(), w2.float(), tok, exp)
+    assert y.requires_grad                                           # the reference, differentiable
+    wide = torch.cat((w2, w2), 2)[:, :, ::2]                         # stride 2 along I
+    _close(ce.experts_forward(x, w13, wide, tok, exp), expert_pairs_forward(x, w13, wide, tok, exp))
+    for bad in (torch.empty(10, 64), torch.empty(9, 64, dtype=torch.bfloat16),
+                torch.empty(64, 10, dtype=torch.bfloat16).t()):
+        with pytest.raises(ValueError, match="out must be"):
+            ce.experts_forward(x, w13, w2, tok, exp, out=bad)
+    with pytest.raises(ValueError, match=r"rows_from must be in \[0, 32\), got 32"):
+        ce.experts_forward(x, w13, w2, tok, exp, rows_from=32)
+    with pytest.raises(ValueError, match="must be equal 1-D"):
+        ce.experts_forward(x, w13, w2, tok, exp[:9])
+    with pytest.raises(IndexError, match="out of range"):
+        ce.experts_forward(x, w13, w2, tok, torch.full_like(exp, 6))
+
+
 def test_default_threads_use_every_cpu_without_a_gpu_and_leave_one_with_it(monkeypatch):
     """Without a GPU the engine's thread only waits for the experts: every CPU computes; with a
     GPU one CPU stays with the engine; the environment variable overrides both."""

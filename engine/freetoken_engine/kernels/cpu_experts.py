@@ -266,6 +266,40 @@ def _check_problem(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_to
         raise ValueError(f"pair_tok {tuple(pair_tok.shape)} and pair_exp {tuple(pair_exp.shape)} must be equal 1-D")
 
 
+_I64 = torch.int64
+
+
+def _fast_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: torch.Tensor,
+               pair_exp: torch.Tensor, out: torch.Tensor | None, rows_from: int) -> tuple | None:
+    """ft_experts_range's arguments but the output pointer, for the decode hot path's usual call
+    (consistent shapes, CPU tensors the kernel takes, contiguous x and int64 pairs, no grad, a
+    valid ``out`` or none), each tensor attribute read once: on the H200 host's Xeon the general
+    checks, the argument tuple and the output allocation cost 15-20 us of a 1-expert call's
+    100 (docs/cpu_kernel.md). None: anything else, which experts_forward then checks, converts or
+    refuses in full."""
+    xs, s13, s2, ps = x.shape, w13.shape, w2.shape, pair_tok.shape
+    if len(xs) != 2 or len(s13) != 3 or len(s2) != 3 or len(ps) != 1 or ps != pair_exp.shape:
+        return None
+    T, H = xs
+    E, H2, I = s2
+    if s13[0] != E or s13[1] != 2 * I or s13[2] != H or H2 != H or not 0 <= rows_from < I:
+        return None
+    dx, dw = _DT.get(x.dtype), _DT.get(w13.dtype)
+    if dx is None or dw is None or w2.dtype != w13.dtype or pair_tok.dtype != _I64 or pair_exp.dtype != _I64:
+        return None
+    st13, st2 = w13.stride(), w2.stride()
+    if st13[2] != 1 or st2[2] != 1 or not (x.is_cpu and w13.is_cpu and w2.is_cpu and x.is_contiguous()
+                                           and pair_tok.is_contiguous() and pair_exp.is_contiguous()):
+        return None
+    if (x.requires_grad or w13.requires_grad) and torch.is_grad_enabled():
+        return None
+    if out is not None and (out.shape != (ps[0], H) or out.dtype != x.dtype or not out.is_cpu
+                            or not out.is_contiguous()):
+        return None
+    return (x.data_ptr(), dx, T, H, I, w13.data_ptr(), w2.data_ptr(), dw, E, st13[0], st13[1], st2[0], st2[1],
+            pair_tok.data_ptr(), pair_exp.data_ptr(), ps[0])
+
+
 def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     pair_tok: torch.Tensor, pair_exp: torch.Tensor,
                     out: torch.Tensor | None = None, rows_from: int = 0) -> torch.Tensor:
@@ -282,6 +316,14 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     kernel's workers are pinned to: bench/cpu_expert_kernel.py's static-split rows.) Raises
     ValueError for inconsistent shapes or a bad ``out``, IndexError for an out-of-range index.
     """
+    lib = _lib if _loaded else _load()
+    args = _fast_args(x, w13, w2, pair_tok, pair_exp, out, rows_from) if lib is not None else None
+    if args is not None and args[-1]:
+        if out is None:
+            out = torch.empty((args[-1], args[3]), dtype=x.dtype)
+        if lib.ft_experts_range(*args, out.data_ptr(), rows_from) != 0:
+            raise IndexError(lib.ft_last_error().decode())
+        return out
     _check_problem(x, w13, w2, pair_tok, pair_exp)
     H, I, P = x.shape[1], w2.shape[2], pair_tok.numel()
     if not 0 <= rows_from < I:
@@ -292,7 +334,6 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if P == 0:
         return x.new_zeros((0, H)) if out is None else out
-    lib = _load()
     if lib is None or not _compiled_ok(x, w13, w2):
         if rows_from:
             w13 = torch.cat((w13[:, rows_from:I], w13[:, I + rows_from:]), 1)
