@@ -25,6 +25,8 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
+from old_tree import old_tree
+
 ROOT = Path(__file__).resolve().parent.parent
 CASES = ("1_expert/T=1", "2_experts/T=1", "one_token/T=1", "random_top8/T=4", "same_experts/T=4",
          "same_experts/T=6", "same_experts/T=8")
@@ -50,12 +52,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/cpu_kernel_ab.json")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp())
-    old_root = args.old_tree.resolve() if args.old_tree else work / "old"
-    if args.old_tree is None:
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "-q", "--detach", str(old_root), args.old],
-                       check=True)
     runs = []
-    try:
+    with old_tree(args.old, args.old_tree) as old_root:
         for i in range(args.pairs):
             for side, root in (("old", old_root), ("new", ROOT)):
                 m = run_side(root, work / f"{side}{i}")
@@ -67,9 +65,6 @@ def main() -> None:
                 print(f"pair {i} {side:3} read {m['read']:5.1f} | " + " ".join(
                     f"{c.split('/')[0][:12]}/{c.split('=')[1]} {row[c]['gbps']:5.1f} ({row[c]['of_read']:4.0%})"
                     for c in CASES), flush=True)
-    finally:
-        if args.old_tree is None:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old_root)], check=False)
     summary = {}
     for c in CASES:
         med = {side: {k: statistics.median(r[c][k] for r in runs if r["side"] == side)

@@ -177,7 +177,8 @@ def configure(threads: int | None = None, isa: str | None = None,
     return cfg
 
 
-TUNING_KNOBS = ("chunks_per_thread", "amx_min_tokens", "amx_pf", "amx_next", "far_pf", "far_pf_tokens")
+TUNING_KNOBS = ("chunks_per_thread", "amx_min_tokens", "amx_pf", "amx_next", "far_pf", "far_pf_tokens",
+                "stall_us", "backoff_ms", "backoff_max_ms", "test_stall_us")
 
 
 def tune(**knobs: int) -> dict:
@@ -209,6 +210,18 @@ def last_timing() -> dict:
     buf = (ctypes.c_double * 4)()
     lib.ft_last_timing(buf)
     return dict(zip(("posted", "last_start", "stage1_end", "end"), buf))
+
+
+def pool_stats() -> dict:
+    """The thread pool's record of CPUs shared with other processes (kernels/cpu/pool.h):
+    ``workers_left_out`` (workers sitting out the jobs now, after holding a call up) and
+    ``stalled_calls`` (calls so far that waited for such a worker); {} on the reference."""
+    lib = _load()
+    if lib is None:
+        return {}
+    buf = (ctypes.c_int64 * 2)()
+    lib.ft_pool_stats(buf)
+    return {"workers_left_out": buf[0], "stalled_calls": buf[1]}
 
 
 def available() -> bool:

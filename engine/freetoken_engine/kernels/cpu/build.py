@@ -148,4 +148,6 @@ def load() -> ctypes.CDLL:
     lib.ft_tune.argtypes = [ctypes.c_char_p, i64]
     lib.ft_last_timing.restype = None
     lib.ft_last_timing.argtypes = [ctypes.POINTER(ctypes.c_double)]
+    lib.ft_pool_stats.restype = None
+    lib.ft_pool_stats.argtypes = [ctypes.POINTER(i64)]
     return lib

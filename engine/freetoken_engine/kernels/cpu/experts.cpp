@@ -330,6 +330,14 @@ int64_t ft_tune(const char* name, int64_t value) {
   return was;
 }
 
+// The pool's contention record (pool.h): out2[0] workers left out now, out2[1] calls so far that
+// waited for a stalled worker (0, 0 before the pool's first job).
+void ft_pool_stats(int64_t* out2) {
+  std::lock_guard<std::mutex> lk(g_call);
+  out2[0] = out2[1] = 0;
+  if (g_pool && g_pool->pid == getpid()) pool_contention(g_pool, out2);
+}
+
 // The last expert call's phases in microseconds from its start: grouping done (job posted),
 // the last participant's first chunk, the last stage-1 chunk's end, the call's end.
 void ft_last_timing(double* out4) {

@@ -8,6 +8,7 @@
 #include <atomic>
 
 #include "isa.h"
+#include "pool.h"
 
 namespace {
 
@@ -32,6 +33,10 @@ const Knob* tune_find(const char* name) {
       {"amx_next", &g_tune.amx_next, 0, 1},
       {"far_pf", &g_tune.far_pf, 0, 64},
       {"far_pf_tokens", &g_tune.far_pf_tokens, 1, 1 << 20},
+      {"stall_us", &g_pool_knobs.stall_us, 1, 1 << 30},          // pool.h: contended workers
+      {"backoff_ms", &g_pool_knobs.backoff_ms, 1, 1 << 20},
+      {"backoff_max_ms", &g_pool_knobs.backoff_max_ms, 1, 1 << 20},
+      {"test_stall_us", &g_pool_knobs.test_stall_us, 0, 1 << 24},
   };
   for (const Knob& k : knobs)
     if (!strcmp(k.name, name)) return &k;
@@ -47,12 +52,6 @@ const Knob* tune_find(const char* name) {
 int64_t chunk_bytes(int64_t total, int threads) {
   const int64_t c = total / (g_tune.chunks_per_thread * (int64_t)threads);
   return c > (4 << 20) ? (4 << 20) : c < 16384 ? 16384 : c;
-}
-
-int64_t now_ns() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec * 1000000000ll + ts.tv_nsec;
 }
 
 // Where the last expert call spent its time (ns, CLOCK_MONOTONIC), for ft_last_timing.

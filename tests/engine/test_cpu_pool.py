@@ -1,0 +1,108 @@
+"""The CPU kernel's thread pool on CPUs shared with other processes (kernels/cpu/pool.h).
+
+A worker that another process keeps off its CPU must not hold the engine's calls: a call ends when
+its chunks are done, a worker that held one up sits out the next ones for a while, and no output
+bit depends on which threads took part.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from freetoken_engine.kernels import cpu_experts as ce
+
+
+@pytest.fixture
+def pool():
+    """Two participants with long-spinning workers (a worker enters a job within microseconds);
+    the kernel's config and knobs restored afterwards."""
+    if not ce.available():
+        pytest.skip("compiled kernel unavailable")
+    cfg, knobs = ce.configure(), ce.tune()
+    ce.configure(threads=2, spin_us=200_000)
+    yield
+    ce.tune(**knobs)
+    ce.configure(threads=cfg.threads, isa=cfg.isa, prefetch_bytes=cfg.prefetch_bytes, spin_us=cfg.spin_us)
+
+
+def _problem(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    E, H, I = 8, 1024, 512                                   # 3 MB experts: a call of about a millisecond
+    x = torch.randn(2, H, generator=g).bfloat16()
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / 32).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) / 23).bfloat16()
+    tok = torch.tensor([0] * 8 + [1] * 8)
+    exp = torch.cat((torch.arange(8), torch.arange(8).flip(0)))
+    return x, w13, w2, tok, exp
+
+
+def _alone(x, w13, w2, tok, exp):
+    ce.configure(threads=1)
+    want = ce.experts_forward(x, w13, w2, tok, exp)
+    ce.configure(threads=2, spin_us=200_000)
+    return want
+
+
+def test_a_worker_that_holds_a_call_up_sits_out_the_next_calls(pool):
+    """Worker 1 made to sleep 40 ms inside every job it enters (as if preempted mid-chunk): the
+    first call waits for it once and leaves it out; the next calls run without it and never wait
+    again while it is out; it takes part again once its time is up. Every output is bitwise the
+    one-thread result."""
+    x, w13, w2, tok, exp = _problem()
+    want = _alone(x, w13, w2, tok, exp)
+    assert ce.pool_stats() == {"workers_left_out": 0, "stalled_calls": 0}
+    ce.tune(test_stall_us=40_000, stall_us=2_000, backoff_ms=400, backoff_max_ms=400)
+    assert torch.equal(ce.experts_forward(x, w13, w2, tok, exp), want)
+    assert ce.pool_stats() == {"workers_left_out": 1, "stalled_calls": 1}
+    for _ in range(10):
+        assert torch.equal(ce.experts_forward(x, w13, w2, tok, exp), want)
+    assert ce.pool_stats() == {"workers_left_out": 1, "stalled_calls": 1}
+    ce.tune(test_stall_us=0)
+    time.sleep(0.5)
+    assert ce.pool_stats()["workers_left_out"] == 0
+    for _ in range(5):
+        assert torch.equal(ce.experts_forward(x, w13, w2, tok, exp), want)
+    assert ce.pool_stats() == {"workers_left_out": 0, "stalled_calls": 1}
+
+
+def test_stalling_again_right_after_coming_back_doubles_the_time_out(pool):
+    """A worker that holds calls up again soon after rejoining sits out twice as long."""
+    x, w13, w2, tok, exp = _problem(1)
+    ce.tune(test_stall_us=20_000, stall_us=2_000, backoff_ms=150, backoff_max_ms=10_000)
+    ce.experts_forward(x, w13, w2, tok, exp)                 # out for 150 ms
+    time.sleep(0.2)
+    ce.experts_forward(x, w13, w2, tok, exp)                 # back, stalls again: out for 300 ms
+    assert ce.pool_stats() == {"workers_left_out": 1, "stalled_calls": 2}
+    time.sleep(0.2)
+    assert ce.pool_stats()["workers_left_out"] == 1          # 150 ms would have ended by now
+    time.sleep(0.15)
+    assert ce.pool_stats()["workers_left_out"] == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_outputs_hold_while_another_process_takes_the_workers_cpu(pool):
+    """A busy process pinned to the CPU the worker is pinned to (the last one): it is preempted
+    at any point of any call, enters late or not at all; 200 calls of every projection the
+    decode makes give the one-thread outputs bit for bit."""
+    x, w13, w2, tok, exp = _problem(2)
+    want = _alone(x, w13, w2, tok, exp)
+    from freetoken_engine.kernels.cpu import linear as cpu_linear
+    w = (torch.randn(4096, 1024) / 32).bfloat16()
+    ce.configure(threads=1)
+    want_lin = cpu_linear.linear(x, w, None)
+    ce.configure(threads=2, spin_us=200)
+    last = max(os.sched_getaffinity(0))
+    hog = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{last}}})\nwhile True: pass"])
+    try:
+        time.sleep(0.3)
+        for _ in range(200):
+            assert torch.equal(ce.experts_forward(x, w13, w2, tok, exp), want)
+            assert torch.equal(cpu_linear.linear(x, w, None), want_lin)
+    finally:
+        hog.kill()
+        hog.wait()
