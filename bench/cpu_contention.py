@@ -113,14 +113,18 @@ def main() -> None:
     ap.add_argument("--generate-args", default="",
                     help="more arguments for freetoken generate, e.g. \"--device cuda --expert-cache-experts 40 "
                          "--cpu-expert-fraction 0.5\" (a GPU decode whose misses the CPU branch computes)")
+    ap.add_argument("--no-one-thread", dest="one_thread", action="store_false",
+                    help="leave out the sides with one kernel thread")
     ap.add_argument("--label", default="this-machine")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/cpu_contention.json")
     args = ap.parse_args()
     if args.checkpoint:
         args.model = str(write_checkpoint(args.checkpoint))
+    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     with old_tree(args.old, args.old_tree) as old_root:
         sides = {"before": (old_root, False), "after": (ROOT, False),
                  "before, 1 kernel thread": (old_root, True), "after, 1 kernel thread": (ROOT, True)}
+        sides = {k: v for k, v in sides.items() if args.one_thread or "1 kernel thread" not in k}
         runs = []
         for r in range(args.rounds):
             for cond in CONDITIONS:
@@ -134,6 +138,11 @@ def main() -> None:
                     for h in hogs:
                         h.kill()
                         h.wait()
+            save(args, started, list(sides), runs)         # every round: a run cut short keeps its rounds
+
+
+def save(args, started: str, sides: list[str], runs: list[dict]) -> None:
+    """Medians per side and condition printed, written to the JSON (this label's entry) and plotted."""
     medians = {side: {c: statistics.median(x["decode_tok_s"] for x in runs if x["side"] == side
                                            and x["condition"] == c) for c in CONDITIONS} for side in sides}
     print(f"\n{'side':24} " + " ".join(f"{c:>10}" for c in CONDITIONS) + "   busy-last/idle busy-free/idle")
@@ -141,10 +150,9 @@ def main() -> None:
         print(f"{side:24} " + " ".join(f"{m[c]:10.1f}" for c in CONDITIONS)
               + f"   {m['busy-last'] / m['idle']:14.2f} {m['busy-free'] / m['idle']:14.2f}")
     result = {"benchmark": "cpu_contention", "label": args.label, "hardware": describe(), "old": args.old,
-              "model": args.checkpoint or args.model or "embedded default model", "tokens": args.tokens, "hogs": args.hogs,
-              "generate_args": args.generate_args,
-              "started": datetime.now(timezone.utc).isoformat(timespec="seconds"), "method": __doc__,
-              "runs": runs, "medians_tok_s": medians,
+              "model": args.checkpoint or args.model or "embedded default model", "tokens": args.tokens,
+              "hogs": args.hogs, "generate_args": args.generate_args, "started": started, "method": __doc__,
+              "rounds_done": 1 + max(x["round"] for x in runs), "runs": runs, "medians_tok_s": medians,
               "after_over_before": {c: medians["after"][c] / medians["before"][c] for c in CONDITIONS}}
     entries = json.loads(args.out.read_text()) if args.out.exists() else {}
     entries[args.label] = result
