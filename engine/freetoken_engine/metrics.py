@@ -114,6 +114,15 @@ class _EngineCollector:
             value = stats.get(key)
             if value is not None:
                 yield GaugeMetricFamily(name, doc, value=float(value) * 1e9)
+        from .kernels import cpu_experts
+        pool = cpu_experts.pool_stats()
+        if pool:
+            yield GaugeMetricFamily("freetoken_cpu_workers_left_out",
+                                    "CPU kernel workers sitting out calls after holding one up "
+                                    "(another process on their CPU)", value=float(pool["workers_left_out"]))
+            yield CounterMetricFamily("freetoken_cpu_stalled_calls",
+                                      "CPU kernel calls that waited for a worker another process kept off its CPU",
+                                      value=float(pool["stalled_calls"]))
         if cache.get("device_bytes") is not None:
             yield GaugeMetricFamily("freetoken_device_memory_bytes",
                                     "Bytes the engine holds on the GPU (0 on CPU)",

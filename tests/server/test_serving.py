@@ -8,6 +8,7 @@ import time
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from live import API_KEY, live_server, start_service
@@ -97,9 +98,37 @@ def test_metrics_count_requests_tokens_and_read_the_engine(live):
                  "freetoken_requests_running", "freetoken_requests_queued",
                  "freetoken_kv_blocks_total", "freetoken_expert_fill_fraction",
                  "freetoken_engine_ready", "freetoken_preemptions", "freetoken_decode_graphs",
-                 "freetoken_decode_graph_replays"):
+                 "freetoken_decode_graph_replays", "freetoken_cpu_workers_left_out", "freetoken_cpu_stalled_calls"):
         assert name in fams, name
     assert fams["freetoken_decode_graphs"].samples[0].value == 0        # on a CPU decode is eager
+
+
+def test_metrics_show_a_cpu_worker_another_process_held_up(live):
+    """A kernel worker that holds a call up (made to, with the pool's test knob) is counted and
+    shown sitting out in /metrics, and the server still answers with it out."""
+    from freetoken_engine.kernels import cpu_experts as ce
+    if not ce.available():
+        pytest.skip("compiled kernel unavailable")
+
+    def pool_metrics() -> dict:
+        fams = text_string_to_metric_families(httpx.get(f"{live.url}/metrics").text)
+        return {f.name: f.samples[0].value for f in fams if f.name.startswith("freetoken_cpu_")}
+
+    cfg, knobs = ce.configure(), ce.tune()
+    try:
+        ce.configure(threads=2, spin_us=200_000)
+        assert pool_metrics() == {"freetoken_cpu_workers_left_out": 0, "freetoken_cpu_stalled_calls": 0}
+        g = torch.Generator().manual_seed(3)
+        x = torch.randn(1, 2048, generator=g)
+        w13, w2 = torch.randn(4, 1024, 2048, generator=g) / 45, torch.randn(4, 2048, 512, generator=g) / 23
+        ce.tune(test_stall_us=30_000, stall_us=2_000, backoff_ms=60_000, backoff_max_ms=60_000)
+        ce.experts_forward(x, w13, w2, torch.zeros(4, dtype=torch.long), torch.arange(4))
+        assert pool_metrics() == {"freetoken_cpu_workers_left_out": 1, "freetoken_cpu_stalled_calls": 1}
+        r = live.openai().chat.completions.create(model=live.model, messages=prompts(1)[0], max_tokens=3)
+        assert r.choices[0].message.content is not None
+    finally:
+        ce.tune(**knobs)
+        ce.configure(threads=cfg.threads, isa=cfg.isa, prefetch_bytes=cfg.prefetch_bytes, spin_us=cfg.spin_us)
 
 
 def test_past_the_queue_limit_requests_get_429_with_retry_after(tiny_dir):

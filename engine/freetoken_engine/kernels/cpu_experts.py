@@ -215,8 +215,9 @@ def last_timing() -> dict:
 def pool_stats() -> dict:
     """The thread pool's record of CPUs shared with other processes (kernels/cpu/pool.h):
     ``workers_left_out`` (workers sitting out the jobs now, after holding a call up) and
-    ``stalled_calls`` (calls so far that waited for such a worker); {} on the reference."""
-    lib = _load()
+    ``stalled_calls`` (calls so far that waited for such a worker, since the pool started); {}
+    while the compiled kernel is not loaded (this never loads or builds it: metrics read it)."""
+    lib = _lib if _loaded else None
     if lib is None:
         return {}
     buf = (ctypes.c_int64 * 2)()
