@@ -67,22 +67,29 @@ struct PoolKnobs {
 };
 PoolKnobs g_pool_knobs;
 
+// A worker's own flags, one cache line each: the workers write them at every job, and on a
+// shared line 15 workers entering at once bounce it between their cores.
+struct alignas(64) WorkerState {
+  std::atomic<int64_t> out_until{0};  // left out until (CLOCK_MONOTONIC ns), 0: taking part
+  std::atomic<int> inside{0};         // inside a job now
+};
+
 struct Pool {
   int n = 1;                       // participants, the caller included
   int spin_us = 200;
   pid_t pid = 0;
   std::vector<std::thread> threads;
-  std::atomic<uint32_t> gen{0};    // job counter; sleepers wait on this word
-  std::atomic<uint32_t> open{0};   // the job workers may still enter (its gen), 0: closed
-  std::atomic<int> sleepers{0};
-  std::atomic<int> active{0};      // workers inside the open job (or deciding whether to enter)
-  std::atomic<bool> stop{false};
   job_fn fn = nullptr;
   void* ctx = nullptr;
-  // Left-out workers: until when (CLOCK_MONOTONIC ns, 0: taking part), whether inside a job now;
-  // the caller's bookkeeping of each worker's backoff and last stall.
-  std::unique_ptr<std::atomic<int64_t>[]> out_until;
-  std::unique_ptr<std::atomic<int>[]> inside;
+  // Read by every spinning worker, written once per job by the caller: a line of their own.
+  alignas(64) std::atomic<uint32_t> gen{0};  // job counter; sleepers wait on this word
+  std::atomic<uint32_t> open{0};   // the job workers may still enter (its gen), 0: closed
+  std::atomic<bool> stop{false};
+  // Changed by the workers at every job.
+  alignas(64) std::atomic<int> active{0};    // workers inside the open job (or deciding to enter)
+  std::atomic<int> sleepers{0};
+  alignas(64) std::unique_ptr<WorkerState[]> ws;
+  // The caller's bookkeeping of each worker's backoff and last stall.
   std::vector<int64_t> backoff_ns, last_stall_ns;
   std::atomic<int64_t> stalls{0};  // calls that waited for a stalled worker
 };
@@ -109,7 +116,7 @@ void worker_main(Pool* P, int tid, int cpu) {
   }
   uint32_t seen = 0;
   for (;;) {
-    const int64_t until = P->out_until[tid].load();
+    const int64_t until = P->ws[tid].out_until.load();
     if (until) {                   // left out: sleep it off, then take jobs again
       const int64_t left = until - now_ns();
       if (left > 0) {
@@ -117,7 +124,7 @@ void worker_main(Pool* P, int tid, int cpu) {
         sleep_ns(left < 10000000 ? left : 10000000);
         continue;
       }
-      P->out_until[tid].store(0);
+      P->ws[tid].out_until.store(0);
       seen = P->gen.load();        // the jobs posted meanwhile are not this worker's
     }
     uint32_t g;
@@ -142,10 +149,10 @@ void worker_main(Pool* P, int tid, int cpu) {
     // that is still reading its job.
     P->active.fetch_add(1);
     if (P->open.load() == g) {
-      P->inside[tid].store(1);
+      P->ws[tid].inside.store(1);
       if (tid == 1 && g_pool_knobs.test_stall_us > 0) sleep_ns(g_pool_knobs.test_stall_us * 1000);
       P->fn(P->ctx, tid, P->n);
-      P->inside[tid].store(0);
+      P->ws[tid].inside.store(0);
     }
     P->active.fetch_sub(1);
   }
@@ -163,9 +170,7 @@ Pool* pool_start(int n, const int* cpus, int ncpus, int spin_us) {
   P->n = n < 1 ? 1 : n;
   P->spin_us = spin_us;
   P->pid = getpid();
-  P->out_until.reset(new std::atomic<int64_t>[P->n]);
-  P->inside.reset(new std::atomic<int>[P->n]);
-  for (int t = 0; t < P->n; ++t) P->out_until[t].store(0), P->inside[t].store(0);
+  P->ws.reset(new WorkerState[P->n]);
   P->backoff_ns.assign(P->n, 0);
   P->last_stall_ns.assign(P->n, 0);
   for (int t = 1; t < P->n; ++t)
@@ -178,13 +183,13 @@ Pool* pool_start(int n, const int* cpus, int ncpus, int spin_us) {
 void pool_leave_out_stalled(Pool* P, int64_t now) {
   const PoolKnobs& k = g_pool_knobs;
   for (int t = 1; t < P->n; ++t) {
-    if (!P->inside[t].load()) continue;
+    if (!P->ws[t].inside.load()) continue;
     int64_t b = P->backoff_ns[t];
     b = b && now - P->last_stall_ns[t] < 4 * b ? 2 * b : k.backoff_ms * 1000000;
     if (b > k.backoff_max_ms * 1000000) b = k.backoff_max_ms * 1000000;
     P->backoff_ns[t] = b;
     P->last_stall_ns[t] = now;
-    P->out_until[t].store(now + b);
+    P->ws[t].out_until.store(now + b);
   }
   P->stalls.fetch_add(1);
 }
@@ -217,7 +222,7 @@ void pool_run(Pool* P, job_fn fn, void* ctx) {
 void pool_contention(Pool* P, int64_t* out2) {
   const int64_t now = now_ns();
   int64_t n = 0;
-  for (int t = 1; t < P->n; ++t) n += P->out_until[t].load() > now;
+  for (int t = 1; t < P->n; ++t) n += P->ws[t].out_until.load() > now;
   out2[0] = n;
   out2[1] = P->stalls.load();
 }
