@@ -120,9 +120,13 @@ def test_metrics_show_a_cpu_worker_another_process_held_up(live):
         assert pool_metrics() == {"freetoken_cpu_workers_left_out": 0, "freetoken_cpu_stalled_calls": 0}
         g = torch.Generator().manual_seed(3)
         x = torch.randn(1, 2048, generator=g)
-        w13, w2 = torch.randn(4, 1024, 2048, generator=g) / 45, torch.randn(4, 2048, 512, generator=g) / 23
+        w13, w2 = torch.randn(8, 2048, 2048, generator=g) / 45, torch.randn(8, 2048, 1024, generator=g) / 32
         ce.tune(test_stall_us=30_000, stall_us=2_000, backoff_ms=60_000, backoff_max_ms=60_000)
-        ce.experts_forward(x, w13, w2, torch.zeros(4, dtype=torch.long), torch.arange(4))
+        end = time.monotonic() + 10
+        while time.monotonic() < end:          # until worker 1 enters a call (a busy machine delays it)
+            ce.experts_forward(x, w13, w2, torch.zeros(8, dtype=torch.long), torch.arange(8))
+            if ce.pool_stats()["stalled_calls"]:
+                break
         assert pool_metrics() == {"freetoken_cpu_workers_left_out": 1, "freetoken_cpu_stalled_calls": 1}
         r = live.openai().chat.completions.create(model=live.model, messages=prompts(1)[0], max_tokens=3)
         assert r.choices[0].message.content is not None

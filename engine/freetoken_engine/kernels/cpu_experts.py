@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
+from .cpu.expert_args import as_int64, check_problem, compiled_ok, fast_args, problem_args
 
 log = logging.getLogger(__name__)
 
@@ -245,75 +246,6 @@ def cpu_features() -> dict:
             "prefetch_bytes": _config.prefetch_bytes, "prefetch_fp32_bytes": _config.prefetch_fp32_bytes}
 
 
-_DT = {torch.float32: 0, torch.bfloat16: 1}
-
-
-def _compiled_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    # cheapest tests first: this runs once per MoE layer call (the decode hot path)
-    return (x.is_cpu and w13.is_cpu and w2.is_cpu
-            and x.dtype in _DT and w13.dtype in _DT and w2.dtype == w13.dtype
-            and w13.stride(-1) == 1 and w2.stride(-1) == 1
-            and not ((x.requires_grad or w13.requires_grad) and torch.is_grad_enabled()))
-
-
-def _int64(t: torch.Tensor) -> torch.Tensor:
-    return t if t.dtype == torch.int64 and t.is_contiguous() else t.to(torch.int64).contiguous()
-
-
-def _problem_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple:
-    """The leading arguments of ft_experts_range / ft_experts_loop: x (contiguous) and the bank."""
-    (T, H), E, I = x.shape, w2.shape[0], w2.shape[2]
-    return (x.data_ptr(), _DT[x.dtype], T, H, I, w13.data_ptr(), w2.data_ptr(), _DT[w13.dtype], E,
-            w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1))
-
-
-def _check_problem(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: torch.Tensor,
-                   pair_exp: torch.Tensor) -> None:
-    """ValueError unless x [T, H], w13 [E, 2I, H], w2 [E, H, I] and equal 1-D pair tensors."""
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"expected x [T,H], w13 [E,2I,H], w2 [E,H,I]; got {tuple(x.shape)}, "
-                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
-    H, E, I = x.shape[1], w2.shape[0], w2.shape[2]
-    if tuple(w13.shape) != (E, 2 * I, H) or w2.shape[1] != H:
-        raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
-    if pair_tok.shape != pair_exp.shape or pair_tok.dim() != 1:
-        raise ValueError(f"pair_tok {tuple(pair_tok.shape)} and pair_exp {tuple(pair_exp.shape)} must be equal 1-D")
-
-
-_I64 = torch.int64
-
-
-def _fast_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: torch.Tensor,
-               pair_exp: torch.Tensor, out: torch.Tensor | None, rows_from: int) -> tuple | None:
-    """ft_experts_range's arguments but the output pointer, for the decode hot path's usual call
-    (consistent shapes, CPU tensors the kernel takes, contiguous x and int64 pairs, no grad, a
-    valid ``out`` or none), each tensor attribute read once: on the H200 host's Xeon the general
-    checks, the argument tuple and the output allocation cost 15-20 us of a 1-expert call's
-    100 (docs/cpu_kernel.md). None: anything else, which experts_forward then checks, converts or
-    refuses in full."""
-    xs, s13, s2, ps = x.shape, w13.shape, w2.shape, pair_tok.shape
-    if len(xs) != 2 or len(s13) != 3 or len(s2) != 3 or len(ps) != 1 or ps != pair_exp.shape:
-        return None
-    T, H = xs
-    E, H2, I = s2
-    if s13[0] != E or s13[1] != 2 * I or s13[2] != H or H2 != H or not 0 <= rows_from < I:
-        return None
-    dx, dw = _DT.get(x.dtype), _DT.get(w13.dtype)
-    if dx is None or dw is None or w2.dtype != w13.dtype or pair_tok.dtype != _I64 or pair_exp.dtype != _I64:
-        return None
-    st13, st2 = w13.stride(), w2.stride()
-    if st13[2] != 1 or st2[2] != 1 or not (x.is_cpu and w13.is_cpu and w2.is_cpu and x.is_contiguous()
-                                           and pair_tok.is_contiguous() and pair_exp.is_contiguous()):
-        return None
-    if (x.requires_grad or w13.requires_grad) and torch.is_grad_enabled():
-        return None
-    if out is not None and (out.shape != (ps[0], H) or out.dtype != x.dtype or not out.is_cpu
-                            or not out.is_contiguous()):
-        return None
-    return (x.data_ptr(), dx, T, H, I, w13.data_ptr(), w2.data_ptr(), dw, E, st13[0], st13[1], st2[0], st2[1],
-            pair_tok.data_ptr(), pair_exp.data_ptr(), ps[0])
-
-
 def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     pair_tok: torch.Tensor, pair_exp: torch.Tensor,
                     out: torch.Tensor | None = None, rows_from: int = 0) -> torch.Tensor:
@@ -331,14 +263,14 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ValueError for inconsistent shapes or a bad ``out``, IndexError for an out-of-range index.
     """
     lib = _lib if _loaded else _load()
-    args = _fast_args(x, w13, w2, pair_tok, pair_exp, out, rows_from) if lib is not None else None
+    args = fast_args(x, w13, w2, pair_tok, pair_exp, out, rows_from) if lib is not None else None
     if args is not None and args[-1]:
         if out is None:
             out = torch.empty((args[-1], args[3]), dtype=x.dtype)
         if lib.ft_experts_range(*args, out.data_ptr(), rows_from) != 0:
             raise IndexError(lib.ft_last_error().decode())
         return out
-    _check_problem(x, w13, w2, pair_tok, pair_exp)
+    check_problem(x, w13, w2, pair_tok, pair_exp)
     H, I, P = x.shape[1], w2.shape[2], pair_tok.numel()
     if not 0 <= rows_from < I:
         raise ValueError(f"rows_from must be in [0, {I}), got {rows_from}")
@@ -348,17 +280,17 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if P == 0:
         return x.new_zeros((0, H)) if out is None else out
-    if lib is None or not _compiled_ok(x, w13, w2):
+    if lib is None or not compiled_ok(x, w13, w2):
         if rows_from:
             w13 = torch.cat((w13[:, rows_from:I], w13[:, I + rows_from:]), 1)
             w2 = w2[:, :, rows_from:]
         y = reference.expert_pairs_forward(x, w13, w2, pair_tok, pair_exp)
         return y if out is None else out.copy_(y)
     x = x.contiguous()
-    tok, exp = _int64(pair_tok), _int64(pair_exp)
+    tok, exp = as_int64(pair_tok), as_int64(pair_exp)
     if out is None:
         out = torch.empty((P, H), dtype=x.dtype)
-    rc = lib.ft_experts_range(*_problem_args(x, w13, w2), tok.data_ptr(), exp.data_ptr(), P, out.data_ptr(), rows_from)
+    rc = lib.ft_experts_range(*problem_args(x, w13, w2), tok.data_ptr(), exp.data_ptr(), P, out.data_ptr(), rows_from)
     if rc != 0:
         raise IndexError(lib.ft_last_error().decode())
     return out
@@ -370,15 +302,15 @@ def experts_act(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: 
     ``experts_forward``, rounded where it rounds): a split by stage computes them here and the down
     projection elsewhere. Same arguments and errors as ``experts_forward``; the reference when the
     compiled kernel does not take the tensors."""
-    _check_problem(x, w13, w2, pair_tok, pair_exp)
+    check_problem(x, w13, w2, pair_tok, pair_exp)
     P, I = pair_tok.numel(), w2.shape[2]
     lib = _load()
-    if P == 0 or lib is None or not _compiled_ok(x, w13, w2):
+    if P == 0 or lib is None or not compiled_ok(x, w13, w2):
         return reference.expert_pairs_act(x, w13, pair_tok, pair_exp)
     x = x.contiguous()
-    tok, exp = _int64(pair_tok), _int64(pair_exp)
+    tok, exp = as_int64(pair_tok), as_int64(pair_exp)
     act = torch.empty((P, I), dtype=x.dtype)
-    rc = lib.ft_experts_act(*_problem_args(x, w13, w2), tok.data_ptr(), exp.data_ptr(), P, act.data_ptr())
+    rc = lib.ft_experts_act(*problem_args(x, w13, w2), tok.data_ptr(), exp.data_ptr(), P, act.data_ptr())
     if rc != 0:
         raise IndexError(lib.ft_last_error().decode())
     return act
@@ -393,7 +325,7 @@ def calls_seconds(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok
     (``experts_forward``'s). The GIL is released throughout. Needs the compiled kernel
     (RuntimeError)."""
     lib = _load()
-    if lib is None or not _compiled_ok(x, w13, w2):
+    if lib is None or not compiled_ok(x, w13, w2):
         raise RuntimeError("calls_seconds needs the compiled CPU kernel and CPU bf16/fp32 tensors")
     if pair_exps.dim() != 2 or pair_tok.dim() != 1 or pair_exps.shape[1] != pair_tok.numel():
         raise ValueError(f"pair_exps must be [calls, P] and pair_tok [P], got {tuple(pair_exps.shape)}, "
@@ -401,9 +333,9 @@ def calls_seconds(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok
     if not 0 <= rows_from < w2.shape[2]:
         raise ValueError(f"rows_from must be in [0, {w2.shape[2]}), got {rows_from}")
     x = x.contiguous()
-    tok, exps = _int64(pair_tok), _int64(pair_exps)
+    tok, exps = as_int64(pair_tok), as_int64(pair_exps)
     out = torch.empty((tok.numel(), x.shape[1]), dtype=x.dtype)
-    secs = lib.ft_experts_loop(*_problem_args(x, w13, w2), tok.data_ptr(), exps.data_ptr(), tok.numel(),
+    secs = lib.ft_experts_loop(*problem_args(x, w13, w2), tok.data_ptr(), exps.data_ptr(), tok.numel(),
                                exps.shape[0], out.data_ptr(), rows_from)
     if secs < 0:
         raise IndexError(lib.ft_last_error().decode())
