@@ -124,7 +124,7 @@ def test_alert_rules_evaluate_without_errors(prometheus):
     fleet.wait_until(lambda: all(r["health"] != "unknown" for r in prometheus.rules()), 20,
                      "every alert rule to be evaluated once")
     rules = prometheus.rules()
-    assert sorted(r["name"] for r in rules) == ["FreeTokenEngineDown", "FreeTokenHighTTFT",
+    assert sorted(r["name"] for r in rules) == ["FreeTokenCPUContention", "FreeTokenEngineDown", "FreeTokenHighTTFT",
                                                 "FreeTokenLowExpertHitRate", "FreeTokenMemoryPressure",
                                                 "FreeTokenNodeLost"]
     assert [(r["name"], r.get("lastError")) for r in rules if r["health"] != "ok"] == []

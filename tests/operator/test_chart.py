@@ -158,5 +158,26 @@ def test_prometheus_rules_pass_promtool(tmp_path):
     path.write_text(yaml.safe_dump(rule["spec"]))
     result = subprocess.run(["promtool", "check", "rules", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "SUCCESS: 5 rules found" in result.stdout
+    assert "SUCCESS: 6 rules found" in result.stdout
     assert "> 5" in yaml.safe_dump(rule["spec"])   # the non-default threshold reached the rule
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Debian package prometheus) not installed")
+def test_cpu_contention_alert_fires_after_ten_minutes_of_workers_sitting_out(tmp_path):
+    """promtool's rule unit test: a node whose engine keeps a CPU kernel worker out (another
+    process on its CPU) alerts once that has lasted 10 minutes; a node without stays quiet."""
+    rule = next(d for d in render(NON_DEFAULT) if d["kind"] == "PrometheusRule")
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rule["spec"]))
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
+        "rule_files": ["rules.yaml"], "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": [
+            {"series": 'freetoken_cpu_workers_left_out{node="pc1",model="m"}', "values": "0 0 1x20"},
+            {"series": 'freetoken_cpu_workers_left_out{node="pc2",model="m"}', "values": "0x22"}],
+            "alert_rule_test": [
+                {"eval_time": "8m", "alertname": "FreeTokenCPUContention", "exp_alerts": []},
+                {"eval_time": "15m", "alertname": "FreeTokenCPUContention", "exp_alerts": [{
+                    "exp_labels": {"severity": "info", "node": "pc1", "model": "m"},
+                    "exp_annotations": {"summary": "m on pc1: 1 CPU kernel workers sitting out; another process "
+                                                   "is using the engine's CPUs"}}]}]}]}))
+    result = subprocess.run(["promtool", "test", "rules", "test.yaml"], cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
