@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import platform
 import socket
@@ -20,6 +21,8 @@ from pathlib import Path
 import torch
 
 from . import env
+
+log = logging.getLogger(__name__)
 
 HIDDEN, INTER = 2048, 768      # Qwen3-30B-A3B expert rows: 9.4 MB in bf16
 
@@ -120,9 +123,19 @@ def fill_fraction(pcie: float | None, cpu: float) -> float:
     return pcie / (pcie + cpu)
 
 
+def _stalled_calls() -> int | None:
+    from .kernels import cpu_experts
+    return cpu_experts.pool_stats().get("stalled_calls")
+
+
 def measure(device: str = "cpu", seconds: float = 1.0) -> dict:
+    """The bandwidths behind q* on this host, and ``cpu_stalled_calls``: the CPU kernel's calls
+    during the measurement that waited for a worker another process kept off its CPU (0 on a
+    quiet host). Such a figure holds only while that process runs (load_or_measure keeps it out
+    of the cache)."""
     dev = torch.device(device)
     cpu = _CpuExperts()
+    stalled_before = _stalled_calls()
     cpu_alone = cpu.gbps(seconds)
     pcie_alone = conc_pcie = None
     conc_cpu = cpu_alone
@@ -132,10 +145,13 @@ def measure(device: str = "cpu", seconds: float = 1.0) -> dict:
         n, start, end = pcie.queue(seconds, pcie_alone)
         conc_cpu = cpu.gbps(seconds, until=end.query)        # the CPU works while the copies run
         conc_pcie = pcie.rate(n, start, end)
+    stalled_after = _stalled_calls()
+    stalled = stalled_after - stalled_before if stalled_before is not None and stalled_after is not None else 0
     return {"pcie_gbps": pcie_alone, "cpu_expert_gbps": cpu_alone,
             "concurrent": {"pcie_gbps": conc_pcie, "cpu_expert_gbps": conc_cpu},
             "fill_fraction": fill_fraction(conc_pcie, conc_cpu), "device": dev.type,
-            "host": socket.gethostname(), "measured_at": datetime.now(timezone.utc).isoformat()}
+            "host": socket.gethostname(), "measured_at": datetime.now(timezone.utc).isoformat(),
+            "cpu_stalled_calls": max(0, stalled)}
 
 
 def _cache_path(device: torch.device) -> Path:
@@ -165,13 +181,21 @@ def calibrated(device: torch.device | str) -> bool:
 
 
 def load_or_measure(device: torch.device | str, refresh: bool = False) -> dict:
-    """The cached calibration for this host configuration, measured (and cached) if absent."""
+    """The cached calibration for this host configuration, measured (and cached) if absent. A
+    measurement taken while another process held the kernel's CPUs (``cpu_stalled_calls``) is
+    returned but not cached: it describes the host only while that process runs, and the next
+    start measures again."""
     dev = torch.device(device)
     path = _cache_path(dev)
     cached = None if refresh else _cached(path)
     if cached is not None:
         return cached
     result = measure(dev.type if dev.type == "cpu" else str(dev))
+    if result.get("cpu_stalled_calls"):
+        log.warning("calibration: %d CPU kernel calls waited for a worker another process kept off its CPU; "
+                    "using B_cpu %.1f GB/s for now, not caching it", result["cpu_stalled_calls"],
+                    result["cpu_expert_gbps"])
+        return result
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result))

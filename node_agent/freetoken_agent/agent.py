@@ -177,7 +177,9 @@ class Agent:
             return
         self.metrics.calibration(source)
         self.calibration = result
-        self.calibration_cache.save(self.host_config, result)
+        if not self.calibration_cache.save(self.host_config, result):
+            log.info("calibration measured while another process held the engine's CPUs "
+                     "(%s stalled kernel calls): used, not cached", result.get("cpu_stalled_calls"))
         await asyncio.gather(*(self._push_calibration(r, result) for r in ready))
 
     async def _calibration_loop(self) -> None:

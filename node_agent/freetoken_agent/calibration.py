@@ -111,12 +111,18 @@ class CalibrationCache:
             return None
         return result
 
-    def save(self, host: HostConfig, result: dict) -> None:
+    def save(self, host: HostConfig, result: dict) -> bool:
+        """Caches ``result``, unless the engine measured it while another process held the CPU
+        kernel's CPUs (``cpu_stalled_calls``): that figure holds only while the process runs, so
+        it is used but not kept, and the next start measures again. Returns whether it saved."""
+        if result.get("cpu_stalled_calls"):
+            return False
         os.makedirs(self.state_dir, exist_ok=True)
         tmp = self.path(host) + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
             json.dump({"host": host.__dict__, "saved_at": time.time(), "result": result}, f)
         os.replace(tmp, self.path(host))  # atomic: a reader never sees half a file
+        return True
 
     async def load_or_measure(self, host: HostConfig, engine_command: tuple[str, ...],
                               refresh: bool = False, max_age: float | None = None) -> tuple[dict, bool]:

@@ -43,6 +43,17 @@ def test_cache_is_per_host_configuration(tmp_path):
     assert cache.load(a, max_age=-1) is None  # stale entries are re-measured
 
 
+def test_a_result_measured_beside_another_process_is_not_cached(tmp_path):
+    """The engine measured B_cpu while another process held its kernel's CPUs: the agent uses
+    the figure (the caller keeps it) but does not keep it for the next start."""
+    cache = CalibrationCache(str(tmp_path))
+    host = HostConfig("n", "cpu X", 16, 128 << 30, (), "cpu")
+    assert cache.save(host, {"fill_fraction": 1.0, "cpu_expert_gbps": 5.0, "cpu_stalled_calls": 2}) is False
+    assert cache.load(host) is None and os.listdir(tmp_path) == []
+    assert cache.save(host, {"fill_fraction": 1.0, "cpu_expert_gbps": 40.0, "cpu_stalled_calls": 0}) is True
+    assert cache.load(host)["cpu_expert_gbps"] == 40.0
+
+
 @pytest.mark.parametrize("stdout", ["", "progress...\nnot json", json.dumps({"pcie_gbps": 1}),
                                     json.dumps({"pcie_gbps": None, "cpu_expert_gbps": 1,
                                                 "concurrent": {}, "fill_fraction": 2})])

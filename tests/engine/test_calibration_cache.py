@@ -3,6 +3,7 @@ settings are part of it: giving the kernel fewer CPUs (or another backend) chang
 cached q* measured with the old settings must not be reused."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from freetoken_engine import calibrate
@@ -29,3 +30,36 @@ def test_changing_the_kernel_threads_or_backend_recalibrates(tmp_path, monkeypat
     monkeypatch.delenv("FREETOKEN_CPU_EXPERT_THREADS")
     monkeypatch.delenv("FREETOKEN_CPU_EXPERT_BACKEND")
     assert calibrate.load_or_measure(cpu) == first and len(measured) == 3        # back: the first entry
+
+
+def test_a_measurement_taken_beside_another_process_is_used_but_not_cached(tmp_path, monkeypatch):
+    """B_cpu measured while another process held the kernel's CPUs (stalled calls) describes
+    the host only while that process runs: load_or_measure returns it, caches nothing, and the
+    next start measures again, caching a quiet measurement."""
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path))
+    results = iter([{"fill_fraction": 1.0, "cpu_expert_gbps": 5.0, "cpu_stalled_calls": 3},
+                    {"fill_fraction": 1.0, "cpu_expert_gbps": 40.0, "cpu_stalled_calls": 0}])
+    monkeypatch.setattr(calibrate, "measure", lambda device="cpu", seconds=1.0: next(results))
+    cpu = torch.device("cpu")
+    assert calibrate.load_or_measure(cpu)["cpu_expert_gbps"] == 5.0
+    assert not calibrate.calibrated(cpu)
+    assert calibrate.load_or_measure(cpu)["cpu_expert_gbps"] == 40.0
+    assert calibrate.calibrated(cpu) and calibrate.load_or_measure(cpu)["cpu_expert_gbps"] == 40.0
+
+
+def test_measure_counts_the_calls_a_held_up_worker_stalled():
+    """The real measurement notices a worker that holds calls up (made to, with the pool's test
+    knob) and reports it. (Whether a quiet measurement reports none depends on the machine being
+    quiet: a busy CI host may really hold a worker up, so that is not asserted.)"""
+    from freetoken_engine.kernels import cpu_experts as ce
+    if not ce.available():
+        pytest.skip("compiled kernel unavailable")
+    cfg, knobs = ce.configure(), ce.tune()
+    try:
+        ce.configure(threads=2, spin_us=200_000)
+        ce.tune(test_stall_us=20_000, stall_us=2_000, backoff_ms=20, backoff_max_ms=20)
+        stalled = [calibrate.measure("cpu", seconds=0.3)["cpu_stalled_calls"] for _ in range(3)]
+        assert max(stalled) >= 1, stalled
+    finally:
+        ce.tune(**knobs)
+        ce.configure(threads=cfg.threads, isa=cfg.isa, prefetch_bytes=cfg.prefetch_bytes, spin_us=cfg.spin_us)
