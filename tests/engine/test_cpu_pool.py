@@ -96,6 +96,36 @@ def test_stalling_again_right_after_coming_back_doubles_the_time_out(pool):
     assert ce.pool_stats()["workers_left_out"] == 0
 
 
+def test_only_the_worker_holding_a_chunk_sits_out_not_those_waiting_for_it(pool):
+    """A one-expert call: the down projection waits for the whole stage 1, so when worker 1
+    stalls inside a stage-1 chunk, worker 2 and the caller wait for it inside the call. That wait
+    leaves out worker 1 alone (worker 2 was only waiting), and the call's rows are the
+    one-thread rows."""
+    x, w13, w2, _, _ = _problem(3)
+    tok, exp = torch.tensor([0]), torch.tensor([5])
+    ce.configure(threads=1)
+    want = ce.experts_forward(x, w13, w2, tok, exp)
+    ce.configure(threads=3, spin_us=200_000)
+    ce.tune(test_stall_us=30_000, stall_us=2_000, backoff_ms=2_000, backoff_max_ms=2_000)
+    _until_a_stall(x, w13, w2, tok, exp, want)             # asserts one worker out, one stalled call
+
+
+def test_a_worker_holding_up_a_projection_is_noticed_after_the_callers_share(pool):
+    """A projection's chunks depend on nothing, so nobody waits inside the call: the caller
+    notices worker 1 still on its chunk once its own share is done, and leaves it out."""
+    from freetoken_engine.kernels.cpu import linear as cpu_linear
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, 2048, generator=g).bfloat16(), (torch.randn(8192, 2048, generator=g) / 45).bfloat16()
+    ce.configure(threads=1)
+    want = cpu_linear.linear(x, w, None)
+    ce.configure(threads=2, spin_us=200_000)
+    ce.tune(test_stall_us=30_000, stall_us=2_000, backoff_ms=2_000, backoff_max_ms=2_000)
+    end = time.monotonic() + 10
+    while ce.pool_stats()["stalled_calls"] == 0 and time.monotonic() < end:
+        assert torch.equal(cpu_linear.linear(x, w, None), want)
+    assert ce.pool_stats() == {"workers_left_out": 1, "stalled_calls": 1}
+
+
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_outputs_hold_while_another_process_takes_the_workers_cpu(pool):
     """A busy process pinned to the CPU the worker is pinned to (the last one): it is preempted

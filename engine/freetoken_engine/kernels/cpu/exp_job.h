@@ -36,6 +36,23 @@ void prefetch_start(const char* p, int64_t rs, int64_t rows, int64_t row_bytes, 
   }
 }
 
+// Waits until *flag reaches want: the pool hears that this participant waits for another's chunk
+// (so it is not the one holding the call up), and, once the wait has lasted the pool's stall_us,
+// leaves the holder out of later calls (pool.h). prefetch: called while waiting, returns false
+// once it has nothing more to fetch.
+template <class F>
+void wait_for(const int64_t* flag, int64_t want, F prefetch) {
+  if (__atomic_load_n(flag, __ATOMIC_ACQUIRE) >= want) return;
+  pool_waiting();
+  const int64_t since = now_ns();
+  int it = 0;
+  for (int64_t n = 0; __atomic_load_n(flag, __ATOMIC_ACQUIRE) < want; ++n) {
+    if (!prefetch()) wait_step(it);
+    if ((n & 255) == 255) pool_waited(since);
+  }
+  pool_busy();
+}
+
 // One queue: the AMX groups' token packs, every group's stage 1, then every group's stage 2. An
 // AMX group's stage-1 chunk waits for its pack (started by then: the packs are first in line). A
 // stage-2 chunk waits only for its own group's stage 1 (long finished, except for the last
@@ -43,13 +60,15 @@ void prefetch_start(const char* p, int64_t rs, int64_t rows, int64_t row_bytes, 
 // must wait (a call with one or two experts) spends the wait prefetching its chunk's w2 rows into
 // L2, so the wait still moves the bytes the call needs.
 void exp_job(void* c, int tid, int n) {
-  (void)tid; (void)n;
+  (void)n;
   ExpJob* J = (ExpJob*)c;
   const FtProblem* p = J->p;
   atomic_max(g_timing.last_start, now_ns());
   int64_t s1_end = 0;                  // this thread's last stage-1 chunk: published once, on leaving
+  bool test_stalled = false;           // the pool's test knob: worker 1 stalls in one stage-1 chunk
   for (;;) {
     int64_t k = J->next.fetch_add(1, std::memory_order_relaxed);
+    pool_busy();
     if (k < J->tot0) {
       pack_one(*J->pk, k, J->x, p->H, p->g_start, p->g_count, p->sorted_pair, p->pair_tok, J->xv);
       __atomic_store_n(&J->done0[k], 1, __ATOMIC_RELEASE);
@@ -64,8 +83,11 @@ void exp_job(void* c, int tid, int n) {
       prefetch_start(w + r0 * rs, rs, r1 - r0, p->H * J->es, p->prefetch, false);         // gate rows
       prefetch_start(w + (p->up + r0) * rs, rs, r1 - r0, p->H * J->es, p->prefetch, true);  // up rows
       const bool amx = p->g_amx && p->g_amx[g];
-      if (amx)
-        for (int it = 0; !__atomic_load_n(&J->done0[J->pk->g_pack[g]], __ATOMIC_ACQUIRE);) wait_step(it);
+      if (amx) wait_for(&J->done0[J->pk->g_pack[g]], 1, [] { return false; });
+      if (tid == 1 && !test_stalled && g_pool_knobs.test_stall_us > 0) {
+        test_stalled = true;
+        sleep_ns(g_pool_knobs.test_stall_us * 1000);
+      }
       (amx ? ft_stage1_amx : J->s1)(p, g, r0, r1);
       s1_end = now_ns();
       __atomic_fetch_add(&J->done1[g], 1, __ATOMIC_RELEASE);
@@ -76,15 +98,12 @@ void exp_job(void* c, int tid, int n) {
       const int64_t rs = p->w2_rs * J->es, row_bytes = p->I * J->es;
       const int64_t per_row = (row_bytes + 63) / 64, lines = (r1 - r0) * per_row;
       int64_t line = 0;
-      int it = 0;
-      while (__atomic_load_n(&J->done1[g], __ATOMIC_ACQUIRE) < J->per1) {
-        if (line < lines) {
-          for (int q = 0; q < 8 && line < lines; ++q, ++line)
-            __builtin_prefetch(w + (r0 + line / per_row) * rs + (line % per_row) * 64, 0, 2);
-        } else {
-          wait_step(it);
-        }
-      }
+      wait_for(&J->done1[g], J->per1, [&] {
+        if (line >= lines) return false;
+        for (int q = 0; q < 8 && line < lines; ++q, ++line)
+          __builtin_prefetch(w + (r0 + line / per_row) * rs + (line % per_row) * 64, 0, 2);
+        return true;
+      });
       if (line == 0) prefetch_start(w + r0 * rs, rs, r1 - r0, row_bytes, p->prefetch, false);
       (p->g_amx && p->g_amx[g] ? ft_stage2_amx : J->s2)(p, g, r0, r1);
     } else {

@@ -11,8 +11,9 @@
 //    started by the time the caller has taken the last chunk stays out (the job is closed to it)
 //    instead of being waited for. Before, every call waited for every worker to run the job, and
 //    the 2-CPU VM with one CPU busy decoded the default model at 2.1 tok/s instead of 57.
-//  - A worker that held a call up (still inside the job stall_us after the caller finished its
-//    own share, e.g. preempted in the middle of a chunk) is left out of the jobs for a while:
+//  - A worker that holds a call up (on one chunk for stall_us while another participant waits
+//    for it, or after the caller finished its own share: e.g. preempted in the middle of a
+//    chunk) is left out of the jobs for a while:
 //    backoff_ms at first, doubling while it keeps stalling calls (to backoff_max_ms), and sleeps
 //    meanwhile instead of spinning on a CPU someone else wants.
 // No result depends on which participants ran which chunks (the kernels' contract), so none
@@ -63,7 +64,9 @@ struct PoolKnobs {
   int64_t stall_us = 1000;         // a worker still in the job this long after the caller's share
   int64_t backoff_ms = 20;         // is left out this long, doubling while it keeps stalling calls
   int64_t backoff_max_ms = 2000;
-  int64_t test_stall_us = 0;       // tests: worker 1 sleeps this long on entering each job
+  int64_t test_stall_us = 0;       // tests: worker 1 sleeps this long in its first stage-1 chunk of an
+                                   // expert call (exp_job.h) or first chunk of a projection
+                                   // (jobs.h), as if preempted mid-chunk
 };
 PoolKnobs g_pool_knobs;
 
@@ -71,7 +74,8 @@ PoolKnobs g_pool_knobs;
 // shared line 15 workers entering at once bounce it between their cores.
 struct alignas(64) WorkerState {
   std::atomic<int64_t> out_until{0};  // left out until (CLOCK_MONOTONIC ns), 0: taking part
-  std::atomic<int> inside{0};         // inside a job now
+  std::atomic<int> inside{0};         // 0 outside a job, 1 working on a chunk, 2 waiting for another's
+  std::atomic<int64_t> since{0};      // when it began that chunk (or entered the job)
 };
 
 struct Pool {
@@ -88,6 +92,7 @@ struct Pool {
   // Changed by the workers at every job.
   alignas(64) std::atomic<int> active{0};    // workers inside the open job (or deciding to enter)
   std::atomic<int> sleepers{0};
+  std::atomic<uint32_t> flagged{0};          // the job whose stall was handled (once per job)
   alignas(64) std::unique_ptr<WorkerState[]> ws;
   // The caller's bookkeeping of each worker's backoff and last stall.
   std::vector<int64_t> backoff_ns, last_stall_ns;
@@ -107,7 +112,14 @@ void sleep_ns(int64_t ns) {
   nanosleep(&ts, nullptr);
 }
 
+// The calling thread's pool, and its own state when it is a worker (the caller has none: it is
+// never left out). Jobs report their chunks and waits through these (pool_busy, pool_waiting).
+thread_local Pool* t_pool = nullptr;
+thread_local WorkerState* t_ws = nullptr;
+
 void worker_main(Pool* P, int tid, int cpu) {
+  t_pool = P;
+  t_ws = &P->ws[tid];
   if (cpu >= 0) {
     cpu_set_t set;
     CPU_ZERO(&set);
@@ -149,8 +161,8 @@ void worker_main(Pool* P, int tid, int cpu) {
     // that is still reading its job.
     P->active.fetch_add(1);
     if (P->open.load() == g) {
+      P->ws[tid].since.store(now_ns());
       P->ws[tid].inside.store(1);
-      if (tid == 1 && g_pool_knobs.test_stall_us > 0) sleep_ns(g_pool_knobs.test_stall_us * 1000);
       P->fn(P->ctx, tid, P->n);
       P->ws[tid].inside.store(0);
     }
@@ -178,12 +190,23 @@ Pool* pool_start(int n, const int* cpus, int ncpus, int spin_us) {
   return P;
 }
 
-// Leaves out the workers still inside the job: backoff_ms, doubled for a worker that stalled a
-// call within four of its backoffs before (up to backoff_max_ms), the first one again otherwise.
-void pool_leave_out_stalled(Pool* P, int64_t now) {
+// Leaves out the workers that have been on one chunk (or, for jobs that do not report chunks, in
+// the job) for `held` ns or more: not those waiting for another participant, nor those that
+// began their chunk since. backoff_ms, doubled for a worker that stalled a call within four of
+// its backoffs before (up to backoff_max_ms), the first one again otherwise. At most once per
+// job (whichever participant finds a holder first wins the job's flag); counts the call.
+void pool_flag_stalled(Pool* P, int64_t held) {
+  const uint32_t g = P->gen.load();
+  uint32_t f = P->flagged.load();
+  if (f == g) return;
+  const int64_t now = now_ns();
+  auto holding = [&](int t) { return P->ws[t].inside.load() == 1 && now - P->ws[t].since.load() >= held; };
+  bool any = false;
+  for (int t = 1; t < P->n && !any; ++t) any = holding(t);
+  if (!any || !P->flagged.compare_exchange_strong(f, g)) return;
   const PoolKnobs& k = g_pool_knobs;
   for (int t = 1; t < P->n; ++t) {
-    if (!P->ws[t].inside.load()) continue;
+    if (!holding(t)) continue;
     int64_t b = P->backoff_ns[t];
     b = b && now - P->last_stall_ns[t] < 4 * b ? 2 * b : k.backoff_ms * 1000000;
     if (b > k.backoff_max_ms * 1000000) b = k.backoff_max_ms * 1000000;
@@ -203,19 +226,36 @@ void pool_run(Pool* P, job_fn fn, void* ctx) {
   P->gen.store(g);
   if (P->sleepers.load() > 0) futex_wake_all(&P->gen);
   const int64_t t0 = now_ns();
+  t_pool = P;
   fn(ctx, 0, P->n);                // returns once every chunk is taken
   const int64_t t1 = now_ns();
   P->open.store(0);
   const int64_t stall = std::max<int64_t>(g_pool_knobs.stall_us * 1000, t1 - t0);
-  bool flagged = false;
   int it = 0;
   while (P->active.load() > 0) {   // the workers that entered finish their chunks
     wait_step(it);
-    if (!flagged && (it & 255) == 0 && now_ns() - t1 > stall) {
-      pool_leave_out_stalled(P, now_ns());
-      flagged = true;
-    }
+    if ((it & 255) == 0 && now_ns() - t1 > stall) pool_flag_stalled(P, stall);
   }
+}
+
+// For jobs: this worker starts a chunk (its held time counts from now).
+inline void pool_busy() {
+  if (t_ws) {
+    t_ws->since.store(now_ns(), std::memory_order_relaxed);
+    t_ws->inside.store(1, std::memory_order_release);
+  }
+}
+
+// For jobs: this participant waits for another's chunk (a worker waiting is not the one holding
+// the call up); pool_waited(since) from the wait loop leaves out the holder once the wait has
+// lasted stall_us.
+inline void pool_waiting() {
+  if (t_ws) t_ws->inside.store(2, std::memory_order_release);
+}
+
+inline void pool_waited(int64_t since) {
+  const int64_t stall = g_pool_knobs.stall_us * 1000;
+  if (t_pool && now_ns() - since > stall) pool_flag_stalled(t_pool, stall);
 }
 
 // Workers left out now, and the calls so far that waited for a stalled worker.
