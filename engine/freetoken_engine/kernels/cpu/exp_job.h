@@ -84,10 +84,7 @@ void exp_job(void* c, int tid, int n) {
       prefetch_start(w + (p->up + r0) * rs, rs, r1 - r0, p->H * J->es, p->prefetch, true);  // up rows
       const bool amx = p->g_amx && p->g_amx[g];
       if (amx) wait_for(&J->done0[J->pk->g_pack[g]], 1, [] { return false; });
-      if (tid == 1 && !test_stalled && g_pool_knobs.test_stall_us > 0) {
-        test_stalled = true;
-        sleep_ns(g_pool_knobs.test_stall_us * 1000);
-      }
+      pool_test_stall(tid, test_stalled);
       (amx ? ft_stage1_amx : J->s1)(p, g, r0, r1);
       s1_end = now_ns();
       __atomic_fetch_add(&J->done1[g], 1, __ATOMIC_RELEASE);

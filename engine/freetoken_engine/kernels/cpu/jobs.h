@@ -25,10 +25,7 @@ void lin_job(void* c, int tid, int n) {
     const int64_t k = J->next.fetch_add(1, std::memory_order_relaxed);
     if (k >= J->total) return;
     pool_busy();
-    if (tid == 1 && !test_stalled && g_pool_knobs.test_stall_us > 0) {   // the pool's test knob
-      test_stalled = true;
-      sleep_ns(g_pool_knobs.test_stall_us * 1000);
-    }
+    pool_test_stall(tid, test_stalled);
     const int64_t n0 = k * J->chunk, n1 = n0 + J->chunk < J->p->N ? n0 + J->chunk : J->p->N;
     J->fn(J->p, n0, n1);
   }

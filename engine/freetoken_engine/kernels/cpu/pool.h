@@ -253,6 +253,14 @@ inline void pool_waiting() {
   if (t_ws) t_ws->inside.store(2, std::memory_order_release);
 }
 
+// Tests (PoolKnobs::test_stall_us): worker 1 sleeps at this point of its first chunk of a call.
+inline void pool_test_stall(int tid, bool& done) {
+  if (tid == 1 && !done && g_pool_knobs.test_stall_us > 0) {
+    done = true;
+    sleep_ns(g_pool_knobs.test_stall_us * 1000);
+  }
+}
+
 inline void pool_waited(int64_t since) {
   const int64_t stall = g_pool_knobs.stall_us * 1000;
   if (t_pool && now_ns() - since > stall) pool_flag_stalled(t_pool, stall);
