@@ -25,6 +25,11 @@ from . import env
 log = logging.getLogger(__name__)
 
 HIDDEN, INTER = 2048, 768      # Qwen3-30B-A3B expert rows: 9.4 MB in bf16
+# A measurement is taken beside another process (cpu_contended) when this many of its CPU kernel
+# calls waited for a worker held off its CPU. One is a hiccup (a worker descheduled once costs a
+# few ms of a second's thousands of calls); a process that keeps a CPU busy stalls calls again
+# each time the worker comes back from its time-out (20, 40, 80 ms ...): five or six in a second.
+CONTENDED_STALLS = 3
 
 
 def _llc_bytes() -> int:
@@ -129,10 +134,10 @@ def _stalled_calls() -> int | None:
 
 
 def measure(device: str = "cpu", seconds: float = 1.0) -> dict:
-    """The bandwidths behind q* on this host, and ``cpu_stalled_calls``: the CPU kernel's calls
-    during the measurement that waited for a worker another process kept off its CPU (0 on a
-    quiet host). Such a figure holds only while that process runs (load_or_measure keeps it out
-    of the cache)."""
+    """The bandwidths behind q* on this host; ``cpu_stalled_calls``: the CPU kernel's calls
+    during the measurement that waited for a worker another process kept off its CPU, and
+    ``cpu_contended``: at least CONTENDED_STALLS of them, so the figures hold only while that
+    process runs (load_or_measure keeps them out of the cache, and so does the agent)."""
     dev = torch.device(device)
     cpu = _CpuExperts()
     stalled_before = _stalled_calls()
@@ -151,7 +156,7 @@ def measure(device: str = "cpu", seconds: float = 1.0) -> dict:
             "concurrent": {"pcie_gbps": conc_pcie, "cpu_expert_gbps": conc_cpu},
             "fill_fraction": fill_fraction(conc_pcie, conc_cpu), "device": dev.type,
             "host": socket.gethostname(), "measured_at": datetime.now(timezone.utc).isoformat(),
-            "cpu_stalled_calls": max(0, stalled)}
+            "cpu_stalled_calls": max(0, stalled), "cpu_contended": stalled >= CONTENDED_STALLS}
 
 
 def _cache_path(device: torch.device) -> Path:
@@ -182,7 +187,7 @@ def calibrated(device: torch.device | str) -> bool:
 
 def load_or_measure(device: torch.device | str, refresh: bool = False) -> dict:
     """The cached calibration for this host configuration, measured (and cached) if absent. A
-    measurement taken while another process held the kernel's CPUs (``cpu_stalled_calls``) is
+    measurement taken while another process held the kernel's CPUs (``cpu_contended``) is
     returned but not cached: it describes the host only while that process runs, and the next
     start measures again."""
     dev = torch.device(device)
@@ -191,7 +196,7 @@ def load_or_measure(device: torch.device | str, refresh: bool = False) -> dict:
     if cached is not None:
         return cached
     result = measure(dev.type if dev.type == "cpu" else str(dev))
-    if result.get("cpu_stalled_calls"):
+    if result.get("cpu_contended"):
         log.warning("calibration: %d CPU kernel calls waited for a worker another process kept off its CPU; "
                     "using B_cpu %.1f GB/s for now, not caching it", result["cpu_stalled_calls"],
                     result["cpu_expert_gbps"])

@@ -113,9 +113,9 @@ class CalibrationCache:
 
     def save(self, host: HostConfig, result: dict) -> bool:
         """Caches ``result``, unless the engine measured it while another process held the CPU
-        kernel's CPUs (``cpu_stalled_calls``): that figure holds only while the process runs, so
-        it is used but not kept, and the next start measures again. Returns whether it saved."""
-        if result.get("cpu_stalled_calls"):
+        kernel's CPUs (``cpu_contended``): that figure holds only while the process runs, so it
+        is used but not kept, and the next start measures again. Returns whether it saved."""
+        if result.get("cpu_contended"):
             return False
         os.makedirs(self.state_dir, exist_ok=True)
         tmp = self.path(host) + ".tmp"

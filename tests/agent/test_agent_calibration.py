@@ -48,9 +48,11 @@ def test_a_result_measured_beside_another_process_is_not_cached(tmp_path):
     the figure (the caller keeps it) but does not keep it for the next start."""
     cache = CalibrationCache(str(tmp_path))
     host = HostConfig("n", "cpu X", 16, 128 << 30, (), "cpu")
-    assert cache.save(host, {"fill_fraction": 1.0, "cpu_expert_gbps": 5.0, "cpu_stalled_calls": 2}) is False
+    assert cache.save(host, {"fill_fraction": 1.0, "cpu_expert_gbps": 5.0, "cpu_stalled_calls": 6,
+                             "cpu_contended": True}) is False
     assert cache.load(host) is None and os.listdir(tmp_path) == []
-    assert cache.save(host, {"fill_fraction": 1.0, "cpu_expert_gbps": 40.0, "cpu_stalled_calls": 0}) is True
+    assert cache.save(host, {"fill_fraction": 1.0, "cpu_expert_gbps": 40.0, "cpu_stalled_calls": 1,
+                             "cpu_contended": False}) is True
     assert cache.load(host)["cpu_expert_gbps"] == 40.0
 
 
