@@ -124,7 +124,7 @@ def main() -> None:
     with old_tree(args.old, args.old_tree) as old_root:
         sides = {"before": (old_root, False), "after": (ROOT, False),
                  "before, 1 kernel thread": (old_root, True), "after, 1 kernel thread": (ROOT, True)}
-        sides = {k: v for k, v in sides.items() if args.one_thread or "1 kernel thread" not in k}
+        sides = {k: (root, one) for k, (root, one) in sides.items() if args.one_thread or not one}
         runs = []
         for r in range(args.rounds):
             for cond in CONDITIONS:

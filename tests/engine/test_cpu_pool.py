@@ -49,12 +49,13 @@ def _alone(x, w13, w2, tok, exp):
     return want
 
 
-def _until_a_stall(x, w13, w2, tok, exp, want) -> float:
-    """Calls until one waits for worker 1 (it must enter the call first, which a busy machine can
-    delay); returns the clock after that call, by which time the worker has been left out."""
+def _until_a_stall(call, want) -> float:
+    """``call()`` until one waits for worker 1 (it must enter the call first, which a busy machine
+    can delay), each giving ``want``; returns the clock after that call, by which time the worker
+    has been left out."""
     before, end = ce.pool_stats()["stalled_calls"], time.monotonic() + 10
     while time.monotonic() < end:
-        assert torch.equal(ce.experts_forward(x, w13, w2, tok, exp), want)
+        assert torch.equal(call(), want)
         if ce.pool_stats()["stalled_calls"] > before:
             assert ce.pool_stats() == {"workers_left_out": 1, "stalled_calls": before + 1}
             return time.monotonic()
@@ -70,7 +71,7 @@ def test_a_worker_that_holds_a_call_up_sits_out_the_next_calls(pool):
     want = _alone(x, w13, w2, tok, exp)
     assert ce.pool_stats() == {"workers_left_out": 0, "stalled_calls": 0}
     ce.tune(test_stall_us=40_000, stall_us=2_000, backoff_ms=1_000, backoff_max_ms=1_000)
-    _until_a_stall(x, w13, w2, tok, exp, want)
+    _until_a_stall(lambda: ce.experts_forward(x, w13, w2, tok, exp), want)
     for _ in range(10):
         assert torch.equal(ce.experts_forward(x, w13, w2, tok, exp), want)
     assert ce.pool_stats() == {"workers_left_out": 1, "stalled_calls": 1}
@@ -87,9 +88,10 @@ def test_stalling_again_right_after_coming_back_doubles_the_time_out(pool):
     x, w13, w2, tok, exp = _problem(1)
     want = _alone(x, w13, w2, tok, exp)
     ce.tune(test_stall_us=20_000, stall_us=2_000, backoff_ms=300, backoff_max_ms=10_000)
-    _until_a_stall(x, w13, w2, tok, exp, want)               # out for 300 ms
+    forward = lambda: ce.experts_forward(x, w13, w2, tok, exp)  # noqa: E731
+    _until_a_stall(forward, want)                            # out for 300 ms
     time.sleep(0.35)
-    after = _until_a_stall(x, w13, w2, tok, exp, want)       # back, stalls again: out for 600 ms
+    after = _until_a_stall(forward, want)                    # back, stalls again: out for 600 ms
     time.sleep(max(0.0, after + 0.4 - time.monotonic()))
     assert ce.pool_stats()["workers_left_out"] == 1          # 300 ms would have ended by now
     time.sleep(max(0.0, after + 0.7 - time.monotonic()))
@@ -107,7 +109,7 @@ def test_only_the_worker_holding_a_chunk_sits_out_not_those_waiting_for_it(pool)
     want = ce.experts_forward(x, w13, w2, tok, exp)
     ce.configure(threads=3, spin_us=200_000)
     ce.tune(test_stall_us=30_000, stall_us=2_000, backoff_ms=2_000, backoff_max_ms=2_000)
-    _until_a_stall(x, w13, w2, tok, exp, want)             # asserts one worker out, one stalled call
+    _until_a_stall(lambda: ce.experts_forward(x, w13, w2, tok, exp), want)   # one worker out, one stall
 
 
 def test_a_worker_holding_up_a_projection_is_noticed_after_the_callers_share(pool):
@@ -120,10 +122,7 @@ def test_a_worker_holding_up_a_projection_is_noticed_after_the_callers_share(poo
     want = cpu_linear.linear(x, w, None)
     ce.configure(threads=2, spin_us=200_000)
     ce.tune(test_stall_us=30_000, stall_us=2_000, backoff_ms=2_000, backoff_max_ms=2_000)
-    end = time.monotonic() + 10
-    while ce.pool_stats()["stalled_calls"] == 0 and time.monotonic() < end:
-        assert torch.equal(cpu_linear.linear(x, w, None), want)
-    assert ce.pool_stats() == {"workers_left_out": 1, "stalled_calls": 1}
+    _until_a_stall(lambda: cpu_linear.linear(x, w, None), want)
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")

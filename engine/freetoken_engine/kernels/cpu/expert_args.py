@@ -42,9 +42,6 @@ def check_problem(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok
         raise ValueError(f"pair_tok {tuple(pair_tok.shape)} and pair_exp {tuple(pair_exp.shape)} must be equal 1-D")
 
 
-I64 = torch.int64
-
-
 def fast_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: torch.Tensor,
                pair_exp: torch.Tensor, out: torch.Tensor | None, rows_from: int) -> tuple | None:
     """ft_experts_range's arguments but the output pointer, for the decode hot path's usual call
@@ -61,7 +58,7 @@ def fast_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: to
     if s13[0] != E or s13[1] != 2 * I or s13[2] != H or H2 != H or not 0 <= rows_from < I:
         return None
     dx, dw = DT.get(x.dtype), DT.get(w13.dtype)
-    if dx is None or dw is None or w2.dtype != w13.dtype or pair_tok.dtype != I64 or pair_exp.dtype != I64:
+    if dx is None or dw is None or w2.dtype != w13.dtype or pair_tok.dtype != torch.int64 or pair_exp.dtype != torch.int64:
         return None
     st13, st2 = w13.stride(), w2.stride()
     if st13[2] != 1 or st2[2] != 1 or not (x.is_cpu and w13.is_cpu and w2.is_cpu and x.is_contiguous()

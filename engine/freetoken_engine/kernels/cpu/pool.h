@@ -45,11 +45,6 @@ inline void wait_step(int& it) {
   else sched_yield();
 }
 
-double now_s() {
-  timespec ts;
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return ts.tv_sec + 1e-9 * ts.tv_nsec;
-}
 
 typedef void (*job_fn)(void* ctx, int tid, int n);
 
@@ -59,9 +54,11 @@ int64_t now_ns() {
   return ts.tv_sec * 1000000000ll + ts.tv_nsec;
 }
 
+double now_s() { return 1e-9 * (double)now_ns(); }
+
 // How the pool treats a worker that holds calls up (tune.h knobs of the same names).
 struct PoolKnobs {
-  int64_t stall_us = 1000;         // a worker still in the job this long after the caller's share
+  int64_t stall_us = 1000;         // a worker on one chunk this long while another waits for it
   int64_t backoff_ms = 20;         // is left out this long, doubling while it keeps stalling calls
   int64_t backoff_max_ms = 2000;
   int64_t test_stall_us = 0;       // tests: worker 1 sleeps this long in its first stage-1 chunk of an
@@ -94,7 +91,7 @@ struct Pool {
   std::atomic<int> sleepers{0};
   std::atomic<uint32_t> flagged{0};          // the job whose stall was handled (once per job)
   alignas(64) std::unique_ptr<WorkerState[]> ws;
-  // The caller's bookkeeping of each worker's backoff and last stall.
+  // Each worker's backoff and last stall, kept by whichever participant wins a job's flag.
   std::vector<int64_t> backoff_ns, last_stall_ns;
   std::atomic<int64_t> stalls{0};  // calls that waited for a stalled worker
 };
@@ -253,17 +250,17 @@ inline void pool_waiting() {
   if (t_ws) t_ws->inside.store(2, std::memory_order_release);
 }
 
+inline void pool_waited(int64_t since) {
+  const int64_t stall = g_pool_knobs.stall_us * 1000;
+  if (t_pool && now_ns() - since > stall) pool_flag_stalled(t_pool, stall);
+}
+
 // Tests (PoolKnobs::test_stall_us): worker 1 sleeps at this point of its first chunk of a call.
 inline void pool_test_stall(int tid, bool& done) {
   if (tid == 1 && !done && g_pool_knobs.test_stall_us > 0) {
     done = true;
     sleep_ns(g_pool_knobs.test_stall_us * 1000);
   }
-}
-
-inline void pool_waited(int64_t since) {
-  const int64_t stall = g_pool_knobs.stall_us * 1000;
-  if (t_pool && now_ns() - since > stall) pool_flag_stalled(t_pool, stall);
 }
 
 // Workers left out now, and the calls so far that waited for a stalled worker.
