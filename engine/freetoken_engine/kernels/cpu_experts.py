@@ -226,6 +226,19 @@ def pool_stats() -> dict:
     return {"workers_left_out": buf[0], "stalled_calls": buf[1]}
 
 
+def pool_entries() -> dict:
+    """``jobs`` the pool has run and ``entered``, the jobs each worker took part in (worker 1
+    first): a worker whose CPU another process shares takes part in fewer of them, without
+    stalling any (the caller takes its chunks). {} while the compiled kernel is not loaded or
+    before the pool's first job."""
+    lib = _lib if _loaded else None
+    if lib is None:
+        return {}
+    buf = (ctypes.c_int64 * 256)()
+    n = lib.ft_pool_entries(buf, 256)
+    return {"jobs": buf[0], "entered": list(buf[1:min(n, 256)])} if n else {}
+
+
 def available() -> bool:
     """True when the compiled kernel is loaded (built on first use if needed)."""
     return _load() is not None

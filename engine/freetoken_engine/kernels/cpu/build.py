@@ -150,4 +150,6 @@ def load() -> ctypes.CDLL:
     lib.ft_last_timing.argtypes = [ctypes.POINTER(ctypes.c_double)]
     lib.ft_pool_stats.restype = None
     lib.ft_pool_stats.argtypes = [ctypes.POINTER(i64)]
+    lib.ft_pool_entries.restype = ci
+    lib.ft_pool_entries.argtypes = [ctypes.POINTER(i64), ci]
     return lib

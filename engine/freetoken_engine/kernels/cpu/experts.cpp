@@ -338,6 +338,12 @@ void ft_pool_stats(int64_t* out2) {
   if (g_pool && g_pool->pid == getpid()) pool_contention(g_pool, out2);
 }
 
+// Jobs run and each worker's share of them (pool.h pool_entries); 0 before the pool's first job.
+int ft_pool_entries(int64_t* out, int cap) {
+  std::lock_guard<std::mutex> lk(g_call);
+  return g_pool && g_pool->pid == getpid() ? pool_entries(g_pool, out, cap) : 0;
+}
+
 // The last expert call's phases in microseconds from its start: grouping done (job posted),
 // the last participant's first chunk, the last stage-1 chunk's end, the call's end.
 void ft_last_timing(double* out4) {

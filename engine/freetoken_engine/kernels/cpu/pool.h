@@ -73,6 +73,7 @@ struct alignas(64) WorkerState {
   std::atomic<int64_t> out_until{0};  // left out until (CLOCK_MONOTONIC ns), 0: taking part
   std::atomic<int> inside{0};         // 0 outside a job, 1 working on a chunk, 2 waiting for another's
   std::atomic<int64_t> since{0};      // when it began that chunk (or entered the job)
+  std::atomic<int64_t> entered{0};    // jobs it took part in (written by this worker only)
 };
 
 struct Pool {
@@ -86,6 +87,7 @@ struct Pool {
   alignas(64) std::atomic<uint32_t> gen{0};  // job counter; sleepers wait on this word
   std::atomic<uint32_t> open{0};   // the job workers may still enter (its gen), 0: closed
   std::atomic<bool> stop{false};
+  std::atomic<int64_t> jobs{0};    // jobs run (written by the caller, beside gen)
   // Changed by the workers at every job.
   alignas(64) std::atomic<int> active{0};    // workers inside the open job (or deciding to enter)
   std::atomic<int> sleepers{0};
@@ -158,6 +160,8 @@ void worker_main(Pool* P, int tid, int cpu) {
     // that is still reading its job.
     P->active.fetch_add(1);
     if (P->open.load() == g) {
+      P->ws[tid].entered.store(P->ws[tid].entered.load(std::memory_order_relaxed) + 1,
+                               std::memory_order_relaxed);
       P->ws[tid].since.store(now_ns());
       P->ws[tid].inside.store(1);
       P->fn(P->ctx, tid, P->n);
@@ -220,6 +224,7 @@ void pool_run(Pool* P, job_fn fn, void* ctx) {
   uint32_t g = P->gen.load() + 1;
   if (g == 0) g = 1;               // 0 means closed
   P->open.store(g);
+  P->jobs.fetch_add(1, std::memory_order_relaxed);
   P->gen.store(g);
   if (P->sleepers.load() > 0) futex_wake_all(&P->gen);
   const int64_t t0 = now_ns();
@@ -270,6 +275,15 @@ void pool_contention(Pool* P, int64_t* out2) {
   for (int t = 1; t < P->n; ++t) n += P->ws[t].out_until.load() > now;
   out2[0] = n;
   out2[1] = P->stalls.load();
+}
+
+// Jobs run so far (out[0]) and the jobs each worker took part in (out[1..n-1]), at most cap
+// values; returns the participants (the caller included). A worker that another process shares
+// its CPU with takes part in fewer jobs without ever stalling one: the caller takes its chunks.
+int pool_entries(Pool* P, int64_t* out, int cap) {
+  if (cap > 0) out[0] = P->jobs.load(std::memory_order_relaxed);
+  for (int t = 1; t < P->n && t < cap; ++t) out[t] = P->ws[t].entered.load(std::memory_order_relaxed);
+  return P->n;
 }
 
 }  // namespace
