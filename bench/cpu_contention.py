@@ -81,7 +81,9 @@ def write_checkpoint(name: str) -> Path:
         torch.set_default_dtype(torch.float32)
 
 
-def plot(medians: dict, path: Path, label: str) -> None:
+def plot(medians: dict, path: Path, label: str, conditions=CONDITIONS,
+         title: str = "engine CPU decode with other processes busy") -> None:
+    """Bars of median decode tokens/s: one group per condition, one bar per side."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -89,12 +91,12 @@ def plot(medians: dict, path: Path, label: str) -> None:
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(sides)
     for i, side in enumerate(sides):
-        vals = [medians[side][c] for c in CONDITIONS]
-        bars = ax.bar([j + i * width for j in range(len(CONDITIONS))], vals, width, label=side)
+        vals = [medians[side][c] for c in conditions]
+        bars = ax.bar([j + i * width for j in range(len(conditions))], vals, width, label=side)
         ax.bar_label(bars, fmt="%.1f", fontsize=7)
-    ax.set_xticks([j + width * (len(sides) - 1) / 2 for j in range(len(CONDITIONS))], CONDITIONS)
+    ax.set_xticks([j + width * (len(sides) - 1) / 2 for j in range(len(conditions))], conditions)
     ax.set_ylabel("decode tokens/s (median)")
-    ax.set_title(f"engine CPU decode with other processes busy ({label})")
+    ax.set_title(f"{title} ({label})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -49,6 +49,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-tuning", action="store_true",
                    help="refine the calibrated q* online by measured decode step time (CUDA only; "
                         "see docs/gpu.md for when it helps)")
+    p.add_argument("--no-cpu-rate-probe", dest="cpu_rate_probe", action="store_false",
+                   help="keep the calibrated q* as measured: by default a GPU engine measures the CPU's "
+                        "rate on this model's experts at start and again while another process holds "
+                        "some of the kernel's CPUs, and moves the split by it")
 
 
 def _engine_kwargs(args) -> dict:
@@ -56,7 +60,8 @@ def _engine_kwargs(args) -> dict:
               expert_cache_gb=args.expert_cache_gb, cpu_expert_fraction=args.cpu_expert_fraction,
               max_context=args.max_context, expert_backend=args.expert_backend, cuda_graphs=args.cuda_graphs,
               graph_warmup=args.graph_warmup,
-              graph_warmup_widths=args.graph_warmup_widths, split_tuning=args.split_tuning)
+              graph_warmup_widths=args.graph_warmup_widths, split_tuning=args.split_tuning,
+              cpu_rate_probe=args.cpu_rate_probe)
     return kw
 
 

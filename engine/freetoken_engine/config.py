@@ -112,6 +112,7 @@ class EngineConfig:
     graph_warmup: int = 4                    # capture batch sizes 1..N at start (0: on first use)
     graph_warmup_widths: int = 1             # ... at the narrowest N KV widths (0: all); the rest when idle
     split_tuning: bool = False               # refine q* online by measured decode step time (CUDA)
+    cpu_rate_probe: bool = True              # q* by the CPU's rate on this model and under contention
     prefill_chunk: int = 512
     prefill_expert_threshold: int = 16       # tokens in a batch from which MoE runs whole layers
     kv_block_size: int = 16

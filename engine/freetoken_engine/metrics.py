@@ -106,6 +106,12 @@ class _EngineCollector:
         for name, doc, key in _EXPERT_GAUGES:
             if experts.get(key) is not None:
                 yield GaugeMetricFamily(name, doc, value=float(experts[key]))
+        follow = experts.get("cpu_contention")
+        if follow:
+            yield GaugeMetricFamily("freetoken_cpu_rate_ratio",
+                                    "The CPU kernel's measured rate over its reference while another process "
+                                    "holds some of its CPUs (1: not contended); q* follows it",
+                                    value=float(follow["cpu_rate_ratio"]))
         for key, name, doc in (
                 ("pcie_gbps", "freetoken_pcie_bandwidth_bytes_per_second",
                  "Host-to-device expert copy bandwidth used for q*"),

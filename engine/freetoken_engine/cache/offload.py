@@ -217,6 +217,24 @@ class OffloadedExperts:
         if self.control is not None:
             self.control.set_fill_fraction(self._control_fraction())
 
+    def cpu_rate(self, seconds: float) -> float:
+        """GB/s of this bank's expert rows that the compiled CPU kernel reads in one-expert calls
+        run back to back from C (as the CPU branch runs a step's misses), random experts, layer
+        after layer, for about ``seconds``: the q* follower's probe (executor/cpu_contention.py).
+        A running CPU-branch step is finished first: the two would share the kernel's pool."""
+        from ..kernels import cpu_experts
+        if self.host_branch is not None:
+            self.host_branch.finish()
+        b = self.bank
+        x, tok = torch.zeros(1, b.hidden, dtype=b.dtype), torch.zeros(1, dtype=torch.int64)
+        gen = torch.Generator().manual_seed(0)
+        calls, busy, layer = 0, 0.0, 0
+        while busy < seconds:
+            exps = torch.randint(b.num_experts, (16, 1), generator=gen)
+            busy += cpu_experts.calls_seconds(x, b.w13[layer], b.w2[layer], tok, exps)
+            calls, layer = calls + len(exps), (layer + 1) % b.num_layers
+        return calls * b.expert_bytes / busy / 1e9
+
     def _pair_tokens(self, t: int, k: int, device: torch.device) -> torch.Tensor:
         key = (t, k)
         cached = self._pair_tok.get(key)

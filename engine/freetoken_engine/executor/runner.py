@@ -28,6 +28,7 @@ from ..models.build import BankRead, start_model
 from ..models.loader import torch_dtype
 from ..models.tokenizer import load_tokenizer
 from .inputs import SeqChunk, build_inputs
+from .cpu_contention import ContentionFollower, pool_record
 from .split_tuner import SplitTuner, decode_batch
 
 log = logging.getLogger(__name__)
@@ -104,6 +105,8 @@ class ModelRunner:
         self._make_graphs()
         # q* refined online by measured step time; not when the user fixed the split
         self.tuner = None
+        self.follower: ContentionFollower | None = None     # made once the bank is read: it measures it
+        self._warming = False                    # capturing graphs ahead of time: the follower waits
         if (cfg.split_tuning and self.cache is not None and self.device.type == "cuda"
                 and cfg.cpu_expert_fraction is None):
             self.tuner = SplitTuner(self.cache.fill_fraction)
@@ -115,6 +118,8 @@ class ModelRunner:
         widths = cfg.graph_warmup_widths or None
         if warm and rest.pending and not (self.cache is None or rest.pin_head()):
             rest.finish()                        # the steps could not be launched before the bank
+        if not rest.pending:
+            self._start_follower(cfg)            # before the warm-up: graphs keep the split they capture
         if warm:
             self.warm_graphs(cfg.graph_warmup, bank_pending=rest.pending, widths=widths)
         if rest.pending:
@@ -130,6 +135,29 @@ class ModelRunner:
                 self._make_graphs()
                 if warm:
                     self.warm_graphs(cfg.graph_warmup, widths=widths)
+            if self._start_follower(cfg) and warm:      # the bank is read now: its rate is known
+                self.warm_graphs(cfg.graph_warmup, widths=widths)
+
+    def _start_follower(self, cfg: EngineConfig) -> bool:
+        """q* for this model's experts and CPU contention (executor/cpu_contention.py): where a
+        split exists (an expert cache on a GPU; it looks only while the cache misses some expert),
+        the user did not fix it, the split tuner is off (it moves q itself) and the compiled CPU kernel runs the
+        misses. Measures the CPU's rate on the bank now (0.2 s); returns whether q changed."""
+        if not (cfg.cpu_rate_probe and self.cache is not None and self.device.type == "cuda"
+                and cfg.cpu_expert_fraction is None and self.tuner is None):
+            return False
+        from ..kernels import cpu_experts
+        if not cpu_experts.available():
+            return False
+        self.follower = ContentionFollower(self.cache.fill_fraction, pool_record, self.experts.cpu_rate,
+                                           calibrated_gbps=getattr(self, "_calibrated_gbps", None))
+        q = self.follower.effective()
+        log.info("CPU expert rate on this model's experts: %.2fx the calibrated one; fill fraction %.3f -> %.3f",
+                 self.follower.model_ratio, self.cache.fill_fraction, q)
+        if q == self.cache.fill_fraction:
+            return False
+        self._set_q(q)
+        return True
 
     def _bank_addresses(self) -> tuple[int, int] | None:
         return (self.bank.w13.data_ptr(), self.bank.w2.data_ptr()) if self.bank is not None else None
@@ -175,11 +203,17 @@ class ModelRunner:
         if self.device.type == "cpu":
             return 1.0
         from ..calibrate import load_or_measure
-        return load_or_measure(self.device)["fill_fraction"]
+        cal = load_or_measure(self.device)
+        self._calibrated_gbps = cal.get("cpu_expert_gbps")
+        return cal["fill_fraction"]
 
     # -- work ----------------------------------------------------------------------------------
     @torch.inference_mode()
     def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        if self.follower is not None and not self._warming and self.cache.capacity < self.bank.total_experts:
+            q = self.follower.tick()
+            if q is not None:
+                self._set_q(q)
         timed = self._tune(chunks)
         key = self.graphs.key(chunks) if self.graphs is not None else None
         if self.cache is not None:     # a prefill seeds the decode cache from a prompt's last chunk only
@@ -281,6 +315,7 @@ class ModelRunner:
         scratch = self.kv.allocate(1)             # every dummy sequence reads and writes only it
         inside = (self.experts.all_resident() if resident and self.cache is not None
                   else contextlib.nullcontext())
+        self._warming = True
         try:
             with inside:
                 for b, width in keys:
@@ -292,6 +327,7 @@ class ModelRunner:
                             n += 1
                             self.forward(chunks)  # its first replay too (bench/graph_first_replay.py)
         finally:
+            self._warming = False
             self.kv.release(scratch)
             self.graphs.replays = replays
         if before is not None:
@@ -314,7 +350,7 @@ class ModelRunner:
     def set_fill_fraction(self, fraction: float) -> None:
         """Set q*/m (at a safe point); the split tuner starts over from it."""
         if self.cache is not None:
-            self._set_q(fraction)
+            self._set_q(self.follower.rebase(fraction) if self.follower is not None else fraction)
             if self.tuner is not None:
                 self.tuner.reset(fraction)
 
@@ -330,7 +366,8 @@ class ModelRunner:
                 "max_experts": self.bank.total_experts, "hits": s.hits, "misses": s.misses,
                 "fills": s.fills, "cpu_computed": s.cpu_computed, "fill_fraction": c.fill_fraction,
                 "cpu_backend": self.experts.cpu_backend_name, "backend": self.experts.backend,
-                "split_tuner": self.tuner.stats() if self.tuner is not None else None}
+                "split_tuner": self.tuner.stats() if self.tuner is not None else None,
+                "cpu_contention": self.follower.state() if self.follower is not None else None}
 
     def graph_stats(self) -> dict:
         """Decode CUDA graphs captured now and steps replayed from them (0 and 0: eager decode)."""

@@ -1,0 +1,66 @@
+"""q* by the CPU's rate on the GPU path (executor/cpu_contention.py): the model's experts' rate at
+start, busy processes on the CPU kernel's CPUs while it decodes; greedy tokens stay those of the
+calibrated split (float32)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs CUDA", allow_module_level=True)
+
+from freetoken_engine import LLM, SamplingParams  # noqa: E402
+from freetoken_engine.executor.cpu_contention import FollowConfig, contended_fraction  # noqa: E402
+
+PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
+LONG = SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True)
+# experts of 6.3 MB in float32 (a test model's tiny experts take no time the hogs could slow)
+SHAPE = dict(hidden_size=1024, moe_intermediate_size=512, num_experts=8, num_hidden_layers=4)
+HOG = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass\n"
+
+
+def test_the_split_follows_the_models_cpu_rate_and_busy_cpus_without_changing_tokens(tiny_checkpoint):
+    """At start the engine measures the CPU's rate on the model's experts and moves the calibrated
+    split by it; busy processes on half the CPUs move it further towards PCIe while it decodes,
+    and their end moves it back. Greedy tokens stay those of the calibrated split (float32)."""
+    folder = tiny_checkpoint("qwen3_moe", **SHAPE)
+    fixed = LLM(folder, device="cuda", dtype="float32", expert_cache_experts=8, cpu_rate_probe=False)
+    assert fixed.runner.follower is None
+    calibrated = fixed.runner.cache.fill_fraction
+    assert 0.0 < calibrated < 1.0
+    want = fixed.generate(PROMPT, LONG).token_ids
+    del fixed
+    llm = LLM(folder, device="cuda", dtype="float32", expert_cache_experts=8)
+    follower = llm.runner.follower
+    assert follower is not None and follower.reference > 0 and follower.calibrated_gbps > 0
+    model = llm.runner.cache.fill_fraction
+    assert model == pytest.approx(contended_fraction(calibrated, follower.model_ratio))
+    assert follower.model_ratio != 1.0
+    assert llm.generate(PROMPT, LONG).token_ids == want
+    # Every look with jobs counts as contended (min_share > 1), so the follower measures: its
+    # back-to-back probe calls share the busy CPUs 50/50 (a decode's calls, between which the
+    # workers sleep, lose much less, and the default threshold rarely sees them crowded out).
+    follower.cfg = FollowConfig(period_s=0.02, enter_ticks=2, leave_ticks=5, probe_s=0.05, min_share=1.01)
+    cpus = sorted(os.sched_getaffinity(0))
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(c)]) for c in cpus[len(cpus) // 2:]]
+    try:
+        got = llm.generate(PROMPT, LONG)
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+    during = got.stats["expert_cache"]
+    assert during["cpu_contention"]["active"], during["cpu_contention"]
+    assert during["fill_fraction"] > model
+    assert got.token_ids == want
+    follower.cfg = FollowConfig(period_s=0.02, enter_ticks=2, leave_ticks=5, probe_s=0.05)
+    after = llm.generate(PROMPT, LONG)
+    assert after.token_ids == want
+    assert after.stats["expert_cache"]["fill_fraction"] == pytest.approx(model)
+    assert not after.stats["expert_cache"]["cpu_contention"]["active"]
