@@ -17,10 +17,13 @@ sides alternating within each round:
 * sides (``--sides``): ``follow`` (the default), ``calibrated`` (``--no-cpu-rate-probe``: the
   calibrated q* as measured), ``cpu=X`` (the share X of misses on the CPU, fixed).
 
-The first request of each process is left out of the figures (the follower needs a second of
-decode to notice and measure; the fixed side gets the same treatment). Prints a table of median
-decode tokens/s per side and condition and the follow / fixed ratio, with the fill fraction each
-side ended on; writes JSON (hardware named) and a PNG.
+The host is calibrated once, idle, before the first round (``freetoken calibrate``; cached, so
+every side starts from the same q*: a calibration beside the busy processes is not cached and
+each process would measure its own). The first request of each process is left out of the
+figures (the follower needs a second of decode to notice and measure; every side gets the same
+treatment). Prints a table of median decode tokens/s per side and condition and each side over
+the calibrated one, with the fill fraction each side ended on; writes JSON (hardware named) and a
+PNG.
 
     python bench/contention_follow.py [--checkpoint qwen3moe-bf16] [--cache-experts 256] [--hogs 8]
         [--rounds 2] [--requests 5] [--tokens 256] [--sides follow,calibrated,cpu=0.3] [--conditions idle,busy-last]
@@ -64,11 +67,14 @@ def child(args) -> None:
                       "follower": llm.runner.expert_stats().get("cpu_contention")}))
 
 
+def engine_env() -> dict:
+    return dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "engine"), os.environ.get("PYTHONPATH", "")]))
+
+
 def run_side(args, side: str) -> dict:
     cmd = [sys.executable, __file__, "--child", side, "--model", args.model, "--cache-experts",
            str(args.cache_experts), "--requests", str(args.requests), "--tokens", str(args.tokens)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT / "engine"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=engine_env(), timeout=900)
     if proc.returncode:
         sys.exit(f"{side}: failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -94,6 +100,8 @@ def main() -> None:
     args.sides, args.conditions = args.sides.split(","), args.conditions.split(",")
     if args.model is None:
         args.model = str(write_checkpoint(args.checkpoint))
+    subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "calibrate", "--device", "cuda"],
+                   env=engine_env(), check=True, capture_output=True, timeout=300)   # idle, cached: every side's q*
     started, runs = datetime.now(timezone.utc).isoformat(timespec="seconds"), []
     for r in range(args.rounds):
         for cond in args.conditions:

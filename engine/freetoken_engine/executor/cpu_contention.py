@@ -13,20 +13,22 @@ on the model's own expert rows (``OffloadedExperts.cpu_rate``):
 
 * the model: its experts' size (a call's fixed costs weigh more on small experts) and dtype. The
   engine measures the rate on its bank when it starts (the reference); ``model_ratio`` is the
-  reference over the calibration's C, and it holds for the engine's life.
-* another process keeping some of the kernel's CPUs busy (a game, a browser, a build): the pool
-  leaves held workers out or takes part with fewer of them (``kernels/cpu/pool.h``), and the CPU
-  falls to ``ratio`` times its reference while it lasts. Measured again when contention starts
-  (the reference is raised whenever a measurement beats it), not guessed from the number of
-  workers left out (memory-bound calls do not scale with threads). The follower notices contention from the pool's own record (``pool_record``):
+  reference over the calibration's C. An engine started beside a busy process keeps what it
+  measured then (what the CPU does meanwhile) and measures again once the pool's record is quiet;
+  any later measurement above the reference raises it, and the model's ratio with it.
+* another process keeping some of the kernel's CPUs busy (a game, a browser, a build): the CPU
+  falls to ``ratio`` times its reference while it lasts, measured again when contention starts,
+  not guessed from the number of workers left out (memory-bound calls do not scale with threads).
+
+The follower notices contention from the pool's own record (``pool_record``, ``kernels/cpu/pool.h``):
 a worker left out or a call that waited for one (a worker preempted inside a call), or a worker
 that took part in fewer than ``min_share`` of the jobs since the last look (a worker sharing its
 CPU with another process: the caller takes its chunks, so nothing stalls, and the rate falls all
-the same). It enters after ``enter_ticks`` such looks in a row (one worker descheduled once is a
-hiccup), measures, and applies f' when r is below ``1 - margin``; it measures again every
-``remeasure_s`` while the contention lasts (at most that often when a measurement finds the rate
-intact, so a false alarm costs one ``probe_s`` per ``remeasure_s``), and gives f back after
-``leave_ticks`` quiet looks. Looks happen only while the engine computes (a step calls
+the same). It measures after ``enter_ticks`` such looks in a row (one worker descheduled once is
+a hiccup) and applies f' when the rate is below ``1 - margin`` of the reference; it measures again
+every ``remeasure_s`` while the contention lasts (at most that often when a measurement finds the
+rate intact, so a false alarm costs one ``probe_s`` per ``remeasure_s``), and gives the split back
+after ``leave_ticks`` quiet looks. Looks happen only while the engine computes (a step calls
 ``tick``), at most one per ``period_s``.
 
 Only the split changes: where an expert is computed never changes its value (the CPU and GPU paths
@@ -102,9 +104,11 @@ class ContentionFollower:
         if now.get("workers_left_out", 0) > 0 or now.get("stalled_calls", 0) > was.get("stalled_calls", 0):
             return True
         jobs = now.get("jobs", 0) - was.get("jobs", 0)
-        before = was.get("entered") or [0] * len(now.get("entered") or [])
-        shares = [(e - b) / jobs for e, b in zip(now.get("entered") or [], before)] if jobs >= self.cfg.min_jobs else []
-        return bool(shares) and min(shares) < self.cfg.min_share
+        if jobs < self.cfg.min_jobs:
+            return False
+        entered = now.get("entered") or []
+        before = was.get("entered") or [0] * len(entered)
+        return any((e - b) / jobs < self.cfg.min_share for e, b in zip(entered, before))
 
     def _rate(self) -> float:
         self.measurements += 1
@@ -164,16 +168,16 @@ class ContentionFollower:
                 return self._changed(before)
             return None
         if self._quiet >= c.leave_ticks:
-            self.active, self.ratio = False, 1.0
+            before, self.active, self.ratio = self.effective(), False, 1.0
             log.info("CPU contention over: fill fraction back to %.3f", self.effective())
-            return self.effective()
+            return self._changed(before)
         if self._busy and now - self._measured_at >= c.remeasure_s:
             return self._update(entering=False)
         return None
 
     def _update(self, entering: bool) -> float | None:
         before = self.effective()
-        ratio = self._measure() / self.reference
+        ratio = self._measure() / max(self.reference, 1e-9)
         if ratio >= 1.0 - self.cfg.margin:        # contended, but the kernel keeps its rate
             self.active, self.ratio = False, 1.0
         else:

@@ -27,8 +27,8 @@ from ..calibrate import calibrated
 from ..models.build import BankRead, start_model
 from ..models.loader import torch_dtype
 from ..models.tokenizer import load_tokenizer
-from .inputs import SeqChunk, build_inputs
 from .cpu_contention import ContentionFollower, pool_record
+from .inputs import SeqChunk, build_inputs
 from .split_tuner import SplitTuner, decode_batch
 
 log = logging.getLogger(__name__)
@@ -82,6 +82,7 @@ class ModelRunner:
         with every expert resident, so their warm-up reads nothing from the bank), and the bank
         is waited for (and pinned as it lands) last. A first start on a GPU waits for
         it before the calibration, which must not share the memory bus with the read."""
+        self._calibrated_gbps: float | None = None   # the calibration's B_cpu, when q* is calibrated
         if self.device.type == "cpu":
             use_compiled_linears(self.model)     # decode projections at memory bandwidth
         eos = tuple(dict.fromkeys(_generation_eos(folder) + self.mcfg.eos_token_ids))
@@ -140,9 +141,10 @@ class ModelRunner:
 
     def _start_follower(self, cfg: EngineConfig) -> bool:
         """q* for this model's experts and CPU contention (executor/cpu_contention.py): where a
-        split exists (an expert cache on a GPU; it looks only while the cache misses some expert),
-        the user did not fix it, the split tuner is off (it moves q itself) and the compiled CPU kernel runs the
-        misses. Measures the CPU's rate on the bank now (0.2 s); returns whether q changed."""
+        split exists (an expert cache on a GPU; it looks only while the cache misses some
+        expert), the user did not fix it, the split tuner is off (it moves q itself) and the
+        compiled CPU kernel runs the misses. Measures the CPU's rate on the bank now (0.2 s);
+        returns whether q changed."""
         if not (cfg.cpu_rate_probe and self.cache is not None and self.device.type == "cuda"
                 and cfg.cpu_expert_fraction is None and self.tuner is None):
             return False
@@ -150,7 +152,7 @@ class ModelRunner:
         if not cpu_experts.available():
             return False
         self.follower = ContentionFollower(self.cache.fill_fraction, pool_record, self.experts.cpu_rate,
-                                           calibrated_gbps=getattr(self, "_calibrated_gbps", None))
+                                           calibrated_gbps=self._calibrated_gbps)
         q = self.follower.effective()
         log.info("CPU expert rate on this model's experts: %.2fx the calibrated one; fill fraction %.3f -> %.3f",
                  self.follower.model_ratio, self.cache.fill_fraction, q)
