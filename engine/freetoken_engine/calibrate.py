@@ -172,6 +172,29 @@ def _cache_path(device: torch.device) -> Path:
     return env.cache_dir() / "calibration" / f"{socket.gethostname()}-{device.type}-{digest}.json"
 
 
+def _model_rate_path(device: torch.device, shape: str) -> Path:
+    host = _cache_path(device)
+    return host.with_name(f"{host.stem}-expert-rate-{shape}.json")
+
+
+def cached_model_rate(device: torch.device | str, shape: str) -> float | None:
+    """The CPU kernel's rate (GB/s, one-expert calls from C) on experts of ``shape`` (e.g.
+    ``2048x768-bfloat16``) measured on this host configuration before (``save_model_rate``), or
+    None: the q* follower's reference (executor/cpu_contention.py), so a restart need not
+    measure it after the bank's read, which it overlaps with the decode graphs' capture."""
+    rate = (_cached(_model_rate_path(torch.device(device), shape)) or {}).get("cpu_expert_gbps")
+    return float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
+
+
+def save_model_rate(device: torch.device | str, shape: str, gbps: float) -> None:
+    path = _model_rate_path(torch.device(device), shape)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"cpu_expert_gbps": gbps, "shape": shape,
+                               "measured_at": datetime.now(timezone.utc).isoformat()}))
+    tmp.replace(path)
+
+
 def _cached(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())

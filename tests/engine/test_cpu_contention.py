@@ -293,3 +293,79 @@ def test_the_cpu_rate_ratio_is_exported_where_the_split_follows_it(follow):
     fams = {f.name: f.samples[0].value for f in text_string_to_metric_families(text) if f.samples}
     assert fams["freetoken_expert_fill_fraction"] == 0.62
     assert fams.get("freetoken_cpu_rate_ratio") == (follow["cpu_rate_ratio"] if follow else None)
+
+
+def test_a_rate_measured_before_needs_no_probe_at_start():
+    """A restart reads the model's rate from this host's cache: no probe at start (so the bank's
+    read can overlap the graph warm-up), and contention is judged against that rate."""
+    p = Pool(rate=50.0)
+    f = ContentionFollower(0.4, p.stats, p.probe, 100.0, cfg=CFG, clock=lambda: p.now, reference=60.0)
+    assert p.probes == 0 and f.reference == 60.0 and f.model_ratio == 0.6 and not f.reference_contended
+    assert f.effective() == pytest.approx(contended_fraction(0.4, 0.6))
+    p.rate, p.rec["workers_left_out"] = 30.0, 1
+    p.look(f)
+    assert p.look(f) == pytest.approx(contended_fraction(0.4, 0.6 * 0.5))
+
+
+def test_the_models_rate_is_cached_per_host_and_expert_shape(tmp_path, monkeypatch):
+    from freetoken_engine import calibrate
+    monkeypatch.setenv("FREETOKEN_CACHE_DIR", str(tmp_path))
+    assert calibrate.cached_model_rate("cpu", "2048x768-bfloat16") is None
+    calibrate.save_model_rate("cpu", "2048x768-bfloat16", 61.5)
+    assert calibrate.cached_model_rate("cpu", "2048x768-bfloat16") == 61.5
+    assert calibrate.cached_model_rate("cpu", "1024x384-bfloat16") is None       # another shape
+    [path] = tmp_path.glob("calibration/*-expert-rate-2048x768-bfloat16.json")
+    path.write_text("{not json")
+    assert calibrate.cached_model_rate("cpu", "2048x768-bfloat16") is None       # unreadable: measure again
+
+
+class _Read:
+    """A bank read still going (models.build.BankRead's pending / finish)."""
+
+    def __init__(self):
+        self.pending, self.finished_at = True, None
+
+    def finish(self):
+        self.pending = False
+
+
+def test_a_first_start_measures_after_the_read_and_a_restart_reads_the_cache(two_workers, tmp_path, monkeypatch):
+    """The runner's start of the follower (ModelRunner._start_follower) on a real bank and kernel,
+    as on a GPU host (which this machine is not: the runner's device reads cuda, and the host
+    cache's path, which names the GPU, is a temporary file): a first start finishes the bank's
+    read, probes and caches the rate, and moves q* by it; a restart takes the cached rate, probes
+    nothing and leaves the read running (the graph warm-up overlaps it)."""
+    import types
+
+    from freetoken_engine import calibrate
+    from freetoken_engine.config import EngineConfig
+    from freetoken_engine.executor.runner import ModelRunner
+    monkeypatch.setattr(calibrate, "_cache_path", lambda device: tmp_path / "host.json")
+    experts = _bank_experts()
+    probes = []
+    rate = experts.cpu_rate
+
+    def counted(seconds):
+        probes.append(seconds)
+        return rate(seconds)
+
+    monkeypatch.setattr(experts, "cpu_rate", counted)
+
+    def start():
+        runner = types.SimpleNamespace(cache=types.SimpleNamespace(fill_fraction=0.4), bank=experts.bank,
+                                       experts=experts, device=torch.device("cuda"), tuner=None,
+                                       _calibrated_gbps=60.0, follower=None, set_to=[])
+        runner._set_q = runner.set_to.append
+        read = _Read()
+        ModelRunner._start_follower(runner, EngineConfig(model=tmp_path, device="cuda"), read)
+        return runner, read
+
+    first, read = start()
+    assert not read.pending and len(probes) == 1
+    f = first.follower
+    assert f.model_ratio == pytest.approx(min(4.0, max(0.25, f.reference / 60.0))) and f.model_ratio != 1.0
+    assert first.set_to == [pytest.approx(contended_fraction(0.4, f.model_ratio))]
+    assert calibrate.cached_model_rate("cuda", "1024x512-bfloat16") == f.reference
+    again, read = start()
+    assert read.pending and len(probes) == 1
+    assert again.follower.reference == f.reference and again.set_to == first.set_to

@@ -81,7 +81,8 @@ class ContentionFollower:
 
     def __init__(self, base: float, stats: Callable[[], dict], probe: Callable[[float], float],
                  calibrated_gbps: float | None = None, cfg: FollowConfig = FollowConfig(),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, reference: float | None = None):
+        """``reference``: the rate measured on these experts before (a restart: no probe now)."""
         self.base, self.cfg, self._stats, self._probe, self._clock = base, cfg, stats, probe, clock
         self.calibrated_gbps = calibrated_gbps  # the calibration's C, behind base
         self.model_ratio = 1.0      # this model's reference rate over C (1 until a reference)
@@ -93,7 +94,11 @@ class ContentionFollower:
         self._last_tick = self._measured_at = None
         self.reference = 0.0        # the best rate measured on the model's experts
         self.reference_contended = False   # ... and another process was on the CPUs meanwhile
-        self._take_reference()
+        if reference:
+            self._seen = self._stats()
+            self._raise_reference(reference)
+        else:
+            self._take_reference()
         self._measured_at = None    # the start's measurement does not delay the first contention's
 
     # -- the pool's record and the CPU's rate -----------------------------------------------------

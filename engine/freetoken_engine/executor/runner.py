@@ -119,8 +119,7 @@ class ModelRunner:
         widths = cfg.graph_warmup_widths or None
         if warm and rest.pending and not (self.cache is None or rest.pin_head()):
             rest.finish()                        # the steps could not be launched before the bank
-        if not rest.pending:
-            self._start_follower(cfg)            # before the warm-up: graphs keep the split they capture
+        self._start_follower(cfg, rest)          # before the warm-up: graphs keep the split they capture
         if warm:
             self.warm_graphs(cfg.graph_warmup, bank_pending=rest.pending, widths=widths)
         if rest.pending:
@@ -136,30 +135,37 @@ class ModelRunner:
                 self._make_graphs()
                 if warm:
                     self.warm_graphs(cfg.graph_warmup, widths=widths)
-            if self._start_follower(cfg) and warm:      # the bank is read now: its rate is known
-                self.warm_graphs(cfg.graph_warmup, widths=widths)
 
-    def _start_follower(self, cfg: EngineConfig) -> bool:
+    def _start_follower(self, cfg: EngineConfig, rest: BankRead) -> None:
         """q* for this model's experts and CPU contention (executor/cpu_contention.py): where a
         split exists (an expert cache on a GPU; it looks only while the cache misses some
         expert), the user did not fix it, the split tuner is off (it moves q itself) and the
-        compiled CPU kernel runs the misses. Measures the CPU's rate on the bank now (0.2 s);
-        returns whether q changed."""
+        compiled CPU kernel runs the misses. The CPU's rate on these experts comes from this
+        host's cache (``calibrate.cached_model_rate``), else it is measured on the bank now
+        (0.2 s; a first start waits for the bank's read for it, as for the calibration) and
+        cached unless another process was on the CPUs meanwhile."""
         if not (cfg.cpu_rate_probe and self.cache is not None and self.device.type == "cuda"
                 and cfg.cpu_expert_fraction is None and self.tuner is None):
-            return False
+            return
+        from ..calibrate import cached_model_rate, save_model_rate
         from ..kernels import cpu_experts
         if not cpu_experts.available():
-            return False
-        self.follower = ContentionFollower(self.cache.fill_fraction, pool_record, self.experts.cpu_rate,
-                                           calibrated_gbps=self._calibrated_gbps)
-        q = self.follower.effective()
+            return
+        b = self.bank
+        shape = f"{b.hidden}x{b.inter}-{str(b.dtype).removeprefix('torch.')}"
+        known = cached_model_rate(self.device, shape)
+        if known is None and rest.pending:
+            rest.finish()
+        self.follower = f = ContentionFollower(self.cache.fill_fraction, pool_record,
+                                               lambda s: self.experts.cpu_rate(s),
+                                               calibrated_gbps=self._calibrated_gbps, reference=known)
+        if known is None and not f.reference_contended:
+            save_model_rate(self.device, shape, f.reference)
+        q = f.effective()
         log.info("CPU expert rate on this model's experts: %.2fx the calibrated one; fill fraction %.3f -> %.3f",
-                 self.follower.model_ratio, self.cache.fill_fraction, q)
-        if q == self.cache.fill_fraction:
-            return False
-        self._set_q(q)
-        return True
+                 f.model_ratio, self.cache.fill_fraction, q)
+        if q != self.cache.fill_fraction:
+            self._set_q(q)
 
     def _bank_addresses(self) -> tuple[int, int] | None:
         return (self.bank.w13.data_ptr(), self.bank.w2.data_ptr()) if self.bank is not None else None
