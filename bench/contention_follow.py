@@ -42,7 +42,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cpu_contention import CONDITIONS, plot, start_hogs, write_checkpoint  # noqa: E402
+from cpu_contention import CONDITIONS, plot, start_hogs, stop_hogs, write_checkpoint  # noqa: E402
 from hardware import describe  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,9 +110,7 @@ def main() -> None:
                 try:
                     res = run_side(args, side)
                 finally:
-                    for h in hogs:
-                        h.kill()
-                        h.wait()
+                    stop_hogs(hogs)
                 rate = statistics.median(res["rates"][1:])
                 runs.append({"round": r, "condition": cond, "side": side, "decode_tok_s": rate, **res})
                 print(f"round {r} {cond:9} {side:10} {rate:7.1f} tok/s  fill fraction {res['fill_fractions'][-1]:.3f}"

@@ -53,6 +53,12 @@ def start_hogs(condition: str, n: int) -> list[subprocess.Popen]:
     return hogs
 
 
+def stop_hogs(hogs: list[subprocess.Popen]) -> None:
+    for h in hogs:
+        h.kill()
+        h.wait()
+
+
 def decode_rate(root: Path, model: str | None, tokens: int, one_thread: bool, extra: list[str]) -> float:
     path = [str(root / "engine")] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                                      if p and not p.endswith("engine")]
@@ -137,9 +143,7 @@ def main() -> None:
                         runs.append({"round": r, "condition": cond, "side": side, "decode_tok_s": rate})
                         print(f"round {r} {cond:9} {side:24} {rate:7.1f} tok/s", flush=True)
                 finally:
-                    for h in hogs:
-                        h.kill()
-                        h.wait()
+                    stop_hogs(hogs)
             save(args, started, list(sides), runs)         # every round: a run cut short keeps its rounds
 
 

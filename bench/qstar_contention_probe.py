@@ -17,10 +17,9 @@ import sys
 import time
 
 sys.path.insert(0, "bench")
-from cpu_contention import start_hogs, write_checkpoint  # noqa: E402
+from cpu_contention import CONDITIONS, ROOT, decode_rate, start_hogs, stop_hogs, write_checkpoint  # noqa: E402
 
 OUT = os.environ.get("OUT", ".")
-CONDITIONS = ("idle", "busy-free", "busy-last")
 
 
 def calib() -> dict:
@@ -29,21 +28,10 @@ def calib() -> dict:
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
-def gen(model: str, frac: float) -> float | None:
-    p = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "generate", "--prompt",
-                        "Write a short poem about the sea.", "--max-new-tokens", "48", "--json", "--model", model,
-                        "--device", "cuda", "--expert-cache-experts", "256", "--cpu-expert-fraction", f"{frac:.3f}"],
-                       capture_output=True, text=True, timeout=300)
-    if p.returncode:
-        print(p.stderr[-1500:])
-        return None
-    return json.loads(p.stdout.strip().splitlines()[-1])["stats"]["decode_tokens_per_s"]
-
-
-def stop(hogs) -> None:
-    for h in hogs:
-        h.kill()
-        h.wait()
+def gen(model: str, frac: float) -> float:
+    """Decode tok/s of the README's main job on ``model``, a share ``frac`` of misses on the CPU."""
+    return decode_rate(ROOT, model, 48, False, ["--device", "cuda", "--expert-cache-experts", "256",
+                                                "--cpu-expert-fraction", f"{frac:.3f}"])
 
 
 def main() -> None:
@@ -59,7 +47,7 @@ def main() -> None:
         try:
             res["calib"][cond] = c = calib()
         finally:
-            stop(hogs)
+            stop_hogs(hogs)
         print(cond, "calib s", round(time.time() - t0, 1), "f", round(c["fill_fraction"], 3), "cpu",
               round(c["cpu_expert_gbps"], 1), "conc", c["concurrent"], "stalls", c.get("cpu_stalled_calls"), flush=True)
         save()
@@ -75,7 +63,7 @@ def main() -> None:
                                         "tok_s": rate})
                     print(r, cond, "q from", side, round(fr[side], 3), rate, flush=True)
             finally:
-                stop(hogs)
+                stop_hogs(hogs)
         save()
 
 

@@ -187,11 +187,15 @@ def cached_model_rate(device: torch.device | str, shape: str) -> float | None:
 
 
 def save_model_rate(device: torch.device | str, shape: str, gbps: float) -> None:
-    path = _model_rate_path(torch.device(device), shape)
+    _write(_model_rate_path(torch.device(device), shape),
+           {"cpu_expert_gbps": gbps, "shape": shape, "measured_at": datetime.now(timezone.utc).isoformat()})
+
+
+def _write(path: Path, obj: dict) -> None:
+    """``obj`` as JSON at ``path``, atomically: a reader never sees half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"cpu_expert_gbps": gbps, "shape": shape,
-                               "measured_at": datetime.now(timezone.utc).isoformat()}))
+    tmp.write_text(json.dumps(obj))
     tmp.replace(path)
 
 
@@ -224,8 +228,5 @@ def load_or_measure(device: torch.device | str, refresh: bool = False) -> dict:
                     "using B_cpu %.1f GB/s for now, not caching it", result["cpu_stalled_calls"],
                     result["cpu_expert_gbps"])
         return result
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(path)
+    _write(path, result)
     return result
