@@ -147,7 +147,8 @@ def main() -> None:
         data["machines"].setdefault(args.label, {})[args.entry] = {
             "moe_layers": args.layers, "packed_bytes": pk_bytes, **first_request(pk_dir, args.threads, args.restarts.split(","), args.pycache)}
         out.write_text(json.dumps(data, indent=1) + "\n")
-        shutil.rmtree(args.dir, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(args.dir, ignore_errors=True)
         return
     print(f"synthetic checkpoint: {st_bytes / 1e9:.2f} GB safetensors (written in {t_write:.1f} s), "
           f"{pk_bytes / 1e9:.2f} GB packed (convert {t_convert:.1f} s); CUDA: {cuda}")

@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -99,10 +100,16 @@ def fault_in(arenas, threads: int) -> None:
         raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE) failed (Linux 5.14+ needed)")
 
 
-def fill_read(folder: Path, span: int, busy: bool | str, fault: str | None = None) -> dict:
-    """``fault``: None (the reads fault their pages), "before" (untimed) or "first" (timed)."""
+def fill_read(folder: Path, span: int, busy: bool | str, fault: str | None = None, huge: bool = True) -> dict:
+    """``fault``: None (the reads fault their pages), "before" (untimed) or "first" (timed).
+    ``huge``: the arenas on transparent huge pages (the engine's default) or on 4 KiB pages."""
     index = read_index(folder)
-    fill = early.Fill(folder, index, False, True, READERS, span=span)
+    was = os.environ.get("FREETOKEN_HUGE_PAGES")
+    os.environ["FREETOKEN_HUGE_PAGES"] = "on" if huge else "off"      # read by packed.memory.arena
+    try:
+        fill = early.Fill(folder, index, False, True, READERS, span=span)
+    finally:
+        os.environ.pop("FREETOKEN_HUGE_PAGES") if was is None else os.environ.update(FREETOKEN_HUGE_PAGES=was)
     if fault == "before":
         fault_in(list(fill.arenas.values()), READERS)
     done, turns = threading.Event(), 0
@@ -166,6 +173,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--spans", default=f"1,{early.SPAN}")
     ap.add_argument("--mmap", action="store_true", help="also the sides with a main thread that maps memory")
+    ap.add_argument("--pages", default="huge", help="huge,4k: the reader's sides on both kinds of pages")
     ap.add_argument("--label", required=True)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/read_contention.json")
     args = ap.parse_args()
@@ -179,23 +187,25 @@ def main() -> None:
         shutil.rmtree(args.dir / "st")
         folder = args.dir / "packed"
     sides = {"disk": lambda: disk_read(folder, args.threads)}
-    for span in (int(s) for s in args.spans.split(",")):
-        for busy in (False, True) + (("mmap",) if args.mmap else ()):
-            kind = {False: "idle", True: "busy"}.get(busy, busy)
-            sides[f"fill span={span}, {kind}"] = (lambda span=span, busy=busy: fill_read(folder, span, busy))
     if args.mmap:
         sides["mmap alone"] = lambda: mmap_alone(3.0)
+    for pages in args.pages.split(","):
+        huge, tag = pages == "huge", "" if pages == "huge" else f", {pages} pages"
         for span in (int(s) for s in args.spans.split(",")):
-            for fault, what in (("before", "prefaulted"), ("first", "faulted in first")):
-                sides[f"fill span={span}, mmap, {what}"] = \
-                    (lambda span=span, fault=fault: fill_read(folder, span, "mmap", fault))
+            for busy in (False, True) + (("mmap",) if args.mmap else ()):
+                kind = {False: "idle", True: "busy"}.get(busy, busy)
+                sides[f"fill span={span}, {kind}{tag}"] = \
+                    (lambda span=span, busy=busy, huge=huge: fill_read(folder, span, busy, huge=huge))
+            for fault, what in ((("before", "prefaulted"), ("first", "faulted in first")) if args.mmap else ()):
+                sides[f"fill span={span}, mmap, {what}{tag}"] = \
+                    (lambda span=span, fault=fault, huge=huge: fill_read(folder, span, "mmap", fault, huge))
     runs = []
     for r in range(args.rounds):
         for name, fn in sides.items():
             dropped = drop_caches()
             runs.append({"round": r, "side": name, "page_cache_dropped": dropped, **fn()})
             x = runs[-1]
-            print(f"round {r} {name:<24} {x['seconds']:6.2f} s {x['gbps']:6.2f} GB/s "
+            print(f"round {r} {name:<44} {x['seconds']:6.2f} s {x['gbps']:6.2f} GB/s "
                   f"{x.get('turns_per_second', 0):8.0f} main-thread loops/s", flush=True)
     med = {name: statistics.median(x["seconds"] for x in runs if x["side"] == name) for name in sides}
     result = {"benchmark": "read_contention", "label": args.label, "hardware": describe(),
@@ -205,9 +215,9 @@ def main() -> None:
               "median_over_disk": {name: med[name] / med["disk"] for name in sides}}
     rate = {name: statistics.median(x.get("turns_per_second", 0) for x in runs if x["side"] == name) for name in sides}
     result["median_turns_per_second"] = rate
-    print(f"\n{'side':<26}{'median s':>10}{'x disk':>9}{'main loop/s':>13}")
+    print(f"\n{'side':<46}{'median s':>10}{'x disk':>9}{'main loop/s':>13}")
     for name in sides:
-        print(f"{name:<26}{med[name]:>10.2f}{result['median_over_disk'][name]:>9.2f}{rate[name]:>13.0f}")
+        print(f"{name:<46}{med[name]:>10.2f}{result['median_over_disk'][name]:>9.2f}{rate[name]:>13.0f}")
     data = json.loads(args.out.read_text()) if args.out.exists() else {"benchmark": "read_contention", "machines": {}}
     data["machines"][args.label] = result
     args.out.write_text(json.dumps(data, indent=1) + "\n")

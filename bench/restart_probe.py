@@ -10,11 +10,14 @@ bank read and pinned first, then the graphs), "/nocuda" (preload without the dev
 the CUDA context after its import, the order before), "/allwidths" (decode graphs of every KV
 width captured before ready, ``graph_warmup_widths=0``, the engine's default before), "/nokey"
 (Triton's cache key computed at the first launch, not beside the build: ``prewarm``), "/span1"
-(the bank read one 16 MiB block per ``preadv``, ``early.SPAN = 1``).
+(the bank read one 16 MiB block per ``preadv``, ``early.SPAN = 1``), "/4k" (the bank on 4 KiB pages,
+``FREETOKEN_HUGE_PAGES=off``: the mapping before the twenty-fifth stop).
 """
-import json, sys, time
+import json, os, sys, time
 t0 = time.perf_counter()
 mode, *switches = sys.argv[3].split("/")
+if "4k" in switches:
+    os.environ["FREETOKEN_HUGE_PAGES"] = "off"
 serial, nocuda, allwidths = ("serial" in switches), ("nocuda" in switches), ("allwidths" in switches)
 import freetoken_engine
 if "span1" in switches:

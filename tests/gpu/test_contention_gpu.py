@@ -22,7 +22,13 @@ PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
 LONG = SamplingParams(max_new_tokens=300, temperature=0, ignore_eos=True)
 # experts of 6.3 MB in float32 (a test model's tiny experts take no time the hogs could slow)
 SHAPE = dict(hidden_size=1024, moe_intermediate_size=512, num_experts=8, num_hidden_layers=4)
-HOG = "import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\nwhile True: pass\n"
+# A busy process that also streams memory (128 MiB copies), as a game or a build does: a pure
+# spin loop on CPUs of the kernel's workers slowed the memory-bound kernel by less than the
+# follower's margin on some H200 hosts (runs 74-75: the workers left on other CPUs, or given half
+# of theirs, still drew about 90% of the memory's rate).
+HOG = ("import os, sys\nos.sched_setaffinity(0, {int(sys.argv[1])})\n"
+       "a = bytes(1 << 27)\nb = bytearray(1 << 27)\nb[:] = a\nprint('ready', flush=True)\n"
+       "while True: b[:] = a\n")
 
 
 def test_the_split_follows_the_models_cpu_rate_and_busy_cpus_without_changing_tokens(tiny_checkpoint):
@@ -46,10 +52,15 @@ def test_the_split_follows_the_models_cpu_rate_and_busy_cpus_without_changing_to
     # Every look with jobs counts as contended (min_share > 1), so the follower measures: its
     # back-to-back probe calls share the busy CPUs 50/50 (a decode's calls, between which the
     # workers sleep, lose much less, and the default threshold rarely sees them crowded out).
-    follower.cfg = FollowConfig(period_s=0.02, enter_ticks=2, leave_ticks=5, probe_s=0.05, min_share=1.01)
+    # The hogs stream before the request starts (a measurement taken before they ran would find
+    # the rate intact), and a measurement is retaken every 0.2 s while the looks stay contended.
+    follower.cfg = FollowConfig(period_s=0.02, enter_ticks=2, leave_ticks=5, probe_s=0.05, min_share=1.01,
+                                remeasure_s=0.2)
     cpus = sorted(os.sched_getaffinity(0))
-    hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(c)]) for c in cpus[len(cpus) // 2:]]
+    hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(c)], stdout=subprocess.PIPE, text=True)
+            for c in cpus[len(cpus) // 2:]]
     try:
+        assert all(h.stdout.readline().strip() == "ready" for h in hogs)
         got = llm.generate(PROMPT, LONG)
     finally:
         for h in hogs:
@@ -60,7 +71,12 @@ def test_the_split_follows_the_models_cpu_rate_and_busy_cpus_without_changing_to
     assert during["fill_fraction"] > model
     assert got.token_ids == want
     follower.cfg = FollowConfig(period_s=0.02, enter_ticks=2, leave_ticks=5, probe_s=0.05)
-    after = llm.generate(PROMPT, LONG)
-    assert after.token_ids == want
+    # A worker that stalled calls beside the busy processes sits out for up to 2 s (pool.h's
+    # backoff), and the looks count it as contention until it is back: a few requests, not one.
+    for _ in range(8):
+        after = llm.generate(PROMPT, LONG)
+        assert after.token_ids == want
+        if not after.stats["expert_cache"]["cpu_contention"]["active"]:
+            break
+    assert not after.stats["expert_cache"]["cpu_contention"]["active"], after.stats["expert_cache"]
     assert after.stats["expert_cache"]["fill_fraction"] == pytest.approx(model)
-    assert not after.stats["expert_cache"]["cpu_contention"]["active"]

@@ -1,8 +1,8 @@
 """Host memory for the bank: page-aligned anonymous mappings that can be page-locked in place.
 
-``arena(n)`` is such a mapping (4 KiB-aligned, so O_DIRECT reads land in it directly; transparent
-huge pages advised), made without torch so that a read can start before torch is imported
-(``early.py``); ``as_tensor(arena, n)`` views it as a uint8 tensor and ``aligned_empty(n)`` does
+``arena(n)`` is such a mapping (4 KiB-aligned, so O_DIRECT reads land in it directly; private,
+with transparent huge pages advised), made without torch so that a read can start before torch is
+imported (``early.py``); ``as_tensor(arena, n)`` views it as a uint8 tensor and ``aligned_empty(n)`` does
 both. ``host_register(t)`` page-locks such a tensor with ``cudaHostRegister`` and undoes it
 before the mapping is unmapped, so a later mapping at the same address is never mistaken for
 pinned memory (a freed registered buffer would otherwise make CUDA copy stale pages, or fail
@@ -11,6 +11,7 @@ with "already registered").
 from __future__ import annotations
 
 import mmap
+import os
 import weakref
 
 from .format import PackedFormatError, align_up
@@ -25,15 +26,47 @@ class _Arena(mmap.mmap):
 _ARENAS: "weakref.WeakValueDictionary[int, _Arena]" = weakref.WeakValueDictionary()
 
 
-def arena(nbytes: int) -> _Arena:
-    """A page-aligned anonymous mapping of at least ``nbytes`` (whole pages)."""
-    mm = _Arena(-1, align_up(max(nbytes, 1)))
-    if hasattr(mmap, "MADV_HUGEPAGE"):
+def huge_pages_wanted() -> bool:
+    """Whether arenas ask for transparent huge pages: ``FREETOKEN_HUGE_PAGES`` (on unless "off")."""
+    return os.environ.get("FREETOKEN_HUGE_PAGES", "on").strip().lower() != "off"
+
+
+def arena(nbytes: int, huge: bool | None = None) -> _Arena:
+    """A page-aligned anonymous mapping of at least ``nbytes`` (whole pages), on transparent huge
+    pages where the kernel grants them (``huge``: default ``huge_pages_wanted()``; False asks for
+    4 KiB pages, for A/B runs).
+
+    Private, not shared: ``mmap(-1, n)`` alone is MAP_SHARED, i.e. shmem, whose huge pages follow
+    ``shmem_enabled`` ("never" by default), so the advice was ignored and the bank sat on 4 KiB
+    pages: one TLB entry per expert row, and the hardware prefetchers stop at every page."""
+    mm = _Arena(-1, align_up(max(nbytes, 1)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    huge = huge_pages_wanted() if huge is None else huge
+    advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
+    if advice is not None:
         try:
-            mm.madvise(mmap.MADV_HUGEPAGE)
+            mm.madvise(advice)
         except OSError:
             pass
     return mm
+
+
+def huge_page_bytes(t) -> int:
+    """Bytes of the mapping under tensor ``t`` (from ``aligned_empty``) that sit on huge pages now,
+    from /proc/self/smaps (AnonHugePages); 0 where that file is missing."""
+    start = t.data_ptr()
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return 0
+    inside = False
+    for line in lines:
+        head = line.split(maxsplit=1)[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= start < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def as_tensor(mm: _Arena, nbytes: int):
