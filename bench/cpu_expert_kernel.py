@@ -154,6 +154,18 @@ def gbps(fn, x, w13, w2, plans, min_s: float, ebytes: int) -> float:
             return nbytes / dt / 1e9
 
 
+def c_gbps(x, w13, w2, plans, min_s: float, ebytes: int) -> float:
+    """Weights' GB/s of the same calls run back to back from C (``calls_seconds``), as the GPU
+    decode's CPU branch and the calibration call the kernel: no Python call around each."""
+    tok, exps = plans[0][0], torch.stack([p[1] for p in plans])
+    per_pass = sum(p[2] for p in plans) * ebytes
+    n, secs = 0, 0.0
+    while n < 1 or secs < min_s:
+        secs += ce.calls_seconds(x, w13, w2, tok, exps)
+        n += 1
+    return n * per_pass / secs / 1e9
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--label", default=platform.node())
@@ -220,6 +232,10 @@ def main() -> None:
                     v = gbps(ce.experts_forward, xs[(T, dt)], w13, w2, plans[(m, T)], 0.25, ebytes)
                     got[f"kernel/{m}/T={T}/x={str(dt)[6:]}/threads={th}/prefetch={pf}"] = v
             ce.configure(prefetch_bytes=pf_list[0])
+            for m, T, dt in cases:      # the same calls from C: the engine's GPU path calls it so
+                if dt == torch.bfloat16:
+                    v = c_gbps(xs[(T, dt)], w13, w2, plans[(m, T)], 0.25, ebytes)
+                    got[f"kernel/{m}/T={T}/x=bfloat16/threads={th}/prefetch={pf_list[0]}/from_c"] = v
             if amx:
                 ce.configure(isa="avx512bf16")
                 for m, T, dt in cases:
