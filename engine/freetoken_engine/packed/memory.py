@@ -38,7 +38,8 @@ def arena(nbytes: int, huge: bool | None = None) -> _Arena:
 
     Private, not shared: ``mmap(-1, n)`` alone is MAP_SHARED, i.e. shmem, whose huge pages follow
     ``shmem_enabled`` ("never" by default), so the advice was ignored and the bank sat on 4 KiB
-    pages: one TLB entry per expert row, and the hardware prefetchers stop at every page."""
+    pages: a page fault per 4 KiB as a load fills it, each holding the process's page-table lock
+    (docs/cpu_kernel.md, "The bank on huge pages")."""
     mm = _Arena(-1, align_up(max(nbytes, 1)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     huge = huge_pages_wanted() if huge is None else huge
     advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
