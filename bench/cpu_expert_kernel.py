@@ -31,6 +31,7 @@ machines' entries are kept) and redraws the .png next to it from every entry.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -44,7 +45,7 @@ import torch
 
 from freetoken_engine.kernels import cpu_experts as ce
 from freetoken_engine.kernels.reference import expert_pairs_forward
-from freetoken_engine.packed.memory import aligned_empty
+from freetoken_engine.packed.memory import arena, as_tensor
 
 RESULTS = Path(__file__).resolve().parent / "results"
 H, I, K = 2048, 768, 8            # Qwen3-30B-A3B: hidden, expert intermediate, top-k
@@ -80,14 +81,21 @@ def hardware() -> dict:
     return info
 
 
-def bank_tensor(*shape: int) -> torch.Tensor:
+@functools.lru_cache(maxsize=1)
+def fill_block() -> torch.Tensor:
+    """The random bf16 block that bank_tensor tiles."""
+    return (torch.rand(1 << 26) * 0.1 - 0.05).to(torch.bfloat16)
+
+
+def bank_tensor(*shape: int, huge: bool | None = None) -> torch.Tensor:
     """A bf16 tensor in page-aligned memory as the engine allocates its bank, filled by tiling
-    one random block (contents do not change any timing; uniform_ over gigabytes is slow)."""
+    one random block (contents do not change any timing; uniform_ over gigabytes is slow).
+    ``huge``: ``packed.memory.arena``'s (None: the engine's default, huge pages)."""
     n = 1
     for d in shape:
         n *= d
-    t = aligned_empty(2 * n).view(torch.bfloat16)
-    block = (torch.rand(1 << 26) * 0.1 - 0.05).to(torch.bfloat16)
+    t = as_tensor(arena(2 * n, huge=huge), 2 * n).view(torch.bfloat16)
+    block = fill_block()
     for i in range(0, n, block.numel()):
         t[i:i + block.numel()].copy_(block[:n - i])
     return t.view(*shape)

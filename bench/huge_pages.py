@@ -31,40 +31,22 @@ from pathlib import Path
 
 import torch
 
-from cpu_expert_kernel import RESULTS, H, I, K, hardware, write_results
+from cpu_expert_kernel import RESULTS, H, I, K, bank_tensor, c_gbps, fill_block, hardware, make_plans, write_results
 from freetoken_engine.kernels import cpu_experts as ce
 from freetoken_engine.packed import memory
 
 SIDES = ("huge", "small")
-CASES = (("1_expert", 1, 1), ("one_token", 8, 1), ("same_experts_T4", 8, 4), ("same_experts_T8", 8, 8))
+CASES = (("1_expert", "1_expert", 1), ("one_token", "one_token", 1), ("same_experts_T4", "same_experts", 4),
+         ("same_experts_T8", "same_experts", 8))     # (name, cpu_expert_kernel.make_plans mode, tokens)
 EXPERT_BYTES = 3 * H * I * 2
 
 
 def make_bank(E: int, huge: bool) -> tuple[torch.Tensor, torch.Tensor, float]:
     """w13 [1, E, 2I, H] and w2 [1, E, H, I] bf16 on one side's pages, and the fill's GB/s."""
-    block = (torch.rand(1 << 24) * 0.1 - 0.05).to(torch.bfloat16)
-    out, t0 = [], time.perf_counter()
-    for shape in ((1, E, 2 * I, H), (1, E, H, I)):
-        n = shape[1] * shape[2] * shape[3]
-        t = memory.as_tensor(memory.arena(2 * n, huge=huge), 2 * n).view(torch.bfloat16)
-        for i in range(0, n, block.numel()):
-            t[i:i + block.numel()].copy_(block[:n - i])
-        out.append(t.view(*shape))
-    return out[0], out[1], E * EXPERT_BYTES / (time.perf_counter() - t0) / 1e9
-
-
-def kernel_gbps(x, w13, w2, window: int, T: int, gen: torch.Generator, min_s: float) -> float:
-    """Weights' GB/s of back-to-back calls from C, each on the next `window` experts of a
-    permutation (T tokens on each), until min_s seconds have passed."""
-    E = w13.shape[1]
-    calls = E // window
-    tok = torch.arange(T).repeat(window)
-    nbytes, secs = 0, 0.0
-    while secs < min_s:
-        exps = torch.randperm(E, generator=gen)[:calls * window].view(calls, window).repeat_interleave(T, dim=1)
-        secs += ce.calls_seconds(x, w13[0], w2[0], tok, exps)
-        nbytes += calls * window * EXPERT_BYTES
-    return nbytes / secs / 1e9
+    fill_block()                    # made once, outside the clock
+    t0 = time.perf_counter()
+    w13, w2 = bank_tensor(1, E, 2 * I, H, huge=huge), bank_tensor(1, E, H, I, huge=huge)
+    return w13, w2, E * EXPERT_BYTES / (time.perf_counter() - t0) / 1e9
 
 
 def read_gbps(w13, min_s: float) -> float:
@@ -127,13 +109,14 @@ def measure(args) -> dict:
                 gpu_gbps(*banks[side][:2], slots, torch.Generator().manual_seed(1), 0.05, how)
     x = (torch.randn(8, H) * 0.1).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(0)
+    plans = {name: make_plans(E, T, mode, gen) for name, mode, T in CASES}
     rows: dict[str, dict[str, list[float]]] = {s: {} for s in SIDES}
     for rnd in range(args.rounds):
         for side in (SIDES if rnd % 2 == 0 else SIDES[::-1]):
             w13, w2 = banks[side][:2]
             got = {"read": read_gbps(w13, args.seconds)}
-            for name, window, T in CASES:
-                got[f"kernel/{name}"] = kernel_gbps(x, w13, w2, window, T, gen, args.seconds)
+            for name, _, _ in CASES:
+                got[f"kernel/{name}"] = c_gbps(x, w13[0], w2[0], plans[name], args.seconds, EXPERT_BYTES)
             if gpu:
                 for how in ("gather", "memcpy"):
                     got[f"gpu/{how}"] = gpu_gbps(w13, w2, slots, gen, args.seconds, how)

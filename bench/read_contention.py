@@ -104,12 +104,8 @@ def fill_read(folder: Path, span: int, busy: bool | str, fault: str | None = Non
     """``fault``: None (the reads fault their pages), "before" (untimed) or "first" (timed).
     ``huge``: the arenas on transparent huge pages (the engine's default) or on 4 KiB pages."""
     index = read_index(folder)
-    was = os.environ.get("FREETOKEN_HUGE_PAGES")
     os.environ["FREETOKEN_HUGE_PAGES"] = "on" if huge else "off"      # read by packed.memory.arena
-    try:
-        fill = early.Fill(folder, index, False, True, READERS, span=span)
-    finally:
-        os.environ.pop("FREETOKEN_HUGE_PAGES") if was is None else os.environ.update(FREETOKEN_HUGE_PAGES=was)
+    fill = early.Fill(folder, index, False, True, READERS, span=span)
     if fault == "before":
         fault_in(list(fill.arenas.values()), READERS)
     done, turns = threading.Event(), 0
