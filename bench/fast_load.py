@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_expert_kernel import hardware  # noqa: E402
 from disk_read import dd_read, drop_caches, parallel_direct_read  # noqa: E402
-from fast_restart import first_request  # noqa: E402
+from fast_restart import first_request, plot_restarts  # noqa: E402
 
 from freetoken_engine.models import family  # noqa: E402
 from freetoken_engine.packed import convert, load_packed  # noqa: E402
@@ -147,6 +147,11 @@ def main() -> None:
         data["machines"].setdefault(args.label, {})[args.entry] = {
             "moe_layers": args.layers, "packed_bytes": pk_bytes, **first_request(pk_dir, args.threads, args.restarts.split(","), args.pycache)}
         out.write_text(json.dumps(data, indent=1) + "\n")
+        try:
+            plot_restarts(data["machines"][args.label][args.entry], f"{args.label} {args.entry}: "
+                          f"restarts of a {pk_bytes / 1e9:.1f} GB packed folder", RESULTS / f"fast_load_{args.entry}.png")
+        except ImportError as exc:  # matplotlib absent (the GPU machine): the JSON is what counts
+            print(f"no plot: {exc}")
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)
         return

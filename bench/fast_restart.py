@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from disk_read import drop_caches, parallel_direct_read
+from disk_read import drop_caches, evict, parallel_direct_read
 
 PROBE = Path(__file__).resolve().parent / "restart_probe.py"
 
@@ -30,7 +30,10 @@ def first_request(folder: Path, threads: int, restarts: list[str], pycache: Path
     throwaway process imports torch and the engine
     after the page cache is dropped, so the libraries come from memory and only the bank from
     the disk (a server restarted on a running machine: the bank's O_DIRECT reads never fill the
-    page cache). Each restart's first tokens are compared with the first start's. ``pycache``:
+    page cache); with "+hot" the page cache is not dropped but only the folder's files are
+    evicted from it: the libraries' code is where the previous process (the last start) left
+    it, pages an import alone does not touch included (CUDA kernels, cuBLAS, Triton's compiler
+    and cache), as on a machine that ran the engine before. Each restart's first tokens are compared with the first start's. ``pycache``:
     Python writes and reads its bytecode there (``PYTHONPYCACHEPREFIX``), for a Python install
     that ships no ``.pyc`` files and cannot be written to, where every import compiles its
     source again (the GPU machine's torch: 2.6 s a start, device run 57's profile); a user's
@@ -51,7 +54,9 @@ def first_request(folder: Path, threads: int, restarts: list[str], pycache: Path
     first_tokens = None
     for i, mode in enumerate(["plain"] + restarts):
         start = "first_start" if i == 0 else f"restart_{i}_{mode}"
-        dropped = drop_caches()
+        hot = mode.endswith("+hot")
+        dropped = evict(folder) if hot else drop_caches()
+        mode = mode.removesuffix("+hot")
         warm = mode.endswith("+warm")
         if warm:                        # the libraries back in the page cache, the bank not
             subprocess.run([sys.executable, "-c", "import torch, triton, freetoken_engine.llm"], check=True, env=env)
@@ -66,7 +71,8 @@ def first_request(folder: Path, threads: int, restarts: list[str], pycache: Path
         tokens = res.pop("first_tokens")
         res["same_tokens_as_first_start"] = tokens == first_tokens if i else None
         first_tokens = tokens if i == 0 else first_tokens
-        out[start] = {"mode": mode, "libraries_warm": warm, "page_cache_dropped": dropped, **res, "ready_over_disk_read": res["ready_seconds"] / disk_s}
+        out[start] = {"mode": mode, "libraries_warm": "hot" if hot else warm,
+                      ("folder_evicted" if hot else "page_cache_dropped"): dropped, **res, "ready_over_disk_read": res["ready_seconds"] / disk_s}
         ld, tl = res["load"], res["timeline"]
         print(f"{start}: ready {res['ready_seconds']:.2f} s (imports {res['import_seconds']:.2f} s, load "
               f"{ld['seconds']:.2f} s of which waiting for the read {ld['waited_seconds']:.2f} s, read "
@@ -86,3 +92,28 @@ def first_request(folder: Path, threads: int, restarts: list[str], pycache: Path
     out["disk_read_after_seconds"] = time.perf_counter() - t
     print(f"disk read: {disk_s:.2f} s before the starts, {out['disk_read_after_seconds']:.2f} s after")
     return out
+
+
+def plot_restarts(entry: dict, title: str, path: Path) -> None:
+    """Each start of ``entry`` (``first_request``'s result) as a bar of its time to ready, split
+    into the read of the bank and what came after it, against the disk's reads of the same run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    starts = [(k, v) for k, v in entry.items() if k.startswith("restart_") and "ready_seconds" in v]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(starts) + 1.6))
+    for i, (name, v) in enumerate(starts):
+        read_end = min(v["timeline"].get("read_finished", v["ready_seconds"]), v["ready_seconds"])
+        ax.barh(i, read_end, color="tab:gray")
+        ax.barh(i, v["ready_seconds"] - read_end, left=read_end, color="tab:red")
+        ax.text(v["ready_seconds"] + 0.05, i, f"{v['ready_seconds']:.2f} s", va="center", fontsize=7)
+    disk = [entry["disk_read_seconds"]] + ([entry["disk_read_after_seconds"]] if "disk_read_after_seconds" in entry else [])
+    for d in disk:
+        ax.axvline(d, color="k", ls=":", lw=1)
+    ax.set_yticks(range(len(starts)), [n.removeprefix("restart_") for n, _ in starts], fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds from the process's start (gray: until the bank's read ended; red: after it; "
+                  "dotted: the disk's own read)", fontsize=8)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

@@ -159,6 +159,20 @@ def measure(device: str = "cpu", seconds: float = 1.0) -> dict:
             "cpu_stalled_calls": max(0, stalled), "cpu_contended": stalled >= CONTENDED_STALLS}
 
 
+def _cpu_name() -> str:
+    """The CPU's model name from /proc/cpuinfo, else the machine type. Not platform.processor(),
+    which runs ``uname -p``: an exec whose binary a restart reads from a disk busy with the
+    bank's read (0.1 s on the H200 host, device run 78)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def _cache_path(device: torch.device) -> Path:
     from .kernels.cpu_experts import default_threads
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "none"
@@ -166,7 +180,8 @@ def _cache_path(device: torch.device) -> Path:
     # v3: also the CPU expert kernel's threads and backend choice, which set B_cpu (before, a
     # user who gave the kernel fewer CPUs kept the q* measured with all of them).
     kernel = f"{env.cpu_expert_backend() or ''}|{os.environ.get(env.FREETOKEN_CPU_KERNEL, '')}"
-    key = (f"v3|{platform.processor()}|{torch.get_num_threads()}|{default_threads()}|{kernel}|{gpu}|"
+    # v4: the CPU's model name (v3 had platform.processor(), "x86_64" on most Linux machines).
+    key = (f"v4|{_cpu_name()}|{torch.get_num_threads()}|{default_threads()}|{kernel}|{gpu}|"
            f"{torch.__version__}")
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return env.cache_dir() / "calibration" / f"{socket.gethostname()}-{device.type}-{digest}.json"

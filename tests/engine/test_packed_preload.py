@@ -288,3 +288,29 @@ def test_cli_with_a_truncated_packed_folder_is_one_line(tiny_packed, tmp_path):
                         "--prompt-ids", "1,2", "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and "bytes on disk" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+
+
+def test_preload_reads_the_small_files_before_the_bank_reads_start(tiny_packed, tmp_path, monkeypatch):
+    _, out = tiny_packed
+    folder = copy_folder(out, tmp_path / "p")
+    (folder / "notes.bin").write_bytes(b"\0" * 4096)          # not in the index: read too
+    order = []
+    read = early.read_small_files
+    monkeypatch.setattr(early, "read_small_files", lambda *a: order.append(("small", read(*a))))
+    start = early.Fill.start
+    monkeypatch.setattr(early.Fill, "start", lambda self: order.append(("bank", None)) or start(self))
+    preload(folder)
+    assert [k for k, _ in order] == ["small", "bank"]          # queued on the disk after them
+    names = order[0][1]
+    assert {"config.json", "tokenizer.json", "generation_config.json", "notes.bin"} <= set(names)
+    assert not any(n.startswith(("bank-", "dense-")) or n == "freetoken-packed.json" for n in names)
+    assert load_packed(folder).stats["preloaded"]
+
+
+def test_small_files_past_the_budget_are_left_to_the_start(tiny_packed):
+    _, out = tiny_packed
+    index = json.loads((out / "freetoken-packed.json").read_text())
+    sizes = {p.name: p.stat().st_size for p in out.iterdir() if p.name not in index["files"]}
+    smallest = min(sizes.values())
+    got = early.read_small_files(out, index, limit=smallest)
+    assert len(got) == 1 and sizes[got[0]] == smallest

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..layers.attention import AttnBatch
+from . import cuda_warm
 from .inputs import SeqChunk, decode_arrays
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,7 @@ class DecodeGraphs:
         """Capture the step ``chunks`` (already run eagerly once: kernels compiled, buffers made)."""
         b, width = key
         self.tried.add(key)
+        cuda_warm.wait()                   # a capture must not see another thread's CUDA calls
         mode = None
         if self.experts is not None:
             mode = self.experts.graph_mode(b)

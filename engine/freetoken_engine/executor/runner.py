@@ -27,6 +27,7 @@ from ..calibrate import calibrated
 from ..models.build import BankRead, start_model
 from ..models.loader import torch_dtype
 from ..models.tokenizer import load_tokenizer
+from . import cuda_warm
 from .cpu_contention import ContentionFollower, pool_record
 from .inputs import SeqChunk, build_inputs
 from .split_tuner import SplitTuner, decode_batch
@@ -62,9 +63,11 @@ class ModelRunner:
             torch.set_num_threads(env.cpu_threads())
         self.device = torch.device(cfg.device)
         self.dtype = torch_dtype(cfg.resolved_dtype)
+        if self.device.type == "cuda":
+            cuda_warm.start(cfg.device)          # torch's first CUDA calls, beside the build (once)
         if self.device.type == "cuda" and cfg.expert_backend != "torch":
             from ..kernels.triton import prewarm
-            prewarm.start()                      # Triton's per-process cache key, beside the build
+            prewarm.start()                      # Triton's cache key (kept between starts), beside the build
         folder = cfg.model
         if folder.suffix == ".gguf" and folder.is_file():       # a llama GGUF: convert once, cached
             from ..models.gguf_folder import gguf_folder

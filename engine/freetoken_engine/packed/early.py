@@ -266,14 +266,43 @@ _pending: dict[str, Fill] = {}
 _pending_lock = threading.Lock()
 
 
+SMALL_FILES_BYTES = 64 << 20
+
+
+def read_small_files(folder: Path, index: dict, limit: int = SMALL_FILES_BYTES) -> list[str]:
+    """Read the folder's files other than the packed data (config, generation config, tokenizer)
+    into the page cache, largest last, up to ``limit`` bytes in all; -> their names. The start
+    reads them after the bank's reads have queued on the disk, where each read waited behind that
+    queue (config.json 0.2 s on the H200 host, device run 78)."""
+    packed = set(index["files"]) | {INDEX_NAME}
+    files = sorted((p for p in folder.iterdir() if p.name not in packed and p.is_file()),
+                   key=lambda p: (p.stat().st_size, p.name))
+    done = []
+    for p in files:
+        size = p.stat().st_size
+        if size > limit:
+            break
+        try:
+            with open(p, "rb") as f:
+                while f.read(1 << 20):
+                    pass
+        except OSError:
+            continue
+        limit -= size
+        done.append(p.name)
+    return done
+
+
 def preload(folder: str | Path, threads: int = 8, device: str | None = None) -> None:
     """Start reading the packed folder ``folder`` in the background; returns at once. The next
     ``load_packed`` of the same folder (``LLM``, ``freetoken serve``) takes the read over. Call
     it before importing torch so that the read overlaps the imports. ``device``: the engine's
-    device; a CUDA one gets its context made meanwhile too (``early_cuda``). Raises
-    PackedFormatError for a folder whose index or files fail the structural checks."""
+    device; a CUDA one gets its context made meanwhile too (``early_cuda``). The folder's small
+    files are read first (``read_small_files``). Raises PackedFormatError for a folder whose
+    index or files fail the structural checks."""
     folder = Path(folder)
     index = read_index(folder)
+    read_small_files(folder, index)
     fill = Fill(folder, index, not already_verified(folder, index), True, threads).start()
     early_cuda.start(device)
     with _pending_lock:

@@ -44,9 +44,15 @@ def start(device: str | None) -> threading.Thread | None:
     with _lock:
         if _thread is not None:
             return None
+        _status.update(device=n, seconds=None, error=None)
         _thread = threading.Thread(target=_open, args=(n,), name="ft-cuda-context", daemon=True)
         _thread.start()
         return _thread
+
+
+def started_device() -> str | None:
+    """"cuda:N" when ``start`` was called for device N in this process, else None."""
+    return f"cuda:{_status['device']}" if "device" in _status else None
 
 
 def status(wait: bool = True) -> dict:
@@ -60,7 +66,6 @@ def status(wait: bool = True) -> dict:
 
 def _open(device: int) -> None:
     t0 = time.perf_counter()
-    _status.update(device=device, seconds=None, error=None)
     try:
         lib = ctypes.CDLL("libcuda.so.1")
     except OSError:
