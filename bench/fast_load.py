@@ -121,8 +121,8 @@ def main() -> None:
                     help="with --first-request-only: the key of this label's entry that gets the result")
     ap.add_argument("--restarts", default="plain,preload,plain+warm,preload+warm,plain+warm,preload+warm",
                     help="the restarts after the first start, in order: plain | preload[:threads], "
-                         "each optionally /serial (graphs after the bank) and +warm (libraries in the "
-                         "page cache)")
+                         "each optionally with restart_probe.py's /switches, then +warm (libraries "
+                         "imported after the page cache is dropped) or +hot (only the folder evicted)")
     ap.add_argument("--pycache", type=Path,
                     help="restarts keep Python's bytecode here (PYTHONPYCACHEPREFIX): for a Python "
                          "install without .pyc files that cannot be written to")

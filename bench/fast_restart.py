@@ -26,18 +26,18 @@ def first_request(folder: Path, threads: int, restarts: list[str], pycache: Path
     "plain" (``LLM(folder)``) or "preload[:N]" (the process calls
     ``freetoken_engine.preload(folder[, N threads], device=...)`` before importing torch, as
     ``freetoken generate`` / ``serve`` do), followed by A/B switches of ``restart_probe.py``
-    ("/serial", "/nocuda", "/allwidths": an earlier order of the start, each); with "+warm" a
-    throwaway process imports torch and the engine
-    after the page cache is dropped, so the libraries come from memory and only the bank from
-    the disk (a server restarted on a running machine: the bank's O_DIRECT reads never fill the
-    page cache); with "+hot" the page cache is not dropped but only the folder's files are
-    evicted from it: the libraries' code is where the previous process (the last start) left
-    it, pages an import alone does not touch included (CUDA kernels, cuBLAS, Triton's compiler
-    and cache), as on a machine that ran the engine before. Each restart's first tokens are compared with the first start's. ``pycache``:
-    Python writes and reads its bytecode there (``PYTHONPYCACHEPREFIX``), for a Python install
-    that ships no ``.pyc`` files and cannot be written to, where every import compiles its
-    source again (the GPU machine's torch: 2.6 s a start, device run 57's profile); a user's
-    ``pip install`` writes them once."""
+    ("/serial", "/nocuda", "/allwidths": an earlier order of the start, each), and then:
+    "+warm": a throwaway process imports torch, Triton and the engine after the page cache is
+    dropped, so the libraries' imported parts come from memory and the rest (CUDA kernels,
+    cuBLAS, Triton's compiler and cache) from the disk with the bank, as after a reboot;
+    "+hot": the page cache is not dropped, only the folder's files are evicted from it, so the
+    libraries are where the previous process (the last start) left them, as on a machine that
+    ran the engine before (the bank's O_DIRECT reads never fill the page cache); neither: the
+    whole page cache dropped. Each restart's first tokens are compared with the first start's.
+    ``pycache``: Python writes and reads its bytecode there (``PYTHONPYCACHEPREFIX``), for a
+    Python install that ships no ``.pyc`` files and cannot be written to, where every import
+    compiles its source again (the GPU machine's torch: 2.6 s a start, device run 57's
+    profile); a user's ``pip install`` writes them once."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     if pycache is not None:

@@ -7,8 +7,8 @@ sources, then caches it for the process; the backend's part of the key asks ``pt
 version (a subprocess). The engine's first Triton launch is inside the decode graphs' warm-up, the
 last step before ready. ``start()`` does both on a background thread when the engine's start
 begins, and keeps the key in the engine's cache directory, stamped with the size and mtime of
-every file under Triton's package: a restart installs the stored key in a few milliseconds and
-reads none of those files. That matters beyond the hash: a restart reads its expert bank from the
+every file the key hashes (``stamp``): a restart installs the stored key in about a millisecond
+and reads none of those files. That matters beyond the hash: a restart reads its expert bank from the
 same disk at the same time, and 500 MB read beside it cost the bank's read that much disk time
 while the hash itself waited behind the bank's queue (device run 77: the first launch still
 computed the key, 0.3-0.4 s into the capture). Triton's own compile workers install a key the
