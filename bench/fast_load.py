@@ -149,7 +149,7 @@ def main() -> None:
         out.write_text(json.dumps(data, indent=1) + "\n")
         try:
             plot_restarts(data["machines"][args.label][args.entry], f"{args.label} {args.entry}: "
-                          f"restarts of a {pk_bytes / 1e9:.1f} GB packed folder", RESULTS / f"fast_load_{args.entry}.png")
+                          f"restarts of a {pk_bytes / 1e9:.1f} GB packed folder", RESULTS / f"fast_load_{args.label}_{args.entry}.png")
         except ImportError as exc:  # matplotlib absent (the GPU machine): the JSON is what counts
             print(f"no plot: {exc}")
         if not args.keep:
