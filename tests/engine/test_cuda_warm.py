@@ -15,7 +15,8 @@ import json, sys, threading
 from freetoken_engine.packed import early_cuda
 if sys.argv[1] != "none":
     early_cuda.start(sys.argv[1])          # what preload does with device=...
-import freetoken_engine.llm                # imports torch, then starts the warm-up
+__import__(sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "import" else "freetoken_engine.llm")
+# (importing torch, then starting the warm-up: LLM's path, or a server's through the runner)
 from freetoken_engine.executor import cuda_warm
 started = any(t.name == "ft-torch-warm" for t in threading.enumerate()) or cuda_warm._thread is not None
 status = cuda_warm.wait()
@@ -45,6 +46,12 @@ def test_nothing_starts_without_a_cuda_preload():
     for device in ("none", "cpu"):
         got = _probe(device, "-")
         assert got == {"started": False, "status": {}}
+
+
+@pytest.mark.parametrize("module", ["freetoken_engine.llm", "freetoken_engine.scheduler.service"])
+def test_a_cuda_preload_starts_it_at_the_first_torch_import_of_either_path(module):
+    got = _probe("cuda", "import", module)
+    assert got["started"] and got["status"]["device"] == 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the failure path: a machine without CUDA")

@@ -8,9 +8,10 @@ with the expert bank's read, and a page read waits behind its queue: a stack sam
 77's restarts (``bench/restart_probe.py /stacks``) put 0.4-0.75 s into the first tiny CPU op (the
 rope table's), then more into the first CUDA op, cuBLAS call and concatenation, all on the
 start's critical path. ``start(device)`` runs ops of each kind on a daemon thread (torch
-releases the GIL inside an op, so the imports go on beside it); ``freetoken_engine.llm`` starts
-it right after importing torch when ``preload`` was given a CUDA device (the CLI and servers do),
-the engine's start otherwise. ``wait()`` joins it; the decode graphs' capture waits first, since
+releases the GIL inside an op, so the imports go on beside it). When ``preload`` was given a CUDA
+device (the CLI and servers do), it starts right after the engine's first ``import torch``:
+``freetoken_engine.llm``'s (``LLM``, ``freetoken generate``) or ``executor.runner``'s (a server);
+otherwise when the engine's start begins. ``wait()`` joins it; the decode graphs' capture waits first, since
 a capture must not see another thread's CUDA calls. Nothing the engine computes comes from this
 thread; a failure here only means the engine's own first calls pay as before (``status()`` says
 what happened).

@@ -16,21 +16,24 @@ from typing import Callable
 
 import torch
 
-from .. import env
-from ..cache.experts import ExpertCache
-from ..cache.kv import KVPool
-from ..cache.offload import OffloadedExperts
-from ..config import EngineConfig
-from ..errors import ConfigError
-from ..layers.linear import use_compiled_linears
-from ..calibrate import calibrated
-from ..models.build import BankRead, start_model
-from ..models.loader import torch_dtype
-from ..models.tokenizer import load_tokenizer
 from . import cuda_warm
-from .cpu_contention import ContentionFollower, pool_record
-from .inputs import SeqChunk, build_inputs
-from .split_tuner import SplitTuner, decode_batch
+
+cuda_warm.start_after_preload()     # a server's first torch import: the warm-up beside the rest
+
+from .. import env  # noqa: E402
+from ..cache.experts import ExpertCache  # noqa: E402
+from ..cache.kv import KVPool  # noqa: E402
+from ..cache.offload import OffloadedExperts  # noqa: E402
+from ..config import EngineConfig  # noqa: E402
+from ..errors import ConfigError  # noqa: E402
+from ..layers.linear import use_compiled_linears  # noqa: E402
+from ..calibrate import calibrated  # noqa: E402
+from ..models.build import BankRead, start_model  # noqa: E402
+from ..models.loader import torch_dtype  # noqa: E402
+from ..models.tokenizer import load_tokenizer  # noqa: E402
+from .cpu_contention import ContentionFollower, pool_record  # noqa: E402
+from .inputs import SeqChunk, build_inputs  # noqa: E402
+from .split_tuner import SplitTuner, decode_batch  # noqa: E402
 
 log = logging.getLogger(__name__)
 
