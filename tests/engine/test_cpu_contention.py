@@ -334,13 +334,20 @@ def test_a_first_start_measures_after_the_read_and_a_restart_reads_the_cache(two
     as on a GPU host (which this machine is not: the runner's device reads cuda, and the host
     cache's path, which names the GPU, is a temporary file): a first start finishes the bank's
     read, probes and caches the rate, and moves q* by it; a restart takes the cached rate, probes
-    nothing and leaves the read running (the graph warm-up overlaps it)."""
+    nothing and leaves the read running (the graph warm-up overlaps it). A rate probed while the
+    pool's record shows another process on the CPUs is used but not cached, so the next start
+    probes again. The record is given here (the real one is the subject of the busy-process tests
+    above): on this shared 2-CPU VM the host's other tenants made 8 real probes in a row read as
+    contended in a clean-clone run."""
     import types
 
     from freetoken_engine import calibrate
     from freetoken_engine.config import EngineConfig
+    from freetoken_engine.executor import runner as runner_module
     from freetoken_engine.executor.runner import ModelRunner
     monkeypatch.setattr(calibrate, "_cache_path", lambda device: tmp_path / "host.json")
+    record = {"workers_left_out": 1}                 # another process on a worker's CPU
+    monkeypatch.setattr(runner_module, "pool_record", lambda: dict(record))
     experts = _bank_experts()
     probes = []
     rate = experts.cpu_rate
@@ -360,25 +367,18 @@ def test_a_first_start_measures_after_the_read_and_a_restart_reads_the_cache(two
         ModelRunner._start_follower(runner, EngineConfig(model=tmp_path, device="cuda"), read)
         return runner, read
 
-    from freetoken_engine.kernels import cpu_experts
-    # A busy machine (other tests' processes) may crowd the probe out, and a worker that stalled
-    # in an earlier test may still sit out its backoff (up to 2 s, pool.h): both read as another
-    # process on the CPUs. Retry, after the pool has every worker back.
-    for attempt in range(1, 9):
-        end = time.monotonic() + 5.0
-        while cpu_experts.pool_stats()["workers_left_out"] and time.monotonic() < end:
-            time.sleep(0.05)
-        first, read = start()
-        assert not read.pending and len(probes) == attempt
-        f = first.follower
-        if not f.reference_contended:
-            break
-        assert calibrate.cached_model_rate("cuda", "1024x512-bfloat16") is None      # not kept
-        time.sleep(0.3)
-    assert not f.reference_contended, "8 probes in a row saw another process on the kernel's CPUs"
+    busy, read = start()
+    assert not read.pending and len(probes) == 1 and busy.follower.reference_contended
+    assert busy.follower.reference > 0 and len(busy.set_to) == 1        # the split uses it ...
+    assert calibrate.cached_model_rate("cuda", "1024x512-bfloat16") is None      # ... not kept
+    record.clear()                                   # the other process is gone
+    first, read = start()
+    assert not read.pending and len(probes) == 2     # probed again
+    f = first.follower
+    assert not f.reference_contended
     assert f.model_ratio == pytest.approx(min(4.0, max(0.25, f.reference / 60.0))) and f.model_ratio != 1.0
     assert first.set_to == [pytest.approx(contended_fraction(0.4, f.model_ratio))]
     assert calibrate.cached_model_rate("cuda", "1024x512-bfloat16") == f.reference
     again, read = start()
-    assert read.pending and len(probes) == attempt
+    assert read.pending and len(probes) == 2
     assert again.follower.reference == f.reference and again.set_to == first.set_to
