@@ -294,6 +294,8 @@ def test_preload_reads_the_small_files_before_the_bank_reads_start(tiny_packed, 
     _, out = tiny_packed
     folder = copy_folder(out, tmp_path / "p")
     (folder / "notes.bin").write_bytes(b"\0" * 4096)          # not in the index: read too
+    (folder / "extras").mkdir()                                  # neither a folder ...
+    (folder / "gone.json").symlink_to(folder / "deleted.json")   # ... nor a dangling link stops it
     order = []
     read = early.read_small_files
     monkeypatch.setattr(early, "read_small_files", lambda *a: order.append(("small", read(*a))))

@@ -275,11 +275,15 @@ def read_small_files(folder: Path, index: dict, limit: int = SMALL_FILES_BYTES) 
     reads them after the bank's reads have queued on the disk, where each read waited behind that
     queue (config.json 0.2 s on the H200 host, device run 78)."""
     packed = set(index["files"]) | {INDEX_NAME}
-    files = sorted((p for p in folder.iterdir() if p.name not in packed and p.is_file()),
-                   key=lambda p: (p.stat().st_size, p.name))
+    sizes = []
+    for p in folder.iterdir():
+        try:
+            if p.name not in packed and p.is_file():
+                sizes.append((p.stat().st_size, p.name, p))
+        except OSError:
+            continue                    # gone or unreadable: the start will say so if it needs it
     done = []
-    for p in files:
-        size = p.stat().st_size
+    for size, _, p in sorted(sizes):
         if size > limit:
             break
         try:
