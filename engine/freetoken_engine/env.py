@@ -53,6 +53,10 @@ FREETOKEN_PREFILL_SEED = "FREETOKEN_PREFILL_SEED"
 #: faults take the CPU the imports need (docs/cpu_kernel.md).
 FREETOKEN_PRELOAD = "FREETOKEN_PRELOAD"
 PRELOAD_MIN_CPUS = 4
+#: The expert bank's host memory on transparent huge pages (packed/memory.py): "on" (the default,
+#: where the kernel grants them) or "off" (4 KiB pages), for A/B runs or a host where compaction
+#: stalls.
+FREETOKEN_HUGE_PAGES = "FREETOKEN_HUGE_PAGES"
 #: Default of ``serve --api-key`` / ``--admin-token``: secrets passed this way stay out of the
 #: process list (``ps`` shows every argument), which is how the node agent passes them.
 FREETOKEN_API_KEY = "FREETOKEN_API_KEY"
@@ -91,7 +95,7 @@ def validate() -> None:
     engine calls it at start, so a typo in a GPU-only setting fails on a CPU too, not on the first
     GPU that reads it."""
     for parse in (host_branch, gpu_decode_kernels, fill_admission, prefill_seed, stream_split, bypass_slots,
-                  cpu_expert_threads, preload):
+                  cpu_expert_threads, preload, huge_pages):
         parse()
 
 
@@ -157,6 +161,12 @@ def prefill_seed() -> bool:
 def stream_split() -> str:
     """"on", "floor", "stage" or "off" (see FREETOKEN_STREAM_SPLIT); ValueError for anything else."""
     return _mode(FREETOKEN_STREAM_SPLIT, STREAM_SPLIT_DEFAULT, ("on", "floor", "stage", "off"))
+
+
+def huge_pages() -> bool:
+    """Whether the bank's arenas ask for transparent huge pages (see FREETOKEN_HUGE_PAGES);
+    ValueError for anything but on / off."""
+    return _mode(FREETOKEN_HUGE_PAGES, "on", ("on", "off")) == "on"
 
 
 def preload() -> bool:

@@ -11,9 +11,9 @@ with "already registered").
 from __future__ import annotations
 
 import mmap
-import os
 import weakref
 
+from .. import env
 from .format import PackedFormatError, align_up
 
 PAGE = 4096
@@ -26,22 +26,17 @@ class _Arena(mmap.mmap):
 _ARENAS: "weakref.WeakValueDictionary[int, _Arena]" = weakref.WeakValueDictionary()
 
 
-def huge_pages_wanted() -> bool:
-    """Whether arenas ask for transparent huge pages: ``FREETOKEN_HUGE_PAGES`` (on unless "off")."""
-    return os.environ.get("FREETOKEN_HUGE_PAGES", "on").strip().lower() != "off"
-
-
 def arena(nbytes: int, huge: bool | None = None) -> _Arena:
     """A page-aligned anonymous mapping of at least ``nbytes`` (whole pages), on transparent huge
-    pages where the kernel grants them (``huge``: default ``huge_pages_wanted()``; False asks for
-    4 KiB pages, for A/B runs).
+    pages where the kernel grants them (``huge``: default ``env.huge_pages()``,
+    ``FREETOKEN_HUGE_PAGES``; False asks for 4 KiB pages, for A/B runs).
 
     Private, not shared: ``mmap(-1, n)`` alone is MAP_SHARED, i.e. shmem, whose huge pages follow
     ``shmem_enabled`` ("never" by default), so the advice was ignored and the bank sat on 4 KiB
     pages: a page fault per 4 KiB as a load fills it, each holding the process's page-table lock
     (docs/cpu_kernel.md, "The bank on huge pages")."""
     mm = _Arena(-1, align_up(max(nbytes, 1)), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    huge = huge_pages_wanted() if huge is None else huge
+    huge = env.huge_pages() if huge is None else huge
     advice = getattr(mmap, "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE", None)
     if advice is not None:
         try:
