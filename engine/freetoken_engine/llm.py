@@ -13,15 +13,11 @@ from pathlib import Path
 
 import torch
 
-from .executor import cuda_warm
-
-cuda_warm.start_after_preload()     # torch's first CUDA calls beside the imports below
-
-from .config import EngineConfig  # noqa: E402
-from .errors import InvalidRequest, RequestTooLong  # noqa: E402
-from .executor.inputs import SeqChunk, build_inputs  # noqa: E402
-from .executor.runner import ModelRunner  # noqa: E402
-from .executor.sampler import SamplingParams, make_generator, sample  # noqa: E402
+from .config import EngineConfig
+from .errors import InvalidRequest, RequestTooLong
+from .executor.inputs import SeqChunk, build_inputs
+from .executor.runner import ModelRunner
+from .executor.sampler import SamplingParams, make_generator, sample
 
 
 @dataclass

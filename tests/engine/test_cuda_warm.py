@@ -16,7 +16,7 @@ from freetoken_engine.packed import early_cuda
 if sys.argv[1] != "none":
     early_cuda.start(sys.argv[1])          # what preload does with device=...
 __import__(sys.argv[3] if len(sys.argv) > 3 and sys.argv[2] == "import" else "freetoken_engine.llm")
-# (importing torch, then starting the warm-up: LLM's path, or a server's through the runner)
+# (importing torch, then the runner, which starts the warm-up: LLM's path or a server's)
 from freetoken_engine.executor import cuda_warm
 started = any(t.name == "ft-torch-warm" for t in threading.enumerate()) or cuda_warm._thread is not None
 status = cuda_warm.wait()

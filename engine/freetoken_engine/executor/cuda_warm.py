@@ -9,9 +9,9 @@ with the expert bank's read, and a page read waits behind its queue: a stack sam
 rope table's), then more into the first CUDA op, cuBLAS call and concatenation, all on the
 start's critical path. ``start(device)`` runs ops of each kind on a daemon thread (torch
 releases the GIL inside an op, so the imports go on beside it). When ``preload`` was given a CUDA
-device (the CLI and servers do), it starts right after the engine's first ``import torch``:
-``freetoken_engine.llm``'s (``LLM``, ``freetoken generate``) or ``executor.runner``'s (a server);
-otherwise when the engine's start begins. ``wait()`` joins it; the decode graphs' capture waits first, since
+device (the CLI and servers do), it starts when ``executor.runner`` is imported, right after
+torch and before the rest of the engine (``LLM``, ``freetoken generate`` and servers all import
+it); otherwise when the engine's start begins. ``wait()`` joins it; the decode graphs' capture waits first, since
 a capture must not see another thread's CUDA calls. Nothing the engine computes comes from this
 thread; a failure here only means the engine's own first calls pay as before (``status()`` says
 what happened).

@@ -18,7 +18,7 @@ import torch
 
 from . import cuda_warm
 
-cuda_warm.start_after_preload()     # a server's first torch import: the warm-up beside the rest
+cuda_warm.start_after_preload()     # the warm-up beside the rest of the engine's imports
 
 from .. import env  # noqa: E402
 from ..cache.experts import ExpertCache  # noqa: E402
