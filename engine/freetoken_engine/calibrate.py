@@ -9,7 +9,6 @@ lives in host memory and ``fill_fraction`` is 1.0. Results are cached per host c
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import platform
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from . import env
+from .cachefile import read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -197,34 +197,19 @@ def cached_model_rate(device: torch.device | str, shape: str) -> float | None:
     ``2048x768-bfloat16``) measured on this host configuration before (``save_model_rate``), or
     None: the q* follower's reference (executor/cpu_contention.py), so a restart need not
     measure it after the bank's read, which it overlaps with the decode graphs' capture."""
-    rate = (_cached(_model_rate_path(torch.device(device), shape)) or {}).get("cpu_expert_gbps")
+    rate = (read_json(_model_rate_path(torch.device(device), shape)) or {}).get("cpu_expert_gbps")
     return float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
 
 
 def save_model_rate(device: torch.device | str, shape: str, gbps: float) -> None:
-    _write(_model_rate_path(torch.device(device), shape),
+    write_json(_model_rate_path(torch.device(device), shape),
            {"cpu_expert_gbps": gbps, "shape": shape, "measured_at": datetime.now(timezone.utc).isoformat()})
-
-
-def _write(path: Path, obj: dict) -> None:
-    """``obj`` as JSON at ``path``, atomically: a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj))
-    tmp.replace(path)
-
-
-def _cached(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
 
 
 def calibrated(device: torch.device | str) -> bool:
     """Whether ``load_or_measure`` has a cached calibration for this host configuration (so it
     will measure nothing)."""
-    return _cached(_cache_path(torch.device(device))) is not None
+    return read_json(_cache_path(torch.device(device))) is not None
 
 
 def load_or_measure(device: torch.device | str, refresh: bool = False) -> dict:
@@ -234,7 +219,7 @@ def load_or_measure(device: torch.device | str, refresh: bool = False) -> dict:
     start measures again."""
     dev = torch.device(device)
     path = _cache_path(dev)
-    cached = None if refresh else _cached(path)
+    cached = None if refresh else read_json(path)
     if cached is not None:
         return cached
     result = measure(dev.type if dev.type == "cpu" else str(dev))
@@ -243,5 +228,5 @@ def load_or_measure(device: torch.device | str, refresh: bool = False) -> dict:
                     "using B_cpu %.1f GB/s for now, not caching it", result["cpu_stalled_calls"],
                     result["cpu_expert_gbps"])
         return result
-    _write(path, result)
+    write_json(path, result)
     return result

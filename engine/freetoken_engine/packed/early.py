@@ -17,7 +17,6 @@ times less often. Nothing in this module imports torch.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import threading
 import time
@@ -25,6 +24,7 @@ import zlib
 from pathlib import Path
 from typing import Callable
 
+from ..cachefile import read_json, write_json
 from . import early_cuda
 from .format import ALIGN, INDEX_NAME, PackedFormatError, bank_piece_bytes, read_index
 from .memory import arena
@@ -50,18 +50,14 @@ def _file_stamps(folder: Path, index: dict) -> dict:
 def already_verified(folder: Path, index: dict) -> bool:
     """True when every file is as it was at a load that checked every block's CRC."""
     try:
-        return json.loads(_stamp_path(folder).read_text()) == _file_stamps(folder, index)
-    except (OSError, ValueError):
+        return read_json(_stamp_path(folder)) == _file_stamps(folder, index)
+    except OSError:
         return False
 
 
 def record_verified(folder: Path, index: dict) -> None:
-    path = _stamp_path(folder)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(_file_stamps(folder, index)))
-        os.replace(tmp, path)
+        write_json(_stamp_path(folder), _file_stamps(folder, index))
     except OSError:
         pass  # a read-only cache only costs a re-check next time
 

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import json
 import logging
 import os
 import threading
 import time
 from pathlib import Path
+
+from ...cachefile import read_json, write_json
 
 log = logging.getLogger(__name__)
 
@@ -79,18 +80,12 @@ def stored_key(root: Path, compute, cache: Path) -> tuple[str, bool]:
     cache only costs the computation next time). -> (key, whether it was read)."""
     digest = stamp(root)
     path = cache / f"{digest[:24]}.json"
-    try:
-        got = json.loads(path.read_text())
-        if got.get("stamp") == digest and isinstance(got.get("key"), str):
-            return got["key"], True
-    except (OSError, ValueError):
-        pass
+    got = read_json(path)
+    if isinstance(got, dict) and got.get("stamp") == digest and isinstance(got.get("key"), str):
+        return got["key"], True
     key = compute()
     try:
-        cache.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"stamp": digest, "key": key}))
-        tmp.replace(path)
+        write_json(path, {"stamp": digest, "key": key})
     except OSError as exc:
         log.debug("Triton's cache key was not stored (%s)", exc)
     return key, False
