@@ -56,3 +56,12 @@ def serving(args: list[str], timeout: float = 180):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def python_json(code: str, *args: str, timeout: float = 180):
+    """Run ``code`` in a new Python process (``python -c code args...``), assert it exits 0 (its
+    stderr as the message), and return the JSON value on the last line it printed."""
+    import json
+    r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])

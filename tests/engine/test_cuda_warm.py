@@ -3,12 +3,9 @@
 engine captures its graphs."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
+from procs import python_json
 
 PROBE = """
 import json, sys, threading
@@ -37,9 +34,7 @@ print(json.dumps(out))
 
 
 def _probe(*args) -> dict:
-    r = subprocess.run([sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=180)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return python_json(PROBE, *args)
 
 
 def test_nothing_starts_without_a_cuda_preload():

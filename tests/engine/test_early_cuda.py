@@ -2,12 +2,9 @@
 for a CUDA device only, harmless without a driver, and on a GPU the very context torch uses."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
+from procs import python_json
 
 from freetoken_engine.packed import early_cuda, load_packed, preload
 
@@ -85,6 +82,7 @@ from freetoken_engine.packed import early_cuda
 early_cuda.start("cuda")
 status = early_cuda.status()
 import torch
+from procs import python_json
 x = torch.ones(4, device="cuda") * 2
 current = ctypes.c_void_p()
 ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(current))
@@ -95,8 +93,6 @@ print(json.dumps({"status": status, "current": current.value, "sum": float(x.sum
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_torch_uses_the_context_made_before_it_was_imported():
-    r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = python_json(PROBE, timeout=120)
     assert got["status"]["error"] is None and got["status"]["context"]
     assert got["current"] == got["status"]["context"] and got["sum"] == 8.0

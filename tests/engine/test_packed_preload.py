@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import python_json
 from tiny_models import copy_folder, gate_bank_reads, scale_config
 
 from freetoken_engine.packed import PackedFormatError, load_packed, preload
@@ -68,9 +69,7 @@ def test_preload_starts_before_torch_is_imported(tiny_packed):
             f"pm = load_packed({str(out)!r})\n"
             "print(json.dumps({'torch_before': before, 'preloaded': pm.stats['preloaded'],\n"
             "                  'sum': float(pm.w13.double().sum())}))\n")
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    got = python_json(code, timeout=120)
     assert got["torch_before"] is False and got["preloaded"] is True
     assert got["sum"] == float(load_packed(out).w13.double().sum())
 

@@ -2,10 +2,9 @@
 (``kernels/triton/prewarm.py``)."""
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
+
+from procs import python_json
 
 from freetoken_engine.kernels.triton import prewarm
 
@@ -24,9 +23,7 @@ print(json.dumps({"stored": done.get("stored"), "computed_here": computed_here,
 
 
 def _probe(cache_dir) -> dict:
-    r = subprocess.run([sys.executable, "-c", PROBE, str(cache_dir)], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return python_json(PROBE, str(cache_dir), timeout=120)
 
 
 def test_a_restart_installs_the_stored_key_without_hashing_triton_and_it_is_the_true_key(tmp_path):
