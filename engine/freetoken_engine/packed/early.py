@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import threading
 import time
 import zlib
@@ -274,10 +275,11 @@ def read_small_files(folder: Path, index: dict, limit: int = SMALL_FILES_BYTES) 
     sizes = []
     for p in folder.iterdir():
         try:
-            if p.name not in packed and p.is_file():
-                sizes.append((p.stat().st_size, p.name, p))
+            st = p.stat()
         except OSError:
-            continue                    # gone or unreadable: the start will say so if it needs it
+            continue                    # gone, or a dangling link: the start says so if it needs it
+        if p.name not in packed and stat.S_ISREG(st.st_mode):
+            sizes.append((st.st_size, p.name, p))
     done = []
     for size, _, p in sorted(sizes):
         if size > limit:
