@@ -12,6 +12,13 @@ the same run (the engine reads its switches at start):
   graphs+tuning the same with the split tuner (executor/split_tuner.py, --split-tuning): it searches
                 over 900 decode steps of other prompts first; the q it found is then held for
                 the same warm-up and timed steps as the other sides (same prompts, same contexts)
+  graphs/serial-hits  graphs with a layer's hits computed after its fill copies, in one call with
+                the filled experts (``DeviceControl.overlap_hits = False``: the engine before
+                2026-11-30; now the hits, and a shared expert, run on a side stream beside the copies)
+  graphs/hits-ab  both of the above in one process, alternating per budget and batch (2 rounds,
+                the graphs captured again at each switch), at the q* this process calibrated: rows
+                "hits beside fills" and "hits after fills" (a same-process A/B; separate processes
+                may calibrate different q*)
   graphs/copy-first  graphs with a layer's fill copies queued before the host is signalled (the
                 engine's order before 2026-11-29: PCIe, then the CPU experts, in series)
   graphs+stream graphs with the streamed split (FREETOKEN_STREAM_SPLIT=on: the first rows of the
@@ -30,7 +37,8 @@ the same run (the engine reads its switches at start):
                 the affinity set) instead of the GPU host's default of all but one
 
 Checkpoint: random bf16 weights (normal, std 0.02) in Qwen3-30B-A3B's shapes (H 2048, 32/4 heads
-of 128, 128 experts of I 768, top-8, vocab 32000) but ``--layers`` layers, written once with
+of 128, 128 experts of I 768, top-8, vocab 32000; ``--shape qwen3.6``: 256 experts of I 512 and
+a sigmoid-gated shared expert of 512, Qwen2-MoE attention of 16/2 heads) but ``--layers`` layers, written once with
 safetensors; or, with ``--stretch DIR`` (deeper models than the disk holds: 48 layers are about
 60 GB), a 2-layer packed checkpoint whose layers repeat up to ``--layers``, in a RAM-backed DIR
 such as /dev/shm (``bench/stretch.py``). Expert-cache budgets are fractions of the experts; q* comes from the engine's own
@@ -45,6 +53,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,7 +70,8 @@ from hardware import describe  # noqa: E402
 #          FREETOKEN_FILL_ADMISSION)
 SIDES = {"eager/sync": ("off", False, "off", "on", "on"), "eager/branch": ("on", False, "off", "on", "on"),
          "graphs": ("on", True, "off", "on", "on"), "graphs+tuning": ("on", True, "off", "on", "on"),
-         "graphs/copy-first": ("on", True, "off", "on", "on"), "graphs+stream": ("on", True, "on", "on", "on"),
+         "graphs/copy-first": ("on", True, "off", "on", "on"), "graphs/serial-hits": ("on", True, "off", "on", "on"),
+         "graphs/hits-ab": ("on", True, "off", "on", "on"), "graphs+stream": ("on", True, "on", "on", "on"),
          "graphs+stream-floor": ("on", True, "floor", "on", "on"),
          "graphs/torch-ops": ("on", True, "off", "off", "on"),
          "graphs/no-combine": ("on", True, "off", "attention,norm,route", "on"),
@@ -82,12 +92,17 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
     if side == "graphs/copy-first":
         from freetoken_engine.cache.host_branch import HostBranch
         HostBranch.copy_after_signal = False
+    if side == "graphs/serial-hits":
+        from freetoken_engine.cache.device_control import DeviceControl
+        DeviceControl.overlap_hits = False
     # no graphs ahead of time: the resize below would drop them (warm-up steps capture instead)
     llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1], split_tuning=tuning, graph_warmup=0)
     runner = llm.runner
     total = runner.bank.total_experts
     calibrated = runner.expert_stats()["fill_fraction"]
     rows = []
+    if side == "graphs/hits-ab":
+        return _hits_ab(llm, Lockstep, fractions, batches, steps, calibrated)
     for frac in fractions:
         runner.resize_expert_cache(max(1, round(frac * total)))
         for b in batches:
@@ -103,6 +118,26 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
                 runner.tuner = tuner
                 print(json.dumps(rows[-1]), flush=True)
     runner.set_fill_fraction(calibrated)
+    return rows
+
+
+def _hits_ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q: float,
+             rounds: int = 2) -> list[dict]:
+    """Side graphs/hits-ab: per budget and batch, ``rounds`` x (hits beside the fills, hits after
+    them), each after ``set_fill_fraction(q)`` (the same q; it drops the graphs, so each timing
+    captures its own in its warm-up steps)."""
+    from freetoken_engine.cache.device_control import DeviceControl
+    runner, rows = llm.runner, []
+    for frac in fractions:
+        runner.resize_expert_cache(max(1, round(frac * runner.bank.total_experts)))
+        for b in batches:
+            for _ in range(rounds):
+                for overlap, name in ((True, "hits beside fills"), (False, "hits after fills")):
+                    DeviceControl.overlap_hits = overlap
+                    runner.set_fill_fraction(q)
+                    rows.append(_timed(llm, Lockstep, name, frac, b, steps))
+                    print(json.dumps(rows[-1]), flush=True)
+    DeviceControl.overlap_hits = True
     return rows
 
 
@@ -148,7 +183,7 @@ def run_sides(work: Path, fast: Path | None, args) -> tuple[int, list[dict], lis
     ``--layers`` layers in ``fast``, bench/stretch.py), then run each side in its own process on it."""
     from stretch import bench_checkpoint
     t0 = time.perf_counter()
-    model, nbytes = bench_checkpoint(work, args.layers, fast)
+    model, nbytes = bench_checkpoint(work, args.layers, fast, args.shape)
     print(f"checkpoint: {args.layers} layers, {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     rows, failed = [], []
     for side, (branch, _, stream, kernels, admission) in SIDES.items():
@@ -184,6 +219,9 @@ def main() -> None:
     ap.add_argument("--stretch", type=Path, default=None, metavar="FAST_DIR",
                     help="a 2-layer packed checkpoint repeated to --layers layers, in a temp folder under "
                          "FAST_DIR (e.g. /dev/shm: no disk reads; bench/stretch.py): deep models on a small disk")
+    ap.add_argument("--shape", default="qwen3-30b", choices=("qwen3-30b", "qwen3.6"),
+                    help="the checkpoint's shapes (bench/fast_load.py SHAPES): Qwen3-30B-A3B, or "
+                         "Qwen3.6-35B-A3B's MoE layers with their shared expert")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
@@ -212,7 +250,7 @@ def main() -> None:
     result = {"benchmark": "engine_gpu_decode", "hardware": describe(),
               "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python", "bench/engine_gpu_decode.py"] + sys.argv[1:]),
-              "method": __doc__, "layers": args.layers, "checkpoint_bytes": nbytes,
+              "method": __doc__, "layers": args.layers, "shape": args.shape, "checkpoint_bytes": nbytes,
               "stretched": bool(args.stretch), "rows": rows,
               "failed_sides": failed, "ratios": ratios(rows)}
     out = Path(args.out)
@@ -238,13 +276,20 @@ def ratios(rows: list[dict]) -> dict:
             out[key] |= {"graphs_vs_eager_branch": v / by[("eager/branch", frac, b)],
                          "graphs_vs_eager_sync": v / by[("eager/sync", frac, b)],
                          "eager_branch_vs_eager_sync": by[("eager/branch", frac, b)] / by[("eager/sync", frac, b)]}
+    # graphs/hits-ab: each round's beside / after, in the order they ran
+    for frac, b in sorted({(r["cache_fraction"], r["batch"]) for r in rows}):
+        beside, after = ([r["tok_s"] for r in rows if r["side"] == name and (r["cache_fraction"], r["batch"]) == (frac, b)]
+                         for name in ("hits beside fills", "hits after fills"))
+        if beside and after:
+            out.setdefault(f"cache {frac:g} b{b}", {})["hits_beside_vs_after_per_round"] = [
+                x / y for x, y in zip(beside, after)]
     return out
 
 
 def table(rows: list[dict]) -> None:
-    print(f"{'side':16} {'cache':>5} {'batch':>5} {'tok/s':>8} {'ms/step':>8} {'miss':>6} {'cpu/step':>8} {'q':>5}")
+    print(f"{'side':18} {'cache':>5} {'batch':>5} {'tok/s':>8} {'ms/step':>8} {'miss':>6} {'cpu/step':>8} {'q':>5}")
     for r in rows:
-        print(f"{r['side']:16} {r['cache_fraction']:5.2f} {r['batch']:5d} {r['tok_s']:8.1f} {r['ms_per_step']:8.2f} "
+        print(f"{r['side']:18} {r['cache_fraction']:5.2f} {r['batch']:5d} {r['tok_s']:8.1f} {r['ms_per_step']:8.2f} "
               f"{r['miss_rate']:6.3f} {r['cpu_experts_per_step']:8.1f} {r['fill_fraction']:5.2f}")
 
 
@@ -255,15 +300,15 @@ def plot(result: dict, path: Path) -> None:
     rows = result["rows"]
     keys = sorted({(r["cache_fraction"], r["batch"]) for r in rows})
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    sides = [side for side in SIDES if any(r["side"] == side for r in rows)]
+    sides = list(dict.fromkeys(r["side"] for r in rows))
     width = 0.8 / len(sides)
-    for i, side in enumerate(sides):
-        vals = [next((r["tok_s"] for r in rows if r["side"] == side and (r["cache_fraction"], r["batch"]) == k), 0)
-                for k in keys]
+    for i, side in enumerate(sides):       # the median over a side's rounds
+        vals = [statistics.median([r["tok_s"] for r in rows if r["side"] == side
+                                   and (r["cache_fraction"], r["batch"]) == k] or [0]) for k in keys]
         ax.bar([j + width * (i - (len(sides) - 1) / 2) for j in range(len(keys))], vals, width, label=side)
     ax.set_xticks(range(len(keys)), [f"cache {f:g}\nbatch {b}" for f, b in keys])
     ax.set_ylabel("decode tok/s (whole engine)")
-    ax.set_title(f"engine decode, {result['layers']}-layer Qwen3-30B-shaped MoE\n"
+    ax.set_title(f"engine decode, {result['layers']}-layer MoE in {result.get('shape', 'qwen3-30b')}'s shapes\n"
                  f"{result['hardware'].get('gpu', '?')}, {result['hardware']['cpu']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()

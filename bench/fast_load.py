@@ -48,20 +48,32 @@ RESULTS = Path(__file__).resolve().parent / "results"
 H, I, E, VOCAB = 2048, 768, 128, 32000
 
 
-def write_checkpoint(folder: Path, layers: int, rnd=None) -> int:
-    """A hub-layout qwen3_moe folder, one safetensors shard per layer; returns bytes written.
-    ``rnd(shape)`` makes each bf16 tensor (default: finite random bit patterns, the cheapest to make)."""
+#: the benches' model shapes (config.json entries over the common ones): Qwen3-30B-A3B, and
+#: Qwen3.6-35B-A3B's MoE layers (256 experts of I 512, top-8, one sigmoid-gated shared expert of
+#: 512) carried by the qwen2_moe family, with Qwen2-MoE's attention (16 heads of 128, 2 KV heads)
+SHAPES = {
+    "qwen3-30b": {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "num_attention_heads": 32,
+                  "num_key_value_heads": 4, "head_dim": 128, "moe_intermediate_size": I, "num_experts": E},
+    "qwen3.6": {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "num_attention_heads": 16,
+                "num_key_value_heads": 2, "moe_intermediate_size": 512, "num_experts": 256,
+                "shared_expert_intermediate_size": 512},
+}
+
+
+def write_checkpoint(folder: Path, layers: int, rnd=None, shape: str = "qwen3-30b") -> int:
+    """A hub-layout folder of ``SHAPES[shape]``, one safetensors shard per layer; returns bytes
+    written. ``rnd(shape)`` makes each bf16 tensor (default: finite random bit patterns, the
+    cheapest to make)."""
     from freetoken_engine.layers.rope import Rotary
     from freetoken_engine.models.decoder import DecoderLM
-    cfg_raw = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": H,
-               "num_hidden_layers": layers, "num_attention_heads": 32, "num_key_value_heads": 4,
-               "head_dim": 128, "intermediate_size": 6144, "moe_intermediate_size": I,
-               "num_experts": E, "num_experts_per_tok": 8, "norm_topk_prob": True, "vocab_size": VOCAB,
-               "rms_norm_eps": 1e-6, "rope_theta": 1e6, "max_position_embeddings": 4096,
-               "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+    cfg_raw = {"hidden_size": H, "num_hidden_layers": layers, "intermediate_size": 6144, "num_experts_per_tok": 8,
+               "norm_topk_prob": True, "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+               "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+               **SHAPES[shape]}
+    n_exp, inter = cfg_raw["num_experts"], cfg_raw["moe_intermediate_size"]
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(cfg_raw))
-    fam = family("qwen3_moe")
+    fam = family(cfg_raw["model_type"])
     cfg = fam.parse(cfg_raw)
     with torch.device("meta"):
         model = DecoderLM(cfg, Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, "meta"))
@@ -71,8 +83,8 @@ def write_checkpoint(folder: Path, layers: int, rnd=None) -> int:
                   .bitwise_and_(~0x4000).view(torch.bfloat16))
     dense = {k: rnd(p.shape) for k, p in model.named_parameters()}
     weight_map, total = {}, 0
-    shards = [("dense", dense)] + [(f"layer{i}", {fam.expert_key(i, e, p): rnd((I, H) if p < 2 else (H, I))
-                                                  for e in range(E) for p in range(3)}) for i in range(layers)]
+    shards = [("dense", dense)] + [(f"layer{i}", {fam.expert_key(i, e, p): rnd((inter, H) if p < 2 else (H, inter))
+                                                  for e in range(n_exp) for p in range(3)}) for i in range(layers)]
     for n, (tag, tensors) in enumerate(shards):
         name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, str(folder / name), metadata={"format": "pt"})

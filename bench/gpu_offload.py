@@ -25,6 +25,8 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
   lru+q*/plain  (d) without fill admission (plain LRU victims) nor bypass slots
   lru+q*/nobypass  (d) with fill admission but no bypass slots (refused fills go to the CPU;
                 the policy of run N)
+  lru+q*/serial-hits  (d) with a layer's hits computed after its fills are copied, on the one
+                stream (the engine before 2026-11-30), instead of on a side stream beside the copies
   lru+q*@1      the handshake with every miss filled: lru+q*@1 vs lru is the cost of the
                 captured CPU branch's flags
   lru+sync      (optional) the per-layer driver with every miss filled
@@ -243,7 +245,8 @@ def main() -> None:
                 fill_ids, ids = ids[:n_fill], ids[n_fill:]
                 policies = args.policies.split(",")
                 plans = [("all", None)] if "all" in policies else []
-                fixed = [p for p in policies if p.startswith(("lru+q*@", "lru+q*+", "lru+q*/plain", "lru+q*/nobypass"))]
+                fixed = [p for p in policies if p.startswith(("lru+q*@", "lru+q*+", "lru+q*/plain", "lru+q*/nobypass",
+                                                              "lru+q*/serial-hits"))]
                 b1_loc = [p for p in policies if p.endswith("/layer")] + ["lru+sync"]    # b1 locality only
                 plans += [(p, b) for b in budgets for p in ("static", "lru", "lru+q*", *fixed, *b1_loc)
                           if p in policies and (p not in b1_loc or (batch == 1 and routing == "locality"))]

@@ -118,8 +118,9 @@ class _GpuExperts:
     while the fills are copied; then the filled experts. Rows land in two buffers (``hit``,
     ``fill``), each zero where the other has its row, which ``combine(..., rows2=)`` adds."""
 
-    def __init__(self, bank: Bank, st: _Token, ctl: DeviceControl):
-        self.bank, self.st, self.ctl = bank, st, ctl
+    def __init__(self, bank: Bank, st: _Token, ctl: DeviceControl, serial: bool = False):
+        # serial: the hits after the copies on the one stream (the A/B side "/serial-hits")
+        self.bank, self.st, self.ctl, self.serial = bank, st, ctl, serial
         self.side = torch.cuda.Stream()
         self.hit, self.fill = (torch.zeros(st.P, st.H, dtype=torch.bfloat16, device=CUDA) for _ in range(2))
         # the streamed split's GPU part of the CPU pairs (zero rows elsewhere), when it is on
@@ -130,27 +131,30 @@ class _GpuExperts:
         """Queue layer l's experts after its control step ``out``; returns the shared rows."""
         bank, st, ctl = self.bank, self.st, self.ctl
         main = torch.cuda.current_stream()
+        if self.serial:
+            ctl.copy(l, out)
         self.side.wait_stream(main)
-        with torch.cuda.stream(self.side):
+        with torch.cuda.stream(main if self.serial else self.side):
             moe_slots_forward(st.x[l], ctl.w13_slots, ctl.w2_slots, st.tok, out.pair_hit_slot, out=self.hit)
             if bank.shared is not None:
                 s13, s2 = bank.shared
                 moe_slots_forward(st.x[l], s13, s2, st.shared_tok, st.shared_slot[l], out=self.shared[l])
-        ctl.copy(l, out)                        # the fills, then the streamed rows (with the split)
+        if not self.serial:
+            ctl.copy(l, out)                    # the fills, then the streamed rows (with the split)
         moe_slots_forward(st.x[l], ctl.w13_slots, ctl.w2_slots, st.tok, out.pair_fill_slot, out=self.fill)
         ctl.streamed_forward(st.x[l], st.tok, out, rows=self.streamed)
         main.wait_stream(self.side)
         return self.shared[l] if bank.shared is not None else None
 
 
-def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict):
+def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict, serial: bool = False):
     """(d) as one CUDA graph per token: the host half of the CPU branch is the C++ loop of
     ``kernels/cpu_branch.py`` (flags in pinned memory instead of per-layer launches and events)."""
     L, P = st.L, st.P
     br = CpuBranch(bank.w13, bank.w2, st.T, st.k, CUDA)
     br.x[0].copy_(st.x[0])
     counts = torch.zeros(L, 4, dtype=torch.int64).pin_memory()        # the control steps' counts
-    experts = _GpuExperts(bank, st, ctl)
+    experts = _GpuExperts(bank, st, ctl, serial)
 
     def control(l):
         from_rows = (br.from_rows[l:l + 1],) if ctl.stream is not None else ()
@@ -296,7 +300,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         elif policy == "lru+sync" or policy.endswith("/layer"):
             token, capture, br = _lru_q_token(bank, st, ctl, cpu_fn, prof)
         else:
-            token, capture, br = _lru_q_graph_token(bank, st, ctl, prof)
+            token, capture, br = _lru_q_graph_token(bank, st, ctl, prof, serial=policy.endswith("/serial-hits"))
 
     ids_dev = ids.to(CUDA)
     res_warm = _fill_cache(ctl, (fill_ids if fill_ids is not None else ids[:warm]).to(CUDA)) if ctl is not None else {}

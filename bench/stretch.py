@@ -59,23 +59,24 @@ def stretch_packed(src: Path, dst: Path, layers: int) -> int:
         v["size"] for k, v in files.items() if not k.startswith("bank-"))
 
 
-def stretched_checkpoint(work: Path, fast: Path, layers: int, rnd) -> tuple[Path, int]:
+def stretched_checkpoint(work: Path, fast: Path, layers: int, rnd, shape: str = "qwen3-30b") -> tuple[Path, int]:
     """Write the 2-layer checkpoint under ``work``, pack it under ``fast`` (a RAM-backed folder such
     as /dev/shm keeps loads off the disk; hard links there share pages), stretch it to ``layers``
     layers beside it; the safetensors copy is deleted. Returns (folder, bytes the engine reads)."""
     from fast_load import write_checkpoint
 
     from freetoken_engine.packed.writer import convert
-    write_checkpoint(work / "hf2", 2, rnd=rnd)
+    write_checkpoint(work / "hf2", 2, rnd=rnd, shape=shape)
     convert(work / "hf2", fast / "packed-2-layers", progress=False)
     shutil.rmtree(work / "hf2")
     return fast / f"packed{layers}", stretch_packed(fast / "packed-2-layers", fast / f"packed{layers}", layers)
 
 
-def bench_checkpoint(work: Path, layers: int, fast: Path | None = None) -> tuple[Path, int]:
-    """The engine benches' checkpoint: random bf16 weights (normal, std 0.02, seed 0) in
-    Qwen3-30B-A3B's shapes, ``layers`` layers; a safetensors folder under ``work``, or with
-    ``fast`` the stretched packed one there (``stretched_checkpoint``). -> (folder, bytes)."""
+def bench_checkpoint(work: Path, layers: int, fast: Path | None = None, shape: str = "qwen3-30b") -> tuple[Path, int]:
+    """The engine benches' checkpoint: random bf16 weights (normal, std 0.02, seed 0) in the
+    shapes ``fast_load.SHAPES[shape]`` (default Qwen3-30B-A3B's), ``layers`` layers; a safetensors
+    folder under ``work``, or with ``fast`` the stretched packed one there
+    (``stretched_checkpoint``). -> (folder, bytes)."""
     import torch
     from fast_load import write_checkpoint
     gen = torch.Generator().manual_seed(0)
@@ -83,5 +84,5 @@ def bench_checkpoint(work: Path, layers: int, fast: Path | None = None) -> tuple
     def rnd(shape):
         return (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
     if fast is not None:
-        return stretched_checkpoint(work, fast, layers, rnd)
-    return work / "model", write_checkpoint(work / "model", layers, rnd=rnd)
+        return stretched_checkpoint(work, fast, layers, rnd, shape)
+    return work / "model", write_checkpoint(work / "model", layers, rnd=rnd, shape=shape)

@@ -120,7 +120,6 @@ def test_engine_step_abandoned_after_one_layer_is_cancelled_at_the_next():
     import time
 
     from freetoken_engine.cache.host_branch import HostBranch
-    from freetoken_engine.kernels.triton.moe import moe_slots_forward
     bank = _bank()
     cache = ExpertCache(bank, 6, "cpu", fill_fraction=0.5)
     ctl = DeviceControl.from_cache(cache)
@@ -131,7 +130,7 @@ def test_engine_step_abandoned_after_one_layer_is_cancelled_at_the_next():
     def layer(l):
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
         ids = torch.stack([torch.randperm(8, generator=g)[:K] for _ in range(T)])
-        got = hb.layer(ctl, l, x, ids, moe_slots_forward, cache.w13, cache.w2, tok).dense()
+        got = hb.layer(ctl, l, x, ids, tok)[0].dense()
         return got, cpu_experts.experts_forward(x, bank.w13[l], bank.w2[l], tok, ids.reshape(-1))
 
     layer(0)                                    # then the step is abandoned

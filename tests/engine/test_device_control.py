@@ -196,3 +196,42 @@ def test_all_resident_reads_nothing_and_leaves_the_cache_as_it_was(capacity, fil
             ids = _routing(g, tokens=2, hot=EXPERTS)
             assert torch.equal(ctl.step(layer, ids).pair_slot, ref.step(layer, ids.reshape(-1)))
     _assert_same(ref, dev, ctl)
+
+
+@pytest.mark.parametrize("fill_fraction", [1.0, 0.5])
+def test_hits_beside_the_fills_give_the_rows_of_one_call(fill_fraction, monkeypatch):
+    """``run_experts``: the hits computed before the fills are copied (beside them, on a GPU's
+    side stream), then the filled experts, write the same rows, bit for bit, as one call over every
+    pair after the copies; the fills' rows come from the copied weights; ``beside`` runs once."""
+    from freetoken_engine.kernels.reference import expert_pairs_forward
+    bank = _bank(3)
+    caches = [ExpertCache(bank, 14, "cpu", fill_fraction=fill_fraction) for _ in range(2)]
+    ctls = [DeviceControl.from_cache(c) for c in caches]
+    g = torch.Generator().manual_seed(5)
+    order, calls, seen = [], [], {"hits": 0, "fills": 0}
+    copy = ctls[0].copy
+    monkeypatch.setattr(ctls[0], "copy", lambda *a: (order.append("copy"), copy(*a)))
+    for step in range(6):
+        t = 1 + step % 2
+        tok = torch.arange(t).repeat_interleave(K)
+        for layer in range(LAYERS):
+            x = torch.randn(t, H, generator=g).to(torch.bfloat16)
+            ids = _routing(g, t, hot=7)
+            rows = []
+            for overlap, ctl in zip((True, False), ctls):
+                monkeypatch.setattr(DeviceControl, "overlap_hits", overlap)
+                out = ctl.step(layer, ids, copy=False)
+                got, extra = ctl.run_experts(layer, x, tok, out, beside=lambda: calls.append(overlap) or "shared")
+                assert extra == "shared"
+                rows.append((got, out.pair_slot.clone()))
+            (a, slots), (b, slots_b) = rows
+            assert torch.equal(slots, slots_b)
+            dev = slots >= 0
+            assert torch.equal(a[dev], b[dev]), (step, layer)
+            want = expert_pairs_forward(x, bank.w13[layer], bank.w2[layer], tok[dev], ids.reshape(-1)[dev])
+            assert torch.allclose(a[dev].float(), want.float(), atol=2e-2 * want.abs().max().item())
+            seen["hits"] += int((out.pair_hit_slot >= 0).sum())
+            seen["fills"] += int((out.pair_fill_slot >= 0).sum())
+    assert calls == [True, False] * (6 * LAYERS)
+    assert order == ["copy"] * (6 * LAYERS)
+    assert seen["hits"] > 0 and seen["fills"] > 0      # both halves ran

@@ -168,7 +168,6 @@ def test_engine_branch_signals_the_host_before_copying_and_adds_the_parts(stream
     """The engine's decode layer (``HostBranch.layer``): the host is signalled before the fills
     (and streamed rows) are copied, so the CPU experts overlap PCIe; the rows equal the experts'."""
     from freetoken_engine.cache import host_branch as hb
-    from freetoken_engine.kernels.triton.moe import moe_slots_forward
 
     bank = _bank()
     cache = ExpertCache(bank, 10, "cpu", fill_fraction=0.25)
@@ -188,7 +187,7 @@ def test_engine_branch_signals_the_host_before_copying_and_adds_the_parts(stream
             for l in range(LAYERS):
                 x = torch.randn(t, H, generator=g)
                 ids = torch.stack([torch.randperm(9, generator=g)[:K] for _ in range(t)])
-                got = branch.layer(ctl, l, x, ids, moe_slots_forward, cache.w13, cache.w2, tok).dense()
+                got = branch.layer(ctl, l, x, ids, tok)[0].dense()
                 want = reference.expert_pairs_forward(x, bank.w13[l], bank.w2[l], tok, ids.reshape(-1))
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
             branch.finish()

@@ -251,3 +251,24 @@ def test_graphs_captured_while_the_bank_is_read_decode_the_same_tokens(tiny_pack
     s = llm.runner.expert_stats()
     assert s["misses"] > 0 and s["fills"] + s["cpu_computed"] == s["misses"]   # it started cold
     assert llm.runner.graphs.replays >= 8
+
+
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("options", [{"expert_cache_experts": 6, "cpu_expert_fraction": 0.0},   # fills only
+                                     {"expert_cache_experts": 6, "cpu_expert_fraction": 0.5}])  # + CPU pairs
+def test_hits_beside_the_fills_keep_every_bit(tiny_checkpoint, model, options, monkeypatch):
+    """``DeviceControl.overlap_hits``: a layer's hits (and qwen2_moe's shared expert) run on a side
+    stream while its fills are copied, inside the decode graphs; the float32 tokens and logits are
+    those of every pair in one call after the copies, bit for bit."""
+    from freetoken_engine.cache.device_control import DeviceControl
+    folder = tiny_checkpoint(model)
+    runs = []
+    for overlap in (False, True):
+        monkeypatch.setattr(DeviceControl, "overlap_hits", overlap)
+        llm = LLM(folder, device="cuda", dtype="float32", **options)
+        runs.append(lockstep(llm, PROMPTS, 16) + (llm.runner.expert_stats(), llm.runner.graphs.replays))
+    (want, want_logits, _, _), (got, logits, stats, replays) = runs
+    assert got == want and torch.equal(logits, want_logits)
+    assert replays >= 12 and stats["fills"] > 0
+    if options["cpu_expert_fraction"] > 0:
+        assert stats["cpu_computed"] > 0

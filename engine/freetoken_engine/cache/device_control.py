@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 
 import torch
 
@@ -37,6 +38,11 @@ class DeviceControl:
     """Device-side control of one expert cache (see the module docstring). Not thread-safe: the
     engine's scheduler thread is its only user."""
 
+    #: ``run_experts``: compute a layer's hits on a side stream while its fills are copied,
+    #: then the filled experts. False: every pair in one call after the copies (the engine before
+    #: 2026-11-30; the A/B side ``graphs/serial-hits`` of bench/engine_gpu_decode.py).
+    overlap_hits = True
+
     def __init__(self, bank_w13: torch.Tensor, bank_w2: torch.Tensor, w13_slots: torch.Tensor,
                  w2_slots: torch.Tensor, slot_of: torch.Tensor, slot_owner: torch.Tensor,
                  last_used: torch.Tensor, clock: int, fill_fraction: float,
@@ -53,6 +59,8 @@ class DeviceControl:
         self._seed_clock, self._seed_run = -2, 0         # the last seed's clock; seeds in a row
         self._bind(w13_slots, w2_slots, slot_of, slot_owner, last_used, clock)
         self.set_fill_fraction(fill_fraction)
+        # made here, not at first use: a decode graph's capture may be the first use
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     @classmethod
     def from_cache(cls, cache, resizable: bool = False) -> "DeviceControl":
@@ -201,6 +209,38 @@ class DeviceControl:
         if self.stream is not None:
             stream_rows_copy(self.bank_w13, self.bank_w2, *self.scratch, layer, out.cpu_exp, out.stream_rows,
                              stage=self.stream.stage)
+
+    def run_experts(self, layer: int, x: torch.Tensor, pair_tok: torch.Tensor, out: ControlOutputs,
+                        beside=None, copy: bool = True) -> tuple[torch.Tensor, object]:
+        """Queue ``layer``'s fills (``copy``; False when ``step`` already copied them) and the GPU
+        experts of the control step ``out``; returns ``(rows, beside())`` (None without ``beside``,
+        a callable of device work independent of the experts, e.g. the layer's shared expert).
+        ``rows [P, H]`` holds every hit's and filled pair's row; the CPU pairs' rows are unset.
+
+        With ``overlap_hits`` and a pool smaller than the experts, the hits and ``beside`` run on a
+        side stream while the fills cross PCIe, and only the filled experts wait for the copies:
+        a layer whose fills take longer than its CPU experts no longer adds the hits' time after
+        PCIe. The rows are those of one call over every pair, bit for bit (a slot's pairs form one
+        tile either way). A pool that holds every expert fills nothing after warm-up: one call."""
+        fwd = functools.partial(moe_slots_forward, x, self.w13_slots, self.w2_slots, pair_tok, zero=False)
+        if not (copy and self.overlap_hits and self.slot_owner.numel() < self.slot_of.numel()):
+            if copy:
+                self.copy(layer, out)
+            rows = fwd(out.pair_slot)
+            return rows, beside() if beside is not None else None
+        rows = x.new_empty((out.pair_slot.numel(), x.shape[1]))
+        side = self._side
+        if side is not None:
+            main = torch.cuda.current_stream(self.device)
+            side.wait_stream(main)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            fwd(out.pair_hit_slot, out=rows)
+            extra = beside() if beside is not None else None
+        self.copy(layer, out)
+        fwd(out.pair_fill_slot, out=rows)
+        if side is not None:
+            main.wait_stream(side)
+        return rows, extra
 
     def streamed_forward(self, x: torch.Tensor, pair_tok: torch.Tensor, out: ControlOutputs,
                          rows: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -70,10 +70,11 @@ class HostBranch:
             pass
         self.br.check()
 
-    def layer(self, control, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, slots_forward,
-              w13_slots: torch.Tensor, w2_slots: torch.Tensor, pair_tok: torch.Tensor) -> SplitRows:
+    def layer(self, control, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, pair_tok: torch.Tensor,
+              beside=None) -> tuple[SplitRows, object]:
         """Queue MoE layer ``layer`` of the current step; returns its pair rows (``SplitRows``:
-        the device's rows, the host's compact rows in pinned memory; valid in stream order)."""
+        the device's rows, the host's compact rows in pinned memory; valid in stream order) and
+        ``beside()`` (device work run beside the hits, ``DeviceControl.run_experts``)."""
         br = self.br
         t, k = topk_ids.shape
         p = t * k
@@ -87,10 +88,9 @@ class HostBranch:
             mirror += (br.from_rows[layer:layer + 1],)
         out = control.step(layer, topk_ids, copy=not self.copy_after_signal, mirror=mirror)
         handshake.signal(br.flag[layer:layer + 1], br.epoch, src=x.contiguous(), dst=br.x[layer, :t])
-        # The copies only after the signal: the host starts its experts while the fills cross PCIe.
-        if self.copy_after_signal:
-            control.copy(layer, out)
-        gpu = slots_forward(x, w13_slots, w2_slots, pair_tok, out.pair_slot)      # CPU pairs' rows: unused
+        # The copies only after the signal: the host starts its experts while the fills cross PCIe,
+        # the hits run beside the copies and the filled experts after them (CPU pairs' rows unset).
+        gpu, extra = control.run_experts(layer, x, pair_tok, out, beside, copy=self.copy_after_signal)
         part = control.streamed_forward(x, pair_tok, out)     # the streamed split's GPU part, or None
         if control.stream is not None and control.stream.stage:
             # the split by stage: the host publishes the activations before its other CPU pairs
@@ -100,7 +100,7 @@ class HostBranch:
         self._queued = layer + 1
         # The combine reads the host's rows straight from pinned memory (kernels/triton/combine.py):
         # nothing more between the wait and the next layer.
-        return SplitRows(gpu, out.pair_slot[:p], br.rows, part)
+        return SplitRows(gpu, out.pair_slot[:p], br.rows, part), extra
 
     def _start(self, tokens: int, bump: bool) -> None:
         self.finish()

@@ -245,9 +245,32 @@ class OffloadedExperts:
     def forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """x [T, H] on the device, topk_ids [T, k] -> pair outputs [T*k, H] in (t, j) order; from
         the CPU branch a ``SplitRows`` (device rows + the host's rows in pinned memory) instead."""
+        return self.forward_beside(layer, x, topk_ids)[0]
+
+    def forward_beside(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, beside=None):
+        """``forward``, and ``beside()`` (device work independent of the routed experts: the
+        layer's shared expert), run on a side stream with the hits while a decode call's fills
+        are copied (``DeviceControl.run_experts``), else after the experts.
+        Returns ``(rows, beside's result or None)``."""
         t, k = topk_ids.shape
         pair_exp = topk_ids.reshape(-1)                                   # [P]
         pair_tok = self._pair_tokens(t, k, x.device)                      # [P]
+        bank_in_place = self.cache.device.type == "cpu" and self.cache.capacity == self.bank.total_experts
+        if self.control is not None and t < self.prefill_threshold and not bank_in_place:
+            if self._fills_only(t):
+                # Every miss is filled: no CPU pair is possible, so no host sync in this layer
+                # (a decode step of such layers can be captured in a CUDA graph).
+                out = self.control.step(layer, topk_ids, copy=False)    # on the device, no sync
+                return self.control.run_experts(layer, x, pair_tok, out, beside)
+            branch = self._host_branch(x)
+            if branch is not None:      # CPU pairs answered by a host thread: still no sync here
+                return branch.layer(self.control, layer, x, topk_ids, pair_tok, beside)
+        rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)
+        return rows, beside() if beside is not None else None
+
+    def _forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, pair_tok: torch.Tensor,
+                 pair_exp: torch.Tensor) -> torch.Tensor:
+        t, k = topk_ids.shape
         if t >= self.prefill_threshold:
             w13, w2 = self.streamer.layer(layer)
             fn = self.cpu_forward if w13.device.type == "cpu" and self.control is None else self.slots_forward
@@ -261,16 +284,7 @@ class OffloadedExperts:
             # routed expert counts as a hit (a token's top-k experts are distinct).
             self.cache.stats.hits += k if t == 1 else int(torch.unique(pair_exp).numel())
             return self.cpu_forward(x, self.bank.w13[layer], self.bank.w2[layer], pair_tok, pair_exp)
-        if self.control is not None:
-            if self._fills_only(t):
-                # Every miss is filled: no CPU pair is possible, so no host sync in this layer
-                # (a decode step of such layers can be captured in a CUDA graph).
-                pair_slot = self.control.step(layer, topk_ids).pair_slot   # on the device, no sync
-                return self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot)
-            branch = self._host_branch(x)
-            if branch is not None:      # CPU pairs answered by a host thread: still no sync here
-                return branch.layer(self.control, layer, x, topk_ids, self.slots_forward,
-                                    self.cache.w13, self.cache.w2, pair_tok)
+        if self.control is not None:       # the sync path: no host branch (or it is off)
             pair_slot = self.control.step(layer, topk_ids).pair_slot
         else:
             pair_slot = self.cache.step(layer, pair_exp)                  # [P], -1 = CPU

@@ -5,6 +5,8 @@ The expert executor is attached after construction (``attach_experts``): where e
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -42,16 +44,19 @@ class SparseMoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if weights.dtype == x.dtype else weights.to(x.dtype)), ids
 
+    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+        shared = self.shared_expert(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared
+
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for x [T, H], plus ``residual`` when given (the decoder's residual
         add, fused into the combine on a GPU)."""
         weights, ids = self.route(x)
-        rows = self.experts.forward(self.moe_layer, x, ids)              # [T*k, H] or SplitRows
-        shared = None
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        # [T*k, H] or SplitRows; on a GPU the shared expert runs beside the hits while fills copy
+        beside = None if self.shared_expert is None else functools.partial(self._shared, x)
+        rows, shared = self.experts.forward_beside(self.moe_layer, x, ids, beside)
         dense = rows.gpu if isinstance(rows, SplitRows) else rows
         gpu = gpu_decode_kernels("combine") if dense.device.type == "cuda" else None
         if gpu is not None and not (torch.is_grad_enabled() and dense.requires_grad) \
