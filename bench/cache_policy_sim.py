@@ -180,10 +180,15 @@ def main() -> None:
                           f"{rates['belady']:>9.3f}")
     result = {"benchmark": "cache_policy_sim", "hardware": describe(), "tokens": args.tokens,
               "method": __doc__.strip().split("\n\n")[1], "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(rows, args.out.with_suffix(".png"))
-    print(f"wrote {args.out}")
+    write_results(result, args.out, plot)
+
+
+def write_results(result: dict, out: Path, plot) -> None:
+    """``result`` as JSON at ``out`` and ``plot(result["rows"], PNG path)`` beside it."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    plot(result["rows"], out.with_suffix(".png"))
+    print(f"wrote {out}")
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -13,7 +13,8 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
   (b) static  whole layers resident as the budget allows, the other layers' experts computed on
               the CPU (the policy of llama.cpp's --n-cpu-moe)
   (c) lru     global LRU cache, every miss filled over PCIe (q = m)
-  (d) lru+q*  global LRU cache, q* of the misses filled, the rest computed on the CPU meanwhile,
+  (d) lru+q*  global LRU cache, q* of the misses filled (recurring misses first), the rest computed
+              on the CPU meanwhile,
               with the engine's fill admission (cache/experts.py: a fill only evicts a slot idle for
               more than one token's layer calls, window = the MoE layer count) and its bypass slots
               (8 of the budget's slots outside the LRU: a refused fill still crosses PCIe into one,
@@ -27,6 +28,8 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
                 the policy of run N)
   lru+q*/serial-hits  (d) with a layer's hits computed after its fills are copied, on the one
                 stream (the engine before 2026-11-30), instead of on a side stream beside the copies
+  lru+q*/ascending  (d) with its fills taken in ascending expert id, not recurring misses first
+                (cache/experts.py: the engine before 2026-11-30)
   lru+q*@1      the handshake with every miss filled: lru+q*@1 vs lru is the cost of the
                 captured CPU branch's flags
   lru+sync      (optional) the per-layer driver with every miss filled
@@ -172,6 +175,8 @@ def main() -> None:
     ap.add_argument("--prefill-tokens", default="4096,8192,16384")
     ap.add_argument("--layers", type=int, default=0, help="only the first N MoE layers (smoke tests)")
     ap.add_argument("--routings", default="locality,uniform")
+    ap.add_argument("--decode-scale", type=int, default=1,
+                    help="warm-up and timed decode tokens times this (a policy's cache further from the pre-fill)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
     ap.add_argument("--check", action="store_true", help="run --quick's exactness check of the decode paths too")
     ap.add_argument("--no-tune", action="store_true", help="keep the default decode tiles")
@@ -236,6 +241,7 @@ def main() -> None:
             result.setdefault("checks", {})[name] = check_cpu_branch(bank, cache_slots(budgets[0], model), bw, cpu_fn)
             print(f"[{name}] CPU-branch check: {result['checks'][name]}", flush=True)
         tokens = {1: (6, 8) if args.quick else (12, 16), 4: (4, 4) if args.quick else (6, 8)}
+        tokens = {b: (w * args.decode_scale, n * args.decode_scale) for b, (w, n) in tokens.items()}
         for routing in args.routings.split(","):
             for batch in (1, 4):
                 warm, meas = tokens[batch]
@@ -246,7 +252,7 @@ def main() -> None:
                 policies = args.policies.split(",")
                 plans = [("all", None)] if "all" in policies else []
                 fixed = [p for p in policies if p.startswith(("lru+q*@", "lru+q*+", "lru+q*/plain", "lru+q*/nobypass",
-                                                              "lru+q*/serial-hits"))]
+                                                              "lru+q*/serial-hits", "lru+q*/ascending"))]
                 b1_loc = [p for p in policies if p.endswith("/layer")] + ["lru+sync"]    # b1 locality only
                 plans += [(p, b) for b in budgets for p in ("static", "lru", "lru+q*", *fixed, *b1_loc)
                           if p in policies and (p not in b1_loc or (batch == 1 and routing == "locality"))]

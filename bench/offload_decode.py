@@ -280,8 +280,10 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         # the engine's fill admission (window: the MoE layer count; in effect only while f < 1),
         # except on the "/plain" side
         admit = 0 if policy.endswith("/plain") else L
+        # the engine's recurring misses first (a window of one step), except on "/ascending"
+        recur = 0 if policy.endswith("/ascending") else L
         ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots - nb),
-                            minus(slots - nb), 0, f, admit_window=admit)
+                            minus(slots - nb), 0, f, admit_window=admit, recur_window=recur)
         if split:
             ctl.set_stream(min(st.P, E), floor_fills=split in ("+sf", "+stf"), stage=split in ("+st", "+stf"))
         if policy == "lru":

@@ -157,3 +157,19 @@ def test_fill_admission_switch(monkeypatch):
     monkeypatch.setenv("FREETOKEN_FILL_ADMISSION", "of")
     with pytest.raises(ValueError, match="FREETOKEN_FILL_ADMISSION"):
         _cache(capacity=6, layers=3)
+
+
+@pytest.mark.parametrize("recur_window", [None, 0])
+def test_a_miss_that_recurs_takes_the_fill_before_a_new_one(recur_window):
+    """Under the q* split a single miss is computed on the CPU and not cached; when the next step
+    routes to it again beside a new miss and q* fills one of the two, the recurring one is filled
+    (it is likely to be routed again), not the lower id. ``recur_window=0``: ascending id only."""
+    bank = ExpertBank(2, 8, 4, 2, torch.float32)
+    cache = ExpertCache(bank, 4, "cpu", fill_fraction=0.4, recur_window=recur_window)
+    assert cache.step(0, torch.tensor([5])).tolist() == [-1]          # one miss: the CPU's
+    cache.step(1, torch.tensor([0]))                                    # the rest of the step
+    slots = cache.step(0, torch.tensor([2, 5]))                         # two misses, one fill
+    filled = 5 if recur_window is None else 2
+    assert (slots >= 0).tolist() == [filled == 2, filled == 5]
+    assert cache.slot_of[0, filled] >= 0 and cache.slot_of[0, 7 - filled] < 0
+    assert cache.stats.fills == 1 and cache.stats.cpu_computed == 3

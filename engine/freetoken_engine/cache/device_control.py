@@ -46,7 +46,8 @@ class DeviceControl:
     def __init__(self, bank_w13: torch.Tensor, bank_w2: torch.Tensor, w13_slots: torch.Tensor,
                  w2_slots: torch.Tensor, slot_of: torch.Tensor, slot_owner: torch.Tensor,
                  last_used: torch.Tensor, clock: int, fill_fraction: float,
-                 max_slots: int | None = None, admit_window: int = 0) -> None:
+                 max_slots: int | None = None, admit_window: int = 0, recur_window: int = 0,
+                 last_active: torch.Tensor | None = None) -> None:
         self.device = w13_slots.device
         self.max_slots = max_slots    # the largest pool a resize may bind: one compiled kernel for all
         self.bank_w13, self.bank_w2 = bank_w13, bank_w2
@@ -55,9 +56,12 @@ class DeviceControl:
         self.scratch: tuple[torch.Tensor, torch.Tensor] | None = None
         self.floor_fills = False
         self.admit_window = admit_window   # fill admission (cache/experts.py), used while fill_fraction < 1
+        self.recur_window = recur_window   # recurring misses first (cache/experts.py), likewise
+        if last_active is None:
+            last_active = torch.full(slot_of.shape, -1, dtype=torch.int64)
         self._seed_table: torch.Tensor | None = None   # fill every miss (seed)
         self._seed_clock, self._seed_run = -2, 0         # the last seed's clock; seeds in a row
-        self._bind(w13_slots, w2_slots, slot_of, slot_owner, last_used, clock)
+        self._bind(w13_slots, w2_slots, slot_of, slot_owner, last_used, clock, last_active)
         self.set_fill_fraction(fill_fraction)
         # made here, not at first use: a decode graph's capture may be the first use
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -71,9 +75,9 @@ class DeviceControl:
         return cls(cache.bank.w13, cache.bank.w2, cache.w13, cache.w2, cache.slot_of, cache.slot_owner,
                    cache.last_used, int(cache.clock), float(cache.fill_fraction),
                    max_slots=cache.bank.total_experts if resizable else None,
-                   admit_window=cache.admit_window)
+                   admit_window=cache.admit_window, recur_window=cache.recur_window, last_active=cache.last_active)
 
-    def _bind(self, w13_slots, w2_slots, slot_of, slot_owner, last_used, clock: int) -> None:
+    def _bind(self, w13_slots, w2_slots, slot_of, slot_owner, last_used, clock: int, last_active) -> None:
         dev = self.device = w13_slots.device
         self.w13_slots, self.w2_slots = w13_slots, w2_slots
         # pool rows past the LRU's slots: bypass slots for refused fills (cache/experts.py); none
@@ -83,13 +87,15 @@ class DeviceControl:
         self.slot_of = slot_of.to(dev).contiguous()
         self.slot_owner = slot_owner.to(dev, torch.int64).contiguous()
         self.last_used = last_used.to(dev, torch.int64).contiguous()
+        self.last_active = last_active.to(dev, torch.int64).contiguous()
         self.clock = torch.tensor([clock], dtype=torch.int64, device=dev)
         self._outputs: dict[int, ControlOutputs] = {}
 
     def refresh(self, cache) -> None:
         """Re-read the cache's tensors after a resize (call at the same safe point)."""
         self.bank_w13, self.bank_w2 = cache.bank.w13, cache.bank.w2     # pinning may have replaced them
-        self._bind(cache.w13, cache.w2, cache.slot_of, cache.slot_owner, cache.last_used, int(cache.clock))
+        self._bind(cache.w13, cache.w2, cache.slot_of, cache.slot_owner, cache.last_used, int(cache.clock),
+                   self.last_active)       # the routing history outlives the pool
         self.set_fill_fraction(float(cache.fill_fraction))
 
     def write_back(self, cache) -> None:
@@ -97,7 +103,7 @@ class DeviceControl:
         the cache (``cache.clock``, ``cache.stats``), and copy device mirrors into a cache whose
         residency lives elsewhere. One sync. Call before ``cache.resize`` and before the cache's
         own ``step`` runs again."""
-        for name in ("slot_of", "slot_owner", "last_used"):
+        for name in ("slot_of", "slot_owner", "last_used", "last_active"):
             dst = getattr(cache, name)
             if dst.data_ptr() != getattr(self, name).data_ptr():
                 dst.copy_(getattr(self, name))
@@ -112,6 +118,7 @@ class DeviceControl:
         self.fill_table = fill_table(fill_fraction, self.slot_of.shape[1], self.device, floor)
         self.fill_fraction = fill_fraction
         self.window = admission_window(self.admit_window, fill_fraction)
+        self.recur = admission_window(self.recur_window, fill_fraction)
         if self.stream is not None:
             self.stream = dataclasses.replace(self.stream, share=fill_fraction)
 
@@ -171,7 +178,7 @@ class DeviceControl:
         out = self.outputs(topk_ids.numel())
         control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used, self.clock,
                      table, self.totals, out, mirror=mirror, block_slots=self.max_slots, stream=stream,
-                     admit_window=window, bypass=bypass)
+                     admit_window=window, bypass=bypass, last_active=self.last_active, recur_window=self.recur)
         return out
 
     def seed(self, layer: int, topk_ids: torch.Tensor, src_w13: torch.Tensor, src_w2: torch.Tensor) -> int:
@@ -266,7 +273,8 @@ class DeviceControl:
         start must be registered already: ``PackedModel.pin_head``). On exit the residency, the
         clock and the counters are what they were (restored in place, in stream order). The
         caller syncs any host work first (``OffloadedExperts``)."""
-        saved = [t.clone() for t in (self.slot_of, self.slot_owner, self.last_used, self.clock, self.totals)]
+        state = (self.slot_of, self.slot_owner, self.last_used, self.clock, self.totals, self.last_active)
+        saved = [t.clone() for t in state]
         n_slots, n_experts = self.slot_owner.numel(), self.slot_of.numel()
         self.slot_of.copy_((torch.arange(n_experts, device=self.device) % n_slots).view_as(self.slot_of))
         slots = torch.arange(n_slots, device=self.device)
@@ -276,7 +284,7 @@ class DeviceControl:
         try:
             yield
         finally:
-            for t, old in zip((self.slot_of, self.slot_owner, self.last_used, self.clock, self.totals), saved):
+            for t, old in zip(state, saved):
                 t.copy_(old)
 
     def host_clock(self) -> int:

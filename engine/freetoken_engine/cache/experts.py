@@ -9,7 +9,8 @@ State (all on the cache's device, so the GPU path can run it without host syncs)
 
 ``step`` is the per-layer decode control, the reference for the device kernel:
 deduplicate the routed experts; hits are resident; of the m misses, the first
-q = min(fills_for(m, f), S - hits, admissible) in ascending expert id (``kernels/split.py``) are filled into the q least recently
+q = min(fills_for(m, f), S - hits, admissible) (``kernels/split.py``; recurring misses first, then
+ascending expert id, see below) are filled into the q least recently
 used slots not holding a hit of this call (ties: lower slot index first; empty slots first),
 the other m - q are computed on the CPU from the bank. The clock advances once per call.
 
@@ -27,8 +28,16 @@ residency, nothing evicted): the misses keep their q* share of PCIe instead of a
 CPU, which admission had overloaded while PCIe idled (Qwen3-30B shapes, locality, batch 4, 8 GB:
 822 CPU experts and 167 fills a step, against 674 and 319 with 8 bypass slots and 806 / 406 with
 plain LRU; ``bench/results/gpu_offload.json``, ``bypass_ab_run_33``). Of the
-m misses, the first q (ascending id) fill LRU victims, the next b = min(q_target - q, B) go to
+m misses, the first q (in the order below) fill LRU victims, the next b = min(q_target - q, B) go to
 bypass slots ``S + j`` (S = the LRU slots), the rest to the CPU; ``stats.fills`` counts both.
+
+Recurring misses first (``recur_window`` R > 0, only while f < 1, like admission):
+``last_active [L_moe, E]`` keeps the clock of each expert's last routing, cached or not. Of a
+call's misses, those routed in the same layer within the last R calls (R = the MoE layer count:
+the step before) take the fills (and then the bypass slots) before the others, each group in
+ascending id. The per-call rule computes a miss on the CPU and forgets it, so an expert that
+the next token routes to again would miss again; filling the recurring ones first spends the
+same q* fills on experts likely to be hit next time (``bench/split_policy_sim.py``).
 
 Not thread-safe: the scheduler thread owns it; ``resize`` runs at a scheduler safe point.
 """
@@ -65,7 +74,7 @@ class CacheStats:
 
 class ExpertCache:
     def __init__(self, bank: ExpertBank, capacity: int, device: torch.device, fill_fraction: float = 1.0,
-                 admit_window: int | None = None, bypass: int = 0):
+                 admit_window: int | None = None, bypass: int = 0, recur_window: int | None = None):
         self.bank = bank
         self.device = torch.device(device)
         self.fill_fraction = fill_fraction
@@ -75,8 +84,12 @@ class ExpertCache:
         if bypass < 0:
             raise ValueError(f"bypass slots must be >= 0, got {bypass}")
         self.bypass_wanted = bypass
+        # calls within which a miss counts as recurring (0: ascending id only); one decode step
+        self.recur_window = bank.num_layers if recur_window is None else recur_window
         self.stats = CacheStats()
         self.clock = 0
+        # the clock of each (layer, expert)'s last routing, cached or not (kept across resizes)
+        self.last_active = torch.full((bank.num_layers, bank.num_experts), -1, dtype=torch.int64, device=self.device)
         self._allocate(capacity)
 
     # -- state -------------------------------------------------------------------------------
@@ -114,6 +127,13 @@ class ExpertCache:
         m = active.numel() - n_hit
         target = fills_for(m, self.fill_fraction) if m else 0
         q = min(target, self.lru_slots - n_hit)
+        missed = active[~hit]
+        recur = admission_window(self.recur_window, self.fill_fraction)
+        if recur > 0 and m:
+            la = self.last_active[layer].index_select(0, missed)
+            rec = (la >= 0) & (self.clock - la <= recur)
+            missed = torch.cat([missed[rec], missed[~rec]])              # recurring misses first
+        self.last_active[layer, active] = self.clock
         window = self.window()
         if q > 0 and window > 0:
             lu = self.last_used
@@ -122,7 +142,7 @@ class ExpertCache:
             q = min(q, int(ok.sum()))
         b = min(target - q, self.bypass)                        # refused fills into bypass slots
         if q > 0:
-            self._fill(layer, active[~hit][:q], protected=slots[hit])
+            self._fill(layer, missed[:q], protected=slots[hit])
             slots = row.index_select(0, active)
         used = slots[slots >= 0] if m else slots
         self.last_used.index_fill_(0, used, self.clock)        # touch hits and fills
@@ -134,7 +154,7 @@ class ExpertCache:
         st.cpu_computed += m - q - b
         pair_slot = row.index_select(0, expert_ids)
         if b > 0:
-            passing = active[~hit][q:q + b]
+            passing = missed[q:q + b]
             where = torch.arange(self.lru_slots, self.lru_slots + b, device=self.device)
             self._copy_rows(layer, passing, where)
             lookup = torch.full((self.bank.num_experts,), -1, dtype=torch.int64, device=self.device)

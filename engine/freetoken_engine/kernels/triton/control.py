@@ -11,8 +11,11 @@ Specification (the expert cache's torch control step, bit for bit), for layer ``
    slots not holding a hit that are empty or were last used before ``clock - W``. With NB bypass
    slots (pool rows S..S+NB-1, outside the LRU), b = min(fill_table[m] - q, NB) of the refused
    fills still cross PCIe, into those rows, for this call only (``cache/experts.py``).
-3. The first q misses (ascending id) are filled, the next b go to slots S + j (no residency
-   change), the rest to the CPU. Victims are the q slots with the smallest
+3. The misses are ordered recurring first: with a recurrence window R > 0 (``last_active``,
+   the clock of each (layer, expert)'s last routing), a miss routed in this layer within the
+   last R calls (the step before, R = the MoE layer count) comes before the others, each group in
+   ascending id. The first q misses in that order are filled, the next b go to slots S + j (no
+   residency change), the rest to the CPU. Every routed expert's ``last_active`` = clock. Victims are the q slots with the smallest
    ``(last_used, slot)`` among slots not holding a hit (empty slots have last_used -1, so go
    first); the i-th filled miss takes the i-th victim. Old owners lose residency; ``slot_of``
    and ``slot_owner`` are updated. The weight copy is a separate kernel (``gather.py``).
@@ -55,11 +58,11 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
                     step_ptr, totals_ptr,
                     keys_ptr, newslot_ptr, mirror_ps_ptr, mirror_counts_ptr, mirror_ids_ptr, layer,
                     P, E, S, NF, pair_stream_ptr, stream_rows_ptr, cpurank_ptr, mirror_from_ptr,
-                    share, INTER, GRANULE, NS, window, NB,
+                    share, INTER, GRANULE, NS, window, NB, last_active_ptr, recur_window,
                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr, MIRROR: tl.constexpr,
                     MIRROR_IDS: tl.constexpr, STREAM: tl.constexpr, MIRROR_FROM: tl.constexpr,
-                    STAGE: tl.constexpr):
+                    STAGE: tl.constexpr, RECUR: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     pm = p < P
     ids = tl.load(topk_ptr + p, mask=pm, other=-1).to(tl.int64)               # [BLOCK_P]
@@ -74,8 +77,17 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     m = tl.sum(miss.to(tl.int64), 0)
     target = tl.load(fill_table_ptr + m).to(tl.int64)
     q = tl.minimum(target, S - n_hit)
-    rank = tl.cumsum(miss.to(tl.int64), 0) - 1                                  # among misses
     clock = tl.load(clock_ptr)
+    if RECUR:
+        # recurring misses first: active in this layer within the last `recur_window` calls
+        la = tl.load(last_active_ptr + layer * E + e, mask=em, other=-1)
+        rec = miss & (la >= 0) & (clock - la <= recur_window)
+        n_rec = tl.sum(rec.to(tl.int64), 0)
+        rank = tl.where(rec, tl.cumsum(rec.to(tl.int64), 0) - 1,
+                        n_rec + tl.cumsum((miss & ~rec).to(tl.int64), 0) - 1)            # among misses
+        tl.store(last_active_ptr + layer * E + e, clock, mask=present)
+    else:
+        rank = tl.cumsum(miss.to(tl.int64), 0) - 1                              # among misses
 
     # Stamp the hits first: they now hold the largest keys and are never chosen below.
     tl.store(last_used_ptr + slot, clock, mask=hit)
@@ -174,9 +186,9 @@ class ControlOutputs:
     pair_slot [P]: slot per pair, -1 = CPU pair; pair_hit_slot / pair_fill_slot [P]: the same
     split by whether the expert was resident before the step (a hit) or is filled by it, -1
     elsewhere, so the hits can be computed while the fills are still being copied.
-    fill_exp / fill_slot [NF]: the step's fills in
-    ascending expert id and their victim slots, -1 padded. cpu_exp [NF]: experts computed on the
-    CPU, ascending, -1 padded. step_counts [4]: hits, misses, fills, cpu_computed of the call.
+    fill_exp / fill_slot [NF]: the step's fills in the
+    misses' order (step 3) and their victim slots, -1 padded. cpu_exp [NF]: experts computed on the
+    CPU, in that order, -1 padded. step_counts [4]: hits, misses, fills, cpu_computed of the call.
     NF = min(P, E) bounds the distinct experts of a call. With a streamed split (``stream=``):
     pair_stream [P]: the scratch slot (the CPU rank of its expert, < NS) of each pair whose rows
     [0, stream_rows) the GPU computes from a streamed copy, -1 elsewhere; stream_rows [1].
@@ -255,7 +267,8 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
                  totals: torch.Tensor, out: ControlOutputs,
                  mirror: tuple[torch.Tensor, ...] | None = None,
                  block_slots: int | None = None, stream: "StreamSplit | None" = None,
-                 admit_window: int = 0, bypass: int = 0) -> ControlOutputs:
+                 admit_window: int = 0, bypass: int = 0, last_active: torch.Tensor | None = None,
+                 recur_window: int = 0) -> ControlOutputs:
     """Run the control step for ``layer`` (see the module docstring); mutates slot_of,
     slot_owner, last_used, clock ([1] int64) and totals ([4] int64) in place and fills ``out``
     (and ``mirror``: int64 [P], [4] and optionally [P], contiguous; pinned host memory on a GPU).
@@ -266,8 +279,9 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
     (a compile costs seconds on a GPU); default: S. ``stream``: also choose the streamed split
     (``out.pair_stream``, ``out.stream_rows``); a fourth mirror tensor ([1] int64) then receives
     stream_rows. ``admit_window``: the fill admission window (step 2; 0 = plain LRU). ``bypass``:
-    pool rows S..S+bypass-1 past the LRU slots that refused fills may use (step 3). Raises
-    ValueError on bad shapes, dtypes, strides or sizes.
+    pool rows S..S+bypass-1 past the LRU slots that refused fills may use (step 3).
+    ``last_active`` ([L, E] int64, mutated) with ``recur_window`` W > 0: recurring misses first
+    (step 3). Raises ValueError on bad shapes, dtypes, strides or sizes.
     """
     dev = slot_of.device
     check_tensor("slot_of", slot_of, 2, (torch.int32, torch.int64), dev)
@@ -311,6 +325,12 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         stream.check()
     if bypass < 0:
         raise ValueError(f"bypass slots must be >= 0, got {bypass}")
+    recur = last_active is not None and recur_window > 0
+    if recur:
+        check_tensor("last_active", last_active, 2, (torch.int64,), dev)
+        check_contiguous("last_active", last_active)
+        if tuple(last_active.shape) != (n_layers, experts):
+            raise ValueError(f"last_active must be [{n_layers}, {experts}], got {tuple(last_active.shape)}")
     if block_slots is not None and block_slots < slots:
         raise ValueError(f"block_slots {block_slots} < the pool's {slots} slots")
     block_s = next_pow2(block_slots or slots)
@@ -323,8 +343,9 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         experts, slots, nf, out.pair_stream, out.stream_rows, out.cpurank,
         m_from if m_from is not None else out.stream_rows,
         *(stream.args(topk_ids.shape[0]) if stream is not None else (0.0, 1, 1, 0)), int(admit_window), int(bypass),
+        last_active if recur else clock, int(recur_window),
         BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=block_s,
         BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, MIRROR=mirror is not None, MIRROR_IDS=m_ids is not None,
         STREAM=stream is not None, MIRROR_FROM=m_from is not None, STAGE=stream is not None and stream.stage,
-        num_warps=8 if block_s > 2048 else 4)
+        RECUR=recur, num_warps=8 if block_s > 2048 else 4)
     return out
