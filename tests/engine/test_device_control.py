@@ -235,3 +235,24 @@ def test_hits_beside_the_fills_give_the_rows_of_one_call(fill_fraction, monkeypa
     assert calls == [True, False] * (6 * LAYERS)
     assert order == ["copy"] * (6 * LAYERS)
     assert seen["hits"] > 0 and seen["fills"] > 0      # both halves ran
+
+
+def test_routing_history_is_kept_while_every_miss_is_filled():
+    """The recurrence order needs the routing of the step before; a fills-only stretch (f = 1,
+    where the order is off) still records it, so the first q* step after the split is set again
+    picks the same fills on the device as the cache's torch step."""
+    bank = _bank(4)
+    ref = ExpertCache(bank, 6, "cpu", fill_fraction=1.0)
+    dev = ExpertCache(bank, 6, "cpu", fill_fraction=1.0)
+    ctl = DeviceControl.from_cache(dev)
+    g = torch.Generator().manual_seed(11)
+    for step in range(6):
+        if step == 3:
+            assert torch.equal(ctl.last_active, ref.last_active) and bool((ref.last_active >= 0).any())
+            ref.fill_fraction = 0.4
+            ctl.set_fill_fraction(0.4)
+        for layer in range(LAYERS):
+            ids = _routing(g, tokens=1 + step % 2, hot=EXPERTS)
+            assert torch.equal(ctl.step(layer, ids).pair_slot, ref.step(layer, ids.reshape(-1))), (step, layer)
+    assert torch.equal(ctl.last_active, ref.last_active)
+    _assert_same(ref, dev, ctl)

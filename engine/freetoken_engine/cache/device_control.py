@@ -218,7 +218,7 @@ class DeviceControl:
                              stage=self.stream.stage)
 
     def run_experts(self, layer: int, x: torch.Tensor, pair_tok: torch.Tensor, out: ControlOutputs,
-                        beside=None, copy: bool = True) -> tuple[torch.Tensor, object]:
+                    beside=None, copy: bool = True) -> tuple[torch.Tensor, object]:
         """Queue ``layer``'s fills (``copy``; False when ``step`` already copied them) and the GPU
         experts of the control step ``out``; returns ``(rows, beside())`` (None without ``beside``,
         a callable of device work independent of the experts, e.g. the layer's shared expert).

@@ -79,7 +79,8 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     q = tl.minimum(target, S - n_hit)
     clock = tl.load(clock_ptr)
     if RECUR:
-        # recurring misses first: active in this layer within the last `recur_window` calls
+        # recurring misses first: routed in this layer within the last `recur_window` calls (none
+        # when it is 0: la < clock); the routing history is kept either way
         la = tl.load(last_active_ptr + layer * E + e, mask=em, other=-1)
         rec = miss & (la >= 0) & (clock - la <= recur_window)
         n_rec = tl.sum(rec.to(tl.int64), 0)
@@ -280,8 +281,8 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
     (``out.pair_stream``, ``out.stream_rows``); a fourth mirror tensor ([1] int64) then receives
     stream_rows. ``admit_window``: the fill admission window (step 2; 0 = plain LRU). ``bypass``:
     pool rows S..S+bypass-1 past the LRU slots that refused fills may use (step 3).
-    ``last_active`` ([L, E] int64, mutated) with ``recur_window`` W > 0: recurring misses first
-    (step 3). Raises ValueError on bad shapes, dtypes, strides or sizes.
+    ``last_active`` ([L, E] int64): the routing history, stamped for every routed expert; with
+    ``recur_window`` W > 0 recurring misses come first (step 3). Raises ValueError on bad shapes, dtypes, strides or sizes.
     """
     dev = slot_of.device
     check_tensor("slot_of", slot_of, 2, (torch.int32, torch.int64), dev)
@@ -325,7 +326,7 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         stream.check()
     if bypass < 0:
         raise ValueError(f"bypass slots must be >= 0, got {bypass}")
-    recur = last_active is not None and recur_window > 0
+    recur = last_active is not None
     if recur:
         check_tensor("last_active", last_active, 2, (torch.int64,), dev)
         check_contiguous("last_active", last_active)
@@ -343,7 +344,7 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         experts, slots, nf, out.pair_stream, out.stream_rows, out.cpurank,
         m_from if m_from is not None else out.stream_rows,
         *(stream.args(topk_ids.shape[0]) if stream is not None else (0.0, 1, 1, 0)), int(admit_window), int(bypass),
-        last_active if recur else clock, int(recur_window),
+        last_active if recur else clock, max(int(recur_window), 0),
         BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=block_s,
         BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, MIRROR=mirror is not None, MIRROR_IDS=m_ids is not None,
         STREAM=stream is not None, MIRROR_FROM=m_from is not None, STAGE=stream is not None and stream.stage,
