@@ -16,13 +16,17 @@ thread's stack sampled every 5 ms, ``stack_sampler.py``; the JSON gains ``stacks
 the start, its most frequent frames), "/warm1" (only batch size 1's decode graph captured at the
 start, ``graph_warmup=1``; the default captures 1-4), "/nowarm" (torch's first CUDA calls not
 made ahead, ``executor/cuda_warm.py``), "/nokeycache" (Triton's cache key computed beside the
-build as before the twenty-sixth stop, not read from the engine's cache: ``prewarm``).
+build as before the twenty-sixth stop, not read from the engine's cache: ``prewarm``), "/nomap"
+(a CPU engine's bank read into anonymous memory, ``FREETOKEN_MAP_BANK=off``: the start before
+the twenty-seventh stop; the default maps the bank's files, ``packed/early.py``).
 """
 import json, os, sys, time
 t0 = time.perf_counter()
 mode, *switches = sys.argv[3].split("/")
 if "4k" in switches:
     os.environ["FREETOKEN_HUGE_PAGES"] = "off"
+if "nomap" in switches:
+    os.environ["FREETOKEN_MAP_BANK"] = "off"
 serial, nocuda, allwidths = ("serial" in switches), ("nocuda" in switches), ("allwidths" in switches)
 if "stacks" in switches:
     import threading
@@ -106,7 +110,7 @@ t2 = time.perf_counter()
 second = llm.generate(list(range(40, 72)), params)
 t3 = time.perf_counter()
 print(json.dumps({"ready_seconds": t1 - t0, "import_seconds": t_import - t0, "first_request_seconds": t2 - t1, "second_request_seconds": t3 - t2,
-                  "load": {k: load_stats.get(k) for k in ("seconds", "read_seconds", "waited_seconds", "preloaded", "threads", "pin_seconds", "pin_after_read_seconds")},
+                  "load": {k: load_stats.get(k) for k in ("seconds", "read_seconds", "waited_seconds", "preloaded", "threads", "pin_seconds", "pin_after_read_seconds", "mapped_bytes", "direct_bytes")},
                   "timeline": {k: round(v, 3) for k, v in marks.items()},
                   "graph_warmup_seconds": llm.runner.graph_stats()["decode_graph_warmup_seconds"],
                   "graphs_at_ready": graphs_at_ready, "early_cuda": early_cuda.status(),

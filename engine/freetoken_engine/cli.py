@@ -186,14 +186,16 @@ def main(argv: list[str] | None = None) -> int:
         if args.func in (cmd_generate, cmd_serve, cmd_calibrate):
             from . import env
             env.validate()      # before anything slow (the default model's first conversion)
-        if args.func in (cmd_generate, cmd_serve) and env.preload():
-            from .packed import PackedFormatError, early_cuda, is_packed, preload
-            if args.model is not None and is_packed(args.model):
-                try:
-                    preload(args.model, device=args.device)   # torch is not imported yet: read and context overlap it
-                except PackedFormatError:
-                    pass    # the load says it as usual: one line here, /health for a server
-            early_cuda.start(args.device)   # any model: the CUDA context beside the imports (once)
+        if args.func in (cmd_generate, cmd_serve):
+            from .packed import PackedFormatError, early, early_cuda, is_packed, preload
+            packed = args.model is not None and is_packed(args.model)
+            if env.preload(mapped=packed and early.restart_maps(args.model, args.device)):
+                if packed:
+                    try:
+                        preload(args.model, device=args.device)   # torch is not imported yet: read and context overlap it
+                    except PackedFormatError:
+                        pass    # the load says it as usual: one line here, /health for a server
+                early_cuda.start(args.device)   # any model: the CUDA context beside the imports (once)
         return args.func(args)
     except EngineError as exc:
         print(f"freetoken: error: {exc}", file=sys.stderr)

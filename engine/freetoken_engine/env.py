@@ -49,14 +49,20 @@ BYPASS_SLOTS_DEFAULT = 8
 #: prefill's whole-layer buffer, device to device) or "off", for A/B measurements.
 FREETOKEN_PREFILL_SEED = "FREETOKEN_PREFILL_SEED"
 #: The CLI's early read of a packed ``--model`` (packed/early.py): "auto" (the default: when the
-#: process may use at least PRELOAD_MIN_CPUS CPUs), "on" or "off". On 2 CPUs the read's page
-#: faults take the CPU the imports need (docs/cpu_kernel.md).
+#: process may use at least PRELOAD_MIN_CPUS CPUs, or the read maps the bank), "on" or "off". On
+#: 2 CPUs a read's page faults take the CPU the imports need (docs/cpu_kernel.md); a mapped one's
+#: do not.
 FREETOKEN_PRELOAD = "FREETOKEN_PRELOAD"
 PRELOAD_MIN_CPUS = 4
 #: The expert bank's host memory on transparent huge pages (packed/memory.py): "on" (the default,
 #: where the kernel grants them) or "off" (4 KiB pages), for A/B runs or a host where compaction
 #: stalls.
 FREETOKEN_HUGE_PAGES = "FREETOKEN_HUGE_PAGES"
+#: A CPU engine's restart maps the packed bank's files instead of reading them into anonymous
+#: memory (packed/early.py): "on" (the default) or "off". The kernel's page cache then is the
+#: bank: read at the disk's speed with almost no CPU, but under memory pressure the kernel may
+#: drop bank pages and read them again when they are used.
+FREETOKEN_MAP_BANK = "FREETOKEN_MAP_BANK"
 #: Default of ``serve --api-key`` / ``--admin-token``: secrets passed this way stay out of the
 #: process list (``ps`` shows every argument), which is how the node agent passes them.
 FREETOKEN_API_KEY = "FREETOKEN_API_KEY"
@@ -95,7 +101,7 @@ def validate() -> None:
     engine calls it at start, so a typo in a GPU-only setting fails on a CPU too, not on the first
     GPU that reads it."""
     for parse in (host_branch, gpu_decode_kernels, fill_admission, prefill_seed, stream_split, bypass_slots,
-                  cpu_expert_threads, preload, huge_pages):
+                  cpu_expert_threads, preload, huge_pages, map_bank):
         parse()
 
 
@@ -169,14 +175,21 @@ def huge_pages() -> bool:
     return _mode(FREETOKEN_HUGE_PAGES, "on", ("on", "off")) == "on"
 
 
-def preload() -> bool:
+def map_bank() -> bool:
+    """Whether a CPU engine's restart maps the bank's files (see FREETOKEN_MAP_BANK); ValueError
+    for anything but on / off."""
+    return _mode(FREETOKEN_MAP_BANK, "on", ("on", "off")) == "on"
+
+
+def preload(mapped: bool = False) -> bool:
     """Whether the CLI reads a packed folder before importing torch (see FREETOKEN_PRELOAD);
-    ValueError for anything but auto / on / off."""
+    ValueError for anything but auto / on / off. ``mapped``: the read would map the bank
+    (packed/early.py), which costs the imports no CPU, so "auto" reads early on any CPU count."""
     mode = _mode(FREETOKEN_PRELOAD, "auto", ("auto", "on", "off"))
     if mode != "auto":
         return mode == "on"
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return cpus >= PRELOAD_MIN_CPUS
+    return cpus >= PRELOAD_MIN_CPUS or mapped
 
 
 def api_key() -> str | None:

@@ -16,6 +16,9 @@ Order of work, so a bad folder never yields a half-loaded model:
    machine does not have spare; any change to a file brings the check back. ``True`` always
    checks, ``False`` never;
 4. with ``pin="after"`` (default) and CUDA present, the bank is page-locked in place.
+A restart that pins nothing (no CUDA, or ``pin="none"``) maps the bank's files instead of step
+3's reads of them (``early.py``: the page cache becomes the bank; ``FREETOKEN_MAP_BANK=off``
+reads them as above).
 With ``defer_bank=True`` steps 3-4 finish in ``PackedModel.finish()``: the load returns once the
 dense files are in, so the engine builds the model while the bank is still read.
 Any failure raises ``PackedFormatError`` naming the file and block, from ``load_packed`` or, for
@@ -31,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from .. import env
 from . import early
 from .early import already_verified, record_verified
 from .format import PackedFormatError, read_index
@@ -120,7 +124,7 @@ class PackedModel:
                            "pin_seconds": pins.busy if pins is not None else 0.0,
                            # from the read's last block: what the load cost beyond the read
                            "pin_after_read_seconds": time.perf_counter() - max(p.fill.finished, t),
-                           "direct_bytes": p.fill.direct_bytes})
+                           "direct_bytes": p.fill.direct_bytes, "mapped_bytes": p.fill.mapped_bytes})
 
 
 @dataclass
@@ -175,8 +179,11 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
     stored = torch_dtype(index["dtype"])
     dtype = dtype or stored
     check = verify is True or (verify == "auto" and not already_verified(folder, index))
+    # a bank pinned for a GPU is read into anonymous memory; otherwise a restart maps it (early.py)
+    will_pin = pin != "none" and torch.cuda.is_available()
     fill = early.take(folder)
-    if fill is not None and (fill.index != index or fill.check != check or fill.direct != direct or pin == "before"):
+    if fill is not None and (fill.index != index or fill.check != check or fill.direct != direct or pin == "before"
+                             or (fill.mapped and will_pin)):
         fill.cancel()                   # read with other options (or files changed since): again
         fill = None
     preloaded = fill is not None
@@ -185,7 +192,8 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
     pinned = False
     try:
         if fill is None:
-            fill = early.Fill(folder, index, check, direct, threads, progress)
+            fill = early.Fill(folder, index, check, direct, threads, progress,
+                              mapped=not will_pin and env.map_bank())
         else:
             fill.progress = progress
         if bank:
