@@ -16,9 +16,9 @@ times less often. Nothing in this module imports torch.
 
 A mapped read (``mapped``: a restart, no CRC pass, of an engine whose bank is not pinned for a
 GPU; ``FREETOKEN_MAP_BANK``): each bank piece file is mapped privately over its place in the
-arena (``MAP_FIXED``; a write would copy its page, never reach the file) and the workers ask the kernel to fill it (``MADV_POPULATE_READ``, Linux
-5.14+): the disk's DMA lands in page-cache pages that become the bank's pages, with nothing
-zeroed and nothing copied. On the 2-CPU VM that read 2.7-2.8 GB/s with 0.2 s of CPU, against
+arena (``MAP_FIXED``; a write would copy its page, never reach the file) and the workers ask
+the kernel to fill it (``MADV_POPULATE_READ``, Linux 5.14+): the disk's DMA lands in page-cache
+pages that become the bank's pages, with nothing zeroed and nothing copied. On the 2-CPU VM that read 2.7-2.8 GB/s with 0.2 s of CPU, against
 1.4-2.0 GB/s and 2-4 s of CPU for O_DIRECT into fresh memory (``bench/read_cpu_cost.py``).
 """
 from __future__ import annotations
