@@ -9,8 +9,8 @@ the page cache is dropped, alternating over ``--rounds``:
   calls through O_DIRECT into one fresh page-aligned arena (``packed.memory.arena``: private,
   transparent huge pages advised), so every page of it is faulted in and zeroed by the kernel
   before the DMA lands;
-* ``mmap``: each file mapped privately and read-only, ``--threads`` threads calling
-  ``madvise(MADV_POPULATE_READ)`` on 64 MiB ranges: the disk's DMA fills page-cache pages, which
+* ``mmap``: each file mapped privately, ``--threads`` threads calling
+  ``madvise(MADV_POPULATE_READ)`` on 64 MiB ranges (``packed.memory.populate``, the engine's call): the disk's DMA fills page-cache pages, which
   become the mapping's pages (nothing zeroed, nothing copied).
 
 Reported per side: seconds, GB/s, the reader threads' CPU seconds (user + system, each
@@ -25,7 +25,6 @@ Output: a table, ``bench/results/read_cpu_cost.json`` (an entry per ``--label``)
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import mmap
 import os
@@ -40,10 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from disk_read import drop_caches  # noqa: E402
 from hardware import describe  # noqa: E402
 
-from freetoken_engine.packed.memory import arena  # noqa: E402
+from freetoken_engine.packed.memory import arena, populate  # noqa: E402
 
 CHUNK = 64 << 20
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)     # Linux 5.14
 
 
 def _cpu() -> float:
@@ -101,23 +99,16 @@ def read_odirect(files: list[Path], threads: int):
 
 
 def read_mmap(files: list[Path], threads: int):
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     maps, jobs = [], []
     for f in files:
         n = f.stat().st_size
         fd = os.open(f, os.O_RDONLY)
-        try:   # writable and private (copy on write), so ctypes can take its address
+        try:   # writable and private (copy on write), as the engine maps the bank
             maps.append(mmap.mmap(fd, n, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE))
         finally:
             os.close(fd)
-        base = ctypes.addressof(ctypes.c_char.from_buffer(maps[-1]))
-        jobs += [(base + off, min(CHUNK, n - off)) for off in range(0, n, CHUNK)]
-
-    def work(addr, n):   # through ctypes: the GIL is released while the kernel reads
-        if libc.madvise(addr, n, MADV_POPULATE_READ) != 0:
-            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_READ)")
-    _pool(jobs, threads, work)
+        jobs += [(maps[-1], off, min(CHUNK, n - off)) for off in range(0, n, CHUNK)]
+    _pool(jobs, threads, populate)     # the engine's call: ctypes, the GIL released
     return maps
 
 

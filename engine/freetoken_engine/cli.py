@@ -187,14 +187,14 @@ def main(argv: list[str] | None = None) -> int:
             from . import env
             env.validate()      # before anything slow (the default model's first conversion)
         if args.func in (cmd_generate, cmd_serve):
-            from .packed import PackedFormatError, early, early_cuda, is_packed, preload
-            packed = args.model is not None and is_packed(args.model)
-            if env.preload(mapped=packed and early.restart_maps(args.model, args.device)):
-                if packed:
-                    try:
-                        preload(args.model, device=args.device)   # torch is not imported yet: read and context overlap it
-                    except PackedFormatError:
-                        pass    # the load says it as usual: one line here, /health for a server
+            from .packed import PackedFormatError, early_cuda, is_packed, preload
+            early_read = env.preload()      # "auto" on 2 CPUs: only a read that maps the bank
+            if env.preload(mapped=True) and args.model is not None and is_packed(args.model):
+                try:   # torch is not imported yet: the read and the CUDA context overlap it
+                    early_read |= preload(args.model, device=args.device, mapped_only=not early_read)
+                except PackedFormatError:
+                    pass    # the load says it as usual: one line here, /health for a server
+            if early_read:
                 early_cuda.start(args.device)   # any model: the CUDA context beside the imports (once)
         return args.func(args)
     except EngineError as exc:

@@ -82,9 +82,11 @@ import freetoken_engine.packed as packed
 from freetoken_engine.packed import early
 seen = {}
 real = early.preload
-def preload(folder, threads=8, device=None):
-    seen["preloaded"], seen["torch"] = True, "torch" in sys.modules
-    real(folder, threads, device)
+def preload(folder, threads=8, device=None, **kw):
+    started = real(folder, threads, device, **kw)
+    if started:
+        seen["preloaded"], seen["torch"] = True, "torch" in sys.modules
+    return started
 packed.preload = early.preload = preload
 from freetoken_engine.cli import main
 rc = main(sys.argv[1:])

@@ -222,9 +222,9 @@ def start(device):
     return real_start(device)
 early_cuda.start = start
 real_preload, real_take = early.preload, early.take
-def preload(folder, threads=8, device=None):
+def preload(folder, threads=8, device=None, **kw):
     seen["torch_at_preload"], seen["device"] = "torch" in sys.modules, device
-    real_preload(folder, threads, device)
+    return real_preload(folder, threads, device, **kw)
 def take(folder):
     fill = real_take(folder)
     seen["taken"] = fill is not None

@@ -255,8 +255,7 @@ class OffloadedExperts:
         t, k = topk_ids.shape
         pair_exp = topk_ids.reshape(-1)                                   # [P]
         pair_tok = self._pair_tokens(t, k, x.device)                      # [P]
-        bank_in_place = self.cache.device.type == "cpu" and self.cache.capacity == self.bank.total_experts
-        if self.control is not None and t < self.prefill_threshold and not bank_in_place:
+        if self.control is not None and t < self.prefill_threshold and not self._bank_in_place():
             if self._fills_only(t):
                 # Every miss is filled: no CPU pair is possible, so no host sync in this layer
                 # (a decode step of such layers can be captured in a CUDA graph).
@@ -268,6 +267,10 @@ class OffloadedExperts:
         rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)
         return rows, beside() if beside is not None else None
 
+    def _bank_in_place(self) -> bool:
+        """Every expert fits and the cache lives on the host: decode computes from the bank."""
+        return self.cache.device.type == "cpu" and self.cache.capacity == self.bank.total_experts
+
     def _forward(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, pair_tok: torch.Tensor,
                  pair_exp: torch.Tensor) -> torch.Tensor:
         t, k = topk_ids.shape
@@ -278,7 +281,7 @@ class OffloadedExperts:
             if self._seed and self.seed_now and self.cache.capacity < self.bank.total_experts:
                 self._seed_cache(layer, topk_ids[-1:], w13, w2)
             return out
-        if self.cache.device.type == "cpu" and self.cache.capacity == self.bank.total_experts:
+        if self._bank_in_place():
             # Every expert fits and the cache's device is the host: the bank *is* the resident
             # copy, so compute from it in place (no fills, no slot lookups). Each distinct
             # routed expert counts as a hit (a token's top-k experts are distinct).

@@ -23,9 +23,7 @@ pages that become the bank's pages, with nothing zeroed and nothing copied. On t
 """
 from __future__ import annotations
 
-import ctypes
 import hashlib
-import mmap
 import os
 import stat
 import threading
@@ -37,64 +35,18 @@ from typing import Callable
 from ..cachefile import read_json, write_json
 from . import early_cuda
 from .format import ALIGN, INDEX_NAME, PackedFormatError, bank_piece_bytes, read_index
-from .memory import arena
+from .memory import PAGE, arena, can_map, map_file_over, populate
 
 
 SPAN = 4          # blocks per read (64 MiB at the format's 16 MiB blocks)
-PAGE = 4096
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
-_libc = None
-_can_map: bool | None = None
 
 
-def _lib():
-    global _libc
-    if _libc is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _libc = libc
-    return _libc
-
-
-def address(mm: mmap.mmap) -> int:
-    """The first byte's address of a writable mapping (the export is released at once)."""
-    c = ctypes.c_char.from_buffer(mm)
-    addr = ctypes.addressof(c)
-    del c
-    return addr
-
-
-def can_map() -> bool:
-    """Whether this system maps and fills a file range on request (``MADV_POPULATE_READ``)."""
-    global _can_map
-    if _can_map is None:
-        try:
-            mm = mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-            _can_map = _lib().madvise(address(mm), PAGE, _MADV_POPULATE_READ) == 0
-            mm.close()
-        except (OSError, AttributeError, ValueError, TypeError):
-            _can_map = False
-    return _can_map
-
-
-def restart_maps(folder: str | Path, device: str | None) -> bool:
-    """``maps_bank`` for a folder whose index is read here (False for one that fails its checks:
-    the load reports that)."""
-    try:
-        return maps_bank(Path(folder), read_index(Path(folder)), device)
-    except PackedFormatError:
-        return False
-
-
-def maps_bank(folder: Path, index: dict, device: str | None) -> bool:
-    """Whether a read of ``folder`` for an engine on ``device`` maps the bank: a restart (the
-    folder verified before) of an engine that does not pin it for a GPU, where the system can."""
+def maps_bank(device: str | None, verified: bool) -> bool:
+    """Whether a read for an engine on ``device`` maps the bank: a restart (the folder
+    ``verified`` before) of an engine that does not pin it for a GPU, where the system can."""
     from .. import env
-    return (env.map_bank() and device is not None and not device.startswith("cuda")
-            and already_verified(folder, index) and can_map())
+    return (verified and env.map_bank() and device is not None and not device.startswith("cuda")
+            and can_map())
 
 
 def _stamp_path(folder: Path) -> Path:
@@ -215,16 +167,13 @@ class Fill:
         return self
 
     def _map(self, name: str, fd: int) -> None:
-        """Map file ``name``'s kept bytes over their place in the arena: private, so a write into
-        the bank (none is made) would copy its page and never reach the file."""
+        """Map file ``name``'s kept bytes over their place in the arena (``memory.map_file_over``)."""
         mm, base, keep = self.mapped[name]
-        at = address(mm) + base
-        got = _lib().mmap(at, keep, mmap.PROT_READ | mmap.PROT_WRITE,
-                          mmap.MAP_PRIVATE | getattr(mmap, "MAP_FIXED", 0x10), fd, 0)
-        if got != at:
-            err = ctypes.get_errno()
+        try:
+            map_file_over(mm, base, keep, fd)
+        except OSError as exc:
             self.close()
-            raise PackedFormatError(f"{self.folder / name}: cannot map ({os.strerror(err)})")
+            raise PackedFormatError(f"{self.folder / name}: cannot map ({exc.strerror})") from None
 
     def cancel(self) -> None:
         """Stop handing out blocks (those being read finish), and release the files."""
@@ -306,8 +255,8 @@ class Fill:
         use_direct = False
         try:
             if name in self.mapped:     # the kernel fills the mapping (the padded tail is not kept)
-                if inside and _lib().madvise(address(mm) + base + off, inside, _MADV_POPULATE_READ) != 0:
-                    raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+                if inside:
+                    populate(mm, base + off, inside)
             elif inside == n:
                 mv = memoryview(mm)[base + off:base + off + n]
                 # arenas are page-aligned, so the address is aligned when base + off is
@@ -380,24 +329,29 @@ def read_small_files(folder: Path, index: dict, limit: int = SMALL_FILES_BYTES) 
     return done
 
 
-def preload(folder: str | Path, threads: int = 8, device: str | None = None) -> None:
+def preload(folder: str | Path, threads: int = 8, device: str | None = None, mapped_only: bool = False) -> bool:
     """Start reading the packed folder ``folder`` in the background; returns at once. The next
     ``load_packed`` of the same folder (``LLM``, ``freetoken serve``) takes the read over. Call
     it before importing torch so that the read overlaps the imports. ``device``: the engine's
     device; a CUDA one gets its context made meanwhile too (``early_cuda``). The folder's small
-    files are read first (``read_small_files``). Raises PackedFormatError for a folder whose
-    index or files fail the structural checks."""
+    files are read first (``read_small_files``). ``mapped_only``: start only a read that maps the
+    bank (``maps_bank``), which costs the imports no CPU. Returns whether a read started. Raises
+    PackedFormatError for a folder whose index or files fail the structural checks."""
     folder = Path(folder)
     index = read_index(folder)
+    verified = already_verified(folder, index)
+    mapped = maps_bank(device, verified)
+    if mapped_only and not mapped:
+        return False
     read_small_files(folder, index)
-    fill = Fill(folder, index, not already_verified(folder, index), True, threads,
-                mapped=maps_bank(folder, index, device)).start()
+    fill = Fill(folder, index, not verified, True, threads, mapped=mapped).start()
     early_cuda.start(device)
     with _pending_lock:
         old = _pending.pop(_key(folder), None)
         _pending[_key(folder)] = fill
     if old is not None:
         old.cancel()
+    return True
 
 
 def _key(folder: str | Path) -> str:

@@ -3,14 +3,17 @@
 ``arena(n)`` is such a mapping (4 KiB-aligned, so O_DIRECT reads land in it directly; private,
 with transparent huge pages advised), made without torch so that a read can start before torch is
 imported (``early.py``); ``as_tensor(arena, n)`` views it as a uint8 tensor and ``aligned_empty(n)`` does
-both. ``host_register(t)`` page-locks such a tensor with ``cudaHostRegister`` and undoes it
+both. ``map_file_over`` / ``populate`` put a file's pages in place of part of an arena
+(``early.py``'s mapped read). ``host_register(t)`` page-locks such a tensor with ``cudaHostRegister`` and undoes it
 before the mapping is unmapped, so a later mapping at the same address is never mistaken for
 pinned memory (a freed registered buffer would otherwise make CUDA copy stale pages, or fail
 with "already registered").
 """
 from __future__ import annotations
 
+import ctypes
 import mmap
+import os
 import weakref
 
 from .. import env
@@ -44,6 +47,63 @@ def arena(nbytes: int, huge: bool | None = None) -> _Arena:
         except OSError:
             pass
     return mm
+
+
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)     # Linux 5.14
+_libc = None
+_can_map: bool | None = None
+
+
+def _lib():
+    global _libc
+    if _libc is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_long]
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        _libc = libc
+    return _libc
+
+
+def address(mm: mmap.mmap) -> int:
+    """The first byte's address of a writable mapping (the export is released at once)."""
+    c = ctypes.c_char.from_buffer(mm)
+    addr = ctypes.addressof(c)
+    del c
+    return addr
+
+
+def can_map() -> bool:
+    """Whether this system fills a mapping on request (``MADV_POPULATE_READ``, Linux 5.14+)."""
+    global _can_map
+    if _can_map is None:
+        try:
+            mm = mmap.mmap(-1, PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            _can_map = _lib().madvise(address(mm), PAGE, _MADV_POPULATE_READ) == 0
+            mm.close()
+        except (OSError, AttributeError, ValueError, TypeError):
+            _can_map = False
+    return _can_map
+
+
+def map_file_over(mm: mmap.mmap, at: int, nbytes: int, fd: int) -> None:
+    """Map the first ``nbytes`` of file ``fd`` over bytes [at, at + nbytes) of the mapping ``mm``
+    (page-aligned): private, so a write copies its page and never reaches the file. OSError."""
+    where = address(mm) + at
+    got = _lib().mmap(where, nbytes, mmap.PROT_READ | mmap.PROT_WRITE,
+                      mmap.MAP_PRIVATE | getattr(mmap, "MAP_FIXED", 0x10), fd, 0)
+    if got != where:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+def populate(mm: mmap.mmap, at: int, nbytes: int) -> None:
+    """Have the kernel fill bytes [at, at + nbytes) of ``mm`` (for a file mapping: read them from
+    the disk into the page cache and map them), the GIL released meanwhile. OSError."""
+    if _lib().madvise(address(mm) + at, nbytes, _MADV_POPULATE_READ) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
 
 
 def huge_page_bytes(t) -> int:
