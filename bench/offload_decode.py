@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from offload_workload import CUDA, Bank  # first: it makes the engine package importable
-from offload_measure import _capture, _Token, combine
+from offload_measure import _capture, _Token, combine, row_bound
 from freetoken_engine.cache.device_control import DeviceControl
 from freetoken_engine.cache.experts import bypass_slots
 from freetoken_engine.env import BYPASS_SLOTS_DEFAULT
@@ -226,6 +226,20 @@ def _static_token(bank: Bank, st: _Token, n_gpu: int, cpu_fn):
     return token, (lambda: _capture(gpu_layers) if n_gpu else None)
 
 
+def _resident_layers(ctl: DeviceControl, n_gpu: int, E: int, k: int) -> None:
+    """Fill a pool of exactly ``n_gpu * E`` slots with every expert of layers < n_gpu (one
+    fills-only control step per layer over all E experts), then set f = 0: the static split."""
+    f = ctl.fill_fraction
+    ctl.set_fill_fraction(1.0)
+    every = torch.arange(E, device=CUDA).view(-1, k)
+    for layer in range(n_gpu):
+        ctl.step(layer, every)
+    ctl.set_fill_fraction(f)
+    ctl.totals.zero_()
+    if bool((ctl.slot_of[:n_gpu] < 0).any()) or bool((ctl.slot_of[n_gpu:] >= 0).any()):
+        raise RuntimeError("static/graph: the pool does not hold exactly the first layers")
+
+
 def _fill_cache(ctl: DeviceControl, ids_dev: torch.Tensor, max_passes: int = 8) -> dict:
     """Bring an LRU cache to its steady state before the timed tokens: fills-only control steps
     (no expert compute) over the routing of the tokens before the warm-up ones, repeated until
@@ -265,8 +279,16 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         slots = n_gpu * E
         token, capture = _static_token(bank, st, n_gpu, cpu_fn)
     else:
+        # "static/graph": (b)'s split run by (d)'s machinery (one graph a token, the C++ host
+        # loop): the first slots // E layers resident, f = 0, so every other layer's experts go
+        # to the CPU and nothing is filled or evicted
+        static = policy == "static/graph"
+        if static:
+            slots = min(slots // E, L) * E
+            if not slots:
+                raise ValueError(f"static/graph: {slots} slots hold no whole layer of {E} experts")
         # the engine's bypass slots out of the same budget; "/nobypass": admission alone (run N)
-        nb = 0 if policy.endswith(("/plain", "/nobypass")) else bypass_slots(slots, L * E, BYPASS_SLOTS_DEFAULT)
+        nb = 0 if static or policy.endswith(("/plain", "/nobypass")) else bypass_slots(slots, L * E, BYPASS_SLOTS_DEFAULT)
         w13s = torch.empty((slots, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
         w2s = torch.empty((slots, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
         minus = lambda n: torch.full((n,), -1, dtype=torch.int64, device=CUDA)  # noqa: E731
@@ -277,13 +299,16 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         split = next((sfx for sfx in ("+stf", "+st", "+sf", "+s") if base.endswith(sfx)), "")   # streamed / by stage
         base = base[:len(base) - len(split)]
         f = float(base.split("@")[1]) if "@" in base else bw["fill_fraction"] if base == "lru+q*" else 1.0
+        f = 0.0 if static else f
         # the engine's fill admission (window: the MoE layer count; in effect only while f < 1),
         # except on the "/plain" side
-        admit = 0 if policy.endswith("/plain") else L
+        admit = 0 if static or policy.endswith("/plain") else L
         # the engine's recurring misses first (a window of one step), except on "/ascending"
-        recur = 0 if policy.endswith("/ascending") else L
+        recur = 0 if static or policy.endswith("/ascending") else L
         ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots - nb),
                             minus(slots - nb), 0, f, admit_window=admit, recur_window=recur)
+        if static:
+            _resident_layers(ctl, slots // E, E, st.k)
         if split:
             ctl.set_stream(min(st.P, E), floor_fills=split in ("+sf", "+stf"), stage=split in ("+st", "+stf"))
         if policy == "lru":
@@ -330,7 +355,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         raise RuntimeError(f"{policy}: non-finite hidden state")
     res = {"policy": policy, "cache_slots": slots, "cache_fraction": slots / (L * E), "seconds_per_step": secs,
            "tok_s": batch / secs, "bypass_slots": nb, **res_warm}
-    res.update(_bound(bank, policy, slots, distinct[warm:].float(), ctl, before, counts, bw, steps, batch, secs))
+    res.update(row_bound(bank, policy, slots, distinct[warm:].float(), ctl, before, counts, bw, steps, batch, secs))
     if keep_x:
         res["x_layers"] = st.x.float().cpu()                  # [L + 1, T, H]: every layer's input
     if br is not None:
@@ -345,42 +370,3 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
     del ctl
     torch.cuda.empty_cache()
     return res
-
-
-def _bound(bank, policy, slots, d_meas, ctl, before, counts, bw, steps, batch, secs) -> dict:
-    """The bandwidth-model bound of a row from its measured counts (see gpu_offload's docstring)."""
-    m = bank.model
-    L, E, se = m["layers"], m["experts"], m["expert_bytes"]
-    hbm, pcie, cpu_b = bw["hbm_copy_gbps"] * 1e9, bw["pcie_h2d_gbps"] * 1e9, bw["cpu_expert_gbps"] * 1e9
-    shared_t = L * bank.shared_bytes / hbm
-    out = {}
-    if policy in ("all", "static"):
-        n_gpu = slots // E
-        bound = (d_meas[:, :n_gpu].sum() * se / hbm + d_meas[:, n_gpu:].sum() * se / cpu_b) / steps
-        out.update(miss_rate=float(d_meas[:, n_gpu:].sum() / d_meas.sum()), fills_per_step=0.0,
-                   cpu_experts_per_step=float(d_meas[:, n_gpu:].sum()) / steps, gpu_layers=n_gpu)
-    else:
-        after = ctl.counters()
-        c = {key: after[key] - before[key] for key in after}
-        if policy in ("lru", "lru+sync"):
-            bound = (c["fills"] * se / pcie + (c["hits"] + c["fills"]) * se / hbm) / steps
-        else:
-            # misses split ideally (as if divisible) between PCIe and the CPU, both at their
-            # rates measured while the other runs (the larger of each side's measurements)
-            bp, bc = bw["bound_pcie_gbps"] * 1e9, bw["bound_cpu_gbps"] * 1e9
-            bound = (c["misses"] * se / (bp + bc) + (c["hits"] + c["fills"]) * se / hbm) / steps
-            cnt = np.stack(counts).reshape(-1, 4).astype(np.float64)        # [steps * L, 4]
-            miss, fills = cnt[:, 1], cnt[:, 2]
-            q = np.arange(int(miss.max()) + 1)[None, :] if miss.size else np.zeros((1, 1))
-            best = np.where(q <= miss[:, None], np.maximum(q * se / bp, (miss[:, None] - q) * se / bc), np.inf)
-            gpu_t = (cnt[:, 0] + fills) * se / hbm
-            integer = float((best.min(1) + gpu_t).sum() / steps + shared_t)
-            actual = float((np.maximum(fills * se / bp, cnt[:, 3] * se / bc) + gpu_t).sum() / steps + shared_t)
-            out.update(bound_integer_split_tok_s=batch / integer, fraction_of_integer_split_bound=integer / secs,
-                       bound_actual_split_tok_s=batch / actual, fraction_of_actual_split_bound=actual / secs,
-                       misses_per_layer_call_hist=np.bincount(miss.astype(int)).tolist())
-        out.update(miss_rate=c["misses"] / max(c["hits"] + c["misses"], 1), fills_per_step=c["fills"] / steps,
-                   cpu_experts_per_step=c["cpu_computed"] / steps, fill_fraction=ctl.fill_fraction)
-    bound = float(bound) + shared_t
-    out.update(bound_tok_s=batch / bound, fraction_of_bound=bound / secs)
-    return out

@@ -1,9 +1,10 @@
 """Measurements of ``bench/gpu_offload.py``: bandwidths, decode-kernel tile tuning, the control
-step's cost, the per-token combine kernel and CUDA-graph capture."""
+step's cost, the per-token combine kernel, CUDA-graph capture and a decode row's bandwidth bound."""
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -341,3 +342,44 @@ def _capture(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
+def row_bound(bank, policy, slots, d_meas, ctl, before, counts, bw, steps, batch, secs) -> dict:
+    """The bandwidth-model bound of a row from its measured counts (see gpu_offload's docstring)."""
+    m = bank.model
+    L, E, se = m["layers"], m["experts"], m["expert_bytes"]
+    hbm, pcie, cpu_b = bw["hbm_copy_gbps"] * 1e9, bw["pcie_h2d_gbps"] * 1e9, bw["cpu_expert_gbps"] * 1e9
+    shared_t = L * bank.shared_bytes / hbm
+    out = {}
+    if policy in ("all", "static", "static/graph"):
+        n_gpu = slots // E
+        bound = (d_meas[:, :n_gpu].sum() * se / hbm + d_meas[:, n_gpu:].sum() * se / cpu_b) / steps
+        if ctl is not None:        # static/graph: the control made (b)'s choices, nothing else
+            c = {key: v - before[key] for key, v in ctl.counters().items()}
+            if c["fills"] or c["cpu_computed"] != int(d_meas[:, n_gpu:].sum()):
+                raise RuntimeError(f"static/graph: the control step left the static split: {c}")
+        out.update(miss_rate=float(d_meas[:, n_gpu:].sum() / d_meas.sum()), fills_per_step=0.0,
+                   cpu_experts_per_step=float(d_meas[:, n_gpu:].sum()) / steps, gpu_layers=n_gpu)
+    else:
+        after = ctl.counters()
+        c = {key: after[key] - before[key] for key in after}
+        if policy in ("lru", "lru+sync"):
+            bound = (c["fills"] * se / pcie + (c["hits"] + c["fills"]) * se / hbm) / steps
+        else:
+            # misses split ideally (as if divisible) between PCIe and the CPU, both at their
+            # rates measured while the other runs (the larger of each side's measurements)
+            bp, bc = bw["bound_pcie_gbps"] * 1e9, bw["bound_cpu_gbps"] * 1e9
+            bound = (c["misses"] * se / (bp + bc) + (c["hits"] + c["fills"]) * se / hbm) / steps
+            cnt = np.stack(counts).reshape(-1, 4).astype(np.float64)        # [steps * L, 4]
+            miss, fills = cnt[:, 1], cnt[:, 2]
+            q = np.arange(int(miss.max()) + 1)[None, :] if miss.size else np.zeros((1, 1))
+            best = np.where(q <= miss[:, None], np.maximum(q * se / bp, (miss[:, None] - q) * se / bc), np.inf)
+            gpu_t = (cnt[:, 0] + fills) * se / hbm
+            integer = float((best.min(1) + gpu_t).sum() / steps + shared_t)
+            actual = float((np.maximum(fills * se / bp, cnt[:, 3] * se / bc) + gpu_t).sum() / steps + shared_t)
+            out.update(bound_integer_split_tok_s=batch / integer, fraction_of_integer_split_bound=integer / secs,
+                       bound_actual_split_tok_s=batch / actual, fraction_of_actual_split_bound=actual / secs,
+                       misses_per_layer_call_hist=np.bincount(miss.astype(int)).tolist())
+        out.update(miss_rate=c["misses"] / max(c["hits"] + c["misses"], 1), fills_per_step=c["fills"] / steps,
+                   cpu_experts_per_step=c["cpu_computed"] / steps, fill_fraction=ctl.fill_fraction)
+    bound = float(bound) + shared_t
+    out.update(bound_tok_s=batch / bound, fraction_of_bound=bound / secs)
+    return out

@@ -6,7 +6,8 @@ script makes their rows the file's decode rows: the rows they replace move, with
 checks, control-step timings and targets, to ``decode_split_runs[<previous label>]``; the prefill rows
 stay. The targets of the fast-path issue are recomputed from the new rows:
   * decode_lru_q_fraction_of_bound (target 0.85) and ..._of_integer_split_bound, per row of (d);
-  * decode_lru_q_vs_static_32gb (target 1.5) and the same ratio of the two bounds;
+  * decode_lru_q_vs_static_32gb (target 1.5) and the same ratio of the two bounds, (b) being the
+    faster of the static drivers the run has (static, static/graph: decode_static_side_32gb);
   * decode_admission_vs_plain: (d) over (d) without fill admission (rows of lru+q*/plain);
   * decode_bypass_vs_nobypass: (d) over (d) without bypass slots (rows of lru+q*/nobypass);
   * decode_cpu_gbps_in_row: each (d) row's CPU expert rate inside the decode (CPU experts' bytes
@@ -40,10 +41,12 @@ def targets(rows: list[dict]) -> dict:
            "decode_lru_q_fraction_of_integer_split_bound":
                {k: round(r["fraction_of_integer_split_bound"], 3) for k, r in q.items()
                 if "fraction_of_integer_split_bound" in r},
-           "decode_lru_q_vs_static_32gb": {}, "decode_bound_ratio_lru_q_vs_static_32gb": {},
+           "decode_lru_q_vs_static_32gb": {}, "decode_bound_ratio_lru_q_vs_static_32gb": {}, "decode_static_side_32gb": {},
            "decode_admission_vs_plain": {}, "decode_bypass_vs_nobypass": {}, "decode_cpu_gbps_in_row": {}}
     for k, r in q.items():
-        s, plain, nob = by.get((k, "static")), by.get((k, "lru+q*/plain")), by.get((k, "lru+q*/nobypass"))
+        # (b): the faster of the two static drivers (the per-layer one and the one-graph handshake)
+        s = max((by[(k, p)] for p in ("static", "static/graph") if (k, p) in by), key=lambda r: r["tok_s"], default=None)
+        plain, nob = by.get((k, "lru+q*/plain")), by.get((k, "lru+q*/nobypass"))
         if nob:
             out["decode_bypass_vs_nobypass"][k] = {"tok_s": round(r["tok_s"] / nob["tok_s"], 2),
                                                    "cpu_experts_per_step": [round(r["cpu_experts_per_step"], 1),
@@ -53,6 +56,7 @@ def targets(rows: list[dict]) -> dict:
         if s and k.endswith(" 32GB"):
             out["decode_lru_q_vs_static_32gb"][k] = round(r["tok_s"] / s["tok_s"], 2)
             out["decode_bound_ratio_lru_q_vs_static_32gb"][k] = round(r["bound_tok_s"] / s["bound_tok_s"], 2)
+            out["decode_static_side_32gb"][k] = s["policy"]
         if plain:
             out["decode_admission_vs_plain"][k] = {"tok_s": round(r["tok_s"] / plain["tok_s"], 2),
                                                    "miss_rate": [round(r["miss_rate"], 3), round(plain["miss_rate"], 3)]}
