@@ -43,7 +43,10 @@ safetensors; or, with ``--stretch DIR`` (deeper models than the disk holds: 48 l
 60 GB), a 2-layer packed checkpoint whose layers repeat up to ``--layers``, in a RAM-backed DIR
 such as /dev/shm (``bench/stretch.py``). Expert-cache budgets are fractions of the experts; q* comes from the engine's own
 calibration. Per budget and batch: 32-token prompts, 24 warm-up steps (cache fills, graph
-captures), then ``--steps`` timed steps; tok/s = batch * steps / seconds.
+captures), then ``--steps`` timed steps; tok/s = batch * steps / seconds. Routing (``--routing``): the
+checkpoint's random routers ("model", which route nearly the same experts every step, so the cache
+fills little), or the MoE bench's locality / uniform routing replayed through them in every
+decode step (``bench/routing_replay.py``; prefill keeps the real routers).
 
     python bench/engine_gpu_decode.py            # on the GPU machine; writes bench/results/engine_gpu_decode.json
 """
@@ -82,10 +85,11 @@ TUNING_SEARCH = 900
 
 
 def worker(model: Path, side: str, fractions: list[float], batches: list[int], steps: int,
-           device: str, splits: list[float]) -> list[dict]:
+           device: str, splits: list[float], routing: str = "model") -> list[dict]:
     """Rows of one side; with ``splits`` (the graphs side), each budget and batch also runs at
     those fill fractions in place of the calibrated q* (side "graphs q=F"): where the calibrated
-    split sits among the ones around it, in the same process."""
+    split sits among the ones around it, in the same process. ``routing``: "model" (the
+    checkpoint's routers) or a generated routing replayed through them (bench/routing_replay.py)."""
     from freetoken_engine import LLM
     from freetoken_engine.llm import Lockstep
     tuning = side == "graphs+tuning"
@@ -98,6 +102,9 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
     # no graphs ahead of time: the resize below would drop them (warm-up steps capture instead)
     llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1], split_tuning=tuning, graph_warmup=0)
     runner = llm.runner
+    if routing != "model":
+        from routing_replay import install
+        print(json.dumps({"routing": install(runner.model, routing, batches)}), flush=True)
     total = runner.bank.total_experts
     calibrated = runner.expert_stats()["fill_fraction"]
     rows = []
@@ -195,7 +202,7 @@ def run_sides(work: Path, fast: Path | None, args) -> tuple[int, list[dict], lis
             env["FREETOKEN_CPU_EXPERT_THREADS"] = str(len(os.sched_getaffinity(0)))
         cmd = [sys.executable, __file__, "--worker", side, "--model", str(model), "--fractions",
                args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device,
-               "--splits", args.splits if side == "graphs" else ""]
+               "--splits", args.splits if side == "graphs" else "", "--routing", args.routing]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ROWS ")), None)
         if proc.returncode or line is None:
@@ -223,6 +230,10 @@ def main() -> None:
                     help="the checkpoint's shapes (bench/fast_load.py SHAPES): Qwen3-30B-A3B, or "
                          "Qwen3.6-35B-A3B's MoE layers with their shared expert")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
+    ap.add_argument("--routing", default="model", choices=("model", "locality", "uniform"),
+                    help="model: the random checkpoint's own routers (they route nearly the same experts every "
+                         "step); locality / uniform: the MoE bench's generated routing replayed through them "
+                         "(bench/routing_replay.py)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench/results/engine_gpu_decode.json"))
@@ -235,8 +246,8 @@ def main() -> None:
     batches = [int(x) for x in args.batches.split(",")]
     if args.worker:
         splits = [float(x) for x in args.splits.split(",") if x]
-        rows = worker(args.model, args.worker, fractions, batches, args.steps, args.device, splits)
-        print("ROWS " + json.dumps(rows), flush=True)
+        rows = worker(args.model, args.worker, fractions, batches, args.steps, args.device, splits, args.routing)
+        print("ROWS " + json.dumps([dict(r, routing=args.routing) for r in rows]), flush=True)
         return
     work = Path(tempfile.mkdtemp(dir=args.dir))
     fast = Path(tempfile.mkdtemp(dir=args.stretch)) if args.stretch else None
@@ -250,7 +261,8 @@ def main() -> None:
     result = {"benchmark": "engine_gpu_decode", "hardware": describe(),
               "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python", "bench/engine_gpu_decode.py"] + sys.argv[1:]),
-              "method": __doc__, "layers": args.layers, "shape": args.shape, "checkpoint_bytes": nbytes,
+              "method": __doc__, "layers": args.layers, "shape": args.shape, "routing": args.routing,
+              "checkpoint_bytes": nbytes,
               "stretched": bool(args.stretch), "rows": rows,
               "failed_sides": failed, "ratios": ratios(rows)}
     out = Path(args.out)
@@ -308,7 +320,8 @@ def plot(result: dict, path: Path) -> None:
         ax.bar([j + width * (i - (len(sides) - 1) / 2) for j in range(len(keys))], vals, width, label=side)
     ax.set_xticks(range(len(keys)), [f"cache {f:g}\nbatch {b}" for f, b in keys])
     ax.set_ylabel("decode tok/s (whole engine)")
-    ax.set_title(f"engine decode, {result['layers']}-layer MoE in {result.get('shape', 'qwen3-30b')}'s shapes\n"
+    ax.set_title(f"engine decode, {result['layers']}-layer MoE in {result.get('shape', 'qwen3-30b')}'s shapes, "
+                 f"routing: {result.get('routing', 'model')}\n"
                  f"{result['hardware'].get('gpu', '?')}, {result['hardware']['cpu']}", fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -1,0 +1,68 @@
+"""The engine bench's replayed routing (bench/routing_replay.py): the whole engine routes a decode
+step exactly as the generated trace says, and everything else through its real routers."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+routing_replay = pytest.importorskip("routing_replay")
+
+from freetoken_engine import LLM  # noqa: E402
+from freetoken_engine.layers.moe import SparseMoE  # noqa: E402
+from freetoken_engine.llm import Lockstep  # noqa: E402
+
+PROMPTS = [[5, 17, 42, 99, 7, 3], [11, 12, 13, 14, 15, 16, 17]]
+
+
+def _routed(monkeypatch) -> list[tuple[int, torch.Tensor]]:
+    """Record every router call: (MoE layer, ids [T, k])."""
+    calls = []
+    real = SparseMoE.route
+
+    def route(self, x):
+        weights, ids = real(self, x)
+        calls.append((self.moe_layer, ids.clone()))
+        return weights, ids
+    monkeypatch.setattr(SparseMoE, "route", route)
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["locality", "uniform"])
+def test_decode_steps_route_the_trace_and_prefill_the_real_router(tiny_checkpoint, monkeypatch, kind):
+    folder = tiny_checkpoint("qwen3_moe")
+    plain = Lockstep(LLM(folder, expert_cache_experts=6, cpu_expert_fraction=0.5), PROMPTS)
+    llm = LLM(folder, expert_cache_experts=6, cpu_expert_fraction=0.5)
+    info = routing_replay.install(llm.runner.model, kind, batches=[len(PROMPTS)], steps=16)
+    assert info["kind"] == kind
+    calls = _routed(monkeypatch)
+    batch = Lockstep(llm, PROMPTS)
+    # the prompts' prefill (6 and 7 rows) went through the real routers: the same first tokens
+    assert batch.tokens == plain.tokens
+    prefill = len(calls)
+    steps = 20                                  # past the trace's 16 steps: it wraps around
+    for _ in range(steps):
+        batch.step()
+    trace = routing_replay.traced_ids(llm.runner.model, len(PROMPTS))            # [16, L, 2, k]
+    layers = len(llm.runner.model.moe_blocks())
+    decode = calls[prefill:]
+    assert len(decode) == steps * layers
+    for i, (layer, ids) in enumerate(decode):
+        step = (i // layers) % trace.shape[0]
+        assert layer == i % layers
+        assert ids.sort(-1).values.tolist() == trace[step, layer].sort(-1).values.tolist()
+    # the trace is not the checkpoint's own routing: the expert cache sees other experts
+    own = Lockstep(LLM(folder, expert_cache_experts=6, cpu_expert_fraction=0.5), PROMPTS)
+    real = _routed(monkeypatch)
+    own.step()
+    assert any(ids.sort(-1).values.tolist() != trace[0, layer].sort(-1).values.tolist() for layer, ids in real)
+
+
+def test_installing_twice_is_refused(tiny_checkpoint):
+    llm = LLM(tiny_checkpoint("qwen3_moe"))
+    routing_replay.install(llm.runner.model, "uniform", batches=[1], steps=4)
+    with pytest.raises(ValueError, match="already replay"):
+        routing_replay.install(llm.runner.model, "uniform", batches=[1], steps=4)
