@@ -43,10 +43,11 @@ safetensors; or, with ``--stretch DIR`` (deeper models than the disk holds: 48 l
 60 GB), a 2-layer packed checkpoint whose layers repeat up to ``--layers``, in a RAM-backed DIR
 such as /dev/shm (``bench/stretch.py``). Expert-cache budgets are fractions of the experts; q* comes from the engine's own
 calibration. Per budget and batch: 32-token prompts, 24 warm-up steps (cache fills, graph
-captures), then ``--steps`` timed steps; tok/s = batch * steps / seconds. Routing (``--routing``): the
-checkpoint's random routers ("model", which route nearly the same experts every step, so the cache
-fills little), or the MoE bench's locality / uniform routing replayed through them in every
-decode step (``bench/routing_replay.py``; prefill keeps the real routers).
+captures), then ``--steps`` timed steps; tok/s = batch * steps / seconds. Routing (``--routing``): the MoE
+bench's locality (the default) or uniform routing replayed through the routers in every decode
+step (``bench/routing_replay.py``; prefill keeps the real routers), or the checkpoint's random
+routers ("model": they route nearly the same experts every step, so the cache fills little; the
+results written before the option existed, whose JSON has no "routing").
 
     python bench/engine_gpu_decode.py            # on the GPU machine; writes bench/results/engine_gpu_decode.json
 """
@@ -230,10 +231,10 @@ def main() -> None:
                     help="the checkpoint's shapes (bench/fast_load.py SHAPES): Qwen3-30B-A3B, or "
                          "Qwen3.6-35B-A3B's MoE layers with their shared expert")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
-    ap.add_argument("--routing", default="model", choices=("model", "locality", "uniform"),
-                    help="model: the random checkpoint's own routers (they route nearly the same experts every "
-                         "step); locality / uniform: the MoE bench's generated routing replayed through them "
-                         "(bench/routing_replay.py)")
+    ap.add_argument("--routing", default="locality", choices=("model", "locality", "uniform"),
+                    help="locality / uniform: the MoE bench's generated routing replayed through the routers "
+                         "(bench/routing_replay.py); model: the random checkpoint's own routers, which route nearly "
+                         "the same experts every step (every result before 2026-11-30's twentieth session)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=str(ROOT / "bench/results/engine_gpu_decode.json"))
