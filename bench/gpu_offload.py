@@ -11,7 +11,11 @@ path as it would.
 Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 GB cards:
   (a) all     every expert resident on the GPU (the ceiling; budget independent)
   (b) static  whole layers resident as the budget allows, the other layers' experts computed on
-              the CPU (the policy of llama.cpp's --n-cpu-moe)
+              the CPU (the policy of llama.cpp's --n-cpu-moe), driven layer by layer from Python
+              (a host sync and a kernel call per CPU layer)
+  (b) static/graph  the same split run by (d)'s machinery: one CUDA graph a token, the C++ host
+              loop, the control step with f = 0 over a pool holding the first layers (bit for bit
+              the same hidden states, --check); the targets take the faster of the two as (b)
   (c) lru     global LRU cache, every miss filled over PCIe (q = m)
   (d) lru+q*  global LRU cache, q* of the misses filled (recurring misses first), the rest computed
               on the CPU meanwhile,
