@@ -38,9 +38,6 @@ spans = [int(w[4:]) for w in switches if w.startswith("span") and w[4:].isdigit(
 if spans:
     from freetoken_engine.packed import early as early_read      # torch-free
     early_read.SPAN = spans[0]
-if "nolibs" in switches:
-    from freetoken_engine.packed import early as early_libs       # torch-free
-    early_libs.PREFETCH_LIBS = ()
 if mode.startswith("preload"):      # what freetoken generate / serve do for a packed folder
     freetoken_engine.preload(sys.argv[1], *[int(n) for n in mode.split(":")[1:]],
                              device=None if nocuda else sys.argv[2])

@@ -329,49 +329,6 @@ def read_small_files(folder: Path, index: dict, limit: int = SMALL_FILES_BYTES) 
     return done
 
 
-#: libraries (relative to their package's folder) whose pages an engine's start touches beyond
-#: what their import reads: after a warm import a CPU restart still faulted 46.7 MB of
-#: libtorch_cpu.so, one page-cache miss at a time, behind the bank's reads (2-CPU VM, fincore)
-PREFETCH_LIBS = (("torch", "lib/libtorch_cpu.so"),)
-PREFETCH_WINDOW = 8 << 20
-
-
-def prefetch_libraries() -> list[str]:
-    """Ask the kernel to read ``PREFETCH_LIBS`` into the page cache ahead of use, without importing
-    their packages: ``POSIX_FADV_WILLNEED`` over each file in windows of ``PREFETCH_WINDOW`` (the
-    kernel reads at most its readahead size per call), from a background thread, since the calls
-    block while the disk's queue is full. Libraries already in the page cache cost nothing; a
-    missing package or file is skipped. Returns the files it will read."""
-    import importlib.util
-    paths = []
-    for package, rel in PREFETCH_LIBS:
-        try:
-            spec = importlib.util.find_spec(package)
-        except (ImportError, ValueError):
-            continue
-        for base in (spec.submodule_search_locations or []) if spec else []:
-            if (Path(base) / rel).is_file():
-                paths.append(str(Path(base) / rel))
-
-    def advise() -> None:
-        for path in paths:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                size = os.fstat(fd).st_size
-                for off in range(0, size, PREFETCH_WINDOW):
-                    os.posix_fadvise(fd, off, PREFETCH_WINDOW, os.POSIX_FADV_WILLNEED)
-            except OSError:
-                pass
-            finally:
-                os.close(fd)
-    if paths:
-        threading.Thread(target=advise, name="freetoken-prefetch-libs", daemon=True).start()
-    return paths
-
-
 def preload(folder: str | Path, threads: int = 8, device: str | None = None, mapped_only: bool = False) -> bool:
     """Start reading the packed folder ``folder`` in the background; returns at once. The next
     ``load_packed`` of the same folder (``LLM``, ``freetoken serve``) takes the read over. Call
@@ -387,7 +344,6 @@ def preload(folder: str | Path, threads: int = 8, device: str | None = None, map
     if mapped_only and not mapped:
         return False
     read_small_files(folder, index)
-    prefetch_libraries()
     fill = Fill(folder, index, not verified, True, threads, mapped=mapped).start()
     early_cuda.start(device)
     with _pending_lock:
