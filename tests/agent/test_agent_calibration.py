@@ -14,10 +14,17 @@ AGENT = [sys.executable, "-m", "freetoken_agent.cli"]
 
 def test_agent_calibrate_measures_once_then_uses_its_cache(tmp_path):
     env = {**os.environ, "NODE_NAME": "cal-node"}
-    first = subprocess.run([*AGENT, "calibrate", "--json", "--state-dir", str(tmp_path)],
-                           capture_output=True, text=True, env=env, timeout=120)
-    assert first.returncode == 0, first.stderr
-    result = json.loads(first.stdout.strip().splitlines()[-1])
+    # A measurement taken while something else held the kernel's CPUs (cpu_contended: on a shared
+    # VM, the host's other guests) is by design not cached; measure again until one is clean.
+    for _ in range(3):
+        first = subprocess.run([*AGENT, "calibrate", "--json", "--state-dir", str(tmp_path)],
+                               capture_output=True, text=True, env=env, timeout=120)
+        assert first.returncode == 0, first.stderr
+        result = json.loads(first.stdout.strip().splitlines()[-1])
+        if not result["cpu_contended"]:
+            break
+    else:
+        pytest.skip("every calibration was taken beside another process on the kernel's CPUs")
     assert result["pcie_gbps"] is None and result["fill_fraction"] == 1.0  # CPU mode contract
     assert result["cpu_expert_gbps"] > 0 and set(result["concurrent"]) >= {"pcie_gbps", "cpu_expert_gbps"}
     # The second run must not start the engine at all: make starting it impossible.
