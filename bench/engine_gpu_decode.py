@@ -105,7 +105,7 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
     runner = llm.runner
     if routing != "model":
         from routing_replay import install
-        print(json.dumps({"routing": install(runner.model, routing, batches)}), flush=True)
+        install(runner.model, routing, batches)
     total = runner.bank.total_experts
     calibrated = runner.expert_stats()["fill_fraction"]
     rows = []

@@ -274,21 +274,21 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
     ctl = br = None
     prof = {"wait": 0.0, "cpu": 0.0, "launch": 0.0, "cpu_layers": 0, "streamed_rows": 0, "stage_pairs": 0}
     nb = 0                                                  # bypass slots (lru policies)
-    if policy in ("all", "static"):
+    # "static/graph": (b)'s split run by (d)'s machinery (one graph a token, the C++ host loop):
+    # the first n_gpu layers resident, f = 0, so every other layer's experts go to the CPU and
+    # nothing is filled or evicted
+    static = policy == "static/graph"
+    if policy in ("all", "static", "static/graph"):
         n_gpu = L if policy == "all" else min(slots // E, L)
         slots = n_gpu * E
+    if policy in ("all", "static"):
         token, capture = _static_token(bank, st, n_gpu, cpu_fn)
     else:
-        # "static/graph": (b)'s split run by (d)'s machinery (one graph a token, the C++ host
-        # loop): the first slots // E layers resident, f = 0, so every other layer's experts go
-        # to the CPU and nothing is filled or evicted
-        static = policy == "static/graph"
-        if static:
-            slots = min(slots // E, L) * E
-            if not slots:
-                raise ValueError(f"static/graph: {slots} slots hold no whole layer of {E} experts")
+        if static and not n_gpu:
+            raise ValueError(f"static/graph: the budget holds no whole layer of {E} experts")
         # the engine's bypass slots out of the same budget; "/nobypass": admission alone (run N)
-        nb = 0 if static or policy.endswith(("/plain", "/nobypass")) else bypass_slots(slots, L * E, BYPASS_SLOTS_DEFAULT)
+        plain = static or policy.endswith(("/plain", "/nobypass"))
+        nb = 0 if plain else bypass_slots(slots, L * E, BYPASS_SLOTS_DEFAULT)
         w13s = torch.empty((slots, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
         w2s = torch.empty((slots, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
         minus = lambda n: torch.full((n,), -1, dtype=torch.int64, device=CUDA)  # noqa: E731
@@ -308,7 +308,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots - nb),
                             minus(slots - nb), 0, f, admit_window=admit, recur_window=recur)
         if static:
-            _resident_layers(ctl, slots // E, E, st.k)
+            _resident_layers(ctl, n_gpu, E, st.k)
         if split:
             ctl.set_stream(min(st.P, E), floor_fills=split in ("+sf", "+stf"), stage=split in ("+st", "+stf"))
         if policy == "lru":
