@@ -351,13 +351,14 @@ def row_bound(bank, policy, slots, d_meas, ctl, before, counts, bw, steps, batch
     out = {}
     if policy in ("all", "static", "static/graph"):
         n_gpu = slots // E
-        bound = (d_meas[:, :n_gpu].sum() * se / hbm + d_meas[:, n_gpu:].sum() * se / cpu_b) / steps
+        on_cpu = float(d_meas[:, n_gpu:].sum())                 # distinct experts of the CPU layers
+        bound = (float(d_meas[:, :n_gpu].sum()) * se / hbm + on_cpu * se / cpu_b) / steps
         if ctl is not None:        # static/graph: the control made (b)'s choices, nothing else
             c = {key: v - before[key] for key, v in ctl.counters().items()}
-            if c["fills"] or c["cpu_computed"] != int(d_meas[:, n_gpu:].sum()):
+            if c["fills"] or c["cpu_computed"] != on_cpu:
                 raise RuntimeError(f"static/graph: the control step left the static split: {c}")
-        out.update(miss_rate=float(d_meas[:, n_gpu:].sum() / d_meas.sum()), fills_per_step=0.0,
-                   cpu_experts_per_step=float(d_meas[:, n_gpu:].sum()) / steps, gpu_layers=n_gpu)
+        out.update(miss_rate=on_cpu / float(d_meas.sum()), fills_per_step=0.0,
+                   cpu_experts_per_step=on_cpu / steps, gpu_layers=n_gpu)
     else:
         after = ctl.counters()
         c = {key: after[key] - before[key] for key in after}
