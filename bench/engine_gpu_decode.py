@@ -19,6 +19,11 @@ the same run (the engine reads its switches at start):
                 the graphs captured again at each switch), at the q* this process calibrated: rows
                 "hits beside fills" and "hits after fills" (a same-process A/B; separate processes
                 may calibrate different q*)
+  graphs/gemv-ab  the same kind of A/B for the dense projections (attention, shared expert, LM
+                head): rows "triton gemv" (kernels/triton/gemv.py) and "cublas gemv" (torch's F.linear:
+                FREETOKEN_GPU_DECODE_KERNELS without gemv, the engine before 2026-11-30's twenty-first session),
+                after one untimed timing (the cache filling), rounds in the orders A, B then B, A, with
+                q held at its calibration (no CPU-rate follower)
   graphs/copy-first  graphs with a layer's fill copies queued before the host is signalled (the
                 engine's order before 2026-11-29: PCIe, then the CPU experts, in series)
   graphs+stream graphs with the streamed split (FREETOKEN_STREAM_SPLIT=on: the first rows of the
@@ -79,7 +84,8 @@ SIDES = {"eager/sync": ("off", False, "off", "on", "on"), "eager/branch": ("on",
          "graphs+stream-floor": ("on", True, "floor", "on", "on"),
          "graphs/torch-ops": ("on", True, "off", "off", "on"),
          "graphs/no-combine": ("on", True, "off", "attention,norm,route", "on"),
-         "graphs/lru": ("on", True, "off", "on", "off"), "graphs/all-cpus": ("on", True, "off", "on", "on")}
+         "graphs/lru": ("on", True, "off", "on", "off"), "graphs/all-cpus": ("on", True, "off", "on", "on"),
+         "graphs/gemv-ab": ("on", True, "off", "on", "on")}
 #: sides that also set the CPU expert kernel's threads: every CPU of the affinity set
 ALL_CPUS = {"graphs/all-cpus"}
 TUNING_SEARCH = 900
@@ -101,7 +107,9 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
         from freetoken_engine.cache.device_control import DeviceControl
         DeviceControl.overlap_hits = False
     # no graphs ahead of time: the resize below would drop them (warm-up steps capture instead)
-    llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1], split_tuning=tuning, graph_warmup=0)
+    # (graphs/gemv-ab: q held where the calibration put it; the CPU-rate follower would move it)
+    llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1], split_tuning=tuning, graph_warmup=0,
+              cpu_rate_probe=side != "graphs/gemv-ab")
     runner = llm.runner
     if routing != "model":
         from routing_replay import install
@@ -109,8 +117,8 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
     total = runner.bank.total_experts
     calibrated = runner.expert_stats()["fill_fraction"]
     rows = []
-    if side == "graphs/hits-ab":
-        return _hits_ab(llm, Lockstep, fractions, batches, steps, calibrated)
+    if side in AB_SIDES:
+        return AB_SIDES[side](llm, Lockstep, fractions, batches, steps, calibrated)
     for frac in fractions:
         runner.resize_expert_cache(max(1, round(frac * total)))
         for b in batches:
@@ -129,24 +137,56 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
     return rows
 
 
-def _hits_ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q: float,
-             rounds: int = 2) -> list[dict]:
-    """Side graphs/hits-ab: per budget and batch, ``rounds`` x (hits beside the fills, hits after
-    them), each after ``set_fill_fraction(q)`` (the same q; it drops the graphs, so each timing
-    captures its own in its warm-up steps)."""
+def _hits_ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q: float) -> list[dict]:
+    """Side graphs/hits-ab: rows "hits beside fills" and "hits after fills" (``_ab``)."""
     from freetoken_engine.cache.device_control import DeviceControl
+
+    def overlap(on: bool) -> None:
+        DeviceControl.overlap_hits = on
+    return _ab(llm, Lockstep, fractions, batches, steps, q, overlap, ("hits beside fills", "hits after fills"))
+
+
+def _gemv_ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q: float) -> list[dict]:
+    """Side graphs/gemv-ab: rows "triton gemv" and "cublas gemv" (``_ab``): the dense projections
+    of a decode step through kernels/triton/gemv.py, or torch's F.linear (FREETOKEN_GPU_DECODE_KERNELS
+    without "gemv", the engine before 2026-11-30's twenty-first session)."""
+    from freetoken_engine import env
+    from freetoken_engine.kernels import gpu_decode_kernels
+
+    def triton(on: bool) -> None:
+        os.environ[env.FREETOKEN_GPU_DECODE_KERNELS] = "on" if on else ",".join(
+            k for k in env.GPU_DECODE_KERNELS if k != "gemv")
+        gpu_decode_kernels.cache_clear()
+    return _ab(llm, Lockstep, fractions, batches, steps, q, triton, ("triton gemv", "cublas gemv"), warm=True)
+
+
+def _ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q: float, switch,
+        names: tuple[str, str], rounds: int = 2, warm: bool = False) -> list[dict]:
+    """A same-process A/B: per budget and batch, ``rounds`` x (``switch(True)``: row names[0],
+    ``switch(False)``: row names[1]), each after ``set_fill_fraction(q)`` and with the graphs
+    dropped (the same q; each timing captures its own graphs in its warm-up steps). ``warm``: one
+    untimed timing first (the cache filling under the replayed routing), and every other round
+    in the order B, A, so neither side always runs on the fuller cache."""
     runner, rows = llm.runner, []
     for frac in fractions:
         runner.resize_expert_cache(max(1, round(frac * runner.bank.total_experts)))
         for b in batches:
-            for _ in range(rounds):
-                for overlap, name in ((True, "hits beside fills"), (False, "hits after fills")):
-                    DeviceControl.overlap_hits = overlap
+            if warm:
+                _timed(llm, Lockstep, "warm-up", frac, b, steps)
+            for r in range(rounds):
+                arms = list(zip((True, False), names))
+                for on, name in (arms[::-1] if warm and r % 2 else arms):
+                    switch(on)
                     runner.set_fill_fraction(q)
+                    if runner.graphs is not None:
+                        runner.graphs.clear()
                     rows.append(_timed(llm, Lockstep, name, frac, b, steps))
                     print(json.dumps(rows[-1]), flush=True)
-    DeviceControl.overlap_hits = True
+    switch(True)
     return rows
+
+
+AB_SIDES = {"graphs/hits-ab": _hits_ab, "graphs/gemv-ab": _gemv_ab}
 
 
 def _search(llm, Lockstep, b: int) -> dict:
@@ -289,13 +329,14 @@ def ratios(rows: list[dict]) -> dict:
             out[key] |= {"graphs_vs_eager_branch": v / by[("eager/branch", frac, b)],
                          "graphs_vs_eager_sync": v / by[("eager/sync", frac, b)],
                          "eager_branch_vs_eager_sync": by[("eager/branch", frac, b)] / by[("eager/sync", frac, b)]}
-    # graphs/hits-ab: each round's beside / after, in the order they ran
-    for frac, b in sorted({(r["cache_fraction"], r["batch"]) for r in rows}):
-        beside, after = ([r["tok_s"] for r in rows if r["side"] == name and (r["cache_fraction"], r["batch"]) == (frac, b)]
-                         for name in ("hits beside fills", "hits after fills"))
-        if beside and after:
-            out.setdefault(f"cache {frac:g} b{b}", {})["hits_beside_vs_after_per_round"] = [
-                x / y for x, y in zip(beside, after)]
+    # the same-process A/B sides: each round's first arm / second, in the order they ran
+    for key, (a, b_) in {"hits_beside_vs_after_per_round": ("hits beside fills", "hits after fills"),
+                         "triton_vs_cublas_gemv_per_round": ("triton gemv", "cublas gemv")}.items():
+        for frac, b in sorted({(r["cache_fraction"], r["batch"]) for r in rows}):
+            first, second = ([r["tok_s"] for r in rows if r["side"] == name and (r["cache_fraction"], r["batch"]) == (frac, b)]
+                             for name in (a, b_))
+            if first and second:
+                out.setdefault(f"cache {frac:g} b{b}", {})[key] = [x / y for x, y in zip(first, second)]
     return out
 
 

@@ -59,17 +59,23 @@ def test_the_split_follows_the_models_cpu_rate_and_busy_cpus_without_changing_to
     cpus = sorted(os.sched_getaffinity(0))
     hogs = [subprocess.Popen([sys.executable, "-c", HOG, str(c)], stdout=subprocess.PIPE, text=True)
             for c in cpus[len(cpus) // 2:]]
+    # A request that ends before the follower has looked twice and measured sees no contention:
+    # up to 4 requests while the hogs run (a faster decode, as the GPU GEMV made this model's,
+    # leaves one request too short on some hosts), each decoding the calibrated split's tokens.
     try:
         assert all(h.stdout.readline().strip() == "ready" for h in hogs)
-        got = llm.generate(PROMPT, LONG)
+        for _ in range(4):
+            got = llm.generate(PROMPT, LONG)
+            assert got.token_ids == want
+            during = got.stats["expert_cache"]
+            if during["cpu_contention"]["active"] and during["fill_fraction"] > model:
+                break
     finally:
         for h in hogs:
             h.kill()
             h.wait()
-    during = got.stats["expert_cache"]
     assert during["cpu_contention"]["active"], during["cpu_contention"]
     assert during["fill_fraction"] > model
-    assert got.token_ids == want
     follower.cfg = FollowConfig(period_s=0.02, enter_ticks=2, leave_ticks=5, probe_s=0.05)
     # A worker that stalled calls beside the busy processes sits out for up to 2 s (pool.h's
     # backoff), and the looks count it as contention until it is back: a few requests, not one.

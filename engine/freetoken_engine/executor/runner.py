@@ -89,8 +89,7 @@ class ModelRunner:
         is waited for (and pinned as it lands) last. A first start on a GPU waits for
         it before the calibration, which must not share the memory bus with the read."""
         self._calibrated_gbps: float | None = None   # the calibration's B_cpu, when q* is calibrated
-        if self.device.type == "cpu":
-            use_compiled_linears(self.model)     # decode projections at memory bandwidth
+        use_compiled_linears(self.model)         # decode projections at memory bandwidth (CPU or GPU)
         eos = tuple(dict.fromkeys(_generation_eos(folder) + self.mcfg.eos_token_ids))
         self.tokenizer = load_tokenizer(folder, eos)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else eos
