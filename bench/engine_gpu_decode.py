@@ -24,6 +24,9 @@ the same run (the engine reads its switches at start):
                 FREETOKEN_GPU_DECODE_KERNELS without gemv, the engine before 2026-11-30's twenty-first session),
                 after one untimed timing (the cache filling), rounds in the orders A, B then B, A, with
                 q held at its calibration (no CPU-rate follower)
+  graphs/control-ab  the same for the expert cache's control step: rows "control skips" (a call
+                without a miss skips the pool-wide scan of every slot's clock) and "control scans"
+                (the engine before 2026-11-30's twenty-first session)
   graphs/copy-first  graphs with a layer's fill copies queued before the host is signalled (the
                 engine's order before 2026-11-29: PCIe, then the CPU experts, in series)
   graphs+stream graphs with the streamed split (FREETOKEN_STREAM_SPLIT=on: the first rows of the
@@ -85,7 +88,7 @@ SIDES = {"eager/sync": ("off", False, "off", "on", "on"), "eager/branch": ("on",
          "graphs/torch-ops": ("on", True, "off", "off", "on"),
          "graphs/no-combine": ("on", True, "off", "attention,norm,route", "on"),
          "graphs/lru": ("on", True, "off", "on", "off"), "graphs/all-cpus": ("on", True, "off", "on", "on"),
-         "graphs/gemv-ab": ("on", True, "off", "on", "on")}
+         "graphs/gemv-ab": ("on", True, "off", "on", "on"), "graphs/control-ab": ("on", True, "off", "on", "on")}
 #: sides that also set the CPU expert kernel's threads: every CPU of the affinity set
 ALL_CPUS = {"graphs/all-cpus"}
 TUNING_SEARCH = 900
@@ -107,9 +110,9 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
         from freetoken_engine.cache.device_control import DeviceControl
         DeviceControl.overlap_hits = False
     # no graphs ahead of time: the resize below would drop them (warm-up steps capture instead)
-    # (graphs/gemv-ab: q held where the calibration put it; the CPU-rate follower would move it)
+    # (the gemv and control A/Bs: q held where the calibration put it; the CPU-rate follower would move it)
     llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1], split_tuning=tuning, graph_warmup=0,
-              cpu_rate_probe=side != "graphs/gemv-ab")
+              cpu_rate_probe=side not in ("graphs/gemv-ab", "graphs/control-ab"))
     runner = llm.runner
     if routing != "model":
         from routing_replay import install
@@ -160,6 +163,17 @@ def _gemv_ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: i
     return _ab(llm, Lockstep, fractions, batches, steps, q, triton, ("triton gemv", "cublas gemv"), warm=True)
 
 
+def _control_ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q: float) -> list[dict]:
+    """Side graphs/control-ab: rows "control skips" (a control step without a miss skips its
+    pool-wide scan, kernels/triton/control.py ``SKIP_WITHOUT_MISSES``) and "control scans" (every
+    call scans, the engine before 2026-11-30's twenty-first session)."""
+    from freetoken_engine.kernels.triton import control
+
+    def skip(on: bool) -> None:
+        control.SKIP_WITHOUT_MISSES = on
+    return _ab(llm, Lockstep, fractions, batches, steps, q, skip, ("control skips", "control scans"), warm=True)
+
+
 def _ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q: float, switch,
         names: tuple[str, str], rounds: int = 2, warm: bool = False) -> list[dict]:
     """A same-process A/B: per budget and batch, ``rounds`` x (``switch(True)``: row names[0],
@@ -186,7 +200,7 @@ def _ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q
     return rows
 
 
-AB_SIDES = {"graphs/hits-ab": _hits_ab, "graphs/gemv-ab": _gemv_ab}
+AB_SIDES = {"graphs/hits-ab": _hits_ab, "graphs/gemv-ab": _gemv_ab, "graphs/control-ab": _control_ab}
 
 
 def _search(llm, Lockstep, b: int) -> dict:
@@ -331,7 +345,8 @@ def ratios(rows: list[dict]) -> dict:
                          "eager_branch_vs_eager_sync": by[("eager/branch", frac, b)] / by[("eager/sync", frac, b)]}
     # the same-process A/B sides: each round's first arm / second, in the order they ran
     for key, (a, b_) in {"hits_beside_vs_after_per_round": ("hits beside fills", "hits after fills"),
-                         "triton_vs_cublas_gemv_per_round": ("triton gemv", "cublas gemv")}.items():
+                         "triton_vs_cublas_gemv_per_round": ("triton gemv", "cublas gemv"),
+                         "control_skips_vs_scans_per_round": ("control skips", "control scans")}.items():
         for frac, b in sorted({(r["cache_fraction"], r["batch"]) for r in rows}):
             first, second = ([r["tok_s"] for r in rows if r["side"] == name and (r["cache_fraction"], r["batch"]) == (frac, b)]
                              for name in (a, b_))

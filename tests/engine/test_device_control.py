@@ -256,3 +256,32 @@ def test_routing_history_is_kept_while_every_miss_is_filled():
             assert torch.equal(ctl.step(layer, ids).pair_slot, ref.step(layer, ids.reshape(-1))), (step, layer)
     assert torch.equal(ctl.last_active, ref.last_active)
     _assert_same(ref, dev, ctl)
+
+
+@pytest.mark.parametrize("skip", [True, False], ids=["skip-scan", "always-scan"])
+@pytest.mark.parametrize("admit_window", [0, LAYERS], ids=["lru", "admission"])
+def test_calls_of_hits_only_skip_the_pool_scan_and_change_nothing(skip, admit_window, monkeypatch):
+    """A call whose experts are all resident skips the kernel's pool-wide scan (every slot's
+    clock, the admissible count, the victims' rounds; ``SKIP_WITHOUT_MISSES``, the default): the
+    steps that follow still choose exactly the cache's victims, with and without the skip."""
+    from freetoken_engine.kernels.triton import control
+    monkeypatch.setattr(control, "SKIP_WITHOUT_MISSES", skip)
+    bank = _bank(4)
+    ref = ExpertCache(bank, 24, "cpu", fill_fraction=0.99, admit_window=admit_window)
+    dev = ExpertCache(bank, 24, "cpu", fill_fraction=0.99, admit_window=admit_window)
+    ctl = DeviceControl.from_cache(dev)
+    g = torch.Generator().manual_seed(7)
+    hot = torch.arange(K).view(1, K)                  # the same K experts: all hits once filled
+    all_hit = fills_after_all_hit = 0
+    for step in range(6):
+        for layer in range(LAYERS):
+            for ids in (hot, _routing(g, tokens=1, hot=EXPERTS)):
+                resident = bool((ref.slot_of[layer, ids.reshape(-1)] >= 0).all())
+                want = ref.step(layer, ids.reshape(-1))
+                out = ctl.step(layer, ids)
+                assert torch.equal(out.pair_slot, want), (step, layer)
+                all_hit += resident
+                fills_after_all_hit += bool(all_hit) and int((out.fill_exp >= 0).sum())
+    _assert_same(ref, dev, ctl)
+    assert all_hit > 0 and fills_after_all_hit > 0
+    assert ctl.counters() == {k: getattr(ref.stats, k) for k in ctl.counters()}

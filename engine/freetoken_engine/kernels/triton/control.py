@@ -35,7 +35,8 @@ exactly the smallest non-hit slots. Outputs have fixed sizes (-1 padded) and the
 in device tensors, so the step can be captured in a CUDA graph. One program does the whole
 step (E <= 1024, S < 2**20 slots); the LRU choice is q rounds of a block-wide minimum over the
 S keys ``(last_used + 1) << 20 | slot`` (a full bitonic sort cost 88 us at S = 3209 and 205 us at
-S = 4585 on the H200; this costs O(q * S) and no sort).
+S = 4585 on the H200; this costs O(q * S) and no sort). A call without a miss skips reading the S
+clocks at all (``SKIP_WITHOUT_MISSES``: 1.01-1.04x a resident decode step on the H200, docs/gpu.md).
 """
 from __future__ import annotations
 
@@ -50,6 +51,8 @@ from ._common import check_contiguous, check_tensor, next_pow2
 
 _SLOT_BITS = 20
 MAX_SLOTS = 1 << _SLOT_BITS
+#: a call without a miss skips the pool-wide scan (see the kernel); False for A/B measurements
+SKIP_WITHOUT_MISSES = True
 
 
 @triton.jit(do_not_specialize=["S", "NB"])   # a resized pool (and its bypass rows) must not recompile
@@ -62,7 +65,7 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr, MIRROR: tl.constexpr,
                     MIRROR_IDS: tl.constexpr, STREAM: tl.constexpr, MIRROR_FROM: tl.constexpr,
-                    STAGE: tl.constexpr, RECUR: tl.constexpr):
+                    STAGE: tl.constexpr, RECUR: tl.constexpr, SKIP: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     pm = p < P
     ids = tl.load(topk_ptr + p, mask=pm, other=-1).to(tl.int64)               # [BLOCK_P]
@@ -98,27 +101,34 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     tl.store(fill_slot_ptr + f, -1, mask=fm)
     tl.store(cpu_exp_ptr + f, -1, mask=fm)
     tl.debug_barrier()
-    s = tl.arange(0, BLOCK_S)
-    sm = s < S
-    lu = tl.load(last_used_ptr + s, mask=sm, other=0)
-    # Fill admission: only victims idle for more than `window` calls (hits were stamped with the
-    # clock above, so they never qualify); they are exactly the smallest keys below.
-    admissible = sm & ((window <= 0) | (lu < 0) | (lu < clock - window))
-    q = tl.maximum(tl.minimum(q, tl.sum(admissible.to(tl.int64), 0)), 0)
+    # The pool-wide part (every slot's clock read, the admissible count, the victims' rounds)
+    # only when the call has a miss (SKIP): a call of hits fills nothing (q = fill_table[0] = 0),
+    # and reading all S clocks is most of a resident step's control time.
+    scan = m > 0
+    if not SKIP:
+        scan = m >= 0
+    if scan:
+        s = tl.arange(0, BLOCK_S)
+        sm = s < S
+        lu = tl.load(last_used_ptr + s, mask=sm, other=0)
+        # Fill admission: only victims idle for more than `window` calls (hits were stamped with
+        # the clock above, so they never qualify); they are exactly the smallest keys below.
+        admissible = sm & ((window <= 0) | (lu < 0) | (lu < clock - window))
+        q = tl.maximum(tl.minimum(q, tl.sum(admissible.to(tl.int64), 0)), 0)
+        key = tl.where(sm, ((lu + 1) << SLOT_BITS) | s, 0x7FFFFFFFFFFFFFFF)      # unique per slot
+        # The q smallest keys in ascending order: q rounds of a block-wide min (q <= the call's
+        # distinct experts, a handful in decode), much cheaper than sorting all S keys.
+        # (a while loop: Triton 3.6's interpreter cannot take a tensor as a range bound)
+        r = q * 0
+        while r < q:
+            smallest = tl.min(key, 0)
+            tl.store(keys_ptr + r, smallest)
+            key = tl.where(key == smallest, 0x7FFFFFFFFFFFFFFF, key)
+            r += 1
     qf = q + tl.minimum(target - q, NB)           # the refused fills go to the bypass slots S..S+NB
     fill = miss & (rank < q)
     byp = miss & (rank >= q) & (rank < qf)
     cpu = miss & (rank >= qf)
-    key = tl.where(sm, ((lu + 1) << SLOT_BITS) | s, 0x7FFFFFFFFFFFFFFF)      # unique per slot
-    # The q smallest keys in ascending order: q rounds of a block-wide min (q <= the call's
-    # distinct experts, a handful in decode), much cheaper than sorting all S keys.
-    # (a while loop: Triton 3.6's interpreter cannot take a tensor as a range bound)
-    r = q * 0
-    while r < q:
-        smallest = tl.min(key, 0)
-        tl.store(keys_ptr + r, smallest)
-        key = tl.where(key == smallest, 0x7FFFFFFFFFFFFFFF, key)
-        r += 1
     tl.debug_barrier()
 
     victim = tl.load(keys_ptr + rank, mask=fill, other=0) & ((1 << SLOT_BITS) - 1)
@@ -348,5 +358,5 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=block_s,
         BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, MIRROR=mirror is not None, MIRROR_IDS=m_ids is not None,
         STREAM=stream is not None, MIRROR_FROM=m_from is not None, STAGE=stream is not None and stream.stage,
-        RECUR=recur, num_warps=8 if block_s > 2048 else 4)
+        RECUR=recur, SKIP=SKIP_WITHOUT_MISSES, num_warps=8 if block_s > 2048 else 4)
     return out
