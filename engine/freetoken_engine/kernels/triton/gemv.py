@@ -126,7 +126,7 @@ def blocks(m: int, k: int) -> tuple[int, int, int]:
 
 
 #: from this many weight rows on, one token goes to ``mma`` too: on the H200 an LM head of 151936
-#: rows ran 0.90x cuBLAS in ``lanes`` and 1.02x in ``mma`` (2 tokens; its cost does not depend on them)
+#: rows ran 0.90x cuBLAS in ``lanes`` (run 101) and 1.03x in ``mma`` (run 102)
 MMA_ROWS = 65536
 
 
@@ -142,7 +142,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            config: tuple | None = None) -> torch.Tensor:
     """x [M, K] (1 <= M <= MAX_TOKENS); weight [N, K]; bias [N] or None -> [M, N] in x's dtype.
     ``config``: ("lanes", BLOCK_N, BLOCK_K, warps) or ("mma", BLOCK_N, BLOCK_K, warps, stages) in
-    place of ``blocks``' choice (the benchmark's sweep)."""
+    place of ``default_config``'s choice (the benchmark's sweep)."""
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
