@@ -191,9 +191,7 @@ def _ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q
                 arms = list(zip((True, False), names))
                 for on, name in (arms[::-1] if warm and r % 2 else arms):
                     switch(on)
-                    runner.set_fill_fraction(q)
-                    if runner.graphs is not None:
-                        runner.graphs.clear()
+                    runner.set_fill_fraction(q)           # (it also drops the captured graphs)
                     rows.append(_timed(llm, Lockstep, name, frac, b, steps))
                     print(json.dumps(rows[-1]), flush=True)
     switch(True)

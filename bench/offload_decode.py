@@ -277,17 +277,17 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
     # "static/graph": (b)'s split run by (d)'s machinery (one graph a token, the C++ host loop):
     # the first n_gpu layers resident, f = 0, so every other layer's experts go to the CPU and
     # nothing is filled or evicted
-    static = policy == "static/graph"
+    static_graph = policy == "static/graph"
     if policy in ("all", "static", "static/graph"):
         n_gpu = L if policy == "all" else min(slots // E, L)
         slots = n_gpu * E
     if policy in ("all", "static"):
         token, capture = _static_token(bank, st, n_gpu, cpu_fn)
     else:
-        if static and not n_gpu:
+        if static_graph and not n_gpu:
             raise ValueError(f"static/graph: the budget holds no whole layer of {E} experts")
         # the engine's bypass slots out of the same budget; "/nobypass": admission alone (run N)
-        plain = static or policy.endswith(("/plain", "/nobypass"))
+        plain = static_graph or policy.endswith(("/plain", "/nobypass"))
         nb = 0 if plain else bypass_slots(slots, L * E, BYPASS_SLOTS_DEFAULT)
         w13s = torch.empty((slots, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
         w2s = torch.empty((slots, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
@@ -299,15 +299,15 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         split = next((sfx for sfx in ("+stf", "+st", "+sf", "+s") if base.endswith(sfx)), "")   # streamed / by stage
         base = base[:len(base) - len(split)]
         f = float(base.split("@")[1]) if "@" in base else bw["fill_fraction"] if base == "lru+q*" else 1.0
-        f = 0.0 if static else f
+        f = 0.0 if static_graph else f
         # the engine's fill admission (window: the MoE layer count; in effect only while f < 1),
         # except on the "/plain" side
-        admit = 0 if static or policy.endswith("/plain") else L
+        admit = 0 if static_graph or policy.endswith("/plain") else L
         # the engine's recurring misses first (a window of one step), except on "/ascending"
-        recur = 0 if static or policy.endswith("/ascending") else L
+        recur = 0 if static_graph or policy.endswith("/ascending") else L
         ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots - nb),
                             minus(slots - nb), 0, f, admit_window=admit, recur_window=recur)
-        if static:
+        if static_graph:
             _resident_layers(ctl, n_gpu, E, st.k)
         if split:
             ctl.set_stream(min(st.P, E), floor_fills=split in ("+sf", "+stf"), stage=split in ("+st", "+stf"))

@@ -111,8 +111,9 @@ class Fill:
                 a, b = p["layers"]
                 dests[p["file"]] = (self.arenas[p["tensor"]], a * per[p["tensor"]], (b - a) * per[p["tensor"]])
         # bank pieces mapped instead of read (module docstring): whole pages only, no CRC pass
-        self.mapped = {name: dest for name, dest in dests.items() if not name.startswith("dense-")
-                       and mapped and not check and dest[1] % PAGE == 0 and dest[2] % PAGE == 0 and can_map()}
+        maps = mapped and not check and can_map()
+        self.mapped = {name: dest for name, dest in dests.items() if maps and not name.startswith("dense-")
+                       and dest[1] % PAGE == 0 and dest[2] % PAGE == 0}
         # (file, first block, blocks, arena, offset, bytes kept): spans of whole blocks that are
         # all kept; a block the kept bytes end inside (a piece's padded tail) is a job of its own
         self.jobs = []

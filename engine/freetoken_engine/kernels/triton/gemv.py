@@ -44,6 +44,16 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
+def _row_tile(row_ptrs, kk, rmask, K, EVEN_K: tl.constexpr):
+    """Elements ``kk`` of the rows at ``row_ptrs`` ([R, 1] pointers) as an [R, len(kk)] tile; rows
+    outside ``rmask``, and without EVEN_K columns past K, read as 0."""
+    mask = rmask[:, None]
+    if not EVEN_K:
+        mask = mask & (kk < K)[None, :]
+    return tl.load(row_ptrs + kk[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_x, stride_w, stride_o,
                  M: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr):
@@ -57,13 +67,8 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, N, K, stride_x, stride_w, stride_
     acc = tl.zeros((M_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
-        if EVEN_K:
-            w = tl.load(w_rows + kk[None, :], mask=rmask[:, None], other=0.0)
-            x = tl.load(x_rows + kk[None, :], mask=tmask[:, None], other=0.0)
-        else:
-            km = kk < K
-            w = tl.load(w_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            x = tl.load(x_rows + kk[None, :], mask=tmask[:, None] & km[None, :], other=0.0)
+        w = _row_tile(w_rows, kk, rmask, K, EVEN_K)
+        x = _row_tile(x_rows, kk, tmask, K, EVEN_K)
         acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
     y = tl.sum(acc, axis=2)                                            # [M_PAD, BLOCK_N]
     if HAS_BIAS:
@@ -88,13 +93,11 @@ def _gemv_mma_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, 
     acc = tl.zeros((BLOCK_N, T_PAD), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
-        if EVEN_K:
-            w = tl.load(w_rows + kk[None, :], mask=rmask[:, None], other=0.0)
-            xt = tl.load(x_cols + kk[:, None], mask=tmask[None, :], other=0.0)
-        else:
-            km = kk < K
-            w = tl.load(w_rows + kk[None, :], mask=rmask[:, None] & km[None, :], other=0.0)
-            xt = tl.load(x_cols + kk[:, None], mask=tmask[None, :] & km[:, None], other=0.0)
+        w = _row_tile(w_rows, kk, rmask, K, EVEN_K)
+        xmask = tmask[None, :]
+        if not EVEN_K:
+            xmask = xmask & (kk < K)[:, None]
+        xt = tl.load(x_cols + kk[:, None], mask=xmask, other=0.0)
         if UPCAST:      # fp32 data (no TF32), or 16-bit under the interpreter (its bf16 dot is wrong)
             acc = tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
         else:
