@@ -27,6 +27,9 @@ the same run (the engine reads its switches at start):
   graphs/control-ab  the same for the expert cache's control step: rows "control skips" (a call
                 without a miss skips the pool-wide scan of every slot's clock) and "control scans"
                 (the engine before 2026-11-30's twenty-first session)
+  graphs/threshold-ab  the same for decode batches of 16+: rows "cache path" (the expert cache and
+                its graphs up to max_batch, the default) and "whole layers from 16" (the prefill's
+                whole-layer path from 16 tokens, eager: the engine before the twenty-second session)
   graphs/copy-first  graphs with a layer's fill copies queued before the host is signalled (the
                 engine's order before 2026-11-29: PCIe, then the CPU experts, in series)
   graphs+stream graphs with the streamed split (FREETOKEN_STREAM_SPLIT=on: the first rows of the
@@ -76,6 +79,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+from engine_ab import AB_SIDES, timed  # noqa: E402
 from hardware import describe  # noqa: E402
 
 # side -> (FREETOKEN_HOST_BRANCH, CUDA graphs, FREETOKEN_STREAM_SPLIT, FREETOKEN_GPU_DECODE_KERNELS,
@@ -88,7 +92,8 @@ SIDES = {"eager/sync": ("off", False, "off", "on", "on"), "eager/branch": ("on",
          "graphs/torch-ops": ("on", True, "off", "off", "on"),
          "graphs/no-combine": ("on", True, "off", "attention,norm,route", "on"),
          "graphs/lru": ("on", True, "off", "on", "off"), "graphs/all-cpus": ("on", True, "off", "on", "on"),
-         "graphs/gemv-ab": ("on", True, "off", "on", "on"), "graphs/control-ab": ("on", True, "off", "on", "on")}
+         "graphs/gemv-ab": ("on", True, "off", "on", "on"), "graphs/control-ab": ("on", True, "off", "on", "on"),
+         "graphs/threshold-ab": ("on", True, "off", "on", "on")}
 #: sides that also set the CPU expert kernel's threads: every CPU of the affinity set
 ALL_CPUS = {"graphs/all-cpus"}
 TUNING_SEARCH = 900
@@ -112,7 +117,7 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
     # no graphs ahead of time: the resize below would drop them (warm-up steps capture instead)
     # (the gemv and control A/Bs: q held where the calibration put it; the CPU-rate follower would move it)
     llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1], split_tuning=tuning, graph_warmup=0,
-              cpu_rate_probe=side not in ("graphs/gemv-ab", "graphs/control-ab"))
+              cpu_rate_probe=side not in ("graphs/gemv-ab", "graphs/control-ab", "graphs/threshold-ab"))
     runner = llm.runner
     if routing != "model":
         from routing_replay import install
@@ -132,73 +137,12 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
                 if found is not None:
                     runner.tuner = None                   # hold the q it found while timing
                     runner.set_fill_fraction(found["fill_fraction"])
-                rows.append(_timed(llm, Lockstep, side if q is None else f"{side} q={q:g}", frac, b, steps))
+                rows.append(timed(llm, Lockstep, side if q is None else f"{side} q={q:g}", frac, b, steps))
                 rows[-1]["split_tuner"] = found
                 runner.tuner = tuner
                 print(json.dumps(rows[-1]), flush=True)
     runner.set_fill_fraction(calibrated)
     return rows
-
-
-def _hits_ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q: float) -> list[dict]:
-    """Side graphs/hits-ab: rows "hits beside fills" and "hits after fills" (``_ab``)."""
-    from freetoken_engine.cache.device_control import DeviceControl
-
-    def overlap(on: bool) -> None:
-        DeviceControl.overlap_hits = on
-    return _ab(llm, Lockstep, fractions, batches, steps, q, overlap, ("hits beside fills", "hits after fills"))
-
-
-def _gemv_ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q: float) -> list[dict]:
-    """Side graphs/gemv-ab: rows "triton gemv" and "cublas gemv" (``_ab``): the dense projections
-    of a decode step through kernels/triton/gemv.py, or torch's F.linear (FREETOKEN_GPU_DECODE_KERNELS
-    without "gemv", the engine before 2026-11-30's twenty-first session)."""
-    from freetoken_engine import env
-    from freetoken_engine.kernels import gpu_decode_kernels
-
-    def triton(on: bool) -> None:
-        os.environ[env.FREETOKEN_GPU_DECODE_KERNELS] = "on" if on else ",".join(
-            k for k in env.GPU_DECODE_KERNELS if k != "gemv")
-        gpu_decode_kernels.cache_clear()
-    return _ab(llm, Lockstep, fractions, batches, steps, q, triton, ("triton gemv", "cublas gemv"), warm=True)
-
-
-def _control_ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q: float) -> list[dict]:
-    """Side graphs/control-ab: rows "control skips" (a control step without a miss skips its
-    pool-wide scan, kernels/triton/control.py ``SKIP_WITHOUT_MISSES``) and "control scans" (every
-    call scans, the engine before 2026-11-30's twenty-first session)."""
-    from freetoken_engine.kernels.triton import control
-
-    def skip(on: bool) -> None:
-        control.SKIP_WITHOUT_MISSES = on
-    return _ab(llm, Lockstep, fractions, batches, steps, q, skip, ("control skips", "control scans"), warm=True)
-
-
-def _ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q: float, switch,
-        names: tuple[str, str], rounds: int = 2, warm: bool = False) -> list[dict]:
-    """A same-process A/B: per budget and batch, ``rounds`` x (``switch(True)``: row names[0],
-    ``switch(False)``: row names[1]), each after ``set_fill_fraction(q)`` and with the graphs
-    dropped (the same q; each timing captures its own graphs in its warm-up steps). ``warm``: one
-    untimed timing first (the cache filling under the replayed routing), and every other round
-    in the order B, A, so neither side always runs on the fuller cache."""
-    runner, rows = llm.runner, []
-    for frac in fractions:
-        runner.resize_expert_cache(max(1, round(frac * runner.bank.total_experts)))
-        for b in batches:
-            if warm:
-                _timed(llm, Lockstep, "warm-up", frac, b, steps)
-            for r in range(rounds):
-                arms = list(zip((True, False), names))
-                for on, name in (arms[::-1] if warm and r % 2 else arms):
-                    switch(on)
-                    runner.set_fill_fraction(q)           # (it also drops the captured graphs)
-                    rows.append(_timed(llm, Lockstep, name, frac, b, steps))
-                    print(json.dumps(rows[-1]), flush=True)
-    switch(True)
-    return rows
-
-
-AB_SIDES = {"graphs/hits-ab": _hits_ab, "graphs/gemv-ab": _gemv_ab, "graphs/control-ab": _control_ab}
 
 
 def _search(llm, Lockstep, b: int) -> dict:
@@ -208,34 +152,6 @@ def _search(llm, Lockstep, b: int) -> dict:
         batch.step()
     batch.close()
     return llm.runner.tuner.stats()
-
-
-def _timed(llm, Lockstep, side: str, frac: float, b: int, steps: int) -> dict:
-    """24 warm-up steps (fills, captures), then ``steps`` timed lockstep decode steps of b prompts."""
-    runner = llm.runner
-    batch = Lockstep(llm, [[(37 * i + 11 * t) % 31000 + 100 for t in range(32)] for i in range(b)])
-    for _ in range(24):
-        batch.step()
-    before = runner.expert_stats()
-    t0 = time.perf_counter()
-    marks = [t0]
-    for _ in range(steps):
-        batch.step()
-        marks.append(time.perf_counter())
-    secs = marks[-1] - t0
-    step_ms = sorted(1e3 * (b - a) for a, b in zip(marks, marks[1:]))
-    after = runner.expert_stats()
-    batch.close()
-    d = {k: after[k] - before[k] for k in ("hits", "misses", "fills", "cpu_computed")}
-    graphs = runner.graphs
-    return {"side": side, "cache_fraction": frac, "cache_experts": runner.cache.capacity,
-            "batch": b, "steps": steps, "tok_s": b * steps / secs, "ms_per_step": 1e3 * secs / steps,
-            # the spread of single steps: a few stalled steps against a uniformly slower decode
-            "step_ms_min": step_ms[0], "step_ms_median": step_ms[len(step_ms) // 2], "step_ms_max": step_ms[-1],
-            "miss_rate": d["misses"] / max(d["hits"] + d["misses"], 1),
-            "cpu_experts_per_step": d["cpu_computed"] / steps, "fills_per_step": d["fills"] / steps,
-            "fill_fraction": after["fill_fraction"],
-            "graph_replays": graphs.replays if graphs is not None else 0}
 
 
 def run_sides(work: Path, fast: Path | None, args) -> tuple[int, list[dict], list[str]]:

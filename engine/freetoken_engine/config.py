@@ -114,7 +114,7 @@ class EngineConfig:
     split_tuning: bool = False               # refine q* online by measured decode step time (CUDA)
     cpu_rate_probe: bool = True              # q* by the CPU's rate on this model and under contention
     prefill_chunk: int = 512
-    prefill_expert_threshold: int = 16       # tokens in a batch from which MoE runs whole layers
+    prefill_expert_threshold: int | None = None  # whole-layer MoE from this many tokens (None: max_batch + 1)
     kv_block_size: int = 16
     kv_cache_tokens: int | None = None       # None: enough for max_batch full contexts, capped
     max_context: int | None = None
@@ -143,9 +143,18 @@ class EngineConfig:
             raise ConfigError(f"--graph-warmup must be 0 or more, got {self.graph_warmup}")
         if self.graph_warmup_widths < 0:
             raise ConfigError(f"--graph-warmup-widths must be 0 (every width) or more, got {self.graph_warmup_widths}")
+        if self.prefill_expert_threshold is not None and self.prefill_expert_threshold < 2:
+            raise ConfigError(f"prefill_expert_threshold must be at least 2, got {self.prefill_expert_threshold}")
         for name in ("prefill_chunk", "kv_block_size", "max_batch", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
+
+    @property
+    def expert_threshold(self) -> int:
+        """Tokens in a batch from which a MoE layer streams whole layers (prefill) instead of
+        going through the expert cache: by default above every decode batch (max_batch), so a
+        server's decode steps keep the cache, the q* split and the decode graphs."""
+        return self.prefill_expert_threshold or self.max_batch + 1
 
     @property
     def resolved_dtype(self) -> str:

@@ -112,7 +112,8 @@ def test_only_a_prompts_last_chunk_seeds(tiny_checkpoint, monkeypatch):
     from freetoken_engine import LLM, SamplingParams
     monkeypatch.setenv("FREETOKEN_PREFILL_SEED", "on")
     folder = tiny_checkpoint("qwen3_moe")
-    llm = LLM(folder, expert_backend="triton", expert_cache_experts=12, cpu_expert_fraction=0.5, prefill_chunk=16)
+    llm = LLM(folder, expert_backend="triton", expert_cache_experts=12, cpu_expert_fraction=0.5, prefill_chunk=16,
+              prefill_expert_threshold=16)
     prompt = [(11 * i + 5) % 300 + 5 for i in range(48)]
     llm.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True))
     layers, k = llm.runner.bank.w13.shape[0], 2

@@ -157,6 +157,42 @@ def test_layer_streamer_double_buffered_contents(bank):
     assert streamer.device_bytes > 0 and streamer.pcie_bytes > 0
 
 
+def _exact_prefill_pass(experts, bank, g: torch.Generator, tokens: int, rnd: int) -> torch.Tensor:
+    """One prefill-sized call per layer through ``experts`` on random routing: every layer's rows
+    equal the MoE kernel's on the bank's own layer, bit for bit. Returns the pass's input."""
+    x = (torch.randn(tokens, HID, generator=g) * 0.5).to(torch.bfloat16).to(CUDA)
+    tok = torch.arange(tokens, device=CUDA).repeat_interleave(K)
+    for layer in range(LAYERS):
+        ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:K] for _ in range(tokens)]).to(CUDA)
+        got = experts.forward(layer, x, ids)
+        want = moe_slots_forward(x, bank.w13[layer].to(CUDA), bank.w2[layer].to(CUDA), tok, ids.reshape(-1))
+        assert torch.equal(got, want), (rnd, layer)
+    return x
+
+
+def test_a_pool_with_every_expert_computes_prefill_in_place(bank):
+    """A pool with a slot for every expert: a whole-layer call computes the resident experts from
+    the pool and streams only the others (nothing copied on the device), bit for bit the rows of
+    the whole layer's buffer; the decode calls between the passes fill more of the pool."""
+    from freetoken_engine.cache.offload import OffloadedExperts
+    cache = ExpertCache(bank, LAYERS * EXPERTS, CUDA, fill_fraction=1.0)
+    for layer in range(LAYERS):                       # a third of every layer resident
+        cache.step(layer, torch.arange(layer, layer + EXPERTS // 3, device=CUDA) % EXPERTS)
+    experts = OffloadedExperts(bank, cache, prefill_threshold=4, cpu_backend="reference", backend="triton", top_k=K)
+    g = torch.Generator().manual_seed(5)
+    tokens, row_bytes = 16, bank.w13[0, 0].nbytes + bank.w2[0, 0].nbytes
+    for rnd in range(2):
+        resident = int((cache.slot_of >= 0).sum())
+        before = experts.streamer.pcie_bytes
+        x = _exact_prefill_pass(experts, bank, g, tokens, rnd)
+        torch.cuda.synchronize()
+        assert experts.streamer.device_bytes == 0
+        assert experts.streamer.pcie_bytes - before == (LAYERS * EXPERTS - resident) * row_bytes
+        for layer in range(LAYERS):                   # decode calls fill more before the next pass
+            experts.forward(layer, x[:1], torch.arange(K, device=CUDA)[None] + rnd * K)
+        assert int((cache.slot_of >= 0).sum()) > resident
+
+
 @pytest.mark.parametrize("seed", ["on", "off"])
 def test_prefill_seed_keeps_the_streamed_layers_exact(bank, seed, monkeypatch):
     """A prefill pass through the engine's MoE path with the double-buffered streamer while the
@@ -173,13 +209,7 @@ def test_prefill_seed_keeps_the_streamed_layers_exact(bank, seed, monkeypatch):
     g = torch.Generator().manual_seed(3)
     tokens = 16
     for rnd in range(2):                              # the second pass starts from seeded residency
-        x = (torch.randn(tokens, HID, generator=g) * 0.5).to(torch.bfloat16).to(CUDA)
-        for layer in range(LAYERS):
-            ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:K] for _ in range(tokens)]).to(CUDA)
-            got = experts.forward(layer, x, ids)
-            tok = torch.arange(tokens, device=CUDA).repeat_interleave(K)
-            want = moe_slots_forward(x, bank.w13[layer].to(CUDA), bank.w2[layer].to(CUDA), tok, ids.reshape(-1))
-            assert torch.equal(got, want), (rnd, layer)
+        _exact_prefill_pass(experts, bank, g, tokens, rnd)
     assert (experts.seeded > 0) == (seed == "on")
     experts.control.write_back(cache)
     cache.check_integrity(deep=True)

@@ -56,6 +56,27 @@ def test_graph_decode_equals_eager_decode(tiny_checkpoint, options, mode):
             assert s["cpu_computed"] > 0
 
 
+@pytest.mark.parametrize("options,mode", [
+    ({}, "device"),                                                      # every expert resident
+    ({"expert_cache_experts": 3, "cpu_expert_fraction": 0.5}, "branch"),  # CPU pairs in the graph
+])
+def test_a_large_decode_batch_replays_a_graph_through_the_cache(tiny_checkpoint, options, mode):
+    """40 requests decoding together (80 expert pairs a layer: the MoE kernel's block-table
+    path) go through the expert cache and a captured graph, not the prefill's whole-layer path:
+    the eager engine's tokens, logits within 1e-4."""
+    folder = tiny_checkpoint("qwen3_moe")
+    prompts = [[(7 * i + 3 * t) % 300 + 3 for t in range(1 + i % 5)] for i in range(40)]
+    eager = LLM(folder, device="cuda", dtype="float32", cuda_graphs=False, max_batch=40, **options)
+    want, want_logits = lockstep(eager, prompts, 8)
+    llm = LLM(folder, device="cuda", dtype="float32", max_batch=40, **options)
+    assert llm.runner.experts.prefill_threshold == 41
+    got, logits = lockstep(llm, prompts, 8)
+    graphs = llm.runner.graphs
+    assert graphs.replays >= 6 and {g.mode for (b, _), g in graphs._graphs.items() if b == 40} == {mode}
+    assert got == want
+    assert (logits - want_logits).abs().max() < 1e-4
+
+
 def test_split_by_stage_keeps_the_tokens(tiny_checkpoint, monkeypatch):
     """FREETOKEN_STREAM_SPLIT=stage: CPU experts' down projections run on the GPU from the host's
     activations inside the graphs; float32 greedy tokens equal the plain branch's, logits within

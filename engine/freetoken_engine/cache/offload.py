@@ -267,6 +267,27 @@ class OffloadedExperts:
         rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)
         return rows, beside() if beside is not None else None
 
+    def _pool_forward(self, layer: int, x: torch.Tensor, pair_tok: torch.Tensor,
+                      pair_exp: torch.Tensor) -> torch.Tensor:
+        """A whole-layer call when the device pool has a slot for every expert: the resident
+        experts are computed from the pool in place, and only the others come through the streamer
+        (over PCIe; it skips the cached ones). Such a pool never evicts, so an expert the pool lacks
+        now was missing when the streamer read the residency too, and is in its buffer. The same
+        rows as from a buffer of the whole layer: each expert's pairs form one tile either way."""
+        self.streamer.gather_cached = False
+        w13, w2 = self.streamer.layer(layer)
+        pair_slot = self.cache.slot_of[layer].to(pair_exp.device).index_select(0, pair_exp)
+        rows = x.new_empty((pair_exp.numel(), x.shape[1]))
+        self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot, out=rows)
+        missing = torch.where(pair_slot < 0, pair_exp, torch.full_like(pair_exp, -1))
+        self.slots_forward(x, w13, w2, pair_tok, missing, out=rows)
+        return rows
+
+    def _pool_holds_all(self) -> bool:
+        """The device control's pool has a slot for every expert (it never evicts)."""
+        return (self.control is not None and self.cache.capacity == self.bank.total_experts
+                and not self._bank_in_place())
+
     def _bank_in_place(self) -> bool:
         """Every expert fits and the cache lives on the host: decode computes from the bank."""
         return self.cache.device.type == "cpu" and self.cache.capacity == self.bank.total_experts
@@ -275,6 +296,10 @@ class OffloadedExperts:
                  pair_exp: torch.Tensor) -> torch.Tensor:
         t, k = topk_ids.shape
         if t >= self.prefill_threshold:
+            if self._pool_holds_all():
+                return self._pool_forward(layer, x, pair_tok, pair_exp)
+            if self.control is not None:
+                self.streamer.gather_cached = True
             w13, w2 = self.streamer.layer(layer)
             fn = self.cpu_forward if w13.device.type == "cpu" and self.control is None else self.slots_forward
             out = fn(x, w13, w2, pair_tok, pair_exp)

@@ -6,8 +6,10 @@ layer all of layer l's experts. On the CPU these are views of the bank (no copy)
 are two whole-layer device buffers and a copy stream: when the model asks for layer l, layer
 l+1 starts loading into the other buffer, behind the compute already queued for layer l-1
 (the buffer's last reader), so PCIe streams while layer l computes. Experts the expert cache
-holds are copied device to device (one gather launch); only the others cross PCIe, in one
-``cudaMemcpyAsync`` per run of consecutive missing experts, from the pinned bank.
+holds are copied device to device (one gather launch), or with ``gather_cached`` off left out
+(a pool that holds every expert: the caller computes them from the pool, cache/offload.py); only
+the others cross PCIe, in one ``cudaMemcpyAsync`` per run of consecutive missing experts, from
+the pinned bank.
 
 Ordering contract: the caller uses the returned tensors on the stream that was current when it
 called ``layer`` and calls ``layer`` in increasing order within a forward pass; any other order
@@ -35,6 +37,8 @@ class LayerStreamer:
         self._next = -1
         self.pcie_bytes = 0          # bytes copied over PCIe since construction (stats, benchmarks)
         self.device_bytes = 0        # bytes copied from the cache on the device
+        self.gather_cached = True    # False: cached experts are left out of the buffers (the
+                                     # caller computes them from the slot pool, cache/offload.py)
         self._checked = False        # the bank is pinned (checked at first use: the engine
         if self.device.type == "cuda":  # builds this while a packed bank is still being read)
             w13, w2 = bank.w13[0], bank.w2[0]
@@ -90,7 +94,7 @@ class LayerStreamer:
                 w13_buf[a:b].copy_(self.bank.w13[layer, a:b], non_blocking=True)
                 w2_buf[a:b].copy_(self.bank.w2[layer, a:b], non_blocking=True)
                 self.pcie_bytes += (b - a) * (w13_buf[0].nbytes + w2_buf[0].nbytes)
-            if slots is not None and bool(cached.any()):
+            if slots is not None and self.gather_cached and bool(cached.any()):
                 experts = cached.nonzero().flatten()
                 src = slots[experts].to(self.device, non_blocking=True)
                 dst = experts.to(self.device, non_blocking=True)

@@ -176,7 +176,7 @@ class ModelRunner:
         return (self.bank.w13.data_ptr(), self.bank.w2.data_ptr()) if self.bank is not None else None
 
     def _make_experts(self) -> None:
-        self.experts = OffloadedExperts(self.bank, self.cache, self.cfg.prefill_expert_threshold,
+        self.experts = OffloadedExperts(self.bank, self.cache, self.cfg.expert_threshold,
                                         backend=self.cfg.expert_backend, top_k=self.mcfg.moe.top_k)
         for block in self.model.moe_blocks():
             block.experts = self.experts
@@ -188,7 +188,7 @@ class ModelRunner:
             from .graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.experts if self.cache is not None else None,
                                        self.device, self.dtype, self.max_context,
-                                       min(cfg.max_batch, cfg.prefill_expert_threshold - 1))
+                                       min(cfg.max_batch, cfg.expert_threshold - 1))
 
     # -- configuration -------------------------------------------------------------------------
     def _capacity(self) -> int:
