@@ -47,7 +47,8 @@ def _check(got, x, w, b):
     (1, 64, 512, False),      # one token, K a multiple of the block
     (3, 130, 100, True),      # K not a multiple of 32, rows not of the block, a bias
     (4, 7, 2560, False),      # fewer rows than a block; K past one block of 2048
-    (4, 33, 64, True),        # the most tokens it takes
+    (9, 40, 300, False),      # a decode batch past the first graphs' four
+    (16, 33, 64, True),       # the most tokens it takes
     (1, 96, 4096, True),      # two blocks of 2048 (the output projection of Qwen3-30B-A3B)
 ], ids=lambda v: str(v))
 @pytest.mark.parametrize("kind", ["default", "lanes", "mma"])
@@ -71,25 +72,25 @@ def test_strided_rows_of_x_and_w():
     _check(gemv.linear(xv, wv, b.to(DEVICE)), x, w, b)
 
 
-def test_a_token_computes_the_same_with_two_three_or_four_tokens():
-    """The engine's configuration for 2-4 tokens (the tensor-core kernel) keeps each token's
+def test_a_token_computes_the_same_with_two_to_sixteen_tokens():
+    """The engine's configuration for 2-16 tokens (the tensor-core kernel) keeps each token's
     column to itself: its result does not depend on the others in the batch (within 1e-6: the
     interpreter's matmul may block columns differently; bitwise on a GPU)."""
-    x, w, _ = _problem(4, 72, 2048, torch.float32, False, seed=2)
-    configs = {gemv.default_config(m, 2048) for m in (2, 3, 4)}
-    assert len(configs) == 1 and next(iter(configs))[0] == "mma"
+    x, w, _ = _problem(16, 72, 2048, torch.float32, False, seed=2)
+    configs = {gemv.default_config(m, 2048) for m in range(2, gemv.MAX_TOKENS + 1)}
+    assert gemv.MAX_TOKENS == 16 and len(configs) == 1 and next(iter(configs))[0] == "mma"
     xd, wd = x.to(DEVICE), w.to(DEVICE)
-    four = gemv.linear(xd, wd)
-    for m in (2, 3):
+    full = gemv.linear(xd, wd)
+    for m in (2, 3, 4, 5, 8, 15):
         got = gemv.linear(xd[:m], wd)
         if COMPILED:
-            assert torch.equal(got, four[:m])
-        assert torch.allclose(got, four[:m], rtol=1e-6, atol=1e-6)
+            assert torch.equal(got, full[:m])
+        assert torch.allclose(got, full[:m], rtol=1e-6, atol=1e-6)
 
 
 def test_what_it_does_not_compute_is_left_to_torch():
     x, w, b = _problem(2, 16, 32, torch.bfloat16, True)
-    assert not gemv.supported(torch.zeros(5, 32, dtype=torch.bfloat16), w)           # a prefill chunk
+    assert not gemv.supported(torch.zeros(17, 32, dtype=torch.bfloat16), w)          # a prefill chunk
     assert not gemv.supported(x.float(), w)                                           # mixed dtypes
     assert not gemv.supported(x, w, b.float())
     assert not gemv.supported(x.unsqueeze(0), w)                                      # 3-D

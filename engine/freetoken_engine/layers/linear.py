@@ -14,7 +14,7 @@ __all__ = ["Linear", "linear", "use_compiled_linears"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``: x [T, K], weight [N, K] -> [T, N]. 1-4 tokens on a GPU go
+    """``F.linear(x, weight, bias)``: x [T, K], weight [N, K] -> [T, N]. 1-16 tokens on a GPU go
     through kernels/triton/gemv.py unless FREETOKEN_GPU_DECODE_KERNELS leaves "gemv" out; CPU
     tensors through kernels/cpu/linear.py (which falls back to ``F.linear`` itself)."""
     if x.device.type == "cuda":

@@ -1,4 +1,4 @@
-"""Dense projections of a decode step on the GPU: ``linear(x, w, b)`` for 1-4 tokens in one launch.
+"""Dense projections of a decode step on the GPU: ``linear(x, w, b)`` for 1-16 tokens in one launch.
 
 A decode step multiplies a few token vectors by every weight matrix of the attention (the fused
 q/k/v projection, the output projection), the router, the shared expert and the LM head:
@@ -8,15 +8,17 @@ that how many reads a kernel keeps in flight decides its speed. Two kernels:
 - ``lanes`` (one token): a program owns BLOCK_N weight rows and streams them along K in blocks
   of up to 2048 (16 KB in flight per program), multiplying in fp32 and summing lanes
   elementwise until one reduction at the end.
-- ``mma`` (2-4 tokens): the tensor cores compute out^T = w @ x^T, 16 weight rows against the
+- ``mma`` (2-16 tokens): the tensor cores compute out^T = w @ x^T, 16 weight rows against the
   tokens padded to 16 columns (the padding masked, never read), 256 of K a step with four
   pipeline stages. A token's column never mixes with the others, so its result is the same
-  with 2, 3 or 4 tokens.
+  with 2 to 16 tokens.
 
 On the H200 (``bench/gemv.py --sweep``, bench/results/gemv_gpu_sweep.json; inside CUDA graphs,
 weights read from HBM) each was the best of 88 configurations for its batch by the geometric mean
 over four shapes of time / the shape's best: 1.03x, 1.11x, 1.06x at 1, 2, 4 tokens, where cuBLAS
-measured 1.60x, 1.40x, 1.35x. One token on an LM head's rows goes to ``mma`` (``MMA_ROWS``).
+measured 1.60x, 1.40x, 1.35x; at 8 and 16 tokens (bench/results/gemv_gpu_8_16.json) the same ``mma``
+configuration was the best, 1.02x and 1.03x, cuBLAS 1.15x and 1.13x. One token on an LM head's rows
+goes to ``mma`` (``MMA_ROWS``).
 
 Same computation as ``F.linear``: ``out[t] = w @ x[t] (+ b)`` in x's dtype, fp32 accumulation
 (fp32 data multiplied in full precision, never TF32), the bias added in fp32, one rounding at
@@ -39,7 +41,7 @@ import triton.language as tl
 
 from ._common import interpreting, next_pow2
 
-MAX_TOKENS = 4
+MAX_TOKENS = 16
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
