@@ -157,3 +157,16 @@ def test_a_pool_with_every_expert_computes_whole_layer_calls_in_place(tiny_check
     assert llm.generate(PROMPT, GREEDY).token_ids == want
     assert sum(from_pool[first:]) > 0                      # the second: resident experts from the pool
     assert experts.streamer.gather_cached is False
+
+
+def test_every_decode_batch_stays_below_the_whole_layer_threshold():
+    """By default a MoE call streams whole layers only above the largest decode batch, so a busy
+    server's decode steps keep the expert cache and its graphs; an explicit threshold is kept,
+    and one that would send single tokens to the whole-layer path is refused."""
+    from freetoken_engine.config import EngineConfig
+    from freetoken_engine.errors import ConfigError
+    assert EngineConfig("m").expert_threshold == EngineConfig("m").max_batch + 1
+    assert EngineConfig("m", max_batch=48).expert_threshold == 49
+    assert EngineConfig("m", prefill_expert_threshold=16).expert_threshold == 16
+    with pytest.raises(ConfigError, match="prefill_expert_threshold must be at least 2, got 1"):
+        EngineConfig("m", prefill_expert_threshold=1)
