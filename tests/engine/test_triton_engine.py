@@ -170,3 +170,30 @@ def test_every_decode_batch_stays_below_the_whole_layer_threshold():
     assert EngineConfig("m", prefill_expert_threshold=16).expert_threshold == 16
     with pytest.raises(ConfigError, match="prefill_expert_threshold must be at least 2, got 1"):
         EngineConfig("m", prefill_expert_threshold=1)
+
+
+def test_decode_calls_past_the_host_branch_pair_limit_sync_per_layer(tiny_checkpoint, monkeypatch):
+    """The sync-free host branch takes calls of up to ``MAX_PAIRS`` pairs (branch.cpp's arrays).
+    A decode batch beyond that (a max_batch x top_k past it) syncs per layer for its own calls
+    and keeps the branch for smaller ones: the torch path's tokens either way."""
+    from freetoken_engine.kernels import cpu_branch
+    from freetoken_engine.llm import Lockstep
+
+    def decode(llm, prompts, steps=4):
+        batch = Lockstep(llm, prompts)
+        for _ in range(steps):
+            batch.step()
+        batch.close()
+        return batch.tokens
+
+    monkeypatch.setattr(cpu_branch, "MAX_PAIRS", 8)                 # 4 tokens of the tiny model's top-2
+    folder = tiny_checkpoint("qwen3_moe")
+    prompts = [[5 + i, 17, 99 + 3 * i] for i in range(6)]
+    want = decode(LLM(folder, expert_backend="torch"), prompts)
+    llm = LLM(folder, expert_backend="triton", expert_cache_experts=3, cpu_expert_fraction=0.5)
+    experts = llm.runner.experts
+    assert decode(llm, prompts) == want                               # 6 tokens a call: per-layer sync
+    assert decode(llm, prompts[:3]) == want[:3]                       # 3 tokens a call: the host branch
+    assert experts.host_branch is not None and experts.host_branch.br.max_tokens == 4
+    assert experts.host_branch.br.totals["cpu_pairs"] > 0
+    assert experts.graph_mode(4) == "branch" and experts.graph_mode(6) is None

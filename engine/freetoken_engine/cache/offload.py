@@ -121,7 +121,7 @@ class OffloadedExperts:
         if self.host_branch is None and self._want_branch:
             from .host_branch import HostBranch
             try:
-                self.host_branch = HostBranch(self.bank, self.top_k, self.prefill_threshold - 1, self.device, x.dtype)
+                self.host_branch = HostBranch(self.bank, self.top_k, self._branch_tokens(), self.device, x.dtype)
                 mode = env.stream_split()
                 if mode != "off" and self.device.type == "cuda":
                     try:   # scratch for STREAMED experts' rows: that many experts' bytes of device memory
@@ -133,6 +133,12 @@ class OffloadedExperts:
                 log.info("sync-free CPU branch unavailable (%s); syncing per layer", exc)
                 self._want_branch = False
         return self.host_branch
+
+    def _branch_tokens(self) -> int:
+        """The most tokens a call answered by the host branch has: every decode-sized call, within
+        the branch's pair limit (a larger call syncs per layer instead)."""
+        from ..kernels.cpu_branch import MAX_PAIRS
+        return max(1, min(self.prefill_threshold - 1, MAX_PAIRS // self.top_k))
 
     def end_step(self) -> None:
         """After a forward pass: wait for its CPU-branch host loop and raise RuntimeError if either
@@ -150,7 +156,7 @@ class OffloadedExperts:
             return None
         if self._fills_only(tokens):
             return "device"
-        return "branch" if self.host_branch is not None else None
+        return "branch" if self.host_branch is not None and tokens <= self._branch_tokens() else None
 
     def _control_fraction(self) -> float:
         """q*/m for the device control step: every miss is filled once every expert fits (a fill
@@ -261,7 +267,7 @@ class OffloadedExperts:
                 # (a decode step of such layers can be captured in a CUDA graph).
                 out = self.control.step(layer, topk_ids, copy=False)    # on the device, no sync
                 return self.control.run_experts(layer, x, pair_tok, out, beside)
-            branch = self._host_branch(x)
+            branch = self._host_branch(x) if t <= self._branch_tokens() else None
             if branch is not None:      # CPU pairs answered by a host thread: still no sync here
                 return branch.layer(self.control, layer, x, topk_ids, pair_tok, beside)
         rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)

@@ -45,6 +45,8 @@ import torch
 from .cpu_experts import _load
 
 _i64, _vp = ctypes.c_int64, ctypes.c_void_p
+#: pairs a step's layer may have (branch.cpp's per-layer arrays)
+MAX_PAIRS = 1024
 
 
 class StepCancelled(RuntimeError):
@@ -88,8 +90,8 @@ class CpuBranch:
             raise ValueError("bank tensors must be host tensors with a unit stride in their last dim")
         L, E, two_i, H = bank_w13.shape
         P = max_tokens * top_k
-        if P > 1024:
-            raise ValueError(f"at most 1024 pairs per call, got {max_tokens} x {top_k}")
+        if P > MAX_PAIRS:
+            raise ValueError(f"at most {MAX_PAIRS} pairs per call, got {max_tokens} x {top_k}")
         self._lib, self.device, self.top_k, self.max_tokens = lib, torch.device(device), top_k, max_tokens
         self.timeout_s = timeout_s
         pin = self.device.type == "cuda"
