@@ -32,7 +32,7 @@ FREETOKEN_STREAM_SPLIT = "FREETOKEN_STREAM_SPLIT"
 STREAM_SPLIT_DEFAULT = "off"
 #: The GPU decode's Triton kernels (kernels/triton/<name>.py): attention, RMSNorm (norm), the
 #: router's selection (route), and the MoE combine with the residual adds fused into it and into
-#: the next norm (combine), and the dense projections of 1-4 tokens (gemv: the attention's, the
+#: the next norm (combine), and the dense projections of 1-16 tokens (gemv: the attention's, the
 #: router's, the shared expert's, the LM head's): "on" (the default: all), "off" (torch's ops) or a
 #: comma-separated list of those names (the others torch's ops), for A/B measurements.
 FREETOKEN_GPU_DECODE_KERNELS = "FREETOKEN_GPU_DECODE_KERNELS"

@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from .. import env
-from ..kernels import cpu_expert_forward
+from ..kernels import cpu_branch, cpu_expert_forward
 from ..kernels.reference import expert_pairs_forward
 from .bank import ExpertBank
 from .experts import ExpertCache
@@ -137,8 +137,7 @@ class OffloadedExperts:
     def _branch_tokens(self) -> int:
         """The most tokens a call answered by the host branch has: every decode-sized call, within
         the branch's pair limit (a larger call syncs per layer instead)."""
-        from ..kernels.cpu_branch import MAX_PAIRS
-        return max(1, min(self.prefill_threshold - 1, MAX_PAIRS // self.top_k))
+        return max(1, min(self.prefill_threshold - 1, cpu_branch.MAX_PAIRS // self.top_k))
 
     def end_step(self) -> None:
         """After a forward pass: wait for its CPU-branch host loop and raise RuntimeError if either
@@ -280,13 +279,11 @@ class OffloadedExperts:
         (over PCIe; it skips the cached ones). Such a pool never evicts, so an expert the pool lacks
         now was missing when the streamer read the residency too, and is in its buffer. The same
         rows as from a buffer of the whole layer: each expert's pairs form one tile either way."""
-        self.streamer.gather_cached = False
-        w13, w2 = self.streamer.layer(layer)
+        w13, w2 = self.streamer.layer(layer, gather_cached=False)
         pair_slot = self.cache.slot_of[layer].to(pair_exp.device).index_select(0, pair_exp)
         rows = x.new_empty((pair_exp.numel(), x.shape[1]))
         self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot, out=rows)
-        missing = torch.where(pair_slot < 0, pair_exp, torch.full_like(pair_exp, -1))
-        self.slots_forward(x, w13, w2, pair_tok, missing, out=rows)
+        self.slots_forward(x, w13, w2, pair_tok, pair_exp.masked_fill(pair_slot >= 0, -1), out=rows)
         return rows
 
     def _pool_holds_all(self) -> bool:
@@ -304,8 +301,6 @@ class OffloadedExperts:
         if t >= self.prefill_threshold:
             if self._pool_holds_all():
                 return self._pool_forward(layer, x, pair_tok, pair_exp)
-            if self.control is not None:
-                self.streamer.gather_cached = True
             w13, w2 = self.streamer.layer(layer)
             fn = self.cpu_forward if w13.device.type == "cpu" and self.control is None else self.slots_forward
             out = fn(x, w13, w2, pair_tok, pair_exp)

@@ -6,8 +6,8 @@ layer all of layer l's experts. On the CPU these are views of the bank (no copy)
 are two whole-layer device buffers and a copy stream: when the model asks for layer l, layer
 l+1 starts loading into the other buffer, behind the compute already queued for layer l-1
 (the buffer's last reader), so PCIe streams while layer l computes. Experts the expert cache
-holds are copied device to device (one gather launch), or with ``gather_cached`` off left out
-(a pool that holds every expert: the caller computes them from the pool, cache/offload.py); only
+holds are copied device to device (one gather launch), or left out for a caller that computes
+them from the pool in place (``layer(l, gather_cached=False)``, cache/offload.py); only
 the others cross PCIe, in one ``cudaMemcpyAsync`` per run of consecutive missing experts, from
 the pinned bank.
 
@@ -37,8 +37,7 @@ class LayerStreamer:
         self._next = -1
         self.pcie_bytes = 0          # bytes copied over PCIe since construction (stats, benchmarks)
         self.device_bytes = 0        # bytes copied from the cache on the device
-        self.gather_cached = True    # False: cached experts are left out of the buffers (the
-                                     # caller computes them from the slot pool, cache/offload.py)
+        self.gather_cached = True    # the last layer() call's (its queued load of the next layer's too)
         self._checked = False        # the bank is pinned (checked at first use: the engine
         if self.device.type == "cuda":  # builds this while a packed bank is still being read)
             w13, w2 = bank.w13[0], bank.w2[0]
@@ -48,8 +47,11 @@ class LayerStreamer:
             self._ready = [torch.cuda.Event(), torch.cuda.Event()]
             self._resident: torch.Tensor | None = None       # [L, E] host copy of slot_of for this pass
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer``'s experts: ``(w13 [E, 2I, H], w2 [E, H, I])`` on the streamer's device."""
+    def layer(self, layer: int, gather_cached: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s experts: ``(w13 [E, 2I, H], w2 [E, H, I])`` on the streamer's device;
+        with ``gather_cached`` False (this call and the next layer's load it queues) the experts
+        the pool holds are left out: a caller that computes them from the pool in place."""
+        self.gather_cached = gather_cached
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
         if self.device.type != "cuda":
