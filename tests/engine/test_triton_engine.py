@@ -131,18 +131,22 @@ def test_a_bank_pinned_by_copying_is_bound_again_everywhere(tiny_packed, monkeyp
     assert got.stats["fills"] > 0 and got.stats["cpu_computed"] > 0
 
 
-def test_a_pool_with_every_expert_computes_whole_layer_calls_in_place(tiny_checkpoint, monkeypatch):
-    """A GPU pool with a slot for every expert never evicts, so a whole-layer (prefill) call takes
-    the experts the pool holds from the pool in place and streams only the others (no copy of
-    the layer on the device). Simulated here with the pool on the CPU (a host pool that holds every
-    expert is otherwise the bank itself): the same tokens as the torch path, with the second
-    prompt's layers mostly computed from the pool."""
+@pytest.mark.parametrize("capacity", [16, 6])
+def test_whole_layer_calls_take_the_cached_experts_from_the_pool(tiny_checkpoint, monkeypatch, capacity):
+    """A whole-layer (prefill) call computes the experts the slot pool holds from the pool in
+    place and streams only the others (no copy of the cached experts on the device), whether the
+    pool holds every expert (16) or part of them (6, where the prefill's seed also changes the
+    pool between layers). Simulated with the pool on the CPU (a host pool that holds every expert
+    is otherwise the bank itself): the same tokens as the torch path, with the second prompt's
+    layers partly computed from the pool."""
     from freetoken_engine.cache.offload import OffloadedExperts
 
     folder = tiny_checkpoint("qwen3_moe")
-    want = LLM(folder, expert_backend="torch").generate(PROMPT, GREEDY).token_ids
+    prompts = [PROMPT, PROMPT[::-1]]
+    reference = LLM(folder, expert_backend="torch")
+    want = [reference.generate(p, GREEDY).token_ids for p in prompts]
     monkeypatch.setattr(OffloadedExperts, "_bank_in_place", lambda self: False)
-    llm = LLM(folder, expert_backend="triton", expert_cache_experts=16, prefill_expert_threshold=4)
+    llm = LLM(folder, expert_backend="triton", expert_cache_experts=capacity, prefill_expert_threshold=4)
     experts = llm.runner.experts
     from_pool, real = [], experts._pool_forward
 
@@ -151,12 +155,13 @@ def test_a_pool_with_every_expert_computes_whole_layer_calls_in_place(tiny_check
         return real(layer, x, pair_tok, pair_exp)
 
     monkeypatch.setattr(experts, "_pool_forward", counted)
-    assert llm.generate(PROMPT, GREEDY).token_ids == want
+    assert llm.generate(prompts[0], GREEDY).token_ids == want[0]
     first = len(from_pool)
     assert first > 0 and from_pool[0] == 0                 # the first prompt: an empty pool, all streamed
-    assert llm.generate(PROMPT, GREEDY).token_ids == want
+    assert llm.generate(prompts[1], GREEDY).token_ids == want[1]
     assert sum(from_pool[first:]) > 0                      # the second: resident experts from the pool
     assert experts.streamer.gather_cached is False
+    assert (experts.seeded > 0) == (capacity < 16)        # a partial pool was seeded between layers
 
 
 def test_every_decode_batch_stays_below_the_whole_layer_threshold():

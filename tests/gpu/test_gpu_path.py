@@ -193,14 +193,17 @@ def test_a_pool_with_every_expert_computes_prefill_in_place(bank):
         assert int((cache.slot_of >= 0).sum()) > resident
 
 
+@pytest.mark.parametrize("in_place", [True, False])
 @pytest.mark.parametrize("seed", ["on", "off"])
-def test_prefill_seed_keeps_the_streamed_layers_exact(bank, seed, monkeypatch):
+def test_prefill_seed_keeps_the_streamed_layers_exact(bank, seed, in_place, monkeypatch):
     """A prefill pass through the engine's MoE path with the double-buffered streamer while the
     seed (cache/offload.py) changes the slot pool after every layer: a small pool whose slots
-    hold experts of the later layers (which the streamer copies on the device), so a seed that
-    evicted one under a queued copy, or a stale residency snapshot, would hand a layer wrong
-    weights. Every layer's rows equal the reference on the bank's own layer."""
+    hold experts of the later layers (computed from the pool in place, or copied into the
+    streamer's buffer on the device), so a seed that evicted one under a queued load, or a stale
+    residency snapshot, would hand a layer wrong weights. Every layer's rows equal the reference
+    on the bank's own layer."""
     from freetoken_engine.cache.offload import OffloadedExperts
+    monkeypatch.setattr(OffloadedExperts, "prefill_in_place", in_place)
     monkeypatch.setenv("FREETOKEN_PREFILL_SEED", seed)
     cache = ExpertCache(bank, 20, CUDA, fill_fraction=0.5)
     for layer in range(LAYERS):                       # part of every layer resident
@@ -211,5 +214,24 @@ def test_prefill_seed_keeps_the_streamed_layers_exact(bank, seed, monkeypatch):
     for rnd in range(2):                              # the second pass starts from seeded residency
         _exact_prefill_pass(experts, bank, g, tokens, rnd)
     assert (experts.seeded > 0) == (seed == "on")
+    experts.control.write_back(cache)
+    cache.check_integrity(deep=True)
+
+
+def test_a_seed_that_evicts_a_queued_layers_cached_experts_puts_them_back(bank, monkeypatch):
+    """A prefill computes the cached experts from the pool in place, so the streamer's queued
+    load of the next layer leaves them out. The seed after a layer evicts the least recently used
+    slots, here exactly that next layer's experts (filled first, plain LRU): the streamer copies
+    them into the queued buffer before the layer runs, and every layer's rows stay bit for bit
+    the reference's; nothing is copied on the device."""
+    from freetoken_engine.cache.offload import OffloadedExperts
+    monkeypatch.setenv("FREETOKEN_PREFILL_SEED", "on")
+    cache = ExpertCache(bank, 2 * LAYERS, CUDA, fill_fraction=1.0, admit_window=0)
+    for layer in [*range(1, LAYERS), 0]:              # layer 1's slots are the least recently used
+        cache.step(layer, torch.arange(2, device=CUDA) + 2 * layer)
+    experts = OffloadedExperts(bank, cache, prefill_threshold=4, cpu_backend="reference", backend="triton", top_k=K)
+    _exact_prefill_pass(experts, bank, torch.Generator().manual_seed(7), 16, 0)
+    assert experts.streamer.restored >= 2 and experts.seeded > 0
+    assert experts.streamer.device_bytes == 0
     experts.control.write_back(cache)
     cache.check_integrity(deep=True)

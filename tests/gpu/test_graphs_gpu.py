@@ -293,3 +293,31 @@ def test_hits_beside_the_fills_keep_every_bit(tiny_checkpoint, model, options, m
     assert replays >= 12 and stats["fills"] > 0
     if options["cpu_expert_fraction"] > 0:
         assert stats["cpu_computed"] > 0
+
+
+def test_more_decode_graphs_take_no_more_memory(tiny_checkpoint):
+    """A server keeps a decode graph per batch size and KV width it meets, up to max_batch times
+    every width. The graphs write one shared logits buffer, so a graph holds no logits of its own
+    (with a 151,936-token vocabulary those were 0.6 MB a sequence, about 2.6 GB for every key at
+    max_batch 32). Batch sizes 1..16 captured at a second width, vocabulary 131,072: the memory
+    allocated and reserved grows by far less than those 16 graphs' own logits would hold, and a
+    replayed decode still gives the eager engine's tokens."""
+    vocab = 131072
+    folder = tiny_checkpoint("qwen3_moe", vocab_size=vocab)
+    llm = LLM(folder, device="cuda", dtype="float32", max_batch=16, graph_warmup=0)
+    runner = llm.runner
+    assert runner.warm_graphs(16, widths=1) == 16
+    torch.cuda.synchronize()
+    reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    assert runner.warm_graphs(16, widths=2) == 16          # the same batch sizes, next width
+    torch.cuda.synchronize()
+    own = sum(range(1, 17)) * vocab * 4                     # 16 graphs' own logits: 71 MB
+    grew_allocated = torch.cuda.memory_allocated() - allocated
+    grew_reserved = torch.cuda.memory_reserved() - reserved
+    print(f"16 more graphs: allocated +{grew_allocated / 1e6:.1f} MB, reserved +{grew_reserved / 1e6:.1f} MB, "
+          f"their own logits would be {own / 1e6:.1f} MB")
+    assert grew_allocated < own / 16 and grew_reserved < own / 4
+    eager = LLM(folder, device="cuda", dtype="float32", cuda_graphs=False, max_batch=16)
+    want, _ = lockstep(eager, PROMPTS, 8)
+    got, _ = lockstep(llm, PROMPTS, 8)
+    assert got == want and runner.graphs.replays >= 6

@@ -9,6 +9,8 @@
 - Larger calls (prefill) touch nearly every expert and run the whole layer from a layer buffer
   given by the streamer (``layer(l) -> (w13 [E,2I,H], w2 [E,H,I])``); on the CPU that is a view
   of the bank, on the GPU a copy (double-buffered by ``cache/prefetch.py`` when available).
+  With the device control step the experts the slot pool holds are computed from the pool in
+  place and the streamer's buffer brings only the others (over PCIe).
 """
 from __future__ import annotations
 
@@ -65,6 +67,12 @@ class OffloadedExperts:
     device control step, one-launch fills, the Triton MoE kernel and the double-buffered prefill
     streamer of ``cache/device_control.py`` / ``cache/prefetch.py``; on a CPU only under
     ``TRITON_INTERPRET=1``, for tests) or ``auto`` (triton on CUDA when importable)."""
+
+    #: whole-layer calls compute the experts the slot pool holds from the pool in place, and the
+    #: streamer copies only the others (over PCIe). False: the streamer also copies the cached ones
+    #: into its layer buffer on the device (the engine before 2026-12-01; the ``gather`` side of
+    #: bench/prefill_cached.py).
+    prefill_in_place = True
 
     def __init__(self, bank: ExpertBank, cache: ExpertCache, prefill_threshold: int,
                  cpu_backend: str | None = None, backend: str = "auto", top_k: int = 8):
@@ -273,23 +281,27 @@ class OffloadedExperts:
         return rows, beside() if beside is not None else None
 
     def _pool_forward(self, layer: int, x: torch.Tensor, pair_tok: torch.Tensor,
-                      pair_exp: torch.Tensor) -> torch.Tensor:
-        """A whole-layer call when the device pool has a slot for every expert: the resident
-        experts are computed from the pool in place, and only the others come through the streamer
-        (over PCIe; it skips the cached ones). Such a pool never evicts, so an expert the pool lacks
-        now was missing when the streamer read the residency too, and is in its buffer. The same
-        rows as from a buffer of the whole layer: each expert's pairs form one tile either way."""
-        w13, w2 = self.streamer.layer(layer, gather_cached=False)
+                      pair_exp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A whole-layer call with the resident experts computed from the slot pool in place, queued
+        before the stream waits for the layer's load (so they run while it crosses PCIe; the next
+        layer's load is queued first, so it never waits for them), then the others from the
+        streamer's buffer (``layer(l, gather_cached=False)``: it holds every
+        expert the pool lacked when its load was queued, and the streamer's ``refresh`` puts back
+        any the prefill's seed evicted since). The residency is read on the device when the kernel
+        runs, so an expert counts as resident exactly when its slot holds it. The same rows as from
+        a buffer of the whole layer: each expert's pairs form one tile either way.
+        Returns ``(rows, w13, w2)``: the rows and the streamer's buffer."""
         pair_slot = self.cache.slot_of[layer].to(pair_exp.device).index_select(0, pair_exp)
         rows = x.new_empty((pair_exp.numel(), x.shape[1]))
+        w13, w2 = self.streamer.layer(layer, gather_cached=False, wait=False)
         self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot, out=rows)
+        self.streamer.wait(layer)
         self.slots_forward(x, w13, w2, pair_tok, pair_exp.masked_fill(pair_slot >= 0, -1), out=rows)
-        return rows
+        return rows, w13, w2
 
-    def _pool_holds_all(self) -> bool:
-        """The device control's pool has a slot for every expert (it never evicts)."""
-        return (self.control is not None and self.cache.capacity == self.bank.total_experts
-                and not self._bank_in_place())
+    def _pool_in_place(self) -> bool:
+        """Whole-layer calls take the cached experts from the device control's pool in place."""
+        return self.prefill_in_place and self.control is not None and not self._bank_in_place()
 
     def _bank_in_place(self) -> bool:
         """Every expert fits and the cache lives on the host: decode computes from the bank."""
@@ -299,11 +311,12 @@ class OffloadedExperts:
                  pair_exp: torch.Tensor) -> torch.Tensor:
         t, k = topk_ids.shape
         if t >= self.prefill_threshold:
-            if self._pool_holds_all():
-                return self._pool_forward(layer, x, pair_tok, pair_exp)
-            w13, w2 = self.streamer.layer(layer)
-            fn = self.cpu_forward if w13.device.type == "cpu" and self.control is None else self.slots_forward
-            out = fn(x, w13, w2, pair_tok, pair_exp)
+            if self._pool_in_place():
+                out, w13, w2 = self._pool_forward(layer, x, pair_tok, pair_exp)
+            else:
+                w13, w2 = self.streamer.layer(layer)
+                fn = self.cpu_forward if w13.device.type == "cpu" and self.control is None else self.slots_forward
+                out = fn(x, w13, w2, pair_tok, pair_exp)
             if self._seed and self.seed_now and self.cache.capacity < self.bank.total_experts:
                 self._seed_cache(layer, topk_ids[-1:], w13, w2)
             return out

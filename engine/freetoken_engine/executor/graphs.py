@@ -6,7 +6,11 @@ A decode step (every sequence of the batch adds one token) is captured once per 
 whole forward pass is inside: embeddings, attention over the paged KV pool, the routers, the
 expert cache's device control step with its fills, the GPU experts and, when misses are computed
 on the CPU, the sync-free CPU branch (``cache/host_branch.py``: its flags and waits are device
-kernels, its host loop is started before each replay). Logits come out of a static buffer.
+kernels, its host loop is started before each replay). Logits come out of one static buffer
+``[max_batch, V]`` that every graph writes at the end of its replay (made outside the graphs'
+memory pool), so a graph keeps no output of its own: what the captures allocate is freed after
+each and reused by the next, and the graphs' memory stays that of the largest step instead of
+growing with every batch size and width captured.
 
 A key's first step runs eagerly (it compiles what the step needs and is the step's real output);
 the graph is captured right after and replayed from the next step with the same key.
@@ -48,7 +52,7 @@ class _Graph:
     staging: torch.Tensor     # pinned int64, the packed inputs of one step
     inputs: torch.Tensor      # the same on the device (the graph reads it)
     rows: torch.Tensor        # [B] arange: each sequence's row (the graph reads it too)
-    logits: torch.Tensor      # [B, V] written by the graph
+    logits: torch.Tensor      # [B, V] rows of the shared output buffer, written by the graph
     mode: str | None          # experts' graph mode ("device" / "branch"), None without experts
     copied: torch.cuda.Event  # the last copy out of ``staging`` (it is reused only after that)
 
@@ -65,6 +69,7 @@ class DecodeGraphs:
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.tried: set[tuple[int, int]] = set()      # keys a capture was attempted for
         self._pool = None
+        self._out: torch.Tensor | None = None          # [max_batch, V] float32, every graph's logits
         # the rotary table must never be regrown under a graph: size it for the whole context now
         model.rotary.cos_sin(torch.zeros(1, dtype=torch.int64, device=device), dtype, max_context - 1)
 
@@ -134,6 +139,10 @@ class DecodeGraphs:
         rows = torch.arange(b, device=self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._out is None:
+            self._out = torch.empty(self.max_batch, self.model.lm_head.weight.shape[0], dtype=torch.float32,
+                                    device=self.device)
+        out = self._out[:b]
         graph = torch.cuda.CUDAGraph()
         if self.experts is not None:
             self.experts.capturing(True)
@@ -143,7 +152,7 @@ class DecodeGraphs:
                 batch = AttnBatch(positions=positions, slot_mapping=slots, q_seq=rows,
                                   q_idx=torch.zeros_like(rows), kv_index=kv_index, kv_valid=kv_valid,
                                   q_max=1, needs_mask=True, max_position=self.max_context - 1, kv_len=ends)
-                logits = self.model(ids, batch, self.kv, rows)
+                out.copy_(self.model(ids, batch, self.kv, rows))
         except Exception as exc:        # noqa: BLE001 - any capture failure: stay eager, say why once
             log.warning("CUDA graph capture failed (%s: %s); decode stays eager", type(exc).__name__, exc)
             self.enabled = False
@@ -152,4 +161,4 @@ class DecodeGraphs:
         finally:
             if self.experts is not None:
                 self.experts.capturing(False)
-        self._graphs[key] = _Graph(graph, staging, inputs, rows, logits, mode, torch.cuda.Event())
+        self._graphs[key] = _Graph(graph, staging, inputs, rows, out, mode, torch.cuda.Event())
