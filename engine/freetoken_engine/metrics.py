@@ -90,6 +90,9 @@ class _EngineCollector:
             yield CounterMetricFamily("freetoken_decode_graph_replays",
                                       "Decode steps replayed from a captured CUDA graph",
                                       value=float(stats["decode_graph_replays"]))
+            yield GaugeMetricFamily("freetoken_decode_graph_bytes",
+                                    "Device memory the decode graphs took (measured at capture and first replay)",
+                                    value=float(stats.get("decode_graph_bytes", 0)))
         if stats.get("preemptions") is not None:
             yield CounterMetricFamily("freetoken_preemptions",
                                       "Running requests pushed back to the queue to free KV blocks",

@@ -24,6 +24,14 @@ cross in one copy: ``inputs.decode_arrays`` packs token ids, positions, KV slots
 KV index into one int64 array. The padded keys are masked, so a replay computes what the eager
 step computes; float32 logits agree within summation-order noise (tested on the GPU).
 
+A captured graph also holds device memory of its own, outside the allocator: its executable
+image, 12-14 MB for a 48-layer MoE step on the H200 (bench/graph_memory.py), so every batch size
+at every width would take gigabytes. That memory is measured (``cudaMemGetInfo`` after a sync:
+what the device's free memory lost across each capture and across a graph's first replay, its
+upload) and reported (``held_bytes``, since the start; the metric ``freetoken_decode_graph_bytes``). It is not
+bounded yet: a dropped graph's memory is kept by the driver for later graphs rather than freed
+(measured; docs/gpu.md), so a limit must drop a graph before a capture, not count memory back.
+
 Every tensor a graph reads outside its own memory pool is kept alive by ``_Graph`` (a freed one
 would be reused by the allocator under the graph). Graphs hold the addresses of the KV pool,
 the expert cache's pools and residency, the CPU branch's buffers and the rotary table: the
@@ -55,6 +63,8 @@ class _Graph:
     logits: torch.Tensor      # [B, V] rows of the shared output buffer, written by the graph
     mode: str | None          # experts' graph mode ("device" / "branch"), None without experts
     copied: torch.cuda.Event  # the last copy out of ``staging`` (it is reused only after that)
+    bytes: int = 0            # device memory the capture and the first replay took (measured)
+    uploaded: bool = False    # replayed once: the first launch uploads the graph (more memory)
 
 
 class DecodeGraphs:
@@ -66,6 +76,9 @@ class DecodeGraphs:
         self.max_context, self.max_batch = max_context, max_batch
         self.enabled = True
         self.replays = 0
+        # device memory the graphs took (captures and first replays) since the start: not reset
+        # by ``clear``, since the driver keeps a dropped graph's memory for the next ones
+        self.held_bytes = 0
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self.tried: set[tuple[int, int]] = set()      # keys a capture was attempted for
         self._pool = None
@@ -117,7 +130,14 @@ class DecodeGraphs:
             g.copied.record()
             if g.mode is not None:
                 self.experts.begin_replay(key[0], g.mode)
-            g.graph.replay()
+            if g.uploaded:
+                g.graph.replay()
+            else:                                    # its first launch uploads it: measured
+                free = self._free()
+                g.graph.replay()
+                taken = max(0, free - self._free())
+                g.bytes, g.uploaded = g.bytes + taken, True
+                self.held_bytes += taken
         self.replays += 1
         return g.logits.clone()
 
@@ -143,6 +163,7 @@ class DecodeGraphs:
             self._out = torch.empty(self.max_batch, self.model.lm_head.weight.shape[0], dtype=torch.float32,
                                     device=self.device)
         out = self._out[:b]
+        free = self._free()
         graph = torch.cuda.CUDAGraph()
         if self.experts is not None:
             self.experts.capturing(True)
@@ -161,4 +182,11 @@ class DecodeGraphs:
         finally:
             if self.experts is not None:
                 self.experts.capturing(False)
-        self._graphs[key] = _Graph(graph, staging, inputs, rows, out, mode, torch.cuda.Event())
+        taken = max(0, free - self._free())
+        self._graphs[key] = _Graph(graph, staging, inputs, rows, out, mode, torch.cuda.Event(), taken)
+        self.held_bytes += taken
+
+    def _free(self) -> int:
+        """The device's free memory once its queued work is done (``cudaMemGetInfo``)."""
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.mem_get_info(self.device)[0]

@@ -383,10 +383,12 @@ class ModelRunner:
                 "cpu_contention": self.follower.state() if self.follower is not None else None}
 
     def graph_stats(self) -> dict:
-        """Decode CUDA graphs captured now and steps replayed from them (0 and 0: eager decode)."""
+        """Decode CUDA graphs held now, steps replayed from them (0 and 0: eager decode) and the
+        device memory the graphs took (measured, ``DecodeGraphs.held_bytes``)."""
         g = self.graphs
         return {"decode_graphs": len(g) if g is not None else 0,
                 "decode_graph_replays": g.replays if g is not None else 0,
+                "decode_graph_bytes": g.held_bytes if g is not None else 0,
                 "decode_graph_warmup_seconds": round(self.graph_warmup_seconds, 3)}
 
     def device_bytes(self) -> int:
