@@ -31,6 +31,7 @@ from ..calibrate import calibrated  # noqa: E402
 from ..models.build import BankRead, start_model  # noqa: E402
 from ..models.loader import torch_dtype  # noqa: E402
 from ..models.tokenizer import load_tokenizer  # noqa: E402
+from .budget import default_cache_experts, kv_pool_bytes  # noqa: E402
 from .cpu_contention import ContentionFollower, pool_record  # noqa: E402
 from .inputs import SeqChunk, build_inputs  # noqa: E402
 from .split_tuner import SplitTuner, decode_batch  # noqa: E402
@@ -95,18 +96,17 @@ class ModelRunner:
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else eos
         self.max_context = min(cfg.max_context or self.mcfg.max_position_embeddings,
                                self.mcfg.max_position_embeddings)
+        kv_blocks = -(-max(cfg.kv_cache_tokens or min(2 * self.max_context, 32768), self.max_context) // cfg.kv_block_size)
         self.cache = None
         if self.bank is not None:
             if (rest.pending and self.device.type == "cuda" and cfg.cpu_expert_fraction is None
                     and not calibrated(self.device)):
                 rest.finish()           # a first start measures B_cpu and PCIe: not beside the read
-            self.cache = ExpertCache(self.bank, self._capacity(), self.device, self._fill_fraction(),
+            self.cache = ExpertCache(self.bank, self._capacity(kv_blocks), self.device, self._fill_fraction(),
                                      bypass=env.bypass_slots() if self.device.type == "cuda" else 0)
             self._make_experts()
-        kv_tokens = cfg.kv_cache_tokens or min(2 * self.max_context, 32768)
-        kv_tokens = max(kv_tokens, self.max_context)
         m = self.mcfg
-        self.kv = KVPool(m.num_layers, -(-kv_tokens // cfg.kv_block_size), cfg.kv_block_size,
+        self.kv = KVPool(m.num_layers, kv_blocks, cfg.kv_block_size,
                          m.num_kv_heads, m.head_dim, self.dtype, self.device)
         self._make_graphs()
         # q* refined online by measured step time; not when the user fixed the split
@@ -191,7 +191,7 @@ class ModelRunner:
                                        min(cfg.max_batch, cfg.expert_threshold - 1))
 
     # -- configuration -------------------------------------------------------------------------
-    def _capacity(self) -> int:
+    def _capacity(self, kv_blocks: int) -> int:
         total, per = self.bank.total_experts, self.bank.expert_bytes
         if self.cfg.expert_cache_experts is not None:
             n = self.cfg.expert_cache_experts
@@ -203,9 +203,12 @@ class ModelRunner:
             n = min(n, total)               # a budget larger than the model: cache everything
         elif self.device.type == "cpu":
             n = total
-        else:
-            free, _ = torch.cuda.mem_get_info(self.device)
-            n = min(total, max(1, math.floor(0.85 * free / per)))   # a small model: cache it all
+        else:                               # what is left after the KV pool and the layer buffers
+            m = self.mcfg
+            kv = kv_pool_bytes(m.num_layers, kv_blocks * self.cfg.kv_block_size, m.num_kv_heads, m.head_dim,
+                               self.dtype.itemsize)
+            n = default_cache_experts(torch.cuda.mem_get_info(self.device)[0], per, total, kv,
+                                      2 * (self.bank.w13[0].nbytes + self.bank.w2[0].nbytes))
         if n > total:
             raise ConfigError(f"expert cache of {n} experts is larger than the model's {total} experts")
         return n
