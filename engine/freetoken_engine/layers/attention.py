@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
@@ -41,8 +42,8 @@ class AttnBatch:
         return self.q_seq * self.q_max + self.q_idx
 
     def mask(self, window: int | None) -> torch.Tensor:
-        """[B, 1, 1, Qmax, Lmax] bool: True where a key is *hidden* from a query (causal and
-        sliding-window), cached per window; shaped for the grouped scores [B, kvh, g, Q, L]."""
+        """[B, 1, Qmax, Lmax] bool: True where a query may attend to a key (causal and
+        sliding-window), cached per window; shaped for ``scaled_dot_product_attention``."""
         if window not in self._masks:
             b = self.kv_index.shape[0]
             qpos = torch.full((b * self.q_max,), -1, dtype=torch.int64, device=self.positions.device)
@@ -52,14 +53,14 @@ class AttnBatch:
             if window is not None:
                 m &= kpos[None, None, :] > qpos[:, :, None] - window
             m[:, :, 0] |= qpos < 0          # padded query rows see one key: no NaN rows
-            self._masks[window] = ~m[:, None, None]
+            self._masks[window] = m[:, None]
         return self._masks[window]
 
     def padding(self) -> torch.Tensor:
-        """[B, 1, Lmax, 1] bool: True at the padding of ``kv_index``, shaped for the values
-        [B, kvh, L, d]. A padding entry reads slot 0, whatever sequence holds it; its weight is 0,
-        but 0 * NaN is NaN, so its value is zeroed before ``probs @ V``: one request's NaN never
-        reaches the others in its batch."""
+        """[B, 1, Lmax, 1] bool: True at the padding of ``kv_index``, shaped for the keys and
+        values [B, kvh, L, d]. A padding entry reads slot 0, whatever sequence holds it; the mask
+        hides it, but a NaN key makes its score NaN before the mask applies and 0 * NaN is NaN,
+        so its key and value are zeroed: one request's NaN never reaches the others in its batch."""
         if "padding" not in self._masks:
             self._masks["padding"] = ~self.kv_valid[:, None, :, None]
         return self._masks["padding"]
@@ -132,22 +133,22 @@ class Attention(nn.Module):
         values = v_cache.index_select(0, flat_kv).view(b, lmax, self.kvh, self.d).transpose(1, 2)
         g = self.h // self.kvh
         if batch.q_max == 1:       # pure decode: token b is sequence b, no padding to undo
-            qp = q.view(b, 1, self.kvh, g, self.d)
+            qp = q.view(b, 1, self.h, self.d)
         else:
             qp = q.new_zeros((b * batch.q_max, self.h, self.d)).index_copy(0, batch.q_flat, q)
-            qp = qp.view(b, batch.q_max, self.kvh, g, self.d)
-        # [B, kvh, g, Q, d]: query heads grouped under their KV head, so K/V are never repeated
-        qp = qp.permute(0, 2, 3, 1, 4)
-        scores = torch.matmul(qp, keys.unsqueeze(2).transpose(-1, -2)) * self.scale     # [B, kvh, g, Q, L]
-        if batch.needs_mask or self.window is not None:
-            scores = scores.masked_fill(batch.mask(self.window), float("-inf"))
-        if batch.needs_mask:
-            values = values.masked_fill(batch.padding(), 0.0)
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        if probs.dtype != q.dtype:
-            probs = probs.to(q.dtype)
-        out = torch.matmul(probs, values.unsqueeze(2))                                   # [B, kvh, g, Q, d]
-        out = out.permute(0, 3, 1, 2, 4).reshape(b * batch.q_max, self.h, self.d)
+            qp = qp.view(b, batch.q_max, self.h, self.d)
+        qp = qp.transpose(1, 2)                                                        # [B, h, Q, d]
+        mask = batch.mask(self.window) if batch.needs_mask or self.window is not None else None
+        if batch.needs_mask:        # padding reads slot 0, whoever holds it: a NaN there must not count
+            keys, values = keys.masked_fill(batch.padding(), 0.0), values.masked_fill(batch.padding(), 0.0)
+        # Query head i reads KV head i // g. Fused (flash-style) kernels, so the [Q, L] scores of a
+        # long prefill chunk are never held whole; on a GPU the KV heads are repeated, since the
+        # kernel that takes a mask there takes no grouped heads.
+        if g > 1 and x.device.type == "cuda":
+            keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=self.scale,
+                                             enable_gqa=g > 1 and x.device.type != "cuda")      # [B, h, Q, d]
+        out = out.transpose(1, 2).reshape(b * batch.q_max, self.h, self.d)
         if batch.q_max > 1:
             out = out.index_select(0, batch.q_flat)
         out = out.reshape(t, self.h * self.d)
