@@ -84,3 +84,11 @@ def test_generation_stops_on_eos(tiny_checkpoint):
     stop_at = greedy[5]
     out = llm.generate(PROMPT, SamplingParams(max_new_tokens=20, temperature=0, stop_token_ids=(stop_at,)))
     assert out.token_ids == greedy[:greedy.index(stop_at) + 1] and out.finish_reason == "stop"
+
+
+def test_the_grouped_matmul_attention_switch_matches_transformers(tiny_checkpoint, monkeypatch):
+    """``Attention.sdpa = False`` (the path before SDPA, kept for bench/cpu_prefill_attention.py's
+    A/B) still matches transformers, so that benchmark compares two correct computations."""
+    from freetoken_engine.layers.attention import Attention
+    monkeypatch.setattr(Attention, "sdpa", False)
+    check(tiny_checkpoint("qwen3_moe"), n_new=8)

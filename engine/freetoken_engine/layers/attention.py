@@ -67,6 +67,10 @@ class AttnBatch:
 
 
 class Attention(nn.Module):
+    #: the general path through ``scaled_dot_product_attention``; False: grouped matmuls that hold
+    #: the [Q, L] scores whole (the engine before 2026-12-01; bench/cpu_prefill_attention.py's A/B)
+    sdpa = True
+
     def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
         super().__init__()
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -144,12 +148,27 @@ class Attention(nn.Module):
         # Query head i reads KV head i // g. Fused (flash-style) kernels, so the [Q, L] scores of a
         # long prefill chunk are never held whole; on a GPU the KV heads are repeated, since the
         # kernel that takes a mask there takes no grouped heads.
-        if g > 1 and x.device.type == "cuda":
-            keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
-        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=self.scale,
-                                             enable_gqa=g > 1 and x.device.type != "cuda")      # [B, h, Q, d]
+        if not self.sdpa:
+            out = self._grouped_matmuls(qp, keys, values, mask)
+        else:
+            if g > 1 and x.device.type == "cuda":
+                keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+            out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=self.scale,
+                                                 enable_gqa=g > 1 and x.device.type != "cuda")  # [B, h, Q, d]
         out = out.transpose(1, 2).reshape(b * batch.q_max, self.h, self.d)
         if batch.q_max > 1:
             out = out.index_select(0, batch.q_flat)
         out = out.reshape(t, self.h * self.d)
         return self.o_proj(out)
+
+    def _grouped_matmuls(self, qp: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         mask: torch.Tensor | None) -> torch.Tensor:
+        """The same attention as SDPA, with the float32 scores [B, kvh, g, Q, L] held whole."""
+        b, _, q_max, _ = qp.shape
+        g = self.h // self.kvh
+        qg = qp.view(b, self.kvh, g, q_max, self.d)
+        scores = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)) * self.scale
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qp.dtype)
+        return torch.matmul(probs, values.unsqueeze(2)).view(b, self.h, q_max, self.d)
