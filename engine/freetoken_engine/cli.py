@@ -36,6 +36,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-expert-fraction", type=float,
                    help="force the share (0..1) of each step's cache misses computed in place")
     p.add_argument("--max-context", type=int, help="limit the context length (tokens)")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="N",
+                   help="prompt tokens per prefill step (default 512). On a GPU whose expert cache holds part of "
+                        "the model each step streams the missing experts over PCIe whatever its size, so long "
+                        "prompts prefill faster in larger chunks (e.g. 4096), for more memory and a longer pause "
+                        "of the requests decoding alongside")
     p.add_argument("--expert-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="expert cache control and kernels: triton on CUDA by default")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
@@ -58,7 +63,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(args) -> dict:
     kw = dict(device=args.device, dtype=args.dtype, expert_cache_experts=args.expert_cache_experts,
               expert_cache_gb=args.expert_cache_gb, cpu_expert_fraction=args.cpu_expert_fraction,
-              max_context=args.max_context, expert_backend=args.expert_backend, cuda_graphs=args.cuda_graphs,
+              max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+              expert_backend=args.expert_backend, cuda_graphs=args.cuda_graphs,
               graph_warmup=args.graph_warmup,
               graph_warmup_widths=args.graph_warmup_widths, split_tuning=args.split_tuning,
               cpu_rate_probe=args.cpu_rate_probe)

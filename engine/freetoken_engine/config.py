@@ -145,7 +145,9 @@ class EngineConfig:
             raise ConfigError(f"--graph-warmup-widths must be 0 (every width) or more, got {self.graph_warmup_widths}")
         if self.prefill_expert_threshold is not None and self.prefill_expert_threshold < 2:
             raise ConfigError(f"prefill_expert_threshold must be at least 2, got {self.prefill_expert_threshold}")
-        for name in ("prefill_chunk", "kv_block_size", "max_batch", "max_queue"):
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+        for name in ("kv_block_size", "max_batch", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")
 

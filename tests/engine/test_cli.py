@@ -82,6 +82,7 @@ def test_missing_shard_named_in_index(tmp_path):
     (["--prompt-ids", "1", "--cpu-expert-fraction", "1.5"], "within 0..1"),
     (["--prompt-ids", "1", "--graph-warmup", "-1"], "0 or more"),
     (["--prompt-ids", "1", "--graph-warmup-widths", "-2"], "0 (every width) or more"),
+    (["--prompt-ids", "1", "--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
     (["--prompt-ids", "a,b"], "comma-separated integers"),
     (["--prompt-ids", "1", "--no-such-flag"], "unrecognized arguments"),
 ])
@@ -131,3 +132,23 @@ def test_calibrate_json_contract():
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["pcie_gbps"] is None and out["cpu_expert_gbps"] > 0 and out["fill_fraction"] == 1.0
     assert set(out["concurrent"]) == {"pcie_gbps", "cpu_expert_gbps"}
+
+
+def test_a_prompt_prefilled_in_small_chunks_gives_the_same_tokens(tiny_checkpoint, capsys, monkeypatch):
+    """--prefill-chunk reaches the engine (three-token steps for a twelve-token prompt) and the
+    chunking does not change the answer."""
+    from freetoken_engine.llm import LLM
+    chunks, real = [], LLM._run
+
+    def run(self, ids, chunk=None):
+        chunks.append(self.config.prefill_chunk)
+        return real(self, ids, chunk)
+
+    monkeypatch.setattr(LLM, "_run", run)
+    folder = str(tiny_checkpoint("qwen3_moe"))
+    answers = []
+    for extra in ([], ["--prefill-chunk", "3"]):
+        assert main(["generate", "--model", folder, "--prompt-ids", "5,17,99,200,3,44,12,300,8,9,77,150",
+                     "--max-new-tokens", "6", "--temperature", "0", "--json", *extra]) == 0
+        answers.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"])
+    assert chunks == [512, 3] and answers[0] == answers[1]
