@@ -41,22 +41,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offload_workload import CUDA, MODELS, ROOT, Bank  # noqa: E402
 from offload_measure import combine  # noqa: E402
+from gpu_offload import cache_slots as card_slots  # noqa: E402
 from hardware import describe  # noqa: E402
 from freetoken_engine.cache.experts import ExpertCache  # noqa: E402
 from freetoken_engine.cache.offload import OffloadedExperts  # noqa: E402
 from freetoken_engine.cache.prefetch import LayerStreamer  # noqa: E402
 from freetoken_engine.kernels.triton.moe import moe_slots_forward  # noqa: E402
 
-GiB = 1 << 30
 SIDES = ("in place", "gather", "in place + seed", "gather + seed", "no cache", "compute")
 
 
 def cache_slots(card_gib: float, model: dict, full_layers: int) -> int:
-    """Expert slots of a card: VRAM - non-expert weights - 1.5 GiB (as bench/gpu_offload.py), for
-    the whole model of ``full_layers`` layers; scaled to the layers this run has."""
-    whole = (card_gib * GiB - model["non_expert_bytes"] - 1.5 * GiB) // model["expert_bytes"]
-    total = model["layers"] * model["experts"]
-    return int(min(max(whole * model["layers"] // full_layers, 1), total - 1))
+    """bench/gpu_offload.py's expert slots of a card for the whole model of ``full_layers``
+    layers, scaled to the layers this run has (fewer than every expert)."""
+    whole = card_slots(card_gib, model)
+    return int(min(max(whole * model["layers"] // full_layers, 1), model["layers"] * model["experts"] - 1))
 
 
 def pcie_gbps(bank: Bank, layers: int = 4) -> float:

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken_engine.cache.kv import KVPool
+from freetoken_engine.cache.kv import KVPool, kv_pool_bytes
 from freetoken_engine.errors import ConfigError
-from freetoken_engine.executor.budget import WORKING_BYTES, default_cache_experts, kv_pool_bytes
+from freetoken_engine.executor.budget import WORKING_BYTES, default_cache_experts
 
 GiB = 1 << 30
 EXPERT = 3 * 2048 * 768 * 2          # one Qwen3-30B-A3B expert, bf16

@@ -11,6 +11,11 @@ import torch
 from ..errors import OutOfKVCache
 
 
+def kv_pool_bytes(layers: int, tokens: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """Bytes a ``KVPool`` of ``tokens`` slots takes (K and V for every layer), before making it."""
+    return 2 * layers * tokens * kv_heads * head_dim * itemsize
+
+
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):

@@ -17,11 +17,6 @@ WORKING_BYTES = int(1.5 * (1 << 30))
 GB = 1e9
 
 
-def kv_pool_bytes(layers: int, tokens: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
-    """Bytes of a KV pool of ``tokens`` tokens (``cache/kv.py``: K and V for every layer)."""
-    return 2 * layers * tokens * kv_heads * head_dim * itemsize
-
-
 def default_cache_experts(free: int, expert_bytes: int, total_experts: int, kv_bytes: int,
                           layer_buffers: int) -> int:
     """Experts the cache holds on a GPU with ``free`` bytes free now: what is left after the KV

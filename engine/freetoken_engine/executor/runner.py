@@ -22,7 +22,7 @@ cuda_warm.start_after_preload()     # the warm-up beside the rest of the engine'
 
 from .. import env  # noqa: E402
 from ..cache.experts import ExpertCache  # noqa: E402
-from ..cache.kv import KVPool  # noqa: E402
+from ..cache.kv import KVPool, kv_pool_bytes  # noqa: E402
 from ..cache.offload import OffloadedExperts  # noqa: E402
 from ..config import EngineConfig  # noqa: E402
 from ..errors import ConfigError  # noqa: E402
@@ -31,7 +31,7 @@ from ..calibrate import calibrated  # noqa: E402
 from ..models.build import BankRead, start_model  # noqa: E402
 from ..models.loader import torch_dtype  # noqa: E402
 from ..models.tokenizer import load_tokenizer  # noqa: E402
-from .budget import default_cache_experts, kv_pool_bytes  # noqa: E402
+from .budget import default_cache_experts  # noqa: E402
 from .cpu_contention import ContentionFollower, pool_record  # noqa: E402
 from .inputs import SeqChunk, build_inputs  # noqa: E402
 from .split_tuner import SplitTuner, decode_batch  # noqa: E402
