@@ -113,7 +113,7 @@ class EngineConfig:
     graph_warmup_widths: int = 1             # ... at the narrowest N KV widths (0: all); the rest when idle
     split_tuning: bool = False               # refine q* online by measured decode step time (CUDA)
     cpu_rate_probe: bool = True              # q* by the CPU's rate on this model and under contention
-    prefill_chunk: int = 512
+    prefill_chunk: int | None = None         # None: 512 on the CPU, 8192 on a GPU (prefill_tokens)
     prefill_expert_threshold: int | None = None  # whole-layer MoE from this many tokens (None: max_batch + 1)
     kv_block_size: int = 16
     kv_cache_tokens: int | None = None       # None: enough for max_batch full contexts, capped
@@ -145,7 +145,7 @@ class EngineConfig:
             raise ConfigError(f"--graph-warmup-widths must be 0 (every width) or more, got {self.graph_warmup_widths}")
         if self.prefill_expert_threshold is not None and self.prefill_expert_threshold < 2:
             raise ConfigError(f"prefill_expert_threshold must be at least 2, got {self.prefill_expert_threshold}")
-        if self.prefill_chunk < 1:
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ConfigError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         for name in ("kv_block_size", "max_batch", "max_queue"):
             if getattr(self, name) < 1:
@@ -157,6 +157,17 @@ class EngineConfig:
         going through the expert cache: by default above every decode batch (max_batch), so a
         server's decode steps keep the cache, the q* split and the decode graphs."""
         return self.prefill_expert_threshold or self.max_batch + 1
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens per prefill step: ``prefill_chunk``, by default 512 on the CPU and 8192 on a
+        GPU. A GPU step streams every expert its cache lacks whatever the step's size, so the
+        step, not the token, is the cost: on an H200 an 8k-token prompt took 0.52 s in one step
+        and 8.1 s in 512-token steps with a 32 GB card's cache (bench/engine_gpu_prefill.py,
+        device run 121), and the 8k step's peak above the weights was 0.6 GB."""
+        if self.prefill_chunk is not None:
+            return self.prefill_chunk
+        return 512 if self.device == "cpu" else 8192
 
     @property
     def resolved_dtype(self) -> str:

@@ -56,7 +56,7 @@ class LLM:
         kv = self.runner.kv
         blocks: list[int] = []
         start = 0
-        chunk = chunk or self.config.prefill_chunk
+        chunk = chunk or self.config.prefill_tokens
         logits = None
         while start < len(ids):
             piece = ids[start:start + chunk]

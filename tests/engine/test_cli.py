@@ -141,7 +141,7 @@ def test_a_prompt_prefilled_in_small_chunks_gives_the_same_tokens(tiny_checkpoin
     chunks, real = [], LLM._run
 
     def run(self, ids, chunk=None):
-        chunks.append(self.config.prefill_chunk)
+        chunks.append(self.config.prefill_tokens)
         return real(self, ids, chunk)
 
     monkeypatch.setattr(LLM, "_run", run)
@@ -152,3 +152,15 @@ def test_a_prompt_prefilled_in_small_chunks_gives_the_same_tokens(tiny_checkpoin
                      "--max-new-tokens", "6", "--temperature", "0", "--json", *extra]) == 0
         answers.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"])
     assert chunks == [512, 3] and answers[0] == answers[1]
+
+
+def test_the_prefill_step_is_larger_on_a_gpu_unless_given():
+    """A GPU streams the experts its cache lacks once per prefill step, so it prefills in steps
+    of 8192 tokens by default (16x fewer streams of an 8k prompt than the CPU's 512); a value the
+    user gives is kept on either device."""
+    from freetoken_engine.config import EngineConfig
+    assert EngineConfig("m").prefill_tokens == 512
+    assert EngineConfig("m", device="cuda").prefill_tokens == 8192
+    assert EngineConfig("m", device="cuda:1").prefill_tokens == 8192
+    assert EngineConfig("m", device="cuda", prefill_chunk=1024).prefill_tokens == 1024
+    assert EngineConfig("m", prefill_chunk=64).prefill_tokens == 64

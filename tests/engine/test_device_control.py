@@ -285,3 +285,45 @@ def test_calls_of_hits_only_skip_the_pool_scan_and_change_nothing(skip, admit_wi
     _assert_same(ref, dev, ctl)
     assert all_hit > 0 and fills_after_all_hit > 0
     assert ctl.counters() == {k: getattr(ref.stats, k) for k in ctl.counters()}
+
+
+@pytest.mark.parametrize("capacity", [LAYERS * EXPERTS, 16])
+def test_a_prefill_fills_the_empty_slots_a_layer_at_a_time_and_evicts_nothing(capacity):
+    """A long prompt's whole-layer calls fill an empty pool from their layer buffers
+    (``fill_free``): each layer takes its share of the pool (the whole layer when every expert
+    fits), its most routed experts first, with the bank's rows; a full pool takes nothing and
+    stops looking (no more host syncs), so decode's residents are never evicted by a prefill.
+    The filled slots are the first victims of a decode step that must evict."""
+    bank = _bank()
+    cache = ExpertCache(bank, capacity, "cpu")
+    ctl = DeviceControl.from_cache(cache)
+    share = EXPERTS if capacity == LAYERS * EXPERTS else capacity // LAYERS
+    g = torch.Generator().manual_seed(3)
+    hot = torch.tensor([7, 2, 9])                      # routed by every token: the first to be kept
+    for layer in range(LAYERS):
+        ids = torch.cat([hot.expand(6, 3), torch.randint(0, EXPERTS, (6, K - 3), generator=g)], dim=1)
+        assert ctl.fill_free(layer, ids, bank.w13[layer], bank.w2[layer]) == share
+        row = ctl.slot_of[layer]
+        assert int((row >= 0).sum()) == share
+        assert bool((row[hot] >= 0).all())
+        assert ctl.fill_free(layer, ids, bank.w13[layer], bank.w2[layer]) == 0   # its share is taken
+    assert ctl.host_clock() == 0                          # the clock does not move, and the filled
+    assert bool((ctl.last_used == -1).all())              # slots count as never used by a step
+    ctl.write_back(cache)
+    cache.check_integrity(deep=True)
+    owners = ctl.slot_owner.clone()
+    empty = int((owners < 0).sum())
+    assert empty == capacity - LAYERS * share
+    if empty:                       # the rest of the slots stay for decode's fills
+        hits = torch.nonzero(ctl.slot_of[1] >= 0).flatten()[:2]
+        ctl.step(1, hits[None].repeat(1, 2)[:, :K])      # a decode step uses two of layer 1's experts
+        used = ctl.slot_of[1, hits].clone()
+        misses = torch.nonzero(ctl.slot_of[2] < 0).flatten()[:K]
+        out = ctl.step(2, misses[None])                  # four misses: one empty slot, then prefill's
+        victims = out.fill_slot[out.fill_slot >= 0]
+        assert victims.numel() == K and not bool(torch.isin(victims, used).any())
+        assert bool((ctl.slot_of[1, hits] == used).all())
+        return
+    assert ctl.fill_free(0, ids, bank.w13[0], bank.w2[0]) == 0 and ctl._full
+    ctl.slot_owner.fill_(-1)        # were it to look again, it would fill: it does not (no sync)
+    assert ctl.fill_free(0, ids, bank.w13[0], bank.w2[0]) == 0

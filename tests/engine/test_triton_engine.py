@@ -148,10 +148,11 @@ def test_whole_layer_calls_take_the_cached_experts_from_the_pool(tiny_checkpoint
     monkeypatch.setattr(OffloadedExperts, "_bank_in_place", lambda self: False)
     llm = LLM(folder, expert_backend="triton", expert_cache_experts=capacity, prefill_expert_threshold=4)
     experts = llm.runner.experts
-    from_pool, real = [], experts._pool_forward
+    from_pool, pairs, real = [], [], experts._pool_forward
 
     def counted(layer, x, pair_tok, pair_exp):
         from_pool.append(int((experts.cache.slot_of[layer][pair_exp] >= 0).sum()))
+        pairs.append(pair_exp.numel())
         return real(layer, x, pair_tok, pair_exp)
 
     monkeypatch.setattr(experts, "_pool_forward", counted)
@@ -160,8 +161,13 @@ def test_whole_layer_calls_take_the_cached_experts_from_the_pool(tiny_checkpoint
     assert first > 0 and from_pool[0] == 0                 # the first prompt: an empty pool, all streamed
     assert llm.generate(prompts[1], GREEDY).token_ids == want[1]
     assert sum(from_pool[first:]) > 0                      # the second: resident experts from the pool
+    if capacity == 16:     # the first prompt's layers filled the empty pool: nothing left to stream
+        assert from_pool[first:] == pairs[first:]
     assert experts.streamer.gather_cached is False
     assert (experts.seeded > 0) == (capacity < 16)        # a partial pool was seeded between layers
+    assert experts.filled_free > 0
+    llm.runner.experts.sync_stats()
+    llm.runner.cache.check_integrity(deep=True)            # every slot holds its expert's bank rows
 
 
 def test_every_decode_batch_stays_below_the_whole_layer_threshold():

@@ -37,13 +37,71 @@ def test_cuda_float32_matches_transformers_on_cpu(tiny_checkpoint, model_type):
     assert llm.generate(PROMPT, GREEDY).token_ids == hf[0, len(PROMPT):].tolist()
 
 
+#: a prompt whose routing is decisive in float32 at every layer and position (the k-th router logit
+#: above the next by 0.197 at least): bfloat16's rounding (about 0.01 here) cannot swap an expert.
+#: PROMPT has a margin of 0.005 at layer 0, position 3: bfloat16 swapped that expert with SDPA's
+#: rounding (device run 123) and the later positions followed (1.78 at position 4).
+DECISIVE = [35, 93, 118, 223, 52, 233, 279, 246, 210, 13, 103, 16]
+
+
+def routing_margin(llm: LLM, ids: list[int]) -> float:
+    """The smallest gap between the k-th and (k+1)-th router logit over every MoE layer and position."""
+    from freetoken_engine.layers.moe import SparseMoE
+    gaps, real = [], SparseMoE.route
+
+    def route(self, x):
+        top = torch.topk(self.gate(x).float(), self.moe.top_k + 1, dim=-1).values
+        gaps.append(float((top[:, -2] - top[:, -1]).min()))
+        return real(self, x)
+    SparseMoE.route = route
+    try:
+        llm.prefill_logits(ids)
+    finally:
+        SparseMoE.route = real
+    return min(gaps)
+
+
 def test_cuda_bfloat16_within_tolerance(tiny_checkpoint):
     folder = tiny_checkpoint("qwen3_moe")
-    ref = LLM(folder, device="cpu", dtype="float32").forward_logits(PROMPT)
-    got = LLM(folder, device="cuda", dtype="bfloat16").forward_logits(PROMPT).cpu()
+    cpu = LLM(folder, device="cpu", dtype="float32")
+    assert routing_margin(cpu, DECISIVE) > 0.1 > routing_margin(cpu, PROMPT)
+    ref = cpu.forward_logits(DECISIVE)
+    got = LLM(folder, device="cuda", dtype="bfloat16").forward_logits(DECISIVE).cpu()
     assert (got - ref).abs().max() < 0.1 * max(1.0, ref.abs().max().item())
     agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
     assert agree >= 0.9
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type,overrides", [("qwen3_moe", {}), ("mixtral", {"sliding_window": 5})])
+def test_gpu_prefill_attention_matches_the_grouped_matmuls(tiny_checkpoint, monkeypatch, model_type, overrides, dtype):
+    """On a GPU the general attention path (prefill chunks, padded batches) runs SDPA: one
+    sequence's chunk as the lower-right causal triangle (no mask tensor), anything else with the
+    boolean mask, never through cuDNN's kernel (its masked forward gave wrong rows on the H200,
+    device run 120). Its logits match the grouped matmuls' (``Attention.sdpa = False``, which
+    matches transformers) for a prompt in chunks of 5 (each chunk after the first also reads
+    earlier keys), two prompts of different lengths in one pass (padding), and a sliding window."""
+    from freetoken_engine.executor.inputs import SeqChunk
+    from freetoken_engine.layers.attention import Attention
+    llm = LLM(tiny_checkpoint(model_type, **overrides), device="cuda", dtype=dtype, cuda_graphs=False)
+    kv = llm.runner.kv
+
+    def run() -> torch.Tensor:
+        blocks, chunked = llm._run(PROMPT, 5)
+        kv.release(blocks)
+        tables = [kv.allocate(kv.blocks_for(n)) for n in (len(PROMPT), 7)]
+        with torch.inference_mode():
+            batched = llm.runner.forward([SeqChunk(tables[0], 0, PROMPT), SeqChunk(tables[1], 0, PROMPT[:7])])
+        for t in tables:
+            kv.release(t)
+        return torch.cat([chunked[None], batched]).float().cpu()
+
+    got = run()
+    monkeypatch.setattr(Attention, "sdpa", False)
+    want = run()
+    tol = 1e-4 if dtype == "float32" else 0.05
+    assert (got - want).abs().max() < tol * max(1.0, want.abs().max().item())
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -173,7 +173,8 @@ def _exact_prefill_pass(experts, bank, g: torch.Generator, tokens: int, rnd: int
 def test_a_pool_with_every_expert_computes_prefill_in_place(bank):
     """A pool with a slot for every expert: a whole-layer call computes the resident experts from
     the pool and streams only the others (nothing copied on the device), bit for bit the rows of
-    the whole layer's buffer; the decode calls between the passes fill more of the pool."""
+    the whole layer's buffer, and fills the empty slots with what it streamed
+    (``DeviceControl.fill_free``): the next pass streams nothing."""
     from freetoken_engine.cache.offload import OffloadedExperts
     cache = ExpertCache(bank, LAYERS * EXPERTS, CUDA, fill_fraction=1.0)
     for layer in range(LAYERS):                       # a third of every layer resident
@@ -184,13 +185,14 @@ def test_a_pool_with_every_expert_computes_prefill_in_place(bank):
     for rnd in range(2):
         resident = int((cache.slot_of >= 0).sum())
         before = experts.streamer.pcie_bytes
-        x = _exact_prefill_pass(experts, bank, g, tokens, rnd)
+        _exact_prefill_pass(experts, bank, g, tokens, rnd)
         torch.cuda.synchronize()
         assert experts.streamer.device_bytes == 0
         assert experts.streamer.pcie_bytes - before == (LAYERS * EXPERTS - resident) * row_bytes
-        for layer in range(LAYERS):                   # decode calls fill more before the next pass
-            experts.forward(layer, x[:1], torch.arange(K, device=CUDA)[None] + rnd * K)
-        assert int((cache.slot_of >= 0).sum()) > resident
+        assert int((cache.slot_of >= 0).sum()) == LAYERS * EXPERTS     # the pass filled the pool
+    assert resident == LAYERS * EXPERTS and experts.filled_free == LAYERS * EXPERTS - LAYERS * (EXPERTS // 3)
+    experts.sync_stats()
+    cache.check_integrity(deep=True)                  # the filled slots hold the bank's rows
 
 
 @pytest.mark.parametrize("in_place", [True, False])

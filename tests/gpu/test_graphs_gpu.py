@@ -270,7 +270,9 @@ def test_graphs_captured_while_the_bank_is_read_decode_the_same_tokens(tiny_pack
     assert got == want
     assert (logits - want_logits).abs().max() < 1e-4
     s = llm.runner.expert_stats()
-    assert s["misses"] > 0 and s["fills"] + s["cpu_computed"] == s["misses"]   # it started cold
+    # it started cold: the 250-token prompt's prefill filled the empty pool, and decode missed
+    # what that left out (with every expert fitting, nothing)
+    assert llm.runner.experts.filled_free > 0 and s["fills"] + s["cpu_computed"] == s["misses"]
     assert llm.runner.graphs.replays >= 8
 
 

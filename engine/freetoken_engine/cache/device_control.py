@@ -90,6 +90,7 @@ class DeviceControl:
         self.last_active = last_active.to(dev, torch.int64).contiguous()
         self.clock = torch.tensor([clock], dtype=torch.int64, device=dev)
         self._outputs: dict[int, ControlOutputs] = {}
+        self._full = False         # no empty slot left (fill_free): set once seen, until a rebind
 
     def refresh(self, cache) -> None:
         """Re-read the cache's tensors after a resize (call at the same safe point)."""
@@ -207,6 +208,39 @@ class DeviceControl:
         self.w13_slots[slots] = src_w13[experts]
         self.w2_slots[slots] = src_w2[experts]
         return int(slots.numel())
+
+    def fill_free(self, layer: int, topk_ids: torch.Tensor, src_w13: torch.Tensor, src_w2: torch.Tensor) -> int:
+        """A prefill fills the pool's empty slots with ``layer``'s experts from its whole-layer
+        buffer (``src_w13 [E, 2I, H]`` / ``src_w2 [E, H, I]``, holding at least every expert the
+        pool lacks), device to device: up to ``lru slots // layers`` resident experts a layer (the
+        whole layer when every expert fits), the most routed in ``topk_ids [T, k]`` first. Nothing
+        is evicted. An empty pool (a start, a resize that grew it) is thus full after the first
+        long prompt, and the next prompts stream only what it cannot hold. The slots keep
+        ``last_used`` -1 (never used by a step): a decode fill or a seed takes them before any slot
+        a step used, and admission never protects them; a decode hit gives them a clock. The clock
+        does not move. Residency only: no output changes. Returns how many experts were copied
+        (one host sync while empty slots remain; none after)."""
+        if self._full or self._host_state:
+            return 0
+        n_layers, n_exp = self.slot_of.shape
+        lru = self.slot_owner.numel()
+        share = n_exp if lru >= n_layers * n_exp else lru // n_layers
+        absent = self.slot_of[layer] < 0
+        empty, missing = torch.stack([(self.slot_owner < 0).sum(), absent.sum()]).tolist()
+        if empty == 0:
+            self._full = True
+            return 0
+        n = min(empty, missing, share - (n_exp - missing))
+        if n <= 0:
+            return 0
+        routed = torch.bincount(topk_ids.reshape(-1), minlength=n_exp)
+        experts = torch.argsort(torch.where(absent, routed, -1), descending=True, stable=True)[:n]
+        slots = torch.argsort(self.slot_owner, stable=True)[:n]       # the empty slots (-1) first
+        self.w13_slots[slots] = src_w13[experts]
+        self.w2_slots[slots] = src_w2[experts]
+        self.slot_of[layer, experts] = slots
+        self.slot_owner[slots] = layer * n_exp + experts
+        return n
 
     def copy(self, layer: int, out: ControlOutputs) -> None:
         """The copies of a control step run with ``copy=False``: its fills into their slots and,

@@ -5,7 +5,9 @@ State (all on the cache's device, so the GPU path can run it without host syncs)
 - ``w13 [S, 2I, H]``, ``w2 [S, H, I]``: the slot pool (copies of bank rows);
 - ``slot_of [L_moe, E]`` int64: the slot holding (layer, expert), -1 when absent;
 - ``slot_owner [S]`` int64: ``layer * E + expert`` held by each slot, -1 when empty;
-- ``last_used [S]`` int64: the clock value of the slot's last use, -1 when empty.
+- ``last_used [S]`` int64: the clock value of the slot's last use, -1 when empty or when a
+  prefill filled it and no step has used it since (``DeviceControl.fill_free``): such slots are
+  the first victims, like empty ones.
 
 ``step`` is the per-layer decode control, the reference for the device kernel:
 deduplicate the routed experts; hits are resident; of the m misses, the first
@@ -232,7 +234,7 @@ class ExpertCache:
         if live.numel() and not torch.equal(flat[owners[live]], live):
             raise RuntimeError("expert cache: residency table does not point back at its slots")
         last = self.last_used.cpu()
-        if ((last >= 0) != (owners >= 0)).any() or (last >= self.clock).any():
+        if ((last >= 0) & (owners < 0)).any() or (last >= self.clock).any():
             raise RuntimeError("expert cache: LRU clocks inconsistent with residency")
         if owners.unique().numel() != owners.numel() - max(int((owners < 0).sum()) - 1, 0):
             raise RuntimeError("expert cache: an expert occupies two slots")

@@ -73,6 +73,9 @@ class OffloadedExperts:
     #: into its layer buffer on the device (the engine before 2026-12-01; the ``gather`` side of
     #: bench/prefill_cached.py).
     prefill_in_place = True
+    #: whole-layer calls fill the pool's empty slots from their buffer (``DeviceControl.fill_free``);
+    #: False: only the last chunk's seed does (the engine before 2026-12-01's twenty-fourth session)
+    prefill_fills_free = True
 
     def __init__(self, bank: ExpertBank, cache: ExpertCache, prefill_threshold: int,
                  cpu_backend: str | None = None, backend: str = "auto", top_k: int = 8):
@@ -84,6 +87,7 @@ class OffloadedExperts:
         self.cpu_backend_name, self.cpu_forward = cpu_expert_forward(cpu_backend)
         self.control = None
         self.seeded = 0          # experts the prefills copied into the cache (_seed_cache)
+        self.filled_free = 0     # experts the prefills copied into empty slots (DeviceControl.fill_free)
         self.seed_now = True     # the runner's: this forward ends some sequence's prompt
         if backend == "auto":
             backend = "triton" if self.device.type == "cuda" and _triton_importable() else "torch"
@@ -249,6 +253,11 @@ class OffloadedExperts:
         return calls * b.expert_bytes / busy / 1e9
 
     def _pair_tokens(self, t: int, k: int, device: torch.device) -> torch.Tensor:
+        """``[t * k]`` token of each (token, k) pair; kept for decode-sized calls (stable addresses
+        for the graphs), made afresh for whole-layer ones (a prompt's last step can have any size
+        up to the prefill step's 8192 tokens: kept, they would add up to gigabytes)."""
+        if t >= self.prefill_threshold:
+            return torch.arange(t, device=device).repeat_interleave(k)
         key = (t, k)
         cached = self._pair_tok.get(key)
         if cached is None:
@@ -317,6 +326,8 @@ class OffloadedExperts:
                 w13, w2 = self.streamer.layer(layer)
                 fn = self.cpu_forward if w13.device.type == "cpu" and self.control is None else self.slots_forward
                 out = fn(x, w13, w2, pair_tok, pair_exp)
+            if self.control is not None and self.prefill_fills_free:
+                self.filled_free += self.control.fill_free(layer, topk_ids, w13, w2)
             if self._seed and self.seed_now and self.cache.capacity < self.bank.total_experts:
                 self._seed_cache(layer, topk_ids[-1:], w13, w2)
             return out

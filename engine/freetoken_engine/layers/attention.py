@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from ..config import ModelConfig
 from ..kernels import gpu_decode_kernels
@@ -34,6 +36,8 @@ class AttnBatch:
     needs_mask: bool = True     # False when every query may see every key it reads (1-token decode)
     max_position: int | None = None   # max(positions), known on the host
     kv_len: torch.Tensor | None = None  # [B] int64 keys of each sequence after this pass (fused decode)
+    aligned: bool = False       # every sequence has q_max new tokens, the last of Lmax keys it reads
+                                # (no padding): causal is the lower-right triangle, no mask needed
     _masks: dict = field(default_factory=dict)
 
     @property
@@ -64,6 +68,24 @@ class AttnBatch:
         if "padding" not in self._masks:
             self._masks["padding"] = ~self.kv_valid[:, None, :, None]
         return self._masks["padding"]
+
+
+#: the backends a GPU's general attention path may take: not cuDNN's, the default on SM 9.0+ since
+#: torch 2.11, whose masked forward gave wrong rows on the H200 (device run 120: batched prefill
+#: chunks of different lengths; pytorch issues 162588, 196678 name masked cuDNN SDPA bugs)
+GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def gpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+             lower_right: bool, scale: float) -> torch.Tensor:
+    """SDPA on a GPU (heads already repeated). ``lower_right``: a prompt's chunk of one sequence
+    (``AttnBatch.aligned``, no sliding window) as the lower-right causal triangle, which flash
+    attention computes without a mask tensor (an 8192-token chunk at 40k context would hold a
+    0.7 GB one); else the boolean ``mask`` (or none), never through cuDNN's kernel."""
+    if lower_right:
+        mask = causal_lower_right(q.shape[2], k.shape[2])
+    with sdpa_kernel(GPU_BACKENDS):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
 class Attention(nn.Module):
@@ -142,19 +164,21 @@ class Attention(nn.Module):
             qp = q.new_zeros((b * batch.q_max, self.h, self.d)).index_copy(0, batch.q_flat, q)
             qp = qp.view(b, batch.q_max, self.h, self.d)
         qp = qp.transpose(1, 2)                                                        # [B, h, Q, d]
-        mask = batch.mask(self.window) if batch.needs_mask or self.window is not None else None
-        if batch.needs_mask:        # padding reads slot 0, whoever holds it: a NaN there must not count
+        lower_right = self.sdpa and x.device.type == "cuda" and batch.aligned and self.window is None
+        mask = batch.mask(self.window) if (batch.needs_mask or self.window is not None) and not lower_right else None
+        if batch.needs_mask and not batch.aligned:   # padding reads slot 0, whoever holds it: a NaN
             keys, values = keys.masked_fill(batch.padding(), 0.0), values.masked_fill(batch.padding(), 0.0)
         # Query head i reads KV head i // g. Fused (flash-style) kernels, so the [Q, L] scores of a
         # long prefill chunk are never held whole; on a GPU the KV heads are repeated, since the
         # kernel that takes a mask there takes no grouped heads.
         if not self.sdpa:
             out = self._grouped_matmuls(qp, keys, values, mask)
-        else:
-            if g > 1 and x.device.type == "cuda":
+        elif x.device.type == "cuda":
+            if g > 1:
                 keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
-            out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=self.scale,
-                                                 enable_gqa=g > 1 and x.device.type != "cuda")  # [B, h, Q, d]
+            out = gpu_sdpa(qp, keys, values, mask, lower_right, self.scale)      # [B, h, Q, d]
+        else:
+            out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=g > 1)
         out = out.transpose(1, 2).reshape(b * batch.q_max, self.h, self.d)
         if batch.q_max > 1:
             out = out.index_select(0, batch.q_flat)

@@ -45,7 +45,7 @@ class EngineService:
         try:
             runner = ModelRunner(self.cfg, progress=lambda f: setattr(self, "_progress", round(f, 3)))
             self.runner, self.tokenizer, self.max_context = runner, runner.tokenizer, runner.max_context
-            self.scheduler = Scheduler(runner, self.cfg.max_batch, self.cfg.max_queue, self.cfg.prefill_chunk)
+            self.scheduler = Scheduler(runner, self.cfg.max_batch, self.cfg.max_queue, self.cfg.prefill_tokens)
             self.scheduler.thread.start()
             cache = runner.cache
             self._calibration = {"pcie_gbps": None, "cpu_expert_gbps": None,
