@@ -37,6 +37,25 @@ SIDES = {"sdpa": True, "grouped matmuls": False}
 HEADS = 16
 
 
+def bench_model(folder: Path, layers: int) -> Path:
+    """The attention benches' checkpoint: a random Qwen3-MoE (float32; hidden 1024, 16 query / 4 KV
+    heads of 128, ``layers`` layers of 16 experts of 256, top-2, context 8192)."""
+    from tiny_models import make_tiny_checkpoint
+    return make_tiny_checkpoint(folder, "qwen3_moe", hidden_size=1024, intermediate_size=2048,
+                                num_hidden_layers=layers, num_attention_heads=HEADS, num_key_value_heads=4,
+                                head_dim=128, num_experts=16, moe_intermediate_size=256, num_experts_per_tok=2,
+                                max_position_embeddings=8192, init_std=0.02)
+
+
+def run_worker(cmd: list[str], side: str) -> dict:
+    """Run one side's worker process; -> the dict it printed on its ``RUN`` line (exits on failure)."""
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RUN ")), None)
+    if proc.returncode or line is None:
+        sys.exit(f"{side} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(line[4:])
+
+
 def worker(model: Path, side: str, lengths: list[int]) -> dict:
     from freetoken_engine import LLM, SamplingParams
     from freetoken_engine.layers.attention import Attention
@@ -68,21 +87,13 @@ def main() -> None:
     if args.worker:
         print("RUN " + json.dumps(worker(args.model, args.worker, lengths)), flush=True)
         return
-    from tiny_models import make_tiny_checkpoint
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_tiny_checkpoint(Path(tmp) / "m", "qwen3_moe", hidden_size=1024, intermediate_size=2048,
-                                     num_hidden_layers=args.layers, num_attention_heads=HEADS, num_key_value_heads=4,
-                                     head_dim=128, num_experts=16, moe_intermediate_size=256, num_experts_per_tok=2,
-                                     max_position_embeddings=8192, init_std=0.02)
+        model = bench_model(Path(tmp) / "m", args.layers)
         for r in range(args.rounds):
             for side in SIDES if r % 2 == 0 else reversed(SIDES):
                 cmd = [sys.executable, __file__, "--worker", side, "--model", str(model), "--lengths", args.lengths]
-                proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ))
-                line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RUN ")), None)
-                if proc.returncode or line is None:
-                    sys.exit(f"{side} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-                runs.append({"round": r, **json.loads(line[4:])})
+                runs.append({"round": r, **run_worker(cmd, side)})
                 print(f"round {r} {side:16s} " + "  ".join(f"{p['tokens']} tokens {p['seconds']:.2f} s"
                                                           for p in runs[-1]["prompts"])
                       + f"  peak RSS +{runs[-1]['peak_rss_growth_bytes'] / 1e6:.0f} MB", flush=True)

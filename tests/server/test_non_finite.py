@@ -58,6 +58,13 @@ def test_a_poisoned_sequence_never_reaches_its_batch_neighbours(poisoned_dir):
     assert torch.isfinite(both).all()
     alone = runner.forward([SeqChunk(runner.kv.allocate(1), 0, [5, 8, 9])])
     assert torch.allclose(both[0], alone[0], atol=1e-5)
+    # decode tokens beside a chunk (Attention._by_sequence): B's next token is padded to C's
+    # length among the single tokens; the chunk D attends alone
+    d = runner.kv.allocate(1)
+    mixed = runner.forward([SeqChunk(b, 3, [4]), SeqChunk(c, 8, [6]), SeqChunk(d, 0, [21, 22, 23, 24])])
+    assert torch.isfinite(mixed).all()
+    b_alone = runner.forward([SeqChunk(runner.kv.allocate(1), 0, [5, 8, 9, 4])])
+    assert torch.allclose(mixed[0], b_alone[0], atol=1e-5)
 
 
 def test_the_offline_api_raises_it_too(poisoned_dir):

@@ -38,6 +38,8 @@ class AttnBatch:
     kv_len: torch.Tensor | None = None  # [B] int64 keys of each sequence after this pass (fused decode)
     aligned: bool = False       # every sequence has q_max new tokens, the last of Lmax keys it reads
                                 # (no padding): causal is the lower-right triangle, no mask needed
+    seq_counts: tuple[int, ...] | None = None   # new tokens of each sequence (host), in row order
+    seq_ends: tuple[int, ...] | None = None     # keys of each sequence after this pass (host)
     _masks: dict = field(default_factory=dict)
 
     @property
@@ -59,6 +61,19 @@ class AttnBatch:
             m[:, :, 0] |= qpos < 0          # padded query rows see one key: no NaN rows
             self._masks[window] = m[:, None]
         return self._masks[window]
+
+    def singles(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None:
+        """The sequences with one new token (``seq_counts``), for ``Attention._by_sequence``:
+        (their indices, their rows, their longest key count, their key counts), made once per
+        pass; None when there are none."""
+        if "singles" not in self._masks:
+            dev = self.kv_index.device
+            one = [i for i, n in enumerate(self.seq_counts) if n == 1]
+            starts = [sum(self.seq_counts[:i]) for i in one]
+            ends = [self.seq_ends[i] for i in one]
+            self._masks["singles"] = (torch.tensor(one, device=dev), torch.tensor(starts, device=dev), max(ends),
+                                      torch.tensor(ends, device=dev)) if one else None
+        return self._masks["singles"]
 
     def padding(self) -> torch.Tensor:
         """[B, 1, Lmax, 1] bool: True at the padding of ``kv_index``, shaped for the keys and
@@ -92,6 +107,10 @@ class Attention(nn.Module):
     #: the general path through ``scaled_dot_product_attention``; False: grouped matmuls that hold
     #: the [Q, L] scores whole (the engine before 2026-12-01; bench/cpu_prefill_attention.py's A/B)
     sdpa = True
+    #: a pass with a multi-token chunk attends per chunk (``_by_sequence``); False: every sequence
+    #: padded to the longest chunk and context (the engine before 2026-12-01's twenty-fourth
+    #: session; bench/mixed_pass_attention.py's A/B)
+    by_sequence = True
 
     def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
         super().__init__()
@@ -153,11 +172,10 @@ class Attention(nn.Module):
         q, k = apply_rotary(torch.cat((q, k), dim=1), cos, sin).split([self.h, self.kvh], dim=1)
         k_cache.index_copy_(0, batch.slot_mapping, k)                      # write new K/V
         v_cache.index_copy_(0, batch.slot_mapping, v)
+        if self.by_sequence and batch.q_max > 1 and batch.seq_counts is not None:
+            return self.o_proj(self._by_sequence(q, k_cache, v_cache, batch).reshape(t, self.h * self.d))
         b, lmax = batch.kv_index.shape
-        flat_kv = batch.kv_index.view(-1)          # index_select: advanced indexing is ~100x slower
-        keys = k_cache.index_select(0, flat_kv).view(b, lmax, self.kvh, self.d).transpose(1, 2)  # [B, kvh, L, d]
-        values = v_cache.index_select(0, flat_kv).view(b, lmax, self.kvh, self.d).transpose(1, 2)
-        g = self.h // self.kvh
+        keys, values = self._keys(k_cache, v_cache, batch.kv_index)                     # [B, kvh, L, d]
         if batch.q_max == 1:       # pure decode: token b is sequence b, no padding to undo
             qp = q.view(b, 1, self.h, self.d)
         else:
@@ -168,29 +186,94 @@ class Attention(nn.Module):
         mask = batch.mask(self.window) if (batch.needs_mask or self.window is not None) and not lower_right else None
         if batch.needs_mask and not batch.aligned:   # padding reads slot 0, whoever holds it: a NaN
             keys, values = keys.masked_fill(batch.padding(), 0.0), values.masked_fill(batch.padding(), 0.0)
-        # Query head i reads KV head i // g. Fused (flash-style) kernels, so the [Q, L] scores of a
-        # long prefill chunk are never held whole; on a GPU the KV heads are repeated, since the
-        # kernel that takes a mask there takes no grouped heads.
-        if not self.sdpa:
-            out = self._grouped_matmuls(qp, keys, values, mask)
-        elif x.device.type == "cuda":
-            if g > 1:
-                keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
-            out = gpu_sdpa(qp, keys, values, mask, lower_right, self.scale)      # [B, h, Q, d]
-        else:
-            out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=g > 1)
+        out = self._attend(qp, keys, values, mask, lower_right)
         out = out.transpose(1, 2).reshape(b * batch.q_max, self.h, self.d)
         if batch.q_max > 1:
             out = out.index_select(0, batch.q_flat)
         out = out.reshape(t, self.h * self.d)
         return self.o_proj(out)
 
+    def _keys(self, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_index: torch.Tensor):
+        """The keys and values of ``kv_index [B, L]``'s slots: ``[B, kvh, L, d]`` each."""
+        b, length = kv_index.shape
+        flat = kv_index.reshape(-1)                # index_select: advanced indexing is ~100x slower
+        keys = k_cache.index_select(0, flat).view(b, length, self.kvh, self.d).transpose(1, 2)
+        return keys, v_cache.index_select(0, flat).view(b, length, self.kvh, self.d).transpose(1, 2)
+
+    def _attend(self, qp: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                lower_right: bool = False) -> torch.Tensor:
+        """qp [B, h, Q, d] over keys / values [B, kvh, L, d] -> [B, h, Q, d]. Query head i reads KV
+        head i // g. Fused (flash-style) kernels, so the [Q, L] scores of a long prefill chunk are
+        never held whole; on a GPU the KV heads are repeated, since the kernel that takes a mask
+        there takes no grouped heads."""
+        g = self.h // self.kvh
+        if not self.sdpa:
+            return self._grouped_matmuls(qp, keys, values, mask)
+        if qp.device.type == "cuda":
+            if g > 1:
+                keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+            return gpu_sdpa(qp, keys, values, mask, lower_right, self.scale)
+        return F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=g > 1)
+
+    def _allowed(self, qpos: torch.Tensor, keys: int) -> torch.Tensor:
+        """[.., Q, keys] bool: the keys each query position of ``qpos [.., Q]`` may see (causal,
+        and within the sliding window)."""
+        kpos = torch.arange(keys, device=qpos.device)
+        m = kpos <= qpos[..., None]
+        if self.window is not None:
+            m &= kpos > qpos[..., None] - self.window
+        return m
+
+    def _by_sequence(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     batch: AttnBatch) -> torch.Tensor:
+        """A pass with a multi-token chunk (a prompt's, alone, beside other prompts' or beside
+        decode tokens): each chunk attends alone over its own keys (from the first its sliding
+        window reaches), and the single tokens together, so nothing is padded to the longest
+        chunk or the longest context.
+        The padded layout held B x Qmax query rows and B x Lmax keys (repeated to every head on a
+        GPU): for a 512-token chunk beside 31 decoding requests, 32 x 512 rows for 543 real ones.
+        Returns ``[T, h, d]`` in row order; the same arithmetic per row as a pass of one sequence."""
+        out = torch.empty_like(q)
+        row = 0
+        for i, (n, end) in enumerate(zip(batch.seq_counts, batch.seq_ends)):
+            if n > 1:      # keys from the first its sliding window reaches (relative positions below)
+                lo = max(0, end - n - self.window + 1) if self.window is not None else 0
+                keys, values = self._keys(k_cache, v_cache, batch.kv_index[i:i + 1, lo:end])
+                qp = q[row:row + n].transpose(0, 1)[None]                               # [1, h, n, d]
+                lower_right = self.sdpa and q.device.type == "cuda" and self.window is None
+                mask = None if lower_right else self._allowed(torch.arange(end - n - lo, end - lo, device=q.device),
+                                                              end - lo)
+                got = self._attend(qp, keys, values, mask[None, None] if mask is not None else None, lower_right)
+                out[row:row + n] = got[0].transpose(0, 1)
+            row += n
+        singles = batch.singles()
+        if singles is not None:   # one token each: [B1, h, L] scores at most, so no head is repeated
+            sel, rows, width, ends = singles
+            keys, values = self._keys(k_cache, v_cache, batch.kv_index.index_select(0, sel)[:, :width])
+            # a token's padding lies past its end, so the causal mask hides it (a NaN key's score
+            # too); its values are zeroed, since 0 * NaN is NaN
+            values = values.masked_fill(~batch.kv_valid.index_select(0, sel)[:, None, :width, None], 0.0)
+            got = self._one_token(q.index_select(0, rows), keys, values, self._allowed(ends - 1, width))
+            out.index_copy_(0, rows, got)
+        return out
+
+    def _one_token(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   allowed: torch.Tensor) -> torch.Tensor:
+        """One query token per sequence: ``q [B, h, d]`` over ``keys`` / ``values [B, kvh, L, d]``
+        where ``allowed [B, L]`` -> ``[B, h, d]``. A KV head's g query heads are the rows of one
+        matmul, so no key is repeated or broadcast; float32 softmax over [B, h, L] scores."""
+        b, g = q.shape[0], self.h // self.kvh
+        scores = torch.matmul(q.view(b, self.kvh, g, self.d), keys.transpose(-1, -2)) * self.scale
+        scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))          # [B, kvh, g, L]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values).view(b, self.h, self.d)
+
     def _grouped_matmuls(self, qp: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                          mask: torch.Tensor | None) -> torch.Tensor:
         """The same attention as SDPA, with the float32 scores [B, kvh, g, Q, L] held whole."""
         b, _, q_max, _ = qp.shape
         g = self.h // self.kvh
-        qg = qp.view(b, self.kvh, g, q_max, self.d)
+        qg = qp.reshape(b, self.kvh, g, q_max, self.d)
         scores = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)) * self.scale
         if mask is not None:
             scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
