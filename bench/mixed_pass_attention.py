@@ -1,6 +1,7 @@
 """A forward pass that mixes a prompt's chunk with decode tokens, on this machine's CPU: attention
-per chunk (``Attention.by_sequence``, layers/attention.py) against every sequence padded to the
-longest chunk and the longest context (the engine before).
+per chunk, the decode tokens through the fused decode kernel (``Attention.by_sequence``,
+layers/attention.py), against every sequence padded to the longest chunk and the longest
+context (the engine before).
 
 The scheduler runs such a pass whenever a request arrives while others decode: its prompt's
 chunk and their next tokens go through the model together. Padded, each of the B sequences held

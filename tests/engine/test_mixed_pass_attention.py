@@ -38,22 +38,29 @@ def _last_logits(llm: LLM, pieces: list[int]) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("kernel", [True, False], ids=["decode-kernel", "matmul"])
 @pytest.mark.parametrize("sdpa", [True, False])
 @pytest.mark.parametrize("model_type,overrides", [("qwen3_moe", {}), ("mixtral", {"sliding_window": 5})])
-def test_a_mixed_pass_gives_each_sequence_its_own_logits(tiny_checkpoint, monkeypatch, model_type, overrides, sdpa):
+def test_a_mixed_pass_gives_each_sequence_its_own_logits(tiny_checkpoint, monkeypatch, model_type, overrides, sdpa,
+                                                          kernel):
+    """The decode tokens go through the fused decode kernel over the paged pool (``kernel``), or,
+    where a layer has none, through one matmul per KV head over their gathered keys."""
     from freetoken_engine.layers.attention import Attention
     monkeypatch.setattr(Attention, "sdpa", sdpa)
     llm = LLM(tiny_checkpoint(model_type, **overrides))
     monkeypatch.setattr(Attention, "by_sequence", False)   # the reference: the padded path, one sequence a pass
     alone = torch.cat([_last_logits(llm, [i]) for i in range(len(SEQS))])
     monkeypatch.setattr(Attention, "by_sequence", True)
-    calls, real = [], Attention._by_sequence
-
-    def counted(self, *args):
-        calls.append(1)
-        return real(self, *args)
-    monkeypatch.setattr(Attention, "_by_sequence", counted)
+    if not kernel:
+        monkeypatch.setattr(Attention, "_decode_kernel", lambda self, x, k_cache: None)
+    calls = {"_beside_chunks": 0, "_one_token": 0}
+    for name in calls:
+        def counted(self, *args, _real=getattr(Attention, name), _name=name):
+            calls[_name] += 1
+            return _real(self, *args)
+        monkeypatch.setattr(Attention, name, counted)
     mixed = _last_logits(llm, list(range(len(SEQS))))
-    assert calls                                            # the mixed pass took the per-sequence path
+    layers = llm.runner.mcfg.num_layers
+    assert calls == ({"_beside_chunks": layers, "_one_token": 0} if kernel else {"_beside_chunks": 0, "_one_token": layers})
     assert (mixed - alone).abs().max() < 1e-4
     assert torch.equal(mixed.argmax(-1), alone.argmax(-1))

@@ -75,6 +75,17 @@ class AttnBatch:
                                       torch.tensor(ends, device=dev)) if one else None
         return self._masks["singles"]
 
+    def chunk_rows(self) -> torch.Tensor:
+        """The rows of the sequences with more than one new token, in order (made once per pass)."""
+        if "chunk_rows" not in self._masks:
+            rows, row = [], 0
+            for n in self.seq_counts:
+                if n > 1:
+                    rows.extend(range(row, row + n))
+                row += n
+            self._masks["chunk_rows"] = torch.tensor(rows, dtype=torch.int64, device=self.kv_index.device)
+        return self._masks["chunk_rows"]
+
     def padding(self) -> torch.Tensor:
         """[B, 1, Lmax, 1] bool: True at the padding of ``kv_index``, shaped for the keys and
         values [B, kvh, L, d]. A padding entry reads slot 0, whatever sequence holds it; the mask
@@ -142,37 +153,23 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: AttnBatch, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        fused = (batch.q_max == 1 and batch.kv_len is not None and self.qkv is not None and self.clip is None
-                 and self.qk_norm != "full")
-        if fused:
-            gpu = gpu_decode_kernels("attention") if x.device.type == "cuda" else None
-            impl = gpu if gpu is not None and gpu.supported(x, k_cache, self.d) else (
-                cpu_attention if cpu_attention.supported(x, k_cache) else None)
+        if batch.q_max == 1 and batch.kv_len is not None:
+            impl = self._decode_kernel(x, k_cache)
             if impl is not None:
                 # Decode: norm, rotary, K/V write and attention in one compiled call on the CPU,
                 # in two Triton launches on a GPU.
-                head = self.qk_norm == "head"
-                out = impl.decode_attention(
-                    linear(x, *self.qkv), self.h, self.kvh, self.d, self.q_norm.weight if head else None,
-                    self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0, cos, sin,
-                    k_cache, v_cache, batch.slot_mapping, batch.kv_index, batch.kv_len, self.window, self.scale)
-                return self.o_proj(out)
+                return self.o_proj(self._decode(impl, linear(x, *self.qkv), cos, sin, k_cache, v_cache,
+                                                batch.slot_mapping, batch.kv_index, batch.kv_len))
         t = x.shape[0]
-        if self.qkv is not None:
-            q, k, v = linear(x, *self.qkv).split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)      # [T, h*d], [T, kvh*d] x2
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.clip is not None:
-            q, k, v = (z.clamp(-self.clip, self.clip) for z in (q, k, v))
-        q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(torch.cat((q, k), dim=1), cos, sin).split([self.h, self.kvh], dim=1)
+        per_chunk = self.by_sequence and batch.q_max > 1 and batch.seq_counts is not None
+        if per_chunk and batch.singles() is not None:
+            impl = self._decode_kernel(x, k_cache)
+            if impl is not None:
+                return self.o_proj(self._beside_chunks(impl, x, batch, cos, sin, k_cache, v_cache))
+        q, k, v = self._project(x, None, cos, sin)
         k_cache.index_copy_(0, batch.slot_mapping, k)                      # write new K/V
         v_cache.index_copy_(0, batch.slot_mapping, v)
-        if self.by_sequence and batch.q_max > 1 and batch.seq_counts is not None:
+        if per_chunk:
             return self.o_proj(self._by_sequence(q, k_cache, v_cache, batch).reshape(t, self.h * self.d))
         b, lmax = batch.kv_index.shape
         keys, values = self._keys(k_cache, v_cache, batch.kv_index)                     # [B, kvh, L, d]
@@ -192,6 +189,68 @@ class Attention(nn.Module):
             out = out.index_select(0, batch.q_flat)
         out = out.reshape(t, self.h * self.d)
         return self.o_proj(out)
+
+    def _project(self, x: torch.Tensor, qkv: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
+        """q [T, h, d], k / v [T, kvh, d] of ``x`` (or of its fused projection ``qkv``): projected,
+        normed, clipped and rotated as the model does."""
+        t = x.shape[0] if qkv is None else qkv.shape[0]
+        if qkv is None and self.qkv is not None:
+            qkv = linear(x, *self.qkv)
+        if qkv is not None:
+            q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)      # [T, h*d], [T, kvh*d] x2
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip is not None:
+            q, k, v = (z.clamp(-self.clip, self.clip) for z in (q, k, v))
+        q, k, v = q.view(t, self.h, self.d), k.view(t, self.kvh, self.d), v.view(t, self.kvh, self.d)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(torch.cat((q, k), dim=1), cos, sin).split([self.h, self.kvh], dim=1)
+        return q, k, v
+
+    def _decode_kernel(self, x: torch.Tensor, k_cache: torch.Tensor):
+        """The fused decode attention (kernels/triton/attention.py on a GPU, kernels/cpu/attention.py
+        on the CPU) when it takes this layer and these tensors, else None."""
+        if self.qkv is None or self.clip is not None or self.qk_norm == "full":
+            return None
+        gpu = gpu_decode_kernels("attention") if x.device.type == "cuda" else None
+        if gpu is not None and gpu.supported(x, k_cache, self.d):
+            return gpu
+        return cpu_attention if cpu_attention.supported(x, k_cache) else None
+
+    def _decode(self, impl, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, slots: torch.Tensor, kv_index: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
+        """One token per sequence through ``impl``'s fused kernel: ``qkv [B, (h + 2 kvh) d]`` ->
+        ``[B, h d]``, its K/V written at ``slots``; the keys read in the paged pool, none gathered."""
+        head = self.qk_norm == "head"
+        return impl.decode_attention(qkv, self.h, self.kvh, self.d, self.q_norm.weight if head else None,
+                                     self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0,
+                                     cos, sin, k_cache, v_cache, slots, kv_index, kv_len, self.window, self.scale)
+
+    def _beside_chunks(self, impl, x: torch.Tensor, batch: AttnBatch, cos: torch.Tensor, sin: torch.Tensor,
+                       k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """A pass of decode tokens beside prompts' chunks: the decode tokens through the fused
+        decode kernel, as in a decode step (no key gathered: 31 decoding requests at 40k context
+        would gather 2.6 GB of bf16 keys and values), the chunks one at a time
+        (``_by_sequence``). Returns ``[T, h d]`` in row order."""
+        sel, rows, width, ends = batch.singles()
+        keep = batch.chunk_rows()
+        qkv = linear(x, *self.qkv)
+        out = qkv.new_empty((x.shape[0], self.h * self.d))
+        out.index_copy_(0, rows, self._decode(
+            impl, qkv.index_select(0, rows), cos.index_select(0, rows), sin.index_select(0, rows), k_cache,
+            v_cache, batch.slot_mapping.index_select(0, rows), batch.kv_index.index_select(0, sel)[:, :width].contiguous(),
+            ends))
+        q, k, v = self._project(x, qkv.index_select(0, keep), cos.index_select(0, keep), sin.index_select(0, keep))
+        slots = batch.slot_mapping.index_select(0, keep)
+        k_cache.index_copy_(0, slots, k)
+        v_cache.index_copy_(0, slots, v)
+        got = torch.empty_like(q)
+        self._chunks(q, k_cache, v_cache, batch, got, singles_in_rows=False)
+        out.index_copy_(0, keep, got.reshape(-1, self.h * self.d))
+        return out
 
     def _keys(self, k_cache: torch.Tensor, v_cache: torch.Tensor, kv_index: torch.Tensor):
         """The keys and values of ``kv_index [B, L]``'s slots: ``[B, kvh, L, d]`` each."""
@@ -234,6 +293,22 @@ class Attention(nn.Module):
         GPU): for a 512-token chunk beside 31 decoding requests, 32 x 512 rows for 543 real ones.
         Returns ``[T, h, d]`` in row order; the same arithmetic per row as a pass of one sequence."""
         out = torch.empty_like(q)
+        self._chunks(q, k_cache, v_cache, batch, out, singles_in_rows=True)
+        singles = batch.singles()
+        if singles is not None:   # one token each: [B1, h, L] scores at most, so no head is repeated
+            sel, rows, width, ends = singles
+            keys, values = self._keys(k_cache, v_cache, batch.kv_index.index_select(0, sel)[:, :width])
+            # a token's padding lies past its end, so the causal mask hides it (a NaN key's score
+            # too); its values are zeroed, since 0 * NaN is NaN
+            values = values.masked_fill(~batch.kv_valid.index_select(0, sel)[:, None, :width, None], 0.0)
+            got = self._one_token(q.index_select(0, rows), keys, values, self._allowed(ends - 1, width))
+            out.index_copy_(0, rows, got)
+        return out
+
+    def _chunks(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: AttnBatch,
+                out: torch.Tensor, singles_in_rows: bool) -> None:
+        """Each multi-token chunk's attention, alone, into its rows of ``out``; ``q`` and ``out``
+        hold every row of the pass (``singles_in_rows``) or only the chunks' rows."""
         row = 0
         for i, (n, end) in enumerate(zip(batch.seq_counts, batch.seq_ends)):
             if n > 1:      # keys from the first its sliding window reaches (relative positions below)
@@ -245,17 +320,8 @@ class Attention(nn.Module):
                                                               end - lo)
                 got = self._attend(qp, keys, values, mask[None, None] if mask is not None else None, lower_right)
                 out[row:row + n] = got[0].transpose(0, 1)
-            row += n
-        singles = batch.singles()
-        if singles is not None:   # one token each: [B1, h, L] scores at most, so no head is repeated
-            sel, rows, width, ends = singles
-            keys, values = self._keys(k_cache, v_cache, batch.kv_index.index_select(0, sel)[:, :width])
-            # a token's padding lies past its end, so the causal mask hides it (a NaN key's score
-            # too); its values are zeroed, since 0 * NaN is NaN
-            values = values.masked_fill(~batch.kv_valid.index_select(0, sel)[:, None, :width, None], 0.0)
-            got = self._one_token(q.index_select(0, rows), keys, values, self._allowed(ends - 1, width))
-            out.index_copy_(0, rows, got)
-        return out
+            if n > 1 or singles_in_rows:
+                row += n
 
     def _one_token(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    allowed: torch.Tensor) -> torch.Tensor:
