@@ -1,6 +1,7 @@
 """The expert cache's default size on a GPU (executor/budget.py) leaves room for what the engine
-allocates after the cache: the KV pool and the prefill's two layer buffers, plus a working
-reserve. Pure arithmetic on the free memory the runner reads from the driver."""
+allocates after the cache: the KV pool, the prefill's two layer buffers, a prefill step's peak
+and a reserve for the decode graphs. Pure arithmetic on the free memory the runner reads from
+the driver."""
 from __future__ import annotations
 
 import pytest
@@ -8,13 +9,15 @@ import torch
 
 from freetoken_engine.cache.kv import KVPool, kv_pool_bytes
 from freetoken_engine.errors import ConfigError
-from freetoken_engine.executor.budget import WORKING_BYTES, default_cache_experts
+from freetoken_engine.executor.budget import RESERVE_BYTES, default_cache_experts, prefill_peak_bytes
 
 GiB = 1 << 30
 EXPERT = 3 * 2048 * 768 * 2          # one Qwen3-30B-A3B expert, bf16
 TOTAL = 48 * 128
 KV = kv_pool_bytes(48, 40960, 4, 128, 2)   # its 40,960-token context, 4 KV heads of 128, bf16
 BUFFERS = 2 * 128 * EXPERT            # two whole layers
+# an 8192-token prefill step at that context: 32 query / 4 KV heads, top-8, H 2048, I 768
+STEP = prefill_peak_bytes(8192, 40960, 8, 2048, 768, 32, 4, 128, 2)
 
 
 def test_the_kv_pool_formula_is_the_pools_own_size():
@@ -25,16 +28,31 @@ def test_the_kv_pool_formula_is_the_pools_own_size():
 @pytest.mark.parametrize("card_gib", [16, 24, 32])
 def test_a_consumer_card_keeps_room_for_the_kv_pool_and_the_layer_buffers(card_gib):
     free = card_gib * GiB - int(2.46e9) - (600 << 20)      # less the dense weights and the CUDA context
-    n = default_cache_experts(free, EXPERT, TOTAL, KV, BUFFERS)
-    after = KV + BUFFERS + WORKING_BYTES
+    n = default_cache_experts(free, EXPERT, TOTAL, KV, BUFFERS, STEP)
+    after = KV + BUFFERS + STEP + RESERVE_BYTES
     assert n * EXPERT + after <= free < (n + 1) * EXPERT + after      # all that is left, in whole experts
     assert int(0.85 * free / EXPERT) * EXPERT + KV + BUFFERS > free    # the old 85% left no room
 
 
 def test_a_small_model_is_cached_whole():
-    assert default_cache_experts(80 * GiB, EXPERT, 64, KV, 2 * 8 * EXPERT) == 64
+    assert default_cache_experts(80 * GiB, EXPERT, 64, KV, 2 * 8 * EXPERT, STEP) == 64
 
 
 def test_a_card_too_small_for_the_kv_pool_says_what_to_lower():
     with pytest.raises(ConfigError, match=r"the GPU has 6\.0 GB free: the KV cache \(8\.1 GB\).*--max-context"):
-        default_cache_experts(6 * 10**9, EXPERT, TOTAL, 2 * KV, BUFFERS)
+        default_cache_experts(6 * 10**9, EXPERT, TOTAL, 2 * KV, BUFFERS, STEP)
+
+
+def test_a_prefill_steps_peak_is_reserved_as_measured_on_the_h200():
+    """The reserve for a prefill step bounds the peaks measured on the H200 (device run 121,
+    bench/results/engine_gpu_prefill.json) by at most 15% more: tokens, keys -> measured GB."""
+    for tokens, keys, measured in [(8192, 8192, 0.57), (8192, 16384, 0.70), (16384, 16384, 1.13), (2048, 8192, 0.24)]:
+        reserved = prefill_peak_bytes(tokens, keys, 8, 2048, 768, 32, 4, 128, 2) / 1e9
+        assert measured <= reserved <= 1.15 * measured, (tokens, keys, reserved)
+    # at a 40k context an 8k step reserves 1.2 GB, and a card keeps it free
+    assert 1.1e9 < STEP < 1.3e9
+
+
+def test_a_prefill_step_that_leaves_no_expert_says_to_lower_the_step():
+    with pytest.raises(ConfigError, match=r"a prefill step \(1\.2 GB\).*--prefill-chunk"):
+        default_cache_experts(KV + BUFFERS + STEP + RESERVE_BYTES + EXPERT // 2, EXPERT, TOTAL, KV, BUFFERS, STEP)

@@ -205,8 +205,7 @@ class DeviceControl:
         self._seed_clock, self._seed_run = now, self._seed_run + 1
         filled = out.fill_slot >= 0
         slots, experts = out.fill_slot[filled], out.fill_exp[filled]
-        self.w13_slots[slots] = src_w13[experts]
-        self.w2_slots[slots] = src_w2[experts]
+        gather_fill_rows(src_w13[None], src_w2[None], self.w13_slots, self.w2_slots, 0, experts, slots)
         return int(slots.numel())
 
     def fill_free(self, layer: int, topk_ids: torch.Tensor, src_w13: torch.Tensor, src_w2: torch.Tensor) -> int:
@@ -236,8 +235,9 @@ class DeviceControl:
         routed = torch.bincount(topk_ids.reshape(-1), minlength=n_exp)
         experts = torch.argsort(torch.where(absent, routed, -1), descending=True, stable=True)[:n]
         slots = torch.argsort(self.slot_owner, stable=True)[:n]       # the empty slots (-1) first
-        self.w13_slots[slots] = src_w13[experts]
-        self.w2_slots[slots] = src_w2[experts]
+        # one gather launch, device to device, with no temporary (an indexed copy would first
+        # hold the n experts again: 1.2 GB for a whole Qwen3-30B layer)
+        gather_fill_rows(src_w13[None], src_w2[None], self.w13_slots, self.w2_slots, 0, experts, slots)
         self.slot_of[layer, experts] = slots
         self.slot_owner[slots] = layer * n_exp + experts
         return n

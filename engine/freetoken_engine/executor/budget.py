@@ -4,31 +4,45 @@ allocates after the cache.
 The cache is made before the KV pool and the prefill's two whole-layer buffers
 (``cache/prefetch.py``), so sizing it from the free memory alone (as before 2026-12-01: 85% of
 it) left a 24 GB card without room for them: Qwen3-30B-A3B at its 40,960-token context needs
-4.0 GB of KV pool and 2.4 GB of layer buffers after the cache. The default now takes those,
-exactly, and a fixed working reserve (activations, the decode graphs' executable images at
-12-14 MB a graph for 48 layers, the allocator's slack) off the free memory first.
+4.0 GB of KV pool and 2.4 GB of layer buffers after the cache. The default takes those, exactly,
+off the free memory first, then what a prefill step holds at its peak (``prefill_peak_bytes``)
+and a fixed reserve for the decode graphs and the allocator's slack.
 """
 from __future__ import annotations
 
 from ..errors import ConfigError
 
-#: activations, decode graphs and the allocator's slack (as bench/gpu_offload.py's card budgets)
-WORKING_BYTES = int(1.5 * (1 << 30))
+#: the decode graphs captured at start and while idle (about 0.45 GB at 48 layers and a 40k
+#: context: 12-14 MB a graph, device run 118) and the allocator's slack (not measured)
+RESERVE_BYTES = int(0.75 * (1 << 30))
 GB = 1e9
 
 
+def prefill_peak_bytes(tokens: int, context: int, top_k: int, hidden: int, inter: int, heads: int,
+                       kv_heads: int, head_dim: int, itemsize: int) -> int:
+    """What a prefill step of ``tokens`` tokens holds at its peak, above the weights, the cache and
+    the KV pool: the whole-layer MoE's rows of every (token, expert) pair, in and out of the
+    gate/up and down projections (``tokens x top_k x (hidden + 2 inter)``), and one chunk's
+    attention at ``context`` keys: its keys and values gathered from the paged pool and repeated
+    to every query head (``2 x context x (heads + kv_heads) x head_dim``). On the H200 (device run
+    121, Qwen3-30B-A3B's shapes, bf16) this is 1.09-1.12x the measured peaks: 0.62 / 0.77 / 1.24 GB
+    for 8k tokens at 8k and 16k keys and 16k at 16k, against 0.57 / 0.70 / 1.13 GB measured."""
+    return (tokens * top_k * (hidden + 2 * inter) + 2 * context * (heads + kv_heads) * head_dim) * itemsize
+
+
 def default_cache_experts(free: int, expert_bytes: int, total_experts: int, kv_bytes: int,
-                          layer_buffers: int) -> int:
+                          layer_buffers: int, prefill_bytes: int) -> int:
     """Experts the cache holds on a GPU with ``free`` bytes free now: what is left after the KV
-    pool, the prefill's layer buffers (``layer_buffers`` bytes) and ``WORKING_BYTES``, in whole
-    experts, at most every expert. Raises ConfigError, naming what to change, when not one
-    expert is left."""
-    left = free - kv_bytes - layer_buffers - WORKING_BYTES
+    pool, the prefill's layer buffers (``layer_buffers`` bytes), a prefill step's peak
+    (``prefill_bytes``) and ``RESERVE_BYTES``, in whole experts, at most every expert. Raises
+    ConfigError, naming what to change, when not one expert is left."""
+    left = free - kv_bytes - layer_buffers - prefill_bytes - RESERVE_BYTES
     n = min(total_experts, left // expert_bytes) if left > 0 else 0
     if n < 1:
         raise ConfigError(
             f"the GPU has {free / GB:.1f} GB free: the KV cache ({kv_bytes / GB:.1f} GB), the prefill's "
-            f"layer buffers ({layer_buffers / GB:.1f} GB) and {WORKING_BYTES / GB:.1f} GB of working memory "
-            f"leave no room for one expert ({expert_bytes / GB:.3f} GB); lower --max-context (the KV "
-            f"cache holds that many tokens or more) or set --expert-cache-gb")
+            f"layer buffers ({layer_buffers / GB:.1f} GB), a prefill step ({prefill_bytes / GB:.1f} GB) and "
+            f"{RESERVE_BYTES / GB:.1f} GB for decode graphs leave no room for one expert "
+            f"({expert_bytes / GB:.3f} GB); lower --max-context (the KV cache holds that many tokens or "
+            f"more) or --prefill-chunk, or set --expert-cache-gb")
     return int(n)

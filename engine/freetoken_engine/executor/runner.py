@@ -31,7 +31,7 @@ from ..calibrate import calibrated  # noqa: E402
 from ..models.build import BankRead, start_model  # noqa: E402
 from ..models.loader import torch_dtype  # noqa: E402
 from ..models.tokenizer import load_tokenizer  # noqa: E402
-from .budget import default_cache_experts  # noqa: E402
+from .budget import default_cache_experts, prefill_peak_bytes  # noqa: E402
 from .cpu_contention import ContentionFollower, pool_record  # noqa: E402
 from .inputs import SeqChunk, build_inputs  # noqa: E402
 from .split_tuner import SplitTuner, decode_batch  # noqa: E402
@@ -94,8 +94,7 @@ class ModelRunner:
         eos = tuple(dict.fromkeys(_generation_eos(folder) + self.mcfg.eos_token_ids))
         self.tokenizer = load_tokenizer(folder, eos)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else eos
-        self.max_context = min(cfg.max_context or self.mcfg.max_position_embeddings,
-                               self.mcfg.max_position_embeddings)
+        self.max_context = min(cfg.max_context or self.mcfg.max_position_embeddings, self.mcfg.max_position_embeddings)
         kv_blocks = -(-max(cfg.kv_cache_tokens or min(2 * self.max_context, 32768), self.max_context) // cfg.kv_block_size)
         self.cache = None
         if self.bank is not None:
@@ -203,12 +202,13 @@ class ModelRunner:
             n = min(n, total)               # a budget larger than the model: cache everything
         elif self.device.type == "cpu":
             n = total
-        else:                               # what is left after the KV pool and the layer buffers
-            m = self.mcfg
-            kv = kv_pool_bytes(m.num_layers, kv_blocks * self.cfg.kv_block_size, m.num_kv_heads, m.head_dim,
-                               self.dtype.itemsize)
+        else:                 # what is left after the KV pool, the layer buffers and a prefill step
+            m, b, size = self.mcfg, self.bank, self.dtype.itemsize
+            kv = kv_pool_bytes(m.num_layers, kv_blocks * self.cfg.kv_block_size, m.num_kv_heads, m.head_dim, size)
+            step = prefill_peak_bytes(self.cfg.prefill_tokens, self.max_context, m.moe.top_k, b.hidden, b.inter,
+                                      m.num_heads, m.num_kv_heads, m.head_dim, size)
             n = default_cache_experts(torch.cuda.mem_get_info(self.device)[0], per, total, kv,
-                                      2 * (self.bank.w13[0].nbytes + self.bank.w2[0].nbytes))
+                                      2 * (b.w13[0].nbytes + b.w2[0].nbytes), step)
         if n > total:
             raise ConfigError(f"expert cache of {n} experts is larger than the model's {total} experts")
         return n
