@@ -6,6 +6,7 @@ forward pass) says where each new token's K/V goes and which slots each sequence
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -40,7 +41,7 @@ class AttnBatch:
                                 # (no padding): causal is the lower-right triangle, no mask needed
     seq_counts: tuple[int, ...] | None = None   # new tokens of each sequence (host), in row order
     seq_ends: tuple[int, ...] | None = None     # keys of each sequence after this pass (host)
-    _masks: dict = field(default_factory=dict)
+    _made: dict = field(default_factory=dict)   # masks and row lists, made once per pass
 
     @property
     def q_flat(self) -> torch.Tensor:
@@ -50,7 +51,7 @@ class AttnBatch:
     def mask(self, window: int | None) -> torch.Tensor:
         """[B, 1, Qmax, Lmax] bool: True where a query may attend to a key (causal and
         sliding-window), cached per window; shaped for ``scaled_dot_product_attention``."""
-        if window not in self._masks:
+        if window not in self._made:
             b = self.kv_index.shape[0]
             qpos = torch.full((b * self.q_max,), -1, dtype=torch.int64, device=self.positions.device)
             qpos = qpos.index_copy(0, self.q_flat, self.positions).view(b, self.q_max)
@@ -59,41 +60,38 @@ class AttnBatch:
             if window is not None:
                 m &= kpos[None, None, :] > qpos[:, :, None] - window
             m[:, :, 0] |= qpos < 0          # padded query rows see one key: no NaN rows
-            self._masks[window] = m[:, None]
-        return self._masks[window]
+            self._made[window] = m[:, None]
+        return self._made[window]
 
     def singles(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None:
         """The sequences with one new token (``seq_counts``), for ``Attention._by_sequence``:
         (their indices, their rows, their longest key count, their key counts), made once per
         pass; None when there are none."""
-        if "singles" not in self._masks:
+        if "singles" not in self._made:
             dev = self.kv_index.device
             one = [i for i, n in enumerate(self.seq_counts) if n == 1]
-            starts = [sum(self.seq_counts[:i]) for i in one]
-            ends = [self.seq_ends[i] for i in one]
-            self._masks["singles"] = (torch.tensor(one, device=dev), torch.tensor(starts, device=dev), max(ends),
+            first = list(itertools.accumulate(self.seq_counts, initial=0))      # each sequence's first row
+            starts, ends = [first[i] for i in one], [self.seq_ends[i] for i in one]
+            self._made["singles"] = (torch.tensor(one, device=dev), torch.tensor(starts, device=dev), max(ends),
                                       torch.tensor(ends, device=dev)) if one else None
-        return self._masks["singles"]
+        return self._made["singles"]
 
     def chunk_rows(self) -> torch.Tensor:
         """The rows of the sequences with more than one new token, in order (made once per pass)."""
-        if "chunk_rows" not in self._masks:
-            rows, row = [], 0
-            for n in self.seq_counts:
-                if n > 1:
-                    rows.extend(range(row, row + n))
-                row += n
-            self._masks["chunk_rows"] = torch.tensor(rows, dtype=torch.int64, device=self.kv_index.device)
-        return self._masks["chunk_rows"]
+        if "chunk_rows" not in self._made:
+            first = itertools.accumulate(self.seq_counts, initial=0)
+            rows = [r for n, a in zip(self.seq_counts, first) if n > 1 for r in range(a, a + n)]
+            self._made["chunk_rows"] = torch.tensor(rows, dtype=torch.int64, device=self.kv_index.device)
+        return self._made["chunk_rows"]
 
     def padding(self) -> torch.Tensor:
         """[B, 1, Lmax, 1] bool: True at the padding of ``kv_index``, shaped for the keys and
         values [B, kvh, L, d]. A padding entry reads slot 0, whatever sequence holds it; the mask
         hides it, but a NaN key makes its score NaN before the mask applies and 0 * NaN is NaN,
         so its key and value are zeroed: one request's NaN never reaches the others in its batch."""
-        if "padding" not in self._masks:
-            self._masks["padding"] = ~self.kv_valid[:, None, :, None]
-        return self._masks["padding"]
+        if "padding" not in self._made:
+            self._made["padding"] = ~self.kv_valid[:, None, :, None]
+        return self._made["padding"]
 
 
 #: the backends a GPU's general attention path may take: not cuDNN's, the default on SM 9.0+ since
