@@ -121,3 +121,15 @@ def test_only_a_prompts_last_chunk_seeds(tiny_checkpoint, monkeypatch):
     llm.generate(prompt, SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True))
     layers, k = llm.runner.bank.w13.shape[0], 2
     assert 0 < llm.runner.experts.seeded <= layers * k
+
+
+def test_whole_layer_calls_keep_no_pair_index(monkeypatch):
+    """The [T * k] pair-token index is kept for decode-sized calls only (stable addresses for the
+    graphs): a prompt's last step can have any size up to the GPU's 8192 tokens, and an index
+    kept for every size would add up to gigabytes."""
+    experts = _experts(monkeypatch, "off", capacity=14)
+    g = torch.Generator().manual_seed(4)
+    _prefill(experts, g, tokens=THRESHOLD + 2)
+    assert (THRESHOLD + 2, K) not in experts._pair_tok
+    experts.forward(0, torch.randn(1, H, generator=g), _routing(g, 1))
+    assert (1, K) in experts._pair_tok
