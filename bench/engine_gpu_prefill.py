@@ -37,6 +37,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from hardware import describe  # noqa: E402
+from report import save  # noqa: E402
 
 
 def raise_context(model: Path, tokens: int) -> None:
@@ -258,14 +259,9 @@ def main() -> None:
                                             [int(c) for c in args.ab_chunks.split(",")])
             result["rows"] += card_rows(llm, card, args, gbps, expert_bytes)
     result["summary"] = summary(result["rows"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
     table(result["summary"])
     print(f"B_pcie {gbps:.1f} GB/s, {result['hardware'].get('gpu', result['hardware']['cpu'])}")
-    try:
-        plot(result, out.with_suffix(".png"))
-    except ImportError as exc:
-        print(f"no plot ({exc}); redraw with --plot-only where matplotlib is installed")
+    save(result, out, plot)
 
 
 if __name__ == "__main__":

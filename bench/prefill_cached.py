@@ -43,6 +43,7 @@ from offload_workload import CUDA, MODELS, ROOT, Bank  # noqa: E402
 from offload_measure import combine  # noqa: E402
 from gpu_offload import cache_slots as card_slots  # noqa: E402
 from hardware import describe  # noqa: E402
+from report import save  # noqa: E402
 from freetoken_engine.cache.experts import ExpertCache  # noqa: E402
 from freetoken_engine.cache.offload import OffloadedExperts  # noqa: E402
 from freetoken_engine.cache.prefetch import LayerStreamer  # noqa: E402
@@ -263,14 +264,9 @@ def main() -> None:
         if not same:
             print(f"WARNING {card:g} GB: the passes differ (max abs differences in the JSON)")
     result["summary"] = summary(result["rows"])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
     table(result["summary"])
     print(f"B_pcie {gbps:.1f} GB/s; in place == gather bit for bit: {result['in_place_equals_gather']}")
-    try:
-        plot(result, out.with_suffix(".png"))
-    except ImportError as exc:
-        print(f"no plot ({exc}); redraw with --plot-only where matplotlib is installed")
+    save(result, out, plot)
 
 
 if __name__ == "__main__":

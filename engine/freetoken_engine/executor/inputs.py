@@ -78,7 +78,6 @@ def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) 
                       kv_index=dev(kv_index), kv_valid=dev(kv_valid), q_max=q_max,
                       needs_mask=not (q_max == 1 and bool(kv_valid.all())),
                       max_position=int(positions.max()),
-                      aligned=bool((counts == q_max).all() and (ends == lmax).all()),
                       seq_counts=tuple(counts.tolist()), seq_ends=tuple(ends.tolist()),
                       kv_len=dev(ends) if q_max == 1 else None)   # the fused decode attention (CPU, GPU)
     return ForwardInputs(ids=dev(ids), batch=batch, logits_at=dev(np.cumsum(counts) - 1))

@@ -37,11 +37,17 @@ class AttnBatch:
     needs_mask: bool = True     # False when every query may see every key it reads (1-token decode)
     max_position: int | None = None   # max(positions), known on the host
     kv_len: torch.Tensor | None = None  # [B] int64 keys of each sequence after this pass (fused decode)
-    aligned: bool = False       # every sequence has q_max new tokens, the last of Lmax keys it reads
-                                # (no padding): causal is the lower-right triangle, no mask needed
     seq_counts: tuple[int, ...] | None = None   # new tokens of each sequence (host), in row order
     seq_ends: tuple[int, ...] | None = None     # keys of each sequence after this pass (host)
     _made: dict = field(default_factory=dict)   # masks and row lists, made once per pass
+
+    @property
+    def aligned(self) -> bool:
+        """Every sequence has ``q_max`` new tokens, the last of the ``Lmax`` keys it reads (no
+        padding): causal is the lower-right triangle, no mask needed. False without the host's
+        counts (a captured decode step)."""
+        return (self.seq_counts is not None and all(n == self.q_max for n in self.seq_counts)
+                and all(e == self.kv_index.shape[1] for e in self.seq_ends))
 
     @property
     def q_flat(self) -> torch.Tensor:
@@ -308,12 +314,12 @@ class Attention(nn.Module):
         """Each multi-token chunk's attention, alone, into its rows of ``out``; ``q`` and ``out``
         hold every row of the pass (``singles_in_rows``) or only the chunks' rows."""
         row = 0
+        lower_right = self.sdpa and q.device.type == "cuda" and self.window is None
         for i, (n, end) in enumerate(zip(batch.seq_counts, batch.seq_ends)):
             if n > 1:      # keys from the first its sliding window reaches (relative positions below)
                 lo = max(0, end - n - self.window + 1) if self.window is not None else 0
                 keys, values = self._keys(k_cache, v_cache, batch.kv_index[i:i + 1, lo:end])
                 qp = q[row:row + n].transpose(0, 1)[None]                               # [1, h, n, d]
-                lower_right = self.sdpa and q.device.type == "cuda" and self.window is None
                 mask = None if lower_right else self._allowed(torch.arange(end - n - lo, end - lo, device=q.device),
                                                               end - lo)
                 got = self._attend(qp, keys, values, mask[None, None] if mask is not None else None, lower_right)

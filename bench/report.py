@@ -1,0 +1,18 @@
+"""What a benchmark does with its result once measured: the JSON file, and the PNG beside it."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable
+
+
+def save(result: dict, out: Path, plot: Callable[[dict, Path], None]) -> None:
+    """Write ``result`` to ``out`` (JSON), then draw ``plot(result, out.with_suffix(".png"))``.
+    Where matplotlib is missing (a bare GPU machine) the measured JSON is kept and the line says
+    how to redraw the plot (the bench's ``--plot-only``) instead of failing after the run."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    try:
+        plot(result, out.with_suffix(".png"))
+    except ImportError as exc:
+        print(f"no plot ({exc}); redraw with --plot-only where matplotlib is installed")
