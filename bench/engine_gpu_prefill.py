@@ -106,10 +106,14 @@ def profile(llm, tokens: int, chunk: int, out: Path) -> None:
 def card_rows(llm, card: str, args, gbps: float, expert_bytes: int, side: str = "fill free",
               prompts: list[int] | None = None, chunks: list[int] | None = None) -> list[dict]:
     """One card's rows, from an empty cache (a fresh start): ``side`` "fill free" (the engine:
-    the prefill fills the empty slots, ``OffloadedExperts.prefill_fills_free``) or "seeds only"
-    (the engine before: only the prompt's last chunk seeds the cache with its last token's experts)."""
+    the prefill fills the empty slots, ``OffloadedExperts.prefill_fills_free``), "seeds only"
+    (the engine before: only the prompt's last chunk seeds the cache with its last token's experts)
+    or "repeated heads" (the engine before the twenty-fifth session: a chunk's keys and values
+    repeated to every query head before the flash call, ``Attention.grouped_flash``)."""
     from freetoken_engine.cache.offload import OffloadedExperts
-    OffloadedExperts.prefill_fills_free = side == "fill free"
+    from freetoken_engine.layers.attention import Attention
+    OffloadedExperts.prefill_fills_free = side != "seeds only"
+    Attention.grouped_flash = side != "repeated heads"
     runner = llm.runner
     total = runner.bank.total_experts if runner.bank is not None else 0
     slots = card_experts(card, args.shape, args.layers, total) if total else 0
@@ -143,7 +147,7 @@ def card_rows(llm, card: str, args, gbps: float, expert_bytes: int, side: str = 
                 got = logits[r["chunk"]]
                 r["max_abs_difference"] = float((got - ref).abs().max())
                 r["same_next_token"] = int(got.argmax()) == int(ref.argmax())
-    OffloadedExperts.prefill_fills_free = True
+    OffloadedExperts.prefill_fills_free = Attention.grouped_flash = True
     return rows
 
 
@@ -211,7 +215,9 @@ def main() -> None:
     ap.add_argument("--prompts", default="4096,8192,16384")
     ap.add_argument("--chunks", default="512,2048,8192,16384")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--ab-cards", default="32,all", help="cards also run as the engine before (seeds only)")
+    ap.add_argument("--ab-cards", default="32,all", help="cards also run as the engine before (--ab-side)")
+    ap.add_argument("--ab-side", default="seeds only", choices=("seeds only", "repeated heads"),
+                    help="which engine before: the prefill not filling the cache, or keys repeated to every head")
     ap.add_argument("--ab-prompts", default="8192")
     ap.add_argument("--ab-chunks", default="2048,8192")
     ap.add_argument("--device", default="cuda")
@@ -254,7 +260,7 @@ def main() -> None:
                   "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": []}
         for card in (args.cards.split(",") if cuda else ["all"]):
             if card in args.ab_cards.split(","):       # the engine before, from the same empty cache
-                result["rows"] += card_rows(llm, card, args, gbps, expert_bytes, "seeds only",
+                result["rows"] += card_rows(llm, card, args, gbps, expert_bytes, args.ab_side,
                                             [int(t) for t in args.ab_prompts.split(",")],
                                             [int(c) for c in args.ab_chunks.split(",")])
             result["rows"] += card_rows(llm, card, args, gbps, expert_bytes)

@@ -13,6 +13,13 @@ eager steps, freed start-up buffers); later widths do not. The graphs write one 
 logits buffer (executor/graphs.py); ``own_logits_mb`` is what the same graphs held before, each
 its own ``[B, V]`` float32 logits.
 
+``--limit-gb G``: the engine's limit on the graphs' memory (``--graph-memory-gb``; 0, the
+default here, for none). Each key is then captured as serving captures it (its eager step, the
+capture, one replay, through ``ModelRunner.forward``), since the warm-up never drops a graph, and
+with ``DecodeGraphs.KEEP_STEPS = 0``, so every older key counts as gone quiet: past the limit each
+capture replaces the graph replayed least recently. Run each side in its own process: the driver
+keeps a dropped graph's memory for the process's later graphs.
+
 Checkpoint: ``engine_gpu_decode.py``'s (random bf16 weights in Qwen3-30B-A3B's shapes,
 ``--layers`` layers, ``--stretch`` for a RAM-backed repeated one), expert cache at ``--fraction``
 of the experts.
@@ -38,15 +45,29 @@ from hardware import describe  # noqa: E402
 MB = 1e6
 
 
-def measure(model: Path, fraction: float, max_batch: int, widths: int) -> dict:
+def measure(model: Path, fraction: float, max_batch: int, widths: int, limit_gb: float) -> dict:
     import torch
 
     from freetoken_engine import LLM
+    from freetoken_engine.executor.graphs import DecodeGraphs
     cfg = json.loads((model / "config.json").read_text())
     experts = max(1, round(fraction * cfg["num_hidden_layers"] * cfg["num_experts"]))
     llm = LLM(model, device="cuda", dtype="bfloat16", expert_cache_experts=experts, graph_warmup=0,
-              max_batch=max_batch)
+              max_batch=max_batch, graph_memory_gb=limit_gb)
     runner, vocab = llm.runner, cfg["vocab_size"]
+    DecodeGraphs.KEEP_STEPS = 0
+
+    def serve(w: int) -> int:
+        """Batch sizes 1..max_batch at the w-th width, captured as serving captures them."""
+        width, n = runner.graphs.widths()[w - 1], 0
+        scratch = runner.kv.allocate(1)
+        for b in range(1, max_batch + 1):
+            chunks = runner.dummy_decode(scratch, width, b)
+            runner.forward(chunks)
+            n += (b, width) in runner.graphs
+            runner.forward(chunks)
+        runner.kv.release(scratch)
+        return n
 
     def state() -> dict:
         torch.cuda.synchronize()
@@ -56,7 +77,7 @@ def measure(model: Path, fraction: float, max_batch: int, widths: int) -> dict:
     rows, before = [], state()
     for w in range(1, widths + 1):
         t0 = time.perf_counter()
-        n = runner.warm_graphs(max_batch, widths=w)
+        n = serve(w) if limit_gb else runner.warm_graphs(max_batch, widths=w)
         secs = time.perf_counter() - t0
         after = state()
         rows.append({"width": runner.graphs.widths()[w - 1], "graphs": n, "seconds": secs,
@@ -68,10 +89,12 @@ def measure(model: Path, fraction: float, max_batch: int, widths: int) -> dict:
         width = rows[-1]["width"]
         each = sorted(g.bytes / MB for (b, w), g in runner.graphs._graphs.items() if w == width)
         rows[-1].update({"device_mb_per_graph": rows[-1]["device_mb"] / max(n, 1),
-                         "capture_mb": each, "capture_mb_median": statistics.median(each) if each else 0})
+                         "capture_mb": each, "capture_mb_median": statistics.median(each) if each else 0,
+                         "graphs_held": len(runner.graphs), "dropped": runner.graphs.dropped,
+                         "held_mb": runner.graphs.held_bytes / MB})
         before = after
     return {"layers": cfg["num_hidden_layers"], "vocab": vocab, "cache_experts": experts,
-            "max_batch": max_batch, "rows": rows, "graphs_total": len(runner.graphs)}
+            "max_batch": max_batch, "limit_gb": limit_gb, "rows": rows, "graphs_total": len(runner.graphs)}
 
 
 def main() -> None:
@@ -80,6 +103,7 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.5)
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--widths", type=int, default=2, help="the narrowest N KV widths")
+    ap.add_argument("--limit-gb", type=float, default=0.0, help="--graph-memory-gb (0: no limit)")
     ap.add_argument("--stretch", type=Path, default=None, metavar="FAST_DIR")
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/graph_memory.json")
     args = ap.parse_args()
@@ -87,15 +111,15 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(dir=args.stretch))
     try:
         model, _ = bench_checkpoint(work, args.layers, work if args.stretch else None)
-        res = measure(model, args.fraction, args.max_batch, args.widths)
+        res = measure(model, args.fraction, args.max_batch, args.widths, args.limit_gb)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"{'width':>6} {'graphs':>6} {'s/graph':>8} {'device MB':>9} {'MB/graph':>8} {'capture MB':>10} "
-          f"{'reserved MB':>11} {'allocated MB':>12} {'own logits MB':>13}")
+          f"{'reserved MB':>11} {'allocated MB':>12} {'own logits MB':>13} {'held':>5} {'dropped':>7}")
     for r in res["rows"]:
         print(f"{r['width']:6d} {r['graphs']:6d} {r['seconds_per_graph']:8.3f} {r['device_mb']:9.1f} "
               f"{r['device_mb_per_graph']:8.2f} {r['capture_mb_median']:10.2f} {r['reserved_mb']:11.1f} "
-              f"{r['allocated_mb']:12.1f} {r['own_logits_mb']:13.1f}")
+              f"{r['allocated_mb']:12.1f} {r['own_logits_mb']:13.1f} {r['graphs_held']:5d} {r['dropped']:7d}")
     result = {"benchmark": "graph_memory", "hardware": describe(), "method": __doc__,
               "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python", "bench/graph_memory.py"] + sys.argv[1:]), **res}

@@ -50,6 +50,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph-warmup-widths", type=int, default=1, metavar="W",
                    help="... at the narrowest W context widths (256, 512, ... keys; default 1, 0: every "
                         "width); a server captures the wider ones while idle, otherwise on first use")
+    p.add_argument("--graph-memory-gb", type=float, default=0.5, metavar="GB",
+                   help="device memory the decode graphs may take (default 0.5, about 36 graphs of a "
+                        "48-layer MoE; 0: no limit): past it, a new batch size or context width takes the "
+                        "place of the graph used least recently")
     p.add_argument("--split-tuning", action="store_true",
                    help="refine the calibrated q* online by measured decode step time (CUDA only; "
                         "see docs/gpu.md for when it helps)")
@@ -65,7 +69,8 @@ def _engine_kwargs(args) -> dict:
               max_context=args.max_context, prefill_chunk=args.prefill_chunk,
               expert_backend=args.expert_backend, cuda_graphs=args.cuda_graphs,
               graph_warmup=args.graph_warmup,
-              graph_warmup_widths=args.graph_warmup_widths, split_tuning=args.split_tuning,
+              graph_warmup_widths=args.graph_warmup_widths, graph_memory_gb=args.graph_memory_gb,
+              split_tuning=args.split_tuning,
               cpu_rate_probe=args.cpu_rate_probe)
     return kw
 

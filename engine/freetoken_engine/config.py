@@ -111,6 +111,7 @@ class EngineConfig:
     cuda_graphs: bool = True                 # capture decode steps as CUDA graphs (CUDA + triton)
     graph_warmup: int = 4                    # capture batch sizes 1..N at start (0: on first use)
     graph_warmup_widths: int = 1             # ... at the narrowest N KV widths (0: all); the rest when idle
+    graph_memory_gb: float = 0.5             # the decode graphs' device memory, at most about (0: no limit)
     split_tuning: bool = False               # refine q* online by measured decode step time (CUDA)
     cpu_rate_probe: bool = True              # q* by the CPU's rate on this model and under contention
     prefill_chunk: int | None = None         # None: 512 on the CPU, 8192 on a GPU (prefill_tokens)
@@ -141,6 +142,8 @@ class EngineConfig:
             raise ConfigError(f"--expert-backend must be auto, torch or triton, got {self.expert_backend!r}")
         if self.graph_warmup < 0:
             raise ConfigError(f"--graph-warmup must be 0 or more, got {self.graph_warmup}")
+        if not self.graph_memory_gb >= 0:
+            raise ConfigError(f"--graph-memory-gb must be 0 (no limit) or more, got {self.graph_memory_gb}")
         if self.graph_warmup_widths < 0:
             raise ConfigError(f"--graph-warmup-widths must be 0 (every width) or more, got {self.graph_warmup_widths}")
         if self.prefill_expert_threshold is not None and self.prefill_expert_threshold < 2:

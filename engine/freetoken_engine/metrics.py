@@ -93,6 +93,9 @@ class _EngineCollector:
             yield GaugeMetricFamily("freetoken_decode_graph_bytes",
                                     "Device memory the decode graphs took (measured at capture and first replay)",
                                     value=float(stats.get("decode_graph_bytes", 0)))
+            yield CounterMetricFamily("freetoken_decode_graph_drops",
+                                      "Decode graphs dropped to keep their memory under --graph-memory-gb",
+                                      value=float(stats.get("decode_graph_drops", 0)))
         if stats.get("preemptions") is not None:
             yield CounterMetricFamily("freetoken_preemptions",
                                       "Running requests pushed back to the queue to free KV blocks",

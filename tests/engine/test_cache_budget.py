@@ -44,15 +44,21 @@ def test_a_card_too_small_for_the_kv_pool_says_what_to_lower():
 
 
 def test_a_prefill_steps_peak_is_reserved_as_measured_on_the_h200():
-    """The reserve for a prefill step bounds the peaks measured on the H200 (device run 121,
-    bench/results/engine_gpu_prefill.json) by at most 15% more: tokens, keys -> measured GB."""
-    for tokens, keys, measured in [(8192, 8192, 0.57), (8192, 16384, 0.70), (16384, 16384, 1.13), (2048, 8192, 0.24)]:
+    """The reserve for a prefill step bounds the peaks measured on the H200 by at most 15% more
+    where flash attention reads the grouped KV heads in place (bf16, the GPU default: device run
+    126) and 25% more where they are repeated to every query head (runs 121, 126): tokens, keys
+    -> measured GB (bench/results/engine_gpu_prefill*.json)."""
+    for tokens, keys, measured in [(8192, 16384, 0.53), (8192, 32768, 0.53)]:
         reserved = prefill_peak_bytes(tokens, keys, 8, 2048, 768, 32, 4, 128, 2) / 1e9
         assert measured <= reserved <= 1.15 * measured, (tokens, keys, reserved)
-    # at a 40k context an 8k step reserves 1.2 GB, and a card keeps it free
-    assert 1.1e9 < STEP < 1.3e9
+    for tokens, keys, measured in [(8192, 8192, 0.57), (8192, 16384, 0.70), (8192, 32768, 0.97),
+                                   (16384, 16384, 1.13), (2048, 8192, 0.24)]:
+        reserved = prefill_peak_bytes(tokens, keys, 8, 2048, 768, 32, 4, 128, 2, grouped=False) / 1e9
+        assert measured <= reserved <= 1.25 * measured, (tokens, keys, reserved)
+    # at a 40k context an 8k step reserves 0.62 GB (1.37 GB with repeated heads)
+    assert 0.55e9 < STEP < 0.7e9
 
 
 def test_a_prefill_step_that_leaves_no_expert_says_to_lower_the_step():
-    with pytest.raises(ConfigError, match=r"a prefill step \(1\.2 GB\).*--prefill-chunk"):
+    with pytest.raises(ConfigError, match=r"a prefill step \(0\.6 GB\).*--prefill-chunk"):
         default_cache_experts(KV + BUFFERS + STEP + RESERVE_BYTES + EXPERT // 2, EXPERT, TOTAL, KV, BUFFERS, STEP)

@@ -185,3 +185,56 @@ def test_decode_projections_run_through_the_triton_gemv_and_agree_with_cublas(ti
         assert (log_on - log_off).abs().max() < tol * max(1.0, log_off.abs().max().item())
     else:
         assert (log_on - log_off).abs().max() < 0.1 * max(1.0, log_off.abs().max().item())
+
+
+@pytest.mark.parametrize("head_dim", [16, 8], ids=["decode-kernel", "matmul"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model_type,overrides", [("qwen3_moe", {}), ("mixtral", {"sliding_window": 5})])
+def test_gpu_mixed_pass_gives_each_sequence_its_own_logits(tiny_checkpoint, monkeypatch, model_type, overrides, dtype,
+                                                           head_dim):
+    """On a GPU, a pass mixing prompts' chunks with decode tokens (each chunk through SDPA's
+    lower-right causal call over its own keys; the decode tokens through the Triton paged decode
+    kernel where it takes the layer, a power-of-two head dim of at least 16, else one matmul per KV
+    head) gives each sequence the logits of a pass of its own through the padded path."""
+    from mixed_pass import alone_and_mixed
+    llm = LLM(tiny_checkpoint(model_type, head_dim=head_dim, **overrides), device="cuda", dtype=dtype,
+              cuda_graphs=False)
+    alone, mixed, calls = alone_and_mixed(llm, monkeypatch)
+    assert calls[{16: "_beside_chunks", 8: "_one_token"}[head_dim]] == llm.runner.mcfg.num_layers
+    tol = 1e-4 if dtype == "float32" else 0.05
+    assert (mixed - alone).abs().max() < tol * max(1.0, alone.abs().max().item())
+    assert torch.equal(mixed.argmax(-1), alone.argmax(-1))
+
+
+@pytest.mark.parametrize("head_dim", [16, 128])
+def test_gpu_chunk_attention_reads_the_grouped_heads_in_place(tiny_checkpoint, monkeypatch, head_dim):
+    """In bfloat16 a prompt chunk's lower-right causal call goes to flash attention with the KV
+    heads grouped (``enable_gqa``), not repeated to every query head first (at a 40k context that
+    repeat held 0.34 GB each for Qwen3-30B's keys and values). The logits equal the repeated
+    path's (``Attention.grouped_flash = False``), chunk by chunk and for a whole prompt."""
+    from freetoken_engine.layers import attention
+    llm = LLM(tiny_checkpoint("qwen3_moe", head_dim=head_dim), device="cuda", dtype="bfloat16", cuda_graphs=False)
+    assert llm.runner.mcfg.num_heads > llm.runner.mcfg.num_kv_heads
+    seen = []
+    real = attention.gpu_sdpa
+
+    def spy(q, k, v, mask, lower_right, scale, grouped=False):
+        seen.append((k.shape[1] < q.shape[1], grouped))
+        return real(q, k, v, mask, lower_right, scale, grouped)
+    monkeypatch.setattr(attention, "gpu_sdpa", spy)
+
+    def run() -> torch.Tensor:
+        rows = []
+        for chunk in (5, len(PROMPT)):
+            blocks, last = llm._run(PROMPT, chunk)
+            llm.runner.kv.release(blocks)
+            rows.append(last[None])
+        return torch.cat(rows).float().cpu()
+
+    got = run()
+    assert seen and all(s == (True, True) for s in seen)       # every call read the groups in place
+    seen.clear()
+    monkeypatch.setattr(attention.Attention, "grouped_flash", False)
+    want = run()
+    assert seen and all(s == (False, False) for s in seen)
+    assert torch.equal(got, want) or (got - want).abs().max() < 0.02 * max(1.0, want.abs().max().item())

@@ -346,3 +346,46 @@ def test_the_memory_the_decode_graphs_take_is_measured_and_reported(tiny_checkpo
     got, logits = lockstep(llm, PROMPTS[:2], 12)
     assert got == want and (logits - want_logits).abs().max() < 1e-4
     assert runner.graph_stats()["decode_graph_bytes"] == 5_000_000 * len(live) == 45_000_000   # (2, 512) too
+
+
+def test_the_decode_graphs_stay_within_their_memory_limit(tiny_checkpoint, monkeypatch):
+    """``--graph-memory-gb``: once the graphs have taken the limit, a new key (batch size, context
+    width) takes the place of the graph replayed least recently, and the warm-up stops there. A
+    tiny model's graphs are below what ``cudaMemGetInfo`` resolves, so the device's free memory
+    is made to read 5 MB less per graph at the most graphs alive at once (the driver keeps a
+    destroyed graph's memory for the next graphs: device run 118). Under a 10 MB limit: two
+    graphs at most, ever; batch sizes and widths beyond them still replay after their capture,
+    and every token equals the eager engine's."""
+    import weakref
+
+    from freetoken_engine.executor.graphs import DecodeGraphs
+    alive, peak = weakref.WeakSet(), [0]
+    real_end = torch.cuda.CUDAGraph.capture_end
+
+    def end(g):
+        real_end(g)
+        alive.add(g)
+        peak[0] = max(peak[0], len(alive))
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_end", end)
+    monkeypatch.setattr(DecodeGraphs, "_free", lambda self: 10**9 - 5_000_000 * peak[0])
+    monkeypatch.setattr(DecodeGraphs, "KEEP_STEPS", 2)
+    events, real_capture = [], DecodeGraphs.capture
+
+    def capture(self, chunks, key, evict=True):
+        real_capture(self, chunks, key, evict)
+        events.append((self.clock, key, evict, key in self, sorted(self._graphs), self.dropped, self.refused))
+    monkeypatch.setattr(DecodeGraphs, "capture", capture)
+    folder = tiny_checkpoint("qwen3_moe")
+    llm = LLM(folder, device="cuda", dtype="float32", max_batch=8, graph_warmup=0, graph_memory_gb=0.01)
+    runner = llm.runner
+    assert runner.warm_graphs(4, widths=1) == 2         # the warm-up stops at the limit, drops nothing
+    eager = LLM(folder, device="cuda", dtype="float32", cuda_graphs=False, max_batch=8)
+    for prompts in (PROMPTS, PROMPTS[:1], PROMPTS[1:]):   # batch 3 across 256 keys, then 1, then 2
+        want, want_logits = lockstep(eager, prompts, 12)
+        replays = runner.graphs.replays
+        got, logits = lockstep(llm, prompts, 12)
+        assert got == want and (logits - want_logits).abs().max() < 1e-4
+        assert runner.graphs.replays > replays            # the new keys were captured and replayed
+    stats = runner.graph_stats()
+    assert peak[0] == 2 and stats["decode_graphs"] == 2
+    assert stats["decode_graph_drops"] >= 3 and stats["decode_graph_bytes"] == 10_000_000, events

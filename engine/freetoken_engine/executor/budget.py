@@ -18,16 +18,25 @@ RESERVE_BYTES = int(0.75 * (1 << 30))
 GB = 1e9
 
 
+#: the whole-layer MoE's peak against its pairs' rows alone (pair indices, routing weights, the
+#: allocator's rounding): 1.13x on the H200 (device run 126, an 8k step with 16k and 32k keys)
+MOE_OVERHEAD = 1.15
+
+
 def prefill_peak_bytes(tokens: int, context: int, top_k: int, hidden: int, inter: int, heads: int,
-                       kv_heads: int, head_dim: int, itemsize: int) -> int:
+                       kv_heads: int, head_dim: int, itemsize: int, grouped: bool = True) -> int:
     """What a prefill step of ``tokens`` tokens holds at its peak, above the weights, the cache and
     the KV pool: the whole-layer MoE's rows of every (token, expert) pair, in and out of the
-    gate/up and down projections (``tokens x top_k x (hidden + 2 inter)``), and one chunk's
-    attention at ``context`` keys: its keys and values gathered from the paged pool and repeated
-    to every query head (``2 x context x (heads + kv_heads) x head_dim``). On the H200 (device run
-    121, Qwen3-30B-A3B's shapes, bf16) this is 1.09-1.12x the measured peaks: 0.62 / 0.77 / 1.24 GB
-    for 8k tokens at 8k and 16k keys and 16k at 16k, against 0.57 / 0.70 / 1.13 GB measured."""
-    return (tokens * top_k * (hidden + 2 * inter) + 2 * context * (heads + kv_heads) * head_dim) * itemsize
+    gate/up and down projections (``tokens x top_k x (hidden + 2 inter)``, times MOE_OVERHEAD),
+    and one chunk's attention at ``context`` keys: its keys and values gathered from the paged
+    pool (``2 x context x kv_heads x head_dim``), and repeated to every query head where flash
+    attention does not read them ``grouped`` (float32 data: ``+ 2 x context x heads x head_dim``).
+    Against the H200's measured peaks (Qwen3-30B-A3B's shapes, bf16, an 8k step): grouped, 0.57 /
+    0.61 GB for 16k / 32k keys against 0.53 / 0.53 measured (run 126); repeated, 1.18-1.22x (runs
+    121 and 126: 0.57 / 0.70 / 0.97 GB for 8k / 16k / 32k keys)."""
+    moe = MOE_OVERHEAD * tokens * top_k * (hidden + 2 * inter)
+    keys = 2 * context * (kv_heads if grouped else heads + kv_heads) * head_dim
+    return int((moe + keys) * itemsize)
 
 
 def default_cache_experts(free: int, expert_bytes: int, total_experts: int, kv_bytes: int,

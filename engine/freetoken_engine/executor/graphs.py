@@ -28,9 +28,15 @@ A captured graph also holds device memory of its own, outside the allocator: its
 image, 12-14 MB for a 48-layer MoE step on the H200 (bench/graph_memory.py), so every batch size
 at every width would take gigabytes. That memory is measured (``cudaMemGetInfo`` after a sync:
 what the device's free memory lost across each capture and across a graph's first replay, its
-upload) and reported (``held_bytes``, since the start; the metric ``freetoken_decode_graph_bytes``). It is not
-bounded yet: a dropped graph's memory is kept by the driver for later graphs rather than freed
-(measured; docs/gpu.md), so a limit must drop a graph before a capture, not count memory back.
+upload) and reported (``held_bytes``, since the start; the metric ``freetoken_decode_graph_bytes``),
+and bounded (``limit_bytes``, ``--graph-memory-gb``): once the graphs have taken the limit, their
+number is capped there, and a capture first drops the graph replayed least recently. The driver
+keeps a destroyed graph's memory for the next graphs rather than freeing it (measured;
+docs/gpu.md), so the new graph reuses the dropped one's memory and the device's memory stops
+growing. A graph replayed within the last ``KEEP_STEPS`` steps is never dropped: the new key's
+steps then stay eager (a capture costs about ten eager steps, so trading graphs back and forth
+would cost more than it saves), and the warm-up captures only into free room (``evict=False``),
+so it never drops a conversation's graphs.
 
 Every tensor a graph reads outside its own memory pool is kept alive by ``_Graph`` (a freed one
 would be reused by the allocator under the graph). Graphs hold the addresses of the KV pool,
@@ -65,17 +71,27 @@ class _Graph:
     copied: torch.cuda.Event  # the last copy out of ``staging`` (it is reused only after that)
     bytes: int = 0            # device memory the capture and the first replay took (measured)
     uploaded: bool = False    # replayed once: the first launch uploads the graph (more memory)
+    used: int = 0             # DecodeGraphs.clock at its capture or last replay (a decode step count)
 
 
 class DecodeGraphs:
     """Captured decode steps of one ``ModelRunner`` (its model, KV pool and expert executor)."""
 
+    #: a graph replayed within this many decode steps (replays, and eager steps that try a capture)
+    #: is never dropped for a new one
+    KEEP_STEPS = 64
+
     def __init__(self, model, kv, experts, device: torch.device, dtype: torch.dtype, max_context: int,
-                 max_batch: int):
+                 max_batch: int, limit_bytes: int = 0):
         self.model, self.kv, self.experts, self.device = model, kv, experts, device
         self.max_context, self.max_batch = max_context, max_batch
+        self.limit_bytes = limit_bytes             # 0: no limit
         self.enabled = True
         self.replays = 0
+        self.clock = 0
+        self.dropped = 0           # graphs dropped to stay under the limit
+        self.refused = 0           # captures not made: every graph was in use, or the warm-up found no room
+        self.cap: int | None = None  # graphs at most, once they have taken limit_bytes (``_room``)
         # device memory the graphs took (captures and first replays) since the start: not reset
         # by ``clear``, since the driver keeps a dropped graph's memory for the next ones
         self.held_bytes = 0
@@ -122,6 +138,8 @@ class DecodeGraphs:
 
     def replay(self, chunks: list[SeqChunk], key: tuple[int, int]) -> torch.Tensor:
         g = self._graphs[key]
+        self.clock += 1
+        g.used = self.clock
         arrays = decode_arrays(chunks, self.kv.block_size, key[1])
         with torch.cuda.device(self.device):        # the engine's device, whichever is current
             g.copied.synchronize()
@@ -141,8 +159,37 @@ class DecodeGraphs:
         self.replays += 1
         return g.logits.clone()
 
-    def capture(self, chunks: list[SeqChunk], key: tuple[int, int]) -> None:
-        """Capture the step ``chunks`` (already run eagerly once: kernels compiled, buffers made)."""
+    def _room(self, evict: bool) -> bool:
+        """Whether a new graph may be captured. Until the graphs have taken ``limit_bytes``, always;
+        from then on their number is the limit (``cap``, the graphs held when it was reached), and
+        a new graph takes the place of the one replayed least recently, dropped now when ``evict``
+        and when it was not replayed in the last ``KEEP_STEPS`` steps. A count, not bytes: the
+        driver keeps a dropped graph's memory for the next graphs (``held_bytes`` never goes
+        down), so as many graphs as fitted keep fitting, after a ``clear`` too. A new graph larger
+        than the one it replaces takes a little more (2 MB steps, docs/gpu.md). Called once per
+        eager decode step that tries a capture, which counts as a step: the graphs it did not use
+        age, so a batch decoding only in a refused key gets its graph after ``KEEP_STEPS`` steps."""
+        self.clock += 1
+        if not self.limit_bytes:
+            return True
+        if self.cap is None:
+            if self.held_bytes < self.limit_bytes:
+                return True
+            self.cap = max(1, len(self._graphs))
+        if len(self._graphs) < self.cap:
+            return True
+        victim = min(self._graphs, key=lambda k: self._graphs[k].used)
+        if not evict or self.clock - self._graphs[victim].used < self.KEEP_STEPS:
+            self.refused += 1
+            return False
+        del self._graphs[victim]              # its memory goes to the next capture
+        self.tried.discard(victim)
+        self.dropped += 1
+        return True
+
+    def capture(self, chunks: list[SeqChunk], key: tuple[int, int], evict: bool = True) -> None:
+        """Capture the step ``chunks`` (already run eagerly once: kernels compiled, buffers made)
+        if it fits under the limit (``_room``)."""
         b, width = key
         self.tried.add(key)
         cuda_warm.wait()                   # a capture must not see another thread's CUDA calls
@@ -151,6 +198,8 @@ class DecodeGraphs:
             mode = self.experts.graph_mode(b)
             if mode is None:
                 return                     # a per-layer sync: this step stays eager
+        if not self._room(evict):
+            return
         arrays = decode_arrays(chunks, self.kv.block_size, width)
         staging = torch.from_numpy(arrays).pin_memory()
         inputs = staging.to(self.device)
@@ -183,7 +232,7 @@ class DecodeGraphs:
             if self.experts is not None:
                 self.experts.capturing(False)
         taken = max(0, free - self._free())
-        self._graphs[key] = _Graph(graph, staging, inputs, rows, out, mode, torch.cuda.Event(), taken)
+        self._graphs[key] = _Graph(graph, staging, inputs, rows, out, mode, torch.cuda.Event(), taken, used=self.clock)
         self.held_bytes += taken
 
     def _free(self) -> int:

@@ -187,7 +187,7 @@ class ModelRunner:
             from .graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.experts if self.cache is not None else None,
                                        self.device, self.dtype, self.max_context,
-                                       min(cfg.max_batch, cfg.expert_threshold - 1))
+                                       min(cfg.max_batch, cfg.expert_threshold - 1), int(cfg.graph_memory_gb * 1e9))
 
     # -- configuration -------------------------------------------------------------------------
     def _capacity(self, kv_blocks: int) -> int:
@@ -206,7 +206,7 @@ class ModelRunner:
             m, b, size = self.mcfg, self.bank, self.dtype.itemsize
             kv = kv_pool_bytes(m.num_layers, kv_blocks * self.cfg.kv_block_size, m.num_kv_heads, m.head_dim, size)
             step = prefill_peak_bytes(self.cfg.prefill_tokens, self.max_context, m.moe.top_k, b.hidden, b.inter,
-                                      m.num_heads, m.num_kv_heads, m.head_dim, size)
+                                      m.num_heads, m.num_kv_heads, m.head_dim, size, grouped=size == 2)
             n = default_cache_experts(torch.cuda.mem_get_info(self.device)[0], per, total, kv,
                                       2 * (b.w13[0].nbytes + b.w2[0].nbytes), step)
         if n > total:
@@ -242,7 +242,7 @@ class ModelRunner:
         if self.cache is not None:
             self.experts.end_step()
         if key is not None and key not in self.graphs:
-            self.graphs.capture(chunks, key)      # after its first eager run: replayed from the next
+            self.graphs.capture(chunks, key, evict=not self._warming)   # replayed from the next step
             if timed is not None:
                 self._timed = timed = (timed[0], None, None)     # not a step's time: left out
         if timed is not None and timed[2] is not None:
@@ -386,13 +386,12 @@ class ModelRunner:
                 "cpu_contention": self.follower.state() if self.follower is not None else None}
 
     def graph_stats(self) -> dict:
-        """Decode CUDA graphs held now, steps replayed from them (0 and 0: eager decode) and the
-        device memory the graphs took (measured, ``DecodeGraphs.held_bytes``)."""
+        """Decode CUDA graphs held, replayed (0 and 0: eager decode), their measured device memory
+        (``DecodeGraphs.held_bytes``) and the graphs dropped to stay under ``--graph-memory-gb``."""
         g = self.graphs
-        return {"decode_graphs": len(g) if g is not None else 0,
-                "decode_graph_replays": g.replays if g is not None else 0,
-                "decode_graph_bytes": g.held_bytes if g is not None else 0,
-                "decode_graph_warmup_seconds": round(self.graph_warmup_seconds, 3)}
+        n, replays, held, drops = (len(g), g.replays, g.held_bytes, g.dropped) if g is not None else (0, 0, 0, 0)
+        return {"decode_graphs": n, "decode_graph_replays": replays, "decode_graph_bytes": held,
+                "decode_graph_drops": drops, "decode_graph_warmup_seconds": round(self.graph_warmup_seconds, 3)}
 
     def device_bytes(self) -> int:
         if self.device.type != "cuda":

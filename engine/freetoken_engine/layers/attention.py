@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.backends.cuda import SDPAParams, can_use_flash_attention
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
@@ -106,16 +107,25 @@ class AttnBatch:
 GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
+def flash_takes_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether flash attention computes ``q [B, h, Q, d]`` over ``k`` / ``v [B, kvh, L, d]`` with
+    their grouped heads as they are (half-precision data on a GPU that has it). Asked without the
+    causal flag, as torch's lower-right causal call asks: the flag means the upper-left triangle,
+    which flash refuses for a chunk with more keys than queries."""
+    return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True), False)
+
+
 def gpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-             lower_right: bool, scale: float) -> torch.Tensor:
-    """SDPA on a GPU (heads already repeated). ``lower_right``: a prompt's chunk of one sequence
+             lower_right: bool, scale: float, grouped: bool = False) -> torch.Tensor:
+    """SDPA on a GPU (heads already repeated, or ``grouped``: flash attention reads KV head
+    i // g for query head i). ``lower_right``: a prompt's chunk of one sequence
     (``AttnBatch.aligned``, no sliding window) as the lower-right causal triangle, which flash
     attention computes without a mask tensor (an 8192-token chunk at 40k context would hold a
     0.7 GB one); else the boolean ``mask`` (or none), never through cuDNN's kernel."""
     if lower_right:
         mask = causal_lower_right(q.shape[2], k.shape[2])
     with sdpa_kernel(GPU_BACKENDS):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=grouped)
 
 
 class Attention(nn.Module):
@@ -126,6 +136,9 @@ class Attention(nn.Module):
     #: padded to the longest chunk and context (the engine before 2026-12-01's twenty-fourth
     #: session; bench/mixed_pass_attention.py's A/B)
     by_sequence = True
+    #: a GPU chunk's flash call reads the grouped KV heads in place; False: repeated to every query
+    #: head first (the engine before 2026-12-01's twenty-fifth session; bench/engine_gpu_prefill.py's A/B)
+    grouped_flash = True
 
     def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
         super().__init__()
@@ -267,15 +280,18 @@ class Attention(nn.Module):
                 lower_right: bool = False) -> torch.Tensor:
         """qp [B, h, Q, d] over keys / values [B, kvh, L, d] -> [B, h, Q, d]. Query head i reads KV
         head i // g. Fused (flash-style) kernels, so the [Q, L] scores of a long prefill chunk are
-        never held whole; on a GPU the KV heads are repeated, since the kernel that takes a mask
-        there takes no grouped heads."""
+        never held whole. On a GPU a chunk's lower-right causal call reads the grouped heads in
+        place through flash attention; elsewhere the KV heads are repeated, since the kernel that
+        takes a mask (or float32 data) there takes no grouped heads: 0.34 GB each for keys and
+        values of Qwen3-30B at a 40k context."""
         g = self.h // self.kvh
         if not self.sdpa:
             return self._grouped_matmuls(qp, keys, values, mask)
         if qp.device.type == "cuda":
-            if g > 1:
+            grouped = g > 1 and lower_right and self.grouped_flash and flash_takes_groups(qp, keys, values)
+            if g > 1 and not grouped:
                 keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
-            return gpu_sdpa(qp, keys, values, mask, lower_right, self.scale)
+            return gpu_sdpa(qp, keys, values, mask, lower_right, self.scale, grouped)
         return F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=g > 1)
 
     def _allowed(self, qpos: torch.Tensor, keys: int) -> torch.Tensor:

@@ -27,7 +27,8 @@ _ENGINE_OPTIONS = {"device": "device", "dtype": "dtype",
                    "context_length": "max_context", "max_batch": "max_batch",
                    "max_queue": "max_queue", "seed": "seed", "expert_backend": "expert_backend",
                    "cuda_graphs": "cuda_graphs", "graph_warmup": "graph_warmup",
-                   "graph_warmup_widths": "graph_warmup_widths", "split_tuning": "split_tuning",
+                   "graph_warmup_widths": "graph_warmup_widths", "graph_memory_gb": "graph_memory_gb",
+                   "split_tuning": "split_tuning",
                    "cpu_rate_probe": "cpu_rate_probe"}
 
 
