@@ -101,8 +101,11 @@ NODE = [
       (f"freetoken_cpu_rate_ratio{N}", "{{model}} CPU rate / its reference (GPU: q* follows it)")], 24),
     ("Decode steps from CUDA graphs (0 graphs on a GPU: decode runs eagerly)", "timeseries", "short",
      [(f"sum by (model) (rate(freetoken_decode_graph_replays_total{N}[{RI}]))", "{{model}} steps/s"),
-      (f"freetoken_decode_graphs{N}", "{{model}} graphs")], 12),
-    ("Device memory taken by decode graphs (12-14 MB a graph at 48 layers)", "timeseries", "bytes",
+      (f"freetoken_decode_graphs{N}", "{{model}} graphs"),
+      (f"sum by (model) (rate(freetoken_decode_graph_drops_total{N}[{RI}]))", "{{model}} dropped/s (--graph-memory-gb)")],
+     12),
+    ("Device memory taken by decode graphs (12-14 MB a graph at 48 layers; bounded by --graph-memory-gb)",
+     "timeseries", "bytes",
      [(f"freetoken_decode_graph_bytes{N}", "{{model}}")], 12),
 ]
 
