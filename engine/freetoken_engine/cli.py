@@ -51,9 +51,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="... at the narrowest W context widths (256, 512, ... keys; default 1, 0: every "
                         "width); a server captures the wider ones while idle, otherwise on first use")
     p.add_argument("--graph-memory-gb", type=float, default=0.5, metavar="GB",
-                   help="device memory the decode graphs may take (default 0.5, about 36 graphs of a "
-                        "48-layer MoE; 0: no limit): past it, a new batch size or context width takes the "
-                        "place of the graph used least recently")
+                   help="device memory the decode graphs may take, about (default 0.5, some 36 graphs of a "
+                        "48-layer MoE; 0: no limit): once their measured memory reaches it, their number "
+                        "stays, and a new batch size or context width takes the place of the graph used "
+                        "least recently")
     p.add_argument("--split-tuning", action="store_true",
                    help="refine the calibrated q* online by measured decode step time (CUDA only; "
                         "see docs/gpu.md for when it helps)")

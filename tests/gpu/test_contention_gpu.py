@@ -48,6 +48,7 @@ def test_the_split_follows_the_models_cpu_rate_and_busy_cpus_without_changing_to
     model = llm.runner.cache.fill_fraction
     assert model == pytest.approx(contended_fraction(calibrated, follower.model_ratio))
     assert follower.model_ratio != 1.0
+    start_ratio = follower.model_ratio
     assert llm.generate(PROMPT, LONG).token_ids == want
     # Every look with jobs counts as contended (min_share > 1), so the follower measures: its
     # back-to-back probe calls share the busy CPUs 50/50 (a decode's calls, between which the
@@ -85,4 +86,9 @@ def test_the_split_follows_the_models_cpu_rate_and_busy_cpus_without_changing_to
         if not after.stats["expert_cache"]["cpu_contention"]["active"]:
             break
     assert not after.stats["expert_cache"]["cpu_contention"]["active"], after.stats["expert_cache"]
-    assert after.stats["expert_cache"]["fill_fraction"] == pytest.approx(model)
+    # back to the uncontended split for the model's rate; a measurement faster than the start's
+    # reference raises it (inside the whole GPU suite, the start's may be taken beside what earlier
+    # tests left running: 0.28 against the start's 0.32 in device runs 125 and 128), never lowers it
+    assert follower.model_ratio >= start_ratio
+    assert after.stats["expert_cache"]["fill_fraction"] == pytest.approx(contended_fraction(calibrated, follower.model_ratio))
+    assert after.stats["expert_cache"]["fill_fraction"] < during["fill_fraction"]
