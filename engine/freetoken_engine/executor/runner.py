@@ -26,6 +26,7 @@ from ..cache.kv import KVPool, kv_pool_bytes  # noqa: E402
 from ..cache.offload import OffloadedExperts  # noqa: E402
 from ..config import EngineConfig  # noqa: E402
 from ..errors import ConfigError  # noqa: E402
+from ..layers.attention import reads_grouped_heads  # noqa: E402
 from ..layers.linear import use_compiled_linears  # noqa: E402
 from ..calibrate import calibrated  # noqa: E402
 from ..models.build import BankRead, start_model  # noqa: E402
@@ -206,8 +207,7 @@ class ModelRunner:
             m, b, size = self.mcfg, self.bank, self.dtype.itemsize
             kv = kv_pool_bytes(m.num_layers, kv_blocks * self.cfg.kv_block_size, m.num_kv_heads, m.head_dim, size)
             step = prefill_peak_bytes(self.cfg.prefill_tokens, self.max_context, m.moe.top_k, b.hidden, b.inter,
-                                      m.num_heads, m.num_kv_heads, m.head_dim, size,   # flash: SM 8.0+
-                                      grouped=size == 2 and torch.cuda.get_device_capability(self.device)[0] >= 8)
+                                      m.num_heads, m.num_kv_heads, m.head_dim, size, reads_grouped_heads(self.device, self.dtype, m))
             n = default_cache_experts(torch.cuda.mem_get_info(self.device)[0], per, total, kv,
                                       2 * (b.w13[0].nbytes + b.w2[0].nbytes), step)
         if n > total:

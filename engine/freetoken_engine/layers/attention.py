@@ -115,6 +115,17 @@ def flash_takes_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> boo
     return can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True), False)
 
 
+def reads_grouped_heads(device: torch.device, dtype: torch.dtype, cfg: ModelConfig) -> bool:
+    """Whether a prompt chunk's attention on ``device`` reads the grouped KV heads in place
+    (``Attention._attend``: flash attention takes them) rather than repeated to every query head:
+    the same check on empty tensors of the model's shapes, for what the memory budget reserves."""
+    if device.type != "cuda" or cfg.num_heads == cfg.num_kv_heads or not Attention.grouped_flash:
+        return False
+    q = torch.empty(1, cfg.num_heads, 1, cfg.head_dim, device=device, dtype=dtype)
+    k = torch.empty(1, cfg.num_kv_heads, 1, cfg.head_dim, device=device, dtype=dtype)
+    return flash_takes_groups(q, k, k)
+
+
 def gpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
              lower_right: bool, scale: float, grouped: bool = False) -> torch.Tensor:
     """SDPA on a GPU (heads already repeated, or ``grouped``: flash attention reads KV head
