@@ -14,6 +14,10 @@ engines' host banks would not fit the host's memory at once):
   while it prefilled (from its submission to its first token): the longest, the median, and the
   tokens each decoder got in that window (its tokens/s against before).
 
+``--pauses`` runs each step size at each ``--decode-pause-ms`` (0: the decoders ride in the
+prefill's pass, one token a step; else they get steps of their own between its layers after
+that wait, scheduler/beside.py), each its own engine and process.
+
 Checkpoint: bench/engine_gpu_decode.py's (random bf16 weights in Qwen3-30B-A3B's shapes,
 ``--layers`` layers; ``--stretch /dev/shm``: a 2-layer packed checkpoint repeated). Random
 weights route like uniform random routing, the worst case for the cache.
@@ -50,13 +54,19 @@ def listen(handle, times: list[float]) -> threading.Thread:
     return t
 
 
-def side(model: Path, chunk: int, args, slots: int | None) -> dict:
-    """One engine with ``chunk``-token prefill steps: the decoders, then the prompt beside them."""
+def side(model: Path, chunk: int, pause: float, args, slots: int | None) -> dict:
+    """One engine with ``chunk``-token prefill steps and ``pause`` ms decode pause: the decoders,
+    then the prompt beside them."""
     from freetoken_engine.config import EngineConfig
     from freetoken_engine.scheduler.service import EngineService, SamplingParams
     cfg = EngineConfig(model=model, device=args.device, dtype="bfloat16", prefill_chunk=chunk,
-                       expert_cache_experts=slots, max_context=args.prompt + 1024, max_batch=8)
+                       expert_cache_experts=slots, max_context=args.prompt + 1024, max_batch=8,
+                       decode_pause_ms=pause)
     svc = EngineService.start(cfg, wait=True)
+    costs: list[float] = []                  # each decode step beside a pass: seconds
+    if svc.scheduler.pause is not None:
+        ran = svc.scheduler.pause.ran
+        svc.scheduler.pause.ran = lambda s: (costs.append(s), ran(s))
     vocab = svc.runner.mcfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     try:
@@ -87,7 +97,10 @@ def side(model: Path, chunk: int, args, slots: int | None) -> dict:
         got.append(sum(1 for t in ts if sent < t <= arrived))
     base = statistics.median(before)
     window = arrived - sent
-    row = {"chunk": chunk, "prompt_tokens": args.prompt, "decoders": args.decoders, "ttft_s": window,
+    row = {"chunk": chunk, "decode_pause_ms": pause, "decode_steps_beside": stats["decode_steps_beside"],
+           "beside_step_ms": [round(1e3 * c, 2) for c in costs],
+           "gaps_during_ms": sorted((round(1e3 * g, 1) for g in during), reverse=True)[:12],
+           "prompt_tokens": args.prompt, "decoders": args.decoders, "ttft_s": window,
            "steps": -(-args.prompt // chunk), "itl_before_ms": 1e3 * base,
            "itl_during_max_ms": 1e3 * max(during, default=window), "itl_during_median_ms":
            1e3 * statistics.median(during) if during else 1e3 * window,
@@ -105,15 +118,20 @@ def main() -> None:
     ap.add_argument("--decoders", type=int, default=4)
     ap.add_argument("--prompt", type=int, default=16384)
     ap.add_argument("--chunks", default="512,2048,8192")
+    ap.add_argument("--pauses", default="0,100", help="--decode-pause-ms values, each with every chunk")
     ap.add_argument("--warm-tokens", type=int, default=24, help="tokens each decoder makes before the prompt")
     ap.add_argument("--after-s", type=float, default=0.5)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default=str(ROOT / "bench/results/decode_stall.json"))
-    ap.add_argument("--side", nargs=3, metavar=("MODEL", "CHUNK", "SLOTS"), help=argparse.SUPPRESS)
+    ap.add_argument("--side", nargs=4, metavar=("MODEL", "CHUNK", "PAUSE", "SLOTS"), help=argparse.SUPPRESS)
+    ap.add_argument("--plot-only", action="store_true", help="redraw the PNG from --out")
     args = ap.parse_args()
+    if args.plot_only:
+        plot(json.loads(Path(args.out).read_text()), Path(args.out).with_suffix(".png"))
+        return
     if args.side:                     # one engine, in this process: its row as the last line
-        model, chunk, slots = args.side
-        print(json.dumps(side(Path(model), int(chunk), args, int(slots) or None)), flush=True)
+        model, chunk, pause, slots = args.side
+        print(json.dumps(side(Path(model), int(chunk), float(pause), args, int(slots) or None)), flush=True)
         return
     from engine_gpu_prefill import card_experts, raise_context
     from stretch import bench_checkpoint
@@ -124,15 +142,17 @@ def main() -> None:
         slots = card_experts(args.card, "qwen3-30b", args.layers, total) if args.card != "all" else None
         rows = []
         for c in args.chunks.split(","):
-            cmd = [sys.executable, __file__, "--side", str(model), c, str(slots or 0), "--device", args.device,
-                   "--decoders", str(args.decoders), "--prompt", str(args.prompt),
-                   "--warm-tokens", str(args.warm_tokens), "--after-s", str(args.after_s)]
-            out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
-            rows.append(json.loads(out.strip().splitlines()[-1]))
-    print(f"{'chunk':>6} {'steps':>5} {'TTFT s':>7} {'ITL before ms':>13} {'max ITL during ms':>17} "
-          f"{'median during ms':>16} {'decoder speed during':>20}")
+            for pause in args.pauses.split(","):
+                cmd = [sys.executable, __file__, "--side", str(model), c, pause, str(slots or 0),
+                       "--device", args.device, "--decoders", str(args.decoders), "--prompt", str(args.prompt),
+                       "--warm-tokens", str(args.warm_tokens), "--after-s", str(args.after_s)]
+                out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
+                rows.append(json.loads(out.strip().splitlines()[-1]))
+    print(f"{'chunk':>6} {'pause ms':>8} {'steps':>5} {'beside':>6} {'TTFT s':>7} {'ITL before ms':>13} "
+          f"{'max ITL during ms':>17} {'median during ms':>16} {'decoder speed during':>20}")
     for r in rows:
-        print(f"{r['chunk']:6d} {r['steps']:5d} {r['ttft_s']:7.2f} {r['itl_before_ms']:13.1f} "
+        print(f"{r['chunk']:6d} {r['decode_pause_ms']:8.0f} {r['steps']:5d} {r['decode_steps_beside']:6d} "
+              f"{r['ttft_s']:7.2f} {r['itl_before_ms']:13.1f} "
               f"{r['itl_during_max_ms']:17.0f} {r['itl_during_median_ms']:16.0f} "
               f"{r['decoder_speed_during_vs_before']:19.2f}x")
     result = {"benchmark": "decode_stall", "hardware": describe(), "layers": args.layers, "card": args.card,
@@ -147,15 +167,16 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     rows = result["rows"]
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    x = [str(r["chunk"]) for r in rows]
-    a.bar(x, [r["ttft_s"] for r in rows])
-    a.set_xlabel("prefill step, tokens")
+    x = [f"{r['chunk']}/{r.get('decode_pause_ms', 0):g}" for r in rows]
+    a.bar(range(len(x)), [r["ttft_s"] for r in rows])
+    a.set_xticks(range(len(x)), x, fontsize=7)
+    a.set_xlabel("prefill step tokens / decode pause ms")
     a.set_ylabel("s")
     a.set_title(f"{rows[0]['prompt_tokens']}-token prompt: time to first token", fontsize=9)
     b.bar([i - 0.2 for i in range(len(x))], [r["itl_before_ms"] for r in rows], 0.4, label="median before")
     b.bar([i + 0.2 for i in range(len(x))], [r["itl_during_max_ms"] for r in rows], 0.4, label="longest during")
-    b.set_xticks(range(len(x)), x)
-    b.set_xlabel("prefill step, tokens")
+    b.set_xticks(range(len(x)), x, fontsize=7)
+    b.set_xlabel("prefill step tokens / decode pause ms")
     b.set_ylabel("ms")
     b.set_yscale("log")
     b.set_title(f"{rows[0]['decoders']} decoders' inter-token gap", fontsize=9)

@@ -107,6 +107,10 @@ NODE = [
     ("Device memory taken by decode graphs (12-14 MB a graph at 48 layers; bounded by --graph-memory-gb)",
      "timeseries", "bytes",
      [(f"freetoken_decode_graph_bytes{N}", "{{model}}")], 12),
+    ("Decode steps between a long prompt's layers (--decode-pause-ms)", "timeseries", "short",
+     [(f"sum by (model) (rate(freetoken_decode_steps_beside_prefill_total{N}[{RI}]))", "{{model}} steps/s"),
+      (f"sum by (model) (rate(freetoken_decode_beside_prefill_seconds_total{N}[{RI}]))",
+       "{{model}} share of time in them")], 24),
 ]
 
 

@@ -40,6 +40,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per prefill step (default 512 on the CPU, 8192 on a GPU, where each step "
                         "streams the experts the cache lacks over PCIe whatever its size: larger steps prefill "
                         "long prompts faster, for more memory and a longer pause of the requests decoding alongside)")
+    p.add_argument("--decode-pause-ms", type=float, default=100.0, metavar="MS",
+                   help="a prefill step long enough to stream whole expert layers runs the requests "
+                        "decoding alongside as steps of their own between its layers, each time they have "
+                        "waited MS (default 100; 0: they get one token per prefill step, riding in it)")
     p.add_argument("--expert-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="expert cache control and kernels: triton on CUDA by default")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
@@ -67,7 +71,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
 def _engine_kwargs(args) -> dict:
     kw = dict(device=args.device, dtype=args.dtype, expert_cache_experts=args.expert_cache_experts,
               expert_cache_gb=args.expert_cache_gb, cpu_expert_fraction=args.cpu_expert_fraction,
-              max_context=args.max_context, prefill_chunk=args.prefill_chunk,
+              max_context=args.max_context, prefill_chunk=args.prefill_chunk, decode_pause_ms=args.decode_pause_ms,
               expert_backend=args.expert_backend, cuda_graphs=args.cuda_graphs,
               graph_warmup=args.graph_warmup,
               graph_warmup_widths=args.graph_warmup_widths, graph_memory_gb=args.graph_memory_gb,

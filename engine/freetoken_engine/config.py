@@ -116,6 +116,7 @@ class EngineConfig:
     cpu_rate_probe: bool = True              # q* by the CPU's rate on this model and under contention
     prefill_chunk: int | None = None         # None: 512 on the CPU, 8192 on a GPU (prefill_tokens)
     prefill_expert_threshold: int | None = None  # whole-layer MoE from this many tokens (None: max_batch + 1)
+    decode_pause_ms: float = 100.0           # decoders' steps between a long pass's layers after this wait (0: in the pass)
     kv_block_size: int = 16
     kv_cache_tokens: int | None = None       # None: enough for max_batch full contexts, capped
     max_context: int | None = None
@@ -148,6 +149,9 @@ class EngineConfig:
             raise ConfigError(f"--graph-warmup-widths must be 0 (every width) or more, got {self.graph_warmup_widths}")
         if self.prefill_expert_threshold is not None and self.prefill_expert_threshold < 2:
             raise ConfigError(f"prefill_expert_threshold must be at least 2, got {self.prefill_expert_threshold}")
+        if not self.decode_pause_ms >= 0:
+            raise ConfigError(f"--decode-pause-ms must be 0 (decode tokens ride in the prefill's pass) or more, "
+                              f"got {self.decode_pause_ms}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ConfigError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         for name in ("kv_block_size", "max_batch", "max_queue"):

@@ -100,6 +100,13 @@ class _EngineCollector:
             yield CounterMetricFamily("freetoken_preemptions",
                                       "Running requests pushed back to the queue to free KV blocks",
                                       value=float(stats["preemptions"]))
+        if stats.get("decode_steps_beside") is not None:
+            yield CounterMetricFamily("freetoken_decode_steps_beside_prefill",
+                                      "Decode steps run between the layers of a long prefill pass (--decode-pause-ms)",
+                                      value=float(stats["decode_steps_beside"]))
+            yield CounterMetricFamily("freetoken_decode_beside_prefill_seconds",
+                                      "Time those decode steps took, in the middle of the prefill passes",
+                                      value=float(stats["decode_beside_seconds"]))
         kv = cache.get("kv") or {}
         total, used = kv.get("blocks_total"), kv.get("blocks_used")
         if total:

@@ -157,14 +157,17 @@ def test_layer_streamer_double_buffered_contents(bank):
     assert streamer.device_bytes > 0 and streamer.pcie_bytes > 0
 
 
-def _exact_prefill_pass(experts, bank, g: torch.Generator, tokens: int, rnd: int) -> torch.Tensor:
-    """One prefill-sized call per layer through ``experts`` on random routing: every layer's rows
-    equal the MoE kernel's on the bank's own layer, bit for bit. Returns the pass's input."""
+def _exact_prefill_pass(experts, bank, g: torch.Generator, tokens: int, rnd: int, between=None) -> torch.Tensor:
+    """One prefill-sized call per layer through ``experts`` on random routing (``between(layer)``
+    after each): every layer's rows equal the MoE kernel's on the bank's own layer, bit for bit.
+    Returns the pass's input."""
     x = (torch.randn(tokens, HID, generator=g) * 0.5).to(torch.bfloat16).to(CUDA)
     tok = torch.arange(tokens, device=CUDA).repeat_interleave(K)
     for layer in range(LAYERS):
         ids = torch.stack([torch.randperm(EXPERTS, generator=g)[:K] for _ in range(tokens)]).to(CUDA)
         got = experts.forward(layer, x, ids)
+        if between is not None:
+            between(layer)
         want = moe_slots_forward(x, bank.w13[layer].to(CUDA), bank.w2[layer].to(CUDA), tok, ids.reshape(-1))
         assert torch.equal(got, want), (rnd, layer)
     return x
@@ -235,5 +238,41 @@ def test_a_seed_that_evicts_a_queued_layers_cached_experts_puts_them_back(bank, 
     _exact_prefill_pass(experts, bank, torch.Generator().manual_seed(7), 16, 0)
     assert experts.streamer.restored >= 2 and experts.seeded > 0
     assert experts.streamer.device_bytes == 0
+    experts.control.write_back(cache)
+    cache.check_integrity(deep=True)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_decode_steps_between_a_prefills_layers_keep_it_exact(bank, in_place, monkeypatch):
+    """The scheduler's decode beside a long pass (scheduler/beside.py): after each layer of a
+    prefill pass a whole decode step runs (``OffloadedExperts.beside_prefill``), whose fills
+    into a small pool evict every slot, the next layer's cached experts among them, under the
+    load the streamer has already queued. Every prefill layer's rows stay bit for bit the
+    reference's, and the decode steps' rows are the bank's experts' too."""
+    from freetoken_engine.cache.offload import OffloadedExperts
+    monkeypatch.setattr(OffloadedExperts, "prefill_in_place", in_place)
+    monkeypatch.setenv("FREETOKEN_PREFILL_SEED", "off")
+    cache = ExpertCache(bank, 2 * LAYERS, CUDA, fill_fraction=1.0, admit_window=0)
+    for layer in range(LAYERS):
+        cache.step(layer, torch.arange(2, device=CUDA) + 2 * layer)
+    experts = OffloadedExperts(bank, cache, prefill_threshold=4, cpu_backend="reference", backend="triton", top_k=K)
+    g = torch.Generator().manual_seed(11)
+    steps = []
+
+    def decode_step(after: int) -> None:
+        with experts.beside_prefill():
+            for layer in range(LAYERS):       # two experts no slot holds: every slot turns over
+                x = (torch.randn(1, HID, generator=g) * 0.5).to(torch.bfloat16).to(CUDA)
+                ids = (torch.arange(K, device=CUDA) + 8 + 2 * (after + len(steps))) % EXPERTS
+                rows = experts.forward(layer, x, ids[None])
+                want = moe_slots_forward(x, bank.w13[layer].to(CUDA), bank.w2[layer].to(CUDA),
+                                         torch.zeros(K, dtype=torch.long, device=CUDA), ids)
+                torch.testing.assert_close(rows, want, rtol=2e-2, atol=1e-3)
+        steps.append(after)
+    for rnd in range(2):
+        _exact_prefill_pass(experts, bank, g, 16, rnd, between=decode_step)
+    assert len(steps) == 2 * LAYERS
+    if in_place:
+        assert experts.streamer.restored > 0          # evicted under a queued load, put back
     experts.control.write_back(cache)
     cache.check_integrity(deep=True)

@@ -98,6 +98,7 @@ def test_metrics_count_requests_tokens_and_read_the_engine(live):
                  "freetoken_requests_running", "freetoken_requests_queued",
                  "freetoken_kv_blocks_total", "freetoken_expert_fill_fraction",
                  "freetoken_engine_ready", "freetoken_preemptions", "freetoken_decode_graphs",
+                 "freetoken_decode_steps_beside_prefill", "freetoken_decode_beside_prefill_seconds",
                  "freetoken_decode_graph_replays", "freetoken_cpu_workers_left_out", "freetoken_cpu_stalled_calls"):
         assert name in fams, name
     assert fams["freetoken_decode_graphs"].samples[0].value == 0        # on a CPU decode is eager

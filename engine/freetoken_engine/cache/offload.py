@@ -180,6 +180,22 @@ class OffloadedExperts:
         c = self.cache
         return (c.fill_fraction >= 1.0 and c.capacity >= tokens * self.top_k) or c.capacity == self.bank.total_experts
 
+    @contextlib.contextmanager
+    def beside_prefill(self):
+        """A decode step run between two layers of a whole-layer pass (the scheduler's decode
+        beside a prefill): its fills may evict experts the streamer's queued load left out as
+        cached, so, as for the seed (``_seed_cache``), the stream first waits for a load that
+        reads the pool, and afterwards the streamer re-reads the residency and puts back into its
+        buffer what the step evicted. Residency only: no output changes."""
+        if self.control is None:
+            yield
+            return
+        self.streamer.settle()
+        try:
+            yield
+        finally:
+            self.streamer.refresh()
+
     def capturing(self, on: bool) -> None:
         if self.host_branch is not None:
             self.host_branch.capturing = on

@@ -1,17 +1,15 @@
 """``ModelRunner``: owns the model, the expert bank and cache, and the KV pool on one device.
 
-``forward(chunks) -> logits [B, V]`` runs one batch (prefill chunks and decode tokens mixed).
-Not thread-safe: one thread (the scheduler's, or the caller of ``LLM``) drives it; ``resize``
+``forward(chunks) -> logits [B, V]`` runs one batch (prefill chunks and decode tokens mixed);
+``forward(chunks, between=fn)`` calls ``fn(i)`` after each layer but the last, where the scheduler
+may run ``decode_beside`` (a decode step of other sequences inside that pass). Not thread-safe: one thread (the scheduler's, or the caller of ``LLM``) drives it; ``resize``
 must be called between forward passes (a safe point).
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import json
 import logging
 import math
-import time
 from typing import Callable
 
 import torch
@@ -36,6 +34,7 @@ from .budget import default_cache_experts, prefill_peak_bytes  # noqa: E402
 from .cpu_contention import ContentionFollower, pool_record  # noqa: E402
 from .inputs import SeqChunk, build_inputs  # noqa: E402
 from .split_tuner import SplitTuner, decode_batch  # noqa: E402
+from .warmup import GraphWarmup  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +49,7 @@ def _generation_eos(folder) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (int(eos),)
 
 
-class ModelRunner:
+class ModelRunner(GraphWarmup):
     def __init__(self, cfg: EngineConfig, progress: Callable[[float], None] | None = None):
         try:
             self._start(cfg, progress)
@@ -226,7 +225,7 @@ class ModelRunner:
 
     # -- work ----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, chunks: list[SeqChunk]) -> torch.Tensor:
+    def forward(self, chunks: list[SeqChunk], between: Callable[[int], None] | None = None) -> torch.Tensor:
         if self.follower is not None and not self._warming and self.cache.capacity < self.bank.total_experts:
             q = self.follower.tick()
             if q is not None:
@@ -235,19 +234,36 @@ class ModelRunner:
         key = self.graphs.key(chunks) if self.graphs is not None else None
         if self.cache is not None:     # a prefill seeds the decode cache from a prompt's last chunk only
             self.experts.seed_now = any(c.last for c in chunks)
-        if key is not None and key in self.graphs:
-            logits = self.graphs.replay(chunks, key)
-        else:
-            inputs = build_inputs(chunks, self.kv.block_size, self.device)
-            logits = self.model(inputs.ids, inputs.batch, self.kv, inputs.logits_at)
-        if self.cache is not None:
-            self.experts.end_step()
+        logits = self._run(chunks, key, between)
         if key is not None and key not in self.graphs:
             self.graphs.capture(chunks, key, evict=not self._warming)   # replayed from the next step
             if timed is not None:
                 self._timed = timed = (timed[0], None, None)     # not a step's time: left out
         if timed is not None and timed[2] is not None:
             timed[2].record(torch.cuda.current_stream(self.device))
+        return logits
+
+    @torch.inference_mode()
+    def decode_beside(self, chunks: list[SeqChunk]) -> torch.Tensor:
+        """A decode step of other sequences between two layers of a pass ``forward`` is running
+        (from its ``between``): its graph when captured, else eager (no capture, no split tuning,
+        no q* change in the middle of a pass). The expert cache's changes are handed to the pass's
+        layer streamer (``OffloadedExperts.beside_prefill``), so its output does not change."""
+        key = self.graphs.key(chunks) if self.graphs is not None else None
+        if self.cache is None:
+            return self._run(chunks, key, None)
+        with self.experts.beside_prefill():
+            return self._run(chunks, key, None)
+
+    def _run(self, chunks: list[SeqChunk], key, between) -> torch.Tensor:
+        """The pass itself: the graph of ``key`` when captured, else eager; then the CPU branch."""
+        if key is not None and key in self.graphs:
+            logits = self.graphs.replay(chunks, key)
+        else:
+            inputs = build_inputs(chunks, self.kv.block_size, self.device)
+            logits = self.model(inputs.ids, inputs.batch, self.kv, inputs.logits_at, between)
+        if self.cache is not None:
+            self.experts.end_step()
         return logits
 
     def _tune(self, chunks: list[SeqChunk]) -> tuple | None:
@@ -275,84 +291,6 @@ class ModelRunner:
         if self.graphs is not None:
             self.graphs.clear()                  # a captured step keeps its fill table and branch
         self.experts.set_fill_fraction(fraction)
-
-    def dummy_decode(self, scratch: list[int], width: int, batch: int) -> list[SeqChunk]:
-        """A decode step of ``batch`` dummy tokens at the last position of KV ``width``, every
-        sequence reading and writing only the ``scratch`` block (``kv.allocate(1)``)."""
-        return [SeqChunk(scratch * -(-width // self.kv.block_size), width - 1, [0]) for _ in range(batch)]
-
-    def _warm_keys(self, batches: int, widths: int | None = None) -> list[tuple[int, int]]:
-        """Decode graph keys (B, width) of batch sizes 1..``batches`` at the narrowest ``widths``
-        KV widths (every width when None), narrow first, that are neither captured nor tried."""
-        g = self.graphs
-        if g is None or not g.enabled:
-            return []
-        ws = g.widths()[:widths]
-        return [(b, w) for w in ws for b in range(1, min(batches, g.max_batch) + 1)
-                if (b, w) not in g and (b, w) not in g.tried]
-
-    def warm_graphs(self, batches: int, bank_pending: bool = False, widths: int | None = None) -> int:
-        """Capture the decode graphs of batch sizes 1..``batches`` at the narrowest ``widths`` KV
-        widths (every width when None) now, before any request, and replay each once (a graph's
-        first launch also uploads it to the device); returns how many were captured. Each key's
-        step is a dummy token at the width's last position on one scratch KV block (released
-        after). Their dummy steps route through the expert cache like a short prompt would, so
-        residency may change (never an output), but they are not counted in the cache's
-        statistics. ``bank_pending``: the bank is still being read, so the steps run with every
-        expert resident (``OffloadedExperts.all_resident``: no fill, no CPU pair, nothing read
-        from the bank) and leave the cache as it was."""
-        before = self.graph_warmup_seconds
-        n = self._warm(self._warm_keys(batches, widths), resident=bank_pending)
-        log.info("captured %d decode graphs ahead of time in %.1f s", n, self.graph_warmup_seconds - before)
-        return n
-
-    def idle_warm_pending(self) -> bool:
-        """Whether decode graphs left for later remain: the wider KV widths the start did not
-        capture (``--graph-warmup-widths``), or every key again after a resize or a q* change."""
-        return bool(self.idle_warm and self._warm_keys(self.idle_warm))
-
-    def warm_idle(self) -> int:
-        """Capture one decode graph left for later (``idle_warm_pending``), with every expert
-        resident so that the cache a conversation left stays as it was. The scheduler calls it
-        when it has nothing else to do, so a request waits for one capture at most. -> 1 when
-        one was captured (a key that cannot be captured is tried once)."""
-        return self._warm(self._warm_keys(self.idle_warm)[:1], resident=True) if self.idle_warm else 0
-
-    @torch.inference_mode()
-    def _warm(self, keys: list[tuple[int, int]], resident: bool) -> int:
-        if not keys:
-            return 0
-        before = None
-        if self.cache is not None:
-            self.experts.sync_stats()
-            before = dataclasses.replace(self.cache.stats)
-        t0 = time.perf_counter()
-        n = 0
-        replays = self.graphs.replays             # the warm-up's replays are not serving's
-        scratch = self.kv.allocate(1)             # every dummy sequence reads and writes only it
-        inside = (self.experts.all_resident() if resident and self.cache is not None
-                  else contextlib.nullcontext())
-        self._warming = True
-        try:
-            with inside:
-                for b, width in keys:
-                    chunks = self.dummy_decode(scratch, width, b)
-                    key = self.graphs.key(chunks)
-                    if key is not None and key not in self.graphs:
-                        self.forward(chunks)      # its eager run, then the capture
-                        if key in self.graphs:
-                            n += 1
-                            self.forward(chunks)  # its first replay too (bench/graph_first_replay.py)
-        finally:
-            self._warming = False
-            self.kv.release(scratch)
-            self.graphs.replays = replays
-        if before is not None:
-            self.experts.sync_stats()
-            for f in dataclasses.fields(before):
-                setattr(self.cache.stats, f.name, getattr(before, f.name))
-        self.graph_warmup_seconds += time.perf_counter() - t0
-        return n
 
     def resize_expert_cache(self, experts: int) -> int:
         """Resize at a safe point; clamps to 1..all experts; returns the applied capacity."""

@@ -5,6 +5,8 @@ checkpoint's non-expert tensors load by name; routed experts live in the expert 
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -54,11 +56,17 @@ class DecoderLM(nn.Module):
     def moe_blocks(self) -> list[SparseMoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
 
-    def forward(self, ids: torch.Tensor, batch: AttnBatch, kv, logits_at: torch.Tensor) -> torch.Tensor:
+    def forward(self, ids: torch.Tensor, batch: AttnBatch, kv, logits_at: torch.Tensor,
+                between: Callable[[int], None] | None = None) -> torch.Tensor:
+        """``between(i)``, when given, is called after layer i's work is queued, for every layer
+        but the last (the scheduler runs other sequences' decode steps there)."""
         h = self.model.embed_tokens(ids)                                  # [T, H]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype, batch.max_position)   # [T, 1, d]
+        last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             h = layer(h, batch, cos, sin, kv.k[i], kv.v[i])
+            if between is not None and i < last:
+                between(i)
         if h.shape[0] != logits_at.shape[0]:                              # keep each sequence's last row
             h = h.index_select(0, logits_at)
         logits = self.lm_head(self.model.norm(h))                         # [B, V]

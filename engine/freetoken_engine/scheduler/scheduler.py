@@ -8,6 +8,12 @@ budget, or one decode token) and (5) samples, streams and retires. When a decode
 KV block and none is free, unlocked prefix-tree leaves are evicted first, then the newest
 request is preempted (its KV recomputed when it is re-admitted; its output so far is kept).
 
+A pass of at least the whole-layer threshold of prompt tokens (``expert_threshold``: its MoE
+layers stream whole layers) leaves the decoding requests out when ``decode_pause_ms`` is set:
+they get decode steps of their own between the pass's layers instead, each time they have waited
+that long (``scheduler/beside.py``), so a long prompt does not hold their tokens for its whole
+pass. Their tokens are the same either way.
+
 With nothing to serve, the thread captures the decode CUDA graphs the engine's start left for
 later (``ModelRunner.warm_idle``: the wider KV widths), one per pass, so a request that arrives
 meanwhile waits for one capture at most.
@@ -20,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+import time
 from collections import deque
 from typing import Callable
 
@@ -28,14 +35,19 @@ from ..errors import NonFiniteLogits, OutOfKVCache, QueueFull
 from ..executor.inputs import SeqChunk
 from ..executor.runner import ModelRunner
 from ..executor.sampler import sample
+from .beside import DecodePause
 from .request import Request, TokenEvent
 
 log = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, max_batch: int, max_queue: int, prefill_chunk: int):
+    def __init__(self, runner: ModelRunner, max_batch: int, max_queue: int, prefill_chunk: int,
+                 decode_pause_ms: float = 0.0):
         self.runner, self.kv = runner, runner.kv
+        # decode steps between a long pass's layers (None: the decoders ride in the pass)
+        self.pause = DecodePause(decode_pause_ms / 1e3, runner.device) if decode_pause_ms > 0 else None
+        self.beside_from = runner.cfg.expert_threshold
         self.radix = RadixCache(self.kv)
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.waiting: deque[Request] = deque()
@@ -44,7 +56,8 @@ class Scheduler:
         self._commands: deque[tuple[Callable, concurrent.futures.Future]] = deque()
         self._stop = False
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
-                         "preemptions": 0, "steps": 0}
+                         "preemptions": 0, "steps": 0, "decode_steps_beside": 0,
+                         "decode_beside_seconds": 0.0}
         self.thread = threading.Thread(target=self._loop, name="freetoken-scheduler", daemon=True)
 
     # -- any thread ------------------------------------------------------------------------------
@@ -164,13 +177,14 @@ class Scheduler:
                 self.counters["cached_tokens"] += req.computed
             self.running.append(req)
 
-    def _ensure_block(self, req: Request) -> bool:
-        """Make room for the KV of ``req.computed + 1`` tokens, preempting others if needed."""
+    def _ensure_block(self, req: Request, keep=()) -> bool:
+        """Make room for the KV of ``req.computed + 1`` tokens, preempting others (never those whose
+        ``id`` is in ``keep``: a pass is running them) if needed."""
         while self.kv.blocks_for(req.computed + 1) > len(req.blocks):
             if self._free_blocks(1):
                 req.blocks += self.kv.allocate(1)
                 continue
-            victims = [r for r in self.running if r is not req]
+            victims = [r for r in self.running if r is not req and id(r) not in keep]
             if not victims:
                 return False
             self._preempt(max(victims, key=lambda r: r.arrival))
@@ -186,7 +200,7 @@ class Scheduler:
 
     def _step(self) -> None:
         budget = self.prefill_chunk
-        chunks, batch = [], []
+        batch = []
         for req in list(self.running):
             if req not in self.running:      # preempted by an earlier request of this step
                 continue
@@ -205,11 +219,45 @@ class Scheduler:
         batch = [(r, n) for r, n in batch if r in self.running]
         if not batch:
             return
-        for req, n in batch:
-            chunks.append(SeqChunk(req.blocks, req.computed, req.tokens[req.computed:req.computed + n],
-                                   last=n == req.pending))
-        logits = self.runner.forward(chunks)
+        decoders = [r for r, n in batch if n == 1]
+        between = None
+        if self.pause is not None and decoders and sum(n for _, n in batch if n > 1) >= self.beside_from:
+            batch = [(r, n) for r, n in batch if n > 1]
+            between = self._beside(decoders, {id(r) for r, _ in batch})
+            self.pause.begin()
+        logits = self.runner.forward(self._chunks(batch), between)
         self.counters["steps"] += 1
+        self._emit(batch, logits)
+        if self.pause is not None and between is None:
+            self.pause.tokens()           # every decoding request rode in this pass
+
+    def _beside(self, decoders: list[Request], keep: set[int]) -> Callable[[int], None]:
+        """The pass's layer hook: a decode step of ``decoders`` when ``pause`` says it is due. A
+        block they need may preempt one of them, never a request of the pass (``keep``)."""
+        def between(layer: int) -> None:
+            if not self.pause.due():
+                return
+            live = [r for r in decoders if r in self.running and not r.aborted.is_set()]
+            batch = [(r, 1) for r in live if self._ensure_block(r, keep)]
+            batch = [(r, n) for r, n in batch if r in self.running]
+            if not batch:
+                return
+            t0 = time.perf_counter()
+            logits = self.runner.decode_beside(self._chunks(batch))
+            self._emit(batch, logits)
+            took = time.perf_counter() - t0
+            self.counters["decode_steps_beside"] += 1
+            self.counters["decode_beside_seconds"] += took
+            self.pause.ran(took)
+        return between
+
+    @staticmethod
+    def _chunks(batch: list[tuple[Request, int]]) -> list[SeqChunk]:
+        return [SeqChunk(req.blocks, req.computed, req.tokens[req.computed:req.computed + n], last=n == req.pending)
+                for req, n in batch]
+
+    def _emit(self, batch: list[tuple[Request, int]], logits) -> None:
+        """After a pass: advance each request, and sample, stream or retire those it completed."""
         for row, (req, n) in enumerate(batch):
             req.computed += n
             if req.pending:

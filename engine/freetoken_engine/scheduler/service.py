@@ -45,7 +45,8 @@ class EngineService:
         try:
             runner = ModelRunner(self.cfg, progress=lambda f: setattr(self, "_progress", round(f, 3)))
             self.runner, self.tokenizer, self.max_context = runner, runner.tokenizer, runner.max_context
-            self.scheduler = Scheduler(runner, self.cfg.max_batch, self.cfg.max_queue, self.cfg.prefill_tokens)
+            self.scheduler = Scheduler(runner, self.cfg.max_batch, self.cfg.max_queue, self.cfg.prefill_tokens,
+                                       self.cfg.decode_pause_ms)
             self.scheduler.thread.start()
             cache = runner.cache
             self._calibration = {"pcie_gbps": None, "cpu_expert_gbps": None,
@@ -160,6 +161,8 @@ class EngineService:
                 "prefix_hit_ratio": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
                 "prompt_tokens": c["prompt_tokens"], "cached_tokens": c["cached_tokens"],
                 "generated_tokens": c["generated_tokens"], "preemptions": c["preemptions"],
+                "decode_steps_beside": c["decode_steps_beside"],
+                "decode_beside_seconds": round(c["decode_beside_seconds"], 6),
                 "pcie_gbps": self._calibration.get("pcie_gbps"),
                 "cpu_expert_gbps": self._calibration.get("cpu_expert_gbps"),
                 "fill_fraction": self._calibration.get("fill_fraction"),

@@ -28,7 +28,8 @@ _ENGINE_OPTIONS = {"device": "device", "dtype": "dtype",
                    "max_queue": "max_queue", "seed": "seed", "expert_backend": "expert_backend",
                    "cuda_graphs": "cuda_graphs", "graph_warmup": "graph_warmup",
                    "graph_warmup_widths": "graph_warmup_widths", "graph_memory_gb": "graph_memory_gb",
-                   "split_tuning": "split_tuning",
+                   "split_tuning": "split_tuning", "prefill_chunk": "prefill_chunk",
+                   "decode_pause_ms": "decode_pause_ms",
                    "cpu_rate_probe": "cpu_rate_probe"}
 
 
