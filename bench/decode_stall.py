@@ -59,7 +59,8 @@ def side(model: Path, chunk: int, pause: float, args, slots: int | None) -> dict
     then the prompt beside them."""
     from freetoken_engine.config import EngineConfig
     from freetoken_engine.scheduler.service import EngineService, SamplingParams
-    cfg = EngineConfig(model=model, device=args.device, dtype="bfloat16", prefill_chunk=chunk,
+    cfg = EngineConfig(model=model, device=args.device, dtype="bfloat16" if args.device != "cpu" else None,
+                       prefill_chunk=chunk,
                        expert_cache_experts=slots, max_context=args.prompt + 1024, max_batch=8,
                        decode_pause_ms=pause)
     svc = EngineService.start(cfg, wait=True)
@@ -112,6 +113,8 @@ def side(model: Path, chunk: int, pause: float, args, slots: int | None) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", type=Path, help="a model folder instead of the generated checkpoint "
+                    "(e.g. the default model on a CPU: every expert resident)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--stretch", type=Path, default=None, metavar="FAST_DIR")
     ap.add_argument("--card", default="32", help="expert-cache budget: card GiB, or all")
@@ -136,10 +139,14 @@ def main() -> None:
     from engine_gpu_prefill import card_experts, raise_context
     from stretch import bench_checkpoint
     with tempfile.TemporaryDirectory(dir=args.stretch) as fast, tempfile.TemporaryDirectory() as work:
-        model, nbytes = bench_checkpoint(Path(work), args.layers, Path(fast) if args.stretch else None)
-        raise_context(model, args.prompt + 1024)
-        total = args.layers * 128
-        slots = card_experts(args.card, "qwen3-30b", args.layers, total) if args.card != "all" else None
+        slots = None
+        if args.model is not None:
+            model = args.model
+        else:
+            model, nbytes = bench_checkpoint(Path(work), args.layers, Path(fast) if args.stretch else None)
+            raise_context(model, args.prompt + 1024)
+            total = args.layers * 128
+            slots = card_experts(args.card, "qwen3-30b", args.layers, total) if args.card != "all" else None
         rows = []
         for c in args.chunks.split(","):
             for pause in args.pauses.split(","):
@@ -155,7 +162,9 @@ def main() -> None:
               f"{r['ttft_s']:7.2f} {r['itl_before_ms']:13.1f} "
               f"{r['itl_during_max_ms']:17.0f} {r['itl_during_median_ms']:16.0f} "
               f"{r['decoder_speed_during_vs_before']:19.2f}x")
-    result = {"benchmark": "decode_stall", "hardware": describe(), "layers": args.layers, "card": args.card,
+    result = {"benchmark": "decode_stall", "hardware": describe(),
+              "model": str(args.model) if args.model else f"generated, Qwen3-30B-A3B shapes, {args.layers} layers",
+              "layers": None if args.model else args.layers, "card": None if args.model else args.card,
               "method": __doc__, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
               "command": " ".join(["python", "bench/decode_stall.py"] + sys.argv[1:]), "rows": rows}
     save(result, Path(args.out), plot)
@@ -181,7 +190,8 @@ def plot(result: dict, path: Path) -> None:
     b.set_yscale("log")
     b.set_title(f"{rows[0]['decoders']} decoders' inter-token gap", fontsize=9)
     b.legend(fontsize=8)
-    fig.suptitle(f"{result['layers']} layers, card {result['card']} GiB, {result['hardware'].get('gpu', '?')}", fontsize=9)
+    what = f"{result['layers']} layers, card {result['card']} GiB" if result.get("layers") else Path(result["model"]).name
+    fig.suptitle(f"{what}, {result['hardware'].get('gpu') or result['hardware'].get('cpu', '?')}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
