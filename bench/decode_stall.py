@@ -54,6 +54,15 @@ def listen(handle, times: list[float]) -> threading.Thread:
     return t
 
 
+def available_gb() -> float | None:
+    """The host's MemAvailable (GB) as the next side starts: the last engine's bank released?"""
+    try:
+        line = next(l for l in Path("/proc/meminfo").read_text().splitlines() if l.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        return None
+    return round(int(line.split()[1]) * 1024 / 1e9, 1)
+
+
 def side(model: Path, chunk: int, pause: float, args, slots: int | None) -> dict:
     """One engine with ``chunk``-token prefill steps and ``pause`` ms decode pause: the decoders,
     then the prompt beside them."""
@@ -68,6 +77,13 @@ def side(model: Path, chunk: int, pause: float, args, slots: int | None) -> dict
     if svc.scheduler.pause is not None:
         ran = svc.scheduler.pause.ran
         svc.scheduler.pause.ran = lambda s: (costs.append(s), ran(s))
+    # what else can stop the decoders: a q* change (it drops the decode graphs) and the captures
+    runner, events = svc.runner, []
+    set_q, capture = runner._set_q, runner.graphs.capture if runner.graphs is not None else None
+    runner._set_q = lambda q: (events.append((time.perf_counter(), f"q={q:.3f}")), set_q(q))
+    if capture is not None:
+        runner.graphs.capture = lambda c, k, **kw: (events.append((time.perf_counter(), f"capture {k}")),
+                                                    capture(c, k, **kw))
     vocab = svc.runner.mcfg.vocab_size
     gen = torch.Generator().manual_seed(0)
     try:
@@ -99,6 +115,7 @@ def side(model: Path, chunk: int, pause: float, args, slots: int | None) -> dict
     base = statistics.median(before)
     window = arrived - sent
     row = {"chunk": chunk, "decode_pause_ms": pause, "decode_steps_beside": stats["decode_steps_beside"],
+           "events_s_from_prompt": [(round(t - sent, 3), what) for t, what in events if t > sent - 1.0][:20],
            "beside_step_ms": [round(1e3 * c, 2) for c in costs],
            "gaps_during_ms": sorted((round(1e3 * g, 1) for g in during), reverse=True)[:12],
            "prompt_tokens": args.prompt, "decoders": args.decoders, "ttft_s": window,
@@ -153,8 +170,9 @@ def main() -> None:
                 cmd = [sys.executable, __file__, "--side", str(model), c, pause, str(slots or 0),
                        "--device", args.device, "--decoders", str(args.decoders), "--prompt", str(args.prompt),
                        "--warm-tokens", str(args.warm_tokens), "--after-s", str(args.after_s)]
+                avail = available_gb()
                 out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout
-                rows.append(json.loads(out.strip().splitlines()[-1]))
+                rows.append(json.loads(out.strip().splitlines()[-1]) | {"host_available_gb_before": avail})
     print(f"{'chunk':>6} {'pause ms':>8} {'steps':>5} {'beside':>6} {'TTFT s':>7} {'ITL before ms':>13} "
           f"{'max ITL during ms':>17} {'median during ms':>16} {'decoder speed during':>20}")
     for r in rows:
