@@ -41,8 +41,9 @@ def count_tokens_inside_long_passes(svc: EngineService) -> list[int]:
 
 
 async def run_all(svc: EngineService) -> tuple[list[list[int]], list[int]]:
-    """The three short prompts and the long one, admitted in the same step (submitted on the
-    scheduler thread between two passes); the long one's prefill takes 100 tokens a step."""
+    """The three short prompts and the long one, admitted in the same step (submitted while the
+    scheduler waits between two passes). With a 100-token prefill step the passes carry 100
+    (the short prompts and the long one's first 58), 100, 100 and 42 prompt tokens."""
     held, go = threading.Event(), threading.Event()
     svc.scheduler.call(lambda: (held.set(), go.wait(10)))     # the scheduler waits between passes
     assert held.wait(10)

@@ -1,9 +1,10 @@
 """``ModelRunner``: owns the model, the expert bank and cache, and the KV pool on one device.
 
 ``forward(chunks) -> logits [B, V]`` runs one batch (prefill chunks and decode tokens mixed);
-``forward(chunks, between=fn)`` calls ``fn(i)`` after each layer but the last, where the scheduler
-may run ``decode_beside`` (a decode step of other sequences inside that pass). Not thread-safe: one thread (the scheduler's, or the caller of ``LLM``) drives it; ``resize``
-must be called between forward passes (a safe point).
+``forward(chunks, between=fn)`` calls ``fn(i)`` after each layer but the last, where the
+scheduler may run ``decode_beside`` (a decode step of other sequences inside that pass). Not
+thread-safe: one thread (the scheduler's, or the caller of ``LLM``) drives it; ``resize`` must be
+called between forward passes (a safe point).
 """
 from __future__ import annotations
 
