@@ -164,3 +164,16 @@ def test_the_prefill_step_is_larger_on_a_gpu_unless_given():
     assert EngineConfig("m", device="cuda:1").prefill_tokens == 8192
     assert EngineConfig("m", device="cuda", prefill_chunk=1024).prefill_tokens == 1024
     assert EngineConfig("m", prefill_chunk=64).prefill_tokens == 64
+
+
+def test_serve_passes_every_engine_option_it_accepts(tmp_path):
+    """Each engine option the CLI shares between generate and serve reaches serve's EngineConfig
+    (``--prefill-chunk`` once did not: serve dropped it silently)."""
+    import argparse
+
+    from freetoken_engine.cli import _add_engine_options
+    from freetoken_engine.server.serve import _ENGINE_OPTIONS
+    shared = argparse.ArgumentParser()
+    _add_engine_options(shared)
+    dests = {a.dest for a in shared._actions if a.dest not in ("help", "model")}
+    assert dests <= set(_ENGINE_OPTIONS), dests - set(_ENGINE_OPTIONS)
