@@ -219,6 +219,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--turns", type=int, default=8)
     ap.add_argument("--clients", default="1,4,16")
+    ap.add_argument("--decode-pause-ms", type=float, default=None,
+                    help="the engine's --decode-pause-ms (default: the engine's default)")
+    ap.add_argument("--out", type=Path, default=RESULTS / "serve_concurrency.json")
     args = ap.parse_args(argv)
 
     from freetoken_engine.config import EngineConfig
@@ -227,7 +230,8 @@ def main(argv=None) -> int:
     if model_dir is None:
         from freetoken_engine.models.default import default_model_dir
         model_dir = default_model_dir(progress=True)
-    svc = EngineService.start(EngineConfig(model=Path(model_dir)))
+    options = {} if args.decode_pause_ms is None else {"decode_pause_ms": args.decode_pause_ms}
+    svc = EngineService.start(EngineConfig(model=Path(model_dir), **options))
     while svc.health()["status"] == "loading":
         time.sleep(0.1)
     if svc.health()["status"] != "ok":
@@ -238,7 +242,8 @@ def main(argv=None) -> int:
               "hardware": hardware(),
               "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "workload": {"max_tokens": args.max_tokens, "rounds": args.rounds,
-                           "turns": args.turns, "method": __doc__}}
+                           "turns": args.turns, "method": __doc__},
+              "decode_pause_ms": svc.cfg.decode_pause_ms}
     try:
         with Server(app) as port:
             url = f"http://127.0.0.1:{port}/v1"
@@ -268,10 +273,10 @@ def main(argv=None) -> int:
         print(f"{a['turn']:>4} | {a['prompt_tokens']:>6} {a['recomputed_tokens']:>10} "
               f"{a['ttft_s']:>6.3f}s         | {b['prompt_tokens']:>6} {b['recomputed_tokens']:>10} "
               f"{b['ttft_s']:>6.3f}s")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "serve_concurrency.json").write_text(json.dumps(result, indent=1))
-    plot(result, RESULTS / "serve_concurrency.png")
-    print(f"\nwrote {RESULTS / 'serve_concurrency.json'} and .png")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    plot(result, args.out.with_suffix(".png"))
+    print(f"\nwrote {args.out} and .png")
     return 0
 
 

@@ -21,12 +21,15 @@ def greedy(n: int) -> SamplingParams:
 
 
 def always_due(svc: EngineService) -> None:
-    """Every layer boundary runs the decoders' step: a clock that jumps 10 s a reading."""
-    svc.scheduler.pause = DecodePause(0.05, svc.runner.device, clock=itertools.count(0.0, 10.0).__next__)
+    """Every pass of at least the threshold leaves the decoders out (no pause: every pass takes
+    at least that long), and every layer boundary runs their step (a clock that jumps 10 s a
+    reading)."""
+    svc.scheduler.pause = DecodePause(0.0, svc.runner.device, clock=itertools.count(0.0, 10.0).__next__)
 
 
-def count_tokens_inside_long_passes(svc: EngineService) -> list[int]:
-    """Tokens the scheduler emitted while each pass of more than 16 tokens ran."""
+def count_tokens_inside_long_passes(svc: EngineService) -> list[tuple[int, int]]:
+    """For each pass of more than 16 tokens: the tokens the scheduler emitted while it ran, and
+    the sequences it carried."""
     runner, counters, inside = svc.runner, svc.scheduler.counters, []
     forward = runner.forward
 
@@ -34,7 +37,7 @@ def count_tokens_inside_long_passes(svc: EngineService) -> list[int]:
         before = counters["generated_tokens"]
         logits = forward(chunks, between)
         if sum(len(c.tokens) for c in chunks) > 16:
-            inside.append(counters["generated_tokens"] - before)
+            inside.append((counters["generated_tokens"] - before, len(chunks)))
         return logits
     runner.forward = counted
     return inside

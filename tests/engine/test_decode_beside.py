@@ -41,12 +41,12 @@ async def test_decoders_get_their_tokens_inside_a_long_pass_and_every_output_is_
             svc.shutdown()
         # passes of 100 tokens (the short prompts and the long one's first 58), 100, 100 and 42:
         # the last three carry the long prompt beside the three decoders
-        assert len(inside) == 4 and inside[0] == 0, inside
+        assert len(inside) == 4 and inside[0] == (0, 4), inside
         if pause:
             assert steps == 3 * (LAYERS - 1)
-            assert inside[1:] == [3 * (LAYERS - 1)] * 3, inside      # 5 tokens each, during each pass
+            assert inside[1:] == [(3 * (LAYERS - 1), 1)] * 3, inside  # 5 tokens each, during each pass
         else:
-            assert steps == 0 and inside[1:] == [0, 0, 0], inside    # they rode in the passes instead
+            assert steps == 0 and inside[1:] == [(0, 4)] * 3, inside  # they rode in the passes instead
 
 
 async def test_a_block_a_decoder_needs_inside_a_pass_preempts_a_decoder_never_the_pass(folder, alone):
@@ -101,6 +101,32 @@ def test_the_pause_runs_the_decoders_after_their_wait_and_never_past_half_of_a_p
     assert not pause.due()
     clock.t = 0.56
     assert pause.due()
+
+
+def test_the_decoders_ride_in_a_pass_expected_to_be_shorter_than_the_pause():
+    pause = DecodePause(0.1, "cpu", clock=Clock())
+    assert pause.long(60) and pause.long(4000)       # sizes not seen yet
+    pause.passed(60, 0.03)                           # a short prompt's pass: 30 ms
+    pause.passed(4000, 0.9)
+    assert not pause.long(50) and not pause.long(64)  # about as many tokens: ride
+    assert pause.long(65) and pause.long(3000)        # another bucket, or a long one
+    pause.passed(60, 0.25)                            # the same size grew slow (a GPU streaming)
+    assert pause.long(60)
+
+
+async def test_decoders_ride_in_short_passes_and_keep_their_tokens(folder, alone):
+    """With the default pause (100 ms) the tiny model's passes are short: once measured, the
+    decoders ride in them instead of waiting them out, and the outputs stay as alone."""
+    svc = EngineService.start(EngineConfig(model=folder, max_batch=4, prefill_chunk=100), wait=True)
+    try:
+        inside = count_tokens_inside_long_passes(svc)
+        assert await run_all(svc) == alone
+        steps = svc.stats()["decode_steps_beside"]
+    finally:
+        svc.shutdown()
+    assert svc.scheduler.pause is not None and len(inside) == 4
+    # the first pass (100 prompt tokens) measured the size: the later ones carry the decoders
+    assert steps == 0 and inside[1:3] == [(0, 4)] * 2, inside
 
 
 def test_the_option_is_checked_and_reaches_the_server(tmp_path):

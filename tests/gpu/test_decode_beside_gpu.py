@@ -36,7 +36,7 @@ async def test_gpu_decoders_get_their_tokens_inside_a_long_pass_and_every_output
         svc.scheduler.check_integrity()
     finally:
         svc.shutdown()
-    assert inside[1:] == [3 * (LAYERS - 1)] * 3, inside
+    assert inside[1:] == [(3 * (LAYERS - 1), 1)] * 3, inside
     assert stats["decode_steps_beside"] == 3 * (LAYERS - 1)
     assert stats["expert_cache"]["cpu_computed"] > 0             # the split ran beside the passes
     assert (stats["decode_graph_replays"] > 0) == graphs

@@ -11,6 +11,12 @@ such step took (so decode steps never take more than half of a pass's time).
 ``DecodePause`` is that clock. On a GPU the host queues layers ahead of the device, so at each
 layer boundary it first waits for the layer before the one just queued: the host is then at most
 one layer ahead, and the decode step it queues starts as that layer ends.
+
+A pass shorter than the pause gives the decoders their token sooner by carrying them (and for
+free: the pass reads the same weights), so they are left out only of a pass expected to take at
+least the pause: ``long(tokens)``, from the time of the last passes of about as many prompt
+tokens (power-of-two buckets; a size not seen yet counts as long). On a CPU a pass's time grows
+with its tokens; on a GPU with part of the experts cached any whole-layer pass streams them.
 """
 from __future__ import annotations
 
@@ -30,6 +36,22 @@ class DecodePause:
         self.last = clock()            # when the decoders last got a token
         self.cost = 0.0                # how long their last step inside a pass took
         self._queued = None            # the event after the layer queued before this one
+        self._pass_s: dict[int, float] = {}   # seconds of a pass by prompt-token bucket (a moving average)
+
+    @staticmethod
+    def _bucket(tokens: int) -> int:
+        return max(1, tokens - 1).bit_length()
+
+    def long(self, tokens: int) -> bool:
+        """Whether a pass of ``tokens`` prompt tokens is expected to take at least the pause."""
+        seen = self._pass_s.get(self._bucket(tokens))
+        return seen is None or seen >= self.pause_s
+
+    def passed(self, tokens: int, seconds: float) -> None:
+        """A pass of ``tokens`` prompt tokens took ``seconds`` (its decode steps beside left out)."""
+        b = self._bucket(tokens)
+        seen = self._pass_s.get(b)
+        self._pass_s[b] = seconds if seen is None else 0.5 * (seen + seconds)
 
     def begin(self) -> None:
         """A pass starts: no layer of it is queued yet."""

@@ -9,10 +9,11 @@ KV block and none is free, unlocked prefix-tree leaves are evicted first, then t
 request is preempted (its KV recomputed when it is re-admitted; its output so far is kept).
 
 A pass of at least the whole-layer threshold of prompt tokens (``expert_threshold``: its MoE
-layers stream whole layers) leaves the decoding requests out when ``decode_pause_ms`` is set:
-they get decode steps of their own between the pass's layers instead, each time they have waited
-that long (``scheduler/beside.py``), so a long prompt does not hold their tokens for its whole
-pass. Their tokens are the same either way.
+layers stream whole layers) that is expected to take ``decode_pause_ms`` or more (by the last
+passes of about its size) leaves the decoding requests out: they get decode steps of their own
+between the pass's layers instead, each time they have waited that long
+(``scheduler/beside.py``), so a long prompt does not hold their tokens for its whole pass. Their
+tokens are the same either way.
 
 With nothing to serve, the thread captures the decode CUDA graphs the engine's start left for
 later (``ModelRunner.warm_idle``: the wider KV widths), one per pass, so a request that arrives
@@ -220,14 +221,18 @@ class Scheduler:
         if not batch:
             return
         decoders = [r for r, n in batch if n == 1]
-        between = None
-        if self.pause is not None and decoders and sum(n for _, n in batch if n > 1) >= self.beside_from:
+        prompt = sum(n for _, n in batch if n > 1)
+        between, timed = None, self.pause is not None and prompt >= self.beside_from
+        if timed and decoders and self.pause.long(prompt):
             batch = [(r, n) for r, n in batch if n > 1]
             between = self._beside(decoders, {id(r) for r, _ in batch})
             self.pause.begin()
+        t0, beside = time.perf_counter(), self.counters["decode_beside_seconds"]
         logits = self.runner.forward(self._chunks(batch), between)
         self.counters["steps"] += 1
         self._emit(batch, logits)
+        if timed:       # the pass's own time, for the next choice (its decode steps beside left out)
+            self.pause.passed(prompt, time.perf_counter() - t0 - (self.counters["decode_beside_seconds"] - beside))
         if self.pause is not None and between is None:
             self.pause.tokens()           # every decoding request rode in this pass
 
