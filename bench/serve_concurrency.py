@@ -169,6 +169,85 @@ class Server:
         self.thread.join(timeout=10)
 
 
+def start_engine(model_dir: Path, options: dict):
+    """The engine ``freetoken serve`` runs, ready; None (and its health on stderr) if it failed."""
+    from freetoken_engine.config import EngineConfig
+    from freetoken_engine.scheduler.service import EngineService
+    svc = EngineService.start(EngineConfig(model=model_dir, **options))
+    while svc.health()["status"] == "loading":
+        time.sleep(0.1)
+    if svc.health()["status"] != "ok":
+        print(svc.health(), file=sys.stderr)
+        svc.shutdown()
+        return None
+    return svc
+
+
+def ab_pauses(args, model_dir: Path) -> int:
+    """``--ab-pauses``: the concurrency part for each ``--decode-pause-ms`` value, an engine per
+    side, the sides in alternating order for ``--ab-rounds`` rounds; medians per value."""
+    import statistics
+    pauses = [float(p) for p in args.ab_pauses.split(",")]
+    rows = []
+    for rnd in range(args.ab_rounds):
+        for pause in pauses if rnd % 2 == 0 else pauses[::-1]:
+            svc = start_engine(model_dir, {"decode_pause_ms": pause})
+            if svc is None:
+                return 1
+            try:
+                with Server(create_app(svc, ServerConfig())) as port:
+                    url = f"http://127.0.0.1:{port}/v1"
+                    asyncio.run(concurrency(url, svc.model_name, 1, 1, 4))      # warm-up
+                    for n in args.clients.split(","):
+                        before = svc.stats()["decode_steps_beside"]
+                        row = asyncio.run(concurrency(url, svc.model_name, int(n), args.rounds, args.max_tokens))
+                        rows.append(row | {"decode_pause_ms": pause, "round": rnd,
+                                           "decode_steps_beside": svc.stats()["decode_steps_beside"] - before})
+            finally:
+                svc.shutdown()
+    summary = []
+    print(f"{'pause ms':>8} {'clients':>8} {'tok/s median':>12} {'TTFT p50 median':>15} {'TTFT p95 median':>15}")
+    for pause in pauses:
+        for n in args.clients.split(","):
+            mine = [r for r in rows if r["decode_pause_ms"] == pause and r["clients"] == int(n)]
+            med = {k: statistics.median(r[k] for r in mine) for k in ("tokens_per_s", "ttft_p50_s", "ttft_p95_s")}
+            summary.append({"decode_pause_ms": pause, "clients": int(n), "rounds": len(mine), **med})
+            print(f"{pause:8.0f} {int(n):8d} {med['tokens_per_s']:12.1f} {med['ttft_p50_s']:14.3f}s "
+                  f"{med['ttft_p95_s']:14.3f}s")
+    result = {"benchmark": "serve_concurrency_decode_pause", "model": model_dir.name, "hardware": hardware(),
+              "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python", "bench/serve_concurrency.py"] + sys.argv[1:]),
+              "workload": {"max_tokens": args.max_tokens, "rounds": args.rounds, "method": ab_pauses.__doc__},
+              "rows": rows, "summary": summary}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    plot_ab(result, args.out.with_suffix(".png"))
+    print(f"\nwrote {args.out} and .png")
+    return 0
+
+
+def plot_ab(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for i, r in enumerate(result["rows"]):
+        label = f"{r['decode_pause_ms']:g} ms, {r['clients']} clients"
+        a.scatter([label], [r["tokens_per_s"]], color="#4c72b0")
+        b.scatter([label], [r["ttft_p50_s"]], color="#dd8452", label="p50" if i == 0 else None)
+        b.scatter([label], [r["ttft_p95_s"]], color="#c44e52", marker="s", label="p95" if i == 0 else None)
+    a.set_ylabel("aggregate generated tokens/s")
+    b.set_ylabel("TTFT (s)")
+    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.tick_params(axis="x", labelsize=8)
+    hw = result["hardware"]
+    fig.suptitle(f"--decode-pause-ms, each round an engine per side: {result['model']} on {hw['cpu_model']} "
+                 f"({hw['cpus']} CPUs)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -222,20 +301,19 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-pause-ms", type=float, default=None,
                     help="the engine's --decode-pause-ms (default: the engine's default)")
     ap.add_argument("--out", type=Path, default=RESULTS / "serve_concurrency.json")
+    ap.add_argument("--ab-pauses", help="only the concurrency part, an engine per --decode-pause-ms "
+                    "value in this list (e.g. 0,100), the sides alternating --ab-rounds times")
+    ap.add_argument("--ab-rounds", type=int, default=3)
     args = ap.parse_args(argv)
-
-    from freetoken_engine.config import EngineConfig
-    from freetoken_engine.scheduler.service import EngineService
     model_dir = args.model
     if model_dir is None:
         from freetoken_engine.models.default import default_model_dir
         model_dir = default_model_dir(progress=True)
+    if args.ab_pauses:
+        return ab_pauses(args, Path(model_dir))
     options = {} if args.decode_pause_ms is None else {"decode_pause_ms": args.decode_pause_ms}
-    svc = EngineService.start(EngineConfig(model=Path(model_dir), **options))
-    while svc.health()["status"] == "loading":
-        time.sleep(0.1)
-    if svc.health()["status"] != "ok":
-        print(svc.health(), file=sys.stderr)
+    svc = start_engine(Path(model_dir), options)
+    if svc is None:
         return 1
     app = create_app(svc, ServerConfig())
     result = {"benchmark": "serve_concurrency", "model": svc.model_name,
@@ -243,7 +321,7 @@ def main(argv=None) -> int:
               "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "workload": {"max_tokens": args.max_tokens, "rounds": args.rounds,
                            "turns": args.turns, "method": __doc__},
-              "decode_pause_ms": svc.cfg.decode_pause_ms}
+              "decode_pause_ms": svc.cfg.decode_pause}
     try:
         with Server(app) as port:
             url = f"http://127.0.0.1:{port}/v1"

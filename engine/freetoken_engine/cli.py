@@ -40,10 +40,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="prompt tokens per prefill step (default 512 on the CPU, 8192 on a GPU, where each step "
                         "streams the experts the cache lacks over PCIe whatever its size: larger steps prefill "
                         "long prompts faster, for more memory and a longer pause of the requests decoding alongside)")
-    p.add_argument("--decode-pause-ms", type=float, default=100.0, metavar="MS",
-                   help="a prefill step long enough to stream whole expert layers runs the requests "
-                        "decoding alongside as steps of their own between its layers, each time they have "
-                        "waited MS (default 100; 0: they get one token per prefill step, riding in it)")
+    p.add_argument("--decode-pause-ms", type=float, metavar="MS",
+                   help="a prefill step that takes longer than MS runs the requests decoding alongside as "
+                        "steps of their own between its layers, each time they have waited MS (default 100 "
+                        "on a GPU, 500 on the CPU; 0: they get one token per prefill step, riding in it)")
     p.add_argument("--expert-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="expert cache control and kernels: triton on CUDA by default")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",

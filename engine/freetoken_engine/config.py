@@ -116,7 +116,7 @@ class EngineConfig:
     cpu_rate_probe: bool = True              # q* by the CPU's rate on this model and under contention
     prefill_chunk: int | None = None         # None: 512 on the CPU, 8192 on a GPU (prefill_tokens)
     prefill_expert_threshold: int | None = None  # whole-layer MoE from this many tokens (None: max_batch + 1)
-    decode_pause_ms: float = 100.0           # decoders' steps between a long pass's layers after this wait (0: in the pass)
+    decode_pause_ms: float | None = None     # decoders' steps inside a long pass after this wait (decode_pause)
     kv_block_size: int = 16
     kv_cache_tokens: int | None = None       # None: enough for max_batch full contexts, capped
     max_context: int | None = None
@@ -149,7 +149,7 @@ class EngineConfig:
             raise ConfigError(f"--graph-warmup-widths must be 0 (every width) or more, got {self.graph_warmup_widths}")
         if self.prefill_expert_threshold is not None and self.prefill_expert_threshold < 2:
             raise ConfigError(f"prefill_expert_threshold must be at least 2, got {self.prefill_expert_threshold}")
-        if not self.decode_pause_ms >= 0:
+        if self.decode_pause_ms is not None and not self.decode_pause_ms >= 0:
             raise ConfigError(f"--decode-pause-ms must be 0 (decode tokens ride in the prefill's pass) or more, "
                               f"got {self.decode_pause_ms}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
@@ -175,6 +175,18 @@ class EngineConfig:
         if self.prefill_chunk is not None:
             return self.prefill_chunk
         return 512 if self.device == "cpu" else 8192
+
+    @property
+    def decode_pause(self) -> float:
+        """Milliseconds the requests decoding beside a long prefill pass wait before a decode step
+        of their own inside it (scheduler/beside.py; 0: they ride in the pass): ``decode_pause_ms``,
+        by default 100 on a GPU, where those steps overlap the pass's PCIe stream (the prompt's
+        TTFT did not move on the H200), and 500 on the CPU, where they compete with it for the
+        same cores (at 100 ms: 1.25-1.29x a 2k prompt's TTFT and 0.92x many short chats'
+        throughput on the 2-CPU VM; docs/gpu.md)."""
+        if self.decode_pause_ms is not None:
+            return self.decode_pause_ms
+        return 500.0 if self.device == "cpu" else 100.0
 
     @property
     def resolved_dtype(self) -> str:

@@ -81,7 +81,7 @@ class Clock:
         return self.t
 
 
-def test_the_pause_runs_the_decoders_after_their_wait_and_never_past_half_of_a_pass():
+def test_the_pause_runs_the_decoders_after_their_wait_and_never_past_a_quarter_of_a_pass():
     clock = Clock()
     pause = DecodePause(0.1, "cpu", clock=clock)
     clock.t = 0.05
@@ -89,17 +89,17 @@ def test_the_pause_runs_the_decoders_after_their_wait_and_never_past_half_of_a_p
     clock.t = 0.1
     assert pause.due()
     pause.ran(0.3)                             # a slow decode step: 300 ms
-    clock.t = 0.3
-    assert not pause.due()                     # the pass gets as long again before the next one
-    clock.t = 0.4
+    clock.t = 0.95
+    assert not pause.due()                     # the pass gets 3 times as long before the next one
+    clock.t = 1.0
     assert pause.due()
     pause.ran(0.01)
-    clock.t = 0.45
+    clock.t = 1.05
     assert not pause.due()
     pause.tokens()                             # a pass of their own (or one they rode in)
-    clock.t = 0.54
+    clock.t = 1.14
     assert not pause.due()
-    clock.t = 0.56
+    clock.t = 1.16
     assert pause.due()
 
 
@@ -115,9 +115,10 @@ def test_the_decoders_ride_in_a_pass_expected_to_be_shorter_than_the_pause():
 
 
 async def test_decoders_ride_in_short_passes_and_keep_their_tokens(folder, alone):
-    """With the default pause (100 ms) the tiny model's passes are short: once measured, the
-    decoders ride in them instead of waiting them out, and the outputs stay as alone."""
-    svc = EngineService.start(EngineConfig(model=folder, max_batch=4, prefill_chunk=100), wait=True)
+    """With a 100 ms pause the tiny model's passes are short: once measured, the decoders ride in
+    them instead of waiting them out, and the outputs stay as alone."""
+    svc = EngineService.start(EngineConfig(model=folder, max_batch=4, prefill_chunk=100, decode_pause_ms=100),
+                              wait=True)
     try:
         inside = count_tokens_inside_long_passes(svc)
         assert await run_all(svc) == alone
@@ -136,4 +137,5 @@ def test_the_option_is_checked_and_reaches_the_server(tmp_path):
                                       "--prefill-chunk", "1024"])
     cfg = engine_config(args)
     assert cfg.decode_pause_ms == 0 and cfg.prefill_chunk == 1024
-    assert engine_config(build_parser().parse_args(["serve", "--model", str(tmp_path)])).decode_pause_ms == 100
+    assert engine_config(build_parser().parse_args(["serve", "--model", str(tmp_path)])).decode_pause == 500
+    assert EngineConfig(model=tmp_path, device="cuda").decode_pause == 100

@@ -5,8 +5,9 @@ A prefill step with part of the experts cached streams the missing ones over PCI
 the step's size). Riding in that pass, the requests decoding beside it got one token per pass
 (bench/decode_stall.py, device run 128). The scheduler instead leaves them out of a long pass
 and runs their decode steps between its layers (``ModelRunner.forward(between=)``), whenever
-they have waited ``--decode-pause-ms`` since their last token and at least as long as their last
-such step took (so decode steps never take more than half of a pass's time).
+they have waited ``--decode-pause-ms`` since their last token and at least three times as long
+as their last such step took (so decode steps take at most a quarter of a pass's time: on a CPU
+they compete with the prefill for the same cores).
 
 ``DecodePause`` is that clock. On a GPU the host queues layers ahead of the device, so at each
 layer boundary it first waits for the layer before the one just queued: the host is then at most
@@ -24,6 +25,11 @@ import time
 from typing import Callable
 
 import torch
+
+
+#: the most of a pass's time the decode steps inside it may take: the next one waits for at least
+#: (1 - SHARE) / SHARE times the last one's time
+SHARE = 0.25
 
 
 class DecodePause:
@@ -69,7 +75,7 @@ class DecodePause:
             before, self._queued = self._queued, ev
             if before is not None:
                 before.synchronize()
-        return self.clock() - self.last >= max(self.pause_s, self.cost)
+        return self.clock() - self.last >= max(self.pause_s, self.cost * (1 - SHARE) / SHARE)
 
     def ran(self, seconds: float) -> None:
         """The decoders' step inside the pass took ``seconds`` and gave them their tokens."""

@@ -46,7 +46,7 @@ class EngineService:
             runner = ModelRunner(self.cfg, progress=lambda f: setattr(self, "_progress", round(f, 3)))
             self.runner, self.tokenizer, self.max_context = runner, runner.tokenizer, runner.max_context
             self.scheduler = Scheduler(runner, self.cfg.max_batch, self.cfg.max_queue, self.cfg.prefill_tokens,
-                                       self.cfg.decode_pause_ms)
+                                       self.cfg.decode_pause)
             self.scheduler.thread.start()
             cache = runner.cache
             self._calibration = {"pcie_gbps": None, "cpu_expert_gbps": None,
