@@ -77,6 +77,8 @@ def serve_command(a: Assignment, launch: LaunchConfig, cpu_expert_fraction: floa
         cmd += ["--model", a.path]
     if a.engine.dtype:
         cmd += ["--dtype", a.engine.dtype]
+    if a.engine.context_length is not None:
+        cmd += ["--max-context", str(a.engine.context_length)]
     cmd += ["--expert-cache-experts", "1"]
     if cpu_expert_fraction is not None:
         cmd += ["--cpu-expert-fraction", f"{cpu_expert_fraction:.4f}"]
