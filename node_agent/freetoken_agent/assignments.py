@@ -28,6 +28,8 @@ class EngineOptions:
     dtype: str | None = None
     expert_cache_share: float = 0.9
     context_length: int | None = None
+    decode_pause_ms: float | None = None   # engine.features.decodePauseMs
+    prefill_chunk: int | None = None       # engine.features.prefillChunk
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,21 @@ class Assignment:
     @property
     def served_name(self) -> str:
         return self.model
+
+
+def _features(features: object, where: str) -> tuple[float | None, int | None]:
+    """The engine features this agent knows from ``engine.features``: (decodePauseMs,
+    prefillChunk), each None when absent; other keys are for later engines and ignored."""
+    if features is None:
+        return None, None
+    if not isinstance(features, dict):
+        raise AssignmentError(f"{where}.engine.features must be a mapping")
+    pause, chunk = features.get("decodePauseMs"), features.get("prefillChunk")
+    if pause is not None and (isinstance(pause, bool) or not isinstance(pause, (int, float)) or not pause >= 0):
+        raise AssignmentError(f"{where}.engine.features.decodePauseMs must be a number >= 0, got {pause!r}")
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise AssignmentError(f"{where}.engine.features.prefillChunk must be an integer >= 1, got {chunk!r}")
+    return (float(pause) if pause is not None else None), chunk
 
 
 def _parse_one(item: object, index: int) -> Assignment:
@@ -82,8 +99,10 @@ def _parse_one(item: object, index: int) -> Assignment:
     if not 0.0 < share <= 1.0:
         raise AssignmentError(f"{where}.engine.expertCacheShare must be in (0, 1], got {share}")
     ctx = eng.get("contextLength")
+    pause, chunk = _features(eng.get("features"), where)
     options = EngineOptions(device=device, dtype=eng.get("dtype"), expert_cache_share=share,
-                            context_length=int(ctx) if ctx is not None else None)
+                            context_length=int(ctx) if ctx is not None else None,
+                            decode_pause_ms=pause, prefill_chunk=chunk)
     secret = item.get("apiKeySecret")
     secret_ref = None
     if secret is not None:

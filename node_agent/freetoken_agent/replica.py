@@ -79,6 +79,10 @@ def serve_command(a: Assignment, launch: LaunchConfig, cpu_expert_fraction: floa
         cmd += ["--dtype", a.engine.dtype]
     if a.engine.context_length is not None:
         cmd += ["--max-context", str(a.engine.context_length)]
+    if a.engine.decode_pause_ms is not None:
+        cmd += ["--decode-pause-ms", f"{a.engine.decode_pause_ms:g}"]
+    if a.engine.prefill_chunk is not None:
+        cmd += ["--prefill-chunk", str(a.engine.prefill_chunk)]
     cmd += ["--expert-cache-experts", "1"]
     if cpu_expert_fraction is not None:
         cmd += ["--cpu-expert-fraction", f"{cpu_expert_fraction:.4f}"]

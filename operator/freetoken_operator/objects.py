@@ -29,6 +29,8 @@ def node_entry(model: Mapping[str, Any], port: int, node_mode: str) -> dict[str,
     }
     if "contextLength" in engine_in:
         engine["contextLength"] = engine_in["contextLength"]
+    if engine_in.get("features"):
+        engine["features"] = dict(engine_in["features"])      # unchanged: the agent reads what it knows
     entry: dict[str, Any] = {
         "key": model_key(meta.get("namespace", "default"), meta["name"]),
         "namespace": meta.get("namespace", "default"),

@@ -28,6 +28,11 @@ def test_defaults_for_the_embedded_model():
     ({"port": 0}, "port"), ({"port": "80"}, "port"), ({"format": "onnx"}, "format"),
     ({"engine": {"device": "tpu"}}, "device"), ({"engine": {"expertCacheShare": 1.5}}, "expertCacheShare"),
     ({"source": {}}, "source"), ({"model": ""}, "model"), ({"apiKeySecret": {"name": "s"}}, "apiKeySecret"),
+    ({"engine": {"features": {"decodePauseMs": -1}}}, "decodePauseMs"),
+    ({"engine": {"features": {"decodePauseMs": "fast"}}}, "decodePauseMs"),
+    ({"engine": {"features": {"prefillChunk": 0}}}, "prefillChunk"),
+    ({"engine": {"features": {"prefillChunk": 1.5}}}, "prefillChunk"),
+    ({"engine": {"features": [1]}}, "features"),
 ])
 def test_bad_entries_are_rejected_with_the_field_named(patch, message):
     with pytest.raises(AssignmentError, match=message):

@@ -70,6 +70,10 @@ BAD = [
     ("Exists toleration with value", {"source": {"default": True}, "placement": {
         "tolerations": [{"key": "k", "operator": "Exists", "value": "v"}]}}, "takes no value"),
     ("privileged port", {"source": {"default": True}, "serving": {"port": 80}}, "minimum"),
+    ("negative decode pause", {"source": {"default": True}, "engine": {"features": {"decodePauseMs": -5}}},
+     "minimum"),
+    ("fractional prefill chunk", {"source": {"default": True}, "engine": {"features": {"prefillChunk": 2.5}}},
+     "is not of type"),
     ("unknown field", {"source": {"default": True}, "replica": 2}, "Additional properties"),
 ]
 

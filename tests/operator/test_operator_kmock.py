@@ -322,7 +322,8 @@ async def test_examples_are_placed_as_documented(kmock, monkeypatch):
     assert runner.exit_code == 0, runner.output
     qwen = next(m for m in specs["gaming-pc"]["models"] if m["model"] == "qwen3-30b-a3b")
     assert qwen["source"] == {"path": "/models/qwen3-30b-a3b"} and qwen["format"] == "safetensors"
-    assert qwen["engine"] == {"device": "cuda", "dtype": "bfloat16", "expertCacheShare": 0.9, "contextLength": 8192}
+    assert qwen["engine"] == {"device": "cuda", "dtype": "bfloat16", "expertCacheShare": 0.9, "contextLength": 8192,
+                              "features": {"decodePauseMs": 100}}
     assert qwen["apiKeySecret"] == {"name": "qwen3-api-key", "key": "api-key"}
     smol = [m for s in specs.values() for m in s["models"] if m["model"] == "smollm2-moe"]
     assert {m["engine"]["device"] for m in smol} == {"cpu", "cuda"} and {m["format"] for m in smol} == {"default"}
