@@ -168,7 +168,7 @@ def test_the_prefill_step_is_larger_on_a_gpu_unless_given():
 
 def test_serve_passes_every_engine_option_it_accepts(tmp_path):
     """Each engine option the CLI shares between generate and serve reaches serve's EngineConfig
-    (``--prefill-chunk`` once did not: serve dropped it silently)."""
+    and generate's (``--prefill-chunk`` once did not reach serve's: dropped silently)."""
     import argparse
 
     from freetoken_engine.cli import _add_engine_options
@@ -177,3 +177,5 @@ def test_serve_passes_every_engine_option_it_accepts(tmp_path):
     _add_engine_options(shared)
     dests = {a.dest for a in shared._actions if a.dest not in ("help", "model")}
     assert dests <= set(_ENGINE_OPTIONS), dests - set(_ENGINE_OPTIONS)
+    from freetoken_engine.cli import _engine_kwargs     # and generate's
+    assert dests <= set(_engine_kwargs(shared.parse_args([]))), dests - set(_engine_kwargs(shared.parse_args([])))
