@@ -23,6 +23,7 @@ Checkpoint: bench/engine_gpu_decode.py's (random bf16 weights in Qwen3-30B-A3B's
 weights route like uniform random routing, the worst case for the cache.
 
     python bench/decode_stall.py --layers 48 --stretch /dev/shm     # on the GPU machine
+    python bench/decode_stall.py --model DIR --device cpu --prompt 2048 --chunks 512 --pauses 0,500
 """
 from __future__ import annotations
 
