@@ -43,6 +43,14 @@ _STATS_GAUGES = (
     ("freetoken_prefix_cache_hit_ratio", "Share of prompt tokens served from the prefix cache",
      "prefix_hit_ratio"),
 )
+# (name without _total, help, key in stats()) for counters
+_STATS_COUNTERS = (
+    ("freetoken_preemptions", "Running requests pushed back to the queue to free KV blocks", "preemptions"),
+    ("freetoken_decode_steps_beside_prefill",
+     "Decode steps run between the layers of a long prefill pass (--decode-pause-ms)", "decode_steps_beside"),
+    ("freetoken_decode_beside_prefill_seconds",
+     "Time those decode steps took, in the middle of the prefill passes", "decode_beside_seconds"),
+)
 # (name without _total, help, key in cache_stats()["expert_cache"]) for counters
 _EXPERT_COUNTERS = (
     ("freetoken_expert_cache_hits", "Routed experts found in the expert cache", "hits"),
@@ -96,17 +104,9 @@ class _EngineCollector:
             yield CounterMetricFamily("freetoken_decode_graph_drops",
                                       "Decode graphs dropped to keep their memory under --graph-memory-gb",
                                       value=float(stats.get("decode_graph_drops", 0)))
-        if stats.get("preemptions") is not None:
-            yield CounterMetricFamily("freetoken_preemptions",
-                                      "Running requests pushed back to the queue to free KV blocks",
-                                      value=float(stats["preemptions"]))
-        if stats.get("decode_steps_beside") is not None:
-            yield CounterMetricFamily("freetoken_decode_steps_beside_prefill",
-                                      "Decode steps run between the layers of a long prefill pass (--decode-pause-ms)",
-                                      value=float(stats["decode_steps_beside"]))
-            yield CounterMetricFamily("freetoken_decode_beside_prefill_seconds",
-                                      "Time those decode steps took, in the middle of the prefill passes",
-                                      value=float(stats["decode_beside_seconds"]))
+        for name, doc, key in _STATS_COUNTERS:
+            if stats.get(key) is not None:
+                yield CounterMetricFamily(name, doc, value=float(stats[key]))
         kv = cache.get("kv") or {}
         total, used = kv.get("blocks_total"), kv.get("blocks_used")
         if total:
