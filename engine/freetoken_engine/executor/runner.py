@@ -8,6 +8,7 @@ called between forward passes (a safe point).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -251,9 +252,7 @@ class ModelRunner(GraphWarmup):
         no q* change in the middle of a pass). The expert cache's changes are handed to the pass's
         layer streamer (``OffloadedExperts.beside_prefill``), so its output does not change."""
         key = self.graphs.key(chunks) if self.graphs is not None else None
-        if self.cache is None:
-            return self._run(chunks, key, None)
-        with self.experts.beside_prefill():
+        with self.experts.beside_prefill() if self.cache is not None else contextlib.nullcontext():
             return self._run(chunks, key, None)
 
     def _run(self, chunks: list[SeqChunk], key, between) -> torch.Tensor:
