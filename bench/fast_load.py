@@ -76,7 +76,7 @@ def write_checkpoint(folder: Path, layers: int, rnd=None, shape: str = "qwen3-30
     fam = family(cfg_raw["model_type"])
     cfg = fam.parse(cfg_raw)
     with torch.device("meta"):
-        model = DecoderLM(cfg, Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, "meta"))
+        model = DecoderLM(cfg, Rotary(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings, "meta"))
     # random bit patterns with the exponent's top bit cleared: finite, |x| < 2 (NaN weights would
     # make every hidden state NaN and route every token to the same experts)
     rnd = rnd or (lambda shape: torch.empty(shape, dtype=torch.int16).random_(-16000, 16000)
@@ -103,7 +103,7 @@ def ready_from_packed(folder: Path, pin: str, verify: bool, threads: int):
     pm = load_packed(folder, torch.bfloat16, threads=threads, pin=pin, verify=verify)
     fam = family(pm.config["model_type"])
     cfg = fam.parse(pm.config)
-    rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, torch.device("cpu"))
+    rotary = Rotary(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings, torch.device("cpu"))
     with torch.device("meta"):
         model = DecoderLM(cfg, rotary).to(torch.bfloat16)   # dtype on meta: no fp32 detour
     by_engine = {fam.rename(k): k for k in pm.names()}

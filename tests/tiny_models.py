@@ -38,6 +38,12 @@ MOE = {
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=16),
     "llama": dict(),
     "qwen3": dict(head_dim=8),
+    # hybrid: three Gated DeltaNet layers, then a gated attention layer
+    "qwen3_next": dict(HYBRID := dict(
+        moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, head_dim=8, num_hidden_layers=4,
+        shared_expert_intermediate_size=24, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)),
+    "qwen3_5_moe_text": dict(HYBRID),
 }
 SUPPORTED = tuple(MOE)
 
@@ -63,6 +69,8 @@ def _classes(model_type: str):
         "olmoe": (T.OlmoeConfig, T.OlmoeForCausalLM),
         "llama": (T.LlamaConfig, T.LlamaForCausalLM),
         "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
+        "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextForCausalLM),
+        "qwen3_5_moe_text": (T.Qwen3_5MoeTextConfig, T.Qwen3_5MoeForCausalLM),
     }[model_type]
 
 

@@ -44,6 +44,11 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="a prefill step that takes longer than MS runs the requests decoding alongside as "
                         "steps of their own between its layers, each time they have waited MS (default 100 "
                         "on a GPU, 500 on the CPU; 0: they get one token per prefill step, riding in it)")
+    p.add_argument("--state-checkpoints", type=int, metavar="N",
+                   help="hybrid models (Gated DeltaNet layers): recurrent-state checkpoints kept at anchors "
+                        "(turn ends, thinking blocks, tool calls), so a conversation or an agent resumes "
+                        "from the nearest one instead of prefilling again (default: as many as 1 GB holds "
+                        "on the CPU, 0.5 GB on a GPU, 4 to 64; 0: none)")
     p.add_argument("--expert-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="expert cache control and kernels: triton on CUDA by default")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
@@ -72,6 +77,7 @@ def _engine_kwargs(args) -> dict:
     kw = dict(device=args.device, dtype=args.dtype, expert_cache_experts=args.expert_cache_experts,
               expert_cache_gb=args.expert_cache_gb, cpu_expert_fraction=args.cpu_expert_fraction,
               max_context=args.max_context, prefill_chunk=args.prefill_chunk, decode_pause_ms=args.decode_pause_ms,
+              state_checkpoints=args.state_checkpoints,
               expert_backend=args.expert_backend, cuda_graphs=args.cuda_graphs,
               graph_warmup=args.graph_warmup,
               graph_warmup_widths=args.graph_warmup_widths, graph_memory_gb=args.graph_memory_gb,

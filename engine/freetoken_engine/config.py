@@ -43,7 +43,7 @@ class RopeConfig:
             original_max_position=int(params.get("original_max_position_embeddings",
                                                  raw.get("max_position_embeddings", 8192))),
             beta_fast=float(params.get("beta_fast", 32.0)), beta_slow=float(params.get("beta_slow", 1.0)),
-            partial_rotary_factor=float(raw.get("partial_rotary_factor", 1.0)),
+            partial_rotary_factor=float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
         )
 
 
@@ -57,6 +57,28 @@ class MoeConfig:
     shared_intermediate_size: int = 0  # qwen2_moe shared expert (0 = none)
     shared_gate: bool = False          # sigmoid gate on the shared expert
     layers: tuple[int, ...] = ()       # decoder layers whose MLP is sparse
+
+
+@dataclass(frozen=True)
+class LinearAttnConfig:
+    """A hybrid model's Gated DeltaNet layers (Qwen3-Next, Qwen3.5/3.6-MoE): ``k_heads`` query/key
+    heads of ``k_dim``, ``v_heads`` value heads of ``v_dim`` (a multiple of ``k_heads``), and a
+    causal depthwise convolution of width ``conv`` over the projected q, k and v."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv: int
+
+    @property
+    def conv_dim(self) -> int:
+        return 2 * self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+    def state_bytes(self, itemsize: int) -> int:
+        """One sequence's recurrent state in one layer: the float32 delta-rule state and the
+        convolution's last ``conv - 1`` inputs (in the model's dtype)."""
+        return 4 * self.v_heads * self.k_dim * self.v_dim + itemsize * self.conv_dim * (self.conv - 1)
 
 
 @dataclass(frozen=True)
@@ -82,6 +104,10 @@ class ModelConfig:
     moe: MoeConfig | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    # hybrid models: which layers mix tokens by Gated DeltaNet instead of attention (empty: none)
+    linear_layers: tuple[int, ...] = ()
+    linear: LinearAttnConfig | None = None
+    attn_gate: bool = False            # attention output times sigmoid of a gate q_proj also yields
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -91,10 +117,26 @@ class ModelConfig:
             raise ConfigError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
         if self.moe is not None and not 1 <= self.moe.top_k <= self.moe.num_experts:
             raise ConfigError(f"config.json: num_experts_per_tok must be in 1..{self.moe.num_experts}")
+        if self.linear_layers and self.linear is None:
+            raise ConfigError("config.json: linear_attention layers need the linear_* head fields")
+        if self.linear is not None and self.linear.v_heads % self.linear.k_heads:
+            raise ConfigError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if not 0 < self.rope.partial_rotary_factor <= 1 or int(self.head_dim * self.rope.partial_rotary_factor) % 2:
+            raise ConfigError(f"config.json: partial_rotary_factor {self.rope.partial_rotary_factor} must give an "
+                              f"even number of the head's {self.head_dim} dimensions")
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
         return self.moe.layers if self.moe else ()
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that hold KV (every layer but the Gated DeltaNet ones)."""
+        return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.rope.partial_rotary_factor)
 
 
 @dataclass(frozen=True)
@@ -118,6 +160,7 @@ class EngineConfig:
     prefill_expert_threshold: int | None = None  # whole-layer MoE from this many tokens (None: max_batch + 1)
     decode_pause_ms: float | None = None     # decoders' steps inside a long pass after this wait (decode_pause)
     kv_block_size: int = 16
+    state_checkpoints: int | None = None     # hybrid models: recurrent-state checkpoints at anchors (None: by memory)
     kv_cache_tokens: int | None = None       # None: enough for max_batch full contexts, capped
     max_context: int | None = None
     max_batch: int = 32
@@ -154,6 +197,8 @@ class EngineConfig:
                               f"got {self.decode_pause_ms}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ConfigError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+        if self.state_checkpoints is not None and self.state_checkpoints < 0:
+            raise ConfigError(f"--state-checkpoints must be 0 (none) or more, got {self.state_checkpoints}")
         for name in ("kv_block_size", "max_batch", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")

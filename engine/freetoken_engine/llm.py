@@ -51,8 +51,19 @@ class LLM:
             raise RequestTooLong(f"prompt of {len(ids)} tokens plus {max_new_tokens} new tokens exceeds "
                                  f"the context of {self.max_context}")
 
-    def _run(self, ids: list[int], chunk: int | None = None):
-        """Prefill ``ids`` in chunks into fresh KV blocks; return (blocks, logits of the last token)."""
+    def _slot(self) -> int:
+        """A recurrent-state slot for a sequence of a hybrid model (-1: the model has none)."""
+        return self.runner.states.take() if self.runner.states is not None else -1
+
+    def _release(self, blocks: list[int], slot: int) -> None:
+        self.runner.kv.release(blocks)
+        blocks.clear()
+        if slot >= 0:
+            self.runner.states.give(slot)
+
+    def _run(self, ids: list[int], chunk: int | None = None, slot: int = -1):
+        """Prefill ``ids`` in chunks into fresh KV blocks (and state ``slot``); return (blocks,
+        logits of the last token)."""
         kv = self.runner.kv
         blocks: list[int] = []
         start = 0
@@ -61,7 +72,8 @@ class LLM:
         while start < len(ids):
             piece = ids[start:start + chunk]
             kv.extend(blocks, start + len(piece))
-            logits = self.runner.forward([SeqChunk(blocks, start, piece, last=start + len(piece) == len(ids))])[0]
+            logits = self.runner.forward([SeqChunk(blocks, start, piece, last=start + len(piece) == len(ids),
+                                                   state=slot)])[0]
             start += len(piece)
         return blocks, logits
 
@@ -71,13 +83,13 @@ class LLM:
         the first token (so they exercise the KV cache and the decode path)."""
         self.check_prompt(ids)
         kv = self.runner.kv
-        blocks, rows = [], []
+        blocks, rows, slot = [], [], self._slot()
         try:
             for pos, tok in enumerate(ids):
                 kv.extend(blocks, pos + 1)
-                rows.append(self.runner.forward([SeqChunk(blocks, pos, [tok])])[0])
+                rows.append(self.runner.forward([SeqChunk(blocks, pos, [tok], state=slot)])[0])
         finally:
-            kv.release(blocks)
+            self._release(blocks, slot)
         return torch.stack(rows)
 
     @torch.inference_mode()
@@ -85,13 +97,13 @@ class LLM:
         """Logits ``[T, V]`` of one whole-prompt forward pass (the prefill path)."""
         self.check_prompt(ids)
         kv = self.runner.kv
-        blocks = kv.allocate(kv.blocks_for(len(ids)))
+        blocks, slot = kv.allocate(kv.blocks_for(len(ids))), self._slot()
         try:
-            inp = build_inputs([SeqChunk(blocks, 0, ids)], kv.block_size, self.runner.device)
+            inp = build_inputs([SeqChunk(blocks, 0, ids, state=slot)], kv.block_size, self.runner.device)
             inp.logits_at = torch.arange(len(ids), device=self.runner.device)
             return self.runner.model(inp.ids, inp.batch, kv, inp.logits_at)
         finally:
-            kv.release(blocks)
+            self._release(blocks, slot)
 
     @torch.inference_mode()
     def generate(self, prompt_ids: list[int], params: SamplingParams | None = None) -> Generation:
@@ -104,7 +116,12 @@ class LLM:
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.runner.eos_token_ids))
         kv = self.runner.kv
         t0 = time.perf_counter()
-        blocks, logits = self._run(prompt_ids)
+        slot = self._slot()
+        try:
+            blocks, logits = self._run(prompt_ids, slot=slot)
+        except BaseException:
+            self._release([], slot)
+            raise
         t1 = time.perf_counter()
         out, finish = [], "length"
         try:
@@ -118,9 +135,9 @@ class LLM:
                     break
                 pos = len(prompt_ids) + len(out) - 1
                 kv.extend(blocks, pos + 1)
-                logits = self.runner.forward([SeqChunk(blocks, pos, [tok])])[0]
+                logits = self.runner.forward([SeqChunk(blocks, pos, [tok], state=slot)])[0]
         finally:
-            kv.release(blocks)
+            self._release(blocks, slot)
         t2 = time.perf_counter()
         decode_steps = max(len(out) - 1, 0)
         stats = {"prompt_tokens": len(prompt_ids), "generated_tokens": len(out),
@@ -138,31 +155,32 @@ class Lockstep:
     benchmarks of batched decode. ``step()`` -> logits [B, V] and each prompt's next token."""
 
     def __init__(self, llm: LLM, prompts: list[list[int]]):
-        self.runner, self.kv = llm.runner, llm.runner.kv
-        self.seqs: list[tuple[list[int], int, list[int]]] = []     # (KV blocks, prompt length, new tokens)
+        self.llm, self.runner, self.kv = llm, llm.runner, llm.runner.kv
+        self.seqs: list[tuple[list[int], int, list[int], int]] = []  # (KV blocks, prompt length, new tokens, state)
         for p in prompts:
             llm.check_prompt(p)
-            blocks, logits = llm._run(p)
-            self.seqs.append((blocks, len(p), [int(logits.argmax())]))
+            slot = llm._slot()
+            blocks, logits = llm._run(p, slot=slot)
+            self.seqs.append((blocks, len(p), [int(logits.argmax())], slot))
 
     @property
     def tokens(self) -> list[list[int]]:
-        return [out for _, _, out in self.seqs]
+        return [s[2] for s in self.seqs]
 
     @torch.inference_mode()
     def step(self) -> torch.Tensor:
         chunks = []
-        for blocks, n, out in self.seqs:
+        for blocks, n, out, slot in self.seqs:
             pos = n + len(out) - 1
             self.kv.extend(blocks, pos + 1)
-            chunks.append(SeqChunk(blocks, pos, [out[-1]]))
+            chunks.append(SeqChunk(blocks, pos, [out[-1]], state=slot))
         logits = self.runner.forward(chunks)
-        for (_, _, out), tok in zip(self.seqs, logits.argmax(-1).tolist()):
-            out.append(tok)
+        for s, tok in zip(self.seqs, logits.argmax(-1).tolist()):
+            s[2].append(tok)
         return logits
 
     def close(self) -> None:
-        """Release the KV blocks (the tokens stay readable)."""
-        for blocks, _, _ in self.seqs:
-            self.kv.release(blocks)
-            blocks.clear()
+        """Release the KV blocks and state slots (the tokens stay readable)."""
+        for blocks, _, _, slot in self.seqs:
+            if blocks:
+                self.llm._release(blocks, slot)

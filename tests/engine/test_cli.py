@@ -56,7 +56,7 @@ def _broken(tmp_path, tiny_checkpoint, kind: str):
 @pytest.mark.parametrize("kind,needle", [
     ("truncated", "truncated"),
     ("missing-shard", "no *.safetensors"),
-    ("model-type", "supported: freetoken_llama_moe, llama, mixtral, olmoe, qwen2_moe, qwen3, qwen3_moe"),
+    ("model-type", "supported: freetoken_llama_moe, llama, mixtral, olmoe, qwen2_moe, qwen3, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next"),
 ])
 def test_broken_folders_fail_in_one_line(tmp_path, tiny_checkpoint, kind, needle):
     r = run("generate", "--model", str(_broken(tmp_path, tiny_checkpoint, kind)), "--prompt-ids", "1,2")
@@ -140,9 +140,9 @@ def test_a_prompt_prefilled_in_small_chunks_gives_the_same_tokens(tiny_checkpoin
     from freetoken_engine.llm import LLM
     chunks, real = [], LLM._run
 
-    def run(self, ids, chunk=None):
+    def run(self, ids, chunk=None, slot=-1):
         chunks.append(self.config.prefill_tokens)
-        return real(self, ids, chunk)
+        return real(self, ids, chunk, slot)
 
     monkeypatch.setattr(LLM, "_run", run)
     folder = str(tiny_checkpoint("qwen3_moe"))

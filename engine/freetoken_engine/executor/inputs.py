@@ -23,6 +23,9 @@ class SeqChunk:
     tokens: list[int]         # new token ids to run
     last: bool = True         # they end the tokens to run before the next sample (a prompt's last
                               # chunk, a decode token): a prefill seeds the decode cache only then
+    state: int = -1           # hybrid models: the sequence's recurrent-state slot (cache/states.py)
+    snapshots: tuple[tuple[int, int], ...] = ()   # (position, checkpoint slot): copy the state after
+                              # the tokens before ``position`` (in (start, start + len(tokens)])
 
 
 @dataclass
@@ -79,5 +82,8 @@ def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) 
                       needs_mask=not (q_max == 1 and bool(kv_valid.all())),
                       max_position=int(positions.max()),
                       seq_counts=tuple(counts.tolist()), seq_ends=tuple(ends.tolist()),
+                      state_slots=tuple(c.state for c in chunks),
+                      snapshots=tuple(tuple((p - c.start, s) for p, s in c.snapshots) for c in chunks)
+                      if any(c.snapshots for c in chunks) else None,
                       kv_len=dev(ends) if q_max == 1 else None)   # the fused decode attention (CPU, GPU)
     return ForwardInputs(ids=dev(ids), batch=batch, logits_at=dev(np.cumsum(counts) - 1))

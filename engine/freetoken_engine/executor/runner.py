@@ -24,6 +24,7 @@ from .. import env  # noqa: E402
 from ..cache.experts import ExpertCache  # noqa: E402
 from ..cache.kv import KVPool, kv_pool_bytes  # noqa: E402
 from ..cache.offload import OffloadedExperts  # noqa: E402
+from ..cache.states import StatePool  # noqa: E402
 from ..config import EngineConfig  # noqa: E402
 from ..errors import ConfigError  # noqa: E402
 from ..layers.attention import reads_grouped_heads  # noqa: E402
@@ -107,8 +108,9 @@ class ModelRunner(GraphWarmup):
                                      bypass=env.bypass_slots() if self.device.type == "cuda" else 0)
             self._make_experts()
         m = self.mcfg
-        self.kv = KVPool(m.num_layers, kv_blocks, cfg.kv_block_size,
+        self.kv = KVPool(len(m.attention_layers), kv_blocks, cfg.kv_block_size,
                          m.num_kv_heads, m.head_dim, self.dtype, self.device)
+        self.states = self._make_states()
         self._make_graphs()
         # q* refined online by measured step time; not when the user fixed the split
         self.tuner = None
@@ -173,6 +175,24 @@ class ModelRunner(GraphWarmup):
         if q != self.cache.fill_fraction:
             self._set_q(q)
 
+    def _make_states(self) -> StatePool | None:
+        """A hybrid model's recurrent-state slots: one per batch row, and the anchors' checkpoints
+        (``--state-checkpoints``; by default as many as 1 GB holds on the CPU, 0.5 GB on a GPU,
+        from 4 to 64)."""
+        m = self.mcfg
+        if not m.linear_layers:
+            return None
+        per = StatePool.slot_bytes(len(m.linear_layers), m.linear, self.dtype.itemsize)
+        n = self.cfg.state_checkpoints
+        if n is None:
+            n = max(4, min(64, int((1e9 if self.device.type == "cpu" else 5e8) // per)))
+        pool = StatePool(len(m.linear_layers), m.linear, self.cfg.max_batch, n, self.dtype, self.device)
+        for layer in self.model.deltanets():
+            layer.states = pool
+        log.info("hybrid model: %d recurrent-state slots and %d anchor checkpoints, %.1f MB each",
+                 self.cfg.max_batch, n, per / 1e6)
+        return pool
+
     def _bank_addresses(self) -> tuple[int, int] | None:
         return (self.bank.w13.data_ptr(), self.bank.w2.data_ptr()) if self.bank is not None else None
 
@@ -185,7 +205,8 @@ class ModelRunner(GraphWarmup):
     def _make_graphs(self) -> None:
         cfg = self.cfg
         self.graphs = None
-        if cfg.cuda_graphs and self.device.type == "cuda" and (self.cache is None or self.experts.control is not None):
+        if (cfg.cuda_graphs and self.device.type == "cuda" and not self.mcfg.linear_layers
+                and (self.cache is None or self.experts.control is not None)):
             from .graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.experts if self.cache is not None else None,
                                        self.device, self.dtype, self.max_context,
@@ -206,7 +227,11 @@ class ModelRunner(GraphWarmup):
             n = total
         else:                 # what is left after the KV pool, the layer buffers and a prefill step
             m, b, size = self.mcfg, self.bank, self.dtype.itemsize
-            kv = kv_pool_bytes(m.num_layers, kv_blocks * self.cfg.kv_block_size, m.num_kv_heads, m.head_dim, size)
+            kv = kv_pool_bytes(len(m.attention_layers), kv_blocks * self.cfg.kv_block_size, m.num_kv_heads,
+                               m.head_dim, size)
+            if m.linear_layers:   # the recurrent states: about their default budget (_make_states)
+                kv += min(5e8, 64 * StatePool.slot_bytes(len(m.linear_layers), m.linear, size)) + \
+                    self.cfg.max_batch * StatePool.slot_bytes(len(m.linear_layers), m.linear, size)
             step = prefill_peak_bytes(self.cfg.prefill_tokens, self.max_context, m.moe.top_k, b.hidden, b.inter,
                                       m.num_heads, m.num_kv_heads, m.head_dim, size, reads_grouped_heads(self.device, self.dtype, m))
             n = default_cache_experts(torch.cuda.mem_get_info(self.device)[0], per, total, kv,

@@ -40,6 +40,8 @@ class AttnBatch:
     kv_len: torch.Tensor | None = None  # [B] int64 keys of each sequence after this pass (fused decode)
     seq_counts: tuple[int, ...] | None = None   # new tokens of each sequence (host), in row order
     seq_ends: tuple[int, ...] | None = None     # keys of each sequence after this pass (host)
+    state_slots: tuple[int, ...] | None = None  # hybrid models: each sequence's recurrent-state slot
+    snapshots: tuple[tuple[tuple[int, int], ...], ...] | None = None   # (offset, checkpoint slot) per sequence
     _made: dict = field(default_factory=dict)   # masks and row lists, made once per pass
 
     @property
@@ -49,6 +51,14 @@ class AttnBatch:
         counts (a captured decode step)."""
         return (self.seq_counts is not None and all(n == self.q_max for n in self.seq_counts)
                 and all(e == self.kv_index.shape[1] for e in self.seq_ends))
+
+    def fresh(self, i: int) -> bool:
+        """Sequence i's pass starts at position 0 (its recurrent state starts from zeros)."""
+        return self.seq_ends[i] == self.seq_counts[i]
+
+    def snaps(self, i: int) -> tuple[tuple[int, int], ...]:
+        """Copies of sequence i's recurrent state to take: (tokens of this pass run, checkpoint slot)."""
+        return self.snapshots[i] if self.snapshots is not None else ()
 
     @property
     def q_flat(self) -> torch.Tensor:
@@ -155,7 +165,9 @@ class Attention(nn.Module):
         super().__init__()
         h, kvh, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.h, self.kvh, self.d = h, kvh, d
-        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
+        # a gated attention's q_proj also yields, per head, the gate of its output (Qwen3-Next)
+        self.gated = cfg.attn_gate
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d * (2 if self.gated else 1), bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
@@ -168,37 +180,54 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window[layer] if cfg.sliding_window else None
         self.rotary = rotary
         self.scale = d ** -0.5
+        self.partial_rotary = cfg.rotary_dim != d      # the fused decode kernels rotate whole heads
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self.gate: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
     def fuse(self) -> None:
-        """After loading: one [q; k; v] matmul instead of three (fewer ops per decode step)."""
+        """After loading: one [q; k; v] matmul instead of three (fewer ops per decode step); a
+        gated attention's gate rows (interleaved per head with q's) become a projection of their own."""
         with torch.no_grad():
-            w = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-            b = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
-                 if self.q_proj.bias is not None else None)
+            qw, qb = self.q_proj.weight, self.q_proj.bias
+            if self.gated:
+                rows = qw.view(self.h, 2, self.d, -1)
+                qw, self.gate = rows[:, 0].reshape(self.h * self.d, -1), (rows[:, 1].reshape(self.h * self.d, -1), None)
+                if qb is not None:
+                    bias = qb.view(self.h, 2, self.d)
+                    qb, self.gate = bias[:, 0].reshape(-1), (self.gate[0], bias[:, 1].reshape(-1))
+            w = torch.cat([qw, self.k_proj.weight, self.v_proj.weight])
+            b = torch.cat([qb, self.k_proj.bias, self.v_proj.bias]) if qb is not None else None
         self.qkv = (w, b)
         del self.q_proj, self.k_proj, self.v_proj
 
+    def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The output projection of the heads' output ``o [T, h d]`` (gated by ``x``'s gate)."""
+        if self.gate is not None:
+            o = o * torch.sigmoid(linear(x, *self.gate))
+        return self.o_proj(o)
+
     def forward(self, x: torch.Tensor, batch: AttnBatch, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        if self.gated and self.qkv is None:
+            self.fuse()                    # the gate comes out of q_proj's rows
         if batch.q_max == 1 and batch.kv_len is not None:
             impl = self._decode_kernel(x, k_cache)
             if impl is not None:
                 # Decode: norm, rotary, K/V write and attention in one compiled call on the CPU,
                 # in two Triton launches on a GPU.
-                return self.o_proj(self._decode(impl, linear(x, *self.qkv), cos, sin, k_cache, v_cache,
-                                                batch.slot_mapping, batch.kv_index, batch.kv_len))
+                return self._out(self._decode(impl, linear(x, *self.qkv), cos, sin, k_cache, v_cache,
+                                              batch.slot_mapping, batch.kv_index, batch.kv_len), x)
         t = x.shape[0]
         per_chunk = self.by_sequence and batch.q_max > 1 and batch.seq_counts is not None
         if per_chunk and batch.singles() is not None:
             impl = self._decode_kernel(x, k_cache)
             if impl is not None:
-                return self.o_proj(self._beside_chunks(impl, x, batch, cos, sin, k_cache, v_cache))
+                return self._out(self._beside_chunks(impl, x, batch, cos, sin, k_cache, v_cache), x)
         q, k, v = self._project(x, None, cos, sin)
         k_cache.index_copy_(0, batch.slot_mapping, k)                      # write new K/V
         v_cache.index_copy_(0, batch.slot_mapping, v)
         if per_chunk:
-            return self.o_proj(self._by_sequence(q, k_cache, v_cache, batch).reshape(t, self.h * self.d))
+            return self._out(self._by_sequence(q, k_cache, v_cache, batch).reshape(t, self.h * self.d), x)
         b, lmax = batch.kv_index.shape
         keys, values = self._keys(k_cache, v_cache, batch.kv_index)                     # [B, kvh, L, d]
         if batch.q_max == 1:       # pure decode: token b is sequence b, no padding to undo
@@ -215,8 +244,7 @@ class Attention(nn.Module):
         out = out.transpose(1, 2).reshape(b * batch.q_max, self.h, self.d)
         if batch.q_max > 1:
             out = out.index_select(0, batch.q_flat)
-        out = out.reshape(t, self.h * self.d)
-        return self.o_proj(out)
+        return self._out(out.reshape(t, self.h * self.d), x)
 
     def _project(self, x: torch.Tensor, qkv: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor):
         """q [T, h, d], k / v [T, kvh, d] of ``x`` (or of its fused projection ``qkv``): projected,
@@ -241,7 +269,7 @@ class Attention(nn.Module):
     def _decode_kernel(self, x: torch.Tensor, k_cache: torch.Tensor):
         """The fused decode attention (kernels/triton/attention.py on a GPU, kernels/cpu/attention.py
         on the CPU) when it takes this layer and these tensors, else None."""
-        if self.qkv is None or self.clip is not None or self.qk_norm == "full":
+        if self.qkv is None or self.clip is not None or self.qk_norm == "full" or self.partial_rotary:
             return None
         gpu = gpu_decode_kernels("attention") if x.device.type == "cuda" else None
         if gpu is not None and gpu.supported(x, k_cache, self.d):

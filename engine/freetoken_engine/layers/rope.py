@@ -6,14 +6,11 @@ import math
 import torch
 
 from ..config import RopeConfig
-from ..errors import ConfigError
 
 
-def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position: int) -> tuple[torch.Tensor, float]:
-    """Return ``(inv_freq [head_dim/2] float32, attention_scaling)`` for a rope config."""
-    if rope.partial_rotary_factor != 1.0:
-        raise ConfigError("partial rotary embeddings are not supported")
-    dim = head_dim
+def inverse_frequencies(rope: RopeConfig, dim: int, max_position: int) -> tuple[torch.Tensor, float]:
+    """Return ``(inv_freq [dim/2] float32, attention_scaling)`` for a rope config over the ``dim``
+    rotated dimensions of a head (all of it, or its first ``partial_rotary_factor``)."""
     inv = 1.0 / (rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling = 1.0
     if rope.type == "linear":
@@ -44,10 +41,10 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, max_position: int) -> t
 
 
 class Rotary:
-    """Computes cos/sin for given positions; ``apply`` rotates q and k in place of copies."""
+    """Computes cos/sin for given positions over the ``dim`` rotated dimensions of a head."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_position: int, device: torch.device):
-        inv, self.scaling = inverse_frequencies(rope, head_dim, max_position)
+    def __init__(self, rope: RopeConfig, dim: int, max_position: int, device: torch.device):
+        inv, self.scaling = inverse_frequencies(rope, dim, max_position)
         self.inv_freq = inv.to(device)
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -77,5 +74,9 @@ class Rotary:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, d]; cos / signed_sin [T, 1, d] from ``Rotary.cos_sin``."""
+    """x [T, heads, d]; cos / signed_sin [T, 1, r] from ``Rotary.cos_sin``: the first r of the d
+    dimensions rotate (r < d: a partial rotary embedding), the rest pass unchanged."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rotary(x[..., :r], cos, signed_sin), x[..., r:]), dim=-1)
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin

@@ -3,12 +3,13 @@ and every family composes the same layers (``models/decoder.py``)."""
 from __future__ import annotations
 
 from ..errors import ConfigError
-from . import freetoken_llama_moe, llama, mixtral, olmoe, qwen2_moe, qwen3, qwen3_moe
+from . import freetoken_llama_moe, llama, mixtral, olmoe, qwen2_moe, qwen3, qwen3_moe, qwen3_next
 from .hf import Family
 
 REGISTRY: dict[str, Family] = {
-    m.FAMILY.model_type: m.FAMILY
-    for m in (llama, qwen3, qwen3_moe, qwen2_moe, mixtral, olmoe, freetoken_llama_moe)
+    f.model_type: f
+    for f in (*(m.FAMILY for m in (llama, qwen3, qwen3_moe, qwen2_moe, mixtral, olmoe, freetoken_llama_moe)),
+              *qwen3_next.FAMILIES)
 }
 
 

@@ -120,7 +120,7 @@ def start_model(folder: Path, dtype: torch.dtype, device: torch.device, progress
 def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
            progress: Progress | None) -> tuple[DecoderLM, ExpertBank | None, ModelConfig, BankRead]:
     fam = family(cfg.model_type)
-    rotary = Rotary(cfg.rope, cfg.head_dim, cfg.max_position_embeddings, device)
+    rotary = Rotary(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings, device)
     with torch.device("meta"), no_init():
         model = DecoderLM(cfg, rotary).to(dtype)       # cast while still free: no fp32 pass
     # Module.to_empty would call empty_like on meta tensors, whose reference path imports sympy.
@@ -142,10 +142,11 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
     done = 0
     with torch.no_grad():
         for name in wanted:
-            src = by_engine_name.get(name)
+            how = fam.source(cfg, name) if fam.source is not None else None
+            src = by_engine_name.get(how[0] if how else name)
             if src is None:
                 raise ConfigError(f"checkpoint {folder} lacks tensor for {name}")
-            t = ckpt.get(src)
+            t = ckpt.get(src) if how is None else how[1](ckpt.get(src))
             if t.shape != params[name].shape:
                 raise ConfigError(f"tensor {src} has shape {tuple(t.shape)}, config implies {tuple(params[name].shape)}")
             params[name].copy_(t)

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..layers.attention import Attention, AttnBatch
+from ..layers.deltanet import GatedDeltaNet
 from ..layers.mlp import GatedMLP
 from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm
@@ -22,7 +23,11 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, i: int, rotary: Rotary):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, i, rotary)
+        if i in cfg.linear_layers:           # a hybrid model's Gated DeltaNet layer: no KV
+            self.self_attn = None
+            self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear, cfg.linear_layers.index(i), cfg.rms_norm_eps)
+        else:
+            self.self_attn = Attention(cfg, i, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if i in cfg.moe_layers:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.moe_layers.index(i))
@@ -30,7 +35,8 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
     def forward(self, h, batch, cos, sin, k_cache, v_cache):
-        a = self.self_attn(self.input_layernorm(h), batch, cos, sin, k_cache, v_cache)
+        x = self.input_layernorm(h)
+        a = self.linear_attn(x, batch) if self.self_attn is None else self.self_attn(x, batch, cos, sin, k_cache, v_cache)
         h, x = self.post_attention_layernorm.add_forward(a, h)           # h + a and its norm
         return self.mlp(x, residual=h)                                   # h + mlp(x)
 
@@ -52,9 +58,14 @@ class DecoderLM(nn.Module):
         self.rotary = rotary
         self.model = Backbone(cfg, rotary)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        kv_of = {layer: j for j, layer in enumerate(cfg.attention_layers)}
+        self.kv_of = [kv_of.get(i) for i in range(cfg.num_layers)]     # each layer's KV pool layer (None: none)
 
     def moe_blocks(self) -> list[SparseMoE]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+
+    def deltanets(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.self_attn is None]
 
     def forward(self, ids: torch.Tensor, batch: AttnBatch, kv, logits_at: torch.Tensor,
                 between: Callable[[int], None] | None = None) -> torch.Tensor:
@@ -64,7 +75,8 @@ class DecoderLM(nn.Module):
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype, batch.max_position)   # [T, 1, d]
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
-            h = layer(h, batch, cos, sin, kv.k[i], kv.v[i])
+            j = self.kv_of[i]
+            h = layer(h, batch, cos, sin, kv.k[j] if j is not None else None, kv.v[j] if j is not None else None)
             if between is not None and i < last:
                 between(i)
         if h.shape[0] != logits_at.shape[0]:                              # keep each sequence's last row

@@ -16,14 +16,21 @@ class Family:
     parse: Callable[[dict], ModelConfig]
     moe_prefix: str = "mlp"                                   # model.layers.{i}.<moe_prefix>
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    model_prefix: str = "model"                               # <model_prefix>.layers.{i}, .embed_tokens, .norm
+    # engine parameter -> (the engine-side name of the tensor it comes from, how), for tensors
+    # whose layout or convention differs from the engine's; None: the tensor of its own name as it is
+    source: Callable[[ModelConfig, str], tuple[str, Callable] | None] | None = None
 
     def expert_key(self, layer: int, expert: int, proj: int) -> str:
-        return f"model.layers.{layer}.{self.moe_prefix}.experts.{expert}.{self.expert_names[proj]}.weight"
+        return (f"{self.model_prefix}.layers.{layer}.{self.moe_prefix}.experts.{expert}."
+                f"{self.expert_names[proj]}.weight")
 
     def rename(self, key: str) -> str:
         """Checkpoint key -> engine module key (non-expert tensors)."""
         if self.moe_prefix != "mlp":
             key = key.replace(f".{self.moe_prefix}.", ".mlp.")
+        if self.model_prefix != "model" and key.startswith(self.model_prefix + "."):
+            key = "model." + key[len(self.model_prefix) + 1:]
         return key
 
 

@@ -29,7 +29,7 @@ _ENGINE_OPTIONS = {"device": "device", "dtype": "dtype",
                    "cuda_graphs": "cuda_graphs", "graph_warmup": "graph_warmup",
                    "graph_warmup_widths": "graph_warmup_widths", "graph_memory_gb": "graph_memory_gb",
                    "split_tuning": "split_tuning", "prefill_chunk": "prefill_chunk",
-                   "decode_pause_ms": "decode_pause_ms",
+                   "decode_pause_ms": "decode_pause_ms", "state_checkpoints": "state_checkpoints",
                    "cpu_rate_probe": "cpu_rate_probe"}
 
 

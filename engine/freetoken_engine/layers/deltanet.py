@@ -1,0 +1,201 @@
+"""Gated DeltaNet: the linear-attention token mixer of hybrid models (Qwen3-Next, Qwen3.5/3.6-MoE).
+
+Per value head the layer keeps a ``[k_dim, v_dim]`` float32 state S and, per token t,
+decays it, corrects what it predicts for the token's key, and reads it with the query::
+
+    S <- exp(g_t) S;   u_t = beta_t (v_t - S^T k_t);   S <- S + k_t u_t^T;   o_t = S^T q_t
+
+with q and k l2-normalised (q also scaled by k_dim^-1/2), beta = sigmoid(b) and
+g = -exp(A_log) softplus(a + dt_bias). Before that, q, k and v pass a causal depthwise
+convolution of width ``conv`` (then SiLU), whose last ``conv - 1`` inputs are the rest of the
+state; after it, each head's output is RMS-normed and gated by SiLU(z), then projected.
+
+A sequence's state lives in a slot of the ``StatePool`` (``cache/states.py``) attached after
+construction; ``AttnBatch.state_slots`` names each sequence's slot, a sequence whose pass starts
+at position 0 starts from zeros, and ``AttnBatch.snapshots`` asks for copies of the state after
+given positions (the anchors' checkpoints). A prompt's chunk runs the chunked form below; one
+token per sequence runs the recurrence for the whole batch at once.
+
+The chunked form, for a chunk of C tokens entering with state S0 (G = cumulative g in the chunk,
+D[t, j] = exp(G_t - G_j) for j <= t, else 0):
+    (I + A) U = beta v - beta exp(G) (K S0),  A[t, j] = beta_t D[t, j] k_t.k_j  (j < t)
+    O = exp(G) (Q S0) + (D * Q K^T) U,        S_C = exp(G_C) S0 + (K exp(G_C - G))^T U
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import LinearAttnConfig
+from .linear import linear
+
+CHUNK = 64
+
+
+def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def causal_conv(x: torch.Tensor, past: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [n, C]`` after ``past [K-1, C]`` (the inputs before it) through the depthwise causal
+    convolution ``weight [C, K]`` and SiLU -> (``[n, C]``, the last K-1 inputs ``[K-1, C]``)."""
+    k = weight.shape[1]
+    seq = torch.cat((past.to(x.dtype), x))                                 # [n + K-1, C]
+    y = F.conv1d(seq.t()[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0].t()
+    return F.silu(y).to(x.dtype), seq[seq.shape[0] - (k - 1):]
+
+
+def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                    state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token for each of B sequences: ``q``/``k [B, h, dk]``, ``v [B, h, dv]``, ``g``/``beta
+    [B, h]``, ``state [B, h, dk, dv]`` (float32) -> (``o [B, h, dv]``, the new state)."""
+    state = state * g.exp()[..., None, None]
+    u = beta[..., None] * (v - torch.einsum("bhk,bhkv->bhv", k, state))
+    state = state + k[..., :, None] * u[..., None, :]
+    return torch.einsum("bhk,bhkv->bhv", q, state), state
+
+
+def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                       state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """n tokens of one sequence: ``q``/``k [n, h, dk]``, ``v [n, h, dv]``, ``g``/``beta [n, h]``,
+    ``state [h, dk, dv]`` (float32) -> (``o [n, h, dv]``, the state after them), chunk by chunk."""
+    outs = []
+    for a in range(0, q.shape[0], chunk):
+        qc, kc, vc = (z[a:a + chunk].transpose(0, 1) for z in (q, k, v))      # [h, C, d]
+        gc, bc = (z[a:a + chunk].t() for z in (g, beta))                        # [h, C]
+        n = qc.shape[1]
+        cum = gc.cumsum(-1)
+        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()   # D [h, C, C]
+        lower = bc[:, :, None] * decay * (kc @ kc.transpose(1, 2))
+        system = lower.masked_fill(causal.logical_not().logical_or(torch.eye(n, dtype=torch.bool,
+                                                                              device=q.device)), 0.0)
+        system = system + torch.eye(n, dtype=system.dtype, device=q.device)
+        grow = cum.exp()[..., None]                                             # exp(G) [h, C, 1]
+        rhs = torch.cat((bc[..., None] * vc, bc[..., None] * grow * kc), -1)
+        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+        u = solved[..., :vc.shape[-1]] - solved[..., vc.shape[-1]:] @ state     # [h, C, dv]
+        outs.append(((grow * qc) @ state + (decay * (qc @ kc.transpose(1, 2))) @ u).transpose(0, 1))
+        last = cum[:, -1:]                                                       # G_C [h, 1]
+        state = last.exp()[..., None] * state + (kc * (last - cum).exp()[..., None]).transpose(1, 2) @ u
+    return torch.cat(outs), state
+
+
+class GatedDeltaNet(nn.Module):
+    """Checkpoint names as Qwen3.5 writes them (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
+    ``in_proj_a``); Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (grouped per key head) are
+    reordered into that layout when loaded (``models/qwen3_next.py``). ``fuse()`` joins the four
+    into one projection."""
+
+    def __init__(self, hidden: int, lin: LinearAttnConfig, state_index: int, eps: float):
+        super().__init__()
+        self.lin, self.state_index, self.eps = lin, state_index, eps
+        kd, vd = lin.k_heads * lin.k_dim, lin.v_heads * lin.v_dim
+        self.sizes = (2 * kd + vd, vd, lin.v_heads, lin.v_heads)               # qkv, z, b, a
+        self.in_proj_qkv = nn.Linear(hidden, self.sizes[0], bias=False)
+        self.in_proj_z = nn.Linear(hidden, vd, bias=False)
+        self.in_proj_b = nn.Linear(hidden, lin.v_heads, bias=False)
+        self.in_proj_a = nn.Linear(hidden, lin.v_heads, bias=False)
+        self.conv1d = nn.Conv1d(lin.conv_dim, lin.conv_dim, lin.conv, groups=lin.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(lin.v_heads))
+        self.A_log = nn.Parameter(torch.zeros(lin.v_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(lin.v_dim))
+        self.out_proj = nn.Linear(vd, hidden, bias=False)
+        self.proj: torch.Tensor | None = None
+        self.states = None                     # the StatePool, attached by the runner
+
+    def fuse(self) -> None:
+        with torch.no_grad():
+            self.proj = torch.cat([self.in_proj_qkv.weight, self.in_proj_z.weight, self.in_proj_b.weight,
+                                   self.in_proj_a.weight])
+            self.conv_w = self.conv1d.weight[:, 0, :].contiguous()          # [C, K]
+            self.neg_a = -self.A_log.float().exp()                           # g = neg_a * softplus(a + dt_bias)
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a, self.conv1d
+
+    def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
+        lin, pool = self.lin, self.states
+        mixed, z, b, a = linear(x, self.proj, None).split(self.sizes, -1)
+        conv, ssm = pool.conv[self.state_index], pool.ssm[self.state_index]
+        core = x.new_empty((x.shape[0], lin.v_heads, lin.v_dim))
+        beta = b.sigmoid().float()                 # in the model's dtype first, as the reference
+        g = self.neg_a * F.softplus(a.float() + self.dt_bias)
+        row = 0
+        singles = []
+        for i, n in enumerate(batch.seq_counts):
+            if n == 1:
+                singles.append((i, row))
+            else:
+                core[row:row + n] = self._chunk(mixed[row:row + n], g[row:row + n], beta[row:row + n],
+                                                batch.state_slots[i], batch.fresh(i), batch.snaps(i), conv, ssm)
+            row += n
+        if singles:
+            self._singles(singles, mixed, g, beta, batch, conv, ssm, core)
+        out = self._gated_norm(core, z.view(-1, lin.v_heads, lin.v_dim))
+        return self.out_proj(out.reshape(x.shape[0], -1))
+
+    def _qkv(self, mixed: torch.Tensor):
+        """The convolved ``mixed [n, C]`` -> q, k [n, v_heads, k_dim] (normalised, q scaled) and
+        v [n, v_heads, v_dim], float32."""
+        lin = self.lin
+        kd = lin.k_heads * lin.k_dim
+        q, k, v = mixed.float().split((kd, kd, lin.v_heads * lin.v_dim), -1)
+        rep = lin.v_heads // lin.k_heads
+        q = l2_normalise(q.view(-1, lin.k_heads, lin.k_dim)) * lin.k_dim ** -0.5
+        k = l2_normalise(k.view(-1, lin.k_heads, lin.k_dim))
+        if rep > 1:
+            q, k = q.repeat_interleave(rep, 1), k.repeat_interleave(rep, 1)
+        return q, k, v.view(-1, lin.v_heads, lin.v_dim)
+
+    def _chunk(self, mixed, g, beta, slot: int, fresh: bool, snaps, conv, ssm) -> torch.Tensor:
+        """A prompt's chunk of one sequence; ``snaps``: (offset in the chunk, checkpoint slot) to
+        copy the state after."""
+        past = conv[slot].zero_() if fresh else conv[slot]
+        state = ssm[slot].zero_() if fresh else ssm[slot]
+        y, _ = causal_conv(mixed, past, self.conv_w)
+        seq = torch.cat((past.to(mixed.dtype), mixed))             # the raw inputs, for the conv states
+        q, k, v = self._qkv(y)
+        width = self.conv_w.shape[1] - 1
+        outs, at = [], 0
+        for end, ck in list(snaps) + [(mixed.shape[0], None)]:
+            if end > at:
+                o, state = delta_rule_chunked(q[at:end], k[at:end], v[at:end], g[at:end], beta[at:end], state)
+                outs.append(o)
+                at = end
+            if ck is not None:
+                ssm[ck].copy_(state)
+                conv[ck].copy_(seq[end:end + width])
+        ssm[slot].copy_(state)
+        conv[slot].copy_(seq[seq.shape[0] - width:])
+        return torch.cat(outs).to(mixed.dtype)
+
+    def _singles(self, singles, mixed, g, beta, batch, conv, ssm, core) -> None:
+        """One token of each of several sequences, together."""
+        dev = mixed.device
+        seqs = [i for i, _ in singles]
+        rows = torch.tensor([r for _, r in singles], device=dev)
+        slots = torch.tensor([batch.state_slots[i] for i in seqs], device=dev)
+        past, state = conv.index_select(0, slots), ssm.index_select(0, slots)
+        fresh = [j for j, i in enumerate(seqs) if batch.fresh(i)]
+        if fresh:
+            past[fresh], state[fresh] = 0, 0
+        m = mixed.index_select(0, rows)                                            # [B, C]
+        seq = torch.cat((past.to(m.dtype), m[:, None]), 1)                         # [B, K, C]
+        y = F.silu(F.conv1d(seq.transpose(1, 2).to(self.conv_w.dtype), self.conv_w[:, None, :],
+                            groups=self.conv_w.shape[0])[..., 0]).to(m.dtype)
+        q, k, v = self._qkv(y)
+        o, state = delta_rule_step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), state)
+        core.index_copy_(0, rows, o.to(core.dtype))
+        ssm.index_copy_(0, slots, state)
+        conv.index_copy_(0, slots, seq[:, 1:])
+        for j, i in enumerate(seqs):
+            for _, ck in batch.snaps(i):
+                ssm[ck].copy_(state[j])
+                conv[ck].copy_(seq[j, 1:])
+
+    def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        """Each head's output RMS-normed (float32), scaled, then times SiLU(z), in the model's dtype."""
+        dtype = o.dtype
+        normed = o.float() * torch.rsqrt(o.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return ((self.norm.weight * normed.to(dtype)) * F.silu(z.float())).to(dtype)
