@@ -111,6 +111,10 @@ NODE = [
      [(f"sum by (model) (rate(freetoken_decode_steps_beside_prefill_total{N}[{RI}]))", "{{model}} steps/s"),
       (f"sum by (model) (rate(freetoken_decode_beside_prefill_seconds_total{N}[{RI}]))",
        "{{model}} share of time in them")], 24),
+    ("Hybrid models: prompts resumed from anchor checkpoints (--state-checkpoints)", "timeseries", "short",
+     [(f"sum by (model) (rate(freetoken_anchor_resumes_total{N}[{RI}]))", "{{model}} resumes/s"),
+      (f"sum by (model) (rate(freetoken_anchor_resumed_tokens_total{N}[{RI}]))", "{{model}} tokens not prefilled/s"),
+      (f"freetoken_anchor_checkpoints_held{N}", "{{model}} checkpoints held")], 24),
 ]
 
 

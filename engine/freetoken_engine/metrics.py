@@ -42,6 +42,8 @@ _STATS_GAUGES = (
      "kv_blocks_used"),
     ("freetoken_prefix_cache_hit_ratio", "Share of prompt tokens served from the prefix cache",
      "prefix_hit_ratio"),
+    ("freetoken_anchor_checkpoints_held", "Hybrid models: recurrent-state checkpoints held at anchors now",
+     "anchor_checkpoints_held"),
 )
 # (name without _total, help, key in stats()) for counters
 _STATS_COUNTERS = (
@@ -50,6 +52,12 @@ _STATS_COUNTERS = (
      "Decode steps run between the layers of a long prefill pass (--decode-pause-ms)", "decode_steps_beside"),
     ("freetoken_decode_beside_prefill_seconds",
      "Time those decode steps took, in the middle of the prefill passes", "decode_beside_seconds"),
+    ("freetoken_anchor_checkpoints",
+     "Hybrid models: recurrent-state checkpoints written at anchors (turn ends, thinking blocks, tool calls)",
+     "anchor_checkpoints"),
+    ("freetoken_anchor_resumes", "Hybrid models: requests that resumed from an anchor checkpoint", "anchor_resumes"),
+    ("freetoken_anchor_resumed_tokens", "Hybrid models: prompt tokens not prefilled again thanks to them",
+     "anchor_resumed_tokens"),
 )
 # (name without _total, help, key in cache_stats()["expert_cache"]) for counters
 _EXPERT_COUNTERS = (

@@ -30,6 +30,7 @@ class EngineOptions:
     context_length: int | None = None
     decode_pause_ms: float | None = None   # engine.features.decodePauseMs
     prefill_chunk: int | None = None       # engine.features.prefillChunk
+    state_checkpoints: int | None = None   # engine.features.stateCheckpoints (hybrid models)
 
 
 @dataclass(frozen=True)
@@ -51,19 +52,26 @@ class Assignment:
         return self.model
 
 
-def _features(features: object, where: str) -> tuple[float | None, int | None]:
+def _integer(features: dict, name: str, least: int, where: str) -> int | None:
+    value = features.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+        raise AssignmentError(f"{where}.engine.features.{name} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+def _features(features: object, where: str) -> tuple[float | None, int | None, int | None]:
     """The engine features this agent knows from ``engine.features``: (decodePauseMs,
-    prefillChunk), each None when absent; other keys are for later engines and ignored."""
+    prefillChunk, stateCheckpoints), each None when absent; other keys are for later engines
+    and ignored."""
     if features is None:
-        return None, None
+        return None, None, None
     if not isinstance(features, dict):
         raise AssignmentError(f"{where}.engine.features must be a mapping")
-    pause, chunk = features.get("decodePauseMs"), features.get("prefillChunk")
+    pause = features.get("decodePauseMs")
     if pause is not None and (isinstance(pause, bool) or not isinstance(pause, (int, float)) or not pause >= 0):
         raise AssignmentError(f"{where}.engine.features.decodePauseMs must be a number >= 0, got {pause!r}")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise AssignmentError(f"{where}.engine.features.prefillChunk must be an integer >= 1, got {chunk!r}")
-    return (float(pause) if pause is not None else None), chunk
+    return ((float(pause) if pause is not None else None), _integer(features, "prefillChunk", 1, where),
+            _integer(features, "stateCheckpoints", 0, where))
 
 
 def _parse_one(item: object, index: int) -> Assignment:
@@ -99,10 +107,10 @@ def _parse_one(item: object, index: int) -> Assignment:
     if not 0.0 < share <= 1.0:
         raise AssignmentError(f"{where}.engine.expertCacheShare must be in (0, 1], got {share}")
     ctx = eng.get("contextLength")
-    pause, chunk = _features(eng.get("features"), where)
+    pause, chunk, checkpoints = _features(eng.get("features"), where)
     options = EngineOptions(device=device, dtype=eng.get("dtype"), expert_cache_share=share,
                             context_length=int(ctx) if ctx is not None else None,
-                            decode_pause_ms=pause, prefill_chunk=chunk)
+                            decode_pause_ms=pause, prefill_chunk=chunk, state_checkpoints=checkpoints)
     secret = item.get("apiKeySecret")
     secret_ref = None
     if secret is not None:

@@ -83,6 +83,8 @@ def serve_command(a: Assignment, launch: LaunchConfig, cpu_expert_fraction: floa
         cmd += ["--decode-pause-ms", f"{a.engine.decode_pause_ms:g}"]
     if a.engine.prefill_chunk is not None:
         cmd += ["--prefill-chunk", str(a.engine.prefill_chunk)]
+    if a.engine.state_checkpoints is not None:
+        cmd += ["--state-checkpoints", str(a.engine.state_checkpoints)]
     cmd += ["--expert-cache-experts", "1"]
     if cpu_expert_fraction is not None:
         cmd += ["--cpu-expert-fraction", f"{cpu_expert_fraction:.4f}"]

@@ -72,6 +72,8 @@ BAD = [
     ("privileged port", {"source": {"default": True}, "serving": {"port": 80}}, "minimum"),
     ("negative decode pause", {"source": {"default": True}, "engine": {"features": {"decodePauseMs": -5}}},
      "minimum"),
+    ("negative state checkpoints", {"source": {"default": True}, "engine": {"features": {"stateCheckpoints": -1}}},
+     "minimum"),
     ("fractional prefill chunk", {"source": {"default": True}, "engine": {"features": {"prefillChunk": 2.5}}},
      "is not of type"),
     ("unknown field", {"source": {"default": True}, "replica": 2}, "Additional properties"),

@@ -69,6 +69,13 @@ class KVPool:
         if need > 0:
             blocks += self.allocate(need)
 
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """The first ``n`` token slots of block ``src`` into block ``dst``, in every layer (a
+        shared block whose tail a new sequence writes differently)."""
+        a, b = src * self.block_size, dst * self.block_size
+        self.k[:, b:b + n].copy_(self.k[:, a:a + n])
+        self.v[:, b:b + n].copy_(self.v[:, a:a + n])
+
     def check_integrity(self) -> None:
         free = set(self._free)
         if len(free) != len(self._free):

@@ -70,6 +70,7 @@ class StatePool:
 @dataclass
 class _Checkpoint:
     tokens: list[int]        # the prefix whose state the slot holds
+    blocks: list[int]        # the KV blocks of that prefix (its last one maybe partly), one reference held
     last_used: int
 
 
@@ -77,14 +78,15 @@ class Anchors:
     """Which checkpoints exist and which to take. ``plan`` names the anchor positions of a
     sequence worth a checkpoint; ``reserve`` picks a slot for one (the least recently used
     checkpoint gives way) and ``commit`` records it once the pass that wrote it is done; ``best``
-    finds the deepest checkpoint a prompt can resume from."""
+    finds the deepest checkpoint a prompt can resume from. A checkpoint holds a reference to the
+    KV blocks of its prefix (``kv``: the ``KVPool``), so its attention layers' keys stay with
+    its state; ``drop_oldest`` gives them back when the KV pool runs short."""
 
-    def __init__(self, pool: StatePool, anchor_ids: frozenset[int], per_prompt: int = 4):
-        self.pool, self.anchor_ids, self.per_prompt = pool, anchor_ids, per_prompt
+    def __init__(self, pool: StatePool, kv, anchor_ids: frozenset[int], per_prompt: int = 4):
+        self.pool, self.kv, self.anchor_ids, self.per_prompt = pool, kv, anchor_ids, per_prompt
         self._held: dict[int, _Checkpoint] = {}
         self._pending: set[int] = set()          # reserved for the pass in flight
         self._clock = itertools.count(1)
-        self.counters = {"anchor_checkpoints": 0, "anchor_resumes": 0, "anchor_resumed_tokens": 0}
 
     def __len__(self) -> int:
         return len(self._held)
@@ -118,27 +120,47 @@ class Anchors:
             if not held:
                 return None
             slot = min(held, key=lambda s: self._held[s].last_used)
-            del self._held[slot]
+            self._drop(slot)
         self._pending.add(slot)
         return slot
 
-    def commit(self, slot: int, tokens: list[int]) -> None:
-        """The pass that wrote ``slot`` is done: it holds the state after ``tokens``."""
-        self._pending.discard(slot)
-        self._held[slot] = _Checkpoint(list(tokens), next(self._clock))
-        self.counters["anchor_checkpoints"] += 1
+    def _drop(self, slot: int) -> None:
+        self.kv.release(self._held.pop(slot).blocks)
 
-    def cancel(self, slot: int) -> None:
-        self._pending.discard(slot)
+    def drop_oldest(self) -> bool:
+        """Forget the least recently used checkpoint (its KV blocks go back); False if none."""
+        held = [s for s in self._held if s not in self._pending]
+        if not held:
+            return False
+        self._drop(min(held, key=lambda s: self._held[s].last_used))
+        return True
 
-    def best(self, tokens: list[int], limit: int) -> tuple[int, int | None]:
+    def blocks_of(self, blocks: list[int], p: int) -> list[int]:
+        """The blocks holding a prefix of ``p`` tokens, with a reference taken for a checkpoint."""
+        mine = blocks[:self.kv.blocks_for(p)]
+        self.kv.retain(mine)
+        return mine
+
+    def commit(self, slot: int, tokens: list[int], blocks: list[int]) -> None:
+        """The pass that wrote ``slot`` is done: it holds the state after ``tokens``, whose KV is
+        in ``blocks`` (from ``blocks_of``)."""
+        self._pending.discard(slot)
+        self._held[slot] = _Checkpoint(list(tokens), blocks, next(self._clock))
+
+    def cancel(self, slot: int, blocks: list[int]) -> None:
+        self._pending.discard(slot)
+        self.kv.release(blocks)
+
+    def best(self, tokens: list[int], limit: int) -> tuple[int, int | None, list[int]]:
         """The deepest checkpoint whose tokens ``tokens`` starts with, at most ``limit`` long:
-        (its length, its slot), or (0, None)."""
+        (its length, its slot, its KV blocks), or (0, None, [])."""
         found = max(((len(c.tokens), s) for s, c in self._held.items()
                      if len(c.tokens) <= limit and c.tokens == tokens[:len(c.tokens)]), default=(0, None))
-        if found[1] is not None:
-            self._held[found[1]].last_used = next(self._clock)
-        return found
+        if found[1] is None:
+            return 0, None, []
+        c = self._held[found[1]]
+        c.last_used = next(self._clock)
+        return found[0], found[1], c.blocks
 
 
 def anchor_token_ids(tokenizer) -> frozenset[int]:

@@ -38,6 +38,8 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     computed: int = 0             # tokens whose KV is in ``blocks``
+    state: int = -1               # hybrid models: the recurrent-state slot (cache/states.py)
+    anchor_plan: list[int] = field(default_factory=list)   # prompt positions to checkpoint the state at
     cached_tokens: int = 0        # of the prompt, reused from the prefix tree
     finished: bool = False
     aborted: threading.Event = field(default_factory=threading.Event)

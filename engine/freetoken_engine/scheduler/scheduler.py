@@ -32,6 +32,7 @@ from collections import deque
 from typing import Callable
 
 from ..cache.radix import RadixCache
+from ..cache.states import Anchors, anchor_token_ids
 from ..errors import NonFiniteLogits, OutOfKVCache, QueueFull
 from ..executor.inputs import SeqChunk
 from ..executor.runner import ModelRunner
@@ -50,6 +51,9 @@ class Scheduler:
         self.pause = DecodePause(decode_pause_ms / 1e3, runner.device) if decode_pause_ms > 0 else None
         self.beside_from = runner.cfg.expert_threshold
         self.radix = RadixCache(self.kv)
+        self.states = runner.states          # hybrid models' recurrent states (None: no such layer)
+        self.anchors = (Anchors(self.states, self.kv, anchor_token_ids(runner.tokenizer))
+                        if self.states is not None and self.states.checkpoint_slots else None)
         self.max_batch, self.max_queue, self.prefill_chunk = max_batch, max_queue, prefill_chunk
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -58,7 +62,8 @@ class Scheduler:
         self._stop = False
         self.counters = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0,
                          "preemptions": 0, "steps": 0, "decode_steps_beside": 0,
-                         "decode_beside_seconds": 0.0}
+                         "decode_beside_seconds": 0.0, "anchor_checkpoints": 0, "anchor_resumes": 0,
+                         "anchor_resumed_tokens": 0}
         self.thread = threading.Thread(target=self._loop, name="freetoken-scheduler", daemon=True)
 
     # -- any thread ------------------------------------------------------------------------------
@@ -146,6 +151,8 @@ class Scheduler:
     def _free_blocks(self, n: int) -> bool:
         if self.kv.free_blocks < n:
             self.radix.evict(n - self.kv.free_blocks)
+        while self.kv.free_blocks < n and self.anchors is not None and self.anchors.drop_oldest():
+            pass                          # anchor checkpoints give their KV back, oldest first
         return self.kv.free_blocks >= n
 
     def _admit(self) -> None:
@@ -155,10 +162,12 @@ class Scheduler:
                     return
                 req = self.waiting[0]
             tokens = req.tokens
-            matched = self.radix.match(tokens, len(tokens) - 1)
+            resume, ck, matched = self._resume_point(tokens)
+            keep, tail = divmod(resume, self.kv.block_size)
+            src, matched = (matched[keep] if tail else None), matched[:keep]
             need = self.kv.blocks_for(len(tokens)) - len(matched)
             if not self._free_blocks(need):
-                self.kv.release(matched)
+                self.kv.release(matched + ([src] if tail else []))
                 if not self.running:     # alone and still too big: it can never run
                     with self._cv:
                         self.waiting.popleft()
@@ -170,13 +179,37 @@ class Scheduler:
             with self._cv:
                 self.waiting.popleft()
             req.blocks = matched + self.kv.allocate(need)
-            req.computed = len(matched) * self.kv.block_size
+            if tail:        # the resume point's block is shared: its first ``tail`` slots are copied
+                self.kv.copy_prefix(src, req.blocks[keep], tail)
+                self.kv.release([src])
+            req.computed = resume
+            if self.states is not None:
+                req.state = self.states.take()
+                if ck is not None:
+                    self.states.copy(ck, req.state)
+                    self.counters["anchor_resumes"] += 1
+                    self.counters["anchor_resumed_tokens"] += resume
+                if self.anchors is not None:
+                    req.anchor_plan = self.anchors.plan(tokens, len(req.prompt_ids), resume)
             if not req.output_ids:       # first admission (not a re-admission after preemption)
                 req.cached_tokens = req.computed
                 req.sink.prompt_tokens, req.sink.cached_tokens = len(req.prompt_ids), req.computed
                 self.counters["prompt_tokens"] += len(req.prompt_ids)
                 self.counters["cached_tokens"] += req.computed
             self.running.append(req)
+
+    def _resume_point(self, tokens: list[int]) -> tuple[int, int | None, list[int]]:
+        """Where a request starts, the checkpoint whose state it starts from, and the KV blocks of
+        what it skips (a reference held for it; the last one partly, from a checkpoint): the
+        longest cached prefix in the tree for an attention-only model; for a hybrid one, whose
+        KV is no use without the state, the deepest anchor checkpoint (0, none: the start)."""
+        if self.states is None:
+            matched = self.radix.match(tokens, len(tokens) - 1)
+            return len(matched) * self.kv.block_size, None, matched
+        if self.anchors is None:
+            return 0, None, []
+        resume, ck, blocks = self.anchors.best(tokens, len(tokens) - 1)
+        return resume, ck, self.anchors.blocks_of(blocks, resume)
 
     def _ensure_block(self, req: Request, keep=()) -> bool:
         """Make room for the KV of ``req.computed + 1`` tokens, preempting others (never those whose
@@ -228,7 +261,8 @@ class Scheduler:
             between = self._beside(decoders, {id(r) for r, _ in batch})
             self.pause.begin()
         t0, beside = time.perf_counter(), self.counters["decode_beside_seconds"]
-        logits = self.runner.forward(self._chunks(batch), between)
+        chunks, writes = self._chunks(batch)
+        logits = self._pass(lambda: self.runner.forward(chunks, between), writes)
         self.counters["steps"] += 1
         self._emit(batch, logits)
         if timed:       # the pass's own time, for the next choice (its decode steps beside left out)
@@ -248,7 +282,8 @@ class Scheduler:
             if not batch:
                 return
             t0 = time.perf_counter()
-            logits = self.runner.decode_beside(self._chunks(batch))
+            chunks, writes = self._chunks(batch)
+            logits = self._pass(lambda: self.runner.decode_beside(chunks), writes)
             self._emit(batch, logits)
             took = time.perf_counter() - t0
             self.counters["decode_steps_beside"] += 1
@@ -256,10 +291,39 @@ class Scheduler:
             self.pause.ran(took)
         return between
 
-    @staticmethod
-    def _chunks(batch: list[tuple[Request, int]]) -> list[SeqChunk]:
-        return [SeqChunk(req.blocks, req.computed, req.tokens[req.computed:req.computed + n], last=n == req.pending)
-                for req, n in batch]
+    def _chunks(self, batch: list[tuple[Request, int]]) -> tuple[list[SeqChunk], list[tuple]]:
+        """The pass's sequences, and the anchor checkpoints it writes: (slot, the tokens before
+        it, their KV blocks)."""
+        chunks, writes = [], []
+        for req, n in batch:
+            start, tokens = req.computed, req.tokens
+            snaps = []
+            if self.anchors is not None:
+                wanted = [p for p in req.anchor_plan if start < p <= start + n]
+                if n == 1 and self.anchors.after_token(tokens[start]):     # a generated boundary token
+                    wanted.append(start + 1)
+                for p in wanted:
+                    slot = self.anchors.reserve()
+                    if slot is not None:
+                        snaps.append((p, slot))
+                        writes.append((slot, tokens[:p], self.anchors.blocks_of(req.blocks, p)))
+            chunks.append(SeqChunk(req.blocks, start, tokens[start:start + n], last=n == req.pending,
+                                   state=req.state, snapshots=tuple(snaps)))
+        return chunks, writes
+
+    def _pass(self, run: Callable, writes: list[tuple]):
+        """``run()`` (a forward pass), then the anchor checkpoints it wrote are recorded (given
+        up if it failed)."""
+        try:
+            out = run()
+        except BaseException:
+            for slot, _, blocks in writes:
+                self.anchors.cancel(slot, blocks)
+            raise
+        for slot, tokens, blocks in writes:
+            self.anchors.commit(slot, tokens, blocks)
+        self.counters["anchor_checkpoints"] += len(writes)
+        return out
 
     def _emit(self, batch: list[tuple[Request, int]], logits) -> None:
         """After a pass: advance each request, and sample, stream or retire those it completed."""
@@ -285,13 +349,16 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         self.kv.release(req.blocks)
         req.blocks = []
+        if req.state >= 0:
+            self.states.give(req.state)
+            req.state = -1
 
     def _finish(self, req: Request, reason: str, last_token: int | None = None,
                 error: Exception | None = None) -> None:
         if req in self.running:
             self.running.remove(req)
         full = req.computed // self.kv.block_size
-        if full:
+        if full and self.states is None:    # a hybrid model's KV is kept by its anchor checkpoints
             self.radix.insert(req.tokens, req.blocks[:full])
         self._release(req)
         req.finished = True
