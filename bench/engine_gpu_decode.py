@@ -195,7 +195,7 @@ def main() -> None:
     ap.add_argument("--stretch", type=Path, default=None, metavar="FAST_DIR",
                     help="a 2-layer packed checkpoint repeated to --layers layers, in a temp folder under "
                          "FAST_DIR (e.g. /dev/shm: no disk reads; bench/stretch.py): deep models on a small disk")
-    ap.add_argument("--shape", default="qwen3-30b", choices=("qwen3-30b", "qwen3.6"),
+    ap.add_argument("--shape", default="qwen3-30b", choices=("qwen3-30b", "qwen3.6", "qwen3.6-hybrid"),
                     help="the checkpoint's shapes (bench/fast_load.py SHAPES): Qwen3-30B-A3B, or "
                          "Qwen3.6-35B-A3B's MoE layers with their shared expert")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")

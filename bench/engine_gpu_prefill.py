@@ -208,7 +208,7 @@ def plot(result: dict, path: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--shape", default="qwen3-30b", choices=("qwen3-30b", "qwen3.6"))
+    ap.add_argument("--shape", default="qwen3-30b", choices=("qwen3-30b", "qwen3.6", "qwen3.6-hybrid"))
     ap.add_argument("--stretch", type=Path, default=None, metavar="FAST_DIR",
                     help="a 2-layer packed checkpoint repeated to --layers layers under FAST_DIR (bench/stretch.py)")
     ap.add_argument("--cards", default="16,32,all", help="expert-cache budgets: card GiB, or all")

@@ -57,7 +57,18 @@ SHAPES = {
     "qwen3.6": {"model_type": "qwen2_moe", "architectures": ["Qwen2MoeForCausalLM"], "num_attention_heads": 16,
                 "num_key_value_heads": 2, "moe_intermediate_size": 512, "num_experts": 256,
                 "shared_expert_intermediate_size": 512},
+    # Qwen3.6-35B-A3B whole: three Gated DeltaNet layers to one gated attention layer (head 256,
+    # a quarter of it rotated), the same MoE layers
+    "qwen3.6-hybrid": {"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
+                       "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
+                       "moe_intermediate_size": 512, "num_experts": 256, "shared_expert_intermediate_size": 512,
+                       "linear_num_key_heads": 16, "linear_num_value_heads": 32, "linear_key_head_dim": 128,
+                       "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
+                       "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
+                       "max_position_embeddings": 65536},
 }
+#: layers a stretched checkpoint repeats (a hybrid model's period of layer kinds)
+PERIOD = {"qwen3.6-hybrid": 4}
 
 
 def write_checkpoint(folder: Path, layers: int, rnd=None, shape: str = "qwen3-30b") -> int:

@@ -1,5 +1,6 @@
 """A deep checkpoint for timing runs without its bytes on disk: a 2-layer packed folder whose
-layers are repeated.
+layers are repeated (4 layers for a hybrid model: its period of three Gated DeltaNet layers and
+an attention layer).
 
 A 48-layer model in Qwen3-30B-A3B's shapes is about 60 GB, more than the GPU machine's disk
 holds beside everything else. Timing does not need 48 different layers, only 48 layers' worth
@@ -63,13 +64,14 @@ def stretched_checkpoint(work: Path, fast: Path, layers: int, rnd, shape: str = 
     """Write the 2-layer checkpoint under ``work``, pack it under ``fast`` (a RAM-backed folder such
     as /dev/shm keeps loads off the disk; hard links there share pages), stretch it to ``layers``
     layers beside it; the safetensors copy is deleted. Returns (folder, bytes the engine reads)."""
-    from fast_load import write_checkpoint
+    from fast_load import PERIOD, write_checkpoint
 
     from freetoken_engine.packed.writer import convert
-    write_checkpoint(work / "hf2", 2, rnd=rnd, shape=shape)
-    convert(work / "hf2", fast / "packed-2-layers", progress=False)
-    shutil.rmtree(work / "hf2")
-    return fast / f"packed{layers}", stretch_packed(fast / "packed-2-layers", fast / f"packed{layers}", layers)
+    n = PERIOD.get(shape, 2)
+    write_checkpoint(work / f"hf{n}", n, rnd=rnd, shape=shape)
+    convert(work / f"hf{n}", fast / f"packed-{n}-layers", progress=False)
+    shutil.rmtree(work / f"hf{n}")
+    return fast / f"packed{layers}", stretch_packed(fast / f"packed-{n}-layers", fast / f"packed{layers}", layers)
 
 
 def bench_checkpoint(work: Path, layers: int, fast: Path | None = None, shape: str = "qwen3-30b") -> tuple[Path, int]:

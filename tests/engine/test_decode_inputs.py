@@ -14,13 +14,14 @@ def test_packed_decode_inputs_match_the_eager_inputs():
     chunks = []
     for start in (0, 5, 17, 3):
         blocks = rng.permutation(64)[: start // block + 1].tolist()
-        chunks.append(SeqChunk(blocks, start, [int(rng.integers(0, 1000))]))
+        chunks.append(SeqChunk(blocks, start, [int(rng.integers(0, 1000))], state=start % 3))
     eager = build_inputs(chunks, block, torch.device("cpu"))
     width = 32
     packed = torch.from_numpy(decode_arrays(chunks, block, width))
     b = len(chunks)
     ids, positions, slots, ends = packed[:4 * b].view(4, b)
-    kv_index = packed[4 * b:].view(b, width)
+    kv_index = packed[4 * b:4 * b + b * width].view(b, width)
+    assert torch.equal(packed[4 * b + b * width:], eager.batch.state_index)      # the recurrent-state slots
     assert torch.equal(ids, eager.ids) and torch.equal(positions, eager.batch.positions)
     assert torch.equal(slots, eager.batch.slot_mapping) and torch.equal(ends, eager.batch.kv_len)
     lmax = eager.batch.kv_index.shape[1]
@@ -38,6 +39,10 @@ def test_graph_keys_bucket_the_context():
     assert g.key([one(9), one(300)]) == (2, 512)
     assert g.key([one(9, n=2)]) is None                      # a prefill chunk: eager
     assert g.key([one(1)] * 5) is None                       # more sequences than captured
+    hybrid = lambda start, **kw: SeqChunk([0], start, [1], state=2, **kw)   # noqa: E731
+    assert g.key([hybrid(9)]) == (1, 256)
+    assert g.key([hybrid(9), hybrid(0)]) is None             # a recurrent state that starts: eager
+    assert g.key([hybrid(9, snapshots=((10, 40),))]) is None  # an anchor checkpoint to copy: eager
     g.enabled = False
     assert g.key([one(9)]) is None
 

@@ -121,8 +121,8 @@ class DecodeGraphs:
         """The graph key of a forward pass, or None when it is not a capturable decode step."""
         if not self.enabled or not 0 < len(chunks) <= self.max_batch:
             return None
-        if any(len(c.tokens) != 1 for c in chunks):
-            return None
+        if any(len(c.tokens) != 1 or c.snapshots or (c.state >= 0 and c.start == 0) for c in chunks):
+            return None       # a prompt's chunk, an anchor checkpoint, a recurrent state started: eager
         return len(chunks), self.width(max(c.start + 1 for c in chunks))
 
     def __contains__(self, key) -> bool:
@@ -204,7 +204,8 @@ class DecodeGraphs:
         staging = torch.from_numpy(arrays).pin_memory()
         inputs = staging.to(self.device)
         ids, positions, slots, ends = inputs[:4 * b].view(4, b)
-        kv_index = inputs[4 * b:].view(b, width)
+        kv_index = inputs[4 * b:4 * b + b * width].view(b, width)
+        states = inputs[4 * b + b * width:] if chunks[0].state >= 0 else None
         rows = torch.arange(b, device=self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -221,7 +222,8 @@ class DecodeGraphs:
                 kv_valid = torch.arange(width, device=self.device)[None, :] < ends[:, None]
                 batch = AttnBatch(positions=positions, slot_mapping=slots, q_seq=rows,
                                   q_idx=torch.zeros_like(rows), kv_index=kv_index, kv_valid=kv_valid,
-                                  q_max=1, needs_mask=True, max_position=self.max_context - 1, kv_len=ends)
+                                  q_max=1, needs_mask=True, max_position=self.max_context - 1, kv_len=ends,
+                                  state_index=states)
                 out.copy_(self.model(ids, batch, self.kv, rows))
         except Exception as exc:        # noqa: BLE001 - any capture failure: stay eager, say why once
             log.warning("CUDA graph capture failed (%s: %s); decode stays eager", type(exc).__name__, exc)

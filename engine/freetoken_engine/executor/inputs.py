@@ -48,14 +48,15 @@ def _kv_index(chunks: list[SeqChunk], ends: np.ndarray, block_size: int, width: 
 
 def decode_arrays(chunks: list[SeqChunk], block_size: int, width: int) -> np.ndarray:
     """One decode step (one new token per sequence) packed for a captured graph: int64
-    ``[4 * B + B * width]`` = token ids, positions, KV slots written, keys per sequence after the
-    step, then the ``[B, width]`` KV index (``width`` >= every sequence's keys; 0-padded)."""
+    ``[4 * B + B * width + B]`` = token ids, positions, KV slots written, keys per sequence after
+    the step, the ``[B, width]`` KV index (``width`` >= every sequence's keys; 0-padded), then
+    each sequence's recurrent-state slot (hybrid models; -1 otherwise)."""
     ends = np.array([c.start + 1 for c in chunks], dtype=np.int64)
     kv_index = _kv_index(chunks, ends, block_size, width)
     rows = np.arange(len(chunks))
     head = np.stack([np.array([c.tokens[0] for c in chunks], dtype=np.int64), ends - 1,
                      kv_index[rows, ends - 1], ends])
-    return np.concatenate([head.reshape(-1), kv_index.reshape(-1)])
+    return np.concatenate([head.reshape(-1), kv_index.reshape(-1), np.array([c.state for c in chunks], dtype=np.int64)])
 
 
 def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) -> ForwardInputs:
@@ -83,6 +84,8 @@ def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) 
                       max_position=int(positions.max()),
                       seq_counts=tuple(counts.tolist()), seq_ends=tuple(ends.tolist()),
                       state_slots=tuple(c.state for c in chunks),
+                      state_index=dev(np.array([c.state for c in chunks], dtype=np.int64))
+                      if chunks[0].state >= 0 else None,
                       snapshots=tuple(tuple((p - c.start, s) for p, s in c.snapshots) for c in chunks)
                       if any(c.snapshots for c in chunks) else None,
                       kv_len=dev(ends) if q_max == 1 else None)   # the fused decode attention (CPU, GPU)

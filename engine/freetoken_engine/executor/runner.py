@@ -205,8 +205,7 @@ class ModelRunner(GraphWarmup):
     def _make_graphs(self) -> None:
         cfg = self.cfg
         self.graphs = None
-        if (cfg.cuda_graphs and self.device.type == "cuda" and not self.mcfg.linear_layers
-                and (self.cache is None or self.experts.control is not None)):
+        if cfg.cuda_graphs and self.device.type == "cuda" and (self.cache is None or self.experts.control is not None):
             from .graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.experts if self.cache is not None else None,
                                        self.device, self.dtype, self.max_context,

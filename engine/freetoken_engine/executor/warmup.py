@@ -23,8 +23,10 @@ class GraphWarmup:
 
     def dummy_decode(self, scratch: list[int], width: int, batch: int) -> list[SeqChunk]:
         """A decode step of ``batch`` dummy tokens at the last position of KV ``width``, every
-        sequence reading and writing only the ``scratch`` block (``kv.allocate(1)``)."""
-        return [SeqChunk(scratch * -(-width // self.kv.block_size), width - 1, [0]) for _ in range(batch)]
+        sequence reading and writing only the ``scratch`` block (``kv.allocate(1)``) and, for a
+        hybrid model, state slot 0 (the warm-ups run while no request holds a slot)."""
+        state = 0 if self.states is not None else -1      # a hybrid model's: free while nothing runs
+        return [SeqChunk(scratch * -(-width // self.kv.block_size), width - 1, [0], state=state) for _ in range(batch)]
 
     def _warm_keys(self, batches: int, widths: int | None = None) -> list[tuple[int, int]]:
         """Decode graph keys (B, width) of batch sizes 1..``batches`` at the narrowest ``widths``

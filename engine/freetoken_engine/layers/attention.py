@@ -41,6 +41,7 @@ class AttnBatch:
     seq_counts: tuple[int, ...] | None = None   # new tokens of each sequence (host), in row order
     seq_ends: tuple[int, ...] | None = None     # keys of each sequence after this pass (host)
     state_slots: tuple[int, ...] | None = None  # hybrid models: each sequence's recurrent-state slot
+    state_index: torch.Tensor | None = None     # [B] int64 the same on the device (all a captured step has)
     snapshots: tuple[tuple[tuple[int, int], ...], ...] | None = None   # (offset, checkpoint slot) per sequence
     _made: dict = field(default_factory=dict)   # masks and row lists, made once per pass
 

@@ -59,27 +59,38 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                        state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
     """n tokens of one sequence: ``q``/``k [n, h, dk]``, ``v [n, h, dv]``, ``g``/``beta [n, h]``,
-    ``state [h, dk, dv]`` (float32) -> (``o [n, h, dv]``, the state after them), chunk by chunk."""
-    outs = []
-    for a in range(0, q.shape[0], chunk):
-        qc, kc, vc = (z[a:a + chunk].transpose(0, 1) for z in (q, k, v))      # [h, C, d]
-        gc, bc = (z[a:a + chunk].t() for z in (g, beta))                        # [h, C]
-        n = qc.shape[1]
-        cum = gc.cumsum(-1)
-        causal = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~causal, float("-inf")).exp()   # D [h, C, C]
-        lower = bc[:, :, None] * decay * (kc @ kc.transpose(1, 2))
-        system = lower.masked_fill(causal.logical_not().logical_or(torch.eye(n, dtype=torch.bool,
-                                                                              device=q.device)), 0.0)
-        system = system + torch.eye(n, dtype=system.dtype, device=q.device)
-        grow = cum.exp()[..., None]                                             # exp(G) [h, C, 1]
-        rhs = torch.cat((bc[..., None] * vc, bc[..., None] * grow * kc), -1)
-        solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
-        u = solved[..., :vc.shape[-1]] - solved[..., vc.shape[-1]:] @ state     # [h, C, dv]
-        outs.append(((grow * qc) @ state + (decay * (qc @ kc.transpose(1, 2))) @ u).transpose(0, 1))
-        last = cum[:, -1:]                                                       # G_C [h, 1]
-        state = last.exp()[..., None] * state + (kc * (last - cum).exp()[..., None]).transpose(1, 2) @ u
-    return torch.cat(outs), state
+    ``state [h, dk, dv]`` (float32) -> (``o [n, h, dv]``, the state after them). Everything inside
+    the chunks is computed for all of them at once; only the state's hand-over runs chunk by chunk.
+    The last chunk is padded with tokens that change nothing (beta = 0, g = 0, q = k = 0)."""
+    n = q.shape[0]
+    pad = -n % chunk
+    if pad:
+        q, k, v = (F.pad(z, (0, 0, 0, 0, 0, pad)) for z in (q, k, v))
+        g, beta = (F.pad(z, (0, 0, 0, pad)) for z in (g, beta))
+    h = q.shape[1]
+    qc, kc, vc = (z.view(-1, chunk, h, z.shape[-1]).permute(2, 0, 1, 3) for z in (q, k, v))   # [h, N, C, d]
+    gc, bc = (z.view(-1, chunk, h).permute(2, 0, 1) for z in (g, beta))                       # [h, N, C]
+    cum = gc.cumsum(-1)
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~causal, float("-inf")).exp()   # D [h, N, C, C]
+    strict = causal & ~torch.eye(chunk, dtype=torch.bool, device=q.device)
+    system = (bc[..., None] * decay * (kc @ kc.transpose(-1, -2))).masked_fill(~strict, 0.0)
+    system = system + torch.eye(chunk, dtype=system.dtype, device=q.device)
+    grow = cum.exp()[..., None]                                                # exp(G) [h, N, C, 1]
+    rhs = torch.cat((bc[..., None] * vc, bc[..., None] * grow * kc), -1)
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    ub, w = solved[..., :vc.shape[-1]], solved[..., vc.shape[-1]:]            # U = ub - w S0
+    attn = decay * (qc @ kc.transpose(-1, -2))
+    qg = grow * qc
+    last = cum[..., -1:]                                                       # G_C [h, N, 1]
+    kd = (kc * (last - cum).exp()[..., None]).transpose(-1, -2)                # [h, N, dk, C]
+    carry = last.exp()[..., None]                                              # [h, N, 1, 1]
+    out = torch.empty_like(vc)
+    for i in range(qc.shape[1]):
+        u = ub[:, i] - w[:, i] @ state
+        out[:, i] = qg[:, i] @ state + attn[:, i] @ u
+        state = carry[:, i] * state + kd[:, i] @ u
+    return out.permute(1, 2, 0, 3).reshape(-1, h, vc.shape[-1])[:n], state
 
 
 class GatedDeltaNet(nn.Module):
@@ -121,17 +132,24 @@ class GatedDeltaNet(nn.Module):
         core = x.new_empty((x.shape[0], lin.v_heads, lin.v_dim))
         beta = b.sigmoid().float()                 # in the model's dtype first, as the reference
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
-        row = 0
-        singles = []
-        for i, n in enumerate(batch.seq_counts):
-            if n == 1:
-                singles.append((i, row))
-            else:
-                core[row:row + n] = self._chunk(mixed[row:row + n], g[row:row + n], beta[row:row + n],
-                                                batch.state_slots[i], batch.fresh(i), batch.snaps(i), conv, ssm)
-            row += n
-        if singles:
-            self._singles(singles, mixed, g, beta, batch, conv, ssm, core)
+        if batch.seq_counts is None:      # a captured decode step: a token per sequence, in order
+            self._singles(None, batch.state_index, (), mixed, g, beta, batch, conv, ssm, core)
+        else:
+            row, singles = 0, []
+            for i, n in enumerate(batch.seq_counts):
+                if n == 1:
+                    singles.append((i, row))
+                else:
+                    core[row:row + n] = self._chunk(mixed[row:row + n], g[row:row + n], beta[row:row + n],
+                                                    batch.state_slots[i], batch.fresh(i), batch.snaps(i), conv, ssm)
+                row += n
+            if len(singles) == len(batch.seq_counts):          # a decode step: every row, slots on the device
+                self._singles(None, batch.state_index, range(len(singles)), mixed, g, beta, batch, conv, ssm, core)
+            elif singles:
+                dev = x.device
+                self._singles(torch.tensor([r for _, r in singles], device=dev),
+                              torch.tensor([batch.state_slots[i] for i, _ in singles], device=dev),
+                              [i for i, _ in singles], mixed, g, beta, batch, conv, ssm, core)
         out = self._gated_norm(core, z.view(-1, lin.v_heads, lin.v_dim))
         return self.out_proj(out.reshape(x.shape[0], -1))
 
@@ -170,23 +188,26 @@ class GatedDeltaNet(nn.Module):
         conv[slot].copy_(seq[seq.shape[0] - width:])
         return torch.cat(outs).to(mixed.dtype)
 
-    def _singles(self, singles, mixed, g, beta, batch, conv, ssm, core) -> None:
-        """One token of each of several sequences, together."""
-        dev = mixed.device
-        seqs = [i for i, _ in singles]
-        rows = torch.tensor([r for _, r in singles], device=dev)
-        slots = torch.tensor([batch.state_slots[i] for i in seqs], device=dev)
+    def _singles(self, rows, slots, seqs, mixed, g, beta, batch, conv, ssm, core) -> None:
+        """One token of each of several sequences, together: ``rows`` of the pass (None: all)
+        whose states are in ``slots`` (device tensors); ``seqs``: their sequences' indices in the
+        batch, for the host's metadata (empty in a captured step, which has none to act on)."""
         past, state = conv.index_select(0, slots), ssm.index_select(0, slots)
         fresh = [j for j, i in enumerate(seqs) if batch.fresh(i)]
         if fresh:
             past[fresh], state[fresh] = 0, 0
-        m = mixed.index_select(0, rows)                                            # [B, C]
+        m = mixed if rows is None else mixed.index_select(0, rows)                  # [B, C]
+        if rows is not None:
+            g, beta = g.index_select(0, rows), beta.index_select(0, rows)
         seq = torch.cat((past.to(m.dtype), m[:, None]), 1)                         # [B, K, C]
         y = F.silu(F.conv1d(seq.transpose(1, 2).to(self.conv_w.dtype), self.conv_w[:, None, :],
                             groups=self.conv_w.shape[0])[..., 0]).to(m.dtype)
         q, k, v = self._qkv(y)
-        o, state = delta_rule_step(q, k, v, g.index_select(0, rows), beta.index_select(0, rows), state)
-        core.index_copy_(0, rows, o.to(core.dtype))
+        o, state = delta_rule_step(q, k, v, g, beta, state)
+        if rows is None:
+            core.copy_(o.to(core.dtype))
+        else:
+            core.index_copy_(0, rows, o.to(core.dtype))
         ssm.index_copy_(0, slots, state)
         conv.index_copy_(0, slots, seq[:, 1:])
         for j, i in enumerate(seqs):
