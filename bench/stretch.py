@@ -69,7 +69,7 @@ def stretched_checkpoint(work: Path, fast: Path, layers: int, rnd, shape: str = 
     from freetoken_engine.packed.writer import convert
     n = PERIOD.get(shape, 2)
     write_checkpoint(work / f"hf{n}", n, rnd=rnd, shape=shape)
-    convert(work / f"hf{n}", fast / f"packed-{n}-layers", progress=False)
+    convert(work / f"hf{n}", fast / f"packed-{n}-layers", shard_bytes=1 << 40, progress=False)   # one bank piece
     shutil.rmtree(work / f"hf{n}")
     return fast / f"packed{layers}", stretch_packed(fast / f"packed-{n}-layers", fast / f"packed{layers}", layers)
 
