@@ -126,7 +126,7 @@ def host_branch() -> bool:
     return _mode(FREETOKEN_HOST_BRANCH, "auto", ("auto", "on", "off")) != "off"
 
 
-GPU_DECODE_KERNELS = ("attention", "norm", "route", "combine", "gemv")
+GPU_DECODE_KERNELS = ("attention", "norm", "route", "combine", "gemv", "deltanet")
 
 
 def gpu_decode_kernels() -> frozenset[str]:

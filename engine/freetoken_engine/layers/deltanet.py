@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LinearAttnConfig
+from ..kernels import gpu_decode_kernels
 from .linear import linear
 
 CHUNK = 64
@@ -127,8 +128,15 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         lin, pool = self.lin, self.states
-        mixed, z, b, a = linear(x, self.proj, None).split(self.sizes, -1)
+        proj = linear(x, self.proj, None)
         conv, ssm = pool.conv[self.state_index], pool.ssm[self.state_index]
+        gpu = self._decode_kernels(x, batch)
+        if gpu is not None:           # a decode step on a GPU: two launches (kernels/triton/deltanet.py)
+            c = self.sizes[0]
+            y = gpu.conv_step(proj[:, :c], conv, batch.state_index, self.conv_w)
+            return self.out_proj(gpu.recurrent_step(y, proj[:, c:], ssm, batch.state_index, self.neg_a,
+                                                    self.dt_bias, self.norm.weight, lin.k_heads, self.eps))
+        mixed, z, b, a = proj.split(self.sizes, -1)
         core = x.new_empty((x.shape[0], lin.v_heads, lin.v_dim))
         beta = b.sigmoid().float()                 # in the model's dtype first, as the reference
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
@@ -152,6 +160,16 @@ class GatedDeltaNet(nn.Module):
                               [i for i, _ in singles], mixed, g, beta, batch, conv, ssm, core)
         out = self._gated_norm(core, z.view(-1, lin.v_heads, lin.v_dim))
         return self.out_proj(out.reshape(x.shape[0], -1))
+
+    def _decode_kernels(self, x: torch.Tensor, batch):
+        """The Triton decode step when this pass is one token per sequence, none starting and no
+        checkpoint to copy, on a GPU that runs it; else None."""
+        if x.device.type != "cuda" or batch.state_index is None or batch.snapshots is not None:
+            return None
+        if batch.seq_counts is not None and (batch.q_max != 1 or any(map(batch.fresh, range(len(batch.seq_counts))))):
+            return None
+        gpu = gpu_decode_kernels("deltanet")
+        return gpu if gpu is not None and gpu.supported(x, self.lin.k_dim, self.lin.v_dim) else None
 
     def _qkv(self, mixed: torch.Tensor):
         """The convolved ``mixed [n, C]`` -> q, k [n, v_heads, k_dim] (normalised, q scaled) and

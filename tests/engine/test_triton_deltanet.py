@@ -1,0 +1,87 @@
+"""The Gated DeltaNet decode kernels (kernels/triton/deltanet.py) against the layer's torch path
+(``GatedDeltaNet._singles`` and ``_gated_norm``). On CPU under TRITON_INTERPRET=1 (CI) and compiled
+on a GPU (``TRITON_INTERPRET=0 pytest`` this file there): the states written in their slots and the
+output within fp32 1e-5 relative; 16-bit within a few roundings of the data type (2^-6 relative of
+the largest output; 2^-5 under the interpreter, which truncates instead of rounding)."""
+from __future__ import annotations
+
+import interpret  # noqa: E402  (first: it turns the Triton interpreter on)
+
+interpret.require()
+
+import os  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from freetoken_engine.cache.states import StatePool  # noqa: E402
+from freetoken_engine.config import LinearAttnConfig  # noqa: E402
+from freetoken_engine.layers.attention import AttnBatch  # noqa: E402
+from freetoken_engine.layers.deltanet import GatedDeltaNet  # noqa: E402
+from freetoken_engine.layers.linear import linear  # noqa: E402
+from freetoken_engine.kernels.triton import deltanet as td  # noqa: E402
+
+COMPILED = os.environ["TRITON_INTERPRET"] != "1"
+DEVICE = "cuda" if COMPILED else "cpu"
+
+
+def layer_and_pool(lin: LinearAttnConfig, dtype, hidden=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    layer = GatedDeltaNet(hidden, lin, 0, 1e-6)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    layer = layer.to(DEVICE, dtype)
+    layer.fuse()
+    pool = StatePool(1, lin, live=6, checkpoints=0, dtype=dtype, device=torch.device(DEVICE))
+    pool.conv.copy_(torch.randn(pool.conv.shape, generator=g))
+    pool.ssm.copy_(torch.randn(pool.ssm.shape, generator=g) * 0.3)
+    layer.states = pool
+    return layer, pool
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lin", [LinearAttnConfig(k_heads=2, v_heads=4, k_dim=8, v_dim=16, conv=4),
+                                 LinearAttnConfig(k_heads=2, v_heads=2, k_dim=32, v_dim=64, conv=3)],
+                         ids=["grouped", "wide"])
+def test_decode_step_matches_the_torch_path(lin, dtype):
+    layer, pool = layer_and_pool(lin, dtype)
+    slots = torch.tensor([4, 1, 3], device=DEVICE)
+    x = torch.randn(3, 32, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    batch = AttnBatch(positions=None, slot_mapping=None, q_seq=None, q_idx=None, kv_index=None, kv_valid=None,
+                      q_max=1, seq_counts=(1, 1, 1), seq_ends=(5, 9, 2), state_slots=tuple(slots.tolist()),
+                      state_index=slots)
+    conv0, ssm0 = pool.conv.clone(), pool.ssm.clone()
+    want = layer(x, batch)                                  # the torch path (a CPU tensor, or kernels off)
+    want_conv, want_ssm = pool.conv.clone(), pool.ssm.clone()
+    pool.conv.copy_(conv0)
+    pool.ssm.copy_(ssm0)
+    proj = linear(x, layer.proj, None)                      # the layer's own projection
+    c = layer.sizes[0]
+    y = td.conv_step(proj[:, :c], pool.conv[0], slots, layer.conv_w)
+    got = layer.out_proj(td.recurrent_step(y, proj[:, c:], pool.ssm[0], slots, layer.neg_a, layer.dt_bias,
+                                           layer.norm.weight, lin.k_heads, layer.eps))
+    rel = 1e-5 if dtype == torch.float32 else (2.0 ** -6 if COMPILED else 2.0 ** -5)
+    scale = want.float().abs().max()
+    assert (got.float() - want.float()).abs().max() <= rel * scale
+    assert torch.equal(pool.conv, want_conv)                # the kept inputs shifted, the token appended
+    assert (pool.ssm - want_ssm).abs().max() <= rel * want_ssm.abs().max()
+    untouched = [s for s in range(6) if s not in slots.tolist()]
+    assert torch.equal(pool.ssm[:, untouched], ssm0[:, untouched])
+
+
+def test_the_layer_takes_the_kernels_only_for_a_plain_decode_step():
+    lin = LinearAttnConfig(k_heads=2, v_heads=4, k_dim=8, v_dim=16, conv=4)
+    layer, _ = layer_and_pool(lin, torch.float32)
+    slots = torch.tensor([0, 1], device=DEVICE)
+
+    def batch(**kw):
+        base = dict(positions=None, slot_mapping=None, q_seq=None, q_idx=None, kv_index=None, kv_valid=None,
+                    q_max=1, seq_counts=(1, 1), seq_ends=(5, 9), state_slots=(0, 1), state_index=slots)
+        return AttnBatch(**{**base, **kw})
+    x = torch.zeros(2, 32, device=DEVICE)
+    on_gpu = DEVICE == "cuda"
+    assert (layer._decode_kernels(x, batch()) is not None) == on_gpu
+    assert layer._decode_kernels(x, batch(seq_ends=(1, 9))) is None               # a state that starts
+    assert layer._decode_kernels(x, batch(snapshots=(((1, 5),), ()))) is None     # a checkpoint to copy
+    assert layer._decode_kernels(x, batch(seq_counts=None, seq_ends=None)) is not None or not on_gpu
