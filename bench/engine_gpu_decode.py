@@ -35,6 +35,8 @@ the same run (the engine reads its switches at start):
   graphs+stream graphs with the streamed split (FREETOKEN_STREAM_SPLIT=on: the first rows of the
                 CPU experts also cross PCIe and run on the GPU; same fills)
   graphs+stream-floor  the same with floor(q* m) fills (FREETOKEN_STREAM_SPLIT=floor)
+  graphs/no-deltanet  graphs with a hybrid model's Gated DeltaNet decode step as torch's ops (the
+                engine before kernels/triton/deltanet.py)
   graphs/torch-ops  graphs with attention, RMSNorm and the router's selection as torch's ops
                 (FREETOKEN_GPU_DECODE_KERNELS=off: the engine before kernels/triton/attention.py,
                 norm.py and route.py)
@@ -91,6 +93,7 @@ SIDES = {"eager/sync": ("off", False, "off", "on", "on"), "eager/branch": ("on",
          "graphs+stream-floor": ("on", True, "floor", "on", "on"),
          "graphs/torch-ops": ("on", True, "off", "off", "on"),
          "graphs/no-combine": ("on", True, "off", "attention,norm,route", "on"),
+         "graphs/no-deltanet": ("on", True, "off", "attention,norm,route,combine,gemv", "on"),
          "graphs/lru": ("on", True, "off", "on", "off"), "graphs/all-cpus": ("on", True, "off", "on", "on"),
          "graphs/gemv-ab": ("on", True, "off", "on", "on"), "graphs/control-ab": ("on", True, "off", "on", "on"),
          "graphs/threshold-ab": ("on", True, "off", "on", "on")}
