@@ -4,8 +4,8 @@ A hybrid model (Gated DeltaNet + attention) cannot resume a prompt from cached K
 the recurrent state at exactly the cached prefix's end. With anchor checkpoints
 (``--state-checkpoints``, the default) a turn resumes from the deepest anchor its prompt shares
 with an earlier one (the last prompt's end, a turn end); without (``--state-checkpoints 0``)
-every turn prefills its whole context again. Both sides run in this process on the same
-checkpoint, each an ``EngineService``, the order alternating per round.
+every turn prefills its whole context again. Both sides run in this run on the same
+checkpoint, each an ``EngineService`` in a process of its own, the order alternating per round.
 
 The conversation: a context of ``--context`` tokens (a system prompt and files), then
 ``--turns`` turns, each adding the previous reply (``--reply`` tokens, fixed ids, as a client
@@ -71,6 +71,34 @@ async def run_side(folder: Path, args, checkpoints: int | None, prompts, end: in
         svc.shutdown()
 
 
+def side_process(folder: Path, args, side: str, mark: int | None) -> list[dict]:
+    """One side in a process of its own (its engine's pinned bank and device memory go with it)."""
+    import subprocess
+    cmd = [sys.executable, __file__, "--worker", side, "--model", str(folder)] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+        if k in ("device", "context", "turns", "user", "reply", "new_tokens")]
+    if mark is not None:
+        cmd.append(f"--mark={mark}")
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ROWS ")), None)
+    if proc.returncode or line is None:
+        raise RuntimeError(f"side {side} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(line[5:])
+
+
+def worker(args) -> int:
+    cfg = json.loads((args.model / "config.json").read_text())
+    vocab = int(cfg.get("vocab_size") or cfg["text_config"]["vocab_size"])
+    end = args.mark
+    if end is None:
+        from freetoken_engine.models.tokenizer import load_tokenizer
+        end = load_tokenizer(args.model).token_to_id("<|im_end|>")
+    rows = asyncio.run(run_side(args.model, args, {"anchors": None, "plain": 0}[args.worker],
+                                conversation(args, vocab, end), args.mark))
+    print("ROWS " + json.dumps(rows), flush=True)
+    return 0
+
+
 def model_folder(args, work: Path) -> tuple[Path, int, int | None]:
     """-> (folder, vocab, turn-end id to mark as an anchor, None when the tokenizer has one)."""
     if args.model:
@@ -106,22 +134,24 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "bench/results/hybrid_anchors.json")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--mark", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        return worker(args)
     from hardware import describe
     with tempfile.TemporaryDirectory() as tmp:
         folder, vocab, end = model_folder(args, Path(tmp))
+        mark = end                      # an id to mark as a turn end, None: the tokenizer's <|im_end|>
         if end is None:
             from freetoken_engine.models.tokenizer import load_tokenizer
             end = load_tokenizer(folder).token_to_id("<|im_end|>")
-            mark = None
-        else:
-            mark = end
         prompts = conversation(args, vocab, end)
         sides = {"anchors": None, "plain": 0}
         runs = []
         for r in range(args.rounds):
             for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
-                rows = asyncio.run(run_side(folder, args, sides[name], prompts, mark))
+                rows = side_process(folder, args, name, mark)      # each side in its own process
                 runs.append({"round": r, "side": name, "turns": rows})
                 print(f"round {r} {name:8s} " + "  ".join(f"t{x['turn']}:{x['ttft_s']:.3f}s/{x['cached_tokens']}"
                                                           for x in rows), flush=True)
