@@ -155,7 +155,9 @@ def main() -> int:
                 runs.append({"round": r, "side": name, "turns": rows})
                 print(f"round {r} {name:8s} " + "  ".join(f"t{x['turn']}:{x['ttft_s']:.3f}s/{x['cached_tokens']}"
                                                           for x in rows), flush=True)
-    same = all(a["tokens"] == b["tokens"] for ra in runs for rb in runs for a, b in zip(ra["turns"], rb["turns"]))
+    outputs = {s: [[x["tokens"] for x in r["turns"]] for r in runs if r["side"] == s] for s in sides}
+    repeat = all(o == v[0] for v in outputs.values() for o in v)          # each side, round to round
+    across = [outputs["anchors"][0][t] == outputs["plain"][0][t] for t in range(len(prompts))]
     table = []
     for t in range(len(prompts)):
         ttft = {s: sorted(x["turns"][t]["ttft_s"] for x in runs if x["side"] == s) for s in sides}
@@ -169,14 +171,17 @@ def main() -> int:
     for row in table:
         print(f"{row['turn']:>4}{'e' if row['edit'] else ' '} {row['prompt_tokens']:>7} {row['cached_anchors']:>7} "
               f"{row['ttft_anchors_s']:>12.3f}s {row['ttft_plain_s']:>10.3f}s {row['plain_over_anchors']:>5.2f}x")
-    print(f"outputs identical across sides and rounds: {same}")
+    print(f"each side's outputs the same in every round: {repeat}; "
+          f"turns whose outputs match across the sides: {sum(across)} of {len(across)}")
     result = {"hardware": describe(), "args": {k: str(v) for k, v in vars(args).items()},
-              "outputs_identical": same, "table": table,
-              "runs": [{**r, "turns": [{k: v for k, v in x.items() if k != "tokens"} for x in r["turns"]]} for r in runs]}
+              "outputs_repeat": repeat, "outputs_match_across_sides": across, "table": table, "runs": runs}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     plot(table, args.out.with_suffix(".png"), result["hardware"])
-    return 0 if same else 1
+    # float32 on a CPU: a resumed prompt gives a whole one's tokens (the CPU tests check it); in
+    # bf16 on a GPU the chunked delta rule's sums depend on where a pass starts, so greedy tokens
+    # of random weights may part (tests/gpu checks a resumed turn token for token in float32)
+    return 0 if repeat and (all(across) or args.device != "cpu") else 1
 
 
 def plot(table, path: Path, hardware) -> None:
