@@ -33,8 +33,10 @@ STREAM_SPLIT_DEFAULT = "off"
 #: The GPU decode's Triton kernels (kernels/triton/<name>.py): attention, RMSNorm (norm), the
 #: router's selection (route), and the MoE combine with the residual adds fused into it and into
 #: the next norm (combine), and the dense projections of 1-16 tokens (gemv: the attention's, the
-#: router's, the shared expert's, the LM head's): "on" (the default: all), "off" (torch's ops) or a
-#: comma-separated list of those names (the others torch's ops), for A/B measurements.
+#: router's, the shared expert's, the LM head's); for hybrid models a Gated DeltaNet layer's decode
+#: step (deltanet) and its prefill chunks' state hand-over (deltanet_chunk): "on" (the default:
+#: all), "off" (torch's ops) or a comma-separated list of those names (the others torch's ops),
+#: for A/B measurements.
 FREETOKEN_GPU_DECODE_KERNELS = "FREETOKEN_GPU_DECODE_KERNELS"
 #: Fill admission of the expert cache under the q* split (cache/experts.py): "on" (the default:
 #: a miss is filled only over a victim unused for a whole decode step, else computed on the CPU)
@@ -126,7 +128,7 @@ def host_branch() -> bool:
     return _mode(FREETOKEN_HOST_BRANCH, "auto", ("auto", "on", "off")) != "off"
 
 
-GPU_DECODE_KERNELS = ("attention", "norm", "route", "combine", "gemv", "deltanet")
+GPU_DECODE_KERNELS = ("attention", "norm", "route", "combine", "gemv", "deltanet", "deltanet_chunk")
 
 
 def gpu_decode_kernels() -> frozenset[str]:

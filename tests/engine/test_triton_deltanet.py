@@ -85,3 +85,42 @@ def test_the_layer_takes_the_kernels_only_for_a_plain_decode_step():
     assert layer._decode_kernels(x, batch(seq_ends=(1, 9))) is None               # a state that starts
     assert layer._decode_kernels(x, batch(snapshots=(((1, 5),), ()))) is None     # a checkpoint to copy
     assert layer._decode_kernels(x, batch(seq_counts=None, seq_ends=None)) is not None or not on_gpu
+
+
+def chunk_inputs(n: int, h: int, dk: int, dv: int, seed: int):
+    """A sequence's q, k (normalised), v, g, beta and an entering state, as the layer makes them."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen)
+    q = torch.nn.functional.normalize(rand(n, h, dk), dim=-1) * dk ** -0.5
+    k = torch.nn.functional.normalize(rand(n, h, dk), dim=-1)
+    g = -torch.nn.functional.softplus(rand(n, h)) * 0.3
+    return [t.to(DEVICE) for t in (q, k, rand(n, h, dv), g, torch.sigmoid(rand(n, h)), rand(h, dk, dv) * 0.3)]
+
+
+@pytest.mark.parametrize("n, h, dk, dv", [(40, 2, 16, 32), (70, 3, 32, 64), (16, 1, 16, 16)],
+                         ids=["padded", "blocks", "one-chunk"])
+def test_prefill_chunks_state_hand_over_matches_the_loop(n, h, dk, dv):
+    """The kernel's outputs and final state against delta_rule_chunked's own loop: several chunks
+    (the last padded), value blocks of 32 side by side, a state that enters non-zero."""
+    from freetoken_engine.kernels.triton import deltanet_chunk as tc
+    from freetoken_engine.layers.deltanet import delta_rule_chunked
+    q, k, v, g, beta, state = chunk_inputs(n, h, dk, dv, seed=n)
+    want_o, want_s = delta_rule_chunked(q, k, v, g, beta, state.clone(), chunk=16)
+    got_o, got_s = delta_rule_chunked(q, k, v, g, beta, state.clone(), chunk=16, kernel=tc)
+    assert got_o.shape == want_o.shape == (n, h, dv)
+    assert (got_o - want_o).abs().max() <= 1e-5 * want_o.abs().max()
+    assert (got_s - want_s).abs().max() <= 1e-5 * want_s.abs().max()
+    assert (want_s - state).abs().max() > 0.1              # the state did move: the test can tell
+
+
+def test_the_chunk_kernel_refuses_what_it_cannot_index():
+    from freetoken_engine.kernels.triton import deltanet_chunk as tc
+    assert tc.supported(128, 128, 64) and not tc.supported(8, 16, 64) and not tc.supported(96, 128, 64)
+    x = torch.zeros(2, 1, 16, 32, device=DEVICE)
+    wk = torch.zeros(2, 1, 16, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="w: float32"):
+        tc.chunk_states(x, wk.double(), wk, wk, wk, torch.ones(2, 1, device=DEVICE), torch.zeros(2, 16, 32, device=DEVICE))
+    with pytest.raises(ValueError, match="attn: float32"):
+        tc.chunk_states(x, wk, wk, x, wk, torch.ones(2, 1, device=DEVICE), torch.zeros(2, 16, 32, device=DEVICE))

@@ -58,10 +58,11 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
 
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                       state: torch.Tensor, chunk: int = CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+                       state: torch.Tensor, chunk: int = CHUNK, kernel=None) -> tuple[torch.Tensor, torch.Tensor]:
     """n tokens of one sequence: ``q``/``k [n, h, dk]``, ``v [n, h, dv]``, ``g``/``beta [n, h]``,
     ``state [h, dk, dv]`` (float32) -> (``o [n, h, dv]``, the state after them). Everything inside
-    the chunks is computed for all of them at once; only the state's hand-over runs chunk by chunk.
+    the chunks is computed for all of them at once; only the state's hand-over runs chunk by chunk,
+    in one launch with ``kernel`` (``kernels/triton/deltanet_chunk.py``), else a few ops a chunk.
     The last chunk is padded with tokens that change nothing (beta = 0, g = 0, q = k = 0)."""
     n = q.shape[0]
     pad = -n % chunk
@@ -84,13 +85,16 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     attn = decay * (qc @ kc.transpose(-1, -2))
     qg = grow * qc
     last = cum[..., -1:]                                                       # G_C [h, N, 1]
-    kd = (kc * (last - cum).exp()[..., None]).transpose(-1, -2)                # [h, N, dk, C]
+    ke = kc * (last - cum).exp()[..., None]                                    # [h, N, C, dk]
     carry = last.exp()[..., None]                                              # [h, N, 1, 1]
-    out = torch.empty_like(vc)
-    for i in range(qc.shape[1]):
-        u = ub[:, i] - w[:, i] @ state
-        out[:, i] = qg[:, i] @ state + attn[:, i] @ u
-        state = carry[:, i] * state + kd[:, i] @ u
+    if kernel is not None:
+        out, state = kernel.chunk_states(ub, w, qg, attn, ke, carry[..., 0, 0], state)
+    else:
+        out, kd = torch.empty_like(vc), ke.transpose(-1, -2)
+        for i in range(qc.shape[1]):
+            u = ub[:, i] - w[:, i] @ state
+            out[:, i] = qg[:, i] @ state + attn[:, i] @ u
+            state = carry[:, i] * state + kd[:, i] @ u
     return out.permute(1, 2, 0, 3).reshape(-1, h, vc.shape[-1])[:n], state
 
 
@@ -171,6 +175,13 @@ class GatedDeltaNet(nn.Module):
         gpu = gpu_decode_kernels("deltanet")
         return gpu if gpu is not None and gpu.supported(x, self.lin.k_dim, self.lin.v_dim) else None
 
+    def _chunk_kernel(self, x: torch.Tensor):
+        """The Triton state hand-over for a prompt's chunks on a GPU that runs it; else None."""
+        if x.device.type != "cuda":
+            return None
+        gpu = gpu_decode_kernels("deltanet_chunk")
+        return gpu if gpu is not None and gpu.supported(self.lin.k_dim, self.lin.v_dim, CHUNK) else None
+
     def _qkv(self, mixed: torch.Tensor):
         """The convolved ``mixed [n, C]`` -> q, k [n, v_heads, k_dim] (normalised, q scaled) and
         v [n, v_heads, v_dim], float32."""
@@ -193,10 +204,11 @@ class GatedDeltaNet(nn.Module):
         seq = torch.cat((past.to(mixed.dtype), mixed))             # the raw inputs, for the conv states
         q, k, v = self._qkv(y)
         width = self.conv_w.shape[1] - 1
-        outs, at = [], 0
+        outs, at, kernel = [], 0, self._chunk_kernel(mixed)
         for end, ck in list(snaps) + [(mixed.shape[0], None)]:
             if end > at:
-                o, state = delta_rule_chunked(q[at:end], k[at:end], v[at:end], g[at:end], beta[at:end], state)
+                o, state = delta_rule_chunked(q[at:end], k[at:end], v[at:end], g[at:end], beta[at:end], state,
+                                              kernel=kernel)
                 outs.append(o)
                 at = end
             if ck is not None:
