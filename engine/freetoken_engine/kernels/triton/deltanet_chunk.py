@@ -12,6 +12,11 @@ One program per (value head, block of BV value dimensions) keeps its [dk, BV] sl
 registers and walks the chunks: the columns of S are independent, so the blocks need no
 exchange. Products in IEEE float32 (no TF32), in the reference's order: the tests
 (tests/engine/test_triton_deltanet.py) hold it to 1e-5 relative of the reference's loop.
+
+Shared memory: the next chunk's tiles are loaded while one computes (two pipeline stages, 139 KB
+at Qwen3.6's 64 x 128 tiles, within a Hopper SM's 227 KB); a card with less (consumer cards have
+99 KB a block) gets one stage (57 KB; 90 KB at k_dim 256), which the kernel's first launch
+finds out (Triton refuses the launch before it runs) and remembers.
 """
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ import triton
 import triton.language as tl
 
 from ._common import next_pow2
+
+_stages: dict[tuple, int] = {}       # (device, C, k_dim, v_dim) -> pipeline stages that fit
 
 
 @triton.jit
@@ -47,8 +54,9 @@ def _states_kernel(ub_ptr, w_ptr, qg_ptr, a_ptr, ke_ptr, carry_ptr, s_ptr, out_p
 
 
 def supported(k_dim: int, v_dim: int, chunk: int) -> bool:
-    """The shapes the kernel takes: powers of two, each at least 16 (a dot's smallest side)."""
-    return all(n == next_pow2(n) and 16 <= n <= 256 for n in (k_dim, v_dim, chunk))
+    """The shapes the kernel takes: powers of two, each at least 16 (a dot's smallest side), and
+    chunks of at most 64 tokens (one stage of their tiles fits 99 KB of shared memory)."""
+    return all(n == next_pow2(n) and 16 <= n <= 256 for n in (k_dim, v_dim, chunk)) and chunk <= 64
 
 
 def chunk_states(ub: torch.Tensor, w: torch.Tensor, qg: torch.Tensor, attn: torch.Tensor, ke: torch.Tensor,
@@ -67,7 +75,17 @@ def chunk_states(ub: torch.Tensor, w: torch.Tensor, qg: torch.Tensor, attn: torc
     out = torch.empty((h, n, c, dv), dtype=torch.float32, device=ub.device)
     new = torch.empty_like(state)
     bv = min(dv, 32)
-    _states_kernel[(h, dv // bv)](ub, w, qg, attn, ke, carry, state, out, new, n,
-                                  *ub.stride(), *w.stride(), *qg.stride(), *attn.stride(), *ke.stride(),
-                                  *carry.stride(), C=c, DK=dk, DV=dv, BV=bv)
-    return out, new
+    key = (ub.device, c, dk, dv)
+    stages = _stages.get(key, 2)
+    while True:
+        try:
+            _states_kernel[(h, dv // bv)](ub, w, qg, attn, ke, carry, state, out, new, n,
+                                          *ub.stride(), *w.stride(), *qg.stride(), *attn.stride(), *ke.stride(),
+                                          *carry.stride(), C=c, DK=dk, DV=dv, BV=bv, num_stages=stages)
+        except triton.runtime.errors.OutOfResources:
+            if stages == 1:
+                raise
+            stages = 1                                  # a card with less shared memory
+            continue
+        _stages[key] = stages
+        return out, new
