@@ -5,11 +5,14 @@ heads, 16 key heads, 128 x 128 state per head, hidden 2048), bf16 weights, rando
 
 Per prompt length, every side in this process, alternating over ``--rounds`` (medians kept):
   rule/torch, rule/kernel   ``delta_rule_chunked`` whole (the chunks' insides, then the hand-over)
-  hand-over/torch, /kernel  the hand-over alone, on the same precomputed insides
+  hand-over/...             the hand-over alone, on the same precomputed insides: ``loop`` (the
+                            first form: about nine ops a chunk), ``torch`` (``_hand_over``: three
+                            ops a chunk, outputs batched per 16 chunks), ``kernel`` (tf32x3) and
+                            ``kernel-ieee`` (float32 FMAs)
   layer/torch, layer/kernel the whole layer on a fresh sequence (projection, convolution, rule,
                             gated norm, output projection), as a prefill pass runs it
-The outputs of the two sides are compared (max abs difference over the largest output, float32
-inside the rule). Writes JSON and a PNG (``--out``), the hardware named.
+Each side's output is compared with its group's first side (max abs difference over the largest
+output, float32 inside the rule). Writes JSON and a PNG (``--out``), the hardware named.
 
     python bench/deltanet_prefill.py --tokens 2048,8192,16384      # on the GPU machine
 """
@@ -102,22 +105,28 @@ def loop(ub, w, qg, attn, ke, carry, state):
 
 
 def measure(tokens: int, rounds: int, reps: int, device: str) -> dict:
+    import functools
+
     from freetoken_engine.kernels.triton import deltanet_chunk as kernel
     from freetoken_engine.layers.attention import AttnBatch
-    from freetoken_engine.layers.deltanet import delta_rule_chunked
+    from freetoken_engine.layers.deltanet import _hand_over, delta_rule_chunked
     layer, lin = make_layer(device)
     x = torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(tokens)).to(device, torch.bfloat16)
     q, k, v, g, beta = rule_inputs(layer, x)
     state0 = torch.zeros(lin.v_heads, lin.k_dim, lin.v_dim, device=device)
     args = parts(q, k, v, g, beta, state0)
+    ub, w, qg, attn, ke, carry, state = args
     batch = AttnBatch(positions=None, slot_mapping=None, q_seq=None, q_idx=None, kv_index=None, kv_valid=None,
                       q_max=tokens, seq_counts=(tokens,), seq_ends=(tokens,), state_slots=(0,))
     chunk_kernel = layer._chunk_kernel
+    ieee = type("Ieee", (), {"chunk_states": staticmethod(functools.partial(kernel.chunk_states, precision="ieee"))})
     sides = {
         "rule/torch": lambda: delta_rule_chunked(q, k, v, g, beta, state0),
         "rule/kernel": lambda: delta_rule_chunked(q, k, v, g, beta, state0, kernel=kernel),
-        "hand-over/torch": lambda: loop(*args),
+        "hand-over/loop": lambda: loop(*args),
+        "hand-over/torch": lambda: _hand_over(ub, w, qg, attn, ke.transpose(-1, -2), carry[..., None, None], state),
         "hand-over/kernel": lambda: kernel.chunk_states(*args),
+        "hand-over/kernel-ieee": lambda: ieee.chunk_states(*args),
         "layer/torch": lambda: layer(x, batch),
         "layer/kernel": lambda: layer(x, batch),
     }
@@ -126,28 +135,32 @@ def measure(tokens: int, rounds: int, reps: int, device: str) -> dict:
         for name in (list(sides) if r % 2 == 0 else list(sides)[::-1]):
             layer._chunk_kernel = chunk_kernel if name.endswith("kernel") else (lambda _x: None)
             times[name].append(timed(sides[name], reps))
-    layer._chunk_kernel = chunk_kernel
     diff = {}
-    for what in ("rule", "hand-over", "layer"):
-        outs = []
-        for side in ("torch", "kernel"):
-            layer._chunk_kernel = chunk_kernel if side == "kernel" else (lambda _x: None)
-            o = sides[f"{what}/{side}"]()
-            outs.append((o[0] if isinstance(o, tuple) else o).float())
-        diff[what] = float((outs[0] - outs[1]).abs().max() / outs[0].abs().max())
+    for what, base in (("rule", "rule/torch"), ("hand-over", "hand-over/loop"), ("layer", "layer/torch")):
+        layer._chunk_kernel = lambda _x: None
+        ref = sides[base]()
+        ref = (ref[0] if isinstance(ref, tuple) else ref).float()
+        for name in sides:
+            if name.startswith(what + "/") and name != base:
+                layer._chunk_kernel = chunk_kernel if name.endswith("kernel") else (lambda _x: None)
+                o = sides[name]()
+                diff[name] = float(((o[0] if isinstance(o, tuple) else o).float() - ref).abs().max() / ref.abs().max())
     layer._chunk_kernel = chunk_kernel
     return {"tokens": tokens, "seconds": {n: statistics.median(t) for n, t in times.items()},
-            "all_seconds": times, "relative_max_diff": diff}
+            "all_seconds": times, "relative_max_diff_to_first_side": diff}
 
 
 def table(rows: list[dict]) -> None:
-    print(f"{'tokens':>7} {'what':>10} {'torch ms':>9} {'kernel ms':>10} {'speed-up':>9} {'rel diff':>9}")
+    print(f"{'tokens':>7} {'side':>22} {'ms':>9} {'vs first':>9} {'rel diff':>9}")
     for row in rows:
         s = row["seconds"]
-        for what in ("rule", "hand-over", "layer"):
-            t, kk = s[f"{what}/torch"], s[f"{what}/kernel"]
-            print(f"{row['tokens']:>7} {what:>10} {t * 1e3:>9.2f} {kk * 1e3:>10.2f} {t / kk:>8.2f}x "
-                  f"{row['relative_max_diff'][what]:>9.1e}")
+        first = {}
+        for name, t in s.items():
+            what = name.split("/")[0]
+            first.setdefault(what, t)
+            d = row["relative_max_diff_to_first_side"].get(name)
+            print(f"{row['tokens']:>7} {name:>22} {t * 1e3:>9.2f} {first[what] / t:>8.2f}x "
+                  f"{'' if d is None else f'{d:.1e}':>9}")
 
 
 def plot(result: dict, path: Path) -> None:
@@ -155,15 +168,17 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = result["rows"]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    names = list(rows[0]["seconds"])
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     xs = range(len(rows))
-    for j, (what, side) in enumerate((w, s) for w in ("rule", "layer") for s in ("torch", "kernel")):
-        ax.bar([x + j * 0.2 - 0.3 for x in xs], [r["seconds"][f"{what}/{side}"] * 1e3 for r in rows], 0.2,
-               label=f"{what}, hand-over as {side}")
+    width = 0.8 / len(names)
+    for j, name in enumerate(names):
+        ax.bar([x + (j - len(names) / 2 + 0.5) * width for x in xs], [r["seconds"][name] * 1e3 for r in rows],
+               width, label=name)
     ax.set_xticks(list(xs), [f"{r['tokens']} tokens" for r in rows])
-    ax.set_ylabel("ms per layer call (median)")
+    ax.set_ylabel("ms per call (median)")
     ax.set_title(f"Gated DeltaNet prefill chunk, Qwen3.6 shapes, {result['hardware'].get('gpu', '?')}", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 

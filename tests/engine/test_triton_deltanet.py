@@ -142,7 +142,7 @@ def test_the_chunk_kernel_fits_a_consumer_cards_shared_memory(k_dim):
     names = jit.arg_names
     unit = {"su2", "sw3", "sq3", "sa3", "sk3"}          # unit strides, as a launch specialises them
     sig = {n: "*fp32" if n.endswith("_ptr") else "i32" for n in names}
-    const = {"C": 64, "DK": k_dim, "DV": 256, "BV": 32, **{n: 1 for n in unit}}
+    const = {"C": 64, "DK": k_dim, "DV": 256, "BV": 32, "PRECISION": "tf32x3", **{n: 1 for n in unit}}
     sig.update({n: "constexpr" for n in const})
 
     def shared(arch: int, stages: int) -> int:

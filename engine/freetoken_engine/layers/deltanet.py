@@ -90,12 +90,29 @@ def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
     if kernel is not None:
         out, state = kernel.chunk_states(ub, w, qg, attn, ke, carry[..., 0, 0], state)
     else:
-        out, kd = torch.empty_like(vc), ke.transpose(-1, -2)
-        for i in range(qc.shape[1]):
-            u = ub[:, i] - w[:, i] @ state
-            out[:, i] = qg[:, i] @ state + attn[:, i] @ u
-            state = carry[:, i] * state + kd[:, i] @ u
+        out, state = _hand_over(ub, w, qg, attn, ke.transpose(-1, -2), carry, state)
     return out.permute(1, 2, 0, 3).reshape(-1, h, vc.shape[-1])[:n], state
+
+
+def _hand_over(ub, w, qg, attn, kd, carry, state, group: int = 16):
+    """The state from chunk to chunk as torch's ops: per chunk only U = UB - W S and the next S
+    (three ops, written in place); the outputs O = QG S + A U of ``group`` chunks at a time in two
+    batched products, from the states they entered with (kept for the group only)."""
+    h, nc, c, dv = ub.shape
+    out = torch.empty_like(ub)
+    states = state.new_empty((group + 1, *state.shape))         # [g + 1, h, dk, dv]
+    us = ub.new_empty((group, h, c, dv))
+    states[0] = state
+    for g0 in range(0, nc, group):
+        m = min(group, nc - g0)
+        for j in range(m):
+            i = g0 + j
+            torch.baddbmm(ub[:, i], w[:, i], states[j], alpha=-1, out=us[j])
+            torch.baddbmm(carry[:, i] * states[j], kd[:, i], us[j], out=states[j + 1])
+        entered, u = states[:m].transpose(0, 1), us[:m].transpose(0, 1)    # [h, m, ...]
+        out[:, g0:g0 + m] = qg[:, g0:g0 + m] @ entered + attn[:, g0:g0 + m] @ u
+        states[0] = states[m]
+    return out, states[0].clone()
 
 
 class GatedDeltaNet(nn.Module):

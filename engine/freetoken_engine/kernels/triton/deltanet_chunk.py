@@ -10,13 +10,16 @@ state S enters chunk i+1. Per chunk, with U = UB - W S::
 
 One program per (value head, block of BV value dimensions) keeps its [dk, BV] slice of S in
 registers and walks the chunks: the columns of S are independent, so the blocks need no
-exchange. Products in IEEE float32 (no TF32), in the reference's order: the tests
+exchange. Products as three TF32 tensor-core products each (``tf32x3``: float32's accuracy; plain
+float32 FMAs ran at half torch's speed on the H200; tf32x3 hands over 8192 tokens' 128 chunks
+9.6x faster than the first torch form and 5.2x faster than ``_hand_over``, device run 144,
+bench/results/deltanet_prefill.json), in the reference's order: the tests
 (tests/engine/test_triton_deltanet.py) hold it to 1e-5 relative of the reference's loop.
 
-Shared memory: the next chunk's tiles are loaded while one computes (two pipeline stages, 139 KB
-at Qwen3.6's 64 x 128 tiles, within a Hopper SM's 227 KB); a card with less (consumer cards have
-99 KB a block) gets one stage (57 KB; 90 KB at k_dim 256), which the kernel's first launch
-finds out (Triton refuses the launch before it runs) and remembers.
+Shared memory: the next chunk's tiles are loaded while one computes (two pipeline stages, 155 KB
+at Qwen3.6's 64 x 128 tiles in tf32x3, within a Hopper SM's 227 KB); a card with less (consumer
+cards have 99 KB a block) gets one stage (32 KB on sm_89; 64 KB at k_dim 256), which the kernel's
+first launch finds out (Triton refuses the launch before it runs) and remembers.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ _stages: dict[tuple, int] = {}       # (device, C, k_dim, v_dim) -> pipeline sta
 def _states_kernel(ub_ptr, w_ptr, qg_ptr, a_ptr, ke_ptr, carry_ptr, s_ptr, out_ptr, s_out_ptr, N,
                    su0, su1, su2, su3, sw0, sw1, sw2, sw3, sq0, sq1, sq2, sq3, sa0, sa1, sa2, sa3,
                    sk0, sk1, sk2, sk3, sc0, sc1,
-                   C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr):
+                   C: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr, PRECISION: tl.constexpr):
     h = tl.program_id(0).to(tl.int64)
     rc = tl.arange(0, C)
     rk = tl.arange(0, DK)
@@ -43,13 +46,13 @@ def _states_kernel(ub_ptr, w_ptr, qg_ptr, a_ptr, ke_ptr, carry_ptr, s_ptr, out_p
     for i in range(N):
         w = tl.load(w_ptr + h * sw0 + i * sw1 + rc[:, None] * sw2 + rk[None, :] * sw3)    # [C, DK]
         u = tl.load(ub_ptr + h * su0 + i * su1 + rc[:, None] * su2 + rv[None, :] * su3) \
-            - tl.dot(w, s, input_precision="ieee")                                          # [C, BV]
+            - tl.dot(w, s, input_precision=PRECISION)                                          # [C, BV]
         qg = tl.load(qg_ptr + h * sq0 + i * sq1 + rc[:, None] * sq2 + rk[None, :] * sq3)  # [C, DK]
         a = tl.load(a_ptr + h * sa0 + i * sa1 + rc[:, None] * sa2 + rc[None, :] * sa3)    # [C, C]
-        o = tl.dot(qg, s, input_precision="ieee") + tl.dot(a, u, input_precision="ieee")
+        o = tl.dot(qg, s, input_precision=PRECISION) + tl.dot(a, u, input_precision=PRECISION)
         tl.store(out_ptr + ((h * N + i) * C + rc[:, None]) * DV + rv[None, :], o)
         ke = tl.load(ke_ptr + h * sk0 + i * sk1 + rc[:, None] * sk2 + rk[None, :] * sk3)  # [C, DK]
-        s = tl.load(carry_ptr + h * sc0 + i * sc1) * s + tl.dot(tl.trans(ke), u, input_precision="ieee")
+        s = tl.load(carry_ptr + h * sc0 + i * sc1) * s + tl.dot(tl.trans(ke), u, input_precision=PRECISION)
     tl.store(s_out_ptr + s_off, s)
 
 
@@ -60,11 +63,13 @@ def supported(k_dim: int, v_dim: int, chunk: int) -> bool:
 
 
 def chunk_states(ub: torch.Tensor, w: torch.Tensor, qg: torch.Tensor, attn: torch.Tensor, ke: torch.Tensor,
-                 carry: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 carry: torch.Tensor, state: torch.Tensor, precision: str = "tf32x3") -> tuple[torch.Tensor, torch.Tensor]:
     """``ub [h, N, C, dv]``, ``w``/``qg``/``ke [h, N, C, dk]``, ``attn [h, N, C, C]``,
     ``carry [h, N]`` and the entering ``state [h, dk, dv]``, all float32
     -> (``o [h, N, C, dv]``, the state after the last chunk). Any strides (the triangular
-    solve's results are column-major); a unit stride is specialised when compiled."""
+    solve's results are column-major); a unit stride is specialised when compiled.
+    ``precision``: the products' (Triton's ``input_precision``): "tf32x3" (three TF32 tensor-core
+    products, about float32's accuracy) or "ieee" (float32 FMAs)."""
     h, n, c, dv = ub.shape
     dk = w.shape[-1]
     for name, t in (("ub", ub), ("w", w), ("qg", qg), ("attn", attn), ("ke", ke)):
@@ -81,7 +86,8 @@ def chunk_states(ub: torch.Tensor, w: torch.Tensor, qg: torch.Tensor, attn: torc
         try:
             _states_kernel[(h, dv // bv)](ub, w, qg, attn, ke, carry, state, out, new, n,
                                           *ub.stride(), *w.stride(), *qg.stride(), *attn.stride(), *ke.stride(),
-                                          *carry.stride(), C=c, DK=dk, DV=dv, BV=bv, num_stages=stages)
+                                          *carry.stride(), C=c, DK=dk, DV=dv, BV=bv, PRECISION=precision,
+                                          num_stages=stages)
         except triton.runtime.errors.OutOfResources:
             if stages == 1:
                 raise
