@@ -157,8 +157,7 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
             model.lm_head.weight = model.model.embed_tokens.weight
         if not packed and bank is not None:
             for li, layer in enumerate(cfg.moe.layers):
-                for e in range(cfg.moe.num_experts):
-                    gate, up, down = (ckpt.get(fam.expert_key(layer, e, p)) for p in range(3))
+                for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, cfg.moe.num_experts)):
                     if gate.shape != (bank.inter, bank.hidden) or down.shape != (bank.hidden, bank.inter):
                         raise ConfigError(f"expert {e} of layer {layer} has shape {tuple(gate.shape)}, "
                                           f"config implies {(bank.inter, bank.hidden)}")

@@ -25,6 +25,37 @@ class Family:
         return (f"{self.model_prefix}.layers.{layer}.{self.moe_prefix}.experts.{expert}."
                 f"{self.expert_names[proj]}.weight")
 
+    def fused_expert_keys(self, layer: int) -> tuple[str, str]:
+        """A layer's routed experts as two stacked tensors, as transformers 5 holds them and as
+        Qwen3.5/3.6-MoE are published: ``experts.gate_up_proj [E, 2I, H]`` (each expert's gate
+        rows, then its up rows) and ``experts.down_proj [E, H, I]``."""
+        stem = f"{self.model_prefix}.layers.{layer}.{self.moe_prefix}.experts."
+        return stem + "gate_up_proj", stem + "down_proj"
+
+    def layer_experts(self, ckpt, layer: int, num_experts: int):
+        """``(gate [I, H], up [I, H], down [H, I])`` of each routed expert of ``layer``, in
+        order, from ``ckpt`` (``models/loader.Checkpoint``) in whichever form it stores them:
+        per-expert tensors (``expert_key``) or the fused pair (``fused_expert_keys``), whose
+        slices are views of one read. Raises ``ConfigError`` for a fused pair that does not fit."""
+        gate_up_key, down_key = self.fused_expert_keys(layer)
+        if not ckpt.has(gate_up_key):
+            for e in range(num_experts):
+                yield tuple(ckpt.get(self.expert_key(layer, e, p)) for p in range(3))
+            return
+        if not ckpt.has(down_key):
+            raise ConfigError(f"checkpoint has {gate_up_key} but lacks {down_key}")
+        gate_up, down = ckpt.get(gate_up_key), ckpt.get(down_key)
+        if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2:
+            raise ConfigError(f"{gate_up_key} has shape {tuple(gate_up.shape)} and {down_key} "
+                              f"{tuple(down.shape)}: expected [experts, 2 x intermediate, hidden] and "
+                              f"[experts, hidden, intermediate]")
+        if gate_up.shape[0] != num_experts or down.shape[0] != num_experts:
+            raise ConfigError(f"{gate_up_key} holds {gate_up.shape[0]} experts and {down_key} "
+                              f"{down.shape[0]}; config.json says {num_experts}")
+        inter = gate_up.shape[1] // 2
+        for e in range(num_experts):
+            yield gate_up[e, :inter], gate_up[e, inter:], down[e]
+
     def rename(self, key: str) -> str:
         """Checkpoint key -> engine module key (non-expert tensors)."""
         if self.moe_prefix != "mlp":

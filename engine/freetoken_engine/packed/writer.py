@@ -100,8 +100,9 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
     if moe:
         expert_keys = {fam.expert_key(layer, e, p) for layer in moe.layers
                        for e in range(moe.num_experts) for p in range(3)}
+        expert_keys.update(k for layer in moe.layers for k in fam.fused_expert_keys(layer))
     dense_keys = [k for k in ckpt.names() if k not in expert_keys]
-    probe = ckpt.get(next(iter(expert_keys))) if moe else ckpt.get(dense_keys[0])
+    probe = next(fam.layer_experts(ckpt, moe.layers[0], moe.num_experts))[0] if moe else ckpt.get(dense_keys[0])
     dtype = probe.dtype
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -165,8 +166,7 @@ def _write_bank(ckpt, fam, moe, hidden: int, dtype: torch.dtype, tmp: Path, shar
         f2 = _BlockFile(tmp / f"bank-w2-{a:05d}.bin")
         for li in range(a, b):
             layer = moe.layers[li]
-            for e in range(E):
-                gate, up, down = (ckpt.get(fam.expert_key(layer, e, p)) for p in range(3))
+            for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, E)):
                 if gate.shape != (inter, hidden) or up.shape != (inter, hidden) or down.shape != (hidden, inter):
                     raise PackedFormatError(f"expert {e} of layer {layer}: shapes {tuple(gate.shape)}, "
                                             f"{tuple(down.shape)}; config implies {(inter, hidden)}")
