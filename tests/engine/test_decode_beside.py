@@ -49,6 +49,28 @@ async def test_decoders_get_their_tokens_inside_a_long_pass_and_every_output_is_
             assert steps == 0 and inside[1:] == [(0, 4)] * 3, inside  # they rode in the passes instead
 
 
+async def test_a_hybrid_models_decoders_step_between_a_long_prompts_layers(tiny_checkpoint):
+    """Gated DeltaNet layers (Qwen3.5/3.6): the decoders' recurrent states step between the
+    layers of a pass that is writing the long prompt's state and its anchor checkpoints; every
+    output is as alone, every state slot comes back."""
+    hybrid = tiny_checkpoint("qwen3_5_moe_text", num_hidden_layers=LAYERS)
+    llm = LLM(hybrid)
+    want = [llm.generate(p, greedy(24)).token_ids for p in SHORT], llm.generate(LONG, greedy(4)).token_ids
+    svc = EngineService.start(EngineConfig(model=hybrid, max_batch=4, prefill_chunk=100, decode_pause_ms=50),
+                              wait=True)
+    try:
+        always_due(svc)
+        inside = count_tokens_inside_long_passes(svc)
+        assert await run_all(svc) == want
+        assert svc.stats()["decode_steps_beside"] == 3 * (LAYERS - 1)
+        assert inside[1:] == [(3 * (LAYERS - 1), 1)] * 3, inside
+        assert svc.stats()["anchor_checkpoints"] > 0
+        svc.scheduler.check_integrity()
+        assert svc.runner.states.free_slots == svc.runner.states.live
+    finally:
+        svc.shutdown()
+
+
 async def test_a_block_a_decoder_needs_inside_a_pass_preempts_a_decoder_never_the_pass(folder, alone):
     # 22 blocks of 16 tokens: the long prompt's 19 and one for each short one. At their 16th
     # token, inside the long prompt's second pass, the decoders need a second block: one of them

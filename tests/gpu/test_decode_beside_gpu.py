@@ -20,9 +20,11 @@ from freetoken_engine.scheduler.service import EngineService  # noqa: E402
 OPTIONS = dict(device="cuda", dtype="float32", expert_cache_experts=12, cpu_expert_fraction=0.5)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text"])      # the second: Gated DeltaNet
 @pytest.mark.parametrize("graphs", [True, False])
-async def test_gpu_decoders_get_their_tokens_inside_a_long_pass_and_every_output_is_as_alone(tiny_checkpoint, graphs):
-    folder = tiny_checkpoint("qwen3_moe", num_hidden_layers=LAYERS)
+async def test_gpu_decoders_get_their_tokens_inside_a_long_pass_and_every_output_is_as_alone(tiny_checkpoint, graphs,
+                                                                                            model_type):
+    folder = tiny_checkpoint(model_type, num_hidden_layers=LAYERS)
     llm = LLM(folder, cuda_graphs=graphs, **OPTIONS)
     alone = [llm.generate(p, greedy(24)).token_ids for p in SHORT], llm.generate(LONG, greedy(4)).token_ids
     del llm
