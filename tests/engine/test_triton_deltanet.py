@@ -126,29 +126,39 @@ def test_the_chunk_kernel_refuses_what_it_cannot_index():
         tc.chunk_states(x, wk, wk, x, wk, torch.ones(2, 1, device=DEVICE), torch.zeros(2, 16, 32, device=DEVICE))
 
 
-@pytest.mark.parametrize("k_dim", [128, 256])
-def test_the_chunk_kernel_fits_a_consumer_cards_shared_memory(k_dim):
-    """Compiled for an RTX 4090 (sm_89, 99 KB of shared memory a block; ptxas ships with Triton, no
-    GPU needed): the one-stage form the kernel falls back to fits at the largest shapes it takes,
-    and the two-stage form at Qwen3.6's fits a Hopper SM (227 KB). Triton's default three stages
-    did not (256 KB, refused on the H200)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    from triton.runtime.jit import JITFunction
-    from freetoken_engine.kernels.triton import deltanet_chunk as tc
-    fn = getattr(tc._states_kernel, "fn", tc._states_kernel)          # the interpreter wraps it
-    jit = fn if isinstance(fn, JITFunction) else JITFunction(fn)
-    names = jit.arg_names
-    unit = {"su2", "sw3", "sq3", "sa3", "sk3"}          # unit strides, as a launch specialises them
-    sig = {n: "*fp32" if n.endswith("_ptr") else "i32" for n in names}
+_SHARED_MEMORY = """
+import json
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from freetoken_engine.kernels.triton import deltanet_chunk as tc
+jit = tc._states_kernel
+unit = {"su2", "sw3", "sq3", "sa3", "sk3"}          # unit strides, as a launch specialises them
+out = {}
+for k_dim, arch, stages in ((128, 89, 1), (256, 89, 1), (128, 90, 2), (128, 90, 3)):
+    sig = {n: "*fp32" if n.endswith("_ptr") else "i32" for n in jit.arg_names}
     const = {"C": 64, "DK": k_dim, "DV": 256, "BV": 32, "PRECISION": "tf32x3", **{n: 1 for n in unit}}
     sig.update({n: "constexpr" for n in const})
+    kernel = triton.compile(ASTSource(jit, sig, const), target=GPUTarget("cuda", arch, 32),
+                            options={"num_stages": stages})
+    out[f"{k_dim}/sm{arch}/{stages}"] = kernel.metadata.shared
+print(json.dumps(out))
+"""
 
-    def shared(arch: int, stages: int) -> int:
-        kernel = triton.compile(ASTSource(jit, sig, const), target=GPUTarget("cuda", arch, 32),
-                                options={"num_stages": stages})
-        return kernel.metadata.shared
-    assert shared(89, 1) <= 99 * 1024
-    if k_dim == 128:
-        assert shared(90, 2) <= 227 * 1024 < shared(90, 3)
+
+def test_the_chunk_kernel_fits_a_consumer_cards_shared_memory():
+    """Compiled for an RTX 4090 (sm_89, 99 KB of shared memory a block; ptxas ships with Triton, no
+    GPU needed), in a process of its own (the interpreter's patches of triton.language would leak
+    into a compile here): the one-stage form the kernel falls back to fits at the largest shapes
+    it takes, and the two-stage form at Qwen3.6's fits a Hopper SM (227 KB). Triton's default
+    three stages did not (256 KB, refused on the H200)."""
+    import json
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    done = subprocess.run([sys.executable, "-c", _SHARED_MEMORY], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    shared = json.loads(done.stdout.strip().splitlines()[-1])
+    assert shared["128/sm89/1"] <= 99 * 1024 and shared["256/sm89/1"] <= 99 * 1024
+    assert shared["128/sm90/2"] <= 227 * 1024 < shared["128/sm90/3"]
