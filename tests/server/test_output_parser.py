@@ -94,3 +94,65 @@ def test_stop_strings_cut_at_the_first_match_whatever_the_split(text, cuts, stop
     hits = [i for i in (text.find(s) for s in stops) if i != -1]
     assert shown == (text[:min(hits)] if hits else text)
     assert m.stopped == bool(hits)
+
+
+# -- the XML style (Qwen3.5/3.6, Qwen3-Coder) ---------------------------------------------------
+XML_SCHEMAS = {"edit": {"type": "object", "properties": {
+    "path": {"type": "string"}, "line": {"type": "integer"}, "dry_run": {"type": "boolean"},
+    "ranges": {"type": "array"}, "scale": {"type": "number"}, "code": {"type": "string"},
+    "limit": {"type": ["integer", "null"]}}}}
+XML_CODE = 'if a < b:\n    print("</tool_call> and <parameter=x>")\n'
+XML_TEXT = ("The file needs an edit.\n<tool_call>\n<function=edit>\n<parameter=path>\nsrc/app.py\n</parameter>\n"
+            "<parameter=line>\n42\n</parameter>\n<parameter=dry_run>\nFalse\n</parameter>\n"
+            "<parameter=ranges>\n[[1, 3], [7, 9]]\n</parameter>\n<parameter=scale>\n0.5\n</parameter>\n"
+            f"<parameter=code>\n{XML_CODE}\n</parameter>\n<parameter=limit>\nnull\n</parameter>\n"
+            "</function>\n</tool_call>\n<tool_call>\n<function=list_files>\n</function>\n</tool_call>")
+XML_ARGS = {"path": "src/app.py", "line": 42, "dry_run": False, "ranges": [[1, 3], [7, 9]], "scale": 0.5,
+            "code": XML_CODE, "limit": None}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=40))
+def test_xml_tool_calls_on_any_split_give_typed_arguments(cuts):
+    """Qwen3.5's template opens <think> in the prompt and its model may open a tool call
+    without closing it: the call ends the reasoning. Values are typed by the tool's schema; a
+    value may hold "</tool_call>" and other tags; a call without parameters has {}."""
+    text = "The user wants line 42 changed.\n" + XML_TEXT
+    out = run(split(text, cuts), tools=True, in_reasoning=True, style="xml", schemas=XML_SCHEMAS)
+    assert out["reasoning"] == "The user wants line 42 changed.\nThe file needs an edit.\n"
+    assert out["content"] == ""
+    assert [name for name, _ in out["calls"]] == ["edit", "list_files"] and out["ends"] == 2
+    assert json.loads(out["calls"][0][1]) == XML_ARGS
+    assert json.loads(out["calls"][1][1]) == {}
+
+
+def test_xml_arguments_stream_a_parameter_at_a_time_after_the_name():
+    p = OutputParser(tools=True, style="xml", schemas=XML_SCHEMAS)
+    head = XML_TEXT.index("<parameter=line>")
+    events = p.feed(XML_TEXT[:head])
+    assert [type(e) for e in events] == [Content, ToolStart, ToolArgs]
+    assert events[1].name == "edit" and events[2].text == '{"path": "src/app.py"'
+
+
+def test_xml_values_that_do_not_fit_their_type_stay_text():
+    schemas = {"f": {"properties": {"n": {"type": "integer"}, "x": {"type": "number"},
+                                    "s": {"type": "string"}, "o": {"type": "object"}}}}
+    body = ("<tool_call>\n<function=f>\n<parameter=n>\nabout 3\n</parameter>\n<parameter=x>\n7\n</parameter>\n"
+            "<parameter=s>\n123\n</parameter>\n<parameter=o>\n{broken\n</parameter>\n"
+            "<parameter=extra>\ntrue\n</parameter>\n</function>\n</tool_call>")
+    out = run([body], tools=True, style="xml", schemas=schemas)
+    assert json.loads(out["calls"][0][1]) == {"n": "about 3", "x": 7, "s": "123", "o": "{broken", "extra": "true"}
+
+
+def test_xml_call_cut_by_the_token_limit_keeps_what_was_written():
+    cut = XML_TEXT.index("</parameter>\n<parameter=line>")
+    out = run([XML_TEXT[:cut]], tools=True, style="xml", schemas=XML_SCHEMAS)
+    assert out["calls"] == [["edit", '{"path": "src/app.py"}']] and out["ends"] == 1
+
+
+def test_xml_style_still_reads_a_json_body_and_keeps_unparseable_text():
+    json_call = '<tool_call>\n{"name": "search", "arguments": {"q": "x"}}\n</tool_call>'
+    out = run([json_call], tools=True, style="xml")
+    assert out["calls"] == [["search", '{"q": "x"}']]
+    garbage = "<tool_call>\nnot a call\n</tool_call> after"
+    assert run([garbage], tools=True, style="xml")["content"] == garbage.replace(" after", "after")

@@ -7,8 +7,12 @@ dict}}], "tool_call_id", "reasoning_content"}``) and their tools to ``{"type": "
 
 Tool choice: ``"none"`` hides the tools from the template and disables tool-call parsing;
 ``"auto"`` shows them; ``"required"`` and a named tool additionally *pre-fill* the start of the
-model's answer (``<tool_call>\\n{"name": "`` or ``...{"name": "f", "arguments": ``), so the
-model continues inside a tool call. This steers by prompt, it is not constrained decoding: the
+model's answer (``<tool_call>\\n{"name": "`` or ``...{"name": "f", "arguments": ``; in the XML
+style ``<tool_call>\\n<function=`` or ``...<function=f>\\n``), so the model continues inside a
+tool call.
+
+The tool-call style is the chat template's: one that writes ``<function=`` (Qwen3.5/3.6,
+Qwen3-Coder) gets the XML parser, any other the Hermes JSON one (``parser.py``). This steers by prompt, it is not constrained decoding: the
 arguments are what the model writes (OpenAI documents that arguments may be invalid JSON too).
 """
 from __future__ import annotations
@@ -17,7 +21,7 @@ import json
 from dataclasses import dataclass
 
 from .errors import ApiError
-from .parser import THINK_CLOSE, THINK_OPEN, TOOL_OPEN
+from .parser import FUNCTION_OPEN, THINK_CLOSE, THINK_OPEN, TOOL_OPEN
 
 
 @dataclass(frozen=True)
@@ -28,9 +32,21 @@ class Prompt:
     in_reasoning: bool        # the template opened <think>: output starts as reasoning
     prefill: str              # text already "written" by the assistant (fed to the parser first)
     tools: bool               # parse tool calls
+    style: str = "json"       # the tool calls' format: "json" (Hermes) or "xml" (Qwen3.5, Qwen3-Coder)
+    schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
 
 
-def tool_prefill(tool_choice: str | None, named: str | None) -> str:
+def tool_style(tokenizer) -> str:
+    """The tool-call format the model's chat template teaches: "xml" when it writes
+    ``<function=``, else "json"."""
+    return "xml" if FUNCTION_OPEN in (getattr(tokenizer, "chat_template", None) or "") else "json"
+
+
+def tool_prefill(tool_choice: str | None, named: str | None, style: str = "json") -> str:
+    if style == "xml":
+        if named is not None:
+            return f"{TOOL_OPEN}\n{FUNCTION_OPEN}{named}>\n"
+        return f"{TOOL_OPEN}\n{FUNCTION_OPEN}" if tool_choice == "required" else ""
     if named is not None:
         return f'{TOOL_OPEN}\n{{"name": {json.dumps(named)}, "arguments": '
     if tool_choice == "required":
@@ -55,15 +71,18 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
         raise ApiError(400, f"the model's chat template rejected these messages: {exc}",
                        param="messages") from exc
     in_reasoning = text.rstrip().endswith(THINK_OPEN)
-    prefill = tool_prefill(tool_choice, named_tool) if use_tools and not continue_text else ""
+    style = tool_style(tokenizer)
+    prefill = tool_prefill(tool_choice, named_tool, style) if use_tools and not continue_text else ""
     if prefill and in_reasoning:
         prefill = f"{THINK_CLOSE}\n\n{prefill}"
     if continue_text:
         text, in_reasoning = text + continue_text, False
     # the template already wrote BOS and friends: do not add special tokens again
     ids = encode_text(tokenizer, text + prefill, add_special_tokens=False)
-    return Prompt(ids=list(ids), in_reasoning=in_reasoning,
-                  prefill=prefill, tools=use_tools)
+    schemas = {t["function"]["name"]: t["function"].get("parameters") or {}
+               for t in tools or () if isinstance(t.get("function"), dict) and "name" in t["function"]}
+    return Prompt(ids=list(ids), in_reasoning=in_reasoning, prefill=prefill, tools=use_tools,
+                  style=style, schemas=schemas)
 
 
 def encode_text(tokenizer, text: str, *, add_special_tokens: bool, param: str = "messages"):

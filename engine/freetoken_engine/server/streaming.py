@@ -37,7 +37,8 @@ def sse(data: dict | str, event: str | None = None) -> str:
 
 
 async def parsed_events(gen: Generation, prompt: Prompt) -> AsyncIterator[Event]:
-    parser = OutputParser(tools=prompt.tools, in_reasoning=prompt.in_reasoning)
+    parser = OutputParser(tools=prompt.tools, in_reasoning=prompt.in_reasoning, style=prompt.style,
+                          schemas=prompt.schemas)
     for ev in parser.feed(prompt.prefill) if prompt.prefill else ():
         yield ev
     async for text in gen:
