@@ -156,3 +156,17 @@ def test_xml_style_still_reads_a_json_body_and_keeps_unparseable_text():
     assert out["calls"] == [["search", '{"q": "x"}']]
     garbage = "<tool_call>\nnot a call\n</tool_call> after"
     assert run([garbage], tools=True, style="xml")["content"] == garbage.replace(" after", "after")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=30))
+def test_a_late_think_close_after_calls_that_ended_the_reasoning_is_not_shown(cuts):
+    """Qwen3.5 may open calls inside its reasoning and close </think> only after them: the
+    late tag is dropped, the text after it is content, and a later </think> (with no open
+    reasoning to end) is the model's own text again."""
+    call = "<tool_call>\n<function=list_files>\n</function>\n</tool_call>"
+    text = "Listing first.\n" + call + "\n" + call + "\n</think>\n\nDone. Literal </think> here."
+    out = run(split(text, cuts), tools=True, in_reasoning=True, style="xml")
+    assert out["reasoning"] == "Listing first.\n"
+    assert [name for name, _ in out["calls"]] == ["list_files", "list_files"] and out["ends"] == 2
+    assert out["content"] == "Done. Literal </think> here."

@@ -12,7 +12,8 @@ An XML call's arguments become a JSON object, each value typed by the tool's JSO
 (``schemas``: tool name -> its ``parameters``): integers, numbers, booleans, null, objects and
 arrays are parsed from their text when it is valid, strings and unknown parameters stay text.
 Its arguments stream a parameter at a time. Qwen3.5 may open a tool call inside its reasoning
-without closing ``</think>``: with the XML style and tools, ``<tool_call>`` ends the reasoning.
+without closing ``</think>``: with the XML style and tools, ``<tool_call>`` ends the reasoning,
+and a ``</think>`` the model writes later is dropped, not shown as content.
 
 ``OutputParser.feed(text)`` turns each new piece of that stream into protocol-neutral events,
 which the OpenAI and Anthropic modules render as deltas / content blocks:
@@ -131,6 +132,7 @@ class OutputParser:
         self.buf = ""
         self.n_tools = 0
         self._strip_ws = False        # drop the blank line(s) a model writes after </think>
+        self._think_unclosed = False  # a tool call ended the reasoning: a later </think> is dropped
         self._body = ""               # current tool-call body
         self._started = False         # current tool call's ToolStart emitted
         self._args_end: _JsonValueEnd | None = None
@@ -183,6 +185,8 @@ class OutputParser:
 
     def _step_content(self, out: list[Event]) -> None:
         tags = (THINK_OPEN, TOOL_OPEN) if self.tools else (THINK_OPEN,)
+        if self._think_unclosed:
+            tags += (THINK_CLOSE,)
         hits = [(self.buf.find(t), t) for t in tags]
         hits = [(at, t) for at, t in hits if at != -1]
         if hits:
@@ -191,7 +195,9 @@ class OutputParser:
                 self._emit_content(self.buf[:at], out)
             self.buf = self.buf[at + len(tag):]
             if tag == THINK_OPEN:
-                self.mode = "reasoning"
+                self.mode, self._think_unclosed = "reasoning", False
+            elif tag == THINK_CLOSE:              # the reasoning's late close: dropped
+                self._strip_ws, self._think_unclosed = True, False
             else:
                 self._open_tool()
             return
@@ -214,6 +220,7 @@ class OutputParser:
             self.buf = self.buf[at + len(tag):]
             if tag == TOOL_OPEN:                   # Qwen3.5: a call opened inside the reasoning ends it
                 self._open_tool()
+                self._think_unclosed = True
             else:
                 self.mode, self._strip_ws = "content", True
             return
