@@ -19,9 +19,6 @@ os.environ.setdefault("FREETOKEN_CACHE_DIR", str(Path(__file__).parent.parent / 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
-# Without a GPU, Triton kernels run in the interpreter; set it before any test imports them.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
@@ -33,6 +30,17 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("fixed", derandomize=True, database=None)
 settings.register_profile("explore")
 settings.load_profile("explore" if os.environ.get("FREETOKEN_FUZZ") == "explore" else "fixed")
+
+
+def pytest_configure(config):
+    """Triton's interpreter is chosen per process, when a kernel module is imported: it runs the
+    kernels on CPU tensors in every run but one that selects the GPU tests on a machine with a
+    GPU (``pytest -m gpu``), where the kernels compile and the interpreter tests are deselected.
+    Decided here, before collection imports any kernel; TRITON_INTERPRET set by hand wins."""
+    expr = config.option.markexpr or ""
+    gpu_run = torch.cuda.is_available() and "gpu" in expr and "not gpu" not in expr
+    if not gpu_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

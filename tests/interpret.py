@@ -1,11 +1,10 @@
 """The guard shared by the tests that run Triton kernels on CPU tensors under TRITON_INTERPRET=1.
-Import it before anything imports Triton: it sets the interpreter on unless told otherwise."""
+The interpreter is on unless told otherwise, or unless the run selects the GPU tests on a GPU
+(``conftest.pytest_configure``, which runs before any test module imports Triton)."""
 from __future__ import annotations
 
 import functools
 import os
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -37,7 +36,7 @@ def _interpreter_takes_scalar_bounds() -> bool:
 def require() -> None:
     """Skip the calling module unless its kernels can run: under an interpreter that can run
     them (CPU tensors), or compiled on a GPU."""
-    if os.environ["TRITON_INTERPRET"] != "1":
+    if os.environ.get("TRITON_INTERPRET") != "1":
         if not torch.cuda.is_available():
             pytest.skip("Triton needs TRITON_INTERPRET=1 without a GPU", allow_module_level=True)
         return

@@ -82,7 +82,6 @@ from freetoken_engine.packed import early_cuda
 early_cuda.start("cuda")
 status = early_cuda.status()
 import torch
-from procs import python_json
 x = torch.ones(4, device="cuda") * 2
 current = ctypes.c_void_p()
 ctypes.CDLL("libcuda.so.1").cuCtxGetCurrent(ctypes.byref(current))

@@ -19,7 +19,7 @@ from freetoken_engine.kernels.reference import (SplitRows, add_rms_norm_forward,
 from freetoken_engine.kernels.triton import combine as tc  # noqa: E402
 from freetoken_engine.kernels.triton import norm as tn  # noqa: E402
 
-COMPILED = os.environ["TRITON_INTERPRET"] != "1"
+COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if COMPILED else "cpu"
 REL16 = 2.0 ** -7 if COMPILED else 2.0 ** -6
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -20,7 +20,7 @@ from attention_cases import CASES, attention_problem  # noqa: E402
 from freetoken_engine.kernels.reference import decode_attention_forward  # noqa: E402
 from freetoken_engine.kernels.triton import attention as ta  # noqa: E402
 
-COMPILED = os.environ["TRITON_INTERPRET"] != "1"
+COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if COMPILED else "cpu"
 REL16 = 2.0 ** -7 if COMPILED else 2.0 ** -6
 

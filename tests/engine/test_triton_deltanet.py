@@ -21,7 +21,7 @@ from freetoken_engine.layers.deltanet import GatedDeltaNet  # noqa: E402
 from freetoken_engine.layers.linear import linear  # noqa: E402
 from freetoken_engine.kernels.triton import deltanet as td  # noqa: E402
 
-COMPILED = os.environ["TRITON_INTERPRET"] != "1"
+COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if COMPILED else "cpu"
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from freetoken_engine.kernels.triton import gemv  # noqa: E402
 
-COMPILED = os.environ["TRITON_INTERPRET"] != "1"
+COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if COMPILED else "cpu"
 REL16 = 2.0 ** -8 if COMPILED else 2.0 ** -7
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
