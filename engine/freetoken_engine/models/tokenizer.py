@@ -2,8 +2,10 @@
 
 ``tokenizer.json`` is read with the ``tokenizers`` library; the chat template comes from
 ``tokenizer_config.json`` (or ``chat_template.jinja``) and is rendered with a sandboxed jinja2
-environment offering the helpers Hugging Face templates expect (``raise_exception``,
-``strftime_now``, ``tojson``).
+environment offering what Hugging Face templates expect of transformers' renderer: the helpers
+``raise_exception`` and ``strftime_now``, its ``tojson`` (non-ASCII kept; ``indent``,
+``separators``, ``sort_keys``), ``{% break %}`` / ``{% continue %}``, and ``{% generation %}``
+blocks (rendered as their body). A template that does not parse fails the load with its line.
 """
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import json
 from datetime import datetime
 from pathlib import Path
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, TemplateSyntaxError, nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -26,6 +29,24 @@ def _token_text(value) -> str | None:
 
 def _raise(message: str):
     raise TemplateError(message)
+
+
+def _tojson(value, ensure_ascii: bool = False, indent=None, separators=None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+class _GenerationBlocks(Extension):
+    """``{% generation %}...{% endgeneration %}``: transformers marks the assistant's part with it
+    (for training masks); here the block renders its body unchanged."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller):
+        return caller()
 
 
 class StreamDecoder:
@@ -66,11 +87,15 @@ class Tokenizer:
         if self.eos_token and (eid := self._tok.token_to_id(self.eos_token)) is not None and eid not in ids:
             ids.append(eid)
         self.eos_token_ids: tuple[int, ...] = tuple(ids)
-        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        self._env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                  extensions=[loopcontrols, _GenerationBlocks])
         self._env.globals.update(raise_exception=_raise,
                                  strftime_now=lambda fmt: datetime.now().strftime(fmt))
-        self._env.filters["tojson"] = lambda v, indent=None, **_: json.dumps(v, indent=indent, ensure_ascii=False)
-        self._compiled = self._env.from_string(template) if template else None
+        self._env.filters["tojson"] = _tojson
+        try:
+            self._compiled = self._env.from_string(template) if template else None
+        except TemplateSyntaxError as exc:
+            raise ConfigError(f"the chat template in {folder} does not parse: line {exc.lineno}: {exc.message}") from None
 
     @property
     def vocab_size(self) -> int:
