@@ -24,11 +24,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS = ("chat", "completions", "messages", "count_tokens", "models", "health", "metrics",
-             "admin", "other")
+ENDPOINTS = ("chat", "completions", "responses", "messages", "count_tokens", "models", "health",
+             "metrics", "admin", "other")
 _ROUTE_ENDPOINT = {"/v1/chat/completions": "chat", "/v1/completions": "completions",
-                   "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens",
-                   "/v1/models": "models", "/health": "health", "/metrics": "metrics"}
+                   "/v1/responses": "responses", "/v1/messages": "messages",
+                   "/v1/messages/count_tokens": "count_tokens", "/v1/models": "models",
+                   "/health": "health", "/metrics": "metrics"}
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.5)

@@ -12,15 +12,14 @@ served from the prefix cache and ``input_tokens`` the rest (Anthropic's accounti
 from __future__ import annotations
 
 import json
-import time
 
 from fastapi import APIRouter, Depends, Request
 
 from .anthropic_schema import CountRequest, MessagesRequest
 from .auth import require_api_key
-from .deps import check_model, ready_service, served_name
+from .deps import begin, check_model, ready_service, served_name
 from .errors import error_body
-from .generation import Generation, start_generation
+from .generation import Generation
 from .parser import Content, Reasoning, ToolArgs, ToolEnd, ToolStart
 from .prompt import Prompt, build_prompt
 from .streaming import new_id, parsed_events, sse, sse_response, until_disconnect
@@ -64,13 +63,7 @@ async def count_tokens(body: CountRequest, request: Request):
 
 @router.post("/v1/messages")
 async def messages(body: MessagesRequest, request: Request):
-    t0 = time.monotonic()
-    svc = ready_service(request)
-    check_model(request, body.model)
-    body.check_supported()
-    prompt = _prompt(svc, body)
-    gen = start_generation(svc, prompt.ids, body.options(), metrics=request.app.state.metrics,
-                           endpoint="messages", t_arrival=t0)
+    _, prompt, gen = begin(request, body, "messages", _prompt, body.options())
     mid, model = new_id("msg_"), served_name(request)
     if body.stream:
         return sse_response(_stream(gen, prompt, mid, model), gen)

@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 
 from ..errors import ConfigError
 from ..metrics import EngineMetrics
-from . import admin, anthropic_api, errors, openai_api
+from . import admin, anthropic_api, errors, openai_api, responses_api
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,7 @@ def create_app(service, config: ServerConfig | None = None) -> FastAPI:
     app.state.started = time.time()
     errors.install(app)
     app.include_router(openai_api.router)
+    app.include_router(responses_api.router)
     app.include_router(anthropic_api.router)
     app.include_router(admin.router)
     app.include_router(admin.public)

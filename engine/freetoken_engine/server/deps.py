@@ -1,9 +1,13 @@
-"""Per-request lookups shared by the routes: the ready service and the model name check."""
+"""Per-request lookups shared by the routes: the ready service, the model name check, and the
+start every generating route shares (``begin``)."""
 from __future__ import annotations
+
+import time
 
 from fastapi import Request
 
 from .errors import ApiError
+from .generation import GenOptions, Generation, start_generation
 
 
 def ready_service(request: Request, need_tokenizer: bool = True):
@@ -32,3 +36,16 @@ def check_model(request: Request, model: str) -> None:
     if model != name:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves '{name}' "
                             "(see GET /v1/models)", param="model", code="model_not_found")
+
+
+def begin(request: Request, body, endpoint: str, prompt_of, options: GenOptions):
+    """Check the service, the model and the body's parameters, render the prompt with
+    ``prompt_of(service, body)`` and submit it: ``(service, prompt, generation)``."""
+    t0 = time.monotonic()
+    svc = ready_service(request)
+    check_model(request, body.model)
+    body.check_supported()
+    prompt = prompt_of(svc, body)
+    gen: Generation = start_generation(svc, prompt.ids, options, metrics=request.app.state.metrics,
+                                       endpoint=endpoint, t_arrival=t0)
+    return svc, prompt, gen

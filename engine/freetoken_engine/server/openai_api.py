@@ -14,7 +14,7 @@ import time
 from fastapi import APIRouter, Depends, Request
 
 from .auth import require_api_key
-from .deps import check_model, ready_service, served_name
+from .deps import begin, check_model, ready_service, served_name
 from .errors import ApiError, error_body
 from .generation import Generation, start_generation
 from .openai_schema import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice
@@ -68,7 +68,7 @@ def finish(gen: Generation, tool_calls: int) -> str:
     return "tool_calls" if tool_calls and reason == "stop" else reason
 
 
-def chat_prompt(request: Request, svc, body: ChatRequest) -> Prompt:
+def chat_prompt(svc, body: ChatRequest) -> Prompt:
     tools = None
     if body.tools:
         for k, t in enumerate(body.tools):
@@ -87,13 +87,7 @@ def chat_prompt(request: Request, svc, body: ChatRequest) -> Prompt:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
-    t0 = time.monotonic()
-    svc = ready_service(request)
-    check_model(request, body.model)
-    body.check_supported()
-    prompt = chat_prompt(request, svc, body)
-    gen = start_generation(svc, prompt.ids, body.options(body.max_new),
-                           metrics=request.app.state.metrics, endpoint="chat", t_arrival=t0)
+    _, prompt, gen = begin(request, body, "chat", chat_prompt, body.options(body.max_new))
     cid, created, model = new_id("chatcmpl-"), int(time.time()), served_name(request)
     if body.stream:
         return sse_response(_chat_stream(gen, prompt, cid, created, model, body.include_usage),

@@ -1,0 +1,195 @@
+"""OpenAI Responses API: ``POST /v1/responses`` (what Codex and other recent agents speak).
+
+The answer is a list of output items in the order the model wrote them: ``reasoning`` (its text
+as ``reasoning_text`` content), ``message`` (``output_text``) and ``function_call`` (``call_id``,
+``name``, ``arguments`` as a JSON string). ``status`` is ``completed``, or ``incomplete`` with
+``incomplete_details.reason = "max_output_tokens"`` when the token limit cut it. ``usage``
+counts ``input_tokens`` (``cached_tokens`` from the prefix cache), ``output_tokens`` and, of
+those, the reasoning's tokens.
+
+Streaming follows OpenAI's event sequence, each event an SSE ``event:`` with a
+``sequence_number``: ``response.created``, ``response.in_progress``; per item
+``response.output_item.added``, for text ``response.content_part.added``, the deltas
+(``response.output_text.delta``, ``response.reasoning_text.delta``,
+``response.function_call_arguments.delta``), their ``.done`` events and
+``response.output_item.done``; last ``response.completed`` (or ``response.incomplete``) with
+the whole response. A failure in the engine mid-stream is an ``error`` event. Nothing is stored
+(``store`` is always false): ``responses_schema`` says what that refuses.
+"""
+from __future__ import annotations
+
+import time
+
+from fastapi import APIRouter, Depends, Request
+
+from .auth import require_api_key
+from .deps import begin, served_name
+from .generation import Generation
+from .parser import Content, Event, Reasoning, ToolArgs, ToolEnd, ToolStart
+from .prompt import Prompt, build_prompt
+from .responses_schema import NamedChoice, ResponsesRequest
+from .streaming import new_id, parsed_events, sse, sse_response, until_disconnect
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+#: an open text item's type -> (its content part's type, the delta event's name)
+_TEXT = {"message": ("output_text", "response.output_text"),
+         "reasoning": ("reasoning_text", "response.reasoning_text")}
+
+
+class OutputItems:
+    """Builds the output items from parser events, and the stream events that describe each
+    step (a non-streaming request builds the same items and drops the events)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict] = []
+        self.seq = 0
+        self._open: dict | None = None         # the reasoning or message item receiving text
+        self._calls: dict[int, dict] = {}      # the parser's tool-call index -> its item
+
+    def event(self, kind: str, **body) -> dict:
+        ev = {"type": kind, "sequence_number": self.seq, **body}
+        self.seq += 1
+        return ev
+
+    def feed(self, ev: Event) -> list[dict]:
+        if isinstance(ev, (Reasoning, Content)):
+            return self._text("reasoning" if isinstance(ev, Reasoning) else "message", ev.text)
+        if isinstance(ev, ToolStart):
+            out = self.close()
+            item = {"type": "function_call", "id": new_id("fc_"), "call_id": new_id("call_"),
+                    "name": ev.name, "arguments": "", "status": "in_progress"}
+            self._calls[ev.index] = item
+            return out + [self._added(item)]
+        item = self._calls[ev.index]
+        where = {"item_id": item["id"], "output_index": self.items.index(item)}
+        if isinstance(ev, ToolArgs):
+            item["arguments"] += ev.text
+            return [self.event("response.function_call_arguments.delta", **where, delta=ev.text)]
+        assert isinstance(ev, ToolEnd)
+        item["status"] = "completed"
+        return [self.event("response.function_call_arguments.done", **where, name=item["name"],
+                           arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=where["output_index"], item=dict(item))]
+
+    def close(self, status: str = "completed") -> list[dict]:
+        """Finish the open text item, if any (``status``: ``incomplete`` when the limit cut it)."""
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        part = item["content"][0]
+        part_type, name = _TEXT[item["type"]]
+        where = {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0}
+        item["status"] = status
+        return [self.event(f"{name}.done", **where, text=part["text"]),
+                self.event("response.content_part.done", **where, part=dict(part)),
+                self.event("response.output_item.done", output_index=where["output_index"],
+                           item=dict(item, content=[dict(part)]))]
+
+    def _added(self, item: dict) -> dict:
+        self.items.append(item)
+        return self.event("response.output_item.added", output_index=len(self.items) - 1,
+                          item=dict(item, content=[]) if "content" in item else dict(item))
+
+    def _text(self, kind: str, text: str) -> list[dict]:
+        out = []
+        part_type, name = _TEXT[kind]
+        if self._open is None or self._open["type"] != kind:
+            out += self.close()
+            item = {"type": kind, "id": new_id("msg_" if kind == "message" else "rs_"), "status": "in_progress",
+                    "content": []}
+            if kind == "message":
+                item["role"] = "assistant"
+            else:
+                item["summary"] = []
+            out.append(self._added(item))
+            part = {"type": part_type, "text": ""}
+            if kind == "message":
+                part["annotations"] = []
+            item["content"].append(part)
+            self._open = item
+            out.append(self.event("response.content_part.added", item_id=item["id"],
+                                  output_index=len(self.items) - 1, content_index=0, part=dict(part)))
+        item = self._open
+        item["content"][0]["text"] += text
+        delta = {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0, "delta": text}
+        if kind == "message":
+            delta["logprobs"] = []
+        return out + [self.event(f"{name}.delta", **delta)]
+
+
+def _response(rid: str, created: int, model: str, body: ResponsesRequest, items: OutputItems,
+              gen: Generation | None, tokenizer) -> dict:
+    """The response object; ``gen`` None: the first snapshot, still in progress."""
+    choice = body.tool_choice
+    out = {"id": rid, "object": "response", "created_at": created, "model": model,
+           "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
+           "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+           "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
+           "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
+           "store": False, "temperature": 1.0 if body.temperature is None else body.temperature,
+           "top_p": 1.0 if body.top_p is None else body.top_p, "text": {"format": {"type": "text"}},
+           "tool_choice": choice.model_dump() if isinstance(choice, NamedChoice) else (choice or "auto"),
+           "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
+           "truncation": "disabled", "usage": None, "metadata": body.metadata or {}}
+    if gen is None:
+        return out
+    cut = gen.finish_reason == "length"
+    reasoning = "".join(p["text"] for i in items.items if i["type"] == "reasoning" for p in i["content"])
+    n_reasoning = len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
+    out.update(status="incomplete" if cut else "completed", output=items.items,
+               incomplete_details={"reason": "max_output_tokens"} if cut else None,
+               usage={"input_tokens": gen.prompt_tokens, "input_tokens_details": {"cached_tokens": gen.cached_tokens},
+                      "output_tokens": gen.completion_tokens,
+                      "output_tokens_details": {"reasoning_tokens": min(n_reasoning, gen.completion_tokens)},
+                      "total_tokens": gen.prompt_tokens + gen.completion_tokens})
+    return out
+
+
+def _prompt(svc, body: ResponsesRequest) -> Prompt:
+    choice = body.tool_choice
+    named = choice.name if isinstance(choice, NamedChoice) else None
+    mode = "auto" if choice is None or named else choice
+    return build_prompt(svc.tokenizer, body.template_messages(), body.template_tools(), tool_choice=mode,
+                        named_tool=named, template_kwargs=body.template_kwargs())
+
+
+@router.post("/v1/responses")
+async def responses(body: ResponsesRequest, request: Request):
+    svc, prompt, gen = begin(request, body, "responses", _prompt, body.options())
+    head = (new_id("resp_"), int(time.time()), served_name(request), body)
+    if body.stream:
+        return sse_response(_stream(gen, prompt, head, svc.tokenizer), gen)
+    return await until_disconnect(request, _full(gen, prompt, head, svc.tokenizer), gen)
+
+
+async def _full(gen: Generation, prompt: Prompt, head: tuple, tokenizer) -> dict:
+    items = OutputItems()
+    async for ev in parsed_events(gen, prompt):
+        items.feed(ev)
+    items.close("incomplete" if gen.finish_reason == "length" else "completed")
+    return _response(*head, items, gen, tokenizer)
+
+
+async def _stream(gen: Generation, prompt: Prompt, head: tuple, tokenizer):
+    items = OutputItems()
+
+    def framed(ev: dict) -> str:
+        return sse(ev, event=ev["type"])
+
+    first = _response(*head, items, None, tokenizer)
+    yield framed(items.event("response.created", response=first))
+    yield framed(items.event("response.in_progress", response=first))
+    try:
+        async for ev in parsed_events(gen, prompt):
+            for out in items.feed(ev):
+                yield framed(out)
+    except Exception as exc:   # the engine failed mid-stream: tell the client in-band
+        yield framed(items.event("error", code="generation_failed", message=f"generation failed: {exc}",
+                                 param=None))
+        return
+    for out in items.close("incomplete" if gen.finish_reason == "length" else "completed"):
+        yield framed(out)
+    final = _response(*head, items, gen, tokenizer)
+    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+    yield framed(items.event(kind, response=final))
