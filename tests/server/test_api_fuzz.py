@@ -32,12 +32,18 @@ VALID = {
     "/v1/messages": {"model": "M", "messages": [MSG], "max_tokens": 3, "system": "s",
                      "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
     "/v1/messages/count_tokens": {"model": "M", "messages": [MSG]},
+    "/v1/responses": {"model": "M", "input": [MSG, {"type": "function_call", "call_id": "c", "name": "f",
+                                                    "arguments": "{}"},
+                                              {"type": "function_call_output", "call_id": "c", "output": "x"}],
+                      "instructions": "s", "max_output_tokens": 3,
+                      "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]},
     "/admin/cache": {"expert_cache_experts": 4},
     "/admin/calibrate": {"fill_fraction": 0.5},
 }
 KEYS = sorted({k for body in VALID.values() for k in body} | {
     "stream", "stop", "stop_sequences", "tool_choice", "temperature", "top_p", "top_k", "n",
-    "seed", "thinking", "stream_options", "logprobs", "content", "role"})
+    "seed", "thinking", "stream_options", "logprobs", "content", "role", "reasoning", "text",
+    "previous_response_id"})
 
 
 @st.composite
@@ -51,6 +57,11 @@ def bodies(draw):
     if "messages" in body and draw(st.booleans()):
         body["messages"] = [dict(MSG, **{draw(st.sampled_from(["role", "content", "tool_calls",
                                                                "name"])): draw(JSON)})]
+    if body.get("input") == VALID["/v1/responses"]["input"] and draw(st.booleans()):
+        k = draw(st.integers(0, len(body["input"]) - 1))
+        body["input"] = list(body["input"])
+        body["input"][k] = dict(body["input"][k], **{draw(st.sampled_from(
+            ["type", "role", "content", "call_id", "name", "arguments", "output", "summary"])): draw(JSON)})
     return path, json.dumps(body).encode()
 
 
