@@ -34,9 +34,13 @@ VALID = {
     "/v1/messages/count_tokens": {"model": "M", "messages": [MSG]},
     "/v1/responses": {"model": "M", "input": [MSG, {"type": "function_call", "call_id": "c", "name": "f",
                                                     "arguments": "{}"},
-                                              {"type": "function_call_output", "call_id": "c", "output": "x"}],
+                                              {"type": "function_call_output", "call_id": "c", "output": "x"},
+                                              {"type": "custom_tool_call", "call_id": "d", "name": "p", "input": "x"}],
                       "instructions": "s", "max_output_tokens": 3,
-                      "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]},
+                      "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}},
+                                {"type": "custom", "name": "p", "format": {"type": "text"}},
+                                {"type": "namespace", "name": "n", "tools": [{"type": "function", "name": "g"}]},
+                                {"type": "web_search"}]},
     "/admin/cache": {"expert_cache_experts": 4},
     "/admin/calibrate": {"fill_fraction": 0.5},
 }
@@ -61,7 +65,13 @@ def bodies(draw):
         k = draw(st.integers(0, len(body["input"]) - 1))
         body["input"] = list(body["input"])
         body["input"][k] = dict(body["input"][k], **{draw(st.sampled_from(
-            ["type", "role", "content", "call_id", "name", "arguments", "output", "summary"])): draw(JSON)})
+            ["type", "role", "content", "call_id", "name", "arguments", "output", "summary", "input",
+             "namespace"])): draw(JSON)})
+    if path == "/v1/responses" and body.get("tools") == VALID[path]["tools"] and draw(st.booleans()):
+        k = draw(st.integers(0, len(body["tools"]) - 1))
+        body["tools"] = list(body["tools"])
+        body["tools"][k] = dict(body["tools"][k], **{draw(st.sampled_from(
+            ["type", "name", "format", "tools", "parameters"])): draw(JSON)})
     return path, json.dumps(body).encode()
 
 

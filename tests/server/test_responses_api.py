@@ -108,10 +108,13 @@ def test_greedy_text_equals_chat_completions_and_the_limit_marks_it_incomplete(c
 
 @pytest.mark.parametrize("kw, names", [
     ({"previous_response_id": "resp_1"}, ["previous_response_id", "whole conversation"]),
-    ({"tools": [{"type": "web_search"}]}, ["tools.0", "only function tools"]),
+    ({"tools": [{"type": "function", "name": "bad name!"}]}, ["tools.0", "letters, digits"]),
+    ({"tools": [{"type": "custom", "name": "patch", "format": {"type": "grammar"}}]}, ["tools.0.format"]),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function"}]}]}, ["tools.0.tools.0"]),
+    ({"tools": [{"type": "web_search"}], "tool_choice": "required"}, ["tool_choice", "function or custom"]),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]},
      ["input.0.content", "only text parts"]),
-    ({"input": []}, ["input", "must not be empty"]),
+    ({"input": []}, ["input", "must not be empty", "instructions"]),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, ["tool_choice", "nope"]),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, ["input.0", "send the item itself"]),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, ["text.format"]),
@@ -127,3 +130,101 @@ def test_what_this_server_cannot_do_is_a_400_that_says_what(client, live, kw, na
 def test_an_unknown_model_is_a_404_naming_the_served_one(client, live):
     with pytest.raises(openai.NotFoundError, match=live.model):
         client.responses.create(model="gpt-5", input="hi")
+
+
+# -- what Codex sends ---------------------------------------------------------------------------
+GRAMMAR = 'start: "*** Begin Patch" LF body "*** End Patch"'
+PATCH = "*** Begin Patch\n*** Add File: hello.txt\n+hi\n*** End Patch"
+CODEX_TOOLS = [
+    {"type": "function", "name": "shell", "parameters": {"type": "object", "properties": {
+        "command": {"type": "array", "items": {"type": "string"}}}}},
+    {"type": "custom", "name": "apply_patch", "description": "Edit files.",
+     "format": {"type": "grammar", "syntax": "lark", "definition": GRAMMAR}},
+    {"type": "namespace", "name": "mcp__docs", "description": "docs server", "tools": [
+        {"type": "function", "name": "search", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}]},
+    {"type": "web_search"}, {"type": "image_generation"}]
+CODEX_INPUT = [{"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "Sandbox: workspace-write."}]},
+               {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Add hello.txt"}]}]
+
+
+def _call(name: str, args: dict) -> str:
+    return '<tool_call>\n{"name": ' + json.dumps(name) + ', "arguments": ' + json.dumps(args) + "}\n</tool_call>"
+
+
+@pytest.fixture(scope="module")
+def codex(tiny_dir, tmp_path_factory):
+    """A model whose template refuses a system message after the first, as Qwen3.5's does."""
+    folder = tmp_path_factory.mktemp("codex-template")
+    (folder / "tokenizer.json").write_bytes((tiny_dir / "tokenizer.json").read_bytes())
+    config = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    template = ("{%- if tools %}<|im_start|>system\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
+                "{%- for m in messages %}{%- if m.role == 'system' and not loop.first %}"
+                "{{ raise_exception('System message must be at the beginning.') }}{%- endif %}"
+                "<|im_start|>{{ m.role }}\n{{ m.content }}"
+                "{%- for c in m.tool_calls or [] %}" + '<tool_call>{"name": "{{ c.function.name }}", '
+                '"arguments": {{ c.function.arguments | tojson }}}</tool_call>' + "{%- endfor %}<|im_end|>\n"
+                "{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=template)))
+    prompts = []
+
+    def script(prompt: str) -> str:
+        prompts.append(prompt)
+        if "search the docs" in prompt:
+            return _call("mcp__docs.search", {"q": "patch format"})
+        return "Done." if "<|im_start|>tool" in prompt else "Writing it. " + _call("apply_patch", {"input": PATCH})
+    with live_server(ScriptedService(Tokenizer(folder), script=script, max_context=4096)) as srv:
+        srv.prompts = prompts
+        yield srv
+
+
+def test_codex_tools_custom_namespaced_and_hosted(codex):
+    """The custom tool's call comes back as custom_tool_call with its raw text; the model saw
+    its grammar and the namespaced tool; hosted tools are left out of the prompt; instructions
+    and the developer message are one first system message."""
+    r = codex.openai().responses.create(model=codex.model, instructions="You are Codex.", input=CODEX_INPUT,
+                                        tools=CODEX_TOOLS, store=False, parallel_tool_calls=False,
+                                        include=["reasoning.encrypted_content"], reasoning={"effort": "medium"})
+    assert [item.type for item in r.output] == ["message", "custom_tool_call"]
+    call = r.output[1]
+    assert call.name == "apply_patch" and call.input == PATCH and call.call_id.startswith("call_")
+    prompt = codex.prompts[-1]
+    assert "<|im_start|>system\nYou are Codex.\n\nSandbox: workspace-write.<|im_end|>" in prompt
+    assert GRAMMAR.replace('"', '\\"') in prompt and '"name": "mcp__docs.search"' in prompt
+    assert "web_search" not in prompt and "image_generation" not in prompt
+
+
+def test_a_custom_call_streams_its_input_and_goes_back_as_history(codex):
+    client = codex.openai()
+    with client.responses.stream(model=codex.model, input=CODEX_INPUT, tools=CODEX_TOOLS) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    deltas = [e.delta for e in events if e.type == "response.custom_tool_call_input.delta"]
+    assert deltas == [PATCH] and [e.input for e in events if e.type == "response.custom_tool_call_input.done"] == [PATCH]
+    call = final.output[1]
+    assert call.type == "custom_tool_call" and call.input == PATCH
+    history = CODEX_INPUT + [item.model_dump(exclude_none=True) for item in final.output] + [
+        {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Success. Updated hello.txt"},
+        {"type": "message", "role": "developer", "content": "Approvals: never."}]   # after the start
+    r = client.responses.create(model=codex.model, input=history, tools=CODEX_TOOLS)
+    assert r.output_text == "Done."
+    prompt = codex.prompts[-1]
+    assert '<tool_call>{"name": "apply_patch", "arguments": {"input": ' + json.dumps(PATCH) + "}}</tool_call>" in prompt
+    assert "<|im_start|>tool\nSuccess. Updated hello.txt<|im_end|>" in prompt
+    assert "<|im_start|>user\nApprovals: never.<|im_end|>" in prompt    # the template refuses a late system
+
+
+def test_a_namespaced_call_names_its_namespace_both_ways(codex):
+    client = codex.openai()
+    r = client.responses.create(model=codex.model, input="Please search the docs.", tools=CODEX_TOOLS)
+    call = r.output[0]
+    assert call.type == "function_call" and (call.namespace, call.name) == ("mcp__docs", "search")
+    assert json.loads(call.arguments) == {"q": "patch format"}
+    history = [{"role": "user", "content": "Please search the docs."}, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "found"}]
+    client.responses.create(model=codex.model, input=history, tools=CODEX_TOOLS)
+    assert '<tool_call>{"name": "mcp__docs.search", "arguments": {"q": "patch format"}}</tool_call>' in codex.prompts[-1]
+
+
+def test_instructions_alone_are_a_valid_probe(codex):
+    r = codex.openai().responses.create(model=codex.model, instructions="Say hi.", input=[], max_output_tokens=1)
+    assert r.status == "incomplete" and r.usage.output_tokens == 1

@@ -1,8 +1,9 @@
 """OpenAI Responses API: ``POST /v1/responses`` (what Codex and other recent agents speak).
 
 The answer is a list of output items in the order the model wrote them: ``reasoning`` (its text
-as ``reasoning_text`` content), ``message`` (``output_text``) and ``function_call`` (``call_id``,
-``name``, ``arguments`` as a JSON string). ``status`` is ``completed``, or ``incomplete`` with
+as ``reasoning_text`` content), ``message`` (``output_text``), ``function_call`` (``call_id``,
+``name``, ``namespace`` for a namespace's tool, ``arguments`` as a JSON string) and
+``custom_tool_call`` (``input``: the text the model wrote for a custom tool). ``status`` is ``completed``, or ``incomplete`` with
 ``incomplete_details.reason = "max_output_tokens"`` when the token limit cut it. ``usage``
 counts ``input_tokens`` (``cached_tokens`` from the prefix cache), ``output_tokens`` and, of
 those, the reasoning's tokens.
@@ -11,23 +12,27 @@ Streaming follows OpenAI's event sequence, each event an SSE ``event:`` with a
 ``sequence_number``: ``response.created``, ``response.in_progress``; per item
 ``response.output_item.added``, for text ``response.content_part.added``, the deltas
 (``response.output_text.delta``, ``response.reasoning_text.delta``,
-``response.function_call_arguments.delta``), their ``.done`` events and
+``response.function_call_arguments.delta``; a custom tool's input as one
+``response.custom_tool_call_input.delta`` once the call is complete), their ``.done`` events and
 ``response.output_item.done``; last ``response.completed`` (or ``response.incomplete``) with
 the whole response. A failure in the engine mid-stream is an ``error`` event. Nothing is stored
 (``store`` is always false): ``responses_schema`` says what that refuses.
 """
 from __future__ import annotations
 
+import functools
+import json
 import time
 
 from fastapi import APIRouter, Depends, Request
 
 from .auth import require_api_key
 from .deps import begin, served_name
+from .errors import ApiError
 from .generation import Generation
 from .parser import Content, Event, Reasoning, ToolArgs, ToolEnd, ToolStart
 from .prompt import Prompt, build_prompt
-from .responses_schema import NamedChoice, ResponsesRequest
+from .responses_schema import NamedChoice, ResponsesRequest, ToolSet
 from .streaming import new_id, parsed_events, sse, sse_response, until_disconnect
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -41,11 +46,13 @@ class OutputItems:
     """Builds the output items from parser events, and the stream events that describe each
     step (a non-streaming request builds the same items and drops the events)."""
 
-    def __init__(self) -> None:
+    def __init__(self, tools: ToolSet | None = None) -> None:
         self.items: list[dict] = []
         self.seq = 0
+        self.tools = tools or ToolSet()
         self._open: dict | None = None         # the reasoning or message item receiving text
         self._calls: dict[int, dict] = {}      # the parser's tool-call index -> its item
+        self._raw: dict[int, str] = {}         # a custom tool call's arguments so far
 
     def event(self, kind: str, **body) -> dict:
         ev = {"type": kind, "sequence_number": self.seq, **body}
@@ -56,21 +63,42 @@ class OutputItems:
         if isinstance(ev, (Reasoning, Content)):
             return self._text("reasoning" if isinstance(ev, Reasoning) else "message", ev.text)
         if isinstance(ev, ToolStart):
-            out = self.close()
-            item = {"type": "function_call", "id": new_id("fc_"), "call_id": new_id("call_"),
-                    "name": ev.name, "arguments": "", "status": "in_progress"}
-            self._calls[ev.index] = item
-            return out + [self._added(item)]
+            return self.close() + [self._added(self._call(ev))]
         item = self._calls[ev.index]
         where = {"item_id": item["id"], "output_index": self.items.index(item)}
+        custom = item["type"] == "custom_tool_call"
         if isinstance(ev, ToolArgs):
+            if custom:                          # its input is known once its JSON is whole
+                self._raw[ev.index] += ev.text
+                return []
             item["arguments"] += ev.text
             return [self.event("response.function_call_arguments.delta", **where, delta=ev.text)]
         assert isinstance(ev, ToolEnd)
         item["status"] = "completed"
-        return [self.event("response.function_call_arguments.done", **where, name=item["name"],
-                           arguments=item["arguments"]),
-                self.event("response.output_item.done", output_index=where["output_index"], item=dict(item))]
+        if custom:
+            item["input"] = _custom_input(self._raw.pop(ev.index))
+            done = [self.event("response.custom_tool_call_input.delta", **where, delta=item["input"]),
+                    self.event("response.custom_tool_call_input.done", **where, input=item["input"])]
+        else:
+            done = [self.event("response.function_call_arguments.done", **where, name=item["name"],
+                               arguments=item["arguments"])]
+        return done + [self.event("response.output_item.done", output_index=where["output_index"], item=dict(item))]
+
+    def _call(self, ev: ToolStart) -> dict:
+        """The item of a call the model opened, by what the tool it names is (a name the request
+        did not give: a function call under that name)."""
+        kind, namespace, name = self.tools.kinds.get(ev.name, ("function", None, ev.name))
+        item = {"type": f"{kind}_tool_call" if kind == "custom" else "function_call",
+                "id": new_id("ctc_" if kind == "custom" else "fc_"), "call_id": new_id("call_"), "name": name}
+        if namespace:
+            item["namespace"] = namespace
+        if kind == "custom":
+            item["input"], self._raw[ev.index] = "", ""
+        else:
+            item["arguments"] = ""
+        item["status"] = "in_progress"
+        self._calls[ev.index] = item
+        return item
 
     def close(self, status: str = "completed") -> list[dict]:
         """Finish the open text item, if any (``status``: ``incomplete`` when the limit cut it)."""
@@ -118,6 +146,18 @@ class OutputItems:
         return out + [self.event(f"{name}.delta", **delta)]
 
 
+def _custom_input(raw: str) -> str:
+    """A custom tool's text from the ``{"input": ...}`` the model wrote; other JSON, or none,
+    is kept as the model wrote it (nothing is lost)."""
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    if isinstance(value, dict) and isinstance(value.get("input"), str) and len(value) == 1:
+        return value["input"]
+    return raw
+
+
 def _response(rid: str, created: int, model: str, body: ResponsesRequest, items: OutputItems,
               gen: Generation | None, tokenizer) -> dict:
     """The response object; ``gen`` None: the first snapshot, still in progress."""
@@ -147,11 +187,22 @@ def _response(rid: str, created: int, model: str, body: ResponsesRequest, items:
 
 
 def _prompt(svc, body: ResponsesRequest) -> Prompt:
+    """The prompt; a template that refuses a system message after the conversation's start
+    (Qwen3.5's does; Codex sends developer messages mid-conversation after a compaction) gets
+    those messages as user messages instead."""
     choice = body.tool_choice
     named = choice.name if isinstance(choice, NamedChoice) else None
     mode = "auto" if choice is None or named else choice
-    return build_prompt(svc.tokenizer, body.template_messages(), body.template_tools(), tool_choice=mode,
-                        named_tool=named, template_kwargs=body.template_kwargs())
+    messages, tools = body.template_messages(), body.tool_set().template or None
+    build = functools.partial(build_prompt, svc.tokenizer, tools=tools, tool_choice=mode, named_tool=named,
+                              template_kwargs=body.template_kwargs())
+    late = [i for i, m in enumerate(messages) if m["role"] == "system" and i > 0]
+    try:
+        return build(messages)
+    except ApiError:
+        if not late:
+            raise
+    return build([dict(m, role="user") if i in late else m for i, m in enumerate(messages)])
 
 
 @router.post("/v1/responses")
@@ -164,7 +215,7 @@ async def responses(body: ResponsesRequest, request: Request):
 
 
 async def _full(gen: Generation, prompt: Prompt, head: tuple, tokenizer) -> dict:
-    items = OutputItems()
+    items = OutputItems(head[3].tool_set())
     async for ev in parsed_events(gen, prompt):
         items.feed(ev)
     items.close("incomplete" if gen.finish_reason == "length" else "completed")
@@ -172,7 +223,7 @@ async def _full(gen: Generation, prompt: Prompt, head: tuple, tokenizer) -> dict
 
 
 async def _stream(gen: Generation, prompt: Prompt, head: tuple, tokenizer):
-    items = OutputItems()
+    items = OutputItems(head[3].tool_set())
 
     def framed(ev: dict) -> str:
         return sse(ev, event=ev["type"])

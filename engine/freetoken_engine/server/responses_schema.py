@@ -5,20 +5,29 @@ The server keeps no state between requests: a conversation is sent whole in ``in
 Codex and other agents do with ``store: false``), so ``previous_response_id`` and
 ``conversation`` are refused with a 400 that says so. ``store``, ``metadata``, ``user``,
 ``truncation``, ``include`` and other platform fields are accepted and ignored; unknown fields
-are ignored. Only function tools run here: hosted tools (web search, file search, computer use)
-are a 400 naming the tool.
+are ignored.
 
-Input items become the template's messages: ``instructions`` a first system message; a
-``message`` item its role's message (``developer`` as ``system``; text parts only); a
-``reasoning`` item the next assistant message's ``reasoning_content``; ``function_call`` items
-``tool_calls`` on the assistant message they follow (consecutive calls: one message); a
-``function_call_output`` a ``tool`` message with its call's id and name.
+Tools (``ToolSet``): ``function`` tools as they are; ``custom`` tools (free-text input, e.g.
+Codex's ``apply_patch``) shown to the model as a function of one string parameter ``input``
+whose description carries the tool's grammar; a ``namespace``'s tools (Codex's MCP servers)
+under the name ``NAMESPACE.NAME``. Hosted tools that run on OpenAI's side (web search, image
+generation, file search, ...) cannot run here and are left out of the prompt, so an agent that
+sends them by default still works.
+
+Input items become the template's messages: ``instructions`` and the leading system /
+developer messages one first system message; a ``message`` item its role's message (text
+parts only); a ``reasoning`` item the next assistant message's ``reasoning_content``;
+``function_call`` / ``custom_tool_call`` items ``tool_calls`` on the assistant message they
+follow (consecutive calls: one message); their outputs ``tool`` messages with the call's id and
+name.
 """
 from __future__ import annotations
 
+import re
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .errors import ApiError, unsupported
 from .generation import MAX_TOKENS_LIMIT, GenOptions
@@ -26,6 +35,8 @@ from .openai_schema import TOOL_NAME
 from .prompt import arguments_object, check_tool_schema
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
+CALLS = ("function_call", "custom_tool_call")
+OUTPUTS = ("function_call_output", "custom_tool_call_output")
 
 
 class _Body(BaseModel):
@@ -43,22 +54,94 @@ class InputItem(_Body):
     content: str | list[Part] | None = None
     call_id: str | None = None
     name: str | None = None
+    namespace: str | None = None
     arguments: str | dict | None = None
+    input: str | None = None         # a custom tool call's text
     output: str | list[Part] | None = None
     summary: list[Part] | None = None
 
 
-class FunctionTool(_Body):
+class Tool(_Body):
     type: str
-    name: str | None = Field(None, pattern=TOOL_NAME)
+    name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
+    format: dict[str, Any] | None = None          # a custom tool's input format
+    tools: list[dict[str, Any]] | None = None     # a namespace's tools
 
 
 class NamedChoice(_Body):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str
+
+
+@dataclass
+class ToolSet:
+    """The request's tools as the chat template sees them (``template``) and, by the name the
+    model sees, what each one is: ``(kind, namespace, name)``, kind ``function`` or ``custom``."""
+    template: list[dict] = field(default_factory=list)
+    kinds: dict[str, tuple[str, str | None, str]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, tools: list[Tool] | None) -> "ToolSet":
+        out = cls()
+        for k, tool in enumerate(tools or ()):
+            if tool.type == "namespace":
+                if not _valid_name(tool.name):
+                    raise ApiError(400, f"tools.{k}: a namespace needs a 'name' of letters, digits and _.:-",
+                                   param=f"tools.{k}")
+                for j, raw in enumerate(tool.tools or ()):
+                    try:
+                        inner = Tool.model_validate(raw)
+                    except ValidationError as exc:
+                        raise ApiError(400, f"tools.{k}.tools.{j}: {exc.errors()[0]['msg']}",
+                                       param=f"tools.{k}.tools.{j}") from None
+                    out._add(inner, f"tools.{k}.tools.{j}", tool.name)
+            else:
+                out._add(tool, f"tools.{k}", None)
+        return out
+
+    def _add(self, tool: Tool, where: str, namespace: str | None) -> None:
+        if tool.type not in ("function", "custom"):
+            return                        # hosted (web_search, ...): runs on OpenAI's side only
+        if not _valid_name(tool.name):
+            raise ApiError(400, f"{where}: a {tool.type} tool needs a 'name' of 1-256 letters, digits and _.:-",
+                           param=where)
+        shown = qualified(tool.name, namespace)
+        if tool.type == "function":
+            if tool.parameters is not None:
+                check_tool_schema(shown, tool.parameters, where)
+            fn = tool.model_dump(exclude_none=True, include={"name", "description", "parameters", "strict"})
+        else:
+            fn = {"name": tool.name, "description": tool.description or "",
+                  "parameters": {"type": "object", "required": ["input"], "properties": {
+                      "input": {"type": "string", "description": _custom_input(tool.format, where)}}}}
+        fn["name"] = shown
+        self.template.append({"type": "function", "function": fn})
+        self.kinds[shown] = (tool.type, namespace, tool.name)
+
+
+
+def qualified(name: str, namespace: str | None) -> str:
+    """The name the model sees for a tool, namespaced or not."""
+    return f"{namespace}.{name}" if namespace else name
+
+
+def _valid_name(name: str | None) -> bool:
+    return name is not None and re.fullmatch(TOOL_NAME, name) is not None
+
+
+def _custom_input(fmt: dict | None, where: str) -> str:
+    """What a custom tool's one string parameter holds, told to the model."""
+    fmt = fmt or {"type": "text"}
+    if fmt.get("type", "text") == "text":
+        return "The tool's whole input, as free text."
+    if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        return (f"The tool's whole input, as text in this {fmt.get('syntax', 'lark')} grammar "
+                f"(not enforced; write it exactly):\n{fmt['definition']}")
+    raise ApiError(400, f"{where}.format: a custom tool's format is {{'type': 'text'}} or "
+                        "{'type': 'grammar', 'syntax', 'definition'}", param=f"{where}.format")
 
 
 class ReasoningOptions(_Body):
@@ -76,7 +159,7 @@ class ResponsesRequest(_Body):
     top_k: int | None = Field(None, ge=-1, le=1 << 20)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     stream: bool | None = False
-    tools: list[FunctionTool] | None = None
+    tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning: ReasoningOptions | None = None
@@ -107,19 +190,13 @@ class ResponsesRequest(_Body):
         fmt = (self.text or {}).get("format") or {}
         if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
             raise unsupported("text.format", "supports only {'type': 'text'}")
-        if isinstance(self.input, list) and not self.input:
-            raise unsupported("input", "must not be empty")
-        for k, t in enumerate(self.tools or ()):
-            if t.type != "function":
-                raise unsupported(f"tools.{k}", f"is a '{t.type}' tool; only function tools run on this server")
-            if t.name is None:
-                raise ApiError(400, f"tools.{k}: a function tool needs a 'name'", param=f"tools.{k}")
-            if t.parameters is not None:
-                check_tool_schema(t.name, t.parameters, f"tools.{k}")
+        if isinstance(self.input, list) and not self.input and not self.instructions:
+            raise unsupported("input", "must not be empty (or give 'instructions')")
+        tools = ToolSet.of(self.tools)
         if isinstance(self.tool_choice, NamedChoice) or self.tool_choice == "required":
-            if not self.tools:
-                raise unsupported("tool_choice", "needs 'tools'")
-        if isinstance(self.tool_choice, NamedChoice) and self.tool_choice.name not in {t.name for t in self.tools}:
+            if not tools.kinds:
+                raise unsupported("tool_choice", "needs function or custom 'tools'")
+        if isinstance(self.tool_choice, NamedChoice) and self.tool_choice.name not in tools.kinds:
             raise unsupported("tool_choice", f"names '{self.tool_choice.name}', which is not in 'tools'")
 
     def options(self) -> GenOptions:
@@ -128,12 +205,8 @@ class ResponsesRequest(_Body):
                           top_p=1.0 if self.top_p is None else self.top_p,
                           top_k=0 if self.top_k in (None, -1) else self.top_k, seed=self.seed)
 
-    def template_tools(self) -> list[dict] | None:
-        """The tools in the chat-completions shape the templates know."""
-        if not self.tools:
-            return None
-        return [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
-                for t in self.tools]
+    def tool_set(self) -> ToolSet:
+        return ToolSet.of(self.tools)
 
     def template_kwargs(self) -> dict:
         kwargs = dict(self.chat_template_kwargs or {})
@@ -160,21 +233,23 @@ class ResponsesRequest(_Body):
                 if role == "assistant":
                     _take_reasoning(msg, reasoning)
                 out.append(msg)
-            elif kind == "function_call":
+            elif kind in CALLS:
                 if not item.call_id or not item.name:
-                    raise ApiError(400, f"{where}: a function_call needs 'call_id' and 'name'", param=where)
-                names[item.call_id] = item.name
+                    raise ApiError(400, f"{where}: a {kind} needs 'call_id' and 'name'", param=where)
+                name = qualified(item.name, item.namespace)
+                names[item.call_id] = name
                 last = out[-1] if out else None
                 if last is None or last["role"] != "assistant" or reasoning:
                     last = {"role": "assistant", "content": ""}
                     _take_reasoning(last, reasoning)
                     out.append(last)
+                args = ({"input": item.input or ""} if kind == "custom_tool_call"
+                        else arguments_object(item.arguments, where))
                 last.setdefault("tool_calls", []).append(
-                    {"id": item.call_id, "type": "function",
-                     "function": {"name": item.name, "arguments": arguments_object(item.arguments, where)}})
-            elif kind == "function_call_output":
+                    {"id": item.call_id, "type": "function", "function": {"name": name, "arguments": args}})
+            elif kind in OUTPUTS:
                 if not item.call_id:
-                    raise ApiError(400, f"{where}: a function_call_output needs 'call_id'", param=where)
+                    raise ApiError(400, f"{where}: a {kind} needs 'call_id'", param=where)
                 msg = {"role": "tool", "tool_call_id": item.call_id,
                        "content": _text(item.output, f"{where}.output")}
                 if item.call_id in names:
@@ -184,7 +259,10 @@ class ResponsesRequest(_Body):
                 raise unsupported(where, "is an item reference; this server stores no items, send the item itself")
             else:
                 raise unsupported(where, f"has type '{kind}'; supported: message, reasoning, function_call, "
-                                         "function_call_output")
+                                         "function_call_output, custom_tool_call, custom_tool_call_output")
+        lead = next((i for i, m in enumerate(out) if m["role"] != "system"), len(out))
+        if lead > 1:            # one first system message: templates accept no other
+            out[:lead] = [{"role": "system", "content": "\n\n".join(m["content"] for m in out[:lead] if m["content"])}]
         return out              # reasoning with no assistant message after it: the template shows none
 
 
