@@ -233,6 +233,10 @@ class OutputParser:
         if self._started and not self._args_done:
             # inside the arguments value: its JSON decides where it ends, so a "</tool_call>"
             # inside a JSON string is argument text, not the closing tag
+            if not self._args_end.started:     # whitespace before the value is not argument text
+                self.buf = self.buf.lstrip()
+                if not self.buf:
+                    return
             n = self._args_end.feed(self.buf)
             if n:
                 out.append(ToolArgs(self.n_tools, self.buf[:n]))
