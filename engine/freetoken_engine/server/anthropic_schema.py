@@ -1,6 +1,7 @@
 """Anthropic Messages request bodies and their conversion to chat-template messages.
 
-Content blocks: ``text``, ``tool_use`` (assistant), ``tool_result`` (user), ``thinking`` and
+Messages are ``user``, ``assistant`` or ``system`` (text; Claude Code sends system messages
+between the turns). Content blocks: ``text``, ``tool_use`` (assistant), ``tool_result`` (user), ``thinking`` and
 ``redacted_thinking`` (assistant history; thinking text goes back to the template as
 ``reasoning_content``). Images, documents and server tools are answered with a 400 naming the
 block. ``cache_control`` is accepted and ignored: the prefix cache is automatic.
@@ -35,7 +36,7 @@ class Block(_Body):
 
 
 class Message(_Body):
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
@@ -147,6 +148,8 @@ def _text_of(content, where: str) -> str:
 
 def _convert(m: Message, where: str) -> list[dict]:
     """One Anthropic message -> one or more template messages (tool results become 'tool')."""
+    if m.role == "system":        # between the turns (Claude Code sends these)
+        return [{"role": "system", "content": _text_of(m.content, f"{where}.content")}]
     if isinstance(m.content, str):
         return [{"role": m.role, "content": m.content}]
     out: list[dict] = []

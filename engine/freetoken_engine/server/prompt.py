@@ -5,6 +5,11 @@ Both protocol modules first convert their messages to the Hugging Face chat-temp
 dict}}], "tool_call_id", "reasoning_content"}``) and their tools to ``{"type": "function",
 "function": {...}}``; ``build_prompt`` renders and encodes them.
 
+System messages: those the conversation starts with are merged into one; a later one stays
+where it is unless the template refuses it (Qwen3.5's takes a system message only first), then
+it is rendered as a user message. Agents send both: Codex developer messages, Claude Code
+system messages between the turns.
+
 Tool choice: ``"none"`` hides the tools from the template and disables tool-call parsing;
 ``"auto"`` shows them; ``"required"`` and a named tool additionally *pre-fill* the start of the
 model's answer (``<tool_call>\\n{"name": "`` or ``...{"name": "f", "arguments": ``; in the XML
@@ -17,6 +22,7 @@ arguments are what the model writes (OpenAI documents that arguments may be inva
 """
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 
@@ -62,9 +68,19 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
     ``continue_text`` is an assistant pre-fill: the answer continues it (it is not returned)."""
     use_tools = bool(tools) and tool_choice != "none"
     kwargs = dict(template_kwargs or {})
+    messages = leading_system_merged(messages)
+    render = functools.partial(tokenizer.apply_chat_template, tools=tools if use_tools else None,
+                               add_generation_prompt=True, **kwargs)
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools if use_tools else None,
-                                             add_generation_prompt=True, **kwargs)
+        try:
+            text = render(messages)
+        except ApiError:
+            raise
+        except Exception:      # noqa: BLE001  a template that refuses a later system message
+            if not any(m["role"] == "system" for m in messages[1:]):
+                raise
+            text = render([dict(m, role="user") if i and m["role"] == "system" else m
+                           for i, m in enumerate(messages)])
     except ApiError:
         raise
     except Exception as exc:  # jinja2 TemplateError, or raise_exception() inside the template
@@ -83,6 +99,15 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
                for t in tools or () if isinstance(t.get("function"), dict) and "name" in t["function"]}
     return Prompt(ids=list(ids), in_reasoning=in_reasoning, prefill=prefill, tools=use_tools,
                   style=style, schemas=schemas)
+
+
+def leading_system_merged(messages: list[dict]) -> list[dict]:
+    """The system messages the conversation starts with as one (templates take one, first)."""
+    lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+    if lead < 2:
+        return messages
+    text = "\n\n".join(m["content"] for m in messages[:lead] if m.get("content"))
+    return [{"role": "system", "content": text}] + messages[lead:]
 
 
 def encode_text(tokenizer, text: str, *, add_special_tokens: bool, param: str = "messages"):

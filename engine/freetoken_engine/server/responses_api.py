@@ -20,7 +20,6 @@ the whole response. A failure in the engine mid-stream is an ``error`` event. No
 """
 from __future__ import annotations
 
-import functools
 import json
 import time
 
@@ -28,7 +27,6 @@ from fastapi import APIRouter, Depends, Request
 
 from .auth import require_api_key
 from .deps import begin, served_name
-from .errors import ApiError
 from .generation import Generation
 from .parser import Content, Event, Reasoning, ToolArgs, ToolEnd, ToolStart
 from .prompt import Prompt, build_prompt
@@ -187,22 +185,11 @@ def _response(rid: str, created: int, model: str, body: ResponsesRequest, items:
 
 
 def _prompt(svc, body: ResponsesRequest) -> Prompt:
-    """The prompt; a template that refuses a system message after the conversation's start
-    (Qwen3.5's does; Codex sends developer messages mid-conversation after a compaction) gets
-    those messages as user messages instead."""
     choice = body.tool_choice
     named = choice.name if isinstance(choice, NamedChoice) else None
     mode = "auto" if choice is None or named else choice
-    messages, tools = body.template_messages(), body.tool_set().template or None
-    build = functools.partial(build_prompt, svc.tokenizer, tools=tools, tool_choice=mode, named_tool=named,
-                              template_kwargs=body.template_kwargs())
-    late = [i for i, m in enumerate(messages) if m["role"] == "system" and i > 0]
-    try:
-        return build(messages)
-    except ApiError:
-        if not late:
-            raise
-    return build([dict(m, role="user") if i in late else m for i, m in enumerate(messages)])
+    return build_prompt(svc.tokenizer, body.template_messages(), body.tool_set().template or None,
+                        tool_choice=mode, named_tool=named, template_kwargs=body.template_kwargs())
 
 
 @router.post("/v1/responses")

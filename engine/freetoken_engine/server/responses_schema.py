@@ -14,8 +14,8 @@ under the name ``NAMESPACE.NAME``. Hosted tools that run on OpenAI's side (web s
 generation, file search, ...) cannot run here and are left out of the prompt, so an agent that
 sends them by default still works.
 
-Input items become the template's messages: ``instructions`` and the leading system /
-developer messages one first system message; a ``message`` item its role's message (text
+Input items become the template's messages (``prompt.build_prompt`` merges the leading system
+ones and places later ones): ``instructions`` a first system message; a ``message`` item its role's message (text
 parts only); a ``reasoning`` item the next assistant message's ``reasoning_content``;
 ``function_call`` / ``custom_tool_call`` items ``tool_calls`` on the assistant message they
 follow (consecutive calls: one message); their outputs ``tool`` messages with the call's id and
@@ -260,9 +260,6 @@ class ResponsesRequest(_Body):
             else:
                 raise unsupported(where, f"has type '{kind}'; supported: message, reasoning, function_call, "
                                          "function_call_output, custom_tool_call, custom_tool_call_output")
-        lead = next((i for i, m in enumerate(out) if m["role"] != "system"), len(out))
-        if lead > 1:            # one first system message: templates accept no other
-            out[:lead] = [{"role": "system", "content": "\n\n".join(m["content"] for m in out[:lead] if m["content"])}]
         return out              # reasoning with no assistant message after it: the template shows none
 
 
