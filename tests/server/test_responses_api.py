@@ -228,3 +228,18 @@ def test_a_namespaced_call_names_its_namespace_both_ways(codex):
 def test_instructions_alone_are_a_valid_probe(codex):
     r = codex.openai().responses.create(model=codex.model, instructions="Say hi.", input=[], max_output_tokens=1)
     assert r.status == "incomplete" and r.usage.output_tokens == 1
+
+
+def test_a_custom_call_in_qwen35s_xml_format_keeps_the_patch_text(tiny_dir, tmp_path):
+    """Qwen3.5/3.6 write calls as <function=NAME><parameter=KEY>: the patch is the one
+    parameter's raw text, returned as the custom call's input character for character."""
+    from test_tool_calls_xml import TEMPLATE
+    (tmp_path / "tokenizer.json").write_bytes((tiny_dir / "tokenizer.json").read_bytes())
+    config = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=TEMPLATE)))
+    answer = ("The user wants a file.\n</think>\n\n<tool_call>\n<function=apply_patch>\n<parameter=input>\n"
+              + PATCH + "\n</parameter>\n</function>\n</tool_call>")
+    with live_server(ScriptedService(Tokenizer(tmp_path), script=lambda prompt: answer, max_context=4096)) as srv:
+        r = srv.openai().responses.create(model=srv.model, input="Add hello.txt", tools=CODEX_TOOLS)
+    assert [item.type for item in r.output] == ["reasoning", "custom_tool_call"]
+    assert r.output[1].name == "apply_patch" and r.output[1].input == PATCH
