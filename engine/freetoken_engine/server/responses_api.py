@@ -86,7 +86,7 @@ class OutputItems:
         """The item of a call the model opened, by what the tool it names is (a name the request
         did not give: a function call under that name)."""
         kind, namespace, name = self.tools.kinds.get(ev.name, ("function", None, ev.name))
-        item = {"type": f"{kind}_tool_call" if kind == "custom" else "function_call",
+        item = {"type": "custom_tool_call" if kind == "custom" else "function_call",
                 "id": new_id("ctc_" if kind == "custom" else "fc_"), "call_id": new_id("call_"), "name": name}
         if namespace:
             item["namespace"] = namespace
@@ -103,8 +103,7 @@ class OutputItems:
         item, self._open = self._open, None
         if item is None:
             return []
-        part = item["content"][0]
-        part_type, name = _TEXT[item["type"]]
+        part, name = item["content"][0], _TEXT[item["type"]][1]
         where = {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0}
         item["status"] = status
         return [self.event(f"{name}.done", **where, text=part["text"]),
