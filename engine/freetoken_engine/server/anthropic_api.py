@@ -66,7 +66,7 @@ async def messages(body: MessagesRequest, request: Request):
     _, prompt, gen = begin(request, body, "messages", _prompt, body.options())
     mid, model = new_id("msg_"), served_name(request)
     if body.stream:
-        return sse_response(_stream(gen, prompt, mid, model), gen)
+        return sse_response(_stream(gen, prompt, mid, model), gen, request)
     return await until_disconnect(request, _full(gen, prompt, mid, model), gen)
 
 

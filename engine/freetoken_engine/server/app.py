@@ -27,6 +27,9 @@ class ServerConfig:
     admin_token: str | None = None
     served_model_name: str | None = None
     max_body_bytes: int = 64 << 20
+    #: a stream silent this long (a long prompt's prefill) gets a heartbeat: Anthropic's ``ping``
+    #: event, an SSE comment elsewhere; proxies and agents then keep waiting
+    heartbeat_s: float = 10.0
 
     def __post_init__(self):
         for name in ("api_key", "admin_token", "served_model_name"):
@@ -35,6 +38,8 @@ class ServerConfig:
                 raise ConfigError(f"--{name.replace('_', '-')} must be a non-empty string")
         if not isinstance(self.max_body_bytes, int) or self.max_body_bytes < 1024:
             raise ConfigError("max_body_bytes must be an integer >= 1024")
+        if not self.heartbeat_s > 0:
+            raise ConfigError("heartbeat_s must be > 0")
 
 
 class _Accounting:

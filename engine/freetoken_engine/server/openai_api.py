@@ -91,7 +91,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     cid, created, model = new_id("chatcmpl-"), int(time.time()), served_name(request)
     if body.stream:
         return sse_response(_chat_stream(gen, prompt, cid, created, model, body.include_usage),
-                            gen)
+                            gen, request)
     return await until_disconnect(request, _chat_full(gen, prompt, cid, created, model), gen)
 
 
@@ -173,7 +173,7 @@ async def completions(body: CompletionRequest, request: Request):
                            t_arrival=t0)
     cid, created, model = new_id("cmpl-"), int(time.time()), served_name(request)
     if body.stream:
-        return sse_response(_text_stream(gen, cid, created, model, body.include_usage), gen)
+        return sse_response(_text_stream(gen, cid, created, model, body.include_usage), gen, request)
 
     async def full() -> dict:
         text = "".join([t async for t in gen])

@@ -196,7 +196,7 @@ async def responses(body: ResponsesRequest, request: Request):
     svc, prompt, gen = begin(request, body, "responses", _prompt, body.options())
     head = (new_id("resp_"), int(time.time()), served_name(request), body)
     if body.stream:
-        return sse_response(_stream(gen, prompt, head, svc.tokenizer), gen)
+        return sse_response(_stream(gen, prompt, head, svc.tokenizer), gen, request)
     return await until_disconnect(request, _full(gen, prompt, head, svc.tokenizer), gen)
 
 

@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Awaitable
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from .errors import is_anthropic
 from .generation import Generation
 from .parser import Event, OutputParser
 from .prompt import Prompt
@@ -48,15 +49,49 @@ async def parsed_events(gen: Generation, prompt: Prompt) -> AsyncIterator[Event]
         yield ev
 
 
-def sse_response(chunks: AsyncIterator[str], gen: Generation) -> StreamingResponse:
+#: what a silent stream sends: Anthropic's own ``ping`` event; elsewhere an SSE comment, which
+#: every SSE client skips
+ANTHROPIC_PING = sse({"type": "ping"}, event="ping")
+COMMENT_BEAT = ": keep-alive\n\n"
+
+
+def sse_response(chunks: AsyncIterator[str], gen: Generation, request: Request) -> StreamingResponse:
+    """Stream ``chunks``; while none comes for the config's ``heartbeat_s`` (a long prompt
+    prefilling before the first token), send a heartbeat, so that proxies and agents with idle
+    timeouts keep the request."""
+    beat = ANTHROPIC_PING if is_anthropic(request.url.path) else COMMENT_BEAT
+    every_s = request.app.state.config.heartbeat_s
+
     async def guarded():
         try:
-            async for chunk in chunks:
+            async for chunk in with_heartbeat(chunks, beat, every_s):
                 yield chunk
         finally:
             gen.close()
     return StreamingResponse(guarded(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def with_heartbeat(chunks: AsyncIterator[str], beat: str, every_s: float) -> AsyncIterator[str]:
+    """``chunks`` as they come, and ``beat`` each time none has come for ``every_s``."""
+    it = chunks.__aiter__()
+    pending: asyncio.Future | None = None
+    try:
+        while True:
+            if pending is None:
+                pending = asyncio.ensure_future(it.__anext__())
+            done, _ = await asyncio.wait({pending}, timeout=every_s)
+            if not done:
+                yield beat
+                continue
+            step, pending = pending, None
+            try:
+                yield step.result()
+            except StopAsyncIteration:
+                return
+    finally:
+        if pending is not None:
+            pending.cancel()
 
 
 async def until_disconnect(request: Request, work: Awaitable, gen: Generation, poll_s=0.02):
