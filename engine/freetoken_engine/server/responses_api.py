@@ -187,7 +187,7 @@ def _prompt(svc, body: ResponsesRequest) -> Prompt:
     choice = body.tool_choice
     named = choice.name if isinstance(choice, NamedChoice) else None
     mode = "auto" if choice is None or named else choice
-    return build_prompt(svc.tokenizer, body.template_messages(), body.tool_set().template or None,
+    return build_prompt(svc.tokenizer, body.template_messages(), body.tool_set.template or None,
                         tool_choice=mode, named_tool=named, template_kwargs=body.template_kwargs())
 
 
@@ -201,7 +201,7 @@ async def responses(body: ResponsesRequest, request: Request):
 
 
 async def _full(gen: Generation, prompt: Prompt, head: tuple, tokenizer) -> dict:
-    items = OutputItems(head[3].tool_set())
+    items = OutputItems(head[3].tool_set)
     async for ev in parsed_events(gen, prompt):
         items.feed(ev)
     items.close("incomplete" if gen.finish_reason == "length" else "completed")
@@ -209,7 +209,7 @@ async def _full(gen: Generation, prompt: Prompt, head: tuple, tokenizer) -> dict
 
 
 async def _stream(gen: Generation, prompt: Prompt, head: tuple, tokenizer):
-    items = OutputItems(head[3].tool_set())
+    items = OutputItems(head[3].tool_set)
 
     def framed(ev: dict) -> str:
         return sse(ev, event=ev["type"])

@@ -23,6 +23,7 @@ name.
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -122,7 +123,6 @@ class ToolSet:
         self.kinds[shown] = (tool.type, namespace, tool.name)
 
 
-
 def qualified(name: str, namespace: str | None) -> str:
     """The name the model sees for a tool, namespaced or not."""
     return f"{namespace}.{name}" if namespace else name
@@ -192,7 +192,7 @@ class ResponsesRequest(_Body):
             raise unsupported("text.format", "supports only {'type': 'text'}")
         if isinstance(self.input, list) and not self.input and not self.instructions:
             raise unsupported("input", "must not be empty (or give 'instructions')")
-        tools = ToolSet.of(self.tools)
+        tools = self.tool_set
         if isinstance(self.tool_choice, NamedChoice) or self.tool_choice == "required":
             if not tools.kinds:
                 raise unsupported("tool_choice", "needs function or custom 'tools'")
@@ -205,7 +205,9 @@ class ResponsesRequest(_Body):
                           top_p=1.0 if self.top_p is None else self.top_p,
                           top_k=0 if self.top_k in (None, -1) else self.top_k, seed=self.seed)
 
+    @functools.cached_property
     def tool_set(self) -> ToolSet:
+        """The tools as the template sees them (checked: a bad one is a 400)."""
         return ToolSet.of(self.tools)
 
     def template_kwargs(self) -> dict:
