@@ -84,15 +84,17 @@ def test_multi_turn_conversation_reports_cached_prefix_tokens(live):
 
 def test_metrics_count_requests_tokens_and_read_the_engine(live):
     live.openai().chat.completions.create(model=live.model, messages=prompts(1)[0], max_tokens=3)
+    live.openai().responses.create(model=live.model, input=prompts(1)[0], max_output_tokens=3)
     text = httpx.get(f"{live.url}/metrics").text
     fams = {f.name: f for f in text_string_to_metric_families(text)}
     assert all(name.startswith("freetoken_") for name in fams)
-    ok = [s.value for s in fams["freetoken_http_requests"].samples
-          if s.labels == {"endpoint": "chat", "status": "200"} and s.name.endswith("_total")]
-    assert ok and ok[0] >= 1
-    ttft = [s.value for s in fams["freetoken_time_to_first_token_seconds"].samples
-            if s.name.endswith("_count") and s.labels.get("endpoint") == "chat"]
-    assert ttft and ttft[0] >= 1
+    for endpoint in ("chat", "responses"):
+        ok = [s.value for s in fams["freetoken_http_requests"].samples
+              if s.labels == {"endpoint": endpoint, "status": "200"} and s.name.endswith("_total")]
+        assert ok and ok[0] >= 1, endpoint
+        ttft = [s.value for s in fams["freetoken_time_to_first_token_seconds"].samples
+                if s.name.endswith("_count") and s.labels.get("endpoint") == endpoint]
+        assert ttft and ttft[0] >= 1, endpoint
     for name in ("freetoken_generation_tokens", "freetoken_expert_cache_capacity_experts",
                  "freetoken_expert_cache_hits", "freetoken_expert_cache_misses",
                  "freetoken_requests_running", "freetoken_requests_queued",
