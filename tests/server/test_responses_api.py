@@ -8,11 +8,13 @@ the tiny checkpoint, compared with ``/v1/chat/completions`` on the same prompt.
 from __future__ import annotations
 
 import json
+import time
 
+import httpx
 import openai
 import pytest
 
-from live import live_server
+from live import API_KEY, live_server
 from freetoken_engine.models.tokenizer import Tokenizer
 from scripted import ScriptedService
 
@@ -243,3 +245,18 @@ def test_a_custom_call_in_qwen35s_xml_format_keeps_the_patch_text(tiny_dir, tmp_
         r = srv.openai().responses.create(model=srv.model, input="Add hello.txt", tools=CODEX_TOOLS)
     assert [item.type for item in r.output] == ["reasoning", "custom_tool_call"]
     assert r.output[1].name == "apply_patch" and r.output[1].input == PATCH
+
+
+def test_a_client_that_leaves_a_response_stream_frees_its_request(client, live):
+    """The engine stops generating when the agent goes away mid-stream (Codex's Ctrl-C)."""
+    svc = live.service
+    body = {"model": live.model, "input": "Count to a million.", "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{live.url}/v1/responses", json=body, timeout=30,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        lines = r.iter_lines()
+        [next(lines) for _ in range(12)]                 # created, in_progress, the message, deltas
+        assert svc.stats()["running"] == 1
+    deadline = time.monotonic() + 3
+    while svc.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert svc.stats()["running"] == 0 and svc.stats()["queued"] == 0
