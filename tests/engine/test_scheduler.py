@@ -87,7 +87,9 @@ async def test_live_resize_in_flight_changes_no_token(folder, alone):
             await asyncio.sleep(0.02)
             stats = await svc.resize_expert_cache(experts=size)
             assert stats["expert_cache"]["capacity_experts"] == size
-            svc.runner.cache.check_integrity(deep=True)
+            # at a safe point: the scheduler thread goes on stepping the requests meanwhile
+            # (checked from this thread, a step between its reads failed it once in CI)
+            await asyncio.wrap_future(svc.scheduler.call(lambda: svc.runner.cache.check_integrity(deep=True)))
         assert await asyncio.gather(*tasks) == alone[:4]
         by_bytes = await svc.resize_expert_cache(bytes=3 * svc.runner.bank.expert_bytes + 1)
         assert by_bytes["expert_cache"]["capacity_experts"] == 3
