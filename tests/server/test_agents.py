@@ -158,3 +158,28 @@ def test_the_real_claude_code_runs_a_command_through_the_server(server, tmp_path
            "ANTHROPIC_MODEL": "tiny", "ANTHROPIC_SMALL_FAST_MODEL": "tiny", "DISABLE_TELEMETRY": "1",
            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1"}
     assert _run_agent("FREETOKEN_CLAUDE", ["--allowedTools=Bash", "-p"], env, tmp_path) == ANSWER
+
+
+def test_an_image_in_a_tool_result_becomes_a_note_and_the_session_goes_on(server):
+    """Claude Code's Read on an image file and Codex's view_image return image parts; the
+    models served here read text only, so the part becomes a note instead of a 400."""
+    png = {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}
+    claude = {"model": "tiny", "max_tokens": 50, "messages": [
+        {"role": "user", "content": "Look at logo.png"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "Read", "input": {"file_path": "logo.png"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+            {"type": "text", "text": "logo.png:"}, {"type": "image", "source": png}]}]}]}
+    r = httpx.post(f"{server.url}/v1/messages", json=claude, headers={"x-api-key": "k"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert "logo.png:[image omitted: this model reads text only]" in server.prompts[-1]
+    codex = {"model": "tiny", "input": [
+        {"role": "user", "content": "Look at logo.png"},
+        {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": '{"path": "logo.png"}'},
+        {"type": "function_call_output", "call_id": "c1", "output": [
+            {"type": "input_image", "image_url": "data:image/png;base64,iVBORw0KGgo="}]}]}
+    r = httpx.post(f"{server.url}/v1/responses", json=codex, headers={"x-api-key": "k"}, timeout=30)
+    assert r.status_code == 200, r.text
+    assert "[image omitted: this model reads text only]" in server.prompts[-1]
+    user_image = dict(claude, messages=[{"role": "user", "content": [{"type": "image", "source": png}]}])
+    r = httpx.post(f"{server.url}/v1/messages", json=user_image, headers={"x-api-key": "k"}, timeout=30)
+    assert r.status_code == 400 and "image" in r.json()["error"]["message"]   # the user's own image: told

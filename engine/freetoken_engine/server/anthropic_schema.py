@@ -4,7 +4,8 @@ Messages are ``user``, ``assistant`` or ``system`` (text; Claude Code sends syst
 between the turns). Content blocks: ``text``, ``tool_use`` (assistant), ``tool_result`` (user), ``thinking`` and
 ``redacted_thinking`` (assistant history; thinking text goes back to the template as
 ``reasoning_content``). Images, documents and server tools are answered with a 400 naming the
-block. ``cache_control`` is accepted and ignored: the prefix cache is automatic.
+block, except inside a ``tool_result``, where an image or document becomes a note that it was
+left out (an agent's tool may return one; refusing it would end the agent's session). ``cache_control`` is accepted and ignored: the prefix cache is automatic.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .errors import ApiError, unsupported
 from .generation import MAX_TOKENS_LIMIT, GenOptions
 from .openai_schema import TOOL_NAME
-from .prompt import check_tool_schema
+from .prompt import NON_TEXT_RESULT, check_tool_schema
 
 
 class _Body(BaseModel):
@@ -134,11 +135,15 @@ class MessagesRequest(CountRequest):
                           stop=tuple(s for s in self.stop_sequences or () if s))
 
 
-def _text_of(content, where: str) -> str:
+def _text_of(content, where: str, tool_result: bool = False) -> str:
+    """Text blocks joined; in a tool's result other blocks (images, documents) become a note."""
     if isinstance(content, str):
         return content
     parts = []
     for j, b in enumerate(content):
+        if tool_result and b.type != "text":
+            parts.append(NON_TEXT_RESULT.format(kind=b.type))
+            continue
         if b.type != "text" or b.text is None:
             raise ApiError(400, f"{where}.{j}: expected a text block, got '{b.type}'",
                            param=where)
@@ -168,7 +173,7 @@ def _convert(m: Message, where: str) -> list[dict]:
             calls.append({"id": b.id or "", "type": "function",
                           "function": {"name": b.name, "arguments": b.input or {}}})
         elif b.type == "tool_result" and m.role == "user":
-            body = "" if b.content is None else _text_of(b.content, f"{at}.content")
+            body = "" if b.content is None else _text_of(b.content, f"{at}.content", tool_result=True)
             out.append({"role": "tool", "tool_call_id": b.tool_use_id or "",
                         "content": body})
         else:

@@ -30,6 +30,12 @@ from .errors import ApiError
 from .parser import FUNCTION_OPEN, THINK_CLOSE, THINK_OPEN, TOOL_OPEN
 
 
+#: what a tool's result says in place of an image or file part: the models served here read
+#: text only, and refusing the result would end an agent's session (Codex's view_image, Claude
+#: Code reading an image file)
+NON_TEXT_RESULT = "[{kind} omitted: this model reads text only]"
+
+
 @dataclass(frozen=True)
 class Prompt:
     """What the generation needs besides sampling: ids, and the parser's starting state."""

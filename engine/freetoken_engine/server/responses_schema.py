@@ -19,7 +19,8 @@ ones and places later ones): ``instructions`` a first system message; a ``messag
 parts only); a ``reasoning`` item the next assistant message's ``reasoning_content``;
 ``function_call`` / ``custom_tool_call`` items ``tool_calls`` on the assistant message they
 follow (consecutive calls: one message); their outputs ``tool`` messages with the call's id and
-name.
+name (an image or file in a tool's output becomes a note that it was left out: Codex's
+``view_image`` returns one, and refusing it would end the session).
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from .errors import ApiError, unsupported
 from .generation import MAX_TOKENS_LIMIT, GenOptions
 from .openai_schema import TOOL_NAME
-from .prompt import arguments_object, check_tool_schema
+from .prompt import NON_TEXT_RESULT, arguments_object, check_tool_schema
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 CALLS = ("function_call", "custom_tool_call")
@@ -253,7 +254,7 @@ class ResponsesRequest(_Body):
                 if not item.call_id:
                     raise ApiError(400, f"{where}: a {kind} needs 'call_id'", param=where)
                 msg = {"role": "tool", "tool_call_id": item.call_id,
-                       "content": _text(item.output, f"{where}.output")}
+                       "content": _text(item.output, f"{where}.output", tool_result=True)}
                 if item.call_id in names:
                     msg["name"] = names[item.call_id]
                 out.append(msg)
@@ -271,11 +272,15 @@ def _take_reasoning(msg: dict, reasoning: list[str]) -> None:
         reasoning.clear()
 
 
-def _text(content, where: str) -> str:
+def _text(content, where: str, tool_result: bool = False) -> str:
+    """Text parts joined; in a tool's result other parts (images, files) become a note."""
     if content is None or isinstance(content, str):
         return content or ""
     texts = []
     for j, part in enumerate(content):
+        if tool_result and part.type not in TEXT_PARTS:
+            texts.append(NON_TEXT_RESULT.format(kind=part.type.removeprefix("input_")))
+            continue
         if part.type not in TEXT_PARTS or part.text is None:
             raise ApiError(400, f"{where}.{j}: only text parts are supported, got type '{part.type}'",
                            param=where)
