@@ -73,25 +73,36 @@ def sse_response(chunks: AsyncIterator[str], gen: Generation, request: Request) 
 
 
 async def with_heartbeat(chunks: AsyncIterator[str], beat: str, every_s: float) -> AsyncIterator[str]:
-    """``chunks`` as they come, and ``beat`` each time none has come for ``every_s``."""
-    it = chunks.__aiter__()
-    pending: asyncio.Future | None = None
+    """``chunks`` as they come, and ``beat`` each time none has come for ``every_s``. One task
+    reads ``chunks`` into a queue (a timeout must not cancel the read itself); a chunk already
+    waiting is taken without arming a timer."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump():
+        try:
+            async for chunk in chunks:
+                queue.put_nowait(chunk)
+        finally:
+            queue.put_nowait(end)
+    task = asyncio.create_task(pump())
     try:
         while True:
-            if pending is None:
-                pending = asyncio.ensure_future(it.__anext__())
-            done, _ = await asyncio.wait({pending}, timeout=every_s)
-            if not done:
-                yield beat
-                continue
-            step, pending = pending, None
             try:
-                yield step.result()
-            except StopAsyncIteration:
+                chunk = queue.get_nowait()
+            except asyncio.QueueEmpty:
+                try:
+                    async with asyncio.timeout(every_s):
+                        chunk = await queue.get()
+                except TimeoutError:
+                    yield beat
+                    continue
+            if chunk is end:
+                await task                  # the reader's exception, if it failed
                 return
+            yield chunk
     finally:
-        if pending is not None:
-            pending.cancel()
+        task.cancel()
 
 
 async def until_disconnect(request: Request, work: Awaitable, gen: Generation, poll_s=0.02):
