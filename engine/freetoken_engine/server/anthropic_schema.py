@@ -1,29 +1,26 @@
 """Anthropic Messages request bodies and their conversion to chat-template messages.
 
 Messages are ``user``, ``assistant`` or ``system`` (text; Claude Code sends system messages
-between the turns). Content blocks: ``text``, ``tool_use`` (assistant), ``tool_result`` (user), ``thinking`` and
-``redacted_thinking`` (assistant history; thinking text goes back to the template as
-``reasoning_content``). Images, documents and server tools are answered with a 400 naming the
-block, except inside a ``tool_result``, where an image or document becomes a note that it was
-left out (an agent's tool may return one; refusing it would end the agent's session). ``cache_control`` is accepted and ignored: the prefix cache is automatic.
+between the turns). Content blocks: ``text``, ``tool_use`` (assistant), ``tool_result``
+(user), ``thinking`` and ``redacted_thinking`` (assistant history; thinking text goes back to
+the template as ``reasoning_content``). Images, documents and server tools are answered with a
+400 naming the block, except inside a ``tool_result``, where an image or document becomes a
+note that it was left out (an agent's tool may return one; refusing it would end the agent's
+session). ``cache_control`` is accepted and ignored: the prefix cache is automatic.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from .errors import ApiError, unsupported
 from .generation import MAX_TOKENS_LIMIT, GenOptions
-from .openai_schema import TOOL_NAME
+from .openai_schema import TOOL_NAME, Body
 from .prompt import NON_TEXT_RESULT, check_tool_schema
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class Block(_Body):
+class Block(Body):
     type: str
     text: str | None = None
     id: str | None = None
@@ -36,30 +33,30 @@ class Block(_Body):
     signature: str | None = None
 
 
-class Message(_Body):
+class Message(Body):
     role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
-class Tool(_Body):
+class Tool(Body):
     name: str = Field(pattern=TOOL_NAME)
     type: str | None = None
     description: str | None = None
     input_schema: dict[str, Any] | None = None
 
 
-class ToolChoice(_Body):
+class ToolChoice(Body):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class Thinking(_Body):
+class Thinking(Body):
     type: Literal["enabled", "disabled", "adaptive"]
     budget_tokens: int | None = Field(None, ge=0)
 
 
-class CountRequest(_Body):
+class CountRequest(Body):
     model: str
     messages: list[Message] = Field(min_length=1)
     system: str | list[Block] | None = None

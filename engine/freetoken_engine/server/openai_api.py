@@ -14,9 +14,9 @@ import time
 from fastapi import APIRouter, Depends, Request
 
 from .auth import require_api_key
-from .deps import begin, check_model, ready_service, served_name
+from .deps import begin, check_model, served_name
 from .errors import ApiError, error_body
-from .generation import Generation, start_generation
+from .generation import Generation
 from .openai_schema import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice
 from .parser import Content, Reasoning, ToolArgs, ToolStart
 from .prompt import Prompt, arguments_object, build_prompt, check_tool_schema, encode_text
@@ -153,12 +153,9 @@ async def _chat_stream(gen, prompt, cid, created, model, include_usage):
     yield sse("[DONE]")
 
 
-@router.post("/v1/completions")
-async def completions(body: CompletionRequest, request: Request):
-    t0 = time.monotonic()
-    svc = ready_service(request)
-    check_model(request, body.model)
-    body.check_supported()
+def completion_prompt(svc, body: CompletionRequest) -> Prompt:
+    """The prompt's ids as given (text encoded with the tokenizer's special tokens); nothing to
+    parse in the output."""
     p = body.prompt
     if isinstance(p, list) and p and isinstance(p[0], (str, list)):
         p = p[0]
@@ -168,9 +165,12 @@ async def completions(body: CompletionRequest, request: Request):
         ids = list(p)       # the engine checks them against the model's vocabulary (400)
     if not ids:
         raise ApiError(400, "prompt: the prompt is empty", param="prompt")
-    gen = start_generation(svc, ids, body.options(body.max_tokens),
-                           metrics=request.app.state.metrics, endpoint="completions",
-                           t_arrival=t0)
+    return Prompt(ids=ids, in_reasoning=False, prefill="", tools=False)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    _, _, gen = begin(request, body, "completions", completion_prompt, body.options(body.max_tokens))
     cid, created, model = new_id("cmpl-"), int(time.time()), served_name(request)
     if body.stream:
         return sse_response(_text_stream(gen, cid, created, model, body.include_usage), gen, request)

@@ -17,27 +17,28 @@ from .generation import MAX_TOKENS_LIMIT, GenOptions
 TOOL_NAME = r"^[A-Za-z0-9_.:-]{1,256}$"
 
 
-class _Body(BaseModel):
+class Body(BaseModel):
+    """A request body or part of one (every protocol's): unknown fields are ignored."""
     model_config = ConfigDict(extra="ignore")
 
 
-class ContentPart(_Body):
+class ContentPart(Body):
     type: str
     text: str | None = None
 
 
-class FunctionCall(_Body):
+class FunctionCall(Body):
     name: str
     arguments: str | dict | None = None
 
 
-class ToolCall(_Body):
+class ToolCall(Body):
     id: str | None = None
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
-class ChatMessage(_Body):
+class ChatMessage(Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -46,32 +47,32 @@ class ChatMessage(_Body):
     reasoning_content: str | None = None
 
 
-class FunctionDef(_Body):
+class FunctionDef(Body):
     name: str = Field(pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class ToolDef(_Body):
+class ToolDef(Body):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(_Body):
+class NamedFunction(Body):
     name: str
 
 
-class NamedToolChoice(_Body):
+class NamedToolChoice(Body):
     type: Literal["function"]
     function: NamedFunction
 
 
-class StreamOptions(_Body):
+class StreamOptions(Body):
     include_usage: bool | None = None
 
 
-class _Sampling(_Body):
+class _Sampling(Body):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

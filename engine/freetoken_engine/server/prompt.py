@@ -74,19 +74,10 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
     ``continue_text`` is an assistant pre-fill: the answer continues it (it is not returned)."""
     use_tools = bool(tools) and tool_choice != "none"
     kwargs = dict(template_kwargs or {})
-    messages = leading_system_merged(messages)
     render = functools.partial(tokenizer.apply_chat_template, tools=tools if use_tools else None,
                                add_generation_prompt=True, **kwargs)
     try:
-        try:
-            text = render(messages)
-        except ApiError:
-            raise
-        except Exception:      # noqa: BLE001  a template that refuses a later system message
-            if not any(m["role"] == "system" for m in messages[1:]):
-                raise
-            text = render([dict(m, role="user") if i and m["role"] == "system" else m
-                           for i, m in enumerate(messages)])
+        text = _rendered(render, _leading_system_merged(messages))
     except ApiError:
         raise
     except Exception as exc:  # jinja2 TemplateError, or raise_exception() inside the template
@@ -107,13 +98,24 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
                   style=style, schemas=schemas)
 
 
-def leading_system_merged(messages: list[dict]) -> list[dict]:
+def _leading_system_merged(messages: list[dict]) -> list[dict]:
     """The system messages the conversation starts with as one (templates take one, first)."""
     lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
     if lead < 2:
         return messages
     text = "\n\n".join(m["content"] for m in messages[:lead] if m.get("content"))
     return [{"role": "system", "content": text}] + messages[lead:]
+
+
+def _rendered(render, messages: list[dict]) -> str:
+    """``render(messages)``; a template that refuses a system message after the first gets the
+    later ones as user messages."""
+    try:
+        return render(messages)
+    except Exception:      # noqa: BLE001  the template's own error, raised again if no late system
+        if not any(m["role"] == "system" for m in messages[1:]):
+            raise
+    return render([dict(m, role="user") if i and m["role"] == "system" else m for i, m in enumerate(messages)])
 
 
 def encode_text(tokenizer, text: str, *, add_special_tokens: bool, param: str = "messages"):

@@ -3,8 +3,9 @@
 The answer is a list of output items in the order the model wrote them: ``reasoning`` (its text
 as ``reasoning_text`` content), ``message`` (``output_text``), ``function_call`` (``call_id``,
 ``name``, ``namespace`` for a namespace's tool, ``arguments`` as a JSON string) and
-``custom_tool_call`` (``input``: the text the model wrote for a custom tool). ``status`` is ``completed``, or ``incomplete`` with
-``incomplete_details.reason = "max_output_tokens"`` when the token limit cut it. ``usage``
+``custom_tool_call`` (``input``: the text the model wrote for a custom tool). ``status`` is
+``completed``, or ``incomplete`` with ``incomplete_details.reason = "max_output_tokens"`` when
+the token limit cut it. ``usage``
 counts ``input_tokens`` (``cached_tokens`` from the prefix cache), ``output_tokens`` and, of
 those, the reasoning's tokens.
 
@@ -44,10 +45,11 @@ class OutputItems:
     """Builds the output items from parser events, and the stream events that describe each
     step (a non-streaming request builds the same items and drops the events)."""
 
-    def __init__(self, tools: ToolSet | None = None) -> None:
+    def __init__(self, tools: ToolSet) -> None:
         self.items: list[dict] = []
         self.seq = 0
-        self.tools = tools or ToolSet()
+        self.tools = tools
+        self._index: dict[str, int] = {}       # an item's id -> its output index
         self._open: dict | None = None         # the reasoning or message item receiving text
         self._calls: dict[int, dict] = {}      # the parser's tool-call index -> its item
         self._raw: dict[int, str] = {}         # a custom tool call's arguments so far
@@ -63,7 +65,7 @@ class OutputItems:
         if isinstance(ev, ToolStart):
             return self.close() + [self._added(self._call(ev))]
         item = self._calls[ev.index]
-        where = {"item_id": item["id"], "output_index": self.items.index(item)}
+        where = {"item_id": item["id"], "output_index": self._index[item["id"]]}
         custom = item["type"] == "custom_tool_call"
         if isinstance(ev, ToolArgs):
             if custom:                          # its input is known once its JSON is whole
@@ -104,7 +106,7 @@ class OutputItems:
         if item is None:
             return []
         part, name = item["content"][0], _TEXT[item["type"]][1]
-        where = {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0}
+        where = {"item_id": item["id"], "output_index": self._index[item["id"]], "content_index": 0}
         item["status"] = status
         return [self.event(f"{name}.done", **where, text=part["text"]),
                 self.event("response.content_part.done", **where, part=dict(part)),
@@ -112,6 +114,7 @@ class OutputItems:
                            item=dict(item, content=[dict(part)]))]
 
     def _added(self, item: dict) -> dict:
+        self._index[item["id"]] = len(self.items)
         self.items.append(item)
         return self.event("response.output_item.added", output_index=len(self.items) - 1,
                           item=dict(item, content=[]) if "content" in item else dict(item))
@@ -137,7 +140,7 @@ class OutputItems:
                                   output_index=len(self.items) - 1, content_index=0, part=dict(part)))
         item = self._open
         item["content"][0]["text"] += text
-        delta = {"item_id": item["id"], "output_index": self.items.index(item), "content_index": 0, "delta": text}
+        delta = {"item_id": item["id"], "output_index": self._index[item["id"]], "content_index": 0, "delta": text}
         if kind == "message":
             delta["logprobs"] = []
         return out + [self.event(f"{name}.delta", **delta)]
@@ -155,10 +158,10 @@ def _custom_input(raw: str) -> str:
     return raw
 
 
-def _response(rid: str, created: int, model: str, body: ResponsesRequest, items: OutputItems,
+def _response(head: tuple[str, int, str], body: ResponsesRequest, items: OutputItems,
               gen: Generation | None, tokenizer) -> dict:
     """The response object; ``gen`` None: the first snapshot, still in progress."""
-    choice = body.tool_choice
+    (rid, created, model), choice = head, body.tool_choice
     out = {"id": rid, "object": "response", "created_at": created, "model": model,
            "status": "in_progress", "output": [], "error": None, "incomplete_details": None,
            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
@@ -194,27 +197,27 @@ def _prompt(svc, body: ResponsesRequest) -> Prompt:
 @router.post("/v1/responses")
 async def responses(body: ResponsesRequest, request: Request):
     svc, prompt, gen = begin(request, body, "responses", _prompt, body.options())
-    head = (new_id("resp_"), int(time.time()), served_name(request), body)
+    head = (new_id("resp_"), int(time.time()), served_name(request))
     if body.stream:
-        return sse_response(_stream(gen, prompt, head, svc.tokenizer), gen, request)
-    return await until_disconnect(request, _full(gen, prompt, head, svc.tokenizer), gen)
+        return sse_response(_stream(gen, prompt, head, body, svc.tokenizer), gen, request)
+    return await until_disconnect(request, _full(gen, prompt, head, body, svc.tokenizer), gen)
 
 
-async def _full(gen: Generation, prompt: Prompt, head: tuple, tokenizer) -> dict:
-    items = OutputItems(head[3].tool_set)
+async def _full(gen: Generation, prompt: Prompt, head: tuple, body: ResponsesRequest, tokenizer) -> dict:
+    items = OutputItems(body.tool_set)
     async for ev in parsed_events(gen, prompt):
         items.feed(ev)
     items.close("incomplete" if gen.finish_reason == "length" else "completed")
-    return _response(*head, items, gen, tokenizer)
+    return _response(head, body, items, gen, tokenizer)
 
 
-async def _stream(gen: Generation, prompt: Prompt, head: tuple, tokenizer):
-    items = OutputItems(head[3].tool_set)
+async def _stream(gen: Generation, prompt: Prompt, head: tuple, body: ResponsesRequest, tokenizer):
+    items = OutputItems(body.tool_set)
 
     def framed(ev: dict) -> str:
         return sse(ev, event=ev["type"])
 
-    first = _response(*head, items, None, tokenizer)
+    first = _response(head, body, items, None, tokenizer)
     yield framed(items.event("response.created", response=first))
     yield framed(items.event("response.in_progress", response=first))
     try:
@@ -227,6 +230,6 @@ async def _stream(gen: Generation, prompt: Prompt, head: tuple, tokenizer):
         return
     for out in items.close("incomplete" if gen.finish_reason == "length" else "completed"):
         yield framed(out)
-    final = _response(*head, items, gen, tokenizer)
+    final = _response(head, body, items, gen, tokenizer)
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
     yield framed(items.event(kind, response=final))

@@ -29,11 +29,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from .errors import ApiError, unsupported
 from .generation import MAX_TOKENS_LIMIT, GenOptions
-from .openai_schema import TOOL_NAME
+from .openai_schema import TOOL_NAME, Body, ContentPart
 from .prompt import NON_TEXT_RESULT, arguments_object, check_tool_schema
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -41,29 +41,20 @@ CALLS = ("function_call", "custom_tool_call")
 OUTPUTS = ("function_call_output", "custom_tool_call_output")
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class Part(_Body):
-    type: str
-    text: str | None = None
-
-
-class InputItem(_Body):
+class InputItem(Body):
     type: str | None = None          # "message" when absent (an EasyInputMessage)
     role: Literal["system", "developer", "user", "assistant"] | None = None
-    content: str | list[Part] | None = None
+    content: str | list[ContentPart] | None = None
     call_id: str | None = None
     name: str | None = None
     namespace: str | None = None
     arguments: str | dict | None = None
     input: str | None = None         # a custom tool call's text
-    output: str | list[Part] | None = None
-    summary: list[Part] | None = None
+    output: str | list[ContentPart] | None = None
+    summary: list[ContentPart] | None = None
 
 
-class Tool(_Body):
+class Tool(Body):
     type: str
     name: str | None = None
     description: str | None = None
@@ -73,7 +64,7 @@ class Tool(_Body):
     tools: list[dict[str, Any]] | None = None     # a namespace's tools
 
 
-class NamedChoice(_Body):
+class NamedChoice(Body):
     type: Literal["function", "custom"]
     name: str
 
@@ -145,12 +136,12 @@ def _custom_input(fmt: dict | None, where: str) -> str:
                         "{'type': 'grammar', 'syntax', 'definition'}", param=f"{where}.format")
 
 
-class ReasoningOptions(_Body):
+class ReasoningOptions(Body):
     effort: str | None = None
     summary: str | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(Body):
     model: str
     input: str | list[InputItem]
     instructions: str | None = None
