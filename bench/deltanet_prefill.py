@@ -108,7 +108,7 @@ def measure(tokens: int, rounds: int, reps: int, device: str) -> dict:
     import functools
 
     from freetoken_engine.kernels.triton import deltanet_chunk as kernel
-    from freetoken_engine.layers.attention import AttnBatch
+    from freetoken_engine.layers.batch import AttnBatch
     from freetoken_engine.layers.deltanet import _hand_over, delta_rule_chunked
     layer, lin = make_layer(device)
     x = torch.randn(tokens, 2048, generator=torch.Generator().manual_seed(tokens)).to(device, torch.bfloat16)

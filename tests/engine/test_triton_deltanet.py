@@ -16,7 +16,7 @@ import torch  # noqa: E402
 
 from freetoken_engine.cache.states import StatePool  # noqa: E402
 from freetoken_engine.config import LinearAttnConfig  # noqa: E402
-from freetoken_engine.layers.attention import AttnBatch  # noqa: E402
+from freetoken_engine.layers.batch import AttnBatch  # noqa: E402
 from freetoken_engine.layers.deltanet import GatedDeltaNet  # noqa: E402
 from freetoken_engine.layers.linear import linear  # noqa: E402
 from freetoken_engine.kernels.triton import deltanet as td  # noqa: E402

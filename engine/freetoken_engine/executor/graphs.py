@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.attention import AttnBatch
+from ..layers.batch import AttnBatch
 from . import cuda_warm
 from .inputs import SeqChunk, decode_arrays
 

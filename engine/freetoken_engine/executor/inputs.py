@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..layers.attention import AttnBatch
+from ..layers.batch import AttnBatch
 
 
 @dataclass

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..layers.attention import Attention, AttnBatch
+from ..layers.attention import Attention
+from ..layers.batch import AttnBatch
 from ..layers.deltanet import GatedDeltaNet
 from ..layers.mlp import GatedMLP
 from ..layers.moe import SparseMoE
