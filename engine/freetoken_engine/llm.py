@@ -17,7 +17,7 @@ from .config import EngineConfig
 from .errors import InvalidRequest, RequestTooLong
 from .executor.inputs import SeqChunk, build_inputs
 from .executor.runner import ModelRunner
-from .executor.sampler import SamplingParams, make_generator, sample
+from .executor.sampler import SamplingParams, make_generator, make_guide, sample
 
 
 @dataclass
@@ -113,6 +113,7 @@ class LLM:
         if max_new < 1:
             raise RequestTooLong(f"prompt of {len(prompt_ids)} tokens fills the context of {self.max_context}")
         gen = make_generator(params, self.config.seed)
+        guide = make_guide(params, self.runner.tokenizer, self.runner.mcfg.vocab_size)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.runner.eos_token_ids))
         kv = self.runner.kv
         t0 = time.perf_counter()
@@ -126,9 +127,9 @@ class LLM:
         out, finish = [], "length"
         try:
             while True:
-                tok = sample(logits, params, gen)
+                tok = sample(logits, params, gen, guide)
                 out.append(tok)
-                if tok in stop:
+                if tok in stop or (guide is not None and guide.advance(tok)):
                     finish = "stop"
                     break
                 if len(out) >= max_new:

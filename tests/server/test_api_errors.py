@@ -63,8 +63,8 @@ def test_wrong_values_are_400_naming_the_field(http, live, patch, param, says):
 
 
 @pytest.mark.parametrize("patch,param", [
-    ({"n": 2}, "n"), ({"logprobs": True}, "logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"n": 2}, "n"), ({"top_logprobs": 2}, "top_logprobs"), ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"tool_choice": "required"}, "tool_choice"),
 ])

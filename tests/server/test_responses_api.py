@@ -119,7 +119,9 @@ def test_greedy_text_equals_chat_completions_and_the_limit_marks_it_incomplete(c
     ({"input": []}, ["input", "must not be empty", "instructions"]),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, ["tool_choice", "nope"]),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, ["input.0", "send the item itself"]),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, ["text.format"]),
+    ({"background": True}, ["background", "in the request"]),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+     ["text.format.schema", "nonsense"]),
 ])
 def test_what_this_server_cannot_do_is_a_400_that_says_what(client, live, kw, names):
     kw.setdefault("input", "hi")

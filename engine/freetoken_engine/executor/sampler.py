@@ -1,4 +1,7 @@
-"""Sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator."""
+"""Sampling: greedy, temperature, top-k, top-p, with a per-request seeded generator; logit
+biases and a grammar's mask (``guide.py``) apply first. Log-probabilities are the model's own
+(``token_logprobs``: the raw logits' log-softmax, before bias, mask and temperature), as vLLM
+reports them by default."""
 from __future__ import annotations
 
 import math
@@ -7,6 +10,10 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidRequest, NonFiniteLogits
+from .guide import Guide, GuideSpec
+
+#: most alternatives a request can ask log-probabilities for (OpenAI's limit)
+MAX_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -18,6 +25,9 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, added to its logit), -100..100
+    logprobs: int | None = None     # report the chosen token's log-probability and this many alternatives
+    guide: GuideSpec | None = None  # the output follows this grammar
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -28,6 +38,12 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be within (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0, got {self.top_k}")
+        for token, bias in self.logit_bias:
+            if token < 0 or not -100 <= bias <= 100:
+                raise InvalidRequest(f"logit_bias: token {token} bias {bias}: ids are >= 0 and "
+                                     "biases within -100..100")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must be within 0..{MAX_LOGPROBS}, got {self.logprobs}")
 
 
 def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generator:
@@ -36,17 +52,40 @@ def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generato
     return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """One token from ``logits [V]`` (float32). Sampling runs on the CPU for reproducibility.
-    Raises NonFiniteLogits when a logit is NaN or +inf, or every one is -inf (one reduction:
-    max propagates NaN)."""
+def make_guide(params: SamplingParams, tokenizer, n_vocab: int) -> Guide | None:
+    """The request's grammar state, or None; checks the logit biases' ids against the vocabulary.
+    Raises InvalidRequest."""
+    bad = next((t for t, _ in params.logit_bias if t >= n_vocab), None)
+    if bad is not None:
+        raise InvalidRequest(f"logit_bias: token id {bad} is outside the vocabulary (0..{n_vocab - 1})")
+    if params.guide is None:
+        return None
+    if tokenizer is None:
+        raise InvalidRequest("constrained decoding needs the model's tokenizer.json, and this model has none")
+    return Guide(params.guide, tokenizer, n_vocab)
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
+           guide: Guide | None = None) -> int:
+    """One token from ``logits [V]`` (float32; left unchanged). Sampling runs on the CPU for
+    reproducibility. Raises NonFiniteLogits when a logit is NaN or +inf, or every one is -inf
+    (one reduction: max propagates NaN)."""
     best, arg = logits.max(0)
     if not math.isfinite(float(best)):
         raise NonFiniteLogits(f"the model produced non-finite logits (max {float(best)}) for this request: "
                               "the checkpoint or its dtype overflows; try --dtype bfloat16 or float32")
-    if params.temperature == 0:
+    shaped = params.logit_bias or (guide is not None and guide.active)
+    if params.temperature == 0 and not shaped:
         return int(arg)
-    x = logits.float().cpu() / params.temperature
+    x = logits.detach().to("cpu", torch.float32, copy=True)
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias if t < x.numel()], dtype=torch.long)
+        x[ids] += torch.tensor([b for t, b in params.logit_bias if t < x.numel()])
+    if guide is not None:
+        guide.mask(x)
+    if params.temperature == 0:
+        return int(x.argmax())
+    x /= params.temperature
     if params.top_k and params.top_k < x.numel():
         kth = torch.topk(x, params.top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -57,3 +96,11 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -
         x[order[drop]] = float("-inf")
     probs = torch.softmax(x, dim=-1)
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """The model's log-probability of ``token`` and its ``n`` likeliest tokens with theirs."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(lp, n) if n else None
+    alts = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return float(lp[token]), alts

@@ -9,6 +9,7 @@ blocks (rendered as their body). A template that does not parse fails the load w
 """
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -100,6 +101,11 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
+
+    @functools.cached_property
+    def json_text(self) -> str:
+        """The tokenizer as ``tokenizer.json`` text (for the grammar engine); built once."""
+        return self._tok.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids

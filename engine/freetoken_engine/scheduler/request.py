@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..executor.guide import Guide
 from ..executor.sampler import SamplingParams
 
 _ids = itertools.count()
@@ -24,6 +25,7 @@ class TokenEvent:
     token_id: int | None          # None on a final event without a token (abort)
     finish_reason: str | None     # None | "stop" | "length" | "abort"
     error: Exception | None = None  # why the engine aborted (an EngineError), None if asked to
+    logprob: tuple | None = None  # with params.logprobs: (log-probability, ((id, log-probability), ...))
 
 
 @dataclass
@@ -34,6 +36,7 @@ class Request:
     stop_ids: frozenset[int]
     max_new_tokens: int
     sink: "RequestHandle"
+    guide: Guide | None = None    # the grammar the output follows (sampled under its mask)
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)

@@ -33,10 +33,10 @@ from typing import Callable
 
 from ..cache.radix import RadixCache
 from ..cache.states import Anchors, anchor_token_ids
-from ..errors import NonFiniteLogits, OutOfKVCache, QueueFull
+from ..errors import InvalidRequest, NonFiniteLogits, OutOfKVCache, QueueFull
 from ..executor.inputs import SeqChunk
 from ..executor.runner import ModelRunner
-from ..executor.sampler import sample
+from ..executor.sampler import sample, token_logprobs
 from .beside import DecodePause
 from .request import Request, TokenEvent
 
@@ -331,20 +331,23 @@ class Scheduler:
             req.computed += n
             if req.pending:
                 continue                      # prefill continues next step
+            params = req.params
             try:
-                tok = sample(logits[row], req.params, req.generator)
-            except NonFiniteLogits as exc:    # this request's output is lost, the others go on
+                tok = sample(logits[row], params, req.generator, req.guide)
+                complete = req.guide is not None and req.guide.advance(tok)
+            except (NonFiniteLogits, InvalidRequest) as exc:   # this request's output is lost, the others go on
                 log.warning("request %d: %s", req.id, exc)
                 self._finish(req, "abort", error=exc)
                 continue
+            lp = None if params.logprobs is None else token_logprobs(logits[row], tok, params.logprobs)
             req.output_ids.append(tok)
             self.counters["generated_tokens"] += 1
-            if tok in req.stop_ids:
-                self._finish(req, "stop", tok)
+            if tok in req.stop_ids or complete:
+                self._finish(req, "stop", tok, logprob=lp)
             elif len(req.output_ids) >= req.max_new_tokens:
-                self._finish(req, "length", tok)
+                self._finish(req, "length", tok, logprob=lp)
             else:
-                req.sink.push(TokenEvent(tok, None))
+                req.sink.push(TokenEvent(tok, None, logprob=lp))
 
     def _release(self, req: Request) -> None:
         self.kv.release(req.blocks)
@@ -354,7 +357,7 @@ class Scheduler:
             req.state = -1
 
     def _finish(self, req: Request, reason: str, last_token: int | None = None,
-                error: Exception | None = None) -> None:
+                error: Exception | None = None, logprob: tuple | None = None) -> None:
         if req in self.running:
             self.running.remove(req)
         full = req.computed // self.kv.block_size
@@ -362,7 +365,7 @@ class Scheduler:
             self.radix.insert(req.tokens, req.blocks[:full])
         self._release(req)
         req.finished = True
-        req.sink.push(TokenEvent(last_token, reason, error))
+        req.sink.push(TokenEvent(last_token, reason, error, logprob))
 
     def check_integrity(self) -> None:
         """Pool, tree and requests agree: every block a request holds is live."""

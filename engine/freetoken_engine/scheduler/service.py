@@ -13,7 +13,8 @@ import time
 from ..config import EngineConfig
 from ..errors import ConfigError, EngineError, InvalidRequest, RequestTooLong
 from ..executor.runner import ModelRunner
-from ..executor.sampler import SamplingParams, make_generator
+from ..executor import guide
+from ..executor.sampler import SamplingParams, make_generator, make_guide
 from .request import Request, RequestHandle
 from .scheduler import Scheduler
 
@@ -29,6 +30,7 @@ class EngineService:
         self.scheduler: Scheduler | None = None
         self.tokenizer = None
         self.max_context = 0
+        self.vocab_size = 0                # the logits' width (may exceed the tokenizer's vocabulary)
         self.started_at = time.time()
         self._calibration: dict = {}
         self._ready = threading.Event()
@@ -45,6 +47,12 @@ class EngineService:
         try:
             runner = ModelRunner(self.cfg, progress=lambda f: setattr(self, "_progress", round(f, 3)))
             self.runner, self.tokenizer, self.max_context = runner, runner.tokenizer, runner.max_context
+            self.vocab_size = runner.mcfg.vocab_size
+            if self.tokenizer is not None:
+                try:
+                    guide.ll_tokenizer(self.tokenizer, self.vocab_size)   # constrained decoding's tables
+                except Exception as exc:   # noqa: BLE001  the model still serves; a grammar request says why
+                    log.warning("constrained decoding is unavailable for this tokenizer: %s", exc)
             self.scheduler = Scheduler(runner, self.cfg.max_batch, self.cfg.max_queue, self.cfg.prefill_tokens,
                                        self.cfg.decode_pause)
             self.scheduler.thread.start()
@@ -85,6 +93,7 @@ class EngineService:
             raise RequestTooLong(
                 f"this model's context is {self.max_context} tokens; the prompt has {len(prompt_ids)} "
                 f"and {params.max_new_tokens} new tokens were requested: shorten the prompt or lower max_tokens")
+        guide = make_guide(params, self.tokenizer, vocab)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -95,7 +104,7 @@ class EngineService:
             stop |= set(self.runner.eos_token_ids)
         req = Request(prompt_ids=list(prompt_ids), params=params,
                       generator=make_generator(params, self.cfg.seed), stop_ids=frozenset(stop),
-                      max_new_tokens=params.max_new_tokens, sink=handle)
+                      max_new_tokens=params.max_new_tokens, sink=handle, guide=guide)
         handle.request = req
 
         def abort() -> None:

@@ -15,6 +15,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from .errors import ApiError, unsupported
+from .structured import format_grammar
 from .generation import MAX_TOKENS_LIMIT, GenOptions
 from .openai_schema import TOOL_NAME, Body
 from .prompt import NON_TEXT_RESULT, check_tool_schema
@@ -119,6 +120,8 @@ class MessagesRequest(CountRequest):
     service_tier: str | None = None
     mcp_servers: list[Any] | None = None
     container: Any = None
+    output_config: dict[str, Any] | None = None     # {"format": {"type": "json_schema", "schema"}}
+    output_format: dict[str, Any] | None = None     # the beta's name for that format
 
     def check_supported(self) -> None:
         for name in ("mcp_servers", "container"):
@@ -129,7 +132,17 @@ class MessagesRequest(CountRequest):
         return GenOptions(max_tokens=self.max_tokens,
                           temperature=1.0 if self.temperature is None else self.temperature,
                           top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
-                          stop=tuple(s for s in self.stop_sequences or () if s))
+                          stop=tuple(s for s in self.stop_sequences or () if s),
+                          grammar=self.grammar())
+
+    def grammar(self) -> str | None:
+        fmt = (self.output_config or {}).get("format")
+        if fmt is not None and self.output_format is not None:
+            raise ApiError(400, "give one of 'output_config.format' and 'output_format'",
+                           param="output_format")
+        if fmt is not None:
+            return format_grammar(fmt, "output_config.format", nested=False)
+        return format_grammar(self.output_format, "output_format", nested=False)
 
 
 def _text_of(content, where: str, tool_result: bool = False) -> str:

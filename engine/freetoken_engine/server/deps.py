@@ -46,6 +46,6 @@ def begin(request: Request, body, endpoint: str, prompt_of, options: GenOptions)
     check_model(request, body.model)
     body.check_supported()
     prompt = prompt_of(svc, body)
-    gen: Generation = start_generation(svc, prompt.ids, options, metrics=request.app.state.metrics,
+    gen: Generation = start_generation(svc, prompt, options, metrics=request.app.state.metrics,
                                        endpoint=endpoint, t_arrival=t0)
     return svc, prompt, gen

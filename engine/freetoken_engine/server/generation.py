@@ -1,12 +1,14 @@
 """One request's run through the EngineService, as text, for both protocol modules.
 
-``start_generation`` tokenizes nothing: it takes prompt ids, checks the context budget, submits
+``start_generation`` tokenizes nothing: it takes the rendered prompt, checks the context budget, submits
 to the service (so 413 / 429 / 400 are raised *before* any response is started) and returns a
 ``Generation``. Iterating it yields decoded text pieces with stop strings applied; afterwards
 ``finish_reason`` is ``"stop"`` (EOS or a stop string) or ``"length"``, and the token counts
 are final. An abort the server did not ask for raises ``ApiError(503)``. ``close()`` aborts
 the request in the engine (client disconnect, stop string) and is idempotent; the protocol
-modules call it in ``finally``.
+modules call it in ``finally``. With ``logprobs`` asked for, each token's entry (OpenAI chat's
+shape) is collected in ``logprobs``; ``take_logprobs()`` returns those not yet taken (for a
+stream's next chunk).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from ..errors import RequestTooLong
 from ..executor.sampler import SamplingParams
 from .errors import ApiError
 from .stops import StopMatcher
+from .structured import LogprobText, guide_spec
 
 #: Upper bound accepted for max_tokens before clamping to the context (anything larger is a typo).
 MAX_TOKENS_LIMIT = 1 << 31
@@ -34,14 +37,21 @@ class GenOptions:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    logprobs: int | None = None       # alternatives per token; None: no log-probabilities
+    grammar: str | None = None        # the answer follows it (server/structured.py)
 
 
 class Generation:
     """Async iterator of text pieces for one submitted request (see the module docstring)."""
 
     def __init__(self, handle, tokenizer, stops: Sequence[str], skip_ids: frozenset[int],
-                 metrics=None, endpoint: str = "", t_arrival: float | None = None):
+                 metrics=None, endpoint: str = "", t_arrival: float | None = None,
+                 logprob_text: LogprobText | None = None):
         self.handle = handle
+        self.logprob_text = logprob_text
+        self.logprobs: list[dict] = []
+        self._taken = 0
         self.decoder = tokenizer.stream_decoder()
         self.matcher = StopMatcher(stops)
         self.skip_ids = skip_ids
@@ -72,6 +82,8 @@ class Generation:
                         self.t_first = time.monotonic()
                     if ev.token_id not in self.skip_ids:
                         text = self.decoder.step(ev.token_id)
+                        if ev.logprob is not None and self.logprob_text is not None:
+                            self.logprobs.append(self.logprob_text.chat(ev.token_id, ev.logprob))
                 shown = self.matcher.feed(text) if text else ""
                 if shown:
                     yield shown
@@ -95,6 +107,11 @@ class Generation:
         finally:
             self.close()
 
+    def take_logprobs(self) -> list[dict]:
+        out = self.logprobs[self._taken:]
+        self._taken = len(self.logprobs)
+        return out
+
     def close(self) -> None:
         """Abort in the engine if still running; record metrics once."""
         if self._closed:
@@ -106,10 +123,12 @@ class Generation:
             self.metrics.observe_generation(self)
 
 
-def start_generation(service, prompt_ids: list[int], opts: GenOptions, *, metrics=None,
+def start_generation(service, prompt, opts: GenOptions, *, metrics=None,
                      endpoint: str = "", t_arrival: float | None = None) -> Generation:
-    """Budget check, submit, and wrap. Raises RequestTooLong (413), QueueFull (429),
-    InvalidRequest (400) from the engine; nothing has been sent to the client yet."""
+    """Budget check, submit, and wrap ``prompt`` (server/prompt.Prompt). Raises RequestTooLong
+    (413), QueueFull (429), InvalidRequest (400) from the engine; nothing has been sent to the
+    client yet."""
+    prompt_ids = prompt.ids
     n = len(prompt_ids)
     room = service.max_context - n
     if room < 1:
@@ -123,6 +142,8 @@ def start_generation(service, prompt_ids: list[int], opts: GenOptions, *, metric
     params = SamplingParams(
         max_new_tokens=max_new, temperature=opts.temperature, top_p=opts.top_p,
         top_k=opts.top_k, seed=opts.seed, stop_token_ids=() if opts.ignore_eos else eos,
-        ignore_eos=opts.ignore_eos)
+        ignore_eos=opts.ignore_eos, logit_bias=opts.logit_bias, logprobs=opts.logprobs,
+        guide=guide_spec(opts.grammar, tok, prompt))
     handle = service.submit(list(prompt_ids), params)
-    return Generation(handle, tok, opts.stop, frozenset(eos), metrics, endpoint, t_arrival)
+    text = None if opts.logprobs is None else LogprobText(tok, service.vocab_size)
+    return Generation(handle, tok, opts.stop, frozenset(eos), metrics, endpoint, t_arrival, text)

@@ -20,6 +20,7 @@ from .generation import Generation
 from .openai_schema import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice
 from .parser import Content, Reasoning, ToolArgs, ToolStart
 from .prompt import Prompt, arguments_object, build_prompt, check_tool_schema, encode_text
+from .structured import completion_logprobs
 from .streaming import new_id, parsed_events, sse, sse_response, until_disconnect
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -87,7 +88,7 @@ def chat_prompt(svc, body: ChatRequest) -> Prompt:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
-    _, prompt, gen = begin(request, body, "chat", chat_prompt, body.options(body.max_new))
+    _, prompt, gen = begin(request, body, "chat", chat_prompt, body.chat_options())
     cid, created, model = new_id("chatcmpl-"), int(time.time()), served_name(request)
     if body.stream:
         return sse_response(_chat_stream(gen, prompt, cid, created, model, body.include_usage),
@@ -113,15 +114,22 @@ async def _chat_full(gen, prompt, cid, created, model) -> dict:
     if calls:
         message["tool_calls"] = calls
     return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": None,
+            "choices": [{"index": 0, "message": message, "logprobs": _chat_logprobs(gen),
                          "finish_reason": finish(gen, len(calls))}],
             "usage": usage(gen)}
+
+
+def _chat_logprobs(gen: Generation) -> dict | None:
+    """OpenAI chat's ``logprobs`` for the tokens not yet reported (None when not asked for)."""
+    if gen.logprob_text is None:
+        return None
+    return {"content": gen.take_logprobs(), "refusal": None}
 
 
 async def _chat_stream(gen, prompt, cid, created, model, include_usage):
     def chunk(delta: dict, reason=None) -> str:
         body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                "choices": [{"index": 0, "delta": delta, "logprobs": _chat_logprobs(gen),
                              "finish_reason": reason}]}
         if include_usage:
             body["usage"] = None
@@ -170,7 +178,8 @@ def completion_prompt(svc, body: CompletionRequest) -> Prompt:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    _, _, gen = begin(request, body, "completions", completion_prompt, body.options(body.max_tokens))
+    _, _, gen = begin(request, body, "completions", completion_prompt,
+                      body.options(body.max_tokens, body.logprobs))
     cid, created, model = new_id("cmpl-"), int(time.time()), served_name(request)
     if body.stream:
         return sse_response(_text_stream(gen, cid, created, model, body.include_usage), gen, request)
@@ -178,15 +187,19 @@ async def completions(body: CompletionRequest, request: Request):
     async def full() -> dict:
         text = "".join([t async for t in gen])
         return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
+                "choices": [{"index": 0, "text": text, "logprobs": _text_logprobs(gen),
                              "finish_reason": finish(gen, 0)}], "usage": usage(gen)}
     return await until_disconnect(request, full(), gen)
+
+
+def _text_logprobs(gen: Generation) -> dict | None:
+    return None if gen.logprob_text is None else completion_logprobs(gen.take_logprobs())
 
 
 async def _text_stream(gen, cid, created, model, include_usage):
     def chunk(text: str, reason=None) -> str:
         body = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": None,
+                "choices": [{"index": 0, "text": text, "logprobs": _text_logprobs(gen),
                              "finish_reason": reason}]}
         if include_usage:
             body["usage"] = None

@@ -11,8 +11,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .errors import unsupported
+from .errors import ApiError, unsupported
 from .generation import MAX_TOKENS_LIMIT, GenOptions
+from .structured import format_grammar, logit_bias, structured_grammar
 
 TOOL_NAME = r"^[A-Za-z0-9_.:-]{1,256}$"
 
@@ -87,6 +88,8 @@ class _Sampling(Body):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool | None = None
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None      # vLLM's: json, regex, choice, grammar
 
     def stops(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -99,19 +102,29 @@ class _Sampling(Body):
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 raise unsupported(name, "is not supported (only 0)")
-        if self.logit_bias:
-            raise unsupported("logit_bias")
         if len(self.stops()) > 16:
             raise unsupported("stop", "accepts at most 16 strings")
         if self.stream_options is not None and not self.stream:
             raise unsupported("stream_options", "is only allowed with stream=true")
 
-    def options(self, max_tokens: int | None) -> GenOptions:
+    def grammar(self) -> str | None:
+        """The answer's grammar from ``response_format`` or ``structured_outputs`` (400s name the
+        field that is wrong)."""
+        fmt = format_grammar(self.response_format, "response_format", nested=True)
+        other = structured_grammar(self.structured_outputs)
+        if fmt is not None and other is not None:
+            raise ApiError(400, "give one of 'response_format' and 'structured_outputs'",
+                           param="structured_outputs")
+        return fmt if fmt is not None else other
+
+    def options(self, max_tokens: int | None, logprobs: int | None = None) -> GenOptions:
         temperature = 1.0 if self.temperature is None else self.temperature
         top_k = 0 if self.top_k in (None, -1) else self.top_k
         return GenOptions(max_tokens=max_tokens, temperature=temperature,
                           top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k,
-                          seed=self.seed, stop=self.stops(), ignore_eos=bool(self.ignore_eos))
+                          seed=self.seed, stop=self.stops(), ignore_eos=bool(self.ignore_eos),
+                          logit_bias=logit_bias(self.logit_bias), logprobs=logprobs,
+                          grammar=self.grammar())
 
     @property
     def include_usage(self) -> bool:
@@ -126,8 +139,7 @@ class ChatRequest(_Sampling):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     reasoning_effort: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     functions: list[Any] | None = None
@@ -139,10 +151,8 @@ class ChatRequest(_Sampling):
 
     def check_supported(self) -> None:
         self.common_checks()
-        if self.logprobs:
-            raise unsupported("logprobs")
-        if self.top_logprobs:
-            raise unsupported("top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise unsupported("top_logprobs", "needs 'logprobs': true")
         for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
                 raise unsupported(name, "is deprecated and not supported; use 'tools' and "
@@ -152,8 +162,6 @@ class ChatRequest(_Sampling):
                 raise unsupported(name)
         if self.modalities and set(self.modalities) - {"text"}:
             raise unsupported("modalities", "supports only ['text']")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise unsupported("response_format", "supports only {'type': 'text'}")
         if isinstance(self.tool_choice, NamedToolChoice) or self.tool_choice == "required":
             if not self.tools:
                 raise unsupported("tool_choice", "needs 'tools'")
@@ -167,6 +175,9 @@ class ChatRequest(_Sampling):
     def max_new(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    def chat_options(self) -> GenOptions:
+        return self.options(self.max_new, (self.top_logprobs or 0) if self.logprobs else None)
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -174,7 +185,7 @@ class CompletionRequest(_Sampling):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = None
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=5)
 
     def check_supported(self) -> None:
         self.common_checks()
@@ -184,8 +195,6 @@ class CompletionRequest(_Sampling):
             raise unsupported("suffix")
         if self.best_of not in (None, 1):
             raise unsupported("best_of", "must be 1")
-        if self.logprobs is not None:
-            raise unsupported("logprobs")
         p = self.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)) and len(p) != 1:
             raise unsupported("prompt", "must be one prompt (a batch of prompts is not supported)")

@@ -168,7 +168,7 @@ def _response(head: tuple[str, int, str], body: ResponsesRequest, items: OutputI
            "parallel_tool_calls": body.parallel_tool_calls is not False, "previous_response_id": None,
            "reasoning": {"effort": body.reasoning.effort if body.reasoning else None, "summary": None},
            "store": False, "temperature": 1.0 if body.temperature is None else body.temperature,
-           "top_p": 1.0 if body.top_p is None else body.top_p, "text": {"format": {"type": "text"}},
+           "top_p": 1.0 if body.top_p is None else body.top_p, "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
            "tool_choice": choice.model_dump() if isinstance(choice, NamedChoice) else (choice or "auto"),
            "tools": [t.model_dump(exclude_none=True) for t in body.tools or ()],
            "truncation": "disabled", "usage": None, "metadata": body.metadata or {}}

@@ -32,6 +32,7 @@ from typing import Any, Literal
 from pydantic import Field, ValidationError
 
 from .errors import ApiError, unsupported
+from .structured import format_grammar
 from .generation import MAX_TOKENS_LIMIT, GenOptions
 from .openai_schema import TOOL_NAME, Body, ContentPart
 from .prompt import NON_TEXT_RESULT, arguments_object, check_tool_schema
@@ -179,9 +180,6 @@ class ResponsesRequest(Body):
             raise unsupported("background", "is not supported: responses run in the request")
         if self.top_logprobs:
             raise unsupported("top_logprobs")
-        fmt = (self.text or {}).get("format") or {}
-        if isinstance(fmt, dict) and fmt.get("type", "text") != "text":
-            raise unsupported("text.format", "supports only {'type': 'text'}")
         if isinstance(self.input, list) and not self.input and not self.instructions:
             raise unsupported("input", "must not be empty (or give 'instructions')")
         tools = self.tool_set
@@ -195,7 +193,9 @@ class ResponsesRequest(Body):
         return GenOptions(max_tokens=self.max_output_tokens,
                           temperature=1.0 if self.temperature is None else self.temperature,
                           top_p=1.0 if self.top_p is None else self.top_p,
-                          top_k=0 if self.top_k in (None, -1) else self.top_k, seed=self.seed)
+                          top_k=0 if self.top_k in (None, -1) else self.top_k, seed=self.seed,
+                          grammar=format_grammar((self.text or {}).get("format"), "text.format",
+                                                 nested=False))
 
     @functools.cached_property
     def tool_set(self) -> ToolSet:
