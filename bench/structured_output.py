@@ -4,7 +4,9 @@ process, rounds interleaved; and the grammar engine's own times: building its to
 per model), a grammar's first mask (its compile happens lazily there) and one mask per token,
 timed by replaying each constrained answer's tokens.
 
-Decode tok/s is ``Generation.stats["decode_tokens_per_s"]`` (greedy, one request); the side
+Sample us is the sampler's time per token (mask, bias and argmax included), measured around
+``sample`` inside ``LLM.generate``. Decode tok/s is ``Generation.stats["decode_tokens_per_s"]``
+(greedy, one request); the side
 without a grammar generates ``--tokens`` tokens (EOS ignored), a grammar side up to that many
 (it stops when its answer is complete).
 
@@ -56,6 +58,25 @@ def mask_times(llm, grammar: str, tokens: list[int]) -> tuple[float, list[float]
     return times[0] * 1e3, [s * 1e6 for s in times[1:]]
 
 
+class Timed:
+    """Wraps ``LLM.generate``'s sampler: the time each sampled token costs (mask included)."""
+
+    def __init__(self):
+        import freetoken_engine.llm as llm_module
+        self.module, self.inner, self.times = llm_module, llm_module.sample, []
+        llm_module.sample = self
+
+    def __call__(self, *args):
+        t = time.perf_counter()
+        tok = self.inner(*args)
+        self.times.append(time.perf_counter() - t)
+        return tok
+
+    def take(self) -> list[float]:
+        out, self.times = self.times, []
+        return out
+
+
 def run(tokens: int, rounds: int) -> dict:
     t0 = time.perf_counter()
     llm = LLM()
@@ -64,7 +85,9 @@ def run(tokens: int, rounds: int) -> dict:
     guide.ll_tokenizer(llm.tokenizer, llm.runner.mcfg.vocab_size)
     tokenizer_s = time.perf_counter() - t1
     grammars = {side: make() if make else None for side, make in SIDES.items()}
-    out = {side: {"decode_tok_s": [], "generated": [], "finish": None, "text": ""} for side in SIDES}
+    out = {side: {"decode_tok_s": [], "generated": [], "finish": None, "text": "", "sample_us": []}
+           for side in SIDES}
+    timed = Timed()
     for _ in range(rounds):
         for side, grammar in grammars.items():
             spec = guide.GuideSpec(grammar) if grammar else None
@@ -72,6 +95,7 @@ def run(tokens: int, rounds: int) -> dict:
                                                       ignore_eos=spec is None))
             r = out[side]
             r["decode_tok_s"].append(gen.stats["decode_tokens_per_s"])
+            r["sample_us"] += [t * 1e6 for t in timed.take()]
             r["generated"].append(len(gen.token_ids))
             r["finish"], r["text"], r["tokens"] = gen.finish_reason, llm.tokenizer.decode(gen.token_ids), gen.token_ids
     base = statistics.median(out["no grammar"]["decode_tok_s"])
@@ -79,6 +103,7 @@ def run(tokens: int, rounds: int) -> dict:
         r = out[side]
         r["decode_tok_s_median"] = statistics.median(r["decode_tok_s"])
         r["ratio_to_no_grammar"] = r["decode_tok_s_median"] / base
+        r["sample_us_median"] = statistics.median(r.pop("sample_us"))
         if grammar:
             first_ms, per = mask_times(llm, grammar, r["tokens"])
             r["first_mask_ms"], r["mask_us_median"], r["mask_us_p90"] = (
@@ -115,11 +140,12 @@ def main() -> None:
     args = ap.parse_args()
     result = run(args.tokens, args.rounds)
     print(f"grammar tokenizer build: {result['grammar_tokenizer_build_s']:.2f} s (once per model)")
-    print(f"{'side':12s} {'tok/s':>8s} {'ratio':>6s} {'tokens':>6s} {'finish':>7s} {'1st mask ms':>11s} "
-          f"{'mask us p50':>11s} {'p90':>7s}")
+    print(f"{'side':12s} {'tok/s':>8s} {'ratio':>6s} {'tokens':>6s} {'finish':>7s} {'sample us':>9s} "
+          f"{'1st mask ms':>11s} {'mask us p50':>11s} {'p90':>7s}")
     for side, r in result["sides"].items():
         print(f"{side:12s} {r['decode_tok_s_median']:8.1f} {r['ratio_to_no_grammar']:6.2f} "
-              f"{statistics.median(r['generated']):6.0f} {r['finish']:>7s} {r.get('first_mask_ms', 0):11.2f} "
+              f"{statistics.median(r['generated']):6.0f} {r['finish']:>7s} {r['sample_us_median']:9.1f} "
+              f"{r.get('first_mask_ms', 0):11.2f} "
               f"{r.get('mask_us_median', 0):11.1f} {r.get('mask_us_p90', 0):7.1f}")
         print(f"    {r['text'][:110]!r}")
     save({"benchmark": "structured_output", "hardware": describe(), "tokens": args.tokens, **result},

@@ -100,6 +100,26 @@ def _parse_ids(text: str) -> list[int]:
         raise ConfigError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 
 
+def _guide(args):
+    """--json-schema (inline JSON or a file) or --regex as the answer's grammar."""
+    from .executor import guide
+    if args.regex is not None:
+        return guide.GuideSpec(guide.regex(args.regex, "--regex"))
+    if args.json_schema is None:
+        return None
+    text = args.json_schema
+    if not text.lstrip().startswith("{"):
+        try:
+            text = Path(text).read_text()
+        except OSError as exc:
+            raise ConfigError(f"--json-schema: cannot read {args.json_schema}: {exc.strerror}") from None
+    try:
+        schema = json.loads(text)
+    except ValueError as exc:
+        raise ConfigError(f"--json-schema is not JSON: {exc}") from None
+    return guide.GuideSpec(guide.json_schema(schema, "--json-schema"))
+
+
 def cmd_generate(args) -> int:
     from .executor.sampler import SamplingParams
     from .llm import LLM
@@ -113,7 +133,7 @@ def cmd_generate(args) -> int:
     else:
         ids = llm.tokenizer.encode(args.prompt)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+                            top_p=args.top_p, top_k=args.top_k, seed=args.seed, guide=_guide(args))
     out = llm.generate(ids, params)
     text = llm.tokenizer.decode(out.token_ids) if llm.tokenizer else None
     if args.json:
@@ -164,6 +184,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int)
     gen.add_argument("--json", action="store_true", help="print one JSON object on the last line")
+    fmt = gen.add_mutually_exclusive_group()
+    fmt.add_argument("--json-schema", metavar="SCHEMA", help="the answer is JSON matching this JSON Schema "
+                     "(inline, or a file)")
+    fmt.add_argument("--regex", metavar="PATTERN", help="the answer matches this regular expression")
     gen.set_defaults(func=cmd_generate)
 
     srv = sub.add_parser("serve", help="serve OpenAI- and Anthropic-compatible APIs")

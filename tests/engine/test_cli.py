@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -29,6 +30,21 @@ def test_generate_json_contract(tiny_checkpoint, capsys):
                 "cpu_computed"):
         assert key in stats
     assert stats["capacity"] == 3 and stats["fills"] + stats["cpu_computed"] == stats["misses"]
+
+
+def test_generate_follows_a_json_schema_or_a_regex(tiny_checkpoint, tmp_path, capsys):
+    folder = tiny_checkpoint("qwen3_moe")
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    for fmt in (["--json-schema", str(tmp_path / "s.json")], ["--json-schema", json.dumps(schema)]):
+        assert main(["generate", "--model", str(folder), "--prompt", "Hi", "--max-new-tokens", "20",
+                     "--temperature", "1", "--seed", "3", *fmt, "--json"]) == 0
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert json.loads(out["text"]) in ({"ok": True}, {"ok": False}) and out["finish_reason"] == "stop"
+    assert main(["generate", "--model", str(folder), "--prompt", "Hi", "--max-new-tokens", "20",
+                 "--regex", "[0-9]{4}"]) == 0
+    assert re.fullmatch(r"[0-9]{4}\n", capsys.readouterr().out)
 
 
 def test_prompt_ids_are_sent_as_given(tiny_checkpoint, capsys):
@@ -84,6 +100,11 @@ def test_missing_shard_named_in_index(tmp_path):
     (["--prompt-ids", "1", "--graph-warmup-widths", "-2"], "0 (every width) or more"),
     (["--prompt-ids", "1", "--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
     (["--prompt-ids", "a,b"], "comma-separated integers"),
+    (["--prompt", "x", "--json-schema", '{"type": "nonsense"}'], "--json-schema: failed to compile JSON schema: Invalid type: nonsense"),
+    (["--prompt", "x", "--json-schema", '{"type": '], "--json-schema is not JSON"),
+    (["--prompt", "x", "--json-schema", "/no/such/schema.json"], "cannot read /no/such/schema.json"),
+    (["--prompt", "x", "--regex", "(a"], "--regex: invalid regex"),
+    (["--prompt", "x", "--regex", "a", "--json-schema", "{}"], "not allowed with argument"),
     (["--prompt-ids", "1", "--no-such-flag"], "unrecognized arguments"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, args, needle):

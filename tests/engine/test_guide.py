@@ -164,3 +164,34 @@ async def _one(tiny_checkpoint, prompt):
                 yield ev
     finally:
         svc.shutdown()
+
+
+def test_tool_calls_follow_the_tool_grammar_and_text_between_them_is_free(llm):
+    tok, vocab = llm.tokenizer, llm.runner.mcfg.vocab_size
+    open_, close = tag(llm, "<tool_call>"), tag(llm, "</tool_call>")
+    call = guide.lark('start: "\\n{\\"name\\": \\"f\\", \\"arguments\\": " %json {"type": "object"} '
+                      f'"}}" <[{close}]>')
+    g = Guide(GuideSpec(None, escape=(open_,), tool_grammar=call), tok, vocab)
+    assert not g.active                                    # no answer grammar: free text
+    for t in ids_of(llm, "Let me look."):
+        assert g.advance(t) is False
+    for _ in range(2):                                     # two calls, each constrained
+        g.advance(open_)
+        assert g.active and ids_of(llm, "the")[0] not in allowed(g, vocab)
+        for t in ids_of(llm, '\n{"name": "f", "arguments": {"a": 1}}'):
+            assert t in allowed(g, vocab)
+            g.advance(t)
+        assert allowed(g, vocab) == {close}
+        assert g.advance(close) is False and not g.active  # a call does not end the request
+
+
+def test_a_call_the_prompt_opened_starts_constrained(llm):
+    tok, vocab = llm.tokenizer, llm.runner.mcfg.vocab_size
+    rest = guide.lark('start: %json {"type": "object", "properties": {"a": {"enum": [1, 2]}}, '
+                      '"required": ["a"], "additionalProperties": false} "}"')
+    g = Guide(GuideSpec(None, in_tool=rest), tok, vocab)
+    assert g.active
+    out = llm.generate(ids_of(llm, "call"), SamplingParams(max_new_tokens=30, temperature=1.0, seed=2,
+                                                           guide=GuideSpec(None, in_tool=rest)))
+    text = llm.tokenizer.decode(out.token_ids)
+    assert re.match(r'^\{\s*"a":\s*[12]\s*\}\}', text), text   # then free text

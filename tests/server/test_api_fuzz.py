@@ -47,7 +47,8 @@ VALID = {
 KEYS = sorted({k for body in VALID.values() for k in body} | {
     "stream", "stop", "stop_sequences", "tool_choice", "temperature", "top_p", "top_k", "n",
     "seed", "thinking", "stream_options", "logprobs", "content", "role", "reasoning", "text",
-    "previous_response_id"})
+    "previous_response_id", "response_format", "structured_outputs", "logit_bias", "top_logprobs",
+    "output_config", "output_format"})
 
 
 @st.composite

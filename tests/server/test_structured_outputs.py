@@ -189,3 +189,58 @@ def test_anthropic_bad_schema_is_a_400(live):
 def test_completions_logprobs_above_five_is_a_400(client, live):
     with pytest.raises(openai.BadRequestError, match="logprobs"):
         client.completions.create(model=live.model, prompt="x", max_tokens=2, logprobs=6)
+
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}}}
+CLOCK = {"type": "object", "additionalProperties": False, "required": ["zone"],
+         "properties": {"zone": {"enum": ["UTC", "CET"]}}}
+
+
+def tools(strict: bool | None = None) -> list[dict]:
+    extra = {} if strict is None else {"strict": strict}
+    return [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER, **extra}},
+            {"type": "function", "function": {"name": "get_time", "parameters": CLOCK, **extra}}]
+
+
+def assert_valid_calls(message) -> list[str]:
+    schemas = {"get_weather": WEATHER, "get_time": CLOCK}
+    assert message.tool_calls
+    for call in message.tool_calls:
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+    return [c.function.name for c in message.tool_calls]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_forced_tool_calls_follow_their_schemas(client, live, seed):
+    """tool_choice required or named: the random model's calls parse and satisfy the schema."""
+    required = chat(client, live, tools=tools(), tool_choice="required", temperature=1.0, seed=seed)
+    assert_valid_calls(required.choices[0].message)
+    named = chat(client, live, tools=tools(), temperature=1.0, seed=seed,
+                 tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert assert_valid_calls(named.choices[0].message)[0] == "get_time"
+
+
+def test_strict_tools_constrain_calls_the_model_opens_itself(client, live):
+    bias = {str(token_id(live, "<tool_call>")): 100}     # make the random model open a call
+    strict = chat(client, live, tools=tools(strict=True), tool_choice="auto", logit_bias=bias)
+    assert_valid_calls(strict.choices[0].message)
+    loose = chat(client, live, tools=tools(strict=False), tool_choice="auto", logit_bias=bias)
+    assert not loose.choices[0].message.tool_calls      # unconstrained, the random model writes no valid call
+
+
+def test_anthropic_strict_tool_use(live):
+    m = live.anthropic().messages.create(
+        model=live.model, max_tokens=80, messages=MSGS, tool_choice={"type": "any"},
+        tools=[{"name": "get_weather", "input_schema": WEATHER, "strict": True}])
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert uses and uses[0].name == "get_weather"
+    jsonschema.validate(uses[0].input, WEATHER)
+
+
+def test_a_strict_tool_whose_schema_cannot_be_used_is_a_400(live):
+    bad = [{"type": "function", "function": {"name": "f", "strict": True,
+                                             "parameters": {"type": "object", "properties": {"x": {"type": "nonsense"}}}}}]
+    r = httpx.post(f"{live.url}/v1/chat/completions", timeout=30, headers={"Authorization": f"Bearer {API_KEY}"},
+                   json={"model": live.model, "messages": MSGS, "max_tokens": 4, "tools": bad})
+    assert r.status_code == 400 and "nonsense" in r.json()["error"]["message"], r.text

@@ -17,16 +17,22 @@ A spec can leave room for what surrounds the constrained answer in a chat model'
 - ``escape``: where the grammar would start, these tokens are allowed too and end the
   constraint (a tool call's opening tag: with ``tool_choice="auto"`` the model may call a tool
   instead of answering).
+- ``tool_grammar``: each tool call, from after its opening tag to its closing one, follows this
+  grammar (names one of the tools, arguments valid for its schema); ``in_tool``: the output
+  starts inside a tool call the prompt opened (``tool_choice`` required or named).
 
-``Guide.advance`` returns True once the grammar is complete (nothing but EOS could follow): the
-sampler's caller finishes the request with reason "stop" there, without another step.
+``Guide.advance`` returns True once the answer's grammar is complete (nothing but EOS could
+follow): the sampler's caller finishes the request with reason "stop" there, without another
+step. A complete tool call does not end the request (the model may call another).
 """
 from __future__ import annotations
 
 import functools
 import json
+import re
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import InvalidRequest
@@ -34,23 +40,32 @@ from ..errors import InvalidRequest
 #: whitespace tokens allowed between a reasoning block and the answer (models write "\n\n"
 #: after </think>)
 GAP_TOKENS = 4
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 @dataclass(frozen=True)
 class GuideSpec:
-    grammar: str                          # llguidance's grammar (JSON text): see json_schema(), regex(), lark()
+    grammar: str | None                   # the answer's (llguidance's grammar, JSON text): json_schema(), regex(), lark()
     reasoning: bool = False               # output starts inside a reasoning block
-    open_reasoning: int | None = None     # token opening a reasoning block where the grammar starts
+    open_reasoning: int | None = None     # token opening a reasoning block where the answer starts
     close_reasoning: int | None = None    # token closing it
-    escape: tuple[int, ...] = ()          # tokens allowed where the grammar starts, ending the constraint
+    escape: tuple[int, ...] = ()          # tokens opening a tool call (allowed where the answer starts)
+    tool_grammar: str | None = None       # a tool call's, after its opening token (None: the call is free)
+    in_tool: str | None = None            # the rest of a tool call the prompt already opened
+
+
+def _one_line(message: str) -> str:
+    """llguidance's message without the drawing of the grammar we generated around the user's
+    schema or pattern (nor its positions in it), on one line."""
+    lines = [line.strip() for line in message.splitlines()]
+    kept = [line for line in lines if line and not re.match(r"^(\d+ \||\^+$)", line)]
+    return re.sub(r"^at \d+\(\d+\): ", "", " ".join(kept))
 
 
 def _checked(grammar: str, what: str) -> str:
     import llguidance
     error = llguidance.LLMatcher.validate_grammar(grammar)
-    if error:
-        raise InvalidRequest(f"{what}: {error}")
+    if error:   # the first line says what; the rest draws the grammar we generated around it
+        raise InvalidRequest(f"{what}: {_one_line(error)}")
     return grammar
 
 
@@ -75,7 +90,7 @@ def regex(pattern: str, what: str = "the regex") -> str:
     except InvalidRequest:
         raise
     except Exception as exc:   # noqa: BLE001  llguidance raises ValueError/RuntimeError variously
-        raise InvalidRequest(f"{what}: {exc}") from None
+        raise InvalidRequest(f"{what}: {_one_line(str(exc))}") from None
 
 
 def choice(options: list[str], what: str = "the choice") -> str:
@@ -92,7 +107,7 @@ def lark(source: str, what: str = "the grammar") -> str:
     except InvalidRequest:
         raise
     except Exception as exc:   # noqa: BLE001
-        raise InvalidRequest(f"{what}: {exc}") from None
+        raise InvalidRequest(f"{what}: {_one_line(str(exc))}") from None
 
 
 @functools.lru_cache(maxsize=8)
@@ -126,23 +141,34 @@ def token_bytes(tokenizer, n_vocab: int, token_id: int) -> bytes:
     return raw[1:] if raw[:1] == b"\xff" else raw     # llguidance marks special tokens with 0xFF
 
 
+def _matcher(lltok, grammar: str):
+    import llguidance
+    m = llguidance.LLMatcher(lltok, grammar)
+    if m.is_error():
+        raise InvalidRequest(f"the grammar cannot be used: {m.get_error()}")
+    return m
+
+
 class Guide:
-    """One request's constraint: ``mask(logits)`` before a sample, ``advance(token)`` after."""
+    """One request's constraint: ``mask(logits)`` before a sample, ``advance(token)`` after.
+
+    States: "answer" (the answer's grammar), "reasoning" (free until the closing token), "text"
+    (free: no answer grammar, or the model called a tool instead), "tool" (inside a tool call,
+    under ``tool_grammar``; back to "text" when the call is complete)."""
 
     def __init__(self, spec: GuideSpec, tokenizer, n_vocab: int):
-        import llguidance
         self.spec = spec
         try:
             self._lltok = ll_tokenizer(tokenizer, n_vocab)
         except Exception as exc:   # noqa: BLE001  a tokenizer llguidance cannot read
             raise InvalidRequest(f"constrained decoding is unavailable for this model's tokenizer: {exc}") from None
-        self.matcher = llguidance.LLMatcher(self._lltok, spec.grammar)
-        if self.matcher.is_error():
-            raise InvalidRequest(f"the grammar cannot be used: {self.matcher.get_error()}")
+        self.answer = _matcher(self._lltok, spec.grammar) if spec.grammar else None
+        self.tool = _matcher(self._lltok, spec.in_tool) if spec.in_tool else None
+        self.state = ("tool" if spec.in_tool else "reasoning" if spec.reasoning else
+                      "answer" if spec.grammar else "text")
         self.n_vocab = n_vocab
-        self.state = "reasoning" if spec.reasoning else "grammar"   # -> "free" after an escape
-        self.started = False              # the grammar has consumed a token
-        self.gap = 0                      # whitespace tokens still allowed before the grammar
+        self.started = False              # the answer's grammar has consumed a token
+        self.gap = 0                      # whitespace tokens still allowed before the answer
         self._bits = torch.zeros(1, (n_vocab + 31) // 32, dtype=torch.int32)
         extra = [t for t in (spec.open_reasoning, *spec.escape) if t is not None and 0 <= t < n_vocab]
         self._extra = torch.tensor(extra, dtype=torch.long)
@@ -150,49 +176,62 @@ class Guide:
     @property
     def active(self) -> bool:
         """The next token is constrained."""
-        return self.state == "grammar"
+        return self.state in ("answer", "tool")
 
     def mask(self, logits: torch.Tensor) -> None:
         """Set the logits of forbidden tokens to -inf, in place (``logits [V]``, float, CPU)."""
         if not self.active:
             return
         from llguidance.torch import fill_next_token_bitmask
-        fill_next_token_bitmask(self.matcher, self._bits)
-        extra = self._extra if not self.started else self._extra[:0]
-        if self.gap:
-            extra = torch.cat([extra, _whitespace_ids(self._lltok, self.n_vocab)])
+        fill_next_token_bitmask(self.answer if self.state == "answer" else self.tool, self._bits)
+        extra = self._extra[:0]
+        if self.state == "answer" and not self.started:
+            extra = self._extra
+            if self.gap:
+                extra = torch.cat([extra, _whitespace_ids(self._lltok, self.n_vocab)])
         keep = logits[extra].clone() if extra.numel() else None
         # bit t % 32 of word t // 32 says token t is allowed (llguidance's own helper is a
         # torch.compile kernel: seconds of compiling on the first request)
-        allowed = (self._bits[0].unsqueeze(1) >> _SHIFTS) & 1            # [W, 32]
-        logits.masked_fill_(allowed.flatten()[: logits.numel()] == 0, float("-inf"))
+        allowed = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")   # [32 W]
+        logits.masked_fill_(torch.from_numpy(allowed[: logits.numel()]) == 0, float("-inf"))
         if keep is not None:
             logits[extra] = keep
 
     def advance(self, token: int) -> bool:
-        """Record the sampled token; True when the grammar is complete."""
-        spec = self.spec
-        if self.state == "reasoning":
+        """Record the sampled token; True when the answer's grammar is complete."""
+        spec, state = self.spec, self.state
+        if state == "reasoning":
             if token == spec.close_reasoning:
-                self.state, self.gap = "grammar", GAP_TOKENS
+                self.state = "answer" if self.answer is not None and not self.started else "text"
+                self.gap = GAP_TOKENS
             return False
-        if self.state == "free":
+        if state == "tool":
+            self._consume(self.tool, token)
+            if self.tool.is_stopped():
+                self.state, self.tool = "text", None
             return False
-        if not self.started and token == spec.open_reasoning:
+        opening = state == "text" or not self.started
+        if opening and token == spec.open_reasoning:
             self.state = "reasoning"
-            return False
-        if not self.started and token in spec.escape:
-            self.state = "free"
-            return False
-        if self.gap and not self.matcher.validate_tokens([token]):   # whitespace before the answer
-            self.gap -= 1
-            return False
-        self.gap = 0
-        if not self.matcher.consume_token(token):
+        elif opening and token in spec.escape:
+            self.state = "text"
+            if spec.tool_grammar:
+                self.state, self.tool = "tool", _matcher(self._lltok, spec.tool_grammar)
+        elif state == "answer":
+            if self.gap and not self.answer.validate_tokens([token]):   # whitespace before the answer
+                self.gap -= 1
+                return False
+            self.gap = 0
+            self._consume(self.answer, token)
+            self.started = True
+            return self.answer.is_stopped()
+        return False
+
+    @staticmethod
+    def _consume(matcher, token: int) -> None:
+        if not matcher.consume_token(token):
             # only a bug (the mask allowed it) gets here; the output so far still stands
-            raise InvalidRequest(f"token {token} broke the grammar: {self.matcher.get_error()}")
-        self.started = True
-        return self.matcher.is_stopped()
+            raise InvalidRequest(f"token {token} broke the grammar: {matcher.get_error()}")
 
 
 __all__ = ["Guide", "GuideSpec", "choice", "json_schema", "lark", "ll_tokenizer", "regex", "token_bytes"]

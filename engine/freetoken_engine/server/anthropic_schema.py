@@ -44,6 +44,7 @@ class Tool(Body):
     type: str | None = None
     description: str | None = None
     input_schema: dict[str, Any] | None = None
+    strict: bool | None = None      # calls must follow input_schema (structured outputs' strict tool use)
 
 
 class ToolChoice(Body):
@@ -85,6 +86,8 @@ class CountRequest(Body):
             fn = {"name": t.name, "parameters": schema}
             if t.description:
                 fn["description"] = t.description
+            if t.strict:
+                fn["strict"] = True
             tools.append({"type": "function", "function": fn})
         return tools
 

@@ -46,6 +46,8 @@ class Prompt:
     tools: bool               # parse tool calls
     style: str = "json"       # the tool calls' format: "json" (Hermes) or "xml" (Qwen3.5, Qwen3-Coder)
     schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
+    strict: frozenset[str] = frozenset()   # tools whose calls must follow their schema (``strict``)
+    forced: str | None = None     # the prompt opened a tool call: "required", or the named tool
 
 
 def tool_style(tokenizer) -> str:
@@ -92,10 +94,13 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
         text, in_reasoning = text + continue_text, False
     # the template already wrote BOS and friends: do not add special tokens again
     ids = encode_text(tokenizer, text + prefill, add_special_tokens=False)
-    schemas = {t["function"]["name"]: t["function"].get("parameters") or {}
-               for t in tools or () if isinstance(t.get("function"), dict) and "name" in t["function"]}
+    functions = [t["function"] for t in tools or () if isinstance(t.get("function"), dict)
+                 and "name" in t["function"]]
+    schemas = {f["name"]: f.get("parameters") or {} for f in functions}
+    forced = (named_tool or tool_choice) if prefill else None
     return Prompt(ids=list(ids), in_reasoning=in_reasoning, prefill=prefill, tools=use_tools,
-                  style=style, schemas=schemas)
+                  style=style, schemas=schemas, forced=forced,
+                  strict=frozenset(f["name"] for f in functions if f.get("strict")))
 
 
 def _leading_system_merged(messages: list[dict]) -> list[dict]:
