@@ -2,10 +2,12 @@
 and a regex, on the embedded default model (SmolLM2-135M as an MoE, 49k vocabulary), in the same
 process, rounds interleaved; and the grammar engine's own times: building its tokenizer (once
 per model), a grammar's first mask (its compile happens lazily there) and one mask per token,
-timed by replaying each constrained answer's tokens.
+timed by replaying each constrained answer's tokens. Then ``--concurrent`` requests at once
+through the scheduler, with and without the schema: aggregate tok/s and the time its batched
+masks take per step.
 
-Sample us is the sampler's time per token (mask, bias and argmax included), measured around
-``sample`` inside ``LLM.generate``. Decode tok/s is ``Generation.stats["decode_tokens_per_s"]``
+Sample us is the host's time per sampled token (the grammar's mask, bias and argmax), measured
+around ``Guide.constrain`` and ``sample`` inside ``LLM.generate``. Decode tok/s is ``Generation.stats["decode_tokens_per_s"]``
 (greedy, one request); the side
 without a grammar generates ``--tokens`` tokens (EOS ignored), a grammar side up to that many
 (it stops when its answer is complete).
@@ -52,24 +54,35 @@ def mask_times(llm, grammar: str, tokens: list[int]) -> tuple[float, list[float]
     times = []
     for t in tokens:
         t0 = time.perf_counter()
-        g.mask(x)
+        g.constrain(x)
         times.append(time.perf_counter() - t0)
         g.advance(t)
     return times[0] * 1e3, [s * 1e6 for s in times[1:]]
 
 
 class Timed:
-    """Wraps ``LLM.generate``'s sampler: the time each sampled token costs (mask included)."""
+    """Wraps ``LLM.generate``'s sampler and the guide's mask: what each sampled token costs the
+    host (mask, bias and sampling)."""
 
     def __init__(self):
         import freetoken_engine.llm as llm_module
-        self.module, self.inner, self.times = llm_module, llm_module.sample, []
+        self.module, self.inner, self.times, self.pending = llm_module, llm_module.sample, [], 0.0
+        self.constrain = guide.Guide.constrain
         llm_module.sample = self
+        timed = self
+
+        def constrain(g, logits):
+            t = time.perf_counter()
+            out = timed.constrain(g, logits)
+            timed.pending += time.perf_counter() - t
+            return out
+        guide.Guide.constrain = constrain
 
     def __call__(self, *args):
         t = time.perf_counter()
         tok = self.inner(*args)
-        self.times.append(time.perf_counter() - t)
+        self.times.append(time.perf_counter() - t + self.pending)
+        self.pending = 0.0
         return tok
 
     def take(self) -> list[float]:
@@ -77,9 +90,9 @@ class Timed:
         return out
 
 
-def run(tokens: int, rounds: int) -> dict:
+def run(tokens: int, rounds: int, model: Path | None = None, device: str = "cpu") -> dict:
     t0 = time.perf_counter()
-    llm = LLM()
+    llm = LLM(model, device=device)
     prompt = llm.tokenizer.encode_chat(QUESTION)
     t1 = time.perf_counter()
     guide.ll_tokenizer(llm.tokenizer, llm.runner.mcfg.vocab_size)
@@ -109,8 +122,62 @@ def run(tokens: int, rounds: int) -> dict:
             r["first_mask_ms"], r["mask_us_median"], r["mask_us_p90"] = (
                 first_ms, statistics.median(per), sorted(per)[int(0.9 * (len(per) - 1))])
         del r["tokens"]
-    return {"model": "embedded default (SmolLM2-135M-Instruct as an MoE)", "vocab": llm.runner.mcfg.vocab_size,
+    name = str(model) if model else "embedded default (SmolLM2-135M-Instruct as an MoE)"
+    return {"model": name, "device": device, "vocab": llm.runner.mcfg.vocab_size,
             "load_s": t1 - t0, "grammar_tokenizer_build_s": tokenizer_s, "sides": out}
+
+
+def run_batch(concurrent: int, tokens: int, rounds: int, model: Path | None = None, device: str = "cpu") -> dict:
+    """``concurrent`` requests at once through the scheduler (EngineService), with and without
+    the JSON Schema: aggregate tok/s, and the time the scheduler spends masking per step."""
+    import asyncio
+
+    from freetoken_engine.config import EngineConfig
+    from freetoken_engine.models.default import default_model_dir
+    from freetoken_engine.scheduler import scheduler as sched
+    from freetoken_engine.scheduler.service import EngineService
+
+    mask_s = []
+    inner = sched.Scheduler._masked
+
+    def timed(batch, logits):
+        t = time.perf_counter()
+        out = inner(batch, logits)
+        if out:
+            mask_s.append(time.perf_counter() - t)
+        return out
+    sched.Scheduler._masked = staticmethod(timed)
+    svc = EngineService.start(EngineConfig(model=model or default_model_dir(progress=False), device=device,
+                                           max_batch=concurrent), wait=True)
+    prompt = svc.tokenizer.encode_chat(QUESTION)
+    spec = guide.GuideSpec(guide.json_schema(SCHEMA))
+
+    async def one(grammar: bool) -> int:
+        params = SamplingParams(max_new_tokens=tokens, temperature=0, guide=spec if grammar else None,
+                                ignore_eos=not grammar)
+        n = 0
+        async for ev in svc.submit(prompt, params):
+            n += ev.token_id is not None
+        return n
+
+    out = {"no grammar": [], "json_schema": []}
+    try:
+        for _ in range(rounds):
+            for side in out:
+                t = time.perf_counter()
+                n = sum(asyncio.run(_gather(one, side == "json_schema", concurrent)))
+                out[side].append(n / (time.perf_counter() - t))
+    finally:
+        svc.shutdown()
+        sched.Scheduler._masked = inner
+    res = {side: statistics.median(v) for side, v in out.items()}
+    return {"concurrent": concurrent, "tok_s": res, "ratio": res["json_schema"] / res["no grammar"],
+            "mask_ms_per_step_median": statistics.median(mask_s) * 1e3 if mask_s else None}
+
+
+async def _gather(one, grammar: bool, n: int) -> list[int]:
+    import asyncio
+    return await asyncio.gather(*(one(grammar) for _ in range(n)))
 
 
 def plot(result: dict, path: Path) -> None:
@@ -118,15 +185,20 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     sides = list(result["sides"])
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.2))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(13, 3.2))
     a.bar(sides, [result["sides"][s]["decode_tok_s_median"] for s in sides])
     a.set_ylabel("decode tok/s (median)")
     guided = [s for s in sides if "mask_us_median" in result["sides"][s]]
     b.bar(guided, [result["sides"][s]["mask_us_median"] for s in guided])
     b.set_ylabel("mask per token, us (median)")
-    for ax in (a, b):
+    batches = result.get("batch", [])
+    c.bar([str(x["concurrent"]) for x in batches], [x["ratio"] for x in batches])
+    c.set_xlabel("requests at once")
+    c.set_ylabel("tok/s with the schema / without")
+    for ax in (a, b, c):
         ax.tick_params(axis="x", labelsize=8)
-    fig.suptitle(f"Constrained decoding cost: {result['model']}, {str(result['hardware'].get('cpu', ''))[:50]}",
+    fig.suptitle(f"Constrained decoding cost: {result['model'][-60:]} on {result['device']}, "
+                 f"{str(result['hardware'].get('gpu') or result['hardware'].get('cpu', ''))[:50]}",
                  fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -136,9 +208,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--concurrent", type=int, nargs="+", default=[8], help="requests at once in the batch part")
+    ap.add_argument("--model", type=Path, help="model folder (default: the embedded default model)")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", type=Path, default=RESULTS / "structured_output.json")
     args = ap.parse_args()
-    result = run(args.tokens, args.rounds)
+    result = run(args.tokens, args.rounds, args.model, args.device)
+    result["batch"] = [run_batch(n, args.tokens, args.rounds, args.model, args.device) for n in args.concurrent]
     print(f"grammar tokenizer build: {result['grammar_tokenizer_build_s']:.2f} s (once per model)")
     print(f"{'side':12s} {'tok/s':>8s} {'ratio':>6s} {'tokens':>6s} {'finish':>7s} {'sample us':>9s} "
           f"{'1st mask ms':>11s} {'mask us p50':>11s} {'p90':>7s}")
@@ -148,6 +224,10 @@ def main() -> None:
               f"{r.get('first_mask_ms', 0):11.2f} "
               f"{r.get('mask_us_median', 0):11.1f} {r.get('mask_us_p90', 0):7.1f}")
         print(f"    {r['text'][:110]!r}")
+    for b in result["batch"]:
+        print(f"{b['concurrent']:3d} requests at once: {b['tok_s']['no grammar']:8.1f} tok/s without a grammar, "
+              f"{b['tok_s']['json_schema']:8.1f} with the schema ({b['ratio']:.2f}x); masks "
+              f"{b['mask_ms_per_step_median']:.2f} ms a step")
     save({"benchmark": "structured_output", "hardware": describe(), "tokens": args.tokens, **result},
          args.out, plot)
 

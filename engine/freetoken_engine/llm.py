@@ -127,7 +127,7 @@ class LLM:
         out, finish = [], "length"
         try:
             while True:
-                tok = sample(logits, params, gen, guide)
+                tok = sample(logits if guide is None else guide.constrain(logits), params, gen)
                 out.append(tok)
                 if tok in stop or (guide is not None and guide.advance(tok)):
                     finish = "stop"

@@ -38,8 +38,7 @@ def tag(llm, name: str) -> int:
 
 
 def allowed(g: Guide, n_vocab: int) -> set[int]:
-    x = torch.zeros(n_vocab)
-    g.mask(x)
+    x = g.constrain(torch.zeros(n_vocab))
     return set(torch.nonzero(x == 0).flatten().tolist())
 
 
@@ -120,11 +119,31 @@ def test_logit_bias_forces_or_bans_a_token(llm):
         SamplingParams(logit_bias=((1, 300.0),))
 
 
-def test_sample_leaves_the_logits_unchanged():
+def test_sample_and_the_mask_leave_the_logits_unchanged(llm):
     logits = torch.randn(64)
     before = logits.clone()
     sample(logits, SamplingParams(temperature=0, logit_bias=((3, 50.0),)), torch.Generator())
     assert torch.equal(logits, before)
+    vocab = llm.runner.mcfg.vocab_size
+    g = Guide(GuideSpec(guide.json_schema(SCHEMA)), llm.tokenizer, vocab)
+    logits = torch.randn(vocab)
+    before = logits.clone()
+    masked = g.constrain(logits)
+    assert torch.equal(logits, before) and int(torch.isfinite(masked).sum()) < vocab
+
+
+def test_masks_of_a_batch_equal_each_computed_alone(llm):
+    """The parallel batch path (the scheduler's) gives every row the mask it gets alone."""
+    vocab = llm.runner.mcfg.vocab_size
+    specs = [GuideSpec(guide.json_schema(SCHEMA)), GuideSpec(guide.regex("[a-z]+")),
+             GuideSpec(guide.choice(["yes", "no"]), open_reasoning=tag(llm, "<think>"))]
+    guides = [Guide(s, llm.tokenizer, vocab) for s in specs]
+    guides[0].advance(ids_of(llm, '{"')[0])
+    logits = torch.randn(len(guides), vocab)
+    together = guide.apply_masks(logits, guide.fill_masks(guides))
+    for i, g in enumerate(guides):
+        assert torch.equal(together[i], g.constrain(logits[i]))
+    assert torch.isfinite(together[2, tag(llm, "<think>")])
 
 
 async def test_scheduler_serves_the_same_constrained_tokens_with_logprobs(llm, tiny_checkpoint):

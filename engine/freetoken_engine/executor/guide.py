@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import re
 from dataclasses import dataclass
 
@@ -169,7 +170,6 @@ class Guide:
         self.n_vocab = n_vocab
         self.started = False              # the answer's grammar has consumed a token
         self.gap = 0                      # whitespace tokens still allowed before the answer
-        self._bits = torch.zeros(1, (n_vocab + 31) // 32, dtype=torch.int32)
         extra = [t for t in (spec.open_reasoning, *spec.escape) if t is not None and 0 <= t < n_vocab]
         self._extra = torch.tensor(extra, dtype=torch.long)
 
@@ -178,24 +178,26 @@ class Guide:
         """The next token is constrained."""
         return self.state in ("answer", "tool")
 
-    def mask(self, logits: torch.Tensor) -> None:
-        """Set the logits of forbidden tokens to -inf, in place (``logits [V]``, float, CPU)."""
+    @property
+    def matcher(self):
+        """The grammar the next token is under (None when it is free)."""
+        return self.answer if self.state == "answer" else self.tool if self.state == "tool" else None
+
+    def extra_tokens(self) -> torch.Tensor:
+        """Tokens allowed besides the grammar's: where the answer starts, a reasoning block's or a
+        tool call's opening token, and after a reasoning block, whitespace."""
+        if self.state != "answer" or self.started:
+            return self._extra[:0]
+        if self.gap:
+            return torch.cat([self._extra, _whitespace_ids(self._lltok, self.n_vocab)])
+        return self._extra
+
+    def constrain(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits [V]`` with what the grammar forbids at -inf (a new tensor; unchanged when the
+        next token is free)."""
         if not self.active:
-            return
-        from llguidance.torch import fill_next_token_bitmask
-        fill_next_token_bitmask(self.answer if self.state == "answer" else self.tool, self._bits)
-        extra = self._extra[:0]
-        if self.state == "answer" and not self.started:
-            extra = self._extra
-            if self.gap:
-                extra = torch.cat([extra, _whitespace_ids(self._lltok, self.n_vocab)])
-        keep = logits[extra].clone() if extra.numel() else None
-        # bit t % 32 of word t // 32 says token t is allowed (llguidance's own helper is a
-        # torch.compile kernel: seconds of compiling on the first request)
-        allowed = np.unpackbits(self._bits.numpy().view(np.uint8), bitorder="little")   # [32 W]
-        logits.masked_fill_(torch.from_numpy(allowed[: logits.numel()]) == 0, float("-inf"))
-        if keep is not None:
-            logits[extra] = keep
+            return logits
+        return apply_masks(logits[None], fill_masks([self]))[0]
 
     def advance(self, token: int) -> bool:
         """Record the sampled token; True when the answer's grammar is complete."""
@@ -234,4 +236,38 @@ class Guide:
             raise InvalidRequest(f"token {token} broke the grammar: {matcher.get_error()}")
 
 
-__all__ = ["Guide", "GuideSpec", "choice", "json_schema", "lark", "ll_tokenizer", "regex", "token_bytes"]
+@functools.lru_cache(maxsize=1)
+def _executor():
+    import llguidance
+    return llguidance.LLExecutor(num_threads=max(1, min(8, (os.cpu_count() or 2) // 2)))
+
+
+def fill_masks(guides: list[Guide]) -> torch.Tensor:
+    """The tokens each (active) guide allows, as bitmask rows ``[n, W]`` int32 on the CPU (bit
+    ``t % 32`` of word ``t // 32``: token t), the grammars' part computed in parallel by
+    llguidance's threads when there are several."""
+    from llguidance.torch import fill_next_token_bitmask, fill_next_token_bitmask_par
+    bits = torch.zeros(len(guides), (guides[0].n_vocab + 31) // 32, dtype=torch.int32)
+    if len(guides) == 1:
+        fill_next_token_bitmask(guides[0].matcher, bits)
+    else:
+        fill_next_token_bitmask_par(_executor(), [(g.matcher, i) for i, g in enumerate(guides)], bits)
+    words = bits.numpy().view(np.uint32)
+    for row, g in zip(words, guides):
+        for t in g.extra_tokens().tolist():
+            row[t >> 5] |= np.uint32(1 << (t & 31))
+    return bits
+
+
+def apply_masks(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``logits [n, V]`` as float32 with the tokens ``bits [n, W]`` forbid at -inf: a new
+    tensor on the logits' device, one masked fill for the batch (llguidance's own helper is a
+    torch.compile kernel: seconds of compiling on a first request)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    bits = bits.to(logits.device, non_blocking=True)
+    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[-1]]   # [n, V]
+    return logits.float().masked_fill(allowed == 0, float("-inf"))
+
+
+__all__ = ["Guide", "GuideSpec", "apply_masks", "choice", "fill_masks", "json_schema", "lark", "ll_tokenizer",
+           "regex", "token_bytes"]

@@ -65,24 +65,20 @@ def make_guide(params: SamplingParams, tokenizer, n_vocab: int) -> Guide | None:
     return Guide(params.guide, tokenizer, n_vocab)
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
-           guide: Guide | None = None) -> int:
-    """One token from ``logits [V]`` (float32; left unchanged). Sampling runs on the CPU for
-    reproducibility. Raises NonFiniteLogits when a logit is NaN or +inf, or every one is -inf
-    (one reduction: max propagates NaN)."""
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    """One token from ``logits [V]`` (float32, a grammar's mask already applied: ``Guide``;
+    left unchanged). Sampling runs on the CPU for reproducibility. Raises NonFiniteLogits when
+    a logit is NaN or +inf, or every one is -inf (one reduction: max propagates NaN)."""
     best, arg = logits.max(0)
     if not math.isfinite(float(best)):
         raise NonFiniteLogits(f"the model produced non-finite logits (max {float(best)}) for this request: "
                               "the checkpoint or its dtype overflows; try --dtype bfloat16 or float32")
-    shaped = params.logit_bias or (guide is not None and guide.active)
-    if params.temperature == 0 and not shaped:
+    if params.temperature == 0 and not params.logit_bias:
         return int(arg)
     x = logits.detach().to("cpu", torch.float32, copy=True)
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias if t < x.numel()], dtype=torch.long)
         x[ids] += torch.tensor([b for t, b in params.logit_bias if t < x.numel()])
-    if guide is not None:
-        guide.mask(x)
     if params.temperature == 0:
         return int(x.argmax())
     x /= params.temperature

@@ -36,6 +36,7 @@ from ..cache.states import Anchors, anchor_token_ids
 from ..errors import InvalidRequest, NonFiniteLogits, OutOfKVCache, QueueFull
 from ..executor.inputs import SeqChunk
 from ..executor.runner import ModelRunner
+from ..executor.guide import apply_masks, fill_masks
 from ..executor.sampler import sample, token_logprobs
 from .beside import DecodePause
 from .request import Request, TokenEvent
@@ -327,13 +328,14 @@ class Scheduler:
 
     def _emit(self, batch: list[tuple[Request, int]], logits) -> None:
         """After a pass: advance each request, and sample, stream or retire those it completed."""
+        masked = self._masked(batch, logits)
         for row, (req, n) in enumerate(batch):
             req.computed += n
             if req.pending:
                 continue                      # prefill continues next step
             params = req.params
             try:
-                tok = sample(logits[row], params, req.generator, req.guide)
+                tok = sample(masked.get(row, logits[row]), params, req.generator)
                 complete = req.guide is not None and req.guide.advance(tok)
             except (NonFiniteLogits, InvalidRequest) as exc:   # this request's output is lost, the others go on
                 log.warning("request %d: %s", req.id, exc)
@@ -348,6 +350,17 @@ class Scheduler:
                 self._finish(req, "length", tok, logprob=lp)
             else:
                 req.sink.push(TokenEvent(tok, None, logprob=lp))
+
+    @staticmethod
+    def _masked(batch: list[tuple[Request, int]], logits) -> dict:
+        """Row -> logits under its grammar's mask, for the rows this pass completes whose next
+        token is constrained: the masks computed together (in parallel), applied in one op."""
+        rows = [row for row, (req, n) in enumerate(batch)
+                if req.guide is not None and req.guide.active and req.computed + n == len(req.tokens)]
+        if not rows:
+            return {}
+        out = apply_masks(logits[rows], fill_masks([batch[row][0].guide for row in rows]))
+        return {row: out[i] for i, row in enumerate(rows)}
 
     def _release(self, req: Request) -> None:
         self.kv.release(req.blocks)
