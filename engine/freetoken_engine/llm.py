@@ -17,7 +17,7 @@ from .config import EngineConfig
 from .errors import InvalidRequest, RequestTooLong
 from .executor.inputs import SeqChunk, build_inputs
 from .executor.runner import ModelRunner
-from .executor.sampler import SamplingParams, make_generator, make_guide, sample
+from .executor.sampler import SamplingParams, make_generator, make_guide, make_penalties, sample
 
 
 @dataclass
@@ -114,6 +114,7 @@ class LLM:
             raise RequestTooLong(f"prompt of {len(prompt_ids)} tokens fills the context of {self.max_context}")
         gen = make_generator(params, self.config.seed)
         guide = make_guide(params, self.runner.tokenizer, self.runner.mcfg.vocab_size)
+        penalties = make_penalties(params, prompt_ids, self.runner.mcfg.vocab_size)
         stop = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.runner.eos_token_ids))
         kv = self.runner.kv
         t0 = time.perf_counter()
@@ -127,7 +128,9 @@ class LLM:
         out, finish = [], "length"
         try:
             while True:
-                tok = sample(logits if guide is None else guide.constrain(logits), params, gen)
+                tok = sample(logits if guide is None else guide.constrain(logits), params, gen, penalties)
+                if penalties is not None:
+                    penalties.add(tok)
                 out.append(tok)
                 if tok in stop or (guide is not None and guide.advance(tok)):
                     finish = "stop"

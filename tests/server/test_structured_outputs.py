@@ -1,4 +1,5 @@
-"""Structured outputs, logit_bias and logprobs through the official clients against a live server.
+"""Structured outputs, logit_bias, logprobs and repetition penalties through the official clients
+against a live server.
 
 The tiny random checkpoint here has a Qwen3-style template: ``enable_thinking=False`` writes an
 empty reasoning block (so the answer starts at once), ``open_thinking=True`` opens one (as
@@ -244,3 +245,15 @@ def test_a_strict_tool_whose_schema_cannot_be_used_is_a_400(live):
     r = httpx.post(f"{live.url}/v1/chat/completions", timeout=30, headers={"Authorization": f"Bearer {API_KEY}"},
                    json={"model": live.model, "messages": MSGS, "max_tokens": 4, "tools": bad})
     assert r.status_code == 400 and "nonsense" in r.json()["error"]["message"], r.text
+
+
+def test_penalties_and_min_p_as_qwen_recommends(client, live):
+    """Qwen's model cards recommend presence_penalty up to 1.5-2; vLLM's repetition_penalty and
+    min_p are accepted too. Penalised greedy output repeats less, and streams the same."""
+    plain = chat(client, live, max_tokens=24, response_format=None).choices[0].message.content
+    kw = dict(max_tokens=24, presence_penalty=1.5, frequency_penalty=0.5,
+              extra_body={**NO_THINKING, "repetition_penalty": 1.2, "min_p": 0.05})
+    penalised = chat(client, live, **kw).choices[0].message.content
+    assert penalised != plain
+    streamed = "".join(c.choices[0].delta.content or "" for c in chat(client, live, stream=True, **kw) if c.choices)
+    assert streamed == penalised

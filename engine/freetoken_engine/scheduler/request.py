@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..executor.guide import Guide
+from ..executor.penalties import Penalties
 from ..executor.sampler import SamplingParams
 
 _ids = itertools.count()
@@ -37,6 +38,7 @@ class Request:
     max_new_tokens: int
     sink: "RequestHandle"
     guide: Guide | None = None    # the grammar the output follows (sampled under its mask)
+    penalties: Penalties | None = None   # repetition penalties' running counts
     id: int = field(default_factory=lambda: next(_ids))
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)

@@ -335,8 +335,10 @@ class Scheduler:
                 continue                      # prefill continues next step
             params = req.params
             try:
-                tok = sample(masked.get(row, logits[row]), params, req.generator)
+                tok = sample(masked.get(row, logits[row]), params, req.generator, req.penalties)
                 complete = req.guide is not None and req.guide.advance(tok)
+                if req.penalties is not None:
+                    req.penalties.add(tok)
             except (NonFiniteLogits, InvalidRequest) as exc:   # this request's output is lost, the others go on
                 log.warning("request %d: %s", req.id, exc)
                 self._finish(req, "abort", error=exc)

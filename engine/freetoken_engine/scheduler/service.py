@@ -14,7 +14,7 @@ from ..config import EngineConfig
 from ..errors import ConfigError, EngineError, InvalidRequest, RequestTooLong
 from ..executor.runner import ModelRunner
 from ..executor import guide
-from ..executor.sampler import SamplingParams, make_generator, make_guide
+from ..executor.sampler import SamplingParams, make_generator, make_guide, make_penalties
 from .request import Request, RequestHandle
 from .scheduler import Scheduler
 
@@ -104,7 +104,8 @@ class EngineService:
             stop |= set(self.runner.eos_token_ids)
         req = Request(prompt_ids=list(prompt_ids), params=params,
                       generator=make_generator(params, self.cfg.seed), stop_ids=frozenset(stop),
-                      max_new_tokens=params.max_new_tokens, sink=handle, guide=guide)
+                      max_new_tokens=params.max_new_tokens, sink=handle, guide=guide,
+                      penalties=make_penalties(params, prompt_ids, vocab))
         handle.request = req
 
         def abort() -> None:

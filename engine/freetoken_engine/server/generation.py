@@ -40,6 +40,10 @@ class GenOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()
     logprobs: int | None = None       # alternatives per token; None: no log-probabilities
     grammar: str | None = None        # the answer follows it (server/structured.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
 
 
 class Generation:
@@ -143,7 +147,9 @@ def start_generation(service, prompt, opts: GenOptions, *, metrics=None,
         max_new_tokens=max_new, temperature=opts.temperature, top_p=opts.top_p,
         top_k=opts.top_k, seed=opts.seed, stop_token_ids=() if opts.ignore_eos else eos,
         ignore_eos=opts.ignore_eos, logit_bias=opts.logit_bias, logprobs=opts.logprobs,
-        guide=guide_spec(opts.grammar, tok, prompt))
+        guide=guide_spec(opts.grammar, tok, prompt), presence_penalty=opts.presence_penalty,
+        frequency_penalty=opts.frequency_penalty, repetition_penalty=opts.repetition_penalty,
+        min_p=opts.min_p)
     handle = service.submit(list(prompt_ids), params)
     text = None if opts.logprobs is None else LogprobText(tok, service.vocab_size)
     return Generation(handle, tok, opts.stop, frozenset(eos), metrics, endpoint, t_arrival, text)

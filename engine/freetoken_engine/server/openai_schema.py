@@ -83,8 +83,10 @@ class _Sampling(Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     n: int | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)   # vLLM's extension
+    min_p: float | None = Field(None, ge=0.0, le=1.0)                # vLLM's extension
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool | None = None
@@ -99,9 +101,6 @@ class _Sampling(Body):
     def common_checks(self) -> None:
         if self.n not in (None, 1):
             raise unsupported("n", "must be 1: this server returns one choice per request")
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(self, name):
-                raise unsupported(name, "is not supported (only 0)")
         if len(self.stops()) > 16:
             raise unsupported("stop", "accepts at most 16 strings")
         if self.stream_options is not None and not self.stream:
@@ -124,7 +123,9 @@ class _Sampling(Body):
                           top_p=1.0 if self.top_p is None else self.top_p, top_k=top_k,
                           seed=self.seed, stop=self.stops(), ignore_eos=bool(self.ignore_eos),
                           logit_bias=logit_bias(self.logit_bias), logprobs=logprobs,
-                          grammar=self.grammar())
+                          grammar=self.grammar(), presence_penalty=self.presence_penalty or 0.0,
+                          frequency_penalty=self.frequency_penalty or 0.0,
+                          repetition_penalty=self.repetition_penalty or 1.0, min_p=self.min_p or 0.0)
 
     @property
     def include_usage(self) -> bool:
