@@ -144,7 +144,7 @@ def token_bytes(tokenizer, n_vocab: int, token_id: int) -> bytes:
 
 def _matcher(lltok, grammar: str):
     import llguidance
-    m = llguidance.LLMatcher(lltok, grammar)
+    m = llguidance.LLMatcher(lltok, grammar, log_level=0)   # errors are read and reported here
     if m.is_error():
         raise InvalidRequest(f"the grammar cannot be used: {m.get_error()}")
     return m

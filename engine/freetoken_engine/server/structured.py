@@ -17,14 +17,14 @@ The constraint applies to the answer: a reasoning block before it is free, and w
 """
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from ..errors import InvalidRequest
 from ..executor import guide
 from ..executor.guide import GuideSpec
 from .errors import ApiError
-from .parser import THINK_CLOSE, THINK_OPEN, TOOL_CLOSE, TOOL_OPEN
+from .parser import THINK_CLOSE, THINK_OPEN, TOOL_OPEN
+from .tool_grammar import tool_grammars
 
 _FORMATS = "'text', 'json_object' or 'json_schema'"
 
@@ -103,56 +103,6 @@ def guide_spec(grammar: str | None, tokenizer, prompt) -> GuideSpec | None:
         open_ = None     # the template wrote an empty reasoning block: thinking is switched off
     return GuideSpec(grammar, reasoning=reasoning, open_reasoning=open_, close_reasoning=close,
                      escape=() if tool is None else (tool,), tool_grammar=calls, in_tool=rest)
-
-
-def _lit(text: str) -> str:
-    return json.dumps(text)     # a lark string literal
-
-
-def _arguments(schema: dict | None, strict: bool) -> str:
-    """``%json`` of a call's arguments, spaced as the templates write them (``tojson``)."""
-    body = dict(schema or {}) if strict else {"type": "object"}
-    body.setdefault("type", "object")
-    body["x-guidance"] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-    return f"%json {json.dumps(body)}"
-
-
-def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
-    """Grammars for tool calls in the JSON (Hermes) style, ``<tool_call>\n{"name": ..., "arguments":
-    {...}}\n</tool_call>``: (a call after its opening tag, the rest of the call the prompt
-    opened). Calls follow their tool's schema when the tool is ``strict`` or the call is forced
-    (``tool_choice`` required or named); with ``auto`` and no strict tool, calls are free
-    (None). The XML style (Qwen3.5, Qwen3-Coder) is not constrained."""
-    schemas = prompt.schemas or {}
-    if prompt.style != "json" or not schemas or not (prompt.forced or prompt.strict):
-        return None, None
-    close_id = tokenizer.token_to_id(TOOL_CLOSE)
-    end = f'"}}" /\\n?/ {f"<[{close_id}]>" if close_id is not None else _lit(TOOL_CLOSE)}'
-
-    def calls(quoted: bool) -> str:
-        """``call``: one of the tools' name and arguments (``quoted``: from the name's opening
-        quote; else from just after it, where a required call's pre-fill ends)."""
-        rules = []
-        for i, name in enumerate(schemas):
-            head = json.dumps(name) + ', "arguments": '
-            strict = prompt.forced is not None or name in prompt.strict
-            rules.append(f"c{i}: {_lit(head if quoted else head[1:])} {_arguments(schemas[name], strict)}")
-        return "\n".join(["call: " + " | ".join(f"c{i}" for i in range(len(rules))), *rules])
-
-    after_open = f'start: /\\n?/ "{{\\"name\\": " call {end}\n{calls(True)}'
-    if prompt.forced in schemas:       # named: the prompt ends where the arguments start
-        rest = f"start: {_arguments(schemas[prompt.forced], True)} {end}"
-    elif prompt.forced:                # required: the prompt ends inside the name's quotes
-        rest = f"start: call {end}\n{calls(False)}"
-    else:
-        rest = None
-    try:
-        return (_compiled(guide.lark, "tools", after_open),
-                None if rest is None else _compiled(guide.lark, "tools", rest))
-    except ApiError:
-        if prompt.strict:
-            raise       # strictness was asked for: say why it cannot be had
-        return None, None   # a forced call to a schema the grammar engine cannot use: steer by pre-fill only
 
 
 def logit_bias(raw: dict | None, param: str = "logit_bias") -> tuple[tuple[int, float], ...]:

@@ -1,0 +1,133 @@
+"""Grammars that hold tool calls to their tools' schemas, in the chat template's own format.
+
+Two formats (``prompt.tool_style``):
+
+- JSON (Hermes; Qwen3): ``<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>``;
+  the arguments are JSON for the tool's schema, spaced as the templates' ``tojson`` writes it.
+- XML (Qwen3.5/3.6, Qwen3-Coder): ``<tool_call>\\n<function=NAME>\\n<parameter=KEY>\\nVALUE\\n
+  </parameter>\\n...</function>\\n</tool_call>``; a string value is any text without
+  ``\\n</parameter>``, a string enum one of its values, any other value JSON for its schema;
+  the schema's properties come in its order, the required ones always, the others optionally.
+
+``tool_grammars`` returns two grammars: a call from after its ``<tool_call>`` token (the model
+opened it), and the rest of a call the prompt's pre-fill already opened (``tool_choice``
+required: after ``{"name": "`` or ``<function=``; named: where the arguments start). A call
+follows its tool's schema when the tool is ``strict`` or the call is forced; a tool that is
+neither gets any JSON object (any parameters) but still one of the tools' names.
+"""
+from __future__ import annotations
+
+import json
+
+from ..errors import InvalidRequest
+from ..executor import guide
+from .errors import ApiError
+from .parser import TOOL_CLOSE
+
+_COMPACT = {"whitespace_flexible": False}
+_SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _lit(text: str) -> str:
+    return json.dumps(text)     # a lark string literal
+
+
+def _json(schema: dict | None, style: dict, default_type: str | None = None) -> str:
+    body = dict(schema or {})
+    if default_type:
+        body.setdefault("type", default_type)
+    return f"%json {json.dumps({**body, 'x-guidance': style})}"
+
+
+class _Rules:
+    """Lark rules under fresh names."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+
+    def add(self, body: str, attrs: str = "") -> str:
+        name = f"r{len(self.lines)}"
+        self.lines.append(f"{name}{attrs}: {body}")
+        return name
+
+
+def _xml_value(rules: _Rules, schema) -> str:
+    """A parameter's value and its closing tag."""
+    schema = schema if isinstance(schema, dict) else {}
+    enum = schema.get("enum")
+    tail = _lit("\n</parameter>\n")
+    if enum and all(isinstance(v, str) for v in enum):
+        return "(" + " | ".join(_lit(v) for v in enum) + ") " + tail
+    if schema.get("type", "string") == "string" and "enum" not in schema:
+        text = rules.add("/(?s:.*)/", '[stop="\\n</parameter>"]')
+        return f'{text} "\\n"'
+    return f"{_json(schema, _COMPACT)} {tail}"
+
+
+def _xml_parameters(rules: _Rules, schema: dict | None, strict: bool) -> str:
+    schema = schema if isinstance(schema, dict) else {}
+    props = schema.get("properties") if strict else None
+    if not isinstance(props, dict):          # any parameters
+        text = rules.add("/(?s:.*)/", '[stop="\\n</parameter>"]')
+        return rules.add(f'("<parameter=" /[^>\\n]+/ ">\\n" {text} "\\n")*')
+    required = set(schema.get("required") or ())
+    parts = []
+    for key, sub in props.items():
+        tag = f"<parameter={key}>\n"
+        p = rules.add(f"{_lit(tag)} {_xml_value(rules, sub)}")
+        parts.append(p if key in required else f"{p}?")
+    return " ".join(parts)
+
+
+def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
+    """(a call after its opening token, the rest of the call the prompt opened), or None for
+    each where nothing needs holding. Raises ApiError(400) when a strict tool's schema cannot be
+    compiled; a forced call to such a schema is left to the pre-fill alone."""
+    schemas = prompt.schemas or {}
+    if not schemas or not (prompt.forced or prompt.strict):
+        return None, None
+    close_id = tokenizer.token_to_id(TOOL_CLOSE)
+    close = f"<[{close_id}]>" if close_id is not None else _lit(TOOL_CLOSE)
+    xml = prompt.style == "xml"
+    rules = _Rules()
+    bodies, heads = {}, {}
+    for name, schema in schemas.items():
+        strict = prompt.forced is not None or name in prompt.strict
+        if xml:
+            bodies[name] = f'{_xml_parameters(rules, schema, strict)} "</function>" /\\n?/ {close}'
+            heads[name] = f"{name}>\n"
+        else:
+            args = _json(schema if strict else None, _SPACED, "object")
+            bodies[name] = f'{args} "}}" /\\n?/ {close}'
+            heads[name] = json.dumps(name) + ', "arguments": '
+    opened = '"<function="' if xml else '"{\\"name\\": "'
+    # a required call's pre-fill ends after "<function=" (XML) or inside the name's quotes (JSON)
+    prefilled = {n: (h if xml else h[1:]) for n, h in heads.items()}
+
+    def calls(start: str, names: dict) -> str:
+        alts = [rules.add(f"{_lit(head)} {bodies[name]}") for name, head in names.items()]
+        return "\n".join([f"start: {start} ({' | '.join(alts)})", *rules.lines])
+
+    after_open = calls(f"/\\n?/ {opened}", heads)
+    if prompt.forced in schemas:        # named: the pre-fill ends where the arguments start
+        rest = "\n".join([f"start: {bodies[prompt.forced]}", *rules.lines])
+    elif prompt.forced:
+        rest = calls("", prefilled)
+    else:
+        rest = None
+    try:
+        return (_compiled(after_open), None if rest is None else _compiled(rest))
+    except ApiError:
+        if prompt.strict:
+            raise       # strictness was asked for: say why it cannot be had
+        return None, None   # a forced call to a schema the grammar engine cannot use: pre-fill only
+
+
+def _compiled(source: str) -> str:
+    try:
+        return guide.lark(source, "tools")
+    except InvalidRequest as exc:
+        raise ApiError(400, f"tools: {exc}", param="tools") from None
+
+
+__all__ = ["tool_grammars"]
