@@ -204,6 +204,22 @@ def test_tool_calls_follow_the_tool_grammar_and_text_between_them_is_free(llm):
         assert g.advance(close) is False and not g.active  # a call does not end the request
 
 
+def test_a_call_opened_inside_reasoning_is_constrained_too(llm):
+    """Qwen3.5 opens tool calls inside its reasoning block, without </think>."""
+    tok, vocab = llm.tokenizer, llm.runner.mcfg.vocab_size
+    open_, close = tag(llm, "<tool_call>"), tag(llm, "</tool_call>")
+    call = guide.lark(f'start: "\\n{{}}" <[{close}]>')
+    g = Guide(GuideSpec(guide.json_schema(SCHEMA), reasoning=True, close_reasoning=tag(llm, "</think>"),
+                        escape=(open_,), tool_grammar=call), tok, vocab)
+    g.advance(ids_of(llm, "hmm")[0])
+    assert not g.active
+    g.advance(open_)
+    assert g.active and ids_of(llm, "the")[0] not in allowed(g, vocab)
+    for t in ids_of(llm, "\n{}") + [close]:
+        g.advance(t)
+    assert g.state == "text"          # the answer's grammar no longer applies: the model called a tool
+
+
 def test_a_call_the_prompt_opened_starts_constrained(llm):
     tok, vocab = llm.tokenizer, llm.runner.mcfg.vocab_size
     rest = guide.lark('start: %json {"type": "object", "properties": {"a": {"enum": [1, 2]}}, '

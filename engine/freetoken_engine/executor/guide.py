@@ -206,6 +206,8 @@ class Guide:
             if token == spec.close_reasoning:
                 self.state = "answer" if self.answer is not None and not self.started else "text"
                 self.gap = GAP_TOKENS
+            elif token in spec.escape and spec.tool_grammar:   # Qwen3.5 calls tools from its reasoning
+                self.state, self.tool = "tool", _matcher(self._lltok, spec.tool_grammar)
             return False
         if state == "tool":
             self._consume(self.tool, token)
