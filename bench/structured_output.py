@@ -4,7 +4,8 @@ process, rounds interleaved; and the grammar engine's own times: building its to
 per model), a grammar's first mask (its compile happens lazily there) and one mask per token,
 timed by replaying each constrained answer's tokens. Then ``--concurrent`` requests at once
 through the scheduler, with and without the schema: aggregate tok/s and the time its batched
-masks take per step.
+masks take per step. Last, an EngineService's time to ready with the grammar tables built beside
+the model's load (as built), after it, and not at all.
 
 Sample us is the host's time per sampled token (the grammar's mask, bias and argmax), measured
 around ``Guide.constrain`` and ``sample`` inside ``LLM.generate``. Decode tok/s is ``Generation.stats["decode_tokens_per_s"]``
@@ -175,6 +176,34 @@ def run_batch(concurrent: int, tokens: int, rounds: int, model: Path | None = No
             "mask_ms_per_step_median": statistics.median(mask_s) * 1e3 if mask_s else None}
 
 
+def run_ready(rounds: int, model: Path | None = None, device: str = "cpu") -> dict:
+    """Time to ready of an EngineService with the grammar tables built beside the model's load (as
+    built), after it, and not at all, rounds interleaved (the first round is a warm-up)."""
+    from freetoken_engine.config import EngineConfig
+    from freetoken_engine.models.default import default_model_dir
+    from freetoken_engine.scheduler.service import EngineService
+
+    built = guide.build_in_background
+
+    def after(tokenizer, n_vocab):
+        guide.ll_tokenizer(tokenizer, n_vocab)
+
+    sides = {"beside the load": built, "after the load": after, "no tables": lambda tokenizer, n_vocab: None}
+    times: dict[str, list[float]] = {side: [] for side in sides}
+    try:
+        for _ in range(rounds + 1):
+            for side, build in sides.items():
+                guide._ll_tokenizer.cache_clear()
+                guide.build_in_background = build
+                t = time.perf_counter()
+                EngineService.start(EngineConfig(model=model or default_model_dir(progress=False), device=device),
+                                    wait=True).shutdown()
+                times[side].append(time.perf_counter() - t)
+    finally:
+        guide.build_in_background = built
+    return {side: statistics.median(v[1:]) for side, v in times.items()}
+
+
 async def _gather(one, grammar: bool, n: int) -> list[int]:
     import asyncio
     return await asyncio.gather(*(one(grammar) for _ in range(n)))
@@ -215,6 +244,7 @@ def main() -> None:
     args = ap.parse_args()
     result = run(args.tokens, args.rounds, args.model, args.device)
     result["batch"] = [run_batch(n, args.tokens, args.rounds, args.model, args.device) for n in args.concurrent]
+    result["ready_s"] = run_ready(args.rounds, args.model, args.device)
     print(f"grammar tokenizer build: {result['grammar_tokenizer_build_s']:.2f} s (once per model)")
     print(f"{'side':12s} {'tok/s':>8s} {'ratio':>6s} {'tokens':>6s} {'finish':>7s} {'sample us':>9s} "
           f"{'1st mask ms':>11s} {'mask us p50':>11s} {'p90':>7s}")
@@ -224,6 +254,7 @@ def main() -> None:
               f"{r.get('first_mask_ms', 0):11.2f} "
               f"{r.get('mask_us_median', 0):11.1f} {r.get('mask_us_p90', 0):7.1f}")
         print(f"    {r['text'][:110]!r}")
+    print("time to ready: " + ", ".join(f"{side} {t:.2f} s" for side, t in result["ready_s"].items()))
     for b in result["batch"]:
         print(f"{b['concurrent']:3d} requests at once: {b['tok_s']['no grammar']:8.1f} tok/s without a grammar, "
               f"{b['tok_s']['json_schema']:8.1f} with the schema ({b['ratio']:.2f}x); masks "

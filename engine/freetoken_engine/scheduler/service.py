@@ -13,7 +13,6 @@ import time
 from ..config import EngineConfig
 from ..errors import ConfigError, EngineError, InvalidRequest, RequestTooLong
 from ..executor.runner import ModelRunner
-from ..executor import guide
 from ..executor.sampler import SamplingParams, make_generator, make_guide, make_penalties
 from .request import Request, RequestHandle
 from .scheduler import Scheduler
@@ -48,11 +47,8 @@ class EngineService:
             runner = ModelRunner(self.cfg, progress=lambda f: setattr(self, "_progress", round(f, 3)))
             self.runner, self.tokenizer, self.max_context = runner, runner.tokenizer, runner.max_context
             self.vocab_size = runner.mcfg.vocab_size
-            if self.tokenizer is not None:
-                try:
-                    guide.ll_tokenizer(self.tokenizer, self.vocab_size)   # constrained decoding's tables
-                except Exception as exc:   # noqa: BLE001  the model still serves; a grammar request says why
-                    log.warning("constrained decoding is unavailable for this tokenizer: %s", exc)
+            if runner.guide_tables is not None:
+                runner.guide_tables.join()      # constrained decoding's tables, built beside the load
             self.scheduler = Scheduler(runner, self.cfg.max_batch, self.cfg.max_queue, self.cfg.prefill_tokens,
                                        self.cfg.decode_pause)
             self.scheduler.thread.start()
