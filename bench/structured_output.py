@@ -4,8 +4,9 @@ process, rounds interleaved; and the grammar engine's own times: building its to
 per model), a grammar's first mask (its compile happens lazily there) and one mask per token,
 timed by replaying each constrained answer's tokens. Then ``--concurrent`` requests at once
 through the scheduler, with and without the schema: aggregate tok/s and the time its batched
-masks take per step. Last, an EngineService's time to ready with the grammar tables built beside
-the model's load (as built), after it, and not at all.
+masks take per step. Last, fresh EngineService starts: time to ready, and the time to first
+token of a request without a grammar, of the first constrained one (it waits for the grammar
+tables, built on first need) and of a second.
 
 Sample us is the host's time per sampled token (the grammar's mask, bias and argmax), measured
 around ``Guide.constrain`` and ``sample`` inside ``LLM.generate``. Decode tok/s is ``Generation.stats["decode_tokens_per_s"]``
@@ -96,6 +97,7 @@ def run(tokens: int, rounds: int, model: Path | None = None, device: str = "cpu"
     llm = LLM(model, device=device)
     prompt = llm.tokenizer.encode_chat(QUESTION)
     t1 = time.perf_counter()
+    guide._builds.clear()
     guide.ll_tokenizer(llm.tokenizer, llm.runner.mcfg.vocab_size)
     tokenizer_s = time.perf_counter() - t1
     grammars = {side: make() if make else None for side, make in SIDES.items()}
@@ -139,15 +141,15 @@ def run_batch(concurrent: int, tokens: int, rounds: int, model: Path | None = No
     from freetoken_engine.scheduler.service import EngineService
 
     mask_s = []
-    inner = sched.Scheduler._masked
+    inner = sched.constrained_rows
 
-    def timed(batch, logits):
+    def timed(logits, guides):
         t = time.perf_counter()
-        out = inner(batch, logits)
+        out = inner(logits, guides)
         if out:
             mask_s.append(time.perf_counter() - t)
         return out
-    sched.Scheduler._masked = staticmethod(timed)
+    sched.constrained_rows = timed
     svc = EngineService.start(EngineConfig(model=model or default_model_dir(progress=False), device=device,
                                            max_batch=concurrent), wait=True)
     prompt = svc.tokenizer.encode_chat(QUESTION)
@@ -170,38 +172,46 @@ def run_batch(concurrent: int, tokens: int, rounds: int, model: Path | None = No
                 out[side].append(n / (time.perf_counter() - t))
     finally:
         svc.shutdown()
-        sched.Scheduler._masked = inner
+        sched.constrained_rows = inner
     res = {side: statistics.median(v) for side, v in out.items()}
     return {"concurrent": concurrent, "tok_s": res, "ratio": res["json_schema"] / res["no grammar"],
             "mask_ms_per_step_median": statistics.median(mask_s) * 1e3 if mask_s else None}
 
 
-def run_ready(rounds: int, model: Path | None = None, device: str = "cpu") -> dict:
-    """Time to ready of an EngineService with the grammar tables built beside the model's load (as
-    built), after it, and not at all, rounds interleaved (the first round is a warm-up)."""
+def run_first(rounds: int, model: Path | None = None, device: str = "cpu") -> dict:
+    """Time to first token through a fresh EngineService: a request without a grammar, the first
+    constrained request (it waits for the grammar tables, built on first need), and a second
+    one; and the time to ready (no tables built at load). Medians over ``rounds`` starts."""
+    import asyncio
+
     from freetoken_engine.config import EngineConfig
     from freetoken_engine.models.default import default_model_dir
     from freetoken_engine.scheduler.service import EngineService
 
-    built = guide.build_in_background
+    spec = guide.GuideSpec(guide.json_schema(SCHEMA))
+    out: dict[str, list[float]] = {"ready": [], "no grammar": [], "first constrained": [], "second constrained": []}
 
-    def after(tokenizer, n_vocab):
-        guide.ll_tokenizer(tokenizer, n_vocab)
+    async def ttft(svc, prompt, grammar: bool) -> float:
+        t = time.perf_counter()
+        async for ev in svc.submit(prompt, SamplingParams(max_new_tokens=2, temperature=0,
+                                                          guide=spec if grammar else None)):
+            if ev.token_id is not None:
+                return time.perf_counter() - t
+        return float("nan")
 
-    sides = {"beside the load": built, "after the load": after, "no tables": lambda tokenizer, n_vocab: None}
-    times: dict[str, list[float]] = {side: [] for side in sides}
-    try:
-        for _ in range(rounds + 1):
-            for side, build in sides.items():
-                guide._ll_tokenizer.cache_clear()
-                guide.build_in_background = build
-                t = time.perf_counter()
-                EngineService.start(EngineConfig(model=model or default_model_dir(progress=False), device=device),
-                                    wait=True).shutdown()
-                times[side].append(time.perf_counter() - t)
-    finally:
-        guide.build_in_background = built
-    return {side: statistics.median(v[1:]) for side, v in times.items()}
+    for _ in range(rounds):
+        guide._builds.clear()                 # a fresh process: no tables yet
+        t = time.perf_counter()
+        svc = EngineService.start(EngineConfig(model=model or default_model_dir(progress=False), device=device),
+                                  wait=True)
+        out["ready"].append(time.perf_counter() - t)
+        try:
+            prompt = svc.tokenizer.encode_chat(QUESTION)
+            for side, grammar in (("no grammar", False), ("first constrained", True), ("second constrained", True)):
+                out[side].append(asyncio.run(ttft(svc, prompt, grammar)))
+        finally:
+            svc.shutdown()
+    return {side: statistics.median(v) for side, v in out.items()}
 
 
 async def _gather(one, grammar: bool, n: int) -> list[int]:
@@ -244,7 +254,7 @@ def main() -> None:
     args = ap.parse_args()
     result = run(args.tokens, args.rounds, args.model, args.device)
     result["batch"] = [run_batch(n, args.tokens, args.rounds, args.model, args.device) for n in args.concurrent]
-    result["ready_s"] = run_ready(args.rounds, args.model, args.device)
+    result["first_s"] = run_first(args.rounds, args.model, args.device)
     print(f"grammar tokenizer build: {result['grammar_tokenizer_build_s']:.2f} s (once per model)")
     print(f"{'side':12s} {'tok/s':>8s} {'ratio':>6s} {'tokens':>6s} {'finish':>7s} {'sample us':>9s} "
           f"{'1st mask ms':>11s} {'mask us p50':>11s} {'p90':>7s}")
@@ -254,7 +264,7 @@ def main() -> None:
               f"{r.get('first_mask_ms', 0):11.2f} "
               f"{r.get('mask_us_median', 0):11.1f} {r.get('mask_us_p90', 0):7.1f}")
         print(f"    {r['text'][:110]!r}")
-    print("time to ready: " + ", ".join(f"{side} {t:.2f} s" for side, t in result["ready_s"].items()))
+    print("fresh start, seconds: " + ", ".join(f"{side} {t:.2f}" for side, t in result["first_s"].items()))
     for b in result["batch"]:
         print(f"{b['concurrent']:3d} requests at once: {b['tok_s']['no grammar']:8.1f} tok/s without a grammar, "
               f"{b['tok_s']['json_schema']:8.1f} with the schema ({b['ratio']:.2f}x); masks "

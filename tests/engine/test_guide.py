@@ -230,3 +230,39 @@ def test_a_call_the_prompt_opened_starts_constrained(llm):
                                                            guide=GuideSpec(None, in_tool=rest)))
     text = llm.tokenizer.decode(out.token_ids)
     assert re.match(r'^\{\s*"a":\s*[12]\s*\}\}', text), text   # then free text
+
+
+async def test_a_constrained_request_waits_for_the_tables_while_others_run(tiny_checkpoint, monkeypatch):
+    """The grammar tables are built on first need, in a thread: the constrained request waits
+    in the queue for them, the request behind it runs meanwhile, and the answers are unchanged."""
+    built = guide._build
+
+    def slow(*args):
+        import time
+        time.sleep(1.0)
+        return built(*args)
+    monkeypatch.setattr(guide, "_build", slow)
+    monkeypatch.setattr(guide, "_builds", {})
+    folder = tiny_checkpoint("qwen3_moe")
+    spec = GuideSpec(guide.json_schema(SCHEMA))
+    constrained = SamplingParams(max_new_tokens=80, temperature=0, guide=spec)
+    plain = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(folder)
+    want = [llm.generate([5, 6, 7], constrained).token_ids, llm.generate([8, 9], plain).token_ids]
+    monkeypatch.setattr(guide, "_builds", {})
+    svc = EngineService.start(EngineConfig(model=folder, max_batch=4), wait=True)
+    loop = asyncio.get_running_loop()
+    try:
+        async def run(ids, params):
+            tokens, first = [], None
+            async for ev in svc.submit(ids, params):
+                if ev.token_id is not None:
+                    first = first or loop.time()
+                    tokens.append(ev.token_id)
+            return tokens, first, loop.time()
+        (c_tokens, c_first, _), (p_tokens, _, p_done) = await asyncio.gather(
+            run([5, 6, 7], constrained), run([8, 9], plain))
+    finally:
+        svc.shutdown()
+    assert [c_tokens, p_tokens] == want
+    assert p_done < c_first          # the plain request did not wait behind the tables' build

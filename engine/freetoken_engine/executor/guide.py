@@ -27,6 +27,7 @@ step. A complete tool call does not end the request (the model may call another)
 """
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import json
 import logging
@@ -115,45 +116,51 @@ def lark(source: str, what: str = "the grammar") -> str:
         raise InvalidRequest(f"{what}: {_one_line(str(exc))}") from None
 
 
-@functools.lru_cache(maxsize=8)
-def _ll_tokenizer(tokenizer_json: str, n_vocab: int, eos: tuple[int, ...]):
+def _build(tokenizer_json: str, n_vocab: int, eos: tuple[int, ...]):
     import llguidance
     from llguidance.torch import fill_next_token_bitmask
     lltok = llguidance.LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=list(eos))
-    # the first mask ever computed sets up llguidance's per-tokenizer tables (0.9 s for a 49k
-    # vocabulary on a 2-core VM): pay it here, at load, not in a user's first request
+    # the first mask ever computed sets up llguidance's per-tokenizer tables: pay it here
     matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}))
     fill_next_token_bitmask(matcher, torch.zeros(1, (n_vocab + 31) // 32, dtype=torch.int32))
     return lltok
 
 
+_builds: dict[tuple, concurrent.futures.Future] = {}
+_builds_lock = threading.Lock()
+
+
+def _tables(tokenizer, n_vocab: int) -> concurrent.futures.Future:
+    """The build of ``tokenizer``'s tables for ``n_vocab`` logits, started (in a thread) on the
+    first call; every later call gets the same future."""
+    key = (tokenizer.json_text, n_vocab, tuple(tokenizer.eos_token_ids))
+    with _builds_lock:
+        future = _builds.get(key)
+        if future is None:
+            future = _builds[key] = concurrent.futures.Future()
+
+            def build():
+                try:
+                    future.set_result(_build(*key))
+                except Exception as exc:   # noqa: BLE001  delivered to whoever needs the tables
+                    log.warning("constrained decoding is unavailable for this tokenizer: %s", exc)
+                    future.set_exception(exc)
+            threading.Thread(target=build, name="freetoken-grammar-tables", daemon=True).start()
+        return future
+
+
+def tables_ready(tokenizer, n_vocab: int) -> bool:
+    """Whether ``ll_tokenizer`` would answer at once; the first call starts the build. Built on
+    first need, not at load: a model served without grammars never pays for them (0.9-1.6 s for
+    a 49k vocabulary on a 2-CPU VM, 4.8 s on the H200 machine's host), and the scheduler keeps a
+    constrained request waiting (the others run) until they are there."""
+    return _tables(tokenizer, n_vocab).done()
+
+
 def ll_tokenizer(tokenizer, n_vocab: int):
     """llguidance's view of ``tokenizer`` (models/tokenizer.Tokenizer) for logits of ``n_vocab``
-    entries, ready for masks; built once per tokenizer and cached (1.0-1.6 s for a 49k
-    vocabulary on a 2-core VM; the model runner starts building it as it loads the tokenizer,
-    ``build_in_background``)."""
-    with _tables_lock:     # one build at a time: a second caller waits for the first's result
-        return _ll_tokenizer(tokenizer.json_text, n_vocab, tuple(tokenizer.eos_token_ids))
-
-
-_tables_lock = threading.Lock()
-
-
-def build_in_background(tokenizer, n_vocab: int) -> threading.Thread | None:
-    """Start building ``ll_tokenizer(tokenizer, n_vocab)`` in a thread (the model's load goes on
-    beside it; EngineService joins it before it reports ready). Failures are logged: the model
-    still serves, and a request with a grammar is told why it cannot have one."""
-    if tokenizer is None:
-        return None
-
-    def build():
-        try:
-            ll_tokenizer(tokenizer, n_vocab)
-        except Exception as exc:   # noqa: BLE001
-            log.warning("constrained decoding is unavailable for this tokenizer: %s", exc)
-    thread = threading.Thread(target=build, name="freetoken-grammar-tables", daemon=True)
-    thread.start()
-    return thread
+    entries, ready for masks; built once per tokenizer, waited for here."""
+    return _tables(tokenizer, n_vocab).result()
 
 
 @functools.lru_cache(maxsize=8)
@@ -297,5 +304,15 @@ def apply_masks(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return logits.float().masked_fill(allowed == 0, float("-inf"))
 
 
-__all__ = ["Guide", "GuideSpec", "apply_masks", "choice", "fill_masks", "json_schema", "lark", "ll_tokenizer",
-           "regex", "token_bytes"]
+def constrained_rows(logits: torch.Tensor, guides: dict[int, Guide]) -> dict[int, torch.Tensor]:
+    """Row -> ``logits[row]`` under its guide's mask, for the rows in ``guides`` (the scheduler's
+    batch: the masks computed together, applied in one op)."""
+    if not guides:
+        return {}
+    rows = list(guides)
+    out = apply_masks(logits[rows], fill_masks(list(guides.values())))
+    return {row: out[i] for i, row in enumerate(rows)}
+
+
+__all__ = ["Guide", "GuideSpec", "apply_masks", "choice", "constrained_rows", "fill_masks", "json_schema", "lark",
+           "ll_tokenizer", "regex", "tables_ready", "token_bytes"]

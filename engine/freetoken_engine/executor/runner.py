@@ -33,7 +33,6 @@ from ..calibrate import calibrated  # noqa: E402
 from ..models.build import BankRead, start_model  # noqa: E402
 from ..models.loader import torch_dtype  # noqa: E402
 from ..models.tokenizer import load_tokenizer  # noqa: E402
-from . import guide  # noqa: E402
 from .budget import default_cache_experts, prefill_peak_bytes  # noqa: E402
 from .cpu_contention import ContentionFollower, pool_record  # noqa: E402
 from .inputs import SeqChunk, build_inputs  # noqa: E402
@@ -97,7 +96,6 @@ class ModelRunner(GraphWarmup):
         use_compiled_linears(self.model)         # decode projections at memory bandwidth (CPU or GPU)
         eos = tuple(dict.fromkeys(_generation_eos(folder) + self.mcfg.eos_token_ids))
         self.tokenizer = load_tokenizer(folder, eos)
-        self.guide_tables = guide.build_in_background(self.tokenizer, self.mcfg.vocab_size)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else eos
         self.max_context = min(cfg.max_context or self.mcfg.max_position_embeddings, self.mcfg.max_position_embeddings)
         kv_blocks = -(-max(cfg.kv_cache_tokens or min(2 * self.max_context, 32768), self.max_context) // cfg.kv_block_size)

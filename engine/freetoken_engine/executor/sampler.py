@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InvalidRequest, NonFiniteLogits
-from .guide import Guide, GuideSpec
+from .guide import Guide, GuideSpec, tables_ready
 from .penalties import Penalties
 
 #: most alternatives a request can ask log-probabilities for (OpenAI's limit)
@@ -65,17 +65,22 @@ def make_generator(params: SamplingParams, fallback_seed: int) -> torch.Generato
     return g
 
 
-def make_guide(params: SamplingParams, tokenizer, n_vocab: int) -> Guide | None:
-    """The request's grammar state, or None; checks the logit biases' ids against the vocabulary.
-    Raises InvalidRequest."""
+def check_guided(params: SamplingParams, tokenizer, n_vocab: int) -> None:
+    """What a request's bias and grammar need: ids within the vocabulary, a tokenizer; starts
+    building the grammar engine's tables (``guide.tables_ready``). Raises InvalidRequest."""
     bad = next((t for t, _ in params.logit_bias if t >= n_vocab), None)
     if bad is not None:
         raise InvalidRequest(f"logit_bias: token id {bad} is outside the vocabulary (0..{n_vocab - 1})")
-    if params.guide is None:
-        return None
-    if tokenizer is None:
-        raise InvalidRequest("constrained decoding needs the model's tokenizer.json, and this model has none")
-    return Guide(params.guide, tokenizer, n_vocab)
+    if params.guide is not None:
+        if tokenizer is None:
+            raise InvalidRequest("constrained decoding needs the model's tokenizer.json, and this model has none")
+        tables_ready(tokenizer, n_vocab)
+
+
+def make_guide(params: SamplingParams, tokenizer, n_vocab: int) -> Guide | None:
+    """The request's grammar state (waiting for the grammar tables), or None. Raises InvalidRequest."""
+    check_guided(params, tokenizer, n_vocab)
+    return None if params.guide is None else Guide(params.guide, tokenizer, n_vocab)
 
 
 def make_penalties(params: SamplingParams, prompt_ids: list[int], n_vocab: int) -> Penalties | None:

@@ -36,7 +36,7 @@ from ..cache.states import Anchors, anchor_token_ids
 from ..errors import InvalidRequest, NonFiniteLogits, OutOfKVCache, QueueFull
 from ..executor.inputs import SeqChunk
 from ..executor.runner import ModelRunner
-from ..executor.guide import apply_masks, fill_masks
+from ..executor.guide import Guide, constrained_rows, tables_ready
 from ..executor.sampler import sample, token_logprobs
 from .beside import DecodePause
 from .request import Request, TokenEvent
@@ -120,6 +120,9 @@ class Scheduler:
                 self._admit()
                 if self.running:
                     self._step()
+                elif self.waiting:       # only requests waiting for the grammar tables
+                    with self._cv:
+                        self._cv.wait(0.02)
             except Exception:  # a bug must not hang every client: fail the running requests
                 log.exception("scheduler step failed; aborting running requests")
                 for req in list(self.running):
@@ -156,12 +159,27 @@ class Scheduler:
             pass                          # anchor checkpoints give their KV back, oldest first
         return self.kv.free_blocks >= n
 
+    def _admissible(self, req: Request) -> bool:
+        """A constrained request waits (those behind it go ahead) until the grammar engine's
+        tables for the tokenizer are built (``guide.tables_ready``: once per process)."""
+        if req.params.guide is None or req.guide is not None:
+            return True
+        return tables_ready(self.runner.tokenizer, self.runner.mcfg.vocab_size)
+
     def _admit(self) -> None:
         while len(self.running) < self.max_batch:
             with self._cv:
-                if not self.waiting:
-                    return
-                req = self.waiting[0]
+                req = next((r for r in self.waiting if self._admissible(r)), None)
+            if req is None:
+                return
+            if req.params.guide is not None and req.guide is None:
+                try:
+                    req.guide = Guide(req.params.guide, self.runner.tokenizer, self.runner.mcfg.vocab_size)
+                except InvalidRequest as exc:   # the tables could not be built for this tokenizer
+                    with self._cv:
+                        self.waiting.remove(req)
+                    req.sink.push(TokenEvent(None, "abort", exc))
+                    continue
             tokens = req.tokens
             resume, ck, matched = self._resume_point(tokens)
             keep, tail = divmod(resume, self.kv.block_size)
@@ -171,14 +189,14 @@ class Scheduler:
                 self.kv.release(matched + ([src] if tail else []))
                 if not self.running:     # alone and still too big: it can never run
                     with self._cv:
-                        self.waiting.popleft()
+                        self.waiting.remove(req)
                     error = OutOfKVCache(f"the request needs {need} KV blocks of {self.kv.block_size} "
                                          f"tokens; the KV cache holds {self.kv.num_blocks}: shorten it")
                     req.sink.push(TokenEvent(None, "abort", error))
                     log.warning("request %d: %s", req.id, error)
                 return
             with self._cv:
-                self.waiting.popleft()
+                self.waiting.remove(req)
             req.blocks = matched + self.kv.allocate(need)
             if tail:        # the resume point's block is shared: its first ``tail`` slots are copied
                 self.kv.copy_prefix(src, req.blocks[keep], tail)
@@ -328,7 +346,9 @@ class Scheduler:
 
     def _emit(self, batch: list[tuple[Request, int]], logits) -> None:
         """After a pass: advance each request, and sample, stream or retire those it completed."""
-        masked = self._masked(batch, logits)
+        masked = constrained_rows(logits, {      # the rows this pass completes, under a grammar
+            row: req.guide for row, (req, n) in enumerate(batch)
+            if req.guide is not None and req.guide.active and req.computed + n == len(req.tokens)})
         for row, (req, n) in enumerate(batch):
             req.computed += n
             if req.pending:
@@ -352,17 +372,6 @@ class Scheduler:
                 self._finish(req, "length", tok, logprob=lp)
             else:
                 req.sink.push(TokenEvent(tok, None, logprob=lp))
-
-    @staticmethod
-    def _masked(batch: list[tuple[Request, int]], logits) -> dict:
-        """Row -> logits under its grammar's mask, for the rows this pass completes whose next
-        token is constrained: the masks computed together (in parallel), applied in one op."""
-        rows = [row for row, (req, n) in enumerate(batch)
-                if req.guide is not None and req.guide.active and req.computed + n == len(req.tokens)]
-        if not rows:
-            return {}
-        out = apply_masks(logits[rows], fill_masks([batch[row][0].guide for row in rows]))
-        return {row: out[i] for i, row in enumerate(rows)}
 
     def _release(self, req: Request) -> None:
         self.kv.release(req.blocks)

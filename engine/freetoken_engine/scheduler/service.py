@@ -13,7 +13,7 @@ import time
 from ..config import EngineConfig
 from ..errors import ConfigError, EngineError, InvalidRequest, RequestTooLong
 from ..executor.runner import ModelRunner
-from ..executor.sampler import SamplingParams, make_generator, make_guide, make_penalties
+from ..executor.sampler import SamplingParams, check_guided, make_generator, make_penalties
 from .request import Request, RequestHandle
 from .scheduler import Scheduler
 
@@ -47,8 +47,6 @@ class EngineService:
             runner = ModelRunner(self.cfg, progress=lambda f: setattr(self, "_progress", round(f, 3)))
             self.runner, self.tokenizer, self.max_context = runner, runner.tokenizer, runner.max_context
             self.vocab_size = runner.mcfg.vocab_size
-            if runner.guide_tables is not None:
-                runner.guide_tables.join()      # constrained decoding's tables, built beside the load
             self.scheduler = Scheduler(runner, self.cfg.max_batch, self.cfg.max_queue, self.cfg.prefill_tokens,
                                        self.cfg.decode_pause)
             self.scheduler.thread.start()
@@ -89,7 +87,7 @@ class EngineService:
             raise RequestTooLong(
                 f"this model's context is {self.max_context} tokens; the prompt has {len(prompt_ids)} "
                 f"and {params.max_new_tokens} new tokens were requested: shorten the prompt or lower max_tokens")
-        guide = make_guide(params, self.tokenizer, vocab)
+        check_guided(params, self.tokenizer, vocab)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -100,7 +98,7 @@ class EngineService:
             stop |= set(self.runner.eos_token_ids)
         req = Request(prompt_ids=list(prompt_ids), params=params,
                       generator=make_generator(params, self.cfg.seed), stop_ids=frozenset(stop),
-                      max_new_tokens=params.max_new_tokens, sink=handle, guide=guide,
+                      max_new_tokens=params.max_new_tokens, sink=handle,
                       penalties=make_penalties(params, prompt_ids, vocab))
         handle.request = req
 
