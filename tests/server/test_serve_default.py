@@ -2,11 +2,13 @@
 model (SmolLM2-135M-Instruct as an MoE), the official clients, a clean shutdown on Ctrl-C."""
 from __future__ import annotations
 
+import json
 import signal
 import sys
 from pathlib import Path
 
 import anthropic
+import jsonschema
 import openai
 import pytest
 from procs import serving
@@ -52,6 +54,23 @@ def test_anthropic_client_gets_the_engines_answer(served, reference):
     m = client.messages.create(model=NAME, max_tokens=24, extra_body={"temperature": 0},
                                messages=QUESTION)
     assert m.content[0].text == reference and m.usage.output_tokens >= 1
+
+
+def test_a_json_schema_answer_from_the_real_model(served):
+    """The real default model (not random weights) under a schema: the answer parses, satisfies
+    it, and is right."""
+    url, _ = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    schema = {"type": "object", "additionalProperties": False, "required": ["capital", "country"],
+              "properties": {"capital": {"type": "string", "maxLength": 30},
+                             "country": {"type": "string", "maxLength": 30}}}
+    r = client.chat.completions.create(
+        model=NAME, temperature=0, max_tokens=40, messages=[
+            {"role": "user", "content": "What is the capital of France? Answer in JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}})
+    answer = json.loads(r.choices[0].message.content)
+    jsonschema.validate(answer, schema)
+    assert answer["capital"] == "Paris" and r.choices[0].finish_reason == "stop"
 
 
 def test_ctrl_c_stops_the_server_cleanly(served):
