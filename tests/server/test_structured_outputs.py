@@ -257,3 +257,18 @@ def test_penalties_and_min_p_as_qwen_recommends(client, live):
     assert penalised != plain
     streamed = "".join(c.choices[0].delta.content or "" for c in chat(client, live, stream=True, **kw) if c.choices)
     assert streamed == penalised
+
+
+def test_responses_output_text_logprobs(client, live):
+    kw = dict(model=live.model, input="Which city?", temperature=0, max_output_tokens=80, top_logprobs=2,
+              include=["message.output_text.logprobs"], extra_body=NO_THINKING,
+              text={"format": {"type": "json_schema", "name": "answer", "schema": SCHEMA}})
+    r = client.responses.create(**kw)
+    part = r.output[-1].content[0]
+    assert "".join(e.token for e in part.logprobs) == part.text == r.output_text
+    assert all(len(e.top_logprobs) == 2 and e.logprob <= e.top_logprobs[0].logprob + 1e-6 for e in part.logprobs)
+    streamed = [e for ev in client.responses.create(stream=True, **kw)
+                if ev.type == "response.output_text.delta" for e in ev.logprobs]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in part.logprobs]
+    plain = client.responses.create(**{k: v for k, v in kw.items() if k not in ("top_logprobs", "include")})
+    assert plain.output[-1].content[0].logprobs == []

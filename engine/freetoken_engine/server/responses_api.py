@@ -45,7 +45,8 @@ class OutputItems:
     """Builds the output items from parser events, and the stream events that describe each
     step (a non-streaming request builds the same items and drops the events)."""
 
-    def __init__(self, tools: ToolSet) -> None:
+    def __init__(self, tools: ToolSet, gen: Generation | None = None) -> None:
+        self.gen = gen if gen is not None and gen.logprob_text is not None else None   # log-probabilities asked for
         self.items: list[dict] = []
         self.seq = 0
         self.tools = tools
@@ -60,8 +61,10 @@ class OutputItems:
         return ev
 
     def feed(self, ev: Event) -> list[dict]:
+        # the tokens' log-probabilities since the last event: the message's text keeps them
+        taken = self.gen.take_logprobs() if self.gen is not None else []
         if isinstance(ev, (Reasoning, Content)):
-            return self._text("reasoning" if isinstance(ev, Reasoning) else "message", ev.text)
+            return self._text("reasoning" if isinstance(ev, Reasoning) else "message", ev.text, taken)
         if isinstance(ev, ToolStart):
             return self.close() + [self._added(self._call(ev))]
         item = self._calls[ev.index]
@@ -106,6 +109,8 @@ class OutputItems:
         if item is None:
             return []
         part, name = item["content"][0], _TEXT[item["type"]][1]
+        if "logprobs" in part and self.gen is not None:
+            part["logprobs"] += self.gen.take_logprobs()
         where = {"item_id": item["id"], "output_index": self._index[item["id"]], "content_index": 0}
         item["status"] = status
         return [self.event(f"{name}.done", **where, text=part["text"]),
@@ -119,7 +124,7 @@ class OutputItems:
         return self.event("response.output_item.added", output_index=len(self.items) - 1,
                           item=dict(item, content=[]) if "content" in item else dict(item))
 
-    def _text(self, kind: str, text: str) -> list[dict]:
+    def _text(self, kind: str, text: str, logprobs: list[dict]) -> list[dict]:
         out = []
         part_type, name = _TEXT[kind]
         if self._open is None or self._open["type"] != kind:
@@ -133,7 +138,7 @@ class OutputItems:
             out.append(self._added(item))
             part = {"type": part_type, "text": ""}
             if kind == "message":
-                part["annotations"] = []
+                part["annotations"], part["logprobs"] = [], []
             item["content"].append(part)
             self._open = item
             out.append(self.event("response.content_part.added", item_id=item["id"],
@@ -142,7 +147,8 @@ class OutputItems:
         item["content"][0]["text"] += text
         delta = {"item_id": item["id"], "output_index": self._index[item["id"]], "content_index": 0, "delta": text}
         if kind == "message":
-            delta["logprobs"] = []
+            delta["logprobs"] = logprobs
+            item["content"][0]["logprobs"] += logprobs
         return out + [self.event(f"{name}.delta", **delta)]
 
 
@@ -204,7 +210,7 @@ async def responses(body: ResponsesRequest, request: Request):
 
 
 async def _full(gen: Generation, prompt: Prompt, head: tuple, body: ResponsesRequest, tokenizer) -> dict:
-    items = OutputItems(body.tool_set)
+    items = OutputItems(body.tool_set, gen)
     async for ev in parsed_events(gen, prompt):
         items.feed(ev)
     items.close("incomplete" if gen.finish_reason == "length" else "completed")
@@ -212,7 +218,7 @@ async def _full(gen: Generation, prompt: Prompt, head: tuple, body: ResponsesReq
 
 
 async def _stream(gen: Generation, prompt: Prompt, head: tuple, body: ResponsesRequest, tokenizer):
-    items = OutputItems(body.tool_set)
+    items = OutputItems(body.tool_set, gen)
 
     def framed(ev: dict) -> str:
         return sse(ev, event=ev["type"])

@@ -163,7 +163,8 @@ class ResponsesRequest(Body):
     prompt: Any = None
     background: bool | None = None
     max_tool_calls: int | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    include: list[str] | None = None
     store: bool | None = None
     metadata: dict[str, Any] | None = None
 
@@ -178,8 +179,6 @@ class ResponsesRequest(Body):
             raise unsupported("prompt", "(a stored prompt template) is not supported")
         if self.background:
             raise unsupported("background", "is not supported: responses run in the request")
-        if self.top_logprobs:
-            raise unsupported("top_logprobs")
         if isinstance(self.input, list) and not self.input and not self.instructions:
             raise unsupported("input", "must not be empty (or give 'instructions')")
         tools = self.tool_set
@@ -194,8 +193,17 @@ class ResponsesRequest(Body):
                           temperature=1.0 if self.temperature is None else self.temperature,
                           top_p=1.0 if self.top_p is None else self.top_p,
                           top_k=0 if self.top_k in (None, -1) else self.top_k, seed=self.seed,
+                          logprobs=self.logprobs,
                           grammar=format_grammar((self.text or {}).get("format"), "text.format",
                                                  nested=False))
+
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives per token when the output text's log-probabilities are asked for
+        (``include: ["message.output_text.logprobs"]`` or ``top_logprobs``), else None."""
+        if "message.output_text.logprobs" in (self.include or ()) or self.top_logprobs is not None:
+            return self.top_logprobs or 0
+        return None
 
     @functools.cached_property
     def tool_set(self) -> ToolSet:
