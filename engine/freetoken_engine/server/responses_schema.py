@@ -4,8 +4,8 @@ to chat-template messages.
 The server keeps no state between requests: a conversation is sent whole in ``input`` (as
 Codex and other agents do with ``store: false``), so ``previous_response_id`` and
 ``conversation`` are refused with a 400 that says so. ``store``, ``metadata``, ``user``,
-``truncation``, ``include`` and other platform fields are accepted and ignored; unknown fields
-are ignored.
+``truncation`` and other platform fields are accepted and ignored, as are ``include`` values
+other than ``message.output_text.logprobs``; unknown fields are ignored.
 
 Tools (``ToolSet``): ``function`` tools as they are; ``custom`` tools (free-text input, e.g.
 Codex's ``apply_patch``) shown to the model as a function of one string parameter ``input``
