@@ -56,6 +56,8 @@ def test_invalid_json_is_400_in_each_protocols_shape(http):
     ({"max_tokens": "lots"}, "max_tokens", "integer"),
     ({"temperature": 7}, "temperature", "less than or equal to 2"),
     ({"presence_penalty": 2.5}, "presence_penalty", "less than or equal to 2"),
+    ({"n": 33}, "n", "less than or equal to 32"),
+    ({"n": 0}, "n", "greater than or equal to 1"),
     ({"repetition_penalty": 0}, "repetition_penalty", "greater than 0"),
     ({"min_p": -0.1}, "min_p", "greater than or equal to 0"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "input should be"),
@@ -66,7 +68,7 @@ def test_wrong_values_are_400_naming_the_field(http, live, patch, param, says):
 
 
 @pytest.mark.parametrize("patch,param", [
-    ({"n": 2}, "n"), ({"top_logprobs": 2}, "top_logprobs"), ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
+    ({"top_logprobs": 2}, "top_logprobs"), ({"prediction": {"type": "content", "content": "x"}}, "prediction"),
     ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
     ({"functions": [{"name": "f"}]}, "functions"),
     ({"tool_choice": "required"}, "tool_choice"),

@@ -272,3 +272,26 @@ def test_responses_output_text_logprobs(client, live):
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in part.logprobs]
     plain = client.responses.create(**{k: v for k, v in kw.items() if k not in ("top_logprobs", "include")})
     assert plain.output[-1].content[0].logprobs == []
+
+
+def test_n_choices_are_the_seeded_single_requests(client, live):
+    """``n`` choices: choice i is what the same request with ``seed + i`` answers alone, streamed
+    or not; the prompt is counted once."""
+    kw = dict(max_tokens=12, temperature=1.0, seed=7)
+    r = chat(client, live, n=3, **kw)
+    got = [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+    alone = [chat(client, live, **{**kw, "seed": 7 + i}) for i in range(3)]
+    assert got == [a.choices[0].message.content for a in alone] and len(set(got)) > 1
+    assert r.usage.completion_tokens == sum(a.usage.completion_tokens for a in alone)
+    assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens
+    streamed = ["", "", ""]
+    for c in chat(client, live, n=3, stream=True, **kw):
+        for choice in c.choices:
+            streamed[choice.index] += choice.delta.content or ""
+    assert streamed == got
+    t = client.completions.create(model=live.model, prompt="Paris", n=2, max_tokens=6, temperature=1.0,
+                                  seed=3, logprobs=1)
+    assert [c.index for c in t.choices] == [0, 1]
+    assert all("".join(c.logprobs.tokens).startswith(c.text) for c in t.choices)
+    one = client.completions.create(model=live.model, prompt="Paris", max_tokens=6, temperature=1.0, seed=4)
+    assert t.choices[1].text == one.choices[0].text

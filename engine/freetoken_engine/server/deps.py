@@ -7,7 +7,7 @@ import time
 from fastapi import Request
 
 from .errors import ApiError
-from .generation import GenOptions, Generation, start_generation
+from .generation import GenOptions, start_choices
 
 
 def ready_service(request: Request, need_tokenizer: bool = True):
@@ -41,11 +41,16 @@ def check_model(request: Request, model: str) -> None:
 def begin(request: Request, body, endpoint: str, prompt_of, options: GenOptions):
     """Check the service, the model and the body's parameters, render the prompt with
     ``prompt_of(service, body)`` and submit it: ``(service, prompt, generation)``."""
+    svc, prompt, gens = begin_choices(request, body, endpoint, prompt_of, options, 1)
+    return svc, prompt, gens[0]
+
+
+def begin_choices(request: Request, body, endpoint: str, prompt_of, options: GenOptions, n: int):
+    """``begin`` for ``n`` choices of one prompt: ``(service, prompt, Choices)``."""
     t0 = time.monotonic()
     svc = ready_service(request)
     check_model(request, body.model)
     body.check_supported()
     prompt = prompt_of(svc, body)
-    gen: Generation = start_generation(svc, prompt, options, metrics=request.app.state.metrics,
-                                       endpoint=endpoint, t_arrival=t0)
-    return svc, prompt, gen
+    return svc, prompt, start_choices(svc, prompt, options, n, metrics=request.app.state.metrics,
+                                      endpoint=endpoint, t_arrival=t0)

@@ -12,6 +12,8 @@ stream's next chunk).
 """
 from __future__ import annotations
 
+import dataclasses
+import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -125,6 +127,35 @@ class Generation:
             self.handle.abort()
         if self.metrics is not None:
             self.metrics.observe_generation(self)
+
+
+class Choices(list):
+    """The generations of a request's ``n`` choices (one prompt): ``close()`` closes them all."""
+
+    def close(self) -> None:
+        for gen in self:
+            gen.close()
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(gen.completion_tokens for gen in self)
+
+
+def start_choices(service, prompt, opts: GenOptions, n: int, **kw) -> Choices:
+    """``n`` generations of ``prompt``, each with its own seed (``opts.seed + i``, from a random
+    base when no seed is given, so unseeded choices differ); one that cannot start closes the
+    ones already started and raises."""
+    if n == 1:
+        return Choices([start_generation(service, prompt, opts, **kw)])
+    base = secrets.randbits(62) if opts.seed is None else opts.seed
+    out = Choices()
+    try:
+        for i in range(n):
+            out.append(start_generation(service, prompt, dataclasses.replace(opts, seed=base + i), **kw))
+    except BaseException:
+        out.close()
+        raise
+    return out
 
 
 def start_generation(service, prompt, opts: GenOptions, *, metrics=None,

@@ -9,14 +9,16 @@ reports the prompt tokens served from the prefix cache.
 """
 from __future__ import annotations
 
+import asyncio
 import time
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Depends, Request
 
 from .auth import require_api_key
-from .deps import begin, check_model, served_name
+from .deps import begin_choices, check_model, served_name
 from .errors import ApiError, error_body
-from .generation import Generation
+from .generation import Choices, Generation
 from .openai_schema import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice
 from .parser import Content, Reasoning, ToolArgs, ToolStart
 from .prompt import Prompt, arguments_object, build_prompt, check_tool_schema, encode_text
@@ -58,10 +60,41 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict]:
     return out
 
 
-def usage(gen: Generation) -> dict:
-    return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": gen.completion_tokens,
-            "total_tokens": gen.prompt_tokens + gen.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": gen.cached_tokens}}
+def usage(gens: Choices) -> dict:
+    """One prompt (counted once), every choice's output."""
+    first, out = gens[0], gens.completion_tokens
+    return {"prompt_tokens": first.prompt_tokens, "completion_tokens": out,
+            "total_tokens": first.prompt_tokens + out,
+            "prompt_tokens_details": {"cached_tokens": first.cached_tokens}}
+
+
+async def merged(streams: list[AsyncIterator]) -> AsyncIterator:
+    """The items of several async iterators as they come (a request's ``n`` choices); the first
+    failure is raised here, and closing this closes them all."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(stream):
+        try:
+            async for item in stream:
+                await queue.put(item)
+            await queue.put(end)
+        except Exception as exc:  # noqa: BLE001  raised in the consumer
+            await queue.put(exc)
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        for _ in tasks:
+            while (item := await queue.get()) is not end:
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def finish(gen: Generation, tool_calls: int) -> str:
@@ -88,15 +121,21 @@ def chat_prompt(svc, body: ChatRequest) -> Prompt:
 
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatRequest, request: Request):
-    _, prompt, gen = begin(request, body, "chat", chat_prompt, body.chat_options())
+    _, prompt, gens = begin_choices(request, body, "chat", chat_prompt, body.chat_options(), body.n or 1)
     cid, created, model = new_id("chatcmpl-"), int(time.time()), served_name(request)
     if body.stream:
-        return sse_response(_chat_stream(gen, prompt, cid, created, model, body.include_usage),
-                            gen, request)
-    return await until_disconnect(request, _chat_full(gen, prompt, cid, created, model), gen)
+        return sse_response(_chat_stream(gens, prompt, cid, created, model, body.include_usage),
+                            gens, request)
+    return await until_disconnect(request, _chat_full(gens, prompt, cid, created, model), gens)
 
 
-async def _chat_full(gen, prompt, cid, created, model) -> dict:
+async def _chat_full(gens: Choices, prompt, cid, created, model) -> dict:
+    choices = await asyncio.gather(*(_chat_choice(gen, prompt, i) for i, gen in enumerate(gens)))
+    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
+            "choices": list(choices), "usage": usage(gens)}
+
+
+async def _chat_choice(gen: Generation, prompt, index: int) -> dict:
     content, reasoning, calls = [], [], []
     async for ev in parsed_events(gen, prompt):
         if isinstance(ev, Content):
@@ -113,10 +152,8 @@ async def _chat_full(gen, prompt, cid, created, model) -> dict:
         message["reasoning_content"] = "".join(reasoning)
     if calls:
         message["tool_calls"] = calls
-    return {"id": cid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [{"index": 0, "message": message, "logprobs": _chat_logprobs(gen),
-                         "finish_reason": finish(gen, len(calls))}],
-            "usage": usage(gen)}
+    return {"index": index, "message": message, "logprobs": _chat_logprobs(gen),
+            "finish_reason": finish(gen, len(calls))}
 
 
 def _chat_logprobs(gen: Generation) -> dict | None:
@@ -126,38 +163,42 @@ def _chat_logprobs(gen: Generation) -> dict | None:
     return {"content": gen.take_logprobs(), "refusal": None}
 
 
-async def _chat_stream(gen, prompt, cid, created, model, include_usage):
-    def chunk(delta: dict, reason=None) -> str:
+async def _choice_deltas(gen: Generation, prompt, index: int):
+    """One choice's stream: (index, delta, finish reason or None)."""
+    yield index, {"role": "assistant", "content": ""}, None
+    n_calls = 0
+    async for ev in parsed_events(gen, prompt):
+        if isinstance(ev, Content):
+            yield index, {"content": ev.text}, None
+        elif isinstance(ev, Reasoning):
+            yield index, {"reasoning_content": ev.text}, None
+        elif isinstance(ev, ToolStart):
+            n_calls += 1
+            yield index, {"tool_calls": [{"index": ev.index, "id": new_id("call_"), "type": "function",
+                                          "function": {"name": ev.name, "arguments": ""}}]}, None
+        elif isinstance(ev, ToolArgs):
+            yield index, {"tool_calls": [{"index": ev.index, "function": {"arguments": ev.text}}]}, None
+    yield index, {}, finish(gen, n_calls)
+
+
+async def _chat_stream(gens: Choices, prompt, cid, created, model, include_usage):
+    def chunk(index: int, delta: dict, reason=None) -> str:
         body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": _chat_logprobs(gen),
+                "choices": [{"index": index, "delta": delta, "logprobs": _chat_logprobs(gens[index]),
                              "finish_reason": reason}]}
         if include_usage:
             body["usage"] = None
         return sse(body)
 
-    yield chunk({"role": "assistant", "content": ""})
-    n_calls = 0
     try:
-        async for ev in parsed_events(gen, prompt):
-            if isinstance(ev, Content):
-                yield chunk({"content": ev.text})
-            elif isinstance(ev, Reasoning):
-                yield chunk({"reasoning_content": ev.text})
-            elif isinstance(ev, ToolStart):
-                n_calls += 1
-                yield chunk({"tool_calls": [{"index": ev.index, "id": new_id("call_"),
-                                             "type": "function",
-                                             "function": {"name": ev.name, "arguments": ""}}]})
-            elif isinstance(ev, ToolArgs):
-                yield chunk({"tool_calls": [{"index": ev.index,
-                                             "function": {"arguments": ev.text}}]})
+        async for index, delta, reason in merged([_choice_deltas(g, prompt, i) for i, g in enumerate(gens)]):
+            yield chunk(index, delta, reason)
     except Exception as exc:   # the engine failed mid-stream: tell the client in-band
         yield sse(error_body("/v1/chat/completions", 500, f"generation failed: {exc}"))
         return
-    yield chunk({}, finish(gen, n_calls))
     if include_usage:
         yield sse({"id": cid, "object": "chat.completion.chunk", "created": created,
-                   "model": model, "choices": [], "usage": usage(gen)})
+                   "model": model, "choices": [], "usage": usage(gens)})
     yield sse("[DONE]")
 
 
@@ -178,42 +219,50 @@ def completion_prompt(svc, body: CompletionRequest) -> Prompt:
 
 @router.post("/v1/completions")
 async def completions(body: CompletionRequest, request: Request):
-    _, _, gen = begin(request, body, "completions", completion_prompt,
-                      body.options(body.max_tokens, body.logprobs))
+    _, _, gens = begin_choices(request, body, "completions", completion_prompt,
+                               body.options(body.max_tokens, body.logprobs), body.n or 1)
     cid, created, model = new_id("cmpl-"), int(time.time()), served_name(request)
     if body.stream:
-        return sse_response(_text_stream(gen, cid, created, model, body.include_usage), gen, request)
+        return sse_response(_text_stream(gens, cid, created, model, body.include_usage), gens, request)
+
+    async def choice(gen: Generation, index: int) -> dict:
+        text = "".join([t async for t in gen])
+        return {"index": index, "text": text, "logprobs": _text_logprobs(gen), "finish_reason": finish(gen, 0)}
 
     async def full() -> dict:
-        text = "".join([t async for t in gen])
+        choices = await asyncio.gather(*(choice(gen, i) for i, gen in enumerate(gens)))
         return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": _text_logprobs(gen),
-                             "finish_reason": finish(gen, 0)}], "usage": usage(gen)}
-    return await until_disconnect(request, full(), gen)
+                "choices": list(choices), "usage": usage(gens)}
+    return await until_disconnect(request, full(), gens)
 
 
 def _text_logprobs(gen: Generation) -> dict | None:
     return None if gen.logprob_text is None else completion_logprobs(gen.take_logprobs())
 
 
-async def _text_stream(gen, cid, created, model, include_usage):
-    def chunk(text: str, reason=None) -> str:
+async def _text_pieces(gen: Generation, index: int):
+    async for text in gen:
+        yield index, text, None
+    yield index, "", finish(gen, 0)
+
+
+async def _text_stream(gens: Choices, cid, created, model, include_usage):
+    def chunk(index: int, text: str, reason=None) -> str:
         body = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                "choices": [{"index": 0, "text": text, "logprobs": _text_logprobs(gen),
+                "choices": [{"index": index, "text": text, "logprobs": _text_logprobs(gens[index]),
                              "finish_reason": reason}]}
         if include_usage:
             body["usage"] = None
         return sse(body)
     try:
-        async for text in gen:
-            yield chunk(text)
+        async for index, text, reason in merged([_text_pieces(g, i) for i, g in enumerate(gens)]):
+            yield chunk(index, text, reason)
     except Exception as exc:
         yield sse(error_body("/v1/completions", 500, f"generation failed: {exc}"))
         return
-    yield chunk("", finish(gen, 0))
     if include_usage:
         yield sse({"id": cid, "object": "text_completion", "created": created, "model": model,
-                   "choices": [], "usage": usage(gen)})
+                   "choices": [], "usage": usage(gens)})
     yield sse("[DONE]")
 
 

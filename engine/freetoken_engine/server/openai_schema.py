@@ -16,6 +16,8 @@ from .generation import MAX_TOKENS_LIMIT, GenOptions
 from .structured import format_grammar, logit_bias, structured_grammar
 
 TOOL_NAME = r"^[A-Za-z0-9_.:-]{1,256}$"
+#: most choices one request may ask for (``n``): each is a request of its own in the scheduler
+MAX_CHOICES = 32
 
 
 class Body(BaseModel):
@@ -82,7 +84,7 @@ class _Sampling(Body):
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int | None = None
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0, le=10.0)   # vLLM's extension
@@ -99,8 +101,6 @@ class _Sampling(Body):
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
 
     def common_checks(self) -> None:
-        if self.n not in (None, 1):
-            raise unsupported("n", "must be 1: this server returns one choice per request")
         if len(self.stops()) > 16:
             raise unsupported("stop", "accepts at most 16 strings")
         if self.stream_options is not None and not self.stream:
