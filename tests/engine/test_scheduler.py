@@ -79,6 +79,31 @@ async def test_a_second_turn_reuses_the_first_turns_prefix(folder):
         svc.shutdown()
 
 
+async def test_a_request_arriving_while_another_decodes_reuses_its_prompt(folder):
+    """A prompt's KV joins the prefix tree once it is computed, not when its request ends: a side
+    request with the same prefix that arrives while the first decodes skips those blocks, and
+    both answers are unchanged."""
+    svc = service(folder)
+    prompt = BASE * 3                                   # 54 tokens: 3 full blocks of 16
+    long = SamplingParams(max_new_tokens=400, temperature=0, ignore_eos=True)
+    try:
+        first = svc.submit(prompt, long)
+        events = first.__aiter__()
+        got = [(await events.__anext__()).token_id]     # its prompt is computed
+        side = prompt + [7, 8]
+        handle = svc.submit(side, GREEDY)
+        assert not first.request.finished               # 399 tokens to go
+        out_side = [ev.token_id async for ev in handle if ev.token_id is not None]
+        got += [ev.token_id async for ev in events if ev.token_id is not None]
+        assert handle.cached_tokens == 48
+        assert out_side == LLM(folder).generate(side, GREEDY).token_ids
+        assert got == LLM(folder).generate(prompt, long).token_ids
+        svc.scheduler.check_integrity()
+        assert svc.runner.kv.used_blocks == svc.scheduler.radix.cached_blocks()
+    finally:
+        svc.shutdown()
+
+
 async def test_live_resize_in_flight_changes_no_token(folder, alone):
     svc = service(folder, expert_cache_experts=16, max_batch=4)
     try:

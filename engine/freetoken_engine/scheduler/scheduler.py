@@ -364,6 +364,8 @@ class Scheduler:
                 self._finish(req, "abort", error=exc)
                 continue
             lp = None if params.logprobs is None else token_logprobs(logits[row], tok, params.logprobs)
+            if not req.output_ids:
+                self._share_prompt(req)
             req.output_ids.append(tok)
             self.counters["generated_tokens"] += 1
             if tok in req.stop_ids or complete:
@@ -372,6 +374,15 @@ class Scheduler:
                 self._finish(req, "length", tok, logprob=lp)
             else:
                 req.sink.push(TokenEvent(tok, None, logprob=lp))
+
+    def _share_prompt(self, req: Request) -> None:
+        """The prompt's KV is complete: its full blocks join the prefix tree now, not when the
+        request finishes, so a request with the same prefix that arrives meanwhile (an agent's
+        side request beside its main one) reuses them. A hybrid model's prompts are kept by
+        their anchor checkpoints instead."""
+        full = len(req.prompt_ids) // self.kv.block_size
+        if full and self.states is None:
+            self.radix.insert(req.prompt_ids, req.blocks[:full])
 
     def _release(self, req: Request) -> None:
         self.kv.release(req.blocks)
