@@ -104,6 +104,27 @@ async def test_a_request_arriving_while_another_decodes_reuses_its_prompt(folder
         svc.shutdown()
 
 
+async def test_requests_that_start_together_prefill_their_shared_prefix_once(folder):
+    """Four requests with one 100-token prefix (sub-agents sharing a system prompt, ``n``
+    choices) submitted at once: one computes the shared blocks, the others wait for them and
+    reuse them, in small prefill chunks too; every answer is what it is alone."""
+    svc = service(folder, prefill_chunk=32)
+    prefix = (BASE * 6)[:100]                       # 6 full blocks of 16
+    prompts = [prefix + [40 + i, 41] for i in range(4)]
+    try:
+        handles = [svc.submit(p, GREEDY) for p in prompts]
+
+        async def drain(h):
+            return [ev.token_id async for ev in h if ev.token_id is not None]
+        got = await asyncio.gather(*(drain(h) for h in handles))
+        assert sorted(h.cached_tokens for h in handles) == [0, 96, 96, 96]
+        llm = LLM(folder)
+        assert got == [llm.generate(p, GREEDY).token_ids for p in prompts]
+        svc.scheduler.check_integrity()
+    finally:
+        svc.shutdown()
+
+
 async def test_live_resize_in_flight_changes_no_token(folder, alone):
     svc = service(folder, expert_cache_experts=16, max_batch=4)
     try:

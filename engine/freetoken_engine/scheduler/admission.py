@@ -28,11 +28,28 @@ class Admission:
         return self.kv.free_blocks >= n
 
     def _admissible(self, req: Request) -> bool:
-        """A constrained request waits (those behind it go ahead) until the grammar engine's
-        tables for the tokenizer are built (``guide.tables_ready``: once per process)."""
+        """Whether ``req`` may start now; those behind a request that may not go ahead. It waits
+        while a running request is still prefilling a full block their prompts share (the
+        block joins the prefix tree when computed, so it is not computed twice), and a
+        constrained request waits until the grammar engine's tables for the tokenizer are built
+        (``guide.tables_ready``: once per process)."""
+        if self._behind_a_prefill(req):
+            return False
         if req.params.guide is None or req.guide is not None:
             return True
         return tables_ready(self.runner.tokenizer, self.runner.mcfg.vocab_size)
+
+    def _behind_a_prefill(self, req: Request) -> bool:
+        if self.states is not None or req.computed:
+            return False
+        bs, prompt = self.kv.block_size, req.prompt_ids
+        for other in self.running:
+            next_block = other.computed // bs          # the next full block it will compute
+            end = (next_block + 1) * bs
+            if (next_block < len(other.prompt_ids) // bs and len(prompt) >= end
+                    and prompt[:end] == other.prompt_ids[:end]):
+                return True
+        return False
 
     def _admit(self) -> None:
         while len(self.running) < self.max_batch:

@@ -43,6 +43,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
     computed: int = 0             # tokens whose KV is in ``blocks``
+    shared: int = 0               # the prompt's full blocks put in the prefix tree so far
     state: int = -1               # hybrid models: the recurrent-state slot (cache/states.py)
     anchor_plan: list[int] = field(default_factory=list)   # prompt positions to checkpoint the state at
     cached_tokens: int = 0        # of the prompt, reused from the prefix tree

@@ -169,7 +169,7 @@ class Scheduler(Admission):
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self._release(req)
-        req.computed = 0
+        req.computed = req.shared = 0
         self.counters["preemptions"] += 1
         with self._cv:
             self.waiting.appendleft(req)
@@ -274,6 +274,7 @@ class Scheduler(Admission):
             if req.guide is not None and req.guide.active and req.computed + n == len(req.tokens)})
         for row, (req, n) in enumerate(batch):
             req.computed += n
+            self._share_prompt(req)
             if req.pending:
                 continue                      # prefill continues next step
             params = req.params
@@ -287,8 +288,6 @@ class Scheduler(Admission):
                 self._finish(req, "abort", error=exc)
                 continue
             lp = None if params.logprobs is None else token_logprobs(logits[row], tok, params.logprobs)
-            if not req.output_ids:
-                self._share_prompt(req)
             req.output_ids.append(tok)
             self.counters["generated_tokens"] += 1
             if tok in req.stop_ids or complete:
@@ -299,13 +298,15 @@ class Scheduler(Admission):
                 req.sink.push(TokenEvent(tok, None, logprob=lp))
 
     def _share_prompt(self, req: Request) -> None:
-        """The prompt's KV is complete: its full blocks join the prefix tree now, not when the
-        request finishes, so a request with the same prefix that arrives meanwhile (an agent's
-        side request beside its main one) reuses them. A hybrid model's prompts are kept by
-        their anchor checkpoints instead."""
-        full = len(req.prompt_ids) // self.kv.block_size
-        if full and self.states is None:
+        """The prompt's full blocks join the prefix tree as they are computed, not when the
+        request finishes: a request with the same prefix reuses them while this one still runs
+        (an agent's side request beside its main one, sub-agents that start together, ``n``
+        choices; ``Admission._admissible`` holds such a request back until they are there). A
+        hybrid model's prompts are kept by their anchor checkpoints instead."""
+        full = min(req.computed, len(req.prompt_ids)) // self.kv.block_size
+        if full > req.shared and self.states is None:
             self.radix.insert(req.prompt_ids, req.blocks[:full])
+            req.shared = full
 
     def _release(self, req: Request) -> None:
         self.kv.release(req.blocks)
