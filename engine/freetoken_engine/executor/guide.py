@@ -116,23 +116,34 @@ def lark(source: str, what: str = "the grammar") -> str:
         raise InvalidRequest(f"{what}: {_one_line(str(exc))}") from None
 
 
-def _build(tokenizer_json: str, n_vocab: int, eos: tuple[int, ...]):
+@dataclass(frozen=True)
+class Tables:
+    """What llguidance needs of a tokenizer, built once per process (``tables``)."""
+    lltok: object              # llguidance.LLTokenizer, ready for masks
+    whitespace: torch.Tensor   # ids of the tokens that are only whitespace (allowed after </think>)
+
+
+def _build(tokenizer_json: str, n_vocab: int, eos: tuple[int, ...]) -> Tables:
     import llguidance
     from llguidance.torch import fill_next_token_bitmask
     lltok = llguidance.LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=list(eos))
     # the first mask ever computed sets up llguidance's per-tokenizer tables: pay it here
     matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}))
     fill_next_token_bitmask(matcher, torch.zeros(1, (n_vocab + 31) // 32, dtype=torch.int32))
-    return lltok
+    whitespace = [t for t in range(n_vocab) if (b := lltok.decode_bytes([t])) and not b.strip(b" \t\r\n")]
+    return Tables(lltok, torch.tensor(whitespace, dtype=torch.long))
 
 
 _builds: dict[tuple, concurrent.futures.Future] = {}
 _builds_lock = threading.Lock()
 
 
-def _tables(tokenizer, n_vocab: int) -> concurrent.futures.Future:
-    """The build of ``tokenizer``'s tables for ``n_vocab`` logits, started (in a thread) on the
-    first call; every later call gets the same future."""
+def tables(tokenizer, n_vocab: int) -> concurrent.futures.Future:
+    """The build of ``tokenizer``'s ``Tables`` for ``n_vocab`` logits, started in a thread on the
+    first call; every later call gets the same future. Built on first need, not at load: a model
+    served without grammars never pays for them (0.9-1.6 s for a 49k vocabulary on a 2-CPU VM,
+    4.3-4.8 s on the H200 machine's host); the scheduler keeps a constrained request waiting
+    (the others run) and the server awaits them without blocking, until they are there."""
     key = (tokenizer.json_text, n_vocab, tuple(tokenizer.eos_token_ids))
     with _builds_lock:
         future = _builds.get(key)
@@ -150,29 +161,14 @@ def _tables(tokenizer, n_vocab: int) -> concurrent.futures.Future:
 
 
 def tables_ready(tokenizer, n_vocab: int) -> bool:
-    """Whether ``ll_tokenizer`` would answer at once; the first call starts the build. Built on
-    first need, not at load: a model served without grammars never pays for them (0.9-1.6 s for
-    a 49k vocabulary on a 2-CPU VM, 4.8 s on the H200 machine's host), and the scheduler keeps a
-    constrained request waiting (the others run) until they are there."""
-    return _tables(tokenizer, n_vocab).done()
+    """Whether the tables are built (the first call starts the build)."""
+    return tables(tokenizer, n_vocab).done()
 
 
 def ll_tokenizer(tokenizer, n_vocab: int):
     """llguidance's view of ``tokenizer`` (models/tokenizer.Tokenizer) for logits of ``n_vocab``
-    entries, ready for masks; built once per tokenizer, waited for here."""
-    return _tables(tokenizer, n_vocab).result()
-
-
-@functools.lru_cache(maxsize=8)
-def _whitespace_ids(lltok, n_vocab: int) -> torch.Tensor:
-    ids = [t for t in range(n_vocab) if (b := lltok.decode_bytes([t])) and not b.strip(b" \t\r\n")]
-    return torch.tensor(ids, dtype=torch.long)
-
-
-def token_bytes(tokenizer, n_vocab: int, token_id: int) -> bytes:
-    """The bytes a token stands for (a special token: its name)."""
-    raw = ll_tokenizer(tokenizer, n_vocab).decode_bytes([token_id])
-    return raw[1:] if raw[:1] == b"\xff" else raw     # llguidance marks special tokens with 0xFF
+    entries, ready for masks; waited for here."""
+    return tables(tokenizer, n_vocab).result().lltok
 
 
 def _matcher(lltok, grammar: str):
@@ -184,7 +180,7 @@ def _matcher(lltok, grammar: str):
 
 
 class Guide:
-    """One request's constraint: ``mask(logits)`` before a sample, ``advance(token)`` after.
+    """One request's constraint: ``constrain(logits)`` before a sample, ``advance(token)`` after.
 
     States: "answer" (the answer's grammar), "reasoning" (free until the closing token), "text"
     (free: no answer grammar, or the model called a tool instead), "tool" (inside a tool call,
@@ -193,9 +189,10 @@ class Guide:
     def __init__(self, spec: GuideSpec, tokenizer, n_vocab: int):
         self.spec = spec
         try:
-            self._lltok = ll_tokenizer(tokenizer, n_vocab)
+            self._tables = tables(tokenizer, n_vocab).result()
         except Exception as exc:   # noqa: BLE001  a tokenizer llguidance cannot read
             raise InvalidRequest(f"constrained decoding is unavailable for this model's tokenizer: {exc}") from None
+        self._lltok = self._tables.lltok
         self.answer = _matcher(self._lltok, spec.grammar) if spec.grammar else None
         self.tool = _matcher(self._lltok, spec.in_tool) if spec.in_tool else None
         self.state = ("tool" if spec.in_tool else "reasoning" if spec.reasoning else
@@ -222,7 +219,7 @@ class Guide:
         if self.state != "answer" or self.started:
             return self._extra[:0]
         if self.gap:
-            return torch.cat([self._extra, _whitespace_ids(self._lltok, self.n_vocab)])
+            return torch.cat([self._extra, self._tables.whitespace])
         return self._extra
 
     def constrain(self, logits: torch.Tensor) -> torch.Tensor:
@@ -315,4 +312,4 @@ def constrained_rows(logits: torch.Tensor, guides: dict[int, Guide]) -> dict[int
 
 
 __all__ = ["Guide", "GuideSpec", "apply_masks", "choice", "constrained_rows", "fill_masks", "json_schema", "lark",
-           "ll_tokenizer", "regex", "tables_ready", "token_bytes"]
+           "ll_tokenizer", "regex", "tables", "tables_ready"]

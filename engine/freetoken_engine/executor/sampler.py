@@ -90,8 +90,9 @@ def make_penalties(params: SamplingParams, prompt_ids: list[int], n_vocab: int) 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator,
            penalties: Penalties | None = None) -> int:
     """One token from ``logits [V]`` (float32, a grammar's mask already applied: ``Guide``;
-    left unchanged); ``penalties`` is the request's (the caller adds the token to it). Sampling runs on the CPU for reproducibility. Raises NonFiniteLogits when
-    a logit is NaN or +inf, or every one is -inf (one reduction: max propagates NaN)."""
+    left unchanged); ``penalties`` is the request's (the caller adds the token to it). Sampling
+    runs on the CPU for reproducibility. Raises NonFiniteLogits when a logit is NaN or +inf, or
+    every one is -inf (one reduction: max propagates NaN)."""
     best, arg = logits.max(0)
     if not math.isfinite(float(best)):
         raise NonFiniteLogits(f"the model produced non-finite logits (max {float(best)}) for this request: "

@@ -40,7 +40,7 @@ class Admission:
         return tables_ready(self.runner.tokenizer, self.runner.mcfg.vocab_size)
 
     def _behind_a_prefill(self, req: Request) -> bool:
-        if self.states is not None or req.computed:
+        if self.states is not None:
             return False
         bs, prompt = self.kv.block_size, req.prompt_ids
         for other in self.running:
@@ -54,7 +54,8 @@ class Admission:
     def _admit(self) -> None:
         while len(self.running) < self.max_batch:
             with self._cv:
-                req = next((r for r in self.waiting if self._admissible(r)), None)
+                waiting = list(self.waiting)    # judged outside the lock: ``add`` never waits on it
+            req = next((r for r in waiting if self._admissible(r)), None)
             if req is None:
                 return
             if req.params.guide is not None and req.guide is None:

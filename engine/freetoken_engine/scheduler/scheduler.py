@@ -2,9 +2,10 @@
 
 Every step the scheduler thread (1) runs queued commands at this safe point (expert-cache
 resize, calibration), (2) drops aborted requests, (3) admits waiting requests while the batch
-and the KV pool allow, reusing cached prompt prefixes from the radix tree (``scheduler/admission.py``), (4) runs one forward
-pass holding every running request's next piece of work (a prefill chunk within the token
-budget, or one decode token) and (5) samples, streams and retires. When a decode step needs a
+and the KV pool allow, reusing cached prompt prefixes from the radix tree
+(``scheduler/admission.py``), (4) runs one forward pass holding every running request's next
+piece of work (a prefill chunk within the token budget, or one decode token) and (5) samples,
+streams and retires. When a decode step needs a
 KV block and none is free, unlocked prefix-tree leaves are evicted first, then the newest
 request is preempted (its KV recomputed when it is re-admitted; its output so far is kept).
 

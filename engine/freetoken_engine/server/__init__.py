@@ -4,8 +4,9 @@ Data flow of one request:
 
     HTTP body --(openai_schema / anthropic_schema: validate, 400 naming the field)-->
     template messages --(prompt.build_prompt: chat template, tool pre-fill)--> prompt ids
-    --(generation.start_generation: context budget 413, EngineService.submit: 429/400)-->
-    Generation (token events -> detokenized text, stop strings)
+    --(generation.start_choices: context budget 413, structured.guide_spec: the grammar,
+       EngineService.submit: 429/400)-->
+    Generation per choice (token events -> detokenized text, stop strings, log-probabilities)
     --(parser.OutputParser: <think> / <tool_call> split)--> events
     --(openai_api / anthropic_api)--> JSON or SSE chunks
 

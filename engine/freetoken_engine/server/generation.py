@@ -1,8 +1,8 @@
 """One request's run through the EngineService, as text, for both protocol modules.
 
-``start_generation`` tokenizes nothing: it takes the rendered prompt, checks the context budget, submits
-to the service (so 413 / 429 / 400 are raised *before* any response is started) and returns a
-``Generation``. Iterating it yields decoded text pieces with stop strings applied; afterwards
+``start_choices`` tokenizes nothing: it takes the rendered prompt, checks the context budget,
+submits to the service (so 413 / 429 / 400 are raised *before* any response is started) and
+returns a ``Generation`` per choice. Iterating one yields decoded text pieces with stop strings applied; afterwards
 ``finish_reason`` is ``"stop"`` (EOS or a stop string) or ``"length"``, and the token counts
 are final. An abort the server did not ask for raises ``ApiError(503)``. ``close()`` aborts
 the request in the engine (client disconnect, stop string) and is idempotent; the protocol
@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from ..errors import RequestTooLong
+from ..executor.guide import GuideSpec
 from ..executor.sampler import SamplingParams
 from .errors import ApiError
 from .stops import StopMatcher
@@ -80,6 +81,8 @@ class Generation:
 
     async def __aiter__(self) -> AsyncIterator[str]:
         try:
+            if self.logprob_text is not None:
+                await self.logprob_text.ready()   # the engine runs on meanwhile; its events wait
             async for ev in self.handle:
                 text = ""
                 if ev.token_id is not None:      # a final event may carry no token (abort)
@@ -145,24 +148,25 @@ def start_choices(service, prompt, opts: GenOptions, n: int, **kw) -> Choices:
     """``n`` generations of ``prompt``, each with its own seed (``opts.seed + i``, from a random
     base when no seed is given, so unseeded choices differ); one that cannot start closes the
     ones already started and raises."""
+    spec = guide_spec(opts.grammar, service.tokenizer, prompt)   # compiled once for every choice
     if n == 1:
-        return Choices([start_generation(service, prompt, opts, **kw)])
+        return Choices([start_generation(service, prompt, opts, spec, **kw)])
     base = secrets.randbits(62) if opts.seed is None else opts.seed
     out = Choices()
     try:
         for i in range(n):
-            out.append(start_generation(service, prompt, dataclasses.replace(opts, seed=base + i), **kw))
+            out.append(start_generation(service, prompt, dataclasses.replace(opts, seed=base + i), spec, **kw))
     except BaseException:
         out.close()
         raise
     return out
 
 
-def start_generation(service, prompt, opts: GenOptions, *, metrics=None,
+def start_generation(service, prompt, opts: GenOptions, spec: GuideSpec | None, *, metrics=None,
                      endpoint: str = "", t_arrival: float | None = None) -> Generation:
-    """Budget check, submit, and wrap ``prompt`` (server/prompt.Prompt). Raises RequestTooLong
-    (413), QueueFull (429), InvalidRequest (400) from the engine; nothing has been sent to the
-    client yet."""
+    """Budget check, submit, and wrap ``prompt`` (server/prompt.Prompt) under the constraint
+    ``spec`` (``structured.guide_spec``). Raises RequestTooLong (413), QueueFull (429),
+    InvalidRequest (400) from the engine; nothing has been sent to the client yet."""
     prompt_ids = prompt.ids
     n = len(prompt_ids)
     room = service.max_context - n
@@ -178,7 +182,7 @@ def start_generation(service, prompt, opts: GenOptions, *, metrics=None,
         max_new_tokens=max_new, temperature=opts.temperature, top_p=opts.top_p,
         top_k=opts.top_k, seed=opts.seed, stop_token_ids=() if opts.ignore_eos else eos,
         ignore_eos=opts.ignore_eos, logit_bias=opts.logit_bias, logprobs=opts.logprobs,
-        guide=guide_spec(opts.grammar, tok, prompt), presence_penalty=opts.presence_penalty,
+        guide=spec, presence_penalty=opts.presence_penalty,
         frequency_penalty=opts.frequency_penalty, repetition_penalty=opts.repetition_penalty,
         min_p=opts.min_p)
     handle = service.submit(list(prompt_ids), params)

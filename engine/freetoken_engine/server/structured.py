@@ -17,6 +17,7 @@ The constraint applies to the answer: a reasoning block before it is free, and w
 """
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from ..errors import InvalidRequest
@@ -121,13 +122,19 @@ def logit_bias(raw: dict | None, param: str = "logit_bias") -> tuple[tuple[int, 
 
 
 class LogprobText:
-    """Token ids -> their text and bytes, for the log-probability entries."""
+    """Token ids -> their text and bytes, for the log-probability entries. The bytes come from
+    the grammar engine's tokenizer tables: created here, their build starts (once per process),
+    and ``ready()`` awaits it without blocking the event loop."""
 
     def __init__(self, tokenizer, n_vocab: int):
-        self.tokenizer, self.n_vocab = tokenizer, n_vocab
+        self._tables = guide.tables(tokenizer, n_vocab)
+
+    async def ready(self) -> None:
+        await asyncio.wrap_future(self._tables)
 
     def piece(self, token: int) -> tuple[str, list[int]]:
-        raw = guide.token_bytes(self.tokenizer, self.n_vocab, token)
+        raw = self._tables.result().lltok.decode_bytes([token])
+        raw = raw[1:] if raw[:1] == b"\xff" else raw     # llguidance marks special tokens with 0xFF
         return raw.decode("utf-8", errors="replace"), list(raw)
 
     def chat(self, token: int, logprob: tuple) -> dict:

@@ -105,8 +105,8 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
     prefilled = {n: (h if xml else h[1:]) for n, h in heads.items()}
 
     def calls(start: str, names: dict) -> str:
-        alts = [rules.add(f"{_lit(head)} {bodies[name]}") for name, head in names.items()]
-        return "\n".join([f"start: {start} ({' | '.join(alts)})", *rules.lines])
+        alts = " | ".join(f"{_lit(head)} {bodies[name]}" for name, head in names.items())
+        return "\n".join([f"start: {start} ({alts})", *rules.lines])
 
     after_open = calls(f"/\\n?/ {opened}", heads)
     if prompt.forced in schemas:        # named: the pre-fill ends where the arguments start
