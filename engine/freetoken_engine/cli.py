@@ -26,6 +26,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
+def _parse_ngram(text: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be MIN,MAX (two integers), got {text!r}") from None
+    return lo, hi
+
+
 def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, help="model folder (Hugging Face layout); default: embedded SmolLM2 MoE")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -49,6 +57,12 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "(turn ends, thinking blocks, tool calls), so a conversation or an agent resumes "
                         "from the nearest one instead of prefilling again (default: as many as 1 GB holds "
                         "on the CPU, 0.5 GB on a GPU, 4 to 64; 0: none)")
+    p.add_argument("--speculative-tokens", type=int, default=0, metavar="K",
+                   help="speculative decoding: each decode step also checks up to K tokens drafted from an "
+                        "earlier occurrence of the context's last words (prompt lookup; 0, the default: off). "
+                        "The output is unchanged; code edits and quoted text then take fewer passes")
+    p.add_argument("--speculative-ngram", default="2,4", metavar="MIN,MAX", type=_parse_ngram,
+                   help="the shortest and longest suffix a draft is matched on (default 2,4)")
     p.add_argument("--expert-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="expert cache control and kernels: triton on CUDA by default")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
@@ -82,8 +96,10 @@ def _engine_kwargs(args) -> dict:
               graph_warmup=args.graph_warmup,
               graph_warmup_widths=args.graph_warmup_widths, graph_memory_gb=args.graph_memory_gb,
               split_tuning=args.split_tuning,
-              cpu_rate_probe=args.cpu_rate_probe)
+              cpu_rate_probe=args.cpu_rate_probe, speculative_tokens=args.speculative_tokens,
+              speculative_ngram=args.speculative_ngram)
     return kw
+
 
 
 def _model_dir(args) -> Path:

@@ -165,6 +165,8 @@ class EngineConfig:
     max_context: int | None = None
     max_batch: int = 32
     max_queue: int = 256
+    speculative_tokens: int = 0              # n-gram (prompt-lookup) draft tokens per decode step (0: off)
+    speculative_ngram: tuple[int, int] = (2, 4)   # shortest and longest suffix a draft is matched on
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -199,6 +201,11 @@ class EngineConfig:
             raise ConfigError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         if self.state_checkpoints is not None and self.state_checkpoints < 0:
             raise ConfigError(f"--state-checkpoints must be 0 (none) or more, got {self.state_checkpoints}")
+        if not 0 <= self.speculative_tokens <= 16:
+            raise ConfigError(f"--speculative-tokens must be within 0 (off)..16, got {self.speculative_tokens}")
+        lo, hi = self.speculative_ngram
+        if not 1 <= lo <= hi <= 16:
+            raise ConfigError(f"--speculative-ngram must be MIN,MAX with 1 <= MIN <= MAX <= 16, got {lo},{hi}")
         for name in ("kv_block_size", "max_batch", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")

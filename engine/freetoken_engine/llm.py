@@ -18,6 +18,7 @@ from .errors import InvalidRequest, RequestTooLong
 from .executor.inputs import SeqChunk, build_inputs
 from .executor.runner import ModelRunner
 from .executor.sampler import SamplingParams, make_generator, make_guide, make_penalties, sample
+from .executor.speculate import NgramDrafter, TokenHistory, verify
 
 
 @dataclass
@@ -126,21 +127,36 @@ class LLM:
             raise
         t1 = time.perf_counter()
         out, finish = [], "length"
+        drafts = _Drafts(self, prompt_ids, guide is None)
+        rows, draft, passes = logits[None], [], 0
+
+        def choose(x: torch.Tensor) -> int:
+            return sample(x if guide is None else guide.constrain(x), params, gen, penalties)
         try:
-            while True:
-                tok = sample(logits if guide is None else guide.constrain(logits), params, gen, penalties)
-                if penalties is not None:
-                    penalties.add(tok)
-                out.append(tok)
-                if tok in stop or (guide is not None and guide.advance(tok)):
-                    finish = "stop"
-                    break
-                if len(out) >= max_new:
-                    break
-                pos = len(prompt_ids) + len(out) - 1
-                kv.extend(blocks, pos + 1)
-                logits = self.runner.forward([SeqChunk(blocks, pos, [tok], state=slot)])[0]
+            going = True
+            while going:
+                kept = 0
+                for _, tok, ok in verify(rows, draft, choose):
+                    if penalties is not None:
+                        penalties.add(tok)
+                    out.append(tok)
+                    kept += ok
+                    if tok in stop or (guide is not None and guide.advance(tok)):
+                        finish, going = "stop", False
+                        break
+                    if len(out) >= max_new:
+                        going = False
+                        break
+                drafts.kept(kept, len(draft), slot)
+                if going:
+                    pos = len(prompt_ids) + len(out) - 1
+                    draft = drafts.propose(out, max_new - len(out) - 1)
+                    kv.extend(blocks, pos + 1 + len(draft))
+                    rows = self.runner.forward([SeqChunk(blocks, pos, [tok, *draft], state=slot, rows=1 + len(draft),
+                                                         snapshots=drafts.snapshots(pos, len(draft)))])
+                    passes += 1
         finally:
+            drafts.close()
             self._release(blocks, slot)
         t2 = time.perf_counter()
         decode_steps = max(len(out) - 1, 0)
@@ -149,8 +165,47 @@ class LLM:
                  "decode_tokens_per_s": decode_steps / max(t2 - t1, 1e-9) if decode_steps else 0.0,
                  "expert_cache": self.runner.expert_stats()}
         stats.update({k: stats["expert_cache"][k] for k in ("hits", "misses", "fills", "cpu_computed")})
+        stats.update(decode_passes=passes, draft_tokens=drafts.drafted, draft_tokens_kept=drafts.kept_tokens)
         stats["capacity"] = stats["expert_cache"]["capacity_experts"]
         return Generation(out, finish, stats)
+
+
+class _Drafts:
+    """One ``generate`` call's speculative drafts (``executor/speculate.py``): proposals, the
+    snapshot slots of a hybrid model's state after each draft token, and the state restored
+    when a draft is cut short."""
+
+    def __init__(self, llm: LLM, prompt_ids: list[int], allowed: bool):
+        cfg, self.states = llm.config, llm.runner.states
+        on = allowed and cfg.speculative_tokens > 0
+        self.drafter = NgramDrafter(cfg.speculative_tokens, *cfg.speculative_ngram) if on else None
+        self.history = TokenHistory(prompt_ids) if on else None
+        self.prompt_len = len(prompt_ids)
+        self.scratch = self.states.take_scratch(cfg.speculative_tokens) if on and self.states is not None else []
+        self.drafted = self.kept_tokens = 0
+
+    def propose(self, out: list[int], limit: int) -> list[int]:
+        if self.drafter is None or limit < 1:
+            return []
+        self.history.extend(out[len(self.history) - self.prompt_len:])
+        draft = self.drafter.propose(self.history.array, limit)
+        if self.states is not None:
+            draft = draft[:len(self.scratch)]
+        self.drafted += len(draft)
+        return draft
+
+    def snapshots(self, pos: int, n: int) -> tuple[tuple[int, int], ...]:
+        return tuple((pos + 1 + j, self.scratch[j]) for j in range(n)) if self.states is not None else ()
+
+    def kept(self, kept: int, drafted: int, slot: int) -> None:
+        self.kept_tokens += kept
+        if kept < drafted and self.states is not None:
+            self.states.copy(self.scratch[kept], slot)
+
+    def close(self) -> None:
+        if self.scratch:
+            self.states.give_scratch(self.scratch)
+            self.scratch = []
 
 
 class Lockstep:

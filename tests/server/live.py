@@ -88,3 +88,20 @@ def start_service(model_dir: Path, **options):
     from freetoken_engine.config import EngineConfig
     from freetoken_engine.scheduler.service import EngineService
     return wait_ready(EngineService.start(EngineConfig(model=model_dir, **options)))
+
+
+def live_pair(model_dir: Path, first: dict, second: dict):
+    """Context manager: two services on ``model_dir`` (EngineConfig ``first`` and ``second``),
+    each behind its own server with ``API_KEY``; yields the two ``Live``s."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def _cm():
+        a, b = start_service(model_dir, **first), start_service(model_dir, **second)
+        try:
+            with live_server(a, api_key=API_KEY) as la, live_server(b, api_key=API_KEY) as lb:
+                yield la, lb
+        finally:
+            a.shutdown()
+            b.shutdown()
+    return _cm()

@@ -6,7 +6,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from live import API_KEY, live_server, start_service
+from live import live_pair
 
 SYSTEM = "You are a terse coding assistant. Answer with code. " * 4
 
@@ -14,15 +14,8 @@ SYSTEM = "You are a terse coding assistant. Answer with code. " * 4
 @pytest.fixture(scope="module")
 def servers(tiny_checkpoint):
     """The same hybrid checkpoint twice: with anchor checkpoints (the default) and without."""
-    folder = tiny_checkpoint("qwen3_next")
-    with_anchors, without = start_service(folder, max_context=512), start_service(folder, max_context=512,
-                                                                                  state_checkpoints=0)
-    try:
-        with live_server(with_anchors, api_key=API_KEY) as a, live_server(without, api_key=API_KEY) as b:
-            yield a, b
-    finally:
-        with_anchors.shutdown()
-        without.shutdown()
+    with live_pair(tiny_checkpoint("qwen3_next"), dict(max_context=512), dict(max_context=512, state_checkpoints=0)) as pair:
+        yield pair
 
 
 def ask(live, messages, **kw):

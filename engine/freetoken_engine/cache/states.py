@@ -27,16 +27,19 @@ ANCHOR_TOKENS = ("<|im_end|>", "</think>", "</tool_call>", "</tool_response>", "
 
 class StatePool:
     """``conv [layers, slots, conv - 1, C]`` (model dtype) and ``ssm [layers, slots, v_heads,
-    k_dim, v_dim]`` (float32): slots ``0..live-1`` for running sequences, the rest checkpoints."""
+    k_dim, v_dim]`` (float32): slots ``0..live-1`` for running sequences, then the anchors'
+    checkpoints, then ``scratch`` slots: the states after each token of a speculative draft,
+    one of which replaces the live state when the draft is cut short (``executor/speculate.py``)."""
 
     def __init__(self, layers: int, lin: LinearAttnConfig, live: int, checkpoints: int,
-                 dtype: torch.dtype, device: torch.device):
-        n = live + checkpoints
+                 dtype: torch.dtype, device: torch.device, scratch: int = 0):
+        n = live + checkpoints + scratch
         self.conv = torch.zeros((layers, n, lin.conv - 1, lin.conv_dim), dtype=dtype, device=device)
         self.ssm = torch.zeros((layers, n, lin.v_heads, lin.k_dim, lin.v_dim), dtype=torch.float32, device=device)
         self.live = live
-        self.checkpoint_slots = tuple(range(live, n))
+        self.checkpoint_slots = tuple(range(live, live + checkpoints))
         self._free = list(range(live - 1, -1, -1))
+        self._scratch = list(range(n - 1, live + checkpoints - 1, -1))
 
     @staticmethod
     def slot_bytes(layers: int, lin: LinearAttnConfig, itemsize: int) -> int:
@@ -60,6 +63,15 @@ class StatePool:
         if slot in self._free or not 0 <= slot < self.live:
             raise RuntimeError(f"state slot {slot} given back twice or never taken")
         self._free.append(slot)
+
+    def take_scratch(self, k: int) -> list[int]:
+        """``k`` scratch slots for a draft's snapshots, or fewer (as many as are free)."""
+        got = self._scratch[-k:] if k > 0 else []
+        del self._scratch[len(self._scratch) - len(got):]
+        return got
+
+    def give_scratch(self, slots: list[int]) -> None:
+        self._scratch.extend(slots)
 
     def copy(self, src: int, dst: int) -> None:
         """Every layer's state of slot ``src`` into slot ``dst`` (on the device, in stream order)."""

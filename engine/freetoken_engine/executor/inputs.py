@@ -3,7 +3,8 @@
 Data flow: the scheduler hands the runner a list of ``SeqChunk`` (a sequence's block table, the
 position of its first new token, and the new token ids); ``build_inputs`` flattens them into
 ``ForwardInputs`` (token ids, the ``AttnBatch`` attention metadata and the rows whose logits
-are wanted: the last new token of each sequence). The index arithmetic runs in NumPy (a few
+are wanted: the last new token of each sequence, and each draft token of a speculative
+verification, ``SeqChunk.rows``). The index arithmetic runs in NumPy (a few
 microseconds per array) and crosses to torch once per array.
 """
 from __future__ import annotations
@@ -26,13 +27,15 @@ class SeqChunk:
     state: int = -1           # hybrid models: the sequence's recurrent-state slot (cache/states.py)
     snapshots: tuple[tuple[int, int], ...] = ()   # (position, checkpoint slot): copy the state after
                               # the tokens before ``position`` (in (start, start + len(tokens)])
+    rows: int = 1             # logits wanted for the last ``rows`` new tokens (a speculative draft's
+                              # verification: the last accepted token and each draft token)
 
 
 @dataclass
 class ForwardInputs:
     ids: torch.Tensor         # [T] int64
     batch: AttnBatch
-    logits_at: torch.Tensor   # [B] int64 row of each sequence's last new token
+    logits_at: torch.Tensor   # [R] int64 rows whose logits are wanted: each sequence's last ``rows``
 
 
 def _kv_index(chunks: list[SeqChunk], ends: np.ndarray, block_size: int, width: int) -> np.ndarray:
@@ -89,4 +92,12 @@ def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) 
                       snapshots=tuple(tuple((p - c.start, s) for p, s in c.snapshots) for c in chunks)
                       if any(c.snapshots for c in chunks) else None,
                       kv_len=dev(ends) if q_max == 1 else None)   # the fused decode attention (CPU, GPU)
-    return ForwardInputs(ids=dev(ids), batch=batch, logits_at=dev(np.cumsum(counts) - 1))
+    return ForwardInputs(ids=dev(ids), batch=batch, logits_at=dev(logits_rows(chunks, counts)))
+
+
+def logits_rows(chunks: list[SeqChunk], counts: np.ndarray) -> np.ndarray:
+    """The pass's rows whose logits are wanted, in sequence order: each sequence's last ``rows``."""
+    ends = np.cumsum(counts)
+    if all(c.rows == 1 for c in chunks):
+        return ends - 1
+    return np.concatenate([np.arange(e - c.rows, e) for c, e in zip(chunks, ends)])

@@ -186,12 +186,23 @@ class ModelRunner(GraphWarmup):
         n = self.cfg.state_checkpoints
         if n is None:
             n = max(4, min(64, int((1e9 if self.device.type == "cpu" else 5e8) // per)))
-        pool = StatePool(len(m.linear_layers), m.linear, self.cfg.max_batch, n, self.dtype, self.device)
+        scratch = self._spec_scratch(per)
+        pool = StatePool(len(m.linear_layers), m.linear, self.cfg.max_batch, n, self.dtype, self.device, scratch)
         for layer in self.model.deltanets():
             layer.states = pool
-        log.info("hybrid model: %d recurrent-state slots and %d anchor checkpoints, %.1f MB each",
-                 self.cfg.max_batch, n, per / 1e6)
+        log.info("hybrid model: %d recurrent-state slots, %d anchor checkpoints and %d draft snapshots, "
+                 "%.1f MB each", self.cfg.max_batch, n, scratch, per / 1e6)
         return pool
+
+    def _spec_scratch(self, per: int) -> int:
+        """Snapshot slots for speculative drafts (``--speculative-tokens`` k): k per drafting
+        sequence, for as many sequences as 1 GB (CPU) or 0.5 GB (GPU) holds, at least one and at
+        most ``max_batch``; a sequence that finds none free decodes that step without a draft."""
+        k = self.cfg.speculative_tokens
+        if not k:
+            return 0
+        rows = int((1e9 if self.device.type == "cpu" else 5e8) // (k * per))
+        return k * max(1, min(self.cfg.max_batch, rows))
 
     def _bank_addresses(self) -> tuple[int, int] | None:
         return (self.bank.w13.data_ptr(), self.bank.w2.data_ptr()) if self.bank is not None else None

@@ -17,6 +17,7 @@ import torch
 from ..executor.guide import Guide
 from ..executor.penalties import Penalties
 from ..executor.sampler import SamplingParams
+from ..executor.speculate import TokenHistory
 
 _ids = itertools.count()
 
@@ -46,6 +47,9 @@ class Request:
     shared: int = 0               # the prompt's full blocks put in the prefix tree so far
     state: int = -1               # hybrid models: the recurrent-state slot (cache/states.py)
     anchor_plan: list[int] = field(default_factory=list)   # prompt positions to checkpoint the state at
+    history: TokenHistory | None = None   # its tokens as an array, for speculative drafts
+    draft: list[int] = field(default_factory=list)   # this step's draft tokens (scheduler/drafts.py)
+    scratch: list[int] = field(default_factory=list)   # hybrid models: their state snapshot slots
     cached_tokens: int = 0        # of the prompt, reused from the prefix tree
     finished: bool = False
     aborted: threading.Event = field(default_factory=threading.Event)

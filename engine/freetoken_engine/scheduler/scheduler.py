@@ -32,6 +32,8 @@ import time
 from collections import deque
 from typing import Callable
 
+import torch
+
 from ..cache.radix import RadixCache
 from ..cache.states import Anchors, anchor_token_ids
 from ..errors import InvalidRequest, NonFiniteLogits, OutOfKVCache, QueueFull
@@ -41,14 +43,16 @@ from ..executor.guide import constrained_rows
 from ..executor.sampler import sample, token_logprobs
 from .admission import Admission
 from .beside import DecodePause
+from .drafts import Drafts
 from .request import Request, TokenEvent
 
 log = logging.getLogger(__name__)
 
 
-class Scheduler(Admission):
+class Scheduler(Admission, Drafts):
     def __init__(self, runner: ModelRunner, max_batch: int, max_queue: int, prefill_chunk: int,
-                 decode_pause_ms: float = 0.0):
+                 decode_pause_ms: float = 0.0, speculative_tokens: int = 0,
+                 speculative_ngram: tuple[int, int] = (2, 4)):
         self.runner, self.kv = runner, runner.kv
         # decode steps between a long pass's layers (None: the decoders ride in the pass)
         self.pause = DecodePause(decode_pause_ms / 1e3, runner.device) if decode_pause_ms > 0 else None
@@ -67,6 +71,7 @@ class Scheduler(Admission):
                          "preemptions": 0, "steps": 0, "decode_steps_beside": 0,
                          "decode_beside_seconds": 0.0, "anchor_checkpoints": 0, "anchor_resumes": 0,
                          "anchor_resumed_tokens": 0}
+        self._init_drafts(speculative_tokens, speculative_ngram)
         self.thread = threading.Thread(target=self._loop, name="freetoken-scheduler", daemon=True)
 
     # -- any thread ------------------------------------------------------------------------------
@@ -192,15 +197,19 @@ class Scheduler(Admission):
                     f"the KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens) cannot "
                     f"hold this request's {req.computed + 1} tokens: lower max_tokens or shorten the prompt"))
                 continue
+            else:
+                n += self._draft(req)
             batch.append((req, n))
         batch = [(r, n) for r, n in batch if r in self.running]
         if not batch:
             return
-        decoders = [r for r, n in batch if n == 1]
-        prompt = sum(n for _, n in batch if n > 1)
+        decoders = [r for r, n in batch if r.pending == 1]
+        prompt = sum(n for r, n in batch if r.pending > 1)
         between, timed = None, self.pause is not None and prompt >= self.beside_from
         if timed and decoders and self.pause.long(prompt):
-            batch = [(r, n) for r, n in batch if n > 1]
+            batch = [(r, n) for r, n in batch if r.pending > 1]
+            for r in decoders:          # their steps beside the pass go without drafts
+                self._undraft(r)
             between = self._beside(decoders, {id(r) for r, _ in batch})
             self.pause.begin()
         t0, beside = time.perf_counter(), self.counters["decode_beside_seconds"]
@@ -239,19 +248,21 @@ class Scheduler(Admission):
         it, their KV blocks)."""
         chunks, writes = [], []
         for req, n in batch:
-            start, tokens = req.computed, req.tokens
+            start, tokens, draft = req.computed, req.tokens, req.draft
             snaps = []
             if self.anchors is not None:
                 wanted = [p for p in req.anchor_plan if start < p <= start + n]
-                if n == 1 and self.anchors.after_token(tokens[start]):     # a generated boundary token
+                if n - len(draft) == 1 and self.anchors.after_token(tokens[start]):   # a generated boundary token
                     wanted.append(start + 1)
                 for p in wanted:
                     slot = self.anchors.reserve()
                     if slot is not None:
                         snaps.append((p, slot))
                         writes.append((slot, tokens[:p], self.anchors.blocks_of(req.blocks, p)))
-            chunks.append(SeqChunk(req.blocks, start, tokens[start:start + n], last=n == req.pending,
-                                   state=req.state, snapshots=tuple(snaps)))
+            snaps += [(start + 1 + j, slot) for j, slot in enumerate(req.scratch)]   # after each draft token
+            new = [tokens[start], *draft] if draft else tokens[start:start + n]
+            chunks.append(SeqChunk(req.blocks, start, new, last=n - len(draft) == req.pending,
+                                   state=req.state, snapshots=tuple(snaps), rows=1 + len(draft)))
         return chunks, writes
 
     def _pass(self, run: Callable, writes: list[tuple]):
@@ -269,34 +280,46 @@ class Scheduler(Admission):
         return out
 
     def _emit(self, batch: list[tuple[Request, int]], logits) -> None:
-        """After a pass: advance each request, and sample, stream or retire those it completed."""
+        """After a pass: advance each request, and sample, stream or retire those it completed
+        (a drafted request: each token its draft's verification keeps, and the next one)."""
+        first = [0]                           # each request's first row of ``logits``
+        for req, _ in batch:
+            first.append(first[-1] + 1 + len(req.draft))
         masked = constrained_rows(logits, {      # the rows this pass completes, under a grammar
-            row: req.guide for row, (req, n) in enumerate(batch)
+            first[i]: req.guide for i, (req, n) in enumerate(batch)
             if req.guide is not None and req.guide.active and req.computed + n == len(req.tokens)})
-        for row, (req, n) in enumerate(batch):
-            req.computed += n
+        for i, (req, n) in enumerate(batch):
+            req.computed += n - len(req.draft)
             self._share_prompt(req)
             if req.pending:
                 continue                      # prefill continues next step
-            params = req.params
+            raw = logits[first[i]:first[i + 1]]
+            rows = masked[first[i]][None] if first[i] in masked else raw
             try:
-                tok = sample(masked.get(row, logits[row]), params, req.generator, req.penalties)
-                complete = req.guide is not None and req.guide.advance(tok)
-                if req.penalties is not None:
-                    req.penalties.add(tok)
+                self._walk(req, rows, lambda x: sample(x, req.params, req.generator, req.penalties),
+                           lambda j, tok: self._deliver(req, tok, raw[j]))
             except (NonFiniteLogits, InvalidRequest) as exc:   # this request's output is lost, the others go on
                 log.warning("request %d: %s", req.id, exc)
                 self._finish(req, "abort", error=exc)
-                continue
-            lp = None if params.logprobs is None else token_logprobs(logits[row], tok, params.logprobs)
-            req.output_ids.append(tok)
-            self.counters["generated_tokens"] += 1
-            if tok in req.stop_ids or complete:
-                self._finish(req, "stop", tok, logprob=lp)
-            elif len(req.output_ids) >= req.max_new_tokens:
-                self._finish(req, "length", tok, logprob=lp)
-            else:
-                req.sink.push(TokenEvent(tok, None, logprob=lp))
+
+    def _deliver(self, req: Request, tok: int, raw: torch.Tensor) -> bool:
+        """``req`` sampled ``tok`` from the logits ``raw [V]``: record and stream it, or retire the
+        request with it; whether the request goes on."""
+        params = req.params
+        complete = req.guide is not None and req.guide.advance(tok)
+        if req.penalties is not None:
+            req.penalties.add(tok)
+        lp = None if params.logprobs is None else token_logprobs(raw, tok, params.logprobs)
+        req.output_ids.append(tok)
+        self.counters["generated_tokens"] += 1
+        if tok in req.stop_ids or complete:
+            self._finish(req, "stop", tok, logprob=lp)
+        elif len(req.output_ids) >= req.max_new_tokens:
+            self._finish(req, "length", tok, logprob=lp)
+        else:
+            req.sink.push(TokenEvent(tok, None, logprob=lp))
+            return True
+        return False
 
     def _share_prompt(self, req: Request) -> None:
         """The prompt's full blocks join the prefix tree as they are computed, not when the
@@ -310,6 +333,7 @@ class Scheduler(Admission):
             req.shared = full
 
     def _release(self, req: Request) -> None:
+        self._undraft(req)
         self.kv.release(req.blocks)
         req.blocks = []
         if req.state >= 0:

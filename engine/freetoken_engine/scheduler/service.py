@@ -48,7 +48,8 @@ class EngineService:
             self.runner, self.tokenizer, self.max_context = runner, runner.tokenizer, runner.max_context
             self.vocab_size = runner.mcfg.vocab_size
             self.scheduler = Scheduler(runner, self.cfg.max_batch, self.cfg.max_queue, self.cfg.prefill_tokens,
-                                       self.cfg.decode_pause)
+                                       self.cfg.decode_pause, self.cfg.speculative_tokens,
+                                       self.cfg.speculative_ngram)
             self.scheduler.thread.start()
             cache = runner.cache
             self._calibration = {"pcie_gbps": None, "cpu_expert_gbps": None,
@@ -170,6 +171,8 @@ class EngineService:
                 "anchor_checkpoints": c["anchor_checkpoints"], "anchor_resumes": c["anchor_resumes"],
                 "anchor_resumed_tokens": c["anchor_resumed_tokens"],
                 "anchor_checkpoints_held": len(sch.anchors) if sch.anchors is not None else 0,
+                "draft_tokens": c["draft_tokens"], "draft_tokens_kept": c["draft_tokens_kept"],
+                "draft_steps": c["draft_steps"],
                 "pcie_gbps": self._calibration.get("pcie_gbps"),
                 "cpu_expert_gbps": self._calibration.get("cpu_expert_gbps"),
                 "fill_fraction": self._calibration.get("fill_fraction"),

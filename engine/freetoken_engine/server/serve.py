@@ -30,7 +30,8 @@ _ENGINE_OPTIONS = {"device": "device", "dtype": "dtype",
                    "graph_warmup_widths": "graph_warmup_widths", "graph_memory_gb": "graph_memory_gb",
                    "split_tuning": "split_tuning", "prefill_chunk": "prefill_chunk",
                    "decode_pause_ms": "decode_pause_ms", "state_checkpoints": "state_checkpoints",
-                   "cpu_rate_probe": "cpu_rate_probe"}
+                   "cpu_rate_probe": "cpu_rate_probe", "speculative_tokens": "speculative_tokens",
+                   "speculative_ngram": "speculative_ngram"}
 
 
 def server_config(args) -> ServerConfig:

@@ -1,0 +1,84 @@
+"""The scheduler's side of speculative decoding (``executor/speculate.py``): a decoding request
+gets an n-gram draft when its step is scheduled, the pass verifies it, and ``_walk`` keeps the
+tokens that agree.
+
+A draft never costs another request anything: it only takes KV blocks that are free (no eviction,
+no preemption) and, on a hybrid model, snapshot slots that are free (``StatePool.scratch``); it
+stops before an anchor token (so the anchors' checkpoints are taken where they would be without
+drafts) and within the request's length limit. Requests under a grammar, and decode steps taken
+beside a long prefill, go without. Mixed into ``Scheduler``; runs on the scheduler thread.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..executor.speculate import NgramDrafter, TokenHistory, verify
+from .request import Request
+
+
+class Drafts:
+    drafter: NgramDrafter | None
+
+    def _init_drafts(self, tokens: int, ngram: tuple[int, int]) -> None:
+        self.drafter = NgramDrafter(tokens, *ngram) if tokens else None
+        self.counters.update(draft_tokens=0, draft_tokens_kept=0, draft_steps=0)
+
+    def _draft(self, req: Request) -> int:
+        """Give ``req`` (decoding, its next KV block already held) a draft for this step; its length."""
+        if self.drafter is None or req.guide is not None:
+            return 0
+        room = min(req.max_new_tokens - len(req.output_ids) - 1, self.runner.max_context - req.computed - 1)
+        if room < 1:
+            return 0
+        if req.history is None:
+            req.history = TokenHistory(req.tokens)
+        else:
+            req.history.extend(req.output_ids[len(req.history) - len(req.prompt_ids):])
+        draft = self.drafter.propose(req.history.array, room)
+        if self.anchors is not None:
+            cut = next((j for j, t in enumerate(draft) if self.anchors.after_token(t)), len(draft))
+            draft = draft[:cut]
+        fits = (len(req.blocks) + self.kv.free_blocks) * self.kv.block_size - req.computed - 1
+        draft = draft[:max(0, fits)]
+        if draft and self.states is not None:
+            req.scratch = self.states.take_scratch(len(draft))
+            draft = draft[:len(req.scratch)]
+        if not draft:
+            return 0
+        grow = self.kv.blocks_for(req.computed + 1 + len(draft)) - len(req.blocks)
+        if grow > 0:
+            req.blocks += self.kv.allocate(grow)
+        req.draft = draft
+        self.counters["draft_tokens"] += len(draft)
+        self.counters["draft_steps"] += 1
+        return len(draft)
+
+    def _undraft(self, req: Request) -> None:
+        """Drop ``req``'s draft (before its pass, or after it: its snapshot slots go back)."""
+        req.draft = []
+        if req.scratch:
+            self.states.give_scratch(req.scratch)
+            req.scratch = []
+
+    def _walk(self, req: Request, logits: torch.Tensor, choose: Callable[[torch.Tensor], int],
+              take: Callable[[int, int], bool]) -> None:
+        """Sample ``req``'s tokens from its rows ``logits [1 + len(draft), V]``: ``take(row,
+        token)`` delivers each and says whether the request goes on. A kept draft token's KV counts
+        as computed; a cut-short draft on a hybrid model restores the state after the last kept
+        token."""
+        draft, kept = req.draft, 0
+        for j, tok, ok in verify(logits, draft, choose):
+            if ok:
+                req.computed += 1
+                kept += 1
+                self.counters["draft_tokens_kept"] += 1
+            if not take(j, tok):
+                return
+        if kept < len(draft) and req.scratch:
+            self.states.copy(req.scratch[kept], req.state)
+        self._undraft(req)
+
+
+__all__ = ["Drafts"]

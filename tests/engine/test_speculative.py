@@ -1,0 +1,194 @@
+"""Speculative decoding with n-gram drafts: whatever the drafts, the output is the plain decode's
+(greedy and seeded sampling, penalties, log-probabilities, stops and length limits), a right
+draft saves passes, a wrong one is undone (KV positions, a hybrid model's recurrent state)."""
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from freetoken_engine import LLM, SamplingParams
+from freetoken_engine.config import EngineConfig
+from freetoken_engine.errors import ConfigError
+from freetoken_engine.executor.speculate import NgramDrafter, TokenHistory
+from freetoken_engine.scheduler.service import EngineService
+
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+SAMPLED = SamplingParams(max_new_tokens=24, temperature=0.9, top_p=0.9, seed=11, presence_penalty=0.5,
+                         repetition_penalty=1.2, logprobs=2, ignore_eos=True)
+BASE = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150, 31, 64, 2, 7, 19, 23]
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [BASE[i % 5:] + BASE[:6 + i] + [40 + i] for i in range(n)]
+
+
+def test_drafts_come_from_the_latest_longest_earlier_match():
+    d = NgramDrafter(3, min_n=2, max_n=4)
+    # the suffix (1, 2, 3) occurred twice before: the later occurrence's continuation is drafted
+    assert d.propose(np.array([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3])) == [7, 5, 1]
+    # a longer match wins over a more recent shorter one: (4, 1, 2) -> 8, not (1, 2) -> 9
+    assert d.propose(np.array([4, 1, 2, 8, 6, 1, 2, 9, 4, 1, 2])) == [8, 6, 1]
+    assert d.propose(np.array([1, 2, 3, 3])) == []                  # a 1-token match is below min_n
+    assert NgramDrafter(3, min_n=1).propose(np.array([1, 2, 3, 3])) == [3]
+    assert d.propose(np.array([1, 2, 3, 4, 5])) == []
+    assert d.propose(np.array([1, 2, 9, 1, 2]), limit=1) == [9]
+    assert d.propose(np.array([7, 7, 7, 7, 7])) == [7]               # runs draft up to the end
+    with pytest.raises(ValueError):
+        NgramDrafter(0)
+
+
+def test_the_history_grows_past_its_first_capacity():
+    h = TokenHistory(list(range(10)))
+    for t in range(200):
+        h.extend([t, t + 1])
+    assert len(h) == 410 and h.array[:10].tolist() == list(range(10)) and h.array[-2:].tolist() == [199, 200]
+
+
+class Oracle:
+    """A drafter that knows each prompt's plain output and drafts it with every ``wrong``-th
+    token changed: drafts that are kept in part, in whole, and refused at once."""
+
+    def __init__(self, runs: dict[tuple, list[int]], wrong: int = 3, vocab: int = 320):
+        self.runs, self.wrong, self.vocab, self.calls = runs, wrong, vocab, 0
+
+    def __call__(self, drafter, history, limit=None):
+        k = drafter.tokens if limit is None else min(limit, drafter.tokens)
+        hist = history.tolist()
+        for prompt, out in self.runs.items():
+            if tuple(hist[:len(prompt)]) == prompt:
+                done = len(hist) - len(prompt)
+                draft = list(out[done:done + k])
+                self.calls += 1
+                if self.calls % self.wrong and len(draft) > 1:     # two of three drafts go wrong somewhere
+                    bad = self.calls % len(draft)
+                    draft[bad] = (draft[bad] + 1) % self.vocab
+                return draft
+        raise AssertionError("a draft for an unknown sequence")
+
+    def install(self, monkeypatch) -> "Oracle":
+        monkeypatch.setattr(NgramDrafter, "propose", lambda drafter, history, limit=None: self(drafter, history, limit))
+        return self
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next"])
+def model(request, tiny_checkpoint):
+    return tiny_checkpoint(request.param)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_generate_with_any_drafts_equals_plain_decode(model, params, monkeypatch):
+    plain = LLM(model)
+    want = {tuple(p): plain.generate(p, params).token_ids for p in prompts(3)}
+    Oracle(want).install(monkeypatch)
+    spec = LLM(model, speculative_tokens=4)
+    for p in prompts(3):
+        got = spec.generate(p, params)
+        assert got.token_ids == want[tuple(p)]
+        # a right draft token saves a pass; a wrong one costs nothing but its row
+        assert 0 < got.stats["draft_tokens_kept"] < got.stats["draft_tokens"]
+        n, kept = len(got.token_ids), got.stats["draft_tokens_kept"]
+        assert got.stats["decode_passes"] in (n - 1 - kept, n - kept)     # the last pass may end on a kept one
+    if spec.runner.states is not None:
+        assert spec.runner.states.free_slots == spec.runner.states.live
+
+
+def test_real_ngram_drafts_on_a_repeating_model_keep_tokens_and_change_nothing(tiny_checkpoint):
+    folder = tiny_checkpoint("qwen3_moe")      # its greedy output falls into loops by itself
+    params = SamplingParams(max_new_tokens=150, temperature=0, ignore_eos=True)
+    p = [5, 17, 99, 200, 3, 44, 12]
+    want = LLM(folder).generate(p, params).token_ids
+    got = LLM(folder, speculative_tokens=4).generate(p, params)
+    assert got.token_ids == want
+    assert got.stats["draft_tokens_kept"] >= 10 and got.stats["decode_passes"] < 140
+
+
+def test_stops_and_length_limits_inside_a_kept_draft(tiny_checkpoint, monkeypatch):
+    folder = tiny_checkpoint("qwen3_moe")
+    plain = LLM(folder)
+    p = prompts(1)[0]
+    out = plain.generate(p, GREEDY).token_ids
+    stop = SamplingParams(max_new_tokens=24, temperature=0, stop_token_ids=(out[9],))
+    want_stop = plain.generate(p, stop)
+    Oracle({tuple(p): out}, wrong=10 ** 9).install(monkeypatch)         # always right
+    spec = LLM(folder, speculative_tokens=4)
+    got = spec.generate(p, stop)
+    assert (got.token_ids, got.finish_reason) == (want_stop.token_ids, "stop")
+    for n in (1, 2, 5, 7):
+        got = spec.generate(p, SamplingParams(max_new_tokens=n, temperature=0, ignore_eos=True))
+        assert got.token_ids == out[:n] and got.finish_reason == "length"
+
+
+async def collect(svc: EngineService, ids: list[int], params):
+    handle = svc.submit(ids, params)
+    events = [ev async for ev in handle]
+    return [e.token_id for e in events if e.token_id is not None], [e.logprob for e in events], events[-1].finish_reason
+
+
+@pytest.mark.parametrize("kw", [dict(max_batch=8), dict(kv_cache_tokens=192, max_context=64, max_batch=6,
+                                                        prefill_chunk=8)], ids=["roomy", "tight-kv"])
+async def test_concurrent_requests_with_drafts_equal_plain_decode(model, kw, monkeypatch):
+    """Requests drafting, prefilling and finishing in the same passes, with KV space short enough
+    to preempt: each request's tokens and log-probabilities are the plain engine's."""
+    runs = {}
+    for name, spec in (("plain", 0), ("spec", 4)):
+        if spec:
+            Oracle({p: t for p, (t, _, _) in zip(map(tuple, prompts(8)), runs["plain"])}).install(monkeypatch)
+        svc = EngineService.start(EngineConfig(model=model, speculative_tokens=spec, **kw), wait=True)
+        try:
+            runs[name] = await asyncio.gather(*(collect(svc, p, SAMPLED if i % 2 else GREEDY)
+                                                for i, p in enumerate(prompts(8))))
+            svc.scheduler.check_integrity()
+            stats = svc.stats()
+            if spec:
+                assert 0 < stats["draft_tokens_kept"] < stats["draft_tokens"]
+            states = svc.runner.states
+            if states is not None:
+                assert states.free_slots == states.live and len(states._scratch) == spec * kw["max_batch"]
+        finally:
+            svc.shutdown()
+    for (t0, lp0, f0), (t1, lp1, f1) in zip(runs["plain"], runs["spec"]):
+        assert t0 == t1 and f0 == f1
+        for a, b in zip(lp0, lp1):
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert a[0] == pytest.approx(b[0], abs=1e-4) and [i for i, _ in a[1]] == [i for i, _ in b[1]]
+
+
+async def test_hybrid_drafts_stop_before_anchor_tokens(tiny_checkpoint, monkeypatch):
+    """A drafted anchor token (a turn's end) would take its checkpoint out of place: drafts stop
+    before one, and the checkpoint after a generated anchor is still written where it belongs."""
+    from freetoken_engine.cache.states import anchor_token_ids
+    folder = tiny_checkpoint("qwen3_next")
+    plain = LLM(folder)
+    p = prompts(1)[0]
+    end = sorted(anchor_token_ids(plain.tokenizer))[0]
+    seen = []
+
+    def propose(drafter, history, limit=None):
+        seen.append(len(history))
+        return [end, 7, 8][:limit]
+    monkeypatch.setattr(NgramDrafter, "propose", propose)
+    params = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
+    svc = EngineService.start(EngineConfig(model=folder, speculative_tokens=3), wait=True)
+    try:
+        got, _, _ = await collect(svc, p, params)
+        assert got == plain.generate(p, params).token_ids
+        assert seen and svc.stats()["draft_tokens"] == 0          # every draft began with the anchor
+    finally:
+        svc.shutdown()
+
+
+def test_bad_speculative_options_are_refused_clearly(tiny_checkpoint):
+    folder = tiny_checkpoint("qwen3_moe")
+    with pytest.raises(ConfigError, match="speculative-tokens"):
+        EngineConfig(model=folder, speculative_tokens=-1)
+    with pytest.raises(ConfigError, match="speculative-ngram"):
+        EngineConfig(model=folder, speculative_ngram=(3, 2))
+    run = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "generate", "--model", str(folder),
+                          "--prompt-ids", "1,2,3", "--speculative-ngram", "3"], capture_output=True, text=True)
+    assert run.returncode == 2
+    assert run.stderr.strip().count("\n") == 0 and "--speculative-ngram: must be MIN,MAX" in run.stderr
