@@ -18,7 +18,7 @@ from .errors import InvalidRequest, RequestTooLong
 from .executor.inputs import SeqChunk, build_inputs
 from .executor.runner import ModelRunner
 from .executor.sampler import SamplingParams, make_generator, make_guide, make_penalties, sample
-from .executor.speculate import NgramDrafter, TokenHistory, verify
+from .executor.speculate import DraftLength, NgramDrafter, TokenHistory, verify
 
 
 @dataclass
@@ -182,13 +182,14 @@ class _Drafts:
         self.history = TokenHistory(prompt_ids) if on else None
         self.prompt_len = len(prompt_ids)
         self.scratch = self.states.take_scratch(cfg.speculative_tokens) if on and self.states is not None else []
+        self.length = DraftLength(cfg.speculative_tokens)
         self.drafted = self.kept_tokens = 0
 
     def propose(self, out: list[int], limit: int) -> list[int]:
         if self.drafter is None or limit < 1:
             return []
         self.history.extend(out[len(self.history) - self.prompt_len:])
-        draft = self.drafter.propose(self.history.array, limit)
+        draft = self.drafter.propose(self.history.array, min(limit, self.length.now))
         if self.states is not None:
             draft = draft[:len(self.scratch)]
         self.drafted += len(draft)
@@ -199,6 +200,7 @@ class _Drafts:
 
     def kept(self, kept: int, drafted: int, slot: int) -> None:
         self.kept_tokens += kept
+        self.length.update(drafted, kept)
         if kept < drafted and self.states is not None:
             self.states.copy(self.scratch[kept], slot)
 

@@ -192,3 +192,20 @@ def test_bad_speculative_options_are_refused_clearly(tiny_checkpoint):
                           "--prompt-ids", "1,2,3", "--speculative-ngram", "3"], capture_output=True, text=True)
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0 and "--speculative-ngram: must be MIN,MAX" in run.stderr
+
+
+def test_draft_length_backs_off_after_misses_and_grows_after_hits():
+    from freetoken_engine.executor.speculate import DraftLength
+    n = DraftLength(8)
+    n.update(8, 0)
+    assert n.now == 1                 # a draft refused at once: one token next time
+    n.update(1, 1)
+    n.update(2, 2)
+    assert n.now == 4                 # kept whole: doubles
+    n.update(4, 2)
+    assert n.now == 3                 # cut short: one more than were kept
+    for _ in range(4):
+        n.update(n.now, n.now)
+    assert n.now == 8                 # never past the most asked
+    n.update(0, 0)
+    assert n.now == 8                 # no draft, no news

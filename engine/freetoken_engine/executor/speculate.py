@@ -88,6 +88,20 @@ class NgramDrafter:
         return history[at:at + k].tolist()
 
 
+class DraftLength:
+    """How long a sequence's next draft may be: after a draft cut short at ``kept`` tokens, one
+    more than were kept; after a draft kept whole, twice as long, up to ``most``. Text that the
+    context does not predict (short chance matches, rejected at once) then costs a one-token
+    draft per pass instead of ``most``; a passage being copied soon drafts ``most`` again."""
+
+    def __init__(self, most: int):
+        self.most = self.now = most
+
+    def update(self, drafted: int, kept: int) -> None:
+        if drafted:
+            self.now = min(self.most, 2 * self.now) if kept == drafted else max(1, kept + 1)
+
+
 def verify(logits: torch.Tensor, draft: list[int], choose: Callable[[torch.Tensor], int]
            ) -> Iterator[tuple[int, int, bool]]:
     """Walk a verification pass: ``logits [len(draft) + 1, V]`` are the rows after the last
@@ -103,4 +117,4 @@ def verify(logits: torch.Tensor, draft: list[int], choose: Callable[[torch.Tenso
             return
 
 
-__all__ = ["NgramDrafter", "TokenHistory", "verify"]
+__all__ = ["DraftLength", "NgramDrafter", "TokenHistory", "verify"]

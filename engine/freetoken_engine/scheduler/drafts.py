@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..executor.speculate import NgramDrafter, TokenHistory, verify
+from ..executor.speculate import DraftLength, NgramDrafter, TokenHistory, verify
 from .request import Request
 
 
@@ -33,10 +33,10 @@ class Drafts:
         if room < 1:
             return 0
         if req.history is None:
-            req.history = TokenHistory(req.tokens)
+            req.history, req.draft_length = TokenHistory(req.tokens), DraftLength(self.drafter.tokens)
         else:
             req.history.extend(req.output_ids[len(req.history) - len(req.prompt_ids):])
-        draft = self.drafter.propose(req.history.array, room)
+        draft = self.drafter.propose(req.history.array, min(room, req.draft_length.now))
         if self.anchors is not None:
             cut = next((j for j, t in enumerate(draft) if self.anchors.after_token(t)), len(draft))
             draft = draft[:cut]
@@ -76,6 +76,8 @@ class Drafts:
                 self.counters["draft_tokens_kept"] += 1
             if not take(j, tok):
                 return
+        if draft:
+            req.draft_length.update(len(draft), kept)
         if kept < len(draft) and req.scratch:
             self.states.copy(req.scratch[kept], req.state)
         self._undraft(req)
