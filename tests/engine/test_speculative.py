@@ -209,3 +209,26 @@ def test_draft_length_backs_off_after_misses_and_grows_after_hits():
     assert n.now == 8                 # never past the most asked
     n.update(0, 0)
     assert n.now == 8                 # no draft, no news
+
+
+def test_a_verification_as_decode_rows_equals_its_chunk(tiny_checkpoint, monkeypatch):
+    """On a GPU a draft's verification runs as one-token rows sharing the sequence's block table
+    (so it replays a decode graph): with every row's K/V written before any row attends (the torch
+    path here, the GPU's two-launch kernel there), its logits are the chunk's."""
+    import torch
+
+    from freetoken_engine.executor.inputs import SeqChunk, as_decode_rows
+    from freetoken_engine.layers import attention
+    monkeypatch.setattr(attention.cpu_attention, "supported", lambda *a: False)
+    llm = LLM(tiny_checkpoint("qwen3_moe"))
+    kv, p = llm.runner.kv, prompts(2)
+    blocks = [kv.allocate(kv.blocks_for(len(q) + 4)) for q in p]
+    llm.runner.forward([SeqChunk(b, 0, q[:-1]) for b, q in zip(blocks, p)])
+    verify = [SeqChunk(b, len(q) - 1, [q[-1], 7, 8, 9], rows=4) for b, q in zip(blocks, p)]
+    rows = as_decode_rows(verify)
+    assert [(c.start, c.tokens) for c in rows[:4]] == [(len(p[0]) - 1 + j, [t]) for j, t in enumerate([p[0][-1], 7, 8, 9])]
+    chunked = llm.runner.forward(verify)
+    expanded = llm.runner.forward(rows)
+    assert chunked.shape == expanded.shape == (8, llm.runner.mcfg.vocab_size)
+    assert torch.allclose(chunked, expanded, atol=1e-5, rtol=1e-5)
+    assert as_decode_rows([SeqChunk(blocks[0], 3, [1, 2], rows=2, state=0)])[0].tokens == [1, 2]   # recurrent: kept whole

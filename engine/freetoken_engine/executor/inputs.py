@@ -95,6 +95,23 @@ def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) 
     return ForwardInputs(ids=dev(ids), batch=batch, logits_at=dev(logits_rows(chunks, counts)))
 
 
+def as_decode_rows(chunks: list[SeqChunk]) -> list[SeqChunk]:
+    """A draft's verification chunk (``rows`` equal to its tokens) as that many one-token chunks
+    of the same sequence at consecutive positions: a decode step whose rows share a block table,
+    so the pass can replay a captured decode graph. Exact only where a step writes every row's
+    K/V before any row attends (the GPU's decode attention: two launches; the torch path) and no
+    layer keeps a recurrent state; the caller checks that."""
+    if all(c.rows == 1 for c in chunks):
+        return chunks
+    out = []
+    for c in chunks:
+        if c.rows > 1 and c.rows == len(c.tokens) and c.state < 0 and not c.snapshots:
+            out += [SeqChunk(c.block_table, c.start + j, [t]) for j, t in enumerate(c.tokens)]
+        else:
+            out.append(c)
+    return out
+
+
 def logits_rows(chunks: list[SeqChunk], counts: np.ndarray) -> np.ndarray:
     """The pass's rows whose logits are wanted, in sequence order: each sequence's last ``rows``."""
     ends = np.cumsum(counts)

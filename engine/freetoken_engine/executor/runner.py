@@ -35,7 +35,7 @@ from ..models.loader import torch_dtype  # noqa: E402
 from ..models.tokenizer import load_tokenizer  # noqa: E402
 from .budget import default_cache_experts, prefill_peak_bytes  # noqa: E402
 from .cpu_contention import ContentionFollower, pool_record  # noqa: E402
-from .inputs import SeqChunk, build_inputs  # noqa: E402
+from .inputs import SeqChunk, as_decode_rows, build_inputs  # noqa: E402
 from .split_tuner import SplitTuner, decode_batch  # noqa: E402
 from .warmup import GraphWarmup  # noqa: E402
 
@@ -267,6 +267,8 @@ class ModelRunner(GraphWarmup):
             q = self.follower.tick()
             if q is not None:
                 self._set_q(q)
+        if self.device.type == "cuda" and self.states is None:
+            chunks = as_decode_rows(chunks)     # a draft's verification replays a decode graph
         timed = self._tune(chunks)
         key = self.graphs.key(chunks) if self.graphs is not None else None
         if self.cache is not None:     # a prefill seeds the decode cache from a prompt's last chunk only
