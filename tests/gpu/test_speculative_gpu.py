@@ -42,8 +42,11 @@ def test_drafted_decode_on_the_gpu_equals_plain(tiny_checkpoint, model_type, mon
         assert got.stats["fills"] > 0 and got.stats["cpu_computed"] > 0      # offload and the split ran
 
 
-async def test_batched_drafts_on_the_gpu_equal_plain(tiny_checkpoint, monkeypatch):
-    folder = tiny_checkpoint("qwen3_next")
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])
+def test_batched_drafts_on_the_gpu_equal_plain(tiny_checkpoint, model_type, monkeypatch):
+    """Batched: on qwen3_moe each drafted step replays a decode graph of one-token rows
+    (``as_decode_rows``); on the hybrid it runs eagerly beside the graphs of plain steps."""
+    folder = tiny_checkpoint(model_type)
     runs = {}
     for k in (0, 4):
         if k:
@@ -56,7 +59,9 @@ async def test_batched_drafts_on_the_gpu_equal_plain(tiny_checkpoint, monkeypatc
                     if ev.token_id is not None:
                         out.append(ev.token_id)
                 return out
-            runs[k] = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts(6))))
+            async def all_of():
+                return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts(6))))
+            runs[k] = asyncio.run(all_of())
             svc.scheduler.check_integrity()
             if k:
                 assert svc.stats()["draft_tokens_kept"] > 0
