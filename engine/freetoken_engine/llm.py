@@ -189,7 +189,7 @@ class _Drafts:
         if self.drafter is None or limit < 1:
             return []
         self.history.extend(out[len(self.history) - self.prompt_len:])
-        draft = self.drafter.propose(self.history.array, min(limit, self.length.now))
+        draft = self.drafter.propose(self.history.array, min(limit, self.length.next()))
         if self.states is not None:
             draft = draft[:len(self.scratch)]
         self.drafted += len(draft)

@@ -209,6 +209,18 @@ def test_draft_length_backs_off_after_misses_and_grows_after_hits():
     assert n.now == 8                 # never past the most asked
     n.update(0, 0)
     assert n.now == 8                 # no draft, no news
+    n.update(8, 0)
+    assert [n.next() for _ in range(2)] == [1, 1]
+    waits = []
+    for _ in range(6):                # refused one-token drafts pause drafting 1, 2, 4, ... steps
+        n.update(1, 0)
+        steps = 0
+        while n.next() == 0:
+            steps += 1
+        waits.append(steps)
+    assert waits == [1, 2, 4, 8, 16, 16]
+    n.update(1, 1)
+    assert n.next() == 2 and n.pause == 0      # a kept token ends the pause
 
 
 def test_a_verification_as_decode_rows_equals_its_chunk(tiny_checkpoint, monkeypatch):

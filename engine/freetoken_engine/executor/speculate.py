@@ -91,15 +91,34 @@ class NgramDrafter:
 class DraftLength:
     """How long a sequence's next draft may be: after a draft cut short at ``kept`` tokens, one
     more than were kept; after a draft kept whole, twice as long, up to ``most``. Text that the
-    context does not predict (short chance matches, rejected at once) then costs a one-token
-    draft per pass instead of ``most``; a passage being copied soon drafts ``most`` again."""
+    context does not predict (short chance matches, refused at once) then costs a one-token
+    draft per pass instead of ``most``, and a refused one-token draft pauses drafting for 1, 2,
+    4 ... up to ``MAX_PAUSE`` steps (a kept token ends the pause): where a verification row
+    costs more than it saves (the CPU's eager path) such text runs at about plain speed; a
+    passage being copied soon drafts ``most`` again."""
+
+    MAX_PAUSE = 16
 
     def __init__(self, most: int):
         self.most = self.now = most
+        self.pause = self.wait = 0
+
+    def next(self) -> int:
+        """The longest draft this step (0: none, paused)."""
+        if self.wait:
+            self.wait -= 1
+            return 0
+        return self.now
 
     def update(self, drafted: int, kept: int) -> None:
-        if drafted:
-            self.now = min(self.most, 2 * self.now) if kept == drafted else max(1, kept + 1)
+        if not drafted:
+            return
+        self.now = min(self.most, 2 * self.now) if kept == drafted else max(1, kept + 1)
+        if kept:
+            self.pause = 0
+        elif drafted == 1:
+            self.pause = min(self.MAX_PAUSE, max(1, 2 * self.pause))
+            self.wait = self.pause
 
 
 def verify(logits: torch.Tensor, draft: list[int], choose: Callable[[torch.Tensor], int]

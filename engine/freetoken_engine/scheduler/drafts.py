@@ -36,7 +36,7 @@ class Drafts:
             req.history, req.draft_length = TokenHistory(req.tokens), DraftLength(self.drafter.tokens)
         else:
             req.history.extend(req.output_ids[len(req.history) - len(req.prompt_ids):])
-        draft = self.drafter.propose(req.history.array, min(room, req.draft_length.now))
+        draft = self.drafter.propose(req.history.array, min(room, req.draft_length.next()))
         if self.anchors is not None:
             cut = next((j for j, t in enumerate(draft) if self.anchors.after_token(t)), len(draft))
             draft = draft[:cut]
