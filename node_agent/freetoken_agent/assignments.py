@@ -31,6 +31,7 @@ class EngineOptions:
     decode_pause_ms: float | None = None   # engine.features.decodePauseMs
     prefill_chunk: int | None = None       # engine.features.prefillChunk
     state_checkpoints: int | None = None   # engine.features.stateCheckpoints (hybrid models)
+    speculative_tokens: int | None = None  # engine.features.speculativeTokens (n-gram drafts)
 
 
 @dataclass(frozen=True)
@@ -59,19 +60,22 @@ def _integer(features: dict, name: str, least: int, where: str) -> int | None:
     return value
 
 
-def _features(features: object, where: str) -> tuple[float | None, int | None, int | None]:
+def _features(features: object, where: str) -> tuple[float | None, int | None, int | None, int | None]:
     """The engine features this agent knows from ``engine.features``: (decodePauseMs,
-    prefillChunk, stateCheckpoints), each None when absent; other keys are for later engines
-    and ignored."""
+    prefillChunk, stateCheckpoints, speculativeTokens), each None when absent; other keys are
+    for later engines and ignored."""
     if features is None:
-        return None, None, None
+        return None, None, None, None
     if not isinstance(features, dict):
         raise AssignmentError(f"{where}.engine.features must be a mapping")
     pause = features.get("decodePauseMs")
     if pause is not None and (isinstance(pause, bool) or not isinstance(pause, (int, float)) or not pause >= 0):
         raise AssignmentError(f"{where}.engine.features.decodePauseMs must be a number >= 0, got {pause!r}")
+    drafts = _integer(features, "speculativeTokens", 0, where)
+    if drafts is not None and drafts > 16:
+        raise AssignmentError(f"{where}.engine.features.speculativeTokens must be at most 16, got {drafts}")
     return ((float(pause) if pause is not None else None), _integer(features, "prefillChunk", 1, where),
-            _integer(features, "stateCheckpoints", 0, where))
+            _integer(features, "stateCheckpoints", 0, where), drafts)
 
 
 def _parse_one(item: object, index: int) -> Assignment:
@@ -107,10 +111,11 @@ def _parse_one(item: object, index: int) -> Assignment:
     if not 0.0 < share <= 1.0:
         raise AssignmentError(f"{where}.engine.expertCacheShare must be in (0, 1], got {share}")
     ctx = eng.get("contextLength")
-    pause, chunk, checkpoints = _features(eng.get("features"), where)
+    pause, chunk, checkpoints, drafts = _features(eng.get("features"), where)
     options = EngineOptions(device=device, dtype=eng.get("dtype"), expert_cache_share=share,
                             context_length=int(ctx) if ctx is not None else None,
-                            decode_pause_ms=pause, prefill_chunk=chunk, state_checkpoints=checkpoints)
+                            decode_pause_ms=pause, prefill_chunk=chunk, state_checkpoints=checkpoints,
+                            speculative_tokens=drafts)
     secret = item.get("apiKeySecret")
     secret_ref = None
     if secret is not None:

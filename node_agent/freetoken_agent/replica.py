@@ -85,6 +85,8 @@ def serve_command(a: Assignment, launch: LaunchConfig, cpu_expert_fraction: floa
         cmd += ["--prefill-chunk", str(a.engine.prefill_chunk)]
     if a.engine.state_checkpoints is not None:
         cmd += ["--state-checkpoints", str(a.engine.state_checkpoints)]
+    if a.engine.speculative_tokens is not None:
+        cmd += ["--speculative-tokens", str(a.engine.speculative_tokens)]
     cmd += ["--expert-cache-experts", "1"]
     if cpu_expert_fraction is not None:
         cmd += ["--cpu-expert-fraction", f"{cpu_expert_fraction:.4f}"]

@@ -33,6 +33,8 @@ def test_defaults_for_the_embedded_model():
     ({"engine": {"features": {"prefillChunk": 0}}}, "prefillChunk"),
     ({"engine": {"features": {"prefillChunk": 1.5}}}, "prefillChunk"),
     ({"engine": {"features": {"stateCheckpoints": -1}}}, "stateCheckpoints"),
+    ({"engine": {"features": {"speculativeTokens": 17}}}, "speculativeTokens"),
+    ({"engine": {"features": {"speculativeTokens": True}}}, "speculativeTokens"),
     ({"engine": {"features": [1]}}, "features"),
 ])
 def test_bad_entries_are_rejected_with_the_field_named(patch, message):

@@ -14,7 +14,7 @@ def test_serve_command_follows_the_engine_contract():
                          "source": {"path": "/models/qwen3"},
                          "engine": {"device": "cuda", "dtype": "bfloat16", "contextLength": 8192,
                                     "features": {"decodePauseMs": 250, "prefillChunk": 4096, "stateCheckpoints": 6,
-                                                 "later": 1}}}]).values()
+                                                 "speculativeTokens": 4, "later": 1}}}]).values()
     launch = LaunchConfig(engine_command=("freetoken",), bind_host="10.0.0.5", port_offset=100)
     cmd = serve_command(a, launch, cpu_expert_fraction=0.25)
     assert cmd[:2] == ["freetoken", "serve"]
@@ -22,13 +22,15 @@ def test_serve_command_follows_the_engine_contract():
     assert opts == {"--host": "10.0.0.5", "--port": "2019", "--served-model-name": "qwen",
                     "--device": "cuda", "--model": "/models/qwen3",
                     "--dtype": "bfloat16", "--max-context": "8192", "--decode-pause-ms": "250",
-                    "--prefill-chunk": "4096", "--state-checkpoints": "6", "--expert-cache-experts": "1",
+                    "--prefill-chunk": "4096", "--state-checkpoints": "6", "--speculative-tokens": "4",
+                    "--expert-cache-experts": "1",
                     "--cpu-expert-fraction": "0.2500"}
     # the command is one the engine's CLI takes, and the options reach its config
     from freetoken_engine.cli import build_parser
     from freetoken_engine.server.serve import engine_config
     cfg = engine_config(build_parser().parse_args(cmd[1:]))
-    assert (cfg.max_context, cfg.decode_pause, cfg.prefill_tokens, cfg.state_checkpoints) == (8192, 250, 4096, 6)
+    assert (cfg.max_context, cfg.decode_pause, cfg.prefill_tokens, cfg.state_checkpoints,
+            cfg.speculative_tokens) == (8192, 250, 4096, 6, 4)
 
 
 def test_secrets_travel_in_the_environment_not_the_command_line(monkeypatch):

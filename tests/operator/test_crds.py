@@ -74,6 +74,8 @@ BAD = [
      "minimum"),
     ("negative state checkpoints", {"source": {"default": True}, "engine": {"features": {"stateCheckpoints": -1}}},
      "minimum"),
+    ("too many draft tokens", {"source": {"default": True}, "engine": {"features": {"speculativeTokens": 17}}},
+     "maximum"),
     ("fractional prefill chunk", {"source": {"default": True}, "engine": {"features": {"prefillChunk": 2.5}}},
      "is not of type"),
     ("unknown field", {"source": {"default": True}, "replica": 2}, "Additional properties"),
