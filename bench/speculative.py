@@ -7,7 +7,8 @@ Tasks: ``edit`` (a coding agent's request: change one name in a 30-line function
 whole code back: most of the answer is in the prompt), ``quote`` (repeat a paragraph with one
 word changed) and ``open`` (a question whose answer is not in the prompt: drafts are rare, so it
 shows what speculation costs when it does not help). Every side's tokens are checked equal to
-K = 0's (the run fails otherwise).
+K = 0's (the run fails otherwise). Last, what one verification pass of k draft tokens costs
+against a one-token pass (``pass_costs``).
 
     python bench/speculative.py [--ks 2 4 8] [--tokens 160] [--rounds 3] [--device cpu|cuda]
         [--model DIR] [--out bench/results/speculative.json]
@@ -64,6 +65,32 @@ TASKS = {
 }
 
 
+def pass_costs(llm, ks: list[int], reps: int = 20) -> dict:
+    """Milliseconds of one decode pass (``ModelRunner.forward``) at a 300-token context: one
+    token, and a verification of k draft tokens, median of ``reps``; and their ratios."""
+    import time
+
+    from freetoken_engine.executor.inputs import SeqChunk
+    kv = llm.runner.kv
+    ids = llm.tokenizer.encode_chat([{"role": "user", "content": "word " * 300}])
+    blocks = kv.allocate(kv.blocks_for(len(ids) + max(ks) + 1))
+    try:
+        llm.runner.forward([SeqChunk(blocks, 0, ids[:-1])])
+        n = len(ids) - 1
+
+        def timed(k: int) -> float:
+            times = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                llm.runner.forward([SeqChunk(blocks, n, [ids[-1]] + [5] * k, rows=k + 1)])
+                times.append(time.perf_counter() - t)
+            return statistics.median(times) * 1e3
+        ms = {str(k): timed(k) for k in [0, *ks]}
+    finally:
+        kv.release(blocks)
+    return {"ms": ms, "ratio": {k: v / ms["0"] for k, v in ms.items()}}
+
+
 def run(ks: list[int], tokens: int, rounds: int, model: Path | None, device: str) -> dict:
     sides = [0, *ks]
     llms = {k: LLM(model, device=device, speculative_tokens=k) for k in sides}
@@ -94,7 +121,9 @@ def run(ks: list[int], tokens: int, rounds: int, model: Path | None, device: str
             r["acceptance"] = r["kept"] / r["drafted"] if r["drafted"] else None
             r["tokens_per_pass"] = (r["generated"] - 1) / r["passes"] if r["passes"] else None
     name = str(model) if model else "embedded default (SmolLM2-135M-Instruct as an MoE, 30 layers, E=16, k=15)"
+    costs = pass_costs(llms[0], sorted(set(ks) | {1}))
     return {"benchmark": "speculative", "model": name, "device": device, "tokens": tokens, "rounds": rounds,
+            "pass_costs": costs,
             "method": "greedy, one request at a time through LLM.generate; decode tok/s = (generated - 1) / decode "
                       "time; speedup = median tok/s over K=0's, the same tokens checked equal",
             "hardware": describe(), "tasks": out}
@@ -146,6 +175,8 @@ def main() -> None:
             tpp = f"{r['tokens_per_pass']:.2f}" if r["tokens_per_pass"] else "-"
             print(f"{name:<6} {k:>3} {r['decode_tok_s_median']:>8.1f} {r['speedup']:>7.2f}x {acc:>7} {tpp:>8} "
                   f"{r['passes']:>6}")
+    print("pass cost against one token's:", ", ".join(f"{k} drafts {r:.2f}x" for k, r in
+                                                      result["pass_costs"]["ratio"].items() if k != "0"))
     save(result, args.out, plot)
 
 

@@ -223,24 +223,32 @@ def test_draft_length_backs_off_after_misses_and_grows_after_hits():
     assert n.next() == 2 and n.pause == 0      # a kept token ends the pause
 
 
-def test_a_verification_as_decode_rows_equals_its_chunk(tiny_checkpoint, monkeypatch):
-    """On a GPU a draft's verification runs as one-token rows sharing the sequence's block table
-    (so it replays a decode graph): with every row's K/V written before any row attends (the torch
-    path here, the GPU's two-launch kernel there), its logits are the chunk's."""
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-decode-attention", "torch-attention"])
+def test_a_verification_as_decode_rows_equals_its_chunk(tiny_checkpoint, monkeypatch, fused):
+    """A draft's verification runs as one-token rows sharing the sequence's block table (the
+    decode attention; on a GPU a decode graph): every row's K/V is written before any row
+    attends (the CPU kernel in two calls, the GPU's in two launches, the torch path), so its
+    logits are the chunk's, whichever thread runs which row."""
     import torch
 
-    from freetoken_engine.executor.inputs import SeqChunk, as_decode_rows
+    from freetoken_engine.executor.inputs import SeqChunk, as_decode_rows, build_inputs
     from freetoken_engine.layers import attention
-    monkeypatch.setattr(attention.cpu_attention, "supported", lambda *a: False)
+    if not fused:
+        monkeypatch.setattr(attention.cpu_attention, "supported", lambda *a: False)
     llm = LLM(tiny_checkpoint("qwen3_moe"))
-    kv, p = llm.runner.kv, prompts(2)
+    runner, kv, p = llm.runner, llm.runner.kv, prompts(2)
     blocks = [kv.allocate(kv.blocks_for(len(q) + 4)) for q in p]
-    llm.runner.forward([SeqChunk(b, 0, q[:-1]) for b, q in zip(blocks, p)])
+    runner.model(*(lambda i: (i.ids, i.batch, kv, i.logits_at))(build_inputs(
+        [SeqChunk(b, 0, q[:-1]) for b, q in zip(blocks, p)], kv.block_size, runner.device)))
     verify = [SeqChunk(b, len(q) - 1, [q[-1], 7, 8, 9], rows=4) for b, q in zip(blocks, p)]
     rows = as_decode_rows(verify)
     assert [(c.start, c.tokens) for c in rows[:4]] == [(len(p[0]) - 1 + j, [t]) for j, t in enumerate([p[0][-1], 7, 8, 9])]
-    chunked = llm.runner.forward(verify)
-    expanded = llm.runner.forward(rows)
-    assert chunked.shape == expanded.shape == (8, llm.runner.mcfg.vocab_size)
+
+    def run(chunks):
+        inp = build_inputs(chunks, kv.block_size, runner.device)
+        assert inp.batch.write_first == (chunks is rows)
+        return runner.model(inp.ids, inp.batch, kv, inp.logits_at)
+    chunked, expanded = run(verify), run(rows)
+    assert chunked.shape == expanded.shape == (8, runner.mcfg.vocab_size)
     assert torch.allclose(chunked, expanded, atol=1e-5, rtol=1e-5)
     assert as_decode_rows([SeqChunk(blocks[0], 3, [1, 2], rows=2, state=0)])[0].tokens == [1, 2]   # recurrent: kept whole

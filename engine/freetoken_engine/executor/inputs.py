@@ -91,16 +91,18 @@ def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) 
                       if chunks[0].state >= 0 else None,
                       snapshots=tuple(tuple((p - c.start, s) for p, s in c.snapshots) for c in chunks)
                       if any(c.snapshots for c in chunks) else None,
-                      kv_len=dev(ends) if q_max == 1 else None)   # the fused decode attention (CPU, GPU)
+                      kv_len=dev(ends) if q_max == 1 else None,   # the fused decode attention (CPU, GPU)
+                      write_first=len({id(c.block_table) for c in chunks}) < len(chunks))
     return ForwardInputs(ids=dev(ids), batch=batch, logits_at=dev(logits_rows(chunks, counts)))
 
 
 def as_decode_rows(chunks: list[SeqChunk]) -> list[SeqChunk]:
     """A draft's verification chunk (``rows`` equal to its tokens) as that many one-token chunks
-    of the same sequence at consecutive positions: a decode step whose rows share a block table,
-    so the pass can replay a captured decode graph. Exact only where a step writes every row's
-    K/V before any row attends (the GPU's decode attention: two launches; the torch path) and no
-    layer keeps a recurrent state; the caller checks that."""
+    of the same sequence at consecutive positions: a decode step whose rows share a block table
+    (one list object: ``build_inputs`` then sets ``AttnBatch.write_first``, and the decode
+    attention writes every row's K/V before any row attends), so the pass takes the fused decode
+    attention and, on a GPU, replays a captured decode graph. Only for models without a
+    recurrent state (the caller checks): a Gated DeltaNet's tokens are sequential."""
     if all(c.rows == 1 for c in chunks):
         return chunks
     out = []

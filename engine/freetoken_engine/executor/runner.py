@@ -267,8 +267,8 @@ class ModelRunner(GraphWarmup):
             q = self.follower.tick()
             if q is not None:
                 self._set_q(q)
-        if self.device.type == "cuda" and self.states is None:
-            chunks = as_decode_rows(chunks)     # a draft's verification replays a decode graph
+        if self.states is None:     # a draft's verification: the decode attention, a decode graph
+            chunks = as_decode_rows(chunks)
         timed = self._tune(chunks)
         key = self.graphs.key(chunks) if self.graphs is not None else None
         if self.cache is not None:     # a prefill seeds the decode cache from a prompt's last chunk only

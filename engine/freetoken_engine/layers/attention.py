@@ -129,7 +129,8 @@ class Attention(nn.Module):
                 # Decode: norm, rotary, K/V write and attention in one compiled call on the CPU,
                 # in two Triton launches on a GPU.
                 return self._out(self._decode(impl, linear(x, *self.qkv), cos, sin, k_cache, v_cache,
-                                              batch.slot_mapping, batch.kv_index, batch.kv_len), x)
+                                              batch.slot_mapping, batch.kv_index, batch.kv_len,
+                                              batch.write_first), x)
         t = x.shape[0]
         per_chunk = self.by_sequence and batch.q_max > 1 and batch.seq_counts is not None
         if per_chunk and batch.singles() is not None:
@@ -190,13 +191,15 @@ class Attention(nn.Module):
         return cpu_attention if cpu_attention.supported(x, k_cache) else None
 
     def _decode(self, impl, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, slots: torch.Tensor, kv_index: torch.Tensor, kv_len: torch.Tensor) -> torch.Tensor:
+                v_cache: torch.Tensor, slots: torch.Tensor, kv_index: torch.Tensor, kv_len: torch.Tensor,
+                write_first: bool = False) -> torch.Tensor:
         """One token per sequence through ``impl``'s fused kernel: ``qkv [B, (h + 2 kvh) d]`` ->
         ``[B, h d]``, its K/V written at ``slots``; the keys read in the paged pool, none gathered."""
         head = self.qk_norm == "head"
         return impl.decode_attention(qkv, self.h, self.kvh, self.d, self.q_norm.weight if head else None,
                                      self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0,
-                                     cos, sin, k_cache, v_cache, slots, kv_index, kv_len, self.window, self.scale)
+                                     cos, sin, k_cache, v_cache, slots, kv_index, kv_len, self.window, self.scale,
+                                     write_first)
 
     def _beside_chunks(self, impl, x: torch.Tensor, batch: AttnBatch, cos: torch.Tensor, sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -211,7 +214,7 @@ class Attention(nn.Module):
         out.index_copy_(0, rows, self._decode(
             impl, qkv.index_select(0, rows), cos.index_select(0, rows), sin.index_select(0, rows), k_cache,
             v_cache, batch.slot_mapping.index_select(0, rows), batch.kv_index.index_select(0, sel)[:, :width].contiguous(),
-            ends))
+            ends, batch.write_first))
         q, k, v = self._project(x, qkv.index_select(0, keep), cos.index_select(0, keep), sin.index_select(0, keep))
         slots = batch.slot_mapping.index_select(0, keep)
         k_cache.index_copy_(0, slots, k)

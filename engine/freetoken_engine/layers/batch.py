@@ -32,6 +32,8 @@ class AttnBatch:
     state_slots: tuple[int, ...] | None = None  # hybrid models: each sequence's recurrent-state slot
     state_index: torch.Tensor | None = None     # [B] int64 the same on the device (all a captured step has)
     snapshots: tuple[tuple[tuple[int, int], ...], ...] | None = None   # (offset, checkpoint slot) per sequence
+    write_first: bool = False   # rows share a sequence (a draft's verification as decode rows): every
+                                # row's K/V is written before any row attends
     _made: dict = field(default_factory=dict)   # masks and row lists, made once per pass
 
     @property

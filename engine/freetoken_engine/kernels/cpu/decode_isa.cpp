@@ -124,7 +124,7 @@ void attn(const FtAttn* p, int64_t b0, int64_t b1, float* scratch) {
     const void* cs = (const char*)p->cos + b * d * es;
     const void* sn = (const char*)p->sin + b * d * es;
     const int64_t slot = p->slot[b];
-    for (int64_t g = 0; g < kvh; ++g) {          // the new token's K (normed, rotated) and V
+    for (int64_t g = 0; g < kvh && p->phase != 2; ++g) {   // the new token's K (normed, rotated) and V
       norm_rope<B16>(x + (h + g) * d * es, p->kn_w, p->eps, cs, sn, d, tmp, kf);
       const void* v = x + (h + kvh + g) * d * es;
       for (int64_t i = 0; i < d; ++i) {
@@ -132,6 +132,7 @@ void attn(const FtAttn* p, int64_t b0, int64_t b1, float* scratch) {
         st<B16>(p->v_cache, (slot * kvh + g) * d + i, ld<B16>(v, i));
       }
     }
+    if (p->phase == 1) continue;
     for (int64_t hq = 0; hq < h; ++hq)
       norm_rope<B16>(x + hq * d * es, p->qn_w, p->eps, cs, sn, d, tmp, qf + hq * d);
     const int64_t len = p->kv_len[b];

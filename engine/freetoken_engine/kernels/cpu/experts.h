@@ -107,6 +107,9 @@ struct FtAttn {
   int64_t window;               // sliding window (0: none)
   float scale;
   int bf16;                     // 1: every tensor above is bf16 (indices aside); 0: fp32
+  int phase;                    // 0: each row writes its K/V then attends; 1: write only; 2: attend only
+                                // (1 then 2: rows of one sequence at consecutive positions, a draft's
+                                // verification, see every row's K/V whichever thread runs them)
   void* out;                    // [B, h d]
   float* scratch;               // >= (h / kvh) * lmax + 2 (h + kvh) d floats per participant
 };

@@ -139,9 +139,11 @@ def supported(x: torch.Tensor, k_cache: torch.Tensor, head_dim: int) -> bool:
 def decode_attention(qkv: torch.Tensor, h: int, kvh: int, d: int, q_norm: torch.Tensor | None,
                      k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                     kv_index: torch.Tensor, kv_len: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+                     kv_index: torch.Tensor, kv_len: torch.Tensor, window: int | None, scale: float,
+                     write_first: bool = True) -> torch.Tensor:
     """qkv [T, (h + 2 kvh) d] of T decode tokens (token t is sequence t) -> attention output
-    [T, h d]; writes the new K/V at ``slot_mapping`` first. ``q_norm`` / ``k_norm``: per-head
+    [T, h d]; writes the new K/V at ``slot_mapping`` first (every row's, in its own launch, so
+    ``write_first`` always holds: rows of one sequence see each other's keys). ``q_norm`` / ``k_norm``: per-head
     RMSNorm weights [d] or None; cos / sin [T, 1, d] from ``Rotary.cos_sin``; kv_index [T, L]
     the pool slots of each sequence's keys, kv_len [T] how many it has after this token."""
     t = qkv.shape[0]
