@@ -127,7 +127,7 @@ class LLM:
             raise
         t1 = time.perf_counter()
         out, finish = [], "length"
-        drafts = _Drafts(self, prompt_ids, guide is None)
+        drafts = _Drafts(self, prompt_ids)
         rows, draft, passes = logits[None], [], 0
 
         def choose(x: torch.Tensor) -> int:
@@ -175,9 +175,9 @@ class _Drafts:
     snapshot slots of a hybrid model's state after each draft token, and the state restored
     when a draft is cut short."""
 
-    def __init__(self, llm: LLM, prompt_ids: list[int], allowed: bool):
+    def __init__(self, llm: LLM, prompt_ids: list[int]):
         cfg, self.states = llm.config, llm.runner.states
-        on = allowed and cfg.speculative_tokens > 0
+        on = cfg.speculative_tokens > 0
         self.drafter = NgramDrafter(cfg.speculative_tokens, *cfg.speculative_ngram) if on else None
         self.history = TokenHistory(prompt_ids) if on else None
         self.prompt_len = len(prompt_ids)

@@ -252,3 +252,37 @@ def test_a_verification_as_decode_rows_equals_its_chunk(tiny_checkpoint, monkeyp
     assert chunked.shape == expanded.shape == (8, runner.mcfg.vocab_size)
     assert torch.allclose(chunked, expanded, atol=1e-5, rtol=1e-5)
     assert as_decode_rows([SeqChunk(blocks[0], 3, [1, 2], rows=2, state=0)])[0].tokens == [1, 2]   # recurrent: kept whole
+
+
+async def test_drafts_under_a_grammar_give_the_constrained_output(tiny_checkpoint, monkeypatch):
+    """A request held to a JSON Schema drafts too: each row's mask follows the tokens kept before
+    it, so the constrained output (and its finish) is the plain engine's, drafts right or wrong."""
+    from freetoken_engine.executor import guide
+    from freetoken_engine.executor.guide import GuideSpec
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "n"],
+              "properties": {"city": {"enum": ["Paris", "Rome"]}, "n": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 999}}}
+    folder = tiny_checkpoint("qwen3_moe")
+    plain = LLM(folder)
+    spec = GuideSpec(guide.json_schema(schema))
+    params = [SamplingParams(max_new_tokens=40, temperature=0, guide=spec),
+              SamplingParams(max_new_tokens=40, temperature=0.8, seed=3, guide=spec, logprobs=1)]
+    ps = prompts(2)
+    want = {}
+    for p, sp in zip(ps, params):
+        g = plain.generate(p, sp)
+        want[tuple(p)] = g.token_ids
+        assert g.finish_reason == "stop"
+    oracle = Oracle(want, wrong=2).install(monkeypatch)
+    drafting = LLM(folder, speculative_tokens=4)
+    for p, sp in zip(ps, params):
+        got = drafting.generate(p, sp)
+        assert (got.token_ids, got.finish_reason) == (want[tuple(p)], "stop")
+        assert got.stats["draft_tokens_kept"] > 0
+    svc = EngineService.start(EngineConfig(model=folder, speculative_tokens=4), wait=True)
+    try:
+        got = await asyncio.gather(*(collect(svc, p, sp) for p, sp in zip(ps, params)))
+        assert [(t, f) for t, _, f in got] == [(want[tuple(p)], "stop") for p in ps]
+        assert svc.stats()["draft_tokens_kept"] > 0 and oracle.calls > 0
+    finally:
+        svc.shutdown()

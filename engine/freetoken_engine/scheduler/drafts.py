@@ -5,8 +5,9 @@ tokens that agree.
 A draft never costs another request anything: it only takes KV blocks that are free (no eviction,
 no preemption) and, on a hybrid model, snapshot slots that are free (``StatePool.scratch``); it
 stops before an anchor token (so the anchors' checkpoints are taken where they would be without
-drafts) and within the request's length limit. Requests under a grammar, and decode steps taken
-beside a long prefill, go without. Mixed into ``Scheduler``; runs on the scheduler thread.
+drafts) and within the request's length limit. A request under a grammar gets its masks row by
+row as its draft is walked (each after the tokens kept before it); decode steps taken beside a
+long prefill go without drafts. Mixed into ``Scheduler``; runs on the scheduler thread.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class Drafts:
 
     def _draft(self, req: Request) -> int:
         """Give ``req`` (decoding, its next KV block already held) a draft for this step; its length."""
-        if self.drafter is None or req.guide is not None:
+        if self.drafter is None:
             return 0
         room = min(req.max_new_tokens - len(req.output_ids) - 1, self.runner.max_context - req.computed - 1)
         if room < 1:

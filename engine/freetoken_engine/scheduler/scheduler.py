@@ -287,7 +287,7 @@ class Scheduler(Admission, Drafts):
             first.append(first[-1] + 1 + len(req.draft))
         masked = constrained_rows(logits, {      # the rows this pass completes, under a grammar
             first[i]: req.guide for i, (req, n) in enumerate(batch)
-            if req.guide is not None and req.guide.active and req.computed + n == len(req.tokens)})
+            if req.guide is not None and req.guide.active and not req.draft and req.computed + n == len(req.tokens)})
         for i, (req, n) in enumerate(batch):
             req.computed += n - len(req.draft)
             self._share_prompt(req)
@@ -295,8 +295,10 @@ class Scheduler(Admission, Drafts):
                 continue                      # prefill continues next step
             raw = logits[first[i]:first[i + 1]]
             rows = masked[first[i]][None] if first[i] in masked else raw
+            lazy = req.guide is not None and bool(req.draft)   # a drafted row's mask follows the kept tokens
             try:
-                self._walk(req, rows, lambda x: sample(x, req.params, req.generator, req.penalties),
+                self._walk(req, rows, lambda x: sample(req.guide.constrain(x) if lazy else x, req.params,
+                                                       req.generator, req.penalties),
                            lambda j, tok: self._deliver(req, tok, raw[j]))
             except (NonFiniteLogits, InvalidRequest) as exc:   # this request's output is lost, the others go on
                 log.warning("request %d: %s", req.id, exc)
