@@ -11,7 +11,7 @@ K = 0's (the run fails otherwise). Last, what one verification pass of k draft t
 against a one-token pass (``pass_costs``).
 
     python bench/speculative.py [--ks 2 4 8] [--tokens 160] [--rounds 3] [--device cpu|cuda]
-        [--model DIR] [--out bench/results/speculative.json]
+        [--model DIR] [--clients N] [--out bench/results/speculative.json]
 """
 from __future__ import annotations
 
@@ -129,6 +129,52 @@ def run(ks: list[int], tokens: int, rounds: int, model: Path | None, device: str
             "hardware": describe(), "tasks": out}
 
 
+def run_concurrent(ks: list[int], clients: int, tokens: int, rounds: int, model: Path | None, device: str) -> dict:
+    """``clients`` requests at once through the scheduler (EngineService), the three tasks in
+    turn, with K = 0 and each K: aggregate generated tok/s (median over rounds) and the drafts'
+    acceptance; every request's tokens checked equal to K = 0's."""
+    import asyncio
+    import time
+
+    from freetoken_engine.config import EngineConfig
+    from freetoken_engine.models.default import default_model_dir
+    from freetoken_engine.scheduler.service import EngineService
+
+    folder = model or default_model_dir(progress=False)
+    out, want = {}, None
+    for k in [0, *ks]:
+        svc = EngineService.start(EngineConfig(model=folder, device=device, max_batch=clients,
+                                               speculative_tokens=k), wait=True)
+        try:
+            tok = svc.tokenizer
+            texts = list(TASKS.values())
+            prompts = [tok.encode_chat([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(clients)]
+            params = SamplingParams(max_new_tokens=tokens, temperature=0)
+
+            async def one(p):
+                return [ev.token_id async for ev in svc.submit(p, params) if ev.token_id is not None]
+
+            async def all_of():
+                return await asyncio.gather(*(one(p) for p in prompts))
+            rates = []
+            for _ in range(rounds):
+                t = time.perf_counter()
+                got = asyncio.run(all_of())
+                rates.append(sum(map(len, got)) / (time.perf_counter() - t))
+                if want is None:
+                    want = got
+                elif got != want:
+                    raise SystemExit(f"{clients} clients: K={k} changed the output")
+            st = svc.stats()
+            out[str(k)] = {"tok_s": statistics.median(rates), "tok_s_rounds": rates,
+                           "acceptance": st["draft_tokens_kept"] / st["draft_tokens"] if st["draft_tokens"] else None}
+        finally:
+            svc.shutdown()
+    for r in out.values():
+        r["speedup"] = r["tok_s"] / out["0"]["tok_s"]
+    return {"clients": clients, "sides": out}
+
+
 def plot(result: dict, png: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -159,11 +205,20 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--model", type=Path)
     ap.add_argument("--out", type=Path, default=RESULTS / "speculative.json")
+    ap.add_argument("--clients", type=int, default=0,
+                    help="also N requests at once through the scheduler (the three tasks in turn)")
+    ap.add_argument("--concurrent-only", action="store_true",
+                    help="only the --clients run (printed, not saved)")
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args()
     if args.plot_only:
         import json
         plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
+        return
+    if args.concurrent_only:
+        r = run_concurrent(args.ks, args.clients, args.tokens, args.rounds, args.model, args.device)
+        for k, side in r["sides"].items():
+            print(f"{args.clients} clients K={k}: {side['tok_s']:.1f} tok/s {side['speedup']:.2f}x")
         return
     result = run(args.ks, args.tokens, args.rounds, args.model, args.device)
     print(f"{'task':<6} {'K':>3} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/pass':>8} {'passes':>6}")
@@ -175,6 +230,11 @@ def main() -> None:
             tpp = f"{r['tokens_per_pass']:.2f}" if r["tokens_per_pass"] else "-"
             print(f"{name:<6} {k:>3} {r['decode_tok_s_median']:>8.1f} {r['speedup']:>7.2f}x {acc:>7} {tpp:>8} "
                   f"{r['passes']:>6}")
+    if args.clients:
+        result["concurrent"] = run_concurrent(args.ks, args.clients, args.tokens, args.rounds, args.model, args.device)
+        for k, r in result["concurrent"]["sides"].items():
+            acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
+            print(f"{args.clients} clients K={k}: {r['tok_s']:.1f} tok/s {r['speedup']:.2f}x accept {acc}")
     print("pass cost against one token's:", ", ".join(f"{k} drafts {r:.2f}x" for k, r in
                                                       result["pass_costs"]["ratio"].items() if k != "0"))
     save(result, args.out, plot)

@@ -63,6 +63,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "The output is unchanged; code edits and quoted text then take fewer passes")
     p.add_argument("--speculative-ngram", default="2,4", metavar="MIN,MAX", type=_parse_ngram,
                    help="the shortest and longest suffix a draft is matched on (default 2,4)")
+    p.add_argument("--speculative-max-batch", type=int, default=1, metavar="N",
+                   help="draft only in decode steps of at most N requests (default 1: a batch already reads "
+                        "each weight once for all its rows, and each draft row adds compute)")
     p.add_argument("--expert-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="expert cache control and kernels: triton on CUDA by default")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
@@ -97,7 +100,7 @@ def _engine_kwargs(args) -> dict:
               graph_warmup_widths=args.graph_warmup_widths, graph_memory_gb=args.graph_memory_gb,
               split_tuning=args.split_tuning,
               cpu_rate_probe=args.cpu_rate_probe, speculative_tokens=args.speculative_tokens,
-              speculative_ngram=args.speculative_ngram)
+              speculative_ngram=args.speculative_ngram, speculative_max_batch=args.speculative_max_batch)
     return kw
 
 

@@ -167,6 +167,7 @@ class EngineConfig:
     max_queue: int = 256
     speculative_tokens: int = 0              # n-gram (prompt-lookup) draft tokens per decode step (0: off)
     speculative_ngram: tuple[int, int] = (2, 4)   # shortest and longest suffix a draft is matched on
+    speculative_max_batch: int = 1           # drafts only in steps with at most this many decoding requests
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -206,6 +207,8 @@ class EngineConfig:
         lo, hi = self.speculative_ngram
         if not 1 <= lo <= hi <= 16:
             raise ConfigError(f"--speculative-ngram must be MIN,MAX with 1 <= MIN <= MAX <= 16, got {lo},{hi}")
+        if self.speculative_max_batch < 1:
+            raise ConfigError(f"--speculative-max-batch must be at least 1, got {self.speculative_max_batch}")
         for name in ("kv_block_size", "max_batch", "max_queue"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be at least 1")

@@ -137,7 +137,8 @@ async def test_concurrent_requests_with_drafts_equal_plain_decode(model, kw, mon
     for name, spec in (("plain", 0), ("spec", 4)):
         if spec:
             Oracle({p: t for p, (t, _, _) in zip(map(tuple, prompts(8)), runs["plain"])}).install(monkeypatch)
-        svc = EngineService.start(EngineConfig(model=model, speculative_tokens=spec, **kw), wait=True)
+        svc = EngineService.start(EngineConfig(model=model, speculative_tokens=spec, speculative_max_batch=8, **kw),
+                                  wait=True)
         try:
             runs[name] = await asyncio.gather(*(collect(svc, p, SAMPLED if i % 2 else GREEDY)
                                                 for i, p in enumerate(prompts(8))))
@@ -286,3 +287,34 @@ async def test_drafts_under_a_grammar_give_the_constrained_output(tiny_checkpoin
         assert svc.stats()["draft_tokens_kept"] > 0 and oracle.calls > 0
     finally:
         svc.shutdown()
+
+
+async def test_by_default_only_a_lone_decoding_request_drafts(tiny_checkpoint, monkeypatch):
+    """``--speculative-max-batch`` (default 1): a step with two decoding requests carries no draft,
+    one with a single request does; the outputs are the plain engine's either way."""
+    folder = tiny_checkpoint("qwen3_moe")
+    plain = LLM(folder)
+    ps = prompts(2)
+    want = {tuple(p): plain.generate(p, SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)).token_ids
+            for p in ps}
+    Oracle(want, wrong=10 ** 9).install(monkeypatch)
+    sizes = []
+    from freetoken_engine.scheduler.drafts import Drafts
+    inner = Drafts._with_drafts
+
+    def spy(self, batch):
+        out = inner(self, batch)
+        sizes.append((sum(r.pending == 1 for r, _ in batch), sum(len(r.draft) for r, _ in out)))
+        return out
+    monkeypatch.setattr(Drafts, "_with_drafts", spy)
+    svc = EngineService.start(EngineConfig(model=folder, speculative_tokens=4), wait=True)
+    try:
+        got = await asyncio.gather(*(collect(svc, p, SamplingParams(max_new_tokens=24 + 16 * i, temperature=0,
+                                                                   ignore_eos=True)) for i, p in enumerate(ps)))
+        assert [t for t, _, _ in got] == [want[tuple(p)][:24 + 16 * i] for i, p in enumerate(ps)]
+    finally:
+        svc.shutdown()
+    assert all(drafted == 0 for decoders, drafted in sizes if decoders > 1)
+    assert any(drafted > 0 for decoders, drafted in sizes if decoders == 1)   # the longer one, once alone
+    with pytest.raises(ConfigError, match="speculative-max-batch"):
+        EngineConfig(model=folder, speculative_max_batch=0)

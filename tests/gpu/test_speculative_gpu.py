@@ -51,7 +51,8 @@ def test_batched_drafts_on_the_gpu_equal_plain(tiny_checkpoint, model_type, monk
     for k in (0, 4):
         if k:
             Oracle({p: t for p, t in zip(map(tuple, prompts(6)), runs[0])}).install(monkeypatch)
-        svc = EngineService.start(EngineConfig(model=folder, speculative_tokens=k, max_batch=6, **GPU), wait=True)
+        svc = EngineService.start(EngineConfig(model=folder, speculative_tokens=k, speculative_max_batch=6, max_batch=6,
+                                               **GPU), wait=True)
         try:
             async def one(i, p):
                 out = []

@@ -5,7 +5,8 @@ tokens that agree.
 A draft never costs another request anything: it only takes KV blocks that are free (no eviction,
 no preemption) and, on a hybrid model, snapshot slots that are free (``StatePool.scratch``); it
 stops before an anchor token (so the anchors' checkpoints are taken where they would be without
-drafts) and within the request's length limit. A request under a grammar gets its masks row by
+drafts) and within the request's length limit; only steps with at most ``draft_decoders``
+decoding requests draft. A request under a grammar gets its masks row by
 row as its draft is walked (each after the tokens kept before it); decode steps taken beside a
 long prefill go without drafts. Mixed into ``Scheduler``; runs on the scheduler thread.
 """
@@ -22,9 +23,20 @@ from .request import Request
 class Drafts:
     drafter: NgramDrafter | None
 
-    def _init_drafts(self, tokens: int, ngram: tuple[int, int]) -> None:
+    def _init_drafts(self, tokens: int, ngram: tuple[int, int], most_decoders: int = 1) -> None:
         self.drafter = NgramDrafter(tokens, *ngram) if tokens else None
+        self.draft_decoders = most_decoders
         self.counters.update(draft_tokens=0, draft_tokens_kept=0, draft_steps=0)
+
+    def _with_drafts(self, batch: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
+        """The step's batch with drafts for its decoding requests, when there are at most
+        ``draft_decoders`` of them (``--speculative-max-batch``): a batch already reads each
+        weight once for all its rows, and every verification row adds compute. On the 2-CPU VM
+        four requests drafting made the steps 0.67-0.92x as fast (0.80-0.85x sharing K draft
+        tokens a step), while one alone gains 1.5-3.4x."""
+        if self.drafter is None or sum(r.pending == 1 for r, _ in batch) > self.draft_decoders:
+            return batch
+        return [(r, n + self._draft(r)) if r.pending == 1 else (r, n) for r, n in batch]
 
     def _draft(self, req: Request) -> int:
         """Give ``req`` (decoding, its next KV block already held) a draft for this step; its length."""

@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 class Scheduler(Admission, Drafts):
     def __init__(self, runner: ModelRunner, max_batch: int, max_queue: int, prefill_chunk: int,
                  decode_pause_ms: float = 0.0, speculative_tokens: int = 0,
-                 speculative_ngram: tuple[int, int] = (2, 4)):
+                 speculative_ngram: tuple[int, int] = (2, 4), speculative_max_batch: int = 1):
         self.runner, self.kv = runner, runner.kv
         # decode steps between a long pass's layers (None: the decoders ride in the pass)
         self.pause = DecodePause(decode_pause_ms / 1e3, runner.device) if decode_pause_ms > 0 else None
@@ -71,7 +71,7 @@ class Scheduler(Admission, Drafts):
                          "preemptions": 0, "steps": 0, "decode_steps_beside": 0,
                          "decode_beside_seconds": 0.0, "anchor_checkpoints": 0, "anchor_resumes": 0,
                          "anchor_resumed_tokens": 0}
-        self._init_drafts(speculative_tokens, speculative_ngram)
+        self._init_drafts(speculative_tokens, speculative_ngram, speculative_max_batch)
         self.thread = threading.Thread(target=self._loop, name="freetoken-scheduler", daemon=True)
 
     # -- any thread ------------------------------------------------------------------------------
@@ -197,8 +197,6 @@ class Scheduler(Admission, Drafts):
                     f"the KV cache ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens) cannot "
                     f"hold this request's {req.computed + 1} tokens: lower max_tokens or shorten the prompt"))
                 continue
-            else:
-                n += self._draft(req)
             batch.append((req, n))
         batch = [(r, n) for r, n in batch if r in self.running]
         if not batch:
@@ -208,10 +206,10 @@ class Scheduler(Admission, Drafts):
         between, timed = None, self.pause is not None and prompt >= self.beside_from
         if timed and decoders and self.pause.long(prompt):
             batch = [(r, n) for r, n in batch if r.pending > 1]
-            for r in decoders:          # their steps beside the pass go without drafts
-                self._undraft(r)
             between = self._beside(decoders, {id(r) for r, _ in batch})
             self.pause.begin()
+        else:
+            batch = self._with_drafts(batch)
         t0, beside = time.perf_counter(), self.counters["decode_beside_seconds"]
         chunks, writes = self._chunks(batch)
         logits = self._pass(lambda: self.runner.forward(chunks, between), writes)
