@@ -129,10 +129,13 @@ def run(ks: list[int], tokens: int, rounds: int, model: Path | None, device: str
             "hardware": describe(), "tasks": out}
 
 
-def run_concurrent(ks: list[int], clients: int, tokens: int, rounds: int, model: Path | None, device: str) -> dict:
+def run_concurrent(k: int, clients: int, tokens: int, rounds: int, model: Path | None, device: str) -> dict:
     """``clients`` requests at once through the scheduler (EngineService), the three tasks in
-    turn, with K = 0 and each K: aggregate generated tok/s (median over rounds) and the drafts'
-    acceptance; every request's tokens checked equal to K = 0's."""
+    turn: no drafts, K drafts only in steps with one decoding request (the default
+    ``--speculative-max-batch 1``), and K drafts in every step (``--speculative-max-batch
+    clients``). The three services run side by side, rounds interleaved; aggregate generated
+    tok/s (median over rounds), draft tokens and their acceptance; every request's tokens checked
+    equal across sides."""
     import asyncio
     import time
 
@@ -141,38 +144,43 @@ def run_concurrent(ks: list[int], clients: int, tokens: int, rounds: int, model:
     from freetoken_engine.scheduler.service import EngineService
 
     folder = model or default_model_dir(progress=False)
-    out, want = {}, None
-    for k in [0, *ks]:
-        svc = EngineService.start(EngineConfig(model=folder, device=device, max_batch=clients,
-                                               speculative_tokens=k), wait=True)
-        try:
-            tok = svc.tokenizer
-            texts = list(TASKS.values())
-            prompts = [tok.encode_chat([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(clients)]
-            params = SamplingParams(max_new_tokens=tokens, temperature=0)
+    sides = {"no drafts": (0, 1), f"K={k}, max batch 1": (k, 1), f"K={k}, max batch {clients}": (k, clients)}
+    services = {name: EngineService.start(EngineConfig(model=folder, device=device, max_batch=clients,
+                                                       speculative_tokens=kk, speculative_max_batch=mb), wait=True)
+                for name, (kk, mb) in sides.items()}
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    want = None
+    try:
+        tok = next(iter(services.values())).tokenizer
+        texts = list(TASKS.values())
+        prompts = [tok.encode_chat([{"role": "user", "content": texts[i % len(texts)]}]) for i in range(clients)]
+        params = SamplingParams(max_new_tokens=tokens, temperature=0)
+        for _ in range(rounds):
+            for name, svc in services.items():
+                async def one(p, svc=svc):
+                    return [ev.token_id async for ev in svc.submit(p, params) if ev.token_id is not None]
 
-            async def one(p):
-                return [ev.token_id async for ev in svc.submit(p, params) if ev.token_id is not None]
-
-            async def all_of():
-                return await asyncio.gather(*(one(p) for p in prompts))
-            rates = []
-            for _ in range(rounds):
+                async def all_of():
+                    return await asyncio.gather(*(one(p) for p in prompts))
                 t = time.perf_counter()
                 got = asyncio.run(all_of())
-                rates.append(sum(map(len, got)) / (time.perf_counter() - t))
+                rates[name].append(sum(map(len, got)) / (time.perf_counter() - t))
                 if want is None:
                     want = got
                 elif got != want:
-                    raise SystemExit(f"{clients} clients: K={k} changed the output")
+                    raise SystemExit(f"{clients} clients: {name} changed the output")
+        out = {}
+        for name, svc in services.items():
             st = svc.stats()
-            out[str(k)] = {"tok_s": statistics.median(rates), "tok_s_rounds": rates,
-                           "acceptance": st["draft_tokens_kept"] / st["draft_tokens"] if st["draft_tokens"] else None}
-        finally:
+            out[name] = {"tok_s": statistics.median(rates[name]), "tok_s_rounds": rates[name],
+                         "draft_tokens": st["draft_tokens"],
+                         "acceptance": st["draft_tokens_kept"] / st["draft_tokens"] if st["draft_tokens"] else None}
+    finally:
+        for svc in services.values():
             svc.shutdown()
     for r in out.values():
-        r["speedup"] = r["tok_s"] / out["0"]["tok_s"]
-    return {"clients": clients, "sides": out}
+        r["speedup"] = r["tok_s"] / out["no drafts"]["tok_s"]
+    return {"clients": clients, "k": k, "sides": out}
 
 
 def plot(result: dict, png: Path) -> None:
@@ -181,7 +189,10 @@ def plot(result: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
     tasks = result["tasks"]
     ks = [k for k in next(iter(tasks.values())) if k != "text"]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    conc = result.get("concurrent")
+    fig, axes = plt.subplots(1, 2 if conc else 1, figsize=(11 if conc else 7, 4), squeeze=False,
+                             gridspec_kw={"width_ratios": [2, 1]} if conc else None)
+    ax = axes[0][0]
     width = 0.8 / len(ks)
     for i, k in enumerate(ks):
         ax.bar([j + i * width for j in range(len(tasks))], [tasks[t][k]["speedup"] for t in tasks], width,
@@ -193,6 +204,13 @@ def plot(result: dict, png: Path) -> None:
     ax.set_title(f"n-gram speculative decoding, {result['device']} ({hw.get('gpu') or hw['cpu']}, "
                  f"{hw['cores']} CPUs)", fontsize=9)
     ax.legend()
+    if conc:
+        cx = axes[0][1]
+        names = list(conc["sides"])
+        cx.bar(range(len(names)), [conc["sides"][n]["speedup"] for n in names])
+        cx.set_xticks(range(len(names)), names, rotation=20, ha="right", fontsize=8)
+        cx.axhline(1.0, color="grey", lw=0.8)
+        cx.set_title(f"{conc['clients']} requests at once (aggregate tok/s)", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
 
@@ -206,7 +224,8 @@ def main() -> None:
     ap.add_argument("--model", type=Path)
     ap.add_argument("--out", type=Path, default=RESULTS / "speculative.json")
     ap.add_argument("--clients", type=int, default=0,
-                    help="also N requests at once through the scheduler (the three tasks in turn)")
+                    help="also N requests at once through the scheduler (the three tasks in turn): no drafts, "
+                         "K = 4 drafts in steps of one decoding request (the default), in every step")
     ap.add_argument("--concurrent-only", action="store_true",
                     help="only the --clients run (printed, not saved)")
     ap.add_argument("--plot-only", action="store_true")
@@ -216,9 +235,10 @@ def main() -> None:
         plot(json.loads(args.out.read_text()), args.out.with_suffix(".png"))
         return
     if args.concurrent_only:
-        r = run_concurrent(args.ks, args.clients, args.tokens, args.rounds, args.model, args.device)
-        for k, side in r["sides"].items():
-            print(f"{args.clients} clients K={k}: {side['tok_s']:.1f} tok/s {side['speedup']:.2f}x")
+        r = run_concurrent(max(args.ks), args.clients, args.tokens, args.rounds, args.model, args.device)
+        for name, side in r["sides"].items():
+            print(f"{args.clients} clients, {name}: {side['tok_s']:.1f} tok/s {side['speedup']:.2f}x "
+                  f"({side['draft_tokens']} draft tokens)")
         return
     result = run(args.ks, args.tokens, args.rounds, args.model, args.device)
     print(f"{'task':<6} {'K':>3} {'tok/s':>8} {'speedup':>8} {'accept':>7} {'tok/pass':>8} {'passes':>6}")
@@ -231,10 +251,12 @@ def main() -> None:
             print(f"{name:<6} {k:>3} {r['decode_tok_s_median']:>8.1f} {r['speedup']:>7.2f}x {acc:>7} {tpp:>8} "
                   f"{r['passes']:>6}")
     if args.clients:
-        result["concurrent"] = run_concurrent(args.ks, args.clients, args.tokens, args.rounds, args.model, args.device)
-        for k, r in result["concurrent"]["sides"].items():
+        result["concurrent"] = run_concurrent(4 if 4 in args.ks else max(args.ks), args.clients, args.tokens,
+                                              args.rounds, args.model, args.device)
+        for name, r in result["concurrent"]["sides"].items():
             acc = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
-            print(f"{args.clients} clients K={k}: {r['tok_s']:.1f} tok/s {r['speedup']:.2f}x accept {acc}")
+            print(f"{args.clients} clients, {name}: {r['tok_s']:.1f} tok/s {r['speedup']:.2f}x "
+                  f"({r['draft_tokens']} draft tokens, accept {acc})")
     print("pass cost against one token's:", ", ".join(f"{k} drafts {r:.2f}x" for k, r in
                                                       result["pass_costs"]["ratio"].items() if k != "0"))
     save(result, args.out, plot)
