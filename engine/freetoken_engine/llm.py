@@ -18,7 +18,7 @@ from .errors import InvalidRequest, RequestTooLong
 from .executor.inputs import SeqChunk, build_inputs
 from .executor.runner import ModelRunner
 from .executor.sampler import SamplingParams, make_generator, make_guide, make_penalties, sample
-from .executor.speculate import DraftLength, NgramDrafter, TokenHistory, verify
+from .executor.speculate import NgramDrafter, SequenceDrafts, verify
 
 
 @dataclass
@@ -178,18 +178,14 @@ class _Drafts:
     def __init__(self, llm: LLM, prompt_ids: list[int]):
         cfg, self.states = llm.config, llm.runner.states
         on = cfg.speculative_tokens > 0
-        self.drafter = NgramDrafter(cfg.speculative_tokens, *cfg.speculative_ngram) if on else None
-        self.history = TokenHistory(prompt_ids) if on else None
-        self.prompt_len = len(prompt_ids)
+        self.seq = SequenceDrafts(NgramDrafter(cfg.speculative_tokens, *cfg.speculative_ngram), prompt_ids) if on else None
         self.scratch = self.states.take_scratch(cfg.speculative_tokens) if on and self.states is not None else []
-        self.length = DraftLength(cfg.speculative_tokens)
         self.drafted = self.kept_tokens = 0
 
     def propose(self, out: list[int], limit: int) -> list[int]:
-        if self.drafter is None or limit < 1:
+        if self.seq is None or limit < 1:
             return []
-        self.history.extend(out[len(self.history) - self.prompt_len:])
-        draft = self.drafter.propose(self.history.array, min(limit, self.length.next()))
+        draft = self.seq.propose(out, limit)
         if self.states is not None:
             draft = draft[:len(self.scratch)]
         self.drafted += len(draft)
@@ -200,7 +196,8 @@ class _Drafts:
 
     def kept(self, kept: int, drafted: int, slot: int) -> None:
         self.kept_tokens += kept
-        self.length.update(drafted, kept)
+        if self.seq is not None:
+            self.seq.update(drafted, kept)
         if kept < drafted and self.states is not None:
             self.states.copy(self.scratch[kept], slot)
 

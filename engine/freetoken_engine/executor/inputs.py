@@ -101,8 +101,8 @@ def as_decode_rows(chunks: list[SeqChunk]) -> list[SeqChunk]:
     of the same sequence at consecutive positions: a decode step whose rows share a block table
     (one list object: ``build_inputs`` then sets ``AttnBatch.write_first``, and the decode
     attention writes every row's K/V before any row attends), so the pass takes the fused decode
-    attention and, on a GPU, replays a captured decode graph. Only for models without a
-    recurrent state (the caller checks): a Gated DeltaNet's tokens are sequential."""
+    attention and, on a GPU, replays a captured decode graph. A chunk with a recurrent-state slot
+    stays whole: a Gated DeltaNet's tokens are sequential."""
     if all(c.rows == 1 for c in chunks):
         return chunks
     out = []

@@ -183,10 +183,11 @@ class ModelRunner(GraphWarmup):
         if not m.linear_layers:
             return None
         per = StatePool.slot_bytes(len(m.linear_layers), m.linear, self.dtype.itemsize)
+        budget = 1e9 if self.device.type == "cpu" else 5e8
         n = self.cfg.state_checkpoints
         if n is None:
-            n = max(4, min(64, int((1e9 if self.device.type == "cpu" else 5e8) // per)))
-        scratch = self._spec_scratch(per)
+            n = max(4, min(64, int(budget // per)))
+        scratch = self._spec_scratch(per, budget)
         pool = StatePool(len(m.linear_layers), m.linear, self.cfg.max_batch, n, self.dtype, self.device, scratch)
         for layer in self.model.deltanets():
             layer.states = pool
@@ -194,14 +195,15 @@ class ModelRunner(GraphWarmup):
                  "%.1f MB each", self.cfg.max_batch, n, scratch, per / 1e6)
         return pool
 
-    def _spec_scratch(self, per: int) -> int:
+    def _spec_scratch(self, per: int, budget: float) -> int:
         """Snapshot slots for speculative drafts (``--speculative-tokens`` k): k per drafting
-        sequence, for as many sequences as 1 GB (CPU) or 0.5 GB (GPU) holds, at least one and at
-        most ``max_batch``; a sequence that finds none free decodes that step without a draft."""
+        sequence, for as many sequences as ``budget`` bytes hold (1 GB on the CPU, 0.5 GB on a
+        GPU, as the checkpoints), at least one and at most ``max_batch``; a sequence that finds
+        none free decodes that step without a draft."""
         k = self.cfg.speculative_tokens
         if not k:
             return 0
-        rows = int((1e9 if self.device.type == "cpu" else 5e8) // (k * per))
+        rows = int(budget // (k * per))
         return k * max(1, min(self.cfg.max_batch, rows))
 
     def _bank_addresses(self) -> tuple[int, int] | None:
@@ -267,8 +269,7 @@ class ModelRunner(GraphWarmup):
             q = self.follower.tick()
             if q is not None:
                 self._set_q(q)
-        if self.states is None:     # a draft's verification: the decode attention, a decode graph
-            chunks = as_decode_rows(chunks)
+        chunks = as_decode_rows(chunks)     # a draft's verification: the decode attention, a decode graph
         timed = self._tune(chunks)
         key = self.graphs.key(chunks) if self.graphs is not None else None
         if self.cache is not None:     # a prefill seeds the decode cache from a prompt's last chunk only

@@ -121,6 +121,24 @@ class DraftLength:
             self.wait = self.pause
 
 
+class SequenceDrafts:
+    """One sequence's drafting state, for the scheduler and ``LLM.generate`` alike: its tokens as
+    an array (caught up with its output at each proposal) and its ``DraftLength``."""
+
+    def __init__(self, drafter: NgramDrafter, prompt_ids: list[int]):
+        self.drafter, self.prompt_len = drafter, len(prompt_ids)
+        self.history = TokenHistory(prompt_ids)
+        self.length = DraftLength(drafter.tokens)
+
+    def propose(self, output_ids: list[int], limit: int) -> list[int]:
+        """A draft of at most ``limit`` tokens after the prompt and ``output_ids``."""
+        self.history.extend(output_ids[len(self.history) - self.prompt_len:])
+        return self.drafter.propose(self.history.array, min(limit, self.length.next()))
+
+    def update(self, drafted: int, kept: int) -> None:
+        self.length.update(drafted, kept)
+
+
 def verify(logits: torch.Tensor, draft: list[int], choose: Callable[[torch.Tensor], int]
            ) -> Iterator[tuple[int, int, bool]]:
     """Walk a verification pass: ``logits [len(draft) + 1, V]`` are the rows after the last
@@ -136,4 +154,4 @@ def verify(logits: torch.Tensor, draft: list[int], choose: Callable[[torch.Tenso
             return
 
 
-__all__ = ["DraftLength", "NgramDrafter", "TokenHistory", "verify"]
+__all__ = ["DraftLength", "NgramDrafter", "SequenceDrafts", "TokenHistory", "verify"]

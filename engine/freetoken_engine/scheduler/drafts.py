@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from ..executor.speculate import DraftLength, NgramDrafter, TokenHistory, verify
+from ..executor.speculate import NgramDrafter, SequenceDrafts, verify
 from .request import Request
 
 
@@ -45,11 +45,9 @@ class Drafts:
         room = min(req.max_new_tokens - len(req.output_ids) - 1, self.runner.max_context - req.computed - 1)
         if room < 1:
             return 0
-        if req.history is None:
-            req.history, req.draft_length = TokenHistory(req.tokens), DraftLength(self.drafter.tokens)
-        else:
-            req.history.extend(req.output_ids[len(req.history) - len(req.prompt_ids):])
-        draft = self.drafter.propose(req.history.array, min(room, req.draft_length.next()))
+        if req.drafting is None:
+            req.drafting = SequenceDrafts(self.drafter, req.prompt_ids)
+        draft = req.drafting.propose(req.output_ids, room)
         if self.anchors is not None:
             cut = next((j for j, t in enumerate(draft) if self.anchors.after_token(t)), len(draft))
             draft = draft[:cut]
@@ -90,7 +88,7 @@ class Drafts:
             if not take(j, tok):
                 return
         if draft:
-            req.draft_length.update(len(draft), kept)
+            req.drafting.update(len(draft), kept)
         if kept < len(draft) and req.scratch:
             self.states.copy(req.scratch[kept], req.state)
         self._undraft(req)

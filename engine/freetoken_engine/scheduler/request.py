@@ -17,7 +17,7 @@ import torch
 from ..executor.guide import Guide
 from ..executor.penalties import Penalties
 from ..executor.sampler import SamplingParams
-from ..executor.speculate import DraftLength, TokenHistory
+from ..executor.speculate import SequenceDrafts
 
 _ids = itertools.count()
 
@@ -47,8 +47,7 @@ class Request:
     shared: int = 0               # the prompt's full blocks put in the prefix tree so far
     state: int = -1               # hybrid models: the recurrent-state slot (cache/states.py)
     anchor_plan: list[int] = field(default_factory=list)   # prompt positions to checkpoint the state at
-    history: TokenHistory | None = None   # its tokens as an array, for speculative drafts
-    draft_length: DraftLength | None = None   # how long its next draft may be
+    drafting: SequenceDrafts | None = None   # its speculative drafts' state (made at its first draft)
     draft: list[int] = field(default_factory=list)   # this step's draft tokens (scheduler/drafts.py)
     scratch: list[int] = field(default_factory=list)   # hybrid models: their state snapshot slots
     cached_tokens: int = 0        # of the prompt, reused from the prefix tree
