@@ -137,3 +137,65 @@ def gate_bank_reads(monkeypatch, files: str = "bank-"):
         read(self, name, *rest)
     monkeypatch.setattr(early.Fill, "_read", gated)
     return gate
+
+
+def mtp_reference(path):
+    """The multi-token-prediction layer of ``path`` (written by ``add_mtp_layer``) built from
+    transformers' own Qwen3-Next modules: ``(fc, pre_fc_norm_embedding, pre_fc_norm_hidden, layer,
+    norm)``, float32. ``layer`` is a full-attention ``Qwen3NextDecoderLayer``."""
+    import torch
+    import transformers as T
+    from safetensors.torch import load_file
+    from transformers.models.qwen3_next import modeling_qwen3_next as Q
+    cfg = T.AutoConfig.from_pretrained(path)
+    cfg._attn_implementation = "eager"
+    full = cfg.layer_types.index("full_attention")
+    torch.manual_seed(0)
+    parts = dict(fc=torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False),
+                 pre_fc_norm_embedding=Q.Qwen3NextRMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+                 pre_fc_norm_hidden=Q.Qwen3NextRMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
+                 layer=Q.Qwen3NextDecoderLayer(cfg, full),
+                 norm=Q.Qwen3NextRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
+    path = Path(path)
+    if (path / "mtp.safetensors").is_file():
+        state = load_file(path / "mtp.safetensors")
+        for name, module in parts.items():
+            stem = "mtp.layers.0." if name == "layer" else f"mtp.{name}."
+            module.load_state_dict({k[len(stem):]: v for k, v in state.items() if k.startswith(stem)})
+    return {k: m.float().eval() for k, m in parts.items()}
+
+
+def save_mtp_layer(path, parts: dict) -> None:
+    """Write the MTP modules ``parts`` (``mtp_reference``) into ``path`` as ``mtp.*`` tensors
+    (``mtp.safetensors``, added to the shard index when there is one) and name one MTP layer in
+    config.json, as Qwen3-Next checkpoints ship it."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    state = {}
+    for name, module in parts.items():
+        stem = "mtp.layers.0." if name == "layer" else f"mtp.{name}."
+        state.update({stem + k: v.detach().contiguous() for k, v in module.state_dict().items()})
+    save_file(state, str(path / "mtp.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({k: "mtp.safetensors" for k in state})
+        index.write_text(json.dumps(data))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def add_mtp_layer(path, seed: int = 1, init_std: float = 0.2) -> None:
+    """Give the Qwen3-Next checkpoint at ``path`` a random MTP layer (``mtp.*``)."""
+    import torch
+    parts = mtp_reference(path)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in parts.values():
+            for name, p in module.named_parameters():
+                if name.endswith("norm.weight") or name == "weight" and p.dim() == 1:
+                    p.copy_(0.1 * torch.randn(p.shape, generator=g))       # norms scale by 1 + weight
+                else:
+                    p.copy_(init_std * torch.randn(p.shape, generator=g))
+    save_mtp_layer(path, parts)

@@ -61,6 +61,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: each decode step also checks up to K tokens drafted from an "
                         "earlier occurrence of the context's last words (prompt lookup; 0, the default: off). "
                         "The output is unchanged; code edits and quoted text then take fewer passes")
+    p.add_argument("--speculative-method", default="ngram", choices=["ngram", "mtp"],
+                   help="where drafts come from: ngram (prompt lookup, any model; the default) or mtp (the "
+                        "model's own multi-token-prediction layer, as Qwen3-Next and Qwen3.5/3.6 ship it: "
+                        "drafts for any text, at one extra layer's pass per draft token)")
     p.add_argument("--speculative-ngram", default="2,4", metavar="MIN,MAX", type=_parse_ngram,
                    help="the shortest and longest suffix a draft is matched on (default 2,4)")
     p.add_argument("--speculative-max-batch", type=int, default=1, metavar="N",
@@ -100,7 +104,8 @@ def _engine_kwargs(args) -> dict:
               graph_warmup_widths=args.graph_warmup_widths, graph_memory_gb=args.graph_memory_gb,
               split_tuning=args.split_tuning,
               cpu_rate_probe=args.cpu_rate_probe, speculative_tokens=args.speculative_tokens,
-              speculative_ngram=args.speculative_ngram, speculative_max_batch=args.speculative_max_batch)
+              speculative_ngram=args.speculative_ngram, speculative_max_batch=args.speculative_max_batch,
+              speculative_method=args.speculative_method)
     return kw
 
 

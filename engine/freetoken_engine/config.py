@@ -108,6 +108,12 @@ class ModelConfig:
     linear_layers: tuple[int, ...] = ()
     linear: LinearAttnConfig | None = None
     attn_gate: bool = False            # attention output times sigmoid of a gate q_proj also yields
+    # multi-token prediction: the layers the checkpoint ships after its own (``mtp.*``; Qwen3-Next's
+    # ``num_nextn_predict_layers``, Qwen3.5's ``mtp_num_hidden_layers``), and whether the engine
+    # runs one as its speculative drafter (``--speculative-method mtp``): its attention then takes
+    # the KV pool's last layer and its routed experts the expert bank's last layer
+    mtp_layers: int = 0
+    use_mtp: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -135,8 +141,21 @@ class ModelConfig:
         return tuple(i for i in range(self.num_layers) if i not in self.linear_layers)
 
     @property
+    def kv_layers(self) -> int:
+        """Layers of the KV pool: the attention layers, and the MTP layer when it runs."""
+        return len(self.attention_layers) + self.use_mtp
+
+    @property
+    def bank_layers(self) -> int:
+        """Layers of the expert bank: the MoE layers, and the MTP layer's when it runs."""
+        return len(self.moe_layers) + self.use_mtp
+
+    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.rope.partial_rotary_factor)
+
+
+SPECULATIVE_METHODS = ("ngram", "mtp")
 
 
 @dataclass(frozen=True)
@@ -168,6 +187,7 @@ class EngineConfig:
     speculative_tokens: int = 0              # n-gram (prompt-lookup) draft tokens per decode step (0: off)
     speculative_ngram: tuple[int, int] = (2, 4)   # shortest and longest suffix a draft is matched on
     speculative_max_batch: int = 1           # drafts only in steps with at most this many decoding requests
+    speculative_method: str = "ngram"        # ngram (prompt lookup) | mtp (the checkpoint's own MTP layer)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -207,6 +227,11 @@ class EngineConfig:
         lo, hi = self.speculative_ngram
         if not 1 <= lo <= hi <= 16:
             raise ConfigError(f"--speculative-ngram must be MIN,MAX with 1 <= MIN <= MAX <= 16, got {lo},{hi}")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ConfigError(f"--speculative-method must be {' or '.join(SPECULATIVE_METHODS)}, "
+                              f"got {self.speculative_method!r}")
+        if self.speculative_method == "mtp" and not self.speculative_tokens:
+            raise ConfigError("--speculative-method mtp drafts nothing without --speculative-tokens K (1..16)")
         if self.speculative_max_batch < 1:
             raise ConfigError(f"--speculative-max-batch must be at least 1, got {self.speculative_max_batch}")
         for name in ("kv_block_size", "max_batch", "max_queue"):

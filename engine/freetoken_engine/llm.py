@@ -18,6 +18,7 @@ from .errors import InvalidRequest, RequestTooLong
 from .executor.inputs import SeqChunk, build_inputs
 from .executor.runner import ModelRunner
 from .executor.sampler import SamplingParams, make_generator, make_guide, make_penalties, sample
+from .executor.mtp import MtpSequence, catch_up
 from .executor.speculate import NgramDrafter, SequenceDrafts, verify
 
 
@@ -62,9 +63,9 @@ class LLM:
         if slot >= 0:
             self.runner.states.give(slot)
 
-    def _run(self, ids: list[int], chunk: int | None = None, slot: int = -1):
+    def _run(self, ids: list[int], chunk: int | None = None, slot: int = -1, after=None):
         """Prefill ``ids`` in chunks into fresh KV blocks (and state ``slot``); return (blocks,
-        logits of the last token)."""
+        logits of the last token). ``after(blocks, start, n)`` follows each chunk's pass."""
         kv = self.runner.kv
         blocks: list[int] = []
         start = 0
@@ -75,6 +76,8 @@ class LLM:
             kv.extend(blocks, start + len(piece))
             logits = self.runner.forward([SeqChunk(blocks, start, piece, last=start + len(piece) == len(ids),
                                                    state=slot)])[0]
+            if after is not None:
+                after(blocks, start, len(piece))
             start += len(piece)
         return blocks, logits
 
@@ -120,14 +123,15 @@ class LLM:
         kv = self.runner.kv
         t0 = time.perf_counter()
         slot = self._slot()
+        drafts = _Drafts(self, prompt_ids)
         try:
-            blocks, logits = self._run(prompt_ids, slot=slot)
+            blocks, logits = self._run(prompt_ids, slot=slot, after=drafts.prefilled)
         except BaseException:
+            drafts.close()
             self._release([], slot)
             raise
         t1 = time.perf_counter()
         out, finish = [], "length"
-        drafts = _Drafts(self, prompt_ids)
         rows, draft, passes = logits[None], [], 0
 
         def choose(x: torch.Tensor) -> int:
@@ -150,10 +154,11 @@ class LLM:
                 drafts.kept(kept, len(draft), slot)
                 if going:
                     pos = len(prompt_ids) + len(out) - 1
-                    draft = drafts.propose(out, max_new - len(out) - 1)
+                    draft = drafts.propose(out, max_new - len(out) - 1, blocks, pos)
                     kv.extend(blocks, pos + 1 + len(draft))
                     rows = self.runner.forward([SeqChunk(blocks, pos, [tok, *draft], state=slot, rows=1 + len(draft),
                                                          snapshots=drafts.snapshots(pos, len(draft)))])
+                    drafts.passed(pos)
                     passes += 1
         finally:
             drafts.close()
@@ -171,21 +176,48 @@ class LLM:
 
 
 class _Drafts:
-    """One ``generate`` call's speculative drafts (``executor/speculate.py``): proposals, the
-    snapshot slots of a hybrid model's state after each draft token, and the state restored
-    when a draft is cut short."""
+    """One ``generate`` call's speculative drafts (``executor/speculate.py``, or the MTP head's:
+    ``executor/mtp.py``): proposals, the snapshot slots of a hybrid model's state after each
+    draft token, and the state restored when a draft is cut short."""
 
     def __init__(self, llm: LLM, prompt_ids: list[int]):
-        cfg, self.states = llm.config, llm.runner.states
+        cfg, self.states, self.runner = llm.config, llm.runner.states, llm.runner
         on = cfg.speculative_tokens > 0
-        self.seq = SequenceDrafts(NgramDrafter(cfg.speculative_tokens, *cfg.speculative_ngram), prompt_ids) if on else None
+        self.prompt_ids = prompt_ids
+        self.mtp = MtpSequence(cfg.speculative_tokens) if on and cfg.speculative_method == "mtp" else None
+        self.seq = (SequenceDrafts(NgramDrafter(cfg.speculative_tokens, *cfg.speculative_ngram), prompt_ids)
+                    if on and self.mtp is None else None)
         self.scratch = self.states.take_scratch(cfg.speculative_tokens) if on and self.states is not None else []
         self.drafted = self.kept_tokens = 0
+        self._pass: tuple[int, torch.Tensor] | None = None   # the last decode pass: its start, hidden states
 
-    def propose(self, out: list[int], limit: int) -> list[int]:
-        if self.seq is None or limit < 1:
+    def prefilled(self, blocks: list[int], start: int, n: int) -> None:
+        """A prompt chunk's pass ran: the MTP layer runs its rows (all but a last one, whose next
+        token is not sampled yet)."""
+        if self.mtp is not None:
+            self.mtp.record(start, self.runner.model.last_hidden[:n])
+            catch_up(self.runner, [(self.mtp, blocks, self.prompt_ids)])
+
+    def passed(self, pos: int) -> None:
+        if self.mtp is not None:
+            self._pass = (pos, self.runner.model.last_hidden)
+
+    def propose(self, out: list[int], limit: int, blocks: list[int], pos: int) -> list[int]:
+        """At most ``limit`` draft tokens after ``out``'s last token (position ``pos``)."""
+        if limit < 1:
             return []
-        draft = self.seq.propose(out, limit)
+        if self.mtp is not None:
+            if self._pass is not None:         # the last pass's kept rows, then the MTP layer over them
+                start, hidden = self._pass
+                self.mtp.record(start, hidden[:pos - start])
+                self._pass = None
+            catch_up(self.runner, [(self.mtp, blocks, self.prompt_ids + out)])
+            self.runner.kv.extend(blocks, pos + limit)       # the guesses' KV
+            draft = self.mtp.propose(self.runner, blocks, pos, limit)
+        elif self.seq is not None:
+            draft = self.seq.propose(out, limit)
+        else:
+            return []
         if self.states is not None:
             draft = draft[:len(self.scratch)]
         self.drafted += len(draft)
@@ -196,8 +228,9 @@ class _Drafts:
 
     def kept(self, kept: int, drafted: int, slot: int) -> None:
         self.kept_tokens += kept
-        if self.seq is not None:
-            self.seq.update(drafted, kept)
+        for seq in (self.seq, self.mtp):
+            if seq is not None:
+                seq.update(drafted, kept)
         if kept < drafted and self.states is not None:
             self.states.copy(self.scratch[kept], slot)
 

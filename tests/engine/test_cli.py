@@ -161,9 +161,9 @@ def test_a_prompt_prefilled_in_small_chunks_gives_the_same_tokens(tiny_checkpoin
     from freetoken_engine.llm import LLM
     chunks, real = [], LLM._run
 
-    def run(self, ids, chunk=None, slot=-1):
+    def run(self, ids, chunk=None, slot=-1, **kw):
         chunks.append(self.config.prefill_tokens)
-        return real(self, ids, chunk, slot)
+        return real(self, ids, chunk, slot, **kw)
 
     monkeypatch.setattr(LLM, "_run", run)
     folder = str(tiny_checkpoint("qwen3_moe"))

@@ -72,6 +72,7 @@ class _Graph:
     bytes: int = 0            # device memory the capture and the first replay took (measured)
     uploaded: bool = False    # replayed once: the first launch uploads the graph (more memory)
     used: int = 0             # DecodeGraphs.clock at its capture or last replay (a decode step count)
+    hidden: torch.Tensor | None = None   # [B, H] the final hidden states (a model with an MTP head)
 
 
 class DecodeGraphs:
@@ -99,6 +100,7 @@ class DecodeGraphs:
         self.tried: set[tuple[int, int]] = set()      # keys a capture was attempted for
         self._pool = None
         self._out: torch.Tensor | None = None          # [max_batch, V] float32, every graph's logits
+        self._hidden: torch.Tensor | None = None       # [max_batch, H]: their final hidden states (MTP)
         # the rotary table must never be regrown under a graph: size it for the whole context now
         model.rotary.cos_sin(torch.zeros(1, dtype=torch.int64, device=device), dtype, max_context - 1)
 
@@ -157,6 +159,8 @@ class DecodeGraphs:
                 g.bytes, g.uploaded = g.bytes + taken, True
                 self.held_bytes += taken
         self.replays += 1
+        if g.hidden is not None:
+            self.model.last_hidden = g.hidden       # read before the next replay (executor/mtp.py)
         return g.logits.clone()
 
     def _room(self, evict: bool) -> bool:
@@ -213,6 +217,12 @@ class DecodeGraphs:
             self._out = torch.empty(self.max_batch, self.model.lm_head.weight.shape[0], dtype=torch.float32,
                                     device=self.device)
         out = self._out[:b]
+        hidden = None
+        if self.model.mtp is not None:
+            if self._hidden is None:
+                self._hidden = torch.empty(self.max_batch, self.model.cfg.hidden_size, dtype=self.model.lm_head.weight.dtype,
+                                           device=self.device)
+            hidden = self._hidden[:b]
         free = self._free()
         graph = torch.cuda.CUDAGraph()
         if self.experts is not None:
@@ -225,6 +235,8 @@ class DecodeGraphs:
                                   q_max=1, needs_mask=True, max_position=self.max_context - 1, kv_len=ends,
                                   state_index=states)
                 out.copy_(self.model(ids, batch, self.kv, rows))
+                if hidden is not None:
+                    hidden.copy_(self.model.last_hidden)
         except Exception as exc:        # noqa: BLE001 - any capture failure: stay eager, say why once
             log.warning("CUDA graph capture failed (%s: %s); decode stays eager", type(exc).__name__, exc)
             self.enabled = False
@@ -234,7 +246,8 @@ class DecodeGraphs:
             if self.experts is not None:
                 self.experts.capturing(False)
         taken = max(0, free - self._free())
-        self._graphs[key] = _Graph(graph, staging, inputs, rows, out, mode, torch.cuda.Event(), taken, used=self.clock)
+        self._graphs[key] = _Graph(graph, staging, inputs, rows, out, mode, torch.cuda.Event(), taken, used=self.clock,
+                                   hidden=hidden)
         self.held_bytes += taken
 
     def _free(self) -> int:

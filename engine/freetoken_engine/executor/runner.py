@@ -79,7 +79,8 @@ class ModelRunner(GraphWarmup):
         if folder.suffix == ".gguf" and folder.is_file():       # a llama GGUF: convert once, cached
             from ..models.gguf_folder import gguf_folder
             folder = gguf_folder(folder)
-        self.model, self.bank, self.mcfg, rest = start_model(folder, self.dtype, self.device, progress)
+        self.model, self.bank, self.mcfg, rest = start_model(folder, self.dtype, self.device, progress,
+                                                             mtp=cfg.speculative_method == "mtp")
         try:
             self._assemble(cfg, folder, rest)
         except BaseException:
@@ -108,7 +109,7 @@ class ModelRunner(GraphWarmup):
                                      bypass=env.bypass_slots() if self.device.type == "cuda" else 0)
             self._make_experts()
         m = self.mcfg
-        self.kv = KVPool(len(m.attention_layers), kv_blocks, cfg.kv_block_size,
+        self.kv = KVPool(m.kv_layers, kv_blocks, cfg.kv_block_size,
                          m.num_kv_heads, m.head_dim, self.dtype, self.device)
         self.states = self._make_states()
         self._make_graphs()
@@ -239,7 +240,7 @@ class ModelRunner(GraphWarmup):
             n = total
         else:                 # what is left after the KV pool, the layer buffers and a prefill step
             m, b, size = self.mcfg, self.bank, self.dtype.itemsize
-            kv = kv_pool_bytes(len(m.attention_layers), kv_blocks * self.cfg.kv_block_size, m.num_kv_heads,
+            kv = kv_pool_bytes(m.kv_layers, kv_blocks * self.cfg.kv_block_size, m.num_kv_heads,
                                m.head_dim, size)
             if m.linear_layers:   # the recurrent states: about their default budget (_make_states)
                 kv += min(5e8, 64 * StatePool.slot_bytes(len(m.linear_layers), m.linear, size)) + \
@@ -303,6 +304,20 @@ class ModelRunner(GraphWarmup):
         if self.cache is not None:
             self.experts.end_step()
         return logits
+
+    @torch.inference_mode()
+    def mtp_forward(self, chunks: list[SeqChunk], hidden: torch.Tensor) -> torch.Tensor:
+        """The MTP head (``DecoderLM.mtp_forward``) over ``chunks``: each chunk's rows are the
+        positions ``start ..`` and its ``tokens`` the token after each, ``hidden [T, H]`` the
+        hidden state at each row, in order. -> the head's output at each chunk's last row [B, H]
+        (``logits`` of it: the next draft token). Eager (a pass of one layer)."""
+        inputs = build_inputs(chunks, self.kv.block_size, self.device)
+        if self.cache is not None:
+            self.experts.seed_now = False
+        out = self.model.mtp_forward(inputs.ids, hidden, inputs.batch, self.kv, inputs.logits_at)
+        if self.cache is not None:
+            self.experts.end_step()
+        return out
 
     def _tune(self, chunks: list[SeqChunk]) -> tuple | None:
         """Hand the previous step's device time to the split tuner (the caller has read its logits

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -92,9 +93,9 @@ class BankRead:
 
 
 def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
-                progress: Progress | None = None) -> tuple[DecoderLM, ExpertBank | None, ModelConfig]:
+                progress: Progress | None = None, mtp: bool = False) -> tuple[DecoderLM, ExpertBank | None, ModelConfig]:
     """The model on ``device`` and its filled, pinned expert bank (None without MoE layers)."""
-    model, bank, cfg, rest = start_model(folder, dtype, device, progress)
+    model, bank, cfg, rest = start_model(folder, dtype, device, progress, mtp)
     try:
         rest.finish()
     except BaseException:
@@ -103,18 +104,37 @@ def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
     return model, bank, cfg
 
 
-def start_model(folder: Path, dtype: torch.dtype, device: torch.device, progress: Progress | None = None
-                ) -> tuple[DecoderLM, ExpertBank | None, ModelConfig, BankRead]:
+def start_model(folder: Path, dtype: torch.dtype, device: torch.device, progress: Progress | None = None,
+                mtp: bool = False) -> tuple[DecoderLM, ExpertBank | None, ModelConfig, BankRead]:
     """``build_model`` that returns while a packed folder's bank is still being read: the
     caller may do anything that does not read the bank's bytes (allocate the expert cache,
     capture decode graphs with every expert resident) before ``BankRead.finish()``, and must
-    call ``cancel()`` if it gives up before that."""
+    call ``cancel()`` if it gives up before that. ``mtp``: load the checkpoint's
+    multi-token-prediction layer too (``MtpHead``), for speculative drafts."""
     ckpt, cfg = read_config(folder, dtype, progress)
     try:
+        if mtp:
+            cfg = _with_mtp(folder, ckpt, cfg)
         return _build(folder, ckpt, cfg, dtype, device, progress)
     except BaseException:
         ckpt.close()                    # a packed bank still being read stops there
         raise
+
+
+def _with_mtp(folder: Path, ckpt, cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` running the checkpoint's MTP layer, or a ConfigError that says why it cannot."""
+    if not cfg.mtp_layers:
+        raise ConfigError(f"{folder} has no multi-token-prediction layer (config.json names none: "
+                          f"num_nextn_predict_layers / mtp_num_hidden_layers); use --speculative-method ngram")
+    if cfg.moe is None:
+        raise ConfigError(f"{folder}: the engine runs MTP layers of MoE models only")
+    if hasattr(ckpt, "bank_tensors"):
+        raise ConfigError(f"{folder} is a packed folder, which does not carry the MTP layer; give the "
+                          f"Hugging Face folder for --speculative-method mtp")
+    if not any(k.startswith("mtp.") for k in ckpt.names()):
+        raise ConfigError(f"{folder}: config.json names {cfg.mtp_layers} MTP layer(s) but the checkpoint "
+                          f"holds no mtp.* tensor")
+    return replace(cfg, use_mtp=True)
 
 
 def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
@@ -134,7 +154,7 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
     if cfg.moe:
         m = cfg.moe
         try:
-            bank = ExpertBank(len(m.layers), m.num_experts, cfg.hidden_size, m.intermediate_size, dtype,
+            bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype,
                               *(ckpt.bank_tensors() if packed else ()))
         except ValueError as exc:
             raise ConfigError(f"packed checkpoint {folder}: {exc}") from None
@@ -156,7 +176,8 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
         if tied:
             model.lm_head.weight = model.model.embed_tokens.weight
         if not packed and bank is not None:
-            for li, layer in enumerate(cfg.moe.layers):
+            layers = [*cfg.moe.layers, *(["mtp.layers.0"] if cfg.use_mtp else [])]
+            for li, layer in enumerate(layers):
                 for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, cfg.moe.num_experts)):
                     if gate.shape != (bank.inter, bank.hidden) or down.shape != (bank.hidden, bank.inter):
                         raise ConfigError(f"expert {e} of layer {layer} has shape {tuple(gate.shape)}, "

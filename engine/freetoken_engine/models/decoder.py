@@ -21,7 +21,9 @@ from ..layers.rope import Rotary
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, i: int, rotary: Rotary):
+    def __init__(self, cfg: ModelConfig, i: int, rotary: Rotary, moe_index: int | None = None):
+        """Layer ``i`` of ``cfg``; ``moe_index``: a MoE layer whose routed experts are the expert
+        bank's layer ``moe_index`` (the MTP layer, which follows the model's own)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if i in cfg.linear_layers:           # a hybrid model's Gated DeltaNet layer: no KV
@@ -30,8 +32,8 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(cfg, i, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if i in cfg.moe_layers:
-            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.moe_layers.index(i))
+        if moe_index is not None or i in cfg.moe_layers:
+            self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.moe_layers.index(i) if moe_index is None else moe_index)
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
@@ -50,8 +52,28 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+class MtpHead(nn.Module):
+    """A checkpoint's multi-token-prediction layer (Qwen3-Next, Qwen3.5/3.6: ``mtp.*``), trained
+    beside the model to predict the token after next: at position i it takes the model's final
+    hidden state there (after the final norm) and the embedding of token i + 1, each normed,
+    joins them through ``fc`` and runs one full-attention decoder layer (its own KV, its own
+    routed and shared experts) and a norm; the model's LM head reads the result. Fed its own
+    output and its own guess, it drafts further tokens (``executor/mtp.py``)."""
+
+    def __init__(self, cfg: ModelConfig, rotary: Rotary):
+        super().__init__()
+        h = cfg.hidden_size
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps)
+        self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps)
+        self.fc = nn.Linear(2 * h, h, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, cfg.num_layers, rotary, moe_index=len(cfg.moe_layers))])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+
+
 class DecoderLM(nn.Module):
-    """``forward(ids [T], batch, kv, logits_at [B]) -> logits [B, V]`` (float32)."""
+    """``forward(ids [T], batch, kv, logits_at [B]) -> logits [B, V]`` (float32). With an MTP head
+    (``cfg.use_mtp``) each pass also leaves every row's final hidden state in ``last_hidden``
+    ``[T, H]`` (after the final norm), which ``mtp_forward`` takes."""
 
     def __init__(self, cfg: ModelConfig, rotary: Rotary):
         super().__init__()
@@ -61,9 +83,12 @@ class DecoderLM(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         kv_of = {layer: j for j, layer in enumerate(cfg.attention_layers)}
         self.kv_of = [kv_of.get(i) for i in range(cfg.num_layers)]     # each layer's KV pool layer (None: none)
+        self.mtp = MtpHead(cfg, rotary) if cfg.use_mtp else None
+        self.last_hidden: torch.Tensor | None = None
 
     def moe_blocks(self) -> list[SparseMoE]:
-        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoE)]
+        layers = [*self.model.layers, *(self.mtp.layers if self.mtp is not None else ())]
+        return [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)]
 
     def deltanets(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if layer.self_attn is None]
@@ -80,7 +105,34 @@ class DecoderLM(nn.Module):
             h = layer(h, batch, cos, sin, kv.k[j] if j is not None else None, kv.v[j] if j is not None else None)
             if between is not None and i < last:
                 between(i)
-        if h.shape[0] != logits_at.shape[0]:                              # keep each sequence's last row
-            h = h.index_select(0, logits_at)
-        logits = self.lm_head(self.model.norm(h))                         # [B, V]
+        if self.mtp is not None:                                          # every row, for the MTP head
+            self.last_hidden = h = self.model.norm(h)
+            if h.shape[0] != logits_at.shape[0]:
+                h = h.index_select(0, logits_at)
+        else:
+            if h.shape[0] != logits_at.shape[0]:                          # keep each sequence's last row
+                h = h.index_select(0, logits_at)
+            h = self.model.norm(h)
+        return self.logits(h)                                             # [B, V]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """float32 logits of final hidden states (after their norm)."""
+        logits = self.lm_head(h)
         return logits if logits.dtype == torch.float32 else logits.float()
+
+    def mtp_forward(self, ids: torch.Tensor, hidden: torch.Tensor, batch: AttnBatch, kv,
+                    rows: torch.Tensor) -> torch.Tensor:
+        """The MTP layer over ``T`` rows: ``ids [T]`` the token after each row's position
+        (``batch.positions``), ``hidden [T, H]`` the hidden state at that position (the model's,
+        after its final norm, or the MTP head's own when drafting on); its KV goes to the pool's
+        last layer. -> the MTP head's output at ``rows`` (after its norm): ``logits`` of it
+        predict the token after ``ids``."""
+        m = self.mtp
+        e = m.pre_fc_norm_embedding(self.model.embed_tokens(ids))
+        x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
+        cos, sin = self.rotary.cos_sin(batch.positions, x.dtype, batch.max_position)
+        j = self.cfg.kv_layers - 1
+        h = m.layers[0](x, batch, cos, sin, kv.k[j], kv.v[j])
+        if h.shape[0] != rows.shape[0]:
+            h = h.index_select(0, rows)
+        return m.norm(h)

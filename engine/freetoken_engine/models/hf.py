@@ -21,22 +21,27 @@ class Family:
     # whose layout or convention differs from the engine's; None: the tensor of its own name as it is
     source: Callable[[ModelConfig, str], tuple[str, Callable] | None] | None = None
 
-    def expert_key(self, layer: int, expert: int, proj: int) -> str:
-        return (f"{self.model_prefix}.layers.{layer}.{self.moe_prefix}.experts.{expert}."
-                f"{self.expert_names[proj]}.weight")
+    def layer_stem(self, layer: int | str) -> str:
+        """The key prefix of a layer: ``<model_prefix>.layers.{layer}``, or ``layer`` itself when
+        it is a string (a multi-token-prediction layer: ``mtp.layers.0``)."""
+        return layer if isinstance(layer, str) else f"{self.model_prefix}.layers.{layer}"
 
-    def fused_expert_keys(self, layer: int) -> tuple[str, str]:
+    def expert_key(self, layer: int | str, expert: int, proj: int) -> str:
+        return f"{self.layer_stem(layer)}.{self.moe_prefix}.experts.{expert}.{self.expert_names[proj]}.weight"
+
+    def fused_expert_keys(self, layer: int | str) -> tuple[str, str]:
         """A layer's routed experts as two stacked tensors, as transformers 5 holds them and as
         Qwen3.5/3.6-MoE are published: ``experts.gate_up_proj [E, 2I, H]`` (each expert's gate
         rows, then its up rows) and ``experts.down_proj [E, H, I]``."""
-        stem = f"{self.model_prefix}.layers.{layer}.{self.moe_prefix}.experts."
+        stem = f"{self.layer_stem(layer)}.{self.moe_prefix}.experts."
         return stem + "gate_up_proj", stem + "down_proj"
 
-    def layer_experts(self, ckpt, layer: int, num_experts: int):
-        """``(gate [I, H], up [I, H], down [H, I])`` of each routed expert of ``layer``, in
-        order, from ``ckpt`` (``models/loader.Checkpoint``) in whichever form it stores them:
-        per-expert tensors (``expert_key``) or the fused pair (``fused_expert_keys``), whose
-        slices are views of one read. Raises ``ConfigError`` for a fused pair that does not fit."""
+    def layer_experts(self, ckpt, layer: int | str, num_experts: int):
+        """``(gate [I, H], up [I, H], down [H, I])`` of each routed expert of ``layer`` (an index,
+        or a layer's key prefix: ``layer_stem``), in order, from ``ckpt``
+        (``models/loader.Checkpoint``) in whichever form it stores them: per-expert tensors
+        (``expert_key``) or the fused pair (``fused_expert_keys``), whose slices are views of one
+        read. Raises ``ConfigError`` for a fused pair that does not fit."""
         gate_up_key, down_key = self.fused_expert_keys(layer)
         if not ckpt.has(gate_up_key):
             for e in range(num_experts):

@@ -21,7 +21,8 @@ from ..config import LinearAttnConfig, ModelConfig
 from ..errors import ConfigError
 from .hf import Family, base, moe, need, sparse_layers
 
-_OFFSET_NORM = re.compile(r"(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm)\.weight$|^model\.norm\.weight$")
+_OFFSET_NORM = re.compile(r"(input_layernorm|post_attention_layernorm|self_attn\.[qk]_norm)\.weight$|^model\.norm\.weight$"
+                          r"|^mtp\.(norm|pre_fc_norm_hidden|pre_fc_norm_embedding)\.weight$")
 _NEXT_PROJ = re.compile(r"^(.*\.linear_attn\.)in_proj_(qkv|z|b|a)\.weight$")
 
 
@@ -48,6 +49,7 @@ def parse(raw: dict) -> ModelConfig:
                   moe=moe(raw, sparse_layers(raw, layers),
                           shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0),
                           shared_gate=True))
+    fields["mtp_layers"] = int(raw.get("num_nextn_predict_layers") or raw.get("mtp_num_hidden_layers") or 0)
     if raw["model_type"] != "qwen3_next":     # Qwen3.5's router always renormalises its top k
         fields["moe"] = replace(fields["moe"], norm_topk_prob=True)
     rope = fields["rope"]

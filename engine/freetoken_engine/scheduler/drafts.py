@@ -6,7 +6,9 @@ A draft never costs another request anything: it only takes KV blocks that are f
 no preemption) and, on a hybrid model, snapshot slots that are free (``StatePool.scratch``); it
 stops before an anchor token (so the anchors' checkpoints are taken where they would be without
 drafts) and within the request's length limit; only steps with at most ``draft_decoders``
-decoding requests draft. A request under a grammar gets its masks row by
+decoding requests draft. With ``--speculative-method mtp`` the drafts come from the model's
+MTP head instead (``executor/mtp.py``): every pass's rows are recorded (``_record``) and the MTP
+layer runs over them after each step (``_catch_up``). A request under a grammar gets its masks row by
 row as its draft is walked (each after the tokens kept before it); decode steps taken beside a
 long prefill go without drafts. Mixed into ``Scheduler``; runs on the scheduler thread.
 """
@@ -16,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from ..executor.mtp import MtpSequence, catch_up
 from ..executor.speculate import NgramDrafter, SequenceDrafts, verify
 from .request import Request
 
@@ -23,10 +26,26 @@ from .request import Request
 class Drafts:
     drafter: NgramDrafter | None
 
-    def _init_drafts(self, tokens: int, ngram: tuple[int, int], most_decoders: int = 1) -> None:
+    def _init_drafts(self, tokens: int, ngram: tuple[int, int], most_decoders: int = 1, method: str = "ngram") -> None:
         self.drafter = NgramDrafter(tokens, *ngram) if tokens else None
+        self.mtp = bool(tokens) and method == "mtp"     # drafts from the model's MTP head (executor/mtp.py)
         self.draft_decoders = most_decoders
         self.counters.update(draft_tokens=0, draft_tokens_kept=0, draft_steps=0)
+
+    def _record(self, req: Request, start: int, hidden: torch.Tensor | None) -> None:
+        """MTP drafts: the rows ``req`` ran from ``start`` in the last pass (``hidden``: that
+        pass's final hidden states, ``req``'s rows first) wait for the MTP layer."""
+        if not self.mtp or req.finished or req not in self.running:
+            return
+        if req.drafting is None:
+            req.drafting = MtpSequence(self.drafter.tokens)
+        req.drafting.record(start, hidden[:req.computed - start])
+
+    def _catch_up(self) -> None:
+        """MTP drafts: one pass of the MTP layer over every running request's recorded rows."""
+        if self.mtp:
+            catch_up(self.runner, [(r.drafting, r.blocks, r.tokens) for r in self.running
+                                   if r.drafting is not None and r.drafting.rows])
 
     def _with_drafts(self, batch: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
         """The step's batch with drafts for its decoding requests, when there are at most
@@ -43,16 +62,14 @@ class Drafts:
         if self.drafter is None:
             return 0
         room = min(req.max_new_tokens - len(req.output_ids) - 1, self.runner.max_context - req.computed - 1)
+        fits = (len(req.blocks) + self.kv.free_blocks) * self.kv.block_size - req.computed - 1
+        room = min(room, fits)
         if room < 1:
             return 0
-        if req.drafting is None:
-            req.drafting = SequenceDrafts(self.drafter, req.prompt_ids)
-        draft = req.drafting.propose(req.output_ids, room)
+        draft = self._propose(req, room)
         if self.anchors is not None:
             cut = next((j for j, t in enumerate(draft) if self.anchors.after_token(t)), len(draft))
             draft = draft[:cut]
-        fits = (len(req.blocks) + self.kv.free_blocks) * self.kv.block_size - req.computed - 1
-        draft = draft[:max(0, fits)]
         if draft and self.states is not None:
             req.scratch = self.states.take_scratch(len(draft))
             draft = draft[:len(req.scratch)]
@@ -65,6 +82,20 @@ class Drafts:
         self.counters["draft_tokens"] += len(draft)
         self.counters["draft_steps"] += 1
         return len(draft)
+
+    def _propose(self, req: Request, room: int) -> list[int]:
+        """At most ``room`` draft tokens for ``req`` (its KV blocks hold them): from the MTP head
+        (which writes its guesses' KV, so the blocks are taken first), or the n-gram lookup."""
+        if not self.mtp:
+            if req.drafting is None:
+                req.drafting = SequenceDrafts(self.drafter, req.prompt_ids)
+            return req.drafting.propose(req.output_ids, room)
+        if req.drafting is None:
+            return []
+        grow = self.kv.blocks_for(req.computed + room) - len(req.blocks)
+        if grow > 0:
+            req.blocks += self.kv.allocate(grow)
+        return req.drafting.propose(self.runner, req.blocks, req.computed, room)
 
     def _undraft(self, req: Request) -> None:
         """Drop ``req``'s draft (before its pass, or after it: its snapshot slots go back)."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..executor.guide import Guide
+from ..executor.mtp import MtpSequence
 from ..executor.penalties import Penalties
 from ..executor.sampler import SamplingParams
 from ..executor.speculate import SequenceDrafts
@@ -47,7 +48,7 @@ class Request:
     shared: int = 0               # the prompt's full blocks put in the prefix tree so far
     state: int = -1               # hybrid models: the recurrent-state slot (cache/states.py)
     anchor_plan: list[int] = field(default_factory=list)   # prompt positions to checkpoint the state at
-    drafting: SequenceDrafts | None = None   # its speculative drafts' state (made at its first draft)
+    drafting: SequenceDrafts | MtpSequence | None = None   # its drafts' state (n-gram: made at its first draft)
     draft: list[int] = field(default_factory=list)   # this step's draft tokens (scheduler/drafts.py)
     scratch: list[int] = field(default_factory=list)   # hybrid models: their state snapshot slots
     cached_tokens: int = 0        # of the prompt, reused from the prefix tree

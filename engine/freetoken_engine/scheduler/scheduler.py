@@ -52,7 +52,8 @@ log = logging.getLogger(__name__)
 class Scheduler(Admission, Drafts):
     def __init__(self, runner: ModelRunner, max_batch: int, max_queue: int, prefill_chunk: int,
                  decode_pause_ms: float = 0.0, speculative_tokens: int = 0,
-                 speculative_ngram: tuple[int, int] = (2, 4), speculative_max_batch: int = 1):
+                 speculative_ngram: tuple[int, int] = (2, 4), speculative_max_batch: int = 1,
+                 speculative_method: str = "ngram"):
         self.runner, self.kv = runner, runner.kv
         # decode steps between a long pass's layers (None: the decoders ride in the pass)
         self.pause = DecodePause(decode_pause_ms / 1e3, runner.device) if decode_pause_ms > 0 else None
@@ -71,7 +72,7 @@ class Scheduler(Admission, Drafts):
                          "preemptions": 0, "steps": 0, "decode_steps_beside": 0,
                          "decode_beside_seconds": 0.0, "anchor_checkpoints": 0, "anchor_resumes": 0,
                          "anchor_resumed_tokens": 0}
-        self._init_drafts(speculative_tokens, speculative_ngram, speculative_max_batch)
+        self._init_drafts(speculative_tokens, speculative_ngram, speculative_max_batch, speculative_method)
         self.thread = threading.Thread(target=self._loop, name="freetoken-scheduler", daemon=True)
 
     # -- any thread ------------------------------------------------------------------------------
@@ -215,6 +216,7 @@ class Scheduler(Admission, Drafts):
         logits = self._pass(lambda: self.runner.forward(chunks, between), writes)
         self.counters["steps"] += 1
         self._emit(batch, logits)
+        self._catch_up()
         if timed:       # the pass's own time, for the next choice (its decode steps beside left out)
             self.pause.passed(prompt, time.perf_counter() - t0 - (self.counters["decode_beside_seconds"] - beside))
         if self.pause is not None and between is None:
@@ -280,16 +282,20 @@ class Scheduler(Admission, Drafts):
     def _emit(self, batch: list[tuple[Request, int]], logits) -> None:
         """After a pass: advance each request, and sample, stream or retire those it completed
         (a drafted request: each token its draft's verification keeps, and the next one)."""
-        first = [0]                           # each request's first row of ``logits``
-        for req, _ in batch:
+        first, ran = [0], [0]                 # each request's first row of ``logits``, of the pass
+        for req, n in batch:
             first.append(first[-1] + 1 + len(req.draft))
+            ran.append(ran[-1] + n)
+        hidden = self.runner.model.last_hidden if self.mtp else None
         masked = constrained_rows(logits, {      # the rows this pass completes, under a grammar
             first[i]: req.guide for i, (req, n) in enumerate(batch)
             if req.guide is not None and req.guide.active and not req.draft and req.computed + n == len(req.tokens)})
         for i, (req, n) in enumerate(batch):
+            start = req.computed
             req.computed += n - len(req.draft)
             self._share_prompt(req)
             if req.pending:
+                self._record(req, start, hidden[ran[i]:ran[i + 1]] if self.mtp else None)
                 continue                      # prefill continues next step
             raw = logits[first[i]:first[i + 1]]
             rows = masked[first[i]][None] if first[i] in masked else raw
@@ -301,6 +307,8 @@ class Scheduler(Admission, Drafts):
             except (NonFiniteLogits, InvalidRequest) as exc:   # this request's output is lost, the others go on
                 log.warning("request %d: %s", req.id, exc)
                 self._finish(req, "abort", error=exc)
+            if self.mtp:
+                self._record(req, start, hidden[ran[i]:ran[i + 1]])
 
     def _deliver(self, req: Request, tok: int, raw: torch.Tensor) -> bool:
         """``req`` sampled ``tok`` from the logits ``raw [V]``: record and stream it, or retire the
@@ -334,6 +342,8 @@ class Scheduler(Admission, Drafts):
 
     def _release(self, req: Request) -> None:
         self._undraft(req)
+        if self.mtp and req.drafting is not None:
+            req.drafting.reset()              # its rows run again when it is re-admitted
         self.kv.release(req.blocks)
         req.blocks = []
         if req.state >= 0:

@@ -49,7 +49,8 @@ class EngineService:
             self.vocab_size = runner.mcfg.vocab_size
             self.scheduler = Scheduler(runner, self.cfg.max_batch, self.cfg.max_queue, self.cfg.prefill_tokens,
                                        self.cfg.decode_pause, self.cfg.speculative_tokens,
-                                       self.cfg.speculative_ngram, self.cfg.speculative_max_batch)
+                                       self.cfg.speculative_ngram, self.cfg.speculative_max_batch,
+                                       self.cfg.speculative_method)
             self.scheduler.thread.start()
             cache = runner.cache
             self._calibration = {"pcie_gbps": None, "cpu_expert_gbps": None,

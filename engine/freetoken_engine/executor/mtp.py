@@ -1,0 +1,99 @@
+"""Speculative drafts from the checkpoint's own multi-token-prediction layer (``--speculative-method
+mtp``): Qwen3-Next and Qwen3.5/3.6 ship one (``mtp.*``, ``models/decoder.MtpHead``), trained with
+the model to predict the token after next. The engine runs it frozen, as it ships.
+
+Every pass of the model leaves each row's final hidden state (``DecoderLM.last_hidden``). Once
+the token after a row is known (the next prompt token, or the one sampled there) the row is
+``record``-ed, and ``catch_up`` runs the MTP layer over a sequence's recorded rows in one pass:
+row i takes the model's hidden state at position i and the embedding of token i + 1, writes the
+MTP layer's KV at position i, and the head's output at the last row predicts the token after the
+last sampled one. ``propose`` turns that into a draft: the first token is the argmax of the LM
+head on it; each further token feeds the head its own output and its own last guess at the next
+position (the MTP layer's KV there is a guess too, overwritten when the real rows catch up).
+The draft is verified like any other (``executor/speculate.verify``), so the output is the plain
+decode's whatever the head predicts; the head only decides how many passes are saved.
+"""
+from __future__ import annotations
+
+import torch
+
+from .inputs import SeqChunk
+from .speculate import DraftLength
+
+
+class MtpSequence:
+    """One sequence's MTP state: the rows the model has run and the MTP layer has not (their
+    first position and hidden states), the head's output after the last row it has run
+    (``head``, at position ``at``), and the draft length (``DraftLength``)."""
+
+    def __init__(self, most: int):
+        self.length = DraftLength(most)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (the sequence's KV is recomputed from ``computed = 0`` or a cached
+        prefix: its rows are recorded again as they run)."""
+        self.start, self.rows = 0, []
+        self.head: torch.Tensor | None = None
+        self.at = -1
+
+    @property
+    def pending(self) -> int:
+        return sum(len(r) for r in self.rows)
+
+    def record(self, start: int, hidden: torch.Tensor) -> None:
+        """The model ran positions ``start ..`` with final hidden states ``hidden [n, H]`` (copied:
+        a decode graph reuses its buffer). Rows that do not follow the recorded ones (the sequence
+        was recomputed from another point) replace them."""
+        if not len(hidden):
+            return
+        if self.rows and start != self.start + self.pending:
+            self.rows = []
+        if not self.rows:
+            self.start = start
+        self.rows.append(hidden.clone())
+
+    def update(self, drafted: int, kept: int) -> None:
+        self.length.update(drafted, kept)
+
+    @torch.inference_mode()
+    def propose(self, runner, blocks: list[int], computed: int, limit: int) -> list[int]:
+        """A draft of at most ``limit`` tokens after the token at position ``computed`` (sampled,
+        not yet run), once the MTP layer has run every row before it; ``blocks`` must cover
+        ``computed + limit - 1`` positions (the guesses' KV). [] when not caught up."""
+        n = min(limit, self.length.next())
+        if n < 1 or self.head is None or self.at != computed - 1 or self.rows:
+            return []
+        model = runner.model
+        h = self.head[None]
+        draft = [int(model.logits(h).argmax())]
+        for j in range(1, n):
+            h = runner.mtp_forward([SeqChunk(blocks, computed + j - 1, [draft[-1]])], h)
+            draft.append(int(model.logits(h).argmax()))
+        return draft
+
+
+@torch.inference_mode()
+def catch_up(runner, seqs: list[tuple[MtpSequence, list[int], list[int]]]) -> None:
+    """Run the MTP layer over the recorded rows of every ``(sequence, KV blocks, tokens)`` whose
+    next token is known (row at position p takes ``tokens[p + 1]``), in one pass; rows whose next
+    token is not known yet stay recorded."""
+    chunks, hidden, ran = [], [], []
+    for s, blocks, tokens in seqs:
+        n = min(s.pending, len(tokens) - s.start - 1)
+        if n < 1:
+            continue
+        rows = torch.cat(s.rows) if len(s.rows) > 1 else s.rows[0]
+        chunks.append(SeqChunk(blocks, s.start, tokens[s.start + 1:s.start + 1 + n]))
+        hidden.append(rows[:n])
+        ran.append((s, n, rows))
+    if not chunks:
+        return
+    heads = runner.mtp_forward(chunks, torch.cat(hidden) if len(hidden) > 1 else hidden[0])
+    for i, (s, n, rows) in enumerate(ran):
+        s.head, s.at = heads[i], s.start + n - 1
+        s.rows = [rows[n:]] if n < len(rows) else []
+        s.start += n
+
+
+__all__ = ["MtpSequence", "catch_up"]
