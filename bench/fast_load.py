@@ -24,6 +24,7 @@ Workload: a synthetic Qwen3-MoE checkpoint in the hub layout (H 2048, 128 expert
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -59,6 +60,12 @@ SHAPES = {
                 "shared_expert_intermediate_size": 512},
     # Qwen3.6-35B-A3B whole: three Gated DeltaNet layers to one gated attention layer (head 256,
     # a quarter of it rotated), the same MoE layers
+    # a hybrid model small enough for a 2-CPU machine's benches (Qwen3.6's layer kinds, H 1024)
+    "hybrid-small": {"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"], "hidden_size": 1024,
+                     "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
+                     "moe_intermediate_size": 512, "num_experts": 64, "shared_expert_intermediate_size": 512,
+                     "linear_num_key_heads": 8, "linear_num_value_heads": 16, "linear_key_head_dim": 64,
+                     "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4, "full_attention_interval": 4},
     "qwen3.6-hybrid": {"model_type": "qwen3_5_moe_text", "architectures": ["Qwen3_5MoeForCausalLM"],
                        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256,
                        "moe_intermediate_size": 512, "num_experts": 256, "shared_expert_intermediate_size": 512,
@@ -71,21 +78,21 @@ SHAPES = {
 PERIOD = {"qwen3.6-hybrid": 4}
 
 
-def write_checkpoint(folder: Path, layers: int, rnd=None, shape: str = "qwen3-30b") -> int:
+def write_checkpoint(folder: Path, layers: int, rnd=None, shape: str = "qwen3-30b", mtp: bool = False) -> int:
     """A hub-layout folder of ``SHAPES[shape]``, one safetensors shard per layer; returns bytes
     written. ``rnd(shape)`` makes each bf16 tensor (default: finite random bit patterns, the
-    cheapest to make)."""
+    cheapest to make). ``mtp``: with a multi-token-prediction layer (``mtp.*``, a hybrid shape)."""
     from freetoken_engine.layers.rope import Rotary
     from freetoken_engine.models.decoder import DecoderLM
     cfg_raw = {"hidden_size": H, "num_hidden_layers": layers, "intermediate_size": 6144, "num_experts_per_tok": 8,
                "norm_topk_prob": True, "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
                "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-               **SHAPES[shape]}
-    n_exp, inter = cfg_raw["num_experts"], cfg_raw["moe_intermediate_size"]
+               **SHAPES[shape], **({"mtp_num_hidden_layers": 1} if mtp else {})}
+    n_exp, inter, hid = cfg_raw["num_experts"], cfg_raw["moe_intermediate_size"], cfg_raw["hidden_size"]
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(cfg_raw))
     fam = family(cfg_raw["model_type"])
-    cfg = fam.parse(cfg_raw)
+    cfg = dataclasses.replace(fam.parse(cfg_raw), use_mtp=mtp)
     with torch.device("meta"):
         model = DecoderLM(cfg, Rotary(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings, "meta"))
     # random bit patterns with the exponent's top bit cleared: finite, |x| < 2 (NaN weights would
@@ -94,8 +101,9 @@ def write_checkpoint(folder: Path, layers: int, rnd=None, shape: str = "qwen3-30
                   .bitwise_and_(~0x4000).view(torch.bfloat16))
     dense = {k: rnd(p.shape) for k, p in model.named_parameters()}
     weight_map, total = {}, 0
-    shards = [("dense", dense)] + [(f"layer{i}", {fam.expert_key(i, e, p): rnd((inter, H) if p < 2 else (H, inter))
-                                                  for e in range(n_exp) for p in range(3)}) for i in range(layers)]
+    shards = [("dense", dense)] + [(f"layer{i}", {fam.expert_key(i, e, p): rnd((inter, hid) if p < 2 else (hid, inter))
+                                                  for e in range(n_exp) for p in range(3)})
+                                   for i in [*range(layers), *(["mtp.layers.0"] if mtp else [])]]
     for n, (tag, tensors) in enumerate(shards):
         name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, str(folder / name), metadata={"format": "pt"})

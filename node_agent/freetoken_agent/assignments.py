@@ -16,6 +16,7 @@ import yaml
 
 FORMATS = ("safetensors", "gguf", "packed", "default")
 DEVICES = ("cpu", "cuda")
+SPECULATIVE_METHODS = ("ngram", "mtp")   # the engine's --speculative-method; ngram is its default
 
 
 class AssignmentError(ValueError):
@@ -31,7 +32,8 @@ class EngineOptions:
     decode_pause_ms: float | None = None   # engine.features.decodePauseMs
     prefill_chunk: int | None = None       # engine.features.prefillChunk
     state_checkpoints: int | None = None   # engine.features.stateCheckpoints (hybrid models)
-    speculative_tokens: int | None = None  # engine.features.speculativeTokens (n-gram drafts)
+    speculative_tokens: int | None = None  # engine.features.speculativeTokens (draft tokens per step)
+    speculative_method: str = "ngram"      # engine.features.speculativeMethod (ngram | mtp); absent = ngram
 
 
 @dataclass(frozen=True)
@@ -60,12 +62,13 @@ def _integer(features: dict, name: str, least: int, where: str) -> int | None:
     return value
 
 
-def _features(features: object, where: str) -> tuple[float | None, int | None, int | None, int | None]:
+def _features(features: object, where: str) -> tuple[float | None, int | None, int | None, int | None, str]:
     """The engine features this agent knows from ``engine.features``: (decodePauseMs,
-    prefillChunk, stateCheckpoints, speculativeTokens), each None when absent; other keys are
-    for later engines and ignored."""
+    prefillChunk, stateCheckpoints, speculativeTokens), each None when absent, and
+    speculativeMethod ("ngram" when absent, the engine's default); other keys are for later
+    engines and ignored."""
     if features is None:
-        return None, None, None, None
+        return None, None, None, None, "ngram"
     if not isinstance(features, dict):
         raise AssignmentError(f"{where}.engine.features must be a mapping")
     pause = features.get("decodePauseMs")
@@ -74,8 +77,14 @@ def _features(features: object, where: str) -> tuple[float | None, int | None, i
     drafts = _integer(features, "speculativeTokens", 0, where)
     if drafts is not None and drafts > 16:
         raise AssignmentError(f"{where}.engine.features.speculativeTokens must be at most 16, got {drafts}")
+    method = features.get("speculativeMethod", "ngram")
+    if method not in SPECULATIVE_METHODS:
+        raise AssignmentError(f"{where}.engine.features.speculativeMethod must be one of {SPECULATIVE_METHODS}, "
+                              f"got {method!r}")
+    if method == "mtp" and not drafts:
+        raise AssignmentError(f"{where}.engine.features.speculativeMethod mtp needs speculativeTokens >= 1")
     return ((float(pause) if pause is not None else None), _integer(features, "prefillChunk", 1, where),
-            _integer(features, "stateCheckpoints", 0, where), drafts)
+            _integer(features, "stateCheckpoints", 0, where), drafts, method)
 
 
 def _parse_one(item: object, index: int) -> Assignment:
@@ -111,11 +120,11 @@ def _parse_one(item: object, index: int) -> Assignment:
     if not 0.0 < share <= 1.0:
         raise AssignmentError(f"{where}.engine.expertCacheShare must be in (0, 1], got {share}")
     ctx = eng.get("contextLength")
-    pause, chunk, checkpoints, drafts = _features(eng.get("features"), where)
+    pause, chunk, checkpoints, drafts, method = _features(eng.get("features"), where)
     options = EngineOptions(device=device, dtype=eng.get("dtype"), expert_cache_share=share,
                             context_length=int(ctx) if ctx is not None else None,
                             decode_pause_ms=pause, prefill_chunk=chunk, state_checkpoints=checkpoints,
-                            speculative_tokens=drafts)
+                            speculative_tokens=drafts, speculative_method=method)
     secret = item.get("apiKeySecret")
     secret_ref = None
     if secret is not None:

@@ -87,6 +87,8 @@ def serve_command(a: Assignment, launch: LaunchConfig, cpu_expert_fraction: floa
         cmd += ["--state-checkpoints", str(a.engine.state_checkpoints)]
     if a.engine.speculative_tokens is not None:
         cmd += ["--speculative-tokens", str(a.engine.speculative_tokens)]
+    if a.engine.speculative_method != "ngram":   # the engine's default; sent only when it differs
+        cmd += ["--speculative-method", a.engine.speculative_method]
     cmd += ["--expert-cache-experts", "1"]
     if cpu_expert_fraction is not None:
         cmd += ["--cpu-expert-fraction", f"{cpu_expert_fraction:.4f}"]

@@ -35,11 +35,25 @@ def test_defaults_for_the_embedded_model():
     ({"engine": {"features": {"stateCheckpoints": -1}}}, "stateCheckpoints"),
     ({"engine": {"features": {"speculativeTokens": 17}}}, "speculativeTokens"),
     ({"engine": {"features": {"speculativeTokens": True}}}, "speculativeTokens"),
+    ({"engine": {"features": {"speculativeTokens": 4, "speculativeMethod": "eagle"}}}, "speculativeMethod"),
+    ({"engine": {"features": {"speculativeMethod": "mtp"}}}, "speculativeMethod mtp needs speculativeTokens"),
+    ({"engine": {"features": {"speculativeMethod": "mtp", "speculativeTokens": 0}}}, "speculativeMethod mtp"),
     ({"engine": {"features": [1]}}, "features"),
 ])
 def test_bad_entries_are_rejected_with_the_field_named(patch, message):
     with pytest.raises(AssignmentError, match=message):
         parse_models([{**GOOD, **patch}])
+
+
+def test_speculative_method_defaults_to_ngram():
+    def method(features):
+        [a] = parse_models([{**GOOD, "engine": {**GOOD["engine"], "features": features}}]).values()
+        return a
+    assert parse_models([GOOD])["default.m"].engine.speculative_method == "ngram"
+    assert method({"speculativeTokens": 4}).engine.speculative_method == "ngram"
+    # an explicit default (what the API server fills in) is the same assignment: no engine restart
+    assert method({"speculativeTokens": 4, "speculativeMethod": "ngram"}) == method({"speculativeTokens": 4})
+    assert method({"speculativeTokens": 2, "speculativeMethod": "mtp"}).engine.speculative_method == "mtp"
 
 
 def test_duplicate_keys_rejected():

@@ -33,6 +33,24 @@ def test_serve_command_follows_the_engine_contract():
             cfg.speculative_tokens) == (8192, 250, 4096, 6, 4)
 
 
+@pytest.mark.parametrize("features,flag", [
+    ({"speculativeTokens": 3}, None),
+    ({"speculativeTokens": 3, "speculativeMethod": "ngram"}, None),   # the engine's default is not sent
+    ({"speculativeTokens": 3, "speculativeMethod": "mtp"}, "mtp"),
+])
+def test_serve_command_passes_a_speculative_method_other_than_ngram(features, flag):
+    [a] = parse_models([{"model": "qwen", "port": 1919, "source": {"path": "/models/qwen3"},
+                         "engine": {"features": features}}]).values()
+    cmd = serve_command(a, LaunchConfig(engine_command=("freetoken",)), None)
+    opts = dict(zip(cmd[2::2], cmd[3::2]))
+    assert opts["--speculative-tokens"] == "3" and opts.get("--speculative-method") == flag
+    assert ("--speculative-method" in cmd) == (flag is not None)
+    from freetoken_engine.cli import build_parser
+    from freetoken_engine.server.serve import engine_config
+    cfg = engine_config(build_parser().parse_args(cmd[1:]))
+    assert (cfg.speculative_tokens, cfg.speculative_method) == (3, flag or "ngram")
+
+
 def test_secrets_travel_in_the_environment_not_the_command_line(monkeypatch):
     # In argv a secret is visible to every local user (ps), and a token starting with "-" read
     # as an option made `freetoken serve` exit ("expected one argument"): one start in 64.

@@ -151,17 +151,25 @@ def train_head(ref, mtp: dict, texts: list[list[int]], steps: int = 300) -> None
         opt.step()
 
 
-def test_a_head_that_predicts_the_model_gets_its_drafts_kept(tmp_path):
-    path = make_tiny_checkpoint(tmp_path / "m", "qwen3_next")
+def fitted_mtp_model(path, params: SamplingParams, **engine):
+    """A tiny Qwen3-Next checkpoint at ``path`` whose MTP layer is fitted to the model's greedy
+    text after ``PROMPTS`` (the texts, generated with ``engine`` options, are returned too)."""
+    path = make_tiny_checkpoint(path, "qwen3_next")
     add_mtp_layer(path)
-    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
-    base = LLM(path)
+    base = LLM(path, **engine)
     texts = [p + base.generate(p, params).token_ids for p in PROMPTS]
+    del base
     ref, mtp = load_reference(path), mtp_reference(path)
     for p in ref.parameters():
         p.requires_grad_(False)
     train_head(ref, mtp, texts)
     save_mtp_layer(path, mtp)
+    return path, texts
+
+
+def test_a_head_that_predicts_the_model_gets_its_drafts_kept(tmp_path):
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    path, texts = fitted_mtp_model(tmp_path / "m", params)
     llm = LLM(path, speculative_tokens=4, speculative_method="mtp")
     kept = drafted = passes = made = 0
     for p, text in zip(PROMPTS, texts):

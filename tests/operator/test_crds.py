@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 from crdcheck import ROOT, load_crd, validate
+from freetoken_operator.objects import node_entry
 from freetoken_operator.observe import NodeView, ReplicaView, model_view
 from freetoken_operator.plan import plan
 from freetoken_operator.status import desired
@@ -49,6 +50,23 @@ def test_defaults_fill_a_minimal_model():
     assert spec["serving"] == {"servicePort": 80}
 
 
+@pytest.mark.parametrize("features,method", [
+    ({"decodePauseMs": 100}, "ngram"),                                  # default filled in
+    ({"speculativeTokens": 4}, "ngram"),
+    ({"speculativeTokens": 4, "speculativeMethod": "mtp"}, "mtp"),
+    ({"speculativeTokens": 0, "speculativeMethod": "ngram"}, "ngram"),  # ngram with drafts off is fine
+])
+def test_speculative_method_defaults_and_passes_to_the_node(features, method):
+    body, errors = validate(MODELS, ftm({"source": {"default": True}, "engine": {"features": features}}))
+    assert errors == []
+    assert body["spec"]["engine"]["features"] == dict(features, speculativeMethod=method)
+    entry = node_entry(body, 1919, "cpu")          # the operator hands the features on unchanged
+    assert entry["engine"]["features"] == dict(features, speculativeMethod=method)
+    node = {"apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode", "metadata": {"name": "a"},
+            "spec": {"models": [entry]}}
+    assert validate(NODES, node)[1] == []
+
+
 BAD = [
     ("no source", {"source": {}}, "exactly one of source"),
     ("two sources", {"source": {"path": "/m", "url": "https://x/m"}}, "exactly one of source"),
@@ -76,6 +94,14 @@ BAD = [
      "minimum"),
     ("too many draft tokens", {"source": {"default": True}, "engine": {"features": {"speculativeTokens": 17}}},
      "maximum"),
+    ("unknown speculative method", {"source": {"default": True},
+                                    "engine": {"features": {"speculativeTokens": 4, "speculativeMethod": "eagle"}}},
+     "is not one of"),
+    ("mtp without draft tokens", {"source": {"default": True}, "engine": {"features": {"speculativeMethod": "mtp"}}},
+     "mtp drafts nothing"),
+    ("mtp with zero draft tokens", {"source": {"default": True},
+                                    "engine": {"features": {"speculativeMethod": "mtp", "speculativeTokens": 0}}},
+     "mtp drafts nothing"),
     ("fractional prefill chunk", {"source": {"default": True}, "engine": {"features": {"prefillChunk": 2.5}}},
      "is not of type"),
     ("unknown field", {"source": {"default": True}, "replica": 2}, "Additional properties"),
