@@ -39,9 +39,12 @@ class HostBranch:
     copy_after_signal = True
 
     def __init__(self, bank: ExpertBank, top_k: int, max_tokens: int, device: torch.device,
-                 dtype: torch.dtype, timeout_s: float = 120.0):
-        self.br = CpuBranch(bank.w13, bank.w2, max_tokens, top_k, device, timeout_s=timeout_s, dtype=dtype)
-        self.layers = bank.w13.shape[0]
+                 dtype: torch.dtype, timeout_s: float = 120.0, layers: int | None = None):
+        """``layers``: the bank's first layers, those of a decode step (default all; an MTP layer,
+        the bank's last, runs on its own and syncs instead)."""
+        n = bank.w13.shape[0] if layers is None else layers
+        self.br = CpuBranch(bank.w13[:n], bank.w2[:n], max_tokens, top_k, device, timeout_s=timeout_s, dtype=dtype)
+        self.layers = n
         self.counts = torch.zeros(self.layers, 4, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="freetoken-cpu-branch")
         self._pending: Future | None = None

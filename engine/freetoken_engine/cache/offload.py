@@ -78,8 +78,12 @@ class OffloadedExperts:
     prefill_fills_free = True
 
     def __init__(self, bank: ExpertBank, cache: ExpertCache, prefill_threshold: int,
-                 cpu_backend: str | None = None, backend: str = "auto", top_k: int = 8):
+                 cpu_backend: str | None = None, backend: str = "auto", top_k: int = 8,
+                 step_layers: int | None = None):
+        """``step_layers``: the bank's layers a decode step runs (default all); the others (an MTP
+        layer) run in passes of their own, outside the sync-free CPU branch's steps."""
         self.bank, self.cache, self.top_k = bank, cache, top_k
+        self.step_layers = bank.num_layers if step_layers is None else step_layers
         self.host_branch = None
         self.device = cache.device
         self.prefill_threshold = prefill_threshold
@@ -133,7 +137,8 @@ class OffloadedExperts:
         if self.host_branch is None and self._want_branch:
             from .host_branch import HostBranch
             try:
-                self.host_branch = HostBranch(self.bank, self.top_k, self._branch_tokens(), self.device, x.dtype)
+                self.host_branch = HostBranch(self.bank, self.top_k, self._branch_tokens(), self.device, x.dtype,
+                                              layers=self.step_layers)
                 mode = env.stream_split()
                 if mode != "off" and self.device.type == "cuda":
                     try:   # scratch for STREAMED experts' rows: that many experts' bytes of device memory
@@ -299,7 +304,7 @@ class OffloadedExperts:
                 # (a decode step of such layers can be captured in a CUDA graph).
                 out = self.control.step(layer, topk_ids, copy=False)    # on the device, no sync
                 return self.control.run_experts(layer, x, pair_tok, out, beside)
-            branch = self._host_branch(x) if t <= self._branch_tokens() else None
+            branch = self._host_branch(x) if t <= self._branch_tokens() and layer < self.step_layers else None
             if branch is not None:      # CPU pairs answered by a host thread: still no sync here
                 return branch.layer(self.control, layer, x, topk_ids, pair_tok, beside)
         rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)
