@@ -318,3 +318,51 @@ async def test_by_default_only_a_lone_decoding_request_drafts(tiny_checkpoint, m
     assert any(drafted > 0 for decoders, drafted in sizes if decoders == 1)   # the longer one, once alone
     with pytest.raises(ConfigError, match="speculative-max-batch"):
         EngineConfig(model=folder, speculative_max_batch=0)
+
+
+def test_a_hybrid_verification_runs_as_chained_decode_rows(tiny_checkpoint):
+    """A hybrid model's draft verification becomes one-token rows whose Gated DeltaNet state runs
+    in waves, each row from the previous row's (``as_decode_rows``): beside another sequence's
+    decode token, each row's logits are decode's one token at a time, and each snapshot slot
+    holds the state after its token, as the chunk path leaves it; beside a prompt's chunk, or
+    with an anchor's checkpoint in it, the chunk stays whole."""
+    import torch
+
+    from freetoken_engine.executor.inputs import SeqChunk, as_decode_rows
+    llm = LLM(tiny_checkpoint("qwen3_next"), speculative_tokens=3)
+    r, kv, st = llm.runner, llm.runner.kv, llm.runner.states
+    prompt, toks = BASE[:8], [11, 22, 33, 44]
+    pos = len(prompt)
+
+    def prefilled(ids):
+        slot = st.take()
+        blocks, _ = llm._run(ids, slot=slot)
+        return blocks, slot
+
+    blocks, slot = prefilled(prompt)
+    plain, after = [], []
+    for j, t in enumerate(toks):                       # decode, one token at a time
+        kv.extend(blocks, pos + j + 1)
+        plain.append(r.forward([SeqChunk(blocks, pos + j, [t], state=slot)])[0])
+        after.append(st.ssm[:, slot].clone())
+    llm._release(blocks, slot)
+
+    blocks, slot = prefilled(prompt)
+    other, other_slot = prefilled([7, 7, 19, 4])
+    scratch = st.take_scratch(3)
+    kv.extend(blocks, pos + 4)
+    kv.extend(other, 5)
+    verify = SeqChunk(blocks, pos, toks, state=slot, rows=4, snapshots=tuple((pos + 1 + j, scratch[j]) for j in range(3)))
+    rows = as_decode_rows([SeqChunk(other, 4, [9], state=other_slot), verify])
+    assert [(c.state, c.state_from, c.wave) for c in rows[1:]] == [(scratch[0], slot, 0), (scratch[1], scratch[0], 1),
+                                                                   (scratch[2], scratch[1], 2), (slot, scratch[2], 3)]
+    out = r.forward([SeqChunk(other, 4, [9], state=other_slot), verify])
+    assert torch.allclose(out[1:], torch.stack(plain), atol=1e-5, rtol=0)
+    for j, s in enumerate([*scratch, slot]):
+        assert torch.allclose(st.ssm[:, s], after[j], atol=1e-6, rtol=0)
+    assert as_decode_rows([SeqChunk(other, 5, [9, 10], state=other_slot), verify])[1] is verify   # beside a chunk
+    anchored = SeqChunk(blocks, pos, toks, state=slot, rows=4, snapshots=verify.snapshots + ((pos + 1, 0),))
+    assert as_decode_rows([anchored]) == [anchored]
+    st.give_scratch(scratch)
+    llm._release(blocks, slot)
+    llm._release(other, other_slot)
