@@ -82,8 +82,9 @@ def run(args) -> dict:
     work = Path(tempfile.mkdtemp())
     fast = Path(tempfile.mkdtemp(dir=args.stretch)) if args.stretch else None
     try:
-        folder, nbytes = bench_checkpoint(work, args.layers, fast, "qwen3-30b")
-        llm = LLM(folder, device=args.device, dtype="bfloat16", graph_warmup=0)
+        folder, nbytes = bench_checkpoint(work, args.layers, fast, args.shape)
+        # a hybrid model's snapshot slots for drafts are made with the engine: it starts drafting
+        llm = LLM(folder, device=args.device, dtype="bfloat16", graph_warmup=0, speculative_tokens=max(args.ks))
         runner = llm.runner
         routing = install(runner.model, "locality", [1])
         verification_tables(runner.model, args.ks)
@@ -136,7 +137,7 @@ def run(args) -> dict:
     return {"benchmark": "speculative_offload", "hardware": describe(),
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python", "bench/speculative_offload.py"] + sys.argv[1:]),
-            "method": __doc__, "layers": args.layers, "checkpoint_bytes": nbytes, "routing": routing,
+            "method": __doc__, "layers": args.layers, "shape": args.shape, "checkpoint_bytes": nbytes, "routing": routing,
             "fill_fraction": runner.expert_stats()["fill_fraction"], "rows": rows}
 
 
@@ -153,7 +154,7 @@ def plot(result: dict, png: Path) -> None:
         ax.axhline(1.0, color="grey", lw=0.8)
         ax.set_title(f"experts cached: {frac:.0%}", fontsize=9)
         ax.set_ylabel("decode tok/s / plain (graphs)")
-    fig.suptitle(f"speculative verification under offload, {result['layers']}-layer Qwen3-30B-A3B shapes, "
+    fig.suptitle(f"speculative verification under offload, {result['layers']}-layer {result.get('shape', 'qwen3-30b')} shapes, "
                  f"{result['hardware'].get('gpu', result['hardware']['cpu'])}", fontsize=9)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
@@ -162,6 +163,8 @@ def plot(result: dict, png: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--shape", default="qwen3-30b", choices=("qwen3-30b", "qwen3.6-hybrid"),
+                    help="the checkpoint's shapes (bench/fast_load.py SHAPES)")
     ap.add_argument("--stretch", type=Path, help="a RAM-backed folder (/dev/shm) for the stretched checkpoint")
     ap.add_argument("--fractions", default="1.0,0.25")
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4])

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.batch import AttnBatch
+from ..layers.batch import AttnBatch, wave_tensors
 from . import cuda_warm
 from .inputs import SeqChunk, decode_arrays, waves
 
@@ -213,6 +213,7 @@ class DecodeGraphs:
         kv_index = inputs[4 * b:4 * b + b * width].view(b, width)
         states = inputs[4 * b + b * width:4 * b + b * width + b] if chunks[0].state >= 0 else None
         rows = torch.arange(b, device=self.device)
+        chain = wave_tensors(key[2], self.device) if len(key) > 2 else None   # made before the capture
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         if self._out is None:
@@ -236,8 +237,8 @@ class DecodeGraphs:
                                   q_idx=torch.zeros_like(rows), kv_index=kv_index, kv_valid=kv_valid,
                                   q_max=1, needs_mask=True, max_position=self.max_context - 1, kv_len=ends,
                                   state_index=states)
-                if len(key) > 2:
-                    batch.chain(inputs[4 * b + b * width + b:], key[2])
+                if chain is not None:
+                    batch.chain(inputs[4 * b + b * width + b:], key[2], chain)
                 out.copy_(self.model(ids, batch, self.kv, rows))
                 if hidden is not None:
                     hidden.copy_(self.model.last_hidden)
