@@ -114,7 +114,7 @@ def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) 
     return ForwardInputs(ids=dev(ids), batch=batch, logits_at=dev(logits_rows(chunks, counts)))
 
 
-def as_decode_rows(chunks: list[SeqChunk]) -> list[SeqChunk]:
+def as_decode_rows(chunks: list[SeqChunk], chains: bool = True) -> list[SeqChunk]:
     """A draft's verification chunk (``rows`` equal to its tokens) as that many one-token chunks
     of the same sequence at consecutive positions: a decode step whose rows share a block table
     (one list object: ``build_inputs`` then sets ``AttnBatch.write_first``, and the decode
@@ -126,10 +126,11 @@ def as_decode_rows(chunks: list[SeqChunk]) -> list[SeqChunk]:
     runs in wave j, its state starting from row j - 1's; each row but the last works in the
     snapshot slot of its own token (which then holds the state after it, as the snapshot would),
     the last in the sequence's slot. Any other snapshot (an anchor's checkpoint) keeps the chunk
-    whole."""
+    whole, and so does ``chains=False`` (on a GPU: there the chained rows hit a device-side
+    assert on the H200, not found yet, so a hybrid's verification stays an eager chunk)."""
     if all(c.rows == 1 for c in chunks):
         return chunks
-    out = _decode_rows(chunks, chains=True)
+    out = _decode_rows(chunks, chains=chains)
     if any(c.wave for c in out) and any(len(c.tokens) > 1 for c in out):
         out = _decode_rows(chunks, chains=False)    # a chain's waves are rows of one token: not beside a chunk
     return out
