@@ -21,8 +21,7 @@ def test_packed_decode_inputs_match_the_eager_inputs():
     b = len(chunks)
     ids, positions, slots, ends = packed[:4 * b].view(4, b)
     kv_index = packed[4 * b:4 * b + b * width].view(b, width)
-    assert torch.equal(packed[4 * b + b * width:4 * b + b * width + b], eager.batch.state_index)   # state slots
-    assert torch.equal(packed[4 * b + b * width + b:], eager.batch.state_index)   # each starts from its own
+    assert torch.equal(packed[4 * b + b * width:], eager.batch.state_index)      # the recurrent-state slots
     assert torch.equal(ids, eager.ids) and torch.equal(positions, eager.batch.positions)
     assert torch.equal(slots, eager.batch.slot_mapping) and torch.equal(ends, eager.batch.kv_len)
     lmax = eager.batch.kv_index.shape[1]

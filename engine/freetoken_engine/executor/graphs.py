@@ -51,9 +51,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..layers.batch import AttnBatch, wave_tensors
+from ..layers.batch import AttnBatch
 from . import cuda_warm
-from .inputs import SeqChunk, decode_arrays, waves
+from .inputs import SeqChunk, decode_arrays
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +125,7 @@ class DecodeGraphs:
             return None
         if any(len(c.tokens) != 1 or c.snapshots or (c.state >= 0 and c.start == 0) for c in chunks):
             return None       # a prompt's chunk, an anchor checkpoint, a recurrent state started: eager
-        key = (len(chunks), self.width(max(c.start + 1 for c in chunks)))
-        chain = waves(chunks)        # a hybrid draft's verification rows: their order is the graph's
-        return key if chain is None else key + (chain,)
+        return len(chunks), self.width(max(c.start + 1 for c in chunks))
 
     def __contains__(self, key) -> bool:
         return key in self._graphs
@@ -196,7 +194,7 @@ class DecodeGraphs:
     def capture(self, chunks: list[SeqChunk], key: tuple[int, int], evict: bool = True) -> None:
         """Capture the step ``chunks`` (already run eagerly once: kernels compiled, buffers made)
         if it fits under the limit (``_room``)."""
-        b, width = key[:2]
+        b, width = key
         self.tried.add(key)
         cuda_warm.wait()                   # a capture must not see another thread's CUDA calls
         mode = None
@@ -211,9 +209,8 @@ class DecodeGraphs:
         inputs = staging.to(self.device)
         ids, positions, slots, ends = inputs[:4 * b].view(4, b)
         kv_index = inputs[4 * b:4 * b + b * width].view(b, width)
-        states = inputs[4 * b + b * width:4 * b + b * width + b] if chunks[0].state >= 0 else None
+        states = inputs[4 * b + b * width:] if chunks[0].state >= 0 else None
         rows = torch.arange(b, device=self.device)
-        chain = wave_tensors(key[2], self.device) if len(key) > 2 else None   # made before the capture
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         if self._out is None:
@@ -237,8 +234,6 @@ class DecodeGraphs:
                                   q_idx=torch.zeros_like(rows), kv_index=kv_index, kv_valid=kv_valid,
                                   q_max=1, needs_mask=True, max_position=self.max_context - 1, kv_len=ends,
                                   state_index=states)
-                if chain is not None:
-                    batch.chain(inputs[4 * b + b * width + b:], key[2], chain)
                 out.copy_(self.model(ids, batch, self.kv, rows))
                 if hidden is not None:
                     hidden.copy_(self.model.last_hidden)

@@ -29,10 +29,6 @@ class SeqChunk:
                               # the tokens before ``position`` (in (start, start + len(tokens)])
     rows: int = 1             # logits wanted for the last ``rows`` new tokens (a speculative draft's
                               # verification: the last accepted token and each draft token)
-    state_from: int = -1      # hybrid decode rows of one sequence (``as_decode_rows``): the slot this
-                              # row's recurrent state starts from (the previous row's), copied into
-                              # ``state`` first; -1: ``state`` itself
-    wave: int = 0             # ... and the row's place in its chain: rows of wave w run after wave w - 1
 
 
 @dataclass
@@ -55,26 +51,15 @@ def _kv_index(chunks: list[SeqChunk], ends: np.ndarray, block_size: int, width: 
 
 def decode_arrays(chunks: list[SeqChunk], block_size: int, width: int) -> np.ndarray:
     """One decode step (one new token per sequence) packed for a captured graph: int64
-    ``[4 * B + B * width + 2 * B]`` = token ids, positions, KV slots written, keys per sequence
-    after the step, the ``[B, width]`` KV index (``width`` >= every sequence's keys; 0-padded),
-    then each row's recurrent-state slot (hybrid models; -1 otherwise) and the slot its state
-    starts from (``SeqChunk.state_from``, else the same)."""
+    ``[4 * B + B * width + B]`` = token ids, positions, KV slots written, keys per sequence after
+    the step, the ``[B, width]`` KV index (``width`` >= every sequence's keys; 0-padded), then
+    each sequence's recurrent-state slot (hybrid models; -1 otherwise)."""
     ends = np.array([c.start + 1 for c in chunks], dtype=np.int64)
     kv_index = _kv_index(chunks, ends, block_size, width)
     rows = np.arange(len(chunks))
     head = np.stack([np.array([c.tokens[0] for c in chunks], dtype=np.int64), ends - 1,
                      kv_index[rows, ends - 1], ends])
-    return np.concatenate([head.reshape(-1), kv_index.reshape(-1), np.array([c.state for c in chunks], dtype=np.int64),
-                           np.array([from_slot(c) for c in chunks], dtype=np.int64)])
-
-
-def from_slot(c: SeqChunk) -> int:
-    return c.state_from if c.state_from >= 0 else c.state
-
-
-def waves(chunks: list[SeqChunk]) -> tuple[int, ...] | None:
-    """Each row's place in its chain of hybrid decode rows, or None when no row follows another."""
-    return tuple(c.wave for c in chunks) if any(c.wave for c in chunks) else None
+    return np.concatenate([head.reshape(-1), kv_index.reshape(-1), np.array([c.state for c in chunks], dtype=np.int64)])
 
 
 def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) -> ForwardInputs:
@@ -108,45 +93,22 @@ def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) 
                       if any(c.snapshots for c in chunks) else None,
                       kv_len=dev(ends) if q_max == 1 else None,   # the fused decode attention (CPU, GPU)
                       write_first=len({id(c.block_table) for c in chunks}) < len(chunks))
-    chain = waves(chunks)
-    if chain is not None:
-        batch.chain(dev(np.array([from_slot(c) for c in chunks], dtype=np.int64)), chain)
     return ForwardInputs(ids=dev(ids), batch=batch, logits_at=dev(logits_rows(chunks, counts)))
 
 
-def as_decode_rows(chunks: list[SeqChunk], chains: bool = True) -> list[SeqChunk]:
+def as_decode_rows(chunks: list[SeqChunk]) -> list[SeqChunk]:
     """A draft's verification chunk (``rows`` equal to its tokens) as that many one-token chunks
     of the same sequence at consecutive positions: a decode step whose rows share a block table
     (one list object: ``build_inputs`` then sets ``AttnBatch.write_first``, and the decode
     attention writes every row's K/V before any row attends), so the pass takes the fused decode
-    attention and, on a GPU, replays a captured decode graph.
-
-    A hybrid model's chunk (a recurrent-state slot, and a snapshot slot after each draft token,
-    ``SeqChunk.snapshots``) becomes a chain: a Gated DeltaNet's tokens are sequential, so row j
-    runs in wave j, its state starting from row j - 1's; each row but the last works in the
-    snapshot slot of its own token (which then holds the state after it, as the snapshot would),
-    the last in the sequence's slot. Any other snapshot (an anchor's checkpoint) keeps the chunk
-    whole, and so does ``chains=False`` (on a GPU: there the chained rows hit a device-side
-    assert on the H200, not found yet, so a hybrid's verification stays an eager chunk)."""
+    attention and, on a GPU, replays a captured decode graph. A chunk with a recurrent-state slot
+    stays whole: a Gated DeltaNet's tokens are sequential."""
     if all(c.rows == 1 for c in chunks):
         return chunks
-    out = _decode_rows(chunks, chains=chains)
-    if any(c.wave for c in out) and any(len(c.tokens) > 1 for c in out):
-        out = _decode_rows(chunks, chains=False)    # a chain's waves are rows of one token: not beside a chunk
-    return out
-
-
-def _decode_rows(chunks: list[SeqChunk], chains: bool) -> list[SeqChunk]:
     out = []
     for c in chunks:
-        if not (c.rows > 1 and c.rows == len(c.tokens)):
-            out.append(c)
-        elif c.state < 0 and not c.snapshots:
+        if c.rows > 1 and c.rows == len(c.tokens) and c.state < 0 and not c.snapshots:
             out += [SeqChunk(c.block_table, c.start + j, [t]) for j, t in enumerate(c.tokens)]
-        elif chains and c.state >= 0 and [p for p, _ in c.snapshots] == list(range(c.start + 1, c.start + c.rows)):
-            slots = [s for _, s in c.snapshots] + [c.state]
-            out += [SeqChunk(c.block_table, c.start + j, [t], state=slots[j], state_from=c.state if j == 0 else slots[j - 1],
-                             wave=j) for j, t in enumerate(c.tokens)]
         else:
             out.append(c)
     return out

@@ -275,8 +275,7 @@ class ModelRunner(GraphWarmup):
             q = self.follower.tick()
             if q is not None:
                 self._set_q(q)
-        # a draft's verification: the decode attention, a decode graph (a hybrid's chained rows: CPU only)
-        chunks = as_decode_rows(chunks, chains=self.device.type == "cpu")
+        chunks = as_decode_rows(chunks)     # a draft's verification: the decode attention, a decode graph
         timed = self._tune(chunks)
         key = self.graphs.key(chunks) if self.graphs is not None else None
         if self.cache is not None:     # a prefill seeds the decode cache from a prompt's last chunk only

@@ -34,20 +34,7 @@ class AttnBatch:
     snapshots: tuple[tuple[tuple[int, int], ...], ...] | None = None   # (offset, checkpoint slot) per sequence
     write_first: bool = False   # rows share a sequence (a draft's verification as decode rows): every
                                 # row's K/V is written before any row attends
-    state_from: torch.Tensor | None = None      # [B] int64 hybrid decode rows of one sequence: the slot each
-                                                # row's state starts from (``waves`` set with it)
-    waves: tuple[torch.Tensor, ...] | None = None   # the rows of each wave (device): wave w after w - 1
-    wave_rows: tuple[list[int], ...] | None = None  # the same on the host
     _made: dict = field(default_factory=dict)   # masks and row lists, made once per pass
-
-    def chain(self, state_from: torch.Tensor, wave_of: tuple[int, ...], waves: tuple[torch.Tensor, ...] | None = None) -> None:
-        """Rows that follow one another (``executor/inputs.as_decode_rows``): row r's recurrent
-        state starts from slot ``state_from[r]`` and it runs in wave ``wave_of[r]``; ``waves``:
-        ``wave_tensors(wave_of)`` made already (a CUDA graph's capture copies nothing in)."""
-        self.state_from = state_from
-        self.wave_rows = wave_lists(wave_of)
-        self.waves = waves if waves is not None else wave_tensors(wave_of, state_from.device)
-
 
     @property
     def aligned(self) -> bool:
@@ -114,11 +101,3 @@ class AttnBatch:
         if "padding" not in self._made:
             self._made["padding"] = ~self.kv_valid[:, None, :, None]
         return self._made["padding"]
-
-
-def wave_lists(wave_of: tuple[int, ...]) -> tuple[list[int], ...]:
-    return tuple([r for r, w in enumerate(wave_of) if w == n] for n in range(max(wave_of) + 1))
-
-
-def wave_tensors(wave_of: tuple[int, ...], device) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.tensor(rows, dtype=torch.int64, device=device) for rows in wave_lists(wave_of))

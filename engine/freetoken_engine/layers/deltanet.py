@@ -154,26 +154,14 @@ class GatedDeltaNet(nn.Module):
         gpu = self._decode_kernels(x, batch)
         if gpu is not None:           # a decode step on a GPU: two launches (kernels/triton/deltanet.py)
             c = self.sizes[0]
-            if batch.waves is None:
-                y = gpu.conv_step(proj[:, :c], conv, batch.state_index, self.conv_w)
-                return self.out_proj(gpu.recurrent_step(y, proj[:, c:], ssm, batch.state_index, self.neg_a,
-                                                        self.dt_bias, self.norm.weight, lin.k_heads, self.eps))
-            out = x.new_empty((x.shape[0], lin.v_heads * lin.v_dim))
-            for rows in batch.waves:                # chained rows: one wave after the other
-                slots, p = self._take_over(batch, rows, conv, ssm), proj.index_select(0, rows)
-                y = gpu.conv_step(p[:, :c], conv, slots, self.conv_w)
-                out.index_copy_(0, rows, gpu.recurrent_step(y, p[:, c:], ssm, slots, self.neg_a, self.dt_bias,
-                                                            self.norm.weight, lin.k_heads, self.eps))
-            return self.out_proj(out)
+            y = gpu.conv_step(proj[:, :c], conv, batch.state_index, self.conv_w)
+            return self.out_proj(gpu.recurrent_step(y, proj[:, c:], ssm, batch.state_index, self.neg_a,
+                                                    self.dt_bias, self.norm.weight, lin.k_heads, self.eps))
         mixed, z, b, a = proj.split(self.sizes, -1)
         core = x.new_empty((x.shape[0], lin.v_heads, lin.v_dim))
         beta = b.sigmoid().float()                 # in the model's dtype first, as the reference
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
-        if batch.waves is not None:       # chained decode rows of a draft's verification (a row per sequence
-            for rows, seqs in zip(batch.waves, batch.wave_rows):       # entry; the host's lists when it has them)
-                self._singles(rows, self._take_over(batch, rows, conv, ssm), seqs if batch.seq_counts else (),
-                              mixed, g, beta, batch, conv, ssm, core)
-        elif batch.seq_counts is None:    # a captured decode step: a token per sequence, in order
+        if batch.seq_counts is None:      # a captured decode step: a token per sequence, in order
             self._singles(None, batch.state_index, (), mixed, g, beta, batch, conv, ssm, core)
         else:
             row, singles = 0, []
@@ -193,15 +181,6 @@ class GatedDeltaNet(nn.Module):
                               [i for i, _ in singles], mixed, g, beta, batch, conv, ssm, core)
         out = self._gated_norm(core, z.view(-1, lin.v_heads, lin.v_dim))
         return self.out_proj(out.reshape(x.shape[0], -1))
-
-    @staticmethod
-    def _take_over(batch, rows: torch.Tensor, conv: torch.Tensor, ssm: torch.Tensor) -> torch.Tensor:
-        """Copy the states ``rows`` start from (``AttnBatch.state_from``: the previous rows' of
-        their chains) into their own slots; -> those slots."""
-        slots, src = batch.state_index.index_select(0, rows), batch.state_from.index_select(0, rows)
-        conv.index_copy_(0, slots, conv.index_select(0, src))
-        ssm.index_copy_(0, slots, ssm.index_select(0, src))
-        return slots
 
     def _decode_kernels(self, x: torch.Tensor, batch):
         """The Triton decode step when this pass is one token per sequence, none starting and no
