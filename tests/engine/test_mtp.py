@@ -108,9 +108,14 @@ def test_mtp_drafts_leave_the_output_unchanged_greedy_and_seeded(mtp_model, plai
 @pytest.mark.parametrize("kw", [dict(max_batch=8, prefill_chunk=7),
                                 dict(kv_cache_tokens=160, max_context=64, max_batch=6, prefill_chunk=8)],
                          ids=["roomy", "tight-kv"])
-async def test_mtp_drafts_through_the_scheduler_batched_preempted_and_after_a_prefix_reuse(mtp_model, plain, kw):
-    """Requests drafting together (their rows through the MTP layer in one pass a step), with KV
-    space short enough to preempt (their MTP rows run again): each gets the plain tokens."""
+async def test_mtp_drafts_through_the_scheduler_batched_preempted_and_after_a_prefix_reuse(mtp_model, plain, kw,
+                                                                                            monkeypatch):
+    """Requests drafting together (their rows through the MTP layer in one pass a step, their
+    drafts' chains in one pass per token), with KV space short enough to preempt (their MTP rows
+    run again): each gets the plain tokens."""
+    from freetoken_engine.scheduler import drafts
+    together, real = [], drafts.propose_all
+    monkeypatch.setattr(drafts, "propose_all", lambda runner, items: together.append(len(items)) or real(runner, items))
     cfg = EngineConfig(model=mtp_model, speculative_tokens=3, speculative_method="mtp", speculative_max_batch=8, **kw)
     svc = EngineService.start(cfg, wait=True)
     try:
@@ -123,7 +128,7 @@ async def test_mtp_drafts_through_the_scheduler_batched_preempted_and_after_a_pr
         svc.shutdown()
     assert [o[0] for o in outs] == [plain[(tuple(p), params.temperature)].token_ids for p, params in jobs]
     assert again[0] == plain[(tuple(PROMPTS[0]), 0)].token_ids
-    assert stats["draft_tokens"] > 0
+    assert stats["draft_tokens"] > 0 and max(together) > 1
 
 
 def train_head(ref, mtp: dict, texts: list[list[int]], steps: int = 300) -> None:

@@ -56,21 +56,43 @@ class MtpSequence:
     def update(self, drafted: int, kept: int) -> None:
         self.length.update(drafted, kept)
 
-    @torch.inference_mode()
     def propose(self, runner, blocks: list[int], computed: int, limit: int) -> list[int]:
         """A draft of at most ``limit`` tokens after the token at position ``computed`` (sampled,
         not yet run), once the MTP layer has run every row before it; ``blocks`` must cover
         ``computed + limit - 1`` positions (the guesses' KV). [] when not caught up."""
-        n = min(limit, self.length.next())
-        if n < 1 or self.head is None or self.at != computed - 1 or self.rows:
-            return []
-        model = runner.model
-        h = self.head[None]
-        draft = [int(model.logits(h).argmax())]
-        for j in range(1, n):
-            h = runner.mtp_forward([SeqChunk(blocks, computed + j - 1, [draft[-1]])], h)
-            draft.append(int(model.logits(h).argmax()))
-        return draft
+        return propose_all(runner, [(self, blocks, computed, limit)])[0]
+
+    def wanted(self, computed: int, limit: int) -> int:
+        """How long a draft this sequence makes now (``DraftLength``; 0: none, or not caught up)."""
+        if self.head is None or self.at != computed - 1 or self.rows:
+            return 0
+        return max(0, min(limit, self.length.next()))
+
+
+@torch.inference_mode()
+def propose_all(runner, items: list[tuple[MtpSequence, list[int], int, int]]) -> list[list[int]]:
+    """``MtpSequence.propose`` for several sequences ``(sequence, KV blocks, computed, limit)`` at
+    once: the LM head over their heads together, then each further draft token of all those
+    still drafting in one pass of the MTP layer."""
+    model = runner.model
+    want = [s.wanted(computed, limit) for s, _, computed, limit in items]
+    drafts: list[list[int]] = [[] for _ in items]
+    live = [i for i, n in enumerate(want) if n > 0]
+    if not live:
+        return drafts
+    h = torch.stack([items[i][0].head for i in live])
+    for j in range(max(want)):
+        if j:
+            h = runner.mtp_forward([SeqChunk(items[i][1], items[i][2] + j - 1, [drafts[i][-1]]) for i in live], h)
+        for i, tok in zip(live, model.logits(h).argmax(-1).tolist()):
+            drafts[i].append(tok)
+        keep = [r for r, i in enumerate(live) if want[i] > j + 1]
+        if len(keep) < len(live):
+            live = [live[r] for r in keep]
+            if not live:
+                break
+            h = h[keep]
+    return drafts
 
 
 @torch.inference_mode()
@@ -96,4 +118,4 @@ def catch_up(runner, seqs: list[tuple[MtpSequence, list[int], list[int]]]) -> No
         s.start += n
 
 
-__all__ = ["MtpSequence", "catch_up"]
+__all__ = ["MtpSequence", "catch_up", "propose_all"]

@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ..executor.mtp import MtpSequence, catch_up
+from ..executor.mtp import MtpSequence, catch_up, propose_all
 from ..executor.speculate import NgramDrafter, SequenceDrafts, verify
 from .request import Request
 
@@ -29,6 +29,7 @@ class Drafts:
     def _init_drafts(self, tokens: int, ngram: tuple[int, int], most_decoders: int = 1, method: str = "ngram") -> None:
         self.drafter = NgramDrafter(tokens, *ngram) if tokens else None
         self.mtp = bool(tokens) and method == "mtp"     # drafts from the model's MTP head (executor/mtp.py)
+        self._mtp_ready: dict[int, list[int]] = {}       # this step's MTP drafts, by sequence state
         self.draft_decoders = most_decoders
         self.counters.update(draft_tokens=0, draft_tokens_kept=0, draft_steps=0)
 
@@ -55,15 +56,34 @@ class Drafts:
         tokens a step), while one alone gains 1.5-3.4x."""
         if self.drafter is None or sum(r.pending == 1 for r, _ in batch) > self.draft_decoders:
             return batch
+        if self.mtp:
+            self._mtp_drafts([r for r, _ in batch if r.pending == 1])
         return [(r, n + self._draft(r)) if r.pending == 1 else (r, n) for r, n in batch]
+
+    def _room(self, req: Request) -> int:
+        """The longest draft ``req`` may have: within its length limits and the free KV blocks."""
+        room = min(req.max_new_tokens - len(req.output_ids) - 1, self.runner.max_context - req.computed - 1)
+        return min(room, (len(req.blocks) + self.kv.free_blocks) * self.kv.block_size - req.computed - 1)
+
+    def _mtp_drafts(self, decoders: list[Request]) -> None:
+        """The MTP head's drafts of every decoding request of the step, made together (their
+        guesses' KV blocks taken first); ``_propose`` hands them out."""
+        items = []
+        for req in decoders:
+            room = self._room(req)
+            if req.drafting is None or room < 1:
+                continue
+            grow = self.kv.blocks_for(req.computed + room) - len(req.blocks)
+            if grow > 0:
+                req.blocks += self.kv.allocate(grow)
+            items.append((req.drafting, req.blocks, req.computed, room))
+        self._mtp_ready = {id(s): d for (s, *_), d in zip(items, propose_all(self.runner, items))}
 
     def _draft(self, req: Request) -> int:
         """Give ``req`` (decoding, its next KV block already held) a draft for this step; its length."""
         if self.drafter is None:
             return 0
-        room = min(req.max_new_tokens - len(req.output_ids) - 1, self.runner.max_context - req.computed - 1)
-        fits = (len(req.blocks) + self.kv.free_blocks) * self.kv.block_size - req.computed - 1
-        room = min(room, fits)
+        room = self._room(req)
         if room < 1:
             return 0
         draft = self._propose(req, room)
@@ -84,18 +104,13 @@ class Drafts:
         return len(draft)
 
     def _propose(self, req: Request, room: int) -> list[int]:
-        """At most ``room`` draft tokens for ``req`` (its KV blocks hold them): from the MTP head
-        (which writes its guesses' KV, so the blocks are taken first), or the n-gram lookup."""
-        if not self.mtp:
-            if req.drafting is None:
-                req.drafting = SequenceDrafts(self.drafter, req.prompt_ids)
-            return req.drafting.propose(req.output_ids, room)
+        """At most ``room`` draft tokens for ``req``: the MTP head's (``_mtp_drafts``), or the
+        n-gram lookup's."""
+        if self.mtp:
+            return self._mtp_ready.pop(id(req.drafting), [])[:room] if req.drafting is not None else []
         if req.drafting is None:
-            return []
-        grow = self.kv.blocks_for(req.computed + room) - len(req.blocks)
-        if grow > 0:
-            req.blocks += self.kv.allocate(grow)
-        return req.drafting.propose(self.runner, req.blocks, req.computed, room)
+            req.drafting = SequenceDrafts(self.drafter, req.prompt_ids)
+        return req.drafting.propose(req.output_ids, room)
 
     def _undraft(self, req: Request) -> None:
         """Drop ``req``'s draft (before its pass, or after it: its snapshot slots go back)."""
