@@ -210,3 +210,20 @@ def test_the_mtp_layer_is_only_loaded_when_it_drafts(mtp_model):
     # its routed experts are the bank's last layer, its KV the pool's
     assert llm.runner.bank.num_layers == plain_llm.runner.bank.num_layers + 1
     assert llm.runner.kv.k.shape[0] == plain_llm.runner.kv.k.shape[0] + 1
+
+
+def test_a_packed_folder_carries_the_mtp_layer(mtp_model, plain, tmp_path):
+    """``freetoken convert`` packs the MTP layer (its routed experts as the bank's last layer):
+    the packed folder drafts exactly as the Hugging Face one, and runs without it as well."""
+    from freetoken_engine.packed import convert
+    out = convert(mtp_model, tmp_path / "packed", progress=False)
+    hf = LLM(mtp_model, speculative_tokens=3, speculative_method="mtp")
+    packed = LLM(out, speculative_tokens=3, speculative_method="mtp")
+    for prompt in PROMPTS[:2]:
+        a, b = hf.generate(prompt, GREEDY), packed.generate(prompt, GREEDY)
+        assert a.token_ids == b.token_ids == plain[(tuple(prompt), 0)].token_ids
+        assert (a.stats["draft_tokens"], a.stats["draft_tokens_kept"]) == (b.stats["draft_tokens"],
+                                                                           b.stats["draft_tokens_kept"])
+    without = LLM(out)
+    assert without.runner.model.mtp is None and without.runner.bank.num_layers == packed.runner.bank.num_layers - 1
+    assert without.generate(PROMPTS[0], GREEDY).token_ids == plain[(tuple(PROMPTS[0]), 0)].token_ids

@@ -128,9 +128,9 @@ def _with_mtp(folder: Path, ckpt, cfg: ModelConfig) -> ModelConfig:
                           f"num_nextn_predict_layers / mtp_num_hidden_layers); use --speculative-method ngram")
     if cfg.moe is None:
         raise ConfigError(f"{folder}: the engine runs MTP layers of MoE models only")
-    if hasattr(ckpt, "bank_tensors"):
-        raise ConfigError(f"{folder} is a packed folder, which does not carry the MTP layer; give the "
-                          f"Hugging Face folder for --speculative-method mtp")
+    if hasattr(ckpt, "bank_tensors") and not ckpt.index["bank"].get("mtp_layers"):
+        raise ConfigError(f"{folder} was packed without the MTP layer's experts (before the packed format "
+                          f"carried them): run freetoken convert again for --speculative-method mtp")
     if not any(k.startswith("mtp.") for k in ckpt.names()):
         raise ConfigError(f"{folder}: config.json names {cfg.mtp_layers} MTP layer(s) but the checkpoint "
                           f"holds no mtp.* tensor")
@@ -154,8 +154,10 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
     if cfg.moe:
         m = cfg.moe
         try:
-            bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype,
-                              *(ckpt.bank_tensors() if packed else ()))
+            tensors = ckpt.bank_tensors() if packed else ()
+            if packed and tensors[0].shape[0] > cfg.bank_layers:   # an MTP layer packed, not run here
+                tensors = tuple(t[:cfg.bank_layers] for t in tensors)
+            bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype, *tensors)
         except ValueError as exc:
             raise ConfigError(f"packed checkpoint {folder}: {exc}") from None
     total = len(wanted) + (bank.total_experts if bank and not packed else 0)

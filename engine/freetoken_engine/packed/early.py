@@ -34,7 +34,7 @@ from typing import Callable
 
 from ..cachefile import read_json, write_json
 from . import early_cuda
-from .format import ALIGN, INDEX_NAME, PackedFormatError, bank_piece_bytes, read_index
+from .format import ALIGN, INDEX_NAME, PackedFormatError, bank_layers, bank_piece_bytes, read_index
 from .memory import PAGE, arena, can_map, map_file_over, populate
 
 
@@ -102,7 +102,7 @@ class Fill:
                 dests[name] = (self.arenas[name], 0, meta["size"])
         bank = index.get("bank")
         if bank:
-            layers = len(bank["moe_layers"])
+            layers = bank_layers(bank)
             per = {t: bank_piece_bytes(index, t, (0, 1)) for t in ("w13", "w2")}
             for t in ("w13", "w2"):
                 self.arenas[t] = arena(per[t] * layers)

@@ -4,7 +4,7 @@ Index (``freetoken-packed.json``)::
 
     {"format": "freetoken-packed", "version": 1, "alignment": 4096, "block_bytes": 16777216,
      "dtype": "bfloat16", "model_type": "qwen3_moe",
-     "bank": {"moe_layers": [..], "num_experts": E, "hidden": H, "inter": I,
+     "bank": {"moe_layers": [..], "mtp_layers": 0 or 1, "num_experts": E, "hidden": H, "inter": I,
               "pieces": [{"tensor": "w13"|"w2", "layers": [a, b], "file": NAME}]},
      "tensors": {KEY: {"file": NAME, "offset": N, "nbytes": N, "dtype": "bfloat16", "shape": [..]}},
      "files": {NAME: {"size": N, "crc32": [one per block_bytes block]}}}
@@ -46,6 +46,11 @@ def align_up(n: int, a: int = ALIGN) -> int:
 def is_packed(folder: str | Path) -> bool:
     """True when ``folder`` holds a packed index (it may still fail validation)."""
     return (Path(folder) / INDEX_NAME).is_file()
+
+
+def bank_layers(bank: dict) -> int:
+    """Layers of a packed bank: the MoE layers, then the MTP layer's experts when it was packed."""
+    return len(bank["moe_layers"]) + int(bank.get("mtp_layers", 0))
 
 
 def bank_piece_bytes(index: dict, tensor: str, layers: tuple[int, int]) -> int:
@@ -100,7 +105,7 @@ def read_index(folder: Path) -> dict:
             raise PackedFormatError(f"{path}: tensor {key}: shape {t['shape']} does not match {t['nbytes']} bytes")
     bank = index.get("bank")
     if bank:
-        n_layers = len(bank["moe_layers"])
+        n_layers = bank_layers(bank)
         for tensor in ("w13", "w2"):
             covered = sorted(tuple(p["layers"]) for p in bank["pieces"] if p["tensor"] == tensor)
             at = 0

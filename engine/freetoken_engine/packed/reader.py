@@ -37,7 +37,7 @@ import torch
 from .. import env
 from . import early
 from .early import already_verified, record_verified
-from .format import PackedFormatError, read_index
+from .format import PackedFormatError, bank_layers, read_index
 from .memory import aligned_empty, as_tensor, host_register
 from .pinning import BankPins
 
@@ -197,7 +197,7 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
         else:
             fill.progress = progress
         if bank:
-            L, E, H, I = len(bank["moe_layers"]), bank["num_experts"], bank["hidden"], bank["inter"]
+            L, E, H, I = bank_layers(bank), bank["num_experts"], bank["hidden"], bank["inter"]
             st13 = as_tensor(fill.arenas["w13"], L * E * 2 * I * H * stored.itemsize).view(stored).view(L, E, 2 * I, H)
             st2 = as_tensor(fill.arenas["w2"], L * E * H * I * stored.itemsize).view(stored).view(L, E, H, I)
             if dtype == stored:

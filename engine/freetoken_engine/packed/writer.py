@@ -97,10 +97,13 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
     cfg = fam.parse(ckpt.config)
     expert_keys = set()
     moe = cfg.moe
+    # the MTP layer's routed experts go to the bank's last layer (its other tensors are dense)
+    mtp = bool(moe and cfg.mtp_layers and any(k.startswith("mtp.") for k in ckpt.names()))
+    layers = [*moe.layers, *(["mtp.layers.0"] if mtp else [])] if moe else []
     if moe:
-        expert_keys = {fam.expert_key(layer, e, p) for layer in moe.layers
+        expert_keys = {fam.expert_key(layer, e, p) for layer in layers
                        for e in range(moe.num_experts) for p in range(3)}
-        expert_keys.update(k for layer in moe.layers for k in fam.fused_expert_keys(layer))
+        expert_keys.update(k for layer in layers for k in fam.fused_expert_keys(layer))
     dense_keys = [k for k in ckpt.names() if k not in expert_keys]
     probe = next(fam.layer_experts(ckpt, moe.layers[0], moe.num_experts))[0] if moe else ckpt.get(dense_keys[0])
     dtype = probe.dtype
@@ -111,10 +114,10 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
         index = {"format": FORMAT, "version": VERSION, "alignment": ALIGN, "block_bytes": BLOCK,
                  "dtype": dtype_name(dtype), "model_type": cfg.model_type, "source": str(src.resolve()),
                  "tensors": {}, "files": {}}
-        bar = _bar(len(dense_keys) + (len(moe.layers) if moe else 0), progress)
+        bar = _bar(len(dense_keys) + len(layers), progress)
         _write_dense(ckpt, dense_keys, tmp, shard_bytes, index, bar)
         if moe:
-            _write_bank(ckpt, fam, moe, cfg.hidden_size, dtype, tmp, shard_bytes, index, bar)
+            _write_bank(ckpt, fam, moe, layers, cfg.hidden_size, dtype, tmp, shard_bytes, index, bar)
         bar.close()
         for f in src.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
@@ -152,20 +155,21 @@ def _write_dense(ckpt, keys: list[str], tmp: Path, shard_bytes: int, index: dict
         index["files"][f.path.name] = f.close()
 
 
-def _write_bank(ckpt, fam, moe, hidden: int, dtype: torch.dtype, tmp: Path, shard_bytes: int,
+def _write_bank(ckpt, fam, moe, layers: list, hidden: int, dtype: torch.dtype, tmp: Path, shard_bytes: int,
                 index: dict, bar) -> None:
-    E, inter, L = moe.num_experts, moe.intermediate_size, len(moe.layers)
+    """The bank's layers: ``layers`` (the MoE layers' indices, then an MTP layer's key prefix)."""
+    E, inter, L = moe.num_experts, moe.intermediate_size, len(layers)
     es = torch.empty(0, dtype=dtype).element_size()
     per_layer = E * 2 * inter * hidden * es                    # one layer of w13
     step = max(1, shard_bytes // per_layer)
-    index["bank"] = {"moe_layers": list(moe.layers), "num_experts": E, "hidden": hidden,
-                     "inter": inter, "pieces": []}
+    index["bank"] = {"moe_layers": list(moe.layers), "mtp_layers": L - len(moe.layers), "num_experts": E,
+                     "hidden": hidden, "inter": inter, "pieces": []}
     for a in range(0, L, step):
         b = min(L, a + step)
         f13 = _BlockFile(tmp / f"bank-w13-{a:05d}.bin")
         f2 = _BlockFile(tmp / f"bank-w2-{a:05d}.bin")
         for li in range(a, b):
-            layer = moe.layers[li]
+            layer = layers[li]
             for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, E)):
                 if gate.shape != (inter, hidden) or up.shape != (inter, hidden) or down.shape != (hidden, inter):
                     raise PackedFormatError(f"expert {e} of layer {layer}: shapes {tuple(gate.shape)}, "
