@@ -227,3 +227,47 @@ def test_a_packed_folder_carries_the_mtp_layer(mtp_model, plain, tmp_path):
     without = LLM(out)
     assert without.runner.model.mtp is None and without.runner.bank.num_layers == packed.runner.bank.num_layers - 1
     assert without.generate(PROMPTS[0], GREEDY).token_ids == plain[(tuple(PROMPTS[0]), 0)].token_ids
+
+
+async def test_mtp_rows_of_decode_steps_beside_a_long_prompt_join_the_others(tmp_path, monkeypatch):
+    """Requests decoding between the layers of a long prompt's pass (scheduler/beside.py) record
+    those steps' rows too, without a gap, and draft after it; every output is as alone."""
+    from beside_cases import LAYERS, LONG, SHORT, always_due, greedy, run_all
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3_next", num_hidden_layers=LAYERS)
+    add_mtp_layer(path)
+    llm = LLM(path)
+    want = [llm.generate(p, greedy(24)).token_ids for p in SHORT], llm.generate(LONG, greedy(4)).token_ids
+    gaps, real = [], mtp_module.MtpSequence.record
+
+    def record(self, start, hidden):
+        if self.rows and start != self.start + self.pending:
+            gaps.append((self.start + self.pending, start))
+        real(self, start, hidden)
+    monkeypatch.setattr(mtp_module.MtpSequence, "record", record)
+    cfg = EngineConfig(model=path, max_batch=4, prefill_chunk=100, decode_pause_ms=50, speculative_tokens=3,
+                       speculative_method="mtp", speculative_max_batch=4)
+    svc = EngineService.start(cfg, wait=True)
+    try:
+        always_due(svc)
+        assert await run_all(svc) == want
+        stats = svc.stats()
+        svc.scheduler.check_integrity()
+    finally:
+        svc.shutdown()
+    assert stats["decode_steps_beside"] > 0 and stats["draft_tokens"] > 0 and not gaps
+
+
+def test_mtp_drafts_under_a_grammar_give_the_constrained_output(mtp_model):
+    from freetoken_engine.executor import guide
+    from freetoken_engine.executor.guide import GuideSpec
+    schema = {"type": "object", "additionalProperties": False, "required": ["city", "n"],
+              "properties": {"city": {"enum": ["Paris", "Rome"]}, "n": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 999}}}
+    spec = GuideSpec(guide.json_schema(schema))
+    params = [SamplingParams(max_new_tokens=40, temperature=0, guide=spec),
+              SamplingParams(max_new_tokens=40, temperature=0.8, seed=3, guide=spec, logprobs=1)]
+    plain_llm, drafting = LLM(mtp_model), LLM(mtp_model, speculative_tokens=4, speculative_method="mtp")
+    for p, sp in zip(PROMPTS, params):
+        want, got = plain_llm.generate(p, sp), drafting.generate(p, sp)
+        assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
+        assert got.stats["draft_tokens"] > 0
