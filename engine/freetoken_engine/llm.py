@@ -196,7 +196,7 @@ class _Drafts:
         token is not sampled yet)."""
         if self.mtp is not None:
             self.mtp.record(start, self.runner.model.last_hidden[:n])
-            catch_up(self.runner, [(self.mtp, blocks, self.prompt_ids)])
+            catch_up(self.runner, [(self.mtp, blocks, self.prompt_ids, [])])
 
     def passed(self, pos: int) -> None:
         if self.mtp is not None:
@@ -211,7 +211,7 @@ class _Drafts:
                 start, hidden = self._pass
                 self.mtp.record(start, hidden[:pos - start])
                 self._pass = None
-            catch_up(self.runner, [(self.mtp, blocks, self.prompt_ids + out)])
+            catch_up(self.runner, [(self.mtp, blocks, self.prompt_ids, out)])
             self.runner.kv.extend(blocks, pos + limit)       # the guesses' KV
             draft = self.mtp.propose(self.runner, blocks, pos, limit)
         elif self.seq is not None:

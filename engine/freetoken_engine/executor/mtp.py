@@ -95,18 +95,24 @@ def propose_all(runner, items: list[tuple[MtpSequence, list[int], int, int]]) ->
     return drafts
 
 
+def _span(prompt: list[int], output: list[int], a: int, b: int) -> list[int]:
+    """``(prompt + output)[a:b]`` without joining the two."""
+    p = len(prompt)
+    return prompt[a:b] + output[max(0, a - p):max(0, b - p)] if a < p else output[a - p:b - p]
+
+
 @torch.inference_mode()
-def catch_up(runner, seqs: list[tuple[MtpSequence, list[int], list[int]]]) -> None:
-    """Run the MTP layer over the recorded rows of every ``(sequence, KV blocks, tokens)`` whose
-    next token is known (row at position p takes ``tokens[p + 1]``), in one pass; rows whose next
-    token is not known yet stay recorded."""
+def catch_up(runner, seqs: list[tuple[MtpSequence, list[int], list[int], list[int]]]) -> None:
+    """Run the MTP layer over the recorded rows of every ``(sequence, KV blocks, prompt, output)``
+    whose next token is known (row at position p takes token p + 1 of prompt + output), in one
+    pass; rows whose next token is not known yet stay recorded."""
     chunks, hidden, ran = [], [], []
-    for s, blocks, tokens in seqs:
-        n = min(s.pending, len(tokens) - s.start - 1)
+    for s, blocks, prompt, output in seqs:
+        n = min(s.pending, len(prompt) + len(output) - s.start - 1)
         if n < 1:
             continue
         rows = torch.cat(s.rows) if len(s.rows) > 1 else s.rows[0]
-        chunks.append(SeqChunk(blocks, s.start, tokens[s.start + 1:s.start + 1 + n]))
+        chunks.append(SeqChunk(blocks, s.start, _span(prompt, output, s.start + 1, s.start + 1 + n)))
         hidden.append(rows[:n])
         ran.append((s, n, rows))
     if not chunks:

@@ -45,7 +45,7 @@ class Drafts:
     def _catch_up(self) -> None:
         """MTP drafts: one pass of the MTP layer over every running request's recorded rows."""
         if self.mtp:
-            catch_up(self.runner, [(r.drafting, r.blocks, r.tokens) for r in self.running
+            catch_up(self.runner, [(r.drafting, r.blocks, r.prompt_ids, r.output_ids) for r in self.running
                                    if r.drafting is not None and r.drafting.rows])
 
     def _with_drafts(self, batch: list[tuple[Request, int]]) -> list[tuple[Request, int]]:
