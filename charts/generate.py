@@ -115,6 +115,10 @@ NODE = [
      [(f"sum by (model) (rate(freetoken_anchor_resumes_total{N}[{RI}]))", "{{model}} resumes/s"),
       (f"sum by (model) (rate(freetoken_anchor_resumed_tokens_total{N}[{RI}]))", "{{model}} tokens not prefilled/s"),
       (f"freetoken_anchor_checkpoints_held{N}", "{{model}} checkpoints held")], 24),
+    ("Speculative decoding: draft tokens checked and kept (--speculative-tokens; each kept one saves a pass)",
+     "timeseries", "short",
+     [(f"sum by (model) (rate(freetoken_speculative_draft_tokens_total{N}[{RI}]))", "{{model}} drafted/s"),
+      (f"sum by (model) (rate(freetoken_speculative_kept_tokens_total{N}[{RI}]))", "{{model}} kept/s")], 24),
 ]
 
 

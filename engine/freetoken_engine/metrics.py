@@ -59,7 +59,7 @@ _STATS_COUNTERS = (
     ("freetoken_anchor_resumes", "Hybrid models: requests that resumed from an anchor checkpoint", "anchor_resumes"),
     ("freetoken_anchor_resumed_tokens", "Hybrid models: prompt tokens not prefilled again thanks to them",
      "anchor_resumed_tokens"),
-    ("freetoken_speculative_draft_tokens", "Speculative decoding: n-gram draft tokens verified (--speculative-tokens)",
+    ("freetoken_speculative_draft_tokens", "Speculative decoding: draft tokens verified (n-gram or MTP; --speculative-tokens)",
      "draft_tokens"),
     ("freetoken_speculative_kept_tokens", "Speculative decoding: draft tokens the model agreed with (each saves a pass)",
      "draft_tokens_kept"),
