@@ -50,3 +50,19 @@ def test_drafting_server_answers_as_the_plain_one(servers):
     drafted = after["freetoken_speculative_draft_tokens"] - before["freetoken_speculative_draft_tokens"]
     assert 10 <= kept <= drafted
     assert counters(plain)["freetoken_speculative_draft_tokens"] == 0
+
+
+def test_a_server_drafting_with_the_models_mtp_layer_answers_as_the_plain_one(tmp_path):
+    """``--speculative-method mtp`` behind the server: the official client's chat answers, streamed
+    or not, are the plain server's, and the MTP head's drafts show in /metrics."""
+    from tiny_models import add_mtp_layer, make_tiny_checkpoint
+    path = make_tiny_checkpoint(tmp_path / "m", "qwen3_next")
+    add_mtp_layer(path)
+    with live_pair(path, dict(speculative_tokens=3, speculative_method="mtp"), {}) as (spec, plain):
+        for stream in (False, True):
+            assert complete(spec, stream) == complete(plain, stream)
+        msgs = [{"role": "user", "content": "Paris is the capital of"}]
+        a, b = (s.openai().chat.completions.create(model=s.model, messages=msgs, max_tokens=40, temperature=0)
+                for s in (spec, plain))
+        assert a.choices[0].message.content == b.choices[0].message.content
+        assert counters(spec)["freetoken_speculative_draft_tokens"] > 0
