@@ -11,6 +11,11 @@ the verification runs as in the engine (a pass of K + 1 tokens, the sampling of 
 What A a real checkpoint's head reaches is the checkpoint's (Qwen reports its MTP layers' drafts
 as mostly kept on chat and code; not measured here: no real weights can be fetched).
 
+``--routing locality`` replays the MoE bench's routing (fitted to the default model's measured
+routing: popularity skew and token-to-token overlap) through every router, the MTP layer's too; a
+pass of n rows routes as n consecutive decode steps, so a verification reads the experts of that
+many steps together, not n times a step's.
+
 Also timed alone, in the same process: one MTP pass of one token plus its LM head, against one
 plain decode step (the model's own pass).
 
@@ -33,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from hardware import describe  # noqa: E402
 from report import save  # noqa: E402
-from speculative_offload import Coin  # noqa: E402
+from speculative_offload import Coin, verification_tables  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -90,6 +95,11 @@ def run(args) -> dict:
         llm = LLM(folder, device=args.device, dtype=args.dtype, speculative_tokens=max(args.ks),
                   speculative_method="mtp", graph_warmup=0)
         runner = llm.runner
+        routing = None
+        if args.routing != "router":   # replayed: a pass of n rows routes as n consecutive decode steps
+            from routing_replay import install
+            routing = install(runner.model, args.routing, [1])
+            verification_tables(runner.model, list(range(1, max(args.ks) + 1)))
         coin = Coin()
         llm_module.verify = coin.verify
         prompt = [int(t) for t in torch.randint(10, 30000, (32,), generator=torch.Generator().manual_seed(0))]
@@ -126,7 +136,7 @@ def run(args) -> dict:
     return {"benchmark": "mtp_speculative", "hardware": describe(),
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python", "bench/mtp_speculative.py"] + sys.argv[1:]),
-            "method": __doc__, "shape": args.shape, "layers": args.layers, "dtype": args.dtype,
+            "method": __doc__, "shape": args.shape, "layers": args.layers, "dtype": args.dtype, "routing": routing,
             "checkpoint_bytes": nbytes, "pass_costs": costs, "graphs": graphs, "rows": rows}
 
 
@@ -156,12 +166,16 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--work", type=Path, default=None, help="where the checkpoint is written (default: a temp dir)")
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--routing", default="router", choices=("router", "locality", "uniform"),
+                    help="router: the random checkpoint's own routers (each token its own experts); locality: "
+                         "the MoE bench's replayed routing fitted to the default model's (bench/routing_replay.py)")
     ap.add_argument("--acceptance", type=float, nargs="+", default=[1.0, 0.7, 0.5])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    out = args.out or ROOT / f"bench/results/mtp_speculative_{'gpu' if args.device.startswith('cuda') else 'cpu'}.json"
+    kind = "gpu" if args.device.startswith("cuda") else "cpu"
+    out = args.out or ROOT / f"bench/results/mtp_speculative_{kind}{'' if args.routing == 'router' else '_' + args.routing}.json"
     save(run(args), out, plot)
 
 

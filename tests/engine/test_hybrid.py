@@ -13,7 +13,7 @@ from freetoken_engine.cache.kv import KVPool
 from freetoken_engine.cache.states import Anchors, StatePool
 from freetoken_engine.config import EngineConfig, LinearAttnConfig
 from freetoken_engine.errors import ConfigError
-from freetoken_engine.layers.deltanet import delta_rule_chunked, delta_rule_step
+from freetoken_engine.layers.deltanet import delta_rule_chunked, delta_rule_step, delta_rule_steps
 from freetoken_engine.scheduler.service import EngineService
 from test_parity import check, reference_greedy
 from tiny_models import load_reference, make_tiny_checkpoint
@@ -37,6 +37,9 @@ def test_chunked_delta_rule_equals_the_recurrence():
             want.append(o[0])
         assert torch.allclose(got, torch.stack(want), atol=1e-4, rtol=1e-4), n
         assert torch.allclose(state, s[0], atol=1e-4, rtol=1e-4), n
+        # a few tokens (a draft's verification on the CPU) take the recurrence token by token
+        few, few_state = delta_rule_steps(q, k, v, decay, beta, state0)
+        assert torch.equal(few, torch.stack(want)) and torch.equal(few_state, s[0]), n
 
 
 LONG = [(7 * i + 3) % 300 + 10 for i in range(150)]     # crosses the delta rule's 64-token chunks

@@ -23,6 +23,8 @@ D[t, j] = exp(G_t - G_j) for j <= t, else 0):
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,10 @@ from ..kernels import gpu_decode_kernels
 from .linear import linear
 
 CHUNK = 64
+#: on the CPU, runs of at most this many tokens (a draft's verification: one token between two
+#: snapshots) take the recurrence token by token instead of a chunk padded to CHUNK: a 3-token
+#: verification of an 8-layer hybrid had cost 2.7-4x a decode step that way (bench/mtp_speculative.py)
+STEPS = 8
 
 
 def l2_normalise(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -55,6 +61,17 @@ def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.
     u = beta[..., None] * (v - torch.einsum("bhk,bhkv->bhv", k, state))
     state = state + k[..., :, None] * u[..., None, :]
     return torch.einsum("bhk,bhkv->bhv", q, state), state
+
+
+def delta_rule_steps(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``delta_rule_chunked``'s contract, token by token with ``delta_rule_step`` (decode's
+    arithmetic): for a few tokens, where a padded chunk costs more than it saves."""
+    outs, state = [], state[None]
+    for t in range(q.shape[0]):
+        o, state = delta_rule_step(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1], state)
+        outs.append(o)
+    return torch.cat(outs), state[0]
 
 
 def delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -224,8 +241,9 @@ class GatedDeltaNet(nn.Module):
         outs, at, kernel = [], 0, self._chunk_kernel(mixed)
         for end, ck in list(snaps) + [(mixed.shape[0], None)]:
             if end > at:
-                o, state = delta_rule_chunked(q[at:end], k[at:end], v[at:end], g[at:end], beta[at:end], state,
-                                              kernel=kernel)
+                steps = end - at <= STEPS and mixed.device.type == "cpu"
+                o, state = (delta_rule_steps if steps else partial(delta_rule_chunked, kernel=kernel))(
+                    q[at:end], k[at:end], v[at:end], g[at:end], beta[at:end], state)
                 outs.append(o)
                 at = end
             if ck is not None:
