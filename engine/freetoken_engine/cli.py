@@ -64,7 +64,8 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-method", default="ngram", choices=["ngram", "mtp"],
                    help="where drafts come from: ngram (prompt lookup, any model; the default) or mtp (the "
                         "model's own multi-token-prediction layer, as Qwen3-Next and Qwen3.5/3.6 ship it: "
-                        "drafts for any text, at one extra layer's pass per draft token)")
+                        "drafts for any text, at one extra layer's pass per draft token; it pays on the CPU, "
+                        "while on a GPU its passes are not captured in CUDA graphs yet and decode runs slower)")
     p.add_argument("--speculative-ngram", default="2,4", metavar="MIN,MAX", type=_parse_ngram,
                    help="the shortest and longest suffix a draft is matched on (default 2,4)")
     p.add_argument("--speculative-max-batch", type=int, default=1, metavar="N",
