@@ -78,14 +78,15 @@ SHAPES = {
 PERIOD = {"qwen3.6-hybrid": 4}
 
 
-def write_checkpoint(folder: Path, layers: int, rnd=None, shape: str = "qwen3-30b", mtp: bool = False) -> int:
+def write_checkpoint(folder: Path, layers: int, rnd=None, shape: str = "qwen3-30b", mtp: bool = False,
+                     vocab: int = VOCAB) -> int:
     """A hub-layout folder of ``SHAPES[shape]``, one safetensors shard per layer; returns bytes
     written. ``rnd(shape)`` makes each bf16 tensor (default: finite random bit patterns, the
     cheapest to make). ``mtp``: with a multi-token-prediction layer (``mtp.*``, a hybrid shape)."""
     from freetoken_engine.layers.rope import Rotary
     from freetoken_engine.models.decoder import DecoderLM
     cfg_raw = {"hidden_size": H, "num_hidden_layers": layers, "intermediate_size": 6144, "num_experts_per_tok": 8,
-               "norm_topk_prob": True, "vocab_size": VOCAB, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+               "norm_topk_prob": True, "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
                "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
                **SHAPES[shape], **({"mtp_num_hidden_layers": 1} if mtp else {})}
     n_exp, inter, hid = cfg_raw["num_experts"], cfg_raw["moe_intermediate_size"], cfg_raw["hidden_size"]

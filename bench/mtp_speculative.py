@@ -47,13 +47,13 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def pass_costs(llm, device: str, reps: int = 30) -> dict:
+def pass_costs(llm, device: str, draft_vocab: int = 0, reps: int = 30) -> dict:
     import torch
     with torch.inference_mode():
-        return _pass_costs(llm, device, reps)
+        return _pass_costs(llm, device, draft_vocab, reps)
 
 
-def _pass_costs(llm, device: str, reps: int) -> dict:
+def _pass_costs(llm, device: str, draft_vocab: int, reps: int) -> dict:
     """Seconds of one plain decode step and of one MTP pass of one token plus its LM head."""
     import torch
 
@@ -63,9 +63,12 @@ def _pass_costs(llm, device: str, reps: int) -> dict:
     try:
         hidden = torch.zeros(1, runner.mcfg.hidden_size, dtype=runner.dtype, device=runner.device)
         out = {}
-        for name, step in (("decode_step_s", lambda i: runner.forward([SeqChunk(blocks, 8 + i, [11], state=slot)])),
-                           ("mtp_pass_s", lambda i: runner.model.logits(
-                               runner.mtp_forward([SeqChunk(blocks, 8 + i, [11])], hidden)))):
+        steps = [("decode_step_s", lambda i: runner.forward([SeqChunk(blocks, 8 + i, [11], state=slot)])),
+                 ("mtp_pass_s", lambda i: runner.model.logits(runner.mtp_forward([SeqChunk(blocks, 8 + i, [11])], hidden)))]
+        if draft_vocab:
+            steps.append(("mtp_pass_draft_vocab_s", lambda i: runner.model.logits(
+                runner.mtp_forward([SeqChunk(blocks, 8 + i, [11])], hidden), draft_vocab)))
+        for name, step in steps:
             for i in range(3):
                 step(i)
             sync(device)
@@ -91,7 +94,7 @@ def run(args) -> dict:
         gen = torch.Generator().manual_seed(0)
         folder = work / "model"
         nbytes = write_checkpoint(folder, args.layers, rnd=lambda s: (torch.randn(s, generator=gen) * 0.02).to(torch.bfloat16),
-                                  shape=args.shape, mtp=True)
+                                  shape=args.shape, mtp=True, vocab=args.vocab)
         llm = LLM(folder, device=args.device, dtype=args.dtype, speculative_tokens=max(args.ks),
                   speculative_method="mtp", graph_warmup=0)
         runner = llm.runner
@@ -105,11 +108,14 @@ def run(args) -> dict:
         prompt = [int(t) for t in torch.randint(10, 30000, (32,), generator=torch.Generator().manual_seed(0))]
         params = SamplingParams(max_new_tokens=args.tokens, temperature=0, ignore_eos=True)
         sides = [("plain", 0, None)] + [(f"K={k} A={a:g}", k, a) for k in args.ks for a in args.acceptance]
+        if args.draft_vocab:          # the same drafts' cost among the first N token ids only
+            sides += [(f"K={k} A={a:g} dv={args.draft_vocab}", k, a) for k in args.ks for a in args.acceptance]
         res = {name: {"tok_s": [], "passes": [], "drafted_per_pass": []} for name, _, _ in sides}
         for rnd in range(args.rounds + 1):                       # round 0 warms up (and captures graphs)
             for name, k, a in sides:
                 llm.config = dataclasses.replace(llm.config, speculative_tokens=k,
-                                                 speculative_method="mtp" if k else "ngram")
+                                                 speculative_method="mtp" if k else "ngram",
+                                                 speculative_draft_vocab=args.draft_vocab if "dv=" in name else 0)
                 coin.acceptance = a or 0.0
                 g = llm.generate(prompt, params)
                 if rnd:
@@ -117,7 +123,7 @@ def run(args) -> dict:
                     r["tok_s"].append(g.stats["decode_tokens_per_s"])
                     r["passes"].append(g.stats["decode_passes"])
                     r["drafted_per_pass"].append(g.stats["draft_tokens"] / max(1, g.stats["decode_passes"]))
-        costs = pass_costs(llm, args.device)
+        costs = pass_costs(llm, args.device, args.draft_vocab)
         base = statistics.median(res["plain"]["tok_s"])
         rows = []
         for name, k, a in sides:
@@ -129,7 +135,8 @@ def run(args) -> dict:
             print(f"{name:<12} {rows[-1]['tok_s']:>8.1f} tok/s {rows[-1]['vs_plain']:>6.2f}x "
                   f"passes {rows[-1]['passes']:>5.0f} drafted/pass {rows[-1]['drafted_per_pass']:>4.1f}", flush=True)
         print(f"one decode step {costs['decode_step_s'] * 1e3:.2f} ms, one MTP pass + LM head "
-              f"{costs['mtp_pass_s'] * 1e3:.2f} ms ({costs['mtp_pass_s'] / costs['decode_step_s']:.2f}x)")
+              f"{costs['mtp_pass_s'] * 1e3:.2f} ms ({costs['mtp_pass_s'] / costs['decode_step_s']:.2f}x)"
+              + (f", among {args.draft_vocab} ids {costs['mtp_pass_draft_vocab_s'] * 1e3:.2f} ms" if args.draft_vocab else ""))
         graphs = runner.graph_stats()
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -137,6 +144,7 @@ def run(args) -> dict:
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "command": " ".join(["python", "bench/mtp_speculative.py"] + sys.argv[1:]),
             "method": __doc__, "shape": args.shape, "layers": args.layers, "dtype": args.dtype, "routing": routing,
+            "vocab": args.vocab, "draft_vocab": args.draft_vocab,
             "checkpoint_bytes": nbytes, "pass_costs": costs, "graphs": graphs, "rows": rows}
 
 
@@ -166,6 +174,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--work", type=Path, default=None, help="where the checkpoint is written (default: a temp dir)")
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--vocab", type=int, default=32000, help="the checkpoint's vocabulary (Qwen3.6: 248320)")
+    ap.add_argument("--draft-vocab", type=int, default=0,
+                    help="also run each side drafting among the first N token ids (--speculative-draft-vocab)")
     ap.add_argument("--routing", default="router", choices=("router", "locality", "uniform"),
                     help="router: the random checkpoint's own routers (each token its own experts); locality: "
                          "the MoE bench's replayed routing fitted to the default model's (bench/routing_replay.py)")

@@ -66,6 +66,10 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                         "model's own multi-token-prediction layer, as Qwen3-Next and Qwen3.5/3.6 ship it: "
                         "drafts for any text, at one extra layer's pass per draft token; it pays on the CPU, "
                         "while on a GPU its passes are not captured in CUDA graphs yet and decode runs slower)")
+    p.add_argument("--speculative-draft-vocab", type=int, default=0, metavar="N",
+                   help="mtp: draft among the first N token ids only (BPE vocabularies list the most frequent "
+                        "first), reading N rows of the LM head per draft token instead of all of them; the "
+                        "output is unchanged (default 0: every id)")
     p.add_argument("--speculative-ngram", default="2,4", metavar="MIN,MAX", type=_parse_ngram,
                    help="the shortest and longest suffix a draft is matched on (default 2,4)")
     p.add_argument("--speculative-max-batch", type=int, default=1, metavar="N",
@@ -106,7 +110,7 @@ def _engine_kwargs(args) -> dict:
               split_tuning=args.split_tuning,
               cpu_rate_probe=args.cpu_rate_probe, speculative_tokens=args.speculative_tokens,
               speculative_ngram=args.speculative_ngram, speculative_max_batch=args.speculative_max_batch,
-              speculative_method=args.speculative_method)
+              speculative_method=args.speculative_method, speculative_draft_vocab=args.speculative_draft_vocab)
     return kw
 
 

@@ -188,6 +188,7 @@ class EngineConfig:
     speculative_ngram: tuple[int, int] = (2, 4)   # shortest and longest suffix a draft is matched on
     speculative_max_batch: int = 1           # drafts only in steps with at most this many decoding requests
     speculative_method: str = "ngram"        # ngram (prompt lookup) | mtp (the checkpoint's own MTP layer)
+    speculative_draft_vocab: int = 0         # mtp: drafts among the first N token ids only (0: every id)
     seed: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -232,6 +233,9 @@ class EngineConfig:
                               f"got {self.speculative_method!r}")
         if self.speculative_method == "mtp" and not self.speculative_tokens:
             raise ConfigError("--speculative-method mtp drafts nothing without --speculative-tokens K (1..16)")
+        if self.speculative_draft_vocab < 0:
+            raise ConfigError(f"--speculative-draft-vocab must be 0 (every token id) or more, "
+                              f"got {self.speculative_draft_vocab}")
         if self.speculative_max_batch < 1:
             raise ConfigError(f"--speculative-max-batch must be at least 1, got {self.speculative_max_batch}")
         for name in ("kv_block_size", "max_batch", "max_queue"):

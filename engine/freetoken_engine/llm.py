@@ -185,6 +185,7 @@ class _Drafts:
         on = cfg.speculative_tokens > 0
         self.prompt_ids = prompt_ids
         self.mtp = MtpSequence(cfg.speculative_tokens) if on and cfg.speculative_method == "mtp" else None
+        self.draft_vocab = cfg.speculative_draft_vocab
         self.seq = (SequenceDrafts(NgramDrafter(cfg.speculative_tokens, *cfg.speculative_ngram), prompt_ids)
                     if on and self.mtp is None else None)
         self.scratch = self.states.take_scratch(cfg.speculative_tokens) if on and self.states is not None else []
@@ -213,7 +214,7 @@ class _Drafts:
                 self._pass = None
             catch_up(self.runner, [(self.mtp, blocks, self.prompt_ids, out)])
             self.runner.kv.extend(blocks, pos + limit)       # the guesses' KV
-            draft = self.mtp.propose(self.runner, blocks, pos, limit)
+            draft = self.mtp.propose(self.runner, blocks, pos, limit, self.draft_vocab)
         elif self.seq is not None:
             draft = self.seq.propose(out, limit)
         else:

@@ -69,8 +69,8 @@ def spy_drafts(monkeypatch) -> list[tuple[int, list[int]]]:
     seen = []
     real = mtp_module.MtpSequence.propose
 
-    def propose(self, runner, blocks, computed, limit):
-        draft = real(self, runner, blocks, computed, limit)
+    def propose(self, runner, blocks, computed, limit, *rest):
+        draft = real(self, runner, blocks, computed, limit, *rest)
         if draft:
             seen.append((computed, draft))
         return draft
@@ -115,7 +115,8 @@ async def test_mtp_drafts_through_the_scheduler_batched_preempted_and_after_a_pr
     run again): each gets the plain tokens."""
     from freetoken_engine.scheduler import drafts
     together, real = [], drafts.propose_all
-    monkeypatch.setattr(drafts, "propose_all", lambda runner, items: together.append(len(items)) or real(runner, items))
+    monkeypatch.setattr(drafts, "propose_all",
+                        lambda runner, items, *rest: together.append(len(items)) or real(runner, items, *rest))
     cfg = EngineConfig(model=mtp_model, speculative_tokens=3, speculative_method="mtp", speculative_max_batch=8, **kw)
     svc = EngineService.start(cfg, wait=True)
     try:
@@ -271,3 +272,15 @@ def test_mtp_drafts_under_a_grammar_give_the_constrained_output(mtp_model):
         want, got = plain_llm.generate(p, sp), drafting.generate(p, sp)
         assert (got.token_ids, got.finish_reason) == (want.token_ids, want.finish_reason)
         assert got.stats["draft_tokens"] > 0
+
+
+def test_drafts_among_the_first_token_ids_only(mtp_model, plain, monkeypatch):
+    """``--speculative-draft-vocab N``: every MTP draft token is below N (the LM head's first N
+    rows are read), the output is the plain decode's."""
+    seen = spy_drafts(monkeypatch)
+    llm = LLM(mtp_model, speculative_tokens=3, speculative_method="mtp", speculative_draft_vocab=100)
+    for prompt in PROMPTS[:2]:
+        assert llm.generate(prompt, GREEDY).token_ids == plain[(tuple(prompt), 0)].token_ids
+    assert seen and all(t < 100 for _, d in seen for t in d)
+    with pytest.raises(ConfigError, match="--speculative-draft-vocab"):
+        EngineConfig(model=mtp_model, speculative_tokens=3, speculative_method="mtp", speculative_draft_vocab=-1)

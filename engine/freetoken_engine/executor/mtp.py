@@ -56,11 +56,11 @@ class MtpSequence:
     def update(self, drafted: int, kept: int) -> None:
         self.length.update(drafted, kept)
 
-    def propose(self, runner, blocks: list[int], computed: int, limit: int) -> list[int]:
+    def propose(self, runner, blocks: list[int], computed: int, limit: int, vocab: int = 0) -> list[int]:
         """A draft of at most ``limit`` tokens after the token at position ``computed`` (sampled,
         not yet run), once the MTP layer has run every row before it; ``blocks`` must cover
         ``computed + limit - 1`` positions (the guesses' KV). [] when not caught up."""
-        return propose_all(runner, [(self, blocks, computed, limit)])[0]
+        return propose_all(runner, [(self, blocks, computed, limit)], vocab)[0]
 
     def wanted(self, computed: int, limit: int) -> int:
         """How long a draft this sequence makes now (``DraftLength``; 0: none, or not caught up)."""
@@ -70,10 +70,13 @@ class MtpSequence:
 
 
 @torch.inference_mode()
-def propose_all(runner, items: list[tuple[MtpSequence, list[int], int, int]]) -> list[list[int]]:
+def propose_all(runner, items: list[tuple[MtpSequence, list[int], int, int]], vocab: int = 0) -> list[list[int]]:
     """``MtpSequence.propose`` for several sequences ``(sequence, KV blocks, computed, limit)`` at
     once: the LM head over their heads together, then each further draft token of all those
-    still drafting in one pass of the MTP layer."""
+    still drafting in one pass of the MTP layer. ``vocab``: draft among the first ``vocab`` token
+    ids only (``--speculative-draft-vocab``; 0: all), a slice of the LM head's rows: BPE vocabularies
+    number their tokens in merge order, most frequent first, and the LM head over a 150-250k
+    vocabulary is most of an MTP pass's bytes."""
     model = runner.model
     want = [s.wanted(computed, limit) for s, _, computed, limit in items]
     drafts: list[list[int]] = [[] for _ in items]
@@ -84,7 +87,7 @@ def propose_all(runner, items: list[tuple[MtpSequence, list[int], int, int]]) ->
     for j in range(max(want)):
         if j:
             h = runner.mtp_forward([SeqChunk(items[i][1], items[i][2] + j - 1, [drafts[i][-1]]) for i in live], h)
-        for i, tok in zip(live, model.logits(h).argmax(-1).tolist()):
+        for i, tok in zip(live, model.logits(h, vocab).argmax(-1).tolist()):
             drafts[i].append(tok)
         keep = [r for r, i in enumerate(live) if want[i] > j + 1]
         if len(keep) < len(live):

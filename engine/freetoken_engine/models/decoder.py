@@ -14,6 +14,7 @@ from ..config import ModelConfig
 from ..layers.attention import Attention
 from ..layers.batch import AttnBatch
 from ..layers.deltanet import GatedDeltaNet
+from ..layers.linear import linear
 from ..layers.mlp import GatedMLP
 from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm
@@ -115,9 +116,10 @@ class DecoderLM(nn.Module):
             h = self.model.norm(h)
         return self.logits(h)                                             # [B, V]
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """float32 logits of final hidden states (after their norm)."""
-        logits = self.lm_head(h)
+    def logits(self, h: torch.Tensor, vocab: int = 0) -> torch.Tensor:
+        """float32 logits of final hidden states (after their norm); ``vocab``: of the first
+        ``vocab`` token ids only (0: all)."""
+        logits = self.lm_head(h) if not 0 < vocab < self.cfg.vocab_size else linear(h, self.lm_head.weight[:vocab])
         return logits if logits.dtype == torch.float32 else logits.float()
 
     def mtp_forward(self, ids: torch.Tensor, hidden: torch.Tensor, batch: AttnBatch, kv,

@@ -77,7 +77,8 @@ class Drafts:
             if grow > 0:
                 req.blocks += self.kv.allocate(grow)
             items.append((req.drafting, req.blocks, req.computed, room))
-        self._mtp_ready = {id(s): d for (s, *_), d in zip(items, propose_all(self.runner, items))}
+        drafts = propose_all(self.runner, items, self.runner.cfg.speculative_draft_vocab)
+        self._mtp_ready = {id(s): d for (s, *_), d in zip(items, drafts)}
 
     def _draft(self, req: Request) -> int:
         """Give ``req`` (decoding, its next KV block already held) a draft for this step; its length."""

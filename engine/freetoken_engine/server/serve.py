@@ -32,7 +32,8 @@ _ENGINE_OPTIONS = {"device": "device", "dtype": "dtype",
                    "decode_pause_ms": "decode_pause_ms", "state_checkpoints": "state_checkpoints",
                    "cpu_rate_probe": "cpu_rate_probe", "speculative_tokens": "speculative_tokens",
                    "speculative_ngram": "speculative_ngram", "speculative_max_batch": "speculative_max_batch",
-                   "speculative_method": "speculative_method"}
+                   "speculative_method": "speculative_method",
+                   "speculative_draft_vocab": "speculative_draft_vocab"}
 
 
 def server_config(args) -> ServerConfig:
