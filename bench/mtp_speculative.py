@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from hardware import describe  # noqa: E402
 from report import save  # noqa: E402
-from speculative_offload import Coin, verification_tables  # noqa: E402
+from speculative_offload import Coin, record_run, verification_tables  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -119,10 +119,7 @@ def run(args) -> dict:
                 coin.acceptance = a or 0.0
                 g = llm.generate(prompt, params)
                 if rnd:
-                    r = res[name]
-                    r["tok_s"].append(g.stats["decode_tokens_per_s"])
-                    r["passes"].append(g.stats["decode_passes"])
-                    r["drafted_per_pass"].append(g.stats["draft_tokens"] / max(1, g.stats["decode_passes"]))
+                    record_run(res[name], g.stats)
         costs = pass_costs(llm, args.device, args.draft_vocab)
         base = statistics.median(res["plain"]["tok_s"])
         rows = []

@@ -51,6 +51,13 @@ def verification_tables(model, ks: list[int]) -> None:
         break                       # the tables dict is shared by every layer's router
 
 
+def record_run(r: dict, stats: dict) -> None:
+    """One generation's figures into a side's lists: tok/s, passes, draft tokens a pass."""
+    r["tok_s"].append(stats["decode_tokens_per_s"])
+    r["passes"].append(stats["decode_passes"])
+    r["drafted_per_pass"].append(stats["draft_tokens"] / max(1, stats["decode_passes"]))
+
+
 class Coin:
     """Drafts of K placeholder tokens, each kept with probability ``acceptance``."""
 
@@ -111,9 +118,7 @@ def run(args) -> dict:
                     gen = llm.generate(prompt, params)
                     if rnd:
                         r = res[name]
-                        r["tok_s"].append(gen.stats["decode_tokens_per_s"])
-                        r["passes"].append(gen.stats["decode_passes"])
-                        r["drafted_per_pass"].append(gen.stats["draft_tokens"] / max(1, gen.stats["decode_passes"]))
+                        record_run(r, gen.stats)
                         r["misses_per_pass"].append((runner.expert_stats()["misses"] - before) / max(1, gen.stats["decode_passes"]))
             base = statistics.median(res["plain/graphs"]["tok_s"])
             for name, k, a in sides:

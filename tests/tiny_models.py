@@ -150,7 +150,6 @@ def mtp_reference(path):
     cfg = T.AutoConfig.from_pretrained(path)
     cfg._attn_implementation = "eager"
     full = cfg.layer_types.index("full_attention")
-    torch.manual_seed(0)
     parts = dict(fc=torch.nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False),
                  pre_fc_norm_embedding=Q.Qwen3NextRMSNorm(cfg.hidden_size, cfg.rms_norm_eps),
                  pre_fc_norm_hidden=Q.Qwen3NextRMSNorm(cfg.hidden_size, cfg.rms_norm_eps),

@@ -18,6 +18,7 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from . import env  # noqa: E402
+from .config import SPECULATIVE_METHODS  # noqa: E402
 from .errors import ConfigError, EngineError  # noqa: E402
 
 
@@ -61,7 +62,7 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="speculative decoding: each decode step also checks up to K tokens drafted from an "
                         "earlier occurrence of the context's last words (prompt lookup; 0, the default: off). "
                         "The output is unchanged; code edits and quoted text then take fewer passes")
-    p.add_argument("--speculative-method", default="ngram", choices=["ngram", "mtp"],
+    p.add_argument("--speculative-method", default="ngram", choices=SPECULATIVE_METHODS,
                    help="where drafts come from: ngram (prompt lookup, any model; the default) or mtp (the "
                         "model's own multi-token-prediction layer, as Qwen3-Next and Qwen3.5/3.6 ship it: "
                         "drafts for any text, at one extra layer's pass per draft token; it pays on the CPU, "

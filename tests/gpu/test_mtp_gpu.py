@@ -5,7 +5,6 @@ the tokens equal the plain engine's on the same GPU, alone and batched through t
 with a head fitted to the model's text so that drafts are kept and cut."""
 from __future__ import annotations
 
-import asyncio
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ from freetoken_engine import LLM, SamplingParams  # noqa: E402
 from freetoken_engine.config import EngineConfig  # noqa: E402
 from freetoken_engine.scheduler.service import EngineService  # noqa: E402
 from test_mtp import PROMPTS, SAMPLED, fitted_mtp_model  # noqa: E402
+from test_speculative_gpu import tokens_of_all  # noqa: E402
 
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
 GPU = dict(device="cuda", dtype="float32", expert_cache_experts=12, cpu_expert_fraction=0.5)
@@ -53,16 +53,7 @@ def test_batched_mtp_drafts_on_the_gpu_equal_plain(fitted):
                            max_batch=8, **GPU)
         svc = EngineService.start(cfg, wait=True)
         try:
-            async def one(i, p):
-                out = []
-                async for ev in svc.submit(p, SAMPLED if i % 2 else GREEDY):
-                    if ev.token_id is not None:
-                        out.append(ev.token_id)
-                return out
-
-            async def all_of():
-                return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS * 2)))
-            runs[method] = asyncio.run(all_of())
+            runs[method] = tokens_of_all(svc, PROMPTS * 2, lambda i: SAMPLED if i % 2 else GREEDY)
             svc.scheduler.check_integrity()
             if k:
                 assert svc.stats()["draft_tokens_kept"] > 0

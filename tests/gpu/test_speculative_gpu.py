@@ -27,6 +27,17 @@ GREEDY = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
 GPU = dict(device="cuda", dtype="float32", expert_cache_experts=6, cpu_expert_fraction=0.5)
 
 
+def tokens_of_all(svc: EngineService, ids: list[list[int]], params_of) -> list[list[int]]:
+    """Each prompt's generated tokens, the prompts submitted to ``svc`` all at once
+    (``params_of(i)``: the i-th one's sampling), from a sync test as every GPU test is."""
+    async def one(i, p):
+        return [ev.token_id async for ev in svc.submit(p, params_of(i)) if ev.token_id is not None]
+
+    async def all_of():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(ids)))
+    return asyncio.run(all_of())
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])
 def test_drafted_decode_on_the_gpu_equals_plain(tiny_checkpoint, model_type, monkeypatch):
     folder = tiny_checkpoint(model_type)
@@ -54,15 +65,7 @@ def test_batched_drafts_on_the_gpu_equal_plain(tiny_checkpoint, model_type, monk
         svc = EngineService.start(EngineConfig(model=folder, speculative_tokens=k, speculative_max_batch=6, max_batch=6,
                                                **GPU), wait=True)
         try:
-            async def one(i, p):
-                out = []
-                async for ev in svc.submit(p, SAMPLED if i % 2 else GREEDY):
-                    if ev.token_id is not None:
-                        out.append(ev.token_id)
-                return out
-            async def all_of():
-                return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts(6))))
-            runs[k] = asyncio.run(all_of())
+            runs[k] = tokens_of_all(svc, prompts(6), lambda i: SAMPLED if i % 2 else GREEDY)
             svc.scheduler.check_integrity()
             if k:
                 assert svc.stats()["draft_tokens_kept"] > 0

@@ -33,14 +33,15 @@ class Drafts:
         self.draft_decoders = most_decoders
         self.counters.update(draft_tokens=0, draft_tokens_kept=0, draft_steps=0)
 
-    def _record(self, req: Request, start: int, hidden: torch.Tensor | None) -> None:
-        """MTP drafts: the rows ``req`` ran from ``start`` in the last pass (``hidden``: that
-        pass's final hidden states, ``req``'s rows first) wait for the MTP layer."""
+    def _record(self, req: Request, start: int, hidden: torch.Tensor | None, row: int) -> None:
+        """MTP drafts: the rows ``req`` ran from position ``start`` in the last pass and kept
+        (``hidden``: that pass's final hidden states, ``req``'s from ``row``) wait for the MTP
+        layer."""
         if not self.mtp or req.finished or req not in self.running:
             return
         if req.drafting is None:
             req.drafting = MtpSequence(self.drafter.tokens)
-        req.drafting.record(start, hidden[:req.computed - start])
+        req.drafting.record(start, hidden[row:row + req.computed - start])
 
     def _catch_up(self) -> None:
         """MTP drafts: one pass of the MTP layer over every running request's recorded rows."""

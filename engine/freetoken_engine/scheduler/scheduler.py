@@ -295,7 +295,7 @@ class Scheduler(Admission, Drafts):
             req.computed += n - len(req.draft)
             self._share_prompt(req)
             if req.pending:
-                self._record(req, start, hidden[ran[i]:ran[i + 1]] if self.mtp else None)
+                self._record(req, start, hidden, ran[i])
                 continue                      # prefill continues next step
             raw = logits[first[i]:first[i + 1]]
             rows = masked[first[i]][None] if first[i] in masked else raw
@@ -307,8 +307,7 @@ class Scheduler(Admission, Drafts):
             except (NonFiniteLogits, InvalidRequest) as exc:   # this request's output is lost, the others go on
                 log.warning("request %d: %s", req.id, exc)
                 self._finish(req, "abort", error=exc)
-            if self.mtp:
-                self._record(req, start, hidden[ran[i]:ran[i + 1]])
+            self._record(req, start, hidden, ran[i])
 
     def _deliver(self, req: Request, tok: int, raw: torch.Tensor) -> bool:
         """``req`` sampled ``tok`` from the logits ``raw [V]``: record and stream it, or retire the
