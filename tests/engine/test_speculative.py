@@ -255,6 +255,50 @@ def test_a_verification_as_decode_rows_equals_its_chunk(tiny_checkpoint, monkeyp
     assert as_decode_rows([SeqChunk(blocks[0], 3, [1, 2], rows=2, state=0)])[0].tokens == [1, 2]   # recurrent: kept whole
 
 
+def test_a_hybrid_verification_as_chained_rows_equals_its_chunk(tiny_checkpoint):
+    """A hybrid model's verification as decode rows: each row of a sequence continues the
+    recurrent state the row before it left and writes its own into the draft's snapshot slot
+    (the last into the sequence's slot). Beside a lone decode row of a third sequence, the logits
+    and every state slot equal the chunk's; the rows really were chained (the runner converts)."""
+    import torch
+
+    from freetoken_engine.executor.inputs import SeqChunk, as_decode_rows, build_inputs
+    llm = LLM(tiny_checkpoint("qwen3_next"), speculative_tokens=3)
+    runner, kv, states = llm.runner, llm.runner.kv, llm.runner.states
+    assert runner.chained_rows
+    p = prompts(3)
+    blocks = [kv.allocate(kv.blocks_for(len(q) + 4)) for q in p]
+    slots = [states.take() for _ in p]
+    with torch.inference_mode():
+        runner.model(*(lambda i: (i.ids, i.batch, kv, i.logits_at))(build_inputs(
+            [SeqChunk(b, 0, q[:-1], state=s) for b, q, s in zip(blocks, p, slots)], kv.block_size, runner.device)))
+    scratch = [states.take_scratch(3) for _ in range(2)]
+    verify = [SeqChunk(b, len(q) - 1, [q[-1], 7, 8, 9], state=s, rows=4,
+                       snapshots=tuple((len(q) + j, x) for j, x in enumerate(sc)))
+              for b, q, s, sc in zip(blocks, p, slots, scratch)]
+    verify.append(SeqChunk(blocks[2], len(p[2]) - 1, [p[2][-1]], state=slots[2]))
+    rows = as_decode_rows(verify, chained=True)
+    assert [(c.chain, c.state_out) for c in rows[:4]] == [(False, scratch[0][0]), (True, scratch[0][1]),
+                                                        (True, scratch[0][2]), (True, slots[0])]
+    assert len(rows) == 9 and not rows[8].chain and rows[8].state_out == -1
+    assert as_decode_rows(verify)[0] is verify[0]            # not chained unless the model runs chains
+    saved = states.conv.clone(), states.ssm.clone()
+
+    @torch.inference_mode()
+    def run(chunks):
+        states.conv.copy_(saved[0])
+        states.ssm.copy_(saved[1])
+        inp = build_inputs(chunks, kv.block_size, runner.device)
+        return runner.model(inp.ids, inp.batch, kv, inp.logits_at), states.conv.clone(), states.ssm.clone()
+    (chunked, conv_c, ssm_c), (chained, conv_r, ssm_r) = run(verify), run(rows)
+    assert chunked.shape == chained.shape == (9, runner.mcfg.vocab_size)
+    assert torch.allclose(chunked, chained, atol=1e-5, rtol=1e-5)
+    used = slots + scratch[0] + scratch[1]
+    assert torch.allclose(conv_c[:, used], conv_r[:, used], atol=1e-5, rtol=1e-5)   # the projections' rounding
+    assert torch.allclose(ssm_c[:, used], ssm_r[:, used], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ssm_r[:, scratch[0][0]], ssm_r[:, scratch[0][2]])   # the snapshots differ
+
+
 async def test_drafts_under_a_grammar_give_the_constrained_output(tiny_checkpoint, monkeypatch):
     """A request held to a JSON Schema drafts too: each row's mask follows the tokens kept before
     it, so the constrained output (and its finish) is the plain engine's, drafts right or wrong."""

@@ -70,6 +70,49 @@ def test_decode_step_matches_the_torch_path(lin, dtype):
     assert torch.equal(pool.ssm[:, untouched], ssm0[:, untouched])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_chained_rows_run_each_draft_token_from_the_state_before_it(dtype):
+    """A draft's verification as decode rows: rows 0-2 are three tokens of the sequence in slot 4
+    (their states go to the snapshot slots 1 and 3, the last back to 4), row 3 a lone sequence in
+    slot 2. Each chained row must equal the unchained kernels (tested above against the torch
+    path) run a token at a time from the state the token before left, and every slot must hold
+    the state after its row; a kernel that ran the rows side by side from slot 4 would not."""
+    lin = LinearAttnConfig(k_heads=2, v_heads=4, k_dim=8, v_dim=16, conv=4)
+    layer, pool = layer_and_pool(lin, dtype)
+    x = torch.randn(4, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
+    src = torch.tensor([4, 4, 4, 2], device=DEVICE)
+    dst = torch.tensor([1, 3, 4, 2], device=DEVICE)
+    cont = torch.tensor([0, 1, 1, 0], device=DEVICE)
+    proj = linear(x, layer.proj, None)                 # one projection for both sides
+    c = layer.sizes[0]
+
+    def recurrent(y, rows, slots, chain=None):
+        return td.recurrent_step(y, proj[rows, c:], pool.ssm[0], slots, layer.neg_a, layer.dt_bias,
+                                 layer.norm.weight, lin.k_heads, layer.eps, chain=chain)
+    conv0, ssm0 = pool.conv.clone(), pool.ssm.clone()
+    # the reference: a row at a time in a work slot (5), its state copied out after each
+    work, wants = torch.tensor([5], device=DEVICE), []
+    for r, (s, d, cn) in enumerate(zip(src.tolist(), dst.tolist(), cont.tolist())):
+        if not cn:
+            pool.conv[:, 5], pool.ssm[:, 5] = pool.conv[:, s], pool.ssm[:, s]
+        y = td.conv_step(proj[r:r + 1, :c], pool.conv[0], work, layer.conv_w)
+        wants.append(recurrent(y, slice(r, r + 1), work))
+        pool.conv[:, d], pool.ssm[:, d] = pool.conv[:, 5], pool.ssm[:, 5]
+    want = torch.cat(wants)
+    want_conv, want_ssm = pool.conv[:, :5].clone(), pool.ssm[:, :5].clone()
+    pool.conv.copy_(conv0)
+    pool.ssm.copy_(ssm0)
+    y = td.conv_step(proj[:, :c], pool.conv[0], src, layer.conv_w, chain=(dst, cont))
+    got = recurrent(y, slice(None), src, chain=(dst, cont))
+    rel = 1e-5 if dtype == torch.float32 else 2.0 ** -7
+    assert (got.float() - want.float()).abs().max() <= rel * want.float().abs().max()
+    assert torch.equal(pool.conv[:, :5], want_conv)
+    assert (pool.ssm[:, :5] - want_ssm).abs().max() <= 1e-5 * want_ssm.abs().max()
+    assert torch.equal(pool.ssm[:, 0], ssm0[:, 0])             # a slot no row names is left alone
+    side_by_side = (want_ssm[:, 3] - want_ssm[:, 1]).abs().max()
+    assert side_by_side > 1e-3 * want_ssm.abs().max()          # the snapshots differ: the test can tell
+
+
 def test_the_layer_takes_the_kernels_only_for_a_plain_decode_step():
     lin = LinearAttnConfig(k_heads=2, v_heads=4, k_dim=8, v_dim=16, conv=4)
     layer, _ = layer_and_pool(lin, torch.float32)

@@ -1,6 +1,7 @@
-"""Speculative decoding on a real GPU (``pytest -m gpu tests/gpu``): a drafted step runs eagerly
-(the verification pass has k + 1 tokens per sequence) beside plain steps replayed from CUDA
-graphs, through the expert cache and the q* split; in float32 the tokens equal the plain
+"""Speculative decoding on a real GPU (``pytest -m gpu tests/gpu``): a drafted step's
+verification replays the decode graph of its k + 1 tokens as one-token rows (on the hybrid,
+rows chained through the recurrent state: ``kernels/triton/deltanet.py``), beside plain steps
+replayed from CUDA graphs, through the expert cache and the q* split; in float32 the tokens equal the plain
 engine's on the same GPU (the tolerance of tests/gpu/test_engine_gpu.py: greedy tokens
 identical), for an attention MoE and a hybrid one (its recurrent state restored on the device
 after a cut-short draft), alone and batched through the scheduler."""
@@ -51,12 +52,14 @@ def test_drafted_decode_on_the_gpu_equals_plain(tiny_checkpoint, model_type, mon
         assert got.token_ids == want[tuple(p)]
         assert 0 < got.stats["draft_tokens_kept"] < got.stats["draft_tokens"]
         assert got.stats["fills"] > 0 and got.stats["cpu_computed"] > 0      # offload and the split ran
+    assert spec.runner.chained_rows == (model_type == "qwen3_next")
+    assert any(b > 1 for b, _ in spec.runner.graphs._graphs)   # one request: verifications replayed row graphs
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])
 def test_batched_drafts_on_the_gpu_equal_plain(tiny_checkpoint, model_type, monkeypatch):
-    """Batched: on qwen3_moe each drafted step replays a decode graph of one-token rows
-    (``as_decode_rows``); on the hybrid it runs eagerly beside the graphs of plain steps."""
+    """Batched: each drafted step replays a decode graph of one-token rows (``as_decode_rows``),
+    chained on the hybrid, beside other requests' plain rows and sampled ones."""
     folder = tiny_checkpoint(model_type)
     runs = {}
     for k in (0, 4):

@@ -83,8 +83,11 @@ class DecodeGraphs:
     KEEP_STEPS = 64
 
     def __init__(self, model, kv, experts, device: torch.device, dtype: torch.dtype, max_context: int,
-                 max_batch: int, limit_bytes: int = 0):
+                 max_batch: int, limit_bytes: int = 0, chained: bool = False):
         self.model, self.kv, self.experts, self.device = model, kv, experts, device
+        # a hybrid model whose graphs also take a draft's verification as chained rows: each
+        # row's state slot written and its continuation flag are inputs too (decode_arrays)
+        self.chained = chained
         self.max_context, self.max_batch = max_context, max_batch
         self.limit_bytes = limit_bytes             # 0: no limit
         self.enabled = True
@@ -142,7 +145,7 @@ class DecodeGraphs:
         g = self._graphs[key]
         self.clock += 1
         g.used = self.clock
-        arrays = decode_arrays(chunks, self.kv.block_size, key[1])
+        arrays = decode_arrays(chunks, self.kv.block_size, key[1], self._chained(chunks))
         with torch.cuda.device(self.device):        # the engine's device, whichever is current
             g.copied.synchronize()
             g.staging.numpy()[:] = arrays
@@ -204,12 +207,14 @@ class DecodeGraphs:
                 return                     # a per-layer sync: this step stays eager
         if not self._room(evict):
             return
-        arrays = decode_arrays(chunks, self.kv.block_size, width)
+        chained = self._chained(chunks)
+        arrays = decode_arrays(chunks, self.kv.block_size, width, chained)
         staging = torch.from_numpy(arrays).pin_memory()
         inputs = staging.to(self.device)
         ids, positions, slots, ends = inputs[:4 * b].view(4, b)
         kv_index = inputs[4 * b:4 * b + b * width].view(b, width)
-        states = inputs[4 * b + b * width:] if chunks[0].state >= 0 else None
+        states = inputs[4 * b + b * width:4 * b + b * width + b] if chunks[0].state >= 0 else None
+        chain = tuple(inputs[4 * b + b * width + b:].view(2, b)) if chained else None
         rows = torch.arange(b, device=self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -233,7 +238,7 @@ class DecodeGraphs:
                 batch = AttnBatch(positions=positions, slot_mapping=slots, q_seq=rows,
                                   q_idx=torch.zeros_like(rows), kv_index=kv_index, kv_valid=kv_valid,
                                   q_max=1, needs_mask=True, max_position=self.max_context - 1, kv_len=ends,
-                                  state_index=states)
+                                  state_index=states, state_chain=chain)
                 out.copy_(self.model(ids, batch, self.kv, rows))
                 if hidden is not None:
                     hidden.copy_(self.model.last_hidden)
@@ -249,6 +254,10 @@ class DecodeGraphs:
         self._graphs[key] = _Graph(graph, staging, inputs, rows, out, mode, torch.cuda.Event(), taken, used=self.clock,
                                    hidden=hidden)
         self.held_bytes += taken
+
+    def _chained(self, chunks: list[SeqChunk]) -> bool:
+        """The step's graph takes chained rows (a hybrid model's, when ``chained``)."""
+        return self.chained and chunks[0].state >= 0
 
     def _free(self) -> int:
         """The device's free memory once its queued work is done (``cudaMemGetInfo``)."""

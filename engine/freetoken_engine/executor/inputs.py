@@ -29,6 +29,10 @@ class SeqChunk:
                               # the tokens before ``position`` (in (start, start + len(tokens)])
     rows: int = 1             # logits wanted for the last ``rows`` new tokens (a speculative draft's
                               # verification: the last accepted token and each draft token)
+    chain: bool = False       # a decode row that continues the previous row's sequence (a hybrid
+                              # draft's verification as decode rows): its recurrent state is the one
+                              # that row left, not ``state``'s
+    state_out: int = -1       # the slot the recurrent state after this row goes to (-1: ``state``)
 
 
 @dataclass
@@ -49,17 +53,27 @@ def _kv_index(chunks: list[SeqChunk], ends: np.ndarray, block_size: int, width: 
     return kv_index
 
 
-def decode_arrays(chunks: list[SeqChunk], block_size: int, width: int) -> np.ndarray:
+def state_chain(chunks: list[SeqChunk]) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's recurrent-state slot written (``state_out``, else ``state``) and whether it
+    continues the previous row's chain (1) or starts from ``state`` (0): ``kernels/triton/deltanet``'s
+    ``chain``."""
+    dst = np.array([c.state_out if c.state_out >= 0 else c.state for c in chunks], dtype=np.int64)
+    return dst, np.array([int(c.chain) for c in chunks], dtype=np.int64)
+
+
+def decode_arrays(chunks: list[SeqChunk], block_size: int, width: int, chained: bool = False) -> np.ndarray:
     """One decode step (one new token per sequence) packed for a captured graph: int64
     ``[4 * B + B * width + B]`` = token ids, positions, KV slots written, keys per sequence after
     the step, the ``[B, width]`` KV index (``width`` >= every sequence's keys; 0-padded), then
-    each sequence's recurrent-state slot (hybrid models; -1 otherwise)."""
+    each sequence's recurrent-state slot (hybrid models; -1 otherwise). ``chained``: then also
+    ``state_chain``'s two ``[B]`` arrays (a graph that takes a hybrid draft's verification rows)."""
     ends = np.array([c.start + 1 for c in chunks], dtype=np.int64)
     kv_index = _kv_index(chunks, ends, block_size, width)
     rows = np.arange(len(chunks))
     head = np.stack([np.array([c.tokens[0] for c in chunks], dtype=np.int64), ends - 1,
                      kv_index[rows, ends - 1], ends])
-    return np.concatenate([head.reshape(-1), kv_index.reshape(-1), np.array([c.state for c in chunks], dtype=np.int64)])
+    parts = [head.reshape(-1), kv_index.reshape(-1), np.array([c.state for c in chunks], dtype=np.int64)]
+    return np.concatenate(parts + (list(state_chain(chunks)) if chained else []))
 
 
 def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) -> ForwardInputs:
@@ -76,6 +90,7 @@ def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) 
     positions = starts[q_seq] + q_idx
     slots = kv_index[q_seq, positions]
     ids = np.fromiter((t for c in chunks for t in c.tokens), dtype=np.int64, count=len(q_seq))
+    chain = state_chain(chunks) if any(c.chain or c.state_out >= 0 for c in chunks) else None
 
     def dev(a: np.ndarray) -> torch.Tensor:
         t = torch.from_numpy(np.ascontiguousarray(a))
@@ -89,6 +104,8 @@ def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) 
                       state_slots=tuple(c.state for c in chunks),
                       state_index=dev(np.array([c.state for c in chunks], dtype=np.int64))
                       if chunks[0].state >= 0 else None,
+                      state_chain=tuple(dev(a) for a in chain) if chain is not None else None,
+                      chain_host=tuple(zip(map(bool, chain[1].tolist()), chain[0].tolist())) if chain is not None else None,
                       snapshots=tuple(tuple((p - c.start, s) for p, s in c.snapshots) for c in chunks)
                       if any(c.snapshots for c in chunks) else None,
                       kv_len=dev(ends) if q_max == 1 else None,   # the fused decode attention (CPU, GPU)
@@ -96,19 +113,32 @@ def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) 
     return ForwardInputs(ids=dev(ids), batch=batch, logits_at=dev(logits_rows(chunks, counts)))
 
 
-def as_decode_rows(chunks: list[SeqChunk]) -> list[SeqChunk]:
+def as_decode_rows(chunks: list[SeqChunk], chained: bool = False) -> list[SeqChunk]:
     """A draft's verification chunk (``rows`` equal to its tokens) as that many one-token chunks
     of the same sequence at consecutive positions: a decode step whose rows share a block table
     (one list object: ``build_inputs`` then sets ``AttnBatch.write_first``, and the decode
     attention writes every row's K/V before any row attends), so the pass takes the fused decode
-    attention and, on a GPU, replays a captured decode graph. A chunk with a recurrent-state slot
-    stays whole: a Gated DeltaNet's tokens are sequential."""
+    attention and, on a GPU, replays a captured decode graph.
+
+    A chunk with a recurrent-state slot (a hybrid model) is converted only when ``chained`` (the
+    model's Gated DeltaNet layers run chained rows: ``GatedDeltaNet.chains``) and its snapshots are
+    exactly the draft's (one after each token but the last): row j then continues row j - 1's
+    state (``chain``) and leaves its own in the snapshot slot j (the last row in the sequence's
+    slot), which is what the chunk would have written. Otherwise it stays whole."""
     if all(c.rows == 1 for c in chunks):
         return chunks
     out = []
     for c in chunks:
-        if c.rows > 1 and c.rows == len(c.tokens) and c.state < 0 and not c.snapshots:
+        n = len(c.tokens)
+        if c.rows <= 1 or c.rows != n:
+            out.append(c)
+        elif c.state < 0 and not c.snapshots:
             out += [SeqChunk(c.block_table, c.start + j, [t]) for j, t in enumerate(c.tokens)]
+        elif (chained and c.state >= 0 and c.start > 0
+              and [p for p, _ in c.snapshots] == list(range(c.start + 1, c.start + n))):
+            dst = [s for _, s in c.snapshots] + [c.state]
+            out += [SeqChunk(c.block_table, c.start + j, [t], state=c.state, chain=j > 0, state_out=dst[j])
+                    for j, t in enumerate(c.tokens)]
         else:
             out.append(c)
     return out

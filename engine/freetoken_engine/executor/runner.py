@@ -116,6 +116,9 @@ class ModelRunner(GraphWarmup):
         self.kv = KVPool(m.kv_layers, kv_blocks, cfg.kv_block_size,
                          m.num_kv_heads, m.head_dim, self.dtype, self.device)
         self.states = self._make_states()
+        # a hybrid draft's verification as chained decode rows (executor/inputs.as_decode_rows)
+        self.chained_rows = self.states is not None and all(
+            layer.chains(self.device, self.dtype) for layer in self.model.deltanets())
         self._make_graphs()
         # q* refined online by measured step time; not when the user fixed the split
         self.tuner = None
@@ -228,7 +231,8 @@ class ModelRunner(GraphWarmup):
             from .graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.experts if self.cache is not None else None,
                                        self.device, self.dtype, self.max_context,
-                                       min(cfg.max_batch, cfg.expert_threshold - 1), int(cfg.graph_memory_gb * 1e9))
+                                       min(cfg.max_batch, cfg.expert_threshold - 1), int(cfg.graph_memory_gb * 1e9),
+                                       chained=self.chained_rows)
 
     # -- configuration -------------------------------------------------------------------------
     def _capacity(self, kv_blocks: int) -> int:
@@ -275,7 +279,8 @@ class ModelRunner(GraphWarmup):
             q = self.follower.tick()
             if q is not None:
                 self._set_q(q)
-        chunks = as_decode_rows(chunks)     # a draft's verification: the decode attention, a decode graph
+        # a draft's verification: the decode attention, a decode graph
+        chunks = as_decode_rows(chunks, chained=self.chained_rows)
         timed = self._tune(chunks)
         key = self.graphs.key(chunks) if self.graphs is not None else None
         if self.cache is not None:     # a prefill seeds the decode cache from a prompt's last chunk only

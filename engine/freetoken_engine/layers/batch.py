@@ -32,6 +32,11 @@ class AttnBatch:
     state_slots: tuple[int, ...] | None = None  # hybrid models: each sequence's recurrent-state slot
     state_index: torch.Tensor | None = None     # [B] int64 the same on the device (all a captured step has)
     snapshots: tuple[tuple[tuple[int, int], ...], ...] | None = None   # (offset, checkpoint slot) per sequence
+    # rows in chains (a hybrid draft's verification as decode rows): ([B] slot each row's state goes
+    # to, [B] 1 where a row continues the previous row's sequence), on the device; None: each row
+    # reads and writes ``state_index`` (kernels/triton/deltanet.py)
+    state_chain: tuple[torch.Tensor, torch.Tensor] | None = None
+    chain_host: tuple[tuple[bool, int], ...] | None = None   # the same on the host: (continues, slot written)
     write_first: bool = False   # rows share a sequence (a draft's verification as decode rows): every
                                 # row's K/V is written before any row attends
     _made: dict = field(default_factory=dict)   # masks and row lists, made once per pass

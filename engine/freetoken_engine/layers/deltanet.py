@@ -171,14 +171,17 @@ class GatedDeltaNet(nn.Module):
         gpu = self._decode_kernels(x, batch)
         if gpu is not None:           # a decode step on a GPU: two launches (kernels/triton/deltanet.py)
             c = self.sizes[0]
-            y = gpu.conv_step(proj[:, :c], conv, batch.state_index, self.conv_w)
+            y = gpu.conv_step(proj[:, :c], conv, batch.state_index, self.conv_w, chain=batch.state_chain)
             return self.out_proj(gpu.recurrent_step(y, proj[:, c:], ssm, batch.state_index, self.neg_a,
-                                                    self.dt_bias, self.norm.weight, lin.k_heads, self.eps))
+                                                    self.dt_bias, self.norm.weight, lin.k_heads, self.eps,
+                                                    chain=batch.state_chain))
         mixed, z, b, a = proj.split(self.sizes, -1)
         core = x.new_empty((x.shape[0], lin.v_heads, lin.v_dim))
         beta = b.sigmoid().float()                 # in the model's dtype first, as the reference
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
         if batch.seq_counts is None:      # a captured decode step: a token per sequence, in order
+            if batch.state_chain is not None:
+                raise RuntimeError("chained decode rows need the Triton decode kernels in a captured step")
             self._singles(None, batch.state_index, (), mixed, g, beta, batch, conv, ssm, core)
         else:
             row, singles = 0, []
@@ -189,7 +192,9 @@ class GatedDeltaNet(nn.Module):
                     core[row:row + n] = self._chunk(mixed[row:row + n], g[row:row + n], beta[row:row + n],
                                                     batch.state_slots[i], batch.fresh(i), batch.snaps(i), conv, ssm)
                 row += n
-            if len(singles) == len(batch.seq_counts):          # a decode step: every row, slots on the device
+            if batch.chain_host is not None and singles:       # chained rows (a draft's verification)
+                self._chained(singles, mixed, g, beta, batch, conv, ssm, core)
+            elif len(singles) == len(batch.seq_counts):          # a decode step: every row, slots on the device
                 self._singles(None, batch.state_index, range(len(singles)), mixed, g, beta, batch, conv, ssm, core)
             elif singles:
                 dev = x.device
@@ -253,10 +258,38 @@ class GatedDeltaNet(nn.Module):
         conv[slot].copy_(seq[seq.shape[0] - width:])
         return torch.cat(outs).to(mixed.dtype)
 
-    def _singles(self, rows, slots, seqs, mixed, g, beta, batch, conv, ssm, core) -> None:
+    def chains(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether this layer runs chained decode rows (``AttnBatch.state_chain``) in a pass on
+        ``device``: the torch path on the CPU (eager, in waves), the Triton decode kernels on a
+        GPU (captured too); a GPU without them (torch's ops, captured) cannot."""
+        if device.type != "cuda":
+            return True
+        gpu = gpu_decode_kernels("deltanet")
+        return gpu is not None and gpu.supported(torch.empty(0, dtype=dtype), self.lin.k_dim, self.lin.v_dim)
+
+    def _chained(self, singles, mixed, g, beta, batch, conv, ssm, core) -> None:
+        """The one-token sequences ``singles`` ((index, row) pairs) of a pass with chained rows,
+        with torch's ops: in waves, wave w holding the w-th row of every chain, each row from the
+        state the row before it left (a chain's first row, and any other sequence, from its own
+        slot), its state written to the slot the chain names for it."""
+        waves: dict[int, list[tuple[int, int, int, int]]] = {}
+        depth = {}
+        for i, r in singles:
+            cont, dst = batch.chain_host[i]
+            depth[i] = depth[i - 1] + 1 if cont and i - 1 in depth else 0
+            read = batch.chain_host[i - 1][1] if depth[i] else batch.state_slots[i]
+            waves.setdefault(depth[i], []).append((i, r, read, dst))
+        dev = mixed.device
+        for w in sorted(waves):
+            seqs, rows, reads, dsts = zip(*waves[w])
+            rows, reads, dsts = (torch.tensor(v, device=dev) for v in (rows, reads, dsts))
+            self._singles(rows, reads, seqs, mixed, g, beta, batch, conv, ssm, core, out_slots=dsts)
+
+    def _singles(self, rows, slots, seqs, mixed, g, beta, batch, conv, ssm, core, out_slots=None) -> None:
         """One token of each of several sequences, together: ``rows`` of the pass (None: all)
-        whose states are in ``slots`` (device tensors); ``seqs``: their sequences' indices in the
-        batch, for the host's metadata (empty in a captured step, which has none to act on)."""
+        whose states are in ``slots`` (device tensors; written back there, or to ``out_slots``);
+        ``seqs``: their sequences' indices in the batch, for the host's metadata (empty in a
+        captured step, which has none to act on)."""
         past, state = conv.index_select(0, slots), ssm.index_select(0, slots)
         fresh = [j for j, i in enumerate(seqs) if batch.fresh(i)]
         if fresh:
@@ -273,8 +306,8 @@ class GatedDeltaNet(nn.Module):
             core.copy_(o.to(core.dtype))
         else:
             core.index_copy_(0, rows, o.to(core.dtype))
-        ssm.index_copy_(0, slots, state)
-        conv.index_copy_(0, slots, seq[:, 1:])
+        ssm.index_copy_(0, slots if out_slots is None else out_slots, state)
+        conv.index_copy_(0, slots if out_slots is None else out_slots, seq[:, 1:])
         for j, i in enumerate(seqs):
             for _, ck in batch.snaps(i):
                 ssm[ck].copy_(state[j])
