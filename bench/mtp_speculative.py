@@ -103,6 +103,8 @@ def run(args) -> dict:
             from routing_replay import install
             routing = install(runner.model, args.routing, [1])
             verification_tables(runner.model, list(range(1, max(args.ks) + 1)))
+        from freetoken_engine.executor import runner as runner_module
+        chained, mtp_rows = runner.chained_rows, runner_module.MTP_ROWS
         coin = Coin()
         llm_module.verify = coin.verify
         prompt = [int(t) for t in torch.randint(10, 30000, (32,), generator=torch.Generator().manual_seed(0))]
@@ -110,6 +112,8 @@ def run(args) -> dict:
         sides = [("plain", 0, None)] + [(f"K={k} A={a:g}", k, a) for k in args.ks for a in args.acceptance]
         if args.draft_vocab:          # the same drafts' cost among the first N token ids only
             sides += [(f"K={k} A={a:g} dv={args.draft_vocab}", k, a) for k in args.ks for a in args.acceptance]
+        if args.ab_rows:              # the same drafts with the passes as before 2026-12-02: chunks
+            sides += [(f"K={k} A={a:g} /chunks", k, a) for k in args.ks for a in args.acceptance]
         res = {name: {"tok_s": [], "passes": [], "drafted_per_pass": []} for name, _, _ in sides}
         for rnd in range(args.rounds + 1):                       # round 0 warms up (and captures graphs)
             for name, k, a in sides:
@@ -117,6 +121,9 @@ def run(args) -> dict:
                                                  speculative_method="mtp" if k else "ngram",
                                                  speculative_draft_vocab=args.draft_vocab if "dv=" in name else 0)
                 coin.acceptance = a or 0.0
+                chunks = name.endswith("/chunks")  # verification and MTP passes as chunks (eager on a GPU)
+                runner.chained_rows = chained and not chunks
+                runner_module.MTP_ROWS = 0 if chunks else mtp_rows
                 g = llm.generate(prompt, params)
                 if rnd:
                     record_run(res[name], g.stats)
@@ -129,7 +136,7 @@ def run(args) -> dict:
                          "tok_s_rounds": r["tok_s"], "vs_plain": statistics.median(r["tok_s"]) / base,
                          "passes": statistics.median(r["passes"]),
                          "drafted_per_pass": statistics.median(r["drafted_per_pass"])})
-            print(f"{name:<12} {rows[-1]['tok_s']:>8.1f} tok/s {rows[-1]['vs_plain']:>6.2f}x "
+            print(f"{name:<20} {rows[-1]['tok_s']:>8.1f} tok/s {rows[-1]['vs_plain']:>6.2f}x "
                   f"passes {rows[-1]['passes']:>5.0f} drafted/pass {rows[-1]['drafted_per_pass']:>4.1f}", flush=True)
         print(f"one decode step {costs['decode_step_s'] * 1e3:.2f} ms, one MTP pass + LM head "
               f"{costs['mtp_pass_s'] * 1e3:.2f} ms ({costs['mtp_pass_s'] / costs['decode_step_s']:.2f}x)"
@@ -180,6 +187,9 @@ def main() -> None:
     ap.add_argument("--acceptance", type=float, nargs="+", default=[1.0, 0.7, 0.5])
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--ab-rows", action="store_true",
+                    help="also each drafted side with its verification and MTP passes as chunks, as before "
+                         "chained decode rows (2026-12-02): an A/B in the same process")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     kind = "gpu" if args.device.startswith("cuda") else "cpu"

@@ -78,12 +78,15 @@ def spy_drafts(monkeypatch) -> list[tuple[int, list[int]]]:
     return seen
 
 
-def test_the_engines_mtp_drafts_are_transformers_modules_drafts(mtp_model, plain, monkeypatch):
+@pytest.mark.parametrize("rows", [False, True], ids=["chunks", "rows"])
+def test_the_engines_mtp_drafts_are_transformers_modules_drafts(mtp_model, plain, monkeypatch, rows):
     # every step drafts the full 3 tokens (no shortening after a refusal), so the head's chain of
-    # its own outputs is checked at every position; the output stays the plain decode's
+    # its own outputs is checked at every position; the output stays the plain decode's. "rows":
+    # the MTP passes as one-token rows, as a GPU runs them (there in graphs)
     monkeypatch.setattr(DraftLength, "update", lambda self, drafted, kept: None)
     seen = spy_drafts(monkeypatch)
     llm = LLM(mtp_model, speculative_tokens=3, speculative_method="mtp")
+    llm.runner.mtp_rows = rows
     ref, mtp = load_reference(mtp_model), mtp_reference(mtp_model)
     for prompt in PROMPTS[:2]:
         seen.clear()

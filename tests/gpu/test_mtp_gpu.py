@@ -1,6 +1,7 @@
 """MTP drafts on a real GPU (``pytest -m gpu tests/gpu``): the MTP layer reads the final hidden
 states a decode step leaves, whether it ran eagerly or was replayed from a CUDA graph (the graph
-copies them out), and runs through the expert cache and the q* split like any layer; in float32
+copies them out), runs through the expert cache and the q* split like any layer (its CPU pairs
+through a host branch of its own), and its passes replay CUDA graphs of their own; in float32
 the tokens equal the plain engine's on the same GPU, alone and batched through the scheduler,
 with a head fitted to the model's text so that drafts are kept and cut."""
 from __future__ import annotations
@@ -43,6 +44,8 @@ def test_mtp_drafts_on_the_gpu_equal_plain(fitted):
         assert got.stats["fills"] > 0 and got.stats["cpu_computed"] > 0      # offload and the split ran
     assert 0 < kept < drafted
     assert llm.runner.graph_stats()["decode_graph_replays"] > 0               # hidden states out of graphs
+    assert llm.runner.graph_stats()["mtp_graph_replays"] > 0   # the MTP passes replayed graphs of their own
+    assert llm.runner.chained_rows                           # and the verifications chained decode rows
 
 
 def test_batched_mtp_drafts_on_the_gpu_equal_plain(fitted):

@@ -39,11 +39,14 @@ class HostBranch:
     copy_after_signal = True
 
     def __init__(self, bank: ExpertBank, top_k: int, max_tokens: int, device: torch.device,
-                 dtype: torch.dtype, timeout_s: float = 120.0, layers: int | None = None):
-        """``layers``: the bank's first layers, those of a decode step (default all; an MTP layer,
-        the bank's last, runs on its own and syncs instead)."""
-        n = bank.w13.shape[0] if layers is None else layers
-        self.br = CpuBranch(bank.w13[:n], bank.w2[:n], max_tokens, top_k, device, timeout_s=timeout_s, dtype=dtype)
+                 dtype: torch.dtype, timeout_s: float = 120.0, layers: int | None = None, first: int = 0):
+        """``first``, ``layers``: the bank's layers a step runs, in order (default all). A decode
+        step runs the model's layers; an MTP layer (the bank's last) runs in passes of its own,
+        with a branch of its own (``first`` = the model's MoE layer count, one layer)."""
+        n = bank.w13.shape[0] - first if layers is None else layers
+        self.br = CpuBranch(bank.w13[first:first + n], bank.w2[first:first + n], max_tokens, top_k, device,
+                            timeout_s=timeout_s, dtype=dtype)
+        self.first = first
         self.layers = n
         self.counts = torch.zeros(self.layers, 4, dtype=torch.int64, pin_memory=device.type == "cuda")
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="freetoken-cpu-branch")
@@ -81,26 +84,27 @@ class HostBranch:
         br = self.br
         t, k = topk_ids.shape
         p = t * k
-        if layer == 0:
+        i = layer - self.first                # the branch's own index of the bank's layer
+        if i == 0:
             if self.capturing:
                 handshake.bump(br.epoch)
             else:
                 self._start(t, bump=True)
-        mirror = (br.pair_slot[layer, :p], self.counts[layer], br.pair_exp[layer, :p])
+        mirror = (br.pair_slot[i, :p], self.counts[i], br.pair_exp[i, :p])
         if control.stream is not None:
-            mirror += (br.from_rows[layer:layer + 1],)
+            mirror += (br.from_rows[i:i + 1],)
         out = control.step(layer, topk_ids, copy=not self.copy_after_signal, mirror=mirror)
-        handshake.signal(br.flag[layer:layer + 1], br.epoch, src=x.contiguous(), dst=br.x[layer, :t])
+        handshake.signal(br.flag[i:i + 1], br.epoch, src=x.contiguous(), dst=br.x[i, :t])
         # The copies only after the signal: the host starts its experts while the fills cross PCIe,
         # the hits run beside the copies and the filled experts after them (CPU pairs' rows unset).
         gpu, extra = control.run_experts(layer, x, pair_tok, out, beside, copy=self.copy_after_signal)
         part = control.streamed_forward(x, pair_tok, out)     # the streamed split's GPU part, or None
         if control.stream is not None and control.stream.stage:
             # the split by stage: the host publishes the activations before its other CPU pairs
-            handshake.wait(br.act_flag[layer:layer + 1], br.epoch, br.err)
+            handshake.wait(br.act_flag[i:i + 1], br.epoch, br.err)
             part = control.stage_forward(br.act, out)
-        handshake.wait(br.done[layer:layer + 1], br.epoch, br.err)
-        self._queued = layer + 1
+        handshake.wait(br.done[i:i + 1], br.epoch, br.err)
+        self._queued = i + 1
         # The combine reads the host's rows straight from pinned memory (kernels/triton/combine.py):
         # nothing more between the wait and the next layer.
         return SplitRows(gpu, out.pair_slot[:p], br.rows, part), extra

@@ -85,6 +85,7 @@ class OffloadedExperts:
         self.bank, self.cache, self.top_k = bank, cache, top_k
         self.step_layers = bank.num_layers if step_layers is None else step_layers
         self.host_branch = None
+        self.mtp_branch = None   # the MTP layer's own (its passes run apart from the decode steps)
         self.device = cache.device
         self.prefill_threshold = prefill_threshold
         self._pair_tok: dict[tuple[int, int], torch.Tensor] = {}
@@ -131,12 +132,19 @@ class OffloadedExperts:
         if n:
             self.streamer.refresh()
 
-    def _host_branch(self, x: torch.Tensor):
-        """The sync-free CPU branch (``cache/host_branch.py``) when it applies: the Triton path
-        with the compiled CPU kernel as the CPU backend; built on first use, None otherwise."""
-        if self.host_branch is None and self._want_branch:
+    def _host_branch(self, x: torch.Tensor, layer: int = 0):
+        """The sync-free CPU branch (``cache/host_branch.py``) of ``layer``'s step when it applies:
+        the Triton path with the compiled CPU kernel as the CPU backend; built on first use, None
+        otherwise. A decode step's layers share one; the layers past ``step_layers`` (an MTP
+        layer, run in passes of its own) another."""
+        mtp = layer >= self.step_layers
+        if self._want_branch and (self.mtp_branch if mtp else self.host_branch) is None:
             from .host_branch import HostBranch
             try:
+                if mtp:
+                    self.mtp_branch = HostBranch(self.bank, self.top_k, self._branch_tokens(), self.device, x.dtype,
+                                                 first=self.step_layers)
+                    return self.mtp_branch
                 self.host_branch = HostBranch(self.bank, self.top_k, self._branch_tokens(), self.device, x.dtype,
                                               layers=self.step_layers)
                 mode = env.stream_split()
@@ -149,7 +157,15 @@ class OffloadedExperts:
             except (RuntimeError, ValueError) as exc:    # e.g. too many pairs per call: keep the sync path
                 log.info("sync-free CPU branch unavailable (%s); syncing per layer", exc)
                 self._want_branch = False
-        return self.host_branch
+        return self.mtp_branch if mtp else self.host_branch
+
+    def branches(self) -> list:
+        """The CPU branches built so far (the decode step's, the MTP layer's)."""
+        return [b for b in (self.host_branch, self.mtp_branch) if b is not None]
+
+    def _finish_branches(self) -> None:
+        for b in self.branches():
+            b.finish()
 
     def _branch_tokens(self) -> int:
         """The most tokens a call answered by the host branch has: every decode-sized call, within
@@ -160,19 +176,20 @@ class OffloadedExperts:
         """After a forward pass: wait for its CPU-branch host loop and raise RuntimeError if either
         side gave up waiting for the other, so a broken step fails instead of returning wrong
         logits (one sync, which the sampler needs anyway)."""
-        if self.host_branch is not None:
-            self.host_branch.finish()
+        self._finish_branches()
 
     # -- CUDA graphs of the decode step (executor/graphs.py) ---------------------------------------
-    def graph_mode(self, tokens: int) -> str | None:
-        """How a decode step of ``tokens`` tokens can be captured, as the last eager step ran it:
-        ``"device"`` (every miss filled: device work only), ``"branch"`` (the sync-free CPU
-        branch: each replay needs ``begin_replay``), or None (a per-layer sync: not capturable)."""
+    def graph_mode(self, tokens: int, mtp: bool = False) -> str | None:
+        """How a decode step of ``tokens`` tokens (``mtp``: a pass of the MTP layer) can be
+        captured, as the last eager one ran it: ``"device"`` (every miss filled: device work only),
+        ``"branch"`` (the sync-free CPU branch: each replay needs ``begin_replay``), or None (a
+        per-layer sync: not capturable)."""
         if self.control is None or tokens >= self.prefill_threshold:
             return None
         if self._fills_only(tokens):
             return "device"
-        return "branch" if self.host_branch is not None and tokens <= self._branch_tokens() else None
+        branch = self.mtp_branch if mtp else self.host_branch
+        return "branch" if branch is not None and tokens <= self._branch_tokens() else None
 
     def _control_fraction(self) -> float:
         """q*/m for the device control step: every miss is filled once every expert fits (a fill
@@ -202,8 +219,8 @@ class OffloadedExperts:
             self.streamer.refresh()
 
     def capturing(self, on: bool) -> None:
-        if self.host_branch is not None:
-            self.host_branch.capturing = on
+        for b in self.branches():
+            b.capturing = on
 
     @contextlib.contextmanager
     def all_resident(self):
@@ -215,19 +232,17 @@ class OffloadedExperts:
             try:
                 yield
             finally:
-                if self.host_branch is not None:
-                    self.host_branch.finish()
+                self._finish_branches()
         self.cache.clock = self.control.host_clock()
 
-    def begin_replay(self, tokens: int, mode: str) -> None:
+    def begin_replay(self, tokens: int, mode: str, mtp: bool = False) -> None:
         if mode == "branch":
-            self.host_branch.start_replay(tokens)
+            (self.mtp_branch if mtp else self.host_branch).start_replay(tokens)
 
     # -- safe-point operations (scheduler thread, between forward passes) ------------------------
     def sync_stats(self) -> None:
         """Fold the device control's counters and clock into ``cache.stats`` (one sync)."""
-        if self.host_branch is not None:
-            self.host_branch.finish()
+        self._finish_branches()
         if self.control is not None:
             self.control.write_back(self.cache)
 
@@ -249,8 +264,7 @@ class OffloadedExperts:
             self.control.set_fill_fraction(self._control_fraction())
 
     def set_fill_fraction(self, fraction: float) -> None:
-        if self.host_branch is not None:
-            self.host_branch.finish()
+        self._finish_branches()
         self.cache.fill_fraction = fraction
         if self.control is not None:
             self.control.set_fill_fraction(self._control_fraction())
@@ -261,8 +275,7 @@ class OffloadedExperts:
         after layer, for about ``seconds``: the q* follower's probe (executor/cpu_contention.py).
         A running CPU-branch step is finished first: the two would share the kernel's pool."""
         from ..kernels import cpu_experts
-        if self.host_branch is not None:
-            self.host_branch.finish()
+        self._finish_branches()
         b = self.bank
         x, tok = torch.zeros(1, b.hidden, dtype=b.dtype), torch.zeros(1, dtype=torch.int64)
         gen = torch.Generator().manual_seed(0)
@@ -304,7 +317,7 @@ class OffloadedExperts:
                 # (a decode step of such layers can be captured in a CUDA graph).
                 out = self.control.step(layer, topk_ids, copy=False)    # on the device, no sync
                 return self.control.run_experts(layer, x, pair_tok, out, beside)
-            branch = self._host_branch(x) if t <= self._branch_tokens() and layer < self.step_layers else None
+            branch = self._host_branch(x, layer) if t <= self._branch_tokens() else None
             if branch is not None:      # CPU pairs answered by a host thread: still no sync here
                 return branch.layer(self.control, layer, x, topk_ids, pair_tok, beside)
         rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)

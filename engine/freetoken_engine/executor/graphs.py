@@ -73,6 +73,7 @@ class _Graph:
     uploaded: bool = False    # replayed once: the first launch uploads the graph (more memory)
     used: int = 0             # DecodeGraphs.clock at its capture or last replay (a decode step count)
     hidden: torch.Tensor | None = None   # [B, H] the final hidden states (a model with an MTP head)
+    feed: torch.Tensor | None = None     # [B, H] an MTP pass's input hidden states (copied in each replay)
 
 
 class DecodeGraphs:
@@ -83,8 +84,12 @@ class DecodeGraphs:
     KEEP_STEPS = 64
 
     def __init__(self, model, kv, experts, device: torch.device, dtype: torch.dtype, max_context: int,
-                 max_batch: int, limit_bytes: int = 0, chained: bool = False):
+                 max_batch: int, limit_bytes: int = 0, chained: bool = False, mtp: bool = False):
         self.model, self.kv, self.experts, self.device = model, kv, experts, device
+        # ``mtp``: passes of the MTP layer (``DecoderLM.mtp_forward``, rows of one token each, as
+        # ``runner.mtp_forward`` makes them) instead of decode steps: the output is the head's
+        # [B, H], the input hidden states are copied into the graph's ``feed`` before each replay
+        self.mtp = mtp
         # a hybrid model whose graphs also take a draft's verification as chained rows: each
         # row's state slot written and its continuation flag are inputs too (decode_arrays)
         self.chained = chained
@@ -104,6 +109,7 @@ class DecodeGraphs:
         self._pool = None
         self._out: torch.Tensor | None = None          # [max_batch, V] float32, every graph's logits
         self._hidden: torch.Tensor | None = None       # [max_batch, H]: their final hidden states (MTP)
+        self._feed: torch.Tensor | None = None         # [max_batch, H]: an MTP pass's input rows
         # the rotary table must never be regrown under a graph: size it for the whole context now
         model.rotary.cos_sin(torch.zeros(1, dtype=torch.int64, device=device), dtype, max_context - 1)
 
@@ -141,7 +147,9 @@ class DecodeGraphs:
         self.tried.clear()
         self._pool = None
 
-    def replay(self, chunks: list[SeqChunk], key: tuple[int, int]) -> torch.Tensor:
+    def replay(self, chunks: list[SeqChunk], key: tuple[int, int], hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Replay the graph of ``key`` for ``chunks`` (``hidden``: an MTP pass's input rows) ->
+        its logits [B, V] (an MTP pass: the head's output [B, H]), a copy."""
         g = self._graphs[key]
         self.clock += 1
         g.used = self.clock
@@ -151,8 +159,10 @@ class DecodeGraphs:
             g.staging.numpy()[:] = arrays
             g.inputs.copy_(g.staging, non_blocking=True)
             g.copied.record()
+            if g.feed is not None:
+                g.feed.copy_(hidden)
             if g.mode is not None:
-                self.experts.begin_replay(key[0], g.mode)
+                self.experts.begin_replay(key[0], g.mode, mtp=self.mtp)
             if g.uploaded:
                 g.graph.replay()
             else:                                    # its first launch uploads it: measured
@@ -196,13 +206,14 @@ class DecodeGraphs:
 
     def capture(self, chunks: list[SeqChunk], key: tuple[int, int], evict: bool = True) -> None:
         """Capture the step ``chunks`` (already run eagerly once: kernels compiled, buffers made)
-        if it fits under the limit (``_room``)."""
+        if it fits under the limit (``_room``); an MTP pass's input hidden states are an input
+        buffer of the graph (``replay``'s ``hidden``)."""
         b, width = key
         self.tried.add(key)
         cuda_warm.wait()                   # a capture must not see another thread's CUDA calls
         mode = None
         if self.experts is not None:
-            mode = self.experts.graph_mode(b)
+            mode = self.experts.graph_mode(b, mtp=self.mtp)
             if mode is None:
                 return                     # a per-layer sync: this step stays eager
         if not self._room(evict):
@@ -218,12 +229,16 @@ class DecodeGraphs:
         rows = torch.arange(b, device=self.device)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        if self._out is None:
-            self._out = torch.empty(self.max_batch, self.model.lm_head.weight.shape[0], dtype=torch.float32,
-                                    device=self.device)
+        hid = self.model.cfg.hidden_size
+        wdtype = self.model.lm_head.weight.dtype
+        if self._out is None:     # an MTP pass's output is the head's hidden state, a step's the logits
+            self._out = torch.empty(self.max_batch, hid if self.mtp else self.model.lm_head.weight.shape[0],
+                                    dtype=wdtype if self.mtp else torch.float32, device=self.device)
+            self._feed = torch.empty(self.max_batch, hid, dtype=wdtype, device=self.device) if self.mtp else None
         out = self._out[:b]
+        feed = self._feed[:b] if self.mtp else None
         hidden = None
-        if self.model.mtp is not None:
+        if self.model.mtp is not None and not self.mtp:
             if self._hidden is None:
                 self._hidden = torch.empty(self.max_batch, self.model.cfg.hidden_size, dtype=self.model.lm_head.weight.dtype,
                                            device=self.device)
@@ -239,7 +254,10 @@ class DecodeGraphs:
                                   q_idx=torch.zeros_like(rows), kv_index=kv_index, kv_valid=kv_valid,
                                   q_max=1, needs_mask=True, max_position=self.max_context - 1, kv_len=ends,
                                   state_index=states, state_chain=chain)
-                out.copy_(self.model(ids, batch, self.kv, rows))
+                if self.mtp:
+                    out.copy_(self.model.mtp_forward(ids, feed, batch, self.kv, rows))
+                else:
+                    out.copy_(self.model(ids, batch, self.kv, rows))
                 if hidden is not None:
                     hidden.copy_(self.model.last_hidden)
         except Exception as exc:        # noqa: BLE001 - any capture failure: stay eager, say why once
@@ -252,7 +270,7 @@ class DecodeGraphs:
                 self.experts.capturing(False)
         taken = max(0, free - self._free())
         self._graphs[key] = _Graph(graph, staging, inputs, rows, out, mode, torch.cuda.Event(), taken, used=self.clock,
-                                   hidden=hidden)
+                                   hidden=hidden, feed=feed)
         self.held_bytes += taken
 
     def _chained(self, chunks: list[SeqChunk]) -> bool:

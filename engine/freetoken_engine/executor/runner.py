@@ -42,6 +42,10 @@ from .warmup import GraphWarmup  # noqa: E402
 log = logging.getLogger(__name__)
 
 
+#: an MTP pass of at most this many rows runs them as one-token rows (a graph on a GPU)
+MTP_ROWS = 16
+
+
 def _generation_eos(folder) -> tuple[int, ...]:
     path = folder / "generation_config.json"
     if not path.is_file():
@@ -81,10 +85,6 @@ class ModelRunner(GraphWarmup):
             folder = gguf_folder(folder)
         self.model, self.bank, self.mcfg, rest = start_model(folder, self.dtype, self.device, progress,
                                                              mtp=cfg.speculative_method == "mtp")
-        if self.mcfg.use_mtp and self.device.type == "cuda":
-            log.warning("MTP drafts on a GPU run their passes eagerly, and a hybrid model's verification too: "
-                        "on the H200 they made decode 0.04-0.07x as fast as plain CUDA-graph decode "
-                        "(bench/mtp_speculative.py)")
         try:
             self._assemble(cfg, folder, rest)
         except BaseException:
@@ -116,8 +116,10 @@ class ModelRunner(GraphWarmup):
         self.kv = KVPool(m.kv_layers, kv_blocks, cfg.kv_block_size,
                          m.num_kv_heads, m.head_dim, self.dtype, self.device)
         self.states = self._make_states()
-        # a hybrid draft's verification as chained decode rows (executor/inputs.as_decode_rows)
-        self.chained_rows = self.states is not None and all(
+        # a hybrid draft's verification as chained decode rows (executor/inputs.as_decode_rows): on a
+        # GPU, where they replay a decode graph; the CPU keeps the chunk, which ran faster there
+        # (K = 4, A = 1: 2.42x against 2.09x of plain decode, bench/mtp_speculative.py --ab-rows)
+        self.chained_rows = self.device.type == "cuda" and self.states is not None and all(
             layer.chains(self.device, self.dtype) for layer in self.model.deltanets())
         self._make_graphs()
         # q* refined online by measured step time; not when the user fixed the split
@@ -145,8 +147,8 @@ class ModelRunner(GraphWarmup):
                 # pinned by a copy (registration in place failed): everything that holds the
                 # bank's addresses is made again
                 log.warning("the expert bank was pinned by copying it; decode graphs captured again")
-                if self.experts.host_branch is not None:
-                    self.experts.host_branch.close()
+                for branch in self.experts.branches():
+                    branch.close()
                 self._make_experts()
                 self._make_graphs()
                 if warm:
@@ -226,13 +228,19 @@ class ModelRunner(GraphWarmup):
 
     def _make_graphs(self) -> None:
         cfg = self.cfg
-        self.graphs = None
+        self.graphs = self.mtp_graphs = None
+        self.mtp_rows = False       # MTP passes of a few rows as one-token rows (mtp_forward): with graphs
         if cfg.cuda_graphs and self.device.type == "cuda" and (self.cache is None or self.experts.control is not None):
             from .graphs import DecodeGraphs
             self.graphs = DecodeGraphs(self.model, self.kv, self.experts if self.cache is not None else None,
                                        self.device, self.dtype, self.max_context,
                                        min(cfg.max_batch, cfg.expert_threshold - 1), int(cfg.graph_memory_gb * 1e9),
                                        chained=self.chained_rows)
+            if self.model.mtp is not None:       # the MTP layer's passes: graphs of their own
+                self.mtp_rows = True
+                self.mtp_graphs = DecodeGraphs(self.model, self.kv, self.experts if self.cache is not None else None,
+                                               self.device, self.dtype, self.max_context, self.graphs.max_batch,
+                                               int(cfg.graph_memory_gb * 1e9), mtp=True)
 
     # -- configuration -------------------------------------------------------------------------
     def _capacity(self, kv_blocks: int) -> int:
@@ -320,14 +328,31 @@ class ModelRunner(GraphWarmup):
         """The MTP head (``DecoderLM.mtp_forward``) over ``chunks``: each chunk's rows are the
         positions ``start ..`` and its ``tokens`` the token after each, ``hidden [T, H]`` the
         hidden state at each row, in order. -> the head's output at each chunk's last row [B, H]
-        (``logits`` of it: the next draft token). Eager (a pass of one layer)."""
-        inputs = build_inputs(chunks, self.kv.block_size, self.device)
+        (``logits`` of it: the next draft token). A pass of a few rows (a draft's next token, the
+        rows a decode step or a verification recorded) runs them as one-token rows sharing their
+        sequence's block table, as a verification does (``as_decode_rows``), and replays a captured
+        graph of the pass (``mtp_graphs``, on a GPU); a prompt's rows, and the CPU's passes, run as
+        chunks (on the 2-CPU VM rows ran slower: bench/mtp_speculative.py --ab-rows)."""
+        rows, last = chunks, None
+        graphs = self.mtp_graphs
+        if self.mtp_rows and sum(len(c.tokens) for c in chunks) <= MTP_ROWS and any(len(c.tokens) > 1 for c in chunks):
+            rows, last = [], []
+            for c in chunks:
+                rows += [SeqChunk(c.block_table, c.start + j, [t]) for j, t in enumerate(c.tokens)]
+                last.append(len(rows) - 1)
+        key = graphs.key(rows) if graphs is not None else None
         if self.cache is not None:
             self.experts.seed_now = False
-        out = self.model.mtp_forward(inputs.ids, hidden, inputs.batch, self.kv, inputs.logits_at)
+        if key is not None and key in graphs:
+            out = graphs.replay(rows, key, hidden)
+        else:
+            inputs = build_inputs(rows, self.kv.block_size, self.device)
+            out = self.model.mtp_forward(inputs.ids, hidden, inputs.batch, self.kv, inputs.logits_at)
         if self.cache is not None:
             self.experts.end_step()
-        return out
+        if key is not None and key not in graphs:
+            graphs.capture(rows, key, evict=not self._warming)
+        return out if last is None else out.index_select(0, torch.tensor(last, device=out.device))
 
     def _tune(self, chunks: list[SeqChunk]) -> tuple | None:
         """Hand the previous step's device time to the split tuner (the caller has read its logits
@@ -351,8 +376,9 @@ class ModelRunner(GraphWarmup):
         return self._timed
 
     def _set_q(self, fraction: float) -> None:
-        if self.graphs is not None:
-            self.graphs.clear()                  # a captured step keeps its fill table and branch
+        for graphs in (self.graphs, self.mtp_graphs):
+            if graphs is not None:
+                graphs.clear()                  # a captured step keeps its fill table and branch
         self.experts.set_fill_fraction(fraction)
 
     def resize_expert_cache(self, experts: int) -> int:
@@ -360,8 +386,9 @@ class ModelRunner(GraphWarmup):
         if self.cache is None:
             return 0
         n = max(1, min(int(experts), self.bank.total_experts))
-        if self.graphs is not None:
-            self.graphs.clear()                  # they hold the old pools' addresses
+        for graphs in (self.graphs, self.mtp_graphs):
+            if graphs is not None:
+                graphs.clear()                  # they hold the old pools' addresses
         self.experts.resize(n)
         return n
 
@@ -389,11 +416,16 @@ class ModelRunner(GraphWarmup):
 
     def graph_stats(self) -> dict:
         """Decode CUDA graphs held, replayed (0 and 0: eager decode), their measured device memory
-        (``DecodeGraphs.held_bytes``) and the graphs dropped to stay under ``--graph-memory-gb``."""
-        g = self.graphs
+        (``DecodeGraphs.held_bytes``) and the graphs dropped to stay under ``--graph-memory-gb``;
+        with MTP drafts the MTP passes' graphs and replays too (their memory counted in the bytes)."""
+        g, m = self.graphs, self.mtp_graphs
         n, replays, held, drops = (len(g), g.replays, g.held_bytes, g.dropped) if g is not None else (0, 0, 0, 0)
-        return {"decode_graphs": n, "decode_graph_replays": replays, "decode_graph_bytes": held,
-                "decode_graph_drops": drops, "decode_graph_warmup_seconds": round(self.graph_warmup_seconds, 3)}
+        out = {"decode_graphs": n, "decode_graph_replays": replays,
+               "decode_graph_bytes": held + (m.held_bytes if m is not None else 0),
+               "decode_graph_drops": drops, "decode_graph_warmup_seconds": round(self.graph_warmup_seconds, 3)}
+        if m is not None:
+            out.update(mtp_graphs=len(m), mtp_graph_replays=m.replays)
+        return out
 
     def device_bytes(self) -> int:
         if self.device.type != "cuda":
