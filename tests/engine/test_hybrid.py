@@ -187,6 +187,27 @@ async def test_a_second_turn_resumes_from_the_first_turns_anchor(hybrid):
         svc.shutdown()
 
 
+@pytest.mark.parametrize("chained", [False, True], ids=["chunks", "copies"])
+async def test_checkpoints_a_decode_step_writes_resume_exactly(hybrid, monkeypatch, chained):
+    """Every generated token made an anchor, so each decode step writes a checkpoint: in the
+    pass (the CPU's way), or, as a GPU does it to stay in its graphs (``runner.chained_rows``), as
+    a copy of the row's state after the pass (``SeqChunk.copies``). A second request whose prompt
+    is the first one's whole text resumes from the checkpoint the last decode step wrote and
+    decodes what a fresh engine decodes."""
+    monkeypatch.setattr(Anchors, "after_token", lambda self, token: True)
+    svc = service(hybrid)
+    svc.runner.chained_rows = chained
+    try:
+        r1, _ = await collect(svc, LONG[:20])
+        assert svc.stats()["anchor_checkpoints"] >= len(r1) - 1
+        r2, cached = await collect(svc, LONG[:20] + r1)
+        assert cached == 20 + len(r1) - 1                  # the state after the last token run
+        assert r2 == LLM(hybrid).generate(LONG[:20] + r1, GREEDY).token_ids
+        svc.scheduler.check_integrity()
+    finally:
+        svc.shutdown()
+
+
 async def test_without_checkpoints_nothing_is_reused_and_nothing_changes(hybrid):
     svc = service(hybrid, state_checkpoints=0)
     try:

@@ -259,7 +259,8 @@ def test_a_hybrid_verification_as_chained_rows_equals_its_chunk(tiny_checkpoint)
     """A hybrid model's verification as decode rows: each row of a sequence continues the
     recurrent state the row before it left and writes its own into the draft's snapshot slot
     (the last into the sequence's slot). Beside a lone decode row of a third sequence, the logits
-    and every state slot equal the chunk's. (The torch path runs them on a GPU when a pass mixes
+    and every state slot equal the chunk's, anchor checkpoints (after a verification's first row,
+    after a plain row) included: copies after the pass. (The torch path runs them on a GPU when a pass mixes
     chained rows with a prompt's chunk; the kernels' own test is tests/engine/test_triton_deltanet.py.)"""
     import torch
 
@@ -274,14 +275,16 @@ def test_a_hybrid_verification_as_chained_rows_equals_its_chunk(tiny_checkpoint)
         runner.model(*(lambda i: (i.ids, i.batch, kv, i.logits_at))(build_inputs(
             [SeqChunk(b, 0, q[:-1], state=s) for b, q, s in zip(blocks, p, slots)], kv.block_size, runner.device)))
     scratch = [states.take_scratch(3) for _ in range(2)]
+    ck = states.checkpoint_slots[:2]           # anchor checkpoints: after sequence 0's first row, after 2's row
     verify = [SeqChunk(b, len(q) - 1, [q[-1], 7, 8, 9], state=s, rows=4,
-                       snapshots=tuple((len(q) + j, x) for j, x in enumerate(sc)))
-              for b, q, s, sc in zip(blocks, p, slots, scratch)]
-    verify.append(SeqChunk(blocks[2], len(p[2]) - 1, [p[2][-1]], state=slots[2]))
+                       snapshots=((len(q), ck[0]),) * (i == 0) + tuple((len(q) + j, x) for j, x in enumerate(sc)))
+              for i, (b, q, s, sc) in enumerate(zip(blocks, p, slots, scratch))]
+    verify.append(SeqChunk(blocks[2], len(p[2]) - 1, [p[2][-1]], state=slots[2], snapshots=((len(p[2]), ck[1]),)))
     rows = as_decode_rows(verify, chained=True)
     assert [(c.chain, c.state_out) for c in rows[:4]] == [(False, scratch[0][0]), (True, scratch[0][1]),
                                                         (True, scratch[0][2]), (True, slots[0])]
-    assert len(rows) == 9 and not rows[8].chain and rows[8].state_out == -1
+    assert len(rows) == 9 and not rows[8].chain and rows[8].state_out == -1 and not rows[8].snapshots
+    assert rows[3].copies == ((scratch[0][0], ck[0]),) and rows[8].copies == ((slots[2], ck[1]),)
     assert as_decode_rows(verify)[0] is verify[0]            # not chained unless the model runs chains
     saved = states.conv.clone(), states.ssm.clone()
 
@@ -290,14 +293,19 @@ def test_a_hybrid_verification_as_chained_rows_equals_its_chunk(tiny_checkpoint)
         states.conv.copy_(saved[0])
         states.ssm.copy_(saved[1])
         inp = build_inputs(chunks, kv.block_size, runner.device)
-        return runner.model(inp.ids, inp.batch, kv, inp.logits_at), states.conv.clone(), states.ssm.clone()
+        logits = runner.model(inp.ids, inp.batch, kv, inp.logits_at)
+        for c in chunks:                                       # as the runner does after a pass
+            for src, dst in c.copies:
+                states.copy(src, dst)
+        return logits, states.conv.clone(), states.ssm.clone()
     (chunked, conv_c, ssm_c), (chained, conv_r, ssm_r) = run(verify), run(rows)
     assert chunked.shape == chained.shape == (9, runner.mcfg.vocab_size)
     assert torch.allclose(chunked, chained, atol=1e-5, rtol=1e-5)
-    used = slots + scratch[0] + scratch[1]
+    used = slots + scratch[0] + scratch[1] + list(ck)
     assert torch.allclose(conv_c[:, used], conv_r[:, used], atol=1e-5, rtol=1e-5)   # the projections' rounding
     assert torch.allclose(ssm_c[:, used], ssm_r[:, used], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ssm_r[:, scratch[0][0]], ssm_r[:, scratch[0][2]])   # the snapshots differ
+    assert not torch.allclose(saved[1][:, ck[0]], ssm_r[:, ck[0]])                  # the anchors were written
 
 
 async def test_drafts_under_a_grammar_give_the_constrained_output(tiny_checkpoint, monkeypatch):

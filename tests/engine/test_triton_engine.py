@@ -78,7 +78,7 @@ def test_graph_mode_follows_the_split():
     from freetoken_engine.cache.offload import OffloadedExperts
 
     e = OffloadedExperts.__new__(OffloadedExperts)
-    e.top_k, e.prefill_threshold, e.host_branch = 2, 16, None
+    e.top_k, e.prefill_threshold, e.host_branch, e.mtp_branch = 2, 16, None, None
     e.control, e.cache = object(), SimpleNamespace(fill_fraction=1.0, capacity=4)
     e.bank = SimpleNamespace(total_experts=8)
     assert e.graph_mode(2) == "device" and e.graph_mode(3) is None     # 6 pairs > 4 slots
@@ -86,6 +86,9 @@ def test_graph_mode_follows_the_split():
     assert e.graph_mode(1) is None
     e.host_branch = object()
     assert e.graph_mode(1) == "branch" and e.graph_mode(16) is None    # prefill-sized: never
+    assert e.graph_mode(1, mtp=True) is None       # an MTP pass needs a branch of its own
+    e.mtp_branch = object()
+    assert e.graph_mode(1, mtp=True) == "branch"
     e.cache.capacity = 8
     assert e.graph_mode(1) == "device"             # every expert fits: every miss is filled
     e.control = None

@@ -92,3 +92,32 @@ def test_a_second_turn_resumes_from_its_anchor_on_the_gpu(tiny_checkpoint):
     p2, r2, cached, stats = asyncio.run(run())
     assert cached > 0 and stats["anchor_resumes"] == 1 and stats["decode_graph_replays"] > 0
     assert r2 == fresh.generate(p2, GREEDY).token_ids
+
+
+def test_decode_steps_that_write_anchor_checkpoints_replay_graphs(tiny_checkpoint, monkeypatch):
+    """Every generated token made an anchor: each decode step then writes a checkpoint, which on
+    a GPU is a copy of the row's state after the pass (``SeqChunk.copies``), so the steps still
+    replay decode graphs. The tokens equal a plain run's, and a second request whose prompt is the
+    first one's whole text resumes from the last checkpoint (written by such a copy) and decodes
+    what a fresh engine decodes."""
+    from freetoken_engine.cache.states import Anchors
+    folder = tiny_checkpoint("qwen3_next")
+    fresh = LLM(folder, device="cuda", dtype="float32")
+    want = fresh.generate(PROMPT, GREEDY).token_ids
+    monkeypatch.setattr(Anchors, "after_token", lambda self, token: True)
+
+    async def run():
+        svc = EngineService.start(EngineConfig(model=folder, device="cuda", dtype="float32"), wait=True)
+        try:
+            r1 = [e.token_id async for e in svc.submit(PROMPT, GREEDY) if e.token_id is not None]
+            before = svc.stats()
+            h2 = svc.submit(PROMPT + r1, GREEDY)
+            r2 = [e.token_id async for e in h2 if e.token_id is not None]
+            return r1, r2, h2.cached_tokens, before, svc.stats()
+        finally:
+            svc.shutdown()
+    r1, r2, cached, before, after = asyncio.run(run())
+    assert r1 == want
+    assert before["anchor_checkpoints"] >= len(r1) - 1 and before["decode_graph_replays"] >= len(r1) - 2
+    assert after["anchor_resumes"] == 1 and cached > len(PROMPT)      # a checkpoint a decode step wrote
+    assert r2 == fresh.generate(PROMPT + r1, GREEDY).token_ids

@@ -9,6 +9,7 @@ microseconds per array) and crosses to torch once per array.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +34,8 @@ class SeqChunk:
                               # draft's verification as decode rows): its recurrent state is the one
                               # that row left, not ``state``'s
     state_out: int = -1       # the slot the recurrent state after this row goes to (-1: ``state``)
+    copies: tuple[tuple[int, int], ...] = ()   # (slot, checkpoint slot): state copies to make after
+                              # the pass (an anchor checkpoint of a row, ``as_decode_rows``)
 
 
 @dataclass
@@ -121,27 +124,46 @@ def as_decode_rows(chunks: list[SeqChunk], chained: bool = False) -> list[SeqChu
     attention and, on a GPU, replays a captured decode graph.
 
     A chunk with a recurrent-state slot (a hybrid model) is converted only when ``chained`` (the
-    model's Gated DeltaNet layers run chained rows: ``GatedDeltaNet.chains``) and its snapshots are
-    exactly the draft's (one after each token but the last): row j then continues row j - 1's
-    state (``chain``) and leaves its own in the snapshot slot j (the last row in the sequence's
-    slot), which is what the chunk would have written. Otherwise it stays whole."""
-    if all(c.rows == 1 for c in chunks):
+    model's Gated DeltaNet layers run chained rows on a GPU: ``runner.chained_rows``): row j then
+    continues row j - 1's state (``chain``) and leaves its own in the draft's snapshot slot j (the
+    last row in the sequence's slot), which is what the chunk would have written. Its snapshots
+    must be the draft's (the scheduler's last ones: one after each token but the last, in order);
+    anchor checkpoints before them, at any row's end, become copies of that row's slot after the
+    pass (``SeqChunk.copies``), and so do a plain decode step's, so neither runs eagerly. Any other
+    chunk stays whole."""
+    if all(c.rows == 1 and not (chained and c.snapshots) for c in chunks):
         return chunks
     out = []
     for c in chunks:
         n = len(c.tokens)
-        if c.rows <= 1 or c.rows != n:
+        if c.rows == 1 and chained and n == 1 and c.state >= 0 and c.start > 0 and c.snapshots \
+                and all(p == c.start + 1 for p, _ in c.snapshots):            # a decode row's anchor
+            out.append(dataclasses.replace(c, snapshots=(), copies=tuple((c.state, ck) for _, ck in c.snapshots)))
+        elif c.rows <= 1 or c.rows != n:
             out.append(c)
         elif c.state < 0 and not c.snapshots:
             out += [SeqChunk(c.block_table, c.start + j, [t]) for j, t in enumerate(c.tokens)]
-        elif (chained and c.state >= 0 and c.start > 0
-              and [p for p, _ in c.snapshots] == list(range(c.start + 1, c.start + n))):
-            dst = [s for _, s in c.snapshots] + [c.state]
-            out += [SeqChunk(c.block_table, c.start + j, [t], state=c.state, chain=j > 0, state_out=dst[j])
+        elif chained and c.state >= 0 and c.start > 0 and _draft_snapshots(c):
+            dst = [s for _, s in c.snapshots[len(c.snapshots) - (n - 1):]] + [c.state]
+            anchors = tuple((dst[p - c.start - 1], ck) for p, ck in c.snapshots[:len(c.snapshots) - (n - 1)])
+            rows = [SeqChunk(c.block_table, c.start + j, [t], state=c.state, chain=j > 0, state_out=dst[j])
                     for j, t in enumerate(c.tokens)]
+            rows[-1].copies = anchors
+            out += rows
         else:
             out.append(c)
     return out
+
+
+def _draft_snapshots(c: SeqChunk) -> bool:
+    """``c``'s last snapshots are one after each of its tokens but the last, in order (the draft's),
+    and any before them fall at the end of one of its tokens (anchor checkpoints)."""
+    n = len(c.tokens)
+    if len(c.snapshots) < n - 1:
+        return False
+    k = len(c.snapshots) - (n - 1)
+    return ([p for p, _ in c.snapshots[k:]] == list(range(c.start + 1, c.start + n))
+            and all(c.start < p <= c.start + n for p, _ in c.snapshots[:k]))
 
 
 def logits_rows(chunks: list[SeqChunk], counts: np.ndarray) -> np.ndarray:

@@ -294,6 +294,9 @@ class ModelRunner(GraphWarmup):
         if self.cache is not None:     # a prefill seeds the decode cache from a prompt's last chunk only
             self.experts.seed_now = any(c.last for c in chunks)
         logits = self._run(chunks, key, between)
+        for c in chunks:              # anchor checkpoints of rows (as_decode_rows), in stream order
+            for src, dst in c.copies:
+                self.states.copy(src, dst)
         if key is not None and key not in self.graphs:
             self.graphs.capture(chunks, key, evict=not self._warming)   # replayed from the next step
             if timed is not None:
