@@ -33,6 +33,7 @@ from freetoken_engine.cache.device_control import DeviceControl
 from freetoken_engine.cache.experts import bypass_slots
 from freetoken_engine.env import BYPASS_SLOTS_DEFAULT
 from freetoken_engine.kernels.cpu_branch import CpuBranch
+from freetoken_engine.kernels.triton.control import ControlOutputs
 from freetoken_engine.kernels.triton import handshake
 from freetoken_engine.kernels.triton.gather import gather_fill_rows
 from freetoken_engine.kernels.triton.moe import moe_slots_forward
@@ -127,8 +128,10 @@ class _GpuExperts:
         self.streamed = torch.zeros_like(self.hit) if ctl.stream is not None else None
         self.shared = torch.zeros(st.L, st.T, st.H, dtype=torch.bfloat16, device=CUDA)
 
-    def __call__(self, l: int, out) -> torch.Tensor | None:
-        """Queue layer l's experts after its control step ``out``; returns the shared rows."""
+    def __call__(self, l: int, out, copied: torch.cuda.Event | None = None) -> torch.Tensor | None:
+        """Queue layer l's experts after its control step ``out``; returns the shared rows.
+        ``copied``: the fills were queued already, elsewhere (``/ahead``): wait for this event
+        instead of copying them."""
         bank, st, ctl = self.bank, self.st, self.ctl
         main = torch.cuda.current_stream()
         if self.serial:
@@ -139,7 +142,9 @@ class _GpuExperts:
             if bank.shared is not None:
                 s13, s2 = bank.shared
                 moe_slots_forward(st.x[l], s13, s2, st.shared_tok, st.shared_slot[l], out=self.shared[l])
-        if not self.serial:
+        if copied is not None:
+            main.wait_event(copied)
+        elif not self.serial:
             ctl.copy(l, out)                    # the fills, then the streamed rows (with the split)
         moe_slots_forward(st.x[l], ctl.w13_slots, ctl.w2_slots, st.tok, out.pair_fill_slot, out=self.fill)
         ctl.streamed_forward(st.x[l], st.tok, out, rows=self.streamed)
@@ -147,26 +152,51 @@ class _GpuExperts:
         return self.shared[l] if bank.shared is not None else None
 
 
-def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict, serial: bool = False):
+def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict, serial: bool = False,
+                       ahead: bool = False):
     """(d) as one CUDA graph per token: the host half of the CPU branch is the C++ loop of
-    ``kernels/cpu_branch.py`` (flags in pinned memory instead of per-layer launches and events)."""
+    ``kernels/cpu_branch.py`` (flags in pinned memory instead of per-layer launches and events).
+
+    ``ahead`` (the A/B side ``lru+q*/ahead``, an upper bound for cross-layer prefetch): layer
+    l + 1's control step runs before layer l's experts, with the routing it will have (the trace's,
+    an oracle a real predictor would only approach), and its fills are queued on a copy stream
+    behind layer l's, so PCIe moves layer l + 1's experts while layer l computes; its experts wait
+    for that copy and its CPU branch starts after layer l's combine, as before. The victims a
+    step ahead picks are never the layer's slots before it (fill admission: only slots idle for
+    more than the window; this side needs it, and no bypass rows, which two layers would share)."""
     L, P = st.L, st.P
     br = CpuBranch(bank.w13, bank.w2, st.T, st.k, CUDA)
     br.x[0].copy_(st.x[0])
     counts = torch.zeros(L, 4, dtype=torch.int64).pin_memory()        # the control steps' counts
     experts = _GpuExperts(bank, st, ctl, serial)
+    if ahead:
+        if ctl.admit_window < 1 or ctl.bypass or ctl.stream is not None:
+            raise ValueError("/ahead needs fill admission, no bypass rows and no streamed split")
+        outs = [ControlOutputs.allocate(P, st.E, ctl.slot_owner.numel(), CUDA) for _ in range(2)]
+        copier = torch.cuda.Stream()
+        copied = [torch.cuda.Event() for _ in range(L)]
 
-    def control(l):
+    def control(l, out=None):
         from_rows = (br.from_rows[l:l + 1],) if ctl.stream is not None else ()
-        ctl.step(l, st.ids[l], copy=False, mirror=(br.pair_slot[l], counts[l], br.pair_exp[l], *from_rows))
-        handshake.signal(br.flag[l:l + 1], br.epoch)
+        ctl.step(l, st.ids[l], copy=False, mirror=(br.pair_slot[l], counts[l], br.pair_exp[l], *from_rows), out=out)
+        if out is None:
+            handshake.signal(br.flag[l:l + 1], br.epoch)
+        else:                               # ahead: the fills on the copy stream, behind the earlier layers'
+            copier.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(copier):
+                ctl.copy(l, out)
+                copied[l].record()
 
     def step():
         handshake.bump(br.epoch)
-        control(0)
+        control(0, outs[0] if ahead else None)
+        if ahead:
+            handshake.signal(br.flag[0:1], br.epoch)
         for l in range(L):
-            out = ctl.outputs(P)
-            shared = experts(l, out)
+            out = outs[l % 2] if ahead else ctl.outputs(P)
+            if ahead and l + 1 < L:
+                control(l + 1, outs[(l + 1) % 2])
+            shared = experts(l, out, copied[l] if ahead else None)
             if ctl.stream is not None and ctl.stream.stage:      # the split by stage's down projection
                 handshake.wait(br.act_flag[l:l + 1], br.epoch, br.err)
                 ctl.stage_forward(br.act, out, rows=experts.streamed)
@@ -174,7 +204,10 @@ def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict, s
             combine(experts.hit, shared, st.x[l + 1], st.k, pair_slot=out.pair_slot, host_rows=br.rows,
                     x_host=br.x[l + 1] if l + 1 < L else None, rows2=experts.fill, rows3=experts.streamed)
             if l + 1 < L:
-                control(l + 1)
+                if ahead:
+                    handshake.signal(br.flag[l + 1:l + 2], br.epoch)
+                else:
+                    control(l + 1)
 
     def token(graph, h_ids):
         if graph is None:                   # eager (compiles): the host loop must already run
@@ -287,7 +320,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         if static_graph and not n_gpu:
             raise ValueError(f"static/graph: the budget holds no whole layer of {E} experts")
         # the engine's bypass slots out of the same budget; "/nobypass": admission alone (run N)
-        plain = static_graph or policy.endswith(("/plain", "/nobypass"))
+        plain = static_graph or policy.endswith(("/plain", "/nobypass", "/ahead"))
         nb = 0 if plain else bypass_slots(slots, L * E, BYPASS_SLOTS_DEFAULT)
         w13s = torch.empty((slots, *bank.w13.shape[2:]), dtype=torch.bfloat16, device=CUDA)
         w2s = torch.empty((slots, *bank.w2.shape[2:]), dtype=torch.bfloat16, device=CUDA)
@@ -327,7 +360,8 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         elif policy == "lru+sync" or policy.endswith("/layer"):
             token, capture, br = _lru_q_token(bank, st, ctl, cpu_fn, prof)
         else:
-            token, capture, br = _lru_q_graph_token(bank, st, ctl, prof, serial=policy.endswith("/serial-hits"))
+            token, capture, br = _lru_q_graph_token(bank, st, ctl, prof, serial=policy.endswith("/serial-hits"),
+                                                    ahead=policy.endswith("/ahead"))
 
     ids_dev = ids.to(CUDA)
     res_warm = _fill_cache(ctl, (fill_ids if fill_ids is not None else ids[:warm]).to(CUDA)) if ctl is not None else {}

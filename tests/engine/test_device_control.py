@@ -70,6 +70,29 @@ def test_device_step_matches_cache_step(capacity, fill_fraction):
     assert dev.stats == ref.stats
 
 
+def test_a_step_into_the_callers_outputs_leaves_the_shared_ones_alone():
+    """``step(out=)``: a layer's control step run ahead of the previous layer's use of its outputs
+    (bench/offload_decode.py ``/ahead``) writes the caller's buffers, gives what the shared ones
+    would have held, and does not touch the shared buffers another layer is still reading."""
+    bank = _bank()
+    runs = []
+    for own in (False, True):
+        ctl = DeviceControl.from_cache(ExpertCache(bank, 6, "cpu", fill_fraction=0.5))
+        g = torch.Generator().manual_seed(3)
+        outs = [ControlOutputs.allocate(2 * K, EXPERTS, 6, torch.device("cpu")) for _ in range(2)] if own else None
+        seen = []
+        for step in range(4):
+            for layer in range(LAYERS):
+                shared = ctl.outputs(2 * K).pair_slot.clone()
+                out = ctl.step(layer, _routing(g, 2, 9), out=outs[layer % 2] if own else None)
+                if own:
+                    assert out is outs[layer % 2] and torch.equal(ctl.outputs(2 * K).pair_slot, shared)
+                seen.append((out.pair_slot.clone(), out.fill_exp.clone(), out.step_counts.clone()))
+        runs.append((seen, ctl.counters()))
+    assert all(torch.equal(a, b) for x, y in zip(runs[0][0], runs[1][0]) for a, b in zip(x, y))
+    assert runs[0][1] == runs[1][1] and runs[0][1]["fills"] > 0 and runs[0][1]["cpu_computed"] > 0
+
+
 @pytest.mark.parametrize("resizable", [False, True])
 def test_device_state_survives_resize(resizable):
     # resizable (the engine's binding): the control kernel is sized once for every expert, so a

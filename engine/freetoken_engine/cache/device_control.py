@@ -160,23 +160,25 @@ class DeviceControl:
         return self._outputs[pairs]
 
     def step(self, layer: int, topk_ids: torch.Tensor, copy: bool = True,
-             mirror: tuple[torch.Tensor, ...] | None = None) -> ControlOutputs:
+             mirror: tuple[torch.Tensor, ...] | None = None, out: ControlOutputs | None = None) -> ControlOutputs:
         """Control step for ``layer`` on routed ``topk_ids [T, k]``, then (``copy``) the fills'
         weights into their slots. ``mirror`` (pinned host ``pair_slot [T*k]`` and ``counts [4]``,
         int64, and optionally ``pair_exp [T*k]``: the routed experts) also receives the pair slots
-        and the step's counts, for a host-side CPU branch (``kernels/cpu_branch.py``).
-        Returns the reused output buffers; no host sync."""
-        out = self._control(layer, topk_ids, self.fill_table, self.window, mirror, self.stream, self.bypass)
+        and the step's counts, for a host-side CPU branch (``kernels/cpu_branch.py``). ``out``:
+        output buffers of the caller's (``ControlOutputs.allocate``) instead of the shared ones,
+        for a caller that runs a layer's step before the previous layer's outputs are used up.
+        Returns the output buffers; no host sync."""
+        out = self._control(layer, topk_ids, self.fill_table, self.window, mirror, self.stream, self.bypass, out)
         if copy:
             self.copy(layer, out)
         return out
 
     def _control(self, layer: int, topk_ids: torch.Tensor, table: torch.Tensor, window: int,
                  mirror: tuple[torch.Tensor, ...] | None = None, stream: StreamSplit | None = None,
-                 bypass: int = 0) -> ControlOutputs:
+                 bypass: int = 0, out: ControlOutputs | None = None) -> ControlOutputs:
         """The control kernel on this pool's state with ``table``, admission ``window`` and
         ``bypass`` slots (a seed uses none: it only makes experts resident)."""
-        out = self.outputs(topk_ids.numel())
+        out = self.outputs(topk_ids.numel()) if out is None else out
         control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used, self.clock,
                      table, self.totals, out, mirror=mirror, block_slots=self.max_slots, stream=stream,
                      admit_window=window, bypass=bypass, last_active=self.last_active, recur_window=self.recur)
