@@ -260,7 +260,8 @@ def test_a_hybrid_verification_as_chained_rows_equals_its_chunk(tiny_checkpoint)
     recurrent state the row before it left and writes its own into the draft's snapshot slot
     (the last into the sequence's slot). Beside a lone decode row of a third sequence, the logits
     and every state slot equal the chunk's, anchor checkpoints (after a verification's first row,
-    after a plain row) included: copies after the pass. (The torch path runs them on a GPU when a pass mixes
+    after a plain row) included: copies after the pass; a new prompt's chunk in the same pass
+    stays a chunk, and the chained rows beside it run on the torch path, as a GPU runs them then. (The torch path runs them on a GPU when a pass mixes
     chained rows with a prompt's chunk; the kernels' own test is tests/engine/test_triton_deltanet.py.)"""
     import torch
 
@@ -280,10 +281,13 @@ def test_a_hybrid_verification_as_chained_rows_equals_its_chunk(tiny_checkpoint)
                        snapshots=((len(q), ck[0]),) * (i == 0) + tuple((len(q) + j, x) for j, x in enumerate(sc)))
               for i, (b, q, s, sc) in enumerate(zip(blocks, p, slots, scratch))]
     verify.append(SeqChunk(blocks[2], len(p[2]) - 1, [p[2][-1]], state=slots[2], snapshots=((len(p[2]), ck[1]),)))
+    fourth = prompts(4)[3][:9]                 # and a new prompt's chunk in the same pass
+    verify.append(SeqChunk(kv.allocate(kv.blocks_for(9)), 0, fourth, state=states.take()))
     rows = as_decode_rows(verify, chained=True)
     assert [(c.chain, c.state_out) for c in rows[:4]] == [(False, scratch[0][0]), (True, scratch[0][1]),
                                                         (True, scratch[0][2]), (True, slots[0])]
-    assert len(rows) == 9 and not rows[8].chain and rows[8].state_out == -1 and not rows[8].snapshots
+    assert len(rows) == 10 and not rows[8].chain and rows[8].state_out == -1 and not rows[8].snapshots
+    assert rows[9] is verify[3]                                # a prompt's chunk stays whole
     assert rows[3].copies == ((scratch[0][0], ck[0]),) and rows[8].copies == ((slots[2], ck[1]),)
     assert as_decode_rows(verify)[0] is verify[0]            # not chained unless the model runs chains
     saved = states.conv.clone(), states.ssm.clone()
@@ -299,9 +303,9 @@ def test_a_hybrid_verification_as_chained_rows_equals_its_chunk(tiny_checkpoint)
                 states.copy(src, dst)
         return logits, states.conv.clone(), states.ssm.clone()
     (chunked, conv_c, ssm_c), (chained, conv_r, ssm_r) = run(verify), run(rows)
-    assert chunked.shape == chained.shape == (9, runner.mcfg.vocab_size)
+    assert chunked.shape == chained.shape == (10, runner.mcfg.vocab_size)
     assert torch.allclose(chunked, chained, atol=1e-5, rtol=1e-5)
-    used = slots + scratch[0] + scratch[1] + list(ck)
+    used = slots + scratch[0] + scratch[1] + list(ck) + [verify[3].state]
     assert torch.allclose(conv_c[:, used], conv_r[:, used], atol=1e-5, rtol=1e-5)   # the projections' rounding
     assert torch.allclose(ssm_c[:, used], ssm_r[:, used], atol=1e-5, rtol=1e-5)
     assert not torch.allclose(ssm_r[:, scratch[0][0]], ssm_r[:, scratch[0][2]])   # the snapshots differ
