@@ -91,6 +91,8 @@ def timed(llm, Lockstep, side: str, frac: float, b: int, steps: int) -> dict:
     for _ in range(24):
         batch.step()
     before = runner.expert_stats()
+    ctl = getattr(runner.experts, "control", None)
+    pf_before = ctl.prefetch_counters() if ctl is not None else None
     t0 = time.perf_counter()
     marks = [t0]
     for _ in range(steps):
@@ -101,8 +103,11 @@ def timed(llm, Lockstep, side: str, frac: float, b: int, steps: int) -> dict:
     after = runner.expert_stats()
     batch.close()
     d = {k: after[k] - before[k] for k in ("hits", "misses", "fills", "cpu_computed")}
+    # cross-layer prefetch (FREETOKEN_EXPERT_PREFETCH): its fills crossed PCIe too
+    pf = {k: v - pf_before[k] for k, v in ctl.prefetch_counters().items()} if ctl is not None else {}
     graphs = runner.graphs
-    return {"side": side, "cache_fraction": frac, "cache_experts": runner.cache.capacity,
+    return {**({"prefetch_fills_per_step": pf["fills"] / steps, "prefetch_hits_per_step": pf["hits"] / steps,
+                "prefetch_misses_per_step": pf["misses"] / steps} if pf else {}),"side": side, "cache_fraction": frac, "cache_experts": runner.cache.capacity,
             "batch": b, "steps": steps, "tok_s": b * steps / secs, "ms_per_step": 1e3 * secs / steps,
             # the spread of single steps: a few stalled steps against a uniformly slower decode
             "step_ms_min": step_ms[0], "step_ms_median": step_ms[len(step_ms) // 2], "step_ms_max": step_ms[-1],

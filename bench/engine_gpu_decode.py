@@ -46,6 +46,11 @@ the same run (the engine reads its switches at start):
                 kernels/triton/combine.py)
   graphs/lru    graphs with plain LRU victims (FREETOKEN_FILL_ADMISSION=off: the engine before the
                 expert cache's fill admission, cache/experts.py)
+  graphs+prefetch  graphs with cross-layer expert prefetch (FREETOKEN_EXPERT_PREFETCH=on): each
+                MoE layer guesses the next layer's experts with that layer's router on its own input,
+                and the guessed misses are copied while it computes (DeviceControl.prefetch);
+                "graphs+prefetch@P" (1, 0.9, 0.7): with a replayed routing, guesses of the next
+                layer's traced experts right with probability P (bench/routing_replay.py)
   graphs/all-cpus  graphs with the CPU expert kernel on every CPU (FREETOKEN_CPU_EXPERT_THREADS =
                 the affinity set) instead of the GPU host's default of all but one
 
@@ -96,7 +101,15 @@ SIDES = {"eager/sync": ("off", False, "off", "on", "on"), "eager/branch": ("on",
          "graphs/no-deltanet": ("on", True, "off", "attention,norm,route,combine,gemv", "on"),
          "graphs/lru": ("on", True, "off", "on", "off"), "graphs/all-cpus": ("on", True, "off", "on", "on"),
          "graphs/gemv-ab": ("on", True, "off", "on", "on"), "graphs/control-ab": ("on", True, "off", "on", "on"),
-         "graphs/threshold-ab": ("on", True, "off", "on", "on")}
+         "graphs/threshold-ab": ("on", True, "off", "on", "on"),
+         "graphs+prefetch": ("on", True, "off", "on", "on"), "graphs+prefetch@1": ("on", True, "off", "on", "on"),
+         "graphs+prefetch@0.9": ("on", True, "off", "on", "on"),
+         "graphs+prefetch@0.7": ("on", True, "off", "on", "on")}
+#: sides with FREETOKEN_EXPERT_PREFETCH=on; "@P": with a replayed routing, guesses of the next
+#: layer's traced experts right with probability P (routing_replay.install_guesses); without "@",
+#: the next layer's own router on this layer's input (the engine's predictor: with a replayed
+#: routing its guesses are nearly all wrong, so that side measures what wrong guesses cost)
+PREFETCH = {"graphs+prefetch", "graphs+prefetch@1", "graphs+prefetch@0.9", "graphs+prefetch@0.7"}
 #: sides that also set the CPU expert kernel's threads: every CPU of the affinity set
 ALL_CPUS = {"graphs/all-cpus"}
 TUNING_SEARCH = 900
@@ -125,6 +138,11 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
     if routing != "model":
         from routing_replay import install
         install(runner.model, routing, batches)
+        if "@" in side:
+            from routing_replay import install_guesses
+            install_guesses(runner.model, float(side.split("@")[1]))
+    elif "@" in side:
+        raise SystemExit(f"{side} needs a replayed routing (--routing locality or uniform)")
     total = runner.bank.total_experts
     calibrated = runner.expert_stats()["fill_fraction"]
     rows = []
@@ -172,6 +190,7 @@ def run_sides(work: Path, fast: Path | None, args) -> tuple[int, list[dict], lis
                    FREETOKEN_GPU_DECODE_KERNELS=kernels, FREETOKEN_FILL_ADMISSION=admission)
         if side in ALL_CPUS:
             env["FREETOKEN_CPU_EXPERT_THREADS"] = str(len(os.sched_getaffinity(0)))
+        env["FREETOKEN_EXPERT_PREFETCH"] = "on" if side in PREFETCH else "off"
         cmd = [sys.executable, __file__, "--worker", side, "--model", str(model), "--fractions",
                args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device,
                "--splits", args.splits if side == "graphs" else "", "--routing", args.routing]

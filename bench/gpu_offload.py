@@ -257,7 +257,7 @@ def main() -> None:
                 plans = [("all", None)] if "all" in policies else []
                 fixed = [p for p in policies if p.startswith(("lru+q*@", "lru+q*+", "lru+q*/plain", "lru+q*/nobypass",
                                                               "lru+q*/serial-hits", "lru+q*/ascending",
-                                                              "lru+q*/ahead"))]
+                                                              "lru+q*/ahead", "lru+q*/predict@"))]
                 b1_loc = [p for p in policies if p.endswith("/layer")] + ["lru+sync"]    # b1 locality only
                 plans += [(p, b) for b in budgets for p in ("static", "static/graph", "lru", "lru+q*", *fixed, *b1_loc)
                           if p in policies and (p not in b1_loc or (batch == 1 and routing == "locality"))]

@@ -137,6 +137,7 @@ class _GpuExperts:
         if self.serial:
             ctl.copy(l, out)
         self.side.wait_stream(main)
+        ctl.wait_prefetched(l, main if self.serial else self.side)     # guesses copied ahead (/predict)
         with torch.cuda.stream(main if self.serial else self.side):
             moe_slots_forward(st.x[l], ctl.w13_slots, ctl.w2_slots, st.tok, out.pair_hit_slot, out=self.hit)
             if bank.shared is not None:
@@ -153,7 +154,7 @@ class _GpuExperts:
 
 
 def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict, serial: bool = False,
-                       ahead: bool = False):
+                       ahead: bool = False, guess: torch.Tensor | None = None):
     """(d) as one CUDA graph per token: the host half of the CPU branch is the C++ loop of
     ``kernels/cpu_branch.py`` (flags in pinned memory instead of per-layer launches and events).
 
@@ -163,7 +164,13 @@ def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict, s
     behind layer l's, so PCIe moves layer l + 1's experts while layer l computes; its experts wait
     for that copy and its CPU branch starts after layer l's combine, as before. The victims a
     step ahead picks are never the layer's slots before it (fill admission: only slots idle for
-    more than the window; this side needs it, and no bypass rows, which two layers would share)."""
+    more than the window; this side needs it, and no bypass rows, which two layers would share).
+
+    ``guess`` (``[L, T, k]``, the side ``lru+q*/predict@P``): what an engine can do instead, with
+    a predicted routing. After layer l's experts are queued, ``DeviceControl.prefetch`` fills
+    layer l + 1's guessed misses by the q* rule (its copies on a copy stream); layer l + 1's real
+    step then runs as usual, after layer l's combine, and finds the right guesses resident (its
+    hits wait for that copy)."""
     L, P = st.L, st.P
     br = CpuBranch(bank.w13, bank.w2, st.T, st.k, CUDA)
     br.x[0].copy_(st.x[0])
@@ -197,6 +204,8 @@ def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict, s
             if ahead and l + 1 < L:
                 control(l + 1, outs[(l + 1) % 2])
             shared = experts(l, out, copied[l] if ahead else None)
+            if guess is not None and l + 1 < L:
+                ctl.prefetch(l + 1, guess[l + 1])
             if ctl.stream is not None and ctl.stream.stage:      # the split by stage's down projection
                 handshake.wait(br.act_flag[l:l + 1], br.epoch, br.err)
                 ctl.stage_forward(br.act, out, rows=experts.streamed)
@@ -292,6 +301,21 @@ def _fill_cache(ctl: DeviceControl, ids_dev: torch.Tensor, max_passes: int = 8) 
     return {"cache_prefill_passes": passes, "cache_full_at_start": not bool((ctl.slot_owner < 0).any())}
 
 
+def guessed_routing(ids: torch.Tensor, experts: int, accuracy: float, seed: int = 7) -> torch.Tensor:
+    """A predictor's guesses of ``ids [n_tok, L, T, k]``: each routed expert kept with probability
+    ``accuracy``, else replaced by an expert the token does not route to (a row stays distinct)."""
+    rng = np.random.default_rng(seed)
+    out = ids.numpy().copy()
+    n_tok, L, T, k = out.shape
+    wrong = rng.random(out.shape) >= accuracy
+    for idx in zip(*np.nonzero(wrong.any(-1))):
+        row = out[idx]
+        free = np.setdiff1d(np.arange(experts), ids.numpy()[idx])
+        picks = rng.choice(free, size=int(wrong[idx].sum()), replace=False)
+        row[wrong[idx]] = picks
+    return torch.from_numpy(out)
+
+
 def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int, bw: dict, cpu_fn,
                keep_x: bool = False, fill_ids: torch.Tensor | None = None) -> dict:
     """Decode ``ids [n_tok, L, T, k]`` under ``policy``; time the tokens after ``warm``.
@@ -302,6 +326,10 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
     L, E, se = m["layers"], m["experts"], m["expert_bytes"]
     n_tok, batch = ids.shape[0], ids.shape[2]
     st = _Token(bank, batch)
+    # "/predict@P": layer l + 1's routing guessed during layer l, each expert right with probability P
+    accuracy = float(policy.split("/predict@")[1]) if "/predict@" in policy else None
+    guesses = guessed_routing(ids, E, accuracy).to(CUDA) if accuracy is not None else None
+    st.guess = torch.empty_like(st.ids) if accuracy is not None else None
     ids_np = ids.numpy()
     distinct = torch.tensor([[len(set(ids_np[t, l].ravel().tolist())) for l in range(L)] for t in range(n_tok)])
     ctl = br = None
@@ -361,24 +389,31 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
             token, capture, br = _lru_q_token(bank, st, ctl, cpu_fn, prof)
         else:
             token, capture, br = _lru_q_graph_token(bank, st, ctl, prof, serial=policy.endswith("/serial-hits"),
-                                                    ahead=policy.endswith("/ahead"))
+                                                    ahead=policy.endswith("/ahead"), guess=st.guess)
 
     ids_dev = ids.to(CUDA)
     res_warm = _fill_cache(ctl, (fill_ids if fill_ids is not None else ids[:warm]).to(CUDA)) if ctl is not None else {}
     st.load_ids(ids_dev, ids, 0)
+    if guesses is not None:
+        st.guess.copy_(guesses[0])
     token(None, ids_np[0])                                  # compiles every kernel; first warm token
     torch.cuda.synchronize()
     graphs = capture()
     counts = []
     for t in range(1, warm):
         st.load_ids(ids_dev, ids, t)
+        if guesses is not None:
+            st.guess.copy_(guesses[t])
         token(graphs, ids_np[t])
     torch.cuda.synchronize()
     before = ctl.counters() if ctl else None
+    pf_before = ctl.prefetch_counters() if ctl else None
     prof.update({key: 0 for key in prof})
     t0 = time.perf_counter()
     for t in range(warm, n_tok):
         st.load_ids(ids_dev, ids, t)
+        if guesses is not None:
+            st.guess.copy_(guesses[t])
         token(graphs, ids_np[t])
         if br is not None:
             counts.append(br.counts_np.copy())               # final once the token's last wait returned
@@ -389,7 +424,13 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         raise RuntimeError(f"{policy}: non-finite hidden state")
     res = {"policy": policy, "cache_slots": slots, "cache_fraction": slots / (L * E), "seconds_per_step": secs,
            "tok_s": batch / secs, "bypass_slots": nb, **res_warm}
-    res.update(row_bound(bank, policy, slots, distinct[warm:].float(), ctl, before, counts, bw, steps, batch, secs))
+    pf = {k: v - pf_before[k] for k, v in ctl.prefetch_counters().items()} if ctl else {}
+    # the experts copied ahead crossed PCIe too: counted as misses in the bound (wrong guesses included)
+    res.update(row_bound(bank, policy, slots, distinct[warm:].float(), ctl, before, counts, bw, steps, batch, secs,
+                         extra_misses=pf.get("fills", 0)))
+    if accuracy is not None:
+        res.update(guess_accuracy=accuracy, prefetch_fills_per_step=pf["fills"] / steps,
+                   prefetch_hits_per_step=pf["hits"] / steps, prefetch_misses_per_step=pf["misses"] / steps)
     if keep_x:
         res["x_layers"] = st.x.float().cpu()                  # [L + 1, T, H]: every layer's input
     if br is not None:

@@ -342,8 +342,10 @@ def _capture(fn) -> torch.cuda.CUDAGraph:
     return g
 
 
-def row_bound(bank, policy, slots, d_meas, ctl, before, counts, bw, steps, batch, secs) -> dict:
-    """The bandwidth-model bound of a row from its measured counts (see gpu_offload's docstring)."""
+def row_bound(bank, policy, slots, d_meas, ctl, before, counts, bw, steps, batch, secs, extra_misses: float = 0.0) -> dict:
+    """The bandwidth-model bound of a row from its measured counts (see gpu_offload's docstring).
+    ``extra_misses``: experts moved outside the steps' own misses (a prefetch's copies), counted
+    as misses in the bound."""
     m = bank.model
     L, E, se = m["layers"], m["experts"], m["expert_bytes"]
     hbm, pcie, cpu_b = bw["hbm_copy_gbps"] * 1e9, bw["pcie_h2d_gbps"] * 1e9, bw["cpu_expert_gbps"] * 1e9
@@ -362,6 +364,7 @@ def row_bound(bank, policy, slots, d_meas, ctl, before, counts, bw, steps, batch
     else:
         after = ctl.counters()
         c = {key: after[key] - before[key] for key in after}
+        c["misses"] += extra_misses
         if policy in ("lru", "lru+sync"):
             bound = (c["fills"] * se / pcie + (c["hits"] + c["fills"]) * se / hbm) / steps
         else:

@@ -71,3 +71,27 @@ def traced_ids(model, batch: int) -> torch.Tensor:
     """The trace installed for ``batch`` rows: expert ids ``[S, L, batch, k]`` (host)."""
     gate = model.moe_blocks()[0].gate
     return gate.tables[batch].topk(model.moe_blocks()[0].moe.top_k, dim=-1).indices.cpu()
+
+
+def install_guesses(model, accuracy: float, seed: int = 7) -> None:
+    """Give each MoE block but the last a ``next_gate`` (the engine's cross-layer prefetch,
+    FREETOKEN_EXPERT_PREFETCH=on) that guesses the next block's traced experts in the same decode
+    step, each right with probability ``accuracy`` and otherwise replaced by an expert that token
+    does not route to there (1.0: the trace itself, an oracle). Call after ``install``; the guess
+    is made on this block's router input, which a replayed router ignores."""
+    blocks = model.moe_blocks()
+    gates = [block.gate for block in blocks]
+    if not all(isinstance(g, ReplayRouter) for g in gates):
+        raise ValueError("install the replayed routing first")
+    k = blocks[0].moe.top_k
+    gen = torch.Generator().manual_seed(seed)
+    noisy = {}
+    for b, table in gates[0].tables.items():
+        ids = table.float().topk(k, dim=-1).indices.cpu()                          # [S, L, b, k]
+        scores = torch.rand(table.shape, generator=gen)
+        others = scores.scatter_(3, ids, -1.0).topk(k, dim=-1).indices           # k experts not routed
+        wrong = torch.rand(ids.shape, generator=gen) >= accuracy
+        guess = torch.where(wrong, others, ids)
+        noisy[b] = torch.zeros(table.shape, dtype=table.dtype).scatter_(3, guess, PICK).to(table.device)
+    for i, block in enumerate(blocks[:-1]):
+        block.next_gate = ReplayRouter(gates[i + 1].gate, i + 1, noisy, gates[0].step, first=False)

@@ -18,6 +18,11 @@ FREETOKEN_CPU_EXPERT_THREADS = "FREETOKEN_CPU_EXPERT_THREADS"
 FREETOKEN_CPU_KERNEL = "FREETOKEN_CPU_KERNEL"
 #: C++ compiler for the CPU expert kernel (the usual variable; default g++).
 CXX = "CXX"
+#: Cross-layer expert prefetch in decode (layers/moe.py, cache/device_control.py ``prefetch``):
+#: "on" guesses layer l + 1's experts with its router on layer l's router input and copies the
+#: guessed misses ahead, while layer l computes; "off" (the default: not yet measured on a GPU
+#: with an engine's predictions, docs/gpu.md).
+FREETOKEN_EXPERT_PREFETCH = "FREETOKEN_EXPERT_PREFETCH"
 #: Decode's CPU branch without a per-layer sync (cache/host_branch.py): "on", "off", or "auto"
 #: (the default: on; "off" keeps the per-layer-sync path, for A/B measurements).
 FREETOKEN_HOST_BRANCH = "FREETOKEN_HOST_BRANCH"
@@ -104,7 +109,7 @@ def validate() -> None:
     engine calls it at start, so a typo in a GPU-only setting fails on a CPU too, not on the first
     GPU that reads it."""
     for parse in (host_branch, gpu_decode_kernels, fill_admission, prefill_seed, stream_split, bypass_slots,
-                  cpu_expert_threads, preload, huge_pages, map_bank):
+                  cpu_expert_threads, preload, huge_pages, map_bank, expert_prefetch):
         parse()
 
 
@@ -142,6 +147,12 @@ def gpu_decode_kernels() -> frozenset[str]:
         raise ValueError(f"{FREETOKEN_GPU_DECODE_KERNELS} must be on, off or a list of "
                          f"{', '.join(GPU_DECODE_KERNELS)}; got {mode!r}")
     return names
+
+
+def expert_prefetch() -> bool:
+    """Whether decode prefetches the next layer's guessed experts (see FREETOKEN_EXPERT_PREFETCH);
+    ValueError for anything but on / off."""
+    return _mode(FREETOKEN_EXPERT_PREFETCH, "off", ("on", "off")) == "on"
 
 
 def fill_admission() -> bool:

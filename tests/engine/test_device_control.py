@@ -93,6 +93,45 @@ def test_a_step_into_the_callers_outputs_leaves_the_shared_ones_alone():
     assert runs[0][1] == runs[1][1] and runs[0][1]["fills"] > 0 and runs[0][1]["cpu_computed"] > 0
 
 
+def test_a_prefetch_changes_residency_as_the_step_would_and_nothing_else():
+    """``prefetch(layer, guess)``: the fills, victims and slot contents the layer's step on those
+    ids would make, stamped with that step's clock, but the clock, the counters and the routing
+    history stay; the counts go to the prefetch counters. The real step on the same ids then
+    finds every filled guess resident, and a prefetch never evicts a slot the step before used."""
+    bank = _bank()
+    g = torch.Generator().manual_seed(5)
+    warm = [(layer, _routing(g, 2, 10)) for _ in range(3) for layer in range(LAYERS)]
+    ctls = []
+    for _ in range(2):
+        ctl = DeviceControl.from_cache(ExpertCache(bank, 7, "cpu", fill_fraction=0.5, admit_window=1))
+        for layer, ids in warm:
+            ctl.step(layer, ids)
+        ctls.append(ctl)
+    ahead, plain = ctls
+    before = ahead.outputs(2 * K).fill_slot.clone()
+    used = ahead.last_used == ahead.host_clock() - 1           # the slots the last step used
+    clock, totals, history = ahead.host_clock(), ahead.counters(), ahead.last_active.clone()
+    guess = torch.tensor([[9, 10, 11, 0], [1, 9, 10, 2]])
+    ahead.prefetch(1, guess)
+    plain.step(1, guess)
+    assert torch.equal(ahead.slot_of, plain.slot_of) and torch.equal(ahead.slot_owner, plain.slot_owner)
+    assert torch.equal(ahead.last_used, plain.last_used)         # stamped with the coming step's clock
+    assert torch.equal(ahead.w13_slots, plain.w13_slots) and torch.equal(ahead.w2_slots, plain.w2_slots)
+    assert ahead.host_clock() == clock and plain.host_clock() == clock + 1
+    assert ahead.counters() == totals and torch.equal(ahead.last_active, history)
+    assert torch.equal(ahead.outputs(2 * K).fill_slot, before)    # the shared outputs untouched
+    pf = ahead.prefetch_counters()
+    assert pf["fills"] > 0 and pf["cpu_computed"] > 0 and pf == {k: v - totals[k] for k, v in plain.counters().items()}
+    assert not bool((used & (ahead.last_used == clock) & (ahead.slot_owner // EXPERTS != 1)).any())
+    filled = ahead._prefetch_out[2 * K].fill_exp[ahead._prefetch_out[2 * K].fill_exp >= 0]
+    out = ahead.step(1, guess)
+    assert bool((ahead.slot_of[1, filled] >= 0).all()) and out.step_counts[1] == pf["misses"] - pf["fills"]
+    with pytest.raises(ValueError, match="prefetch step needs admit_window"):
+        control_step(1, guess, ahead.slot_of, ahead.slot_owner, ahead.last_used, ahead.clock, ahead.fill_table,
+                     ahead.prefetch_totals, ControlOutputs.allocate(2 * K, EXPERTS, 7, torch.device("cpu")),
+                     admit_window=0, prefetch=True)
+
+
 @pytest.mark.parametrize("resizable", [False, True])
 def test_device_state_survives_resize(resizable):
     # resizable (the engine's binding): the control kernel is sized once for every expert, so a

@@ -66,3 +66,46 @@ def test_installing_twice_is_refused(tiny_checkpoint):
     routing_replay.install(llm.runner.model, "uniform", batches=[1], steps=4)
     with pytest.raises(ValueError, match="already replay"):
         routing_replay.install(llm.runner.model, "uniform", batches=[1], steps=4)
+
+
+@pytest.mark.parametrize("accuracy", [1.0, 0.5])
+def test_guesses_of_the_next_layer_are_the_trace_at_the_set_accuracy(tiny_checkpoint, monkeypatch, accuracy):
+    """``install_guesses``: with the engine's prefetch on, each decode step's guess of layer l + 1
+    holds the trace's experts of that step and layer with the set accuracy (1.0: exactly them),
+    every wrong one an expert the token does not route to, a row's guesses distinct."""
+    from freetoken_engine.cache.offload import OffloadedExperts
+    monkeypatch.setenv("FREETOKEN_EXPERT_PREFETCH", "on")
+    llm = LLM(tiny_checkpoint("qwen3_moe"), expert_backend="triton", expert_cache_experts=6, cpu_expert_fraction=0.5)
+    routing_replay.install(llm.runner.model, "uniform", batches=[len(PROMPTS)], steps=64)
+    routing_replay.install_guesses(llm.runner.model, accuracy)
+    guesses = []
+    real = OffloadedExperts.guess
+
+    def guess(self, layer, ids):
+        guesses.append((layer, ids.clone()))
+        return real(self, layer, ids)
+    monkeypatch.setattr(OffloadedExperts, "guess", guess)
+    batch = Lockstep(llm, PROMPTS)
+    before = len(guesses)                       # the prompts' prefill: the real routers' guesses
+    steps = 24
+    for _ in range(steps):
+        batch.step()
+    trace = routing_replay.traced_ids(llm.runner.model, len(PROMPTS))
+    layers = len(llm.runner.model.moe_blocks())
+    decode = guesses[before:]
+    assert len(decode) == steps * (layers - 1) and layers > 1
+    right = total = 0
+    for i, (layer, ids) in enumerate(decode):
+        step = i // (layers - 1)
+        assert layer == i % (layers - 1) + 1
+        want = trace[step, layer]
+        for row, traced in zip(ids.tolist(), want.tolist()):
+            assert len(set(row)) == len(row)
+            right += len(set(row) & set(traced))
+            total += len(row)
+    if accuracy == 1.0:
+        assert right == total
+    else:
+        assert 0.35 < right / total < 0.65
+    assert llm.runner.experts.control.prefetch_counters()["fills"] > 0
+    batch.close()

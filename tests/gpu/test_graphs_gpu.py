@@ -297,6 +297,40 @@ def test_hits_beside_the_fills_keep_every_bit(tiny_checkpoint, model, options, m
         assert stats["cpu_computed"] > 0
 
 
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("options,mode", [
+    ({"expert_cache_experts": 6, "cpu_expert_fraction": 0.0}, "device"),    # fills only
+    ({"expert_cache_experts": 5, "cpu_expert_fraction": 0.5}, "branch"),    # + CPU pairs
+])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_prefetching_the_next_layers_guesses_in_graphs_keeps_the_tokens(tiny_checkpoint, model, options, mode,
+                                                                        overlap, monkeypatch):
+    """FREETOKEN_EXPERT_PREFETCH=on inside captured decode graphs: each layer's guess of the next
+    layer's experts is copied on a stream of its own while the layer computes, and the next layer
+    waits for those copies. The tokens are those of the eager engine without prefetch, the
+    float32 logits within 1e-4 (a guess can move an expert between the CPU and the GPU), every
+    replayed step made prefetch steps, and the cache's books still balance."""
+    from freetoken_engine.cache.device_control import DeviceControl
+    monkeypatch.setattr(DeviceControl, "overlap_hits", overlap)
+    folder = tiny_checkpoint(model)
+    eager = LLM(folder, device="cuda", dtype="float32", cuda_graphs=False, **options)
+    want, want_logits = lockstep(eager, PROMPTS, 16)
+    monkeypatch.setenv("FREETOKEN_EXPERT_PREFETCH", "on")
+    llm = LLM(folder, device="cuda", dtype="float32", **options)
+    got, logits = lockstep(llm, PROMPTS, 16)
+    graphs = llm.runner.graphs
+    assert graphs.replays >= 12
+    assert {g.mode for (b, _), g in graphs._graphs.items() if b == len(PROMPTS)} == {mode}
+    assert got == want
+    assert (logits - want_logits).abs().max() < 1e-4
+    pf = llm.runner.experts.control.prefetch_counters()
+    assert pf["hits"] + pf["misses"] > 0 and pf["fills"] > 0
+    s = llm.runner.expert_stats()
+    assert s["fills"] + s["cpu_computed"] == s["misses"]
+    llm.runner.experts.sync_stats()
+    llm.runner.cache.check_integrity(deep=True)
+
+
 def test_more_decode_graphs_take_no_more_memory(tiny_checkpoint):
     """A server keeps a decode graph per batch size and KV width it meets, up to max_batch times
     every width. The graphs write one shared logits buffer, so a graph holds no logits of its own

@@ -65,6 +65,12 @@ class DeviceControl:
         self.set_fill_fraction(fill_fraction)
         # made here, not at first use: a decode graph's capture may be the first use
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # prefetch (``prefetch``): its copies' stream, their event, its own outputs and counters
+        self._copier = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._prefetched = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._prefetch_layer: int | None = None
+        self._prefetch_out: dict[int, ControlOutputs] = {}
+        self.prefetch_totals = torch.zeros(4, dtype=torch.int64, device=self.device)
 
     @classmethod
     def from_cache(cls, cache, resizable: bool = False) -> "DeviceControl":
@@ -184,6 +190,46 @@ class DeviceControl:
                      admit_window=window, bypass=bypass, last_active=self.last_active, recur_window=self.recur)
         return out
 
+    def prefetch(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Make ``layer``'s *predicted* experts ``topk_ids [T, k]`` resident ahead of its step:
+        a control step in prefetch mode (``control_step(prefetch=True)``: the q* rule's fills of
+        the predicted misses, victims only outside the admission window, at least one call, so
+        never a slot the layer running now uses; no counters but ``prefetch_totals``, no routing
+        history, the clock unchanged) on the current stream, then its copies on a copy stream of
+        their own, so they cross PCIe while the current layer computes. The layer's real step then
+        finds the right guesses resident; ``wait_prefetched(layer)`` makes a stream wait for their
+        copies before it computes with them. Call after the running layer's control step (and
+        its copies: they go first); one prefetch outstanding at a time. No host sync."""
+        n = topk_ids.numel()
+        if n not in self._prefetch_out:
+            self._prefetch_out[n] = ControlOutputs.allocate(n, self.slot_of.shape[1], self.slot_owner.numel(), self.device)
+        out = self._prefetch_out[n]
+        control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used, self.clock,
+                     self.fill_table, self.prefetch_totals, out, block_slots=self.max_slots,
+                     admit_window=max(self.window, 1), last_active=self.last_active, recur_window=self.recur,
+                     prefetch=True)
+        if self._copier is None:
+            gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer, out.fill_exp,
+                             out.fill_slot)
+        else:
+            self._copier.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._copier):
+                gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer, out.fill_exp,
+                                 out.fill_slot)
+                self._prefetched.record()
+        self._prefetch_layer = layer
+
+    def wait_prefetched(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
+        """Make ``stream`` (default: the current one) wait for the copies of a prefetch of
+        ``layer``, if one is outstanding (a no-op otherwise, and on the CPU, where they ran inline)."""
+        if self._prefetch_layer == layer and self._prefetched is not None:
+            (stream or torch.cuda.current_stream(self.device)).wait_event(self._prefetched)
+
+    def prefetch_counters(self) -> dict[str, int]:
+        """The prefetch steps' counts since construction: hits (guesses already resident), misses,
+        fills (experts copied ahead), cpu_computed (guesses left out by the q* rule) (one sync)."""
+        return dict(zip(COUNTERS, (int(v) for v in self.prefetch_totals.tolist())))
+
     def seed(self, layer: int, topk_ids: torch.Tensor, src_w13: torch.Tensor, src_w2: torch.Tensor) -> int:
         """Make the experts of ``topk_ids [T, k]`` in ``layer`` resident, copied from ``src_w13
         [E, 2I, H]`` / ``src_w2 [E, H, I]`` on the pool's device (a prefill's whole-layer buffer)
@@ -254,7 +300,8 @@ class DeviceControl:
                              stage=self.stream.stage)
 
     def run_experts(self, layer: int, x: torch.Tensor, pair_tok: torch.Tensor, out: ControlOutputs,
-                    beside=None, copy: bool = True) -> tuple[torch.Tensor, object]:
+                    beside=None, copy: bool = True, guess: tuple[int, torch.Tensor] | None = None
+                    ) -> tuple[torch.Tensor, object]:
         """Queue ``layer``'s fills (``copy``; False when ``step`` already copied them) and the GPU
         experts of the control step ``out``; returns ``(rows, beside())`` (None without ``beside``,
         a callable of device work independent of the experts, e.g. the layer's shared expert).
@@ -264,15 +311,23 @@ class DeviceControl:
         side stream while the fills cross PCIe, and only the filled experts wait for the copies:
         a layer whose fills take longer than its CPU experts no longer adds the hits' time after
         PCIe. The rows are those of one call over every pair, bit for bit (a slot's pairs form one
-        tile either way). A pool that holds every expert fills nothing after warm-up: one call."""
+        tile either way). A pool that holds every expert fills nothing after warm-up: one call.
+
+        ``guess`` (``(layer + 1, ids)``): once this layer's fills are queued, ``prefetch`` the next
+        layer's guessed experts. A prefetch of this layer, made during the layer before, is waited
+        for before any of its experts run."""
         fwd = functools.partial(moe_slots_forward, x, self.w13_slots, self.w2_slots, pair_tok, zero=False)
         if not (copy and self.overlap_hits and self.slot_owner.numel() < self.slot_of.numel()):
+            self.wait_prefetched(layer)
             if copy:
                 self.copy(layer, out)
+            if guess is not None:
+                self.prefetch(*guess)
             rows = fwd(out.pair_slot)
             return rows, beside() if beside is not None else None
         rows = x.new_empty((out.pair_slot.numel(), x.shape[1]))
         side = self._side
+        self.wait_prefetched(layer)               # the right guesses are this layer's hits now
         if side is not None:
             main = torch.cuda.current_stream(self.device)
             side.wait_stream(main)
@@ -280,6 +335,8 @@ class DeviceControl:
             fwd(out.pair_hit_slot, out=rows)
             extra = beside() if beside is not None else None
         self.copy(layer, out)
+        if guess is not None:
+            self.prefetch(*guess)
         fwd(out.pair_fill_slot, out=rows)
         if side is not None:
             main.wait_stream(side)

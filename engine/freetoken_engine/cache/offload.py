@@ -86,6 +86,7 @@ class OffloadedExperts:
         self.step_layers = bank.num_layers if step_layers is None else step_layers
         self.host_branch = None
         self.mtp_branch = None   # the MTP layer's own (its passes run apart from the decode steps)
+        self._guess: tuple[int, torch.Tensor] | None = None   # (layer, ids): the next layer's guess
         self.device = cache.device
         self.prefill_threshold = prefill_threshold
         self._pair_tok: dict[tuple[int, int], torch.Tensor] = {}
@@ -100,6 +101,7 @@ class OffloadedExperts:
         # the sync-free CPU branch (cache/host_branch.py): decided once, built on first use
         self._want_branch = (backend == "triton" and self.cpu_backend_name == "compiled"
                              and env.host_branch())
+        self._prefetch = env.expert_prefetch()
         if backend == "triton":
             from ..kernels.triton.moe import moe_slots_forward
             from .device_control import DeviceControl
@@ -158,6 +160,22 @@ class OffloadedExperts:
                 log.info("sync-free CPU branch unavailable (%s); syncing per layer", exc)
                 self._want_branch = False
         return self.mtp_branch if mtp else self.host_branch
+
+    def wants_guess(self, layer: int, tokens: int) -> bool:
+        """Whether a decode call of ``layer`` should guess the next layer's experts for a prefetch
+        (``env.expert_prefetch``): the device control runs the call, the next layer is one of the
+        step's, and not every expert fits (nothing to fetch then)."""
+        return (self._prefetch and self.control is not None and tokens < self.prefill_threshold
+                and layer + 1 < self.step_layers and self.cache.capacity < self.bank.total_experts)
+
+    def guess(self, layer: int, ids: torch.Tensor) -> None:
+        """The next call's layer and guessed ``ids [T, k]``: prefetched once the current layer's
+        own fills are queued (``DeviceControl.run_experts``)."""
+        self._guess = (layer, ids)
+
+    def _take_guess(self, layer: int):
+        g, self._guess = self._guess, None
+        return g if g is not None and g[0] == layer + 1 else None
 
     def branches(self) -> list:
         """The CPU branches built so far (the decode step's, the MTP layer's)."""
@@ -316,10 +334,11 @@ class OffloadedExperts:
                 # Every miss is filled: no CPU pair is possible, so no host sync in this layer
                 # (a decode step of such layers can be captured in a CUDA graph).
                 out = self.control.step(layer, topk_ids, copy=False)    # on the device, no sync
-                return self.control.run_experts(layer, x, pair_tok, out, beside)
+                return self.control.run_experts(layer, x, pair_tok, out, beside, guess=self._take_guess(layer))
             branch = self._host_branch(x, layer) if t <= self._branch_tokens() else None
             if branch is not None:      # CPU pairs answered by a host thread: still no sync here
-                return branch.layer(self.control, layer, x, topk_ids, pair_tok, beside)
+                return branch.layer(self.control, layer, x, topk_ids, pair_tok, beside, guess=self._take_guess(layer))
+        self._guess = None              # a synchronous call: no prefetch
         rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)
         return rows, beside() if beside is not None else None
 

@@ -225,6 +225,10 @@ class ModelRunner(GraphWarmup):
                                         step_layers=len(self.mcfg.moe_layers))
         for block in self.model.moe_blocks():
             block.experts = self.experts
+        if env.expert_prefetch():           # each MoE layer guesses the next one's experts
+            blocks = self.model.moe_blocks()[:len(self.mcfg.moe_layers)]
+            for block, nxt in zip(blocks, blocks[1:]):
+                block.next_gate = nxt.gate
 
     def _make_graphs(self) -> None:
         cfg = self.cfg

@@ -28,6 +28,8 @@ class SparseMoE(nn.Module):
         else:
             self.shared_expert = None
         self.experts = None   # set by attach_experts
+        # the next MoE layer's router, when decode prefetches its guessed experts (DecoderLM)
+        self.next_gate: nn.Linear | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] in x.dtype, expert ids [T, k])."""
@@ -54,6 +56,11 @@ class SparseMoE(nn.Module):
         """The layer's output for x [T, H], plus ``residual`` when given (the decoder's residual
         add, fused into the combine on a GPU)."""
         weights, ids = self.route(x)
+        if self.next_gate is not None and self.experts.wants_guess(self.moe_layer, x.shape[0]):
+            # the next layer's experts guessed from this layer's router input: copied while this
+            # layer computes (OffloadedExperts.guess); a wrong guess costs a fill, never a result
+            guess = torch.topk(self.next_gate(x), self.moe.top_k, dim=-1).indices
+            self.experts.guess(self.moe_layer + 1, guess)
         # [T*k, H] or SplitRows; on a GPU the shared expert runs beside the hits while fills copy
         beside = None if self.shared_expert is None else functools.partial(self._shared, x)
         rows, shared = self.experts.forward_beside(self.moe_layer, x, ids, beside)

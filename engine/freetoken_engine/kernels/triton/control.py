@@ -65,7 +65,7 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr, MIRROR: tl.constexpr,
                     MIRROR_IDS: tl.constexpr, STREAM: tl.constexpr, MIRROR_FROM: tl.constexpr,
-                    STAGE: tl.constexpr, RECUR: tl.constexpr, SKIP: tl.constexpr):
+                    STAGE: tl.constexpr, RECUR: tl.constexpr, SKIP: tl.constexpr, PREFETCH: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     pm = p < P
     ids = tl.load(topk_ptr + p, mask=pm, other=-1).to(tl.int64)               # [BLOCK_P]
@@ -89,7 +89,8 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
         n_rec = tl.sum(rec.to(tl.int64), 0)
         rank = tl.where(rec, tl.cumsum(rec.to(tl.int64), 0) - 1,
                         n_rec + tl.cumsum((miss & ~rec).to(tl.int64), 0) - 1)            # among misses
-        tl.store(last_active_ptr + layer * E + e, clock, mask=present)
+        if not PREFETCH:      # a guess is not a routing
+            tl.store(last_active_ptr + layer * E + e, clock, mask=present)
     else:
         rank = tl.cumsum(miss.to(tl.int64), 0) - 1                              # among misses
 
@@ -187,7 +188,8 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     if MIRROR_IDS:
         tl.store(mirror_ids_ptr + p, ids, mask=pm)
     tl.store(totals_ptr + c, tl.load(totals_ptr + c) + counts)
-    tl.store(clock_ptr, clock + 1)
+    if not PREFETCH:          # a prefetch stamps with the clock of the step it runs ahead of
+        tl.store(clock_ptr, clock + 1)
 
 
 @dataclass
@@ -279,7 +281,7 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
                  mirror: tuple[torch.Tensor, ...] | None = None,
                  block_slots: int | None = None, stream: "StreamSplit | None" = None,
                  admit_window: int = 0, bypass: int = 0, last_active: torch.Tensor | None = None,
-                 recur_window: int = 0) -> ControlOutputs:
+                 recur_window: int = 0, prefetch: bool = False) -> ControlOutputs:
     """Run the control step for ``layer`` (see the module docstring); mutates slot_of,
     slot_owner, last_used, clock ([1] int64) and totals ([4] int64) in place and fills ``out``
     (and ``mirror``: int64 [P], [4] and optionally [P], contiguous; pinned host memory on a GPU).
@@ -292,7 +294,13 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
     stream_rows. ``admit_window``: the fill admission window (step 2; 0 = plain LRU). ``bypass``:
     pool rows S..S+bypass-1 past the LRU slots that refused fills may use (step 3).
     ``last_active`` ([L, E] int64): the routing history, stamped for every routed expert; with
-    ``recur_window`` W > 0 recurring misses come first (step 3). Raises ValueError on bad shapes, dtypes, strides or sizes.
+    ``recur_window`` W > 0 recurring misses come first (step 3). ``prefetch``: a step on
+    *predicted* ids ahead of the layer's real one (``DeviceControl.prefetch``): the same hits, fills
+    and victims, but the clock does not advance (hits and fills are stamped with the clock of the
+    step it runs ahead of), the routing history is not stamped, and the counts go to ``totals``
+    (the caller's prefetch counters); it needs ``admit_window >= 1`` (the slots the running layer
+    uses carry the clock before, so they are never its victims), no bypass, mirror or stream split.
+    Raises ValueError on bad shapes, dtypes, strides or sizes.
     """
     dev = slot_of.device
     check_tensor("slot_of", slot_of, 2, (torch.int32, torch.int64), dev)
@@ -336,6 +344,8 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         stream.check()
     if bypass < 0:
         raise ValueError(f"bypass slots must be >= 0, got {bypass}")
+    if prefetch and (admit_window < 1 or bypass or mirror is not None or stream is not None):
+        raise ValueError("a prefetch step needs admit_window >= 1 and no bypass, mirror or stream split")
     recur = last_active is not None
     if recur:
         check_tensor("last_active", last_active, 2, (torch.int64,), dev)
@@ -358,5 +368,5 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=block_s,
         BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, MIRROR=mirror is not None, MIRROR_IDS=m_ids is not None,
         STREAM=stream is not None, MIRROR_FROM=m_from is not None, STAGE=stream is not None and stream.stage,
-        RECUR=recur, SKIP=SKIP_WITHOUT_MISSES, num_warps=8 if block_s > 2048 else 4)
+        RECUR=recur, SKIP=SKIP_WITHOUT_MISSES, PREFETCH=prefetch, num_warps=8 if block_s > 2048 else 4)
     return out
