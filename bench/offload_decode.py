@@ -127,6 +127,7 @@ class _GpuExperts:
         # the streamed split's GPU part of the CPU pairs (zero rows elsewhere), when it is on
         self.streamed = torch.zeros_like(self.hit) if ctl.stream is not None else None
         self.shared = torch.zeros(st.L, st.T, st.H, dtype=torch.bfloat16, device=CUDA)
+        self.guess = None          # [L, T, k] on the device: the next layers' guesses (/predict)
 
     def __call__(self, l: int, out, copied: torch.cuda.Event | None = None) -> torch.Tensor | None:
         """Queue layer l's experts after its control step ``out``; returns the shared rows.
@@ -137,7 +138,6 @@ class _GpuExperts:
         if self.serial:
             ctl.copy(l, out)
         self.side.wait_stream(main)
-        ctl.wait_prefetched(l, main if self.serial else self.side)     # guesses copied ahead (/predict)
         with torch.cuda.stream(main if self.serial else self.side):
             moe_slots_forward(st.x[l], ctl.w13_slots, ctl.w2_slots, st.tok, out.pair_hit_slot, out=self.hit)
             if bank.shared is not None:
@@ -147,6 +147,8 @@ class _GpuExperts:
             main.wait_event(copied)
         elif not self.serial:
             ctl.copy(l, out)                    # the fills, then the streamed rows (with the split)
+        if self.guess is not None and l + 1 < st.L:      # /predict: layer l + 1's guesses behind the fills
+            ctl.prefetch(l + 1, self.guess[l + 1])
         moe_slots_forward(st.x[l], ctl.w13_slots, ctl.w2_slots, st.tok, out.pair_fill_slot, out=self.fill)
         ctl.streamed_forward(st.x[l], st.tok, out, rows=self.streamed)
         main.wait_stream(self.side)
@@ -167,15 +169,17 @@ def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict, s
     more than the window; this side needs it, and no bypass rows, which two layers would share).
 
     ``guess`` (``[L, T, k]``, the side ``lru+q*/predict@P``): what an engine can do instead, with
-    a predicted routing. After layer l's experts are queued, ``DeviceControl.prefetch`` fills
-    layer l + 1's guessed misses by the q* rule (its copies on a copy stream); layer l + 1's real
-    step then runs as usual, after layer l's combine, and finds the right guesses resident (its
-    hits wait for that copy)."""
+    a predicted routing. Once layer l's fill copies are queued, ``DeviceControl.prefetch`` fills
+    layer l + 1's guessed misses by the q* rule (its copies on a copy stream, behind layer l's,
+    while layer l computes); layer l + 1's real step then runs after layer l's combine as usual,
+    waits for that copy, finds the right guesses resident and fills nothing more (its unguessed
+    misses go to the CPU)."""
     L, P = st.L, st.P
     br = CpuBranch(bank.w13, bank.w2, st.T, st.k, CUDA)
     br.x[0].copy_(st.x[0])
     counts = torch.zeros(L, 4, dtype=torch.int64).pin_memory()        # the control steps' counts
     experts = _GpuExperts(bank, st, ctl, serial)
+    experts.guess = guess
     if ahead:
         if ctl.admit_window < 1 or ctl.bypass or ctl.stream is not None:
             raise ValueError("/ahead needs fill admission, no bypass rows and no streamed split")
@@ -204,8 +208,6 @@ def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict, s
             if ahead and l + 1 < L:
                 control(l + 1, outs[(l + 1) % 2])
             shared = experts(l, out, copied[l] if ahead else None)
-            if guess is not None and l + 1 < L:
-                ctl.prefetch(l + 1, guess[l + 1])
             if ctl.stream is not None and ctl.stream.stage:      # the split by stage's down projection
                 handshake.wait(br.act_flag[l:l + 1], br.epoch, br.err)
                 ctl.stage_forward(br.act, out, rows=experts.streamed)

@@ -173,8 +173,21 @@ class DeviceControl:
         and the step's counts, for a host-side CPU branch (``kernels/cpu_branch.py``). ``out``:
         output buffers of the caller's (``ControlOutputs.allocate``) instead of the shared ones,
         for a caller that runs a layer's step before the previous layer's outputs are used up.
-        Returns the output buffers; no host sync."""
-        out = self._control(layer, topk_ids, self.fill_table, self.window, mirror, self.stream, self.bypass, out)
+        Returns the output buffers; no host sync.
+
+        A layer with an outstanding ``prefetch`` (made during the layer before): the current
+        stream first waits for the prefetch's copies, and the step fills nothing more: the
+        prefetch already spent the layer's share of PCIe on its guesses, so the misses it did not
+        guess go to the CPU (filling q* of them again would move the split off its balance).
+        With every miss filled (fill fraction 1) the step fills the rest as usual."""
+        table, bypass = self.fill_table, self.bypass
+        if self._prefetch_layer is not None:     # its copies first (also a guess whose layer went another way)
+            if self._prefetched is not None:
+                torch.cuda.current_stream(self.device).wait_event(self._prefetched)
+            if self._prefetch_layer == layer and self.fill_fraction < 1.0:   # (fraction 1: fill the rest too)
+                table, bypass = self._no_fills(), 0
+            self._prefetch_layer = None
+        out = self._control(layer, topk_ids, table, self.window, mirror, self.stream, bypass, out)
         if copy:
             self.copy(layer, out)
         return out
@@ -197,9 +210,9 @@ class DeviceControl:
         never a slot the layer running now uses; no counters but ``prefetch_totals``, no routing
         history, the clock unchanged) on the current stream, then its copies on a copy stream of
         their own, so they cross PCIe while the current layer computes. The layer's real step then
-        finds the right guesses resident; ``wait_prefetched(layer)`` makes a stream wait for their
-        copies before it computes with them. Call after the running layer's control step (and
-        its copies: they go first); one prefetch outstanding at a time. No host sync."""
+        finds the right guesses resident. Call after the running layer's control step (and
+        its copies: they go first); one prefetch outstanding at a time; the next ``step`` waits
+        for its copies and, for the guessed layer, fills nothing more. No host sync."""
         n = topk_ids.numel()
         if n not in self._prefetch_out:
             self._prefetch_out[n] = ControlOutputs.allocate(n, self.slot_of.shape[1], self.slot_owner.numel(), self.device)
@@ -219,11 +232,11 @@ class DeviceControl:
                 self._prefetched.record()
         self._prefetch_layer = layer
 
-    def wait_prefetched(self, layer: int, stream: torch.cuda.Stream | None = None) -> None:
-        """Make ``stream`` (default: the current one) wait for the copies of a prefetch of
-        ``layer``, if one is outstanding (a no-op otherwise, and on the CPU, where they ran inline)."""
-        if self._prefetch_layer == layer and self._prefetched is not None:
-            (stream or torch.cuda.current_stream(self.device)).wait_event(self._prefetched)
+    def _no_fills(self) -> torch.Tensor:
+        """The fill table of a step that fills nothing (every miss to the CPU)."""
+        if getattr(self, "_zero_table", None) is None or self._zero_table.shape != self.fill_table.shape:
+            self._zero_table = torch.zeros_like(self.fill_table)
+        return self._zero_table
 
     def prefetch_counters(self) -> dict[str, int]:
         """The prefetch steps' counts since construction: hits (guesses already resident), misses,
@@ -314,11 +327,10 @@ class DeviceControl:
         tile either way). A pool that holds every expert fills nothing after warm-up: one call.
 
         ``guess`` (``(layer + 1, ids)``): once this layer's fills are queued, ``prefetch`` the next
-        layer's guessed experts. A prefetch of this layer, made during the layer before, is waited
-        for before any of its experts run."""
+        layer's guessed experts (their copies cross PCIe while this layer's filled experts and
+        the rest of the step run; ``step`` of the next layer waits for them)."""
         fwd = functools.partial(moe_slots_forward, x, self.w13_slots, self.w2_slots, pair_tok, zero=False)
         if not (copy and self.overlap_hits and self.slot_owner.numel() < self.slot_of.numel()):
-            self.wait_prefetched(layer)
             if copy:
                 self.copy(layer, out)
             if guess is not None:
@@ -327,7 +339,6 @@ class DeviceControl:
             return rows, beside() if beside is not None else None
         rows = x.new_empty((out.pair_slot.numel(), x.shape[1]))
         side = self._side
-        self.wait_prefetched(layer)               # the right guesses are this layer's hits now
         if side is not None:
             main = torch.cuda.current_stream(self.device)
             side.wait_stream(main)
