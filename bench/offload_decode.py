@@ -137,6 +137,7 @@ class _GpuExperts:
         main = torch.cuda.current_stream()
         if self.serial:
             ctl.copy(l, out)
+        ctl.wait_prefetched()                   # this layer's guesses (/predict), copied during the layer before
         self.side.wait_stream(main)
         with torch.cuda.stream(main if self.serial else self.side):
             moe_slots_forward(st.x[l], ctl.w13_slots, ctl.w2_slots, st.tok, out.pair_hit_slot, out=self.hit)
@@ -172,8 +173,8 @@ def _lru_q_graph_token(bank: Bank, st: _Token, ctl: DeviceControl, prof: dict, s
     a predicted routing. Once layer l's fill copies are queued, ``DeviceControl.prefetch`` fills
     layer l + 1's guessed misses by the q* rule (its copies on a copy stream, behind layer l's,
     while layer l computes); layer l + 1's real step then runs after layer l's combine as usual,
-    waits for that copy, finds the right guesses resident and fills nothing more (its unguessed
-    misses go to the CPU)."""
+    finds the right guesses resident and fills nothing more (its unguessed misses go to the CPU,
+    which starts at once), and its experts wait for that copy."""
     L, P = st.L, st.P
     br = CpuBranch(bank.w13, bank.w2, st.T, st.k, CUDA)
     br.x[0].copy_(st.x[0])

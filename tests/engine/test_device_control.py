@@ -110,19 +110,22 @@ def test_a_prefetch_changes_residency_as_the_step_would_and_nothing_else():
     ahead, plain = ctls
     before = ahead.outputs(2 * K).fill_slot.clone()
     used = ahead.last_used == ahead.host_clock() - 1           # the slots the last step used
+    owners = ahead.slot_owner.clone()
     clock, totals, history = ahead.host_clock(), ahead.counters(), ahead.last_active.clone()
     guess = torch.tensor([[9, 10, 11, 0], [1, 9, 10, 2]])
     ahead.prefetch(1, guess)
     plain.step(1, guess)
     assert torch.equal(ahead.slot_of, plain.slot_of) and torch.equal(ahead.slot_owner, plain.slot_owner)
-    assert torch.equal(ahead.last_used, plain.last_used)         # stamped with the coming step's clock
+    # stamped with the clock before the coming step's (the running step's): the guessed layer's
+    # own step must find every stored clock below its own
+    assert torch.equal(ahead.last_used, torch.where(plain.last_used == clock, clock - 1, plain.last_used))
     assert torch.equal(ahead.w13_slots, plain.w13_slots) and torch.equal(ahead.w2_slots, plain.w2_slots)
     assert ahead.host_clock() == clock and plain.host_clock() == clock + 1
     assert ahead.counters() == totals and torch.equal(ahead.last_active, history)
     assert torch.equal(ahead.outputs(2 * K).fill_slot, before)    # the shared outputs untouched
     pf = ahead.prefetch_counters()
     assert pf["fills"] > 0 and pf["cpu_computed"] > 0 and pf == {k: v - totals[k] for k, v in plain.counters().items()}
-    assert not bool((used & (ahead.last_used == clock) & (ahead.slot_owner // EXPERTS != 1)).any())
+    assert torch.equal(ahead.slot_owner[used], owners[used])      # the running step's slots kept
     filled = ahead._prefetch_out[2 * K].fill_exp[ahead._prefetch_out[2 * K].fill_exp >= 0]
     out = ahead.step(1, guess)
     assert bool((ahead.slot_of[1, filled] >= 0).all()) and out.step_counts[1] == pf["misses"] - pf["fills"]
@@ -130,6 +133,43 @@ def test_a_prefetch_changes_residency_as_the_step_would_and_nothing_else():
         control_step(1, guess, ahead.slot_of, ahead.slot_owner, ahead.last_used, ahead.clock, ahead.fill_table,
                      ahead.prefetch_totals, ControlOutputs.allocate(2 * K, EXPERTS, 7, torch.device("cpu")),
                      admit_window=0, prefetch=True)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_after_prefetches_every_pair_reads_its_own_expert(fraction):
+    """Steps that each follow a prefetch of mostly wrong guesses, in a pool of 12 slots for 24
+    experts a layer, steps of 4 and 8 distinct experts in turn (with every miss filled, fraction
+    1, there is no admission window: every slot may be a victim, and a step can need more than
+    the slots older than the prefetch): every pair's slot holds that pair's expert after its
+    step, i.e. none of the step's hits was taken for a fill, and the slots hold the bank's rows.
+    (A prefetch that stamped with the step's own clock tied its wrong guesses with the step's
+    hits, and a hit with the lower slot number became a victim.)"""
+    experts = 24
+    bank = ExpertBank(LAYERS, experts, H, I, torch.bfloat16)
+    g = torch.Generator().manual_seed(11)
+    bank.w13.copy_(torch.randn(bank.w13.shape, generator=g))
+    bank.w2.copy_(torch.randn(bank.w2.shape, generator=g))
+    ctl = DeviceControl.from_cache(ExpertCache(bank, 3 * K, "cpu", fill_fraction=fraction, admit_window=1))
+    filled = 0
+    for step in range(36):
+        layer = step % LAYERS
+        perm = torch.randperm(experts, generator=g)
+        tokens = 1 + step % 2
+        ids = perm[:tokens * K].reshape(tokens, K)                     # distinct: 4 or 8 experts
+        if step:      # a quarter of them guessed, the rest wrong
+            right = ids.reshape(-1)[: tokens * K // 4]
+            guess = torch.cat([right, perm[tokens * K: tokens * K + tokens * K - right.numel()]])
+            ctl.prefetch(layer, guess.reshape(tokens, K))
+        out = ctl.step(layer, ids)
+        ps = out.pair_slot
+        on_gpu = ps >= 0
+        if fraction == 1.0:
+            assert bool(on_gpu.all())
+        assert torch.equal(ctl.slot_owner[ps[on_gpu]], layer * experts + ids.reshape(-1)[on_gpu])
+        for p in torch.nonzero(on_gpu).flatten().tolist():
+            assert torch.equal(ctl.w13_slots[ps[p]], bank.w13[layer, int(ids.reshape(-1)[p])])
+        filled += int(out.step_counts[2])
+    assert filled > 0 and ctl.prefetch_counters()["fills"] > 0
 
 
 @pytest.mark.parametrize("resizable", [False, True])

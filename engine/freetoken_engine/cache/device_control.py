@@ -68,7 +68,8 @@ class DeviceControl:
         # prefetch (``prefetch``): its copies' stream, their event, its own outputs and counters
         self._copier = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._prefetched = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._prefetch_layer: int | None = None
+        self._prefetch_layer: int | None = None     # the layer of a prefetch its step has not run for
+        self._unwaited = False                      # its copies not yet waited for by any stream
         self._prefetch_out: dict[int, ControlOutputs] = {}
         self.prefetch_totals = torch.zeros(4, dtype=torch.int64, device=self.device)
 
@@ -175,16 +176,18 @@ class DeviceControl:
         for a caller that runs a layer's step before the previous layer's outputs are used up.
         Returns the output buffers; no host sync.
 
-        A layer with an outstanding ``prefetch`` (made during the layer before): the current
-        stream first waits for the prefetch's copies, and the step fills nothing more: the
-        prefetch already spent the layer's share of PCIe on its guesses, so the misses it did not
-        guess go to the CPU (filling q* of them again would move the split off its balance).
-        With every miss filled (fill fraction 1) the step fills the rest as usual."""
+        A layer with an outstanding ``prefetch`` (made during the layer before) fills nothing
+        more: the prefetch already spent the layer's share of PCIe on its guesses, so the misses
+        it did not guess go to the CPU (filling q* of them again would move the split off its
+        balance); with every miss filled (fill fraction 1) the step fills the rest as usual. Its
+        copies may still be crossing PCIe: ``run_experts`` (or a caller that reads the slots
+        otherwise, after ``wait_prefetched``) waits for them, so the step and its CPU branch
+        start at once. A prefetch of another layer is waited for here."""
         table, bypass = self.fill_table, self.bypass
-        if self._prefetch_layer is not None:     # its copies first (also a guess whose layer went another way)
-            if self._prefetched is not None:
-                torch.cuda.current_stream(self.device).wait_event(self._prefetched)
-            if self._prefetch_layer == layer and self.fill_fraction < 1.0:   # (fraction 1: fill the rest too)
+        if self._prefetch_layer is not None:
+            if self._prefetch_layer != layer:        # a guess whose layer went another way
+                self.wait_prefetched()
+            elif self.fill_fraction < 1.0:
                 table, bypass = self._no_fills(), 0
             self._prefetch_layer = None
         out = self._control(layer, topk_ids, table, self.window, mirror, self.stream, bypass, out)
@@ -230,7 +233,16 @@ class DeviceControl:
                 gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer, out.fill_exp,
                                  out.fill_slot)
                 self._prefetched.record()
+            self._unwaited = True
         self._prefetch_layer = layer
+
+    def wait_prefetched(self, stream: "torch.cuda.Stream | None" = None) -> None:
+        """Make ``stream`` (default: the current one) wait for the copies of the last
+        ``prefetch`` if nothing waited for them yet (a no-op otherwise, and on the CPU, where
+        they ran inline). Before anything reads the slots of the layer the prefetch was for."""
+        if self._unwaited:
+            (stream or torch.cuda.current_stream(self.device)).wait_event(self._prefetched)
+            self._unwaited = False
 
     def _no_fills(self) -> torch.Tensor:
         """The fill table of a step that fills nothing (every miss to the CPU)."""
@@ -305,7 +317,9 @@ class DeviceControl:
 
     def copy(self, layer: int, out: ControlOutputs) -> None:
         """The copies of a control step run with ``copy=False``: its fills into their slots and,
-        with the streamed split, the streamed rows into the scratch slots. One launch each."""
+        with the streamed split, the streamed rows into the scratch slots. One launch each. (After
+        an outstanding prefetch's copies: a fill may take a slot a wrong guess is being copied to.)"""
+        self.wait_prefetched()
         gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer,
                          out.fill_exp, out.fill_slot)
         if self.stream is not None:
@@ -327,9 +341,11 @@ class DeviceControl:
         tile either way). A pool that holds every expert fills nothing after warm-up: one call.
 
         ``guess`` (``(layer + 1, ids)``): once this layer's fills are queued, ``prefetch`` the next
-        layer's guessed experts (their copies cross PCIe while this layer's filled experts and
-        the rest of the step run; ``step`` of the next layer waits for them)."""
+        layer's guessed experts (their copies cross PCIe while this layer's filled experts, the
+        next layer's step and its CPU branch run; the next layer's ``run_experts`` waits for
+        them)."""
         fwd = functools.partial(moe_slots_forward, x, self.w13_slots, self.w2_slots, pair_tok, zero=False)
+        self.wait_prefetched()            # this layer's guesses, copied during the layer before
         if not (copy and self.overlap_hits and self.slot_owner.numel() < self.slot_of.numel()):
             if copy:
                 self.copy(layer, out)

@@ -340,6 +340,8 @@ class OffloadedExperts:
             if branch is not None:      # CPU pairs answered by a host thread: still no sync here
                 return branch.layer(self.control, layer, x, topk_ids, pair_tok, beside, guess=self._take_guess(layer))
         self._guess = None              # a synchronous call: no prefetch
+        if self.control is not None:
+            self.control.wait_prefetched()    # (a layer before may have prefetched into the slots)
         rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)
         return rows, beside() if beside is not None else None
 

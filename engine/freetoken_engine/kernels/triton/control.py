@@ -94,8 +94,14 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     else:
         rank = tl.cumsum(miss.to(tl.int64), 0) - 1                              # among misses
 
-    # Stamp the hits first: they now hold the largest keys and are never chosen below.
-    tl.store(last_used_ptr + slot, clock, mask=hit)
+    # Stamp the hits first: they now hold the largest keys and are never chosen below. A prefetch
+    # stamps with the clock of the step before (the one running now), so that every stored clock
+    # stays below the guessed layer's own step: the hits of that step, stamped with its clock,
+    # then stay the largest keys even against wrong guesses, which remain its plain LRU victims.
+    stamp = clock
+    if PREFETCH:
+        stamp = tl.maximum(clock - 1, 0)
+    tl.store(last_used_ptr + slot, stamp, mask=hit)
     f = tl.arange(0, BLOCK_F)
     fm = f < NF
     tl.store(fill_exp_ptr + f, -1, mask=fm)
@@ -138,7 +144,7 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     tl.store(slot_of_ptr + old, -1, mask=fill & (old >= 0))                     # old owners lose residency
     tl.store(row_ptr + e, victim.to(slot_of_ptr.dtype.element_ty), mask=fill)
     tl.store(owner_ptr + victim, layer * E + e, mask=fill)
-    tl.store(last_used_ptr + victim, clock, mask=fill)
+    tl.store(last_used_ptr + victim, stamp, mask=fill)
     tl.store(fill_exp_ptr + rank, e, mask=fill | byp)
     tl.store(fill_slot_ptr + rank, victim, mask=fill | byp)
     tl.store(cpu_exp_ptr + rank - qf, e, mask=cpu)
@@ -296,10 +302,12 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
     ``last_active`` ([L, E] int64): the routing history, stamped for every routed expert; with
     ``recur_window`` W > 0 recurring misses come first (step 3). ``prefetch``: a step on
     *predicted* ids ahead of the layer's real one (``DeviceControl.prefetch``): the same hits, fills
-    and victims, but the clock does not advance (hits and fills are stamped with the clock of the
-    step it runs ahead of), the routing history is not stamped, and the counts go to ``totals``
-    (the caller's prefetch counters); it needs ``admit_window >= 1`` (the slots the running layer
-    uses carry the clock before, so they are never its victims), no bypass, mirror or stream split.
+    and victims, but the clock does not advance (hits and fills are stamped with the clock before,
+    that of the step running now: the guessed layer's own step, at the clock, must find every
+    stored clock below its own, or a wrong guess could tie with its hits and one of them become a
+    victim), the routing history is not stamped, and the counts go to ``totals`` (the caller's
+    prefetch counters); it needs ``admit_window >= 1`` (victims then carry a clock below the
+    running step's, so never a slot the running layer uses), no bypass, mirror or stream split.
     Raises ValueError on bad shapes, dtypes, strides or sizes.
     """
     dev = slot_of.device
