@@ -307,10 +307,11 @@ def test_prefetching_the_next_layers_guesses_in_graphs_keeps_the_tokens(tiny_che
                                                                         overlap, monkeypatch):
     """FREETOKEN_EXPERT_PREFETCH=on inside captured decode graphs: each layer's guess of the next
     layer's experts is copied on a stream of its own while the layer computes, and the next
-    layer's step waits for those copies. Against the same graphs without prefetch: with every miss
-    filled (all experts on the GPU, wherever their slot) the float32 logits bit for bit; with
-    CPU pairs (a guess moves an expert between the CPU and the GPU) the same tokens and logits
-    within 1e-4. Every replayed step made prefetch steps, and the cache's books still balance."""
+    layer's experts wait for those copies. Against the same graphs without prefetch: the same
+    tokens and float32 logits within 1e-4 (a guess moves an expert between the CPU and the GPU:
+    the short prompts' prefill has CPU pairs even where decode fills every miss). Every replayed
+    step made prefetch steps, and the cache's books still balance. (A prefetch that stamped
+    with the guessed step's clock made a hit a victim here: other tokens.)"""
     from freetoken_engine.cache.device_control import DeviceControl
     monkeypatch.setattr(DeviceControl, "overlap_hits", overlap)
     folder = tiny_checkpoint(model)
@@ -325,10 +326,7 @@ def test_prefetching_the_next_layers_guesses_in_graphs_keeps_the_tokens(tiny_che
         runs.append((tokens, logits, llm))
     (want, want_logits, _), (got, logits, llm) = runs
     assert got == want
-    if mode == "device":
-        assert torch.equal(logits, want_logits)
-    else:
-        assert (logits - want_logits).abs().max() < 1e-4
+    assert (logits - want_logits).abs().max() < 1e-4
     pf = llm.runner.experts.control.prefetch_counters()
     assert pf["hits"] + pf["misses"] > 0 and pf["fills"] > 0
     s = llm.runner.expert_stats()
