@@ -46,11 +46,12 @@ the same run (the engine reads its switches at start):
                 kernels/triton/combine.py)
   graphs/lru    graphs with plain LRU victims (FREETOKEN_FILL_ADMISSION=off: the engine before the
                 expert cache's fill admission, cache/experts.py)
-  graphs+prefetch  graphs with cross-layer expert prefetch (FREETOKEN_EXPERT_PREFETCH=on): each
-                MoE layer guesses the next layer's experts with that layer's router on its own input,
-                and the guessed misses are copied while it computes (DeviceControl.prefetch);
-                "graphs+prefetch@P" (1, 0.9, 0.7): with a replayed routing, guesses of the next
-                layer's traced experts right with probability P (bench/routing_replay.py)
+  graphs+prefetch  graphs with cross-layer expert prefetch (FREETOKEN_EXPERT_PREFETCH=on, decode
+                calls of one sequence): each MoE layer guesses the next layer's experts with that
+                layer's router on its own input, and the guessed misses are copied while it
+                computes (DeviceControl.prefetch); "graphs+prefetch@P" (1, 0.9, 0.7): in every decode
+                call (=all), with a replayed routing, guesses of the next layer's traced experts
+                right with probability P (bench/routing_replay.py)
   graphs/all-cpus  graphs with the CPU expert kernel on every CPU (FREETOKEN_CPU_EXPERT_THREADS =
                 the affinity set) instead of the GPU host's default of all but one
 
@@ -190,7 +191,9 @@ def run_sides(work: Path, fast: Path | None, args) -> tuple[int, list[dict], lis
                    FREETOKEN_GPU_DECODE_KERNELS=kernels, FREETOKEN_FILL_ADMISSION=admission)
         if side in ALL_CPUS:
             env["FREETOKEN_CPU_EXPERT_THREADS"] = str(len(os.sched_getaffinity(0)))
-        env["FREETOKEN_EXPERT_PREFETCH"] = "on" if side in PREFETCH else "off"
+        # "@P" sides prefetch in every decode call (as measured in run 4 of 2026-12-03, when "on"
+        # meant that); the plain side has the engine's "on": calls of one sequence
+        env["FREETOKEN_EXPERT_PREFETCH"] = ("all" if "@" in side else "on") if side in PREFETCH else "off"
         cmd = [sys.executable, __file__, "--worker", side, "--model", str(model), "--fractions",
                args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device,
                "--splits", args.splits if side == "graphs" else "", "--routing", args.routing]

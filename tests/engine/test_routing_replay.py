@@ -74,7 +74,7 @@ def test_guesses_of_the_next_layer_are_the_trace_at_the_set_accuracy(tiny_checkp
     holds the trace's experts of that step and layer with the set accuracy (1.0: exactly them),
     every wrong one an expert the token does not route to, a row's guesses distinct."""
     from freetoken_engine.cache.offload import OffloadedExperts
-    monkeypatch.setenv("FREETOKEN_EXPERT_PREFETCH", "on")
+    monkeypatch.setenv("FREETOKEN_EXPERT_PREFETCH", "all")
     llm = LLM(tiny_checkpoint("qwen3_moe"), expert_backend="triton", expert_cache_experts=6, cpu_expert_fraction=0.5)
     routing_replay.install(llm.runner.model, "uniform", batches=[len(PROMPTS)], steps=64)
     routing_replay.install_guesses(llm.runner.model, accuracy)

@@ -305,7 +305,7 @@ def test_hits_beside_the_fills_keep_every_bit(tiny_checkpoint, model, options, m
 @pytest.mark.parametrize("overlap", [True, False])
 def test_prefetching_the_next_layers_guesses_in_graphs_keeps_the_tokens(tiny_checkpoint, model, options, mode,
                                                                         overlap, monkeypatch):
-    """FREETOKEN_EXPERT_PREFETCH=on inside captured decode graphs: each layer's guess of the next
+    """FREETOKEN_EXPERT_PREFETCH=all inside captured decode graphs: each layer's guess of the next
     layer's experts is copied on a stream of its own while the layer computes, and the next
     layer's experts wait for those copies. Against the same graphs without prefetch: the same
     tokens and float32 logits within 1e-4 (a guess moves an expert between the CPU and the GPU:
@@ -316,7 +316,7 @@ def test_prefetching_the_next_layers_guesses_in_graphs_keeps_the_tokens(tiny_che
     monkeypatch.setattr(DeviceControl, "overlap_hits", overlap)
     folder = tiny_checkpoint(model)
     runs = []
-    for prefetch in ("off", "on"):
+    for prefetch in ("off", "all"):            # (all: "on" prefetches for one sequence only)
         monkeypatch.setenv("FREETOKEN_EXPERT_PREFETCH", prefetch)
         llm = LLM(folder, device="cuda", dtype="float32", **options)
         tokens, logits = lockstep(llm, PROMPTS, 16)

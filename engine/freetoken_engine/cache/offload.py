@@ -163,9 +163,10 @@ class OffloadedExperts:
 
     def wants_guess(self, layer: int, tokens: int) -> bool:
         """Whether a decode call of ``layer`` should guess the next layer's experts for a prefetch
-        (``env.expert_prefetch``): the device control runs the call (without the streamed split),
+        (``env.expert_prefetch``: calls of up to that many tokens; one by default when on): the
+        device control runs the call (without the streamed split),
         the next layer is one of the step's, and not every expert fits (nothing to fetch then)."""
-        return (self._prefetch and self.control is not None and self.control.stream is None
+        return (tokens <= self._prefetch and self.control is not None and self.control.stream is None
                 and tokens < self.prefill_threshold and layer + 1 < self.step_layers
                 and self.cache.capacity < self.bank.total_experts)
 
