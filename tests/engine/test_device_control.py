@@ -135,6 +135,37 @@ def test_a_prefetch_changes_residency_as_the_step_would_and_nothing_else():
                      admit_window=0, prefetch=True)
 
 
+def test_a_prefetch_and_its_step_fill_what_the_step_alone_would():
+    """The guessed layer's step counts the prefetch's fills against its PCIe share: with right
+    guesses, the prefetch and the step together fill, and leave to the CPU, exactly what the step
+    alone fills and leaves; with guesses that were all resident (the call's hits: no prefetch
+    fill) the step keeps its whole share (a rule of "fill nothing after a prefetch" halved the H200 engine's speed with
+    a predictor like that: its guesses hit, and every miss went to the CPU)."""
+    bank = _bank(4)
+    g = torch.Generator().manual_seed(2)
+    warm = [(layer, _routing(g, 2, 10)) for _ in range(3) for layer in range(LAYERS)]
+    ids = torch.tensor([[9, 10, 11, 0], [1, 9, 10, 2]])
+    ctls = []
+    for _ in range(3):
+        ctl = DeviceControl.from_cache(ExpertCache(bank, 7, "cpu", fill_fraction=0.5, admit_window=1))
+        for layer, warm_ids in warm:
+            ctl.step(layer, warm_ids)
+        ctls.append(ctl)
+    alone, right, resident = ctls
+    want = alone.step(1, ids).step_counts.tolist()                 # hits, misses, fills, CPU
+    assert want[2] > 0 and want[3] > 0
+    right.prefetch(1, ids)
+    pf = right.prefetch_counters()
+    got = right.step(1, ids).step_counts.tolist()
+    assert pf["fills"] > 0 and got[0] == want[0] + pf["fills"]
+    assert pf["fills"] + got[2] == want[2] and got[3] == want[3]
+    routed = ids.unique()
+    held = routed[resident.slot_of[1, routed] >= 0].reshape(1, -1)      # the call's hits: right, resident
+    resident.prefetch(1, held)
+    assert resident.prefetch_counters()["fills"] == 0
+    assert resident.step(1, ids).step_counts.tolist() == want
+
+
 @pytest.mark.parametrize("fraction", [1.0, 0.5])
 def test_after_prefetches_every_pair_reads_its_own_expert(fraction):
     """Steps that each follow a prefetch of mostly wrong guesses, in a pool of 12 slots for 24

@@ -70,6 +70,7 @@ class DeviceControl:
         self._prefetched = torch.cuda.Event() if self.device.type == "cuda" else None
         self._prefetch_layer: int | None = None     # the layer of a prefetch its step has not run for
         self._unwaited = False                      # its copies not yet waited for by any stream
+        self._prefetch_spent: torch.Tensor | None = None
         self._prefetch_out: dict[int, ControlOutputs] = {}
         self.prefetch_totals = torch.zeros(4, dtype=torch.int64, device=self.device)
 
@@ -176,34 +177,38 @@ class DeviceControl:
         for a caller that runs a layer's step before the previous layer's outputs are used up.
         Returns the output buffers; no host sync.
 
-        A layer with an outstanding ``prefetch`` (made during the layer before) fills nothing
-        more: the prefetch already spent the layer's share of PCIe on its guesses, so the misses
-        it did not guess go to the CPU (filling q* of them again would move the split off its
-        balance); with every miss filled (fill fraction 1) the step fills the rest as usual. Its
-        copies may still be crossing PCIe: ``run_experts`` (or a caller that reads the slots
-        otherwise, after ``wait_prefetched``) waits for them, so the step and its CPU branch
-        start at once. A prefetch of another layer is waited for here."""
-        table, bypass = self.fill_table, self.bypass
+        A layer with an outstanding ``prefetch`` (made during the layer before) counts the
+        prefetch's fills against its PCIe share (``control_step(spent=)``): with right guesses
+        the two fill together what the step alone would have, so the split keeps its balance;
+        guesses that were resident already leave the step its own share. (With every miss filled,
+        fill fraction 1, it fills the rest as usual.) The prefetch's copies may still be crossing
+        PCIe: ``run_experts`` (or a caller that reads the slots otherwise, after
+        ``wait_prefetched``) waits for them, so the step and its CPU branch start at once. A
+        prefetch of another layer is waited for here."""
+        spent = None
         if self._prefetch_layer is not None:
             if self._prefetch_layer != layer:        # a guess whose layer went another way
                 self.wait_prefetched()
             elif self.fill_fraction < 1.0:
-                table, bypass = self._no_fills(), 0
+                spent = self._prefetch_spent
             self._prefetch_layer = None
-        out = self._control(layer, topk_ids, table, self.window, mirror, self.stream, bypass, out)
+        out = self._control(layer, topk_ids, self.fill_table, self.window, mirror, self.stream, self.bypass, out,
+                            spent)
         if copy:
             self.copy(layer, out)
         return out
 
     def _control(self, layer: int, topk_ids: torch.Tensor, table: torch.Tensor, window: int,
                  mirror: tuple[torch.Tensor, ...] | None = None, stream: StreamSplit | None = None,
-                 bypass: int = 0, out: ControlOutputs | None = None) -> ControlOutputs:
+                 bypass: int = 0, out: ControlOutputs | None = None,
+                 spent: torch.Tensor | None = None) -> ControlOutputs:
         """The control kernel on this pool's state with ``table``, admission ``window`` and
         ``bypass`` slots (a seed uses none: it only makes experts resident)."""
         out = self.outputs(topk_ids.numel()) if out is None else out
         control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used, self.clock,
                      table, self.totals, out, mirror=mirror, block_slots=self.max_slots, stream=stream,
-                     admit_window=window, bypass=bypass, last_active=self.last_active, recur_window=self.recur)
+                     admit_window=window, bypass=bypass, last_active=self.last_active, recur_window=self.recur,
+                     spent=spent)
         return out
 
     def prefetch(self, layer: int, topk_ids: torch.Tensor) -> None:
@@ -235,6 +240,7 @@ class DeviceControl:
                 self._prefetched.record()
             self._unwaited = True
         self._prefetch_layer = layer
+        self._prefetch_spent = out.step_counts[2:3]          # its fills: the guessed step's spent share
 
     def wait_prefetched(self, stream: "torch.cuda.Stream | None" = None) -> None:
         """Make ``stream`` (default: the current one) wait for the copies of the last
@@ -243,12 +249,6 @@ class DeviceControl:
         if self._unwaited:
             (stream or torch.cuda.current_stream(self.device)).wait_event(self._prefetched)
             self._unwaited = False
-
-    def _no_fills(self) -> torch.Tensor:
-        """The fill table of a step that fills nothing (every miss to the CPU)."""
-        if getattr(self, "_zero_table", None) is None or self._zero_table.shape != self.fill_table.shape:
-            self._zero_table = torch.zeros_like(self.fill_table)
-        return self._zero_table
 
     def prefetch_counters(self) -> dict[str, int]:
         """The prefetch steps' counts since construction: hits (guesses already resident), misses,

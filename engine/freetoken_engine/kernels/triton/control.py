@@ -61,11 +61,12 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
                     step_ptr, totals_ptr,
                     keys_ptr, newslot_ptr, mirror_ps_ptr, mirror_counts_ptr, mirror_ids_ptr, layer,
                     P, E, S, NF, pair_stream_ptr, stream_rows_ptr, cpurank_ptr, mirror_from_ptr,
-                    share, INTER, GRANULE, NS, window, NB, last_active_ptr, recur_window,
+                    share, INTER, GRANULE, NS, window, NB, last_active_ptr, recur_window, spent_ptr,
                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr,
                     BLOCK_F: tl.constexpr, SLOT_BITS: tl.constexpr, MIRROR: tl.constexpr,
                     MIRROR_IDS: tl.constexpr, STREAM: tl.constexpr, MIRROR_FROM: tl.constexpr,
-                    STAGE: tl.constexpr, RECUR: tl.constexpr, SKIP: tl.constexpr, PREFETCH: tl.constexpr):
+                    STAGE: tl.constexpr, RECUR: tl.constexpr, SKIP: tl.constexpr, PREFETCH: tl.constexpr,
+                    SPENT: tl.constexpr):
     p = tl.arange(0, BLOCK_P)
     pm = p < P
     ids = tl.load(topk_ptr + p, mask=pm, other=-1).to(tl.int64)               # [BLOCK_P]
@@ -78,7 +79,13 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
     miss = present & (slot < 0)
     n_hit = tl.sum(hit.to(tl.int64), 0)
     m = tl.sum(miss.to(tl.int64), 0)
-    target = tl.load(fill_table_ptr + m).to(tl.int64)
+    if SPENT:
+        # a prefetch already filled F of this call's guessed experts: the call's share is that of
+        # its misses and those F together, less the F already spent
+        spent = tl.load(spent_ptr).to(tl.int64)
+        target = tl.maximum(tl.load(fill_table_ptr + tl.minimum(m + spent, E)).to(tl.int64) - spent, 0)
+    else:
+        target = tl.load(fill_table_ptr + m).to(tl.int64)
     q = tl.minimum(target, S - n_hit)
     clock = tl.load(clock_ptr)
     if RECUR:
@@ -287,7 +294,8 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
                  mirror: tuple[torch.Tensor, ...] | None = None,
                  block_slots: int | None = None, stream: "StreamSplit | None" = None,
                  admit_window: int = 0, bypass: int = 0, last_active: torch.Tensor | None = None,
-                 recur_window: int = 0, prefetch: bool = False) -> ControlOutputs:
+                 recur_window: int = 0, prefetch: bool = False,
+                 spent: torch.Tensor | None = None) -> ControlOutputs:
     """Run the control step for ``layer`` (see the module docstring); mutates slot_of,
     slot_owner, last_used, clock ([1] int64) and totals ([4] int64) in place and fills ``out``
     (and ``mirror``: int64 [P], [4] and optionally [P], contiguous; pinned host memory on a GPU).
@@ -308,6 +316,11 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
     victim), the routing history is not stamped, and the counts go to ``totals`` (the caller's
     prefetch counters); it needs ``admit_window >= 1`` (victims then carry a clock below the
     running step's, so never a slot the running layer uses), no bypass, mirror or stream split.
+    ``spent`` (int64, one element on the device: the fills of the prefetch made for this call,
+    ``step_counts[2:3]`` of its outputs): F experts of the call's PCIe share already crossed, so
+    the call fills ``max(fill_table[min(m + F, E)] - F, 0)`` of its m misses: with right guesses
+    the prefetch and the call together fill what the call alone would have, and guesses that were
+    resident already (F = 0) leave the call its own share.
     Raises ValueError on bad shapes, dtypes, strides or sizes.
     """
     dev = slot_of.device
@@ -354,6 +367,10 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         raise ValueError(f"bypass slots must be >= 0, got {bypass}")
     if prefetch and (admit_window < 1 or bypass or mirror is not None or stream is not None):
         raise ValueError("a prefetch step needs admit_window >= 1 and no bypass, mirror or stream split")
+    if spent is not None:
+        check_tensor("spent", spent, 1, (torch.int64,), dev)
+        if spent.numel() != 1:
+            raise ValueError(f"spent must hold one count, got {spent.numel()}")
     recur = last_active is not None
     if recur:
         check_tensor("last_active", last_active, 2, (torch.int64,), dev)
@@ -372,9 +389,10 @@ def control_step(layer: int, topk_ids: torch.Tensor, slot_of: torch.Tensor, slot
         experts, slots, nf, out.pair_stream, out.stream_rows, out.cpurank,
         m_from if m_from is not None else out.stream_rows,
         *(stream.args(topk_ids.shape[0]) if stream is not None else (0.0, 1, 1, 0)), int(admit_window), int(bypass),
-        last_active if recur else clock, max(int(recur_window), 0),
+        last_active if recur else clock, max(int(recur_window), 0), spent if spent is not None else clock,
         BLOCK_P=next_pow2(pairs), BLOCK_E=next_pow2(experts), BLOCK_S=block_s,
         BLOCK_F=next_pow2(nf), SLOT_BITS=_SLOT_BITS, MIRROR=mirror is not None, MIRROR_IDS=m_ids is not None,
         STREAM=stream is not None, MIRROR_FROM=m_from is not None, STAGE=stream is not None and stream.stage,
-        RECUR=recur, SKIP=SKIP_WITHOUT_MISSES, PREFETCH=prefetch, num_warps=8 if block_s > 2048 else 4)
+        RECUR=recur, SKIP=SKIP_WITHOUT_MISSES, PREFETCH=prefetch,
+        SPENT=spent is not None, num_warps=8 if block_s > 2048 else 4)
     return out
