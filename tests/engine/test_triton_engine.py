@@ -60,6 +60,22 @@ def test_prefetching_the_next_layers_guessed_experts_changes_no_token(tiny_check
         assert on["hits"] > off["hits"]
 
 
+def test_prefetch_keeps_the_tokens_across_cache_resizes(tiny_checkpoint, monkeypatch):
+    """Prefetch on while the expert cache grows and shrinks between requests: the prefetch's
+    buffers are rebuilt for the new pool (their victim keys are sized by it), and
+    every request gives the torch path's tokens."""
+    folder = tiny_checkpoint("qwen3_moe")
+    want = LLM(folder, expert_backend="torch").generate(PROMPT, GREEDY).token_ids
+    monkeypatch.setenv("FREETOKEN_EXPERT_PREFETCH", "on")
+    llm = LLM(folder, expert_backend="triton", expert_cache_experts=3, cpu_expert_fraction=0.5)
+    for capacity in (3, 9, 4):
+        llm.runner.resize_expert_cache(capacity)
+        assert llm.generate(PROMPT, GREEDY).token_ids == want
+    assert llm.runner.experts.control.prefetch_counters()["fills"] > 0
+    llm.runner.experts.sync_stats()
+    llm.runner.cache.check_integrity(deep=True)
+
+
 def test_prefetch_on_guesses_for_one_sequence_and_all_for_every_decode_call(tiny_checkpoint, monkeypatch):
     """FREETOKEN_EXPERT_PREFETCH: "on" prefetches in decode calls of one sequence only (batch 4
     lost on the H200: 0.97x with every guess right), "all" in a batch too; anything else is

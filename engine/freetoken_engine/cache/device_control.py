@@ -68,10 +68,7 @@ class DeviceControl:
         # prefetch (``prefetch``): its copies' stream, their event, its own outputs and counters
         self._copier = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._prefetched = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._prefetch_layer: int | None = None     # the layer of a prefetch its step has not run for
         self._unwaited = False                      # its copies not yet waited for by any stream
-        self._prefetch_spent: torch.Tensor | None = None
-        self._prefetch_out: dict[int, ControlOutputs] = {}
         self.prefetch_totals = torch.zeros(4, dtype=torch.int64, device=self.device)
 
     @classmethod
@@ -98,6 +95,10 @@ class DeviceControl:
         self.last_active = last_active.to(dev, torch.int64).contiguous()
         self.clock = torch.tensor([clock], dtype=torch.int64, device=dev)
         self._outputs: dict[int, ControlOutputs] = {}
+        # a prefetch's outputs (sized for this pool), and what its guessed step has yet to read
+        self._prefetch_out: dict[int, ControlOutputs] = {}
+        self._prefetch_layer: int | None = None     # the layer of a prefetch its step has not run for
+        self._prefetch_spent: torch.Tensor | None = None
         self._full = False         # no empty slot left (fill_free): set once seen, until a rebind
 
     def refresh(self, cache) -> None:
