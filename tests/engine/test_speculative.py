@@ -304,7 +304,9 @@ def test_a_hybrid_verification_as_chained_rows_equals_its_chunk(tiny_checkpoint)
         return logits, states.conv.clone(), states.ssm.clone()
     (chunked, conv_c, ssm_c), (chained, conv_r, ssm_r) = run(verify), run(rows)
     assert chunked.shape == chained.shape == (10, runner.mcfg.vocab_size)
-    assert torch.allclose(chunked, chained, atol=1e-5, rtol=1e-5)
+    # the chunked form's and the recurrence's float32 rounding: up to 1.3e-5 on an AMD EPYC VM
+    # (its matmuls round otherwise than a Xeon's), a wrong state would be off by orders more
+    assert torch.allclose(chunked, chained, atol=1e-4, rtol=1e-5)
     used = slots + scratch[0] + scratch[1] + list(ck) + [verify[3].state]
     assert torch.allclose(conv_c[:, used], conv_r[:, used], atol=1e-5, rtol=1e-5)   # the projections' rounding
     assert torch.allclose(ssm_c[:, used], ssm_r[:, used], atol=1e-5, rtol=1e-5)
