@@ -87,7 +87,7 @@ def test_guesses_of_the_next_layer_are_the_trace_at_the_set_accuracy(tiny_checkp
     monkeypatch.setattr(OffloadedExperts, "guess", guess)
     batch = Lockstep(llm, PROMPTS)
     before = len(guesses)                       # the prompts' prefill: the real routers' guesses
-    steps = 24
+    steps = 16
     for _ in range(steps):
         batch.step()
     trace = routing_replay.traced_ids(llm.runner.model, len(PROMPTS))
