@@ -18,12 +18,26 @@ from freetoken_engine.kernels.triton.control import ControlOutputs, control_step
 LAYERS, EXPERTS, H, I, K = 3, 12, 16, 8, 4
 
 
-def _bank(seed: int = 0) -> ExpertBank:
-    bank = ExpertBank(LAYERS, EXPERTS, H, I, torch.bfloat16)
+def _bank(seed: int = 0, experts: int = EXPERTS) -> ExpertBank:
+    bank = ExpertBank(LAYERS, experts, H, I, torch.bfloat16)
     g = torch.Generator().manual_seed(seed)
     bank.w13.copy_(torch.randn(bank.w13.shape, generator=g))
     bank.w2.copy_(torch.randn(bank.w2.shape, generator=g))
     return bank
+
+
+def _warm_controls(bank: ExpertBank, seed: int, count: int) -> list[DeviceControl]:
+    """``count`` device controls over 7-slot pools (q* 0.5, admission window 1), each after the
+    same three warm-up steps of every layer (``_routing`` of 2 tokens over 10 hot experts)."""
+    g = torch.Generator().manual_seed(seed)
+    warm = [(layer, _routing(g, 2, 10)) for _ in range(3) for layer in range(LAYERS)]
+    ctls = []
+    for _ in range(count):
+        ctl = DeviceControl.from_cache(ExpertCache(bank, 7, "cpu", fill_fraction=0.5, admit_window=1))
+        for layer, ids in warm:
+            ctl.step(layer, ids)
+        ctls.append(ctl)
+    return ctls
 
 
 def _routing(g: torch.Generator, tokens: int, hot: int) -> torch.Tensor:
@@ -98,16 +112,7 @@ def test_a_prefetch_changes_residency_as_the_step_would_and_nothing_else():
     ids would make, stamped with that step's clock, but the clock, the counters and the routing
     history stay; the counts go to the prefetch counters. The real step on the same ids then
     finds every filled guess resident, and a prefetch never evicts a slot the step before used."""
-    bank = _bank()
-    g = torch.Generator().manual_seed(5)
-    warm = [(layer, _routing(g, 2, 10)) for _ in range(3) for layer in range(LAYERS)]
-    ctls = []
-    for _ in range(2):
-        ctl = DeviceControl.from_cache(ExpertCache(bank, 7, "cpu", fill_fraction=0.5, admit_window=1))
-        for layer, ids in warm:
-            ctl.step(layer, ids)
-        ctls.append(ctl)
-    ahead, plain = ctls
+    ahead, plain = _warm_controls(_bank(), 5, 2)
     before = ahead.outputs(2 * K).fill_slot.clone()
     used = ahead.last_used == ahead.host_clock() - 1           # the slots the last step used
     owners = ahead.slot_owner.clone()
@@ -139,19 +144,11 @@ def test_a_prefetch_and_its_step_fill_what_the_step_alone_would():
     """The guessed layer's step counts the prefetch's fills against its PCIe share: with right
     guesses, the prefetch and the step together fill, and leave to the CPU, exactly what the step
     alone fills and leaves; with guesses that were all resident (the call's hits: no prefetch
-    fill) the step keeps its whole share (a rule of "fill nothing after a prefetch" halved the H200 engine's speed with
-    a predictor like that: its guesses hit, and every miss went to the CPU)."""
-    bank = _bank(4)
-    g = torch.Generator().manual_seed(2)
-    warm = [(layer, _routing(g, 2, 10)) for _ in range(3) for layer in range(LAYERS)]
+    fill) the step keeps its whole share (a rule of "fill nothing after a prefetch" halved the
+    H200 engine's speed with a predictor like that: its guesses hit, and every miss went to the
+    CPU)."""
     ids = torch.tensor([[9, 10, 11, 0], [1, 9, 10, 2]])
-    ctls = []
-    for _ in range(3):
-        ctl = DeviceControl.from_cache(ExpertCache(bank, 7, "cpu", fill_fraction=0.5, admit_window=1))
-        for layer, warm_ids in warm:
-            ctl.step(layer, warm_ids)
-        ctls.append(ctl)
-    alone, right, resident = ctls
+    alone, right, resident = _warm_controls(_bank(4), 2, 3)
     want = alone.step(1, ids).step_counts.tolist()                 # hits, misses, fills, CPU
     assert want[2] > 0 and want[3] > 0
     right.prefetch(1, ids)
@@ -176,10 +173,8 @@ def test_after_prefetches_every_pair_reads_its_own_expert(fraction):
     (A prefetch that stamped with the step's own clock tied its wrong guesses with the step's
     hits, and a hit with the lower slot number became a victim.)"""
     experts = 24
-    bank = ExpertBank(LAYERS, experts, H, I, torch.bfloat16)
+    bank = _bank(3, experts)
     g = torch.Generator().manual_seed(11)
-    bank.w13.copy_(torch.randn(bank.w13.shape, generator=g))
-    bank.w2.copy_(torch.randn(bank.w2.shape, generator=g))
     ctl = DeviceControl.from_cache(ExpertCache(bank, 3 * K, "cpu", fill_fraction=fraction, admit_window=1))
     filled = 0
     for step in range(36):

@@ -220,8 +220,9 @@ class DeviceControl:
         history, the clock unchanged) on the current stream, then its copies on a copy stream of
         their own, so they cross PCIe while the current layer computes. The layer's real step then
         finds the right guesses resident. Call after the running layer's control step (and
-        its copies: they go first); one prefetch outstanding at a time; the next ``step`` waits
-        for its copies and, for the guessed layer, fills nothing more. No host sync."""
+        its copies: they go first); one prefetch outstanding at a time. The guessed layer's
+        ``step`` counts these fills against its share, and its experts wait for the copies
+        (``wait_prefetched``). No host sync."""
         n = topk_ids.numel()
         if n not in self._prefetch_out:
             self._prefetch_out[n] = ControlOutputs.allocate(n, self.slot_of.shape[1], self.slot_owner.numel(), self.device)
@@ -231,24 +232,22 @@ class DeviceControl:
                      admit_window=max(self.window, 1), last_active=self.last_active, recur_window=self.recur,
                      prefetch=True)
         if self._copier is None:
-            gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer, out.fill_exp,
-                             out.fill_slot)
+            self._gather_fills(layer, out)
         else:
             self._copier.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copier):
-                gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer, out.fill_exp,
-                                 out.fill_slot)
+                self._gather_fills(layer, out)
                 self._prefetched.record()
             self._unwaited = True
         self._prefetch_layer = layer
         self._prefetch_spent = out.step_counts[2:3]          # its fills: the guessed step's spent share
 
-    def wait_prefetched(self, stream: "torch.cuda.Stream | None" = None) -> None:
-        """Make ``stream`` (default: the current one) wait for the copies of the last
-        ``prefetch`` if nothing waited for them yet (a no-op otherwise, and on the CPU, where
-        they ran inline). Before anything reads the slots of the layer the prefetch was for."""
+    def wait_prefetched(self) -> None:
+        """Make the current stream wait for the copies of the last ``prefetch`` if nothing waited
+        for them yet (a no-op otherwise, and on the CPU, where they ran inline). Before anything
+        reads the slots of the layer the prefetch was for."""
         if self._unwaited:
-            (stream or torch.cuda.current_stream(self.device)).wait_event(self._prefetched)
+            torch.cuda.current_stream(self.device).wait_event(self._prefetched)
             self._unwaited = False
 
     def prefetch_counters(self) -> dict[str, int]:
@@ -321,11 +320,14 @@ class DeviceControl:
         with the streamed split, the streamed rows into the scratch slots. One launch each. (After
         an outstanding prefetch's copies: a fill may take a slot a wrong guess is being copied to.)"""
         self.wait_prefetched()
-        gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer,
-                         out.fill_exp, out.fill_slot)
+        self._gather_fills(layer, out)
         if self.stream is not None:
             stream_rows_copy(self.bank_w13, self.bank_w2, *self.scratch, layer, out.cpu_exp, out.stream_rows,
                              stage=self.stream.stage)
+
+    def _gather_fills(self, layer: int, out: ControlOutputs) -> None:
+        """The control step ``out``'s fills: bank rows into their slots, one launch."""
+        gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer, out.fill_exp, out.fill_slot)
 
     def run_experts(self, layer: int, x: torch.Tensor, pair_tok: torch.Tensor, out: ControlOutputs,
                     beside=None, copy: bool = True, guess: tuple[int, torch.Tensor] | None = None
