@@ -24,14 +24,13 @@ import functools
 
 import torch
 
-from ..kernels.triton.control import ControlOutputs, StreamSplit, control_step, fill_table
+from ..kernels.triton.control import COUNTERS, ControlOutputs, StreamSplit, control_step, fill_table
 from ..kernels.triton.gather import gather_fill_rows
 from ..kernels.triton.stage import stage_down_forward
 from ..kernels.triton.moe import moe_slots_forward
 from ..kernels.triton.stream import stream_rows_copy
 from .experts import admission_window
-
-COUNTERS = ("hits", "misses", "fills", "cpu_computed")
+from .guess import GuessedFills
 
 
 class DeviceControl:
@@ -61,15 +60,11 @@ class DeviceControl:
             last_active = torch.full(slot_of.shape, -1, dtype=torch.int64)
         self._seed_table: torch.Tensor | None = None   # fill every miss (seed)
         self._seed_clock, self._seed_run = -2, 0         # the last seed's clock; seeds in a row
+        self.guessed = GuessedFills(self.device)        # ``prefetch``'s outputs, counters and copies
         self._bind(w13_slots, w2_slots, slot_of, slot_owner, last_used, clock, last_active)
         self.set_fill_fraction(fill_fraction)
         # made here, not at first use: a decode graph's capture may be the first use
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        # prefetch (``prefetch``): its copies' stream, their event, its own outputs and counters
-        self._copier = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self._prefetched = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._unwaited = False                      # its copies not yet waited for by any stream
-        self.prefetch_totals = torch.zeros(4, dtype=torch.int64, device=self.device)
 
     @classmethod
     def from_cache(cls, cache, resizable: bool = False) -> "DeviceControl":
@@ -95,10 +90,7 @@ class DeviceControl:
         self.last_active = last_active.to(dev, torch.int64).contiguous()
         self.clock = torch.tensor([clock], dtype=torch.int64, device=dev)
         self._outputs: dict[int, ControlOutputs] = {}
-        # a prefetch's outputs (sized for this pool), and what its guessed step has yet to read
-        self._prefetch_out: dict[int, ControlOutputs] = {}
-        self._prefetch_layer: int | None = None     # the layer of a prefetch its step has not run for
-        self._prefetch_spent: torch.Tensor | None = None
+        self.guessed.reset()       # its outputs were sized for the old pool
         self._full = False         # no empty slot left (fill_free): set once seen, until a rebind
 
     def refresh(self, cache) -> None:
@@ -186,13 +178,7 @@ class DeviceControl:
         PCIe: ``run_experts`` (or a caller that reads the slots otherwise, after
         ``wait_prefetched``) waits for them, so the step and its CPU branch start at once. A
         prefetch of another layer is waited for here."""
-        spent = None
-        if self._prefetch_layer is not None:
-            if self._prefetch_layer != layer:        # a guess whose layer went another way
-                self.wait_prefetched()
-            elif self.fill_fraction < 1.0:
-                spent = self._prefetch_spent
-            self._prefetch_layer = None
+        spent = self.guessed.take(layer, self.fill_fraction < 1.0)
         out = self._control(layer, topk_ids, self.fill_table, self.window, mirror, self.stream, self.bypass, out,
                             spent)
         if copy:
@@ -223,37 +209,23 @@ class DeviceControl:
         its copies: they go first); one prefetch outstanding at a time. The guessed layer's
         ``step`` counts these fills against its share, and its experts wait for the copies
         (``wait_prefetched``). No host sync."""
-        n = topk_ids.numel()
-        if n not in self._prefetch_out:
-            self._prefetch_out[n] = ControlOutputs.allocate(n, self.slot_of.shape[1], self.slot_owner.numel(), self.device)
-        out = self._prefetch_out[n]
+        out = self.guessed.outputs(topk_ids.numel(), self.slot_of.shape[1], self.slot_owner.numel())
         control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used, self.clock,
-                     self.fill_table, self.prefetch_totals, out, block_slots=self.max_slots,
+                     self.fill_table, self.guessed.totals, out, block_slots=self.max_slots,
                      admit_window=max(self.window, 1), last_active=self.last_active, recur_window=self.recur,
                      prefetch=True)
-        if self._copier is None:
-            self._gather_fills(layer, out)
-        else:
-            self._copier.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._copier):
-                self._gather_fills(layer, out)
-                self._prefetched.record()
-            self._unwaited = True
-        self._prefetch_layer = layer
-        self._prefetch_spent = out.step_counts[2:3]          # its fills: the guessed step's spent share
+        self.guessed.launch(layer, out, lambda o: self._gather_fills(layer, o))
 
     def wait_prefetched(self) -> None:
         """Make the current stream wait for the copies of the last ``prefetch`` if nothing waited
         for them yet (a no-op otherwise, and on the CPU, where they ran inline). Before anything
         reads the slots of the layer the prefetch was for."""
-        if self._unwaited:
-            torch.cuda.current_stream(self.device).wait_event(self._prefetched)
-            self._unwaited = False
+        self.guessed.wait()
 
     def prefetch_counters(self) -> dict[str, int]:
         """The prefetch steps' counts since construction: hits (guesses already resident), misses,
         fills (experts copied ahead), cpu_computed (guesses left out by the q* rule) (one sync)."""
-        return dict(zip(COUNTERS, (int(v) for v in self.prefetch_totals.tolist())))
+        return self.guessed.counters()
 
     def seed(self, layer: int, topk_ids: torch.Tensor, src_w13: torch.Tensor, src_w2: torch.Tensor) -> int:
         """Make the experts of ``topk_ids [T, k]`` in ``layer`` resident, copied from ``src_w13

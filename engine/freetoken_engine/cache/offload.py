@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import logging
 from typing import Protocol
 
@@ -38,7 +39,7 @@ class LayerStreamer(Protocol):
 
 def _triton_importable() -> bool:
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except ImportError:
         return False
     return True

@@ -205,6 +205,10 @@ def _control_kernel(topk_ptr, slot_of_ptr, owner_ptr, last_used_ptr, clock_ptr, 
         tl.store(clock_ptr, clock + 1)
 
 
+#: the order of ``step_counts`` and of a caller's ``totals``
+COUNTERS = ("hits", "misses", "fills", "cpu_computed")
+
+
 @dataclass
 class ControlOutputs:
     """Fixed-size outputs of one control step (device tensors, reused across calls).
