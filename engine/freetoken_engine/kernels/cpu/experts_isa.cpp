@@ -160,11 +160,79 @@ inline void rows_bf_n(const FtProblem* p, int nt, const char* base, int64_t rs, 
 }
 #endif
 
+#if FT_ISA == 1
+// AVX2 from 3 tokens: two rows at a time, each token vector load serving both. A token's fp32
+// vector is 8 KiB at H = 2048, so 3-8 of them do not stay in Zen 3's 32 KiB L1 beside the weight
+// stream, and each multiply-add's token operand came from L2 (one 32-byte line a cycle): 8
+// same-expert tokens ran at 34-38% of the read. Each (row, token) accumulator sums in dotr's
+// order (U_DOT = 1), so the results are dotr's bit for bit and a pair's output still does not
+// depend on its group.
+template <int NT, bool WB>
+inline void dotr_pair(const char* row0, const char* row1, const float* const* xs, int64_t K, int64_t pf0,
+                      int64_t pf1, float* o0, float* o1) {
+  const int64_t es = WB ? 2 : 4;
+  vf a[NT], b[NT];
+  for (int t = 0; t < NT; ++t) a[t] = b[t] = vzero();
+  int64_t k = 0;
+  for (; k + VW <= K; k += VW) {
+    const vf w0 = vw<WB>(row0, k), w1 = vw<WB>(row1, k);
+    if (pf0) prefetch(row0 + k * es + pf0);
+    if (pf1) prefetch(row1 + k * es + pf1);
+    for (int t = 0; t < NT; ++t) {
+      const vf x = vld(xs[t] + k);
+      a[t] = vfma(w0, x, a[t]);
+      b[t] = vfma(w1, x, b[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    o0[t] = vsum(a[t]);
+    o1[t] = vsum(b[t]);
+  }
+  for (; k < K; ++k) {
+    const float v0 = sw<WB>(row0, k), v1 = sw<WB>(row1, k);
+    for (int t = 0; t < NT; ++t) {
+      o0[t] += v0 * xs[t][k];
+      o1[t] += v1 * xs[t][k];
+    }
+  }
+}
+
+// Rows [r0, r1) in pairs against nt tokens in groups of up to 4 (8 accumulators, two weight
+// vectors and a token vector fit the 16 ymm registers): the later groups read the pair's rows
+// from cache, so a row crosses memory once. The prefetch runs 2 * pf ahead (the walk moves two
+// rows at a time) and stops at rend, as rows_bf's.
+template <bool WB>
+inline void rows_pairs(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1, const float* const* xs,
+                       int64_t K, int64_t pf, float* out, int64_t rend) {
+  const int64_t pf2 = 2 * pf, last = rend - (pf2 + rs - 1) / rs;
+  int64_t r = r0;
+  for (; r + 2 <= r1; r += 2) {
+    const char* row0 = base + r * rs;
+    float* o0 = out + (r - r0) * NTMAX;
+    const int64_t p0 = r < last ? pf2 : 0, p1 = r + 1 < last ? pf2 : 0;
+    for (int tb = 0; tb < nt; tb += 4) {
+      const float* const* x = xs + tb;
+      float *a = o0 + tb, *b = o0 + NTMAX + tb;
+      switch (nt - tb < 4 ? nt - tb : 4) {
+        case 1: dotr_pair<1, WB>(row0, row0 + rs, x, K, p0, p1, a, b); break;
+        case 2: dotr_pair<2, WB>(row0, row0 + rs, x, K, p0, p1, a, b); break;
+        case 3: dotr_pair<3, WB>(row0, row0 + rs, x, K, p0, p1, a, b); break;
+        default: dotr_pair<4, WB>(row0, row0 + rs, x, K, p0, p1, a, b); break;
+      }
+    }
+  }
+  if (r < r1) dotrn<WB>(nt, base + r * rs, xs, K, r < last ? pf2 : 0, out + (r - r0) * NTMAX);
+}
+#endif
+
 // Rows [r0, r1) at base + r * rs (fp32 token vectors): out[(r - r0) * NTMAX + t]; the prefetch
 // stops at the chunk's last row rend, as rows_bf's.
 template <bool WB>
 inline void rows_f(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1, const float* const* xs,
                    int64_t K, int64_t pf, float* out, int64_t rend) {
+#if FT_ISA == 1
+  if (nt >= 3) return rows_pairs<WB>(nt, base, rs, r0, r1, xs, K, pf, out, rend);
+#endif
   const int64_t last = rend - (pf + rs - 1) / rs;
   for (int64_t r = r0; r < r1; ++r) dotrn<WB>(nt, base + r * rs, xs, K, r < last ? pf : 0, out + (r - r0) * NTMAX);
 }

@@ -52,7 +52,9 @@ inline vf vadd(vf a, vf b) { return _mm512_add_ps(a, b); }
 inline float vsum(vf a) { return _mm512_reduce_add_ps(a); }
 #elif FT_ISA == 1
 typedef __m256 vf;
-enum { VW = 8, NTMAX = 4 };
+// 8 tokens a call, as AVX-512 (experts_isa.cpp's row pairs take them in groups of 4, so that a
+// row's weights cross memory once for all 8).
+enum { VW = 8, NTMAX = 8 };
 inline vf vzero() { return _mm256_setzero_ps(); }
 inline vf vld(const float* p) { return _mm256_loadu_ps(p); }
 inline vf vldb(const uint16_t* p) {
@@ -142,7 +144,7 @@ inline void dotrn(int nt, const void* row, const float* const* xs, int64_t K, in
     case 1: dotr<1, WB>(row, xs, K, pf, out); break;
     case 2: dotr<2, WB>(row, xs, K, pf, out); break;
     case 3: dotr<3, WB>(row, xs, K, pf, out); break;
-#if FT_ISA >= 2
+#if FT_ISA >= 1
     case 4: dotr<4, WB>(row, xs, K, pf, out); break;
     case 5: dotr<5, WB>(row, xs, K, pf, out); break;
     case 6: dotr<6, WB>(row, xs, K, pf, out); break;
