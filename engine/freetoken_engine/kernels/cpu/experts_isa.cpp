@@ -161,67 +161,68 @@ inline void rows_bf_n(const FtProblem* p, int nt, const char* base, int64_t rs, 
 #endif
 
 #if FT_ISA == 1
-// AVX2 from 3 tokens: two rows at a time, each token vector load serving both. A token's fp32
+// AVX2 from 3 tokens: R rows at a time, each token vector load serving all R. A token's fp32
 // vector is 8 KiB at H = 2048, so 3-8 of them do not stay in Zen 3's 32 KiB L1 beside the weight
 // stream, and each multiply-add's token operand came from L2 (one 32-byte line a cycle): 8
-// same-expert tokens ran at 34-38% of the read. Each (row, token) accumulator sums in dotr's
-// order (U_DOT = 1), so the results are dotr's bit for bit and a pair's output still does not
-// depend on its group.
-template <int NT, bool WB>
-inline void dotr_pair(const char* row0, const char* row1, const float* const* xs, int64_t K, int64_t pf0,
-                      int64_t pf1, float* o0, float* o1) {
+// same-expert tokens ran at 34-38% of the read; two rows at a time 46-49%, three 48% (A/Bs in
+// docs/cpu_kernel.md; with up to 4 tokens a group, 3 rows x 4 accumulators and 3 weight vectors
+// fill 15 of the 16 ymm registers). Each (row, token) accumulator sums in dotr's order (U_DOT =
+// 1), so the results are dotr's bit for bit and a pair's output still does not depend on its
+// group.
+template <int R, int NT, bool WB>
+inline void dotr_rows(const char* row0, int64_t rs, const float* const* xs, int64_t K, const int64_t* pf,
+                      float* o, int64_t os) {
   const int64_t es = WB ? 2 : 4;
-  vf a[NT], b[NT];
-  for (int t = 0; t < NT; ++t) a[t] = b[t] = vzero();
+  vf a[R][NT];
+  for (int j = 0; j < R; ++j)
+    for (int t = 0; t < NT; ++t) a[j][t] = vzero();
   int64_t k = 0;
   for (; k + VW <= K; k += VW) {
-    const vf w0 = vw<WB>(row0, k), w1 = vw<WB>(row1, k);
-    if (pf0) prefetch(row0 + k * es + pf0);
-    if (pf1) prefetch(row1 + k * es + pf1);
+    vf w[R];
+    for (int j = 0; j < R; ++j) {
+      w[j] = vw<WB>(row0 + j * rs, k);
+      if (pf[j]) prefetch(row0 + j * rs + k * es + pf[j]);
+    }
     for (int t = 0; t < NT; ++t) {
       const vf x = vld(xs[t] + k);
-      a[t] = vfma(w0, x, a[t]);
-      b[t] = vfma(w1, x, b[t]);
+      for (int j = 0; j < R; ++j) a[j][t] = vfma(w[j], x, a[j][t]);
     }
   }
-  for (int t = 0; t < NT; ++t) {
-    o0[t] = vsum(a[t]);
-    o1[t] = vsum(b[t]);
-  }
-  for (; k < K; ++k) {
-    const float v0 = sw<WB>(row0, k), v1 = sw<WB>(row1, k);
-    for (int t = 0; t < NT; ++t) {
-      o0[t] += v0 * xs[t][k];
-      o1[t] += v1 * xs[t][k];
+  for (int j = 0; j < R; ++j)
+    for (int t = 0; t < NT; ++t) o[j * os + t] = vsum(a[j][t]);
+  for (; k < K; ++k)
+    for (int j = 0; j < R; ++j) {
+      const float v = sw<WB>(row0 + j * rs, k);
+      for (int t = 0; t < NT; ++t) o[j * os + t] += v * xs[t][k];
     }
-  }
 }
 
-// Rows [r0, r1) in pairs against nt tokens in groups of up to 4 (8 accumulators, two weight
-// vectors and a token vector fit the 16 ymm registers): the later groups read the pair's rows
-// from cache, so a row crosses memory once. The prefetch runs 2 * pf ahead (the walk moves two
-// rows at a time) and stops at rend, as rows_bf's.
+enum { ROWS = 3 };   // rows a step of rows_pairs (two: 0.54 -> 0.61 of the one-token rate at 8 tokens)
+
+// Rows [r0, r1) ROWS at a time against nt tokens in groups of up to 4: the later groups read
+// the rows from cache, so a row crosses memory once. The prefetch runs ROWS * pf ahead (the walk
+// moves ROWS rows at a time) and stops at rend, as rows_bf's.
 template <bool WB>
 inline void rows_pairs(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1, const float* const* xs,
                        int64_t K, int64_t pf, float* out, int64_t rend) {
-  const int64_t pf2 = 2 * pf, last = rend - (pf2 + rs - 1) / rs;
+  const int64_t pfr = ROWS * pf, last = rend - (pfr + rs - 1) / rs;
   int64_t r = r0;
-  for (; r + 2 <= r1; r += 2) {
+  for (; r + ROWS <= r1; r += ROWS) {
     const char* row0 = base + r * rs;
-    float* o0 = out + (r - r0) * NTMAX;
-    const int64_t p0 = r < last ? pf2 : 0, p1 = r + 1 < last ? pf2 : 0;
+    int64_t p[ROWS];
+    for (int j = 0; j < ROWS; ++j) p[j] = r + j < last ? pfr : 0;
     for (int tb = 0; tb < nt; tb += 4) {
       const float* const* x = xs + tb;
-      float *a = o0 + tb, *b = o0 + NTMAX + tb;
+      float* o = out + (r - r0) * NTMAX + tb;
       switch (nt - tb < 4 ? nt - tb : 4) {
-        case 1: dotr_pair<1, WB>(row0, row0 + rs, x, K, p0, p1, a, b); break;
-        case 2: dotr_pair<2, WB>(row0, row0 + rs, x, K, p0, p1, a, b); break;
-        case 3: dotr_pair<3, WB>(row0, row0 + rs, x, K, p0, p1, a, b); break;
-        default: dotr_pair<4, WB>(row0, row0 + rs, x, K, p0, p1, a, b); break;
+        case 1: dotr_rows<ROWS, 1, WB>(row0, rs, x, K, p, o, NTMAX); break;
+        case 2: dotr_rows<ROWS, 2, WB>(row0, rs, x, K, p, o, NTMAX); break;
+        case 3: dotr_rows<ROWS, 3, WB>(row0, rs, x, K, p, o, NTMAX); break;
+        default: dotr_rows<ROWS, 4, WB>(row0, rs, x, K, p, o, NTMAX); break;
       }
     }
   }
-  if (r < r1) dotrn<WB>(nt, base + r * rs, xs, K, r < last ? pf2 : 0, out + (r - r0) * NTMAX);
+  for (; r < r1; ++r) dotrn<WB>(nt, base + r * rs, xs, K, r < last ? pfr : 0, out + (r - r0) * NTMAX);
 }
 #endif
 
