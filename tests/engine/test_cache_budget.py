@@ -1,15 +1,17 @@
 """The expert cache's default size on a GPU (executor/budget.py) leaves room for what the engine
 allocates after the cache: the KV pool, the prefill's two layer buffers, a prefill step's peak
 and a reserve for the decode graphs. Pure arithmetic on the free memory the runner reads from
-the driver."""
+the driver. And a hybrid model's state slots: checkpoints and draft snapshots within budget."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from freetoken_engine.cache.kv import KVPool, kv_pool_bytes
 from freetoken_engine.errors import ConfigError
-from freetoken_engine.executor.budget import RESERVE_BYTES, default_cache_experts, prefill_peak_bytes
+from freetoken_engine.executor.budget import RESERVE_BYTES, default_cache_experts, prefill_peak_bytes, state_slots
 
 GiB = 1 << 30
 EXPERT = 3 * 2048 * 768 * 2          # one Qwen3-30B-A3B expert, bf16
@@ -62,3 +64,25 @@ def test_a_prefill_steps_peak_is_reserved_as_measured_on_the_h200():
 def test_a_prefill_step_that_leaves_no_expert_says_to_lower_the_step():
     with pytest.raises(ConfigError, match=r"a prefill step \(0\.6 GB\).*--prefill-chunk"):
         default_cache_experts(KV + BUFFERS + STEP + RESERVE_BYTES + EXPERT // 2, EXPERT, TOTAL, KV, BUFFERS, STEP)
+
+
+def _cfg(**kw):
+    return SimpleNamespace(**{"state_checkpoints": None, "speculative_tokens": 0, "max_batch": 8, **kw})
+
+
+@pytest.mark.parametrize("device,slot_mb,want", [
+    ("cpu", 50, (20, 0)),        # 1 GB on the CPU holds 20 checkpoints of 50 MB
+    ("cuda", 50, (10, 0)),       # 0.5 GB on a GPU
+    ("cpu", 500, (4, 0)),        # never fewer than 4
+    ("cpu", 1, (64, 0)),         # never more than 64
+])
+def test_a_hybrid_models_checkpoints_fill_their_budget_within_bounds(device, slot_mb, want):
+    assert state_slots(_cfg(), int(slot_mb * 1e6), torch.device(device)) == want
+
+
+def test_draft_snapshots_are_k_per_sequence_the_budget_holds_and_a_set_count_is_kept():
+    cpu = torch.device("cpu")
+    assert state_slots(_cfg(speculative_tokens=4), int(50e6), cpu) == (20, 4 * 5)     # 5 rows of 4 in 1 GB
+    assert state_slots(_cfg(speculative_tokens=4), int(1e6), cpu) == (64, 4 * 8)      # at most max_batch rows
+    assert state_slots(_cfg(speculative_tokens=4), int(400e6), cpu) == (4, 4)        # at least one row
+    assert state_slots(_cfg(state_checkpoints=7), int(50e6), cpu) == (7, 0)

@@ -1,5 +1,5 @@
-"""How many experts the GPU's expert cache gets by default: what is free, less what the engine
-allocates after the cache.
+"""How much the engine's caches get: the expert cache's slots (by default on a GPU: what is free,
+less what the engine allocates after the cache) and a hybrid model's recurrent-state slots.
 
 The cache is made before the KV pool and the prefill's two whole-layer buffers
 (``cache/prefetch.py``), so sizing it from the free memory alone (as before 2026-12-01: 85% of
@@ -10,12 +10,21 @@ and a fixed reserve for the decode graphs and the allocator's slack.
 """
 from __future__ import annotations
 
+import math
+
+import torch
+
+from ..cache.kv import kv_pool_bytes
+from ..cache.states import StatePool
 from ..errors import ConfigError
+from ..layers.attention import reads_grouped_heads
 
 #: the decode graphs captured at start and while idle (about 0.45 GB at 48 layers and a 40k
 #: context: 12-14 MB a graph, device run 118) and the allocator's slack (not measured)
 RESERVE_BYTES = int(0.75 * (1 << 30))
 GB = 1e9
+#: the recurrent-state checkpoints' and draft snapshots' default budget, by device type
+STATE_BUDGET = {"cpu": 1e9, "cuda": 5e8}
 
 
 #: the whole-layer MoE's peak against its pairs' rows alone (pair indices, routing weights, the
@@ -55,3 +64,53 @@ def default_cache_experts(free: int, expert_bytes: int, total_experts: int, kv_b
             f"({expert_bytes / GB:.3f} GB); lower --max-context (the KV cache holds that many tokens or "
             f"more) or --prefill-chunk, or set --expert-cache-gb")
     return int(n)
+
+
+def cache_experts(cfg, mcfg, bank, device: torch.device, dtype: torch.dtype, max_context: int,
+                  kv_blocks: int) -> int:
+    """The expert cache's slots for engine config ``cfg`` and model config ``mcfg``:
+    ``--expert-cache-experts``; else ``--expert-cache-gb`` in whole experts (at most the model);
+    else every expert on the CPU; else, on a GPU, what its free memory leaves after the KV pool of
+    ``kv_blocks`` blocks, the recurrent states (about their default budget), the prefill's layer
+    buffers and a prefill step (``default_cache_experts``). Raises ConfigError, saying what to
+    change, for a budget that holds no expert or more experts than the model has."""
+    total, per = bank.total_experts, bank.expert_bytes
+    if cfg.expert_cache_experts is not None:
+        n = cfg.expert_cache_experts
+    elif cfg.expert_cache_gb is not None:
+        n = math.floor(cfg.expert_cache_gb * 1e9 / per)
+        if n < 1:
+            raise ConfigError(f"--expert-cache-gb {cfg.expert_cache_gb} holds no expert "
+                              f"(one expert is {per / 1e9:.4f} GB)")
+        n = min(n, total)               # a budget larger than the model: cache everything
+    elif device.type == "cpu":
+        n = total
+    else:                 # what is left after the KV pool, the layer buffers and a prefill step
+        size = dtype.itemsize
+        kv = kv_pool_bytes(mcfg.kv_layers, kv_blocks * cfg.kv_block_size, mcfg.num_kv_heads, mcfg.head_dim, size)
+        if mcfg.linear_layers:   # the recurrent states: about their default budget (state_slots)
+            slot = StatePool.slot_bytes(len(mcfg.linear_layers), mcfg.linear, size)
+            kv += min(STATE_BUDGET["cuda"], 64 * slot) + cfg.max_batch * slot
+        step = prefill_peak_bytes(cfg.prefill_tokens, max_context, mcfg.moe.top_k, bank.hidden, bank.inter,
+                                  mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, size,
+                                  reads_grouped_heads(device, dtype, mcfg))
+        n = default_cache_experts(torch.cuda.mem_get_info(device)[0], per, total, kv,
+                                  2 * (bank.w13[0].nbytes + bank.w2[0].nbytes), step)
+    if n > total:
+        raise ConfigError(f"expert cache of {n} experts is larger than the model's {total} experts")
+    return n
+
+
+def state_slots(cfg, slot_bytes: int, device: torch.device) -> tuple[int, int]:
+    """A hybrid model's ``(anchor checkpoints, draft snapshots)`` beside its batch rows' slots of
+    ``slot_bytes`` each. Checkpoints: ``--state-checkpoints``, by default as many as the device's
+    ``STATE_BUDGET`` holds, from 4 to 64. Snapshots for speculative drafts (``--speculative-tokens``
+    k): k per drafting sequence, for as many sequences as that budget holds, at least one and at
+    most ``max_batch`` (a sequence that finds none free decodes that step without a draft)."""
+    budget = STATE_BUDGET["cpu" if device.type == "cpu" else "cuda"]
+    n = cfg.state_checkpoints
+    if n is None:
+        n = max(4, min(64, int(budget // slot_bytes)))
+    k = cfg.speculative_tokens
+    scratch = k * max(1, min(cfg.max_batch, int(budget // (k * slot_bytes)))) if k else 0
+    return n, scratch

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 from typing import Callable
 
 import torch
@@ -22,18 +21,17 @@ cuda_warm.start_after_preload()     # the warm-up beside the rest of the engine'
 
 from .. import env  # noqa: E402
 from ..cache.experts import ExpertCache  # noqa: E402
-from ..cache.kv import KVPool, kv_pool_bytes  # noqa: E402
+from ..cache.kv import KVPool  # noqa: E402
 from ..cache.offload import OffloadedExperts  # noqa: E402
 from ..cache.states import StatePool  # noqa: E402
 from ..config import EngineConfig  # noqa: E402
 from ..errors import ConfigError  # noqa: E402
-from ..layers.attention import reads_grouped_heads  # noqa: E402
 from ..layers.linear import use_compiled_linears  # noqa: E402
 from ..calibrate import calibrated  # noqa: E402
 from ..models.build import BankRead, start_model  # noqa: E402
 from ..models.loader import torch_dtype  # noqa: E402
 from ..models.tokenizer import load_tokenizer  # noqa: E402
-from .budget import default_cache_experts, prefill_peak_bytes  # noqa: E402
+from .budget import cache_experts, state_slots  # noqa: E402
 from .cpu_contention import ContentionFollower, pool_record  # noqa: E402
 from .inputs import SeqChunk, as_decode_rows, build_inputs  # noqa: E402
 from .split_tuner import SplitTuner, decode_batch  # noqa: E402
@@ -109,7 +107,8 @@ class ModelRunner(GraphWarmup):
             if (rest.pending and self.device.type == "cuda" and cfg.cpu_expert_fraction is None
                     and not calibrated(self.device)):
                 rest.finish()           # a first start measures B_cpu and PCIe: not beside the read
-            self.cache = ExpertCache(self.bank, self._capacity(kv_blocks), self.device, self._fill_fraction(),
+            slots = cache_experts(self.cfg, self.mcfg, self.bank, self.device, self.dtype, self.max_context, kv_blocks)
+            self.cache = ExpertCache(self.bank, slots, self.device, self._fill_fraction(),
                                      bypass=env.bypass_slots() if self.device.type == "cuda" else 0)
             self._make_experts()
         m = self.mcfg
@@ -186,35 +185,19 @@ class ModelRunner(GraphWarmup):
             self._set_q(q)
 
     def _make_states(self) -> StatePool | None:
-        """A hybrid model's recurrent-state slots: one per batch row, and the anchors' checkpoints
-        (``--state-checkpoints``; by default as many as 1 GB holds on the CPU, 0.5 GB on a GPU,
-        from 4 to 64)."""
+        """A hybrid model's recurrent-state slots: one per batch row, plus the anchors' checkpoints
+        and the drafts' snapshots (``budget.state_slots``)."""
         m = self.mcfg
         if not m.linear_layers:
             return None
         per = StatePool.slot_bytes(len(m.linear_layers), m.linear, self.dtype.itemsize)
-        budget = 1e9 if self.device.type == "cpu" else 5e8
-        n = self.cfg.state_checkpoints
-        if n is None:
-            n = max(4, min(64, int(budget // per)))
-        scratch = self._spec_scratch(per, budget)
+        n, scratch = state_slots(self.cfg, per, self.device)
         pool = StatePool(len(m.linear_layers), m.linear, self.cfg.max_batch, n, self.dtype, self.device, scratch)
         for layer in self.model.deltanets():
             layer.states = pool
         log.info("hybrid model: %d recurrent-state slots, %d anchor checkpoints and %d draft snapshots, "
                  "%.1f MB each", self.cfg.max_batch, n, scratch, per / 1e6)
         return pool
-
-    def _spec_scratch(self, per: int, budget: float) -> int:
-        """Snapshot slots for speculative drafts (``--speculative-tokens`` k): k per drafting
-        sequence, for as many sequences as ``budget`` bytes hold (1 GB on the CPU, 0.5 GB on a
-        GPU, as the checkpoints), at least one and at most ``max_batch``; a sequence that finds
-        none free decodes that step without a draft."""
-        k = self.cfg.speculative_tokens
-        if not k:
-            return 0
-        rows = int(budget // (k * per))
-        return k * max(1, min(self.cfg.max_batch, rows))
 
     def _bank_addresses(self) -> tuple[int, int] | None:
         return (self.bank.w13.data_ptr(), self.bank.w2.data_ptr()) if self.bank is not None else None
@@ -247,33 +230,6 @@ class ModelRunner(GraphWarmup):
                                                int(cfg.graph_memory_gb * 1e9), mtp=True)
 
     # -- configuration -------------------------------------------------------------------------
-    def _capacity(self, kv_blocks: int) -> int:
-        total, per = self.bank.total_experts, self.bank.expert_bytes
-        if self.cfg.expert_cache_experts is not None:
-            n = self.cfg.expert_cache_experts
-        elif self.cfg.expert_cache_gb is not None:
-            n = math.floor(self.cfg.expert_cache_gb * 1e9 / per)
-            if n < 1:
-                raise ConfigError(f"--expert-cache-gb {self.cfg.expert_cache_gb} holds no expert "
-                                  f"(one expert is {per / 1e9:.4f} GB)")
-            n = min(n, total)               # a budget larger than the model: cache everything
-        elif self.device.type == "cpu":
-            n = total
-        else:                 # what is left after the KV pool, the layer buffers and a prefill step
-            m, b, size = self.mcfg, self.bank, self.dtype.itemsize
-            kv = kv_pool_bytes(m.kv_layers, kv_blocks * self.cfg.kv_block_size, m.num_kv_heads,
-                               m.head_dim, size)
-            if m.linear_layers:   # the recurrent states: about their default budget (_make_states)
-                kv += min(5e8, 64 * StatePool.slot_bytes(len(m.linear_layers), m.linear, size)) + \
-                    self.cfg.max_batch * StatePool.slot_bytes(len(m.linear_layers), m.linear, size)
-            step = prefill_peak_bytes(self.cfg.prefill_tokens, self.max_context, m.moe.top_k, b.hidden, b.inter,
-                                      m.num_heads, m.num_kv_heads, m.head_dim, size, reads_grouped_heads(self.device, self.dtype, m))
-            n = default_cache_experts(torch.cuda.mem_get_info(self.device)[0], per, total, kv,
-                                      2 * (b.w13[0].nbytes + b.w2[0].nbytes), step)
-        if n > total:
-            raise ConfigError(f"expert cache of {n} experts is larger than the model's {total} experts")
-        return n
-
     def _fill_fraction(self) -> float:
         if self.cfg.cpu_expert_fraction is not None:
             return 1.0 - self.cfg.cpu_expert_fraction
