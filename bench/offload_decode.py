@@ -33,7 +33,7 @@ from freetoken_engine.cache.device_control import DeviceControl
 from freetoken_engine.cache.experts import bypass_slots
 from freetoken_engine.env import BYPASS_SLOTS_DEFAULT
 from freetoken_engine.kernels.cpu_branch import CpuBranch
-from freetoken_engine.kernels.triton.control import ControlOutputs
+from freetoken_engine.kernels.triton.control_outputs import ControlOutputs
 from freetoken_engine.kernels.triton import handshake
 from freetoken_engine.kernels.triton.gather import gather_fill_rows
 from freetoken_engine.kernels.triton.moe import moe_slots_forward

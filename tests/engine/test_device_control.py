@@ -12,7 +12,8 @@ import torch  # noqa: E402
 
 from freetoken_engine.cache.device_control import DeviceControl
 from freetoken_engine.cache.experts import ExpertCache
-from freetoken_engine.kernels.triton.control import ControlOutputs, control_step, fill_table
+from freetoken_engine.kernels.triton.control import control_step
+from freetoken_engine.kernels.triton.control_outputs import ControlOutputs, fill_table
 
 from control_cases import EXPERTS, H, K, LAYERS, bank as _bank, routing as _routing
 

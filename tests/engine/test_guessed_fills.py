@@ -13,7 +13,8 @@ import torch  # noqa: E402
 
 from freetoken_engine.cache.device_control import DeviceControl  # noqa: E402
 from freetoken_engine.cache.experts import ExpertCache  # noqa: E402
-from freetoken_engine.kernels.triton.control import ControlOutputs, control_step  # noqa: E402
+from freetoken_engine.kernels.triton.control import control_step  # noqa: E402
+from freetoken_engine.kernels.triton.control_outputs import ControlOutputs  # noqa: E402
 
 from control_cases import EXPERTS, K, LAYERS, bank, warm_controls  # noqa: E402
 

@@ -18,7 +18,7 @@ from freetoken_engine.cache.experts import ExpertCache
 from freetoken_engine.kernels import cpu_experts, reference
 from freetoken_engine.kernels.cpu_branch import CpuBranch
 from freetoken_engine.kernels.triton import handshake
-from freetoken_engine.kernels.triton.control import StreamSplit
+from freetoken_engine.kernels.triton.control_outputs import StreamSplit
 
 LAYERS, EXPERTS, H, I, K, T, GRANULE = 3, 12, 64, 32, 4, 3, 8
 

@@ -24,7 +24,8 @@ import functools
 
 import torch
 
-from ..kernels.triton.control import COUNTERS, ControlOutputs, StreamSplit, control_step, fill_table
+from ..kernels.triton.control import control_step
+from ..kernels.triton.control_outputs import COUNTERS, ControlOutputs, StreamSplit, fill_table
 from ..kernels.triton.gather import gather_fill_rows
 from ..kernels.triton.stage import stage_down_forward
 from ..kernels.triton.moe import moe_slots_forward
@@ -155,10 +156,8 @@ class DeviceControl:
 
     def outputs(self, pairs: int) -> ControlOutputs:
         """The fixed output buffers for calls of ``pairs`` (T*k) pairs: stable addresses for graphs."""
-        if pairs not in self._outputs:
-            self._outputs[pairs] = ControlOutputs.allocate(pairs, self.slot_of.shape[1],
-                                                           self.slot_owner.numel(), self.device)
-        return self._outputs[pairs]
+        return ControlOutputs.reused(self._outputs, pairs, self.slot_of.shape[1], self.slot_owner.numel(),
+                                     self.device)
 
     def step(self, layer: int, topk_ids: torch.Tensor, copy: bool = True,
              mirror: tuple[torch.Tensor, ...] | None = None, out: ControlOutputs | None = None) -> ControlOutputs:

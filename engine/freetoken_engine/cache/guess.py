@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.triton.control import COUNTERS, ControlOutputs
+from ..kernels.triton.control_outputs import COUNTERS, ControlOutputs
 
 
 class GuessedFills:
@@ -43,9 +43,7 @@ class GuessedFills:
     def outputs(self, pairs: int, experts: int, slots: int) -> ControlOutputs:
         """Fixed output buffers for ``pairs`` guessed pairs on a pool of ``slots`` LRU slots and
         ``experts`` experts a layer: stable addresses for graphs."""
-        if pairs not in self.outputs_by_pairs:
-            self.outputs_by_pairs[pairs] = ControlOutputs.allocate(pairs, experts, slots, self.device)
-        return self.outputs_by_pairs[pairs]
+        return ControlOutputs.reused(self.outputs_by_pairs, pairs, experts, slots, self.device)
 
     def launch(self, layer: int, out: ControlOutputs, gather) -> None:
         """Run ``gather(out)`` (the fills' copies) behind the current stream's work, on the copy

@@ -18,7 +18,6 @@ import contextlib
 import functools
 import importlib
 import logging
-from typing import Protocol
 
 import torch
 
@@ -27,14 +26,11 @@ from ..kernels import cpu_branch, cpu_expert_forward
 from ..kernels.reference import expert_pairs_forward
 from .bank import ExpertBank
 from .experts import ExpertCache
+from .layer_weights import BankStreamer, WholeLayers
 
 log = logging.getLogger(__name__)
 #: the streamed split's scratch slots (env FREETOKEN_STREAM_SPLIT): a batch-1 step's CPU experts
 STREAMED = 8
-
-
-class LayerStreamer(Protocol):
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def _triton_importable() -> bool:
@@ -43,24 +39,6 @@ def _triton_importable() -> bool:
     except ImportError:
         return False
     return True
-
-
-class BankStreamer:
-    """Whole-layer weights for prefill: bank views on the CPU, a synchronous copy on a GPU."""
-
-    def __init__(self, bank: ExpertBank, device: torch.device):
-        self.bank, self.device = bank, torch.device(device)
-        self._buf: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        w13, w2 = self.bank.w13[layer], self.bank.w2[layer]
-        if self.device.type == "cpu":
-            return w13, w2
-        if self._buf is None:
-            self._buf = (torch.empty_like(w13, device=self.device), torch.empty_like(w2, device=self.device))
-        self._buf[0].copy_(w13, non_blocking=True)
-        self._buf[1].copy_(w2, non_blocking=True)
-        return self._buf
 
 
 class OffloadedExperts:
@@ -112,7 +90,7 @@ class OffloadedExperts:
             # Rows of CPU pairs are never read from the device's output (the combine selects per
             # pair, kernels/triton/combine.py), so they are not zeroed.
             self.slots_forward = functools.partial(moe_slots_forward, zero=False)
-            self.streamer: LayerStreamer = DoubleBuffered(bank, cache.device, cache)
+            self.streamer: WholeLayers = DoubleBuffered(bank, cache.device, cache)
         elif self.device.type == "cpu":
             # Same arithmetic on both sides of the split: outputs cannot depend on the split.
             self.slots_forward = self.cpu_forward

@@ -197,13 +197,13 @@ inline void dotr_rows(const char* row0, int64_t rs, const float* const* xs, int6
     }
 }
 
-enum { ROWS = 3 };   // rows a step of rows_pairs (two: 0.54 -> 0.61 of the one-token rate at 8 tokens)
+enum { ROWS = 3 };   // rows a step of rows_walk (two: 0.54 -> 0.61 of the one-token rate at 8 tokens)
 
 // Rows [r0, r1) ROWS at a time against nt tokens in groups of up to 4: the later groups read
 // the rows from cache, so a row crosses memory once. The prefetch runs ROWS * pf ahead (the walk
 // moves ROWS rows at a time) and stops at rend, as rows_bf's.
 template <bool WB>
-inline void rows_pairs(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1, const float* const* xs,
+inline void rows_walk(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1, const float* const* xs,
                        int64_t K, int64_t pf, float* out, int64_t rend) {
   const int64_t pfr = ROWS * pf, last = rend - (pfr + rs - 1) / rs;
   int64_t r = r0;
@@ -232,7 +232,7 @@ template <bool WB>
 inline void rows_f(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1, const float* const* xs,
                    int64_t K, int64_t pf, float* out, int64_t rend) {
 #if FT_ISA == 1
-  if (nt >= 3) return rows_pairs<WB>(nt, base, rs, r0, r1, xs, K, pf, out, rend);
+  if (nt >= 3) return rows_walk<WB>(nt, base, rs, r0, r1, xs, K, pf, out, rend);
 #endif
   const int64_t last = rend - (pf + rs - 1) / rs;
   for (int64_t r = r0; r < r1; ++r) dotrn<WB>(nt, base + r * rs, xs, K, r < last ? pf : 0, out + (r - r0) * NTMAX);
