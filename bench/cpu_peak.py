@@ -4,11 +4,14 @@ inner loops issue, and what that allows a call with many tokens on one expert.
 With T tokens on one expert, each 64-byte line of a bf16 weight row costs T ``vdpbf16ps`` (one
 per token, 32 multiply-adds each), so past a few tokens a core's rate of that instruction, not
 memory, bounds the kernel: ``64 * f * r / T`` bytes a second at r instructions a cycle and clock f.
-This compiles a few register-only loops with g++ (-O2 -march=native): a chain of dependent integer
-adds (one a cycle: the clock), and 12 independent accumulators (in registers) of ``vdpbf16ps``
-(zmm) and of FMA (zmm and ymm), then prints the rates and the per-core bound for 4-8 tokens. On a CPU without
-AVX-512-BF16 the kernel's bf16 path widens 8 weights (16 bytes) to fp32 and issues one ymm FMA
-per token: the bound is then ``16 * f * r / T`` with r that FMA's rate.
+This compiles a few register-only loops with g++ (-O3 -march=native; the kernel is built at -O3):
+a chain of dependent integer adds (one a cycle: the clock), and 12 independent accumulators (in
+registers) of ``vdpbf16ps`` (zmm) and of FMA (zmm and ymm), then prints the rates and the per-core
+bound for 4-8 tokens. On a CPU without AVX-512-BF16 the kernel's bf16 path widens 8 weights (16
+bytes) to fp32 and issues one ymm FMA per token: the bound is then ``16 * f * r / T`` with r that
+FMA's rate. It also times the AVX2
+kernel's own step for 8 tokens on one expert (3 rows x 4 tokens, two groups; its weights in L2
+and in L3): what that step reaches of the bound, with its loads, before memory is involved.
 
     python bench/cpu_peak.py [--out bench/results]
 
@@ -29,6 +32,7 @@ from cpu_expert_kernel import RESULTS, hardware, write_results  # noqa: E402
 SOURCE = r"""
 #include <immintrin.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <time.h>
 static double now() { timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
 // 12 independent accumulators, named so that they stay in registers (an array under a memory
@@ -52,6 +56,50 @@ template <class V, class F> __attribute__((noinline)) double rate(long iters, V 
   (void)sink;
   return 12.0 * iters / dt;
 }
+// The AVX2 kernel's own step for many tokens on one expert (experts_isa.cpp dotr_rows<3, 4>):
+// 3 bf16 rows widened to fp32 (a widening load and a shift), each token vector load serving the
+// 3 rows, 8 tokens in two groups of 4 (the second reads the rows from cache), over `rows` rows of
+// K: in L2 (48 rows of 2048) it is the arithmetic of the step with its loads, in L3 the same
+// with the weights further away.
+static __m256 widen(const unsigned short* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+__attribute__((noinline)) void rows3(const unsigned short* w, long K, const float* const* xs, float* o) {
+  __m256 a[3][4];
+  for (int j = 0; j < 3; j++) for (int t = 0; t < 4; t++) a[j][t] = _mm256_setzero_ps();
+  for (long k = 0; k < K; k += 8) {
+    __m256 v[3];
+    for (int j = 0; j < 3; j++) v[j] = widen(w + j * K + k);
+    for (int t = 0; t < 4; t++) {
+      const __m256 x = _mm256_loadu_ps(xs[t] + k);
+      for (int j = 0; j < 3; j++) a[j][t] = _mm256_fmadd_ps(v[j], x, a[j][t]);
+    }
+  }
+  for (int j = 0; j < 3; j++) for (int t = 0; t < 4; t++) o[4 * j + t] = a[j][t][0] + a[j][t][7];
+}
+static double step_rate(long K, long rows) {
+  unsigned short* w = (unsigned short*)aligned_alloc(64, rows * K * 2);
+  float* x = (float*)aligned_alloc(64, 8 * K * 4);
+  for (long i = 0; i < rows * K; i++) w[i] = 0x3f80;
+  for (long i = 0; i < 8 * K; i++) x[i] = 1.f;
+  const float* xs[8];
+  for (int t = 0; t < 8; t++) xs[t] = x + t * K;
+  float o[12];
+  double best = 0;
+  for (int rep = 0; rep < 5; rep++) {
+    long n = 0;
+    double t0 = now(), dt;
+    do {
+      for (long r = 0; r + 3 <= rows; r += 3) { rows3(w + r * K, K, xs, o); rows3(w + r * K, K, xs + 4, o); }
+      n++;
+    } while ((dt = now() - t0) < 0.2);
+    const double r = (double)n * (rows / 3 * 3) * (K / 8) * 8 / dt;    // ymm FMAs a second
+    if (r > best) best = r;
+  }
+  free(w);
+  free(x);
+  return best;
+}
 int main() {
   const long it = 60000000;
   unsigned long x = 1;
@@ -61,6 +109,8 @@ int main() {
   const __m256 ya = _mm256_set1_ps(1.0001f), yb = _mm256_set1_ps(0.9999f);
   double fy = rate(it, _mm256_setzero_ps(), [&](__m256 c) { return _mm256_fmadd_ps(ya, yb, c); });
   printf("{\"clock_hz\": %.6e, \"fma_ymm_per_s\": %.6e", hz, fy);
+  printf(", \"row_step_l2_fma_ymm_per_s\": %.6e, \"row_step_l3_fma_ymm_per_s\": %.6e", step_rate(2048, 48),
+         step_rate(2048, 3000));
 #ifdef __AVX512BF16__
   const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3f80), b = (__m512bh)_mm512_set1_epi16(0x3f00);
   const __m512 fa = _mm512_set1_ps(1.0001f), fb = _mm512_set1_ps(0.9999f);
@@ -78,7 +128,7 @@ def measure() -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         src, exe = Path(tmp) / "peak.cpp", Path(tmp) / "peak"
         src.write_text(SOURCE)
-        subprocess.run(["g++", "-O2", "-march=native", "-std=c++17", "-o", str(exe), str(src)], check=True)
+        subprocess.run(["g++", "-O3", "-march=native", "-std=c++17", "-o", str(exe), str(src)], check=True)
         return json.loads(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
 
 
@@ -99,12 +149,17 @@ def main() -> None:
     # weights widened to fp32)
     op, width = ("vdpbf16ps_zmm_per_s", 64) if "vdpbf16ps_zmm_per_s" in best else ("fma_ymm_per_s", 16)
     bound = {str(t): width * best[op] / t / 1e9 for t in (1, 2, 4, 6, 8)}
+    # what the AVX2 step itself (widening loads, token loads, 8 tokens in two groups) reaches: with
+    # 8 tokens a weight vector costs 8 of its FMAs
+    step = {lvl: 16 * best[f"row_step_{lvl}_fma_ymm_per_s"] / 8 / 1e9 for lvl in ("l2", "l3")}
     print(f"{hw['cpu_model']}: clock {f / 1e9:.2f} GHz; per cycle: " +
           ", ".join(f"{k} {v:.2f}" for k, v in per_cycle.items()))
     print("per-core bound of T tokens on one expert (GB/s): " + ", ".join(f"T={t} {v:.1f}" for t, v in bound.items()))
+    print("the AVX2 step with 8 tokens on one expert, per core (GB/s of weights): " +
+          ", ".join(f"rows in {lvl.upper()} {v:.1f} ({v / bound['8']:.0%} of the bound)" for lvl, v in step.items()))
     data = {"benchmark": "cpu_peak", "method": __doc__.strip().split("\n\n")[0], "hardware": hw,
             "rounds": rounds, "best": best, "per_cycle": per_cycle, "bound_instruction": op,
-            "per_core_gbps_bound_by_tokens": bound}
+            "per_core_gbps_bound_by_tokens": bound, "per_core_gbps_avx2_step_8_tokens": step}
     write_results(args.out / f"cpu_peak_{hw['cpus']}cpu.json", data, plot)
 
 
