@@ -42,10 +42,11 @@ Every tensor a graph reads outside its own memory pool is kept alive by ``_Graph
 would be reused by the allocator under the graph). Graphs hold the addresses of the KV pool,
 the expert cache's pools and residency, the CPU branch's buffers and the rotary table: the
 runner drops them all (``clear``) whenever the cache is resized or q* changes. A capture that fails (an op that syncs) disables graphs for the
-process and decode stays eager.
+process and decode stays eager. Captures run with Python's cyclic collector off (see ``capture``).
 """
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -247,6 +248,12 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         if self.experts is not None:
             self.experts.capturing(True)
+        # No cyclic garbage collection inside the capture: a collection there frees whatever dead
+        # cycles hold (another engine's graphs, pinned buffers), and a graph destroyed during a
+        # capture invalidates it (torch no longer collects before a capture), which left decode
+        # eager for the engine's life. The garbage is collected after the capture instead.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.device(self.device), torch.cuda.graph(graph, pool=self._pool):
                 kv_valid = torch.arange(width, device=self.device)[None, :] < ends[:, None]
@@ -266,6 +273,8 @@ class DecodeGraphs:
             self.clear()
             return
         finally:
+            if collecting:
+                gc.enable()
             if self.experts is not None:
                 self.experts.capturing(False)
         taken = max(0, free - self._free())
