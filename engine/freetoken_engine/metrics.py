@@ -117,6 +117,10 @@ class _EngineCollector:
             yield CounterMetricFamily("freetoken_decode_graph_drops",
                                       "Decode graphs dropped to keep their memory under --graph-memory-gb",
                                       value=float(stats.get("decode_graph_drops", 0)))
+            yield CounterMetricFamily("freetoken_decode_graph_capture_failures",
+                                      "Decode graph captures that failed (each drops the graphs; "
+                                      "after 3 decode stays eager)",
+                                      value=float(stats.get("decode_graph_capture_failures", 0)))
         for name, doc, key in _STATS_COUNTERS:
             if stats.get(key) is not None:
                 yield CounterMetricFamily(name, doc, value=float(stats[key]))

@@ -41,8 +41,9 @@ so it never drops a conversation's graphs.
 Every tensor a graph reads outside its own memory pool is kept alive by ``_Graph`` (a freed one
 would be reused by the allocator under the graph). Graphs hold the addresses of the KV pool,
 the expert cache's pools and residency, the CPU branch's buffers and the rotary table: the
-runner drops them all (``clear``) whenever the cache is resized or q* changes. A capture that fails (an op that syncs) disables graphs for the
-process and decode stays eager. Captures run with Python's cyclic collector off (see ``capture``).
+runner drops them all (``clear``) whenever the cache is resized or q* changes. A capture that fails drops every graph, which are captured
+again on use; after ``MAX_CAPTURE_FAILURES`` failures (an op that syncs fails every time) decode
+stays eager for the process. Captures run with Python's cyclic collector off (see ``capture``).
 """
 from __future__ import annotations
 
@@ -83,6 +84,11 @@ class DecodeGraphs:
     #: a graph replayed within this many decode steps (replays, and eager steps that try a capture)
     #: is never dropped for a new one
     KEEP_STEPS = 64
+    #: failed captures after which decode stays eager for good. A failure drops every graph (as a
+    #: resize does: a failed capture may leave its pool half written) and they are captured again
+    #: on use, so a passing cause costs some eager steps; an op that cannot be captured fails
+    #: every time and ends here
+    MAX_CAPTURE_FAILURES = 3
 
     def __init__(self, model, kv, experts, device: torch.device, dtype: torch.dtype, max_context: int,
                  max_batch: int, limit_bytes: int = 0, chained: bool = False, mtp: bool = False):
@@ -101,6 +107,7 @@ class DecodeGraphs:
         self.clock = 0
         self.dropped = 0           # graphs dropped to stay under the limit
         self.refused = 0           # captures not made: every graph was in use, or the warm-up found no room
+        self.capture_failures = 0  # captures that failed (``MAX_CAPTURE_FAILURES`` of them: eager for good)
         self.cap: int | None = None  # graphs at most, once they have taken limit_bytes (``_room``)
         # device memory the graphs took (captures and first replays) since the start: not reset
         # by ``clear``, since the driver keeps a dropped graph's memory for the next ones
@@ -147,6 +154,20 @@ class DecodeGraphs:
         self._graphs.clear()
         self.tried.clear()
         self._pool = None
+
+    def capture_failed(self, exc: Exception) -> None:
+        """After a failed capture: drop every graph (captured again on use); the
+        ``MAX_CAPTURE_FAILURES``-th failure leaves decode eager for the process."""
+        self.capture_failures += 1
+        self.clear()
+        if self.capture_failures >= self.MAX_CAPTURE_FAILURES:
+            self.enabled = False
+            log.warning("CUDA graph capture failed (%s: %s), %d times; decode stays eager", type(exc).__name__,
+                        exc, self.capture_failures)
+        else:
+            log.warning("CUDA graph capture failed (%s: %s); the decode graphs are dropped and captured again on "
+                        "use (failure %d of %d)", type(exc).__name__, exc, self.capture_failures,
+                        self.MAX_CAPTURE_FAILURES)
 
     def replay(self, chunks: list[SeqChunk], key: tuple[int, int], hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Replay the graph of ``key`` for ``chunks`` (``hidden``: an MTP pass's input rows) ->
@@ -267,10 +288,8 @@ class DecodeGraphs:
                     out.copy_(self.model(ids, batch, self.kv, rows))
                 if hidden is not None:
                     hidden.copy_(self.model.last_hidden)
-        except Exception as exc:        # noqa: BLE001 - any capture failure: stay eager, say why once
-            log.warning("CUDA graph capture failed (%s: %s); decode stays eager", type(exc).__name__, exc)
-            self.enabled = False
-            self.clear()
+        except Exception as exc:        # noqa: BLE001 - any capture failure: drop the graphs, say why
+            self.capture_failed(exc)
             return
         finally:
             if collecting:

@@ -379,13 +379,17 @@ class ModelRunner(GraphWarmup):
 
     def graph_stats(self) -> dict:
         """Decode CUDA graphs held, replayed (0 and 0: eager decode), their measured device memory
-        (``DecodeGraphs.held_bytes``) and the graphs dropped to stay under ``--graph-memory-gb``;
-        with MTP drafts the MTP passes' graphs and replays too (their memory counted in the bytes)."""
+        (``DecodeGraphs.held_bytes``), the graphs dropped to stay under ``--graph-memory-gb`` and the
+        captures that failed; with MTP drafts the MTP passes' graphs and replays too (their memory
+        and failed captures counted in the totals)."""
         g, m = self.graphs, self.mtp_graphs
-        n, replays, held, drops = (len(g), g.replays, g.held_bytes, g.dropped) if g is not None else (0, 0, 0, 0)
+        n, replays, held, drops, failed = ((len(g), g.replays, g.held_bytes, g.dropped, g.capture_failures)
+                                           if g is not None else (0, 0, 0, 0, 0))
         out = {"decode_graphs": n, "decode_graph_replays": replays,
                "decode_graph_bytes": held + (m.held_bytes if m is not None else 0),
-               "decode_graph_drops": drops, "decode_graph_warmup_seconds": round(self.graph_warmup_seconds, 3)}
+               "decode_graph_drops": drops,
+               "decode_graph_capture_failures": failed + (m.capture_failures if m is not None else 0),
+               "decode_graph_warmup_seconds": round(self.graph_warmup_seconds, 3)}
         if m is not None:
             out.update(mtp_graphs=len(m), mtp_graph_replays=m.replays)
         return out
