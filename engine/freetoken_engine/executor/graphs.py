@@ -41,9 +41,10 @@ so it never drops a conversation's graphs.
 Every tensor a graph reads outside its own memory pool is kept alive by ``_Graph`` (a freed one
 would be reused by the allocator under the graph). Graphs hold the addresses of the KV pool,
 the expert cache's pools and residency, the CPU branch's buffers and the rotary table: the
-runner drops them all (``clear``) whenever the cache is resized or q* changes. A capture that fails drops every graph, which are captured
-again on use; after ``MAX_CAPTURE_FAILURES`` failures (an op that syncs fails every time) decode
-stays eager for the process. Captures run with Python's cyclic collector off (see ``capture``).
+runner drops them all (``clear``) whenever the cache is resized or q* changes. A capture that
+fails drops every graph too, and they are captured again on use; after ``MAX_CAPTURE_FAILURES``
+failures (an op that syncs fails every time) decode stays eager for the process. Captures run
+with Python's cyclic collector off (see ``capture``).
 """
 from __future__ import annotations
 

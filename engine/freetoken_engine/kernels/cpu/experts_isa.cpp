@@ -204,7 +204,7 @@ enum { ROWS = 3 };   // rows a step of rows_walk (two: 0.54 -> 0.61 of the one-t
 // moves ROWS rows at a time) and stops at rend, as rows_bf's.
 template <bool WB>
 inline void rows_walk(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1, const float* const* xs,
-                       int64_t K, int64_t pf, float* out, int64_t rend) {
+                      int64_t K, int64_t pf, float* out, int64_t rend) {
   const int64_t pfr = ROWS * pf, last = rend - (pfr + rs - 1) / rs;
   int64_t r = r0;
   for (; r + ROWS <= r1; r += ROWS) {
