@@ -46,7 +46,10 @@ def test_the_split_follows_the_models_cpu_rate_and_busy_cpus_without_changing_to
     follower = llm.runner.follower
     assert follower is not None and follower.reference > 0 and follower.calibrated_gbps > 0
     model = llm.runner.cache.fill_fraction
-    assert model == pytest.approx(contended_fraction(calibrated, follower.model_ratio))
+    # The split this engine calibrated: a calibration that saw another process on the kernel's
+    # CPUs is not cached, so each engine measures its own (run 2026-12-04: 0.486 vs 0.510).
+    assert 0.0 < follower.base < 1.0
+    assert model == pytest.approx(contended_fraction(follower.base, follower.model_ratio))
     assert follower.model_ratio != 1.0
     start_ratio = follower.model_ratio
     assert llm.generate(PROMPT, LONG).token_ids == want
@@ -90,5 +93,5 @@ def test_the_split_follows_the_models_cpu_rate_and_busy_cpus_without_changing_to
     # reference raises it (inside the whole GPU suite, the start's may be taken beside what earlier
     # tests left running: 0.28 against the start's 0.32 in device runs 125 and 128), never lowers it
     assert follower.model_ratio >= start_ratio
-    assert after.stats["expert_cache"]["fill_fraction"] == pytest.approx(contended_fraction(calibrated, follower.model_ratio))
+    assert after.stats["expert_cache"]["fill_fraction"] == pytest.approx(contended_fraction(follower.base, follower.model_ratio))
     assert after.stats["expert_cache"]["fill_fraction"] < during["fill_fraction"]
