@@ -70,16 +70,18 @@ class Applier:
                                         {"spec": {"models": entries}}, _content_type=MERGE)
                 if body:
                     written["nodes"].append(body)
+        # Services and EndpointSlices before the status: a client that waits for Ready (kubectl
+        # wait, a coding agent's launcher) then finds the endpoints it reports already routable.
+        for svc in state.services:
+            self._service(svc)
+        for ref, wanted in sorted(state.slices.items()):
+            self._slices(ref, wanted)
         for (ns, name), status in sorted(state.model_status.items()):
             if not _same(models.get((ns, name), {}).get("status") or {}, status):
                 body = self._ignore_404(self.custom.patch_namespaced_custom_object_status, GROUP, VERSION, ns,
                                         MODELS, name, {"status": status}, _content_type=MERGE)
                 if body:
                     written["models"].append(body)
-        for svc in state.services:
-            self._service(svc)
-        for ref, wanted in sorted(state.slices.items()):
-            self._slices(ref, wanted)
         for event in state.events:
             self._event(event)
         return written

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
 import os
 import shutil
@@ -13,9 +14,36 @@ import pytest
 from freetoken_engine.cli import main
 
 
-def run(*args: str) -> subprocess.CompletedProcess:
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "freetoken_engine.cli", *args],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    """A bad input's process: exit 2, one line on stderr, no traceback."""
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
+    return r.stderr
+
+
+@pytest.fixture
+def cli_error(capsys, caplog):
+    """``freetoken ARGS`` in this process (a new interpreter costs 5-6 s of imports per case):
+    exit 2, one line on stderr, and no warning logged beside it (a process prints those on
+    stderr too). One case of each kind also runs as a real process below."""
+    def call(*args: str) -> str:
+        caplog.set_level(logging.WARNING)
+        caplog.clear()
+        try:
+            rc = main(list(args))
+        except SystemExit as exc:       # argparse's errors
+            rc = exc.code
+        err = capsys.readouterr().err
+        assert rc == 2, err
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+        return err
+    return call
 
 
 def test_generate_json_contract(tiny_checkpoint, capsys):
@@ -74,18 +102,18 @@ def _broken(tmp_path, tiny_checkpoint, kind: str):
     ("missing-shard", "no *.safetensors"),
     ("model-type", "supported: freetoken_llama_moe, llama, mixtral, olmoe, qwen2_moe, qwen3, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next"),
 ])
-def test_broken_folders_fail_in_one_line(tmp_path, tiny_checkpoint, kind, needle):
-    r = run("generate", "--model", str(_broken(tmp_path, tiny_checkpoint, kind)), "--prompt-ids", "1,2")
-    assert r.returncode == 2 and needle in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+def test_broken_folders_fail_in_one_line(tmp_path, tiny_checkpoint, cli_error, kind, needle):
+    folder = str(_broken(tmp_path, tiny_checkpoint, kind))
+    assert needle in cli_error("generate", "--model", folder, "--prompt-ids", "1,2")
+    if kind == "truncated":         # and as a process
+        assert needle in one_line_error(run("generate", "--model", folder, "--prompt-ids", "1,2"))
 
 
 def test_missing_shard_named_in_index(tmp_path):
     from tiny_models import make_tiny_checkpoint
     folder = make_tiny_checkpoint(tmp_path, "qwen3_moe", shard_kb=20)
     sorted(folder.glob("model-*.safetensors"))[1].unlink()
-    r = run("generate", "--model", str(folder), "--prompt-ids", "1,2")
-    assert r.returncode == 2 and "missing weight shard" in r.stderr and len(r.stderr.splitlines()) == 1
+    assert "missing weight shard" in one_line_error(run("generate", "--model", str(folder), "--prompt-ids", "1,2"))
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -107,12 +135,12 @@ def test_missing_shard_named_in_index(tmp_path):
     (["--prompt", "x", "--regex", "a", "--json-schema", "{}"], "not allowed with argument"),
     (["--prompt-ids", "1", "--no-such-flag"], "unrecognized arguments"),
 ])
-def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, args, needle):
+def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, cli_error, args, needle):
     if "--model" not in args:
         args = ["--model", str(tiny_checkpoint("qwen3_moe")), *args]
-    r = run("generate", *args)
-    assert r.returncode == 2, r.stderr
-    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    assert needle in cli_error("generate", *args)
+    if needle in ("does not exist", "outside the vocabulary", "unrecognized arguments"):   # and as a process
+        assert needle in one_line_error(run("generate", *args))
 
 
 @pytest.mark.parametrize("name,value,needle", [
@@ -125,15 +153,16 @@ def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, args, needle):
     ("FREETOKEN_CPU_EXPERT_THREADS", "0", "FREETOKEN_CPU_EXPERT_THREADS must be >= 1, got 0"),
     ("FREETOKEN_PRELOAD", "yes", "FREETOKEN_PRELOAD must be auto, on or off"),
 ])
-def test_bad_engine_settings_are_one_line_and_exit_2_on_a_cpu(tiny_checkpoint, name, value, needle):
+def test_bad_engine_settings_are_one_line_and_exit_2_on_a_cpu(tiny_checkpoint, cli_error, monkeypatch,
+                                                             name, value, needle):
     """GPU-only settings are still parsed on a CPU: a typo fails at start, not on the first GPU."""
-    env = {**os.environ, name: value}
-    r = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "generate", "--model",
-                        str(tiny_checkpoint("qwen3_moe")), "--prompt-ids", "1", "--expert-cache-experts", "4"],
-                       capture_output=True, text=True, timeout=300, env=env)
-    assert r.returncode == 2, r.stderr
-    assert needle in r.stderr and value in r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    args = ["generate", "--model", str(tiny_checkpoint("qwen3_moe")), "--prompt-ids", "1", "--expert-cache-experts", "4"]
+    monkeypatch.setenv(name, value)
+    err = cli_error(*args)
+    assert needle in err and value in err
+    if name == "FREETOKEN_PRELOAD":     # and as a process
+        err = one_line_error(run(*args, env={**os.environ, name: value}))
+        assert needle in err and value in err
 
 
 def test_a_bad_setting_fails_before_the_default_model_is_converted(tmp_path):

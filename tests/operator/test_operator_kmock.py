@@ -297,6 +297,32 @@ async def test_apply_repairs_owned_objects_deleted_behind_its_back(kmock):
     assert [s["metadata"]["name"] for s in slices] == ["m-ipv4-1919"]
 
 
+async def test_a_model_is_reported_ready_only_after_its_endpoints_are_written(kmock):
+    """A client that waits for Ready (``kubectl wait``) and then calls the Service must find the
+    endpoints there: the Service and its EndpointSlices are written before the status."""
+    from freetoken_operator.apply import Applier, api_client
+    from freetoken_operator.objects import endpoint_slices, service
+    from freetoken_operator.status import DesiredState
+
+    kc.prepare(kmock)
+    model = kc.seeded({"apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenModel",
+                       "metadata": {"name": "m", "namespace": "default", "uid": "u"},
+                       "spec": {"serving": {"servicePort": 8080}}})
+    kmock.objects[kc.MODELS, "default", "m"] = model
+    state = DesiredState(node_specs={}, model_status={("default", "m"): {"phase": "Ready", "ready": "1/1"}},
+                         services=[service(model)],
+                         slices={("default", "m"): endpoint_slices(model, [("a", "http://10.0.0.1:1919")])}, events=[])
+    applier = Applier(api_client(str(kmock.url).rstrip("/")), refresh_seconds=60)
+    first = len(kmock)
+    await asyncio.to_thread(applier.apply, state, {}, {("default", "m"): model})
+    writes = [(kmock[i].method, str(kmock[i].url)) for i in range(first, len(kmock)) if kmock[i].method != "GET"]
+    status = [i for i, (_, url) in enumerate(writes) if url.split("?")[0].endswith("/freetokenmodels/m/status")]
+    endpoints = [i for i, (_, url) in enumerate(writes) if "/endpointslices" in url or "/services" in url]
+    assert status and endpoints, writes
+    assert max(endpoints) < min(status), writes
+    assert (await kc.get(kmock, kc.model_path("default", "m")))["status"]["phase"] == "Ready"
+
+
 @pytest.mark.timeout(60)
 async def test_examples_are_placed_as_documented(kmock, monkeypatch):
     import yaml
