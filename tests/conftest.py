@@ -41,6 +41,9 @@ def pytest_configure(config):
     gpu_run = torch.cuda.is_available() and "gpu" in expr and "not gpu" not in expr
     if not gpu_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        import interpreter_once
+        interpreter_once.install()
 
 
 @pytest.fixture(scope="session")
