@@ -1,4 +1,5 @@
-"""GGUF loading for llama-architecture models, through the `gguf` package.
+"""GGUF loading for llama-architecture models (the file read by `gguf_file.py`, dequantized by the
+`gguf` package).
 
 Contract:
 
@@ -26,11 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .gguf_file import GGUFError, GGUFFile
+
 __all__ = ["GGUFError", "GGUFModel", "load_gguf", "write_hf_folder", "read_metadata"]
-
-
-class GGUFError(ValueError):
-    """The file is missing, unreadable, or not a llama-architecture GGUF."""
 
 
 @dataclass
@@ -64,27 +63,9 @@ _GLOBAL_KEYS = {
 _SPECIAL_TOKEN_TYPES = (3, 4)  # CONTROL, USER_DEFINED
 
 
-def _reader(path: Path):
-    import gguf
-
-    if not path.is_file():
-        raise GGUFError(f"GGUF file not found: {path}")
-    try:
-        return gguf.GGUFReader(str(path))
-    except Exception as exc:  # the reader raises bare ValueError/struct errors on junk
-        raise GGUFError(f"cannot read GGUF file {path}: {exc}") from exc
-
-
 def read_metadata(path: str | Path) -> dict:
     """All scalar/string/array metadata fields of a GGUF file, as Python values."""
-    reader = _reader(Path(path))
-    out = {}
-    for name, f in reader.fields.items():
-        try:
-            out[name] = f.contents()
-        except Exception:  # fields of exotic types are not needed here
-            continue
-    return out
+    return GGUFFile(path).metadata
 
 
 def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -192,8 +173,8 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel
     from gguf.quants import dequantize
 
     path = Path(path)
-    reader = _reader(path)
-    meta = read_metadata(path)
+    reader = GGUFFile(path)
+    meta = reader.metadata
     names = {t.name for t in reader.tensors}
     cfg = _llama_config(meta, len(meta.get("tokenizer.ggml.tokens", [])), "output.weight" in names)
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -209,14 +190,15 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel
             key = f"model.layers.{int(layer)}.{_BLOCK_KEYS[rest]}"
         else:
             continue
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists ne0 (columns) first
+        shape = tuple(reversed(t.ne))  # GGUF lists ne0 (columns) first
+        qtype = GGMLQuantizationType(t.qtype)
         try:
-            if t.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
-                arr = np.asarray(t.data, dtype=np.float32)
+            if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+                arr = np.asarray(t.raw, dtype=np.float32)
             else:
-                arr = dequantize(t.data, t.tensor_type)
+                arr = dequantize(t.raw, qtype)
         except (NotImplementedError, ValueError) as exc:
-            raise GGUFError(f"cannot dequantize {t.name} ({t.tensor_type.name}): {exc}") from exc
+            raise GGUFError(f"cannot dequantize {t.name} ({qtype.name}): {exc}") from exc
         w = torch.from_numpy(np.array(arr.reshape(shape), dtype=np.float32, copy=True))
         if key.endswith("q_proj.weight"):
             w = _unpermute_rope(w, n_head)
