@@ -179,3 +179,16 @@ def test_an_unsupported_version_says_which(gguf_path, tmp_path):
     bad.write_bytes(bytes(data))
     with pytest.raises(GGUFError, match="version 50331648 is not supported"):
         load_gguf(bad)
+
+
+def test_a_zero_alignment_is_one_clear_error(tmp_path):
+    import gguf
+
+    path = tmp_path / "align.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_uint32("general.alignment", 0)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+    with pytest.raises(GGUFError, match="general.alignment must be a positive integer, got 0"):
+        load_gguf(path)

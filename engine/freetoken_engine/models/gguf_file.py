@@ -121,6 +121,8 @@ class GGUFFile:
             ne = tuple(cur.take("<Q") for _ in range(cur.take("<I")))
             infos.append((name, ne, cur.take("<I"), cur.take("<Q")))
         align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or isinstance(align, bool) or align < 1:
+            raise GGUFError(f"{path}: general.alignment must be a positive integer, got {align!r}")
         start = -(-cur.pos // align) * align
         tensors = []
         for name, ne, qtype, offset in infos:
