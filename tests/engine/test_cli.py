@@ -19,11 +19,15 @@ def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=300, env=env)
 
 
+def _one_line(rc: int, err: str) -> str:
+    """A bad input's end: exit 2, one line on stderr, no traceback."""
+    assert rc == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
 def one_line_error(r: subprocess.CompletedProcess) -> str:
-    """A bad input's process: exit 2, one line on stderr, no traceback."""
-    assert r.returncode == 2, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr, r.stderr
-    return r.stderr
+    return _one_line(r.returncode, r.stderr)
 
 
 @pytest.fixture
@@ -38,9 +42,7 @@ def cli_error(capsys, caplog):
             rc = main(list(args))
         except SystemExit as exc:       # argparse's errors
             rc = exc.code
-        err = capsys.readouterr().err
-        assert rc == 2, err
-        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+        err = _one_line(rc, capsys.readouterr().err)
         assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
         return err
     return call

@@ -191,7 +191,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel
         else:
             continue
         shape = tuple(reversed(t.ne))  # GGUF lists ne0 (columns) first
-        qtype = GGMLQuantizationType(t.qtype)
+        qtype = t.qtype
         try:
             if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
                 arr = np.asarray(t.raw, dtype=np.float32)

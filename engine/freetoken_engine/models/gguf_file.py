@@ -6,7 +6,8 @@ Contract:
     f.metadata                  # {key: int | float | bool | str | list}, plus GGUF.version,
                                 # GGUF.tensor_count and GGUF.kv_count, as gguf.GGUFReader's
                                 # ``fields[k].contents()`` gives them
-    f.tensors                   # [GGUFTensor(name, ne, qtype, raw)], in file order
+    f.tensors                   # [GGUFTensor(name, ne, qtype, raw)], in file order; qtype a
+                                # gguf.GGMLQuantizationType
     t.raw                       # the tensor's bytes (a read-only view of the mapped file): float32
                                 # or float16 elements for F32 / F16, else uint8 rows of
                                 # ne[0] // block quantized blocks, as gguf.quants.dequantize takes
@@ -21,15 +22,19 @@ import mmap
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from gguf.constants import GGMLQuantizationType
+
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
-# GGUF value types -> struct format (scalars); 7 BOOL, 8 STRING, 9 ARRAY handled apart
-_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 10: "Q", 11: "q", 12: "d"}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 10: "<u8", 11: "<i8",
-          12: "<f8", 7: "<u1"}
+# GGUF value types -> little-endian format, for struct (a value) and NumPy (an array) alike;
+# 8 STRING and 9 ARRAY are read apart
+_FORMATS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+            12: "<d"}
 
 
 class GGUFError(ValueError):
@@ -40,7 +45,7 @@ class GGUFError(ValueError):
 class GGUFTensor:
     name: str
     ne: tuple[int, ...]      # GGUF's dimension order: ne[0] (a row's elements) first
-    qtype: int               # gguf.GGMLQuantizationType value
+    qtype: GGMLQuantizationType
     raw: np.ndarray
 
 
@@ -52,9 +57,9 @@ class _Cursor:
         size = struct.calcsize(fmt)
         if self.pos + size > len(self.buf):
             raise GGUFError(f"GGUF file {self.path} is truncated (its header runs past the end at byte {self.pos})")
-        value = struct.unpack_from(fmt, self.buf, self.pos)
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
-        return value[0] if len(value) == 1 else value
+        return value
 
     def string(self) -> str:
         n = self.take("<Q")
@@ -70,19 +75,17 @@ class _Cursor:
     def value(self, vtype: int):
         if vtype == 8:
             return self.string()
-        if vtype == 7:
-            return bool(self.take("<B"))
-        if vtype in _SCALARS:
-            return self.take("<" + _SCALARS[vtype])
+        if vtype in _FORMATS:
+            return self.take(_FORMATS[vtype])
         if vtype == 9:
             item, count = self.take("<I"), self.take("<Q")
-            if item in _NUMPY:          # numbers and bools in one read
-                width = np.dtype(_NUMPY[item]).itemsize
+            if item in _FORMATS:        # numbers and bools in one read
+                width = struct.calcsize(_FORMATS[item])
                 if self.pos + count * width > len(self.buf):
                     raise GGUFError(f"GGUF file {self.path} is truncated (an array runs past the end)")
-                arr = np.frombuffer(self.buf, dtype=_NUMPY[item], count=count, offset=self.pos)
+                arr = np.frombuffer(self.buf, dtype=_FORMATS[item], count=count, offset=self.pos)
                 self.pos += count * width
-                return [bool(v) for v in arr] if item == 7 else arr.tolist()
+                return arr.tolist()
             return [self.value(item) for _ in range(count)]
         raise GGUFError(f"GGUF file {self.path}: unknown value type {vtype} at byte {self.pos}")
 
@@ -127,7 +130,8 @@ class GGUFFile:
         tensors = []
         for name, ne, qtype, offset in infos:
             try:
-                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(qtype)]
+                qtype = GGMLQuantizationType(qtype)
+                block, type_size = GGML_QUANT_SIZES[qtype]
             except (KeyError, ValueError):
                 raise GGUFError(f"{path}: tensor {name} has unknown type {qtype}") from None
             if not ne or ne[0] % block:
