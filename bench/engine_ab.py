@@ -42,6 +42,18 @@ def _control_ab(llm, Lockstep, fractions: list[float], batches: list[int], steps
     return _ab(llm, Lockstep, fractions, batches, steps, q, skip, ("control skips", "control scans"), warm=True)
 
 
+def _moe_lanes_ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q: float) -> list[dict]:
+    """Side graphs/moe-lanes-ab: rows "moe lanes" (a one-token call's routed experts through the
+    lanes kernels, kernels/triton/moe.py ``LANES_TILES``) and "moe tiled" (through the tiled
+    kernels of every other call, as before 2026-12-04's forty-eighth stop)."""
+    from freetoken_engine.kernels.triton import moe
+    lanes = moe.LANES_TILES
+
+    def switch(on: bool) -> None:
+        moe.LANES_TILES = lanes if on else None
+    return _ab(llm, Lockstep, fractions, batches, steps, q, switch, ("moe lanes", "moe tiled"), warm=True)
+
+
 def _ab(llm, Lockstep, fractions: list[float], batches: list[int], steps: int, q: float, switch,
         names: tuple[str, str], rounds: int = 2, warm: bool = False) -> list[dict]:
     """A same-process A/B: per budget and batch, ``rounds`` x (``switch(True)``: row names[0],
@@ -118,4 +130,4 @@ def timed(llm, Lockstep, side: str, frac: float, b: int, steps: int) -> dict:
 
 
 AB_SIDES = {"graphs/hits-ab": _hits_ab, "graphs/gemv-ab": _gemv_ab, "graphs/control-ab": _control_ab,
-            "graphs/threshold-ab": _threshold_ab}
+            "graphs/threshold-ab": _threshold_ab, "graphs/moe-lanes-ab": _moe_lanes_ab}

@@ -30,6 +30,9 @@ the same run (the engine reads its switches at start):
   graphs/threshold-ab  the same for decode batches of 16+: rows "cache path" (the expert cache and
                 its graphs up to max_batch, the default) and "whole layers from 16" (the prefill's
                 whole-layer path from 16 tokens, eager: the engine before the twenty-second session)
+  graphs/moe-lanes-ab  the same for a one-token call's routed experts: rows "moe lanes" (the lanes
+                kernels of kernels/triton/moe.py) and "moe tiled" (the tiled kernels, the engine before
+                2026-12-04's forty-eighth stop)
   graphs/copy-first  graphs with a layer's fill copies queued before the host is signalled (the
                 engine's order before 2026-11-29: PCIe, then the CPU experts, in series)
   graphs+stream graphs with the streamed split (FREETOKEN_STREAM_SPLIT=on: the first rows of the
@@ -103,6 +106,7 @@ SIDES = {"eager/sync": ("off", False, "off", "on", "on"), "eager/branch": ("on",
          "graphs/lru": ("on", True, "off", "on", "off"), "graphs/all-cpus": ("on", True, "off", "on", "on"),
          "graphs/gemv-ab": ("on", True, "off", "on", "on"), "graphs/control-ab": ("on", True, "off", "on", "on"),
          "graphs/threshold-ab": ("on", True, "off", "on", "on"),
+         "graphs/moe-lanes-ab": ("on", True, "off", "on", "on"),
          "graphs+prefetch": ("on", True, "off", "on", "on"), "graphs+prefetch@1": ("on", True, "off", "on", "on"),
          "graphs+prefetch@0.9": ("on", True, "off", "on", "on"),
          "graphs+prefetch@0.7": ("on", True, "off", "on", "on")}
@@ -134,7 +138,8 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
     # no graphs ahead of time: the resize below would drop them (warm-up steps capture instead)
     # (the gemv and control A/Bs: q held where the calibration put it; the CPU-rate follower would move it)
     llm = LLM(model, device=device, dtype="bfloat16", cuda_graphs=SIDES[side][1], split_tuning=tuning, graph_warmup=0,
-              cpu_rate_probe=side not in ("graphs/gemv-ab", "graphs/control-ab", "graphs/threshold-ab"))
+              cpu_rate_probe=side not in ("graphs/gemv-ab", "graphs/control-ab", "graphs/threshold-ab",
+                                          "graphs/moe-lanes-ab"))
     runner = llm.runner
     if routing != "model":
         from routing_replay import install
@@ -147,8 +152,11 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
     total = runner.bank.total_experts
     calibrated = runner.expert_stats()["fill_fraction"]
     rows = []
-    if side in AB_SIDES:
-        return AB_SIDES[side](llm, Lockstep, fractions, batches, steps, calibrated)
+    if side in AB_SIDES:        # at the calibrated q, then at each of --splits (rows tagged "q=F")
+        for q in [None] + splits:
+            for row in AB_SIDES[side](llm, Lockstep, fractions, batches, steps, calibrated if q is None else q):
+                rows.append(row if q is None else dict(row, side=f"{row['side']} q={q:g}"))
+        return rows
     for frac in fractions:
         runner.resize_expert_cache(max(1, round(frac * total)))
         for b in batches:
@@ -196,7 +204,7 @@ def run_sides(work: Path, fast: Path | None, args) -> tuple[int, list[dict], lis
         env["FREETOKEN_EXPERT_PREFETCH"] = ("all" if "@" in side else "on") if side in PREFETCH else "off"
         cmd = [sys.executable, __file__, "--worker", side, "--model", str(model), "--fractions",
                args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device,
-               "--splits", args.splits if side == "graphs" else "", "--routing", args.routing]
+               "--splits", args.splits if side == "graphs" or side in AB_SIDES else "", "--routing", args.routing]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("ROWS ")), None)
         if proc.returncode or line is None:
@@ -233,7 +241,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench/results/engine_gpu_decode.json"))
     ap.add_argument("--sides", default="eager/sync,eager/branch,graphs,graphs+tuning,graphs/copy-first,graphs+stream,"
                     "graphs+stream-floor", help="comma-separated sides (see the docstring)")
-    ap.add_argument("--splits", default="", help="fill fractions to run beside the calibrated q* (graphs side), "
+    ap.add_argument("--splits", default="", help="fill fractions to run beside the calibrated q* (graphs and A/B sides), "
                     "e.g. 0.3,0.45,0.6")
     args = ap.parse_args()
     fractions = [float(x) for x in args.fractions.split(",")]

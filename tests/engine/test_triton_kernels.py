@@ -59,6 +59,39 @@ def test_moe_slots_bf16_within_tolerance_and_cpu_pairs_zero():
     assert torch.equal(buf[gpu], out[gpu]) and torch.all(buf[~gpu] == 7.0)
 
 
+@pytest.mark.parametrize("tiles", [None, {"bn1": 32, "bk1": 32, "bn2": 32, "bk2": 32, "warps": 4}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_lanes_kernels_match_the_reference_and_the_tiled_kernels(monkeypatch, dtype, tiles):
+    """A batch-1 call (one token, the engine's decode at batch 1) takes the lanes kernels: the
+    same rows as the reference (fp32 1e-5; bf16 within the stated 2e-2) and as the tiled kernels,
+    zero rows for the CPU's pairs, and only rows [0, limit) of each expert with ``limit``. The
+    second tiles leave partial blocks of rows and of K (I = 48, blocks of 32)."""
+    from freetoken_engine.kernels.triton import moe
+    if tiles is not None:
+        monkeypatch.setattr(moe, "LANES_TILES", tiles)
+    w13, w2 = (w.to(dtype) for w in _pool(6, seed=4))
+    x = torch.randn(1, H, generator=torch.Generator().manual_seed(5)).to(dtype)
+    tok = torch.zeros(6, dtype=torch.int64)
+    slot = torch.tensor([4, -1, 0, 5, -1, 2])
+    gpu = slot >= 0
+    out = moe_slots_forward(x, w13, w2, tok, slot)
+    ref = expert_pairs_forward(x.float(), w13.float(), w2.float(), tok[gpu], slot[gpu])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype and torch.all(out[~gpu] == 0)
+    assert (out[gpu].float() - ref).abs().max() <= tol * ref.abs().max()
+    monkeypatch.setattr(moe, "LANES_TILES", None)
+    tiled = moe_slots_forward(x, w13, w2, tok, slot)
+    assert (out.float() - tiled.float()).abs().max() <= tol * ref.abs().max()
+    monkeypatch.undo()
+    if tiles is not None:
+        monkeypatch.setattr(moe, "LANES_TILES", tiles)
+    r = 20
+    part = moe_slots_forward(x, w13, w2, tok, slot, limit=torch.tensor([r]))
+    cut13 = torch.cat([w13[:, :r], w13[:, I:I + r]], 1)
+    ref_part = expert_pairs_forward(x.float(), cut13.float(), w2[:, :, :r].float(), tok[gpu], slot[gpu])
+    assert (part[gpu].float() - ref_part).abs().max() <= tol * ref_part.abs().max()
+
+
 def test_moe_slots_rejects_bad_strides_and_shapes():
     w13, w2 = _pool(3)
     x = torch.randn(2, H)

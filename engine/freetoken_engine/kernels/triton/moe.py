@@ -15,6 +15,14 @@ Grouping: the pairs of one slot are computed as one tile, so an expert's weights
 per call. For small calls (decode, P <= 64) each program finds its slot's pairs itself (no
 preprocessing, nothing to launch but the two kernels: good for CUDA graphs). For large calls
 (prefill) a block table is built with a few device-side torch ops (no host sync).
+
+One token (a batch-1 decode call, P <= 64) takes two other kernels, ``lanes``: each pair is its
+own expert, so a program owns a few weight rows of one pair (``LANES_TILES``: 2 gate and 2 up
+rows, 8 down rows) and multiplies elementwise in fp32, reducing once at the end, as
+``gemv.py``'s one-token kernel does. A Qwen3-30B expert is then 640 programs instead of the tiled
+kernels' 56, which matters for the engine's call over a layer's one or two filled experts, right
+after their copy: 1.5-1.8x faster on the H200 (``bench/moe_decode_kernel.py``). Every one-token
+call takes them, so a pair's row does not depend on which call computed it.
 """
 from __future__ import annotations
 
@@ -31,6 +39,11 @@ SMALL_P = 64          # calls with at most this many pairs group inside the kern
 #: module-level so that a benchmark or a tuning run can set them for the GPU at hand.
 DECODE_TILES = {"bn1": 32, "bk1": 128, "bn2": 64, "bk2": 128, "warps": 4}
 PREFILL_TILES = {"bn1": 64, "bk1": 64, "bn2": 128, "bk2": 64, "warps": 8}
+#: one token (a batch-1 decode call): the lanes kernels' tiles, or None for the tiled kernels
+#: above (the bench's A/B side). BN rows of one pair's expert a program, K streamed in BK blocks.
+#: The best of 36 in bench/moe_decode_kernel.py --sweep on the H200 (2026-12-04) for 1 and 8
+#: experts a call, both Qwen shapes: 1.5-1.8x the tiled kernels with one expert, 0.97-1.06x with 8.
+LANES_TILES: dict | None = {"bn1": 2, "bk1": 2048, "bn2": 8, "bk2": 256, "warps": 4}
 
 
 @triton.jit
@@ -127,6 +140,57 @@ def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, bloc
                  mask=valid[:, None] & nmask[None, :])
 
 
+@triton.jit
+def _gate_up_lanes_kernel(x_ptr, w13_ptr, inter_ptr, pair_slot_ptr, limit_ptr, H, I, stride_ws, stride_wn,
+                          BN: tl.constexpr, BK: tl.constexpr, LIMIT: tl.constexpr):
+    """One token: program (p, j) computes intermediate rows [j BN, (j + 1) BN) of pair p,
+    multiplying elementwise in fp32 and reducing each row once, after the K loop."""
+    p = tl.program_id(0)
+    s = tl.load(pair_slot_ptr + p).to(tl.int64)
+    lim = I
+    if LIMIT:
+        lim = tl.minimum(tl.load(limit_ptr).to(tl.int32), I)
+    if (s >= 0) & (tl.program_id(1) * BN < lim):
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < lim
+        gate = w13_ptr + s * stride_ws + n.to(tl.int64)[:, None] * stride_wn           # [BN, 1]
+        up = gate + I * stride_wn
+        acc_g = tl.zeros([BN, BK], dtype=tl.float32)
+        acc_u = tl.zeros([BN, BK], dtype=tl.float32)
+        for k0 in range(0, H, BK):
+            k = k0 + tl.arange(0, BK)
+            kmask = k < H
+            xk = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            wmask = nmask[:, None] & kmask[None, :]
+            acc_g += tl.load(gate + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xk
+            acc_u += tl.load(up + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xk
+        g = tl.sum(acc_g, 1)
+        h = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, 1)                    # SwiGLU, float32
+        tl.store(inter_ptr + p * I + n, h.to(inter_ptr.dtype.element_ty), mask=nmask)
+
+
+@triton.jit
+def _down_lanes_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, limit_ptr, H, I, stride_ws, stride_wn, stride_ot,
+                       BN: tl.constexpr, BK: tl.constexpr, LIMIT: tl.constexpr):
+    """One token: program (p, j) computes output rows [j BN, (j + 1) BN) of pair p."""
+    p = tl.program_id(0)
+    s = tl.load(pair_slot_ptr + p).to(tl.int64)
+    lim = I
+    if LIMIT:
+        lim = tl.minimum(tl.load(limit_ptr).to(tl.int32), I)
+    if s >= 0:
+        n = tl.program_id(1) * BN + tl.arange(0, BN)
+        nmask = n < H
+        rows = w2_ptr + s * stride_ws + n.to(tl.int64)[:, None] * stride_wn             # [BN, 1]
+        acc = tl.zeros([BN, BK], dtype=tl.float32)
+        for k0 in range(0, lim, BK):
+            k = k0 + tl.arange(0, BK)
+            kmask = k < lim
+            a = tl.load(inter_ptr + p * I + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            acc += tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32) * a
+        tl.store(out_ptr + p * stride_ot + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=nmask)
+
+
 def block_table(pair_slot: torch.Tensor, block_m: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Group pairs by slot into tiles of ``block_m`` rows, on the device, without a host sync.
 
@@ -200,6 +264,16 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
         return out
     upcast = interpreting() or x.dtype == torch.float32 or w13_slots.dtype == torch.float32
     inter_buf = torch.empty((p, inter), dtype=torch.float32 if upcast else x.dtype, device=dev)
+    lim = limit if limit is not None else pair_slot
+    if t == 1 and p <= SMALL_P and LANES_TILES is not None:
+        bn1, bk1, bn2, bk2, warps = (LANES_TILES[key] for key in ("bn1", "bk1", "bn2", "bk2", "warps"))
+        _gate_up_lanes_kernel[(p, triton.cdiv(inter, bn1))](
+            x, w13_slots, inter_buf, pair_slot, lim, h, inter, w13_slots.stride(0), w13_slots.stride(1),
+            BN=bn1, BK=min(bk1, next_pow2(h)), LIMIT=limit is not None, num_warps=warps)
+        _down_lanes_kernel[(p, triton.cdiv(h, bn2))](
+            inter_buf, w2_slots, out, pair_slot, lim, h, inter, w2_slots.stride(0), w2_slots.stride(1),
+            out.stride(0), BN=bn2, BK=min(bk2, next_pow2(inter)), LIMIT=limit is not None, num_warps=warps)
+        return out
     in_kernel = p <= SMALL_P
     if in_kernel:
         bm = max(16, next_pow2(min(p, t)))
@@ -213,12 +287,12 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     bn1, bk1, bn2, bk2, warps = (tiles[key] for key in ("bn1", "bk1", "bn2", "bk2", "warps"))
     block_p = next_pow2(p) if in_kernel else 1
     _gate_up_kernel[(nb, triton.cdiv(inter, bn1))](
-        x, w13_slots, inter_buf, pair_tok, pair_slot, rows, slots, limit if limit is not None else pair_slot,
+        x, w13_slots, inter_buf, pair_tok, pair_slot, rows, slots, lim,
         p, h, inter, x.stride(0), w13_slots.stride(0), w13_slots.stride(1),
         BLOCK_P=block_p, BM=bm, BN=bn1, BK=bk1, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limit is not None,
         num_warps=warps)
     _down_kernel[(nb, triton.cdiv(h, bn2))](
-        inter_buf, w2_slots, out, pair_slot, rows, slots, limit if limit is not None else pair_slot,
+        inter_buf, w2_slots, out, pair_slot, rows, slots, lim,
         p, h, inter, w2_slots.stride(0), w2_slots.stride(1), out.stride(0),
         BLOCK_P=block_p, BM=bm, BN=bn2, BK=bk2, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limit is not None,
         num_warps=warps)
