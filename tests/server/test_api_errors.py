@@ -2,6 +2,8 @@
 that says what to fix, and the server keeps serving afterwards."""
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import openai
@@ -65,6 +67,19 @@ def test_invalid_json_is_400_in_each_protocols_shape(http):
 def test_wrong_values_are_400_naming_the_field(http, live, patch, param, says):
     openai_error(http.post("/v1/chat/completions", json=chat_body(live, **patch)), 400,
                  param=param, says=says)
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_float_that_is_not_finite_is_400_saying_so(http, live, value):
+    """Python's JSON parser reads NaN and Infinity; they were refused as out of range ("less than
+    or equal to 2" for a NaN temperature), now as what they are, in both protocols."""
+    body = json.dumps(chat_body(live, top_p=0.5)).replace('"top_p": 0.5', f'"top_p": {value}')
+    r = http.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    openai_error(r, 400, param="top_p", says="finite number")
+    body = json.dumps({"model": live.model, "max_tokens": 2, "messages": MSGS, "temperature": 0.5})
+    r = http.post("/v1/messages", content=body.replace('"temperature": 0.5', f'"temperature": {value}'),
+                  headers={"content-type": "application/json"})
+    anthropic_error(r, 400, "invalid_request_error", "finite number")
 
 
 @pytest.mark.parametrize("patch,param", [

@@ -21,8 +21,9 @@ MAX_CHOICES = 32
 
 
 class Body(BaseModel):
-    """A request body or part of one (every protocol's): unknown fields are ignored."""
-    model_config = ConfigDict(extra="ignore")
+    """A request body or part of one (every protocol's): unknown fields are ignored, and a float
+    field refuses NaN and Infinity (which Python's JSON parser accepts) as not finite."""
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
 
 class ContentPart(Body):
