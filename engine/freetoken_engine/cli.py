@@ -178,7 +178,9 @@ def cmd_generate(args) -> int:
 
 def cmd_calibrate(args) -> int:
     from .calibrate import load_or_measure
-    result = load_or_measure(args.device or ("cuda" if _cuda() else "cpu"), refresh=args.refresh)
+    from .config import check_device
+    result = load_or_measure(check_device(args.device) if args.device else "cuda" if _cuda() else "cpu",
+                             refresh=args.refresh)
     if args.json:
         print(json.dumps(result))
     else:

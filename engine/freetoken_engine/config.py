@@ -7,6 +7,7 @@ fix; nothing later re-validates them.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,6 +159,22 @@ class ModelConfig:
 SPECULATIVE_METHODS = ("ngram", "mtp")
 
 
+def check_device(device: str, present: bool = True) -> str:
+    """``device`` if the engine can run there: "cpu", "cuda" or "cuda:N"; with ``present``, the
+    GPU must also be on this host (torch is imported only then). Else a ``ConfigError`` that says
+    what to give instead."""
+    if device not in ("cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
+        raise ConfigError(f"--device must be cpu, cuda or cuda:N, got {device!r}")
+    if present and device != "cpu":
+        import torch
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ConfigError(f"--device {device} was given but no CUDA GPU is available")
+        if device != "cuda" and int(device[5:]) >= n:
+            raise ConfigError(f"--device {device}: this host has {n} CUDA GPU(s), cuda:0 to cuda:{n - 1}")
+    return device
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Run options shared by ``generate``, ``serve`` and the Python API."""
@@ -193,8 +210,7 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"--device must be cpu or cuda, got {self.device!r}")
+        check_device(self.device, present=False)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.expert_cache_experts is not None and self.expert_cache_gb is not None:

@@ -38,6 +38,7 @@ def cli_error(capsys, caplog):
     def call(*args: str) -> str:
         caplog.set_level(logging.WARNING)
         caplog.clear()
+        capsys.readouterr()             # what the test printed before (a fixture's progress bar)
         try:
             rc = main(list(args))
         except SystemExit as exc:       # argparse's errors
@@ -176,6 +177,30 @@ def test_a_bad_setting_fails_before_the_default_model_is_converted(tmp_path):
     assert r.returncode == 2 and "FREETOKEN_CPU_EXPERT_THREADS must be an integer, got 'many'" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "converting" not in r.stderr
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command,device,needle", [
+    ("calibrate", "tpu", "--device must be cpu, cuda or cuda:N, got 'tpu'"),
+    ("calibrate", "cuda", "--device cuda was given but no CUDA GPU is available"),
+    ("generate", "cuda:x", "--device must be cpu, cuda or cuda:N, got 'cuda:x'"),
+    ("generate", "cuda:1", "--device cuda:1 was given but no CUDA GPU is available"),
+])
+def test_a_device_the_engine_cannot_use_is_one_line(tiny_checkpoint, cli_error, command, device, needle):
+    """Every command that takes --device says what to give instead (calibrate ended in a
+    traceback for both until 2026-12-04)."""
+    if "CUDA GPU" in needle and _cuda_present():
+        pytest.skip("this host has a CUDA GPU")
+    args = [command, "--device", device]
+    if command == "generate":
+        args += ["--model", str(tiny_checkpoint("qwen3_moe")), "--prompt-ids", "1"]
+    assert needle in cli_error(*args)
+    if command == "calibrate" and device == "tpu":        # and as a process
+        assert needle in one_line_error(run(*args))
+
+
+def _cuda_present() -> bool:
+    import torch
+    return torch.cuda.is_available()
 
 
 def test_calibrate_json_contract():

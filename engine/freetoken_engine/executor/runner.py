@@ -24,8 +24,7 @@ from ..cache.experts import ExpertCache  # noqa: E402
 from ..cache.kv import KVPool  # noqa: E402
 from ..cache.offload import OffloadedExperts  # noqa: E402
 from ..cache.states import StatePool  # noqa: E402
-from ..config import EngineConfig  # noqa: E402
-from ..errors import ConfigError  # noqa: E402
+from ..config import EngineConfig, check_device  # noqa: E402
 from ..layers.linear import use_compiled_linears  # noqa: E402
 from ..calibrate import calibrated  # noqa: E402
 from ..models.build import BankRead, start_model  # noqa: E402
@@ -64,8 +63,7 @@ class ModelRunner(GraphWarmup):
             raise
 
     def _start(self, cfg: EngineConfig, progress: Callable[[float], None] | None) -> None:
-        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError("--device cuda was given but no CUDA GPU is available")
+        check_device(cfg.device)
         self.cfg = cfg
         env.validate()
         if env.cpu_threads():
