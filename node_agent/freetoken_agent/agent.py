@@ -96,7 +96,12 @@ class Agent:
         """What should run; ``None`` when it cannot be known now (keep what runs)."""
         if self.standalone is not None:
             models = self.standalone.read()
-            self.assignment_error = self.standalone.error
+            error = self.standalone.error
+            if error and error != self.assignment_error:
+                log.error("%s; the engines keep the assignments read before", error)
+            elif self.assignment_error and not error:
+                log.info("%s is valid again", self.standalone.path)
+            self.assignment_error = error
             return models
         try:
             spec = await self.reporter.read_spec()

@@ -179,6 +179,6 @@ class StandaloneFile:
             self._models = parse_models(doc.get("models"))
             self.error = None
         except (yaml.YAMLError, AssignmentError, OSError) as exc:
-            self.error = f"{self.path}: {exc}"
+            self.error = f"{self.path}: {' '.join(str(exc).split())}"     # one line (YAML's span three)
         self._mtime = mtime
         return self._models

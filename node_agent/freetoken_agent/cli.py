@@ -18,12 +18,18 @@ import socket
 import sys
 
 from . import config as config_mod
+from .assignments import StandaloneFile
 from .calibration import CalibrationCache, CalibrationError, HostConfig
 from .gpu import GpuError, NvmlSource
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + error
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="freetoken-agent", description="FreeToken node agent")
+    p = _Parser(prog="freetoken-agent", description="FreeToken node agent")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("calibrate", help="measure (or show the cached) PCIe / CPU-expert bandwidth and q*")
     c.add_argument("--json", action="store_true", help="print one JSON object")
@@ -39,7 +45,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--engine-port-offset", type=int, default=None)
     r.add_argument("--state-dir", default=None)
     r.add_argument("--heartbeat-seconds", type=float, default=None)
-    r.add_argument("--log-level", default="INFO")
+    r.add_argument("--log-level", default="INFO", type=str.upper,
+                   choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
     return p
 
 
@@ -92,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
         return _fail(str(exc))
     if cfg.standalone and not os.path.exists(cfg.standalone):
         return _fail(f"--standalone {cfg.standalone}: no such file")
+    if cfg.standalone:      # a broken file at start is an error; later edits are logged (agent.py)
+        probe = StandaloneFile(cfg.standalone)
+        probe.read()
+        if probe.error:
+            return _fail(f"--standalone {probe.error}")
     from .agent import Agent  # imported here: `calibrate` needs none of it
 
     agent = Agent(cfg)

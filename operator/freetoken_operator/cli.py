@@ -12,17 +12,37 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import urllib.parse
 
 from .config import ConfigError, OperatorConfig
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + error
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _liveness(url: str) -> str:
+    """kopf's liveness endpoint: it serves plain HTTP only (else it fails at start with a
+    traceback), on the host and port given (localhost and 80 when left out)."""
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port
+    except ValueError:
+        parts = parts._replace(scheme="")
+    if parts.scheme != "http":
+        raise argparse.ArgumentTypeError(f"must be http://HOST:PORT/PATH, e.g. http://0.0.0.0:8080/healthz, got {url!r}")
+    return url
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="freetoken-operator", description=__doc__.split("\n")[0])
+    p = _Parser(prog="freetoken-operator", description=__doc__.split("\n")[0])
     p.add_argument("--kube-server", help="plain-HTTP API server URL (tests); default: in-cluster, then kubeconfig")
     p.add_argument("--stale-seconds", type=float, help="heartbeat age after which a node is lost (default 30)")
     p.add_argument("--resync-seconds", type=float, help="reconcile tick (default 1)")
     p.add_argument("--base-port", type=int, help="first engine port per node (default 1919)")
-    p.add_argument("--liveness", default=None, help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    p.add_argument("--liveness", default=None, type=_liveness,
+                   help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--verbose", action="store_true")
     return p
 

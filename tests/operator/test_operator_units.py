@@ -34,9 +34,21 @@ def test_bad_configuration_is_rejected(env):
         OperatorConfig.from_env(env)
 
 
-def test_cli_rejects_bad_flags_with_exit_code_2(capsys):
-    assert main(["--stale-seconds", "-1"]) == 2
-    assert "stale_seconds must be > 0" in capsys.readouterr().err
+@pytest.mark.parametrize("args,says", [
+    (["--stale-seconds", "-1"], "stale_seconds must be > 0"),
+    (["--liveness", "garbage"], "--liveness: must be http://HOST:PORT/PATH"),     # kopf: a traceback
+    (["--liveness", "https://0.0.0.0:8080/healthz"], "--liveness: must be http://"),
+    (["--liveness", "http://0.0.0.0:port/healthz"], "--liveness: must be http://"),
+    (["--base-port", "x"], "--base-port: invalid int value"),
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+])
+def test_cli_rejects_bad_flags_with_one_line_and_exit_code_2(capsys, args, says):
+    try:
+        code = main(args)
+    except SystemExit as exc:       # argparse's errors
+        code = exc.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and says in err[0], err
 
 
 def test_operator_never_imports_torch_or_the_engine():
