@@ -108,6 +108,18 @@ def test_convert_refuses_a_non_empty_output(tiny_checkpoint, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
 
 
+def test_convert_says_what_is_wrong_with_a_packed_source_or_an_unwritable_output(tiny_checkpoint, tmp_path):
+    """A packed folder as the source is named as such (was: 'holds no *.safetensors weights'),
+    and an output folder that cannot be made names the folder, not a hidden temporary one."""
+    packed = convert(tiny_checkpoint("qwen3_moe"), tmp_path / "packed", progress=False)
+    with pytest.raises(PackedFormatError, match="is already a packed folder"):
+        convert(packed, tmp_path / "again", progress=False)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(PackedFormatError, match=f"cannot write the output folder {tmp_path}/file/out: "):
+        convert(tiny_checkpoint("qwen3_moe"), tmp_path / "file" / "out", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "packed"]
+
+
 def test_cli_convert_writes_a_loadable_folder(tiny_checkpoint, tmp_path):
     out = tmp_path / "cli-packed"
     r = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "convert",

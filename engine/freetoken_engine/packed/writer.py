@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .format import ALIGN, BLOCK, FORMAT, INDEX_NAME, VERSION, PackedFormatError, dtype_name
+from .format import ALIGN, BLOCK, FORMAT, INDEX_NAME, VERSION, PackedFormatError, dtype_name, is_packed
 
 log = logging.getLogger(__name__)
 SHARD_BYTES = 2 << 30
@@ -92,6 +92,9 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
     src, out = Path(model_dir), Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PackedFormatError(f"output folder {out} exists and is not empty")
+    if is_packed(src):
+        raise PackedFormatError(f"{src} is already a packed folder (freetoken convert's output): "
+                                "--model takes it as it is")
     ckpt = Checkpoint(src)
     fam = family(ckpt.config.get("model_type"))
     cfg = fam.parse(ckpt.config)
@@ -107,8 +110,11 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
     dense_keys = [k for k in ckpt.names() if k not in expert_keys]
     probe = next(fam.layer_experts(ckpt, moe.layers[0], moe.num_experts))[0] if moe else ckpt.get(dense_keys[0])
     dtype = probe.dtype
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    except OSError as exc:
+        raise PackedFormatError(f"cannot write the output folder {out}: {exc.strerror}") from None
     t0 = time.perf_counter()
     try:
         index = {"format": FORMAT, "version": VERSION, "alignment": ALIGN, "block_bytes": BLOCK,
