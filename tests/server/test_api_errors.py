@@ -174,6 +174,15 @@ async def test_admin_without_token_serves_loopback_only(tiny_service):
         assert r.status_code == 422 and "expert_cache_experts" in r.json()["error"]["message"]
 
 
+async def test_admin_bodies_refuse_numbers_that_are_not_finite(tiny_service):
+    """An infinite bandwidth was accepted and then failed as 'fill_fraction ... got nan'."""
+    app = create_app(tiny_service, ServerConfig())
+    async with asgi(app) as local:
+        r = await local.post("/admin/calibrate", content=b'{"pcie_gbps": Infinity, "cpu_expert_gbps": 20}',
+                             headers={"content-type": "application/json"})
+        assert r.status_code == 422 and "pcie_gbps: Input should be a finite number" in r.json()["error"]["message"]
+
+
 async def test_admin_token_is_required_when_set(tiny_service):
     app = create_app(tiny_service, ServerConfig(admin_token="s3cret"))
     async with asgi(app, ("10.1.2.3", 4000)) as remote:

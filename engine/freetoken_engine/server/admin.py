@@ -19,7 +19,7 @@ public = APIRouter()
 
 
 class CacheResize(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     expert_cache_bytes: int | None = Field(None, ge=0)
     expert_cache_experts: int | None = Field(None, ge=0)
 
@@ -32,7 +32,7 @@ class CacheResize(BaseModel):
 
 
 class Calibrate(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     measure: bool | None = None
     pcie_gbps: float | None = Field(None, gt=0)
     cpu_expert_gbps: float | None = Field(None, gt=0)
