@@ -237,6 +237,9 @@ class EngineConfig:
                               f"got {self.decode_pause_ms}")
         if self.prefill_chunk is not None and self.prefill_chunk < 1:
             raise ConfigError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+        if self.max_context is not None and self.max_context < 1:
+            raise ConfigError(f"--max-context must be at least 1 token, got {self.max_context} "
+                              "(leave it out for the model's own context)")
         if self.state_checkpoints is not None and self.state_checkpoints < 0:
             raise ConfigError(f"--state-checkpoints must be 0 (none) or more, got {self.state_checkpoints}")
         if not 0 <= self.speculative_tokens <= 16:

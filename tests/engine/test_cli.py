@@ -203,6 +203,16 @@ def _cuda_present() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["serve", "--api-key", ""], "--api-key is empty (an unset variable?)"),     # served open, silently
+    (["serve", "--admin-token", " "], "--admin-token is empty"),
+    (["generate", "--prompt-ids", "1", "--max-context", "-5"], "--max-context must be at least 1 token, got -5"),
+    (["generate", "--prompt-ids", "1", "--max-context", "0"], "--max-context must be at least 1 token, got 0"),
+])
+def test_empty_secrets_and_a_context_below_one_token_are_refused(tiny_checkpoint, cli_error, args, needle):
+    assert needle in cli_error(args[0], "--model", str(tiny_checkpoint("qwen3_moe")), *args[1:])
+
+
 def test_calibrate_json_contract():
     r = run("calibrate", "--device", "cpu", "--json")
     assert r.returncode == 0, r.stderr

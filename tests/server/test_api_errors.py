@@ -183,6 +183,30 @@ async def test_admin_bodies_refuse_numbers_that_are_not_finite(tiny_service):
         assert r.status_code == 422 and "pcie_gbps: Input should be a finite number" in r.json()["error"]["message"]
 
 
+@pytest.mark.parametrize("host,key,warned", [
+    ("0.0.0.0", None, True), ("::", None, True), ("192.168.1.5", None, True), ("0.0.0.0", "k", False),
+    ("127.0.0.1", None, False), ("localhost", None, False), ("::1", None, False)])
+def test_serving_beyond_loopback_without_an_api_key_is_a_warning(tiny_dir, monkeypatch, caplog, host, key, warned):
+    """`freetoken serve --host 0.0.0.0` without a key serves anyone who can reach it: it still
+    starts (a trusted network may want that), with one warning line saying so."""
+    import argparse
+    import logging
+
+    import uvicorn
+
+    from freetoken_engine.models.tokenizer import Tokenizer
+    from freetoken_engine.scheduler.service import EngineService
+    from freetoken_engine.server import serve
+    from scripted import ScriptedService
+    ran = []
+    monkeypatch.setattr(EngineService, "start", classmethod(lambda cls, cfg: ScriptedService(Tokenizer(tiny_dir))))
+    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kw: ran.append(host))
+    args = argparse.Namespace(host=host, port=1919, api_key=key, admin_token=None, model=tiny_dir)
+    caplog.set_level(logging.WARNING)
+    assert serve.serve_main(args) == 0 and ran == [host]
+    assert any("without --api-key" in r.getMessage() for r in caplog.records) == warned
+
+
 async def test_admin_token_is_required_when_set(tiny_service):
     app = create_app(tiny_service, ServerConfig(admin_token="s3cret"))
     async with asgi(app, ("10.1.2.3", 4000)) as remote:

@@ -37,6 +37,12 @@ _ENGINE_OPTIONS = {"device": "device", "dtype": "dtype",
 
 
 def server_config(args) -> ServerConfig:
+    """The server's settings from the command line. An empty ``--api-key`` or ``--admin-token``
+    (``--api-key "$KEY"`` with KEY unset) is refused: it would serve without one, silently."""
+    for flag, value in (("--api-key", getattr(args, "api_key", None)),
+                        ("--admin-token", getattr(args, "admin_token", None))):
+        if value is not None and not value.strip():
+            raise ConfigError(f"{flag} is empty (an unset variable?): give it a value, or leave {flag} out")
     return ServerConfig(api_key=getattr(args, "api_key", None) or None,
                         admin_token=getattr(args, "admin_token", None) or None,
                         served_model_name=getattr(args, "served_model_name", None) or None)
@@ -66,8 +72,21 @@ def serve_main(args) -> int:
         app = create_app(service, config)
         if not config.admin_token:
             log.info("no --admin-token: /admin/* accepts loopback clients only")
+        if not config.api_key and not _loopback(host):
+            log.warning("serving on %s without --api-key: anyone who can reach it can use the model", host)
         uvicorn.run(app, host=host, port=int(port), log_level="info",
                     timeout_graceful_shutdown=5)
     finally:
         service.shutdown()
     return 0
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` (a --host value) only accepts connections from this machine."""
+    import ipaddress
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
