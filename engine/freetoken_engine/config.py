@@ -7,6 +7,7 @@ fix; nothing later re-validates them.
 """
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -211,6 +212,10 @@ class EngineConfig:
 
     def __post_init__(self):
         check_device(self.device, present=False)
+        for name in ("expert_cache_gb", "cpu_expert_fraction", "graph_memory_gb", "decode_pause_ms"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):    # inf passed the range checks
+                raise ConfigError(f"--{name.replace('_', '-')} must be a finite number, got {value}")
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.expert_cache_experts is not None and self.expert_cache_gb is not None:

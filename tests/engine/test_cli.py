@@ -126,6 +126,8 @@ def test_missing_shard_named_in_index(tmp_path):
     (["--prompt-ids", "1", "--expert-cache-experts", "0"], "at least 1"),
     (["--prompt-ids", "1", "--expert-cache-experts", "1000"], "larger than the model"),
     (["--prompt-ids", "1", "--expert-cache-gb", "1e-9"], "holds no expert"),
+    (["--prompt-ids", "1", "--expert-cache-gb", "inf"], "--expert-cache-gb must be a finite number, got inf"),
+    (["--prompt-ids", "1", "--graph-memory-gb", "inf"], "--graph-memory-gb must be a finite number, got inf"),
     (["--prompt-ids", "1", "--cpu-expert-fraction", "1.5"], "within 0..1"),
     (["--prompt-ids", "1", "--graph-warmup", "-1"], "0 or more"),
     (["--prompt-ids", "1", "--graph-warmup-widths", "-2"], "0 (every width) or more"),
