@@ -20,9 +20,10 @@ One token (a batch-1 decode call, P <= 64) takes two other kernels, ``lanes``: e
 own expert, so a program owns a few weight rows of one pair (``LANES_TILES``: 2 gate and 2 up
 rows, 8 down rows) and multiplies elementwise in fp32, reducing once at the end, as
 ``gemv.py``'s one-token kernel does. A Qwen3-30B expert is then 640 programs instead of the tiled
-kernels' 56, which matters for the engine's call over a layer's one or two filled experts, right
-after their copy: 1.5-1.8x faster on the H200 (``bench/moe_decode_kernel.py``). Every one-token
-call takes them, so a pair's row does not depend on which call computed it.
+kernels' 56: a call of one to four experts (a layer's fills, or its hits in a small cache) runs
+1.3-1.8x faster on the H200, a call of eight 0.97-1.06x (``bench/moe_decode_kernel.py``); the whole
+engine's decode did not move beyond its noise (docs/gpu.md). Every one-token call takes them, so
+a pair's row does not depend on which call computed it.
 """
 from __future__ import annotations
 
