@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -34,23 +33,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "engine"))
+from gemv import replay_us  # noqa: E402
 from hardware import describe  # noqa: E402
 from report import save  # noqa: E402
 
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "qwen3.6-35b-a3b": (2048, 512)}     # H, I
 K = 8
-
-
-def _replay_us(graph: torch.cuda.CUDAGraph, calls: int, rounds: int) -> float:
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
 
 def hbm_gbps(rounds: int) -> dict:
@@ -68,7 +56,7 @@ def hbm_gbps(rounds: int) -> dict:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
-        out[f"{name}_gbps"] = nbytes / _replay_us(graph, 1, rounds) / 1e3
+        out[f"{name}_gbps"] = nbytes / replay_us(graph, 1, rounds) / 1e3
     return out
 
 
@@ -87,7 +75,7 @@ def time_side(moe, lanes, pool13, pool2, x, tok, slot_sets, rounds: int) -> floa
             moe.moe_slots_forward(x, pool13, pool2, tok, ps, out=out, zero=False)
     graph.replay()
     torch.cuda.synchronize()
-    return _replay_us(graph, len(slot_sets), rounds)
+    return replay_us(graph, len(slot_sets), rounds)
 
 
 def error(moe, lanes, pool13, pool2, x, tok, ps) -> float:
