@@ -32,7 +32,8 @@ def _matches(given: list[str], secret: str) -> bool:
     return any(hmac.compare_digest(g.encode(), secret.encode()) for g in given)
 
 
-def _is_loopback(host: str | None) -> bool:
+def is_loopback(host: str | None) -> bool:
+    """Whether ``host`` (a client's or a bind address) is this machine only."""
     if not host:
         return False
     try:
@@ -64,6 +65,6 @@ async def require_admin(request: Request) -> None:
             raise ApiError(403, "wrong admin token", code="invalid_admin_token")
         return
     client = request.client.host if request.client else None
-    if not _is_loopback(client):
+    if not is_loopback(client):
         raise ApiError(403, "admin endpoints accept only loopback clients when the server "
                             "runs without --admin-token", code="forbidden")

@@ -16,6 +16,7 @@ from pathlib import Path
 from ..config import EngineConfig
 from ..errors import ConfigError
 from .app import ServerConfig, create_app
+from .auth import is_loopback
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def serve_main(args) -> int:
         app = create_app(service, config)
         if not config.admin_token:
             log.info("no --admin-token: /admin/* accepts loopback clients only")
-        if not config.api_key and not _loopback(host):
+        if not config.api_key and not is_loopback(host):
             log.warning("serving on %s without --api-key: anyone who can reach it can use the model", host)
         uvicorn.run(app, host=host, port=int(port), log_level="info",
                     timeout_graceful_shutdown=5)
@@ -80,13 +81,3 @@ def serve_main(args) -> int:
         service.shutdown()
     return 0
 
-
-def _loopback(host: str) -> bool:
-    """Whether ``host`` (a --host value) only accepts connections from this machine."""
-    import ipaddress
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
