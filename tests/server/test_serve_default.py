@@ -73,6 +73,33 @@ def test_a_json_schema_answer_from_the_real_model(served):
     assert answer["capital"] == "Paris" and r.choices[0].finish_reason == "stop"
 
 
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "days"],
+           "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                          "days": {"type": "integer"}}}
+COUNT = {"type": "object", "additionalProperties": False, "required": ["n"],
+         "properties": {"n": {"type": "integer"}}}
+
+
+@pytest.mark.parametrize("choice", ["required", "get_weather"])
+def test_a_forced_tool_call_from_the_default_model_follows_its_schema(served, choice):
+    """SmolLM2's tokenizer has no <tool_call> token, so the call the pre-fill opens is text;
+    it is still held to one of the tools and its schema (it was free text, with a made-up
+    name, before)."""
+    url, _ = served
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+             {"type": "function", "function": {"name": "count", "parameters": COUNT}}]
+    tool_choice = choice if choice == "required" else {"type": "function", "function": {"name": choice}}
+    r = client.chat.completions.create(
+        model=NAME, temperature=0, max_tokens=60, tools=tools, tool_choice=tool_choice,
+        messages=[{"role": "user", "content": "What is the weather in Paris this week?"}])
+    calls = r.choices[0].message.tool_calls
+    assert calls
+    name = calls[0].function.name
+    assert name in ("get_weather", "count") and (choice == "required" or name == choice)
+    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER if name == "get_weather" else COUNT)
+
+
 def test_ctrl_c_stops_the_server_cleanly(served):
     url, proc = served
     proc.send_signal(signal.SIGINT)

@@ -94,7 +94,11 @@ def guide_spec(grammar: str | None, tokenizer, prompt) -> GuideSpec | None:
     where they must follow their schemas (``tool_grammars``); None when nothing is constrained."""
     open_, close = tokenizer.token_to_id(THINK_OPEN), tokenizer.token_to_id(THINK_CLOSE)
     tool = tokenizer.token_to_id(TOOL_OPEN) if prompt.tools else None
-    calls, rest = tool_grammars(tokenizer, prompt) if tool is not None else (None, None)
+    calls, rest = tool_grammars(tokenizer, prompt) if prompt.tools else (None, None)
+    if tool is None:
+        # no <tool_call> token (SmolLM2): a call the model opens is text the guide cannot see
+        # start, but a call the pre-fill opened (tool_choice) is still held to its schema
+        calls = None
     if prompt.prefill:
         grammar = None
     if grammar is None and calls is None and rest is None:
