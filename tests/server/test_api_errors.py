@@ -50,6 +50,19 @@ def test_invalid_json_is_400_in_each_protocols_shape(http):
     anthropic_error(r, 400, "invalid_request_error", "not valid JSON")
 
 
+def test_a_body_not_sent_as_json_says_which_header_to_send(http, live):
+    """curl -d without -H sends application/x-www-form-urlencoded: the answer names the header
+    (it was 'body: Input should be a valid dictionary ...')."""
+    form = {"content-type": "application/x-www-form-urlencoded"}
+    r = http.post("/v1/chat/completions", content=json.dumps(chat_body(live)), headers=form)
+    openai_error(r, 400, says="Content-Type: application/json")
+    r = http.post("/v1/messages", content=json.dumps(chat_body(live)), headers=form)
+    anthropic_error(r, 400, "invalid_request_error", "Content-Type: application/json")
+    r = http.post("/v1/chat/completions", content=json.dumps(chat_body(live)),
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("patch,param,says", [
     ({"messages": "hi"}, "messages", "valid list"),
     ({"messages": []}, "messages", "at least 1"),

@@ -81,11 +81,15 @@ def from_engine(exc: EngineError) -> ApiError:
                     headers=headers)
 
 
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+def _validation_message(exc: RequestValidationError, content_type: str) -> tuple[str, str | None]:
     parts, first = [], None
     for e in exc.errors()[:5]:
         if e.get("type") == "json_invalid":
             return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', '')})", None
+        if tuple(e.get("loc", ())) == ("body",) and content_type and "json" not in content_type:
+            # curl -d sends application/x-www-form-urlencoded: the body was never read as JSON
+            return (f"the request body must be JSON sent with 'Content-Type: application/json' "
+                    f"(got {content_type!r})"), None
         loc = [str(x) for x in e.get("loc", ()) if x != "body"]
         where = ".".join(loc) or "body"
         first = first or where
@@ -107,7 +111,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         status = 422 if request.url.path.startswith("/admin") else 400
-        message, param = _validation_message(exc)
+        message, param = _validation_message(exc, request.headers.get("content-type", ""))
         return _respond(request, ApiError(status, message, param=param, code="invalid_value"))
 
     @app.exception_handler(StarletteHTTPException)
