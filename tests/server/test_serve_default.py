@@ -84,7 +84,7 @@ COUNT = {"type": "object", "additionalProperties": False, "required": ["n"],
 def test_a_forced_tool_call_from_the_default_model_follows_its_schema(served, choice):
     """SmolLM2's tokenizer has no <tool_call> token, so the call the pre-fill opens is text;
     it is still held to one of the tools and its schema (it was free text, with a made-up
-    name, before)."""
+    name, before), and the answer ends with it (the model rambled on to max_tokens before)."""
     url, _ = served
     client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
@@ -94,7 +94,8 @@ def test_a_forced_tool_call_from_the_default_model_follows_its_schema(served, ch
         model=NAME, temperature=0, max_tokens=60, tools=tools, tool_choice=tool_choice,
         messages=[{"role": "user", "content": "What is the weather in Paris this week?"}])
     calls = r.choices[0].message.tool_calls
-    assert calls
+    assert calls and r.choices[0].finish_reason == "tool_calls"   # the answer ends with the call
+    assert not r.choices[0].message.content
     name = calls[0].function.name
     assert name in ("get_weather", "count") and (choice == "required" or name == choice)
     jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER if name == "get_weather" else COUNT)

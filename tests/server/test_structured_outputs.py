@@ -204,22 +204,32 @@ def tools(strict: bool | None = None) -> list[dict]:
             {"type": "function", "function": {"name": "get_time", "parameters": CLOCK, **extra}}]
 
 
-def assert_valid_calls(message) -> list[str]:
+def assert_valid_calls(message, cut: bool = False) -> list[str]:
+    """Every call parses and satisfies its schema, but a last one ``cut`` by max_tokens."""
     schemas = {"get_weather": WEATHER, "get_time": CLOCK}
     assert message.tool_calls
-    for call in message.tool_calls:
+    whole = message.tool_calls[:-1] if cut else message.tool_calls
+    for call in whole:
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
     return [c.function.name for c in message.tool_calls]
 
 
 @pytest.mark.parametrize("seed", range(3))
 def test_forced_tool_calls_follow_their_schemas(client, live, seed):
-    """tool_choice required or named: the random model's calls parse and satisfy the schema."""
+    """tool_choice required or named: the random model's calls parse and satisfy the schema, and
+    the answer is calls only (no text after them; one call when parallel calls are off or the
+    call is named, the request ending at its close)."""
     required = chat(client, live, tools=tools(), tool_choice="required", temperature=1.0, seed=seed)
-    assert_valid_calls(required.choices[0].message)
+    choice = required.choices[0]
+    assert choice.finish_reason in ("tool_calls", "length") and not choice.message.content
+    assert_valid_calls(choice.message, cut=choice.finish_reason == "length")
+    single = chat(client, live, tools=tools(), tool_choice="required", temperature=1.0, seed=seed,
+                  parallel_tool_calls=False)
+    assert single.choices[0].finish_reason == "tool_calls" and len(assert_valid_calls(single.choices[0].message)) == 1
     named = chat(client, live, tools=tools(), temperature=1.0, seed=seed,
                  tool_choice={"type": "function", "function": {"name": "get_time"}})
-    assert assert_valid_calls(named.choices[0].message)[0] == "get_time"
+    assert named.choices[0].finish_reason == "tool_calls"
+    assert assert_valid_calls(named.choices[0].message) == ["get_time"]
 
 
 def test_strict_tools_constrain_calls_the_model_opens_itself(client, live):
@@ -237,6 +247,11 @@ def test_anthropic_strict_tool_use(live):
     uses = [b for b in m.content if b.type == "tool_use"]
     assert uses and uses[0].name == "get_weather"
     jsonschema.validate(uses[0].input, WEATHER)
+    one = live.anthropic().messages.create(
+        model=live.model, max_tokens=80, messages=MSGS,
+        tool_choice={"type": "any", "disable_parallel_tool_use": True},
+        tools=[{"name": "get_weather", "input_schema": WEATHER, "strict": True}])
+    assert one.stop_reason == "tool_use" and [b.type for b in one.content] == ["tool_use"]
 
 
 def test_a_strict_tool_whose_schema_cannot_be_used_is_a_400(live):

@@ -27,20 +27,26 @@ TOOLS = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s
 MSGS = [{"role": "user", "content": "Weather?"}]
 
 
-def prompt(style: str, forced: str | None = None, strict=frozenset()) -> Prompt:
+def prompt(style: str, forced: str | None = None, strict=frozenset(), parallel: bool = True) -> Prompt:
     return Prompt(ids=[1], in_reasoning=False, prefill="x" if forced else "", tools=True, style=style,
-                  schemas=SCHEMAS, strict=frozenset(strict), forced=forced)
+                  schemas=SCHEMAS, strict=frozenset(strict), forced=forced, parallel=parallel)
 
 
-def walk(tokenizer, vocab: int, grammar: str, text: str, close: int) -> tuple[int, bool]:
-    """Feed ``text`` then the closing token under the masks: (tokens allowed, grammar complete)."""
-    g = Guide(GuideSpec(None, in_tool=grammar), tokenizer, vocab)
+def walk(tokenizer, vocab: int, grammar: str, text: str, close: int, guide: Guide | None = None) -> tuple[int, bool]:
+    """Feed ``text`` then the closing token under the masks: (tokens allowed, grammar complete:
+    the request ended there, or the grammar may end there)."""
+    g = guide or Guide(GuideSpec(None, in_tool=grammar), tokenizer, vocab)
     ids = tokenizer.encode(text, add_special_tokens=False) + [close]
     for n, t in enumerate(ids):
         if not torch.isfinite(g.constrain(torch.zeros(vocab))[t]):
             return n, False
-        g.advance(t)
-    return len(ids), g.state == "text"
+        if g.advance(t):
+            return n + 1, n + 1 == len(ids)
+    return len(ids), g.tool is not None and g.tool.is_accepting()
+
+
+def allowed(g: Guide, vocab: int) -> set[int]:
+    return set(torch.isfinite(g.constrain(torch.zeros(vocab))).nonzero().flatten().tolist())
 
 
 @pytest.fixture(scope="module")
@@ -89,6 +95,36 @@ def test_forced_rests_start_where_the_prefill_ends(tok):
     _, required = tool_grammars(tokenizer, prompt("json", forced="required"))
     assert walk(tokenizer, vocab, required, 'search", "arguments": {"query": "x"}}\n', close)[1]
     assert tool_grammars(tokenizer, prompt("json")) == (None, None)      # auto, nothing strict: free
+
+
+@pytest.mark.parametrize("style, first, second", [
+    ("json", 'search", "arguments": {"query": "x"}}\n', '\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n'),
+    ("xml", "search>\n<parameter=query>\nx\n</parameter>\n</function>\n",
+            "\n<function=search>\n<parameter=query>\ny\n</parameter>\n</function>\n"),
+])
+def test_a_forced_answer_is_calls_then_the_end(tok, style, first, second):
+    """tool_choice required: after the pre-filled call only another whole call (parallel calls)
+    or EOS may follow, never text; without parallel calls the request ends at the first call's
+    close. A named call ends the request at its close."""
+    tokenizer, vocab, close = tok
+    open_, eos = tokenizer.token_to_id("<tool_call>"), set(tokenizer.eos_token_ids)
+    _, required = tool_grammars(tokenizer, prompt(style, forced="required"))
+    g = Guide(GuideSpec(None, in_tool=required), tokenizer, vocab)
+    assert walk(tokenizer, vocab, required, first, close, g) == (len(tokenizer.encode(first, add_special_tokens=False)) + 1, True)
+    after = allowed(g, vocab)
+    assert open_ in after and eos <= after
+    assert not after & set(tokenizer.encode("Hello", add_special_tokens=False))      # no text after the calls
+    assert not g.advance(open_)
+    assert walk(tokenizer, vocab, None, second, close, g)[1]                       # a second whole call
+    assert eos <= allowed(g, vocab)
+
+    _, single = tool_grammars(tokenizer, prompt(style, forced="required", parallel=False))
+    n, ended = walk(tokenizer, vocab, single, first, close)
+    assert ended and n == len(tokenizer.encode(first, add_special_tokens=False)) + 1
+
+    _, named = tool_grammars(tokenizer, prompt("json", forced="search"))
+    assert walk(tokenizer, vocab, named, '{"query": "x"}}\n', close) == (
+        len(tokenizer.encode('{"query": "x"}}\n', add_special_tokens=False)) + 1, True)
 
 
 @pytest.fixture(scope="module")

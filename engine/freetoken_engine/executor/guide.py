@@ -19,11 +19,14 @@ A spec can leave room for what surrounds the constrained answer in a chat model'
   instead of answering).
 - ``tool_grammar``: each tool call, from after its opening tag to its closing one, follows this
   grammar (names one of the tools, arguments valid for its schema); ``in_tool``: the output
-  starts inside a tool call the prompt opened (``tool_choice`` required or named).
+  starts inside a tool call the prompt opened (``tool_choice`` required or named); that
+  grammar is the whole answer (the call, and further calls where it allows them), so the
+  request is complete when it is.
 
 ``Guide.advance`` returns True once the answer's grammar is complete (nothing but EOS could
 follow): the sampler's caller finishes the request with reason "stop" there, without another
-step. A complete tool call does not end the request (the model may call another).
+step. So does a forced answer's (``in_tool``). A complete tool call the model opened itself
+does not end the request (the model may call another).
 """
 from __future__ import annotations
 
@@ -195,6 +198,7 @@ class Guide:
         self._lltok = self._tables.lltok
         self.answer = _matcher(self._lltok, spec.grammar) if spec.grammar else None
         self.tool = _matcher(self._lltok, spec.in_tool) if spec.in_tool else None
+        self.forced = spec.in_tool is not None    # the tool grammar is the whole answer's
         self.state = ("tool" if spec.in_tool else "reasoning" if spec.reasoning else
                       "answer" if spec.grammar else "text")
         self.n_vocab = n_vocab
@@ -242,6 +246,8 @@ class Guide:
         if state == "tool":
             self._consume(self.tool, token)
             if self.tool.is_stopped():
+                if self.forced:
+                    return True     # a forced answer is its calls: complete, nothing may follow
                 self.state, self.tool = "text", None
             return False
         opening = state == "text" or not self.started

@@ -36,7 +36,7 @@ def _prompt(svc, body: CountRequest) -> Prompt:
         prefill = messages.pop()["content"]   # Anthropic pre-fill: the answer continues it
     return build_prompt(svc.tokenizer, messages, body.template_tools(), tool_choice=mode,
                         named_tool=named, template_kwargs=body.template_kwargs(),
-                        continue_text=prefill)
+                        continue_text=prefill, parallel_calls=body.parallel_calls())
 
 
 def _usage(gen: Generation, *, n_prompt: int) -> dict:

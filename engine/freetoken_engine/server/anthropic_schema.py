@@ -106,6 +106,10 @@ class CountRequest(Body):
             raise unsupported("tool_choice.name", f"'{tc.name}' is not one of 'tools'")
         return "auto", tc.name
 
+    def parallel_calls(self) -> bool:
+        """Whether a forced answer may hold more than one call (``disable_parallel_tool_use``)."""
+        return not (self.tool_choice is not None and self.tool_choice.disable_parallel_tool_use)
+
     def template_kwargs(self) -> dict:
         """Anthropic thinks only when asked: no ``thinking`` means ``enable_thinking=False`` for
         templates that have the switch (Qwen3); others ignore the variable."""

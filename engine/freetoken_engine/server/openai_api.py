@@ -116,7 +116,8 @@ def chat_prompt(svc, body: ChatRequest) -> Prompt:
         kwargs.setdefault("enable_thinking", False)
     mode = "auto" if choice is None or named else choice
     return build_prompt(svc.tokenizer, to_template_messages(body.messages), tools,
-                        tool_choice=mode, named_tool=named, template_kwargs=kwargs)
+                        tool_choice=mode, named_tool=named, template_kwargs=kwargs,
+                        parallel_calls=body.parallel_tool_calls is not False)
 
 
 @router.post("/v1/chat/completions")

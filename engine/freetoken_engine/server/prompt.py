@@ -48,6 +48,7 @@ class Prompt:
     schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
     strict: frozenset[str] = frozenset()   # tools whose calls must follow their schema (``strict``)
     forced: str | None = None     # the prompt opened a tool call: "required", or the named tool
+    parallel: bool = True         # a forced "required" answer may hold more than one call
 
 
 def tool_style(tokenizer) -> str:
@@ -70,7 +71,8 @@ def tool_prefill(tool_choice: str | None, named: str | None, style: str = "json"
 
 def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
                  tool_choice: str = "auto", named_tool: str | None = None,
-                 template_kwargs: dict | None = None, continue_text: str = "") -> Prompt:
+                 template_kwargs: dict | None = None, continue_text: str = "",
+                 parallel_calls: bool = True) -> Prompt:
     """Render ``messages`` with the chat template; raise ApiError(400) if the template refuses
     them (a template may reject, e.g., a conversation that does not alternate roles).
     ``continue_text`` is an assistant pre-fill: the answer continues it (it is not returned)."""
@@ -99,7 +101,7 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
     schemas = {f["name"]: f.get("parameters") or {} for f in functions}
     forced = (named_tool or tool_choice) if prefill else None
     return Prompt(ids=list(ids), in_reasoning=in_reasoning, prefill=prefill, tools=use_tools,
-                  style=style, schemas=schemas, forced=forced,
+                  style=style, schemas=schemas, forced=forced, parallel=parallel_calls,
                   strict=frozenset(f["name"] for f in functions if f.get("strict")))
 
 

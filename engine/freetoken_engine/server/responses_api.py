@@ -197,7 +197,8 @@ def _prompt(svc, body: ResponsesRequest) -> Prompt:
     named = choice.name if isinstance(choice, NamedChoice) else None
     mode = "auto" if choice is None or named else choice
     return build_prompt(svc.tokenizer, body.template_messages(), body.tool_set.template or None,
-                        tool_choice=mode, named_tool=named, template_kwargs=body.template_kwargs())
+                        tool_choice=mode, named_tool=named, template_kwargs=body.template_kwargs(),
+                        parallel_calls=body.parallel_tool_calls is not False)
 
 
 @router.post("/v1/responses")

@@ -10,8 +10,10 @@ Two formats (``prompt.tool_style``):
   the schema's properties come in its order, the required ones always, the others optionally.
 
 ``tool_grammars`` returns two grammars: a call from after its ``<tool_call>`` token (the model
-opened it), and the rest of a call the prompt's pre-fill already opened (``tool_choice``
-required: after ``{"name": "`` or ``<function=``; named: where the arguments start). A call
+opened it), and the rest of the answer when the prompt's pre-fill already opened a call
+(``tool_choice`` required: after ``{"name": "`` or ``<function=``, then with parallel calls
+allowed any number of further whole calls; named: from where the arguments start, one call).
+A forced answer is calls only: the request ends when its grammar does (or at EOS). A call
 follows its tool's schema when the tool is ``strict`` or the call is forced; a tool that is
 neither gets any JSON object (any parameters) but still one of the tools' names.
 """
@@ -22,7 +24,7 @@ import json
 from ..errors import InvalidRequest
 from ..executor import guide
 from .errors import ApiError
-from .parser import TOOL_CLOSE
+from .parser import TOOL_CLOSE, TOOL_OPEN
 
 _COMPACT = {"whitespace_flexible": False}
 _SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -104,15 +106,22 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
     # a required call's pre-fill ends after "<function=" (XML) or inside the name's quotes (JSON)
     prefilled = {n: (h if xml else h[1:]) for n, h in heads.items()}
 
-    def calls(start: str, names: dict) -> str:
-        alts = " | ".join(f"{_lit(head)} {bodies[name]}" for name, head in names.items())
-        return "\n".join([f"start: {start} ({alts})", *rules.lines])
+    def alts(names: dict) -> str:
+        return "(" + " | ".join(f"{_lit(head)} {bodies[name]}" for name, head in names.items()) + ")"
 
-    after_open = calls(f"/\\n?/ {opened}", heads)
+    def grammar(start: str) -> str:
+        return "\n".join([f"start: {start}", *rules.lines])
+
+    after_open = grammar(f"/\\n?/ {opened} {alts(heads)}")
+    open_id = tokenizer.token_to_id(TOOL_OPEN)
     if prompt.forced in schemas:        # named: the pre-fill ends where the arguments start
-        rest = "\n".join([f"start: {bodies[prompt.forced]}", *rules.lines])
+        rest = grammar(bodies[prompt.forced])
     elif prompt.forced:
-        rest = calls("", prefilled)
+        # required: the pre-filled call, then (parallel calls allowed) more whole calls, then EOS;
+        # a forced answer holds nothing but calls
+        more = (f" (/\\n?/ <[{open_id}]> /\\n?/ {opened} {alts(heads)})*"
+                if prompt.parallel and open_id is not None else "")
+        rest = grammar(alts(prefilled) + more)
     else:
         rest = None
     try:
