@@ -3,7 +3,8 @@
 ``Applier.apply(state, observed_nodes, observed_models)`` makes the cluster match a DesiredState,
 writing only what differs: FreeTokenNode ``spec.models`` (merge patch, the list is replaced whole),
 FreeTokenModel ``status`` (merge patch to the status subresource), one selector-less Service per
-model, its EndpointSlices (created, patched, deleted by deterministic name) and core/v1 Events.
+model, its EndpointSlices (created, patched, deleted by deterministic name), core/v1 Events and
+the API-key Secrets it generates (created once, never read).
 Only create, patch and delete are used (no PUT), and label selectors are filtered client-side
 too, so it also runs against API emulators that lack those (kmock).
 
@@ -14,8 +15,10 @@ it cannot absorb (404 on a vanished object and 409 on a racing create are absorb
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import Mapping
@@ -24,6 +27,7 @@ from typing import Any
 from kubernetes import client
 from kubernetes.client.exceptions import ApiException
 
+from .objects import GENERATED_KEY
 from .resources import GROUP, LABEL_MANAGED_BY, LABEL_MODEL, MANAGED_BY, MODELS, NODES, VERSION
 from .status import DesiredState, Event, rfc3339
 
@@ -54,6 +58,7 @@ class Applier:
         self._refreshed = time.monotonic()
         self.services: dict[tuple[str, str], dict[str, Any]] = {}     # last written, by (ns, name)
         self.slices: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (ns, model) -> name -> body
+        self.secrets: set[tuple[str, str]] = set()    # generated key Secrets known to exist, (ns, name)
 
     def apply(self, state: DesiredState, nodes: Mapping[str, Mapping[str, Any]],
               models: Mapping[tuple[str, str], Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -62,7 +67,12 @@ class Applier:
         if time.monotonic() - self._refreshed > self.refresh_seconds:
             self.services.clear()
             self.slices.clear()
+            self.secrets.clear()
             self._refreshed = time.monotonic()
+        # the generated API-key Secrets before the node specs that name them, so an agent
+        # starting the engine finds its key
+        for secret in state.secrets:
+            self._key_secret(secret)
         for name, entries in sorted(state.node_specs.items()):
             current = (nodes.get(name, {}).get("spec") or {}).get("models") or []
             if current != entries:
@@ -108,6 +118,28 @@ class Applier:
                                                                  "spec": {"ports": svc["spec"]["ports"]}},
                                                _content_type=MERGE)
         self.services[ref] = svc
+
+    def _key_secret(self, secret: dict[str, Any]) -> None:
+        """Create a generated API-key Secret with a random key unless it exists. Only ``create``:
+        an existing Secret (generated earlier, or the user's own of that name) is never read or
+        rewritten, so the operator needs no read access to Secrets."""
+        meta = secret["metadata"]
+        ref = (meta["namespace"], meta["name"])
+        if ref in self.secrets:
+            return
+        token = base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
+        try:
+            self.core.create_namespaced_secret(ref[0], {**secret, "data": {GENERATED_KEY: token}})
+            log.info("generated the API key Secret %s/%s", *ref)
+        except ApiException as exc:
+            if exc.status == 403:   # no create right in that namespace (chart: agent.secretNamespaces)
+                log.warning("cannot create the API key Secret %s/%s (forbidden): name an existing one in "
+                            "serving.apiKeySecret or allow the namespace", *ref)
+                self.secrets.add(ref)   # tried again after refresh_seconds, not on every pass
+                return
+            if exc.status != 409:
+                raise
+        self.secrets.add(ref)
 
     def _existing_slices(self, ns: str, model: str) -> dict[str, dict[str, Any]]:
         listed = self.discovery.list_namespaced_endpoint_slice(ns, label_selector=f"{LABEL_MODEL}={model}")

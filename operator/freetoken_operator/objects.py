@@ -1,4 +1,5 @@
-"""Builders for the objects the operator owns: FreeTokenNode spec entries, Services, EndpointSlices.
+"""Builders for the objects the operator owns: FreeTokenNode spec entries, Services, EndpointSlices
+and generated API-key Secrets.
 
 Pure functions of their arguments. Contract for the FreeTokenNode entry: docs/contracts.md.
 """
@@ -14,6 +15,7 @@ from .resources import (GROUP, LABEL_MANAGED_BY, LABEL_MODEL, MANAGED_BY, MODEL_
                         SERVICE_NAME_LABEL, SLICE_MANAGED_BY_LABEL, VERSION, model_key)
 
 DEFAULT_SERVICE_PORT = 80
+GENERATED_KEY = "api-key"        # the data key of a Secret the operator generates
 
 
 def node_entry(model: Mapping[str, Any], port: int, node_mode: str) -> dict[str, Any]:
@@ -40,10 +42,43 @@ def node_entry(model: Mapping[str, Any], port: int, node_mode: str) -> dict[str,
         "port": port,
         "engine": engine,
     }
-    secret = (spec.get("serving") or {}).get("apiKeySecret")
-    if secret:
-        entry["apiKeySecret"] = {"name": secret["name"], "key": secret.get("key", "api-key")}
+    ref = api_key_ref(model)
+    if ref:
+        entry["apiKeySecret"] = ref
     return entry
+
+
+def api_key_ref(model: Mapping[str, Any]) -> dict[str, str] | None:
+    """The Secret holding ``model``'s API key, ``{"name", "key"}``: ``serving.apiKeySecret``, or,
+    when none is named, the one the operator generates (``generated_key_secret``); None only
+    with ``serving.auth: none`` (engines serve without a key)."""
+    serving = (model.get("spec") or {}).get("serving") or {}
+    if serving.get("auth", "apiKey") == "none":
+        return None
+    secret = serving.get("apiKeySecret")
+    if secret:
+        return {"name": secret["name"], "key": secret.get("key", GENERATED_KEY)}
+    return {"name": generated_secret_name(model["metadata"]["name"]), "key": GENERATED_KEY}
+
+
+def generated_secret_name(model_name: str) -> str:
+    return f"{model_name}-api-key"
+
+
+def generated_key_secret(model: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The Secret the operator creates for a model that asks for a key but names no Secret
+    (without its value: the applier adds a random one when it creates it, and never rewrites
+    it); None when the model names its own Secret or serves without a key. Owned by the
+    model, so deleting the model deletes it."""
+    serving = (model.get("spec") or {}).get("serving") or {}
+    if serving.get("auth", "apiKey") == "none" or serving.get("apiKeySecret"):
+        return None
+    meta = model["metadata"]
+    return {
+        "apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+        "metadata": {"name": generated_secret_name(meta["name"]), "namespace": meta.get("namespace", "default"),
+                     "labels": _labels(meta["name"]), "ownerReferences": [owner_reference(model)]},
+    }
 
 
 def owner_reference(model: Mapping[str, Any]) -> dict[str, Any]:

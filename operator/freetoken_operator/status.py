@@ -43,6 +43,7 @@ class DesiredState:
     services: Sequence[dict[str, Any]]
     slices: Mapping[tuple[str, str], list[dict[str, Any]]]  # (namespace, model) -> EndpointSlices
     events: Sequence[Event]
+    secrets: Sequence[dict[str, Any]] = ()                  # generated API-key Secrets (no value yet)
 
 
 def rfc3339(now: dt.datetime) -> str:
@@ -105,9 +106,11 @@ def _model_status(body: Mapping[str, Any], plan: Plan, nodes: Mapping[str, NodeV
                   ("under pressure: " + ",".join(pressured)) if pressured else "no node under pressure",
                   old, now, gen),
     ]
+    key_ref = objects.api_key_ref(body)
     status = {"phase": phase, "replicas": want, "readyReplicas": n_ready, "ready": f"{n_ready}/{want}",
               "nodes": ",".join(r["node"] for r in rows), "endpoints": [u for _, u in ready],
-              "placements": rows, "conditions": conditions}
+              "placements": rows, "conditions": conditions,
+              "apiKeySecret": key_ref["name"] if key_ref else None}
     if gen is not None:
         status["observedGeneration"] = gen
     return status, ready
@@ -123,7 +126,7 @@ def desired(models: Mapping[tuple[str, str], Mapping[str, Any]], node_views: Seq
     nodes = {n.name: n for n in node_views}
     bodies = {model_key(ns, name): b for (ns, name), b in models.items()}
     node_specs: dict[str, list[dict[str, Any]]] = {n: [] for n in nodes}
-    statuses, services, slices, events = {}, [], {}, []
+    statuses, services, slices, events, secrets = {}, [], {}, [], []
     for (ns, name), body in sorted(models.items()):
         key = model_key(ns, name)
         for p in plan.placements.get(key, ()):
@@ -133,6 +136,9 @@ def desired(models: Mapping[tuple[str, str], Mapping[str, Any]], node_views: Seq
             continue
         status, ready = _model_status(body, plan, nodes, stale_seconds, now)
         statuses[(ns, name)] = status
+        generated = objects.generated_key_secret(body)
+        if generated is not None:
+            secrets.append(generated)
         services.append(objects.service(body))
         slices[(ns, name)] = objects.endpoint_slices(body, ready)
         old = {c["type"]: c for c in (body.get("status") or {}).get("conditions") or ()}
@@ -152,4 +158,4 @@ def desired(models: Mapping[tuple[str, str], Mapping[str, Any]], node_views: Seq
                                  ("Normal", "Removed"))
             msg = f"replica removed from {d.node}: {d.reason}"
         events.append(Event(meta.get("namespace", "default"), meta["name"], meta.get("uid", ""), etype, reason, msg))
-    return DesiredState(node_specs, statuses, services, slices, events)
+    return DesiredState(node_specs, statuses, services, slices, events, secrets)

@@ -2,14 +2,16 @@
 its console script (``freetoken-operator``, kopf unmodified), three ``freetoken-agent run``
 processes are three nodes, each starting real ``freetoken serve`` engines on a tiny checkpoint.
 
-A user applies a FreeTokenModel with two replicas; the engines start; a chat completion through
-an EndpointSlice endpoint answers (official ``openai`` client); one node is switched off (its
+A user applies a FreeTokenModel with two replicas (no Secret named: the operator generates the
+API key); the engines start; a chat completion through an EndpointSlice endpoint answers with
+that key and is refused without it (official ``openai`` client); one node is switched off (its
 agent and engine killed): the surviving replica keeps answering and the lost one is re-placed on
 the third node within the stale timeout; deleting the model stops every engine.
 """
 
 from __future__ import annotations
 
+import base64
 import signal
 import subprocess
 import time
@@ -33,8 +35,15 @@ async def _slice_endpoints(k) -> list[tuple[str, str, int]]:
                   for e in s["endpoints"])
 
 
-async def _chat(addr: str, port: int) -> str:
-    client = openai.AsyncOpenAI(base_url=f"http://{addr}:{port}/v1", api_key="unused", max_retries=0, timeout=60)
+async def _api_key(k) -> str:
+    """The key the operator generated for the model (it names no Secret), as a user reads it:
+    kubectl get secret tiny-api-key -o jsonpath='{.data.api-key}' | base64 -d."""
+    secret = await kc.get(k, "/api/v1/namespaces/default/secrets/tiny-api-key")
+    return base64.b64decode(secret["data"]["api-key"]).decode()
+
+
+async def _chat(addr: str, port: int, key: str) -> str:
+    client = openai.AsyncOpenAI(base_url=f"http://{addr}:{port}/v1", api_key=key, max_retries=0, timeout=60)
     try:
         reply = await client.chat.completions.create(
             model="tiny", max_tokens=8, temperature=0, messages=[{"role": "user", "content": "Say hi"}])
@@ -90,16 +99,20 @@ async def test_fleet_serves_survives_a_lost_node_and_cleans_up(kmock, tmp_path, 
         status = await kc.wait_for(ready, 150, "two replicas Ready and published", step=0.3)
         assert status["ready"] == "2/2"
         endpoints = await _slice_endpoints(kmock)
+        key = await _api_key(kmock)
+        assert status["apiKeySecret"] == "tiny-api-key"
         for node, addr, port in endpoints:
             assert port == BASE_PORT + offsets[node]   # the agent's real engine port, as reported
-            assert await _chat(addr, port)
+            assert await _chat(addr, port, key)
+        with pytest.raises(openai.AuthenticationError):   # secure by default: no key, no answer
+            await _chat(endpoints[0][1], endpoints[0][2], "not-the-key")
 
         # switch one PC off: its agent and its engine die without a word
         lost, (survivor_addr, survivor_port) = endpoints[0][0], endpoints[1][1:]
         spare = next(n for n in nodes if n not in {e[0] for e in endpoints})
         fleet.stop(agents[lost], sig=signal.SIGKILL)
         t_lost = time.monotonic()
-        assert await _chat(survivor_addr, survivor_port)   # the model keeps answering
+        assert await _chat(survivor_addr, survivor_port, key)   # the model keeps answering
 
         async def moved():
             spec = (await kc.get(kmock, kc.node_path(spare))).get("spec") or {}
@@ -113,7 +126,7 @@ async def test_fleet_serves_survives_a_lost_node_and_cleans_up(kmock, tmp_path, 
             return sorted(e[0] for e in eps) == sorted({endpoints[1][0], spare}) and eps
         endpoints = await kc.wait_for(serving_again, 120, "the moved replica to serve", step=0.3)
         for _, addr, port in endpoints:
-            assert await _chat(addr, port)
+            assert await _chat(addr, port, key)
         events = await kc.items(kmock, "/api/v1/namespaces/default/events")
         assert any(e["reason"] == "NodeLost" and lost in e["message"] for e in events)
 

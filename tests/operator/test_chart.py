@@ -106,8 +106,9 @@ def test_non_default_values_take_effect():
     assert "--log-level=DEBUG" in agent["containers"][0]["args"]
     operator = pods["ft-freetoken-operator"]
     assert "--stale-seconds=12" in operator["containers"][0]["args"] and "--verbose" in operator["containers"][0]["args"]
-    secret_roles = sorted(d["metadata"]["namespace"] for d in docs if d["kind"] == "Role")
-    assert secret_roles == ["freetoken", "llm", "team-a"]
+    roles = {(d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs if d["kind"] == "Role"}
+    assert roles == {(f"ft-freetoken-{who}-secrets", ns) for who in ("agent", "operator")
+                     for ns in ("freetoken", "llm", "team-a")}
     maps = [d for d in docs if d["kind"] == "ConfigMap"]
     assert {m["metadata"]["namespace"] for m in maps} == {"monitoring"}
     assert {d["kind"] for d in docs} >= PROMETHEUS_OPERATOR_KINDS
@@ -121,8 +122,9 @@ def test_rbac_is_least_privilege(values):
             for rule in d["rules"]:
                 for field in ("apiGroups", "resources", "verbs"):
                     assert "*" not in rule[field], (d["metadata"]["name"], rule)
-                if "secrets" in rule["resources"]:
-                    assert d["kind"] == "Role" and rule["verbs"] == ["get"]   # never cluster-wide
+                if "secrets" in rule["resources"]:   # never cluster-wide; the agent reads, the operator creates
+                    who = d["metadata"]["labels"]["app.kubernetes.io/component"]
+                    assert d["kind"] == "Role" and rule["verbs"] == {"agent": ["get"], "operator": ["create"]}[who]
         if d["kind"] in ("ClusterRoleBinding", "RoleBinding"):
             assert d["roleRef"]["name"] not in ("cluster-admin", "admin", "edit")
 

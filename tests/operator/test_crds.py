@@ -47,7 +47,9 @@ def test_defaults_fill_a_minimal_model():
     assert spec["replicas"] == 1 and spec["priority"] == 0
     assert spec["placement"] == {"device": "any", "strategy": "Spread"}
     assert spec["engine"] == {"expertCacheShare": 0.9}
-    assert spec["serving"] == {"servicePort": 80}
+    assert spec["serving"] == {"servicePort": 80, "auth": "apiKey"}     # a key unless told otherwise
+    entry = node_entry(obj, 1919, "cpu")
+    assert entry["apiKeySecret"] == {"name": "m-api-key", "key": "api-key"}   # the generated Secret
 
 
 @pytest.mark.parametrize("features,method", [
@@ -105,6 +107,9 @@ BAD = [
     ("fractional prefill chunk", {"source": {"default": True}, "engine": {"features": {"prefillChunk": 2.5}}},
      "is not of type"),
     ("unknown field", {"source": {"default": True}, "replica": 2}, "Additional properties"),
+    ("unknown auth", {"source": {"default": True}, "serving": {"auth": "basic"}}, "is not one of"),
+    ("auth none with a key", {"source": {"default": True},
+                              "serving": {"auth": "none", "apiKeySecret": {"name": "s"}}}, "auth none serves without a key"),
 ]
 
 

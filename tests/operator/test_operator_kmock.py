@@ -9,6 +9,7 @@ moving within the stale timeout, and finalizer-driven cleanup on delete.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import datetime as dt
 import time
@@ -111,6 +112,13 @@ async def test_operator_places_serves_moves_and_cleans_up(kmock, monkeypatch):
         conds = {c["type"]: c["status"] for c in model["status"]["conditions"]}
         assert conds == {"Scheduled": "True", "Ready": "True", "Degraded": "False", "MemoryPressure": "False"}
         assert model["status"]["ready"] == "2/2" and model["status"]["nodes"] == "a,b"
+        # no apiKeySecret named: a generated key, owned by the model, named in the node specs
+        assert model["status"]["apiKeySecret"] == "m-api-key"
+        secret = await kc.get(kmock, "/api/v1/namespaces/default/secrets/m-api-key")
+        assert len(base64.b64decode(secret["data"]["api-key"])) >= 32
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == model["metadata"]["uid"]
+        entry = (await kc.get(kmock, kc.node_path("a")))["spec"]["models"][0]
+        assert entry["apiKeySecret"] == {"name": "m-api-key", "key": "api-key"}
         svc = await kc.get(kmock, "/api/v1/namespaces/default/services/m")
         assert svc and "selector" not in svc["spec"] and svc["spec"]["ports"][0]["port"] == 80
         slices = await kc.items(kmock, "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices")
@@ -151,7 +159,7 @@ async def test_operator_places_serves_moves_and_cleans_up(kmock, monkeypatch):
     used = kc.rbac_requests(kmock, ("kopf", "OpenAPI-Generator"))
     assert {("watch", "freetoken.io", "freetokennodes"), ("patch", "freetoken.io", "freetokenmodels/status"),
             ("create", "discovery.k8s.io", "endpointslices"), ("create", "", "events")} <= used
-    rules = operator_cluster_role()["rules"]
+    rules = operator_rules("default")
     denied = {(v, g, r) for v, g, r in used
               if not any(g in rule["apiGroups"] and r in rule["resources"] and v in rule["verbs"] for rule in rules)}
     assert denied == set(), f"the chart's RBAC forbids {sorted(denied)}"
@@ -164,14 +172,17 @@ async def test_operator_places_serves_moves_and_cleans_up(kmock, monkeypatch):
     assert "Traceback" not in runner.output, runner.output
 
 
-def operator_cluster_role() -> dict:
+def operator_rules(namespace: str) -> list[dict]:
+    """The chart's (default values) rules for the operator: its ClusterRole's and its Role's in
+    ``namespace`` (the generated API-key Secrets)."""
     import helm_python as helm
     import yaml
     from crdcheck import ROOT
 
     text = helm.Chart.load(ROOT / "charts" / "freetoken").render({}, name="ft", namespace="ft")
-    docs = yaml.safe_load_all(text["freetoken/templates/operator-rbac.yaml"])
-    return next(d for d in docs if d and d["kind"] == "ClusterRole")
+    docs = [d for d in yaml.safe_load_all(text["freetoken/templates/operator-rbac.yaml"]) if d]
+    return [rule for d in docs if d["kind"] == "ClusterRole" or (
+        d["kind"] == "Role" and d["metadata"]["namespace"] == namespace) for rule in d["rules"]]
 
 
 async def _both(placed) -> dict | None:
@@ -321,6 +332,52 @@ async def test_a_model_is_reported_ready_only_after_its_endpoints_are_written(km
     assert status and endpoints, writes
     assert max(endpoints) < min(status), writes
     assert (await kc.get(kmock, kc.model_path("default", "m")))["status"]["phase"] == "Ready"
+
+
+@pytest.mark.timeout(60)
+async def test_api_keys_are_generated_only_where_none_is_named_and_never_overwritten(kmock, monkeypatch):
+    """Secure by default: a model that names no Secret gets a random key in <name>-api-key; one
+    that names its own keeps it; ``auth: none`` serves without one; a Secret that already has
+    the generated name (an earlier run's) is left as it is."""
+    kc.prepare(kmock)
+    kmock.objects[kc.NODES, None, "a"] = node_body("a", "127.0.0.21")
+    specs = {"gen": {}, "own": {"apiKeySecret": {"name": "own-key", "key": "k"}}, "open": {"auth": "none"},
+             "again": {}}
+    for name, serving in specs.items():
+        kmock.objects[kc.MODELS, "default", name] = kc.seeded({
+            "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenModel",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {"source": {"default": True}, "serving": serving}})
+    earlier = base64.b64encode(b"an earlier run's key").decode()
+    kmock.objects["v1/secrets", "default", "again-api-key"] = kc.seeded({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "again-api-key", "namespace": "default"},
+        "data": {"api-key": earlier}})
+    async with _operator(kmock, monkeypatch, {"a"}) as runner:
+        async def placed():
+            body = await kc.get(kmock, kc.node_path("a"))
+            models = (body.get("spec") or {}).get("models") or []
+            return len(models) == 4 and {m["model"]: m.get("apiKeySecret") for m in models}
+        refs = await kc.wait_for(placed, 15, "four models placed")
+
+        async def reported():   # the statuses are written after the node specs
+            st = {n: (await kc.get(kmock, kc.model_path("default", n))).get("status") or {} for n in specs}
+            return all("phase" in v for v in st.values()) and st
+        statuses = await kc.wait_for(reported, 15, "four statuses")
+    assert runner.exit_code == 0, runner.output
+    assert refs == {"gen": {"name": "gen-api-key", "key": "api-key"}, "own": {"name": "own-key", "key": "k"},
+                    "open": None, "again": {"name": "again-api-key", "key": "api-key"}}
+    assert {n: s.get("apiKeySecret") for n, s in statuses.items()} == {
+        "gen": "gen-api-key", "own": "own-key", "open": None, "again": "again-api-key"}
+    secrets = {s["metadata"]["name"]: s for s in await kc.items(kmock, "/api/v1/namespaces/default/secrets")}
+    assert set(secrets) == {"gen-api-key", "again-api-key"}
+    assert secrets["again-api-key"]["data"]["api-key"] == earlier        # never rewritten
+    key = base64.b64decode(secrets["gen-api-key"]["data"]["api-key"]).decode()
+    assert len(key) >= 32 and key not in runner.output                    # random, and not logged
+    creates = [kmock[i] for i in range(len(kmock)) if "/secrets" in str(kmock[i].url.path)
+               and str(kmock[i].method).upper().endswith("POST")]
+    assert len(creates) == 2        # created once each (the second a 409), not on every pass
+    used = {(v, r) for v, _, r in kc.rbac_requests(kmock, ("kopf", "OpenAPI-Generator")) if r == "secrets"}
+    assert used == {("create", "secrets")}          # the operator never reads Secrets
 
 
 @pytest.mark.timeout(60)
