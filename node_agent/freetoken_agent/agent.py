@@ -56,6 +56,7 @@ class Agent:
         self.calibration_cache = CalibrationCache(cfg.state_dir)
         self.calibration: dict | None = self.calibration_cache.load(self.host_config)
         self.assignment_error: str | None = None
+        self.key_errors: dict[str, tuple[Assignment, str]] = {}   # replicas not started: no API key yet
         self._since: dict[str, str] = {}
         self._last_flags: dict[str, bool] = {}
         self._recalibrate = asyncio.Event()
@@ -71,7 +72,10 @@ class Agent:
             expert_cache_bytes=r.cache.capacity_bytes if r.cache else None,
             expert_cache_floor_bytes=r.cache.min_experts * r.cache.expert_bytes if r.cache else None,
             expert_cache_max_bytes=r.cache.max_experts * r.cache.expert_bytes if r.cache else None,
-            device=r.assignment.engine.device) for r in self._view)
+            device=r.assignment.engine.device) for r in self._view) + tuple(ReplicaSnapshot(
+            key=key, model=a.model, state="failed", endpoint="", restarts=0, message=why,
+            expert_cache_bytes=None, expert_cache_floor_bytes=None, expert_cache_max_bytes=None,
+            device=a.engine.device) for key, (a, why) in tuple(self.key_errors.items()))
         return NodeSnapshot(
             node=self.cfg.node_name, mode=c.mode, address=self.cfg.address, domain=c.domain,
             gpus=c.last_gpus, total_bytes=obs.total_bytes if obs else 0,
@@ -144,14 +148,23 @@ class Agent:
             await self.replicas[key].stop()  # reported until its process is gone
             del self.replicas[key]
             self._view = tuple(self.replicas.values())
+        for key in [k for k in self.key_errors if k not in desired]:
+            del self.key_errors[key]
         for key, a in desired.items():
             if key in self.replicas:
                 continue
             try:
                 api_key = await self._api_key(a)
             except KubeError as exc:
-                log.warning("replica %s: cannot read its API key: %s", key, exc)
+                # reported as a failed replica (the model's Degraded condition says why), and
+                # tried again on every pass: the Secret may be created later
+                name, field = a.api_key_secret or ("?", "?")
+                why = f"cannot read its API key (Secret {a.namespace}/{name}, key {field!r}): {exc}"
+                if self.key_errors.get(key, (None, None))[1] != why:
+                    log.warning("replica %s: %s", key, why)
+                self.key_errors[key] = (a, why)
                 continue
+            self.key_errors.pop(key, None)
             r = Replica(a, self.launch, api_key=api_key, launch_args=self._launch_args,
                         on_ready=self._on_ready, on_restart=self._on_restart)
             self.replicas[key] = r

@@ -3,6 +3,7 @@
 import asyncio
 import base64
 import json
+import sys
 
 import pytest
 
@@ -103,3 +104,38 @@ async def test_invalid_spec_reported_as_condition(kube, tmp_path):
     cond = {c["type"]: c for c in kube.objects[NODES, None, "gpu-6"]["status"]["conditions"]}
     assert cond["AssignmentsValid"]["status"] == "False" and "port" in cond["AssignmentsValid"]["message"]
     assert agent.replicas == {}  # nothing started from a spec it cannot read
+
+
+async def test_a_missing_api_key_secret_is_reported_and_the_replica_starts_once_it_exists(kube, tmp_path):
+    """The operator generates a model's key Secret; until the agent can read it the replica is
+    reported failed with the reason (it was silently absent), and it starts, with that key, on
+    the first pass after the Secret appears."""
+    kube.objects[NODES, None, "gpu-7"] = {
+        "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode",
+        "metadata": {"name": "gpu-7", "uid": "u7", "resourceVersion": "1"},
+        "spec": {"models": [{"key": "team.m", "namespace": "team", "model": "m", "source": {"default": True},
+                             "format": "default", "port": 1919, "engine": {"device": "cpu"},
+                             "apiKeySecret": {"name": "m-api-key", "key": "api-key"}}]}}
+    idle = [sys.executable, "-c", "import time; time.sleep(60)"]    # an engine that never gets ready
+    cfg = AgentConfig(node_name="gpu-7", kube_server=str(kube.url), state_dir=str(tmp_path),
+                      heartbeat_seconds=0.2, calibrate_on_start=False, engine_command=tuple(idle))
+    agent = Agent(cfg)
+    await agent.reconcile()
+    await agent.report()
+    (rep,) = kube.objects[NODES, None, "gpu-7"]["status"]["replicas"]
+    assert rep["key"] == "team.m" and rep["state"] == "failed"
+    assert "API key" in rep["message"] and "m-api-key" in rep["message"]
+    assert agent.replicas == {}
+
+    kube.objects["v1/secrets", "team", "m-api-key"] = {
+        "apiVersion": "v1", "kind": "Secret",
+        "metadata": {"name": "m-api-key", "namespace": "team", "uid": "s7", "resourceVersion": "1"},
+        "data": {"api-key": base64.b64encode(b"generated-key").decode()}}
+    await agent.reconcile()
+    try:
+        assert agent.replicas["team.m"].api_key == "generated-key" and agent.key_errors == {}
+        await agent.report()
+        (rep,) = kube.objects[NODES, None, "gpu-7"]["status"]["replicas"]
+        assert rep["state"] != "failed"
+    finally:
+        await agent.replicas["team.m"].stop()
