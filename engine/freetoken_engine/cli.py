@@ -125,7 +125,7 @@ def _model_dir(args) -> Path:
 
 def _parse_ids(text: str) -> list[int]:
     try:
-        return [int(t) for t in text.replace(" ", "").split(",") if t]
+        return [int(t) for t in text.replace(" ", "").split(",")] if text.strip() else []
     except ValueError:
         raise ConfigError(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
 

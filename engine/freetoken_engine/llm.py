@@ -50,8 +50,8 @@ class LLM:
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is outside the vocabulary (0..{vocab - 1})")
         if len(ids) + max_new_tokens > self.max_context:
-            raise RequestTooLong(f"prompt of {len(ids)} tokens plus {max_new_tokens} new tokens exceeds "
-                                 f"the context of {self.max_context}")
+            plus = f" plus {max_new_tokens} new tokens" if max_new_tokens else ""
+            raise RequestTooLong(f"prompt of {len(ids)} tokens{plus} exceeds the context of {self.max_context}")
 
     def _slot(self) -> int:
         """A recurrent-state slot for a sequence of a hybrid model (-1: the model has none)."""

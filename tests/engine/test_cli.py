@@ -133,6 +133,8 @@ def test_missing_shard_named_in_index(tmp_path):
     (["--prompt-ids", "1", "--graph-warmup-widths", "-2"], "0 (every width) or more"),
     (["--prompt-ids", "1", "--prefill-chunk", "0"], "--prefill-chunk must be at least 1, got 0"),
     (["--prompt-ids", "a,b"], "comma-separated integers"),
+    (["--prompt-ids", "1,,2"], "comma-separated integers"),           # a lost id, not skipped
+    (["--model", __file__, "--prompt-ids", "1"], "is a file, not a model folder"),
     (["--prompt", "x", "--json-schema", '{"type": "nonsense"}'], "--json-schema: failed to compile JSON schema: Invalid type: nonsense"),
     (["--prompt", "x", "--json-schema", '{"type": '], "--json-schema is not JSON"),
     (["--prompt", "x", "--json-schema", "/no/such/schema.json"], "cannot read /no/such/schema.json"),

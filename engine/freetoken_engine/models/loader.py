@@ -47,6 +47,9 @@ class Checkpoint:
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
+        if self.folder.is_file():
+            raise ConfigError(f"{self.folder} is a file, not a model folder: --model takes a Hugging Face "
+                              f"folder, a folder written by 'freetoken convert' or a .gguf file")
         if not self.folder.is_dir():
             raise ConfigError(f"model folder {self.folder} does not exist")
         cfg_path = self.folder / "config.json"
