@@ -119,6 +119,21 @@ def test_malformed_tool_schemas_are_400(http, live):
     anthropic_error(r, 400, "invalid_request_error", "tools.0.input_schema")
 
 
+def test_two_tools_of_one_name_are_400_in_each_api(http, live):
+    """A call names its tool, so two tools of one name would share one schema (the second one
+    silently replaced the first)."""
+    fn = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    r = http.post("/v1/chat/completions", json=chat_body(live, tools=[fn, fn]))
+    openai_error(r, 400, param="tools", says="'f' is given twice")
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    r = http.post("/v1/messages", json={"model": live.model, "max_tokens": 4, "messages": MSGS,
+                                        "tools": [tool, tool]}, headers={"x-api-key": API_KEY})
+    anthropic_error(r, 400, "invalid_request_error", "'f' is given twice")
+    r = http.post("/v1/responses", json={"model": live.model, "input": "hi", "max_output_tokens": 4,
+                                         "tools": [{"type": "function", "name": "f"}] * 2})
+    openai_error(r, 400, says="'f' is given twice")
+
+
 def test_image_content_is_400_naming_the_part(http, live):
     msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     openai_error(http.post("/v1/chat/completions", json=chat_body(live, messages=msgs)), 400,

@@ -98,6 +98,11 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
     ids = encode_text(tokenizer, text + prefill, add_special_tokens=False)
     functions = [t["function"] for t in tools or () if isinstance(t.get("function"), dict)
                  and "name" in t["function"]]
+    names = [f["name"] for f in functions]
+    twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+    if twice is not None:   # a call names its tool: two of one name would share one schema
+        raise ApiError(400, f"tools: the tool name {twice!r} is given twice; tool names must be unique",
+                       param="tools")
     schemas = {f["name"]: f.get("parameters") or {} for f in functions}
     forced = (named_tool or tool_choice) if prefill else None
     return Prompt(ids=list(ids), in_reasoning=in_reasoning, prefill=prefill, tools=use_tools,
