@@ -58,7 +58,7 @@ class Applier:
         self._refreshed = time.monotonic()
         self.services: dict[tuple[str, str], dict[str, Any]] = {}     # last written, by (ns, name)
         self.slices: dict[tuple[str, str], dict[str, dict[str, Any]]] = {}  # (ns, model) -> name -> body
-        self.secrets: set[tuple[str, str]] = set()    # generated key Secrets known to exist, (ns, name)
+        self.secrets: set[tuple[str, str, str]] = set()   # generated key Secrets known to exist, (ns, name, owner uid)
 
     def apply(self, state: DesiredState, nodes: Mapping[str, Mapping[str, Any]],
               models: Mapping[tuple[str, str], Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]:
@@ -125,7 +125,8 @@ class Applier:
         rewritten, so the operator needs no read access to Secrets."""
         meta = secret["metadata"]
         ref = (meta["namespace"], meta["name"])
-        if ref in self.secrets:
+        owner = meta["ownerReferences"][0]["uid"]   # a model made again under its old name: a new Secret
+        if (*ref, owner) in self.secrets:
             return
         token = base64.b64encode(secrets.token_urlsafe(32).encode()).decode()
         try:
@@ -135,11 +136,11 @@ class Applier:
             if exc.status == 403:   # no create right in that namespace (chart: agent.secretNamespaces)
                 log.warning("cannot create the API key Secret %s/%s (forbidden): name an existing one in "
                             "serving.apiKeySecret or allow the namespace", *ref)
-                self.secrets.add(ref)   # tried again after refresh_seconds, not on every pass
+                self.secrets.add((*ref, owner))   # tried again after refresh_seconds, not on every pass
                 return
             if exc.status != 409:
                 raise
-        self.secrets.add(ref)
+        self.secrets.add((*ref, owner))
 
     def _existing_slices(self, ns: str, model: str) -> dict[str, dict[str, Any]]:
         listed = self.discovery.list_namespaced_endpoint_slice(ns, label_selector=f"{LABEL_MODEL}={model}")

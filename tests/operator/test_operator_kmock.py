@@ -308,6 +308,30 @@ async def test_apply_repairs_owned_objects_deleted_behind_its_back(kmock):
     assert [s["metadata"]["name"] for s in slices] == ["m-ipv4-1919"]
 
 
+async def test_a_model_made_again_under_its_old_name_gets_a_new_key_secret_at_once(kmock):
+    """Kubernetes deletes the old model's generated Secret with it (owner reference); a model
+    applied again under that name must get a new one on the next pass, not after the applier's
+    refresh interval (its agents would report the key missing meanwhile)."""
+    from freetoken_operator.apply import Applier, api_client
+    from freetoken_operator.objects import generated_key_secret
+    from freetoken_operator.status import DesiredState
+
+    kc.prepare(kmock)
+    applier = Applier(api_client(str(kmock.url).rstrip("/")), refresh_seconds=600)
+    path = "/api/v1/namespaces/default/secrets/m-api-key"
+    keys = []
+    for uid in ("first", "second"):
+        model = {"metadata": {"name": "m", "namespace": "default", "uid": uid}, "spec": {}}
+        state = DesiredState(node_specs={}, model_status={}, services=[], slices={}, events=[],
+                             secrets=[generated_key_secret(model)])
+        await asyncio.to_thread(applier.apply, state, {}, {})
+        secret = await kc.get(kmock, path)
+        assert secret["metadata"]["ownerReferences"][0]["uid"] == uid
+        keys.append(secret["data"]["api-key"])
+        await kmock.delete(path)      # the garbage collector, when the model is deleted
+    assert keys[0] != keys[1]
+
+
 async def test_a_model_is_reported_ready_only_after_its_endpoints_are_written(kmock):
     """A client that waits for Ready (``kubectl wait``) and then calls the Service must find the
     endpoints there: the Service and its EndpointSlices are written before the status."""
