@@ -7,7 +7,9 @@ validates once, at the edge, and raises ``ConfigError`` with the variable's name
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -88,6 +90,13 @@ class AgentConfig:
         if self.standalone is None and self.kube_server is None and not _in_cluster_or_kubeconfig():
             raise ConfigError("no Kubernetes to talk to: give --standalone FILE or --kube-server URL, "
                               "or run in a cluster / with a kubeconfig")
+        if self.kube_server is not None and not self.kube_server.startswith(("http://", "https://")):
+            raise ConfigError(f"--kube-server must be an http(s):// URL, got {self.kube_server!r}")
+        if self.standalone is None and not _object_name(self.node_name):
+            raise ConfigError(f"--node-name {self.node_name!r} cannot name a FreeTokenNode: lowercase letters, "
+                              "digits, '-' and '.', at most 253 (the Kubernetes Node's name)")
+        if not _host(self.address):
+            raise ConfigError(f"--address {self.address!r} is neither an IP address nor a host name")
         if not 0 <= self.metrics_port <= 65535:
             raise ConfigError(f"--metrics-port {self.metrics_port} is not a port")
         if self.heartbeat_seconds <= 0 or self.tick_seconds <= 0:
@@ -103,6 +112,26 @@ class AgentConfig:
     @property
     def log_dir(self) -> str:
         return os.path.join(self.state_dir, "logs")
+
+
+_LABEL = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+
+
+def _object_name(name: str) -> bool:
+    """An RFC 1123 subdomain, as Kubernetes object names (and so Node names) are."""
+    return len(name) <= 253 and re.fullmatch(rf"{_LABEL}(\.{_LABEL})*", name) is not None
+
+
+def _host(address: str) -> bool:
+    """An IP address, or a host name that does not look like a broken IPv4 address."""
+    try:
+        ipaddress.ip_address(address)
+        return True
+    except ValueError:
+        pass
+    labels = address.lower().split(".")
+    return (not all(label.isdigit() for label in labels)
+            and all(re.fullmatch(_LABEL, label) and len(label) <= 63 for label in labels))
 
 
 def _in_cluster_or_kubeconfig() -> bool:

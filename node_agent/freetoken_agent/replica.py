@@ -125,8 +125,8 @@ class Replica:
         self.api_key = api_key
         self.admin_token = launch.admin_token or secrets.token_urlsafe(24)
         self.port = assignment.port + launch.port_offset
-        self.endpoint = f"http://{launch.address}:{self.port}"
-        self.client = EngineClient(f"http://{_loopback_for(launch.bind_host)}:{self.port}",
+        self.endpoint = f"http://{url_host(launch.address)}:{self.port}"
+        self.client = EngineClient(f"http://{url_host(_loopback_for(launch.bind_host))}:{self.port}",
                                    self.admin_token)
         self.state = "starting"
         self.message = ""
@@ -266,6 +266,11 @@ class Replica:
 
 def _since(t: float | None) -> float | None:
     return None if t is None else time.monotonic() - t
+
+
+def url_host(host: str) -> str:
+    """``host`` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]" if ":" in host else host
 
 
 def _loopback_for(bind_host: str) -> str:

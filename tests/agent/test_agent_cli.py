@@ -24,6 +24,11 @@ AGENT = [sys.executable, "-m", "freetoken_agent.cli"]
     (["run", "--node-name", "n", "--no-such-flag"], {}, "unrecognized arguments: --no-such-flag"),
     (["run", "--node-name", "n", "--standalone", "broken.yaml"], {}, "broken.yaml: while parsing"),
     (["run", "--node-name", "n", "--standalone", "typo.yaml"], {}, "port"),   # both ran, silently
+    # these three ran and failed later, every heartbeat or at each engine start
+    (["run", "--node-name", "Gaming_PC", "--kube-server", "http://127.0.0.1:9"], {}, "cannot name a FreeTokenNode"),
+    (["run", "--node-name", "n", "--kube-server", "apiserver:6443"], {}, "must be an http(s):// URL"),
+    (["run", "--node-name", "n", "--standalone", "models.yaml", "--address", "999.1.1.1"], {},
+     "neither an IP address nor a host name"),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, args, env, message):
     (tmp_path / "models.yaml").write_text("models: []\n")

@@ -80,3 +80,20 @@ def test_backoff_doubles_to_a_cap():
 def test_launch_config_validated(kw):
     with pytest.raises(ValueError):
         LaunchConfig(**kw)
+
+
+@pytest.mark.parametrize("address,endpoint,local", [
+    ("10.0.0.5", "http://10.0.0.5:1919", "http://10.0.0.5:1919"),
+    ("fd00::5", "http://[fd00::5]:1919", "http://[fd00::5]:1919"),    # was http://fd00::5:1919
+    ("::", "http://[::]:1919", "http://127.0.0.1:1919"),
+])
+def test_a_replicas_urls_are_urls_on_ipv6_nodes_too(address, endpoint, local):
+    """The endpoint the agent reports (the operator publishes it in EndpointSlices) and the one
+    it checks the engine on; an IPv6 node address needs brackets."""
+    import urllib.parse
+
+    from freetoken_agent.replica import Replica
+    [a] = parse_models([{"model": "m", "port": 1919}]).values()
+    r = Replica(a, LaunchConfig(engine_command=("x",), address=address, bind_host=address))
+    assert r.endpoint == endpoint and r.client.base_url == local
+    assert urllib.parse.urlsplit(r.endpoint).port == 1919
