@@ -35,6 +35,7 @@ from .replica import LaunchConfig, Replica
 from .snapshot import NodeSnapshot, ReplicaSnapshot, rfc3339, to_status
 
 log = logging.getLogger(__name__)
+KUBE_WARN_EVERY = 60.0   # seconds between warnings while the API server does not answer
 
 
 class Agent:
@@ -56,6 +57,8 @@ class Agent:
         self.calibration_cache = CalibrationCache(cfg.state_dir)
         self.calibration: dict | None = self.calibration_cache.load(self.host_config)
         self.assignment_error: str | None = None
+        self._kube_down_since: float | None = None     # the API server stopped answering (monotonic)
+        self._kube_warned, self._kube_failures = 0.0, 0
         self.key_errors: dict[str, tuple[Assignment, str]] = {}   # replicas not started: no API key yet
         self._since: dict[str, str] = {}
         self._last_flags: dict[str, bool] = {}
@@ -110,8 +113,9 @@ class Agent:
         try:
             spec = await self.reporter.read_spec()
         except KubeError as exc:
-            log.warning("cannot read FreeTokenNode spec: %s", exc)
+            self._kube_failed("cannot read the FreeTokenNode spec", exc)
             return None
+        self._kube_ok()
         try:
             models = parse_models(spec.get("models"))
             self.assignment_error = None
@@ -234,9 +238,28 @@ class Agent:
         try:
             await self.reporter.patch_status(to_status(self.snapshot()))
             self.metrics.heartbeat(True)
+            self._kube_ok()
         except KubeError as exc:
             self.metrics.heartbeat(False)
-            log.warning("status update failed: %s", exc)
+            self._kube_failed("status update failed", exc)
+
+    def _kube_failed(self, what: str, exc: Exception) -> None:
+        """One warning when the API server stops answering, then one a minute while it stays so
+        (the spec is read every 2 s and the status written every heartbeat)."""
+        now = time.monotonic()
+        self._kube_failures += 1
+        if self._kube_down_since is None or now - self._kube_warned >= KUBE_WARN_EVERY:
+            again = "" if self._kube_down_since is None else f" (still, {self._kube_failures} failures " \
+                f"in {now - self._kube_down_since:.0f} s)"
+            log.warning("%s: %s%s", what, exc, again)
+            self._kube_warned = now
+        if self._kube_down_since is None:
+            self._kube_down_since = now
+
+    def _kube_ok(self) -> None:
+        if self._kube_down_since is not None:
+            log.info("the Kubernetes API answers again after %.0f s", time.monotonic() - self._kube_down_since)
+        self._kube_down_since, self._kube_failures = None, 0
 
     async def _heartbeat_loop(self) -> None:
         while True:
@@ -257,9 +280,10 @@ class Agent:
             while not stop.is_set():
                 try:
                     await self.reporter.ensure_node()
+                    self._kube_ok()
                     break
                 except KubeError as exc:
-                    log.warning("cannot create FreeTokenNode %s: %s", self.cfg.node_name, exc)
+                    self._kube_failed(f"cannot create FreeTokenNode {self.cfg.node_name}", exc)
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(stop.wait(), 2.0)
         await self.controller.tick()  # a first reading before any engine starts

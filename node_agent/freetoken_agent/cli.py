@@ -89,6 +89,8 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("httpx", "httpcore"):   # lines per health check and scrape: noise, even at DEBUG
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    # the Kubernetes client's retries: the agent's own line says when the API server is away
+    logging.getLogger("urllib3.connectionpool").setLevel(logging.ERROR)
     try:
         cfg = config_mod.from_env(
             node_name=args.node_name, kube_server=args.kube_server, standalone=args.standalone,

@@ -139,3 +139,28 @@ async def test_a_missing_api_key_secret_is_reported_and_the_replica_starts_once_
         assert rep["state"] != "failed"
     finally:
         await agent.replicas["team.m"].stop()
+
+
+async def test_an_api_server_away_is_one_warning_a_minute_not_one_a_pass(tmp_path, caplog):
+    """The spec is read every 2 s and the status written every heartbeat: with the API server
+    down that was a warning each time (plus the client's retry lines). Now one when it goes,
+    a reminder a minute, and one line when it answers again."""
+    import logging
+
+    from freetoken_agent import agent as agent_mod
+    cfg = AgentConfig(node_name="gpu-8", kube_server="http://127.0.0.1:9", state_dir=str(tmp_path),
+                      heartbeat_seconds=0.2, calibrate_on_start=False)
+    agent = Agent(cfg)
+    with caplog.at_level(logging.INFO, logger="freetoken_agent.agent"):
+        for _ in range(5):
+            await agent.report()
+            assert await agent.desired() is None           # keep what runs
+        ours = [r for r in caplog.records if r.name == "freetoken_agent.agent"]
+        assert len([r for r in ours if r.levelno == logging.WARNING]) == 1
+        agent._kube_warned -= agent_mod.KUBE_WARN_EVERY     # a minute later
+        await agent.report()
+        warned = [r.getMessage() for r in caplog.records
+                  if r.name == "freetoken_agent.agent" and r.levelno == logging.WARNING]
+        assert len(warned) == 2 and "still, 11 failures" in warned[1]
+        agent._kube_ok()
+        assert "answers again" in caplog.records[-1].getMessage()
