@@ -47,6 +47,19 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def _no_connection_tracebacks(record: logging.LogRecord) -> bool:
+    """kopf logs an API server it cannot reach with a traceback; its message already says it."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if exc is not None and record.name.startswith("kopf") and isinstance(exc, OSError | _client_error()):
+        record.exc_info, record.exc_text = None, None
+    return True
+
+
+def _client_error() -> type:
+    import aiohttp
+    return aiohttp.ClientError
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -60,10 +73,18 @@ def main(argv: list[str] | None = None) -> int:
     from . import handlers  # noqa: F401 - registers the handlers in kopf's default registry
 
     kopf.configure(verbose=args.verbose)
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_no_connection_tracebacks)
     if not args.verbose:   # one "handler succeeded" line per heartbeat is noise; keep warnings
         logging.getLogger("kopf.objects").setLevel(logging.WARNING)
-    kopf.run(clusterwide=True, standalone=True, liveness_endpoint=args.liveness,
-             memo=kopf.Memo(config=config))
+    import aiohttp
+    try:
+        kopf.run(clusterwide=True, standalone=True, liveness_endpoint=args.liveness,
+                 memo=kopf.Memo(config=config))
+    except (aiohttp.ClientError, OSError) as exc:   # kopf gave up on the API server (5 attempts)
+        where = config.kube_server or "the in-cluster / kubeconfig API server"
+        print(f"freetoken-operator: cannot reach the Kubernetes API at {where}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -51,6 +51,17 @@ def test_cli_rejects_bad_flags_with_one_line_and_exit_code_2(capsys, args, says)
     assert code == 2 and len(err) == 1 and says in err[0], err
 
 
+@pytest.mark.timeout(120)
+def test_an_api_server_that_never_answers_ends_the_operator_in_one_line():
+    """kopf tries 5 times (about 20 s), then the operator exits 1 (the pod restarts) with one
+    line naming the server; kopf's traceback of the connection error (40 lines) is not shown."""
+    p = subprocess.run([sys.executable, "-m", "freetoken_operator.cli", "--kube-server", "http://127.0.0.1:9"],
+                       capture_output=True, text=True, timeout=110)
+    assert p.returncode == 1 and "Traceback" not in p.stderr, p.stderr[-3000:]
+    assert p.stderr.strip().splitlines()[-1].startswith(
+        "freetoken-operator: cannot reach the Kubernetes API at http://127.0.0.1:9: "), p.stderr[-1000:]
+
+
 def test_operator_never_imports_torch_or_the_engine():
     code = ("import sys, freetoken_operator.handlers, freetoken_operator.cli; "
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'freetoken_engine', 'freetoken_agent')]; "
