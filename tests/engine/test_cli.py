@@ -217,6 +217,27 @@ def test_empty_secrets_and_a_context_below_one_token_are_refused(tiny_checkpoint
     assert needle in cli_error(args[0], "--model", str(tiny_checkpoint("qwen3_moe")), *args[1:])
 
 
+def test_serve_on_a_busy_port_is_one_line_before_the_model_loads(tiny_checkpoint):
+    """It loaded the model, then uvicorn failed to bind and the process aborted ('terminate
+    called without an active exception', exit 134). Now the address is taken first."""
+    import socket
+    import time
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen(1)
+    port = str(busy.getsockname()[1])
+    try:
+        t0 = time.monotonic()
+        r = run("serve", "--model", str(tiny_checkpoint("qwen3_moe")), "--port", port)
+        assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in one_line_error(r)
+        assert "pick another --port" in r.stderr
+        assert time.monotonic() - t0 < 60
+    finally:
+        busy.close()
+    r = run("serve", "--model", str(tiny_checkpoint("qwen3_moe")), "--host", "10.255.255.254", "--port", port)
+    assert "cannot listen on 10.255.255.254" in one_line_error(r)     # an address not on this machine
+
+
 def test_calibrate_json_contract():
     r = run("calibrate", "--device", "cpu", "--json")
     assert r.returncode == 0, r.stderr

@@ -10,7 +10,9 @@ Returns the process exit code; bad options raise ``ConfigError`` (the CLI prints
 """
 from __future__ import annotations
 
+import errno
 import logging
+import socket
 from pathlib import Path
 
 from ..config import EngineConfig
@@ -68,16 +70,47 @@ def serve_main(args) -> int:
     if not 0 < int(port) < 65536:
         raise ConfigError(f"--port must be within 1..65535, got {port}")
     config = server_config(args)
-    service = EngineService.start(engine_config(args))
+    sock = listening_socket(host, int(port))      # before the model loads: a busy port fails at once
     try:
-        app = create_app(service, config)
-        if not config.admin_token:
-            log.info("no --admin-token: /admin/* accepts loopback clients only")
-        if not config.api_key and not is_loopback(host):
-            log.warning("serving on %s without --api-key: anyone who can reach it can use the model", host)
-        uvicorn.run(app, host=host, port=int(port), log_level="info",
-                    timeout_graceful_shutdown=5)
+        service = EngineService.start(engine_config(args))
+        try:
+            app = create_app(service, config)
+            if not config.admin_token:
+                log.info("no --admin-token: /admin/* accepts loopback clients only")
+            if not config.api_key and not is_loopback(host):
+                log.warning("serving on %s without --api-key: anyone who can reach it can use the model", host)
+            server = uvicorn.Server(uvicorn.Config(app, host=host, port=int(port), log_level="info",
+                                                   timeout_graceful_shutdown=5))
+            shown = f"[{host}]" if ":" in host else host     # uvicorn says this only for sockets it binds
+            logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
+                                                    shown, int(port))
+            server.run(sockets=[sock])
+        finally:
+            service.shutdown()
     finally:
-        service.shutdown()
+        sock.close()
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (uvicorn serves on it); ConfigError in one line when
+    the address cannot be had (a busy port, an address not on this machine)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)   # "::" takes IPv4 too
+        sock.bind(addr)
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except OSError as exc:
+        sock.close()
+        hint = " (another server on that port? pick another --port)" if exc.errno == errno.EADDRINUSE else ""
+        raise ConfigError(f"cannot listen on {host}:{port}: {exc.strerror or exc}{hint}") from None
+    return sock
 
