@@ -105,3 +105,13 @@ def test_ctrl_c_stops_the_server_cleanly(served):
     url, proc = served
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 0
+
+
+def test_sigterm_stops_the_server_cleanly(default_moe_dir):
+    """What the agent and Kubernetes send: the engine shuts down in order and exits 0 (uvicorn
+    raised the signal again after its own shutdown: exit 143, the engine never shut down)."""
+    with serving(["--api-key", KEY]) as (_, proc):
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        out = proc.stdout.read()
+    assert "Finished server process" in out and "terminate called" not in out

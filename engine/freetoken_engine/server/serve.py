@@ -10,6 +10,7 @@ Returns the process exit code; bad options raise ``ConfigError`` (the CLI prints
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import socket
@@ -79,8 +80,8 @@ def serve_main(args) -> int:
                 log.info("no --admin-token: /admin/* accepts loopback clients only")
             if not config.api_key and not is_loopback(host):
                 log.warning("serving on %s without --api-key: anyone who can reach it can use the model", host)
-            server = uvicorn.Server(uvicorn.Config(app, host=host, port=int(port), log_level="info",
-                                                   timeout_graceful_shutdown=5))
+            server = _Server(uvicorn.Config(app, host=host, port=int(port), log_level="info",
+                                            timeout_graceful_shutdown=5))
             shown = f"[{host}]" if ":" in host else host     # uvicorn says this only for sockets it binds
             logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)",
                                                     shown, int(port))
@@ -90,6 +91,24 @@ def serve_main(args) -> int:
     finally:
         sock.close()
     return 0
+
+
+def _Server(config):
+    """uvicorn's server, except that the signal which stopped it (Ctrl-C, SIGTERM from the agent
+    or Kubernetes) is not raised again once it has: the engine then shuts down in order and the
+    process exits 0 (a re-raised SIGTERM killed it before the engine's shutdown, exit 143)."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    getattr(self, "_captured_signals", []).clear()
+
+    return Server(config)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
