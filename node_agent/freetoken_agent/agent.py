@@ -59,6 +59,7 @@ class Agent:
         self.assignment_error: str | None = None
         self._kube_down_since: float | None = None     # the API server stopped answering (monotonic)
         self._kube_warned, self._kube_failures = 0.0, 0
+        self._keys_checked = time.monotonic()
         self.key_errors: dict[str, tuple[Assignment, str]] = {}   # replicas not started: no API key yet
         self._since: dict[str, str] = {}
         self._last_flags: dict[str, bool] = {}
@@ -136,8 +137,39 @@ class Agent:
         return self.controller.launch_budget(a.engine.expert_cache_share), cpu_fraction
 
     async def _on_ready(self, r: Replica) -> None:
+        if r.api_key and r.api_key != r.started_key:   # the Secret changed while it was starting
+            await self._push_key(r)
         if self.calibration is not None:
             await self._push_calibration(r, self.calibration)
+
+    async def _push_key(self, r: Replica) -> None:
+        try:
+            await r.client.set_api_key(r.api_key)
+            r.started_key = r.api_key
+            log.info("replica %s: API key rotated", r.key)
+        except EngineUnreachable as exc:
+            log.warning("replica %s: could not rotate its API key (it keeps the old one until it "
+                        "restarts): %s", r.key, exc)
+
+    async def _recheck_keys(self) -> None:
+        """Every ``key_recheck_seconds``: a replica whose Secret now holds another key gets it
+        pushed to its engine (the next start uses it anyway)."""
+        now = time.monotonic()
+        if self.reporter is None or now - self._keys_checked < self.cfg.key_recheck_seconds:
+            return
+        self._keys_checked = now
+        for r in tuple(self.replicas.values()):
+            if r.assignment.api_key_secret is None or r.assignment.api_key:
+                continue
+            try:
+                key = await self._api_key(r.assignment)
+            except KubeError as exc:
+                log.warning("replica %s: cannot re-read its API key (keeps the one it has): %s", r.key, exc)
+                continue
+            if key and key != r.api_key:
+                r.api_key = key               # every later start of the engine
+                if r.state == "ready":
+                    await self._push_key(r)
 
     def _on_restart(self, r: Replica) -> None:
         self.metrics.restart(r.key)
@@ -152,6 +184,7 @@ class Agent:
             await self.replicas[key].stop()  # reported until its process is gone
             del self.replicas[key]
             self._view = tuple(self.replicas.values())
+        await self._recheck_keys()
         for key in [k for k in self.key_errors if k not in desired]:
             del self.key_errors[key]
         for key, a in desired.items():

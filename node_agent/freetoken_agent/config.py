@@ -34,6 +34,7 @@ ENV = {
     "FREETOKEN_AGENT_CALIBRATE_ON_START": "1: measure at start when nothing is cached (default); 0: never",
     "FREETOKEN_AGENT_BACKOFF_MAX_SECONDS": "longest wait between engine restarts (60)",
     "FREETOKEN_AGENT_HEALTH_INTERVAL_SECONDS": "engine health-check period (1)",
+    "FREETOKEN_AGENT_KEY_RECHECK_SECONDS": "how often running engines' API-key Secrets are read again (30)",
     "FREETOKEN_AGENT_ADMIN_TOKEN": "the engines' /admin token (default: a random one per engine)",
 }
 
@@ -83,6 +84,7 @@ class AgentConfig:
     backoff_max: float = 60.0
     health_interval: float = 1.0
     admin_token: str | None = None
+    key_recheck_seconds: float = 30.0     # how often running replicas' API-key Secrets are read again
 
     def __post_init__(self) -> None:
         if not self.node_name:
@@ -101,6 +103,8 @@ class AgentConfig:
             raise ConfigError(f"--metrics-port {self.metrics_port} is not a port")
         if self.heartbeat_seconds <= 0 or self.tick_seconds <= 0:
             raise ConfigError("--heartbeat-seconds and the tick must be > 0")
+        if self.key_recheck_seconds <= 0:
+            raise ConfigError("FREETOKEN_AGENT_KEY_RECHECK_SECONDS must be > 0")
         if self.calibrate_interval < 0 or self.backoff_max <= 0 or self.health_interval <= 0:
             raise ConfigError("calibrate interval must be >= 0, backoff and health interval > 0")
 
@@ -176,4 +180,5 @@ def from_env(env: dict | None = None, **cli) -> AgentConfig:
         calibrate_on_start=env.get("FREETOKEN_AGENT_CALIBRATE_ON_START", "1") not in ("0", "false", "no"),
         backoff_max=_num(env, "FREETOKEN_AGENT_BACKOFF_MAX_SECONDS", 60.0),
         health_interval=_num(env, "FREETOKEN_AGENT_HEALTH_INTERVAL_SECONDS", 1.0),
+        key_recheck_seconds=_num(env, "FREETOKEN_AGENT_KEY_RECHECK_SECONDS", 30.0),
         **given)

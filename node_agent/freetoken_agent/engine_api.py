@@ -88,6 +88,10 @@ class EngineClient:
                                 {"expert_cache_bytes": int(expert_cache_bytes)}, timeout=30.0)
         return CacheInfo.from_body(body)
 
+    async def set_api_key(self, api_key: str) -> None:
+        """The engine's inference key from now on (a rotated Secret); no restart."""
+        await self._json("POST", "/admin/api-key", {"api_key": api_key}, timeout=5.0)
+
     async def calibrate(self, payload: dict, timeout: float = 300.0) -> dict:
         return await self._json("POST", "/admin/calibrate", payload, timeout=timeout)
 

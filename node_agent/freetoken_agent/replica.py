@@ -122,7 +122,8 @@ class Replica:
                  on_restart: Callable[["Replica"], None] | None = None) -> None:
         self.assignment = assignment
         self.launch = launch
-        self.api_key = api_key
+        self.api_key = api_key          # the key the next start gets (the agent updates it on rotation)
+        self.started_key = api_key      # the key the running engine has
         self.admin_token = launch.admin_token or secrets.token_urlsafe(24)
         self.port = assignment.port + launch.port_offset
         self.endpoint = f"http://{url_host(launch.address)}:{self.port}"
@@ -157,6 +158,7 @@ class Replica:
     async def _spawn(self) -> asyncio.subprocess.Process:
         self._budget, cpu_fraction = self._launch_args(self.assignment)
         cmd = serve_command(self.assignment, self.launch, cpu_fraction)
+        self.started_key = self.api_key
         out = None
         if self.launch.log_dir:
             os.makedirs(self.launch.log_dir, exist_ok=True)

@@ -4,7 +4,8 @@ processes are three nodes, each starting real ``freetoken serve`` engines on a t
 
 A user applies a FreeTokenModel with two replicas (no Secret named: the operator generates the
 API key); the engines start; a chat completion through an EndpointSlice endpoint answers with
-that key and is refused without it (official ``openai`` client); one node is switched off (its
+that key and is refused without it (official ``openai`` client); editing the Secret rotates the
+key in the running engines; one node is switched off (its
 agent and engine killed): the surviving replica keeps answering and the lost one is re-placed on
 the third node within the stale timeout; deleting the model stops every engine.
 """
@@ -70,7 +71,9 @@ async def test_fleet_serves_survives_a_lost_node_and_cleans_up(kmock, tmp_path, 
     nodes = ["n1", "n2", "n3"]
     offsets = {n: fleet.free_port() - BASE_PORT for n in nodes}
     agents = {n: fleet.start_agent(tmp_path, n, metrics_port=fleet.free_port(), port_offset=offsets[n],
-                                   kube_server=server, heartbeat=0.5) for n in nodes}
+                                   kube_server=server, heartbeat=0.5,
+                                   env=fleet.agent_env(FREETOKEN_AGENT_KEY_RECHECK_SECONDS="0.5"))
+              for n in nodes}
     try:
         async def registered():
             return {n["metadata"]["name"] for n in await kc.items(kmock, kc.node_path())
@@ -106,6 +109,25 @@ async def test_fleet_serves_survives_a_lost_node_and_cleans_up(kmock, tmp_path, 
             assert await _chat(addr, port, key)
         with pytest.raises(openai.AuthenticationError):   # secure by default: no key, no answer
             await _chat(endpoints[0][1], endpoints[0][2], "not-the-key")
+
+        # the user rotates the key by editing the Secret: the running engines take it, no restart
+        pids = {n: fleet.engine_pids(p) for n, _, p in endpoints}
+        assert all(pids.values())
+        await kc.patch(kmock, "/api/v1/namespaces/default/secrets/tiny-api-key",
+                       {"data": {"api-key": base64.b64encode(b"rotated-key").decode()}})
+
+        async def rotated():
+            try:
+                for _, addr, port in endpoints:
+                    await _chat(addr, port, "rotated-key")
+                return True
+            except openai.AuthenticationError:
+                return False
+        await kc.wait_for(rotated, 20, "both engines to take the rotated key", step=0.3)
+        with pytest.raises(openai.AuthenticationError):
+            await _chat(endpoints[0][1], endpoints[0][2], key)
+        assert {n: fleet.engine_pids(p) for n, _, p in endpoints} == pids    # the same processes
+        key = "rotated-key"
 
         # switch one PC off: its agent and its engine die without a word
         lost, (survivor_addr, survivor_port) = endpoints[0][0], endpoints[1][1:]

@@ -219,8 +219,7 @@ def test_serving_beyond_loopback_without_an_api_key_is_a_warning(tiny_dir, monke
     starts (a trusted network may want that), with one warning line saying so."""
     import argparse
     import logging
-
-    import uvicorn
+    import socket
 
     from freetoken_engine.models.tokenizer import Tokenizer
     from freetoken_engine.scheduler.service import EngineService
@@ -228,7 +227,15 @@ def test_serving_beyond_loopback_without_an_api_key_is_a_warning(tiny_dir, monke
     from scripted import ScriptedService
     ran = []
     monkeypatch.setattr(EngineService, "start", classmethod(lambda cls, cfg: ScriptedService(Tokenizer(tiny_dir))))
-    monkeypatch.setattr(uvicorn, "run", lambda app, host, port, **kw: ran.append(host))
+    class Server:
+        def __init__(self, config):
+            self.host = config.host
+
+        def run(self, sockets):
+            ran.append(self.host)
+
+    monkeypatch.setattr(serve, "_Server", Server)
+    monkeypatch.setattr(serve, "listening_socket", lambda host, port: socket.socket())
     args = argparse.Namespace(host=host, port=1919, api_key=key, admin_token=None, model=tiny_dir)
     caplog.set_level(logging.WARNING)
     assert serve.serve_main(args) == 0 and ran == [host]
@@ -242,6 +249,23 @@ async def test_admin_token_is_required_when_set(tiny_service):
         assert (await remote.get("/admin/cache", headers={"Authorization": "Bearer no"})).status_code == 403
         ok = await remote.get("/admin/cache", headers={"Authorization": "Bearer s3cret"})
         assert ok.status_code == 200 and "expert_cache" in ok.json()
+
+
+async def test_the_api_key_is_rotated_by_the_admin_endpoint_without_a_restart(tiny_service):
+    app = create_app(tiny_service, ServerConfig(api_key="old", admin_token="s3cret"))
+    admin = {"Authorization": "Bearer s3cret"}
+    async with asgi(app, ("10.1.2.3", 4000)) as c:
+        assert (await c.get("/v1/models", headers={"Authorization": "Bearer old"})).status_code == 200
+        assert (await c.post("/admin/api-key", json={"api_key": "new"})).status_code == 401      # admin only
+        assert (await c.post("/admin/api-key", json={"api_key": "new"},
+                             headers={"Authorization": "Bearer old"})).status_code == 403  # not with the API key
+        for bad in ({"api_key": ""}, {"api_key": "a b"}, {}, {"api_key": None}):
+            r = await c.post("/admin/api-key", json=bad, headers=admin)
+            assert r.status_code == 422, bad                                  # never removed
+        r = await c.post("/admin/api-key", json={"api_key": "new"}, headers=admin)
+        assert r.status_code == 200 and "new" not in r.text
+        assert (await c.get("/v1/models", headers={"Authorization": "Bearer old"})).status_code == 401
+        assert (await c.get("/v1/models", headers={"x-api-key": "new"})).status_code == 200
 
 
 async def test_oversized_body_is_413_before_it_is_read(tiny_service):

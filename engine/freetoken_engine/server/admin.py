@@ -1,4 +1,5 @@
-"""Admin routes (``/admin/cache``, ``/admin/calibrate``) and the unauthenticated ``/health``.
+"""Admin routes (``/admin/cache``, ``/admin/calibrate``, ``/admin/api-key``) and the
+unauthenticated ``/health``.
 
 Admin access is checked by ``auth.require_admin``. A body that is not one of the documented
 shapes is a 422 with a message naming the accepted shapes (the node agent reads it in logs).
@@ -6,6 +7,7 @@ shapes is a 422 with a message naming the accepted shapes (the node agent reads 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
@@ -48,6 +50,11 @@ class Calibrate(BaseModel):
         return self
 
 
+class ApiKey(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    api_key: str = Field(min_length=1, max_length=4096, pattern=r"^\S+$")
+
+
 @public.get("/health")
 async def health(request: Request):
     h = request.app.state.service.health()
@@ -83,3 +90,12 @@ async def calibrate(body: Calibrate, request: Request):
         return await asyncio.to_thread(svc.calibrate, fill_fraction=body.fill_fraction)
     return await asyncio.to_thread(svc.calibrate, pcie_gbps=body.pcie_gbps,
                                    cpu_expert_gbps=body.cpu_expert_gbps)
+
+
+@router.post("/admin/api-key")
+async def set_api_key(body: ApiKey, request: Request):
+    """Replace the inference API key now (a rotated Secret, pushed by the node agent): requests
+    from then on need the new key; streams already running go on. A key can be set or changed,
+    never removed. The key is not echoed or logged."""
+    request.app.state.config = dataclasses.replace(request.app.state.config, api_key=body.api_key)
+    return {"api_key": "set"}
