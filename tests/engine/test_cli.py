@@ -210,6 +210,8 @@ def _cuda_present() -> bool:
 @pytest.mark.parametrize("args,needle", [
     (["serve", "--api-key", ""], "--api-key is empty (an unset variable?)"),     # served open, silently
     (["serve", "--admin-token", " "], "--admin-token is empty"),
+    (["serve", "--served-model-name", ""], "--served-model-name is empty"),      # served the default name
+    (["serve", "--port", "0"], "--port must be within 1..65535, got 0"),          # served on 1919
     (["generate", "--prompt-ids", "1", "--max-context", "-5"], "--max-context must be at least 1 token, got -5"),
     (["generate", "--prompt-ids", "1", "--max-context", "0"], "--max-context must be at least 1 token, got 0"),
 ])

@@ -41,10 +41,12 @@ _ENGINE_OPTIONS = {"device": "device", "dtype": "dtype",
 
 
 def server_config(args) -> ServerConfig:
-    """The server's settings from the command line. An empty ``--api-key`` or ``--admin-token``
-    (``--api-key "$KEY"`` with KEY unset) is refused: it would serve without one, silently."""
+    """The server's settings from the command line. An empty ``--api-key``, ``--admin-token`` or
+    ``--served-model-name`` (``--api-key "$KEY"`` with KEY unset) is refused: it would serve
+    without one (or under the default name), silently."""
     for flag, value in (("--api-key", getattr(args, "api_key", None)),
-                        ("--admin-token", getattr(args, "admin_token", None))):
+                        ("--admin-token", getattr(args, "admin_token", None)),
+                        ("--served-model-name", getattr(args, "served_model_name", None))):
         if value is not None and not value.strip():
             raise ConfigError(f"{flag} is empty (an unset variable?): give it a value, or leave {flag} out")
     return ServerConfig(api_key=getattr(args, "api_key", None) or None,
@@ -67,7 +69,8 @@ def serve_main(args) -> int:
 
     from ..scheduler.service import EngineService
 
-    host, port = getattr(args, "host", None) or "127.0.0.1", getattr(args, "port", None) or 1919
+    host = getattr(args, "host", None) or "127.0.0.1"
+    port = 1919 if getattr(args, "port", None) is None else args.port     # --port 0 is refused, not 1919
     if not 0 < int(port) < 65536:
         raise ConfigError(f"--port must be within 1..65535, got {port}")
     config = server_config(args)
