@@ -197,6 +197,8 @@ class Agent:
                 # tried again on every pass: the Secret may be created later
                 name, field = a.api_key_secret or ("?", "?")
                 why = f"cannot read its API key (Secret {a.namespace}/{name}, key {field!r}): {exc}"
+                if exc.status == 403:
+                    why += f" (the chart's agent.secretNamespaces must list {a.namespace!r})"
                 if self.key_errors.get(key, (None, None))[1] != why:
                     log.warning("replica %s: %s", key, why)
                 self.key_errors[key] = (a, why)

@@ -164,3 +164,22 @@ async def test_an_api_server_away_is_one_warning_a_minute_not_one_a_pass(tmp_pat
         assert len(warned) == 2 and "still, 11 failures" in warned[1]
         agent._kube_ok()
         assert "answers again" in caplog.records[-1].getMessage()
+
+
+async def test_a_secret_the_agent_may_not_read_names_the_chart_value_to_change(kube, tmp_path):
+    kube.objects[NODES, None, "gpu-9"] = {
+        "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode",
+        "metadata": {"name": "gpu-9", "uid": "u9", "resourceVersion": "1"},
+        "spec": {"models": [{"key": "team.m", "namespace": "team", "model": "m", "source": {"default": True},
+                             "format": "default", "port": 1919, "engine": {"device": "cpu"},
+                             "apiKeySecret": {"name": "m-api-key", "key": "api-key"}}]}}
+    agent = Agent(AgentConfig(node_name="gpu-9", kube_server=str(kube.url), state_dir=str(tmp_path),
+                              heartbeat_seconds=0.2, calibrate_on_start=False))
+
+    async def forbidden(namespace, name, key):   # what the API server answers outside the Roles
+        raise KubeError("read_namespaced_secret: 403 Forbidden", 403)
+    agent.reporter.read_secret = forbidden
+    await agent.reconcile()
+    await agent.report()
+    (rep,) = kube.objects[NODES, None, "gpu-9"]["status"]["replicas"]
+    assert rep["state"] == "failed" and "agent.secretNamespaces must list 'team'" in rep["message"]
