@@ -134,6 +134,24 @@ def test_two_tools_of_one_name_are_400_in_each_api(http, live):
     openai_error(r, 400, says="'f' is given twice")
 
 
+@pytest.mark.parametrize("messages,empty", [
+    ([{"role": "user", "content": []}], 0),
+    ([{"role": "user", "content": ""}], 0),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": []}, {"role": "user", "content": "x"}], 1),
+])
+def test_an_empty_anthropic_message_is_400_naming_it(http, live, messages, empty):
+    """Anthropic's API refuses an empty turn; it was answered as if the user had said nothing."""
+    r = http.post("/v1/messages", json={"model": live.model, "max_tokens": 4, "messages": messages},
+                  headers={"x-api-key": API_KEY})
+    anthropic_error(r, 400, "invalid_request_error", f"messages.{empty}: the content is empty")
+
+
+def test_an_empty_final_assistant_message_is_a_prefill_not_an_error(http, live):
+    r = http.post("/v1/messages", json={"model": live.model, "max_tokens": 4, "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}, headers={"x-api-key": API_KEY})
+    assert r.status_code == 200, r.text
+
+
 def test_image_content_is_400_naming_the_part(http, live):
     msgs = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     openai_error(http.post("/v1/chat/completions", json=chat_body(live, messages=msgs)), 400,

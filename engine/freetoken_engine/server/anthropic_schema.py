@@ -70,7 +70,12 @@ class CountRequest(Body):
         out = []
         if self.system:
             out.append({"role": "system", "content": _text_of(self.system, "system")})
+        last = len(self.messages) - 1
         for i, m in enumerate(self.messages):
+            if not m.content and not (i == last and m.role == "assistant"):
+                # as Anthropic's API: an empty turn is a client's bug, not something to answer
+                raise ApiError(400, f"messages.{i}: the content is empty; every message needs content, "
+                                    "except a final assistant message", param=f"messages.{i}.content")
             out += _convert(m, f"messages.{i}")
         return out
 
