@@ -52,13 +52,21 @@ def api_key_ref(model: Mapping[str, Any]) -> dict[str, str] | None:
     """The Secret holding ``model``'s API key, ``{"name", "key"}``: ``serving.apiKeySecret``, or,
     when none is named, the one the operator generates (``generated_key_secret``); None only
     with ``serving.auth: none`` (engines serve without a key)."""
+    mode, secret = _key_source(model)
+    if mode == "own":
+        return {"name": secret["name"], "key": secret.get("key", GENERATED_KEY)}
+    if mode == "generated":
+        return {"name": generated_secret_name(model["metadata"]["name"]), "key": GENERATED_KEY}
+    return None
+
+
+def _key_source(model: Mapping[str, Any]) -> tuple[str, Mapping[str, Any] | None]:
+    """("none" | "own" | "generated", the named Secret or None)."""
     serving = (model.get("spec") or {}).get("serving") or {}
     if serving.get("auth", "apiKey") == "none":
-        return None
+        return "none", None
     secret = serving.get("apiKeySecret")
-    if secret:
-        return {"name": secret["name"], "key": secret.get("key", GENERATED_KEY)}
-    return {"name": generated_secret_name(model["metadata"]["name"]), "key": GENERATED_KEY}
+    return ("own", secret) if secret else ("generated", None)
 
 
 def generated_secret_name(model_name: str) -> str:
@@ -70,8 +78,7 @@ def generated_key_secret(model: Mapping[str, Any]) -> dict[str, Any] | None:
     (without its value: the applier adds a random one when it creates it, and never rewrites
     it); None when the model names its own Secret or serves without a key. Owned by the
     model, so deleting the model deletes it."""
-    serving = (model.get("spec") or {}).get("serving") or {}
-    if serving.get("auth", "apiKey") == "none" or serving.get("apiKeySecret"):
+    if _key_source(model)[0] != "generated":
         return None
     meta = model["metadata"]
     return {

@@ -198,7 +198,6 @@ class Guide:
         self._lltok = self._tables.lltok
         self.answer = _matcher(self._lltok, spec.grammar) if spec.grammar else None
         self.tool = _matcher(self._lltok, spec.in_tool) if spec.in_tool else None
-        self.forced = spec.in_tool is not None    # the tool grammar is the whole answer's
         self.state = ("tool" if spec.in_tool else "reasoning" if spec.reasoning else
                       "answer" if spec.grammar else "text")
         self.n_vocab = n_vocab
@@ -246,7 +245,7 @@ class Guide:
         if state == "tool":
             self._consume(self.tool, token)
             if self.tool.is_stopped():
-                if self.forced:
+                if spec.in_tool is not None:
                     return True     # a forced answer is its calls: complete, nothing may follow
                 self.state, self.tool = "text", None
             return False
