@@ -106,16 +106,21 @@ async def test_invalid_spec_reported_as_condition(kube, tmp_path):
     assert agent.replicas == {}  # nothing started from a spec it cannot read
 
 
+def _node_with_a_keyed_model(name: str) -> dict:
+    """A FreeTokenNode whose spec (as the operator writes it) runs model team/m with the key in
+    the Secret team/m-api-key."""
+    return {"apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode",
+            "metadata": {"name": name, "uid": f"u-{name}", "resourceVersion": "1"},
+            "spec": {"models": [{"key": "team.m", "namespace": "team", "model": "m", "source": {"default": True},
+                                 "format": "default", "port": 1919, "engine": {"device": "cpu"},
+                                 "apiKeySecret": {"name": "m-api-key", "key": "api-key"}}]}}
+
+
 async def test_a_missing_api_key_secret_is_reported_and_the_replica_starts_once_it_exists(kube, tmp_path):
     """The operator generates a model's key Secret; until the agent can read it the replica is
     reported failed with the reason (it was silently absent), and it starts, with that key, on
     the first pass after the Secret appears."""
-    kube.objects[NODES, None, "gpu-7"] = {
-        "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode",
-        "metadata": {"name": "gpu-7", "uid": "u7", "resourceVersion": "1"},
-        "spec": {"models": [{"key": "team.m", "namespace": "team", "model": "m", "source": {"default": True},
-                             "format": "default", "port": 1919, "engine": {"device": "cpu"},
-                             "apiKeySecret": {"name": "m-api-key", "key": "api-key"}}]}}
+    kube.objects[NODES, None, "gpu-7"] = _node_with_a_keyed_model("gpu-7")
     idle = [sys.executable, "-c", "import time; time.sleep(60)"]    # an engine that never gets ready
     cfg = AgentConfig(node_name="gpu-7", kube_server=str(kube.url), state_dir=str(tmp_path),
                       heartbeat_seconds=0.2, calibrate_on_start=False, engine_command=tuple(idle))
@@ -167,12 +172,7 @@ async def test_an_api_server_away_is_one_warning_a_minute_not_one_a_pass(tmp_pat
 
 
 async def test_a_secret_the_agent_may_not_read_names_the_chart_value_to_change(kube, tmp_path):
-    kube.objects[NODES, None, "gpu-9"] = {
-        "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode",
-        "metadata": {"name": "gpu-9", "uid": "u9", "resourceVersion": "1"},
-        "spec": {"models": [{"key": "team.m", "namespace": "team", "model": "m", "source": {"default": True},
-                             "format": "default", "port": 1919, "engine": {"device": "cpu"},
-                             "apiKeySecret": {"name": "m-api-key", "key": "api-key"}}]}}
+    kube.objects[NODES, None, "gpu-9"] = _node_with_a_keyed_model("gpu-9")
     agent = Agent(AgentConfig(node_name="gpu-9", kube_server=str(kube.url), state_dir=str(tmp_path),
                               heartbeat_seconds=0.2, calibrate_on_start=False))
 

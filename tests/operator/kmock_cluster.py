@@ -1,4 +1,5 @@
-"""A kmock KubernetesEmulator prepared for FreeToken, plus small HTTP helpers (test support).
+"""A kmock KubernetesEmulator prepared for FreeToken, small HTTP helpers, and the operator run
+under kopf against it with heartbeating nodes (test support).
 
 kmock gaps handled here (see /work/shared/KUBERNETES_NOTES.md): objects get a seeded
 ``resourceVersion``/``uid`` (kopf's finalizer JSON patch tests the resourceVersion); every change
@@ -8,12 +9,15 @@ goes through HTTP so watchers see it; callers run kopf with ``-A``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import datetime as dt
 import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import kmock
+from kopf.testing import KopfRunner
 
 MODELS = "freetoken.io/v1alpha1/freetokenmodels"
 NODES = "freetoken.io/v1alpha1/freetokennodes"
@@ -106,3 +110,43 @@ def rbac_requests(k: Any, user_agents: tuple[str, ...]) -> set[tuple[str, str, s
             verb = {"POST": "create", "PATCH": "patch", "DELETE": "delete", "PUT": "update"}[method]
         out.add((verb, group, resource))
     return out
+
+
+# -- the operator under kopf, with nodes heartbeating as agents would --------------------------
+def node_body(name: str, ip: str) -> dict:
+    """A FreeTokenNode as an agent on a 2-core CPU machine reports it."""
+    return seeded({"apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode", "metadata": {"name": name},
+                   "status": {"heartbeat": now(), "mode": "cpu", "address": ip, "cpuCores": 2,
+                              "ramTotalBytes": 8 * 2**30, "ramAvailableBytes": 6 * 2**30,
+                              "pcieGbps": None, "cpuExpertGbps": 5.0, "fillFraction": 1.0,
+                              "memoryPressure": False, "replicas": []}})
+
+
+def now() -> str:
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+async def heartbeats(k, alive: set[str]) -> None:
+    while True:
+        for name in sorted(alive):
+            await patch(k, node_path(name) + "/status", {"status": {"heartbeat": now()}})
+        await asyncio.sleep(0.3)
+
+
+RUN_ARGS = ["run", "--standalone", "-A", "-m", "freetoken_operator.handlers"]
+
+
+@contextlib.asynccontextmanager
+async def running_operator(kmock, monkeypatch, alive: set[str], **env: str):
+    """kopf running the operator unmodified against kmock, with heartbeats from the ``alive``
+    nodes (a test may change the set while it runs); yields the ``KopfRunner``."""
+    monkeypatch.setenv("FREETOKEN_OPERATOR_KUBE_SERVER", str(kmock.url).rstrip("/"))
+    monkeypatch.setenv("FREETOKEN_OPERATOR_RESYNC_SECONDS", "0.2")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    beats = asyncio.create_task(heartbeats(kmock, alive))
+    try:
+        with KopfRunner(RUN_ARGS, timeout=30) as runner:
+            yield runner
+    finally:
+        beats.cancel()

@@ -10,54 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
-import datetime as dt
 import time
 
 import pytest
-from kopf.testing import KopfRunner
 
 import kmock_cluster as kc
 
 STALE = 2.0
-
-
-def node_body(name: str, ip: str) -> dict:
-    return kc.seeded({"apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode", "metadata": {"name": name},
-                      "status": {"heartbeat": _now(), "mode": "cpu", "address": ip, "cpuCores": 2,
-                                 "ramTotalBytes": 8 * 2**30, "ramAvailableBytes": 6 * 2**30,
-                                 "pcieGbps": None, "cpuExpertGbps": 5.0, "fillFraction": 1.0,
-                                 "memoryPressure": False, "replicas": []}})
-
-
-def _now() -> str:
-    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-async def _heartbeats(k, alive: set[str]) -> None:
-    while True:
-        for name in sorted(alive):
-            await kc.patch(k, kc.node_path(name) + "/status", {"status": {"heartbeat": _now()}})
-        await asyncio.sleep(0.3)
-
-
-RUN_ARGS = ["run", "--standalone", "-A", "-m", "freetoken_operator.handlers"]
-
-
-@contextlib.asynccontextmanager
-async def _operator(kmock, monkeypatch, alive: set[str], **env: str):
-    """kopf running the operator unmodified against kmock, with heartbeats from the ``alive``
-    nodes (a test may change the set while it runs); yields the ``KopfRunner``."""
-    monkeypatch.setenv("FREETOKEN_OPERATOR_KUBE_SERVER", str(kmock.url).rstrip("/"))
-    monkeypatch.setenv("FREETOKEN_OPERATOR_RESYNC_SECONDS", "0.2")
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
-    beats = asyncio.create_task(_heartbeats(kmock, alive))
-    try:
-        with KopfRunner(RUN_ARGS, timeout=30) as runner:
-            yield runner
-    finally:
-        beats.cancel()
 
 
 async def _spec_models(k, name: str) -> list[str]:
@@ -77,7 +36,7 @@ async def test_operator_places_serves_moves_and_cleans_up(kmock, monkeypatch):
     kc.prepare(kmock)
     ips = {"a": "127.0.0.11", "b": "127.0.0.12", "c": "127.0.0.13"}
     for name, ip in ips.items():
-        kmock.objects[kc.NODES, None, name] = node_body(name, ip)
+        kmock.objects[kc.NODES, None, name] = kc.node_body(name, ip)
     kmock.objects[kc.MODELS, "default", "m"] = kc.seeded({
         "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenModel",
         "metadata": {"name": "m", "namespace": "default"},
@@ -92,7 +51,7 @@ async def test_operator_places_serves_moves_and_cleans_up(kmock, monkeypatch):
             "freetoken.io/model": "m", "app.kubernetes.io/managed-by": "freetoken-operator"}},
         "endpoints": [{"addresses": ["10.9.9.9"]}], "ports": [{"name": "http", "port": 9999}]})
     alive = set(ips)
-    async with _operator(kmock, monkeypatch, alive, FREETOKEN_OPERATOR_STALE_SECONDS=str(STALE)) as runner:
+    async with kc.running_operator(kmock, monkeypatch, alive, FREETOKEN_OPERATOR_STALE_SECONDS=str(STALE)) as runner:
         # 1. two replicas, spread over two nodes (equal nodes: by name)
         async def placed():
             return {n: await _spec_models(kmock, n) for n in ips}
@@ -197,14 +156,14 @@ async def _moved(k) -> bool:
 @pytest.mark.timeout(60)
 async def test_unsatisfiable_model_says_why_and_is_retried_when_nodes_change(kmock, monkeypatch):
     kc.prepare(kmock)
-    kmock.objects[kc.NODES, None, "pc"] = node_body("pc", "127.0.0.21")
+    kmock.objects[kc.NODES, None, "pc"] = kc.node_body("pc", "127.0.0.21")
     kmock.objects[kc.MODELS, "default", "big"] = kc.seeded({
         "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenModel",
         "metadata": {"name": "big", "namespace": "default"},
         "spec": {"source": {"path": "/models/big"}, "placement": {"device": "gpu", "minVram": "16Gi"},
                  "memory": {"nonExpert": "4Gi", "minExpertCache": "2Gi", "kvCache": "1Gi"}}})
     alive = {"pc"}
-    async with _operator(kmock, monkeypatch, alive) as runner:
+    async with kc.running_operator(kmock, monkeypatch, alive) as runner:
         async def scheduled():
             body = await kc.get(kmock, kc.model_path("default", "big"))
             conds = {c["type"]: c for c in (body.get("status") or {}).get("conditions") or []}
@@ -240,7 +199,7 @@ async def _true(get_condition):
 async def test_memory_pressure_moves_the_lowest_priority_replica(kmock, monkeypatch):
     kc.prepare(kmock)
     for name, ip in (("a", "127.0.0.31"), ("b", "127.0.0.32")):
-        body = node_body(name, ip)
+        body = kc.node_body(name, ip)
         body["status"].update(mode="gpu", pcieGbps=25.0, gpu={"name": "RTX 4090", "count": 1,
                                                                "vramTotalBytes": 24 * 2**30, "vramForeignBytes": 0})
         kmock.objects[kc.NODES, None, name] = body
@@ -250,7 +209,7 @@ async def test_memory_pressure_moves_the_lowest_priority_replica(kmock, monkeypa
             "metadata": {"name": name, "namespace": "default"},
             "spec": {"source": {"path": f"/models/{name}"}, "priority": prio,
                      "placement": {"device": "gpu", "strategy": "Binpack"}, "memory": {"nonExpert": "4Gi"}}})
-    async with _operator(kmock, monkeypatch, {"a", "b"}) as runner:
+    async with kc.running_operator(kmock, monkeypatch, {"a", "b"}) as runner:
         async def both_on_a():
             return sorted(await _spec_models(kmock, "a")) == ["default.hi", "default.lo"]
         await kc.wait_for(both_on_a, 15, "binpacked placement on a")
@@ -308,30 +267,6 @@ async def test_apply_repairs_owned_objects_deleted_behind_its_back(kmock):
     assert [s["metadata"]["name"] for s in slices] == ["m-ipv4-1919"]
 
 
-async def test_a_model_made_again_under_its_old_name_gets_a_new_key_secret_at_once(kmock):
-    """Kubernetes deletes the old model's generated Secret with it (owner reference); a model
-    applied again under that name must get a new one on the next pass, not after the applier's
-    refresh interval (its agents would report the key missing meanwhile)."""
-    from freetoken_operator.apply import Applier, api_client
-    from freetoken_operator.objects import generated_key_secret
-    from freetoken_operator.status import DesiredState
-
-    kc.prepare(kmock)
-    applier = Applier(api_client(str(kmock.url).rstrip("/")), refresh_seconds=600)
-    path = "/api/v1/namespaces/default/secrets/m-api-key"
-    keys = []
-    for uid in ("first", "second"):
-        model = {"metadata": {"name": "m", "namespace": "default", "uid": uid}, "spec": {}}
-        state = DesiredState(node_specs={}, model_status={}, services=[], slices={}, events=[],
-                             secrets=[generated_key_secret(model)])
-        await asyncio.to_thread(applier.apply, state, {}, {})
-        secret = await kc.get(kmock, path)
-        assert secret["metadata"]["ownerReferences"][0]["uid"] == uid
-        keys.append(secret["data"]["api-key"])
-        await kmock.delete(path)      # the garbage collector, when the model is deleted
-    assert keys[0] != keys[1]
-
-
 async def test_a_model_is_reported_ready_only_after_its_endpoints_are_written(kmock):
     """A client that waits for Ready (``kubectl wait``) and then calls the Service must find the
     endpoints there: the Service and its EndpointSlices are written before the status."""
@@ -359,59 +294,13 @@ async def test_a_model_is_reported_ready_only_after_its_endpoints_are_written(km
 
 
 @pytest.mark.timeout(60)
-async def test_api_keys_are_generated_only_where_none_is_named_and_never_overwritten(kmock, monkeypatch):
-    """Secure by default: a model that names no Secret gets a random key in <name>-api-key; one
-    that names its own keeps it; ``auth: none`` serves without one; a Secret that already has
-    the generated name (an earlier run's) is left as it is."""
-    kc.prepare(kmock)
-    kmock.objects[kc.NODES, None, "a"] = node_body("a", "127.0.0.21")
-    specs = {"gen": {}, "own": {"apiKeySecret": {"name": "own-key", "key": "k"}}, "open": {"auth": "none"},
-             "again": {}}
-    for name, serving in specs.items():
-        kmock.objects[kc.MODELS, "default", name] = kc.seeded({
-            "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenModel",
-            "metadata": {"name": name, "namespace": "default"},
-            "spec": {"source": {"default": True}, "serving": serving}})
-    earlier = base64.b64encode(b"an earlier run's key").decode()
-    kmock.objects["v1/secrets", "default", "again-api-key"] = kc.seeded({
-        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "again-api-key", "namespace": "default"},
-        "data": {"api-key": earlier}})
-    async with _operator(kmock, monkeypatch, {"a"}) as runner:
-        async def placed():
-            body = await kc.get(kmock, kc.node_path("a"))
-            models = (body.get("spec") or {}).get("models") or []
-            return len(models) == 4 and {m["model"]: m.get("apiKeySecret") for m in models}
-        refs = await kc.wait_for(placed, 15, "four models placed")
-
-        async def reported():   # the statuses are written after the node specs
-            st = {n: (await kc.get(kmock, kc.model_path("default", n))).get("status") or {} for n in specs}
-            return all("phase" in v for v in st.values()) and st
-        statuses = await kc.wait_for(reported, 15, "four statuses")
-    assert runner.exit_code == 0, runner.output
-    assert refs == {"gen": {"name": "gen-api-key", "key": "api-key"}, "own": {"name": "own-key", "key": "k"},
-                    "open": None, "again": {"name": "again-api-key", "key": "api-key"}}
-    assert {n: s.get("apiKeySecret") for n, s in statuses.items()} == {
-        "gen": "gen-api-key", "own": "own-key", "open": None, "again": "again-api-key"}
-    secrets = {s["metadata"]["name"]: s for s in await kc.items(kmock, "/api/v1/namespaces/default/secrets")}
-    assert set(secrets) == {"gen-api-key", "again-api-key"}
-    assert secrets["again-api-key"]["data"]["api-key"] == earlier        # never rewritten
-    key = base64.b64decode(secrets["gen-api-key"]["data"]["api-key"]).decode()
-    assert len(key) >= 32 and key not in runner.output                    # random, and not logged
-    creates = [kmock[i] for i in range(len(kmock)) if "/secrets" in str(kmock[i].url.path)
-               and str(kmock[i].method).upper().endswith("POST")]
-    assert len(creates) == 2        # created once each (the second a 409), not on every pass
-    used = {(v, r) for v, _, r in kc.rbac_requests(kmock, ("kopf", "OpenAPI-Generator")) if r == "secrets"}
-    assert used == {("create", "secrets")}          # the operator never reads Secrets
-
-
-@pytest.mark.timeout(60)
 async def test_examples_are_placed_as_documented(kmock, monkeypatch):
     import yaml
     from crdcheck import ROOT
 
     kc.prepare(kmock)
-    kmock.objects[kc.NODES, None, "laptop"] = node_body("laptop", "127.0.0.41")
-    gaming = node_body("gaming-pc", "127.0.0.42")
+    kmock.objects[kc.NODES, None, "laptop"] = kc.node_body("laptop", "127.0.0.41")
+    gaming = kc.node_body("gaming-pc", "127.0.0.42")
     gaming["status"].update(mode="gpu", pcieGbps=25.0, ramTotalBytes=128 * 2**30, gpu={
         "name": "RTX 4090", "count": 1, "vramTotalBytes": 24 * 2**30, "vramForeignBytes": 2 * 2**30})
     kmock.objects[kc.NODES, None, "gaming-pc"] = gaming
@@ -419,7 +308,7 @@ async def test_examples_are_placed_as_documented(kmock, monkeypatch):
         for doc in yaml.safe_load_all(path.read_text()):
             kind = {"FreeTokenModel": kc.MODELS, "Secret": "v1/secrets"}[doc["kind"]]
             kmock.objects[kind, doc["metadata"]["namespace"], doc["metadata"]["name"]] = kc.seeded(doc)
-    async with _operator(kmock, monkeypatch, {"laptop", "gaming-pc"}) as runner:
+    async with kc.running_operator(kmock, monkeypatch, {"laptop", "gaming-pc"}) as runner:
         async def placed():
             specs = {n: (await kc.get(kmock, kc.node_path(n))).get("spec") or {} for n in ("laptop", "gaming-pc")}
             keys = {n: sorted(m["key"] for m in s.get("models") or []) for n, s in specs.items()}
