@@ -36,6 +36,11 @@ MOE = {
                       shared_expert_intermediate_size=24),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=16),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=16),
+    # sigmoid routing with a correction bias (randomised below), 2 groups of 4 experts, the best
+    # one kept; a dense first layer; q/k/v biases and q/k norms; rotary over half of each head
+    "glm4_moe": dict(moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, head_dim=8,
+                     num_hidden_layers=3, first_k_dense_replace=1, n_group=2, topk_group=1,
+                     routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True),
     "llama": dict(),
     "qwen3": dict(head_dim=8),
     # hybrid: three Gated DeltaNet layers, then a gated attention layer
@@ -67,6 +72,7 @@ def _classes(model_type: str):
         "qwen2_moe": (T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM),
         "mixtral": (T.MixtralConfig, T.MixtralForCausalLM),
         "olmoe": (T.OlmoeConfig, T.OlmoeForCausalLM),
+        "glm4_moe": (T.Glm4MoeConfig, T.Glm4MoeForCausalLM),
         "llama": (T.LlamaConfig, T.LlamaForCausalLM),
         "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
         "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextForCausalLM),
@@ -92,6 +98,10 @@ def make_tiny_checkpoint(path, model_type: str = "qwen3_moe", seed: int = 0, sha
     kwargs.update(overrides)
     torch.manual_seed(seed)
     model = model_cls(cfg_cls(**kwargs)).eval()
+    with torch.no_grad():
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):        # transformers starts it at zero
+                buf.copy_(0.3 * torch.randn(buf.shape))
     save = {"max_shard_size": f"{shard_kb}KB"} if shard_kb else {}
     model.save_pretrained(path, **save)
     tok.save(str(path / "tokenizer.json"))

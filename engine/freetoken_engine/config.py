@@ -54,8 +54,14 @@ class MoeConfig:
     num_experts: int
     top_k: int
     intermediate_size: int
-    scoring: str = "softmax"          # softmax | unit (our MoEfied llama: weight 1 per expert)
+    # softmax | unit (our MoEfied llama: weight 1 per expert) | sigmoid (GLM-4.5, DeepSeek-V3: sigmoid
+    # scores; the top k chosen by score plus a per-expert correction bias within the best
+    # ``topk_group`` of ``n_group`` expert groups, weighted by score times routed_scaling_factor)
+    scoring: str = "softmax"
     norm_topk_prob: bool = False
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
     shared_intermediate_size: int = 0  # qwen2_moe shared expert (0 = none)
     shared_gate: bool = False          # sigmoid gate on the shared expert
     layers: tuple[int, ...] = ()       # decoder layers whose MLP is sparse
@@ -123,8 +129,8 @@ class ModelConfig:
                 raise ConfigError(f"config.json: {name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError("config.json: num_attention_heads must be a multiple of num_key_value_heads")
-        if self.moe is not None and not 1 <= self.moe.top_k <= self.moe.num_experts:
-            raise ConfigError(f"config.json: num_experts_per_tok must be in 1..{self.moe.num_experts}")
+        if self.moe is not None:
+            self._check_moe(self.moe)
         if self.linear_layers and self.linear is None:
             raise ConfigError("config.json: linear_attention layers need the linear_* head fields")
         if self.linear is not None and self.linear.v_heads % self.linear.k_heads:
@@ -132,6 +138,19 @@ class ModelConfig:
         if not 0 < self.rope.partial_rotary_factor <= 1 or int(self.head_dim * self.rope.partial_rotary_factor) % 2:
             raise ConfigError(f"config.json: partial_rotary_factor {self.rope.partial_rotary_factor} must give an "
                               f"even number of the head's {self.head_dim} dimensions")
+
+    @staticmethod
+    def _check_moe(m: MoeConfig) -> None:
+        if not 1 <= m.top_k <= m.num_experts:
+            raise ConfigError(f"config.json: num_experts_per_tok must be in 1..{m.num_experts}")
+        if m.n_group < 1 or m.num_experts % m.n_group:
+            raise ConfigError(f"config.json: n_group must divide the {m.num_experts} routed experts, got {m.n_group}")
+        per_group = m.num_experts // m.n_group
+        if not 1 <= m.topk_group <= m.n_group:
+            raise ConfigError(f"config.json: topk_group must be in 1..n_group ({m.n_group}), got {m.topk_group}")
+        if m.n_group > 1 and (per_group < 2 or m.top_k > m.topk_group * per_group):
+            raise ConfigError(f"config.json: {m.n_group} groups of {per_group} experts, {m.topk_group} of them "
+                              f"kept, cannot hold num_experts_per_tok {m.top_k} (groups need 2 experts or more)")
 
     @property
     def moe_layers(self) -> tuple[int, ...]:

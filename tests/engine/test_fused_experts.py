@@ -61,7 +61,7 @@ def multimodal_config(src: Path) -> dict:
             "text_config": text, "vision_config": {"depth": 1}}
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text", "qwen2_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text", "qwen2_moe", "glm4_moe"])
 def test_fused_experts_match_transformers(tmp_path, tiny_checkpoint, model_type):
     """The same weights, stacked: logits within 1e-4 and greedy tokens equal to transformers
     reading the per-expert original."""

@@ -40,6 +40,12 @@ def test_every_family_matches_transformers(tiny_checkpoint, model_type):
     ("qwen2_moe", dict(num_experts_per_tok=4, norm_topk_prob=True, num_hidden_layers=3)),
     ("mixtral", dict(num_local_experts=4, num_experts_per_tok=1, num_key_value_heads=1)),
     ("olmoe", dict(num_experts_per_tok=3, norm_topk_prob=True, clip_qkv=0.5)),
+    # GLM-4.5-Air's shape of routing (one group, top k of all), no q/k norm, two shared experts
+    ("glm4_moe", dict(n_group=1, topk_group=1, use_qk_norm=False, n_shared_experts=2, first_k_dense_replace=2,
+                      num_hidden_layers=4, norm_topk_prob=False, routed_scaling_factor=1.0)),
+    ("glm4_moe", dict(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=0,
+                      attention_bias=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                                             "partial_rotary_factor": 1.0})),
     ("llama", dict(tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),

@@ -14,9 +14,10 @@ PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("capacity,fraction", [(3, 0.5), (16, 0.0), (1, 1.0)])
-def test_triton_path_equals_torch_path(tiny_checkpoint, capacity, fraction):
-    folder = tiny_checkpoint("qwen3_moe")
+@pytest.mark.parametrize("model,capacity,fraction", [("qwen3_moe", 3, 0.5), ("qwen3_moe", 16, 0.0),
+                                                     ("qwen3_moe", 1, 1.0), ("glm4_moe", 3, 0.5)])
+def test_triton_path_equals_torch_path(tiny_checkpoint, model, capacity, fraction):
+    folder = tiny_checkpoint(model)
     want = LLM(folder, expert_backend="torch").generate(PROMPT, GREEDY).token_ids
     llm = LLM(folder, expert_backend="triton", expert_cache_experts=capacity, cpu_expert_fraction=fraction)
     assert llm.runner.experts.backend == "triton"
@@ -32,14 +33,15 @@ def test_triton_path_equals_torch_path(tiny_checkpoint, capacity, fraction):
     assert llm.generate(PROMPT, GREEDY).token_ids == want
 
 
-@pytest.mark.parametrize("capacity,fraction", [(5, 0.5), (4, 0.0)])
-def test_prefetching_the_next_layers_guessed_experts_changes_no_token(tiny_checkpoint, monkeypatch, capacity,
+@pytest.mark.parametrize("model,capacity,fraction", [("qwen3_moe", 5, 0.5), ("qwen3_moe", 4, 0.0),
+                                                     ("glm4_moe", 5, 0.5)])   # guesses by biased sigmoid scores
+def test_prefetching_the_next_layers_guessed_experts_changes_no_token(tiny_checkpoint, monkeypatch, model, capacity,
                                                                        fraction):
     """FREETOKEN_EXPERT_PREFETCH=on (one sequence decoding): each MoE layer guesses the next one's experts with that
     layer's router on its own input and the device control copies the guessed misses ahead
     (``DeviceControl.prefetch``). Guesses only move experts into the cache: the tokens equal the
     torch path's, the real steps see the same routing, and the prefetch made fills."""
-    folder = tiny_checkpoint("qwen3_moe")
+    folder = tiny_checkpoint(model)
     want = LLM(folder, expert_backend="torch").generate(PROMPT, GREEDY).token_ids
     runs = {}
     for mode in ("off", "on"):

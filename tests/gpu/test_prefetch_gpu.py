@@ -16,7 +16,7 @@ from freetoken_engine.cache.device_control import DeviceControl  # noqa: E402
 from graph_cases import PROMPTS, lockstep  # noqa: E402
 
 
-@pytest.mark.parametrize("model", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen2_moe", "glm4_moe"])
 @pytest.mark.parametrize("options,mode", [
     ({"expert_cache_experts": 6, "cpu_expert_fraction": 0.0}, "device"),    # fills only
     ({"expert_cache_experts": 5, "cpu_expert_fraction": 0.5}, "branch"),    # + CPU pairs

@@ -17,11 +17,49 @@ from ..kernels.reference import SplitRows, moe_combine_forward
 from .mlp import GatedMLP
 
 
+class BiasedRouter(nn.Linear):
+    """The router of sigmoid scoring (GLM-4.5, DeepSeek-V3): float32 weights whatever the model's
+    dtype, as transformers keeps them, and ``e_score_correction_bias``, a per-expert offset that
+    steers which experts are chosen but not their weights. Its logits are float32."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__(hidden, num_experts, bias=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+
+    def _apply(self, fn, recurse=True):
+        # a model-wide .to(bfloat16) leaves the router in float32
+        return super()._apply(lambda t: fn(t).float() if t.is_floating_point() else fn(t), recurse)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
+
+
+def sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (float32 weights [T, k], expert ids [T, k]) of float32 router logits [T, E], as
+    transformers' Glm4MoeTopkRouter computes them: sigmoid scores; the experts outside the best
+    ``topk_group`` groups (a group's worth: its two best biased scores) masked; the top k of the
+    biased scores chosen; their unbiased scores as weights, renormalised with ``norm_topk_prob``
+    and times ``routed_scaling_factor``."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    if moe.topk_group < moe.n_group:
+        t, g = choice.shape[0], moe.n_group
+        best = choice.view(t, g, -1).topk(2, dim=-1).values.sum(dim=-1)                # [T, groups]
+        keep = torch.zeros_like(best).scatter_(1, best.topk(moe.topk_group, dim=-1, sorted=False).indices, 1.0)
+        choice = choice.masked_fill(~keep.bool().repeat_interleave(moe.num_experts // g, dim=1), float("-inf"))
+    ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if moe.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * moe.routed_scaling_factor, ids
+
+
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, moe: MoeConfig, moe_layer: int):
         super().__init__()
         self.moe, self.moe_layer = moe, moe_layer
-        self.gate = nn.Linear(hidden, moe.num_experts, bias=False)
+        self.gate = BiasedRouter(hidden, moe.num_experts) if moe.scoring == "sigmoid" else \
+            nn.Linear(hidden, moe.num_experts, bias=False)
         if moe.shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden, moe.shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if moe.shared_gate else None
@@ -34,6 +72,9 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] in x.dtype, expert ids [T, k])."""
         logits = self.gate(x)                                            # [T, E]
+        if self.moe.scoring == "sigmoid":
+            weights, ids = sigmoid_route(logits, self.gate.e_score_correction_bias, self.moe)
+            return weights.to(x.dtype), ids
         gpu = gpu_decode_kernels("route") if x.device.type == "cuda" else None
         if gpu is not None and gpu.supported(logits, self.moe.top_k):     # one launch
             return gpu.route(logits, self.moe.top_k, self.moe.scoring != "unit", self.moe.norm_topk_prob, x.dtype)
@@ -59,7 +100,9 @@ class SparseMoE(nn.Module):
         if self.next_gate is not None and self.experts.wants_guess(self.moe_layer, x.shape[0]):
             # the next layer's experts guessed from this layer's router input: copied while this
             # layer computes (OffloadedExperts.guess); a wrong guess costs a fill, never a result
-            guess = torch.topk(self.next_gate(x), self.moe.top_k, dim=-1).indices
+            logits = self.next_gate(x)
+            guess = sigmoid_route(logits, self.next_gate.e_score_correction_bias, self.moe)[1] \
+                if self.moe.scoring == "sigmoid" else torch.topk(logits, self.moe.top_k, dim=-1).indices
             self.experts.guess(self.moe_layer + 1, guess)
         # [T*k, H] or SplitRows; on a GPU the shared expert runs beside the hits while fills copy
         beside = None if self.shared_expert is None else functools.partial(self._shared, x)

@@ -123,6 +123,9 @@ def start_model(folder: Path, dtype: torch.dtype, device: torch.device, progress
 
 def _with_mtp(folder: Path, ckpt, cfg: ModelConfig) -> ModelConfig:
     """``cfg`` running the checkpoint's MTP layer, or a ConfigError that says why it cannot."""
+    if not cfg.mtp_layers and ckpt.config.get("num_nextn_predict_layers"):
+        raise ConfigError(f"{folder}: the engine does not run {cfg.model_type}'s multi-token-prediction layer "
+                          f"(yet); use --speculative-method ngram")
     if not cfg.mtp_layers:
         raise ConfigError(f"{folder} has no multi-token-prediction layer (config.json names none: "
                           f"num_nextn_predict_layers / mtp_num_hidden_layers); use --speculative-method ngram")

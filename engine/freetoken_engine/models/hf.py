@@ -20,6 +20,8 @@ class Family:
     # engine parameter -> (the engine-side name of the tensor it comes from, how), for tensors
     # whose layout or convention differs from the engine's; None: the tensor of its own name as it is
     source: Callable[[ModelConfig, str], tuple[str, Callable] | None] | None = None
+    # checkpoint keys the engine never reads (a layer it does not run): left out of a packed folder
+    skip: Callable[[ModelConfig, str], bool] | None = None
 
     def layer_stem(self, layer: int | str) -> str:
         """The key prefix of a layer: ``<model_prefix>.layers.{layer}``, or ``layer`` itself when

@@ -107,7 +107,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
         expert_keys = {fam.expert_key(layer, e, p) for layer in layers
                        for e in range(moe.num_experts) for p in range(3)}
         expert_keys.update(k for layer in layers for k in fam.fused_expert_keys(layer))
-    dense_keys = [k for k in ckpt.names() if k not in expert_keys]
+    dense_keys = [k for k in ckpt.names() if k not in expert_keys and not (fam.skip and fam.skip(cfg, k))]
     probe = next(fam.layer_experts(ckpt, moe.layers[0], moe.num_experts))[0] if moe else ckpt.get(dense_keys[0])
     dtype = probe.dtype
     try:

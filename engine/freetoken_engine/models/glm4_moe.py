@@ -1,0 +1,54 @@
+"""GLM-4.5 / GLM-4.5-Air / GLM-4.6 / GLM-4.7 (``glm4_moe``): llama-style attention with q/k/v
+biases (``attention_bias``; ``o_proj`` has none), optional per-head q/k RMSNorm
+(``use_qk_norm``) and rotary over the first half of each head (``partial_rotary_factor`` 0.5);
+dense MLPs in the first ``first_k_dense_replace`` layers, then routed experts with sigmoid
+scoring (``layers/moe.BiasedRouter``: a float32 router, an ``e_score_correction_bias`` that
+steers the choice, group-limited top k, weights times ``routed_scaling_factor``) plus
+``n_shared_experts`` ungated shared experts (``mlp.shared_experts``).
+
+The checkpoints ship a multi-token-prediction layer after their own (``model.layers.{N}``,
+``num_nextn_predict_layers``); the engine does not run it (transformers neither), so it is left
+unread and ``freetoken convert`` leaves it out.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from ..config import ModelConfig
+from .hf import Family, base, moe, need
+
+_SHARED = re.compile(r"^(.*\.mlp\.)shared_expert\.(.*)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+
+
+def parse(raw: dict) -> ModelConfig:
+    layers = int(need(raw, "num_hidden_layers"))
+    dense = int(raw.get("first_k_dense_replace", 1) or 0)
+    inter = int(need(raw, "moe_intermediate_size"))
+    spec = moe(raw | {"num_experts": need(raw, "n_routed_experts", "num_local_experts", "num_experts")},
+               tuple(range(min(dense, layers), layers)), scoring="sigmoid",
+               n_group=int(raw.get("n_group", 1) or 1), topk_group=int(raw.get("topk_group", 1) or 1),
+               routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+               shared_intermediate_size=inter * int(raw.get("n_shared_experts", 1) or 0))
+    if "norm_topk_prob" not in raw:             # transformers' defaults for this family
+        spec = replace(spec, norm_topk_prob=True)
+    fields = base(raw, o_bias=False, qk_norm="head" if raw.get("use_qk_norm") else "none", moe=spec)
+    if "partial_rotary_factor" not in {**raw, **(raw.get("rope_parameters") or {})}:
+        fields["rope"] = replace(fields["rope"], partial_rotary_factor=0.5)
+    return ModelConfig(**fields)
+
+
+def _source(cfg: ModelConfig, name: str):
+    """The engine's ``shared_expert`` is the checkpoint's ``shared_experts``."""
+    m = _SHARED.match(name)
+    return (f"{m.group(1)}shared_experts.{m.group(2)}", lambda t: t) if m else None
+
+
+def skip(cfg: ModelConfig, key: str) -> bool:
+    """The MTP layer's tensors (``model.layers.{n}`` for n past the model's own layers)."""
+    m = _LAYER.match(key)
+    return m is not None and int(m.group(1)) >= cfg.num_layers
+
+
+FAMILY = Family("glm4_moe", parse, source=_source, skip=skip)

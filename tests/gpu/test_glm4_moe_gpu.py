@@ -1,0 +1,57 @@
+"""GLM-4.5-family routing (sigmoid scores, correction bias, groups) on the GPU: in bfloat16 the
+router stays float32 and the logits stay within tolerance of the float32 CPU engine (itself
+token for token with transformers, tests/engine/test_parity.py). Float32 parity on CUDA, decode
+graphs and prefetch run the family in test_engine_gpu.py, test_graphs_gpu.py, test_prefetch_gpu.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from freetoken_engine import LLM
+from freetoken_engine.layers.moe import BiasedRouter, SparseMoE
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+#: routing decisive at every MoE layer and position of the tiny glm4_moe checkpoint: the kept
+#: group above the next by, and the k-th biased score above the next, 0.05 or more (bfloat16's
+#: rounding moves a score by about 0.005 here)
+DECISIVE = [164, 286, 108, 94, 156, 224, 278, 83, 27, 129, 132, 35]
+
+
+def choice_margin(llm: LLM, ids: list[int]) -> float:
+    """The smallest gap, over every MoE layer and position, between the last kept and the first
+    dropped group and between the k-th and (k+1)-th biased score among the kept experts."""
+    gaps, real = [], SparseMoE.route
+
+    def route(self, x):
+        m = self.moe
+        s = self.gate(x).sigmoid() + self.gate.e_score_correction_bias
+        groups = s.view(s.shape[0], m.n_group, -1).topk(2, dim=-1).values.sum(-1)
+        ranked = groups.topk(m.n_group, dim=-1).values
+        gaps.append(float((ranked[:, m.topk_group - 1] - ranked[:, m.topk_group]).min()))
+        keep = torch.zeros_like(groups).scatter_(1, groups.topk(m.topk_group, -1).indices, 1.0)
+        kept = s.masked_fill(~keep.bool().repeat_interleave(m.num_experts // m.n_group, 1), float("-inf"))
+        top = kept.topk(m.top_k + 1, dim=-1).values
+        gaps.append(float((top[:, -2] - top[:, -1]).min()))
+        return real(self, x)
+    SparseMoE.route = route
+    try:
+        llm.prefill_logits(ids)
+    finally:
+        SparseMoE.route = real
+    return min(gaps)
+
+
+def test_bfloat16_on_cuda_keeps_a_float32_router_and_follows_float32(tiny_checkpoint):
+    folder = tiny_checkpoint("glm4_moe")
+    cpu = LLM(folder, device="cpu", dtype="float32")
+    assert choice_margin(cpu, DECISIVE) > 0.03
+    want = cpu.forward_logits(DECISIVE)
+    llm = LLM(folder, device="cuda", dtype="bfloat16")
+    routers = [m for m in llm.runner.model.modules() if isinstance(m, BiasedRouter)]
+    assert routers and all(p.dtype == torch.float32 and p.is_cuda for r in routers for p in r.parameters())
+    got = llm.forward_logits(DECISIVE).cpu()
+    assert (got - want).abs().max() < 0.1 * max(1.0, want.abs().max().item())
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
