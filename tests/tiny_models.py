@@ -53,15 +53,16 @@ MOE = {
 SUPPORTED = tuple(MOE)
 
 
-def build_tokenizer(vocab_size: int):
+def build_tokenizer(vocab_size: int, extra_tags: tuple[str, ...] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(TAGS), special_tokens=SPECIALS,
+    tags = [*TAGS, *extra_tags]
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(tags), special_tokens=SPECIALS,
                                   show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([_TEXT], trainer)
-    tok.add_tokens(TAGS)
+    tok.add_tokens(tags)
     return tok
 
 
@@ -81,15 +82,17 @@ def _classes(model_type: str):
 
 
 def make_tiny_checkpoint(path, model_type: str = "qwen3_moe", seed: int = 0, shard_kb: int | None = None,
-                         vocab_size: int = 320, init_std: float = 0.2, **overrides) -> Path:
-    """Write a random ``model_type`` checkpoint (float32) with tokenizer files into ``path``.
+                         vocab_size: int = 320, init_std: float = 0.2, extra_tags: tuple[str, ...] = (),
+                         **overrides) -> Path:
+    """Write a random ``model_type`` checkpoint (float32) with tokenizer files into ``path``;
+    ``extra_tags``: more added (not special) tokens, as TAGS are.
 
     ``init_std`` larger than transformers' 0.02 makes logits and routing decisive, so greedy
     decoding and top-k routing have no near-ties that float rounding could flip.
     """
     import torch
     path = Path(path)
-    tok = build_tokenizer(vocab_size)
+    tok = build_tokenizer(vocab_size, extra_tags)
     eos = tok.token_to_id("<|im_end|>")
     cfg_cls, model_cls = _classes(model_type)
     kwargs = dict(BASE, vocab_size=vocab_size, eos_token_id=eos, bos_token_id=None, pad_token_id=None,

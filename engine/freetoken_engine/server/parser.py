@@ -8,7 +8,11 @@ or Qwen3.5/3.6 and Qwen3-Coder's (``style="xml"``), each parameter's value as ra
 
     <tool_call>\n<function=f>\n<parameter=path>\nsrc/app.py\n</parameter>\n</function>\n</tool_call>
 
-An XML call's arguments become a JSON object, each value typed by the tool's JSON Schema
+or GLM-4.5/4.6/4.7's (``style="glm"``), the same idea in other tags (GLM-4.7 without the newlines):
+
+    <tool_call>f\n<arg_key>path</arg_key>\n<arg_value>src/app.py</arg_value>\n</tool_call>
+
+An XML or GLM call's arguments become a JSON object, each value typed by the tool's JSON Schema
 (``schemas``: tool name -> its ``parameters``): integers, numbers, booleans, null, objects and
 arrays are parsed from their text when it is valid, strings and unknown parameters stay text.
 Its arguments stream a parameter at a time. Qwen3.5 may open a tool call inside its reasoning
@@ -33,12 +37,41 @@ import json
 import re
 from dataclasses import dataclass
 
+from .parser_text import JsonValueEnd, parse_whole, partial_tag, typed, unquote
+
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN = "<function="          # the XML style's head: <function=NAME>
-_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
-_XML_PARAMETER = re.compile(r"<parameter=([^>\n]+)>")
-_XML_TAGS = ("<parameter=", "</function>", TOOL_CLOSE)
+ARG_KEY = "<arg_key>"                 # the GLM style's parameter: <arg_key>K</arg_key><arg_value>V</arg_value>
+GLM_TAGS = (ARG_KEY, "</arg_key>", "<arg_value>", "</arg_value>")
+
+
+@dataclass(frozen=True)
+class _Tags:
+    """A tagged call format: ``head`` (group 1 the tool's name) after ``<tool_call>``, then
+    parameters, each ``param`` (group 1 its key; it starts with ``param_open``) and the value's
+    text up to ``value_close``; ``between``: tags that mean nothing between parameters;
+    ``trim``: the newline each side of a value is the format's, not the value's."""
+
+    head: re.Pattern
+    param: re.Pattern
+    param_open: str
+    value_close: str
+    between: tuple[str, ...]
+    trim: bool
+
+    @property
+    def tags(self) -> tuple[str, ...]:
+        return (self.param_open, *self.between, TOOL_CLOSE)
+
+
+_TAGGED = {
+    "xml": _Tags(re.compile(r"\s*<function=([^>\n]+)>"), re.compile(r"<parameter=([^>\n]+)>"), "<parameter=",
+                 "</parameter>", ("</function>",), True),
+    # the name is the text up to a newline or the first tag (not a JSON body: no "{")
+    "glm": _Tags(re.compile(r"\s*([^\s<{][^<\n]*?)[ \t]*(?=\n|<arg_key>|</tool_call>)"),
+                 re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>"), ARG_KEY, "</arg_value>", (), False),
+}
 
 # The Hermes/Qwen body as it begins: {"name": "<name>", "arguments": <value...>
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
@@ -74,47 +107,6 @@ class ToolEnd:
 Event = Reasoning | Content | ToolStart | ToolArgs | ToolEnd
 
 
-def _partial_tag(buf: str, tags: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``buf`` that is a proper prefix of one of ``tags``."""
-    for n in range(min(len(buf), max(len(t) for t in tags) - 1), 0, -1):
-        if any(t.startswith(buf[-n:]) for t in tags):
-            return n
-    return 0
-
-
-class _JsonValueEnd:
-    """Finds where one JSON value ends in text fed piece by piece (string-aware bracket depth)."""
-
-    def __init__(self) -> None:
-        self.depth, self.in_str, self.esc, self.started, self.done = 0, False, False, False, False
-
-    def feed(self, text: str) -> int:
-        """Consume ``text``; return how many of its characters belong to the value."""
-        for i, ch in enumerate(text):
-            if self.in_str:
-                if self.esc:
-                    self.esc = False
-                elif ch == "\\":
-                    self.esc = True
-                elif ch == '"':
-                    self.in_str = False
-                    if self.depth == 0:
-                        self.done = True
-                        return i + 1
-            elif ch == '"':
-                self.in_str, self.started = True, True
-            elif ch in "{[":
-                self.depth, self.started = self.depth + 1, True
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth <= 0:
-                    self.done = True
-                    return i + 1
-            elif not ch.isspace():
-                self.started = True
-        return len(text)
-
-
 class OutputParser:
     """Incremental reasoning / content / tool-call splitter (see the module docstring).
 
@@ -125,17 +117,19 @@ class OutputParser:
 
     def __init__(self, *, tools: bool, in_reasoning: bool = False, style: str = "json",
                  schemas: dict[str, dict] | None = None):
-        if style not in ("json", "xml"):
-            raise ValueError(f"tool-call style {style!r}: 'json' or 'xml'")
+        if style not in ("json", *_TAGGED):
+            raise ValueError(f"tool-call style {style!r}: 'json', 'xml' or 'glm'")
         self.tools, self.xml, self.schemas = tools, style == "xml", schemas or {}
+        self.tagged = _TAGGED.get(style)   # None: Hermes JSON bodies
         self.mode = "reasoning" if in_reasoning else "content"
         self.buf = ""
         self.n_tools = 0
         self._strip_ws = False        # drop the blank line(s) a model writes after </think>
+        self._begun = False           # anything shown yet (GLM writes "\n" before its <think>: dropped)
         self._think_unclosed = False  # a tool call ended the reasoning: a later </think> is dropped
         self._body = ""               # current tool-call body
         self._started = False         # current tool call's ToolStart emitted
-        self._args_end: _JsonValueEnd | None = None
+        self._args_end: JsonValueEnd | None = None
         self._args_done = False
         self._name = ""               # XML: the current call's tool name
         self._params = 0              # XML: parameters emitted for the current call
@@ -149,8 +143,8 @@ class OutputParser:
                 self._step_content(out)
             elif self.mode == "reasoning":
                 self._step_reasoning(out)
-            elif self.xml:
-                self._step_xml_tool(out)
+            elif self.tagged:
+                self._step_tagged_tool(out)
             else:
                 self._step_tool(out)
             if (self.mode, len(self.buf), self._started) == before:
@@ -164,9 +158,9 @@ class OutputParser:
         if self.mode == "reasoning":
             if rest:
                 out.append(Reasoning(rest))
-        elif self.mode == "tool" and self.xml:
+        elif self.mode == "tool" and self.tagged:
             self._body += rest
-            self._xml_close(out, complete=False)
+            self._tagged_close(out, complete=False)
         elif self.mode == "tool":
             self._body += rest
             self._close_tool(out, complete=False)
@@ -181,9 +175,12 @@ class OutputParser:
             if not text:
                 return
             self._strip_ws = False
+        self._begun = True
         out.append(Content(text))
 
     def _step_content(self, out: list[Event]) -> None:
+        if not self._begun and not self.buf.strip():
+            return                                # leading whitespace: shown with what follows it
         tags = (THINK_OPEN, TOOL_OPEN) if self.tools else (THINK_OPEN,)
         if self._think_unclosed:
             tags += (THINK_CLOSE,)
@@ -191,7 +188,7 @@ class OutputParser:
         hits = [(at, t) for at, t in hits if at != -1]
         if hits:
             at, tag = min(hits)
-            if at:
+            if at and (self._begun or tag != THINK_OPEN or self.buf[:at].strip()):
                 self._emit_content(self.buf[:at], out)
             self.buf = self.buf[at + len(tag):]
             if tag == THINK_OPEN:
@@ -201,7 +198,7 @@ class OutputParser:
             else:
                 self._open_tool()
             return
-        keep = _partial_tag(self.buf, tags)
+        keep = partial_tag(self.buf, tags)
         if len(self.buf) > keep:
             self._emit_content(self.buf[: len(self.buf) - keep], out)
             self.buf = self.buf[len(self.buf) - keep:]
@@ -224,7 +221,7 @@ class OutputParser:
             else:
                 self.mode, self._strip_ws = "content", True
             return
-        keep = _partial_tag(self.buf, tags)
+        keep = partial_tag(self.buf, tags)
         if len(self.buf) > keep:
             out.append(Reasoning(self.buf[: len(self.buf) - keep]))
             self.buf = self.buf[len(self.buf) - keep:]
@@ -244,15 +241,15 @@ class OutputParser:
             self.buf, self._args_done = self.buf[n:], self._args_end.done
             return
         at = self.buf.find(TOOL_CLOSE)
-        upto = at if at != -1 else len(self.buf) - _partial_tag(self.buf, (TOOL_CLOSE,))
+        upto = at if at != -1 else len(self.buf) - partial_tag(self.buf, (TOOL_CLOSE,))
         if not self._started:
             head = _HEAD.match(self._body + self.buf[:upto])
             if head is not None:
                 used = head.end() - len(self._body)
                 self._body += self.buf[:used]
                 self.buf = self.buf[used:]
-                self._started, self._args_end = True, _JsonValueEnd()
-                out.append(ToolStart(self.n_tools, _unquote(head.group(1))))
+                self._started, self._args_end = True, JsonValueEnd()
+                out.append(ToolStart(self.n_tools, unquote(head.group(1))))
                 return
         self._body += self.buf[:upto]
         if at != -1:
@@ -262,15 +259,17 @@ class OutputParser:
         else:
             self.buf = self.buf[upto:]
 
-    # -- XML tool calls --------------------------------------------------------------------
-    def _step_xml_tool(self, out: list[Event]) -> None:
+    # -- tagged (XML, GLM) tool calls -------------------------------------------------------
+    def _step_tagged_tool(self, out: list[Event]) -> None:
         """Everything after <tool_call> is the body until its structure closes: the head
-        <function=NAME>, then whole <parameter=KEY>...</parameter> blocks (a parameter's text
-        may hold any tag but its own closing one), then </function> and </tool_call>."""
+        (<function=NAME>; GLM: NAME), then whole parameters (<parameter=KEY>...</parameter>; GLM:
+        <arg_key>KEY</arg_key><arg_value>...</arg_value>; a value may hold any tag but its own
+        closing one), then (</function> and) </tool_call>."""
+        tags = self.tagged
         self._body, self.buf = self._body + self.buf, ""
         body = self._body
         if not self._started:
-            head = _XML_FUNCTION.match(body)
+            head = tags.head.match(body)
             if head is None:
                 close = body.find(TOOL_CLOSE)
                 if close != -1:                   # no function head: a JSON body, else the model's text
@@ -284,37 +283,37 @@ class OutputParser:
             rest = body[self._pos:]
             gap = len(rest) - len(rest.lstrip())
             rest = rest[gap:]
-            if rest.startswith("<parameter="):
-                param = _XML_PARAMETER.match(rest)
-                close = rest.find("</parameter>") if param else -1
+            if rest.startswith(tags.param_open):
+                param = tags.param.match(rest)
+                close = rest.find(tags.value_close, param.end()) if param else -1
                 if close == -1:
                     return                        # the value is still arriving
-                self._xml_param(out, param.group(1).strip(), rest[param.end():close])
-                self._pos += gap + close + len("</parameter>")
-            elif rest.startswith("</function>"):
-                self._pos += gap + len("</function>")
+                self._tagged_param(out, param.group(1).strip(), rest[param.end():close])
+                self._pos += gap + close + len(tags.value_close)
+            elif any(rest.startswith(t) for t in tags.between):
+                self._pos += gap + len(next(t for t in tags.between if rest.startswith(t)))
             elif rest.startswith(TOOL_CLOSE):
                 self.buf = rest[len(TOOL_CLOSE):]
-                self._xml_close(out, complete=True)
+                self._tagged_close(out, complete=True)
                 self.mode, self._strip_ws = "content", True
                 return
             else:
-                nxt = [at for at in (rest.find(t) for t in _XML_TAGS) if at > 0]
+                nxt = [at for at in (rest.find(t) for t in tags.tags) if at > 0]
                 if not nxt:
                     return                        # a tag may still be arriving
                 self._pos += gap + min(nxt)       # text between the tags: skipped
 
-    def _xml_param(self, out: list[Event], key: str, raw: str) -> None:
-        if raw.startswith("\n"):
+    def _tagged_param(self, out: list[Event], key: str, raw: str) -> None:
+        if self.tagged.trim and raw.startswith("\n"):
             raw = raw[1:]
-        if raw.endswith("\n"):
+        if self.tagged.trim and raw.endswith("\n"):
             raw = raw[:-1]
         schema = (self.schemas.get(self._name) or {}).get("properties", {}).get(key)
-        value = json.dumps(_typed(raw, schema), ensure_ascii=False)
+        value = json.dumps(typed(raw, schema), ensure_ascii=False)
         out.append(ToolArgs(self.n_tools, ("{" if self._params == 0 else ", ") + json.dumps(key) + ": " + value))
         self._params += 1
 
-    def _xml_close(self, out: list[Event], *, complete: bool) -> None:
+    def _tagged_close(self, out: list[Event], *, complete: bool) -> None:
         """The call's arguments object closed and ToolEnd; an unfinished parameter at the end of
         generation is kept as its text so far. Without a function head: as a JSON body."""
         if not self._started:
@@ -322,9 +321,9 @@ class OutputParser:
         else:
             if not complete:
                 rest = self._body[self._pos:].lstrip()
-                param = _XML_PARAMETER.match(rest)
+                param = self.tagged.param.match(rest)
                 if param is not None:
-                    self._xml_param(out, param.group(1).strip(), rest[param.end():])
+                    self._tagged_param(out, param.group(1).strip(), rest[param.end():])
             out.append(ToolArgs(self.n_tools, "}" if self._params else "{}"))
             out.append(ToolEnd(self.n_tools))
             self.n_tools += 1
@@ -336,7 +335,7 @@ class OutputParser:
             out.append(ToolEnd(self.n_tools))
             self.n_tools += 1
         else:
-            call = _parse_whole(self._body)
+            call = parse_whole(self._body)
             if call is None:
                 raw = TOOL_OPEN + self._body + (TOOL_CLOSE if complete else "")
                 self._emit_content(raw, out)
@@ -346,52 +345,3 @@ class OutputParser:
                         ToolEnd(self.n_tools)]
                 self.n_tools += 1
         self._body, self._started, self._args_end, self._args_done = "", False, None, False
-
-
-def _unquote(raw: str) -> str:
-    try:
-        return json.loads(f'"{raw}"')
-    except ValueError:
-        return raw
-
-
-def _parse_whole(body: str) -> tuple[str, str] | None:
-    """A complete tool-call body in any key order -> (name, arguments JSON text), else None."""
-    try:
-        obj = json.loads(body)
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):
-        return obj["name"], args
-    return obj["name"], json.dumps(args, ensure_ascii=False)
-
-
-def _typed(raw: str, schema) -> object:
-    """An XML parameter's text as the JSON value its schema's type asks for, else the text."""
-    kinds = (schema or {}).get("type") if isinstance(schema, dict) else None
-    kinds = kinds if isinstance(kinds, list) else [kinds]
-    if not any(k in ("integer", "number", "boolean", "null", "object", "array") for k in kinds):
-        return raw
-    text = raw.strip()
-    try:
-        value = json.loads(text)
-    except ValueError:
-        low = text.lower()
-        if "boolean" in kinds and low in ("true", "false"):
-            return low == "true"
-        if "null" in kinds and low in ("none", "null"):
-            return None
-        return raw
-    ok = {"integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-          "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-          "boolean": lambda v: isinstance(v, bool), "null": lambda v: v is None,
-          "object": lambda v: isinstance(v, dict), "array": lambda v: isinstance(v, list),
-          "string": lambda v: False}
-    if any(ok.get(k, lambda v: False)(value) for k in kinds):
-        return value
-    if "integer" in kinds and isinstance(value, float) and value.is_integer():
-        return int(value)
-    return raw

@@ -13,11 +13,12 @@ system messages between the turns.
 Tool choice: ``"none"`` hides the tools from the template and disables tool-call parsing;
 ``"auto"`` shows them; ``"required"`` and a named tool additionally *pre-fill* the start of the
 model's answer (``<tool_call>\\n{"name": "`` or ``...{"name": "f", "arguments": ``; in the XML
-style ``<tool_call>\\n<function=`` or ``...<function=f>\\n``), so the model continues inside a
-tool call.
+style ``<tool_call>\\n<function=`` or ``...<function=f>\\n``; in GLM's ``<tool_call>`` or
+``<tool_call>f\\n``), so the model continues inside a tool call.
 
 The tool-call style is the chat template's: one that writes ``<function=`` (Qwen3.5/3.6,
-Qwen3-Coder) gets the XML parser, any other the Hermes JSON one (``parser.py``). This steers by prompt, it is not constrained decoding: the
+Qwen3-Coder) gets the XML parser, one that writes ``<arg_key>`` (GLM-4.5/4.6/4.7) the GLM one,
+any other the Hermes JSON one (``parser.py``). This steers by prompt, it is not constrained decoding: the
 arguments are what the model writes (OpenAI documents that arguments may be invalid JSON too).
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ import json
 from dataclasses import dataclass
 
 from .errors import ApiError
-from .parser import FUNCTION_OPEN, THINK_CLOSE, THINK_OPEN, TOOL_OPEN
+from .parser import ARG_KEY, FUNCTION_OPEN, THINK_CLOSE, THINK_OPEN, TOOL_OPEN
 
 
 #: what a tool's result says in place of an image or file part: the models served here read
@@ -44,7 +45,7 @@ class Prompt:
     in_reasoning: bool        # the template opened <think>: output starts as reasoning
     prefill: str              # text already "written" by the assistant (fed to the parser first)
     tools: bool               # parse tool calls
-    style: str = "json"       # the tool calls' format: "json" (Hermes) or "xml" (Qwen3.5, Qwen3-Coder)
+    style: str = "json"       # the tool calls' format: "json" (Hermes), "xml" (Qwen3.5, Qwen3-Coder) or "glm"
     schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
     strict: frozenset[str] = frozenset()   # tools whose calls must follow their schema (``strict``)
     forced: str | None = None     # the prompt opened a tool call: "required", or the named tool
@@ -53,11 +54,16 @@ class Prompt:
 
 def tool_style(tokenizer) -> str:
     """The tool-call format the model's chat template teaches: "xml" when it writes
-    ``<function=``, else "json"."""
-    return "xml" if FUNCTION_OPEN in (getattr(tokenizer, "chat_template", None) or "") else "json"
+    ``<function=``, "glm" when it writes ``<arg_key>``, else "json"."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    return "xml" if FUNCTION_OPEN in template else "glm" if ARG_KEY in template else "json"
 
 
 def tool_prefill(tool_choice: str | None, named: str | None, style: str = "json") -> str:
+    if style == "glm":
+        if named is not None:
+            return f"{TOOL_OPEN}{named}\n"
+        return TOOL_OPEN if tool_choice == "required" else ""
     if style == "xml":
         if named is not None:
             return f"{TOOL_OPEN}\n{FUNCTION_OPEN}{named}>\n"

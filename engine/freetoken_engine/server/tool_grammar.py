@@ -1,6 +1,6 @@
 """Grammars that hold tool calls to their tools' schemas, in the chat template's own format.
 
-Two formats (``prompt.tool_style``):
+Three formats (``prompt.tool_style``):
 
 - JSON (Hermes; Qwen3): ``<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>``;
   the arguments are JSON for the tool's schema, spaced as the templates' ``tojson`` writes it.
@@ -8,10 +8,14 @@ Two formats (``prompt.tool_style``):
   </parameter>\\n...</function>\\n</tool_call>``; a string value is any text without
   ``\\n</parameter>``, a string enum one of its values, any other value JSON for its schema;
   the schema's properties come in its order, the required ones always, the others optionally.
+- GLM (GLM-4.5/4.6/4.7): ``<tool_call>NAME\\n<arg_key>KEY</arg_key>\\n<arg_value>VALUE</arg_value>
+  \\n...</tool_call>`` (each newline optional: GLM-4.7 writes none); values as in the XML format,
+  a string any text up to ``</arg_value>``. Tags that are tokens of their own (GLM's are) are
+  held as those tokens.
 
 ``tool_grammars`` returns two grammars: a call from after its ``<tool_call>`` token (the model
 opened it), and the rest of the answer when the prompt's pre-fill already opened a call
-(``tool_choice`` required: after ``{"name": "`` or ``<function=``, then with parallel calls
+(``tool_choice`` required: after ``{"name": "``, ``<function=`` or GLM's ``<tool_call>``, then with parallel calls
 allowed any number of further whole calls; named: from where the arguments start, one call).
 A forced answer is calls only: the request ends when its grammar does (or at EOS). A call
 follows its tool's schema when the tool is ``strict`` or the call is forced; a tool that is
@@ -81,6 +85,39 @@ def _xml_parameters(rules: _Rules, schema: dict | None, strict: bool) -> str:
     return " ".join(parts)
 
 
+def _glm_value(rules: _Rules, schema, tag) -> str:
+    """A GLM parameter's value and its closing tag."""
+    schema = schema if isinstance(schema, dict) else {}
+    enum, close = schema.get("enum"), tag("</arg_value>")
+    if enum and all(isinstance(v, str) for v in enum):
+        return "(" + " | ".join(_lit(v) for v in enum) + f") {close}"
+    if schema.get("type", "string") == "string" and "enum" not in schema:
+        return _glm_text(rules, close)
+    return f"{_json(schema, _SPACED)} {close}"
+
+
+def _glm_text(rules: _Rules, close: str) -> str:
+    """Any text, then the closing tag: a token of its own ends the text by itself; a tag that is
+    text ends it lazily."""
+    if close.startswith("<["):
+        return f"/(?s:.*)/ {close}"
+    return rules.add("/(?s:.*)/", f"[stop={close}]")
+
+
+def _glm_parameters(rules: _Rules, schema: dict | None, strict: bool, tag) -> str:
+    schema = schema if isinstance(schema, dict) else {}
+    props = schema.get("properties") if strict else None
+    key, value = f'{tag("<arg_key>")}', f'{tag("</arg_key>")} /\\n?/ {tag("<arg_value>")}'
+    if not isinstance(props, dict):          # any parameters
+        return rules.add(f'({key} /[^<\\n]+/ {value} {_glm_text(rules, tag("</arg_value>"))} /\\n?/)*')
+    required = set(schema.get("required") or ())
+    parts = []
+    for name, sub in props.items():
+        p = rules.add(f"{key} {_lit(name)} {value} {_glm_value(rules, sub, tag)} /\\n?/")
+        parts.append(p if name in required else f"{p}?")
+    return " ".join(parts)
+
+
 def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
     """(a call after its opening token, the rest of the call the prompt opened), or None for
     each where nothing needs holding. Raises ApiError(400) when a strict tool's schema cannot be
@@ -88,23 +125,32 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
     schemas = prompt.schemas or {}
     if not schemas or not (prompt.forced or prompt.strict):
         return None, None
-    close_id = tokenizer.token_to_id(TOOL_CLOSE)
-    close = f"<[{close_id}]>" if close_id is not None else _lit(TOOL_CLOSE)
-    xml = prompt.style == "xml"
+
+    def tag(text: str) -> str:                 # a tag that is a token of its own is held as that token
+        at = tokenizer.token_to_id(text)
+        return f"<[{at}]>" if at is not None else _lit(text)
+
+    close = tag(TOOL_CLOSE)
+    xml, glm = prompt.style == "xml", prompt.style == "glm"
     rules = _Rules()
     bodies, heads = {}, {}
     for name, schema in schemas.items():
         strict = prompt.forced is not None or name in prompt.strict
-        if xml:
+        if glm:
+            bodies[name] = f'/\\n?/ {_glm_parameters(rules, schema, strict, tag)} {close}'
+            heads[name] = name
+        elif xml:
             bodies[name] = f'{_xml_parameters(rules, schema, strict)} "</function>" /\\n?/ {close}'
             heads[name] = f"{name}>\n"
         else:
             args = _json(schema if strict else None, _SPACED, "object")
             bodies[name] = f'{args} "}}" /\\n?/ {close}'
             heads[name] = json.dumps(name) + ', "arguments": '
-    opened = '"<function="' if xml else '"{\\"name\\": "'
-    # a required call's pre-fill ends after "<function=" (XML) or inside the name's quotes (JSON)
-    prefilled = {n: (h if xml else h[1:]) for n, h in heads.items()}
+    # what follows a call's opening token before its name
+    opened = "" if glm else '/\\n?/ "<function=" ' if xml else '/\\n?/ "{\\"name\\": " '
+    # a required call's pre-fill ends after "<function=" (XML), "<tool_call>" (GLM) or inside
+    # the name's quotes (JSON)
+    prefilled = {n: (h if xml or glm else h[1:]) for n, h in heads.items()}
 
     def alts(names: dict) -> str:
         return "(" + " | ".join(f"{_lit(head)} {bodies[name]}" for name, head in names.items()) + ")"
@@ -112,14 +158,14 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
     def grammar(start: str) -> str:
         return "\n".join([f"start: {start}", *rules.lines])
 
-    after_open = grammar(f"/\\n?/ {opened} {alts(heads)}")
+    after_open = grammar(opened + alts(heads))
     open_id = tokenizer.token_to_id(TOOL_OPEN)
     if prompt.forced in schemas:        # named: the pre-fill ends where the arguments start
         rest = grammar(bodies[prompt.forced])
     elif prompt.forced:
         # required: the pre-filled call, then (parallel calls allowed) more whole calls, then EOS;
         # a forced answer holds nothing but calls
-        more = (f" (/\\n?/ <[{open_id}]> /\\n?/ {opened} {alts(heads)})*"
+        more = (f" (/\\n?/ <[{open_id}]> {opened}{alts(heads)})*"
                 if prompt.parallel and open_id is not None else "")
         rest = grammar(alts(prefilled) + more)
     else:
