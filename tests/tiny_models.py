@@ -41,6 +41,11 @@ MOE = {
     "glm4_moe": dict(moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, head_dim=8,
                      num_hidden_layers=3, first_k_dense_replace=1, n_group=2, topk_group=1,
                      routed_scaling_factor=2.5, attention_bias=True, use_qk_norm=True),
+    # the multimodal checkpoint (a one-block vision tower beside it), served as text; its
+    # text_config is these fields (make_tiny_checkpoint)
+    "qwen3_vl_moe": dict(moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, head_dim=8,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                          "mrope_interleaved": True}),
     "llama": dict(),
     "qwen3": dict(head_dim=8),
     # hybrid: three Gated DeltaNet layers, then a gated attention layer
@@ -51,6 +56,10 @@ MOE = {
     "qwen3_5_moe_text": dict(HYBRID),
 }
 SUPPORTED = tuple(MOE)
+# multimodal families: their vision tower's config
+VISION = {"qwen3_vl_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                               patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16,
+                               deepstack_visual_indexes=[0])}
 
 
 def build_tokenizer(vocab_size: int, extra_tags: tuple[str, ...] = ()):
@@ -74,6 +83,7 @@ def _classes(model_type: str):
         "mixtral": (T.MixtralConfig, T.MixtralForCausalLM),
         "olmoe": (T.OlmoeConfig, T.OlmoeForCausalLM),
         "glm4_moe": (T.Glm4MoeConfig, T.Glm4MoeForCausalLM),
+        "qwen3_vl_moe": (T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration),
         "llama": (T.LlamaConfig, T.LlamaForCausalLM),
         "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
         "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextForCausalLM),
@@ -100,6 +110,9 @@ def make_tiny_checkpoint(path, model_type: str = "qwen3_moe", seed: int = 0, sha
     kwargs.update(MOE[model_type])
     kwargs.update(overrides)
     torch.manual_seed(seed)
+    if model_type in VISION:
+        kwargs = dict(text_config=kwargs, vision_config=VISION[model_type], eos_token_id=eos,
+                      tie_word_embeddings=kwargs.pop("tie_word_embeddings", False))
     model = model_cls(cfg_cls(**kwargs)).eval()
     with torch.no_grad():
         for name, buf in model.named_buffers():
@@ -117,7 +130,9 @@ def make_tiny_checkpoint(path, model_type: str = "qwen3_moe", seed: int = 0, sha
 def load_reference(path):
     """The same checkpoint in transformers (float32, eager attention)."""
     import transformers as T
-    return T.AutoModelForCausalLM.from_pretrained(path, dtype="float32", attn_implementation="eager").eval()
+    model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
+    cls = _classes(model_type)[1] if model_type in VISION else T.AutoModelForCausalLM
+    return cls.from_pretrained(path, dtype="float32", attn_implementation="eager").eval()
 
 
 def copy_folder(src: Path, dst: Path) -> Path:

@@ -34,6 +34,7 @@ def checked(llm: LLM) -> LLM:
     ("mixtral", "some", (0.5,)),
     ("olmoe", "some", (0.0, 1.0)),
     ("glm4_moe", "some", (0.0, 0.5, 1.0)),
+    ("qwen3_vl_moe", "some", (0.5,)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)

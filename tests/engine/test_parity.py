@@ -46,6 +46,8 @@ def test_every_family_matches_transformers(tiny_checkpoint, model_type):
     ("glm4_moe", dict(n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=3, first_k_dense_replace=0,
                       attention_bias=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                                              "partial_rotary_factor": 1.0})),
+    ("qwen3_vl_moe", dict(tie_word_embeddings=True, num_experts_per_tok=3, decoder_sparse_step=2,
+                          num_hidden_layers=3)),
     ("llama", dict(tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),

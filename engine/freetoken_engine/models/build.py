@@ -183,7 +183,8 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
         if not packed and bank is not None:
             layers = [*cfg.moe.layers, *(["mtp.layers.0"] if cfg.use_mtp else [])]
             for li, layer in enumerate(layers):
-                for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, cfg.moe.num_experts)):
+                for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, cfg.moe.num_experts,
+                                                                            (bank.hidden, bank.inter))):
                     if gate.shape != (bank.inter, bank.hidden) or down.shape != (bank.hidden, bank.inter):
                         raise ConfigError(f"expert {e} of layer {layer} has shape {tuple(gate.shape)}, "
                                           f"config implies {(bank.inter, bank.hidden)}")

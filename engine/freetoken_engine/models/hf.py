@@ -22,6 +22,9 @@ class Family:
     source: Callable[[ModelConfig, str], tuple[str, Callable] | None] | None = None
     # checkpoint keys the engine never reads (a layer it does not run): left out of a packed folder
     skip: Callable[[ModelConfig, str], bool] | None = None
+    # the fused pair may be stored transposed, gate_up_proj [E, H, 2I] and down_proj [E, I, H], as
+    # Qwen3-VL-MoE is published (transformers writes it untransposed): told apart by their shapes
+    fused_transposed: bool = False
 
     def layer_stem(self, layer: int | str) -> str:
         """The key prefix of a layer: ``<model_prefix>.layers.{layer}``, or ``layer`` itself when
@@ -38,12 +41,13 @@ class Family:
         stem = f"{self.layer_stem(layer)}.{self.moe_prefix}.experts."
         return stem + "gate_up_proj", stem + "down_proj"
 
-    def layer_experts(self, ckpt, layer: int | str, num_experts: int):
+    def layer_experts(self, ckpt, layer: int | str, num_experts: int, shape: tuple[int, int] | None = None):
         """``(gate [I, H], up [I, H], down [H, I])`` of each routed expert of ``layer`` (an index,
         or a layer's key prefix: ``layer_stem``), in order, from ``ckpt``
         (``models/loader.Checkpoint``) in whichever form it stores them: per-expert tensors
         (``expert_key``) or the fused pair (``fused_expert_keys``), whose slices are views of one
-        read. Raises ``ConfigError`` for a fused pair that does not fit."""
+        read. ``shape``: the model's (hidden, intermediate), which tells a transposed pair apart.
+        Raises ``ConfigError`` for a fused pair that does not fit."""
         gate_up_key, down_key = self.fused_expert_keys(layer)
         if not ckpt.has(gate_up_key):
             for e in range(num_experts):
@@ -52,6 +56,10 @@ class Family:
         if not ckpt.has(down_key):
             raise ConfigError(f"checkpoint has {gate_up_key} but lacks {down_key}")
         gate_up, down = ckpt.get(gate_up_key), ckpt.get(down_key)
+        if self.fused_transposed and shape and gate_up.dim() == 3 and down.dim() == 3:
+            h, i = shape
+            if (tuple(down.shape[1:]) == (i, h) and i != h) or (tuple(gate_up.shape[1:]) == (h, 2 * i) and h != 2 * i):
+                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
         if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2:
             raise ConfigError(f"{gate_up_key} has shape {tuple(gate_up.shape)} and {down_key} "
                               f"{tuple(down.shape)}: expected [experts, 2 x intermediate, hidden] and "

@@ -108,7 +108,8 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
                        for e in range(moe.num_experts) for p in range(3)}
         expert_keys.update(k for layer in layers for k in fam.fused_expert_keys(layer))
     dense_keys = [k for k in ckpt.names() if k not in expert_keys and not (fam.skip and fam.skip(cfg, k))]
-    probe = next(fam.layer_experts(ckpt, moe.layers[0], moe.num_experts))[0] if moe else ckpt.get(dense_keys[0])
+    shape = (cfg.hidden_size, moe.intermediate_size) if moe else None
+    probe = next(fam.layer_experts(ckpt, moe.layers[0], moe.num_experts, shape))[0] if moe else ckpt.get(dense_keys[0])
     dtype = probe.dtype
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -176,7 +177,7 @@ def _write_bank(ckpt, fam, moe, layers: list, hidden: int, dtype: torch.dtype, t
         f2 = _BlockFile(tmp / f"bank-w2-{a:05d}.bin")
         for li in range(a, b):
             layer = layers[li]
-            for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, E)):
+            for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, E, (hidden, inter))):
                 if gate.shape != (inter, hidden) or up.shape != (inter, hidden) or down.shape != (hidden, inter):
                     raise PackedFormatError(f"expert {e} of layer {layer}: shapes {tuple(gate.shape)}, "
                                             f"{tuple(down.shape)}; config implies {(inter, hidden)}")
