@@ -46,6 +46,9 @@ MOE = {
     "qwen3_vl_moe": dict(moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2, head_dim=8,
                          rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
                                           "mrope_interleaved": True}),
+    # softmax choice with a correction bias, a dense first layer, one shared expert; interleaved rotary
+    "ernie4_5_moe": dict(moe_intermediate_size=16, moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
+                         moe_layer_start_index=1, num_hidden_layers=3),
     "llama": dict(),
     "qwen3": dict(head_dim=8),
     # hybrid: three Gated DeltaNet layers, then a gated attention layer
@@ -56,6 +59,9 @@ MOE = {
     "qwen3_5_moe_text": dict(HYBRID),
 }
 SUPPORTED = tuple(MOE)
+# the random correction bias of a biased router, on the scale of its scores (sigmoid: 0..1;
+# softmax over 8 experts: about 1/8)
+BIAS_STD = {"glm4_moe": 0.3, "ernie4_5_moe": 0.05}
 # multimodal families: their vision tower's config
 VISION = {"qwen3_vl_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                                patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16,
@@ -83,6 +89,7 @@ def _classes(model_type: str):
         "mixtral": (T.MixtralConfig, T.MixtralForCausalLM),
         "olmoe": (T.OlmoeConfig, T.OlmoeForCausalLM),
         "glm4_moe": (T.Glm4MoeConfig, T.Glm4MoeForCausalLM),
+        "ernie4_5_moe": (T.Ernie4_5_MoeConfig, T.Ernie4_5_MoeForCausalLM),
         "qwen3_vl_moe": (T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration),
         "llama": (T.LlamaConfig, T.LlamaForCausalLM),
         "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
@@ -115,9 +122,9 @@ def make_tiny_checkpoint(path, model_type: str = "qwen3_moe", seed: int = 0, sha
                       tie_word_embeddings=kwargs.pop("tie_word_embeddings", False))
     model = model_cls(cfg_cls(**kwargs)).eval()
     with torch.no_grad():
-        for name, buf in model.named_buffers():
+        for name, buf in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith("e_score_correction_bias"):        # transformers starts it at zero
-                buf.copy_(0.3 * torch.randn(buf.shape))
+                buf.copy_(BIAS_STD[model_type] * torch.randn(buf.shape))
     save = {"max_shard_size": f"{shard_kb}KB"} if shard_kb else {}
     model.save_pretrained(path, **save)
     tok.save(str(path / "tokenizer.json"))

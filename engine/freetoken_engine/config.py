@@ -54,14 +54,17 @@ class MoeConfig:
     num_experts: int
     top_k: int
     intermediate_size: int
-    # softmax | unit (our MoEfied llama: weight 1 per expert) | sigmoid (GLM-4.5, DeepSeek-V3: sigmoid
-    # scores; the top k chosen by score plus a per-expert correction bias within the best
-    # ``topk_group`` of ``n_group`` expert groups, weighted by score times routed_scaling_factor)
+    # softmax | unit (our MoEfied llama: weight 1 per expert) | sigmoid (GLM-4.5, DeepSeek-V3)
     scoring: str = "softmax"
     norm_topk_prob: bool = False
+    # a per-expert e_score_correction_bias added to the scores to choose the top k (not to weight
+    # them; GLM-4.5, ERNIE-4.5), within the best ``topk_group`` of ``n_group`` expert groups; the
+    # weights times routed_scaling_factor, renormalised over max(sum, norm_floor) (0: sum + 1e-20)
+    biased: bool = False
     n_group: int = 1
     topk_group: int = 1
     routed_scaling_factor: float = 1.0
+    norm_floor: float = 0.0
     shared_intermediate_size: int = 0  # qwen2_moe shared expert (0 = none)
     shared_gate: bool = False          # sigmoid gate on the shared expert
     layers: tuple[int, ...] = ()       # decoder layers whose MLP is sparse

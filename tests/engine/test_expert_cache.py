@@ -35,6 +35,7 @@ def checked(llm: LLM) -> LLM:
     ("olmoe", "some", (0.0, 1.0)),
     ("glm4_moe", "some", (0.0, 0.5, 1.0)),
     ("qwen3_vl_moe", "some", (0.5,)),
+    ("ernie4_5_moe", "some", (0.0, 1.0)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)

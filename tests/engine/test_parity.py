@@ -48,6 +48,8 @@ def test_every_family_matches_transformers(tiny_checkpoint, model_type):
                                                              "partial_rotary_factor": 1.0})),
     ("qwen3_vl_moe", dict(tie_word_embeddings=True, num_experts_per_tok=3, decoder_sparse_step=2,
                           num_hidden_layers=3)),
+    ("ernie4_5_moe", dict(moe_layer_start_index=0, moe_layer_interval=2, num_hidden_layers=4, moe_num_shared_experts=0,
+                          moe_k=3, tie_word_embeddings=False)),
     ("llama", dict(tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),

@@ -23,7 +23,8 @@ PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_vl_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_vl_moe",
+                                        "ernie4_5_moe"])
 def test_cuda_float32_matches_transformers_on_cpu(tiny_checkpoint, model_type):
     folder = tiny_checkpoint(model_type)
     ref = load_reference(folder)

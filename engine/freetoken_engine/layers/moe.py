@@ -18,9 +18,9 @@ from .mlp import GatedMLP
 
 
 class BiasedRouter(nn.Linear):
-    """The router of sigmoid scoring (GLM-4.5, DeepSeek-V3): float32 weights whatever the model's
-    dtype, as transformers keeps them, and ``e_score_correction_bias``, a per-expert offset that
-    steers which experts are chosen but not their weights. Its logits are float32."""
+    """The router of a biased choice (GLM-4.5, ERNIE-4.5, DeepSeek-V3): float32 weights whatever
+    the model's dtype, as transformers keeps them, and ``e_score_correction_bias``, a per-expert
+    offset that steers which experts are chosen but not their weights. Its logits are float32."""
 
     def __init__(self, hidden: int, num_experts: int):
         super().__init__(hidden, num_experts, bias=False)
@@ -34,13 +34,13 @@ class BiasedRouter(nn.Linear):
         return F.linear(x.float(), self.weight)
 
 
-def sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def biased_route(logits: torch.Tensor, bias: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (float32 weights [T, k], expert ids [T, k]) of float32 router logits [T, E], as
-    transformers' Glm4MoeTopkRouter computes them: sigmoid scores; the experts outside the best
-    ``topk_group`` groups (a group's worth: its two best biased scores) masked; the top k of the
-    biased scores chosen; their unbiased scores as weights, renormalised with ``norm_topk_prob``
-    and times ``routed_scaling_factor``."""
-    scores = logits.sigmoid()
+    transformers' Glm4MoeTopkRouter and Ernie4_5_MoeTopKRouter compute them: sigmoid (softmax)
+    scores; the experts outside the best ``topk_group`` groups (a group's worth: its two best
+    biased scores) masked; the top k of the biased scores chosen; their unbiased scores as
+    weights, renormalised with ``norm_topk_prob`` and times ``routed_scaling_factor``."""
+    scores = logits.sigmoid() if moe.scoring == "sigmoid" else F.softmax(logits, dim=-1, dtype=torch.float32)
     choice = scores + bias
     if moe.topk_group < moe.n_group:
         t, g = choice.shape[0], moe.n_group
@@ -50,7 +50,8 @@ def sigmoid_route(logits: torch.Tensor, bias: torch.Tensor, moe: MoeConfig) -> t
     ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False).indices
     weights = scores.gather(1, ids)
     if moe.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        total = weights.sum(dim=-1, keepdim=True)
+        weights = weights / (total.clamp(min=moe.norm_floor) if moe.norm_floor else total + 1e-20)
     return weights * moe.routed_scaling_factor, ids
 
 
@@ -58,7 +59,7 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden: int, moe: MoeConfig, moe_layer: int):
         super().__init__()
         self.moe, self.moe_layer = moe, moe_layer
-        self.gate = BiasedRouter(hidden, moe.num_experts) if moe.scoring == "sigmoid" else \
+        self.gate = BiasedRouter(hidden, moe.num_experts) if moe.biased else \
             nn.Linear(hidden, moe.num_experts, bias=False)
         if moe.shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden, moe.shared_intermediate_size)
@@ -72,8 +73,8 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] in x.dtype, expert ids [T, k])."""
         logits = self.gate(x)                                            # [T, E]
-        if self.moe.scoring == "sigmoid":
-            weights, ids = sigmoid_route(logits, self.gate.e_score_correction_bias, self.moe)
+        if self.moe.biased:
+            weights, ids = biased_route(logits, self.gate.e_score_correction_bias, self.moe)
             return weights.to(x.dtype), ids
         gpu = gpu_decode_kernels("route") if x.device.type == "cuda" else None
         if gpu is not None and gpu.supported(logits, self.moe.top_k):     # one launch
@@ -101,8 +102,8 @@ class SparseMoE(nn.Module):
             # the next layer's experts guessed from this layer's router input: copied while this
             # layer computes (OffloadedExperts.guess); a wrong guess costs a fill, never a result
             logits = self.next_gate(x)
-            guess = sigmoid_route(logits, self.next_gate.e_score_correction_bias, self.moe)[1] \
-                if self.moe.scoring == "sigmoid" else torch.topk(logits, self.moe.top_k, dim=-1).indices
+            guess = biased_route(logits, self.next_gate.e_score_correction_bias, self.moe)[1] \
+                if self.moe.biased else torch.topk(logits, self.moe.top_k, dim=-1).indices
             self.experts.guess(self.moe_layer + 1, guess)
         # [T*k, H] or SplitRows; on a GPU the shared expert runs beside the hits while fills copy
         beside = None if self.shared_expert is None else functools.partial(self._shared, x)

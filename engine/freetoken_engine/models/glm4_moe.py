@@ -27,7 +27,7 @@ def parse(raw: dict) -> ModelConfig:
     dense = int(raw.get("first_k_dense_replace", 1) or 0)
     inter = int(need(raw, "moe_intermediate_size"))
     spec = moe(raw | {"num_experts": need(raw, "n_routed_experts", "num_local_experts", "num_experts")},
-               tuple(range(min(dense, layers), layers)), scoring="sigmoid",
+               tuple(range(min(dense, layers), layers)), scoring="sigmoid", biased=True,
                n_group=int(raw.get("n_group", 1) or 1), topk_group=int(raw.get("topk_group", 1) or 1),
                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
                shared_intermediate_size=inter * int(raw.get("n_shared_experts", 1) or 0))

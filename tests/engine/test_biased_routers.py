@@ -1,8 +1,9 @@
-"""GLM-4.5-family checkpoints (``glm4_moe``) as they are published: the multi-token-prediction
-layer they ship after their own is left unread (and out of a packed folder), the router keeps
-float32 in a bfloat16 engine, and configurations the routing cannot follow are refused clearly.
-Parity with transformers on random checkpoints is in test_parity.py, the cache and q* split in
-test_expert_cache.py, stacked experts in test_fused_experts.py."""
+"""Families whose router chooses by score plus a correction bias: GLM-4.5 (``glm4_moe``) and
+ERNIE-4.5 (``ernie4_5_moe``), as they are published: GLM's multi-token-prediction layer is left
+unread (and out of a packed folder), the router keeps float32 in a bfloat16 engine, and
+configurations the engine cannot follow are refused clearly. Parity with transformers on random
+checkpoints is in test_parity.py, the cache and q* split in test_expert_cache.py, stacked experts
+in test_fused_experts.py."""
 from __future__ import annotations
 
 import json
@@ -74,10 +75,11 @@ def test_mtp_drafts_are_refused_saying_what_to_use(tiny_checkpoint, tmp_path):
     assert "glm4_moe's multi-token-prediction layer" in r.stderr and "--speculative-method ngram" in r.stderr
 
 
-def test_bfloat16_keeps_the_router_in_float32_and_follows_transformers(tiny_checkpoint):
-    """transformers keeps GLM's router (weight and correction bias) in float32 in a bfloat16
+@pytest.mark.parametrize("model_type", ["glm4_moe", "ernie4_5_moe"])
+def test_bfloat16_keeps_the_router_in_float32_and_follows_transformers(tiny_checkpoint, model_type):
+    """transformers keeps these routers (weight and correction bias) in float32 in a bfloat16
     model; so does the engine, and its greedy tokens start as transformers' bfloat16 ones do."""
-    folder = tiny_checkpoint("glm4_moe")
+    folder = tiny_checkpoint(model_type)
     llm = LLM(folder, dtype="bfloat16")
     routers = [m for m in llm.runner.model.modules() if isinstance(m, BiasedRouter)]
     assert routers and all(p.dtype == torch.float32 for r in routers for p in r.parameters())
@@ -101,3 +103,13 @@ def test_routing_it_cannot_follow_is_refused_clearly(tiny_checkpoint, tmp_path, 
     with pytest.raises(ConfigError) as info:
         LLM(folder)
     assert says in str(info.value)
+
+
+def test_ernie_with_biases_everywhere_is_refused_saying_why(tiny_checkpoint, tmp_path):
+    """ERNIE-4.5's use_bias puts a bias on the LM head too, which the engine's head lacks; the
+    published MoE checkpoints have none, so such a config is refused, not loaded wrong."""
+    folder = copy_folder(tiny_checkpoint("ernie4_5_moe"), tmp_path / "ernie")
+    cfg = json.loads((folder / "config.json").read_text()) | {"use_bias": True}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="use_bias"):
+        LLM(folder)

@@ -1,0 +1,62 @@
+"""ERNIE-4.5-MoE (``ernie4_5_moe``: ERNIE-4.5-21B-A3B, ERNIE-4.5-300B-A47B): llama-style attention
+whose rotary turns interleaved pairs of each head (dimensions 2j, 2j+1), dense MLPs outside
+``moe_layer_start_index``..``moe_layer_end_index`` (every ``moe_layer_interval``), then routed
+experts chosen by softmax score plus a correction bias (``mlp.moe_statics``), weighted by
+score over ``max(sum, moe_norm_min)``, beside ``moe_num_shared_experts`` ungated shared experts.
+
+The engine's rotary turns the two halves of a head. Reordering the rows of q_proj and k_proj
+(and their biases) within each head, ``[0, 2, 4, ...; 1, 3, 5, ...]``, turns the interleaved
+rotary into that one: attention scores are sums over a head's dimensions, the same in any
+order that q and k share, and v is untouched. So the checkpoint is reordered as it is read.
+"""
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .hf import Family, base, moe, need
+
+_QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias)$")
+_BIAS = re.compile(r"^(.*\.mlp\.)gate\.e_score_correction_bias$")
+_SHARED = re.compile(r"^(.*\.mlp\.)shared_expert\.(.*)$")
+
+
+def parse(raw: dict) -> ModelConfig:
+    if raw.get("use_bias"):
+        raise ConfigError("config.json: ERNIE-4.5 with use_bias (biases on every projection and the LM head) "
+                          "is not supported; the published ERNIE-4.5 MoE checkpoints have none")
+    layers = int(need(raw, "num_hidden_layers"))
+    start = int(raw.get("moe_layer_start_index", 1))
+    end = int(raw.get("moe_layer_end_index", -1))
+    end = layers - 1 if end == -1 else end
+    every = int(raw.get("moe_layer_interval", 1) or 1)
+    sparse = tuple(i for i in range(layers) if (i + 1) % every == 0 and start <= i <= end)
+    experts = need(raw, "moe_num_experts", "num_experts")
+    spec = moe(raw | {"num_experts": experts, "num_experts_per_tok": need(raw, "moe_k", "num_experts_per_tok"),
+                      "norm_topk_prob": True},
+               sparse, biased=True, norm_floor=float(raw.get("moe_norm_min", 1e-12)),
+               shared_intermediate_size=int(need(raw, "moe_intermediate_size"))
+               * int(raw.get("moe_num_shared_experts", 0) or 0))
+    return ModelConfig(**base(raw, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), moe=spec))
+
+
+def _halves(t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Rows of each head reordered from interleaved pairs to halves."""
+    heads = t.reshape(-1, head_dim // 2, 2, *t.shape[1:])
+    return heads.transpose(1, 2).reshape(t.shape)
+
+
+def _source(cfg: ModelConfig, name: str):
+    if _QK.search(name):
+        return name, lambda t: _halves(t, cfg.head_dim)
+    m = _BIAS.match(name)
+    if m:
+        return f"{m.group(1)}moe_statics.e_score_correction_bias", lambda t: t.reshape(-1)
+    m = _SHARED.match(name)
+    return (f"{m.group(1)}shared_experts.{m.group(2)}", lambda t: t) if m else None
+
+
+FAMILY = Family("ernie4_5_moe", parse, source=_source)
