@@ -49,6 +49,9 @@ MOE = {
     # softmax choice with a correction bias, a dense first layer, one shared expert; interleaved rotary
     "ernie4_5_moe": dict(moe_intermediate_size=16, moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
                          moe_layer_start_index=1, num_hidden_layers=3),
+    "dots1": dict(moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                  n_group=2, topk_group=1, routed_scaling_factor=2.0, first_k_dense_replace=1, num_hidden_layers=3,
+                  attention_bias=True, head_dim=8),
     "llama": dict(),
     "qwen3": dict(head_dim=8),
     # hybrid: three Gated DeltaNet layers, then a gated attention layer
@@ -61,7 +64,7 @@ MOE = {
 SUPPORTED = tuple(MOE)
 # the random correction bias of a biased router, on the scale of its scores (sigmoid: 0..1;
 # softmax over 8 experts: about 1/8)
-BIAS_STD = {"glm4_moe": 0.3, "ernie4_5_moe": 0.05}
+BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "ernie4_5_moe": 0.05}
 # multimodal families: their vision tower's config
 VISION = {"qwen3_vl_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                                patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16,
@@ -90,6 +93,7 @@ def _classes(model_type: str):
         "olmoe": (T.OlmoeConfig, T.OlmoeForCausalLM),
         "glm4_moe": (T.Glm4MoeConfig, T.Glm4MoeForCausalLM),
         "ernie4_5_moe": (T.Ernie4_5_MoeConfig, T.Ernie4_5_MoeForCausalLM),
+        "dots1": (T.Dots1Config, T.Dots1ForCausalLM),
         "qwen3_vl_moe": (T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration),
         "llama": (T.LlamaConfig, T.LlamaForCausalLM),
         "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),

@@ -50,6 +50,8 @@ def test_every_family_matches_transformers(tiny_checkpoint, model_type):
                           num_hidden_layers=3)),
     ("ernie4_5_moe", dict(moe_layer_start_index=0, moe_layer_interval=2, num_hidden_layers=4, moe_num_shared_experts=0,
                           moe_k=3, tie_word_embeddings=False)),
+    ("dots1", dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=4,
+                   norm_topk_prob=True, n_group=1, topk_group=1, attention_bias=False)),
     ("llama", dict(tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),

@@ -10,7 +10,7 @@ REGISTRY: dict[str, Family] = {
     f.model_type: f
     for f in (*(m.FAMILY for m in (llama, qwen3, qwen3_moe, qwen2_moe, mixtral, olmoe, glm4_moe, qwen3_vl_moe,
                                ernie4_5_moe, freetoken_llama_moe)),
-              *qwen3_next.FAMILIES)
+              glm4_moe.DOTS1, *qwen3_next.FAMILIES)
 }
 
 

@@ -1,4 +1,6 @@
-"""GLM-4.5 / GLM-4.5-Air / GLM-4.6 / GLM-4.7 (``glm4_moe``): llama-style attention with q/k/v
+"""Families routed as DeepSeek-V3 routes, on standard attention.
+
+GLM-4.5 / GLM-4.5-Air / GLM-4.6 / GLM-4.7 (``glm4_moe``): llama-style attention with q/k/v
 biases (``attention_bias``; ``o_proj`` has none), optional per-head q/k RMSNorm
 (``use_qk_norm``) and rotary over the first half of each head (``partial_rotary_factor`` 0.5);
 dense MLPs in the first ``first_k_dense_replace`` layers, then routed experts with sigmoid
@@ -9,6 +11,10 @@ steers the choice, group-limited top k, weights times ``routed_scaling_factor``)
 The checkpoints ship a multi-token-prediction layer after their own (``model.layers.{N}``,
 ``num_nextn_predict_layers``); the engine does not run it (transformers neither), so it is left
 unread and ``freetoken convert`` leaves it out.
+
+dots.llm1 (``dots1``): the same routing and shared experts (``norm_topk_prob`` off unless set,
+no dense layer unless ``first_k_dense_replace``), with q/k RMSNorm per head always, the
+attention's biases on ``o_proj`` too, full rotary, and sliding-window layers (``layer_types``).
 """
 from __future__ import annotations
 
@@ -16,24 +22,28 @@ import re
 from dataclasses import replace
 
 from ..config import ModelConfig
-from .hf import Family, base, moe, need
+from .hf import Family, base, moe, need, sliding
 
 _SHARED = re.compile(r"^(.*\.mlp\.)shared_expert\.(.*)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
-def parse(raw: dict) -> ModelConfig:
+def _routed(raw: dict, first_dense: int, norm_topk_prob: bool):
+    """The routed and shared experts, as transformers' defaults for the family fill them in."""
     layers = int(need(raw, "num_hidden_layers"))
-    dense = int(raw.get("first_k_dense_replace", 1) or 0)
+    dense = int(raw.get("first_k_dense_replace", first_dense) or 0)
     inter = int(need(raw, "moe_intermediate_size"))
-    spec = moe(raw | {"num_experts": need(raw, "n_routed_experts", "num_local_experts", "num_experts")},
+    return moe(raw | {"num_experts": need(raw, "n_routed_experts", "num_local_experts", "num_experts"),
+                      "norm_topk_prob": raw.get("norm_topk_prob", norm_topk_prob)},
                tuple(range(min(dense, layers), layers)), scoring="sigmoid", biased=True,
                n_group=int(raw.get("n_group", 1) or 1), topk_group=int(raw.get("topk_group", 1) or 1),
                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
                shared_intermediate_size=inter * int(raw.get("n_shared_experts", 1) or 0))
-    if "norm_topk_prob" not in raw:             # transformers' defaults for this family
-        spec = replace(spec, norm_topk_prob=True)
-    fields = base(raw, o_bias=False, qk_norm="head" if raw.get("use_qk_norm") else "none", moe=spec)
+
+
+def parse(raw: dict) -> ModelConfig:
+    fields = base(raw, o_bias=False, qk_norm="head" if raw.get("use_qk_norm") else "none",
+                  moe=_routed(raw, first_dense=1, norm_topk_prob=True))
     if "partial_rotary_factor" not in {**raw, **(raw.get("rope_parameters") or {})}:
         fields["rope"] = replace(fields["rope"], partial_rotary_factor=0.5)
     return ModelConfig(**fields)
@@ -51,4 +61,11 @@ def skip(cfg: ModelConfig, key: str) -> bool:
     return m is not None and int(m.group(1)) >= cfg.num_layers
 
 
+def parse_dots1(raw: dict) -> ModelConfig:
+    layers = int(need(raw, "num_hidden_layers"))
+    return ModelConfig(**base(raw, qk_norm="head", sliding_window=sliding(raw, layers, True),
+                              moe=_routed(raw, first_dense=0, norm_topk_prob=False)))
+
+
 FAMILY = Family("glm4_moe", parse, source=_source, skip=skip)
+DOTS1 = Family("dots1", parse_dots1, source=_source)
