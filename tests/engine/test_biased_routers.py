@@ -113,3 +113,21 @@ def test_ernie_with_biases_everywhere_is_refused_saying_why(tiny_checkpoint, tmp
     (folder / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="use_bias"):
         LLM(folder)
+
+
+def test_ernies_mtp_tensors_are_left_out_of_a_packed_folder(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("ernie4_5_moe")
+    folder = copy_folder(src, tmp_path / "ernie")
+    h = json.loads((folder / "config.json").read_text())["hidden_size"]
+    save_file({"model.mtp_linear_proj.0.weight": torch.randn(h, 2 * h), "model.mtp_emb_norm.0.weight": torch.ones(h)},
+              folder / "mtp.safetensors")
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        weight_map = {k: "model.safetensors" for k in f.keys()}
+    weight_map.update({"model.mtp_linear_proj.0.weight": "mtp.safetensors", "model.mtp_emb_norm.0.weight": "mtp.safetensors"})
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    out = tmp_path / "packed"
+    r = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "convert", "--model", str(folder),
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert not [k for k in json.loads((out / INDEX_NAME).read_text())["tensors"] if "mtp" in k]
+    assert LLM(out).generate(PROMPT, GREEDY).token_ids == LLM(src).generate(PROMPT, GREEDY).token_ids

@@ -3,7 +3,8 @@ and every family composes the same layers (``models/decoder.py``)."""
 from __future__ import annotations
 
 from ..errors import ConfigError
-from . import ernie4_5_moe, freetoken_llama_moe, glm4_moe, llama, mixtral, olmoe, qwen2_moe, qwen3, qwen3_moe, qwen3_next, qwen3_vl_moe
+from . import (ernie4_5_moe, freetoken_llama_moe, glm4_moe, llama, mixtral, olmoe, qwen2_moe, qwen3, qwen3_moe,
+               qwen3_next, qwen3_vl_moe)
 from .hf import Family
 
 REGISTRY: dict[str, Family] = {

@@ -8,6 +8,9 @@ The engine's rotary turns the two halves of a head. Reordering the rows of q_pro
 (and their biases) within each head, ``[0, 2, 4, ...; 1, 3, 5, ...]``, turns the interleaved
 rotary into that one: attention scores are sums over a head's dimensions, the same in any
 order that q and k share, and v is untouched. So the checkpoint is reordered as it is read.
+
+The multi-token-prediction tensors some checkpoints carry (``model.mtp_*``) are left unread, as
+transformers leaves them, and out of a packed folder.
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ from .hf import Family, base, moe, need
 _QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias)$")
 _BIAS = re.compile(r"^(.*\.mlp\.)gate\.e_score_correction_bias$")
 _SHARED = re.compile(r"^(.*\.mlp\.)shared_expert\.(.*)$")
+_MTP = re.compile(r"(^|\.)mtp")
 
 
 def parse(raw: dict) -> ModelConfig:
@@ -59,4 +63,8 @@ def _source(cfg: ModelConfig, name: str):
     return (f"{m.group(1)}shared_experts.{m.group(2)}", lambda t: t) if m else None
 
 
-FAMILY = Family("ernie4_5_moe", parse, source=_source)
+def skip(cfg: ModelConfig, key: str) -> bool:
+    return _MTP.search(key) is not None
+
+
+FAMILY = Family("ernie4_5_moe", parse, source=_source, skip=skip)
