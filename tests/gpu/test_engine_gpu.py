@@ -45,14 +45,20 @@ def test_cuda_float32_matches_transformers_on_cpu(tiny_checkpoint, model_type):
 DECISIVE = [35, 93, 118, 223, 52, 233, 279, 246, 210, 13, 103, 16]
 
 
-def routing_margin(llm: LLM, ids: list[int]) -> float:
-    """The smallest gap between the k-th and (k+1)-th router logit over every MoE layer and position."""
+def logit_gaps(block, x) -> list[float]:
+    """The gap between the k-th and (k+1)-th router logit, smallest over the positions."""
+    top = torch.topk(block.gate(x).float(), block.moe.top_k + 1, dim=-1).values
+    return [float((top[:, -2] - top[:, -1]).min())]
+
+
+def routing_margin(llm: LLM, ids: list[int], gaps_of=logit_gaps) -> float:
+    """The smallest of ``gaps_of(block, x)`` (how far each MoE layer's choice is from changing)
+    over every MoE layer of a prefill of ``ids``."""
     from freetoken_engine.layers.moe import SparseMoE
     gaps, real = [], SparseMoE.route
 
     def route(self, x):
-        top = torch.topk(self.gate(x).float(), self.moe.top_k + 1, dim=-1).values
-        gaps.append(float((top[:, -2] - top[:, -1]).min()))
+        gaps.extend(gaps_of(self, x))
         return real(self, x)
     SparseMoE.route = route
     try:

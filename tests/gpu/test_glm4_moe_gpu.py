@@ -14,40 +14,32 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from test_engine_gpu import routing_margin  # noqa: E402
+
 #: routing decisive at every MoE layer and position of the tiny glm4_moe checkpoint: the kept
 #: group above the next by, and the k-th biased score above the next, 0.05 or more (bfloat16's
 #: rounding moves a score by about 0.005 here)
 DECISIVE = [164, 286, 108, 94, 156, 224, 278, 83, 27, 129, 132, 35]
 
 
-def choice_margin(llm: LLM, ids: list[int]) -> float:
-    """The smallest gap, over every MoE layer and position, between the last kept and the first
-    dropped group and between the k-th and (k+1)-th biased score among the kept experts."""
-    gaps, real = [], SparseMoE.route
-
-    def route(self, x):
-        m = self.moe
-        s = self.gate(x).sigmoid() + self.gate.e_score_correction_bias
-        groups = s.view(s.shape[0], m.n_group, -1).topk(2, dim=-1).values.sum(-1)
-        ranked = groups.topk(m.n_group, dim=-1).values
-        gaps.append(float((ranked[:, m.topk_group - 1] - ranked[:, m.topk_group]).min()))
-        keep = torch.zeros_like(groups).scatter_(1, groups.topk(m.topk_group, -1).indices, 1.0)
-        kept = s.masked_fill(~keep.bool().repeat_interleave(m.num_experts // m.n_group, 1), float("-inf"))
-        top = kept.topk(m.top_k + 1, dim=-1).values
-        gaps.append(float((top[:, -2] - top[:, -1]).min()))
-        return real(self, x)
-    SparseMoE.route = route
-    try:
-        llm.prefill_logits(ids)
-    finally:
-        SparseMoE.route = real
-    return min(gaps)
+def choice_gaps(block: SparseMoE, x) -> list[float]:
+    """The gaps, smallest over the positions, between the last kept and the first dropped group
+    and between the k-th and (k+1)-th biased score among the kept experts."""
+    m = block.moe
+    s = block.gate(x).sigmoid() + block.gate.e_score_correction_bias
+    groups = s.view(s.shape[0], m.n_group, -1).topk(2, dim=-1).values.sum(-1)
+    ranked = groups.topk(m.n_group, dim=-1).values
+    keep = torch.zeros_like(groups).scatter_(1, groups.topk(m.topk_group, -1).indices, 1.0)
+    kept = s.masked_fill(~keep.bool().repeat_interleave(m.num_experts // m.n_group, 1), float("-inf"))
+    top = kept.topk(m.top_k + 1, dim=-1).values
+    return [float((ranked[:, m.topk_group - 1] - ranked[:, m.topk_group]).min()),
+            float((top[:, -2] - top[:, -1]).min())]
 
 
 def test_bfloat16_on_cuda_keeps_a_float32_router_and_follows_float32(tiny_checkpoint):
     folder = tiny_checkpoint("glm4_moe")
     cpu = LLM(folder, device="cpu", dtype="float32")
-    assert choice_margin(cpu, DECISIVE) > 0.03
+    assert routing_margin(cpu, DECISIVE, choice_gaps) > 0.03
     want = cpu.forward_logits(DECISIVE)
     llm = LLM(folder, device="cuda", dtype="bfloat16")
     routers = [m for m in llm.runner.model.modules() if isinstance(m, BiasedRouter)]

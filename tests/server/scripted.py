@@ -10,6 +10,7 @@ answer is encoded to token ids and streamed back as ``TokenEvent``s through the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 
 from freetoken_engine.errors import RequestTooLong
@@ -66,3 +67,18 @@ class ScriptedService:
 
     def shutdown(self) -> None:
         pass
+
+
+@contextlib.contextmanager
+def recording_server(tokenizer, answers):
+    """A live server over a ``ScriptedService`` of ``tokenizer`` that answers ``answers(prompt)``;
+    the server it yields lists every prompt it was given, in order, in ``prompts``."""
+    from live import live_server
+    prompts: list[str] = []
+
+    def script(prompt: str) -> str:
+        prompts.append(prompt)
+        return answers(prompt)
+    with live_server(ScriptedService(tokenizer, script=script)) as srv:
+        srv.prompts = prompts
+        yield srv

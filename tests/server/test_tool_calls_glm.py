@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from live import API_KEY, live_server, start_service
-from scripted import ScriptedService
+from scripted import recording_server
 from test_tool_grammar import SCHEMAS, allowed, walk
 
 from freetoken_engine.executor.guide import Guide, GuideSpec
@@ -162,15 +162,11 @@ def test_forced_glm_answers_are_calls_then_the_end(glm_tok):
 
 @pytest.fixture(scope="module")
 def scripted(glm_dir):
-    prompts = []
-
-    def script(text: str) -> str:
-        prompts.append(text)
-        if text.endswith("<tool_call>get_weather\n"):
+    def answer(prompt: str) -> str:
+        if prompt.endswith("<tool_call>get_weather\n"):
             return NAMED_REST
-        return "\n<think>Sunny.</think>\nSunny all three days." if "<tool_response>" in text else ANSWER
-    with live_server(ScriptedService(Tokenizer(glm_dir), script=script)) as srv:
-        srv.prompts = prompts
+        return "\n<think>Sunny.</think>\nSunny all three days." if "<tool_response>" in prompt else ANSWER
+    with recording_server(Tokenizer(glm_dir), answer) as srv:
         yield srv
 
 

@@ -10,9 +10,8 @@ import shutil
 
 import pytest
 
-from live import live_server
 from freetoken_engine.models.tokenizer import Tokenizer
-from scripted import ScriptedService
+from scripted import recording_server
 
 TEMPLATE = (
     "{%- if tools %}{{- '<|im_start|>system\\n# Tools\\n<tools>' }}"
@@ -49,15 +48,12 @@ def live(tiny_dir, tmp_path_factory):
     shutil.copy(tiny_dir / "tokenizer.json", folder / "tokenizer.json")
     config = json.loads((tiny_dir / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=TEMPLATE)))
-    prompts = []
 
-    def script(prompt: str) -> str:
-        prompts.append(prompt)
+    def answer(prompt: str) -> str:
         if prompt.endswith("<function=get_weather>\n"):
             return NAMED_REST
         return "It will be sunny.\n</think>\n\nSunny all three days." if "<tool_response>" in prompt else ANSWER
-    with live_server(ScriptedService(Tokenizer(folder), script=script)) as srv:
-        srv.prompts = prompts
+    with recording_server(Tokenizer(folder), answer) as srv:
         yield srv
 
 
