@@ -73,10 +73,9 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (weights [T, k] in x.dtype, expert ids [T, k])."""
         logits = self.gate(x)                                            # [T, E]
-        if self.moe.biased:
-            weights, ids = biased_route(logits, self.gate.e_score_correction_bias, self.moe)
-            return weights.to(x.dtype), ids
         gpu = gpu_decode_kernels("route") if x.device.type == "cuda" else None
+        if self.moe.biased:
+            return self._biased(self.gate, logits, x.dtype, gpu)
         if gpu is not None and gpu.supported(logits, self.moe.top_k):     # one launch
             return gpu.route(logits, self.moe.top_k, self.moe.scoring != "unit", self.moe.norm_topk_prob, x.dtype)
         if self.moe.scoring == "unit":
@@ -87,6 +86,13 @@ class SparseMoE(nn.Module):
         if self.moe.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return (weights if weights.dtype == x.dtype else weights.to(x.dtype)), ids
+
+    def _biased(self, gate: BiasedRouter, logits: torch.Tensor, dtype: torch.dtype, gpu):
+        """(weights, ids) of a biased choice; on a GPU in one launch (kernels/triton/route.py)."""
+        if gpu is not None and gpu.supported_biased(logits, self.moe):
+            return gpu.route_biased(logits, gate.e_score_correction_bias, self.moe, dtype)
+        weights, ids = biased_route(logits, gate.e_score_correction_bias, self.moe)
+        return weights.to(dtype), ids
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
         shared = self.shared_expert(x)
@@ -102,8 +108,9 @@ class SparseMoE(nn.Module):
             # the next layer's experts guessed from this layer's router input: copied while this
             # layer computes (OffloadedExperts.guess); a wrong guess costs a fill, never a result
             logits = self.next_gate(x)
-            guess = biased_route(logits, self.next_gate.e_score_correction_bias, self.moe)[1] \
-                if self.moe.biased else torch.topk(logits, self.moe.top_k, dim=-1).indices
+            gpu = gpu_decode_kernels("route") if x.is_cuda else None
+            guess = self._biased(self.next_gate, logits, x.dtype, gpu)[1] if self.moe.biased \
+                else torch.topk(logits, self.moe.top_k, dim=-1).indices
             self.experts.guess(self.moe_layer + 1, guess)
         # [T*k, H] or SplitRows; on a GPU the shared expert runs beside the hits while fills copy
         beside = None if self.shared_expert is None else functools.partial(self._shared, x)
