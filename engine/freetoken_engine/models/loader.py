@@ -4,6 +4,12 @@
 ``model.safetensors.index.json`` present and readable, headers consistent with the file sizes)
 so that a broken folder fails with one clear ``ConfigError`` before any weight is copied.
 Tensors are then read lazily by name.
+
+FP8 checkpoints as Qwen, GLM and DeepSeek publish them (``quantization_config`` ``quant_method:
+fp8``, e4m3 weights each with a float32 ``<name>_scale_inv`` per ``weight_block_size`` block of
+its last two dimensions) are dequantized as each tensor is read, into the checkpoint's own
+dtype (``torch_dtype``, bfloat16 for these): ``get`` returns weight times scale, and the scale
+tensors are not among ``names``. Other quantization methods are refused by name.
 """
 from __future__ import annotations
 
@@ -17,6 +23,8 @@ from safetensors import safe_open
 from ..errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+SCALE = "_scale_inv"      # an FP8 tensor's block scales: <name>_scale_inv
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -80,9 +88,11 @@ class Checkpoint:
             if missing:
                 raise ConfigError(f"index names tensors absent from their shards, e.g. {missing[0]}")
         self._handles: dict[Path, object] = {}
+        self._block, self._fp8_dtype = _fp8_scheme(self.config, cfg_path)
+        self._scales = {n for n in self._where if n.endswith(SCALE) and n[: -len(SCALE)] in self._where}
 
     def names(self) -> list[str]:
-        return list(self._where)
+        return [n for n in self._where if n not in self._scales]
 
     def has(self, name: str) -> bool:
         return name in self._where
@@ -94,7 +104,43 @@ class Checkpoint:
         handle = self._handles.get(path)
         if handle is None:
             handle = self._handles[path] = safe_open(str(path), framework="pt")
-        return handle.get_tensor(name)
+        t = handle.get_tensor(name)
+        if t.dtype not in _FP8:
+            return t
+        if self._fp8_dtype is None or name + SCALE not in self._where:
+            raise ConfigError(f"{name} in {path.name} is float8 without its scales ({name}{SCALE}) and an fp8 "
+                              f"quantization_config in config.json: not a checkpoint the engine can read")
+        return dequantize(t, self.get(name + SCALE), self._block, self._fp8_dtype)
 
     def close(self) -> None:
         self._handles.clear()
+
+
+def _fp8_scheme(config: dict, where: Path) -> tuple[tuple[int, int] | None, torch.dtype | None]:
+    """(block size or None, the dtype FP8 tensors dequantize into; None: not an FP8 checkpoint);
+    a ConfigError names a quantization the engine cannot read."""
+    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    if not quant:
+        return None, None
+    method = str(quant.get("quant_method", "?")).lower()
+    if method != "fp8" or str(quant.get("fmt", "e4m3")).lower() != "e4m3":
+        raise ConfigError(f"{where}: quantization_config {method!r} (fmt {quant.get('fmt', '-')!r}) is not supported; "
+                          f"the engine reads unquantized (bfloat16 / float16 / float32) checkpoints and FP8 "
+                          f"(e4m3, block-scaled) ones")
+    block = quant.get("weight_block_size")
+    name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
+    return (tuple(int(b) for b in block) if block else None), _DTYPES.get(str(name), torch.bfloat16)
+
+
+def dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 tensor times its scales, in ``dtype``: ``scale`` holds one float per ``block`` of the
+    last two dimensions (ceil-divided: the last blocks may be partial), or one for all."""
+    n, k = w.shape[-2:]
+    if scale.numel() == 1:
+        return (w.float() * scale.float().reshape(())).to(dtype)
+    bn, bk = block or (-(-n // scale.shape[-2]), -(-k // scale.shape[-1]))
+    if scale.shape[:-2] != w.shape[:-2] or scale.shape[-2:] != (-(-n // bn), -(-k // bk)):
+        raise ConfigError(f"FP8 scales of shape {tuple(scale.shape)} do not fit a weight of shape {tuple(w.shape)} "
+                          f"in blocks of {bn}x{bk}")
+    full = scale.float().repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
+    return (w.float() * full).to(dtype)
