@@ -20,11 +20,10 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .hf import Family, base, moe, need
+from .hf import Family, base, moe, need, shared_experts
 
 _QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias)$")
 _BIAS = re.compile(r"^(.*\.mlp\.)gate\.e_score_correction_bias$")
-_SHARED = re.compile(r"^(.*\.mlp\.)shared_expert\.(.*)$")
 _MTP = re.compile(r"(^|\.)mtp")
 
 
@@ -59,8 +58,7 @@ def _source(cfg: ModelConfig, name: str):
     m = _BIAS.match(name)
     if m:
         return f"{m.group(1)}moe_statics.e_score_correction_bias", lambda t: t.reshape(-1)
-    m = _SHARED.match(name)
-    return (f"{m.group(1)}shared_experts.{m.group(2)}", lambda t: t) if m else None
+    return shared_experts(name)
 
 
 def skip(cfg: ModelConfig, key: str) -> bool:

@@ -22,9 +22,8 @@ import re
 from dataclasses import replace
 
 from ..config import ModelConfig
-from .hf import Family, base, moe, need, sliding
+from .hf import Family, base, moe, need, shared_experts, sliding
 
-_SHARED = re.compile(r"^(.*\.mlp\.)shared_expert\.(.*)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -50,9 +49,7 @@ def parse(raw: dict) -> ModelConfig:
 
 
 def _source(cfg: ModelConfig, name: str):
-    """The engine's ``shared_expert`` is the checkpoint's ``shared_experts``."""
-    m = _SHARED.match(name)
-    return (f"{m.group(1)}shared_experts.{m.group(2)}", lambda t: t) if m else None
+    return shared_experts(name)
 
 
 def skip(cfg: ModelConfig, key: str) -> bool:

@@ -1,6 +1,7 @@
 """Shared translation of Hugging Face ``config.json`` fields into ``ModelConfig``."""
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -78,6 +79,16 @@ class Family:
         if self.model_prefix != "model" and key.startswith(self.model_prefix + "."):
             key = "model." + key[len(self.model_prefix) + 1:]
         return key
+
+
+_SHARED_EXPERT = re.compile(r"^(.*\.mlp\.)shared_expert\.(.*)$")
+
+
+def shared_experts(name: str) -> tuple[str, Callable] | None:
+    """A ``Family.source`` rule: the engine's ``mlp.shared_expert`` is the checkpoint's
+    ``mlp.shared_experts`` (GLM-4.5, ERNIE-4.5, dots.llm1: ungated, one MLP for them all)."""
+    m = _SHARED_EXPERT.match(name)
+    return (f"{m.group(1)}shared_experts.{m.group(2)}", lambda t: t) if m else None
 
 
 def need(raw: dict, *names: str):
