@@ -125,6 +125,7 @@ class ModelConfig:
     # the KV pool's last layer and its routed experts the expert bank's last layer
     mtp_layers: int = 0
     use_mtp: bool = False
+    mtp_zero_first: bool = False       # the MTP layer takes a zero embedding at position 0 (GLM, DeepSeek)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):

@@ -1,7 +1,7 @@
 """Families whose router chooses by score plus a correction bias: GLM-4.5 (``glm4_moe``) and
-ERNIE-4.5 (``ernie4_5_moe``), as they are published: GLM's multi-token-prediction layer is left
-unread (and out of a packed folder), the router keeps float32 in a bfloat16 engine, and
-configurations the engine cannot follow are refused clearly. Parity with transformers on random
+ERNIE-4.5 (``ernie4_5_moe``), as they are published: the router keeps float32 in a bfloat16
+engine, ERNIE's MTP tensors stay out of a packed folder, and configurations the engine cannot
+follow are refused clearly (GLM's MTP layer as a drafter: test_glm_mtp.py). Parity with transformers on random
 checkpoints is in test_parity.py, the cache and q* split in test_expert_cache.py, stacked experts
 in test_fused_experts.py."""
 from __future__ import annotations
@@ -25,54 +25,16 @@ PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9]
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
 
-def with_mtp_layer(src, dst):
-    """``src`` plus a shard holding a full layer ``model.layers.{N}`` (N = num_hidden_layers) with
-    the MTP parts GLM-4.5 checkpoints carry (enorm, hnorm, eh_proj, shared_head), routed experts
-    included, as the hub's GLM-4.5-Air ships its layer 46."""
-    folder = copy_folder(src, dst)
-    cfg = json.loads((folder / "config.json").read_text())
-    n, h, e, i = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["n_routed_experts"], cfg["moe_intermediate_size"]
-    stem = f"model.layers.{n}."
-    extra = {stem + "enorm.weight": torch.ones(h), stem + "hnorm.weight": torch.ones(h),
-             stem + "eh_proj.weight": torch.randn(h, 2 * h), stem + "shared_head.norm.weight": torch.ones(h),
-             stem + "mlp.gate.weight": torch.randn(e, h), stem + "mlp.gate.e_score_correction_bias": torch.zeros(e),
-             stem + "self_attn.q_proj.weight": torch.randn(h, h)}
-    for x in range(e):
-        for proj, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
-            extra[f"{stem}mlp.experts.{x}.{proj}.weight"] = torch.randn(shape)
-    save_file(extra, folder / "mtp.safetensors")
-    with safe_open(folder / "model.safetensors", "pt") as f:
-        names = list(f.keys())
-    weight_map = {k: "model.safetensors" for k in names} | {k: "mtp.safetensors" for k in extra}
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    cfg["num_nextn_predict_layers"] = 1
+def test_mtp_drafts_from_a_layer_the_engine_does_not_run_are_refused_saying_what_to_use(tiny_checkpoint, tmp_path):
+    """ERNIE-4.5's config names MTP layers the engine does not run (GLM's it does: test_glm_mtp.py)."""
+    folder = copy_folder(tiny_checkpoint("ernie4_5_moe"), tmp_path / "ernie")
+    cfg = json.loads((folder / "config.json").read_text()) | {"num_nextn_predict_layers": 1}
     (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
-
-
-def test_the_shipped_mtp_layer_is_left_unread_and_out_of_a_packed_folder(tiny_checkpoint, tmp_path):
-    src = tiny_checkpoint("glm4_moe")
-    want = LLM(src).generate(PROMPT, GREEDY).token_ids
-    folder = with_mtp_layer(src, tmp_path / "glm")
-    assert LLM(folder).generate(PROMPT, GREEDY).token_ids == want
-    out = tmp_path / "packed"
-    r = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "convert", "--model", str(folder),
-                        "--out", str(out)], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    index = json.loads((out / INDEX_NAME).read_text())
-    cfg = json.loads((src / "config.json").read_text())
-    assert not [k for k in index["tensors"] if k.startswith(f"model.layers.{cfg['num_hidden_layers']}.")]
-    packed = LLM(out, expert_cache_experts=3, cpu_expert_fraction=0.5)
-    assert packed.generate(PROMPT, GREEDY).token_ids == want
-
-
-def test_mtp_drafts_are_refused_saying_what_to_use(tiny_checkpoint, tmp_path):
-    folder = with_mtp_layer(tiny_checkpoint("glm4_moe"), tmp_path / "glm")
     r = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "generate", "--model", str(folder),
                         "--prompt-ids", "1,2", "--max-new-tokens", "2", "--speculative-tokens", "2",
                         "--speculative-method", "mtp"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
-    assert "glm4_moe's multi-token-prediction layer" in r.stderr and "--speculative-method ngram" in r.stderr
+    assert "ernie4_5_moe's multi-token-prediction layer" in r.stderr and "--speculative-method ngram" in r.stderr
 
 
 @pytest.mark.parametrize("model_type", ["glm4_moe", "ernie4_5_moe"])

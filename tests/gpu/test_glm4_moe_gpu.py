@@ -47,3 +47,25 @@ def test_bfloat16_on_cuda_keeps_a_float32_router_and_follows_float32(tiny_checkp
     got = llm.forward_logits(DECISIVE).cpu()
     assert (got - want).abs().max() < 0.1 * max(1.0, want.abs().max().item())
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_glms_mtp_drafts_on_the_gpu_change_no_token(tmp_path):
+    """GLM's MTP layer (test_glm_mtp.py) drafting on the GPU through the expert cache and the q*
+    split, its passes replayed from graphs: float32 tokens equal the plain engine's."""
+    from test_glm_mtp import glm_mtp_parts
+    from test_mtp import PROMPTS, SAMPLED
+    from tiny_models import make_tiny_checkpoint
+    from freetoken_engine import SamplingParams
+    path = make_tiny_checkpoint(tmp_path / "glm", "glm4_moe")
+    glm_mtp_parts(path)
+    gpu = dict(device="cuda", dtype="float32", expert_cache_experts=6, cpu_expert_fraction=0.5)
+    greedy = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+    plain = LLM(path, **gpu)
+    llm = LLM(path, speculative_tokens=3, speculative_method="mtp", **gpu)
+    drafted = 0
+    for prompt in PROMPTS:
+        for params in (greedy, SAMPLED):
+            got = llm.generate(prompt, params)
+            assert got.token_ids == plain.generate(prompt, params).token_ids
+            drafted += got.stats["draft_tokens"]
+    assert drafted > 0 and llm.runner.graph_stats()["mtp_graph_replays"] > 0

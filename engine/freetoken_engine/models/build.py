@@ -134,9 +134,9 @@ def _with_mtp(folder: Path, ckpt, cfg: ModelConfig) -> ModelConfig:
     if hasattr(ckpt, "bank_tensors") and not ckpt.index["bank"].get("mtp_layers"):
         raise ConfigError(f"{folder} was packed without the MTP layer's experts (before the packed format "
                           f"carried them): run freetoken convert again for --speculative-method mtp")
-    if not any(k.startswith("mtp.") for k in ckpt.names()):
+    if not family(cfg.model_type).has_mtp(cfg, ckpt.names()):
         raise ConfigError(f"{folder}: config.json names {cfg.mtp_layers} MTP layer(s) but the checkpoint "
-                          f"holds no mtp.* tensor")
+                          f"holds none of its tensors ({family(cfg.model_type).mtp_layer(cfg)}.*)")
     return replace(cfg, use_mtp=True)
 
 
@@ -181,7 +181,7 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
         if tied:
             model.lm_head.weight = model.model.embed_tokens.weight
         if not packed and bank is not None:
-            layers = [*cfg.moe.layers, *(["mtp.layers.0"] if cfg.use_mtp else [])]
+            layers = [*cfg.moe.layers, *([fam.mtp_layer(cfg)] if cfg.use_mtp else [])]
             for li, layer in enumerate(layers):
                 for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, cfg.moe.num_experts,
                                                                             (bank.hidden, bank.inter))):

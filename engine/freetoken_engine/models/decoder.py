@@ -128,9 +128,13 @@ class DecoderLM(nn.Module):
         (``batch.positions``), ``hidden [T, H]`` the hidden state at that position (the model's,
         after its final norm, or the MTP head's own when drafting on); its KV goes to the pool's
         last layer. -> the MTP head's output at ``rows`` (after its norm): ``logits`` of it
-        predict the token after ``ids``."""
+        predict the token after ``ids``. With ``mtp_zero_first`` (GLM, DeepSeek: as vLLM runs
+        them) the row at position 0 takes a zero embedding."""
         m = self.mtp
-        e = m.pre_fc_norm_embedding(self.model.embed_tokens(ids))
+        e = self.model.embed_tokens(ids)
+        if self.cfg.mtp_zero_first:
+            e = e.masked_fill((batch.positions == 0)[:, None], 0.0)
+        e = m.pre_fc_norm_embedding(e)
         x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype, batch.max_position)
         j = self.cfg.kv_layers - 1

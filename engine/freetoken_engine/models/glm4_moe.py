@@ -9,8 +9,11 @@ steers the choice, group-limited top k, weights times ``routed_scaling_factor``)
 ``n_shared_experts`` ungated shared experts (``mlp.shared_experts``).
 
 The checkpoints ship a multi-token-prediction layer after their own (``model.layers.{N}``,
-``num_nextn_predict_layers``); the engine does not run it (transformers neither), so it is left
-unread and ``freetoken convert`` leaves it out.
+``num_nextn_predict_layers``), DeepSeek-V3's kind: ``enorm`` and ``hnorm`` norm the next token's
+embedding and the model's final hidden state, ``eh_proj`` joins them, a full decoder layer
+follows and ``shared_head.norm`` norms its output for the LM head (the layer's own copies of the
+embedding and head are the model's). It maps onto the engine's MTP head (``--speculative-method
+mtp``), with the embedding at position 0 zeroed as vLLM does; transformers does not run it.
 
 dots.llm1 (``dots1``): the same routing and shared experts (``norm_topk_prob`` off unless set,
 no dense layer unless ``first_k_dense_replace``), with q/k RMSNorm per head always, the
@@ -42,20 +45,38 @@ def _routed(raw: dict, first_dense: int, norm_topk_prob: bool):
 
 def parse(raw: dict) -> ModelConfig:
     fields = base(raw, o_bias=False, qk_norm="head" if raw.get("use_qk_norm") else "none",
-                  moe=_routed(raw, first_dense=1, norm_topk_prob=True))
+                  moe=_routed(raw, first_dense=1, norm_topk_prob=True),
+                  mtp_layers=int(raw.get("num_nextn_predict_layers") or 0), mtp_zero_first=True)
     if "partial_rotary_factor" not in {**raw, **(raw.get("rope_parameters") or {})}:
         fields["rope"] = replace(fields["rope"], partial_rotary_factor=0.5)
     return ModelConfig(**fields)
 
 
+_MTP_PARTS = {"pre_fc_norm_embedding": "enorm", "pre_fc_norm_hidden": "hnorm", "fc": "eh_proj",
+              "norm": "shared_head.norm"}
+
+
+def _mtp_layer(cfg: ModelConfig) -> str:
+    return f"model.layers.{cfg.num_layers}"
+
+
 def _source(cfg: ModelConfig, name: str):
+    """The engine's ``shared_expert`` is the checkpoint's ``shared_experts``; its MTP head
+    (``mtp.*``) is the layer after the model's own."""
+    if name.startswith("mtp."):
+        part, _, rest = name[len("mtp."):].partition(".")
+        stem = _mtp_layer(cfg)
+        if part == "layers":                                  # mtp.layers.0.<the decoder layer's own>
+            inner = f"{stem}.{rest.partition('.')[2]}"
+            return shared_experts(inner) or (inner, lambda t: t)
+        return f"{stem}.{_MTP_PARTS[part]}.{rest}", lambda t: t
     return shared_experts(name)
 
 
 def skip(cfg: ModelConfig, key: str) -> bool:
-    """The MTP layer's tensors (``model.layers.{n}`` for n past the model's own layers)."""
+    """A second MTP layer (``model.layers.{n}`` past the first after the model's own): unread."""
     m = _LAYER.match(key)
-    return m is not None and int(m.group(1)) >= cfg.num_layers
+    return m is not None and int(m.group(1)) > cfg.num_layers
 
 
 def parse_dots1(raw: dict) -> ModelConfig:
@@ -64,5 +85,5 @@ def parse_dots1(raw: dict) -> ModelConfig:
                               moe=_routed(raw, first_dense=0, norm_topk_prob=False)))
 
 
-FAMILY = Family("glm4_moe", parse, source=_source, skip=skip)
+FAMILY = Family("glm4_moe", parse, source=_source, skip=skip, mtp_layer=_mtp_layer)
 DOTS1 = Family("dots1", parse_dots1, source=_source)

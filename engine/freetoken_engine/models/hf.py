@@ -26,6 +26,15 @@ class Family:
     # the fused pair may be stored transposed, gate_up_proj [E, H, 2I] and down_proj [E, I, H], as
     # Qwen3-VL-MoE is published (transformers writes it untransposed): told apart by their shapes
     fused_transposed: bool = False
+    # the key prefix of the multi-token-prediction layer the checkpoint ships: Qwen3-Next's
+    # ``mtp.layers.0`` (its other parts ``mtp.*``); GLM's and DeepSeek's the layer after the
+    # model's own, ``model.layers.{N}``, its parts mapped to the engine's by ``source``
+    mtp_layer: Callable[[ModelConfig], str] = lambda cfg: "mtp.layers.0"
+
+    def has_mtp(self, cfg: ModelConfig, names) -> bool:
+        """Whether checkpoint tensor ``names`` hold the MTP layer's."""
+        stem = self.mtp_layer(cfg) + "."
+        return any(k.startswith(stem) for k in names)
 
     def layer_stem(self, layer: int | str) -> str:
         """The key prefix of a layer: ``<model_prefix>.layers.{layer}``, or ``layer`` itself when

@@ -101,8 +101,8 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
     expert_keys = set()
     moe = cfg.moe
     # the MTP layer's routed experts go to the bank's last layer (its other tensors are dense)
-    mtp = bool(moe and cfg.mtp_layers and any(k.startswith("mtp.") for k in ckpt.names()))
-    layers = [*moe.layers, *(["mtp.layers.0"] if mtp else [])] if moe else []
+    mtp = bool(moe and cfg.mtp_layers and fam.has_mtp(cfg, ckpt.names()))
+    layers = [*moe.layers, *([fam.mtp_layer(cfg)] if mtp else [])] if moe else []
     if moe:
         expert_keys = {fam.expert_key(layer, e, p) for layer in layers
                        for e in range(moe.num_experts) for p in range(3)}

@@ -1,0 +1,133 @@
+"""GLM-4.5's multi-token-prediction layer (DeepSeek-V3's kind, shipped as ``model.layers.{N}``)
+as the engine's MTP drafter: its drafts are the ones transformers' GLM modules compute from the
+same weights as vLLM runs the layer (``enorm``/``hnorm``/``eh_proj``, a full decoder layer,
+``shared_head.norm``, the embedding at position 0 zeroed), the output is the plain decode's, and
+a packed folder carries the layer."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from freetoken_engine import LLM
+from freetoken_engine.executor.speculate import DraftLength
+from test_mtp import GREEDY, PROMPTS, SAMPLED, spy_drafts
+from tiny_models import load_reference, make_tiny_checkpoint
+
+
+def glm_mtp_parts(path, seed: int = 1) -> dict:
+    """A random MTP layer for the glm4_moe checkpoint at ``path`` from transformers' own GLM
+    modules, written as the hub ships it (``model.layers.{N}.*``, experts one tensor each, the
+    layer's copies of the embedding and LM head beside it); returned float32 for the reference."""
+    import transformers as T
+    from transformers.models.glm4_moe import modeling_glm4_moe as G
+    path = Path(path)
+    cfg = T.AutoConfig.from_pretrained(path)
+    cfg._attn_implementation = "eager"
+    n, h = cfg.num_hidden_layers, cfg.hidden_size
+    parts = dict(enorm=G.Glm4MoeRMSNorm(h, cfg.rms_norm_eps), hnorm=G.Glm4MoeRMSNorm(h, cfg.rms_norm_eps),
+                 eh_proj=torch.nn.Linear(2 * h, h, bias=False), layer=G.Glm4MoeDecoderLayer(cfg, n),
+                 norm=G.Glm4MoeRMSNorm(h, cfg.rms_norm_eps))
+    g = torch.Generator().manual_seed(seed)
+    state = {}
+    with torch.no_grad():
+        for name, module in parts.items():
+            for key, p in [*module.named_parameters(), *module.named_buffers()]:
+                is_norm = key.endswith("norm.weight") or (key == "weight" and p.dim() == 1)
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if is_norm else 0.2 * torch.randn(p.shape, generator=g))
+                stem = f"model.layers.{n}." + ("" if name == "layer" else
+                                               {"norm": "shared_head.norm.", "eh_proj": "eh_proj.",
+                                                "enorm": "enorm.", "hnorm": "hnorm."}[name])
+                if name == "layer" and key == "mlp.experts.gate_up_proj":
+                    i = p.shape[1] // 2
+                    for e in range(p.shape[0]):
+                        state[f"{stem}mlp.experts.{e}.gate_proj.weight"] = p[e, :i].clone()
+                        state[f"{stem}mlp.experts.{e}.up_proj.weight"] = p[e, i:].clone()
+                elif name == "layer" and key == "mlp.experts.down_proj":
+                    for e in range(p.shape[0]):
+                        state[f"{stem}mlp.experts.{e}.down_proj.weight"] = p[e].clone()
+                else:
+                    state[stem + key] = p.detach().clone()
+    ref = load_reference(path)
+    state[f"model.layers.{n}.embed_tokens.weight"] = ref.model.embed_tokens.weight.detach().clone()
+    state[f"model.layers.{n}.shared_head.head.weight"] = ref.lm_head.weight.detach().clone()
+    save_file(state, path / "mtp.safetensors")
+    with safe_open(path / "model.safetensors", "pt") as f:
+        weight_map = {k: "model.safetensors" for k in f.keys()}
+    weight_map.update({k: "mtp.safetensors" for k in state})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
+    return {k: m.float().eval() for k, m in parts.items()}
+
+
+
+@pytest.fixture(scope="module")
+def glm_mtp(tmp_path_factory):
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp("glm-mtp"), "glm4_moe")
+    return path, glm_mtp_parts(path)
+
+
+def reference_drafts(ref, mtp: dict, tokens: list[int], k: int) -> list[int]:
+    """k greedy drafts after ``tokens`` without a cache, as vLLM runs GLM's MTP layer: row i
+    joins the model's final hidden state at i and token i + 1's embedding (zero at position 0),
+    each normed; each further draft appends the head's own output and guess as one more row."""
+    with torch.no_grad():
+        hidden = list(ref.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state[0])
+        nxt, drafts = list(tokens[1:]), []
+        for _ in range(k):
+            n = len(nxt)
+            e = ref.model.embed_tokens(torch.tensor(nxt))
+            e[0] = 0.0
+            x = mtp["eh_proj"](torch.cat([mtp["enorm"](e), mtp["hnorm"](torch.stack(hidden))], -1))[None]
+            pos = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            out = mtp["layer"](x, position_embeddings=ref.model.rotary_emb(x, pos), attention_mask=mask,
+                               position_ids=pos)
+            g = mtp["norm"]((out[0] if isinstance(out, tuple) else out)[0, -1])
+            drafts.append(int(ref.lm_head(g).argmax()))
+            hidden.append(g)
+            nxt.append(drafts[-1])
+    return drafts
+
+
+def test_the_engines_glm_mtp_drafts_are_the_reference_drafts_and_change_no_token(glm_mtp, monkeypatch):
+    path, mtp = glm_mtp
+    monkeypatch.setattr(DraftLength, "update", lambda self, drafted, kept: None)
+    seen = spy_drafts(monkeypatch)
+    plain = LLM(path)
+    llm = LLM(path, speculative_tokens=3, speculative_method="mtp")
+    ref = load_reference(path)
+    for prompt in PROMPTS[:2]:
+        seen.clear()
+        out = llm.generate(prompt, GREEDY)
+        assert out.token_ids == plain.generate(prompt, GREEDY).token_ids
+        assert len(seen) >= 10
+        tokens = prompt + out.token_ids
+        for computed, draft in seen:
+            assert draft == reference_drafts(ref, mtp, tokens[:computed + 1], len(draft)), computed
+    seeded = LLM(path, speculative_tokens=4, speculative_method="mtp", prefill_chunk=5)
+    for prompt in PROMPTS:
+        out = seeded.generate(prompt, SAMPLED)
+        assert out.token_ids == plain.generate(prompt, SAMPLED).token_ids and out.stats["draft_tokens"] > 0
+
+
+def test_a_packed_glm_folder_carries_its_mtp_layer(glm_mtp, tmp_path):
+    path, _ = glm_mtp
+    out = tmp_path / "packed"
+    r = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "convert", "--model", str(path),
+                        "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    params = dict(speculative_tokens=3, speculative_method="mtp")
+    want = LLM(path, **params)
+    got = LLM(out, expert_cache_experts=5, cpu_expert_fraction=0.5, **params)
+    for prompt in PROMPTS[:2]:
+        a, b = want.generate(prompt, GREEDY), got.generate(prompt, GREEDY)
+        assert a.token_ids == b.token_ids and a.stats["draft_tokens_kept"] == b.stats["draft_tokens_kept"]
+    assert LLM(out).generate(PROMPTS[0], GREEDY).token_ids == want.generate(PROMPTS[0], GREEDY).token_ids
