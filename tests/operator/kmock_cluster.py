@@ -145,8 +145,17 @@ async def running_operator(kmock, monkeypatch, alive: set[str], **env: str):
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     beats = asyncio.create_task(heartbeats(kmock, alive))
+    runner = KopfRunner(RUN_ARGS, timeout=30)
+    runner.__enter__()
+    failure = (None, None, None)
     try:
-        with KopfRunner(RUN_ARGS, timeout=30) as runner:
-            yield runner
+        yield runner
+    except BaseException as exc:
+        failure = (type(exc), exc, exc.__traceback__)
+        raise
     finally:
         beats.cancel()
+        # the runner's exit joins the operator's thread: off this loop, which serves kmock, so that
+        # calls the operator has in flight while it stops are answered (joined on the loop, they
+        # waited for the loop: the test's teardown hung until pytest's timeout)
+        await asyncio.to_thread(runner.__exit__, *failure)
