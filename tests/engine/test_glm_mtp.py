@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from freetoken_engine import LLM
+from freetoken_engine import LLM, SamplingParams
 from freetoken_engine.executor.speculate import DraftLength
 from test_mtp import GREEDY, PROMPTS, SAMPLED, spy_drafts
 from tiny_models import load_reference, make_tiny_checkpoint
@@ -35,12 +35,27 @@ def glm_mtp_parts(path, seed: int = 1) -> dict:
                  eh_proj=torch.nn.Linear(2 * h, h, bias=False), layer=G.Glm4MoeDecoderLayer(cfg, n),
                  norm=G.Glm4MoeRMSNorm(h, cfg.rms_norm_eps))
     g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in parts.values():
+            for key, p in [*module.named_parameters(), *module.named_buffers()]:
+                is_norm = key.endswith("norm.weight") or (key == "weight" and p.dim() == 1)
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if is_norm else 0.2 * torch.randn(p.shape, generator=g))
+    parts = {k: m.float().eval() for k, m in parts.items()}
+    save_glm_mtp(path, parts)
+    return parts
+
+
+def save_glm_mtp(path, parts: dict) -> None:
+    """Write the MTP modules ``parts`` into ``path`` as GLM ships its MTP layer: ``mtp.safetensors``
+    in the shard index, the layer's copies of the embedding and LM head beside it, and one MTP
+    layer named in config.json."""
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+    n = config["num_hidden_layers"]
     state = {}
     with torch.no_grad():
         for name, module in parts.items():
             for key, p in [*module.named_parameters(), *module.named_buffers()]:
-                is_norm = key.endswith("norm.weight") or (key == "weight" and p.dim() == 1)
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g) if is_norm else 0.2 * torch.randn(p.shape, generator=g))
                 stem = f"model.layers.{n}." + ("" if name == "layer" else
                                                {"norm": "shared_head.norm.", "eh_proj": "eh_proj.",
                                                 "enorm": "enorm.", "hnorm": "hnorm."}[name])
@@ -62,9 +77,7 @@ def glm_mtp_parts(path, seed: int = 1) -> dict:
         weight_map = {k: "model.safetensors" for k in f.keys()}
     weight_map.update({k: "mtp.safetensors" for k in state})
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    config = json.loads((path / "config.json").read_text())
     (path / "config.json").write_text(json.dumps(config | {"num_nextn_predict_layers": 1}))
-    return {k: m.float().eval() for k, m in parts.items()}
 
 
 
@@ -131,3 +144,47 @@ def test_a_packed_glm_folder_carries_its_mtp_layer(glm_mtp, tmp_path):
         a, b = want.generate(prompt, GREEDY), got.generate(prompt, GREEDY)
         assert a.token_ids == b.token_ids and a.stats["draft_tokens_kept"] == b.stats["draft_tokens_kept"]
     assert LLM(out).generate(PROMPTS[0], GREEDY).token_ids == want.generate(PROMPTS[0], GREEDY).token_ids
+
+
+def test_a_glm_head_that_predicts_the_model_gets_its_drafts_kept(tmp_path):
+    """The GLM layer fitted to the model's own greedy text (row i: hidden i and token i + 1,
+    zero at position 0, predicting token i + 2), written back as GLM ships it: the engine keeps
+    most of its drafts, so the mapping carries a trained head's skill, not only its shapes."""
+    params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+    path = make_tiny_checkpoint(tmp_path / "glm", "glm4_moe")
+    mtp = glm_mtp_parts(path)
+    base = LLM(path)
+    texts = [p + base.generate(p, params).token_ids for p in PROMPTS]
+    ref = load_reference(path)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    with torch.no_grad():
+        rows = [(ref.model(input_ids=torch.tensor([t[:-2]])).last_hidden_state[0], torch.tensor(t[1:-1]),
+                 torch.tensor(t[2:])) for t in texts]
+    trained = [p for m in mtp.values() for p in m.parameters()]
+    opt = torch.optim.Adam(trained, lr=3e-3)
+    for _ in range(300):
+        loss = 0.0
+        for hidden, nxt, target in rows:
+            n = len(nxt)
+            e = ref.model.embed_tokens(nxt).detach().clone()
+            e[0] = 0.0
+            x = mtp["eh_proj"](torch.cat([mtp["enorm"](e), mtp["hnorm"](hidden)], -1))[None]
+            pos = torch.arange(n)[None]
+            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+            out = mtp["layer"](x, position_embeddings=ref.model.rotary_emb(x, pos), attention_mask=mask,
+                               position_ids=pos)
+            logits = ref.lm_head(mtp["norm"]((out[0] if isinstance(out, tuple) else out)[0]))
+            loss = loss + torch.nn.functional.cross_entropy(logits, target)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    save_glm_mtp(path, mtp)
+    llm = LLM(path, speculative_tokens=4, speculative_method="mtp")
+    kept = drafted = 0
+    for p, text in zip(PROMPTS, texts):
+        out = llm.generate(p, params)
+        assert out.token_ids == text[len(p):]
+        kept += out.stats["draft_tokens_kept"]
+        drafted += out.stats["draft_tokens"]
+    assert kept >= 0.35 * drafted, (kept, drafted)
