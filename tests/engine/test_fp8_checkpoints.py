@@ -18,8 +18,8 @@ from freetoken_engine import LLM, SamplingParams
 from freetoken_engine.errors import ConfigError
 from freetoken_engine.packed.format import INDEX_NAME
 from test_fused_experts import fused_copy
-from test_parity import PROMPT, reference_greedy
-from tiny_models import copy_folder, load_reference
+from test_parity import PROMPT, check
+from tiny_models import copy_folder
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
 BLOCK = (16, 16)          # 128 x 128 in the published checkpoints; small here so that blocks are partial
@@ -72,13 +72,7 @@ def fp8_pair(src, fp8_dir, ref_dir):
 def test_fp8_checkpoints_give_transformers_tokens_on_the_dequantized_weights(tiny_checkpoint, tmp_path, model_type):
     src = tiny_checkpoint(model_type, moe_intermediate_size=24)          # blocks of 16: partial ones too
     folder, ref_dir = fp8_pair(src, tmp_path / "fp8", tmp_path / "ref")
-    ref = load_reference(ref_dir)
-    with torch.no_grad():
-        want = ref(torch.tensor([PROMPT])).logits[0]
-    tokens = reference_greedy(ref, PROMPT, GREEDY.max_new_tokens)
-    llm = LLM(folder)
-    assert (llm.prefill_logits(PROMPT) - want).abs().max() < 1e-4
-    assert llm.generate(PROMPT, GREEDY).token_ids == tokens
+    tokens = check(folder, n_new=GREEDY.max_new_tokens, ref_folder=ref_dir)
     out = tmp_path / "packed"
     r = subprocess.run([sys.executable, "-m", "freetoken_engine.cli", "convert", "--model", str(folder),
                         "--out", str(out)], capture_output=True, text=True, timeout=300)

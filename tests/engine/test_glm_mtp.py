@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from freetoken_engine import LLM, SamplingParams
 from freetoken_engine.executor.speculate import DraftLength
-from test_mtp import GREEDY, PROMPTS, SAMPLED, spy_drafts
+from test_mtp import GREEDY, PROMPTS, SAMPLED, reference_drafts, spy_drafts, train_head
 from tiny_models import load_reference, make_tiny_checkpoint
 
 
@@ -87,27 +87,11 @@ def glm_mtp(tmp_path_factory):
     return path, glm_mtp_parts(path)
 
 
-def reference_drafts(ref, mtp: dict, tokens: list[int], k: int) -> list[int]:
-    """k greedy drafts after ``tokens`` without a cache, as vLLM runs GLM's MTP layer: row i
-    joins the model's final hidden state at i and token i + 1's embedding (zero at position 0),
-    each normed; each further draft appends the head's own output and guess as one more row."""
-    with torch.no_grad():
-        hidden = list(ref.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state[0])
-        nxt, drafts = list(tokens[1:]), []
-        for _ in range(k):
-            n = len(nxt)
-            e = ref.model.embed_tokens(torch.tensor(nxt))
-            e[0] = 0.0
-            x = mtp["eh_proj"](torch.cat([mtp["enorm"](e), mtp["hnorm"](torch.stack(hidden))], -1))[None]
-            pos = torch.arange(n)[None]
-            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-            out = mtp["layer"](x, position_embeddings=ref.model.rotary_emb(x, pos), attention_mask=mask,
-                               position_ids=pos)
-            g = mtp["norm"]((out[0] if isinstance(out, tuple) else out)[0, -1])
-            drafts.append(int(ref.lm_head(g).argmax()))
-            hidden.append(g)
-            nxt.append(drafts[-1])
-    return drafts
+def glm_join(mtp: dict, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """GLM's MTP input as vLLM builds it: the embedding at position 0 zeroed, then each normed
+    (``enorm``, ``hnorm``) and joined by ``eh_proj``."""
+    embedded = torch.cat([torch.zeros_like(embedded[:1]), embedded[1:]])
+    return mtp["eh_proj"](torch.cat([mtp["enorm"](embedded), mtp["hnorm"](hidden)], -1))
 
 
 def test_the_engines_glm_mtp_drafts_are_the_reference_drafts_and_change_no_token(glm_mtp, monkeypatch):
@@ -124,7 +108,7 @@ def test_the_engines_glm_mtp_drafts_are_the_reference_drafts_and_change_no_token
         assert len(seen) >= 10
         tokens = prompt + out.token_ids
         for computed, draft in seen:
-            assert draft == reference_drafts(ref, mtp, tokens[:computed + 1], len(draft)), computed
+            assert draft == reference_drafts(ref, mtp, tokens[:computed + 1], len(draft), glm_join), computed
     seeded = LLM(path, speculative_tokens=4, speculative_method="mtp", prefill_chunk=5)
     for prompt in PROMPTS:
         out = seeded.generate(prompt, SAMPLED)
@@ -158,27 +142,7 @@ def test_a_glm_head_that_predicts_the_model_gets_its_drafts_kept(tmp_path):
     ref = load_reference(path)
     for p in ref.parameters():
         p.requires_grad_(False)
-    with torch.no_grad():
-        rows = [(ref.model(input_ids=torch.tensor([t[:-2]])).last_hidden_state[0], torch.tensor(t[1:-1]),
-                 torch.tensor(t[2:])) for t in texts]
-    trained = [p for m in mtp.values() for p in m.parameters()]
-    opt = torch.optim.Adam(trained, lr=3e-3)
-    for _ in range(300):
-        loss = 0.0
-        for hidden, nxt, target in rows:
-            n = len(nxt)
-            e = ref.model.embed_tokens(nxt).detach().clone()
-            e[0] = 0.0
-            x = mtp["eh_proj"](torch.cat([mtp["enorm"](e), mtp["hnorm"](hidden)], -1))[None]
-            pos = torch.arange(n)[None]
-            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-            out = mtp["layer"](x, position_embeddings=ref.model.rotary_emb(x, pos), attention_mask=mask,
-                               position_ids=pos)
-            logits = ref.lm_head(mtp["norm"]((out[0] if isinstance(out, tuple) else out)[0]))
-            loss = loss + torch.nn.functional.cross_entropy(logits, target)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_head(ref, mtp, texts, join=glm_join)
     save_glm_mtp(path, mtp)
     llm = LLM(path, speculative_tokens=4, speculative_method="mtp")
     kept = drafted = 0

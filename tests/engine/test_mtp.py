@@ -41,7 +41,23 @@ def plain(mtp_model):
     return {(tuple(p), s.temperature): llm.generate(p, s) for p in PROMPTS for s in (GREEDY, SAMPLED)}
 
 
-def reference_drafts(ref, mtp: dict, tokens: list[int], k: int) -> list[int]:
+def qwen_join(mtp: dict, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """Qwen3-Next's MTP input: the next tokens' embeddings and the hidden states, each normed, joined."""
+    return mtp["fc"](torch.cat([mtp["pre_fc_norm_embedding"](embedded), mtp["pre_fc_norm_hidden"](hidden)], -1))
+
+
+def mtp_rows(ref, mtp: dict, nxt: torch.Tensor, hidden: torch.Tensor, join=qwen_join) -> torch.Tensor:
+    """The MTP layer's normed output at rows 0..n-1 without a cache: row i joins ``hidden[i]`` and
+    the embedding of ``nxt[i]`` (``join``), then the layer runs under a causal mask."""
+    n = len(nxt)
+    x = join(mtp, ref.model.embed_tokens(nxt), hidden)[None]
+    pos = torch.arange(n)[None]
+    mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    out = mtp["layer"](x, position_embeddings=ref.model.rotary_emb(x, pos), attention_mask=mask, position_ids=pos)
+    return mtp["norm"]((out[0] if isinstance(out, tuple) else out)[0])
+
+
+def reference_drafts(ref, mtp: dict, tokens: list[int], k: int, join=qwen_join) -> list[int]:
     """k greedy drafts after ``tokens`` (the last one sampled, not yet run), computed without a
     cache: the model's final hidden states (after its norm) at every position, the MTP layer over
     (hidden at i, token i + 1) with a causal mask, and each further draft with the head's own
@@ -50,14 +66,7 @@ def reference_drafts(ref, mtp: dict, tokens: list[int], k: int) -> list[int]:
         hidden = list(ref.model(input_ids=torch.tensor([tokens[:-1]])).last_hidden_state[0])
         nxt, drafts = list(tokens[1:]), []
         for _ in range(k):
-            n = len(nxt)
-            e = mtp["pre_fc_norm_embedding"](ref.model.embed_tokens(torch.tensor(nxt)))
-            x = mtp["fc"](torch.cat([e, mtp["pre_fc_norm_hidden"](torch.stack(hidden))], -1))[None]
-            pos = torch.arange(n)[None]
-            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-            out = mtp["layer"](x, position_embeddings=ref.model.rotary_emb(x, pos), attention_mask=mask,
-                               position_ids=pos)
-            g = mtp["norm"]((out[0] if isinstance(out, tuple) else out)[0, -1])
+            g = mtp_rows(ref, mtp, torch.tensor(nxt), torch.stack(hidden), join)[-1]
             drafts.append(int(ref.lm_head(g).argmax()))
             hidden.append(g)
             nxt.append(drafts[-1])
@@ -135,9 +144,9 @@ async def test_mtp_drafts_through_the_scheduler_batched_preempted_and_after_a_pr
     assert stats["draft_tokens"] > 0 and max(together) > 1
 
 
-def train_head(ref, mtp: dict, texts: list[list[int]], steps: int = 300) -> None:
+def train_head(ref, mtp: dict, texts: list[list[int]], steps: int = 300, join=qwen_join) -> None:
     """Fit the MTP modules to the model's own text: at position i, from (hidden i, token i + 1),
-    the token i + 2 (what Qwen's MTP layer is trained for)."""
+    the token i + 2 (what the MTP layers are trained for)."""
     with torch.no_grad():
         rows = [(ref.model(input_ids=torch.tensor([t[:-2]])).last_hidden_state[0], torch.tensor(t[1:-1]),
                  torch.tensor(t[2:])) for t in texts]
@@ -146,14 +155,7 @@ def train_head(ref, mtp: dict, texts: list[list[int]], steps: int = 300) -> None
     for _ in range(steps):
         loss = 0.0
         for hidden, nxt, target in rows:
-            n = len(nxt)
-            e = mtp["pre_fc_norm_embedding"](ref.model.embed_tokens(nxt).detach())
-            x = mtp["fc"](torch.cat([e, mtp["pre_fc_norm_hidden"](hidden)], -1))[None]
-            pos = torch.arange(n)[None]
-            mask = torch.full((n, n), float("-inf")).triu(1)[None, None]
-            out = mtp["layer"](x, position_embeddings=ref.model.rotary_emb(x, pos), attention_mask=mask,
-                               position_ids=pos)
-            logits = ref.lm_head(mtp["norm"]((out[0] if isinstance(out, tuple) else out)[0]))
+            logits = ref.lm_head(mtp_rows(ref, mtp, nxt, hidden, join))
             loss = loss + torch.nn.functional.cross_entropy(logits, target)
         opt.zero_grad()
         loss.backward()

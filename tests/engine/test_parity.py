@@ -16,8 +16,11 @@ def reference_greedy(ref, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def check(folder, n_new: int = 32, tol: float = 1e-4, **engine_options):
-    ref = load_reference(folder)
+def check(folder, n_new: int = 32, tol: float = 1e-4, ref_folder=None, **engine_options):
+    """The engine on ``folder`` against transformers on ``ref_folder`` (default: the same):
+    whole-prompt and token-by-token logits within ``tol``, and ``n_new`` greedy tokens equal.
+    Returns those tokens."""
+    ref = load_reference(ref_folder or folder)
     with torch.no_grad():
         want = ref(torch.tensor([PROMPT])).logits[0]
     llm = LLM(folder, **engine_options)
@@ -25,6 +28,7 @@ def check(folder, n_new: int = 32, tol: float = 1e-4, **engine_options):
     assert (llm.forward_logits(PROMPT) - want).abs().max() < tol      # token-by-token decode path
     got = llm.generate(PROMPT, SamplingParams(max_new_tokens=n_new, temperature=0, ignore_eos=True))
     assert got.token_ids == reference_greedy(ref, PROMPT, n_new)
+    return got.token_ids
 
 
 @pytest.mark.parametrize("model_type", SUPPORTED)
