@@ -242,3 +242,21 @@ def test_a_random_glm4_moe_model_forced_to_call_writes_valid_calls(glm_dir):
                         assert c.function.name == "get_time"
     finally:
         svc.shutdown()
+
+
+def test_a_named_call_is_prefilled_as_the_template_writes_a_call(glm_dir, tmp_path):
+    """GLM-4.5's template puts a newline between a call's name and its first <arg_key>, GLM-4.7's
+    none: the named pre-fill follows the model's own template."""
+    from freetoken_engine.server.prompt import build_prompt, glm_after_name
+    glm47 = tmp_path / "glm47"
+    shutil.copytree(glm_dir, glm47)
+    config = json.loads((glm47 / "tokenizer_config.json").read_text())
+    template = TEMPLATE.replace("{{ '\\n<tool_call>' + f.name + '\\n' }}", "{{ '<tool_call>' + f.name }}")
+    template = template.replace("</arg_key>\n<arg_value>", "</arg_key><arg_value>")
+    assert template != TEMPLATE
+    (glm47 / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=template)))
+    for folder, gap in ((glm_dir, "\n"), (glm47, "")):
+        tokenizer = Tokenizer(folder)
+        assert glm_after_name(tokenizer) == gap
+        prompt = build_prompt(tokenizer, MSGS, TOOLS, tool_choice="required", named_tool="get_weather")
+        assert prompt.prefill == "<tool_call>get_weather" + gap and prompt.forced == "get_weather"

@@ -14,7 +14,8 @@ Tool choice: ``"none"`` hides the tools from the template and disables tool-call
 ``"auto"`` shows them; ``"required"`` and a named tool additionally *pre-fill* the start of the
 model's answer (``<tool_call>\\n{"name": "`` or ``...{"name": "f", "arguments": ``; in the XML
 style ``<tool_call>\\n<function=`` or ``...<function=f>\\n``; in GLM's ``<tool_call>`` or
-``<tool_call>f\\n``), so the model continues inside a tool call.
+``<tool_call>f`` and what its template writes after a name), so the model continues inside a
+tool call.
 
 The tool-call style is the chat template's: one that writes ``<function=`` (Qwen3.5/3.6,
 Qwen3-Coder) gets the XML parser, one that writes ``<arg_key>`` (GLM-4.5/4.6/4.7) the GLM one,
@@ -59,10 +60,31 @@ def tool_style(tokenizer) -> str:
     return "xml" if FUNCTION_OPEN in template else "glm" if ARG_KEY in template else "json"
 
 
-def tool_prefill(tool_choice: str | None, named: str | None, style: str = "json") -> str:
+_PROBE = "probe_tool"
+
+
+@functools.lru_cache(maxsize=8)
+def glm_after_name(tokenizer) -> str:
+    """What the chat template writes between a GLM call's name and its first ``<arg_key>``: a
+    newline (GLM-4.5/4.6) or nothing (GLM-4.7), read off a call the template renders itself; a
+    newline when it cannot tell."""
+    call = {"type": "function", "function": {"name": _PROBE, "arguments": {"a": "b"}}}
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "x"},
+                                              {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                             add_generation_prompt=False)
+    except Exception:   # noqa: BLE001  a template that refuses the probe: the GLM-4.5 layout
+        return "\n"
+    at = text.find(TOOL_OPEN + _PROBE)
+    rest = text[at + len(TOOL_OPEN + _PROBE):] if at != -1 else ""
+    gap = rest[: rest.find(ARG_KEY)] if ARG_KEY in rest else "\n"
+    return gap if not gap.strip() else "\n"
+
+
+def tool_prefill(tool_choice: str | None, named: str | None, style: str = "json", after_name: str = "\n") -> str:
     if style == "glm":
         if named is not None:
-            return f"{TOOL_OPEN}{named}\n"
+            return f"{TOOL_OPEN}{named}{after_name}"
         return TOOL_OPEN if tool_choice == "required" else ""
     if style == "xml":
         if named is not None:
@@ -95,7 +117,8 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
                        param="messages") from exc
     in_reasoning = text.rstrip().endswith(THINK_OPEN)
     style = tool_style(tokenizer)
-    prefill = tool_prefill(tool_choice, named_tool, style) if use_tools and not continue_text else ""
+    after = glm_after_name(tokenizer) if style == "glm" and named_tool is not None else "\n"
+    prefill = tool_prefill(tool_choice, named_tool, style, after) if use_tools and not continue_text else ""
     if prefill and in_reasoning:
         prefill = f"{THINK_CLOSE}\n\n{prefill}"
     if continue_text:
