@@ -5,11 +5,14 @@
 so that a broken folder fails with one clear ``ConfigError`` before any weight is copied.
 Tensors are then read lazily by name.
 
-FP8 checkpoints as Qwen, GLM and DeepSeek publish them (``quantization_config`` ``quant_method:
-fp8``, e4m3 weights each with a float32 ``<name>_scale_inv`` per ``weight_block_size`` block of
-its last two dimensions) are dequantized as each tensor is read, into the checkpoint's own
-dtype (``torch_dtype``, bfloat16 for these): ``get`` returns weight times scale, and the scale
-tensors are not among ``names``. Other quantization methods are refused by name.
+FP8 checkpoints are dequantized as each tensor is read, into the checkpoint's own dtype
+(``torch_dtype``, bfloat16 for these): ``get`` returns weight times scale, and the scale tensors
+are not among ``names``. Two layouts: Qwen's, GLM's and DeepSeek's (``quant_method: fp8``: e4m3
+weights, a float32 ``<name>_scale_inv`` per ``weight_block_size`` block of the last two
+dimensions) and llm-compressor's (``compressed-tensors`` with 8-bit float weights, as the
+"FP8-dynamic" checkpoints are made: ``<name>_scale`` per output channel, per tensor or per block;
+static activation scales, ``input_scale``, are unread: activations stay in the model's dtype).
+Other quantization methods are refused by name.
 """
 from __future__ import annotations
 
@@ -24,7 +27,6 @@ from ..errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-SCALE = "_scale_inv"      # an FP8 tensor's block scales: <name>_scale_inv
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -88,8 +90,10 @@ class Checkpoint:
             if missing:
                 raise ConfigError(f"index names tensors absent from their shards, e.g. {missing[0]}")
         self._handles: dict[Path, object] = {}
-        self._block, self._fp8_dtype = _fp8_scheme(self.config, cfg_path)
-        self._scales = {n for n in self._where if n.endswith(SCALE) and n[: -len(SCALE)] in self._where}
+        self._block, self._fp8_dtype, self._scale = _fp8_scheme(self.config, cfg_path)
+        scale = self._scale or "_scale_inv"
+        self._scales = {n for n in self._where if (n.endswith(scale) and n[: -len(scale)] in self._where)
+                        or (self._scale and n.endswith(".input_scale"))}
 
     def names(self) -> list[str]:
         return [n for n in self._where if n not in self._scales]
@@ -107,29 +111,39 @@ class Checkpoint:
         t = handle.get_tensor(name)
         if t.dtype not in _FP8:
             return t
-        if self._fp8_dtype is None or name + SCALE not in self._where:
-            raise ConfigError(f"{name} in {path.name} is float8 without its scales ({name}{SCALE}) and an fp8 "
+        scale = name + (self._scale or "_scale_inv")
+        if self._fp8_dtype is None or scale not in self._where:
+            raise ConfigError(f"{name} in {path.name} is float8 without its scales ({scale}) and an fp8 "
                               f"quantization_config in config.json: not a checkpoint the engine can read")
-        return dequantize(t, self.get(name + SCALE), self._block, self._fp8_dtype)
+        return dequantize(t, self.get(scale), self._block, self._fp8_dtype)
 
     def close(self) -> None:
         self._handles.clear()
 
 
-def _fp8_scheme(config: dict, where: Path) -> tuple[tuple[int, int] | None, torch.dtype | None]:
-    """(block size or None, the dtype FP8 tensors dequantize into; None: not an FP8 checkpoint);
-    a ConfigError names a quantization the engine cannot read."""
+def _fp8_scheme(config: dict, where: Path) -> tuple[tuple[int, int] | None, torch.dtype | None, str | None]:
+    """(block size or None: told by the scales' shape, the dtype FP8 tensors dequantize into,
+    the scale tensors' suffix: None for ``_scale_inv``); (None, None, None) for a checkpoint that
+    is not quantized; a ConfigError names a quantization the engine cannot read."""
     quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     if not quant:
-        return None, None
+        return None, None, None
     method = str(quant.get("quant_method", "?")).lower()
+    dtype = _DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16)
+    if method == "compressed-tensors":
+        weights = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
+        if weights and all(w.get("type") == "float" and int(w.get("num_bits", 0)) == 8 for w in weights):
+            blocks = {tuple(w["block_structure"]) for w in weights if w.get("block_structure")}
+            return (tuple(int(b) for b in next(iter(blocks))) if len(blocks) == 1 else None), dtype, "_scale"
+        kinds = ", ".join(sorted({f"{w.get('type', '?')}{w.get('num_bits', '?')}" for w in weights})) or "?"
+        raise ConfigError(f"{where}: compressed-tensors weights of {kinds} are not supported; the engine reads "
+                          f"unquantized checkpoints and 8-bit float (FP8) ones")
     if method != "fp8" or str(quant.get("fmt", "e4m3")).lower() != "e4m3":
         raise ConfigError(f"{where}: quantization_config {method!r} (fmt {quant.get('fmt', '-')!r}) is not supported; "
                           f"the engine reads unquantized (bfloat16 / float16 / float32) checkpoints and FP8 "
                           f"(e4m3, block-scaled) ones")
     block = quant.get("weight_block_size")
-    name = config.get("torch_dtype") or config.get("dtype") or "bfloat16"
-    return (tuple(int(b) for b in block) if block else None), _DTYPES.get(str(name), torch.bfloat16)
+    return (tuple(int(b) for b in block) if block else None), dtype, None
 
 
 def dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
