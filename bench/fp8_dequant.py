@@ -13,7 +13,6 @@ PNG (hardware named) and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "engine"))
 from hardware import describe  # noqa: E402
-from report import save  # noqa: E402
+from report import parse, save  # noqa: E402
 
 from freetoken_engine.models.loader import dequantize  # noqa: E402
 
@@ -90,14 +89,9 @@ def plot(result: dict, png: Path) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/fp8_dequant_cpu.json"))
-    ap.add_argument("--plot-only", action="store_true")
-    args = ap.parse_args()
-    out = Path(args.out)
-    if args.plot_only:
-        plot(json.loads(out.read_text()), out.with_suffix(".png"))
-        return
-    save(measure(args), out, plot)
+    parsed = parse(ap, ROOT / "bench/results/fp8_dequant_cpu.json", plot)
+    if parsed is not None:
+        save(measure(parsed[0]), parsed[1], plot)
 
 
 if __name__ == "__main__":

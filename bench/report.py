@@ -6,6 +6,19 @@ from pathlib import Path
 from typing import Callable
 
 
+def parse(ap, default_out: Path, plot: Callable[[dict, Path], None]):
+    """``ap``'s arguments with ``--out`` (default ``default_out``) and ``--plot-only`` added:
+    (args, out), or None when ``--plot-only`` redrew the PNG of the saved JSON (nothing to run)."""
+    ap.add_argument("--out", default=str(default_out))
+    ap.add_argument("--plot-only", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    if args.plot_only:
+        plot(json.loads(out.read_text()), out.with_suffix(".png"))
+        return None
+    return args, out
+
+
 def save(result: dict, out: Path, plot: Callable[[dict, Path], None]) -> None:
     """Write ``result`` to ``out`` (JSON), then draw ``plot(result, out.with_suffix(".png"))``.
     Where matplotlib is missing (a bare GPU machine) the measured JSON is kept and the line says

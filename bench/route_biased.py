@@ -14,7 +14,6 @@ model's MoE layers. Writes JSON + PNG (hardware named) and prints a table.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from datetime import datetime, timezone
@@ -26,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "engine"))
 from hardware import describe  # noqa: E402
-from report import save  # noqa: E402
+from report import parse, save  # noqa: E402
 
 from freetoken_engine.config import MoeConfig  # noqa: E402
 
@@ -113,16 +112,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=str(ROOT / "bench/results/route_biased_h200.json"))
-    ap.add_argument("--plot-only", action="store_true")
-    args = ap.parse_args()
-    out = Path(args.out)
-    if args.plot_only:
-        plot(json.loads(out.read_text()), out.with_suffix(".png"))
+    parsed = parse(ap, ROOT / "bench/results/route_biased_h200.json", plot)
+    if parsed is None:
         return
     if not torch.cuda.is_available():
         sys.exit("route_biased: needs a CUDA GPU")
-    save(measure(args), out, plot)
+    save(measure(parsed[0]), parsed[1], plot)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ def test_the_engine_routes_biased_layers_through_the_kernel_on_a_gpu(tiny_checkp
     if not COMPILED:
         pytest.skip("the engine's GPU path needs a GPU")
     from freetoken_engine import LLM, SamplingParams, env
+    from freetoken_engine.kernels import gpu_decode_kernels
     from freetoken_engine.kernels.triton import route as kernel
     calls = []
     real = kernel.route_biased
@@ -87,8 +88,13 @@ def test_the_engine_routes_biased_layers_through_the_kernel_on_a_gpu(tiny_checkp
         folder = tiny_checkpoint(model)
         got = LLM(folder, device="cuda", dtype="float32").generate(prompt, greedy).token_ids
         assert calls
+        calls.clear()
         monkeypatch.setenv(env.FREETOKEN_GPU_DECODE_KERNELS,
                            ",".join(k for k in env.GPU_DECODE_KERNELS if k != "route"))
-        assert LLM(folder, device="cuda", dtype="float32").generate(prompt, greedy).token_ids == got
-        monkeypatch.delenv(env.FREETOKEN_GPU_DECODE_KERNELS)
-        calls.clear()
+        gpu_decode_kernels.cache_clear()              # the kernel choice is cached per process
+        try:
+            assert LLM(folder, device="cuda", dtype="float32").generate(prompt, greedy).token_ids == got
+            assert not calls                          # that run routed through the torch ops
+        finally:
+            monkeypatch.delenv(env.FREETOKEN_GPU_DECODE_KERNELS)
+            gpu_decode_kernels.cache_clear()

@@ -134,9 +134,10 @@ def _with_mtp(folder: Path, ckpt, cfg: ModelConfig) -> ModelConfig:
     if hasattr(ckpt, "bank_tensors") and not ckpt.index["bank"].get("mtp_layers"):
         raise ConfigError(f"{folder} was packed without the MTP layer's experts (before the packed format "
                           f"carried them): run freetoken convert again for --speculative-method mtp")
-    if not family(cfg.model_type).has_mtp(cfg, ckpt.names()):
+    fam = family(cfg.model_type)
+    if not fam.has_mtp(cfg, ckpt.names()):
         raise ConfigError(f"{folder}: config.json names {cfg.mtp_layers} MTP layer(s) but the checkpoint "
-                          f"holds none of its tensors ({family(cfg.model_type).mtp_layer(cfg)}.*)")
+                          f"holds none of its tensors ({fam.mtp_layer(cfg)}.*)")
     return replace(cfg, use_mtp=True)
 
 

@@ -16,6 +16,7 @@ Other quantization methods are refused by name.
 """
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from pathlib import Path
@@ -146,11 +147,16 @@ def _fp8_scheme(config: dict, where: Path) -> tuple[tuple[int, int] | None, torc
     return (tuple(int(b) for b in block) if block else None), dtype, None
 
 
+@functools.cache
+def _fp8_values(dtype: torch.dtype) -> torch.Tensor:
+    """The 256 values of an FP8 dtype in float32, as a ``[256, 1]`` lookup table."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).float()[:, None]
+
+
 def _as_float(w: torch.Tensor) -> torch.Tensor:
     """An FP8 tensor in float32 through a table of its 256 values (about twice torch's own
     conversion on the CPU, which is most of a dequantization's time)."""
-    table = torch.arange(256, dtype=torch.uint8).view(w.dtype).float()[:, None]
-    return torch.nn.functional.embedding(w.view(torch.uint8).to(torch.int32), table).view(w.shape)
+    return torch.nn.functional.embedding(w.view(torch.uint8).to(torch.int32), _fp8_values(w.dtype)).view(w.shape)
 
 
 def dequantize(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
