@@ -67,7 +67,7 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, logger: logging.Lo
 async def cleanup(memo: Any, **_: Any) -> None:
     task = memo.get("task")
     if task is not None:
-        await memo["reconciler"].stop(task)
+        task.cancel()
 
 
 @kopf.on.event(GROUP, VERSION, MODELS)

@@ -31,21 +31,6 @@ class Reconciler:
     def poke(self) -> None:
         self._wake.set()
 
-    async def stop(self, task: asyncio.Task, timeout: float = 10.0) -> None:
-        """Stop ``run``'s ``task`` between passes: a pass that is writing finishes first (its API
-        calls run in a thread, which a cancel would leave calling the API server after the
-        operator has stopped); after ``timeout`` it is cancelled regardless."""
-        try:
-            await asyncio.wait_for(self._lock.acquire(), timeout)
-        except asyncio.TimeoutError:
-            task.cancel()
-            return
-        try:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-        finally:
-            self._lock.release()
-
     async def run(self) -> None:
         """Loop until cancelled (kopf cancels it on shutdown). Failed passes back off 1, 2, 4 ... 30 s."""
         failures = 0
