@@ -8,9 +8,11 @@ the API-key Secrets it generates (created once, never read).
 Only create, patch and delete are used (no PUT), and label selectors are filtered client-side
 too, so it also runs against API emulators that lack those (kmock).
 
-Blocking (the official ``kubernetes`` client); the reconciler runs it in a worker thread. It
-returns the bodies it wrote so the caller can update its Store. Raises ``ApiException`` for errors
-it cannot absorb (404 on a vanished object and 409 on a racing create are absorbed).
+Blocking (the official ``kubernetes`` client); the reconciler runs it in a worker thread. Every
+call carries a timeout (connect and read), so a connection that never answers fails the pass
+instead of holding the thread for good. It returns the bodies it wrote so the caller can update
+its Store. Raises ``ApiException`` for errors it cannot absorb (404 on a vanished object and 409
+on a racing create are absorbed), and urllib3's errors for a timeout or a refused connection.
 """
 
 from __future__ import annotations
@@ -45,15 +47,26 @@ def _same(old: Any, new: Any) -> bool:
     return old == new
 
 
+class _Timed:
+    """An official-client API object whose every call gets ``_request_timeout``."""
+
+    def __init__(self, api: Any, timeout: float) -> None:
+        self._api, self._timeout = api, timeout
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._api, name)
+        return lambda *args, **kwargs: fn(*args, _request_timeout=self._timeout, **kwargs)
+
+
 class Applier:
     """Writes DesiredStates. Services and EndpointSlices are not watched: what was last written
     is remembered and forgotten every ``refresh_seconds``, so objects someone else changed or
     deleted are repaired within that time."""
 
-    def __init__(self, api: client.ApiClient, refresh_seconds: float = 60.0) -> None:
-        self.custom = client.CustomObjectsApi(api)
-        self.core = client.CoreV1Api(api)
-        self.discovery = client.DiscoveryV1Api(api)
+    def __init__(self, api: client.ApiClient, refresh_seconds: float = 60.0, timeout: float = 30.0) -> None:
+        self.custom = _Timed(client.CustomObjectsApi(api), timeout)
+        self.core = _Timed(client.CoreV1Api(api), timeout)
+        self.discovery = _Timed(client.DiscoveryV1Api(api), timeout)
         self.refresh_seconds = refresh_seconds
         self._refreshed = time.monotonic()
         self.services: dict[tuple[str, str], dict[str, Any]] = {}     # last written, by (ns, name)

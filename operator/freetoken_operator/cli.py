@@ -1,7 +1,7 @@
 """``freetoken-operator``: run the kopf operator cluster-wide with the FreeToken handlers.
 
     freetoken-operator [--kube-server URL] [--stale-seconds 30] [--resync-seconds 1]
-                       [--base-port 1919] [--liveness http://0.0.0.0:8080/healthz] [--verbose]
+                       [--base-port 1919] [--api-timeout-seconds 30] [--liveness http://0.0.0.0:8080/healthz] [--verbose]
 
 Flags override the environment variables documented in ``config``. Bad values: one line on
 stderr, exit code 2.
@@ -41,6 +41,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--stale-seconds", type=float, help="heartbeat age after which a node is lost (default 30)")
     p.add_argument("--resync-seconds", type=float, help="reconcile tick (default 1)")
     p.add_argument("--base-port", type=int, help="first engine port per node (default 1919)")
+    p.add_argument("--api-timeout-seconds", type=float, help="longest one API write may take (default 30)")
     p.add_argument("--liveness", default=None, type=_liveness,
                    help="kopf liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
     p.add_argument("--verbose", action="store_true")
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         config = OperatorConfig.from_env(stale_seconds=args.stale_seconds, kube_server=args.kube_server,
-                                         resync_seconds=args.resync_seconds, base_port=args.base_port)
+                                         resync_seconds=args.resync_seconds, base_port=args.base_port,
+                                         api_timeout_seconds=args.api_timeout_seconds)
     except ConfigError as exc:
         print(f"freetoken-operator: {exc}", file=sys.stderr)
         return 2

@@ -57,7 +57,8 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, logger: logging.Lo
     settings.watching.server_timeout = 300
     settings.networking.error_backoffs = [1, 2, 5, 10]
     store = Store()
-    reconciler = Reconciler(config, store, Applier(api_client(config.kube_server)))
+    applier = Applier(api_client(config.kube_server), timeout=config.api_timeout_seconds)
+    reconciler = Reconciler(config, store, applier)
     memo["config"], memo["store"], memo["reconciler"] = config, store, reconciler
     memo["task"] = asyncio.create_task(reconciler.run(), name="freetoken-reconciler")
     logger.info("freetoken operator: stale after %gs, resync %gs", config.stale_seconds, config.resync_seconds)
@@ -67,7 +68,7 @@ async def startup(settings: kopf.OperatorSettings, memo: Any, logger: logging.Lo
 async def cleanup(memo: Any, **_: Any) -> None:
     task = memo.get("task")
     if task is not None:
-        task.cancel()
+        await memo["reconciler"].stop(task)
 
 
 @kopf.on.event(GROUP, VERSION, MODELS)

@@ -26,20 +26,45 @@ class Reconciler:
         self.config, self.store, self.applier = config, store, applier
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
+        self._stopping = asyncio.Event()
         self.passes = 0
 
     def poke(self) -> None:
         self._wake.set()
 
+    async def stop(self, task: asyncio.Task) -> None:
+        """Stop ``run``'s ``task`` between passes. A pass that is writing finishes first: its API
+        calls run in a worker thread, which a cancel would leave calling the API server after the
+        operator has gone (and holding the process's exit until they return). Each call is bounded
+        by ``api_timeout_seconds``, so this wait is bounded too; past twice that (a pass makes many
+        calls) the task is cancelled regardless.
+
+        A flag, not a cancel, ends the loop: Python 3.11's ``asyncio.wait_for`` can swallow a
+        cancel that lands as its awaitable completes, and the loop then ran on into a pass."""
+        self._stopping.set()
+        done, _ = await asyncio.wait({task}, timeout=2 * self.config.api_timeout_seconds)
+        if not done:
+            task.cancel()
+            await asyncio.wait({task}, timeout=self.config.api_timeout_seconds)
+
+    async def _wait(self, event: asyncio.Event, seconds: float) -> None:
+        """Until ``event`` is set or the stop flag is, at most ``seconds``."""
+        waits = {asyncio.ensure_future(event.wait()), asyncio.ensure_future(self._stopping.wait())}
+        try:
+            await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
     async def run(self) -> None:
-        """Loop until cancelled (kopf cancels it on shutdown). Failed passes back off 1, 2, 4 ... 30 s."""
+        """Loop until ``stop`` (or a cancel). Failed passes back off 1, 2, 4 ... 30 s."""
         failures = 0
-        while True:
-            try:
-                await asyncio.wait_for(self._wake.wait(), timeout=self.config.resync_seconds)
+        while not self._stopping.is_set():
+            await self._wait(self._wake, self.config.resync_seconds)
+            if self._wake.is_set():
                 await asyncio.sleep(0.05)   # coalesce a burst of watch events into one pass
-            except asyncio.TimeoutError:
-                pass
+            if self._stopping.is_set():
+                return
             self._wake.clear()
             try:
                 await self.reconcile_once()
@@ -50,7 +75,7 @@ class Reconciler:
                 failures += 1
                 delay = min(30.0, 2.0 ** (failures - 1))
                 log.exception("reconcile pass failed (%d in a row); retrying in %gs", failures, delay)
-                await asyncio.sleep(delay)
+                await self._wait(self._stopping, delay)
 
     async def reconcile_once(self, now: dt.datetime | None = None) -> Plan:
         async with self._lock:

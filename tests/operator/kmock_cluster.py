@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import sys
+import traceback
 import time
 import uuid
 from collections.abc import Callable
@@ -142,6 +144,8 @@ async def running_operator(kmock, monkeypatch, alive: set[str], **env: str):
     nodes (a test may change the set while it runs); yields the ``KopfRunner``."""
     monkeypatch.setenv("FREETOKEN_OPERATOR_KUBE_SERVER", str(kmock.url).rstrip("/"))
     monkeypatch.setenv("FREETOKEN_OPERATOR_RESYNC_SECONDS", "0.2")
+    # a call kmock leaves unanswered gives up well inside the runner's 30 s stop
+    monkeypatch.setenv("FREETOKEN_OPERATOR_API_TIMEOUT_SECONDS", "5")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     beats = asyncio.create_task(heartbeats(kmock, alive))
@@ -158,4 +162,26 @@ async def running_operator(kmock, monkeypatch, alive: set[str], **env: str):
         # the runner's exit joins the operator's thread: off this loop, which serves kmock, so that
         # calls the operator has in flight while it stops are answered (joined on the loop, they
         # waited for the loop: the test's teardown hung until pytest's timeout)
-        await asyncio.to_thread(runner.__exit__, *failure)
+        try:
+            await asyncio.to_thread(runner.__exit__, *failure)
+        except Exception as exc:
+            exc.add_note(_threads())   # which call held the operator's stop
+            raise
+
+
+def _threads() -> str:
+    """The stacks of every thread (faulthandler cannot: kopf's runner has swapped sys.stderr) and
+    of the tasks on every other running event loop (kopf's)."""
+    import gc
+    import io
+    out = [f"--- thread {ident}\n" + "".join(traceback.format_stack(frame))
+           for ident, frame in sys._current_frames().items()]
+    here = asyncio.get_running_loop()
+    for loop in [o for o in gc.get_objects() if isinstance(o, asyncio.AbstractEventLoop)]:
+        if loop is here or not loop.is_running():
+            continue
+        for task in list(asyncio.all_tasks(loop)):
+            buf = io.StringIO()
+            task.print_stack(file=buf)
+            out.append(f"--- task {task.get_name()}\n{buf.getvalue()}")
+    return "\n".join(out)
