@@ -244,8 +244,11 @@ class Agent:
             await self.recalibrate()
         interval = self.cfg.calibrate_interval or None
         while True:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._recalibrate.wait(), interval)
+            # asyncio.timeout, not wait_for: Python 3.11's wait_for can swallow the shutdown's
+            # cancel when a SIGUSR1 lands at the same moment, and this loop has no other way out
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(interval):
+                    await self._recalibrate.wait()
             self._recalibrate.clear()
             await self.recalibrate()
 

@@ -175,6 +175,60 @@ def test_api_key_is_required_and_checked_with_either_header(live):
     assert httpx.get(f"{live.url}/health").status_code == 200   # health needs no key
 
 
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+FN = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+
+
+@pytest.mark.parametrize("history,where,says", [
+    ([{"role": "tool", "tool_call_id": "call_9", "content": "42"}], "messages.2", "answers no open tool_call"),
+    ([{"role": "user", "content": "and?"}], "messages.1", "'call_1' got no tool message before messages.2"),
+    ([{"role": "tool", "tool_call_id": "call_1", "content": "1"}, {"role": "tool", "tool_call_id": "call_1",
+      "content": "2"}], "messages.3", "'call_1' answers no open"),
+])
+def test_openai_tool_results_must_answer_the_calls_before_them(live, history, where, says):
+    """As OpenAI's API: a result under an id no call has (or answered twice), and a call left
+    unanswered, are 400s naming the message; the model never sees a result under the wrong call."""
+    msgs = [MSGS[0], {"role": "assistant", "content": None, "tool_calls": [CALL]}, *history]
+    with pytest.raises(openai.BadRequestError) as e:
+        live.openai().chat.completions.create(model=live.model, messages=msgs, tools=FN, max_tokens=4)
+    assert e.value.body["param"] == where and says in e.value.message, e.value.message
+    ok = [MSGS[0], {"role": "assistant", "content": None, "tool_calls": [CALL]},
+          {"role": "tool", "tool_call_id": "call_1", "content": "42"}]
+    assert live.openai().chat.completions.create(model=live.model, messages=ok, tools=FN, max_tokens=4).choices
+    no_id = [*ok[:2], {"role": "tool", "content": "42"}]   # some clients send none: the next open call
+    assert live.openai().chat.completions.create(model=live.model, messages=no_id, tools=FN, max_tokens=4).choices
+
+
+def test_anthropic_tool_results_must_answer_the_tool_uses_before_them(live):
+    use = {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+
+    def send(reply):
+        msgs = [MSGS[0], {"role": "assistant", "content": [use]}, {"role": "user", "content": reply}]
+        return live.anthropic().messages.create(model=live.model, max_tokens=4, messages=msgs, tools=tools)
+
+    with pytest.raises(anthropic.BadRequestError) as e:
+        send([{"type": "tool_result", "tool_use_id": "toolu_9", "content": "42"}])
+    assert "messages.2.content.0: tool_use_id 'toolu_9' answers no open tool_use" in e.value.message
+    with pytest.raises(anthropic.BadRequestError) as e:
+        send("and?")
+    assert "messages.1: its tool_use 'toolu_1' got no tool_result" in e.value.message
+    assert send([{"type": "tool_result", "tool_use_id": "toolu_1", "content": "42"},
+                 {"type": "text", "text": "go on"}]).content is not None
+
+
+def test_responses_outputs_must_answer_the_function_calls_before_them(live):
+    call = {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"}
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        live.openai().responses.create(model=live.model, max_output_tokens=4, tools=tools, input=[
+            {"role": "user", "content": "hi"}, call, {"type": "function_call_output", "call_id": "c2", "output": "1"}])
+    assert "input.2: call_id 'c2' answers no open function_call" in e.value.message
+    r = live.openai().responses.create(model=live.model, max_output_tokens=4, tools=tools, input=[
+        {"role": "user", "content": "hi"}, call, {"type": "function_call_output", "call_id": "c1", "output": "1"}])
+    assert r.status == "completed" or r.output is not None
+
+
 def test_unknown_model_is_404_in_both_clients(live):
     with pytest.raises(openai.NotFoundError) as e1:
         live.openai().chat.completions.create(model="gpt-99", messages=MSGS)

@@ -19,6 +19,7 @@ from .structured import format_grammar
 from .generation import MAX_TOKENS_LIMIT, GenOptions
 from .openai_schema import TOOL_NAME, Body
 from .prompt import NON_TEXT_RESULT, check_tool_schema
+from .tool_turns import ANTHROPIC, check_tool_turns
 
 
 class Block(Body):
@@ -67,16 +68,20 @@ class CountRequest(Body):
     thinking: Thinking | None = None
 
     def template_messages(self) -> list[dict]:
-        out = []
+        out, wheres = [], []
         if self.system:
             out.append({"role": "system", "content": _text_of(self.system, "system")})
+            wheres.append("system")
         last = len(self.messages) - 1
         for i, m in enumerate(self.messages):
             if not m.content and not (i == last and m.role == "assistant"):
                 # as Anthropic's API: an empty turn is a client's bug, not something to answer
                 raise ApiError(400, f"messages.{i}: the content is empty; every message needs content, "
                                     "except a final assistant message", param=f"messages.{i}.content")
-            out += _convert(m, f"messages.{i}")
+            for msg in _convert(m, f"messages.{i}"):
+                wheres.append(msg.pop("_at", f"messages.{i}"))
+                out.append(msg)
+        check_tool_turns(out, wheres, ANTHROPIC)
         return out
 
     def template_tools(self) -> list[dict] | None:
@@ -196,8 +201,7 @@ def _convert(m: Message, where: str) -> list[dict]:
                           "function": {"name": b.name, "arguments": b.input or {}}})
         elif b.type == "tool_result" and m.role == "user":
             body = "" if b.content is None else _text_of(b.content, f"{at}.content", tool_result=True)
-            out.append({"role": "tool", "tool_call_id": b.tool_use_id or "",
-                        "content": body})
+            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": body, "_at": at})
         else:
             raise ApiError(400, f"{at}: content block type '{b.type}' is not supported in a "
                                 f"{m.role} message", param=at)

@@ -23,6 +23,7 @@ from .openai_schema import ChatMessage, ChatRequest, CompletionRequest, NamedToo
 from .parser import Content, Reasoning, ToolArgs, ToolStart
 from .prompt import Prompt, arguments_object, build_prompt, check_tool_schema, encode_text
 from .structured import completion_logprobs
+from .tool_turns import OPENAI, check_tool_turns
 from .streaming import new_id, parsed_events, sse, sse_response, until_disconnect
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -57,6 +58,7 @@ def to_template_messages(messages: list[ChatMessage]) -> list[dict]:
         if m.reasoning_content:
             msg["reasoning_content"] = m.reasoning_content
         out.append(msg)
+    check_tool_turns(out, [f"messages.{i}" for i in range(len(out))], OPENAI)
     return out
 
 

@@ -36,6 +36,7 @@ from .structured import format_grammar
 from .generation import MAX_TOKENS_LIMIT, GenOptions
 from .openai_schema import TOOL_NAME, Body, ContentPart
 from .prompt import NON_TEXT_RESULT, arguments_object, check_tool_schema
+from .tool_turns import RESPONSES, check_tool_turns
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
 CALLS = ("function_call", "custom_tool_call")
@@ -220,6 +221,7 @@ class ResponsesRequest(Body):
         out: list[dict] = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             return out + [{"role": "user", "content": self.input}]
+        wheres = ["instructions"] * len(out)   # where each template message comes from
         names: dict[str, str] = {}          # call_id -> tool name, for the outputs
         reasoning: list[str] = []           # reasoning items waiting for their assistant message
         for i, item in enumerate(self.input):
@@ -235,6 +237,7 @@ class ResponsesRequest(Body):
                 if role == "assistant":
                     _take_reasoning(msg, reasoning)
                 out.append(msg)
+                wheres.append(where)
             elif kind in CALLS:
                 if not item.call_id or not item.name:
                     raise ApiError(400, f"{where}: a {kind} needs 'call_id' and 'name'", param=where)
@@ -245,6 +248,7 @@ class ResponsesRequest(Body):
                     last = {"role": "assistant", "content": ""}
                     _take_reasoning(last, reasoning)
                     out.append(last)
+                    wheres.append(where)
                 args = ({"input": item.input or ""} if kind == "custom_tool_call"
                         else arguments_object(item.arguments, where))
                 last.setdefault("tool_calls", []).append(
@@ -257,11 +261,13 @@ class ResponsesRequest(Body):
                 if item.call_id in names:
                     msg["name"] = names[item.call_id]
                 out.append(msg)
+                wheres.append(where)
             elif kind == "item_reference":
                 raise unsupported(where, "is an item reference; this server stores no items, send the item itself")
             else:
                 raise unsupported(where, f"has type '{kind}'; supported: message, reasoning, function_call, "
                                          "function_call_output, custom_tool_call, custom_tool_call_output")
+        check_tool_turns(out, wheres, RESPONSES)
         return out              # reasoning with no assistant message after it: the template shows none
 
 
