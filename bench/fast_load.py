@@ -73,6 +73,21 @@ SHAPES = {
                        "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4, "full_attention_interval": 4,
                        "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25},
                        "max_position_embeddings": 65536},
+    # the new families' MoE layers, every layer sparse (the published models' one dense first layer
+    # left out, so that a stretched checkpoint repeats MoE layers); a 32000-token vocabulary:
+    # ERNIE-4.5-21B-A3B (64 experts of I 1536, top 6, softmax choice with the correction bias,
+    # two shared experts, 20/4 heads of 128, H 2560)
+    "ernie4.5-21b": {"model_type": "ernie4_5_moe", "architectures": ["Ernie4_5_MoeForCausalLM"], "hidden_size": 2560,
+                     "num_attention_heads": 20, "num_key_value_heads": 4, "head_dim": 128,
+                     "moe_intermediate_size": 1536, "moe_num_experts": 64, "moe_k": 6, "moe_num_shared_experts": 2,
+                     "moe_layer_start_index": 0, "intermediate_size": 12288},
+    # GLM-4.5-Air (128 experts of I 1408, top 8, sigmoid choice with the correction bias, one
+    # shared expert, 96/8 heads of 128 with q/k/v biases, half-rotary, H 4096)
+    "glm4.5-air": {"model_type": "glm4_moe", "architectures": ["Glm4MoeForCausalLM"], "hidden_size": 4096,
+                   "num_attention_heads": 96, "num_key_value_heads": 8, "head_dim": 128, "attention_bias": True,
+                   "moe_intermediate_size": 1408, "n_routed_experts": 128, "n_shared_experts": 1,
+                   "first_k_dense_replace": 0, "routed_scaling_factor": 1.0, "partial_rotary_factor": 0.5,
+                   "intermediate_size": 10944},
 }
 #: layers a stretched checkpoint repeats (a hybrid model's period of layer kinds)
 PERIOD = {"qwen3.6-hybrid": 4}
@@ -89,22 +104,25 @@ def write_checkpoint(folder: Path, layers: int, rnd=None, shape: str = "qwen3-30
                "norm_topk_prob": True, "vocab_size": vocab, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
                "max_position_embeddings": 4096, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
                **SHAPES[shape], **({"mtp_num_hidden_layers": 1} if mtp else {})}
-    n_exp, inter, hid = cfg_raw["num_experts"], cfg_raw["moe_intermediate_size"], cfg_raw["hidden_size"]
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(cfg_raw))
     fam = family(cfg_raw["model_type"])
     cfg = dataclasses.replace(fam.parse(cfg_raw), use_mtp=mtp)
+    n_exp, inter, hid = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.hidden_size
     with torch.device("meta"):
         model = DecoderLM(cfg, Rotary(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings, "meta"))
     # random bit patterns with the exponent's top bit cleared: finite, |x| < 2 (NaN weights would
     # make every hidden state NaN and route every token to the same experts)
     rnd = rnd or (lambda shape: torch.empty(shape, dtype=torch.int16).random_(-16000, 16000)
                   .bitwise_and_(~0x4000).view(torch.bfloat16))
-    dense = {k: rnd(p.shape) for k, p in model.named_parameters()}
+    # under the checkpoint's names (the family's ``source``: GLM's shared_experts, ERNIE's
+    # moe_statics); a correction bias of zeros, so that a replayed routing picks what it traces
+    dense = {_checkpoint_name(fam, cfg, k): torch.zeros(p.shape, dtype=torch.bfloat16)
+             if k.endswith("e_score_correction_bias") else rnd(p.shape) for k, p in model.named_parameters()}
     weight_map, total = {}, 0
     shards = [("dense", dense)] + [(f"layer{i}", {fam.expert_key(i, e, p): rnd((inter, hid) if p < 2 else (hid, inter))
                                                   for e in range(n_exp) for p in range(3)})
-                                   for i in [*range(layers), *(["mtp.layers.0"] if mtp else [])]]
+                                   for i in [*cfg.moe.layers, *(["mtp.layers.0"] if mtp else [])]]
     for n, (tag, tensors) in enumerate(shards):
         name = f"model-{n + 1:05d}-of-{len(shards):05d}.safetensors"
         save_file(tensors, str(folder / name), metadata={"format": "pt"})
@@ -113,6 +131,11 @@ def write_checkpoint(folder: Path, layers: int, rnd=None, shape: str = "qwen3-30
         del tensors
     (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return total
+
+
+def _checkpoint_name(fam, cfg, name: str) -> str:
+    how = fam.source(cfg, name) if fam.source is not None else None
+    return how[0] if how else name
 
 
 def ready_from_packed(folder: Path, pin: str, verify: bool, threads: int):

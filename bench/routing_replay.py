@@ -31,6 +31,8 @@ class ReplayRouter(nn.Module):
                  first: bool):
         super().__init__()
         self.gate, self.layer, self.tables, self.step, self.first = gate, layer, tables, step, first
+        if hasattr(gate, "e_score_correction_bias"):      # a biased router's (GLM, ERNIE): all zeros in
+            self.e_score_correction_bias = gate.e_score_correction_bias   # the benches' checkpoints
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         table = self.tables.get(x.shape[0])

@@ -61,6 +61,29 @@ def test_decode_steps_route_the_trace_and_prefill_the_real_router(tiny_checkpoin
     assert any(ids.sort(-1).values.tolist() != trace[0, layer].sort(-1).values.tolist() for layer, ids in real)
 
 
+@pytest.mark.parametrize("model_type,overrides", [("glm4_moe", {"n_group": 1, "topk_group": 1}),
+                                                   ("ernie4_5_moe", {})])
+def test_biased_routers_replay_the_trace(tiny_checkpoint, monkeypatch, model_type, overrides):
+    """GLM's and ERNIE's routers (a correction bias, sigmoid or softmax scores) replay a trace too,
+    with the bias at zero as the benches write it (bench/fast_load.py); the engine_gpu_decode
+    shapes ernie4.5-21b and glm4.5-air time them so."""
+    llm = LLM(tiny_checkpoint(model_type, **overrides), expert_cache_experts=6, cpu_expert_fraction=0.5)
+    for block in llm.runner.model.moe_blocks():
+        block.gate.e_score_correction_bias.zero_()
+    routing_replay.install(llm.runner.model, "locality", batches=[len(PROMPTS)], steps=8)
+    calls = _routed(monkeypatch)
+    batch = Lockstep(llm, PROMPTS)
+    prefill = len(calls)
+    for _ in range(4):
+        batch.step()
+    trace = routing_replay.traced_ids(llm.runner.model, len(PROMPTS))
+    layers = len(llm.runner.model.moe_blocks())
+    decode = calls[prefill:]
+    assert len(decode) == 4 * layers
+    for i, (layer, ids) in enumerate(decode):
+        assert ids.sort(-1).values.tolist() == trace[i // layers, layer].sort(-1).values.tolist()
+
+
 def test_installing_twice_is_refused(tiny_checkpoint):
     llm = LLM(tiny_checkpoint("qwen3_moe"))
     routing_replay.install(llm.runner.model, "uniform", batches=[1], steps=4)
