@@ -52,6 +52,12 @@ MOE = {
     "dots1": dict(moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                   n_group=2, topk_group=1, routed_scaling_factor=2.0, first_k_dense_replace=1, num_hidden_layers=3,
                   attention_bias=True, head_dim=8),
+    # sigmoid choice with a correction bias on the MoE block, q/k norms over the whole projection,
+    # rotary over half of each head, Mixtral's expert names. The half is also given as
+    # partial_rotary_factor: transformers before 5.25 ignores the hub's rotary_dim (and rotates
+    # whole heads, unlike the published model and vLLM)
+    "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=16, head_dim=8, rotary_dim=4,
+                       rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5}),
     "llama": dict(),
     "qwen3": dict(head_dim=8),
     # hybrid: three Gated DeltaNet layers, then a gated attention layer
@@ -64,7 +70,7 @@ MOE = {
 SUPPORTED = tuple(MOE)
 # the random correction bias of a biased router, on the scale of its scores (sigmoid: 0..1;
 # softmax over 8 experts: about 1/8)
-BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "ernie4_5_moe": 0.05}
+BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3}
 # multimodal families: their vision tower's config
 VISION = {"qwen3_vl_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                                patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16,
@@ -94,6 +100,7 @@ def _classes(model_type: str):
         "glm4_moe": (T.Glm4MoeConfig, T.Glm4MoeForCausalLM),
         "ernie4_5_moe": (T.Ernie4_5_MoeConfig, T.Ernie4_5_MoeForCausalLM),
         "dots1": (T.Dots1Config, T.Dots1ForCausalLM),
+        "minimax_m2": (T.MiniMaxM2Config, T.MiniMaxM2ForCausalLM),
         "qwen3_vl_moe": (T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration),
         "llama": (T.LlamaConfig, T.LlamaForCausalLM),
         "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),

@@ -26,8 +26,8 @@ GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
 BLOCK = (16, 16)          # 128 x 128 in the published checkpoints; small here so that blocks are partial
 # the projections FP8 checkpoints quantize: attention, dense MLPs and experts (not routers, norms,
 # embeddings or the LM head)
-QUANTIZED = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj)\.weight$"
-                       r"|\.mlp\.experts\.(gate_up|down)_proj$")
+QUANTIZED = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj"
+                       r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight$|\.mlp\.experts\.(gate_up|down)_proj$")
 
 
 def quantize(w: torch.Tensor, block: tuple[int, int] = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:

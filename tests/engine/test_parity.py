@@ -56,6 +56,9 @@ def test_every_family_matches_transformers(tiny_checkpoint, model_type):
                           moe_k=3, tie_word_embeddings=False)),
     ("dots1", dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=4,
                    norm_topk_prob=True, n_group=1, topk_group=1, attention_bias=False)),
+    # MiniMax-M2: the rotary over whole heads, one KV head, top 3 renormalised
+    ("minimax_m2", dict(rotary_dim=8, num_key_value_heads=1, num_experts_per_tok=3, rope_parameters={
+        "rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 1.0})),
     ("llama", dict(tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
