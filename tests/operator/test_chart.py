@@ -23,7 +23,7 @@ PROMETHEUS_OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor", "PrometheusRule"}
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 NON_DEFAULT = {
-    "operator": {"staleSeconds": 12, "verbose": True, "nodeSelector": {"kubernetes.io/os": "linux"},
+    "operator": {"staleSeconds": 12, "apiTimeoutSeconds": 7, "verbose": True, "nodeSelector": {"kubernetes.io/os": "linux"},
                  "tolerations": [{"key": "x", "operator": "Exists", "effect": "NoSchedule"}]},
     "agent": {"gpu": {"request": True, "count": 2}, "stateHostPath": "/var/lib/freetoken/state",
               "runtimeClassName": "", "hostNetwork": False, "secretNamespaces": ["llm", "team-a"],
@@ -106,6 +106,7 @@ def test_non_default_values_take_effect():
     assert "--log-level=DEBUG" in agent["containers"][0]["args"]
     operator = pods["ft-freetoken-operator"]
     assert "--stale-seconds=12" in operator["containers"][0]["args"] and "--verbose" in operator["containers"][0]["args"]
+    assert "--api-timeout-seconds=7" in operator["containers"][0]["args"]
     roles = {(d["metadata"]["name"], d["metadata"]["namespace"]) for d in docs if d["kind"] == "Role"}
     assert roles == {(f"ft-freetoken-{who}-secrets", ns) for who in ("agent", "operator")
                      for ns in ("freetoken", "llm", "team-a")}
@@ -142,12 +143,13 @@ def test_dashboards_are_grafana_configmaps():
 
 @pytest.mark.parametrize("bad", [
     {"operator": {"staleSeconds": 0}},
+    {"operator": {"apiTimeoutSeconds": 0}},
     {"agent": {"metricsPort": 80}},
     {"agent": {"modelsHostPath": "relative/path"}},
     {"agent": {"gpu": {"request": "yes"}}},
     {"monitoring": {"serviceMonitor": {"interval": "often"}}},
     {"typo": True},
-], ids=["stale zero", "privileged metrics port", "relative host path", "bool as string", "bad interval", "unknown key"])
+], ids=["stale zero", "api timeout zero", "privileged metrics port", "relative host path", "bool as string", "bad interval", "unknown key"])
 def test_values_schema_rejects_bad_values(bad):
     with pytest.raises(helm.HelmError):
         helm.Chart.load(CHART).render(bad, name="ft", namespace="freetoken")

@@ -28,7 +28,8 @@ def test_stale_timeout_defaults_to_30s_and_is_configurable():
 @pytest.mark.parametrize("env", [{"FREETOKEN_OPERATOR_STALE_SECONDS": "0"},
                                  {"FREETOKEN_OPERATOR_STALE_SECONDS": "soon"},
                                  {"FREETOKEN_OPERATOR_KUBE_SERVER": "localhost:6443"},
-                                 {"FREETOKEN_OPERATOR_BASE_PORT": "70000"}])
+                                 {"FREETOKEN_OPERATOR_BASE_PORT": "70000"},
+                                 {"FREETOKEN_OPERATOR_API_TIMEOUT_SECONDS": "-1"}])
 def test_bad_configuration_is_rejected(env):
     with pytest.raises(ConfigError):
         OperatorConfig.from_env(env)
@@ -36,6 +37,7 @@ def test_bad_configuration_is_rejected(env):
 
 @pytest.mark.parametrize("args,says", [
     (["--stale-seconds", "-1"], "stale_seconds must be > 0"),
+    (["--api-timeout-seconds", "0"], "api_timeout_seconds must be in (0, 600]"),
     (["--liveness", "garbage"], "--liveness: must be http://HOST:PORT/PATH"),     # kopf: a traceback
     (["--liveness", "https://0.0.0.0:8080/healthz"], "--liveness: must be http://"),
     (["--liveness", "http://0.0.0.0:port/healthz"], "--liveness: must be http://"),
