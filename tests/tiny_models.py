@@ -153,6 +153,15 @@ def load_reference(path):
     return cls.from_pretrained(path, dtype="float32", attn_implementation="eager").eval()
 
 
+def with_template(src: Path, dst: Path, template: str) -> Path:
+    """A copy of the model folder ``src`` at ``dst`` whose tokenizer has ``template`` as its chat template."""
+    import shutil
+    shutil.copytree(src, dst)
+    config = json.loads((dst / "tokenizer_config.json").read_text())
+    (dst / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=template)))
+    return dst
+
+
 def copy_folder(src: Path, dst: Path) -> Path:
     """A flat copy of the model folder ``src`` at ``dst`` (new files: new inodes and mtimes)."""
     dst.mkdir()

@@ -70,7 +70,7 @@ class ScriptedService:
 
 
 @contextlib.contextmanager
-def recording_server(tokenizer, answers):
+def recording_server(tokenizer, answers, max_context: int = 512):
     """A live server over a ``ScriptedService`` of ``tokenizer`` that answers ``answers(prompt)``;
     the server it yields lists every prompt it was given, in order, in ``prompts``."""
     from live import live_server
@@ -79,6 +79,6 @@ def recording_server(tokenizer, answers):
     def script(prompt: str) -> str:
         prompts.append(prompt)
         return answers(prompt)
-    with live_server(ScriptedService(tokenizer, script=script)) as srv:
+    with live_server(ScriptedService(tokenizer, script=script, max_context=max_context)) as srv:
         srv.prompts = prompts
         yield srv

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from live import API_KEY, live_server, start_service
 from scripted import recording_server
 from test_tool_grammar import SCHEMAS, allowed, walk
+from tiny_models import with_template
 
 from freetoken_engine.executor.guide import Guide, GuideSpec
 from freetoken_engine.models.tokenizer import Tokenizer
@@ -93,11 +94,8 @@ def test_glm_variants_parse(text, want):
 def glm_dir(tiny_checkpoint, tmp_path_factory):
     """A random glm4_moe model whose tokenizer has GLM's tags as tokens, with the GLM template;
     a longer context leaves room for the tools' prompt."""
-    folder = tmp_path_factory.mktemp("glm") / "m"
-    shutil.copytree(tiny_checkpoint("glm4_moe", extra_tags=GLM_TAGS, max_position_embeddings=2048), folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=TEMPLATE)))
-    return folder
+    return with_template(tiny_checkpoint("glm4_moe", extra_tags=GLM_TAGS, max_position_embeddings=2048),
+                         tmp_path_factory.mktemp("glm") / "m", TEMPLATE)
 
 
 @pytest.fixture(scope="module")

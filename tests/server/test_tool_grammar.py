@@ -6,13 +6,13 @@ that parse and satisfy the schema, in the XML format too."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import jsonschema
 import pytest
 import torch
 from live import API_KEY, live_server, start_service
 from test_tool_calls_xml import TEMPLATE as XML_TEMPLATE
+from tiny_models import with_template
 
 from freetoken_engine.executor.guide import Guide, GuideSpec
 from freetoken_engine.server.prompt import Prompt
@@ -130,10 +130,8 @@ def test_a_forced_answer_is_calls_then_the_end(tok, style, first, second):
 @pytest.fixture(scope="module")
 def xml_live(tiny_checkpoint, tmp_path_factory):
     # the tiny tokenizer spends 460 tokens on this prompt: a longer context leaves room for a call
-    folder = tmp_path_factory.mktemp("xml-engine") / "m"
-    shutil.copytree(tiny_checkpoint("qwen3_moe", max_position_embeddings=2048), folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=XML_TEMPLATE)))
+    folder = with_template(tiny_checkpoint("qwen3_moe", max_position_embeddings=2048),
+                           tmp_path_factory.mktemp("xml-engine") / "m", XML_TEMPLATE)
     svc = start_service(folder, max_context=1024)
     with live_server(svc, api_key=API_KEY) as srv:
         yield srv

@@ -12,7 +12,11 @@ or GLM-4.5/4.6/4.7's (``style="glm"``), the same idea in other tags (GLM-4.7 wit
 
     <tool_call>f\n<arg_key>path</arg_key>\n<arg_value>src/app.py</arg_value>\n</tool_call>
 
-An XML or GLM call's arguments become a JSON object, each value typed by the tool's JSON Schema
+or MiniMax-M2's (``style="minimax"``), one block holding each call of the turn:
+
+    <minimax:tool_call>\n<invoke name="f">\n<parameter name="path">src/app.py</parameter>\n</invoke>\n</minimax:tool_call>
+
+An XML, GLM or MiniMax call's arguments become a JSON object, each value typed by the tool's JSON Schema
 (``schemas``: tool name -> its ``parameters``): integers, numbers, booleans, null, objects and
 arrays are parsed from their text when it is valid, strings and unknown parameters stay text.
 Its arguments stream a parameter at a time. Qwen3.5 may open a tool call inside its reasoning
@@ -43,6 +47,7 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN = "<function="          # the XML style's head: <function=NAME>
 ARG_KEY = "<arg_key>"                 # the GLM style's parameter: <arg_key>K</arg_key><arg_value>V</arg_value>
+MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"   # MiniMax-M2's block of calls
 GLM_TAGS = (ARG_KEY, "</arg_key>", "<arg_value>", "</arg_value>")
 
 
@@ -51,7 +56,9 @@ class _Tags:
     """A tagged call format: ``head`` (group 1 the tool's name) after ``<tool_call>``, then
     parameters, each ``param`` (group 1 its key; it starts with ``param_open``) and the value's
     text up to ``value_close``; ``between``: tags that mean nothing between parameters;
-    ``trim``: the newline each side of a value is the format's, not the value's."""
+    ``trim``: the newline each side of a value is the format's, not the value's; ``open`` and
+    ``close`` the block's tags; ``call_close``: a call's own end, when one block holds several
+    calls (MiniMax's ``</invoke>``)."""
 
     head: re.Pattern
     param: re.Pattern
@@ -59,10 +66,13 @@ class _Tags:
     value_close: str
     between: tuple[str, ...]
     trim: bool
+    open: str = TOOL_OPEN
+    close: str = TOOL_CLOSE
+    call_close: str | None = None
 
     @property
     def tags(self) -> tuple[str, ...]:
-        return (self.param_open, *self.between, TOOL_CLOSE)
+        return (self.param_open, *self.between, *((self.call_close,) if self.call_close else ()), self.close)
 
 
 _TAGGED = {
@@ -71,6 +81,8 @@ _TAGGED = {
     # the name is the text up to a newline or the first tag (not a JSON body: no "{")
     "glm": _Tags(re.compile(r"\s*([^\s<{][^<\n]*?)[ \t]*(?=\n|<arg_key>|</tool_call>)"),
                  re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>"), ARG_KEY, "</arg_value>", (), False),
+    "minimax": _Tags(re.compile(r'\s*<invoke name="([^"\n]+)">'), re.compile(r'<parameter name="([^"\n]+)">'),
+                     '<parameter name="', "</parameter>", (), True, MINIMAX_OPEN, MINIMAX_CLOSE, "</invoke>"),
 }
 
 # The Hermes/Qwen body as it begins: {"name": "<name>", "arguments": <value...>
@@ -118,9 +130,13 @@ class OutputParser:
     def __init__(self, *, tools: bool, in_reasoning: bool = False, style: str = "json",
                  schemas: dict[str, dict] | None = None):
         if style not in ("json", *_TAGGED):
-            raise ValueError(f"tool-call style {style!r}: 'json', 'xml' or 'glm'")
+            raise ValueError(f"tool-call style {style!r}: 'json', 'xml', 'glm' or 'minimax'")
         self.tools, self.xml, self.schemas = tools, style == "xml", schemas or {}
         self.tagged = _TAGGED.get(style)   # None: Hermes JSON bodies
+        self.tool_open = self.tagged.open if self.tagged else TOOL_OPEN
+        self.tool_close = self.tagged.close if self.tagged else TOOL_CLOSE
+        self._pos = 0                 # tagged: how far into the block's body is read
+        self._in_block = 0            # tagged: calls ended in the current block
         self.mode = "reasoning" if in_reasoning else "content"
         self.buf = ""
         self.n_tools = 0
@@ -181,7 +197,7 @@ class OutputParser:
     def _step_content(self, out: list[Event]) -> None:
         if not self._begun and not self.buf.strip():
             return                                # leading whitespace: shown with what follows it
-        tags = (THINK_OPEN, TOOL_OPEN) if self.tools else (THINK_OPEN,)
+        tags = (THINK_OPEN, self.tool_open) if self.tools else (THINK_OPEN,)
         if self._think_unclosed:
             tags += (THINK_CLOSE,)
         hits = [(self.buf.find(t), t) for t in tags]
@@ -206,6 +222,7 @@ class OutputParser:
     def _open_tool(self) -> None:
         self.mode, self._body, self._started = "tool", "", False
         self._args_end, self._args_done, self._name, self._params = None, False, "", 0
+        self._pos, self._in_block = 0, 0
 
     def _step_reasoning(self, out: list[Event]) -> None:
         tags = (THINK_CLOSE, TOOL_OPEN) if self.xml and self.tools else (THINK_CLOSE,)
@@ -261,26 +278,34 @@ class OutputParser:
 
     # -- tagged (XML, GLM) tool calls -------------------------------------------------------
     def _step_tagged_tool(self, out: list[Event]) -> None:
-        """Everything after <tool_call> is the body until its structure closes: the head
-        (<function=NAME>; GLM: NAME), then whole parameters (<parameter=KEY>...</parameter>; GLM:
-        <arg_key>KEY</arg_key><arg_value>...</arg_value>; a value may hold any tag but its own
-        closing one), then (</function> and) </tool_call>."""
+        """Everything after the block's open tag is the body until its structure closes: the
+        head (<function=NAME>; GLM: NAME; MiniMax: <invoke name="NAME">), then whole parameters
+        (<parameter=KEY>...</parameter>; GLM: <arg_key>KEY</arg_key><arg_value>...</arg_value>;
+        a value may hold any tag but its own closing one), then (</function> and) the block's
+        close; MiniMax ends each call with </invoke> and may start another in the same block."""
         tags = self.tagged
         self._body, self.buf = self._body + self.buf, ""
         body = self._body
-        if not self._started:
-            head = tags.head.match(body)
-            if head is None:
-                close = body.find(TOOL_CLOSE)
-                if close != -1:                   # no function head: a JSON body, else the model's text
-                    self.buf, self._body = body[close + len(TOOL_CLOSE):], body[:close]
-                    self._close_tool(out, complete=True)
-                    self.mode, self._strip_ws = "content", True
-                return
-            self._name, self._started, self._pos = head.group(1).strip(), True, head.end()
-            out.append(ToolStart(self.n_tools, self._name))
         while True:
             rest = body[self._pos:]
+            if not self._started:
+                head = tags.head.match(rest)
+                if head is None:
+                    if self._in_block:            # after a call: the next call, or the block's end
+                        at = rest.find(tags.close)
+                        if at != -1:
+                            self._end_block(rest[at + len(tags.close):], out)
+                        return
+                    close = rest.find(tags.close)
+                    if close != -1:               # no function head: a JSON body, else the model's text
+                        self.buf, self._body = rest[close + len(tags.close):], rest[:close]
+                        self._close_tool(out, complete=True)
+                        self.mode, self._strip_ws = "content", True
+                    return
+                self._name, self._started = head.group(1).strip(), True
+                self._pos += head.end()
+                out.append(ToolStart(self.n_tools, self._name))
+                continue
             gap = len(rest) - len(rest.lstrip())
             rest = rest[gap:]
             if rest.startswith(tags.param_open):
@@ -292,16 +317,29 @@ class OutputParser:
                 self._pos += gap + close + len(tags.value_close)
             elif any(rest.startswith(t) for t in tags.between):
                 self._pos += gap + len(next(t for t in tags.between if rest.startswith(t)))
-            elif rest.startswith(TOOL_CLOSE):
-                self.buf = rest[len(TOOL_CLOSE):]
-                self._tagged_close(out, complete=True)
-                self.mode, self._strip_ws = "content", True
+            elif tags.call_close and rest.startswith(tags.call_close):
+                self._pos += gap + len(tags.call_close)
+                self._end_call(out)
+            elif rest.startswith(tags.close):
+                self._end_block(rest[len(tags.close):], out)
                 return
             else:
                 nxt = [at for at in (rest.find(t) for t in tags.tags) if at > 0]
                 if not nxt:
                     return                        # a tag may still be arriving
                 self._pos += gap + min(nxt)       # text between the tags: skipped
+
+    def _end_block(self, after: str, out: list[Event]) -> None:
+        self.buf = after
+        self._tagged_close(out, complete=True)
+        self.mode, self._strip_ws = "content", True
+
+    def _end_call(self, out: list[Event]) -> None:
+        out.append(ToolArgs(self.n_tools, "}" if self._params else "{}"))
+        out.append(ToolEnd(self.n_tools))
+        self.n_tools += 1
+        self._in_block += 1
+        self._started, self._name, self._params = False, "", 0
 
     def _tagged_param(self, out: list[Event], key: str, raw: str) -> None:
         if self.tagged.trim and raw.startswith("\n"):
@@ -315,19 +353,21 @@ class OutputParser:
 
     def _tagged_close(self, out: list[Event], *, complete: bool) -> None:
         """The call's arguments object closed and ToolEnd; an unfinished parameter at the end of
-        generation is kept as its text so far. Without a function head: as a JSON body."""
+        generation is kept as its text so far. Without a function head (and no call before it
+        in the block): as a JSON body."""
         if not self._started:
-            self._close_tool(out, complete=complete)
+            if not self._in_block:
+                self._body = self._body[self._pos:]
+                self._close_tool(out, complete=complete)
         else:
             if not complete:
                 rest = self._body[self._pos:].lstrip()
                 param = self.tagged.param.match(rest)
                 if param is not None:
                     self._tagged_param(out, param.group(1).strip(), rest[param.end():])
-            out.append(ToolArgs(self.n_tools, "}" if self._params else "{}"))
-            out.append(ToolEnd(self.n_tools))
-            self.n_tools += 1
+            self._end_call(out)
         self._body, self._started, self._name, self._params = "", False, "", 0
+        self._pos, self._in_block = 0, 0
 
     # -- tool calls ------------------------------------------------------------------------
     def _close_tool(self, out: list[Event], *, complete: bool) -> None:
@@ -337,7 +377,7 @@ class OutputParser:
         else:
             call = parse_whole(self._body)
             if call is None:
-                raw = TOOL_OPEN + self._body + (TOOL_CLOSE if complete else "")
+                raw = self.tool_open + self._body + (self.tool_close if complete else "")
                 self._emit_content(raw, out)
             else:
                 name, args = call

@@ -29,7 +29,7 @@ import json
 from dataclasses import dataclass
 
 from .errors import ApiError
-from .parser import ARG_KEY, FUNCTION_OPEN, THINK_CLOSE, THINK_OPEN, TOOL_OPEN
+from .parser import ARG_KEY, FUNCTION_OPEN, MINIMAX_OPEN, THINK_CLOSE, THINK_OPEN, TOOL_OPEN
 
 
 #: what a tool's result says in place of an image or file part: the models served here read
@@ -46,7 +46,7 @@ class Prompt:
     in_reasoning: bool        # the template opened <think>: output starts as reasoning
     prefill: str              # text already "written" by the assistant (fed to the parser first)
     tools: bool               # parse tool calls
-    style: str = "json"       # the tool calls' format: "json" (Hermes), "xml" (Qwen3.5, Qwen3-Coder) or "glm"
+    style: str = "json"       # the tool calls' format: "json" (Hermes), "xml" (Qwen3.5, Qwen3-Coder), "glm", "minimax"
     schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
     strict: frozenset[str] = frozenset()   # tools whose calls must follow their schema (``strict``)
     forced: str | None = None     # the prompt opened a tool call: "required", or the named tool
@@ -54,9 +54,12 @@ class Prompt:
 
 
 def tool_style(tokenizer) -> str:
-    """The tool-call format the model's chat template teaches: "xml" when it writes
-    ``<function=``, "glm" when it writes ``<arg_key>``, else "json"."""
+    """The tool-call format the model's chat template teaches: "minimax" when it writes
+    ``<minimax:tool_call>``, "xml" when it writes ``<function=``, "glm" when it writes
+    ``<arg_key>``, else "json"."""
     template = getattr(tokenizer, "chat_template", None) or ""
+    if MINIMAX_OPEN in template:
+        return "minimax"
     return "xml" if FUNCTION_OPEN in template else "glm" if ARG_KEY in template else "json"
 
 
@@ -82,6 +85,10 @@ def glm_after_name(tokenizer) -> str:
 
 
 def tool_prefill(tool_choice: str | None, named: str | None, style: str = "json", after_name: str = "\n") -> str:
+    if style == "minimax":
+        if named is not None:
+            return f'{MINIMAX_OPEN}\n<invoke name="{named}">\n'
+        return f'{MINIMAX_OPEN}\n<invoke name="' if tool_choice == "required" else ""
     if style == "glm":
         if named is not None:
             return f"{TOOL_OPEN}{named}{after_name}"

@@ -1,6 +1,7 @@
 """Grammars that hold tool calls to their tools' schemas, in the chat template's own format.
 
-Three formats (``prompt.tool_style``):
+Three formats (``prompt.tool_style``; MiniMax-M2's fourth has no grammar yet: its forced calls
+are held by the pre-fill alone and a ``strict`` tool is a 400):
 
 - JSON (Hermes; Qwen3): ``<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>``;
   the arguments are JSON for the tool's schema, spaced as the templates' ``tojson`` writes it.
@@ -124,6 +125,11 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
     compiled; a forced call to such a schema is left to the pre-fill alone."""
     schemas = prompt.schemas or {}
     if not schemas or not (prompt.forced or prompt.strict):
+        return None, None
+    if prompt.style == "minimax":     # no grammar for its blocks of calls yet: forced calls pre-filled only
+        if prompt.strict:
+            raise ApiError(400, "tools: 'strict' tool calls are not available for this model's tool-call format "
+                                "(MiniMax-M2's <minimax:tool_call>); send the tools without 'strict'", param="tools")
         return None, None
 
     def tag(text: str) -> str:                 # a tag that is a token of its own is held as that token

@@ -1,0 +1,146 @@
+"""Tool calls in MiniMax-M2's format: one ``<minimax:tool_call>`` block holding each call of the
+turn as ``<invoke name="NAME">`` with ``<parameter name="KEY">VALUE</parameter>`` elements.
+Parsed on any split into typed JSON arguments, several calls to a block, through the official
+OpenAI and Anthropic clients (streamed a parameter at a time), the history rendered back in the
+format by the template, named and required calls pre-filled; a ``strict`` tool is refused with a
+400 (no grammar holds this format yet). The template is this test's own, in MiniMax-M2's layout;
+scripted answers come from a ``ScriptedService``."""
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from scripted import recording_server
+from test_tool_calls_glm import calls
+from tiny_models import with_template
+
+from freetoken_engine.models.tokenizer import Tokenizer
+from freetoken_engine.server.parser import Content, OutputParser, Reasoning
+from freetoken_engine.server.prompt import tool_style
+
+TEMPLATE = (
+    "{%- if tools %}]~!b[]~b]system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "Call tools as <minimax:tool_call>\n<invoke name=\"NAME\">\n<parameter name=\"KEY\">VALUE</parameter>\n"
+    "</invoke>\n</minimax:tool_call>[e~[\n{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'assistant' %}]~b]ai\n{% if m.content %}{{ m.content }}{% endif %}"
+    "{%- if m.tool_calls %}\n<minimax:tool_call>\n{% for tc in m.tool_calls %}"
+    "{%- set f = tc.function if tc.function is defined else tc %}<invoke name=\"{{ f.name }}\">\n"
+    "{% for k, v in f.arguments.items() %}<parameter name=\"{{ k }}\">{{ v | tojson if v is not string else v }}"
+    "</parameter>\n{% endfor %}</invoke>\n{% endfor %}</minimax:tool_call>{% endif %}[e~[\n"
+    "{%- elif m.role == 'tool' %}]~b]tool\n<response>{{ m.content }}</response>[e~[\n"
+    "{%- else %}]~b]{{ m.role }}\n{{ m.content if m.content is string else '' }}[e~[\n{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}]~b]ai\n{% endif %}")
+BLOCK = ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+         '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="search">\n'
+         '<parameter name="query">rain <b>gear</b></parameter>\n</invoke>\n</minimax:tool_call>')
+ANSWER = "<think>The user wants the forecast.</think>\n\nChecking.\n" + BLOCK
+WANT = [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "rain <b>gear</b>"})]
+SCHEMAS = {"get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}},
+           "search": {"type": "object", "properties": {"query": {"type": "string"}}}}
+TOOLS = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
+A_TOOLS = [{"name": n, "description": n, "input_schema": s} for n, s in SCHEMAS.items()]
+MSGS = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
+NAMED_REST = '<parameter name="city">Rome</parameter>\n<parameter name="days">1</parameter>\n</invoke>\n</minimax:tool_call>'
+
+
+def events(text: str, cuts: list[int]) -> list:
+    p = OutputParser(tools=True, style="minimax", schemas=SCHEMAS)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    return [e for piece in pieces for e in p.feed(piece)] + p.finish()
+
+
+@given(st.lists(st.integers(0, len(ANSWER)), max_size=6).map(sorted))
+def test_a_block_of_calls_on_any_split_gives_typed_arguments(cuts):
+    evs = events(ANSWER, cuts)
+    assert calls(evs) == WANT
+    assert "".join(e.text for e in evs if isinstance(e, Reasoning)) == "The user wants the forecast."
+    shown = "".join(e.text for e in evs if isinstance(e, Content))
+    assert shown.strip() == "Checking." and "<" not in shown
+
+
+@pytest.mark.parametrize("text, want", [
+    # no newlines; a value holding another tag; two blocks
+    ('<minimax:tool_call><invoke name="search"><parameter name="query">a <parameter name="x"> b</parameter>'
+     '</invoke></minimax:tool_call><minimax:tool_call><invoke name="get_weather"></invoke></minimax:tool_call>',
+     [("search", {"query": 'a <parameter name="x"> b'}), ("get_weather", {})]),
+    ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Ly',     # cut by max_tokens
+     [("get_weather", {"city": "Ly"})]),
+])
+def test_minimax_variants_parse(text, want):
+    assert calls(events(text, [len(text) // 2])) == want
+
+
+def test_a_block_without_a_call_is_shown_as_the_models_text():
+    block = "<minimax:tool_call>not a call</minimax:tool_call>"
+    evs = events(block + " done", [7])
+    shown = "".join(e.text for e in evs if isinstance(e, Content))
+    assert calls(evs) == [] and shown.startswith(block) and shown.endswith("done")
+
+
+@pytest.fixture(scope="module")
+def scripted(tiny_checkpoint, tmp_path_factory):
+    folder = with_template(tiny_checkpoint("qwen3_moe"), tmp_path_factory.mktemp("minimax") / "m", TEMPLATE)
+    tokenizer = Tokenizer(folder)
+    assert tool_style(tokenizer) == "minimax"
+
+    def answer(prompt: str) -> str:
+        if prompt.endswith('<invoke name="get_weather">\n'):
+            return NAMED_REST
+        if prompt.endswith('<invoke name="'):
+            return 'search">\n<parameter name="query">umbrellas</parameter>\n</invoke>\n</minimax:tool_call>'
+        return "<think>Sunny.</think>\n\nSunny all three days." if "<response>" in prompt else ANSWER
+    with recording_server(tokenizer, answer, max_context=4096) as srv:
+        yield srv
+
+
+def test_openai_chat_gets_both_calls_as_typed_json_arguments(scripted):
+    r = scripted.openai().chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS)
+    msg = r.choices[0].message
+    assert msg.reasoning_content == "The user wants the forecast." and msg.content.strip() == "Checking."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == WANT
+    assert r.choices[0].finish_reason == "tool_calls"
+
+
+def test_openai_stream_gives_the_arguments_a_parameter_at_a_time(scripted):
+    chunks = list(scripted.openai().chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS,
+                                                            stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    first = [tc.function.arguments for tc in deltas if tc.index == 0 and tc.function.arguments]
+    assert len(first) == 3 and json.loads("".join(first)) == WANT[0][1]
+    assert not any("<" in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+
+
+def test_the_history_goes_back_in_the_format_and_forced_calls_are_prefilled(scripted):
+    client = scripted.openai()
+    first = client.chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS).choices[0].message
+    history = MSGS + [{"role": "assistant", "content": first.content, "tool_calls": [
+        {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+        for c in first.tool_calls]}] + [{"role": "tool", "tool_call_id": c.id, "content": "ok"} for c in first.tool_calls]
+    r = client.chat.completions.create(model=scripted.model, messages=history, tools=TOOLS)
+    assert r.choices[0].message.content == "Sunny all three days."
+    assert ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
+            '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="search">') in scripted.prompts[-1]
+    r = client.chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert scripted.prompts[-1].endswith(']~b]ai\n<minimax:tool_call>\n<invoke name="get_weather">\n')
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Rome", "days": 1}
+    r = client.chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS, tool_choice="required")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == [
+        ("search", {"query": "umbrellas"})]
+
+
+def test_anthropic_gets_a_tool_use_block_per_call(scripted):
+    m = scripted.anthropic().messages.create(model=scripted.model, max_tokens=1000, messages=MSGS, tools=A_TOOLS)
+    assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == WANT
+    assert m.stop_reason == "tool_use"
+
+
+def test_a_strict_tool_is_refused_saying_why(scripted):
+    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
+    with pytest.raises(openai.BadRequestError) as e:
+        scripted.openai().chat.completions.create(model=scripted.model, messages=MSGS, tools=strict)
+    assert "'strict' tool calls are not available" in e.value.message and "MiniMax-M2" in e.value.message
