@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from freetoken_engine import LLM, SamplingParams
 from freetoken_engine.executor.speculate import DraftLength
-from test_mtp import GREEDY, PROMPTS, SAMPLED, reference_drafts, spy_drafts, train_head
+from test_mtp import GREEDY, PROMPTS, SAMPLED, plain_outputs, reference_drafts, spy_drafts, total, train_head
 from tiny_models import load_reference, make_tiny_checkpoint
 
 
@@ -144,11 +144,6 @@ def test_a_glm_head_that_predicts_the_model_gets_its_drafts_kept(tmp_path):
         p.requires_grad_(False)
     train_head(ref, mtp, texts, join=glm_join)
     save_glm_mtp(path, mtp)
-    llm = LLM(path, speculative_tokens=4, speculative_method="mtp")
-    kept = drafted = 0
-    for p, text in zip(PROMPTS, texts):
-        out = llm.generate(p, params)
-        assert out.token_ids == text[len(p):]
-        kept += out.stats["draft_tokens_kept"]
-        drafted += out.stats["draft_tokens"]
+    outs = plain_outputs(LLM(path, speculative_tokens=4, speculative_method="mtp"), texts, params)
+    kept, drafted = total(outs, "draft_tokens_kept"), total(outs, "draft_tokens")
     assert kept >= 0.35 * drafted, (kept, drafted)

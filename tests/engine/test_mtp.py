@@ -178,18 +178,25 @@ def fitted_mtp_model(path, params: SamplingParams, **engine):
     return path, texts
 
 
+def plain_outputs(llm: LLM, texts: list[list[int]], params: SamplingParams) -> list:
+    """Each of PROMPTS through the drafting ``llm``: its tokens asserted to be the plain decode's
+    (``texts``, prompt included); the outputs."""
+    outs = [llm.generate(p, params) for p in PROMPTS]
+    for p, text, out in zip(PROMPTS, texts, outs):
+        assert out.token_ids == text[len(p):]
+    return outs
+
+
+def total(outs: list, stat: str) -> int:
+    return sum(out.stats[stat] for out in outs)
+
+
 def test_a_head_that_predicts_the_model_gets_its_drafts_kept(tmp_path):
     params = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
     path, texts = fitted_mtp_model(tmp_path / "m", params)
-    llm = LLM(path, speculative_tokens=4, speculative_method="mtp")
-    kept = drafted = passes = made = 0
-    for p, text in zip(PROMPTS, texts):
-        out = llm.generate(p, params)
-        assert out.token_ids == text[len(p):]
-        kept += out.stats["draft_tokens_kept"]
-        drafted += out.stats["draft_tokens"]
-        passes += out.stats["decode_passes"]
-        made += len(out.token_ids)
+    outs = plain_outputs(LLM(path, speculative_tokens=4, speculative_method="mtp"), texts, params)
+    kept, drafted, passes = total(outs, "draft_tokens_kept"), total(outs, "draft_tokens"), total(outs, "decode_passes")
+    made = sum(len(out.token_ids) for out in outs)
     # about half the drafts kept, 2.3 tokens a pass here; an untrained head gets none kept
     assert kept >= 0.35 * drafted and passes < 0.6 * made, (kept, drafted, passes, made)
 

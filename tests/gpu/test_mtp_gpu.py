@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))
 from freetoken_engine import LLM, SamplingParams  # noqa: E402
 from freetoken_engine.config import EngineConfig  # noqa: E402
 from freetoken_engine.scheduler.service import EngineService  # noqa: E402
-from test_mtp import PROMPTS, SAMPLED, fitted_mtp_model  # noqa: E402
+from test_mtp import PROMPTS, SAMPLED, fitted_mtp_model, plain_outputs, total  # noqa: E402
 from test_speculative_gpu import tokens_of_all  # noqa: E402
 
 GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
@@ -35,14 +35,10 @@ def fitted(tmp_path_factory):
 def test_mtp_drafts_on_the_gpu_equal_plain(fitted):
     path, texts = fitted
     llm = LLM(path, speculative_tokens=4, speculative_method="mtp", **GPU)
-    kept = drafted = 0
-    for p, text in zip(PROMPTS, texts):
-        got = llm.generate(p, GREEDY)
-        assert got.token_ids == text[len(p):]
-        kept += got.stats["draft_tokens_kept"]
-        drafted += got.stats["draft_tokens"]
+    outs = plain_outputs(llm, texts, GREEDY)
+    for got in outs:
         assert got.stats["fills"] > 0 and got.stats["cpu_computed"] > 0      # offload and the split ran
-    assert 0 < kept < drafted
+    assert 0 < total(outs, "draft_tokens_kept") < total(outs, "draft_tokens")
     assert llm.runner.graph_stats()["decode_graph_replays"] > 0               # hidden states out of graphs
     assert llm.runner.graph_stats()["mtp_graph_replays"] > 0   # the MTP passes replayed graphs of their own
     assert llm.runner.chained_rows                           # and the verifications chained decode rows

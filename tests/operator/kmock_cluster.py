@@ -11,9 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import gc
+import io
 import sys
-import traceback
 import time
+import traceback
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -172,8 +174,6 @@ async def running_operator(kmock, monkeypatch, alive: set[str], **env: str):
 def _threads() -> str:
     """The stacks of every thread (faulthandler cannot: kopf's runner has swapped sys.stderr) and
     of the tasks on every other running event loop (kopf's)."""
-    import gc
-    import io
     out = [f"--- thread {ident}\n" + "".join(traceback.format_stack(frame))
            for ident, frame in sys._current_frames().items()]
     here = asyncio.get_running_loop()

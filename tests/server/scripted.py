@@ -69,6 +69,15 @@ class ScriptedService:
         pass
 
 
+def answered(messages: list[dict], reply, result: str) -> list[dict]:
+    """``messages``, then the assistant's ``reply`` (an OpenAI client's message with tool calls)
+    and a tool message answering each of its calls with ``result``: the next turn's history."""
+    calls = [{"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
+             for c in reply.tool_calls]
+    return [*messages, {"role": "assistant", "content": reply.content, "tool_calls": calls},
+            *({"role": "tool", "tool_call_id": c["id"], "content": result} for c in calls)]
+
+
 @contextlib.contextmanager
 def recording_server(tokenizer, answers, max_context: int = 512):
     """A live server over a ``ScriptedService`` of ``tokenizer`` that answers ``answers(prompt)``;

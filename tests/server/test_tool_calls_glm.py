@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from live import API_KEY, live_server, start_service
-from scripted import recording_server
+from scripted import answered, recording_server
 from test_tool_grammar import SCHEMAS, allowed, walk
 from tiny_models import with_template
 
@@ -190,12 +190,7 @@ def test_openai_stream_gives_the_arguments_a_parameter_at_a_time(scripted):
 def test_the_history_goes_back_in_glm_format_and_named_calls_are_prefilled(scripted):
     client = scripted.openai()
     first = client.chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS).choices[0].message
-    call = first.tool_calls[0]
-    history = MSGS + [{"role": "assistant", "content": first.content, "tool_calls": [
-        {"id": call.id, "type": "function", "function": {"name": call.function.name,
-                                                         "arguments": call.function.arguments}}]},
-        {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
-    r = client.chat.completions.create(model=scripted.model, messages=history, tools=TOOLS)
+    r = client.chat.completions.create(model=scripted.model, messages=answered(MSGS, first, "sunny"), tools=TOOLS)
     assert r.choices[0].message.content == "Sunny all three days."
     assert ("<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
             "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>") in scripted.prompts[-1]

@@ -13,7 +13,7 @@ import openai
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from scripted import recording_server
+from scripted import answered, recording_server
 from test_tool_calls_glm import calls
 from tiny_models import with_template
 
@@ -117,10 +117,7 @@ def test_openai_stream_gives_the_arguments_a_parameter_at_a_time(scripted):
 def test_the_history_goes_back_in_the_format_and_forced_calls_are_prefilled(scripted):
     client = scripted.openai()
     first = client.chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS).choices[0].message
-    history = MSGS + [{"role": "assistant", "content": first.content, "tool_calls": [
-        {"id": c.id, "type": "function", "function": {"name": c.function.name, "arguments": c.function.arguments}}
-        for c in first.tool_calls]}] + [{"role": "tool", "tool_call_id": c.id, "content": "ok"} for c in first.tool_calls]
-    r = client.chat.completions.create(model=scripted.model, messages=history, tools=TOOLS)
+    r = client.chat.completions.create(model=scripted.model, messages=answered(MSGS, first, "ok"), tools=TOOLS)
     assert r.choices[0].message.content == "Sunny all three days."
     assert ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
             '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="search">') in scripted.prompts[-1]

@@ -28,6 +28,7 @@ from ..errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALE, _COMPRESSED_SCALE = "_scale_inv", "_scale"    # an FP8 tensor's scales: <name><suffix>
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -92,9 +93,9 @@ class Checkpoint:
                 raise ConfigError(f"index names tensors absent from their shards, e.g. {missing[0]}")
         self._handles: dict[Path, object] = {}
         self._block, self._fp8_dtype, self._scale = _fp8_scheme(self.config, cfg_path)
-        scale = self._scale or "_scale_inv"
-        self._scales = {n for n in self._where if (n.endswith(scale) and n[: -len(scale)] in self._where)
-                        or (self._scale and n.endswith(".input_scale"))}
+        compressed = self._scale == _COMPRESSED_SCALE       # llm-compressor's: static input scales too
+        self._scales = {n for n in self._where if (n.endswith(self._scale) and n[: -len(self._scale)] in self._where)
+                        or (compressed and n.endswith(".input_scale"))}
 
     def names(self) -> list[str]:
         return [n for n in self._where if n not in self._scales]
@@ -112,7 +113,7 @@ class Checkpoint:
         t = handle.get_tensor(name)
         if t.dtype not in _FP8:
             return t
-        scale = name + (self._scale or "_scale_inv")
+        scale = name + self._scale
         if self._fp8_dtype is None or scale not in self._where:
             raise ConfigError(f"{name} in {path.name} is float8 without its scales ({scale}) and an fp8 "
                               f"quantization_config in config.json: not a checkpoint the engine can read")
@@ -122,20 +123,20 @@ class Checkpoint:
         self._handles.clear()
 
 
-def _fp8_scheme(config: dict, where: Path) -> tuple[tuple[int, int] | None, torch.dtype | None, str | None]:
+def _fp8_scheme(config: dict, where: Path) -> tuple[tuple[int, int] | None, torch.dtype | None, str]:
     """(block size or None: told by the scales' shape, the dtype FP8 tensors dequantize into,
-    the scale tensors' suffix: None for ``_scale_inv``); (None, None, None) for a checkpoint that
-    is not quantized; a ConfigError names a quantization the engine cannot read."""
+    the scale tensors' suffix); (None, None, ``_scale_inv``) for a checkpoint that is not
+    quantized; a ConfigError names a quantization the engine cannot read."""
     quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     if not quant:
-        return None, None, None
+        return None, None, _SCALE
     method = str(quant.get("quant_method", "?")).lower()
     dtype = _DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16)
     if method == "compressed-tensors":
         weights = [g.get("weights") or {} for g in (quant.get("config_groups") or {}).values()]
         if weights and all(w.get("type") == "float" and int(w.get("num_bits", 0)) == 8 for w in weights):
             blocks = {tuple(w["block_structure"]) for w in weights if w.get("block_structure")}
-            return (tuple(int(b) for b in next(iter(blocks))) if len(blocks) == 1 else None), dtype, "_scale"
+            return (tuple(int(b) for b in next(iter(blocks))) if len(blocks) == 1 else None), dtype, _COMPRESSED_SCALE
         kinds = ", ".join(sorted({f"{w.get('type', '?')}{w.get('num_bits', '?')}" for w in weights})) or "?"
         raise ConfigError(f"{where}: compressed-tensors weights of {kinds} are not supported; the engine reads "
                           f"unquantized checkpoints and 8-bit float (FP8) ones")
@@ -144,7 +145,7 @@ def _fp8_scheme(config: dict, where: Path) -> tuple[tuple[int, int] | None, torc
                           f"the engine reads unquantized (bfloat16 / float16 / float32) checkpoints and FP8 "
                           f"(e4m3, block-scaled) ones")
     block = quant.get("weight_block_size")
-    return (tuple(int(b) for b in block) if block else None), dtype, None
+    return (tuple(int(b) for b in block) if block else None), dtype, _SCALE
 
 
 @functools.cache

@@ -78,8 +78,8 @@ class CountRequest(Body):
                 # as Anthropic's API: an empty turn is a client's bug, not something to answer
                 raise ApiError(400, f"messages.{i}: the content is empty; every message needs content, "
                                     "except a final assistant message", param=f"messages.{i}.content")
-            for msg in _convert(m, f"messages.{i}"):
-                wheres.append(msg.pop("_at", f"messages.{i}"))
+            for where, msg in _convert(m, f"messages.{i}"):
+                wheres.append(where)
                 out.append(msg)
         check_tool_turns(out, wheres, ANTHROPIC)
         return out
@@ -178,13 +178,14 @@ def _text_of(content, where: str, tool_result: bool = False) -> str:
     return "".join(parts)
 
 
-def _convert(m: Message, where: str) -> list[dict]:
-    """One Anthropic message -> one or more template messages (tool results become 'tool')."""
+def _convert(m: Message, where: str) -> list[tuple[str, dict]]:
+    """One Anthropic message -> one or more template messages (tool results become 'tool'), each
+    with where in the request it comes from."""
     if m.role == "system":        # between the turns (Claude Code sends these)
-        return [{"role": "system", "content": _text_of(m.content, f"{where}.content")}]
+        return [(where, {"role": "system", "content": _text_of(m.content, f"{where}.content")})]
     if isinstance(m.content, str):
-        return [{"role": m.role, "content": m.content}]
-    out: list[dict] = []
+        return [(where, {"role": m.role, "content": m.content})]
+    out: list[tuple[str, dict]] = []
     text, reasoning, calls = [], [], []
     for j, b in enumerate(m.content):
         at = f"{where}.content.{j}"
@@ -201,7 +202,7 @@ def _convert(m: Message, where: str) -> list[dict]:
                           "function": {"name": b.name, "arguments": b.input or {}}})
         elif b.type == "tool_result" and m.role == "user":
             body = "" if b.content is None else _text_of(b.content, f"{at}.content", tool_result=True)
-            out.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": body, "_at": at})
+            out.append((at, {"role": "tool", "tool_call_id": b.tool_use_id, "content": body}))
         else:
             raise ApiError(400, f"{at}: content block type '{b.type}' is not supported in a "
                                 f"{m.role} message", param=at)
@@ -211,5 +212,5 @@ def _convert(m: Message, where: str) -> list[dict]:
             msg["tool_calls"] = calls
         if reasoning:
             msg["reasoning_content"] = "".join(reasoning)
-        out.append(msg)   # after any tool results: they answer the previous assistant turn
+        out.append((where, msg))   # after any tool results: they answer the previous assistant turn
     return out

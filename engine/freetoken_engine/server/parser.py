@@ -48,6 +48,7 @@ TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN = "<function="          # the XML style's head: <function=NAME>
 ARG_KEY = "<arg_key>"                 # the GLM style's parameter: <arg_key>K</arg_key><arg_value>V</arg_value>
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"   # MiniMax-M2's block of calls
+INVOKE = '<invoke name="'             # ... each call in it: <invoke name="NAME">
 GLM_TAGS = (ARG_KEY, "</arg_key>", "<arg_value>", "</arg_value>")
 
 
@@ -81,7 +82,7 @@ _TAGGED = {
     # the name is the text up to a newline or the first tag (not a JSON body: no "{")
     "glm": _Tags(re.compile(r"\s*([^\s<{][^<\n]*?)[ \t]*(?=\n|<arg_key>|</tool_call>)"),
                  re.compile(r"<arg_key>([^<]*)</arg_key>\s*<arg_value>"), ARG_KEY, "</arg_value>", (), False),
-    "minimax": _Tags(re.compile(r'\s*<invoke name="([^"\n]+)">'), re.compile(r'<parameter name="([^"\n]+)">'),
+    "minimax": _Tags(re.compile(r'\s*' + re.escape(INVOKE) + r'([^"\n]+)">'), re.compile(r'<parameter name="([^"\n]+)">'),
                      '<parameter name="', "</parameter>", (), True, MINIMAX_OPEN, MINIMAX_CLOSE, "</invoke>"),
 }
 
@@ -291,13 +292,10 @@ class OutputParser:
             if not self._started:
                 head = tags.head.match(rest)
                 if head is None:
-                    if self._in_block:            # after a call: the next call, or the block's end
-                        at = rest.find(tags.close)
-                        if at != -1:
-                            self._end_block(rest[at + len(tags.close):], out)
-                        return
                     close = rest.find(tags.close)
-                    if close != -1:               # no function head: a JSON body, else the model's text
+                    if close != -1 and self._in_block:    # after a call: the block's end
+                        self._end_block(rest[close + len(tags.close):], out)
+                    elif close != -1:             # no function head: a JSON body, else the model's text
                         self.buf, self._body = rest[close + len(tags.close):], rest[:close]
                         self._close_tool(out, complete=True)
                         self.mode, self._strip_ws = "content", True
@@ -357,7 +355,6 @@ class OutputParser:
         in the block): as a JSON body."""
         if not self._started:
             if not self._in_block:
-                self._body = self._body[self._pos:]
                 self._close_tool(out, complete=complete)
         else:
             if not complete:

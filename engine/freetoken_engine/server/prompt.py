@@ -14,8 +14,9 @@ Tool choice: ``"none"`` hides the tools from the template and disables tool-call
 ``"auto"`` shows them; ``"required"`` and a named tool additionally *pre-fill* the start of the
 model's answer (``<tool_call>\\n{"name": "`` or ``...{"name": "f", "arguments": ``; in the XML
 style ``<tool_call>\\n<function=`` or ``...<function=f>\\n``; in GLM's ``<tool_call>`` or
-``<tool_call>f`` and what its template writes after a name), so the model continues inside a
-tool call.
+``<tool_call>f`` and what its template writes after a name; in MiniMax-M2's
+``<minimax:tool_call>\\n<invoke name="`` or ``...<invoke name="f">\\n``), so the model continues
+inside a tool call.
 
 The tool-call style is the chat template's: one that writes ``<function=`` (Qwen3.5/3.6,
 Qwen3-Coder) gets the XML parser, one that writes ``<arg_key>`` (GLM-4.5/4.6/4.7) the GLM one,
@@ -29,7 +30,7 @@ import json
 from dataclasses import dataclass
 
 from .errors import ApiError
-from .parser import ARG_KEY, FUNCTION_OPEN, MINIMAX_OPEN, THINK_CLOSE, THINK_OPEN, TOOL_OPEN
+from .parser import ARG_KEY, FUNCTION_OPEN, INVOKE, MINIMAX_OPEN, THINK_CLOSE, THINK_OPEN, TOOL_OPEN
 
 
 #: what a tool's result says in place of an image or file part: the models served here read
@@ -87,8 +88,8 @@ def glm_after_name(tokenizer) -> str:
 def tool_prefill(tool_choice: str | None, named: str | None, style: str = "json", after_name: str = "\n") -> str:
     if style == "minimax":
         if named is not None:
-            return f'{MINIMAX_OPEN}\n<invoke name="{named}">\n'
-        return f'{MINIMAX_OPEN}\n<invoke name="' if tool_choice == "required" else ""
+            return f'{MINIMAX_OPEN}\n{INVOKE}{named}">\n'
+        return f"{MINIMAX_OPEN}\n{INVOKE}" if tool_choice == "required" else ""
     if style == "glm":
         if named is not None:
             return f"{TOOL_OPEN}{named}{after_name}"
