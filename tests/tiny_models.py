@@ -58,6 +58,14 @@ MOE = {
     # whole heads, unlike the published model and vLLM)
     "minimax_m2": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=16, head_dim=8, rotary_dim=4,
                        rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 0.5}),
+    # Granite's four multipliers (as published: 12, 1/64, 0.22, 6 at head_dim 64), the router
+    # as router.layer, fused experts as input_linear/output_linear; tied embeddings
+    "granitemoe": dict(GRANITE := dict(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=16, embedding_multiplier=6.0,
+        attention_multiplier=0.25, residual_multiplier=0.5, logits_scaling=2.0, tie_word_embeddings=True)),
+    "granitemoeshared": dict(GRANITE, shared_intermediate_size=24),
+    "granite": dict(embedding_multiplier=6.0, attention_multiplier=0.25, residual_multiplier=0.5, logits_scaling=2.0,
+                    tie_word_embeddings=True),
     "llama": dict(),
     "qwen3": dict(head_dim=8),
     # hybrid: three Gated DeltaNet layers, then a gated attention layer
@@ -102,6 +110,9 @@ def _classes(model_type: str):
         "dots1": (T.Dots1Config, T.Dots1ForCausalLM),
         "minimax_m2": (T.MiniMaxM2Config, T.MiniMaxM2ForCausalLM),
         "qwen3_vl_moe": (T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration),
+        "granitemoe": (T.GraniteMoeConfig, T.GraniteMoeForCausalLM),
+        "granitemoeshared": (T.GraniteMoeSharedConfig, T.GraniteMoeSharedForCausalLM),
+        "granite": (T.GraniteConfig, T.GraniteForCausalLM),
         "llama": (T.LlamaConfig, T.LlamaForCausalLM),
         "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
         "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextForCausalLM),

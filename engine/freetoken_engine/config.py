@@ -126,6 +126,15 @@ class ModelConfig:
     mtp_layers: int = 0
     use_mtp: bool = False
     mtp_zero_first: bool = False       # the MTP layer takes a zero embedding at position 0 (GLM, DeepSeek)
+    # Granite's multipliers: the embeddings times ``embedding_multiplier``; attention scores
+    # times ``attention_multiplier`` (None: head_dim ** -0.5); each layer's attention and MLP
+    # output times ``residual_multiplier`` before the residual add (folded into the weights that
+    # end each branch as they are read: o_proj, down_proj, every routed and shared expert's down);
+    # the logits divided by ``logits_scaling``
+    embedding_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -139,6 +148,10 @@ class ModelConfig:
             raise ConfigError("config.json: linear_attention layers need the linear_* head fields")
         if self.linear is not None and self.linear.v_heads % self.linear.k_heads:
             raise ConfigError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        for name in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"config.json: {name} must be a positive number, got {value}")
         if not 0 < self.rope.partial_rotary_factor <= 1 or int(self.head_dim * self.rope.partial_rotary_factor) % 2:
             raise ConfigError(f"config.json: partial_rotary_factor {self.rope.partial_rotary_factor} must give an "
                               f"even number of the head's {self.head_dim} dimensions")

@@ -38,6 +38,7 @@ def checked(llm: LLM) -> LLM:
     ("ernie4_5_moe", "some", (0.0, 1.0)),
     ("dots1", "some", (0.5,)),
     ("minimax_m2", "some", (0.0, 0.5)),
+    ("granitemoeshared", "some", (0.0, 0.5)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)

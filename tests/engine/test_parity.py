@@ -59,6 +59,12 @@ def test_every_family_matches_transformers(tiny_checkpoint, model_type):
     # MiniMax-M2: the rotary over whole heads, one KV head, top 3 renormalised
     ("minimax_m2", dict(rotary_dim=8, num_key_value_heads=1, num_experts_per_tok=3, rope_parameters={
         "rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 1.0})),
+    # Granite: one expert, q/k/v/o biases (o_proj's scaled with its weight), untied LM head, one KV
+    # head; the published multipliers (12, 1/64, 0.22, 6) with a shared expert
+    ("granitemoe", dict(num_experts_per_tok=1, attention_bias=True, tie_word_embeddings=False, num_key_value_heads=1)),
+    ("granitemoeshared", dict(embedding_multiplier=12.0, attention_multiplier=1 / 64, residual_multiplier=0.22,
+                              logits_scaling=6.0, num_experts_per_tok=3)),
+    ("granite", dict(attention_bias=True, tie_word_embeddings=False)),
     ("llama", dict(tie_word_embeddings=True, rope_parameters={
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),

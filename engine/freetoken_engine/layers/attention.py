@@ -92,7 +92,7 @@ class Attention(nn.Module):
         self.clip = cfg.clip_qkv
         self.window = cfg.sliding_window[layer] if cfg.sliding_window else None
         self.rotary = rotary
-        self.scale = d ** -0.5
+        self.scale = cfg.attention_multiplier or d ** -0.5
         self.partial_rotary = cfg.rotary_dim != d      # the fused decode kernels rotate whole heads
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.gate: tuple[torch.Tensor, torch.Tensor | None] | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -19,6 +20,9 @@ from .decoder import DecoderLM
 from .loader import Checkpoint
 
 log = logging.getLogger(__name__)
+# the weights that end a residual branch, which take ModelConfig.residual_multiplier
+_BRANCH_END = re.compile(r"\.(self_attn\.o_proj|linear_attn\.out_proj|mlp\.down_proj|mlp\.shared_expert\.down_proj)"
+                         r"\.(weight|bias)$")
 Progress = Callable[[float], None]
 
 
@@ -173,6 +177,8 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
             if src is None:
                 raise ConfigError(f"checkpoint {folder} lacks tensor for {name}")
             t = ckpt.get(src) if how is None else how[1](ckpt.get(src))
+            if cfg.residual_multiplier != 1.0 and _BRANCH_END.search(name):
+                t = t * cfg.residual_multiplier
             if t.shape != params[name].shape:
                 raise ConfigError(f"tensor {src} has shape {tuple(t.shape)}, config implies {tuple(params[name].shape)}")
             params[name].copy_(t)
@@ -185,7 +191,8 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
             layers = [*cfg.moe.layers, *([fam.mtp_layer(cfg)] if cfg.use_mtp else [])]
             for li, layer in enumerate(layers):
                 for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, cfg.moe.num_experts,
-                                                                            (bank.hidden, bank.inter))):
+                                                                            (bank.hidden, bank.inter),
+                                                                            cfg.residual_multiplier)):
                     if gate.shape != (bank.inter, bank.hidden) or down.shape != (bank.hidden, bank.inter):
                         raise ConfigError(f"expert {e} of layer {layer} has shape {tuple(gate.shape)}, "
                                           f"config implies {(bank.inter, bank.hidden)}")

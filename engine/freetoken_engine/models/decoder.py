@@ -98,7 +98,7 @@ class DecoderLM(nn.Module):
                 between: Callable[[int], None] | None = None) -> torch.Tensor:
         """``between(i)``, when given, is called after layer i's work is queued, for every layer
         but the last (the scheduler runs other sequences' decode steps there)."""
-        h = self.model.embed_tokens(ids)                                  # [T, H]
+        h = self.embed(ids)                                               # [T, H]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype, batch.max_position)   # [T, 1, d]
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
@@ -116,11 +116,16 @@ class DecoderLM(nn.Module):
             h = self.model.norm(h)
         return self.logits(h)                                             # [B, V]
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.model.embed_tokens(ids)
+        return h if self.cfg.embedding_multiplier == 1.0 else h * self.cfg.embedding_multiplier
+
     def logits(self, h: torch.Tensor, vocab: int = 0) -> torch.Tensor:
         """float32 logits of final hidden states (after their norm); ``vocab``: of the first
         ``vocab`` token ids only (0: all)."""
         logits = self.lm_head(h) if not 0 < vocab < self.cfg.vocab_size else linear(h, self.lm_head.weight[:vocab])
-        return logits if logits.dtype == torch.float32 else logits.float()
+        logits = logits if logits.dtype == torch.float32 else logits.float()
+        return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling
 
     def mtp_forward(self, ids: torch.Tensor, hidden: torch.Tensor, batch: AttnBatch, kv,
                     rows: torch.Tensor) -> torch.Tensor:
@@ -131,7 +136,7 @@ class DecoderLM(nn.Module):
         predict the token after ``ids``. With ``mtp_zero_first`` (GLM, DeepSeek: as vLLM runs
         them) the row at position 0 takes a zero embedding."""
         m = self.mtp
-        e = self.model.embed_tokens(ids)
+        e = self.embed(ids)
         if self.cfg.mtp_zero_first:
             e = e.masked_fill((batch.positions == 0)[:, None], 0.0)
         e = m.pre_fc_norm_embedding(e)

@@ -26,6 +26,8 @@ class Family:
     # the fused pair may be stored transposed, gate_up_proj [E, H, 2I] and down_proj [E, I, H], as
     # Qwen3-VL-MoE is published (transformers writes it untransposed): told apart by their shapes
     fused_transposed: bool = False
+    # the fused pair's names within the MoE block (Granite: input_linear.weight, output_linear.weight)
+    fused_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
     # the key prefix of the multi-token-prediction layer the checkpoint ships: Qwen3-Next's
     # ``mtp.layers.0`` (its other parts ``mtp.*``); GLM's and DeepSeek's the layer after the
     # model's own, ``model.layers.{N}``, its parts mapped to the engine's by ``source``
@@ -48,16 +50,22 @@ class Family:
         """A layer's routed experts as two stacked tensors, as transformers 5 holds them and as
         Qwen3.5/3.6-MoE are published: ``experts.gate_up_proj [E, 2I, H]`` (each expert's gate
         rows, then its up rows) and ``experts.down_proj [E, H, I]``."""
-        stem = f"{self.layer_stem(layer)}.{self.moe_prefix}.experts."
-        return stem + "gate_up_proj", stem + "down_proj"
+        stem = f"{self.layer_stem(layer)}.{self.moe_prefix}."
+        return stem + self.fused_names[0], stem + self.fused_names[1]
 
-    def layer_experts(self, ckpt, layer: int | str, num_experts: int, shape: tuple[int, int] | None = None):
+    def layer_experts(self, ckpt, layer: int | str, num_experts: int, shape: tuple[int, int] | None = None,
+                      down_scale: float = 1.0):
         """``(gate [I, H], up [I, H], down [H, I])`` of each routed expert of ``layer`` (an index,
         or a layer's key prefix: ``layer_stem``), in order, from ``ckpt``
         (``models/loader.Checkpoint``) in whichever form it stores them: per-expert tensors
         (``expert_key``) or the fused pair (``fused_expert_keys``), whose slices are views of one
         read. ``shape``: the model's (hidden, intermediate), which tells a transposed pair apart.
+        ``down_scale``: each down weight times it (``ModelConfig.residual_multiplier``, folded).
         Raises ``ConfigError`` for a fused pair that does not fit."""
+        if down_scale != 1.0:
+            for gate, up, down in self.layer_experts(ckpt, layer, num_experts, shape):
+                yield gate, up, down * down_scale
+            return
         gate_up_key, down_key = self.fused_expert_keys(layer)
         if not ckpt.has(gate_up_key):
             for e in range(num_experts):

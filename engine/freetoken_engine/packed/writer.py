@@ -124,7 +124,8 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
         bar = _bar(len(dense_keys) + len(layers), progress)
         _write_dense(ckpt, dense_keys, tmp, shard_bytes, index, bar)
         if moe:
-            _write_bank(ckpt, fam, moe, layers, cfg.hidden_size, dtype, tmp, shard_bytes, index, bar)
+            _write_bank(ckpt, fam, moe, layers, cfg.hidden_size, dtype, tmp, shard_bytes, index, bar,
+                        cfg.residual_multiplier)
         bar.close()
         for f in src.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
@@ -163,8 +164,10 @@ def _write_dense(ckpt, keys: list[str], tmp: Path, shard_bytes: int, index: dict
 
 
 def _write_bank(ckpt, fam, moe, layers: list, hidden: int, dtype: torch.dtype, tmp: Path, shard_bytes: int,
-                index: dict, bar) -> None:
-    """The bank's layers: ``layers`` (the MoE layers' indices, then an MTP layer's key prefix)."""
+                index: dict, bar, down_scale: float) -> None:
+    """The bank's layers: ``layers`` (the MoE layers' indices, then an MTP layer's key prefix),
+    each expert's down weight times ``down_scale`` (folded: ``ModelConfig.residual_multiplier``;
+    the dense tensors are kept as read and folded as they are loaded)."""
     E, inter, L = moe.num_experts, moe.intermediate_size, len(layers)
     es = torch.empty(0, dtype=dtype).element_size()
     per_layer = E * 2 * inter * hidden * es                    # one layer of w13
@@ -177,7 +180,7 @@ def _write_bank(ckpt, fam, moe, layers: list, hidden: int, dtype: torch.dtype, t
         f2 = _BlockFile(tmp / f"bank-w2-{a:05d}.bin")
         for li in range(a, b):
             layer = layers[li]
-            for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, E, (hidden, inter))):
+            for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, E, (hidden, inter), down_scale)):
                 if gate.shape != (inter, hidden) or up.shape != (inter, hidden) or down.shape != (hidden, inter):
                     raise PackedFormatError(f"expert {e} of layer {layer}: shapes {tuple(gate.shape)}, "
                                             f"{tuple(down.shape)}; config implies {(inter, hidden)}")
