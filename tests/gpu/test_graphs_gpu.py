@@ -264,7 +264,7 @@ def test_graphs_captured_while_the_bank_is_read_decode_the_same_tokens(tiny_pack
     assert llm.runner.graphs.replays >= 8
 
 
-@pytest.mark.parametrize("model", ["qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2"])
+@pytest.mark.parametrize("model", ["qwen3_moe", "qwen2_moe", "glm4_moe", "minimax_m2", "granitemoeshared"])
 @pytest.mark.parametrize("options", [{"expert_cache_experts": 6, "cpu_expert_fraction": 0.0},   # fills only
                                      {"expert_cache_experts": 6, "cpu_expert_fraction": 0.5}])  # + CPU pairs
 def test_hits_beside_the_fills_keep_every_bit(tiny_checkpoint, model, options, monkeypatch):
