@@ -173,6 +173,17 @@ def with_template(src: Path, dst: Path, template: str) -> Path:
     return dst
 
 
+def mark_special(folder: Path, tag: str) -> Path:
+    """The added token ``tag`` of ``folder``'s tokenizer marked special, as Granite's
+    ``<|tool_call|>`` is: decoding leaves it out."""
+    path = folder / "tokenizer.json"
+    data = json.loads(path.read_text())
+    entry = next(t for t in data["added_tokens"] if t["content"] == tag)
+    entry["special"] = True
+    path.write_text(json.dumps(data))
+    return folder
+
+
 def copy_folder(src: Path, dst: Path) -> Path:
     """A flat copy of the model folder ``src`` at ``dst`` (new files: new inodes and mtimes)."""
     dst.mkdir()

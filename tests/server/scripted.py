@@ -10,6 +10,7 @@ answer is encoded to token ids and streamed back as ``TokenEvent``s through the 
 from __future__ import annotations
 
 import asyncio
+import json
 import contextlib
 import threading
 
@@ -91,3 +92,24 @@ def recording_server(tokenizer, answers, max_context: int = 512):
     with live_server(ScriptedService(tokenizer, script=script, max_context=max_context)) as srv:
         srv.prompts = prompts
         yield srv
+
+
+def tool_uses(srv, messages: list[dict], tools: list[dict]) -> list[tuple[str, dict]]:
+    """(name, input) of each tool_use block of an Anthropic answer, which must stop for them."""
+    m = srv.anthropic().messages.create(model=srv.model, max_tokens=1000, messages=messages, tools=tools)
+    assert m.stop_reason == "tool_use"
+    return [(b.name, b.input) for b in m.content if b.type == "tool_use"]
+
+
+def check_forced_calls(srv, messages: list[dict], tools: list[dict], named_prompt_end: str) -> None:
+    """``tool_choice`` naming get_weather: the prompt ends with its pre-fill ``named_prompt_end``
+    and the script's rest gives {"city": "Rome", "days": 1}; ``required``: the script's one
+    call, search for "umbrellas"."""
+    client = srv.openai()
+    r = client.chat.completions.create(model=srv.model, messages=messages, tools=tools,
+                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert srv.prompts[-1].endswith(named_prompt_end)
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Rome", "days": 1}
+    r = client.chat.completions.create(model=srv.model, messages=messages, tools=tools, tool_choice="required")
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == [
+        ("search", {"query": "umbrellas"})]

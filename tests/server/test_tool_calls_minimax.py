@@ -13,7 +13,7 @@ import openai
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from scripted import answered, recording_server
+from scripted import answered, check_forced_calls, recording_server, tool_uses
 from test_tool_calls_glm import calls
 from tiny_models import with_template
 
@@ -121,19 +121,11 @@ def test_the_history_goes_back_in_the_format_and_forced_calls_are_prefilled(scri
     assert r.choices[0].message.content == "Sunny all three days."
     assert ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
             '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="search">') in scripted.prompts[-1]
-    r = client.chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS,
-                                       tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert scripted.prompts[-1].endswith(']~b]ai\n<minimax:tool_call>\n<invoke name="get_weather">\n')
-    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Rome", "days": 1}
-    r = client.chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS, tool_choice="required")
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == [
-        ("search", {"query": "umbrellas"})]
+    check_forced_calls(scripted, MSGS, TOOLS, ']~b]ai\n<minimax:tool_call>\n<invoke name="get_weather">\n')
 
 
 def test_anthropic_gets_a_tool_use_block_per_call(scripted):
-    m = scripted.anthropic().messages.create(model=scripted.model, max_tokens=1000, messages=MSGS, tools=A_TOOLS)
-    assert [(b.name, b.input) for b in m.content if b.type == "tool_use"] == WANT
-    assert m.stop_reason == "tool_use"
+    assert tool_uses(scripted, MSGS, A_TOOLS) == WANT
 
 
 def test_a_strict_tool_is_refused_saying_why(scripted):

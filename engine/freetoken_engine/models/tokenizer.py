@@ -51,12 +51,21 @@ class _GenerationBlocks(Extension):
 
 
 class StreamDecoder:
-    """Incremental detokenizer: ``step(id)`` returns the newly printable text (may be '')."""
+    """Incremental detokenizer: ``step(id)`` returns the newly printable text (may be '').
+    Special tokens are left out, but for those in ``keep`` (a tool-call format's tag that the
+    tokenizer marks special, as Granite's ``<|tool_call|>``): their text is written."""
 
-    def __init__(self, tok: "Tokenizer"):
+    def __init__(self, tok: "Tokenizer", keep: tuple[str, ...] = ()):
         self.tok, self.ids, self.prefix, self.read = tok, [], 0, 0
+        ids = {t: tok.token_to_id(t) for t in keep}
+        self.keep = {i: t for t, i in ids.items() if i is not None and not tok.decode([i])}
 
     def step(self, token_id: int) -> str:
+        if token_id in self.keep:            # what came before it, then the tag; decoding starts over after it
+            done, full = self.tok.decode(self.ids[self.prefix:self.read]), self.tok.decode(self.ids[self.prefix:])
+            self.ids.append(token_id)
+            self.prefix = self.read = len(self.ids)
+            return full[len(done):] + self.keep[token_id]
         self.ids.append(token_id)
         prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
         full = self.tok.decode(self.ids[self.prefix:])
@@ -116,8 +125,8 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
-    def stream_decoder(self) -> StreamDecoder:
-        return StreamDecoder(self)
+    def stream_decoder(self, keep: tuple[str, ...] = ()) -> StreamDecoder:
+        return StreamDecoder(self, keep)
 
     def apply_chat_template(self, messages: list[dict], tools: list[dict] | None = None,
                             add_generation_prompt: bool = True, **extra) -> str:

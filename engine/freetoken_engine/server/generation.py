@@ -22,6 +22,7 @@ from ..errors import RequestTooLong
 from ..executor.guide import GuideSpec
 from ..executor.sampler import SamplingParams
 from .errors import ApiError
+from .parser import opening_tag
 from .stops import StopMatcher
 from .structured import LogprobText, guide_spec
 
@@ -54,12 +55,12 @@ class Generation:
 
     def __init__(self, handle, tokenizer, stops: Sequence[str], skip_ids: frozenset[int],
                  metrics=None, endpoint: str = "", t_arrival: float | None = None,
-                 logprob_text: LogprobText | None = None):
+                 logprob_text: LogprobText | None = None, keep: tuple[str, ...] = ()):
         self.handle = handle
         self.logprob_text = logprob_text
         self.logprobs: list[dict] = []
         self._taken = 0
-        self.decoder = tokenizer.stream_decoder()
+        self.decoder = tokenizer.stream_decoder(keep)      # a tool-call tag the tokenizer marks special
         self.matcher = StopMatcher(stops)
         self.skip_ids = skip_ids
         self.metrics = metrics
@@ -187,4 +188,5 @@ def start_generation(service, prompt, opts: GenOptions, spec: GuideSpec | None, 
         min_p=opts.min_p)
     handle = service.submit(list(prompt_ids), params)
     text = None if opts.logprobs is None else LogprobText(tok, service.vocab_size)
-    return Generation(handle, tok, opts.stop, frozenset(eos), metrics, endpoint, t_arrival, text)
+    keep = (opening_tag(prompt.style),) if prompt.tools else ()
+    return Generation(handle, tok, opts.stop, frozenset(eos), metrics, endpoint, t_arrival, text, keep)

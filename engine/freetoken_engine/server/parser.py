@@ -16,6 +16,11 @@ or MiniMax-M2's (``style="minimax"``), one block holding each call of the turn:
 
     <minimax:tool_call>\n<invoke name="f">\n<parameter name="path">src/app.py</parameter>\n</invoke>\n</minimax:tool_call>
 
+or Granite 3.x's (``style="granite"``), every call of the turn in one JSON list after a special token
+(``parser_list.CallList``):
+
+    <|tool_call|>[{"name": "f", "arguments": {...}}, {"name": "g", "arguments": {...}}]
+
 An XML, GLM or MiniMax call's arguments become a JSON object, each value typed by the tool's JSON Schema
 (``schemas``: tool name -> its ``parameters``): integers, numbers, booleans, null, objects and
 arrays are parsed from their text when it is valid, strings and unknown parameters stay text.
@@ -41,15 +46,23 @@ import json
 import re
 from dataclasses import dataclass
 
-from .parser_text import JsonValueEnd, parse_whole, partial_tag, typed, unquote
+from .parser_list import CallList
+from .parser_text import (CALL_HEAD, Content, JsonValueEnd, Reasoning, ToolArgs, ToolEnd, ToolStart, parse_whole,
+                          partial_tag, typed, unquote)
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
 FUNCTION_OPEN = "<function="          # the XML style's head: <function=NAME>
 ARG_KEY = "<arg_key>"                 # the GLM style's parameter: <arg_key>K</arg_key><arg_value>V</arg_value>
 MINIMAX_OPEN, MINIMAX_CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"   # MiniMax-M2's block of calls
+GRANITE_OPEN = "<|tool_call|>"        # Granite's token before its JSON list of calls (no closing tag)
 INVOKE = '<invoke name="'             # ... each call in it: <invoke name="NAME">
 GLM_TAGS = (ARG_KEY, "</arg_key>", "<arg_value>", "</arg_value>")
+
+
+def opening_tag(style: str) -> str:
+    """The tag before a tool call (or a block or list of them) in ``style``."""
+    return _TAGGED[style].open if style in _TAGGED else GRANITE_OPEN if style == "granite" else TOOL_OPEN
 
 
 @dataclass(frozen=True)
@@ -86,35 +99,6 @@ _TAGGED = {
                      '<parameter name="', "</parameter>", (), True, MINIMAX_OPEN, MINIMAX_CLOSE, "</invoke>"),
 }
 
-# The Hermes/Qwen body as it begins: {"name": "<name>", "arguments": <value...>
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
-
-
-@dataclass(frozen=True)
-class Reasoning:
-    text: str
-
-
-@dataclass(frozen=True)
-class Content:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolStart:
-    index: int
-    name: str
-
-
-@dataclass(frozen=True)
-class ToolArgs:
-    index: int
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolEnd:
-    index: int
 
 
 Event = Reasoning | Content | ToolStart | ToolArgs | ToolEnd
@@ -130,11 +114,13 @@ class OutputParser:
 
     def __init__(self, *, tools: bool, in_reasoning: bool = False, style: str = "json",
                  schemas: dict[str, dict] | None = None):
-        if style not in ("json", *_TAGGED):
-            raise ValueError(f"tool-call style {style!r}: 'json', 'xml', 'glm' or 'minimax'")
+        if style not in ("json", "granite", *_TAGGED):
+            raise ValueError(f"tool-call style {style!r}: 'json', 'granite', 'xml', 'glm' or 'minimax'")
         self.tools, self.xml, self.schemas = tools, style == "xml", schemas or {}
-        self.tagged = _TAGGED.get(style)   # None: Hermes JSON bodies
-        self.tool_open = self.tagged.open if self.tagged else TOOL_OPEN
+        self.tagged = _TAGGED.get(style)   # None: Hermes JSON bodies, or Granite's list
+        self.listed: CallList | None = None   # Granite: the list of calls being read
+        self.granite = style == "granite"
+        self.tool_open = opening_tag(style)
         self.tool_close = self.tagged.close if self.tagged else TOOL_CLOSE
         self._pos = 0                 # tagged: how far into the block's body is read
         self._in_block = 0            # tagged: calls ended in the current block
@@ -162,6 +148,8 @@ class OutputParser:
                 self._step_reasoning(out)
             elif self.tagged:
                 self._step_tagged_tool(out)
+            elif self.granite:
+                self._step_listed_tool(out)
             else:
                 self._step_tool(out)
             if (self.mode, len(self.buf), self._started) == before:
@@ -178,6 +166,11 @@ class OutputParser:
         elif self.mode == "tool" and self.tagged:
             self._body += rest
             self._tagged_close(out, complete=False)
+        elif self.mode == "tool" and self.granite:
+            self._step_listed_tool(out, rest)
+            if self.mode == "tool":
+                out += self.listed.finish()
+                self._listed_end(out, self.listed.unread)
         elif self.mode == "tool":
             self._body += rest
             self._close_tool(out, complete=False)
@@ -224,6 +217,7 @@ class OutputParser:
         self.mode, self._body, self._started = "tool", "", False
         self._args_end, self._args_done, self._name, self._params = None, False, "", 0
         self._pos, self._in_block = 0, 0
+        self.listed = CallList(self.n_tools) if self.granite else None
 
     def _step_reasoning(self, out: list[Event]) -> None:
         tags = (THINK_CLOSE, TOOL_OPEN) if self.xml and self.tools else (THINK_CLOSE,)
@@ -261,7 +255,7 @@ class OutputParser:
         at = self.buf.find(TOOL_CLOSE)
         upto = at if at != -1 else len(self.buf) - partial_tag(self.buf, (TOOL_CLOSE,))
         if not self._started:
-            head = _HEAD.match(self._body + self.buf[:upto])
+            head = CALL_HEAD.match(self._body + self.buf[:upto])
             if head is not None:
                 used = head.end() - len(self._body)
                 self._body += self.buf[:used]
@@ -276,6 +270,27 @@ class OutputParser:
             self.mode, self._strip_ws = "content", True
         else:
             self.buf = self.buf[upto:]
+
+    # -- Granite's list of calls -------------------------------------------------------------
+    def _step_listed_tool(self, out: list[Event], more: str = "") -> None:
+        """The list after ``<|tool_call|>`` (``parser_list.CallList``); once it closes, content
+        again. Text that is not a list of calls is shown as the model's text, with the tag when
+        no call came before it."""
+        evs, rest = self.listed.feed(self.buf + more)
+        self.buf = ""
+        out += evs
+        if self.listed.state == "done":
+            self._listed_end(out, "")
+            self.buf = rest
+        elif self.listed.state == "failed":
+            self._listed_end(out, self.listed.unread)
+
+    def _listed_end(self, out: list[Event], unread: str) -> None:
+        first = self.n_tools
+        self.n_tools, self.listed = self.listed.index, None
+        if unread:
+            self._emit_content((self.tool_open if self.n_tools == first else "") + unread, out)
+        self.mode, self._strip_ws = "content", True
 
     # -- tagged (XML, GLM) tool calls -------------------------------------------------------
     def _step_tagged_tool(self, out: list[Event]) -> None:

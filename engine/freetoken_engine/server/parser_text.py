@@ -1,8 +1,42 @@
-"""Text helpers of the output parser (``parser.py``): held-back partial tags, where a streamed
-JSON value ends, a whole Hermes call body, and an XML-style parameter's text typed by its schema."""
+"""Text helpers of the output parser (``parser.py``): its events, held-back partial tags, where a
+streamed JSON value ends, a whole Hermes call body, and an XML-style parameter's text typed by its
+schema."""
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
+
+# a JSON call object as it begins (Hermes/Qwen's body, an element of Granite's list), up to where
+# its arguments value starts: {"name": "<name>", "arguments": <value...>
+CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*')
+
+
+@dataclass(frozen=True)
+class Reasoning:
+    text: str
+
+
+@dataclass(frozen=True)
+class Content:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolStart:
+    index: int
+    name: str
+
+
+@dataclass(frozen=True)
+class ToolArgs:
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolEnd:
+    index: int
 
 
 def partial_tag(buf: str, tags: tuple[str, ...]) -> int:

@@ -1,6 +1,6 @@
 """Grammars that hold tool calls to their tools' schemas, in the chat template's own format.
 
-Three formats (``prompt.tool_style``; MiniMax-M2's fourth has no grammar yet: its forced calls
+Four formats (``prompt.tool_style``; MiniMax-M2's fifth has no grammar yet: its forced calls
 are held by the pre-fill alone and a ``strict`` tool is a 400):
 
 - JSON (Hermes; Qwen3): ``<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>``;
@@ -13,6 +13,8 @@ are held by the pre-fill alone and a ``strict`` tool is a 400):
   \\n...</tool_call>`` (each newline optional: GLM-4.7 writes none); values as in the XML format,
   a string any text up to ``</arg_value>``. Tags that are tokens of their own (GLM's are) are
   held as those tokens.
+- Granite (3.x): ``<|tool_call|>[{"name": "NAME", "arguments": {...}}, ...]``, every call of the
+  turn in one JSON list, no closing tag.
 
 ``tool_grammars`` returns two grammars: a call from after its ``<tool_call>`` token (the model
 opened it), and the rest of the answer when the prompt's pre-fill already opened a call
@@ -136,6 +138,8 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
         at = tokenizer.token_to_id(text)
         return f"<[{at}]>" if at is not None else _lit(text)
 
+    if prompt.style == "granite":
+        return _granite(schemas, prompt)
     close = tag(TOOL_CLOSE)
     xml, glm = prompt.style == "xml", prompt.style == "glm"
     rules = _Rules()
@@ -176,6 +180,29 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
         rest = grammar(alts(prefilled) + more)
     else:
         rest = None
+    return _both(after_open, rest, prompt)
+
+
+def _granite(schemas: dict, prompt) -> tuple[str | None, str | None]:
+    """Granite: after ``<|tool_call|>`` a JSON list of calls, ``[{"name": "NAME", "arguments":
+    {...}}, ...]`` (one call when parallel calls are off); the pre-fill of a required call ends
+    inside the first name's quotes, a named one's where its arguments start."""
+    bodies = {name: _json(schema if prompt.forced is not None or name in prompt.strict else None, _SPACED, "object")
+              + ' "}"' for name, schema in schemas.items()}
+    heads = {name: json.dumps(name) + ', "arguments": ' for name in schemas}
+    call = '"{\\"name\\": " (' + " | ".join(f"{_lit(heads[n])} {bodies[n]}" for n in schemas) + ")"
+    more = ' ("," /[ \\n]?/ ' + call + ")*" if prompt.parallel else ""
+    after_open = f'start: /[ \\n]?/ "[" {call}{more} "]"'
+    if prompt.forced in schemas:
+        rest = f'start: {bodies[prompt.forced]} "]"'
+    elif prompt.forced:
+        rest = "start: (" + " | ".join(f"{_lit(heads[n][1:])} {bodies[n]}" for n in schemas) + f'){more} "]"'
+    else:
+        rest = None
+    return _both(after_open, rest, prompt)
+
+
+def _both(after_open: str, rest: str | None, prompt) -> tuple[str | None, str | None]:
     try:
         return (_compiled(after_open), None if rest is None else _compiled(rest))
     except ApiError:
