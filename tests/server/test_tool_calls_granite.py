@@ -21,7 +21,8 @@ from tiny_models import mark_special, with_template
 
 from freetoken_engine.executor.guide import Guide, GuideSpec
 from freetoken_engine.models.tokenizer import Tokenizer
-from freetoken_engine.server.parser import Content, OutputParser, Reasoning, ToolArgs, ToolEnd, ToolStart
+from freetoken_engine.server.parser import (Content, OutputParser, Reasoning, ToolArgs, ToolEnd, ToolStart,
+                                           format_tags)
 from freetoken_engine.server.prompt import Prompt, tool_style
 from freetoken_engine.server.tool_grammar import tool_grammars
 
@@ -100,6 +101,22 @@ def test_the_tag_is_special_yet_reaches_the_parser(folder):
     for keep, want in (((), "Hi[1]"), ((TAG,), "Hi" + TAG + "[1]")):
         decoder = tokenizer.stream_decoder(keep)
         assert "".join(decoder.step(i) for i in ids) == want
+
+
+def test_a_hermes_tokenizer_that_marks_its_tags_special_keeps_both(folder, tmp_path):
+    """The JSON (Hermes) format's open and close tags, where the tokenizer marks them special,
+    reach the parser too: the close ends the call, and what follows is content."""
+    special = with_template(folder, tmp_path / "hermes", "{{ messages[0].content }}")
+    for tag in ("<tool_call>", "</tool_call>"):
+        mark_special(special, tag)
+    tokenizer = Tokenizer(special)
+    text = '<tool_call>\n{"name": "search", "arguments": {"query": "x"}}\n</tool_call>\nDone.'
+    ids = tokenizer.encode(text + "<|im_end|>", add_special_tokens=False)
+    decoder = tokenizer.stream_decoder(format_tags("json"))
+    assert "".join(decoder.step(i) for i in ids) == text
+    p = OutputParser(tools=True, style="json")
+    evs = p.feed(text) + p.finish()
+    assert calls(evs) == [("search", {"query": "x"})] and shown(evs).strip() == "Done."
 
 
 @pytest.fixture(scope="module")

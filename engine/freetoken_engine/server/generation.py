@@ -22,7 +22,7 @@ from ..errors import RequestTooLong
 from ..executor.guide import GuideSpec
 from ..executor.sampler import SamplingParams
 from .errors import ApiError
-from .parser import opening_tag
+from .parser import format_tags
 from .stops import StopMatcher
 from .structured import LogprobText, guide_spec
 
@@ -60,7 +60,7 @@ class Generation:
         self.logprob_text = logprob_text
         self.logprobs: list[dict] = []
         self._taken = 0
-        self.decoder = tokenizer.stream_decoder(keep)      # a tool-call tag the tokenizer marks special
+        self.decoder = tokenizer.stream_decoder(keep)      # tool-call tags the tokenizer marks special
         self.matcher = StopMatcher(stops)
         self.skip_ids = skip_ids
         self.metrics = metrics
@@ -188,5 +188,5 @@ def start_generation(service, prompt, opts: GenOptions, spec: GuideSpec | None, 
         min_p=opts.min_p)
     handle = service.submit(list(prompt_ids), params)
     text = None if opts.logprobs is None else LogprobText(tok, service.vocab_size)
-    keep = (opening_tag(prompt.style),) if prompt.tools else ()
+    keep = format_tags(prompt.style) if prompt.tools else ()
     return Generation(handle, tok, opts.stop, frozenset(eos), metrics, endpoint, t_arrival, text, keep)

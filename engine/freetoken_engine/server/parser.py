@@ -65,6 +65,14 @@ def opening_tag(style: str) -> str:
     return _TAGGED[style].open if style in _TAGGED else GRANITE_OPEN if style == "granite" else TOOL_OPEN
 
 
+def format_tags(style: str) -> tuple[str, ...]:
+    """The tags that open and close ``style``'s calls (Granite's list has no closing tag)."""
+    if style == "granite":
+        return (GRANITE_OPEN,)
+    tags = _TAGGED.get(style)
+    return (tags.open, tags.close) if tags else (TOOL_OPEN, TOOL_CLOSE)
+
+
 @dataclass(frozen=True)
 class _Tags:
     """A tagged call format: ``head`` (group 1 the tool's name) after ``<tool_call>``, then
