@@ -172,10 +172,11 @@ def prompt(forced: str | None = None, parallel: bool = True) -> Prompt:
 
 def walk(tokenizer, grammar: str, text: str) -> tuple[int, bool]:
     """Feed ``text`` under the masks: (tokens allowed, the grammar complete after them)."""
-    g = Guide(GuideSpec(None, in_tool=grammar), tokenizer, 320)
+    vocab = tokenizer.vocab_size
+    g = Guide(GuideSpec(None, in_tool=grammar), tokenizer, vocab)
     ids = tokenizer.encode(text, add_special_tokens=False)
     for n, t in enumerate(ids):
-        if not torch.isfinite(g.constrain(torch.zeros(320))[t]):
+        if not torch.isfinite(g.constrain(torch.zeros(vocab))[t]):
             return n, False
         if g.advance(t):
             return n + 1, n + 1 == len(ids)
@@ -197,13 +198,18 @@ def allowed(tokenizer, grammar: str, text: str) -> str:
 ])
 def test_calls_after_the_tag_are_held_to_their_schemas(folder, text, wrong):
     tokenizer = Tokenizer(folder)
-    after_tag, _ = tool_grammars(tokenizer, prompt())
-    n, complete = walk(tokenizer, after_tag, text)
+    held_to(tokenizer, tool_grammars(tokenizer, prompt())[0], text, wrong)
+
+
+def held_to(tokenizer, grammar: str, text: str, wrong: str | None) -> None:
+    """``text`` is allowed whole and completes ``grammar``; or, with ``wrong``, is cut where
+    ``wrong`` starts (within a token or so)."""
+    n, complete = walk(tokenizer, grammar, text)
     if wrong is None:
         assert complete and n == len(tokenizer.encode(text, add_special_tokens=False))
     else:
         at = text.index(wrong)
-        assert not complete and at - 4 <= len(allowed(tokenizer, after_tag, text)) < at + len(wrong)
+        assert not complete and at - 4 <= len(allowed(tokenizer, grammar, text)) < at + len(wrong)
 
 
 def test_forced_rests_start_where_the_prefill_ends(folder):
@@ -226,15 +232,22 @@ def live(folder):
     svc.shutdown()
 
 
-@pytest.mark.parametrize("seed", range(2))
-def test_a_random_model_forced_to_call_writes_valid_calls(live, seed):
-    client = live.openai()
+def forced_calls_are_valid(srv, seed: int, messages: list[dict], schemas: dict) -> None:
+    """A random model answering ``tool_choice`` required, then named get_weather, through the
+    live server: calls that parse and satisfy their schemas, the named one by name."""
+    client = srv.openai()
+    tools = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in schemas.items()]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = client.chat.completions.create(model=live.model, messages=MSGS, tools=TOOLS, tool_choice=choice,
+        r = client.chat.completions.create(model=srv.model, messages=messages, tools=tools, tool_choice=choice,
                                            max_tokens=200, temperature=1.0, seed=seed)
         got = r.choices[0].message.tool_calls
         assert got, r.choices[0]
         for c in got:
-            jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])
+            jsonschema.validate(json.loads(c.function.arguments), schemas[c.function.name])
         if isinstance(choice, dict):
             assert [c.function.name for c in got] == ["get_weather"]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_random_model_forced_to_call_writes_valid_calls(live, seed):
+    forced_calls_are_valid(live, seed, MSGS, SCHEMAS)

@@ -2,24 +2,28 @@
 turn as ``<invoke name="NAME">`` with ``<parameter name="KEY">VALUE</parameter>`` elements.
 Parsed on any split into typed JSON arguments, several calls to a block, through the official
 OpenAI and Anthropic clients (streamed a parameter at a time), the history rendered back in the
-format by the template, named and required calls pre-filled; a ``strict`` tool is refused with a
-400 (no grammar holds this format yet). The template is this test's own, in MiniMax-M2's layout;
+format by the template, named and required calls pre-filled, and held to their schemas by the
+grammar: hand-written calls token by token, and a random ``minimax_m2`` model forced to call
+through a live engine. The template is this test's own, in MiniMax-M2's layout;
 scripted answers come from a ``ScriptedService``."""
 from __future__ import annotations
 
 import json
 
-import openai
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from live import API_KEY, live_server, start_service
 from scripted import answered, check_forced_calls, recording_server, tool_uses
 from test_tool_calls_glm import calls
+from test_tool_calls_granite import SCHEMAS as HELD
+from test_tool_calls_granite import allowed, forced_calls_are_valid, held_to, walk
 from tiny_models import with_template
 
 from freetoken_engine.models.tokenizer import Tokenizer
 from freetoken_engine.server.parser import Content, OutputParser, Reasoning
-from freetoken_engine.server.prompt import tool_style
+from freetoken_engine.server.prompt import Prompt, tool_style
+from freetoken_engine.server.tool_grammar import tool_grammars
 
 TEMPLATE = (
     "{%- if tools %}]~!b[]~b]system\n# Tools\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
@@ -82,9 +86,12 @@ def test_a_block_without_a_call_is_shown_as_the_models_text():
 
 
 @pytest.fixture(scope="module")
-def scripted(tiny_checkpoint, tmp_path_factory):
-    folder = with_template(tiny_checkpoint("qwen3_moe"), tmp_path_factory.mktemp("minimax") / "m", TEMPLATE)
-    tokenizer = Tokenizer(folder)
+def tokenizer(tiny_checkpoint, tmp_path_factory):
+    return Tokenizer(with_template(tiny_checkpoint("qwen3_moe"), tmp_path_factory.mktemp("minimax") / "m", TEMPLATE))
+
+
+@pytest.fixture(scope="module")
+def scripted(tokenizer):
     assert tool_style(tokenizer) == "minimax"
 
     def answer(prompt: str) -> str:
@@ -128,8 +135,53 @@ def test_anthropic_gets_a_tool_use_block_per_call(scripted):
     assert tool_uses(scripted, MSGS, A_TOOLS) == WANT
 
 
-def test_a_strict_tool_is_refused_saying_why(scripted):
-    strict = [{"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}]
-    with pytest.raises(openai.BadRequestError) as e:
-        scripted.openai().chat.completions.create(model=scripted.model, messages=MSGS, tools=strict)
-    assert "'strict' tool calls are not available" in e.value.message and "MiniMax-M2" in e.value.message
+# -- the grammar ------------------------------------------------------------------------------------
+def held(forced: str | None = None, parallel: bool = True) -> Prompt:
+    return Prompt(ids=[1], in_reasoning=False, prefill="x" if forced else "", tools=True, style="minimax",
+                  schemas=HELD, strict=frozenset(HELD), forced=forced, parallel=parallel)
+
+
+CALLS = ('\n<invoke name="get_weather">\n<parameter name="city">Rome</parameter>\n<parameter name="days">3'
+         '</parameter>\n</invoke>\n<invoke name="search">\n<parameter name="query">what is <b>bold</b>?</parameter>\n'
+         '</invoke>\n</minimax:tool_call>')
+
+
+@pytest.mark.parametrize("text, wrong", [
+    (CALLS, None),
+    ('<invoke name="get_weather"><parameter name="city">Rome</parameter><parameter name="days">3</parameter>'
+     '</invoke></minimax:tool_call>', "><"),                                            # the newlines are the format's
+    ('\n<invoke name="get_weather">\n<parameter name="city">Oslo</parameter>\n', "Oslo"),
+    ('\n<invoke name="get_weather">\n<parameter name="days">3</parameter>\n', "days"),   # city first, required
+    ('\n<invoke name="get_weather">\n<parameter name="city">Rome</parameter>\n<parameter name="days">9', "9"),
+    ('\n<invoke name="delete_all">\n', "delete"),
+    ('\n<invoke name="search">\n</invoke>\n', "</invoke>"),                               # query required
+])
+def test_calls_after_the_tag_are_held_to_their_schemas(tokenizer, text, wrong):
+    held_to(tokenizer, tool_grammars(tokenizer, held())[0], text, wrong)
+
+
+def test_forced_rests_start_where_the_prefill_ends(tokenizer):
+    _, named = tool_grammars(tokenizer, held("get_weather"))
+    rest = '<parameter name="city">Paris</parameter>\n<parameter name="days">1</parameter>\n</invoke>\n'
+    assert walk(tokenizer, named, rest + "</minimax:tool_call>")[1]
+    assert "<invoke" not in allowed(tokenizer, named, rest + '<invoke name="search">')      # one call only
+    _, required = tool_grammars(tokenizer, held("required"))
+    assert walk(tokenizer, required, 'search">\n<parameter name="query">x</parameter>\n</invoke>\n' + CALLS)[1]
+    _, single = tool_grammars(tokenizer, held("required", parallel=False))
+    assert "<invoke" not in allowed(tokenizer, single, 'search">\n<parameter name="query">x</parameter>\n</invoke>\n'
+                                                       '<invoke')
+
+
+@pytest.fixture(scope="module")
+def live(tiny_checkpoint, tmp_path_factory):
+    folder = with_template(tiny_checkpoint("minimax_m2", max_position_embeddings=2048),
+                           tmp_path_factory.mktemp("minimax-engine") / "m", TEMPLATE)
+    svc = start_service(folder, max_context=1024)
+    with live_server(svc, api_key=API_KEY) as srv:
+        yield srv
+    svc.shutdown()
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_random_minimax_model_forced_to_call_writes_valid_calls(live, seed):
+    forced_calls_are_valid(live, seed, MSGS, HELD)

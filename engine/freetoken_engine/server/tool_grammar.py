@@ -1,7 +1,6 @@
 """Grammars that hold tool calls to their tools' schemas, in the chat template's own format.
 
-Four formats (``prompt.tool_style``; MiniMax-M2's fifth has no grammar yet: its forced calls
-are held by the pre-fill alone and a ``strict`` tool is a 400):
+Five formats (``prompt.tool_style``):
 
 - JSON (Hermes; Qwen3): ``<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>``;
   the arguments are JSON for the tool's schema, spaced as the templates' ``tojson`` writes it.
@@ -13,6 +12,9 @@ are held by the pre-fill alone and a ``strict`` tool is a 400):
   \\n...</tool_call>`` (each newline optional: GLM-4.7 writes none); values as in the XML format,
   a string any text up to ``</arg_value>``. Tags that are tokens of their own (GLM's are) are
   held as those tokens.
+- MiniMax-M2: ``<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="KEY">VALUE
+  </parameter>\\n...</invoke>\\n...</minimax:tool_call>``, several calls to a block; values as
+  in the XML format, a string any text up to ``</parameter>``.
 - Granite (3.x): ``<|tool_call|>[{"name": "NAME", "arguments": {...}}, ...]``, every call of the
   turn in one JSON list, no closing tag.
 
@@ -27,11 +29,12 @@ neither gets any JSON object (any parameters) but still one of the tools' names.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 from ..errors import InvalidRequest
 from ..executor import guide
 from .errors import ApiError
-from .parser import TOOL_CLOSE, TOOL_OPEN
+from .parser import INVOKE, MINIMAX_CLOSE, TOOL_CLOSE, TOOL_OPEN
 
 _COMPACT = {"whitespace_flexible": False}
 _SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -60,30 +63,48 @@ class _Rules:
         return name
 
 
-def _xml_value(rules: _Rules, schema) -> str:
+@dataclass(frozen=True)
+class _Params:
+    """An XML-like parameter: ``head`` (``{key}`` its name) and the value up to ``close``, then
+    ``after``; ``any_key`` a name in the any-parameters form."""
+
+    head: str
+    close: str
+    after: str
+    any_key: str
+
+
+_XML = _Params("<parameter={key}>\n", "\n</parameter>", '"\\n"', '/[^>\\n]+/ ">\\n"')
+_MINIMAX = _Params('<parameter name="{key}">', "</parameter>", "/\\n?/", '/[^"\\n]+/ "\\">"')
+
+
+def _xml_value(rules: _Rules, schema, form: _Params) -> str:
     """A parameter's value and its closing tag."""
     schema = schema if isinstance(schema, dict) else {}
     enum = schema.get("enum")
-    tail = _lit("\n</parameter>\n")
+    tail = f"{_lit(form.close)} {form.after}"
     if enum and all(isinstance(v, str) for v in enum):
         return "(" + " | ".join(_lit(v) for v in enum) + ") " + tail
     if schema.get("type", "string") == "string" and "enum" not in schema:
-        text = rules.add("/(?s:.*)/", '[stop="\\n</parameter>"]')
-        return f'{text} "\\n"'
+        return f"{_text(rules, form)} {form.after}"
     return f"{_json(schema, _COMPACT)} {tail}"
 
 
-def _xml_parameters(rules: _Rules, schema: dict | None, strict: bool) -> str:
+def _text(rules: _Rules, form: _Params) -> str:
+    """Any text, ended by (and taking) the closing tag."""
+    return rules.add("/(?s:.*)/", f"[stop={_lit(form.close)}]")
+
+
+def _xml_parameters(rules: _Rules, schema: dict | None, strict: bool, form: _Params = _XML) -> str:
     schema = schema if isinstance(schema, dict) else {}
     props = schema.get("properties") if strict else None
     if not isinstance(props, dict):          # any parameters
-        text = rules.add("/(?s:.*)/", '[stop="\\n</parameter>"]')
-        return rules.add(f'("<parameter=" /[^>\\n]+/ ">\\n" {text} "\\n")*')
+        opening = _lit(form.head[:form.head.index("{key}")])
+        return rules.add(f"({opening} {form.any_key} {_text(rules, form)} {form.after})*")
     required = set(schema.get("required") or ())
     parts = []
     for key, sub in props.items():
-        tag = f"<parameter={key}>\n"
-        p = rules.add(f"{_lit(tag)} {_xml_value(rules, sub)}")
+        p = rules.add(f"{_lit(form.head.format(key=key))} {_xml_value(rules, sub, form)}")
         parts.append(p if key in required else f"{p}?")
     return " ".join(parts)
 
@@ -128,11 +149,6 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
     schemas = prompt.schemas or {}
     if not schemas or not (prompt.forced or prompt.strict):
         return None, None
-    if prompt.style == "minimax":     # no grammar for its blocks of calls yet: forced calls pre-filled only
-        if prompt.strict:
-            raise ApiError(400, "tools: 'strict' tool calls are not available for this model's tool-call format "
-                                "(MiniMax-M2's <minimax:tool_call>); send the tools without 'strict'", param="tools")
-        return None, None
 
     def tag(text: str) -> str:                 # a tag that is a token of its own is held as that token
         at = tokenizer.token_to_id(text)
@@ -140,6 +156,8 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
 
     if prompt.style == "granite":
         return _granite(schemas, prompt)
+    if prompt.style == "minimax":
+        return _minimax(schemas, prompt, tag)
     close = tag(TOOL_CLOSE)
     xml, glm = prompt.style == "xml", prompt.style == "glm"
     rules = _Rules()
@@ -197,6 +215,33 @@ def _granite(schemas: dict, prompt) -> tuple[str | None, str | None]:
         rest = f'start: {bodies[prompt.forced]} "]"'
     elif prompt.forced:
         rest = "start: (" + " | ".join(f"{_lit(heads[n][1:])} {bodies[n]}" for n in schemas) + f'){more} "]"'
+    else:
+        rest = None
+    return _both(after_open, rest, prompt)
+
+
+def _minimax(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
+    """MiniMax-M2: after ``<minimax:tool_call>`` one or more calls (one without parallel calls),
+    each ``<invoke name="NAME">\n`` then its parameters, ``<parameter name="KEY">VALUE
+    </parameter>\n``, then ``</invoke>\n``, then the block's close. The pre-fill of a required
+    call ends inside the first name's quotes, a named one's after its ``<invoke>`` line."""
+    rules = _Rules()
+    params = {name: _xml_parameters(rules, schema, prompt.forced is not None or name in prompt.strict, _MINIMAX)
+              for name, schema in schemas.items()}
+    heads = {name: f'{name}">\n' for name in schemas}
+    end_call, close = '"</invoke>" /\\n?/', f"{tag(MINIMAX_CLOSE)}"
+    named = "(" + " | ".join(f"{_lit(heads[n])} {params[n]} {end_call}" for n in schemas) + ")"
+    call = f'/\\n?/ {_lit(INVOKE)} {named}'
+    more = f" ({call})*" if prompt.parallel else ""
+
+    def grammar(start: str) -> str:
+        return "\n".join([f"start: {start}", *rules.lines])
+
+    after_open = grammar(f"{call}{more} /\\n?/ {close}")
+    if prompt.forced in schemas:
+        rest = grammar(f"{params[prompt.forced]} {end_call} {close}")
+    elif prompt.forced:
+        rest = grammar(f"{named}{more} /\\n?/ {close}")
     else:
         rest = None
     return _both(after_open, rest, prompt)
