@@ -52,6 +52,14 @@ MOE = {
     "dots1": dict(moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                   n_group=2, topk_group=1, routed_scaling_factor=2.0, first_k_dense_replace=1, num_hidden_layers=3,
                   attention_bias=True, head_dim=8),
+    # GLM's routing in every layer, one shared expert, full rotary, no q/k norm
+    "solar_open": dict(moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                       n_group=2, topk_group=1, routed_scaling_factor=2.0, head_dim=8),
+    # a dense first layer, GLM's routing (its correction bias on the MoE block), a shared expert,
+    # per-head q/k norms; sliding-window layers with the rotary beside global ones without it
+    "exaone_moe": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+                       n_group=2, topk_group=1, head_dim=8, num_hidden_layers=4, sliding_window=4,
+                       sliding_window_pattern=2, first_k_dense_replace=1),
     # sigmoid choice with a correction bias on the MoE block, q/k norms over the whole projection,
     # rotary over half of each head, Mixtral's expert names. The half is also given as
     # partial_rotary_factor: transformers before 5.25 ignores the hub's rotary_dim (and rotates
@@ -78,7 +86,7 @@ MOE = {
 SUPPORTED = tuple(MOE)
 # the random correction bias of a biased router, on the scale of its scores (sigmoid: 0..1;
 # softmax over 8 experts: about 1/8)
-BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3}
+BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3}
 # multimodal families: their vision tower's config
 VISION = {"qwen3_vl_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                                patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16,
@@ -108,6 +116,8 @@ def _classes(model_type: str):
         "glm4_moe": (T.Glm4MoeConfig, T.Glm4MoeForCausalLM),
         "ernie4_5_moe": (T.Ernie4_5_MoeConfig, T.Ernie4_5_MoeForCausalLM),
         "dots1": (T.Dots1Config, T.Dots1ForCausalLM),
+        "solar_open": (T.SolarOpenConfig, T.SolarOpenForCausalLM),
+        "exaone_moe": (T.ExaoneMoeConfig, T.ExaoneMoeForCausalLM),
         "minimax_m2": (T.MiniMaxM2Config, T.MiniMaxM2ForCausalLM),
         "qwen3_vl_moe": (T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration),
         "granitemoe": (T.GraniteMoeConfig, T.GraniteMoeForCausalLM),

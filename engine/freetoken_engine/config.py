@@ -126,6 +126,9 @@ class ModelConfig:
     mtp_layers: int = 0
     use_mtp: bool = False
     mtp_zero_first: bool = False       # the MTP layer takes a zero embedding at position 0 (GLM, DeepSeek)
+    # layers whose attention rotates nothing (EXAONE's global layers: "NoPE"); run with the
+    # identity rotation, cos 1 and sin 0, through every attention path
+    nope_layers: tuple[int, ...] = ()
     # Granite's multipliers: the embeddings times ``embedding_multiplier``; attention scores
     # times ``attention_multiplier`` (None: head_dim ** -0.5); each layer's attention and MLP
     # output times ``residual_multiplier`` before the residual add (folded into the weights that

@@ -56,6 +56,15 @@ def test_every_family_matches_transformers(tiny_checkpoint, model_type):
                           moe_k=3, tie_word_embeddings=False)),
     ("dots1", dict(layer_types=["sliding_attention", "full_attention", "sliding_attention"], sliding_window=4,
                    norm_topk_prob=True, n_group=1, topk_group=1, attention_bias=False)),
+    # Solar Open: q/k/v biases, two shared experts, one group, top 3, a routed scaling
+    ("solar_open", dict(attention_bias=True, n_shared_experts=2, n_group=1, num_experts_per_tok=3,
+                        routed_scaling_factor=1.5, num_key_value_heads=1)),
+    # EXAONE MoE: three sliding layers to one global, dense layers named by mlp_layer_types, two
+    # groups of four with both kept; then explicit layer types
+    ("exaone_moe", dict(sliding_window_pattern=4, mlp_layer_types=["sparse", "dense", "sparse", "sparse"],
+                        topk_group=2, num_experts_per_tok=3, routed_scaling_factor=1.0)),
+    ("exaone_moe", dict(layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=3,
+                        num_shared_experts=2, num_key_value_heads=1)),
     # MiniMax-M2: the rotary over whole heads, one KV head, top 3 renormalised
     ("minimax_m2", dict(rotary_dim=8, num_key_value_heads=1, num_experts_per_tok=3, rope_parameters={
         "rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 1.0})),

@@ -100,10 +100,12 @@ class DecoderLM(nn.Module):
         but the last (the scheduler runs other sequences' decode steps there)."""
         h = self.embed(ids)                                               # [T, H]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype, batch.max_position)   # [T, 1, d]
+        unrotated = (torch.ones_like(cos), torch.zeros_like(sin)) if self.cfg.nope_layers else None
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             j = self.kv_of[i]
-            h = layer(h, batch, cos, sin, kv.k[j] if j is not None else None, kv.v[j] if j is not None else None)
+            c, s = unrotated if i in self.cfg.nope_layers else (cos, sin)
+            h = layer(h, batch, c, s, kv.k[j] if j is not None else None, kv.v[j] if j is not None else None)
             if between is not None and i < last:
                 between(i)
         if self.mtp is not None:                                          # every row, for the MTP head

@@ -18,6 +18,9 @@ mtp``), with the embedding at position 0 zeroed as vLLM does; transformers does 
 dots.llm1 (``dots1``): the same routing and shared experts (``norm_topk_prob`` off unless set,
 no dense layer unless ``first_k_dense_replace``), with q/k RMSNorm per head always, the
 attention's biases on ``o_proj`` too, full rotary, and sliding-window layers (``layer_types``).
+
+Solar Open (``solar_open``, Upstage's Solar Open 100B): GLM's routing and shared experts in
+every layer, full rotary, no q/k norm, q/k/v biases only with ``attention_bias``.
 """
 from __future__ import annotations
 
@@ -85,5 +88,10 @@ def parse_dots1(raw: dict) -> ModelConfig:
                               moe=_routed(raw, first_dense=0, norm_topk_prob=False)))
 
 
+def parse_solar_open(raw: dict) -> ModelConfig:
+    return ModelConfig(**base(raw, o_bias=False, moe=_routed(raw, first_dense=0, norm_topk_prob=True)))
+
+
 FAMILY = Family("glm4_moe", parse, source=_source, skip=skip, mtp_layer=_mtp_layer)
 DOTS1 = Family("dots1", parse_dots1, source=_source)
+SOLAR_OPEN = Family("solar_open", parse_solar_open, source=_source, skip=skip)

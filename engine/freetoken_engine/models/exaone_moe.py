@@ -1,0 +1,62 @@
+"""LG's EXAONE MoE (``exaone_moe``: K-EXAONE-236B-A23B).
+
+Attention with per-head q/k RMSNorm; with a ``sliding_window``, the ``sliding_attention`` layers
+(``layer_types``, else three of every ``sliding_window_pattern``) attend within the window with
+the rotary, and the others attend globally with no position encoding at all (``nope_layers``).
+Dense MLPs where ``mlp_layer_types`` says ``dense`` (else the first ``first_k_dense_replace``),
+elsewhere DeepSeek-V3's routing (``layers/moe.BiasedRouter``: sigmoid scores, the correction bias
+stored on the MoE block as ``mlp.e_score_correction_bias``, group-limited top k, renormalised,
+times ``routed_scaling_factor``) plus ``num_shared_experts`` ungated shared experts
+(``mlp.shared_experts``).
+"""
+from __future__ import annotations
+
+import re
+
+from ..config import ModelConfig
+from ..errors import ConfigError
+from .glm4_moe import skip
+from .hf import Family, base, moe, need, shared_experts
+
+_BIAS = re.compile(r"^(.*\.mlp\.)gate\.e_score_correction_bias$")
+
+
+def _types(raw: dict, layers: int) -> tuple[list[str], list[str]]:
+    """(attention, MLP) type of each layer, as transformers fills them in."""
+    mlp = raw.get("mlp_layer_types") or ["dense" if i < int(raw.get("first_k_dense_replace", 1) or 0) else "sparse"
+                                         for i in range(layers)]
+    attn = raw.get("layer_types")
+    if not attn:
+        pattern = int(raw.get("sliding_window_pattern") or 0) if raw.get("sliding_window") else 0
+        attn = ["sliding_attention" if pattern and (i + 1) % pattern else "full_attention" for i in range(layers)]
+    for name, kinds, allowed in (("mlp_layer_types", mlp, ("dense", "sparse")),
+                                 ("layer_types", attn, ("sliding_attention", "full_attention"))):
+        if len(kinds) != layers or not set(kinds) <= set(allowed):
+            raise ConfigError(f"config.json: {name} must name each of the {layers} layers one of {allowed}, "
+                              f"got {kinds}")
+    return attn, mlp
+
+
+def parse(raw: dict) -> ModelConfig:
+    layers = int(need(raw, "num_hidden_layers"))
+    attn, mlp = _types(raw, layers)
+    window = raw.get("sliding_window")
+    inter = int(need(raw, "moe_intermediate_size"))
+    spec = moe(raw | {"norm_topk_prob": raw.get("norm_topk_prob", True)},
+               tuple(i for i, kind in enumerate(mlp) if kind == "sparse"), scoring="sigmoid", biased=True,
+               n_group=int(raw.get("n_group", 1) or 1), topk_group=int(raw.get("topk_group", 1) or 1),
+               routed_scaling_factor=float(raw.get("routed_scaling_factor", 2.5)),
+               shared_intermediate_size=inter * int(raw.get("num_shared_experts", 1) or 0))
+    return ModelConfig(**base(
+        raw, qk_norm="head", moe=spec,
+        sliding_window=tuple(window if kind == "sliding_attention" else None for kind in attn) if window else (),
+        nope_layers=tuple(i for i, kind in enumerate(attn) if kind == "full_attention") if window else ()))
+
+
+def _source(cfg: ModelConfig, name: str):
+    """The router's bias is the MoE block's; the shared experts are ``mlp.shared_experts``."""
+    m = _BIAS.match(name)
+    return (f"{m.group(1)}e_score_correction_bias", lambda t: t) if m else shared_experts(name)
+
+
+FAMILY = Family("exaone_moe", parse, source=_source, skip=skip)
