@@ -60,6 +60,10 @@ MOE = {
     "exaone_moe": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
                        n_group=2, topk_group=1, head_dim=8, num_hidden_layers=4, sliding_window=4,
                        sliding_window_pattern=2, first_k_dense_replace=1),
+    # q/k norms after the rotary, the rotary's NTK alpha, a shared MLP beside the routed experts
+    "hunyuan_v1_moe": dict(intermediate_size=16, num_experts=8, moe_topk=2, head_dim=8,
+                           rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
+                                            "rope_theta": 10000.0}),
     # sigmoid choice with a correction bias on the MoE block, q/k norms over the whole projection,
     # rotary over half of each head, Mixtral's expert names. The half is also given as
     # partial_rotary_factor: transformers before 5.25 ignores the hub's rotary_dim (and rotates
@@ -118,6 +122,7 @@ def _classes(model_type: str):
         "dots1": (T.Dots1Config, T.Dots1ForCausalLM),
         "solar_open": (T.SolarOpenConfig, T.SolarOpenForCausalLM),
         "exaone_moe": (T.ExaoneMoeConfig, T.ExaoneMoeForCausalLM),
+        "hunyuan_v1_moe": (T.HunYuanMoEV1Config, T.HunYuanMoEV1ForCausalLM),
         "minimax_m2": (T.MiniMaxM2Config, T.MiniMaxM2ForCausalLM),
         "qwen3_vl_moe": (T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration),
         "granitemoe": (T.GraniteMoeConfig, T.GraniteMoeForCausalLM),

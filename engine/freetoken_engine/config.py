@@ -109,7 +109,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: str = "none"              # none | head (qwen3) | full (olmoe)
+    qk_norm: str = "none"              # none | head (qwen3) | full (olmoe) | rotated (per head, after the rotary: Hunyuan)
     clip_qkv: float | None = None
     sliding_window: tuple[int | None, ...] = ()   # per layer; None = full attention
     moe: MoeConfig | None = None

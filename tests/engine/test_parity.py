@@ -65,6 +65,8 @@ def test_every_family_matches_transformers(tiny_checkpoint, model_type):
                         topk_group=2, num_experts_per_tok=3, routed_scaling_factor=1.0)),
     ("exaone_moe", dict(layer_types=["sliding_attention"] * 3 + ["full_attention"], sliding_window=3,
                         num_shared_experts=2, num_key_value_heads=1)),
+    # Hunyuan: one KV head, top 3, tied embeddings (as Hunyuan-A13B)
+    ("hunyuan_v1_moe", dict(num_key_value_heads=1, moe_topk=3, tie_word_embeddings=True)),
     # MiniMax-M2: the rotary over whole heads, one KV head, top 3 renormalised
     ("minimax_m2", dict(rotary_dim=8, num_key_value_heads=1, num_experts_per_tok=3, rope_parameters={
         "rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 1.0})),

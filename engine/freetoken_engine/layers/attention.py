@@ -85,7 +85,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm == "head":
+        if cfg.qk_norm in ("head", "rotated"):
             self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         elif cfg.qk_norm == "full":
             self.q_norm, self.k_norm = RMSNorm(h * d, cfg.rms_norm_eps), RMSNorm(kvh * d, cfg.rms_norm_eps)
@@ -178,12 +178,14 @@ class Attention(nn.Module):
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(torch.cat((q, k), dim=1), cos, sin).split([self.h, self.kvh], dim=1)
+        if self.qk_norm == "rotated":
+            q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
     def _decode_kernel(self, x: torch.Tensor, k_cache: torch.Tensor):
         """The fused decode attention (kernels/triton/attention.py on a GPU, kernels/cpu/attention.py
         on the CPU) when it takes this layer and these tensors, else None."""
-        if self.qkv is None or self.clip is not None or self.qk_norm == "full" or self.partial_rotary:
+        if self.qkv is None or self.clip is not None or self.qk_norm in ("full", "rotated") or self.partial_rotary:
             return None
         gpu = gpu_decode_kernels("attention") if x.device.type == "cuda" else None
         if gpu is not None and gpu.supported(x, k_cache, self.d):
