@@ -64,6 +64,12 @@ MOE = {
     "hunyuan_v1_moe": dict(intermediate_size=16, num_experts=8, moe_topk=2, head_dim=8,
                            rope_parameters={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0,
                                             "rope_theta": 10000.0}),
+    # a dense first layer; sigmoid choice with its bias on the MoE block, two shared experts, a
+    # route scale; per-head q/k norms, the attention gated by a projection of its own, sliding
+    # layers with the rotary beside a global one without; each branch normed before the add
+    "afmoe": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=2,
+                  num_dense_layers=1, route_scale=2.0, head_dim=8, num_hidden_layers=4, sliding_window=4,
+                  global_attn_every_n_layers=2),
     # sigmoid choice with a correction bias on the MoE block, q/k norms over the whole projection,
     # rotary over half of each head, Mixtral's expert names. The half is also given as
     # partial_rotary_factor: transformers before 5.25 ignores the hub's rotary_dim (and rotates
@@ -90,7 +96,7 @@ MOE = {
 SUPPORTED = tuple(MOE)
 # the random correction bias of a biased router, on the scale of its scores (sigmoid: 0..1;
 # softmax over 8 experts: about 1/8)
-BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3}
+BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3}
 # multimodal families: their vision tower's config
 VISION = {"qwen3_vl_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                                patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16,
@@ -123,6 +129,7 @@ def _classes(model_type: str):
         "solar_open": (T.SolarOpenConfig, T.SolarOpenForCausalLM),
         "exaone_moe": (T.ExaoneMoeConfig, T.ExaoneMoeForCausalLM),
         "hunyuan_v1_moe": (T.HunYuanMoEV1Config, T.HunYuanMoEV1ForCausalLM),
+        "afmoe": (T.AfmoeConfig, T.AfmoeForCausalLM),
         "minimax_m2": (T.MiniMaxM2Config, T.MiniMaxM2ForCausalLM),
         "qwen3_vl_moe": (T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration),
         "granitemoe": (T.GraniteMoeConfig, T.GraniteMoeForCausalLM),
@@ -160,7 +167,7 @@ def make_tiny_checkpoint(path, model_type: str = "qwen3_moe", seed: int = 0, sha
     model = model_cls(cfg_cls(**kwargs)).eval()
     with torch.no_grad():
         for name, buf in [*model.named_buffers(), *model.named_parameters()]:
-            if name.endswith("e_score_correction_bias"):        # transformers starts it at zero
+            if name.endswith(("e_score_correction_bias", "expert_bias")):   # transformers starts it at zero
                 buf.copy_(BIAS_STD[model_type] * torch.randn(buf.shape))
     save = {"max_shard_size": f"{shard_kb}KB"} if shard_kb else {}
     model.save_pretrained(path, **save)
@@ -186,6 +193,21 @@ def with_template(src: Path, dst: Path, template: str) -> Path:
     config = json.loads((dst / "tokenizer_config.json").read_text())
     (dst / "tokenizer_config.json").write_text(json.dumps(dict(config, chat_template=template)))
     return dst
+
+
+def uneven_norms(folder: Path, suffixes: tuple[str, ...], seed: int = 0) -> Path:
+    """The RMSNorm weights of ``folder`` whose names end with ``suffixes`` made random (about 1):
+    a checkpoint starts them at one, where two norms swapped, or a norm and the rotary (which
+    keeps each head's length), give the same numbers and a test could not tell them apart."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(seed)
+    state = load_file(folder / "model.safetensors")
+    for key in sorted(state):
+        if key.endswith(suffixes):
+            state[key] = 1 + 0.5 * torch.randn(state[key].shape)
+    save_file(state, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
 
 
 def mark_special(folder: Path, tag: str) -> Path:

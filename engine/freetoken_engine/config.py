@@ -126,6 +126,11 @@ class ModelConfig:
     mtp_layers: int = 0
     use_mtp: bool = False
     mtp_zero_first: bool = False       # the MTP layer takes a zero embedding at position 0 (GLM, DeepSeek)
+    # the attention output times sigmoid of a projection of its own (afmoe's ``self_attn.gate_proj``)
+    gate_proj: bool = False
+    # each branch's output normed before the residual add (afmoe): ``post_attention_layernorm``
+    # and ``post_mlp_layernorm``, with ``pre_mlp_layernorm`` before the MLP
+    sandwich_norms: bool = False
     # layers whose attention rotates nothing (EXAONE's global layers: "NoPE"); run with the
     # identity rotation, cos 1 and sin 0, through every attention path
     nope_layers: tuple[int, ...] = ()

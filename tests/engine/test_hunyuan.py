@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-import torch
 
 from freetoken_engine import LLM
 from freetoken_engine.errors import ConfigError
@@ -15,7 +14,7 @@ from freetoken_engine.models import REGISTRY
 from freetoken_engine.models.hunyuan_v1_moe import FAMILY, parse
 from test_minimax_m2 import _edit
 from test_parity import check
-from tiny_models import copy_folder
+from tiny_models import copy_folder, uneven_norms
 
 HUB = {"rope_parameters": None, "rope_theta": 10000.0,
        "rope_scaling": {"alpha": 1000.0, "beta_fast": 32, "beta_slow": 1, "factor": 1.0, "mscale": 1.0,
@@ -33,7 +32,8 @@ def test_the_hubs_config_form_reads_as_transformers_reads_it(tiny_checkpoint, tm
 def test_each_part_of_the_model_matters(tiny_checkpoint, tmp_path, part):
     """Broken one part at a time, the engine leaves transformers' logits: the q/k norms before
     the rotary (as every other family has them), the plain base without the alpha."""
-    src = uneven_norms(copy_folder(tiny_checkpoint("hunyuan_v1_moe"), tmp_path / "src"))
+    src = uneven_norms(copy_folder(tiny_checkpoint("hunyuan_v1_moe"), tmp_path / "src"),
+                       ("query_layernorm.weight", "key_layernorm.weight"))
     check(src, n_new=16)
     folder = copy_folder(src, tmp_path / part)
     with pytest.MonkeyPatch.context() as mp:
@@ -43,14 +43,6 @@ def test_each_part_of_the_model_matters(tiny_checkpoint, tmp_path, part):
             _edit(folder, {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
         with pytest.raises(AssertionError):
             check(folder, n_new=16, ref_folder=src)
-
-
-def uneven_norms(folder):
-    """The q/k norms' weights random: with the ones a checkpoint starts with, a norm and the
-    rotary commute (the rotary keeps each head's length), so their order would not show."""
-    torch.manual_seed(0)
-    return _edit(folder, tensors=lambda s: [t.copy_(1 + 0.5 * torch.randn(t.shape)) for k, t in s.items()
-                                            if k.endswith(("query_layernorm.weight", "key_layernorm.weight"))])
 
 
 def test_decode_leaves_the_fused_kernel_that_norms_before_it_rotates(tiny_checkpoint):

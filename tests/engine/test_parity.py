@@ -67,6 +67,11 @@ def test_every_family_matches_transformers(tiny_checkpoint, model_type):
                         num_shared_experts=2, num_key_value_heads=1)),
     # Hunyuan: one KV head, top 3, tied embeddings (as Hunyuan-A13B)
     ("hunyuan_v1_moe", dict(num_key_value_heads=1, moe_topk=3, tie_word_embeddings=True)),
+    # AFMoE: muP's embedding scale, explicit layer types, two dense layers, biases on q/k/v/o, one
+    # shared expert
+    ("afmoe", dict(mup_enabled=True, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                  "sliding_attention"], num_dense_layers=2, attention_bias=True,
+                   num_shared_experts=1, route_scale=1.0, num_experts_per_tok=3)),
     # MiniMax-M2: the rotary over whole heads, one KV head, top 3 renormalised
     ("minimax_m2", dict(rotary_dim=8, num_key_value_heads=1, num_experts_per_tok=3, rope_parameters={
         "rope_type": "default", "rope_theta": 5000000.0, "partial_rotary_factor": 1.0})),

@@ -84,6 +84,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, kvh * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+        # ... or a projection of its own does (afmoe)
+        self.gate_proj = nn.Linear(cfg.hidden_size, h * d, bias=False) if cfg.gate_proj else None
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm in ("head", "rotated"):
             self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
@@ -111,7 +113,9 @@ class Attention(nn.Module):
             w = torch.cat([qw, self.k_proj.weight, self.v_proj.weight])
             b = torch.cat([qb, self.k_proj.bias, self.v_proj.bias]) if qb is not None else None
         self.qkv = (w, b)
-        del self.q_proj, self.k_proj, self.v_proj
+        if self.gate_proj is not None:
+            self.gate = (self.gate_proj.weight, None)
+        del self.q_proj, self.k_proj, self.v_proj, self.gate_proj
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The output projection of the heads' output ``o [T, h d]`` (gated by ``x``'s gate)."""
@@ -121,8 +125,8 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, batch: AttnBatch, cos: torch.Tensor, sin: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        if self.gated and self.qkv is None:
-            self.fuse()                    # the gate comes out of q_proj's rows
+        if self.qkv is None and (self.gated or self.gate_proj is not None):
+            self.fuse()                    # the gate comes out of q_proj's rows, or gate_proj
         if batch.q_max == 1 and batch.kv_len is not None:
             impl = self._decode_kernel(x, k_cache)
             if impl is not None:

@@ -33,6 +33,10 @@ class DecoderLayer(nn.Module):
         else:
             self.self_attn = Attention(cfg, i, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.sandwich_norms       # post_attention_layernorm norms the attention's output
+        if self.sandwich:
+            self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if moe_index is not None or i in cfg.moe_layers:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.moe_layers.index(i) if moe_index is None else moe_index)
         else:
@@ -41,6 +45,9 @@ class DecoderLayer(nn.Module):
     def forward(self, h, batch, cos, sin, k_cache, v_cache):
         x = self.input_layernorm(h)
         a = self.linear_attn(x, batch) if self.self_attn is None else self.self_attn(x, batch, cos, sin, k_cache, v_cache)
+        if self.sandwich:
+            h, x = self.pre_mlp_layernorm.add_forward(self.post_attention_layernorm(a), h)
+            return h + self.post_mlp_layernorm(self.mlp(x))
         h, x = self.post_attention_layernorm.add_forward(a, h)           # h + a and its norm
         return self.mlp(x, residual=h)                                   # h + mlp(x)
 
