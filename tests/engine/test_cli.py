@@ -103,9 +103,10 @@ def _broken(tmp_path, tiny_checkpoint, kind: str):
 @pytest.mark.parametrize("kind,needle", [
     ("truncated", "truncated"),
     ("missing-shard", "no *.safetensors"),
-    ("model-type", "supported: dots1, ernie4_5_moe, freetoken_llama_moe, glm4_moe, llama, minimax_m2, mixtral, olmoe, "
-                    "qwen2_moe, qwen3, "
-                    "qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next, qwen3_vl_moe"),
+    # every family the engine reads, named in order
+    ("model-type", "supported: afmoe, dots1, ernie4_5_moe, exaone_moe, freetoken_llama_moe, glm4_moe, granite, "
+                   "granitemoe, granitemoeshared, hunyuan_v1_moe, llama, minimax_m2, mixtral, olmoe, qwen2_moe, qwen3, "
+                   "qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next, qwen3_vl_moe, solar_open"),
 ])
 def test_broken_folders_fail_in_one_line(tmp_path, tiny_checkpoint, cli_error, kind, needle):
     folder = str(_broken(tmp_path, tiny_checkpoint, kind))
