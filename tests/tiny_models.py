@@ -92,11 +92,15 @@ MOE = {
         shared_expert_intermediate_size=24, linear_num_value_heads=4, linear_num_key_heads=2,
         linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)),
     "qwen3_5_moe_text": dict(HYBRID),
+    # hybrid: gated short convolutions (width 3) and attention, a dense first layer, then sigmoid
+    # routing with a bias that steers the choice
+    "lfm2_moe": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, head_dim=8, num_hidden_layers=4,
+                     num_dense_layers=1, layer_types=["conv", "conv", "full_attention", "conv"], conv_L_cache=3),
 }
 SUPPORTED = tuple(MOE)
 # the random correction bias of a biased router, on the scale of its scores (sigmoid: 0..1;
 # softmax over 8 experts: about 1/8)
-BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3}
+BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "lfm2_moe": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3}
 # multimodal families: their vision tower's config
 VISION = {"qwen3_vl_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                                patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16,
@@ -130,6 +134,7 @@ def _classes(model_type: str):
         "exaone_moe": (T.ExaoneMoeConfig, T.ExaoneMoeForCausalLM),
         "hunyuan_v1_moe": (T.HunYuanMoEV1Config, T.HunYuanMoEV1ForCausalLM),
         "afmoe": (T.AfmoeConfig, T.AfmoeForCausalLM),
+        "lfm2_moe": (T.Lfm2MoeConfig, T.Lfm2MoeForCausalLM),
         "minimax_m2": (T.MiniMaxM2Config, T.MiniMaxM2ForCausalLM),
         "qwen3_vl_moe": (T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration),
         "granitemoe": (T.GraniteMoeConfig, T.GraniteMoeForCausalLM),

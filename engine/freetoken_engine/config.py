@@ -72,15 +72,23 @@ class MoeConfig:
 
 @dataclass(frozen=True)
 class LinearAttnConfig:
-    """A hybrid model's Gated DeltaNet layers (Qwen3-Next, Qwen3.5/3.6-MoE): ``k_heads`` query/key
-    heads of ``k_dim``, ``v_heads`` value heads of ``v_dim`` (a multiple of ``k_heads``), and a
-    causal depthwise convolution of width ``conv`` over the projected q, k and v."""
+    """A hybrid model's recurrent token mixers. Gated DeltaNet (Qwen3-Next, Qwen3.5/3.6-MoE):
+    ``k_heads`` query/key heads of ``k_dim``, ``v_heads`` value heads of ``v_dim`` (a multiple of
+    ``k_heads``), and a causal depthwise convolution of width ``conv`` over the projected q, k and
+    v. A gated short convolution (``kind`` "short_conv", LFM2: ``short_conv``) keeps only the
+    convolution's state, over the hidden size: one "value head" of the hidden size, no keys."""
 
     k_heads: int
     v_heads: int
     k_dim: int
     v_dim: int
     conv: int
+    kind: str = "gated_deltanet"          # gated_deltanet | short_conv
+    bias: bool = False                    # short_conv: its projections and convolution have biases
+
+    @staticmethod
+    def short_conv(hidden: int, width: int, bias: bool = False) -> "LinearAttnConfig":
+        return LinearAttnConfig(k_heads=0, v_heads=1, k_dim=0, v_dim=hidden, conv=width, kind="short_conv", bias=bias)
 
     @property
     def conv_dim(self) -> int:
@@ -154,7 +162,7 @@ class ModelConfig:
             self._check_moe(self.moe)
         if self.linear_layers and self.linear is None:
             raise ConfigError("config.json: linear_attention layers need the linear_* head fields")
-        if self.linear is not None and self.linear.v_heads % self.linear.k_heads:
+        if self.linear is not None and self.linear.kind == "gated_deltanet" and self.linear.v_heads % self.linear.k_heads:
             raise ConfigError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
         for name in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
             value = getattr(self, name)

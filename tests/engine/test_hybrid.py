@@ -52,6 +52,10 @@ LONG = [(7 * i + 3) % 300 + 10 for i in range(150)]     # crosses the delta rule
     ("qwen3_5_moe_text", dict(num_hidden_layers=5, full_attention_interval=2, layer_types=None,
                               rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                                "partial_rotary_factor": 0.5})),
+    # LFM2-MoE: a wider convolution with biases, no dense layer, attention first, untied, top 3 scaled
+    ("lfm2_moe", dict(conv_L_cache=4, conv_bias=True, num_dense_layers=0, tie_word_embeddings=False,
+                      layer_types=["full_attention", "conv", "conv", "full_attention"], num_experts_per_tok=3,
+                      routed_scaling_factor=2.0)),
 ])
 def test_unseen_hybrid_variants_match(tmp_path, model_type, overrides):
     # the two-value-head variant amplifies float32 summation order at one position: on an AMD
@@ -61,7 +65,7 @@ def test_unseen_hybrid_variants_match(tmp_path, model_type, overrides):
     check(make_tiny_checkpoint(tmp_path, model_type, seed=4, **overrides), n_new=16, tol=tol)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text", "lfm2_moe"])
 def test_a_long_prompt_in_odd_chunks_matches(tiny_checkpoint, model_type):
     folder = tiny_checkpoint(model_type)
     ref = load_reference(folder)
@@ -123,9 +127,10 @@ async def collect(svc: EngineService, ids: list[int], params=GREEDY) -> tuple[li
     return out, handle.cached_tokens
 
 
-@pytest.fixture(scope="module")
-def hybrid(tiny_checkpoint):
-    return tiny_checkpoint("qwen3_5_moe_text")
+@pytest.fixture(scope="module", params=["qwen3_5_moe_text", "lfm2_moe"])
+def hybrid(tiny_checkpoint, request):
+    """A Gated DeltaNet hybrid and a short-convolution one."""
+    return tiny_checkpoint(request.param)
 
 
 def prompts(n: int) -> list[list[int]]:

@@ -132,6 +132,52 @@ def _hand_over(ub, w, qg, attn, kd, carry, state, group: int = 16):
     return out, states[0].clone()
 
 
+def each_sequence(batch, device: torch.device, out: torch.Tensor, captured_chain: str, chunk, singles) -> None:
+    """A pass's rows through a recurrent layer, each sequence from its own state: a prompt's chunk
+    (``chunk(i, first row, rows)`` -> its output rows, written to ``out``), the one-token rows
+    together (``singles(rows, slots, sequences, out_slots=None)``: rows None for all of them, in
+    a captured decode step, which has only ``state_index``), chained rows (a draft's verification)
+    in waves, each row from the state the row before it in its chain left (``chain_waves``).
+    ``captured_chain``: the error for chained rows in a captured step."""
+    if batch.seq_counts is None:          # a captured decode step: a token per sequence, in order
+        if batch.state_chain is not None:
+            raise RuntimeError(captured_chain)
+        singles(None, batch.state_index, ())
+        return
+    row, ones = 0, []
+    for i, n in enumerate(batch.seq_counts):
+        if n == 1:
+            ones.append((i, row))
+        else:
+            out[row:row + n] = chunk(i, row, n)
+        row += n
+    if batch.chain_host is not None and ones:
+        for seqs, rows, reads, dsts in chain_waves(ones, batch, device):
+            singles(rows, reads, seqs, out_slots=dsts)
+    elif len(ones) == len(batch.seq_counts):          # a decode step: every row, slots on the device
+        singles(None, batch.state_index, range(len(ones)))
+    elif ones:
+        singles(torch.tensor([r for _, r in ones], device=device),
+                torch.tensor([batch.state_slots[i] for i, _ in ones], device=device), [i for i, _ in ones])
+
+
+def chain_waves(singles, batch, device: torch.device):
+    """The one-token sequences ``singles`` ((index, row) pairs) of a pass with chained rows, in
+    waves: wave w holds the w-th row of every chain. Each: (sequences, rows, the slots their
+    states are read from: the row before in the chain's, else the sequence's own, the slots they
+    are written to), the last three as device tensors."""
+    waves: dict[int, list[tuple[int, int, int, int]]] = {}
+    depth = {}
+    for i, r in singles:
+        cont, dst = batch.chain_host[i]
+        depth[i] = depth[i - 1] + 1 if cont and i - 1 in depth else 0
+        read = batch.chain_host[i - 1][1] if depth[i] else batch.state_slots[i]
+        waves.setdefault(depth[i], []).append((i, r, read, dst))
+    for w in sorted(waves):
+        seqs, rows, reads, dsts = zip(*waves[w])
+        yield (seqs, *(torch.tensor(v, device=device) for v in (rows, reads, dsts)))
+
+
 class GatedDeltaNet(nn.Module):
     """Checkpoint names as Qwen3.5 writes them (``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``,
     ``in_proj_a``); Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (grouped per key head) are
@@ -179,28 +225,12 @@ class GatedDeltaNet(nn.Module):
         core = x.new_empty((x.shape[0], lin.v_heads, lin.v_dim))
         beta = b.sigmoid().float()                 # in the model's dtype first, as the reference
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
-        if batch.seq_counts is None:      # a captured decode step: a token per sequence, in order
-            if batch.state_chain is not None:
-                raise RuntimeError("chained decode rows need the Triton decode kernels in a captured step")
-            self._singles(None, batch.state_index, (), mixed, g, beta, batch, conv, ssm, core)
-        else:
-            row, singles = 0, []
-            for i, n in enumerate(batch.seq_counts):
-                if n == 1:
-                    singles.append((i, row))
-                else:
-                    core[row:row + n] = self._chunk(mixed[row:row + n], g[row:row + n], beta[row:row + n],
-                                                    batch.state_slots[i], batch.fresh(i), batch.snaps(i), conv, ssm)
-                row += n
-            if batch.chain_host is not None and singles:       # chained rows (a draft's verification)
-                self._chained(singles, mixed, g, beta, batch, conv, ssm, core)
-            elif len(singles) == len(batch.seq_counts):          # a decode step: every row, slots on the device
-                self._singles(None, batch.state_index, range(len(singles)), mixed, g, beta, batch, conv, ssm, core)
-            elif singles:
-                dev = x.device
-                self._singles(torch.tensor([r for _, r in singles], device=dev),
-                              torch.tensor([batch.state_slots[i] for i, _ in singles], device=dev),
-                              [i for i, _ in singles], mixed, g, beta, batch, conv, ssm, core)
+        each_sequence(
+            batch, x.device, core, "chained decode rows need the Triton decode kernels in a captured step",
+            chunk=lambda i, at, n: self._chunk(mixed[at:at + n], g[at:at + n], beta[at:at + n], batch.state_slots[i],
+                                               batch.fresh(i), batch.snaps(i), conv, ssm),
+            singles=lambda rows, slots, seqs, out_slots=None: self._singles(
+                rows, slots, seqs, mixed, g, beta, batch, conv, ssm, core, out_slots=out_slots))
         out = self._gated_norm(core, z.view(-1, lin.v_heads, lin.v_dim))
         return self.out_proj(out.reshape(x.shape[0], -1))
 
@@ -266,24 +296,6 @@ class GatedDeltaNet(nn.Module):
             return True
         gpu = gpu_decode_kernels("deltanet")
         return gpu is not None and gpu.supported(torch.empty(0, dtype=dtype), self.lin.k_dim, self.lin.v_dim)
-
-    def _chained(self, singles, mixed, g, beta, batch, conv, ssm, core) -> None:
-        """The one-token sequences ``singles`` ((index, row) pairs) of a pass with chained rows,
-        with torch's ops: in waves, wave w holding the w-th row of every chain, each row from the
-        state the row before it left (a chain's first row, and any other sequence, from its own
-        slot), its state written to the slot the chain names for it."""
-        waves: dict[int, list[tuple[int, int, int, int]]] = {}
-        depth = {}
-        for i, r in singles:
-            cont, dst = batch.chain_host[i]
-            depth[i] = depth[i - 1] + 1 if cont and i - 1 in depth else 0
-            read = batch.chain_host[i - 1][1] if depth[i] else batch.state_slots[i]
-            waves.setdefault(depth[i], []).append((i, r, read, dst))
-        dev = mixed.device
-        for w in sorted(waves):
-            seqs, rows, reads, dsts = zip(*waves[w])
-            rows, reads, dsts = (torch.tensor(v, device=dev) for v in (rows, reads, dsts))
-            self._singles(rows, reads, seqs, mixed, g, beta, batch, conv, ssm, core, out_slots=dsts)
 
     def _singles(self, rows, slots, seqs, mixed, g, beta, batch, conv, ssm, core, out_slots=None) -> None:
         """One token of each of several sequences, together: ``rows`` of the pass (None: all)

@@ -19,6 +19,7 @@ from ..layers.mlp import GatedMLP
 from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm
 from ..layers.rope import Rotary
+from ..layers.shortconv import ShortConv
 
 
 class DecoderLayer(nn.Module):
@@ -27,9 +28,13 @@ class DecoderLayer(nn.Module):
         bank's layer ``moe_index`` (the MTP layer, which follows the model's own)."""
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if i in cfg.linear_layers:           # a hybrid model's Gated DeltaNet layer: no KV
+        if i in cfg.linear_layers:           # a hybrid model's recurrent layer: no KV
             self.self_attn = None
-            self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear, cfg.linear_layers.index(i), cfg.rms_norm_eps)
+            index = cfg.linear_layers.index(i)
+            if cfg.linear.kind == "short_conv":
+                self.linear_attn = ShortConv(cfg.hidden_size, cfg.linear, index)
+            else:
+                self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear, index, cfg.rms_norm_eps)
         else:
             self.self_attn = Attention(cfg, i, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -98,7 +103,7 @@ class DecoderLM(nn.Module):
         layers = [*self.model.layers, *(self.mtp.layers if self.mtp is not None else ())]
         return [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)]
 
-    def deltanets(self) -> list[GatedDeltaNet]:
+    def deltanets(self) -> list[GatedDeltaNet | ShortConv]:
         return [layer.linear_attn for layer in self.model.layers if layer.self_attn is None]
 
     def forward(self, ids: torch.Tensor, batch: AttnBatch, kv, logits_at: torch.Tensor,
