@@ -113,3 +113,12 @@ def check_forced_calls(srv, messages: list[dict], tools: list[dict], named_promp
     r = client.chat.completions.create(model=srv.model, messages=messages, tools=tools, tool_choice="required")
     assert [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls] == [
         ("search", {"query": "umbrellas"})]
+
+
+def chat_calls(srv, messages: list[dict], tools: list[dict]):
+    """An OpenAI chat answer, which must finish for its tool calls: (its message, each call as
+    (name, parsed arguments))."""
+    r = srv.openai().chat.completions.create(model=srv.model, messages=messages, tools=tools)
+    assert r.choices[0].finish_reason == "tool_calls"
+    msg = r.choices[0].message
+    return msg, [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls]

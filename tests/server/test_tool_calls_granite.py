@@ -15,7 +15,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from live import API_KEY, live_server, start_service
-from scripted import answered, check_forced_calls, recording_server, tool_uses
+from scripted import answered, chat_calls, check_forced_calls, recording_server, tool_uses
 from test_tool_calls_glm import calls
 from tiny_models import mark_special, with_template
 
@@ -134,11 +134,8 @@ def scripted(folder):
 
 
 def test_openai_chat_gets_both_calls(scripted):
-    r = scripted.openai().chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS)
-    msg = r.choices[0].message
-    assert msg.reasoning_content == "The user wants the forecast." and msg.content == "Checking."
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == WANT
-    assert r.choices[0].finish_reason == "tool_calls"
+    msg, got = chat_calls(scripted, MSGS, TOOLS)
+    assert msg.reasoning_content == "The user wants the forecast." and msg.content == "Checking." and got == WANT
 
 
 def test_openai_stream_gives_the_arguments_as_they_come(scripted):

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from live import API_KEY, live_server, start_service
-from scripted import answered, check_forced_calls, recording_server, tool_uses
+from scripted import answered, chat_calls, check_forced_calls, recording_server, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import SCHEMAS as HELD
 from test_tool_calls_granite import allowed, forced_calls_are_valid, held_to, walk
@@ -105,11 +105,9 @@ def scripted(tokenizer):
 
 
 def test_openai_chat_gets_both_calls_as_typed_json_arguments(scripted):
-    r = scripted.openai().chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS)
-    msg = r.choices[0].message
+    msg, got = chat_calls(scripted, MSGS, TOOLS)
     assert msg.reasoning_content == "The user wants the forecast." and msg.content.strip() == "Checking."
-    assert [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls] == WANT
-    assert r.choices[0].finish_reason == "tool_calls"
+    assert got == WANT
 
 
 def test_openai_stream_gives_the_arguments_a_parameter_at_a_time(scripted):

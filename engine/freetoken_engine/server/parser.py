@@ -21,6 +21,10 @@ or Granite 3.x's (``style="granite"``), every call of the turn in one JSON list 
 
     <|tool_call|>[{"name": "f", "arguments": {...}}, {"name": "g", "arguments": {...}}]
 
+or LFM2's (``style="pythonic"``), Python calls in a block (``parser_pythonic.PythonicBlock``):
+
+    <|tool_call_start|>[f(path="src/app.py", n=3), g()]<|tool_call_end|>
+
 An XML, GLM or MiniMax call's arguments become a JSON object, each value typed by the tool's JSON Schema
 (``schemas``: tool name -> its ``parameters``): integers, numbers, booleans, null, objects and
 arrays are parsed from their text when it is valid, strings and unknown parameters stay text.
@@ -47,6 +51,7 @@ import re
 from dataclasses import dataclass
 
 from .parser_list import CallList
+from .parser_pythonic import PYTHONIC_CLOSE, PYTHONIC_OPEN, PythonicBlock
 from .parser_text import (CALL_HEAD, Content, JsonValueEnd, Reasoning, ToolArgs, ToolEnd, ToolStart, parse_whole,
                           partial_tag, typed, unquote)
 
@@ -60,15 +65,21 @@ INVOKE = '<invoke name="'             # ... each call in it: <invoke name="NAME"
 GLM_TAGS = (ARG_KEY, "</arg_key>", "<arg_value>", "</arg_value>")
 
 
+# styles read by a reader object after their opening tag: (opening tag, the tags a stream
+# decoder keeps, the reader)
+_LISTED = {"granite": (GRANITE_OPEN, (GRANITE_OPEN,), CallList),
+           "pythonic": (PYTHONIC_OPEN, (PYTHONIC_OPEN, PYTHONIC_CLOSE), PythonicBlock)}
+
+
 def opening_tag(style: str) -> str:
     """The tag before a tool call (or a block or list of them) in ``style``."""
-    return _TAGGED[style].open if style in _TAGGED else GRANITE_OPEN if style == "granite" else TOOL_OPEN
+    return _TAGGED[style].open if style in _TAGGED else _LISTED[style][0] if style in _LISTED else TOOL_OPEN
 
 
 def format_tags(style: str) -> tuple[str, ...]:
     """The tags that open and close ``style``'s calls (Granite's list has no closing tag)."""
-    if style == "granite":
-        return (GRANITE_OPEN,)
+    if style in _LISTED:
+        return _LISTED[style][1]
     tags = _TAGGED.get(style)
     return (tags.open, tags.close) if tags else (TOOL_OPEN, TOOL_CLOSE)
 
@@ -122,12 +133,12 @@ class OutputParser:
 
     def __init__(self, *, tools: bool, in_reasoning: bool = False, style: str = "json",
                  schemas: dict[str, dict] | None = None):
-        if style not in ("json", "granite", *_TAGGED):
-            raise ValueError(f"tool-call style {style!r}: 'json', 'granite', 'xml', 'glm' or 'minimax'")
+        if style not in ("json", *_LISTED, *_TAGGED):
+            raise ValueError(f"tool-call style {style!r}: one of json, {', '.join((*_LISTED, *_TAGGED))}")
         self.tools, self.xml, self.schemas = tools, style == "xml", schemas or {}
         self.tagged = _TAGGED.get(style)   # None: Hermes JSON bodies, or Granite's list
-        self.listed: CallList | None = None   # Granite: the list of calls being read
-        self.granite = style == "granite"
+        self.listed: CallList | PythonicBlock | None = None   # Granite's list, LFM2's block being read
+        self.reader = _LISTED[style][2] if style in _LISTED else None
         self.tool_open = opening_tag(style)
         self.tool_close = self.tagged.close if self.tagged else TOOL_CLOSE
         self._pos = 0                 # tagged: how far into the block's body is read
@@ -156,7 +167,7 @@ class OutputParser:
                 self._step_reasoning(out)
             elif self.tagged:
                 self._step_tagged_tool(out)
-            elif self.granite:
+            elif self.reader:
                 self._step_listed_tool(out)
             else:
                 self._step_tool(out)
@@ -174,7 +185,7 @@ class OutputParser:
         elif self.mode == "tool" and self.tagged:
             self._body += rest
             self._tagged_close(out, complete=False)
-        elif self.mode == "tool" and self.granite:
+        elif self.mode == "tool" and self.reader:
             self._step_listed_tool(out, rest)
             if self.mode == "tool":
                 out += self.listed.finish()
@@ -225,7 +236,7 @@ class OutputParser:
         self.mode, self._body, self._started = "tool", "", False
         self._args_end, self._args_done, self._name, self._params = None, False, "", 0
         self._pos, self._in_block = 0, 0
-        self.listed = CallList(self.n_tools) if self.granite else None
+        self.listed = self.reader(self.n_tools) if self.reader else None
 
     def _step_reasoning(self, out: list[Event]) -> None:
         tags = (THINK_CLOSE, TOOL_OPEN) if self.xml and self.tools else (THINK_CLOSE,)
@@ -279,11 +290,12 @@ class OutputParser:
         else:
             self.buf = self.buf[upto:]
 
-    # -- Granite's list of calls -------------------------------------------------------------
+    # -- Granite's list of calls, LFM2's block of Python calls -------------------------------
     def _step_listed_tool(self, out: list[Event], more: str = "") -> None:
-        """The list after ``<|tool_call|>`` (``parser_list.CallList``); once it closes, content
-        again. Text that is not a list of calls is shown as the model's text, with the tag when
-        no call came before it."""
+        """The list after ``<|tool_call|>`` (``parser_list.CallList``) or the block after
+        ``<|tool_call_start|>`` (``parser_pythonic.PythonicBlock``); once it closes, content
+        again. Text that is not such calls is shown as the model's text, with the tag when no
+        call came before it."""
         evs, rest = self.listed.feed(self.buf + more)
         self.buf = ""
         out += evs

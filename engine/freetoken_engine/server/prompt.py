@@ -30,8 +30,8 @@ import json
 from dataclasses import dataclass
 
 from .errors import ApiError
-from .parser import (ARG_KEY, FUNCTION_OPEN, GRANITE_OPEN, INVOKE, MINIMAX_OPEN, THINK_CLOSE, THINK_OPEN,
-                     TOOL_OPEN)
+from .parser import (ARG_KEY, FUNCTION_OPEN, GRANITE_OPEN, INVOKE, MINIMAX_OPEN, PYTHONIC_OPEN, THINK_CLOSE,
+                     THINK_OPEN, TOOL_OPEN)
 
 
 #: what a tool's result says in place of an image or file part: the models served here read
@@ -49,7 +49,7 @@ class Prompt:
     prefill: str              # text already "written" by the assistant (fed to the parser first)
     tools: bool               # parse tool calls
     style: str = "json"       # the tool calls' format: "json" (Hermes), "xml" (Qwen3.5, Qwen3-Coder), "glm", "minimax",
-    #                           "granite"
+    #                           "granite", "pythonic" (LFM2)
     schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
     strict: frozenset[str] = frozenset()   # tools whose calls must follow their schema (``strict``)
     forced: str | None = None     # the prompt opened a tool call: "required", or the named tool
@@ -58,13 +58,16 @@ class Prompt:
 
 def tool_style(tokenizer) -> str:
     """The tool-call format the model's chat template teaches: "minimax" when it writes
-    ``<minimax:tool_call>``, "granite" when it writes ``<|tool_call|>``, "xml" when it writes
+    ``<minimax:tool_call>``, "granite" when it writes ``<|tool_call|>``, "pythonic" when it writes
+    ``<|tool_call_start|>``, "xml" when it writes
     ``<function=``, "glm" when it writes ``<arg_key>``, else "json"."""
     template = getattr(tokenizer, "chat_template", None) or ""
     if MINIMAX_OPEN in template:
         return "minimax"
     if GRANITE_OPEN in template:
         return "granite"
+    if PYTHONIC_OPEN in template:
+        return "pythonic"
     return "xml" if FUNCTION_OPEN in template else "glm" if ARG_KEY in template else "json"
 
 
@@ -94,6 +97,10 @@ def tool_prefill(tool_choice: str | None, named: str | None, style: str = "json"
         if named is not None:
             return f'{MINIMAX_OPEN}\n{INVOKE}{named}">\n'
         return f"{MINIMAX_OPEN}\n{INVOKE}" if tool_choice == "required" else ""
+    if style == "pythonic":
+        if named is not None:
+            return f"{PYTHONIC_OPEN}[{named}("
+        return f"{PYTHONIC_OPEN}[" if tool_choice == "required" else ""
     if style == "granite":
         if named is not None:
             return f'{GRANITE_OPEN}[{{"name": {json.dumps(named)}, "arguments": '

@@ -1,6 +1,6 @@
 """Grammars that hold tool calls to their tools' schemas, in the chat template's own format.
 
-Five formats (``prompt.tool_style``):
+Six formats (``prompt.tool_style``):
 
 - JSON (Hermes; Qwen3): ``<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>``;
   the arguments are JSON for the tool's schema, spaced as the templates' ``tojson`` writes it.
@@ -15,6 +15,8 @@ Five formats (``prompt.tool_style``):
 - MiniMax-M2: ``<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="KEY">VALUE
   </parameter>\\n...</invoke>\\n...</minimax:tool_call>``, several calls to a block; values as
   in the XML format, a string any text up to ``</parameter>``.
+- Python calls (LFM2): ``<|tool_call_start|>[NAME(KEY=VALUE, ...), ...]<|tool_call_end|>``, values
+  JSON for their schema.
 - Granite (3.x): ``<|tool_call|>[{"name": "NAME", "arguments": {...}}, ...]``, every call of the
   turn in one JSON list, no closing tag.
 
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 from ..errors import InvalidRequest
 from ..executor import guide
 from .errors import ApiError
-from .parser import INVOKE, MINIMAX_CLOSE, TOOL_CLOSE, TOOL_OPEN
+from .parser import INVOKE, MINIMAX_CLOSE, PYTHONIC_CLOSE, TOOL_CLOSE, TOOL_OPEN
 
 _COMPACT = {"whitespace_flexible": False}
 _SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -158,6 +160,8 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
         return _granite(schemas, prompt)
     if prompt.style == "minimax":
         return _minimax(schemas, prompt, tag)
+    if prompt.style == "pythonic":
+        return _pythonic(schemas, prompt, tag)
     close = tag(TOOL_CLOSE)
     xml, glm = prompt.style == "xml", prompt.style == "glm"
     rules = _Rules()
@@ -210,14 +214,8 @@ def _granite(schemas: dict, prompt) -> tuple[str | None, str | None]:
     heads = {name: json.dumps(name) + ', "arguments": ' for name in schemas}
     call = '"{\\"name\\": " (' + " | ".join(f"{_lit(heads[n])} {bodies[n]}" for n in schemas) + ")"
     more = ' ("," /[ \\n]?/ ' + call + ")*" if prompt.parallel else ""
-    after_open = f'start: /[ \\n]?/ "[" {call}{more} "]"'
-    if prompt.forced in schemas:
-        rest = f'start: {bodies[prompt.forced]} "]"'
-    elif prompt.forced:
-        rest = "start: (" + " | ".join(f"{_lit(heads[n][1:])} {bodies[n]}" for n in schemas) + f'){more} "]"'
-    else:
-        rest = None
-    return _both(after_open, rest, prompt)
+    return _held(_Rules(), prompt, f'/[ \\n]?/ "[" {call}{more} "]"', lambda name: f'{bodies[name]} "]"',
+                 "(" + " | ".join(f"{_lit(heads[n][1:])} {bodies[n]}" for n in schemas) + f'){more} "]"')
 
 
 def _minimax(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
@@ -233,18 +231,65 @@ def _minimax(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
     named = "(" + " | ".join(f"{_lit(heads[n])} {params[n]} {end_call}" for n in schemas) + ")"
     call = f'/\\n?/ {_lit(INVOKE)} {named}'
     more = f" ({call})*" if prompt.parallel else ""
+    return _held(rules, prompt, f"{call}{more} /\\n?/ {close}", lambda name: f"{params[name]} {end_call} {close}",
+                 f"{named}{more} /\\n?/ {close}")
 
+
+def _pythonic(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
+    """LFM2: after ``<|tool_call_start|>`` a Python list of calls, ``[NAME(KEY=VALUE, ...), ...]``
+    (one call without parallel calls), then ``<|tool_call_end|>``; a value is JSON for its schema
+    (which Python reads, JSON's true/false/null as the parser reads them), the schema's
+    properties in its order, the required ones always. The pre-fill of a required call ends
+    after the ``[``, a named one's after its ``(``."""
+    rules = _Rules()
+    params = {name: _keywords(rules, schema if prompt.forced is not None or name in prompt.strict else None)
+              for name, schema in schemas.items()}
+    call = "(" + " | ".join(f'{_lit(n + "(")} {params[n]} ")"' for n in schemas) + ")"
+    call = rules.add(call)
+    more = f' ("," /[ ]?/ {call})*' if prompt.parallel else ""
+    end = f'"]" {tag(PYTHONIC_CLOSE)}'
+    return _held(rules, prompt, f'"[" {call}{more} {end}', lambda name: f'{params[name]} ")" {end}',
+                 f"{call}{more} {end}")
+
+
+def _keywords(rules: _Rules, schema: dict | None) -> str:
+    """A call's keyword arguments: any (None), else the schema's properties in its order, the
+    required ones always, separated by ", "."""
+    props = schema.get("properties") if isinstance(schema, dict) else None
+    if not isinstance(props, dict):
+        pair = f'/[A-Za-z_][A-Za-z0-9_]*/ "=" {_json(None, _SPACED)}'
+        return rules.add(f'({pair} ("," /[ ]?/ {pair})*)?')
+    required = set(schema.get("required") or ())
+    keys = list(props)
+    memo: dict[tuple[int, bool], str] = {}
+
+    def after(i: int, first: bool) -> str:
+        """The properties from the i-th on; ``first``: none written before them."""
+        if i == len(keys):
+            return ""
+        if (i, first) not in memo:
+            sep = "" if first else _lit(", ") + " "
+            one = f'{sep}{_lit(keys[i] + "=")} {_json(props[keys[i]], _SPACED)}'
+            rest = after(i + 1, False)
+            body = f"{one} {rest}".strip()
+            if keys[i] not in required:
+                skip = after(i + 1, first)
+                body = f"({body})" + (f" | {skip}" if skip else "?")
+            memo[i, first] = rules.add(body) if body else ""
+        return memo[i, first]
+    return after(0, True)
+
+
+def _held(rules: _Rules, prompt, opened: str, named, required: str) -> tuple[str | None, str | None]:
+    """The two grammars over ``rules``: from after the opening tag (``opened``), and the rest
+    of the answer after a forced call's pre-fill: ``named(tool)`` for a named one, ``required``
+    for a required one."""
     def grammar(start: str) -> str:
         return "\n".join([f"start: {start}", *rules.lines])
 
-    after_open = grammar(f"{call}{more} /\\n?/ {close}")
-    if prompt.forced in schemas:
-        rest = grammar(f"{params[prompt.forced]} {end_call} {close}")
-    elif prompt.forced:
-        rest = grammar(f"{named}{more} /\\n?/ {close}")
-    else:
-        rest = None
-    return _both(after_open, rest, prompt)
+    schemas = prompt.schemas or {}
+    rest = grammar(named(prompt.forced)) if prompt.forced in schemas else grammar(required) if prompt.forced else None
+    return _both(grammar(opened), rest, prompt)
 
 
 def _both(after_open: str, rest: str | None, prompt) -> tuple[str | None, str | None]:
