@@ -1,5 +1,6 @@
-"""GGUF loading for llama-architecture models (the file read by `gguf_file.py`, dequantized by the
-`gguf` package).
+"""GGUF loading (the file read by `gguf_file.py`, dequantized by the `gguf` package) for the
+`llama` architecture and Qwen3's, dense (`qwen3`) and MoE (`qwen3moe`: Qwen3-30B-A3B and
+-235B-A22B as llama.cpp's converter writes them, experts stacked per layer in `ffn_*_exps`).
 
 Contract:
 
@@ -11,11 +12,15 @@ Contract:
     write_hf_folder(model, out_dir)   # config.json, model.safetensors, tokenizer.json,
                                       # tokenizer_config.json, generation_config.json
 
-llama.cpp stores the Q and K projections with their rows permuted for its rope layout
-(within each head, the two rotary halves are interleaved). `load_gguf` undoes that, so the
-folder it writes is the checkpoint `transformers`' LlamaForCausalLM expects.
+    convert_gguf(path, out_dir)      # the same folder, written a layer at a time (sharded, each
+                                     # expert its own tensors): a large MoE never whole in memory
 
-Raises `GGUFError` (a ValueError) for a file that is not a readable llama GGUF.
+llama.cpp stores a llama's Q and K projections with their rows permuted for its rope layout
+(within each head, the two rotary halves are interleaved). `load_gguf` undoes that, so the
+folder it writes is the checkpoint `transformers`' LlamaForCausalLM expects (Qwen's are stored
+as they are).
+
+Raises `GGUFError` (a ValueError) for a file that is not a readable GGUF of those architectures.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 
 from .gguf_file import GGUFError, GGUFFile
 
-__all__ = ["GGUFError", "GGUFModel", "load_gguf", "write_hf_folder", "read_metadata"]
+__all__ = ["GGUFError", "GGUFModel", "convert_gguf", "load_gguf", "write_hf_folder", "read_metadata"]
 
 
 @dataclass
@@ -54,13 +59,20 @@ _BLOCK_KEYS = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
 }
+# stacked experts [E, rows, cols] -> each expert's tensor
+_EXPERT_KEYS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
+                "ffn_down_exps.weight": "down_proj"}
 _GLOBAL_KEYS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
 _SPECIAL_TOKEN_TYPES = (3, 4)  # CONTROL, USER_DEFINED
+FLOAT32_LIMIT = 8 << 30        # convert_gguf: larger models are written in bfloat16
 
 
 def read_metadata(path: str | Path) -> dict:
@@ -75,33 +87,39 @@ def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _llama_config(meta: dict, vocab_size: int, has_output: bool) -> dict:
+_ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+          "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
+
+
+def _config(meta: dict, vocab_size: int, has_output: bool) -> dict:
+    """The Hugging Face ``config.json`` of a GGUF file's metadata."""
     arch = meta.get("general.architecture")
-    if arch != "llama":
-        raise GGUFError(f"unsupported GGUF architecture {arch!r} (only 'llama')")
+    if arch not in _ARCHS:
+        raise GGUFError(f"unsupported GGUF architecture {arch!r} (supported: {', '.join(_ARCHS)})")
 
     def need(key):
-        if f"llama.{key}" not in meta:
-            raise GGUFError(f"GGUF metadata lacks llama.{key}")
-        return meta[f"llama.{key}"]
+        if f"{arch}.{key}" not in meta:
+            raise GGUFError(f"GGUF metadata lacks {arch}.{key}")
+        return meta[f"{arch}.{key}"]
 
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
-    head_dim = int(meta.get("llama.attention.key_length", hidden // heads))
+    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
+    model_type, architecture = _ARCHS[arch]
     cfg = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": int(meta.get("llama.vocab_size", vocab_size)),
+        "architectures": [architecture],
+        "model_type": model_type,
+        "vocab_size": int(meta.get(f"{arch}.vocab_size", vocab_size)),
         "hidden_size": hidden,
         "intermediate_size": int(need("feed_forward_length")),
         "num_hidden_layers": int(need("block_count")),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(meta.get("llama.attention.head_count_kv", heads)),
+        "num_key_value_heads": int(meta.get(f"{arch}.attention.head_count_kv", heads)),
         "head_dim": head_dim,
         "hidden_act": "silu",
-        "rms_norm_eps": float(meta.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        "rope_theta": float(meta.get("llama.rope.freq_base", 10000.0)),
-        "max_position_embeddings": int(meta.get("llama.context_length", 2048)),
+        "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
         "tie_word_embeddings": not has_output,
         "attention_bias": False,
         "mlp_bias": False,
@@ -110,15 +128,19 @@ def _llama_config(meta: dict, vocab_size: int, has_output: bool) -> dict:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
-    kind = meta.get("llama.rope.scaling.type")  # no "rope_scaling" key at all when absent
+    if arch == "qwen3moe":          # llama.cpp renormalises Qwen3-MoE's top k (no metadata says so)
+        cfg.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                   moe_intermediate_size=int(need("expert_feed_forward_length")), norm_topk_prob=True,
+                   decoder_sparse_step=1, mlp_only_layers=[])
+    kind = meta.get(f"{arch}.rope.scaling.type")  # no "rope_scaling" key at all when absent
     if kind and kind != "none":
         cfg["rope_scaling"] = {
             "rope_type": kind,
-            "factor": float(meta.get("llama.rope.scaling.factor", 1.0)),
+            "factor": float(meta.get(f"{arch}.rope.scaling.factor", 1.0)),
         }
-        if "llama.rope.scaling.original_context_length" in meta:
+        if f"{arch}.rope.scaling.original_context_length" in meta:
             cfg["rope_scaling"]["original_max_position_embeddings"] = int(
-                meta["llama.rope.scaling.original_context_length"]
+                meta[f"{arch}.rope.scaling.original_context_length"]
             )
     return cfg
 
@@ -160,34 +182,40 @@ def _tokenizer(meta: dict) -> tuple[str, dict]:
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get("llama.context_length", 2048)),
+        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
     }
     if "tokenizer.chat_template" in meta:
         tcfg["chat_template"] = meta["tokenizer.chat_template"]
     return tok.to_str(), tcfg
 
 
-def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel:
-    """Read and dequantize a llama GGUF file into HF key names and layout (see module doc)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    path = Path(path)
+def _read(path: Path) -> tuple[GGUFFile, dict]:
     reader = GGUFFile(path)
     meta = reader.metadata
     names = {t.name for t in reader.tensors}
-    cfg = _llama_config(meta, len(meta.get("tokenizer.ggml.tokens", [])), "output.weight" in names)
-    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return reader, _config(meta, len(meta.get("tokenizer.ggml.tokens", [])), "output.weight" in names)
 
-    tensors: dict[str, torch.Tensor] = {}
+
+def iter_tensors(reader: GGUFFile, cfg: dict, dtype: torch.dtype):
+    """(HF key, tensor) of each tensor the model runs, dequantized to ``dtype`` one GGUF tensor
+    at a time, in the file's order (a stacked expert tensor as its experts' own)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    permute = cfg["model_type"] == "llama"
+    n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for t in reader.tensors:
+        experts = None
         if t.name in _GLOBAL_KEYS:
             key = _GLOBAL_KEYS[t.name]
         elif t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)
-            if rest not in _BLOCK_KEYS:
+            if rest in _EXPERT_KEYS:
+                key, experts = f"model.layers.{int(layer)}.mlp.experts", _EXPERT_KEYS[rest]
+            elif rest in _BLOCK_KEYS:
+                key = f"model.layers.{int(layer)}.{_BLOCK_KEYS[rest]}"
+            else:
                 continue  # e.g. rope_freqs: recomputed from the config
-            key = f"model.layers.{int(layer)}.{_BLOCK_KEYS[rest]}"
         else:
             continue
         shape = tuple(reversed(t.ne))  # GGUF lists ne0 (columns) first
@@ -200,18 +228,74 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel
         except (NotImplementedError, ValueError) as exc:
             raise GGUFError(f"cannot dequantize {t.name} ({qtype.name}): {exc}") from exc
         w = torch.from_numpy(np.array(arr.reshape(shape), dtype=np.float32, copy=True))
-        if key.endswith("q_proj.weight"):
+        if experts is not None:
+            for e in range(w.shape[0]):
+                yield f"{key}.{e}.{experts}.weight", w[e].to(dtype).contiguous()
+            continue
+        if permute and key.endswith("q_proj.weight"):
             w = _unpermute_rope(w, n_head)
-        elif key.endswith("k_proj.weight"):
+        elif permute and key.endswith("k_proj.weight"):
             w = _unpermute_rope(w, n_kv)
-        tensors[key] = w.to(dtype).contiguous()
+        yield key, w.to(dtype).contiguous()
 
-    missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in tensors]
+
+def _check(path: Path, keys) -> None:
+    missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in keys]
     if missing:
         raise GGUFError(f"GGUF file {path} lacks tensors {missing}")
+
+
+def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel:
+    """Read and dequantize a GGUF file into HF key names and layout (see module doc)."""
+    path = Path(path)
+    reader, cfg = _read(path)
+    tensors = dict(iter_tensors(reader, cfg, dtype))
+    _check(path, tensors)
+    meta = reader.metadata
     tok_json, tok_cfg = _tokenizer(meta)
     small_meta = {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}
     return GGUFModel(cfg, tensors, tok_json, tok_cfg, small_meta)
+
+
+def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
+    """``path`` as a Hugging Face folder in ``out_dir``, a shard per layer: float32 (the exact
+    dequantized values) up to ``FLOAT32_LIMIT`` bytes of them, bfloat16 above (the dtype the
+    engine runs on a GPU; a 30B MoE in float32 would be 120 GB); only one GGUF tensor is
+    dequantized at a time, so a file larger than memory converts."""
+    from safetensors.torch import save_file
+
+    path, out = Path(path), Path(out_dir)
+    reader, cfg = _read(path)
+    numel = sum(int(np.prod(t.ne)) for t in reader.tensors)
+    dtype = torch.float32 if 4 * numel <= FLOAT32_LIMIT else torch.bfloat16
+    tok_json, tok_cfg = _tokenizer(reader.metadata)
+    out.mkdir(parents=True, exist_ok=True)
+    index, shard, part, size = {}, {}, 0, 0
+
+    def flush():
+        nonlocal shard, part
+        if shard:
+            name = f"model-{part:05d}.safetensors"
+            save_file(shard, str(out / name), metadata={"format": "pt"})
+            index.update(dict.fromkeys(shard, name))
+            shard, part = {}, part + 1
+
+    layer = None
+    for key, w in iter_tensors(reader, cfg, dtype):
+        now = key.split(".")[2] if key.startswith("model.layers.") else None
+        if now != layer:                         # a shard per layer (and one for the rest)
+            flush()
+            layer = now
+        shard[key] = w
+        size += w.numel() * w.element_size()
+    flush()
+    _check(path, index)
+    cfg = dict(cfg, torch_dtype=str(dtype).removeprefix("torch."))
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": size},
+                                                                  "weight_map": index}, indent=1))
+    write_tokenizer_files(GGUFModel(cfg, {}, tok_json, tok_cfg), out)
+    return out
 
 
 def write_tokenizer_files(model: GGUFModel, out_dir: Path) -> None:

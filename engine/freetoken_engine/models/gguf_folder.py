@@ -1,14 +1,12 @@
-"""``--model file.gguf``: a llama-architecture GGUF file, dequantized once into a Hugging Face
-folder in the engine cache (keyed by the file's size and modification time), then loaded like
-any other checkpoint folder."""
+"""``--model file.gguf``: a GGUF file (llama, qwen3 or qwen3moe architecture), dequantized once into
+a Hugging Face folder in the engine cache (keyed by the file's size and modification time), a layer
+at a time, then loaded like any other checkpoint folder."""
 from __future__ import annotations
 
 import hashlib
 import shutil
 import tempfile
 from pathlib import Path
-
-import torch
 
 from .. import env
 from ..errors import ConfigError
@@ -18,7 +16,7 @@ _DONE = ".complete"
 
 def gguf_folder(path: Path) -> Path:
     """The converted folder for ``path``, converting it on first use (atomic rename)."""
-    from .gguf import GGUFError, load_gguf, write_hf_folder
+    from .gguf import GGUFError, convert_gguf
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
     target = env.cache_dir() / "gguf" / f"{path.stem}-{key}"
@@ -27,7 +25,7 @@ def gguf_folder(path: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        write_hf_folder(load_gguf(path, torch.float32), tmp)
+        convert_gguf(path, tmp)
         (tmp / _DONE).write_text("ok\n")
         shutil.rmtree(target, ignore_errors=True)
         tmp.rename(target)

@@ -1,0 +1,140 @@
+"""GGUF files of Qwen3-MoE as llama.cpp's converter writes them (``qwen3moe``: experts stacked per
+layer in ``ffn_{gate,up,down}_exps``, q/k norms, Qwen's unpermuted Q/K rows), built here from a
+random transformers checkpoint: transformers' own GGUF reader reads the file back into that
+checkpoint (so the file is as llama.cpp would write it), the engine gives transformers' tokens on
+it, float32 exactly and Q8_0 against transformers on the same file, and the folder it converts to
+is written a layer at a time. A dense Qwen3 (``qwen3``) file too."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from freetoken_engine import LLM, SamplingParams
+from freetoken_engine.models.gguf import convert_gguf
+from test_parity import PROMPT, check, reference_greedy
+from tiny_models import load_reference
+
+BLOCK = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "attn_q",
+         "self_attn.k_proj.weight": "attn_k", "self_attn.v_proj.weight": "attn_v",
+         "self_attn.o_proj.weight": "attn_output", "self_attn.q_norm.weight": "attn_q_norm",
+         "self_attn.k_norm.weight": "attn_k_norm", "post_attention_layernorm.weight": "ffn_norm",
+         "mlp.gate.weight": "ffn_gate_inp"}
+DENSE = {**{k: v for k, v in BLOCK.items() if k != "mlp.gate.weight"}, "mlp.gate_proj.weight": "ffn_gate",
+         "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down"}
+
+
+def write_gguf(folder, out, quant: str = "F32"):
+    """``folder`` (a transformers qwen3_moe or qwen3 checkpoint) as llama.cpp's converter writes it."""
+    import gguf
+    from gguf.quants import quantize
+    cfg = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    state = {k: v.float().numpy() for k, v in load_file(folder / "model.safetensors").items()}
+    moe = cfg["model_type"] == "qwen3_moe"
+    w = gguf.GGUFWriter(str(out), arch="qwen3moe" if moe else "qwen3")
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(cfg["num_attention_heads"])
+    w.add_head_count_kv(cfg["num_key_value_heads"])
+    w.add_key_length(cfg["head_dim"])
+    w.add_value_length(cfg["head_dim"])
+    w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if moe:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    added = {a["id"]: a for a in tok["added_tokens"]}
+    tokens = [added[i]["content"] if i in added else t for t, i in vocab]
+    tokens += [added[i]["content"] for i in sorted(added) if i >= len(tokens)]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if added.get(i, {}).get("special") else 4 if i in added else 1 for i in range(len(tokens))])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    kind = getattr(gguf.GGMLQuantizationType, quant)
+
+    def add(name, arr, big=True):
+        if big and kind != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, quantize(arr, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, arr)
+    add("token_embd.weight", state["model.embed_tokens.weight"])
+    add("output_norm.weight", state["model.norm.weight"], big=False)
+    add("output.weight", state["lm_head.weight"])
+    for i in range(cfg["num_hidden_layers"]):
+        stem = f"model.layers.{i}."
+        for hf, g in (BLOCK if moe else DENSE).items():
+            add(f"blk.{i}.{g}.weight", state[stem + hf], big=hf.endswith("proj.weight"))
+        if not moe:
+            continue
+        for proj, g in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
+            add(f"blk.{i}.{g}.weight", np.stack([state[f"{stem}mlp.experts.{e}.{proj}.weight"] for e in range(experts)]))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def gguf_reference(path, src):
+    """transformers' model of the GGUF file ``path``: its GGUF reader's tensors (its own
+    dequantization and names) in the architecture of ``src``."""
+    from transformers import AutoConfig, Qwen3MoeForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    with torch.device("meta"):
+        skeleton = Qwen3MoeForCausalLM(AutoConfig.from_pretrained(src))
+    tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
+    model = Qwen3MoeForCausalLM(AutoConfig.from_pretrained(src)).eval()
+    missing, unexpected = model.load_state_dict({k: torch.as_tensor(v).float() for k, v in tensors.items()},
+                                                strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    return model
+
+
+@pytest.fixture(scope="module")
+def src(tiny_checkpoint):
+    # sizes llama.cpp's Q8_0 blocks of 32 divide
+    return tiny_checkpoint("qwen3_moe", moe_intermediate_size=32, hidden_size=64, head_dim=16)
+
+
+def test_transformers_reads_the_file_back_into_the_checkpoint(src, tmp_path):
+    """The file is as llama.cpp writes it: transformers' GGUF reader, which knows the format,
+    gives back every tensor of the checkpoint it came from."""
+    got = gguf_reference(write_gguf(src, tmp_path / "m.gguf"), src).state_dict()
+    want = load_reference(src).state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_float32_file_gives_transformers_tokens_exactly(src, tmp_path):
+    folder = convert_gguf(write_gguf(src, tmp_path / "m.gguf"), tmp_path / "hf")
+    shards = sorted(p.name for p in folder.glob("model-*.safetensors"))
+    assert len(shards) == 3                         # a shard per layer, one for the rest
+    check(folder, n_new=16, ref_folder=src)
+
+
+def test_a_q8_0_file_gives_transformers_tokens_on_the_same_file(src, tmp_path):
+    """Quantized experts and projections: the engine, loading the file by path as users do,
+    against transformers loading the same file (its own dequantization)."""
+    path = write_gguf(src, tmp_path / "q8.gguf", quant="Q8_0")
+    ref = gguf_reference(path, src)
+    with torch.no_grad():
+        want = ref(torch.tensor([PROMPT])).logits[0]
+    llm = LLM(path)
+    assert (llm.prefill_logits(PROMPT) - want).abs().max() < 1e-4
+    got = llm.generate(PROMPT, SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)).token_ids
+    assert got == reference_greedy(ref, PROMPT, 16)
+
+
+def test_a_dense_qwen3_file_gives_transformers_tokens(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("qwen3")
+    check(convert_gguf(write_gguf(src, tmp_path / "d.gguf"), tmp_path / "hf"), n_new=16, ref_folder=src)
