@@ -3,7 +3,8 @@ layer in ``ffn_{gate,up,down}_exps``, q/k norms, Qwen's unpermuted Q/K rows), bu
 random transformers checkpoint: transformers' own GGUF reader reads the file back into that
 checkpoint (so the file is as llama.cpp would write it), the engine gives transformers' tokens on
 it, float32 exactly and Q8_0 against transformers on the same file, and the folder it converts to
-is written a layer at a time. A dense Qwen3 (``qwen3``) file too."""
+is written a layer at a time. A dense Qwen3 (``qwen3``) file and a Mixtral one (``llama`` with
+experts) too."""
 from __future__ import annotations
 
 import json
@@ -23,8 +24,16 @@ BLOCK = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "attn
          "self_attn.o_proj.weight": "attn_output", "self_attn.q_norm.weight": "attn_q_norm",
          "self_attn.k_norm.weight": "attn_k_norm", "post_attention_layernorm.weight": "ffn_norm",
          "mlp.gate.weight": "ffn_gate_inp"}
+MIXTRAL = {**{k: v for k, v in BLOCK.items() if "norm" not in k or "layernorm" in k},
+           "block_sparse_moe.gate.weight": "ffn_gate_inp"}
+del MIXTRAL["mlp.gate.weight"]
 DENSE = {**{k: v for k, v in BLOCK.items() if k != "mlp.gate.weight"}, "mlp.gate_proj.weight": "ffn_gate",
          "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down"}
+
+
+def permute(t: np.ndarray, heads: int) -> np.ndarray:
+    """Q or K rows in llama.cpp's order: within each head, the rotary halves interleaved."""
+    return t.reshape(heads, 2, t.shape[0] // heads // 2, *t.shape[1:]).swapaxes(1, 2).reshape(t.shape)
 
 
 def write_gguf(folder, out, quant: str = "F32"):
@@ -34,23 +43,25 @@ def write_gguf(folder, out, quant: str = "F32"):
     cfg = json.loads((folder / "config.json").read_text())
     tok = json.loads((folder / "tokenizer.json").read_text())
     state = {k: v.float().numpy() for k, v in load_file(folder / "model.safetensors").items()}
-    moe = cfg["model_type"] == "qwen3_moe"
-    w = gguf.GGUFWriter(str(out), arch="qwen3moe" if moe else "qwen3")
+    arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama"}[cfg["model_type"]]
+    moe = arch != "qwen3"
+    w = gguf.GGUFWriter(str(out), arch=arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(cfg["num_attention_heads"])
     w.add_head_count_kv(cfg["num_key_value_heads"])
-    w.add_key_length(cfg["head_dim"])
-    w.add_value_length(cfg["head_dim"])
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
     if moe:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
-        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+        w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size", cfg["intermediate_size"]))
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {a["id"]: a for a in tok["added_tokens"]}
     tokens = [added[i]["content"] if i in added else t for t, i in vocab]
@@ -73,12 +84,20 @@ def write_gguf(folder, out, quant: str = "F32"):
     add("output.weight", state["lm_head.weight"])
     for i in range(cfg["num_hidden_layers"]):
         stem = f"model.layers.{i}."
-        for hf, g in (BLOCK if moe else DENSE).items():
-            add(f"blk.{i}.{g}.weight", state[stem + hf], big=hf.endswith("proj.weight"))
+        block = DENSE if not moe else MIXTRAL if arch == "llama" else BLOCK
+        for hf, g in block.items():
+            t = state[stem + hf]
+            if arch == "llama" and g in ("attn_q", "attn_k"):     # llama.cpp's rotary row order
+                t = permute(t, cfg["num_attention_heads"] if g == "attn_q" else cfg["num_key_value_heads"])
+            add(f"blk.{i}.{g}.weight", t, big=hf.endswith("proj.weight"))
         if not moe:
             continue
-        for proj, g in (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps")):
-            add(f"blk.{i}.{g}.weight", np.stack([state[f"{stem}mlp.experts.{e}.{proj}.weight"] for e in range(experts)]))
+        names = (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")) if arch == "llama" else \
+            (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps"))
+        moe_block = "block_sparse_moe" if arch == "llama" else "mlp"
+        for proj, g in names:
+            add(f"blk.{i}.{g}.weight", np.stack([state[f"{stem}{moe_block}.experts.{e}.{proj}.weight"]
+                                                 for e in range(experts)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -138,3 +157,10 @@ def test_a_q8_0_file_gives_transformers_tokens_on_the_same_file(src, tmp_path):
 def test_a_dense_qwen3_file_gives_transformers_tokens(tiny_checkpoint, tmp_path):
     src = tiny_checkpoint("qwen3")
     check(convert_gguf(write_gguf(src, tmp_path / "d.gguf"), tmp_path / "hf"), n_new=16, ref_folder=src)
+
+
+def test_a_mixtral_file_gives_transformers_tokens(tiny_checkpoint, tmp_path):
+    """Mixtral as llama.cpp writes it: the llama architecture with ``llama.expert_count`` experts,
+    its Q and K rows permuted for llama.cpp's rotary (which the engine undoes)."""
+    src = tiny_checkpoint("mixtral")
+    check(convert_gguf(write_gguf(src, tmp_path / "x.gguf"), tmp_path / "hf"), n_new=16, ref_folder=src)

@@ -1,6 +1,7 @@
 """GGUF loading (the file read by `gguf_file.py`, dequantized by the `gguf` package) for the
-`llama` architecture and Qwen3's, dense (`qwen3`) and MoE (`qwen3moe`: Qwen3-30B-A3B and
--235B-A22B as llama.cpp's converter writes them, experts stacked per layer in `ffn_*_exps`).
+`llama` architecture (Mixtral too: llama's layout with `llama.expert_count` experts) and Qwen3's,
+dense (`qwen3`) and MoE (`qwen3moe`: Qwen3-30B-A3B and -235B-A22B as llama.cpp's converter writes
+them), experts stacked per layer in `ffn_*_exps`.
 
 Contract:
 
@@ -66,6 +67,7 @@ _BLOCK_KEYS = {
 # stacked experts [E, rows, cols] -> each expert's tensor
 _EXPERT_KEYS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
                 "ffn_down_exps.weight": "down_proj"}
+_MIXTRAL_EXPERTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 _GLOBAL_KEYS = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -128,6 +130,9 @@ def _config(meta: dict, vocab_size: int, has_output: bool) -> dict:
         "pad_token_id": meta.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": "float32",
     }
+    if arch == "llama" and meta.get("llama.expert_count"):      # Mixtral: llama's layout with experts
+        cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral",
+                   num_local_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")))
     if arch == "qwen3moe":          # llama.cpp renormalises Qwen3-MoE's top k (no metadata says so)
         cfg.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
                    moe_intermediate_size=int(need("expert_feed_forward_length")), norm_topk_prob=True,
@@ -202,7 +207,8 @@ def iter_tensors(reader: GGUFFile, cfg: dict, dtype: torch.dtype):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    permute = cfg["model_type"] == "llama"
+    permute = cfg["model_type"] in ("llama", "mixtral")
+    mixtral = cfg["model_type"] == "mixtral"       # its MoE block and expert names are Mixtral's
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for t in reader.tensors:
         experts = None
@@ -228,9 +234,12 @@ def iter_tensors(reader: GGUFFile, cfg: dict, dtype: torch.dtype):
         except (NotImplementedError, ValueError) as exc:
             raise GGUFError(f"cannot dequantize {t.name} ({qtype.name}): {exc}") from exc
         w = torch.from_numpy(np.array(arr.reshape(shape), dtype=np.float32, copy=True))
+        if mixtral:
+            key = key.replace(".mlp.", ".block_sparse_moe.")
         if experts is not None:
+            name = _MIXTRAL_EXPERTS[experts] if mixtral else experts
             for e in range(w.shape[0]):
-                yield f"{key}.{e}.{experts}.weight", w[e].to(dtype).contiguous()
+                yield f"{key}.{e}.{name}.weight", w[e].to(dtype).contiguous()
             continue
         if permute and key.endswith("q_proj.weight"):
             w = _unpermute_rope(w, n_head)
