@@ -53,7 +53,7 @@ class _GenerationBlocks(Extension):
 class StreamDecoder:
     """Incremental detokenizer: ``step(id)`` returns the newly printable text (may be '').
     Special tokens are left out, but for those in ``keep`` (a tool-call format's tag that the
-    tokenizer marks special, as Granite's ``<|tool_call|>``): their text is written."""
+    tokenizer marks special, as Granite's ``<|tool_call|>`` and LFM2's): their text is written."""
 
     def __init__(self, tok: "Tokenizer", keep: tuple[str, ...] = ()):
         self.tok, self.ids, self.prefix, self.read = tok, [], 0, 0

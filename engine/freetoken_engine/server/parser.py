@@ -119,7 +119,6 @@ _TAGGED = {
 }
 
 
-
 Event = Reasoning | Content | ToolStart | ToolArgs | ToolEnd
 
 
@@ -136,7 +135,7 @@ class OutputParser:
         if style not in ("json", *_LISTED, *_TAGGED):
             raise ValueError(f"tool-call style {style!r}: one of json, {', '.join((*_LISTED, *_TAGGED))}")
         self.tools, self.xml, self.schemas = tools, style == "xml", schemas or {}
-        self.tagged = _TAGGED.get(style)   # None: Hermes JSON bodies, or Granite's list
+        self.tagged = _TAGGED.get(style)   # None: Hermes JSON bodies, or a reader's style (_LISTED)
         self.listed: CallList | PythonicBlock | None = None   # Granite's list, LFM2's block being read
         self.reader = _LISTED[style][2] if style in _LISTED else None
         self.tool_open = opening_tag(style)
