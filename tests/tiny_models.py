@@ -70,6 +70,12 @@ MOE = {
     "afmoe": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=2,
                   num_dense_layers=1, route_scale=2.0, head_dim=8, num_hidden_layers=4, sliding_window=4,
                   global_attn_every_n_layers=2),
+    # GLM-4.5V's language model (GLM-4.5-Air's: a dense first layer, sigmoid routing with its bias,
+    # a shared expert, q/k/v biases, rotary over half of each head) beside a one-block vision tower
+    "glm4v_moe": dict(moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, head_dim=8,
+                      num_hidden_layers=3, first_k_dense_replace=1,
+                      rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 0],
+                                       "partial_rotary_factor": 0.5}),
     # sigmoid choice with a correction bias on the MoE block, q/k norms over the whole projection,
     # rotary over half of each head, Mixtral's expert names. The half is also given as
     # partial_rotary_factor: transformers before 5.25 ignores the hub's rotary_dim (and rotates
@@ -100,9 +106,11 @@ MOE = {
 SUPPORTED = tuple(MOE)
 # the random correction bias of a biased router, on the scale of its scores (sigmoid: 0..1;
 # softmax over 8 experts: about 1/8)
-BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "lfm2_moe": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3}
+BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "lfm2_moe": 0.3, "glm4v_moe": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3}
 # multimodal families: their vision tower's config
-VISION = {"qwen3_vl_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+VISION = {"glm4v_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
+                            temporal_patch_size=1, spatial_merge_size=1, image_size=4),
+          "qwen3_vl_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                                patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16,
                                deepstack_visual_indexes=[0])}
 
@@ -134,6 +142,7 @@ def _classes(model_type: str):
         "exaone_moe": (T.ExaoneMoeConfig, T.ExaoneMoeForCausalLM),
         "hunyuan_v1_moe": (T.HunYuanMoEV1Config, T.HunYuanMoEV1ForCausalLM),
         "afmoe": (T.AfmoeConfig, T.AfmoeForCausalLM),
+        "glm4v_moe": (T.Glm4vMoeConfig, T.Glm4vMoeForConditionalGeneration),
         "lfm2_moe": (T.Lfm2MoeConfig, T.Lfm2MoeForCausalLM),
         "minimax_m2": (T.MiniMaxM2Config, T.MiniMaxM2ForCausalLM),
         "qwen3_vl_moe": (T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration),

@@ -54,3 +54,16 @@ def test_a_text_request_to_the_multimodal_checkpoint_names_no_vision_weights(tin
     llm = LLM(tiny_checkpoint("qwen3_vl_moe"))
     names = [n for n, _ in llm.runner.model.named_parameters()]
     assert names and not any("visual" in n for n in names)
+
+
+def test_glm_4_5v_is_served_as_text_and_packed_without_its_vision_tower(tiny_checkpoint, tmp_path):
+    """GLM-4.5V (``glm4v_moe``): its language model (GLM-4.5-Air's) token for token with
+    transformers, directly (test_parity.py) and packed; the packed folder holds no vision tensor."""
+    from freetoken_engine.packed import convert
+    from freetoken_engine.packed.format import INDEX_NAME
+    src = tiny_checkpoint("glm4v_moe")
+    assert any(k.startswith("model.visual.") for k in load_file(src / "model.safetensors"))
+    out = convert(src, tmp_path / "packed", progress=False)
+    tensors = json.loads((out / INDEX_NAME).read_text())["tensors"]
+    assert tensors and not any(k.startswith("model.visual.") for k in tensors)
+    check(out, n_new=GREEDY.max_new_tokens, ref_folder=src)
