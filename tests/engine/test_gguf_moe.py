@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from freetoken_engine import LLM, SamplingParams
 from freetoken_engine.models.gguf import convert_gguf
 from test_parity import PROMPT, check, reference_greedy
-from tiny_models import load_reference
+from tiny_models import copy_folder, load_reference
 
 BLOCK = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "attn_q",
          "self_attn.k_proj.weight": "attn_k", "self_attn.v_proj.weight": "attn_v",
@@ -164,3 +164,36 @@ def test_a_mixtral_file_gives_transformers_tokens(tiny_checkpoint, tmp_path):
     its Q and K rows permuted for llama.cpp's rotary (which the engine undoes)."""
     src = tiny_checkpoint("mixtral")
     check(convert_gguf(write_gguf(src, tmp_path / "x.gguf"), tmp_path / "hf"), n_new=16, ref_folder=src)
+
+
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+              r"\s+(?!\S)|\s+")
+TRICKY = ["(hello) DON'T it's ,world\n\n\n  x", "price:$12345.67 [list] {dict}\r\nnext", "déjà-vu (hello) 🙂 DON'T"]
+
+
+def test_a_qwen_files_tokenizer_splits_text_as_qwens_does(tiny_checkpoint, tmp_path):
+    """Qwen's pre-tokenizer keeps a punctuation mark with the word after it ("(hello"), digits
+    one by one, contractions in any case: a vocabulary trained that way, in a GGUF file that
+    names it ``qwen2``, encodes every text as transformers' GGUF tokenizer does (GPT-2's split,
+    which the engine used before, cannot make "(hello")."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    from freetoken_engine.models.gguf import load_gguf
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(TRICKY * 50, trainers.BpeTrainer(vocab_size=320, special_tokens=["<|im_end|>"],
+                                                              show_progress=False,
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    src = tiny_checkpoint("qwen3_moe", moe_intermediate_size=32, hidden_size=64, head_dim=16)
+    folder = copy_folder(src, tmp_path / "src")
+    tok.save(str(folder / "tokenizer.json"))
+    assert "(hello" in tok.get_vocab()              # a token GPT-2's split cannot produce
+    path = write_gguf(folder, tmp_path / "q.gguf")
+    ref = AutoTokenizer.from_pretrained(tmp_path, gguf_file="q.gguf")
+    ours = Tokenizer.from_str(load_gguf(path).tokenizer_json)
+    for text in TRICKY + ["(hello"]:
+        assert ours.encode(text, add_special_tokens=False).ids == ref.encode(text, add_special_tokens=False), text

@@ -75,6 +75,13 @@ _GLOBAL_KEYS = {
 }
 _SPECIAL_TOKEN_TYPES = (3, 4)  # CONTROL, USER_DEFINED
 FLOAT32_LIMIT = 8 << 30        # convert_gguf: larger models are written in bfloat16
+# llama.cpp's pre-tokenizer names -> the split their models were trained with
+_SPLITS = {
+    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
+             r"\s+(?!\S)|\s+",
+    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                 r"\s*[\r\n]+|\s+(?!\S)|\s+",
+}
 
 
 def read_metadata(path: str | Path) -> dict:
@@ -152,7 +159,7 @@ def _config(meta: dict, vocab_size: int, has_output: bool) -> dict:
 
 def _tokenizer(meta: dict) -> tuple[str, dict]:
     """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) rebuilt with `tokenizers`."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     if meta.get("tokenizer.ggml.model") != "gpt2":
         raise GGUFError(f"unsupported GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} (only gpt2 BPE)")
@@ -162,8 +169,15 @@ def _tokenizer(meta: dict) -> tuple[str, dict]:
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    pre = meta.get("tokenizer.ggml.pre")
+    if pre in _SPLITS:          # the model's own split (Qwen's, Llama 3's), then bytes
+        if pre == "qwen2":
+            tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     # llama.cpp's "smollm"/"starcoder"-style pre-tokenizers split every digit on its own first.
-    if meta.get("tokenizer.ggml.pre") in ("smollm", "starcoder", "refact", "qwen2", "deepseek-coder"):
+    elif pre in ("smollm", "starcoder", "refact", "deepseek-coder"):
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.Digits(individual_digits=True), byte_level]
         )
