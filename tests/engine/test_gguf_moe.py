@@ -27,6 +27,10 @@ BLOCK = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "attn
 MIXTRAL = {**{k: v for k, v in BLOCK.items() if "norm" not in k or "layernorm" in k},
            "block_sparse_moe.gate.weight": "ffn_gate_inp"}
 del MIXTRAL["mlp.gate.weight"]
+QWEN2_MOE = {**{k: v for k, v in BLOCK.items() if "_norm." not in k},
+             "self_attn.q_proj.bias": "attn_q", "self_attn.k_proj.bias": "attn_k", "self_attn.v_proj.bias": "attn_v",
+             "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp",
+             "mlp.shared_expert.up_proj.weight": "ffn_up_shexp", "mlp.shared_expert.down_proj.weight": "ffn_down_shexp"}
 DENSE = {**{k: v for k, v in BLOCK.items() if k != "mlp.gate.weight"}, "mlp.gate_proj.weight": "ffn_gate",
          "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down"}
 
@@ -43,7 +47,7 @@ def write_gguf(folder, out, quant: str = "F32"):
     cfg = json.loads((folder / "config.json").read_text())
     tok = json.loads((folder / "tokenizer.json").read_text())
     state = {k: v.float().numpy() for k, v in load_file(folder / "model.safetensors").items()}
-    arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama"}[cfg["model_type"]]
+    arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}[cfg["model_type"]]
     moe = arch != "qwen3"
     w = gguf.GGUFWriter(str(out), arch=arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -62,6 +66,8 @@ def write_gguf(folder, out, quant: str = "F32"):
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
         w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size", cfg["intermediate_size"]))
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     added = {a["id"]: a for a in tok["added_tokens"]}
     tokens = [added[i]["content"] if i in added else t for t, i in vocab]
@@ -84,12 +90,14 @@ def write_gguf(folder, out, quant: str = "F32"):
     add("output.weight", state["lm_head.weight"])
     for i in range(cfg["num_hidden_layers"]):
         stem = f"model.layers.{i}."
-        block = DENSE if not moe else MIXTRAL if arch == "llama" else BLOCK
+        block = DENSE if not moe else MIXTRAL if arch == "llama" else QWEN2_MOE if arch == "qwen2moe" else BLOCK
         for hf, g in block.items():
             t = state[stem + hf]
             if arch == "llama" and g in ("attn_q", "attn_k"):     # llama.cpp's rotary row order
                 t = permute(t, cfg["num_attention_heads"] if g == "attn_q" else cfg["num_key_value_heads"])
-            add(f"blk.{i}.{g}.weight", t, big=hf.endswith("proj.weight"))
+            if g == "ffn_gate_inp_shexp":                          # [1, H] -> [H], as llama.cpp stores it
+                t = t.reshape(-1)
+            add(f"blk.{i}.{g}.{hf.rsplit('.', 1)[1]}", t, big=hf.endswith("proj.weight"))
         if not moe:
             continue
         names = (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")) if arch == "llama" else \
@@ -105,15 +113,16 @@ def write_gguf(folder, out, quant: str = "F32"):
     return out
 
 
-def gguf_reference(path, src):
+def gguf_reference(path, src, cls=None):
     """transformers' model of the GGUF file ``path``: its GGUF reader's tensors (its own
-    dequantization and names) in the architecture of ``src``."""
+    dequantization and names) in the architecture of ``src`` (``cls``, Qwen3-MoE's by default)."""
     from transformers import AutoConfig, Qwen3MoeForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+    cls = cls or Qwen3MoeForCausalLM
     with torch.device("meta"):
-        skeleton = Qwen3MoeForCausalLM(AutoConfig.from_pretrained(src))
+        skeleton = cls(AutoConfig.from_pretrained(src))
     tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=skeleton)["tensors"]
-    model = Qwen3MoeForCausalLM(AutoConfig.from_pretrained(src)).eval()
+    model = cls(AutoConfig.from_pretrained(src)).eval()
     missing, unexpected = model.load_state_dict({k: torch.as_tensor(v).float() for k, v in tensors.items()},
                                                 strict=False)
     assert not missing and not unexpected, (missing, unexpected)
@@ -197,3 +206,16 @@ def test_a_qwen_files_tokenizer_splits_text_as_qwens_does(tiny_checkpoint, tmp_p
     ours = Tokenizer.from_str(load_gguf(path).tokenizer_json)
     for text in TRICKY + ["(hello"]:
         assert ours.encode(text, add_special_tokens=False).ids == ref.encode(text, add_special_tokens=False), text
+
+
+def test_a_qwen2_moe_file_is_read_as_transformers_reads_it(tiny_checkpoint, tmp_path):
+    """Qwen1.5-MoE / Qwen2-57B as llama.cpp writes them: q/k/v biases, a shared expert whose gate
+    is stored as a vector; transformers' GGUF reader gives the checkpoint back, and the engine its
+    tokens."""
+    from transformers import Qwen2MoeForCausalLM
+    src = tiny_checkpoint("qwen2_moe", moe_intermediate_size=32, shared_expert_intermediate_size=32)
+    path = write_gguf(src, tmp_path / "q2.gguf")
+    got = gguf_reference(path, src, Qwen2MoeForCausalLM).state_dict()
+    want = load_reference(src).state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    check(convert_gguf(path, tmp_path / "hf"), n_new=16, ref_folder=src)

@@ -1,7 +1,8 @@
 """GGUF loading (the file read by `gguf_file.py`, dequantized by the `gguf` package) for the
-`llama` architecture (Mixtral too: llama's layout with `llama.expert_count` experts) and Qwen3's,
+`llama` architecture (Mixtral too: llama's layout with `llama.expert_count` experts), Qwen3's,
 dense (`qwen3`) and MoE (`qwen3moe`: Qwen3-30B-A3B and -235B-A22B as llama.cpp's converter writes
-them), experts stacked per layer in `ffn_*_exps`.
+them), and Qwen2-MoE's (`qwen2moe`: Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), experts stacked per layer
+in `ffn_*_exps`.
 
 Contract:
 
@@ -63,6 +64,13 @@ _BLOCK_KEYS = {
     "attn_q_norm.weight": "self_attn.q_norm.weight",
     "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",     # [H] in the file, [1, H] here
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
 }
 # stacked experts [E, rows, cols] -> each expert's tensor
 _EXPERT_KEYS = {"ffn_gate_exps.weight": "gate_proj", "ffn_up_exps.weight": "up_proj",
@@ -97,7 +105,7 @@ def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 _ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-          "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM")}
+          "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM")}
 
 
 def _config(meta: dict, vocab_size: int, has_output: bool) -> dict:
@@ -144,6 +152,11 @@ def _config(meta: dict, vocab_size: int, has_output: bool) -> dict:
         cfg.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
                    moe_intermediate_size=int(need("expert_feed_forward_length")), norm_topk_prob=True,
                    decoder_sparse_step=1, mlp_only_layers=[])
+    if arch == "qwen2moe":          # Qwen1.5-MoE, Qwen2-57B-A14B: a gated shared expert, q/k/v biases
+        cfg.update(num_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                   moe_intermediate_size=int(need("expert_feed_forward_length")),
+                   shared_expert_intermediate_size=int(need("expert_shared_feed_forward_length")),
+                   norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True)
     kind = meta.get(f"{arch}.rope.scaling.type")  # no "rope_scaling" key at all when absent
     if kind and kind != "none":
         cfg["rope_scaling"] = {
@@ -255,6 +268,8 @@ def iter_tensors(reader: GGUFFile, cfg: dict, dtype: torch.dtype):
             for e in range(w.shape[0]):
                 yield f"{key}.{e}.{name}.weight", w[e].to(dtype).contiguous()
             continue
+        if key.endswith("shared_expert_gate.weight"):
+            w = w.reshape(1, -1)
         if permute and key.endswith("q_proj.weight"):
             w = _unpermute_rope(w, n_head)
         elif permute and key.endswith("k_proj.weight"):
