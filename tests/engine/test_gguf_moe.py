@@ -27,6 +27,8 @@ BLOCK = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "attn
 MIXTRAL = {**{k: v for k, v in BLOCK.items() if "norm" not in k or "layernorm" in k},
            "block_sparse_moe.gate.weight": "ffn_gate_inp"}
 del MIXTRAL["mlp.gate.weight"]
+MINIMAX = {**{k: v for k, v in BLOCK.items() if k != "mlp.gate.weight"}, "block_sparse_moe.gate.weight": "ffn_gate_inp",
+           "block_sparse_moe.e_score_correction_bias": "exp_probs_b"}
 QWEN2_MOE = {**{k: v for k, v in BLOCK.items() if "_norm." not in k},
              "self_attn.q_proj.bias": "attn_q", "self_attn.k_proj.bias": "attn_k", "self_attn.v_proj.bias": "attn_v",
              "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp",
@@ -47,7 +49,8 @@ def write_gguf(folder, out, quant: str = "F32"):
     cfg = json.loads((folder / "config.json").read_text())
     tok = json.loads((folder / "tokenizer.json").read_text())
     state = {k: v.float().numpy() for k, v in load_file(folder / "model.safetensors").items()}
-    arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama", "qwen2_moe": "qwen2moe"}[cfg["model_type"]]
+    arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
+            "minimax_m2": "minimax-m2"}[cfg["model_type"]]
     moe = arch != "qwen3"
     w = gguf.GGUFWriter(str(out), arch=arch)
     w.add_block_count(cfg["num_hidden_layers"])
@@ -59,6 +62,8 @@ def write_gguf(folder, out, quant: str = "F32"):
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
+    if cfg.get("rotary_dim"):
+        w.add_rope_dimension_count(cfg["rotary_dim"])
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     experts = cfg.get("num_experts", cfg.get("num_local_experts"))
@@ -90,19 +95,21 @@ def write_gguf(folder, out, quant: str = "F32"):
     add("output.weight", state["lm_head.weight"])
     for i in range(cfg["num_hidden_layers"]):
         stem = f"model.layers.{i}."
-        block = DENSE if not moe else MIXTRAL if arch == "llama" else QWEN2_MOE if arch == "qwen2moe" else BLOCK
+        block = {"qwen3": DENSE, "llama": MIXTRAL, "qwen2moe": QWEN2_MOE, "minimax-m2": MINIMAX}.get(arch, BLOCK)
         for hf, g in block.items():
             t = state[stem + hf]
             if arch == "llama" and g in ("attn_q", "attn_k"):     # llama.cpp's rotary row order
                 t = permute(t, cfg["num_attention_heads"] if g == "attn_q" else cfg["num_key_value_heads"])
             if g == "ffn_gate_inp_shexp":                          # [1, H] -> [H], as llama.cpp stores it
                 t = t.reshape(-1)
-            add(f"blk.{i}.{g}.{hf.rsplit('.', 1)[1]}", t, big=hf.endswith("proj.weight"))
+            suffix = "weight" if hf.endswith(".weight") else "bias"          # exp_probs_b is a bias too
+            add(f"blk.{i}.{g}.{suffix}", t, big=hf.endswith("proj.weight"))
         if not moe:
             continue
-        names = (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")) if arch == "llama" else \
+        mixtral = arch in ("llama", "minimax-m2")
+        names = (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")) if mixtral else \
             (("gate_proj", "ffn_gate_exps"), ("up_proj", "ffn_up_exps"), ("down_proj", "ffn_down_exps"))
-        moe_block = "block_sparse_moe" if arch == "llama" else "mlp"
+        moe_block = "block_sparse_moe" if mixtral else "mlp"
         for proj, g in names:
             add(f"blk.{i}.{g}.weight", np.stack([state[f"{stem}{moe_block}.experts.{e}.{proj}.weight"]
                                                  for e in range(experts)]))
@@ -216,6 +223,18 @@ def test_a_qwen2_moe_file_is_read_as_transformers_reads_it(tiny_checkpoint, tmp_
     src = tiny_checkpoint("qwen2_moe", moe_intermediate_size=32, shared_expert_intermediate_size=32)
     path = write_gguf(src, tmp_path / "q2.gguf")
     got = gguf_reference(path, src, Qwen2MoeForCausalLM).state_dict()
+    want = load_reference(src).state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    check(convert_gguf(path, tmp_path / "hf"), n_new=16, ref_folder=src)
+
+
+def test_a_minimax_m2_file_is_read_as_transformers_reads_it(tiny_checkpoint, tmp_path):
+    """MiniMax-M2 as llama.cpp writes it: its routing bias (``exp_probs_b``), q/k norms over the
+    whole projection, rotary over part of each head (``rope.dimension_count``)."""
+    from transformers import MiniMaxM2ForCausalLM
+    src = tiny_checkpoint("minimax_m2", intermediate_size=32)
+    path = write_gguf(src, tmp_path / "mm.gguf")
+    got = gguf_reference(path, src, MiniMaxM2ForCausalLM).state_dict()
     want = load_reference(src).state_dict()
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     check(convert_gguf(path, tmp_path / "hf"), n_new=16, ref_folder=src)

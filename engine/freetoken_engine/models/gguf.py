@@ -1,8 +1,8 @@
 """GGUF loading (the file read by `gguf_file.py`, dequantized by the `gguf` package) for the
 `llama` architecture (Mixtral too: llama's layout with `llama.expert_count` experts), Qwen3's,
 dense (`qwen3`) and MoE (`qwen3moe`: Qwen3-30B-A3B and -235B-A22B as llama.cpp's converter writes
-them), and Qwen2-MoE's (`qwen2moe`: Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), experts stacked per layer
-in `ffn_*_exps`.
+them), Qwen2-MoE's (`qwen2moe`: Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) and MiniMax-M2's (`minimax-m2`),
+experts stacked per layer in `ffn_*_exps`.
 
 Contract:
 
@@ -67,6 +67,7 @@ _BLOCK_KEYS = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "exp_probs_b.bias": "mlp.e_score_correction_bias",                # MiniMax-M2's routing bias
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",     # [H] in the file, [1, H] here
     "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
     "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
@@ -105,7 +106,8 @@ def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 _ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
-          "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM")}
+          "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
+          "minimax-m2": ("minimax_m2", "MiniMaxM2ForCausalLM")}
 
 
 def _config(meta: dict, vocab_size: int, has_output: bool) -> dict:
@@ -157,6 +159,12 @@ def _config(meta: dict, vocab_size: int, has_output: bool) -> dict:
                    moe_intermediate_size=int(need("expert_feed_forward_length")),
                    shared_expert_intermediate_size=int(need("expert_shared_feed_forward_length")),
                    norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True)
+    if arch == "minimax-m2":        # sigmoid routing with its bias, q/k norms over the whole projection
+        rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+        cfg.update(num_local_experts=int(need("expert_count")), num_experts_per_tok=int(need("expert_used_count")),
+                   intermediate_size=int(need("expert_feed_forward_length")), rotary_dim=rotary,
+                   partial_rotary_factor=rotary / head_dim, scoring_func="sigmoid", use_routing_bias=True,
+                   use_qk_norm=True, qk_norm_type="per_layer")
     kind = meta.get(f"{arch}.rope.scaling.type")  # no "rope_scaling" key at all when absent
     if kind and kind != "none":
         cfg["rope_scaling"] = {
@@ -235,7 +243,7 @@ def iter_tensors(reader: GGUFFile, cfg: dict, dtype: torch.dtype):
     from gguf.quants import dequantize
 
     permute = cfg["model_type"] in ("llama", "mixtral")
-    mixtral = cfg["model_type"] == "mixtral"       # its MoE block and expert names are Mixtral's
+    mixtral = cfg["model_type"] in ("mixtral", "minimax_m2")     # Mixtral's MoE block and expert names
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for t in reader.tensors:
         experts = None
