@@ -45,11 +45,15 @@ def test_each_part_of_the_model_matters(tiny_checkpoint, tmp_path, part):
             check(folder, n_new=16, ref_folder=src)
 
 
-def test_decode_leaves_the_fused_kernel_that_norms_before_it_rotates(tiny_checkpoint):
+def test_decode_leaves_the_fused_kernel_that_norms_before_it_rotates(tiny_checkpoint, monkeypatch):
+    """The fused decode attention norms q and k before it rotates them: Hunyuan's layers take
+    the unfused path, which the same layer with the norms first would not."""
     llm = LLM(tiny_checkpoint("hunyuan_v1_moe"))
     attn = llm.runner.model.model.layers[0].self_attn
-    assert attn.qk_norm == "rotated" and attn._decode_kernel(llm.runner.model.model.embed_tokens.weight[:1],
-                                                             llm.runner.kv.k[0]) is None
+    x, k_cache = llm.runner.model.model.embed_tokens.weight[:1].detach(), llm.runner.kv.k[0]
+    assert attn.qk_norm == "rotated" and attn._decode_kernel(x, k_cache) is None
+    monkeypatch.setattr(attn, "qk_norm", "head")
+    assert attn._decode_kernel(x, k_cache) is not None         # the CPU's fused kernel, otherwise taken
 
 
 @pytest.mark.parametrize("change,says", [
