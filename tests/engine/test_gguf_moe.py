@@ -29,6 +29,13 @@ MIXTRAL = {**{k: v for k, v in BLOCK.items() if "norm" not in k or "layernorm" i
 del MIXTRAL["mlp.gate.weight"]
 MINIMAX = {**{k: v for k, v in BLOCK.items() if k != "mlp.gate.weight"}, "block_sparse_moe.gate.weight": "ffn_gate_inp",
            "block_sparse_moe.e_score_correction_bias": "exp_probs_b"}
+GLM = {**{k: v for k, v in BLOCK.items() if k != "post_attention_layernorm.weight"},
+       "post_attention_layernorm.weight": "post_attention_norm", "mlp.gate.e_score_correction_bias": "exp_probs_b",
+       "self_attn.q_proj.bias": "attn_q", "self_attn.k_proj.bias": "attn_k", "self_attn.v_proj.bias": "attn_v",
+       "mlp.shared_experts.gate_proj.weight": "ffn_gate_shexp", "mlp.shared_experts.up_proj.weight": "ffn_up_shexp",
+       "mlp.shared_experts.down_proj.weight": "ffn_down_shexp"}
+GLM_DENSE = {**{k: v for k, v in GLM.items() if ".gate." not in k and "shared" not in k},
+             "mlp.gate_proj.weight": "ffn_gate", "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down"}
 QWEN2_MOE = {**{k: v for k, v in BLOCK.items() if "_norm." not in k},
              "self_attn.q_proj.bias": "attn_q", "self_attn.k_proj.bias": "attn_k", "self_attn.v_proj.bias": "attn_v",
              "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp",
@@ -50,10 +57,11 @@ def write_gguf(folder, out, quant: str = "F32"):
     tok = json.loads((folder / "tokenizer.json").read_text())
     state = {k: v.float().numpy() for k, v in load_file(folder / "model.safetensors").items()}
     arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
-            "minimax_m2": "minimax-m2"}[cfg["model_type"]]
+            "minimax_m2": "minimax-m2", "glm4_moe": "glm4moe"}[cfg["model_type"]]
     moe = arch != "qwen3"
     w = gguf.GGUFWriter(str(out), arch=arch)
-    w.add_block_count(cfg["num_hidden_layers"])
+    nextn = 1 if arch == "glm4moe" else 0          # GLM's files hold an MTP block after the model's own
+    w.add_block_count(cfg["num_hidden_layers"] + nextn)
     w.add_context_length(cfg["max_position_embeddings"])
     w.add_embedding_length(cfg["hidden_size"])
     w.add_feed_forward_length(cfg["intermediate_size"])
@@ -64,9 +72,17 @@ def write_gguf(folder, out, quant: str = "F32"):
     w.add_value_length(head_dim)
     if cfg.get("rotary_dim"):
         w.add_rope_dimension_count(cfg["rotary_dim"])
+    if arch == "glm4moe":
+        w.add_rope_dimension_count(int(head_dim * cfg["rope_parameters"].get("partial_rotary_factor", 0.5)))
+        w.add_expert_shared_count(cfg["n_shared_experts"])
+        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
+        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
+        w.add_expert_weights_norm(cfg["norm_topk_prob"])
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_nextn_predict_layers(nextn)
     w.add_rope_freq_base(cfg["rope_parameters"]["rope_theta"])
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    experts = cfg.get("num_experts", cfg.get("num_local_experts", cfg.get("n_routed_experts")))
     if moe:
         w.add_expert_count(experts)
         w.add_expert_used_count(cfg["num_experts_per_tok"])
@@ -93,9 +109,17 @@ def write_gguf(folder, out, quant: str = "F32"):
     add("token_embd.weight", state["model.embed_tokens.weight"])
     add("output_norm.weight", state["model.norm.weight"], big=False)
     add("output.weight", state["lm_head.weight"])
-    for i in range(cfg["num_hidden_layers"]):
-        stem = f"model.layers.{i}."
-        block = {"qwen3": DENSE, "llama": MIXTRAL, "qwen2moe": QWEN2_MOE, "minimax-m2": MINIMAX}.get(arch, BLOCK)
+    for i in range(cfg["num_hidden_layers"] + nextn):
+        if i == cfg["num_hidden_layers"]:               # the MTP block: a copy of the last layer's, and its own
+            i, src_layer = cfg["num_hidden_layers"], cfg["num_hidden_layers"] - 1
+            for g in ("nextn.eh_proj", "nextn.enorm", "nextn.hnorm", "nextn.shared_head_norm"):
+                add(f"blk.{i}.{g}.weight", np.ones((cfg["hidden_size"],) * (2 if "proj" in g else 1), np.float32))
+        else:
+            src_layer = i
+        stem = f"model.layers.{src_layer}."
+        dense = arch == "glm4moe" and src_layer < cfg["first_k_dense_replace"]
+        block = {"qwen3": DENSE, "llama": MIXTRAL, "qwen2moe": QWEN2_MOE, "minimax-m2": MINIMAX,
+                 "glm4moe": GLM_DENSE if dense else GLM}.get(arch, BLOCK)
         for hf, g in block.items():
             t = state[stem + hf]
             if arch == "llama" and g in ("attn_q", "attn_k"):     # llama.cpp's rotary row order
@@ -104,7 +128,7 @@ def write_gguf(folder, out, quant: str = "F32"):
                 t = t.reshape(-1)
             suffix = "weight" if hf.endswith(".weight") else "bias"          # exp_probs_b is a bias too
             add(f"blk.{i}.{g}.{suffix}", t, big=hf.endswith("proj.weight"))
-        if not moe:
+        if not moe or dense:
             continue
         mixtral = arch in ("llama", "minimax-m2")
         names = (("w1", "ffn_gate_exps"), ("w3", "ffn_up_exps"), ("w2", "ffn_down_exps")) if mixtral else \
@@ -238,3 +262,17 @@ def test_a_minimax_m2_file_is_read_as_transformers_reads_it(tiny_checkpoint, tmp
     want = load_reference(src).state_dict()
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
     check(convert_gguf(path, tmp_path / "hf"), n_new=16, ref_folder=src)
+
+
+def test_a_glm_4_5_file_gives_transformers_tokens(tiny_checkpoint, tmp_path):
+    """GLM-4.5 as llama.cpp writes it (its conventions as llama.cpp's glm4-moe graph reads them:
+    ``post_attention_norm`` before the MLP, the routing bias ``exp_probs_b``, ungated shared experts
+    ``ffn_*_shexp``, a dense first block, rotary over ``rope.dimension_count`` of each head, the
+    Q/K rows as they are, and an MTP block counted in ``block_count``), which transformers cannot
+    read: the engine's tokens equal transformers' on the checkpoint the file was written from, the
+    MTP block left unread."""
+    src = tiny_checkpoint("glm4_moe", n_group=1, topk_group=1, moe_intermediate_size=32, intermediate_size=32)
+    folder = convert_gguf(write_gguf(src, tmp_path / "glm.gguf"), tmp_path / "hf")
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 3 and cfg["attention_bias"] and cfg["use_qk_norm"]
+    check(folder, n_new=16, ref_folder=src)

@@ -1,7 +1,8 @@
 """GGUF loading (the file read by `gguf_file.py`, dequantized by the `gguf` package) for the
 `llama` architecture (Mixtral too: llama's layout with `llama.expert_count` experts), Qwen3's,
 dense (`qwen3`) and MoE (`qwen3moe`: Qwen3-30B-A3B and -235B-A22B as llama.cpp's converter writes
-them), Qwen2-MoE's (`qwen2moe`: Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B) and MiniMax-M2's (`minimax-m2`),
+them), Qwen2-MoE's (`qwen2moe`: Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), MiniMax-M2's (`minimax-m2`) and
+GLM-4.5's (`glm4moe`: GLM-4.5/4.6/4.7 and -Air; its multi-token-prediction blocks are left unread),
 experts stacked per layer in `ffn_*_exps`.
 
 Contract:
@@ -107,10 +108,16 @@ def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 _ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
           "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
-          "minimax-m2": ("minimax_m2", "MiniMaxM2ForCausalLM")}
+          "minimax-m2": ("minimax_m2", "MiniMaxM2ForCausalLM"), "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM")}
+# names an architecture gives otherwise (GLM's shared experts are plural, its routing bias on the gate)
+_ARCH_KEYS = {"glm4moe": {"post_attention_norm.weight": "post_attention_layernorm.weight",
+                          "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+                          "ffn_gate_shexp.weight": "mlp.shared_experts.gate_proj.weight",
+                          "ffn_up_shexp.weight": "mlp.shared_experts.up_proj.weight",
+                          "ffn_down_shexp.weight": "mlp.shared_experts.down_proj.weight"}}
 
 
-def _config(meta: dict, vocab_size: int, has_output: bool) -> dict:
+def _config(meta: dict, vocab_size: int, names: set[str]) -> dict:
     """The Hugging Face ``config.json`` of a GGUF file's metadata."""
     arch = meta.get("general.architecture")
     if arch not in _ARCHS:
@@ -139,7 +146,7 @@ def _config(meta: dict, vocab_size: int, has_output: bool) -> dict:
         "rms_norm_eps": float(meta.get(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
         "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(meta.get(f"{arch}.context_length", 2048)),
-        "tie_word_embeddings": not has_output,
+        "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": False,
         "mlp_bias": False,
         "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
@@ -165,6 +172,19 @@ def _config(meta: dict, vocab_size: int, has_output: bool) -> dict:
                    intermediate_size=int(need("expert_feed_forward_length")), rotary_dim=rotary,
                    partial_rotary_factor=rotary / head_dim, scoring_func="sigmoid", use_routing_bias=True,
                    use_qk_norm=True, qk_norm_type="per_layer")
+    if arch == "glm4moe":           # GLM-4.5/4.6/4.7, -Air: its multi-token-prediction blocks are counted in
+        nextn = int(meta.get(f"{arch}.nextn_predict_layers", 0))     # block_count, and not run here
+        rotary = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+        cfg.update(num_hidden_layers=cfg["num_hidden_layers"] - nextn, n_routed_experts=int(need("expert_count")),
+                   num_experts_per_tok=int(need("expert_used_count")),
+                   moe_intermediate_size=int(need("expert_feed_forward_length")),
+                   n_shared_experts=int(meta.get(f"{arch}.expert_shared_count", 1)),
+                   first_k_dense_replace=int(meta.get(f"{arch}.leading_dense_block_count", 1)),
+                   routed_scaling_factor=float(meta.get(f"{arch}.expert_weights_scale", 1.0)),
+                   norm_topk_prob=bool(meta.get(f"{arch}.expert_weights_norm", True)), n_group=1, topk_group=1,
+                   partial_rotary_factor=rotary / head_dim, num_nextn_predict_layers=0,
+                   attention_bias=any(t.endswith("attn_q.bias") for t in names),
+                   use_qk_norm=any(t.endswith("attn_q_norm.weight") for t in names))
     kind = meta.get(f"{arch}.rope.scaling.type")  # no "rope_scaling" key at all when absent
     if kind and kind != "none":
         cfg["rope_scaling"] = {
@@ -233,7 +253,7 @@ def _read(path: Path) -> tuple[GGUFFile, dict]:
     reader = GGUFFile(path)
     meta = reader.metadata
     names = {t.name for t in reader.tensors}
-    return reader, _config(meta, len(meta.get("tokenizer.ggml.tokens", [])), "output.weight" in names)
+    return reader, _config(meta, len(meta.get("tokenizer.ggml.tokens", [])), names)
 
 
 def iter_tensors(reader: GGUFFile, cfg: dict, dtype: torch.dtype):
@@ -243,6 +263,8 @@ def iter_tensors(reader: GGUFFile, cfg: dict, dtype: torch.dtype):
     from gguf.quants import dequantize
 
     permute = cfg["model_type"] in ("llama", "mixtral")
+    own = _ARCH_KEYS.get(next((a for a, (t, _) in _ARCHS.items() if t == cfg["model_type"]), ""), {})
+    layers = cfg["num_hidden_layers"]
     mixtral = cfg["model_type"] in ("mixtral", "minimax_m2")     # Mixtral's MoE block and expert names
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for t in reader.tensors:
@@ -251,7 +273,11 @@ def iter_tensors(reader: GGUFFile, cfg: dict, dtype: torch.dtype):
             key = _GLOBAL_KEYS[t.name]
         elif t.name.startswith("blk."):
             _, layer, rest = t.name.split(".", 2)
-            if rest in _EXPERT_KEYS:
+            if int(layer) >= layers:
+                continue  # a multi-token-prediction block (GLM's nextn)
+            if rest in own:
+                key = f"model.layers.{int(layer)}.{own[rest]}"
+            elif rest in _EXPERT_KEYS:
                 key, experts = f"model.layers.{int(layer)}.mlp.experts", _EXPERT_KEYS[rest]
             elif rest in _BLOCK_KEYS:
                 key = f"model.layers.{int(layer)}.{_BLOCK_KEYS[rest]}"
