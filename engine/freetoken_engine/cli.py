@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     cal.set_defaults(func=cmd_calibrate)
 
     conv = sub.add_parser("convert", help="write the pre-packed fast-start format")
-    conv.add_argument("--model", type=Path, required=True)
+    conv.add_argument("--model", type=Path, required=True, help="a checkpoint folder or a GGUF file")
     conv.add_argument("--out", type=Path, required=True)
     conv.set_defaults(func=cmd_convert)
     return parser

@@ -276,3 +276,13 @@ def test_a_glm_4_5_file_gives_transformers_tokens(tiny_checkpoint, tmp_path):
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["num_hidden_layers"] == 3 and cfg["attention_bias"] and cfg["use_qk_norm"]
     check(folder, n_new=16, ref_folder=src)
+
+
+def test_a_gguf_file_packs_and_serves_its_tokens(src, tmp_path):
+    """``freetoken convert --model file.gguf``: the packed folder of the file's converted
+    checkpoint, which serves the tokens the file does."""
+    from freetoken_engine.packed import convert
+    path = write_gguf(src, tmp_path / "m.gguf")
+    out = convert(path, tmp_path / "packed", progress=False)
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    assert LLM(out).generate(PROMPT, params).token_ids == LLM(path).generate(PROMPT, params).token_ids

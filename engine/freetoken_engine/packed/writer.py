@@ -81,7 +81,8 @@ def _raw(t: torch.Tensor):
 
 def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYTES,
             progress: bool = True) -> Path:
-    """Write the packed form of ``model_dir`` to ``out_dir`` (which must not exist or be empty).
+    """Write the packed form of ``model_dir`` (a checkpoint folder, or a GGUF file) to ``out_dir``
+    (which must not exist or be empty).
 
     Raises ``ConfigError`` for a bad source folder (as the safetensors loader would) and
     ``PackedFormatError`` for an output folder in the way. Returns ``out_dir``.
@@ -92,6 +93,9 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
     src, out = Path(model_dir), Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise PackedFormatError(f"output folder {out} exists and is not empty")
+    if src.suffix == ".gguf" and src.is_file():          # a GGUF file: its converted folder (cached)
+        from ..models.gguf_folder import gguf_folder
+        src = gguf_folder(src)
     if is_packed(src):
         raise PackedFormatError(f"{src} is already a packed folder (freetoken convert's output): "
                                 "--model takes it as it is")
