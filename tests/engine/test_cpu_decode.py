@@ -20,7 +20,7 @@ from freetoken_engine.kernels.cpu import linear as cl
 from freetoken_engine.kernels.cpu.norm import rms_norm
 from freetoken_engine.kernels.reference import decode_attention_forward, linear_forward, rms_norm_forward
 from freetoken_engine.layers.linear import Linear, use_compiled_linears
-from attention_cases import CASES, attention_problem  # noqa: E402
+from attention_cases import CASES, PARTIAL, attention_problem, references  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ce.available(), reason="compiled CPU kernel unavailable")
 
@@ -134,6 +134,25 @@ def test_decode_attention_matches_reference(isas, case, dtype, qk_norm):
             * ref_k.float().abs().max() + 1e-6
         scale_ref = ref32.abs().max()
         tol = 1e-5 * scale_ref + 1e-6 if dtype == torch.float32 else 2.0 ** -7 * scale_ref
+        assert (got.float() - ref32).abs().max() <= tol, isa
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case,rot", PARTIAL, ids=lambda c: str(c))
+def test_a_partial_rotary_matches_reference(isas, case, rot, dtype):
+    """The rotary over the first ``rot`` dimensions of each head only (GLM-4.5, MiniMax-M2): the
+    rest of each q and k head passes unrotated, and the keys written say so."""
+    lens, h, kvh, d, window = case
+    args = attention_problem(lens, h, kvh, d, dtype, True, rot=rot)
+    ref_k, ref32 = references(args, window, d ** -0.5)
+    for isa in isas:
+        ce.configure(isa=isa)
+        k_cache = args[9].clone()
+        got = ca.decode_attention(*args[:9], k_cache, args[10].clone(), *args[11:], window, d ** -0.5)
+        slot = args[11]
+        rel = 0 if dtype == torch.float32 else 2.0 ** -7
+        assert (k_cache[slot].float() - ref_k[slot].float()).abs().max() <= rel * ref_k.float().abs().max() + 1e-6
+        tol = (1e-5 if dtype == torch.float32 else 2.0 ** -7) * ref32.abs().max() + 1e-6
         assert (got.float() - ref32).abs().max() <= tol, isa
 
 

@@ -16,7 +16,7 @@ import os  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from attention_cases import CASES, attention_problem  # noqa: E402
+from attention_cases import CASES, PARTIAL, attention_problem, references  # noqa: E402
 from freetoken_engine.kernels.reference import decode_attention_forward  # noqa: E402
 from freetoken_engine.kernels.triton import attention as ta  # noqa: E402
 
@@ -53,6 +53,21 @@ def test_decode_attention_matches_reference(case, dtype, qk_norm):
         * ref_k.float().abs().max() + 1e-6
     top = ref32.abs().max()
     tol = 1e-5 * top + 1e-6 if dtype == torch.float32 else REL16 * top
+    assert (got.float() - ref32).abs().max() <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case,rot", PARTIAL, ids=lambda c: str(c))
+def test_a_partial_rotary_matches_reference(case, rot, dtype):
+    """The rotary over the first ``rot`` dimensions of each head only (GLM-4.5, MiniMax-M2)."""
+    lens, h, kvh, d, window = case
+    args = attention_problem(lens, h, kvh, d, dtype, True, rot=rot)
+    ref_k, ref32 = references(args, window, d ** -0.5)
+    dev = [a.to(DEVICE) if torch.is_tensor(a) else a for a in args]
+    got = ta.decode_attention(*dev, window, d ** -0.5).cpu()
+    rel = 1e-6 if dtype == torch.float32 else REL16
+    assert (dev[9].cpu().float() - ref_k.float()).abs().max() <= rel * ref_k.float().abs().max() + 1e-6
+    tol = (1e-5 if dtype == torch.float32 else REL16) * ref32.abs().max() + 1e-6
     assert (got.float() - ref32).abs().max() <= tol
 
 

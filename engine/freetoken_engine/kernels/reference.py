@@ -125,6 +125,14 @@ def rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     return weight * F.rms_norm(x.float(), weight.shape, None, eps).to(x.dtype)
 
 
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """layers/rope.apply_rotary's arithmetic: the first r (cos's width) of each head's dimensions
+    rotate half as a roll under the signed sin, the rest pass."""
+    r = cos.shape[-1]
+    rot = x[..., :r] * cos + torch.roll(x[..., :r], r // 2, dims=-1) * sin
+    return rot if r == x.shape[-1] else torch.cat((rot, x[..., r:]), dim=-1)
+
+
 def decode_attention_forward(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                              q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                              cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
@@ -135,7 +143,8 @@ def decode_attention_forward(qkv: torch.Tensor, heads: int, kv_heads: int, head_
     ``slot`` and returns ``[B, heads * head_dim]`` in ``qkv.dtype``.
 
     qkv [B, (h + 2 kvh) d] (q heads, k heads, v heads); q_norm / k_norm [d] per-head RMSNorm
-    weights or None; cos / signed sin [B, 1, d] (rotate-half as a roll, layers/rope.py); caches
+    weights or None; cos / signed sin [B, 1, r] (rotate-half as a roll over the first r <= d
+    dimensions of each head, layers/rope.py: r < d a partial rotary); caches
     [S, kvh, d]; kv_index [B, Lmax] slot of each position; kv_len [B] keys per sequence (the new
     token included); the last ``window`` keys only when a window is given. Norm and rotary run
     in the data type; scores, softmax and the weighted sum in fp32.
@@ -145,8 +154,7 @@ def decode_attention_forward(qkv: torch.Tensor, heads: int, kv_heads: int, head_
     q, k, v = q.reshape(b, heads, d), k.reshape(b, kv_heads, d), v.reshape(b, kv_heads, d)
     if q_norm is not None:
         q, k = rms_norm_forward(q, q_norm, eps), rms_norm_forward(k, k_norm, eps)
-    q = q * cos + torch.roll(q, d // 2, dims=-1) * sin
-    k = k * cos + torch.roll(k, d // 2, dims=-1) * sin
+    q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
     k_cache[slot], v_cache[slot] = k, v
     out = []
     for i in range(b):

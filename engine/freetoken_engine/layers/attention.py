@@ -95,7 +95,6 @@ class Attention(nn.Module):
         self.window = cfg.sliding_window[layer] if cfg.sliding_window else None
         self.rotary = rotary
         self.scale = cfg.attention_multiplier or d ** -0.5
-        self.partial_rotary = cfg.rotary_dim != d      # the fused decode kernels rotate whole heads
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.gate: tuple[torch.Tensor, torch.Tensor | None] | None = None
 
@@ -189,7 +188,7 @@ class Attention(nn.Module):
     def _decode_kernel(self, x: torch.Tensor, k_cache: torch.Tensor):
         """The fused decode attention (kernels/triton/attention.py on a GPU, kernels/cpu/attention.py
         on the CPU) when it takes this layer and these tensors, else None."""
-        if self.qkv is None or self.clip is not None or self.qk_norm in ("full", "rotated") or self.partial_rotary:
+        if self.qkv is None or self.clip is not None or self.qk_norm in ("full", "rotated"):
             return None
         gpu = gpu_decode_kernels("attention") if x.device.type == "cuda" else None
         if gpu is not None and gpu.supported(x, k_cache, self.d):

@@ -81,23 +81,25 @@ void rmsnorm(const FtNorm* p) {
   }
 }
 
-// One head of d values -> fp32 dst: optional RMSNorm (weight w), then the rotary embedding,
-// rounding to the data type wherever the reference (layers/norm.py, layers/rope.py) does.
+// One head of d values -> fp32 dst: optional RMSNorm (weight w), then the rotary embedding over
+// its first rot values (the rest pass), rounding to the data type wherever the reference
+// (layers/norm.py, layers/rope.py) does.
 template <bool B16>
 void norm_rope(const void* src, const void* w, float eps, const void* cos, const void* sin,
-               int64_t d, float* tmp, float* dst) {
+               int64_t d, int64_t rot, float* tmp, float* dst) {
   float r = 1.f;
   if (w) r = 1.f / sqrtf(sum_squares<B16>(src, d) / (float)d + eps);
   for (int64_t i = 0; i < d; ++i) {
     const float x = ld<B16>(src, i);
     tmp[i] = w ? rd<B16>(ld<B16>(w, i) * rd<B16>(x * r)) : x;
   }
-  const int64_t half = d / 2;
-  for (int64_t i = 0; i < d; ++i) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < rot; ++i) {
     const float a = rd<B16>(tmp[i] * ld<B16>(cos, i));
-    const float b = rd<B16>(tmp[(i + half) % d] * ld<B16>(sin, i));
+    const float b = rd<B16>(tmp[(i + half) % rot] * ld<B16>(sin, i));
     dst[i] = rd<B16>(a + b);
   }
+  for (int64_t i = rot; i < d; ++i) dst[i] = tmp[i];
 }
 
 template <bool B16>
@@ -121,11 +123,11 @@ void attn(const FtAttn* p, int64_t b0, int64_t b1, float* scratch) {
   float* sc = acc + d;                 // [grp, lmax] scores, then probabilities
   for (int64_t b = b0; b < b1; ++b) {
     const char* x = (const char*)p->qkv + b * row * es;
-    const void* cs = (const char*)p->cos + b * d * es;
-    const void* sn = (const char*)p->sin + b * d * es;
+    const void* cs = (const char*)p->cos + b * p->rot * es;
+    const void* sn = (const char*)p->sin + b * p->rot * es;
     const int64_t slot = p->slot[b];
     for (int64_t g = 0; g < kvh && p->phase != 2; ++g) {   // the new token's K (normed, rotated) and V
-      norm_rope<B16>(x + (h + g) * d * es, p->kn_w, p->eps, cs, sn, d, tmp, kf);
+      norm_rope<B16>(x + (h + g) * d * es, p->kn_w, p->eps, cs, sn, d, p->rot, tmp, kf);
       const void* v = x + (h + kvh + g) * d * es;
       for (int64_t i = 0; i < d; ++i) {
         st<B16>(p->k_cache, (slot * kvh + g) * d + i, kf[i]);
@@ -134,7 +136,7 @@ void attn(const FtAttn* p, int64_t b0, int64_t b1, float* scratch) {
     }
     if (p->phase == 1) continue;
     for (int64_t hq = 0; hq < h; ++hq)
-      norm_rope<B16>(x + hq * d * es, p->qn_w, p->eps, cs, sn, d, tmp, qf + hq * d);
+      norm_rope<B16>(x + hq * d * es, p->qn_w, p->eps, cs, sn, d, p->rot, tmp, qf + hq * d);
     const int64_t len = p->kv_len[b];
     const int64_t lo = p->window > 0 && len > p->window ? len - p->window : 0;
     const int64_t* idx = p->kv_index + b * p->lmax;

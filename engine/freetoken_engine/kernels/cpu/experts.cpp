@@ -397,9 +397,10 @@ int ft_rmsnorm(const void* x, int64_t T, int64_t H, const void* w, float eps, in
 int ft_attn(FtAttn* p) {
   std::lock_guard<std::mutex> lk(g_call);
   if (g_isa < 0) g_isa = detect_isa();
-  if (p->h % p->kvh != 0 || p->d % 2 != 0) {
-    snprintf(g_err, sizeof g_err, "heads %lld not a multiple of kv heads %lld, or odd head_dim %lld",
-             (long long)p->h, (long long)p->kvh, (long long)p->d);
+  if (p->h % p->kvh != 0 || p->d % 2 != 0 || p->rot % 2 != 0 || p->rot <= 0 || p->rot > p->d) {
+    snprintf(g_err, sizeof g_err,
+             "heads %lld not a multiple of kv heads %lld, or odd head_dim %lld, or rotary dims %lld not even "
+             "and in 2..head_dim", (long long)p->h, (long long)p->kvh, (long long)p->d, (long long)p->rot);
     return -1;
   }
   AttnJob J;

@@ -96,8 +96,8 @@ struct FtAttn {
   const void* qn_w;             // [d] per-head q RMSNorm weight, or null
   const void* kn_w;             // [d] per-head k RMSNorm weight, or null
   float eps;
-  const void* cos;              // [B, d]
-  const void* sin;              // [B, d] signed sin (first half negated): rotate-half as a roll
+  const void* cos;              // [B, rot]
+  const void* sin;              // [B, rot] signed sin (first half negated): rotate-half as a roll
   void* k_cache;                // [S, kvh, d]
   void* v_cache;                // [S, kvh, d]
   const int64_t* slot;          // [B] slot of the new token
@@ -112,6 +112,7 @@ struct FtAttn {
                                 // verification, see every row's K/V whichever thread runs them)
   void* out;                    // [B, h d]
   float* scratch;               // >= (h / kvh) * lmax + 2 (h + kvh) d floats per participant
+  int64_t rot;                  // the first rot <= d dimensions of each head rotate (cos, sin: [B, rot])
 };
 
 typedef void (*ft_norm_fn)(const FtNorm*);

@@ -5,7 +5,8 @@ shapes, every expert resident: 2,667 device operations per step, about 55 a laye
 the attention's casts, copies, gathers and small matmuls). For one new token per sequence:
 
 ``_rope_write_kernel`` (one program per token and head): the per-head RMSNorm (Qwen3's q/k norm,
-optional), the rotary embedding, and for each K/V head the write of K and V into the paged pool;
+optional), the rotary embedding (over the first ``ROT`` dimensions of each head: GLM-4.5's and
+Qwen3-Next's partial rotary; the rest pass), and for each K/V head the write of K and V into the paged pool;
 the rotated queries go to a scratch ``[T, h, d]``.
 
 ``_attention_part_kernel`` (split-K "flash decoding": one program per sequence, query head and
@@ -41,12 +42,14 @@ MAX_SPLITS = 64
 
 @triton.jit
 def _rope_write_kernel(qkv, qw, kw, cos, sin, slots, q_out, k_cache, v_cache, eps, row_stride,
-                       H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr):
+                       H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr,
+                       ROT: tl.constexpr):
     t = tl.program_id(0)
     hh = tl.program_id(1)                      # 0..H-1 query heads, then the KVH key heads (and V)
     dt = qkv.dtype.element_ty
     d = tl.arange(0, D)
-    rolled = (d + D // 2) % D                  # rotate-half as a roll; the sin table is signed
+    rot = d < ROT                              # the first ROT dimensions rotate, the rest pass
+    rolled = tl.where(rot, (d + ROT // 2) % ROT, d)    # rotate-half as a roll; the sin table is signed
     base = qkv + t * row_stride + hh * D
     x = tl.load(base + d).to(tl.float32)
     xr = tl.load(base + rolled).to(tl.float32)
@@ -60,8 +63,8 @@ def _rope_write_kernel(qkv, qw, kw, cos, sin, slots, q_out, k_cache, v_cache, ep
             wr = tl.load(kw + rolled).to(tl.float32)
         x = ((x * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
         xr = ((xr * rstd).to(dt).to(tl.float32) * wr).to(dt).to(tl.float32)
-    c = tl.load(cos + t * D + d).to(tl.float32)
-    s = tl.load(sin + t * D + d).to(tl.float32)
+    c = tl.load(cos + t * ROT + d, mask=rot, other=1.0).to(tl.float32)
+    s = tl.load(sin + t * ROT + d, mask=rot, other=0.0).to(tl.float32)
     y = ((x * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
     if hh < H:
         tl.store(q_out + (t * H + hh) * D + d, y)
@@ -144,7 +147,8 @@ def decode_attention(qkv: torch.Tensor, h: int, kvh: int, d: int, q_norm: torch.
     """qkv [T, (h + 2 kvh) d] of T decode tokens (token t is sequence t) -> attention output
     [T, h d]; writes the new K/V at ``slot_mapping`` first (every row's, in its own launch, so
     ``write_first`` always holds: rows of one sequence see each other's keys). ``q_norm`` / ``k_norm``: per-head
-    RMSNorm weights [d] or None; cos / sin [T, 1, d] from ``Rotary.cos_sin``; kv_index [T, L]
+    RMSNorm weights [d] or None; cos / sin [T, 1, r] from ``Rotary.cos_sin`` (the first r <= d
+    dimensions of each head rotate); kv_index [T, L]
     the pool slots of each sequence's keys, kv_len [T] how many it has after this token."""
     t = qkv.shape[0]
     if qkv.stride(-1) != 1 or t == 0:
@@ -154,7 +158,7 @@ def decode_attention(qkv: torch.Tensor, h: int, kvh: int, d: int, q_norm: torch.
     w = q_norm if norm else qkv
     _rope_write_kernel[(t, h + kvh)](qkv, w, k_norm if norm else qkv, cos.contiguous(), sin.contiguous(),
                                      slot_mapping, q, k_cache, v_cache, float(eps), qkv.stride(0),
-                                     H=h, KVH=kvh, D=d, NORM=norm)
+                                     H=h, KVH=kvh, D=d, NORM=norm, ROT=cos.shape[-1])
     out = torch.empty((t, h * d), dtype=qkv.dtype, device=qkv.device)
     width = kv_index.shape[1]                  # keys any sequence may have (a graph's bucket)
     chunk = max(MIN_CHUNK, next_pow2(-(-width // MAX_SPLITS)))
