@@ -6,7 +6,9 @@ returned None when the rotary covered part of the head).
 GLM-4.5/4.6/4.7, GLM-4.5-Air and GLM-4.5V rotate half of each head, Qwen3-Next and Qwen3.5/3.6
 a quarter. The checkpoint: a random GLM-4.5-shaped model (float32, hidden 1024, 16 query / 4 KV
 heads of 128, rotary over 64 of them, per-head q/k norms, ``--layers`` layers of 16 routed
-experts of 256 beside one shared), every expert resident. ``--batch`` sequences of ``--context``
+experts of 256 beside one shared), every expert resident; ``--shape minimax``: MiniMax-M2's
+(q/k norms over the whole projection, which the fused path applies before the kernel; before
+this stop such layers took the unfused path too). ``--batch`` sequences of ``--context``
 tokens are prefilled, then one decode step (a token of each) runs once untimed and
 ``--steps`` times per round, the sides alternating for ``--rounds`` rounds in one process.
 Reported: the median step, and the greedy tokens and logits of both sides (which must agree).
@@ -31,13 +33,18 @@ from report import parse, save  # noqa: E402
 SIDES = ("fused", "unfused")
 
 
-def model(folder: Path, layers: int) -> Path:
+def model(folder: Path, layers: int, shape: str) -> Path:
+    """GLM-4.5's shape (per-head q/k norms) or MiniMax-M2's (q/k norms over the whole projection,
+    applied before the kernel): 16 query / 4 KV heads of 128, half of each rotating."""
     from tiny_models import make_tiny_checkpoint
-    return make_tiny_checkpoint(folder, "glm4_moe", hidden_size=1024, intermediate_size=2048,
-                                num_hidden_layers=layers, first_k_dense_replace=0, num_attention_heads=16,
-                                num_key_value_heads=4, head_dim=128, n_routed_experts=16, moe_intermediate_size=256,
-                                num_experts_per_tok=2, n_group=1, topk_group=1, max_position_embeddings=8192,
-                                init_std=0.02)
+    common = dict(hidden_size=1024, num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                  head_dim=128, num_experts_per_tok=2, max_position_embeddings=8192, init_std=0.02)
+    if shape == "minimax":
+        return make_tiny_checkpoint(folder, "minimax_m2", intermediate_size=256, num_local_experts=16, rotary_dim=64,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 5000000.0,
+                                                     "partial_rotary_factor": 0.5}, **common)
+    return make_tiny_checkpoint(folder, "glm4_moe", intermediate_size=2048, first_k_dense_replace=0,
+                                n_routed_experts=16, moe_intermediate_size=256, n_group=1, topk_group=1, **common)
 
 
 def run(args) -> dict:
@@ -49,7 +56,7 @@ def run(args) -> dict:
     fused = Attention._decode_kernel
     kernels = {"fused": fused, "unfused": lambda self, x, k_cache: None}
     with tempfile.TemporaryDirectory() as tmp:
-        llm = LLM(model(Path(tmp), args.layers), dtype="float32", max_batch=args.batch,
+        llm = LLM(model(Path(tmp), args.layers, args.shape), dtype="float32", max_batch=args.batch,
                   kv_cache_tokens=args.batch * (args.context + 64))
         runner, kv = llm.runner, llm.runner.kv
         assert runner.mcfg.rotary_dim == 64 and runner.mcfg.head_dim == 128      # half of each head rotates
@@ -73,7 +80,8 @@ def run(args) -> dict:
                         times[side].append(time.perf_counter() - t0)
             Attention._decode_kernel = fused
     med = {s: statistics.median(times[s]) for s in SIDES}
-    return {"hardware": describe(), "context": args.context, "batch": args.batch, "layers": args.layers,
+    return {"hardware": describe(), "shape": args.shape, "context": args.context, "batch": args.batch,
+            "layers": args.layers,
             "rotary_dims": 64, "head_dim": 128, "step_seconds": med, "all_seconds": times,
             "speedup": med["unfused"] / med["fused"],
             "same_tokens": bool(torch.equal(logits["fused"].argmax(-1), logits["unfused"].argmax(-1))),
@@ -88,7 +96,7 @@ def plot(result: dict, path: Path) -> None:
     ms = [1e3 * result["step_seconds"][s] for s in SIDES]
     ax.bar(SIDES, ms, color=["tab:green", "tab:gray"])
     ax.set_ylabel("decode step, ms (median)")
-    ax.set_title(f"partial rotary, {result['batch']} x {result['context']} tokens: "
+    ax.set_title(f"{result.get('shape', 'glm')}: partial rotary, {result['batch']} x {result['context']} tokens: "
                  f"{result['speedup']:.2f}x\n{result['hardware']['cpu']}", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -96,6 +104,7 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", choices=("glm", "minimax"), default="glm")
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--layers", type=int, default=4)

@@ -163,3 +163,24 @@ def test_multi_sequence_batch_is_independent_of_threads(isas):
         ce.configure(threads=threads)
         outs.append(ca.decode_attention(*args[:9], args[9].clone(), args[10].clone(), *args[11:], None, 0.125))
     assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("model_type", ["glm4_moe", "minimax_m2", "olmoe", "qwen3_next"])
+def test_partial_rotary_and_whole_projection_norms_decode_through_the_fused_kernel(tiny_checkpoint, monkeypatch,
+                                                                                  model_type):
+    """GLM's half-head rotary, MiniMax-M2's (with q/k norms over the whole projection, applied
+    before the kernel), OLMoE's whole-projection norms, Qwen3-Next's quarter-head rotary: their
+    decode steps run the compiled kernel, and give the tokens of the unfused path they took before."""
+    from freetoken_engine import LLM, SamplingParams
+    from freetoken_engine.layers.attention import Attention
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    prompt = [5, 17, 99, 200, 3, 44, 12, 300]
+    folder = tiny_checkpoint(model_type)
+    calls = []
+    fused = ca.decode_attention
+    monkeypatch.setattr(ca, "decode_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    got = LLM(folder).generate(prompt, greedy).token_ids
+    assert calls
+    monkeypatch.setattr(Attention, "_decode_kernel", lambda self, x, k_cache: None)
+    calls.clear()
+    assert LLM(folder).generate(prompt, greedy).token_ids == got and not calls
