@@ -165,12 +165,14 @@ def test_multi_sequence_batch_is_independent_of_threads(isas):
     assert torch.equal(outs[0], outs[1])
 
 
-@pytest.mark.parametrize("model_type", ["glm4_moe", "minimax_m2", "olmoe", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["glm4_moe", "minimax_m2", "olmoe", "qwen3_next", "hunyuan_v1_moe"])
 def test_partial_rotary_and_whole_projection_norms_decode_through_the_fused_kernel(tiny_checkpoint, monkeypatch,
                                                                                   model_type):
     """GLM's half-head rotary, MiniMax-M2's (with q/k norms over the whole projection, applied
-    before the kernel), OLMoE's whole-projection norms, Qwen3-Next's quarter-head rotary: their
-    decode steps run the compiled kernel, and give the tokens of the unfused path they took before."""
+    before the kernel), OLMoE's whole-projection norms, Qwen3-Next's quarter-head rotary,
+    Hunyuan's norms after the rotary (both before the kernel, which rotates by the identity):
+    their decode steps run the compiled kernel, and give the tokens of the unfused path they took
+    before."""
     from freetoken_engine import LLM, SamplingParams
     from freetoken_engine.layers.attention import Attention
     greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)

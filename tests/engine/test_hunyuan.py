@@ -1,7 +1,8 @@
 """Hunyuan MoE (``hunyuan_v1_moe``) as published: the hub's config form (per-layer lists, the
 NTK-alpha rotary under ``rope_scaling``), the q/k norms' place after the rotary and the alpha
-each checked to matter, the unfused decode path it takes, and configurations the engine cannot
-follow refused by name. Parity on random checkpoints is also in test_parity.py."""
+each checked to matter, and configurations the engine cannot follow refused by name. Parity on
+random checkpoints is also in test_parity.py, its decode through the fused kernel in
+test_cpu_decode.py."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -43,17 +44,6 @@ def test_each_part_of_the_model_matters(tiny_checkpoint, tmp_path, part):
             _edit(folder, {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}})
         with pytest.raises(AssertionError):
             check(folder, n_new=16, ref_folder=src)
-
-
-def test_decode_leaves_the_fused_kernel_that_norms_before_it_rotates(tiny_checkpoint, monkeypatch):
-    """The fused decode attention norms q and k before it rotates them: Hunyuan's layers take
-    the unfused path, which the same layer with the norms first would not."""
-    llm = LLM(tiny_checkpoint("hunyuan_v1_moe"))
-    attn = llm.runner.model.model.layers[0].self_attn
-    x, k_cache = llm.runner.model.model.embed_tokens.weight[:1].detach(), llm.runner.kv.k[0]
-    assert attn.qk_norm == "rotated" and attn._decode_kernel(x, k_cache) is None
-    monkeypatch.setattr(attn, "qk_norm", "head")
-    assert attn._decode_kernel(x, k_cache) is not None         # the CPU's fused kernel, otherwise taken
 
 
 @pytest.mark.parametrize("change,says", [

@@ -188,7 +188,7 @@ class Attention(nn.Module):
     def _decode_kernel(self, x: torch.Tensor, k_cache: torch.Tensor):
         """The fused decode attention (kernels/triton/attention.py on a GPU, kernels/cpu/attention.py
         on the CPU) when it takes this layer and these tensors, else None."""
-        if self.qkv is None or self.clip is not None or self.qk_norm == "rotated":
+        if self.qkv is None or self.clip is not None:
             return None
         gpu = gpu_decode_kernels("attention") if x.device.type == "cuda" else None
         if gpu is not None and gpu.supported(x, k_cache, self.d):
@@ -201,11 +201,20 @@ class Attention(nn.Module):
         """One token per sequence through ``impl``'s fused kernel: ``qkv [B, (h + 2 kvh) d]`` ->
         ``[B, h d]``, its K/V written at ``slots``; the keys read in the paged pool, none gathered.
         q/k norms over the whole projection (OLMoE, MiniMax-M2) are applied here first, the
-        kernel's own per-head norm then left off."""
+        kernel's own per-head norm then left off; per-head norms after the rotary (Hunyuan) run
+        here with the rotary, the kernel then rotating by the identity (cos 1, sin 0: exact)."""
         head = self.qk_norm == "head"
-        if self.qk_norm == "full":
+        if self.qk_norm in ("full", "rotated"):
             q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
-            qkv = torch.cat((self.q_norm(q), self.k_norm(k), v), -1)
+            if self.qk_norm == "full":
+                q, k = self.q_norm(q), self.k_norm(k)
+            else:
+                b = qkv.shape[0]
+                q, k = apply_rotary(torch.cat((q.view(b, self.h, self.d), k.view(b, self.kvh, self.d)), 1), cos,
+                                    sin).split([self.h, self.kvh], 1)
+                q, k = self.q_norm(q).reshape(b, -1), self.k_norm(k).reshape(b, -1)
+                cos, sin = torch.ones_like(cos), torch.zeros_like(sin)
+            qkv = torch.cat((q, k, v), -1)
         return impl.decode_attention(qkv, self.h, self.kvh, self.d, self.q_norm.weight if head else None,
                                      self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0,
                                      cos, sin, k_cache, v_cache, slots, kv_index, kv_len, self.window, self.scale,

@@ -1,8 +1,8 @@
 """Tencent's Hunyuan MoE (``hunyuan_v1_moe``: Hunyuan-A13B).
 
 Llama's attention with per-head q/k RMSNorm (``query_layernorm``, ``key_layernorm``) applied
-after the rotary, not before it (``qk_norm="rotated"``: these layers take the unfused decode
-path); the rotary's NTK-alpha form (``rope_scaling`` type ``dynamic`` with an ``alpha``: fixed
+after the rotary, not before it (``qk_norm="rotated"``: in a decode step both run just before the
+fused attention, which then rotates by the identity); the rotary's NTK-alpha form (``rope_scaling`` type ``dynamic`` with an ``alpha``: fixed
 frequencies over the base ``rope_theta * alpha ** (d / (d - 2))``). Every layer routes: softmax
 over a router in ``mlp.gate.wg``, the top k renormalised, beside an ungated shared MLP
 (``mlp.shared_mlp``, ``intermediate_size`` times ``num_shared_expert``). The published config
