@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from freetoken_engine import LLM, SamplingParams
 from freetoken_engine.models.gguf import convert_gguf
 from test_parity import PROMPT, check, reference_greedy
+from test_cli import cli_error  # noqa: F401  (the fixture)
 from tiny_models import copy_folder, load_reference
 
 BLOCK = {"input_layernorm.weight": "attn_norm", "self_attn.q_proj.weight": "attn_q",
@@ -286,3 +287,17 @@ def test_a_gguf_file_packs_and_serves_its_tokens(src, tmp_path):
     out = convert(path, tmp_path / "packed", progress=False)
     params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     assert LLM(out).generate(PROMPT, params).token_ids == LLM(path).generate(PROMPT, params).token_ids
+
+
+def test_an_architecture_the_engine_cannot_read_is_refused_by_name(tmp_path, cli_error):  # noqa: F811
+    """A DeepSeek-V3 file (MLA attention, not run here): one line that names what is supported."""
+    import gguf
+    w = gguf.GGUFWriter(str(tmp_path / "ds.gguf"), arch="deepseek2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    err = cli_error("generate", "--model", str(tmp_path / "ds.gguf"), "--prompt-ids", "1,2")
+    assert "unsupported GGUF architecture 'deepseek2'" in err and "qwen3moe" in err and "glm4moe" in err
