@@ -91,6 +91,8 @@ MOE = {
     "granite": dict(embedding_multiplier=6.0, attention_multiplier=0.25, residual_multiplier=0.5, logits_scaling=2.0,
                     tie_word_embeddings=True),
     "llama": dict(),
+    "mistral": dict(sliding_window=4),
+    "qwen2": dict(),
     "qwen3": dict(head_dim=8),
     # hybrid: three Gated DeltaNet layers, then a gated attention layer
     "qwen3_next": dict(HYBRID := dict(
@@ -150,6 +152,8 @@ def _classes(model_type: str):
         "granitemoeshared": (T.GraniteMoeSharedConfig, T.GraniteMoeSharedForCausalLM),
         "granite": (T.GraniteConfig, T.GraniteForCausalLM),
         "llama": (T.LlamaConfig, T.LlamaForCausalLM),
+        "mistral": (T.MistralConfig, T.MistralForCausalLM),
+        "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
         "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
         "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextForCausalLM),
         "qwen3_5_moe_text": (T.Qwen3_5MoeTextConfig, T.Qwen3_5MoeForCausalLM),

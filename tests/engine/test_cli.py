@@ -105,8 +105,8 @@ def _broken(tmp_path, tiny_checkpoint, kind: str):
     ("missing-shard", "no *.safetensors"),
     # every family the engine reads, named in order
     ("model-type", "supported: afmoe, dots1, ernie4_5_moe, exaone_moe, freetoken_llama_moe, glm4_moe, glm4v_moe, granite, "
-                   "granitemoe, granitemoeshared, hunyuan_v1_moe, lfm2_moe, llama, minimax_m2, mixtral, olmoe, qwen2_moe, "
-                   "qwen3, "
+                   "granitemoe, granitemoeshared, hunyuan_v1_moe, lfm2_moe, llama, minimax_m2, mistral, mixtral, olmoe, "
+                   "qwen2, qwen2_moe, qwen3, "
                    "qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next, qwen3_vl_moe, solar_open"),
 ])
 def test_broken_folders_fail_in_one_line(tmp_path, tiny_checkpoint, cli_error, kind, needle):

@@ -43,6 +43,8 @@ QWEN2_MOE = {**{k: v for k, v in BLOCK.items() if "_norm." not in k},
              "mlp.shared_expert.up_proj.weight": "ffn_up_shexp", "mlp.shared_expert.down_proj.weight": "ffn_down_shexp"}
 DENSE = {**{k: v for k, v in BLOCK.items() if k != "mlp.gate.weight"}, "mlp.gate_proj.weight": "ffn_gate",
          "mlp.up_proj.weight": "ffn_up", "mlp.down_proj.weight": "ffn_down"}
+QWEN2 = {**{k: v for k, v in DENSE.items() if "_norm." not in k},
+         "self_attn.q_proj.bias": "attn_q", "self_attn.k_proj.bias": "attn_k", "self_attn.v_proj.bias": "attn_v"}
 
 
 def permute(t: np.ndarray, heads: int) -> np.ndarray:
@@ -58,8 +60,8 @@ def write_gguf(folder, out, quant: str = "F32"):
     tok = json.loads((folder / "tokenizer.json").read_text())
     state = {k: v.float().numpy() for k, v in load_file(folder / "model.safetensors").items()}
     arch = {"qwen3_moe": "qwen3moe", "qwen3": "qwen3", "mixtral": "llama", "qwen2_moe": "qwen2moe",
-            "minimax_m2": "minimax-m2", "glm4_moe": "glm4moe"}[cfg["model_type"]]
-    moe = arch != "qwen3"
+            "minimax_m2": "minimax-m2", "glm4_moe": "glm4moe", "qwen2": "qwen2"}[cfg["model_type"]]
+    moe = arch not in ("qwen3", "qwen2")
     w = gguf.GGUFWriter(str(out), arch=arch)
     nextn = 1 if arch == "glm4moe" else 0          # GLM's files hold an MTP block after the model's own
     w.add_block_count(cfg["num_hidden_layers"] + nextn)
@@ -119,7 +121,7 @@ def write_gguf(folder, out, quant: str = "F32"):
             src_layer = i
         stem = f"model.layers.{src_layer}."
         dense = arch == "glm4moe" and src_layer < cfg["first_k_dense_replace"]
-        block = {"qwen3": DENSE, "llama": MIXTRAL, "qwen2moe": QWEN2_MOE, "minimax-m2": MINIMAX,
+        block = {"qwen3": DENSE, "qwen2": QWEN2, "llama": MIXTRAL, "qwen2moe": QWEN2_MOE, "minimax-m2": MINIMAX,
                  "glm4moe": GLM_DENSE if dense else GLM}.get(arch, BLOCK)
         for hf, g in block.items():
             t = state[stem + hf]
@@ -301,3 +303,15 @@ def test_an_architecture_the_engine_cannot_read_is_refused_by_name(tmp_path, cli
     w.close()
     err = cli_error("generate", "--model", str(tmp_path / "ds.gguf"), "--prompt-ids", "1,2")
     assert "unsupported GGUF architecture 'deepseek2'" in err and "qwen3moe" in err and "glm4moe" in err
+
+
+def test_a_qwen2_file_is_read_as_transformers_reads_it(tiny_checkpoint, tmp_path):
+    """Qwen2/2.5 (dense, q/k/v biases): transformers' GGUF reader gives the checkpoint back, the
+    engine its tokens."""
+    from transformers import Qwen2ForCausalLM
+    src = tiny_checkpoint("qwen2")
+    path = write_gguf(src, tmp_path / "q2.gguf")
+    got = gguf_reference(path, src, Qwen2ForCausalLM).state_dict()
+    want = load_reference(src).state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    check(convert_gguf(path, tmp_path / "hf"), n_new=16, ref_folder=src)

@@ -101,6 +101,9 @@ def test_every_family_matches_transformers_with_uneven_norms(tiny_checkpoint, tm
         "rope_type": "yarn", "rope_theta": 1000000.0, "factor": 2.0, "original_max_position_embeddings": 256,
         "beta_fast": 16.0, "beta_slow": 2.0})),
     ("qwen3", dict(num_key_value_heads=4, tie_word_embeddings=True)),
+    # Qwen2.5: sliding layers from max_window_layers on, tied embeddings; Mistral without a window
+    ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1, tie_word_embeddings=True)),
+    ("mistral", dict(sliding_window=None, num_key_value_heads=1)),
 ])
 def test_unseen_variants_match(tmp_path, model_type, overrides):
     check(make_tiny_checkpoint(tmp_path, model_type, seed=3, **overrides), n_new=16)

@@ -1,5 +1,6 @@
 """GGUF loading (the file read by `gguf_file.py`, dequantized by the `gguf` package) for the
-`llama` architecture (Mixtral too: llama's layout with `llama.expert_count` experts), Qwen3's,
+`llama` architecture (Mixtral too: llama's layout with `llama.expert_count` experts), Qwen2/2.5's
+(`qwen2`), Qwen3's,
 dense (`qwen3`) and MoE (`qwen3moe`: Qwen3-30B-A3B and -235B-A22B as llama.cpp's converter writes
 them), Qwen2-MoE's (`qwen2moe`: Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B), MiniMax-M2's (`minimax-m2`) and
 GLM-4.5's (`glm4moe`: GLM-4.5/4.6/4.7 and -Air; its multi-token-prediction blocks are left unread),
@@ -106,7 +107,8 @@ def _unpermute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-_ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+_ARCHS = {"llama": ("llama", "LlamaForCausalLM"), "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+          "qwen3": ("qwen3", "Qwen3ForCausalLM"),
           "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"), "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
           "minimax-m2": ("minimax_m2", "MiniMaxM2ForCausalLM"), "glm4moe": ("glm4_moe", "Glm4MoeForCausalLM")}
 # names an architecture gives otherwise (GLM's shared experts are plural, its routing bias on the gate)

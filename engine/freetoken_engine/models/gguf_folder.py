@@ -1,4 +1,4 @@
-"""``--model file.gguf``: a GGUF file (llama, qwen3, qwen3moe, qwen2moe, minimax-m2 or glm4moe architecture), dequantized once into
+"""``--model file.gguf``: a GGUF file (llama, qwen2, qwen3, qwen3moe, qwen2moe, minimax-m2 or glm4moe architecture), dequantized once into
 a Hugging Face folder in the engine cache (keyed by the file's size and modification time), a layer
 at a time, then loaded like any other checkpoint folder."""
 from __future__ import annotations
