@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from .gguf_file import GGUFError, GGUFFile
+from .gguf_tokenizer import tokenizer_files
 
 __all__ = ["GGUFError", "GGUFModel", "convert_gguf", "load_gguf", "write_hf_folder", "read_metadata"]
 
@@ -84,15 +85,7 @@ _GLOBAL_KEYS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_SPECIAL_TOKEN_TYPES = (3, 4)  # CONTROL, USER_DEFINED
 FLOAT32_LIMIT = 8 << 30        # convert_gguf: larger models are written in bfloat16
-# llama.cpp's pre-tokenizer names -> the split their models were trained with
-_SPLITS = {
-    "qwen2": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
-             r"\s+(?!\S)|\s+",
-    "llama-bpe": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                 r"\s*[\r\n]+|\s+(?!\S)|\s+",
-}
 
 
 def read_metadata(path: str | Path) -> dict:
@@ -200,57 +193,6 @@ def _config(meta: dict, vocab_size: int, names: set[str]) -> dict:
     return cfg
 
 
-def _tokenizer(meta: dict) -> tuple[str, dict]:
-    """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) rebuilt with `tokenizers`."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-
-    if meta.get("tokenizer.ggml.model") != "gpt2":
-        raise GGUFError(f"unsupported GGUF tokenizer {meta.get('tokenizer.ggml.model')!r} (only gpt2 BPE)")
-    tokens = list(meta["tokenizer.ggml.tokens"])
-    types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
-    merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    pre = meta.get("tokenizer.ggml.pre")
-    if pre in _SPLITS:          # the model's own split (Qwen's, Llama 3's), then bytes
-        if pre == "qwen2":
-            tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-    # llama.cpp's "smollm"/"starcoder"-style pre-tokenizers split every digit on its own first.
-    elif pre in ("smollm", "starcoder", "refact", "deepseek-coder"):
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Digits(individual_digits=True), byte_level]
-        )
-    else:
-        tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty in _SPECIAL_TOKEN_TYPES]
-    )
-
-    def name(key):
-        idx = meta.get(key)
-        return tokens[idx] if idx is not None and 0 <= idx < len(tokens) else None
-
-    tcfg = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": name("tokenizer.ggml.bos_token_id"),
-        "eos_token": name("tokenizer.ggml.eos_token_id"),
-        "unk_token": name("tokenizer.ggml.unknown_token_id"),
-        "pad_token": name("tokenizer.ggml.padding_token_id"),
-        "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(meta.get("tokenizer.ggml.add_eos_token", False)),
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": int(meta.get(f"{meta.get('general.architecture')}.context_length", 2048)),
-    }
-    if "tokenizer.chat_template" in meta:
-        tcfg["chat_template"] = meta["tokenizer.chat_template"]
-    return tok.to_str(), tcfg
-
-
 def _read(path: Path) -> tuple[GGUFFile, dict]:
     reader = GGUFFile(path)
     meta = reader.metadata
@@ -326,7 +268,7 @@ def load_gguf(path: str | Path, dtype: torch.dtype = torch.float32) -> GGUFModel
     tensors = dict(iter_tensors(reader, cfg, dtype))
     _check(path, tensors)
     meta = reader.metadata
-    tok_json, tok_cfg = _tokenizer(meta)
+    tok_json, tok_cfg = tokenizer_files(meta)
     small_meta = {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}
     return GGUFModel(cfg, tensors, tok_json, tok_cfg, small_meta)
 
@@ -342,7 +284,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
     reader, cfg = _read(path)
     numel = sum(int(np.prod(t.ne)) for t in reader.tensors)
     dtype = torch.float32 if 4 * numel <= FLOAT32_LIMIT else torch.bfloat16
-    tok_json, tok_cfg = _tokenizer(reader.metadata)
+    tok_json, tok_cfg = tokenizer_files(reader.metadata)
     out.mkdir(parents=True, exist_ok=True)
     index, shard, part, size = {}, {}, 0, 0
 
