@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 from hardware import describe  # noqa: E402
-from report import parse, save  # noqa: E402
+from report import bars, parse, save  # noqa: E402
 
 SIDES = ("fused", "unfused")
 
@@ -89,17 +89,9 @@ def run(args) -> dict:
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(5, 3.5))
-    ms = [1e3 * result["step_seconds"][s] for s in SIDES]
-    ax.bar(SIDES, ms, color=["tab:green", "tab:gray"])
-    ax.set_ylabel("decode step, ms (median)")
-    ax.set_title(f"{result.get('shape', 'glm')}: partial rotary, {result['batch']} x {result['context']} tokens: "
-                 f"{result['speedup']:.2f}x\n{result['hardware']['cpu']}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    bars(path, SIDES, [1e3 * result["step_seconds"][s] for s in SIDES], "decode step, ms (median)",
+         f"{result.get('shape', 'glm')}: partial rotary, {result['batch']} x {result['context']} tokens: "
+         f"{result['speedup']:.2f}x\n{result['hardware']['cpu']}")
 
 
 def main() -> None:

@@ -29,3 +29,16 @@ def save(result: dict, out: Path, plot: Callable[[dict, Path], None]) -> None:
         plot(result, out.with_suffix(".png"))
     except ImportError as exc:
         print(f"no plot ({exc}); redraw with --plot-only where matplotlib is installed")
+
+
+def bars(path: Path, sides, values, ylabel: str, title: str) -> None:
+    """Two (or more) sides of a comparison as bars, the new side first in green."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.bar(list(sides), list(values), color=["tab:green", *["tab:gray"] * (len(values) - 1)])
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

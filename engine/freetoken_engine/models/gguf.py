@@ -277,7 +277,9 @@ def convert_gguf(path: str | Path, out_dir: str | Path) -> Path:
     """``path`` as a Hugging Face folder in ``out_dir``, a shard per layer: float32 (the exact
     dequantized values) up to ``FLOAT32_LIMIT`` bytes of them, bfloat16 above (the dtype the
     engine runs on a GPU; a 30B MoE in float32 would be 120 GB); only one GGUF tensor is
-    dequantized at a time, so a file larger than memory converts."""
+    dequantized at a time, so a file larger than memory converts (bench/gguf_convert_memory.py: a
+    0.95 GB Q8_0 Qwen3-MoE file, peak RSS growth 1.32 GB, of it the file's own mapped pages, against
+    4.65 GB reading it whole; 8 layers: 0.84 against 2.40 GB)."""
     from safetensors.torch import save_file
 
     path, out = Path(path), Path(out_dir)
