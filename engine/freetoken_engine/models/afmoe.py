@@ -16,8 +16,7 @@ import math
 import re
 
 from ..config import ModelConfig
-from ..errors import ConfigError
-from .hf import Family, base, moe, need, shared_experts
+from .hf import Family, base, layer_kinds, moe, need, shared_experts
 
 _ROUTER = re.compile(r"^(.*\.mlp\.)gate\.(weight|e_score_correction_bias)$")
 
@@ -25,11 +24,9 @@ _ROUTER = re.compile(r"^(.*\.mlp\.)gate\.(weight|e_score_correction_bias)$")
 def parse(raw: dict) -> ModelConfig:
     layers = int(need(raw, "num_hidden_layers"))
     every = int(raw.get("global_attn_every_n_layers") or 4)
-    kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % every else "full_attention"
-                                       for i in range(layers)]
-    if len(kinds) != layers or not set(kinds) <= {"sliding_attention", "full_attention"}:
-        raise ConfigError(f"config.json: layer_types must name each of the {layers} layers sliding_attention or "
-                          f"full_attention, got {kinds}")
+    kinds = layer_kinds("layer_types", raw.get("layer_types") or [
+        "sliding_attention" if (i + 1) % every else "full_attention" for i in range(layers)], layers,
+        ("sliding_attention", "full_attention"))
     window = raw.get("sliding_window")
     dense = int(raw.get("num_dense_layers", 1) or 0)
     spec = moe(raw | {"norm_topk_prob": True}, tuple(range(min(dense, layers), layers)), scoring="sigmoid",

@@ -14,9 +14,8 @@ from __future__ import annotations
 import re
 
 from ..config import ModelConfig
-from ..errors import ConfigError
 from .glm4_moe import skip
-from .hf import Family, base, moe, need, shared_experts
+from .hf import Family, base, layer_kinds, moe, need, shared_experts
 
 _BIAS = re.compile(r"^(.*\.mlp\.)gate\.e_score_correction_bias$")
 
@@ -29,12 +28,8 @@ def _types(raw: dict, layers: int) -> tuple[list[str], list[str]]:
     if not attn:
         pattern = int(raw.get("sliding_window_pattern") or 0) if raw.get("sliding_window") else 0
         attn = ["sliding_attention" if pattern and (i + 1) % pattern else "full_attention" for i in range(layers)]
-    for name, kinds, allowed in (("mlp_layer_types", mlp, ("dense", "sparse")),
-                                 ("layer_types", attn, ("sliding_attention", "full_attention"))):
-        if len(kinds) != layers or not set(kinds) <= set(allowed):
-            raise ConfigError(f"config.json: {name} must name each of the {layers} layers one of {allowed}, "
-                              f"got {kinds}")
-    return attn, mlp
+    return (layer_kinds("layer_types", attn, layers, ("sliding_attention", "full_attention")),
+            layer_kinds("mlp_layer_types", mlp, layers, ("dense", "sparse")))
 
 
 def parse(raw: dict) -> ModelConfig:

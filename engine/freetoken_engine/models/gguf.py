@@ -207,7 +207,7 @@ def iter_tensors(reader: GGUFFile, cfg: dict, dtype: torch.dtype):
     from gguf.quants import dequantize
 
     permute = cfg["model_type"] in ("llama", "mixtral")
-    own = _ARCH_KEYS.get(next((a for a, (t, _) in _ARCHS.items() if t == cfg["model_type"]), ""), {})
+    own = _ARCH_KEYS.get(reader.metadata.get("general.architecture"), {})
     layers = cfg["num_hidden_layers"]
     mixtral = cfg["model_type"] in ("mixtral", "minimax_m2")     # Mixtral's MoE block and expert names
     n_head, n_kv = cfg["num_attention_heads"], cfg["num_key_value_heads"]

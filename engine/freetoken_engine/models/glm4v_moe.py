@@ -9,19 +9,12 @@ position, so it is the plain rotary.
 from __future__ import annotations
 
 from ..config import ModelConfig
-from ..errors import ConfigError
 from . import glm4_moe
-from .hf import Family
+from .hf import Family, language_model
 
 
 def parse(raw: dict) -> ModelConfig:
-    text = dict(raw.get("text_config") or {})
-    if not text:
-        raise ConfigError("config.json of a glm4v_moe model lacks text_config")
-    text.setdefault("eos_token_id", raw.get("eos_token_id"))
-    if "tie_word_embeddings" in raw:             # the whole model's choice, as transformers ties it
-        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
-    return glm4_moe.parse(dict(text, model_type="glm4v_moe", num_nextn_predict_layers=0))
+    return glm4_moe.parse(dict(language_model(raw, "glm4v_moe"), num_nextn_predict_layers=0))
 
 
 FAMILY = Family("glm4v_moe", parse, model_prefix="model.language_model", source=glm4_moe.FAMILY.source,

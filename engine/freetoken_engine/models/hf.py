@@ -155,6 +155,27 @@ def sliding(raw: dict, layers: int, enabled: bool) -> tuple[int | None, ...]:
     return (window,) * layers
 
 
+def layer_kinds(name: str, kinds, layers: int, allowed: tuple[str, ...]) -> list[str]:
+    """``kinds`` (a per-layer list such as ``layer_types``) when it names each of the ``layers``
+    layers one of ``allowed``, else a ConfigError that says so."""
+    if not kinds or len(kinds) != layers or not set(kinds) <= set(allowed):
+        raise ConfigError(f"config.json: {name} must name each of the {layers} layers one of "
+                          f"{', '.join(allowed)}, got {kinds}")
+    return list(kinds)
+
+
+def language_model(raw: dict, model_type: str) -> dict:
+    """A multimodal checkpoint's ``text_config`` as a config of its own, with the whole model's
+    EOS and, where it gives one, its choice to tie the embeddings (as transformers ties them)."""
+    text = dict(raw.get("text_config") or {})
+    if not text:
+        raise ConfigError(f"config.json of a {model_type} model lacks text_config")
+    text.setdefault("eos_token_id", raw.get("eos_token_id"))
+    if "tie_word_embeddings" in raw:
+        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return dict(text, model_type=model_type)
+
+
 def sparse_layers(raw: dict, layers: int) -> tuple[int, ...]:
     """Qwen-style ``decoder_sparse_step`` and ``mlp_only_layers``."""
     step = int(raw.get("decoder_sparse_step", 1) or 1)

@@ -17,7 +17,7 @@ import re
 
 from ..config import LinearAttnConfig, ModelConfig
 from ..errors import ConfigError
-from .hf import Family, base, moe, need
+from .hf import Family, base, layer_kinds, moe, need
 
 _RENAMES = ((re.compile(r"^(.*\.)linear_attn\.(.*)$"), r"\1conv.\2"),
             (re.compile(r"^(.*\.)input_layernorm\.weight$"), r"\1operator_norm.weight"),
@@ -35,10 +35,7 @@ def _kinds(raw: dict, layers: int) -> list[str]:
     kinds = raw.get("layer_types")
     if kinds is None and raw.get("full_attn_idxs") is not None:       # the first LFM2 configs' form
         kinds = ["full_attention" if i in raw["full_attn_idxs"] else "conv" for i in range(layers)]
-    if not kinds or len(kinds) != layers or not set(kinds) <= {"conv", "full_attention"}:
-        raise ConfigError(f"config.json: layer_types must name each of the {layers} layers conv or full_attention, "
-                          f"got {kinds}")
-    return kinds
+    return layer_kinds("layer_types", kinds, layers, ("conv", "full_attention"))
 
 
 def parse(raw: dict) -> ModelConfig:

@@ -11,19 +11,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..config import ModelConfig
-from ..errors import ConfigError
 from . import qwen3_moe
-from .hf import Family
+from .hf import Family, language_model
 
 
 def parse(raw: dict) -> ModelConfig:
-    text = dict(raw.get("text_config") or {})
-    if not text:
-        raise ConfigError("config.json of a qwen3_vl_moe model lacks text_config")
-    text.setdefault("eos_token_id", raw.get("eos_token_id"))
-    if "tie_word_embeddings" in raw:             # the whole model's choice, as transformers ties it
-        text["tie_word_embeddings"] = raw["tie_word_embeddings"]
-    cfg = qwen3_moe.parse(dict(text, model_type="qwen3_vl_moe"))
+    cfg = qwen3_moe.parse(language_model(raw, "qwen3_vl_moe"))
     return replace(cfg, moe=replace(cfg.moe, norm_topk_prob=True))
 
 

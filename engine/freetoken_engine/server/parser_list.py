@@ -20,7 +20,8 @@ class CallList:
         self.index = first           # the next call's index
         self.state = "open"          # open | element | args | tail | after | done | failed
         self.unread = ""             # the current element's text, kept until it is decided
-        self._end: JsonValueEnd | None = None
+        self._end: JsonValueEnd | None = None    # the arguments value's end, then the element's
+        self._scan: JsonValueEnd | None = None    # an element in another key order: its end
 
     def feed(self, text: str) -> tuple[list, str]:
         out: list = []
@@ -67,6 +68,9 @@ class CallList:
         if not self.unread and text.lstrip().startswith("]"):
             self.state = "done"                 # an empty list, or a comma before the close
             return text.lstrip()[1:]
+        start = len(self.unread)
+        if not start:                           # where this element's object ends, found as it comes
+            self._scan = JsonValueEnd()
         self.unread += text
         head = CALL_HEAD.match(self.unread)
         if head is not None:
@@ -77,9 +81,8 @@ class CallList:
             return rest
         if not self.unread.lstrip().startswith("{"):
             return self._fail("")
-        end = JsonValueEnd()
-        n = end.feed(self.unread)
-        if end.done:                            # a whole object in another key order
+        n = start + self._scan.feed(text)
+        if self._scan.done:                     # a whole object in another key order
             element, rest = self.unread[:n], self.unread[n:]
             call = parse_whole(element)
             if call is None:

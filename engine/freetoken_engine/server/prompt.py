@@ -92,32 +92,26 @@ def glm_after_name(tokenizer) -> str:
     return gap if not gap.strip() else "\n"
 
 
+# each format's pre-fill of a required call (ending where the tool's name is written), and what a
+# named call writes after that: its name and the text up to where its arguments start
+_PREFILLS = {
+    "json": (f'{TOOL_OPEN}\n{{"name": "', lambda name, after: json.dumps(name)[1:] + ', "arguments": '),
+    "granite": (f'{GRANITE_OPEN}[{{"name": "', lambda name, after: json.dumps(name)[1:] + ', "arguments": '),
+    "xml": (f"{TOOL_OPEN}\n{FUNCTION_OPEN}", lambda name, after: f"{name}>\n"),
+    "glm": (TOOL_OPEN, lambda name, after: name + after),
+    "minimax": (f"{MINIMAX_OPEN}\n{INVOKE}", lambda name, after: f'{name}">\n'),
+    "pythonic": (f"{PYTHONIC_OPEN}[", lambda name, after: f"{name}("),
+}
+
+
 def tool_prefill(tool_choice: str | None, named: str | None, style: str = "json", after_name: str = "\n") -> str:
-    if style == "minimax":
-        if named is not None:
-            return f'{MINIMAX_OPEN}\n{INVOKE}{named}">\n'
-        return f"{MINIMAX_OPEN}\n{INVOKE}" if tool_choice == "required" else ""
-    if style == "pythonic":
-        if named is not None:
-            return f"{PYTHONIC_OPEN}[{named}("
-        return f"{PYTHONIC_OPEN}[" if tool_choice == "required" else ""
-    if style == "granite":
-        if named is not None:
-            return f'{GRANITE_OPEN}[{{"name": {json.dumps(named)}, "arguments": '
-        return f'{GRANITE_OPEN}[{{"name": "' if tool_choice == "required" else ""
-    if style == "glm":
-        if named is not None:
-            return f"{TOOL_OPEN}{named}{after_name}"
-        return TOOL_OPEN if tool_choice == "required" else ""
-    if style == "xml":
-        if named is not None:
-            return f"{TOOL_OPEN}\n{FUNCTION_OPEN}{named}>\n"
-        return f"{TOOL_OPEN}\n{FUNCTION_OPEN}" if tool_choice == "required" else ""
+    """What the answer starts with when ``tool_choice`` forces a call: ``required`` opens a call
+    up to its tool's name, a ``named`` tool's call up to where its arguments start (GLM: the
+    template's ``after_name`` text after the name); nothing otherwise."""
+    head, named_part = _PREFILLS[style]
     if named is not None:
-        return f'{TOOL_OPEN}\n{{"name": {json.dumps(named)}, "arguments": '
-    if tool_choice == "required":
-        return f'{TOOL_OPEN}\n{{"name": "'
-    return ""
+        return head + named_part(named, after_name)
+    return head if tool_choice == "required" else ""
 
 
 def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
