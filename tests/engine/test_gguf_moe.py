@@ -163,6 +163,14 @@ def gguf_reference(path, src, cls=None):
     return model
 
 
+def reads_back_exactly(path, src, cls=None) -> None:
+    """transformers' GGUF reader gives back every tensor of the checkpoint ``src`` the file at
+    ``path`` was written from: the file is as llama.cpp writes it."""
+    got = gguf_reference(path, src, cls).state_dict()
+    want = load_reference(src).state_dict()
+    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.fixture(scope="module")
 def src(tiny_checkpoint):
     # sizes llama.cpp's Q8_0 blocks of 32 divide
@@ -172,9 +180,7 @@ def src(tiny_checkpoint):
 def test_transformers_reads_the_file_back_into_the_checkpoint(src, tmp_path):
     """The file is as llama.cpp writes it: transformers' GGUF reader, which knows the format,
     gives back every tensor of the checkpoint it came from."""
-    got = gguf_reference(write_gguf(src, tmp_path / "m.gguf"), src).state_dict()
-    want = load_reference(src).state_dict()
-    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    reads_back_exactly(write_gguf(src, tmp_path / "m.gguf"), src)
 
 
 def test_a_float32_file_gives_transformers_tokens_exactly(src, tmp_path):
@@ -249,9 +255,7 @@ def test_a_qwen2_moe_file_is_read_as_transformers_reads_it(tiny_checkpoint, tmp_
     from transformers import Qwen2MoeForCausalLM
     src = tiny_checkpoint("qwen2_moe", moe_intermediate_size=32, shared_expert_intermediate_size=32)
     path = write_gguf(src, tmp_path / "q2.gguf")
-    got = gguf_reference(path, src, Qwen2MoeForCausalLM).state_dict()
-    want = load_reference(src).state_dict()
-    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    reads_back_exactly(path, src, Qwen2MoeForCausalLM)
     check(convert_gguf(path, tmp_path / "hf"), n_new=16, ref_folder=src)
 
 
@@ -261,9 +265,7 @@ def test_a_minimax_m2_file_is_read_as_transformers_reads_it(tiny_checkpoint, tmp
     from transformers import MiniMaxM2ForCausalLM
     src = tiny_checkpoint("minimax_m2", intermediate_size=32)
     path = write_gguf(src, tmp_path / "mm.gguf")
-    got = gguf_reference(path, src, MiniMaxM2ForCausalLM).state_dict()
-    want = load_reference(src).state_dict()
-    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    reads_back_exactly(path, src, MiniMaxM2ForCausalLM)
     check(convert_gguf(path, tmp_path / "hf"), n_new=16, ref_folder=src)
 
 
@@ -311,7 +313,5 @@ def test_a_qwen2_file_is_read_as_transformers_reads_it(tiny_checkpoint, tmp_path
     from transformers import Qwen2ForCausalLM
     src = tiny_checkpoint("qwen2")
     path = write_gguf(src, tmp_path / "q2.gguf")
-    got = gguf_reference(path, src, Qwen2ForCausalLM).state_dict()
-    want = load_reference(src).state_dict()
-    assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    reads_back_exactly(path, src, Qwen2ForCausalLM)
     check(convert_gguf(path, tmp_path / "hf"), n_new=16, ref_folder=src)

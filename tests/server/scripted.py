@@ -122,3 +122,33 @@ def chat_calls(srv, messages: list[dict], tools: list[dict]):
     assert r.choices[0].finish_reason == "tool_calls"
     msg = r.choices[0].message
     return msg, [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls]
+
+
+def script(first: str, named: tuple[str, str], required: tuple[str, str], tool_turn: str,
+           reply: str = "Sunny all three days."):
+    """A ``recording_server`` answer: to a prompt that ends with a forced call's pre-fill
+    (``named[0]``, ``required[0]``) the rest of that call (``named[1]``, ``required[1]``); once a
+    tool's result is in the prompt (``tool_turn`` in it) ``reply``; else ``first``."""
+    def answer(prompt: str) -> str:
+        for end, rest in (named, required):
+            if prompt.endswith(end):
+                return rest
+        return reply if tool_turn in prompt else first
+    return answer
+
+
+def second_turn(srv, messages: list[dict], tools: list[dict]) -> str:
+    """The answer's text after the first answer's calls are each answered "ok"."""
+    client = srv.openai()
+    first = client.chat.completions.create(model=srv.model, messages=messages, tools=tools).choices[0].message
+    r = client.chat.completions.create(model=srv.model, messages=answered(messages, first, "ok"), tools=tools)
+    return r.choices[0].message.content
+
+
+def streamed(srv, messages: list[dict], tools: list[dict]) -> tuple[list[str], str]:
+    """A streamed OpenAI chat answer: (the first call's argument fragments, the content shown)."""
+    chunks = list(srv.openai().chat.completions.create(model=srv.model, messages=messages, tools=tools,
+                                                       stream=True))
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
+    return ([tc.function.arguments for tc in deltas if tc.index == 0 and tc.function.arguments],
+            "".join(c.choices[0].delta.content or "" for c in chunks if c.choices))

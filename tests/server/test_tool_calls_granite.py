@@ -11,15 +11,14 @@ import json
 
 import jsonschema
 import pytest
-import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from live import API_KEY, live_server, start_service
-from scripted import answered, chat_calls, check_forced_calls, recording_server, tool_uses
+from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, streamed, tool_uses
 from test_tool_calls_glm import calls
+from test_tool_grammar import walk as grammar_walk
 from tiny_models import mark_special, with_template
 
-from freetoken_engine.executor.guide import Guide, GuideSpec
 from freetoken_engine.models.tokenizer import Tokenizer
 from freetoken_engine.server.parser import (Content, OutputParser, Reasoning, ToolArgs, ToolEnd, ToolStart,
                                            format_tags)
@@ -121,15 +120,9 @@ def test_a_hermes_tokenizer_that_marks_its_tags_special_keeps_both(folder, tmp_p
 
 @pytest.fixture(scope="module")
 def scripted(folder):
-    tokenizer = Tokenizer(folder)
-
-    def answer(prompt: str) -> str:
-        if prompt.endswith(TAG + '[{"name": "get_weather", "arguments": '):
-            return '{"city": "Rome", "days": 1}}]'
-        if prompt.endswith(TAG + '[{"name": "'):
-            return 'search", "arguments": {"query": "umbrellas"}}]'
-        return "Sunny all three days." if "<|start_of_role|>tool" in prompt else ANSWER
-    with recording_server(tokenizer, answer, max_context=4096) as srv:
+    answer = script(ANSWER, (TAG + '[{"name": "get_weather", "arguments": ', '{"city": "Rome", "days": 1}}]'),
+                    (TAG + '[{"name": "', 'search", "arguments": {"query": "umbrellas"}}]'), "<|start_of_role|>tool")
+    with recording_server(Tokenizer(folder), answer, max_context=4096) as srv:
         yield srv
 
 
@@ -139,19 +132,13 @@ def test_openai_chat_gets_both_calls(scripted):
 
 
 def test_openai_stream_gives_the_arguments_as_they_come(scripted):
-    chunks = list(scripted.openai().chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS,
-                                                            stream=True))
-    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
-    first = [tc.function.arguments for tc in deltas if tc.index == 0 and tc.function.arguments]
+    first, content = streamed(scripted, MSGS, TOOLS)
     assert len(first) > 1 and json.loads("".join(first)) == WANT[0][1]
-    assert not any("[" in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+    assert "[" not in content
 
 
 def test_the_history_goes_back_in_the_format_and_forced_calls_are_prefilled(scripted):
-    client = scripted.openai()
-    first = client.chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS).choices[0].message
-    r = client.chat.completions.create(model=scripted.model, messages=answered(MSGS, first, "ok"), tools=TOOLS)
-    assert r.choices[0].message.content == "Sunny all three days."
+    assert second_turn(scripted, MSGS, TOOLS) == "Sunny all three days."
     assert (TAG + '[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
             '{"name": "search", "arguments": {"query": "rain [gear]"}}]') in scripted.prompts[-1]
     check_forced_calls(scripted, MSGS, TOOLS, '<|end_of_role|>' + TAG + '[{"name": "get_weather", "arguments": ')
@@ -169,15 +156,7 @@ def prompt(forced: str | None = None, parallel: bool = True) -> Prompt:
 
 def walk(tokenizer, grammar: str, text: str) -> tuple[int, bool]:
     """Feed ``text`` under the masks: (tokens allowed, the grammar complete after them)."""
-    vocab = tokenizer.vocab_size
-    g = Guide(GuideSpec(None, in_tool=grammar), tokenizer, vocab)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    for n, t in enumerate(ids):
-        if not torch.isfinite(g.constrain(torch.zeros(vocab))[t]):
-            return n, False
-        if g.advance(t):
-            return n + 1, n + 1 == len(ids)
-    return len(ids), g.tool is not None and g.tool.is_accepting()
+    return grammar_walk(tokenizer, tokenizer.vocab_size, grammar, text, None)
 
 
 def allowed(tokenizer, grammar: str, text: str) -> str:

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from live import API_KEY, live_server, start_service
-from scripted import answered, chat_calls, check_forced_calls, recording_server, tool_uses
+from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, streamed, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import SCHEMAS as HELD
 from test_tool_calls_granite import allowed, forced_calls_are_valid, held_to, walk
@@ -94,12 +94,9 @@ def tokenizer(tiny_checkpoint, tmp_path_factory):
 def scripted(tokenizer):
     assert tool_style(tokenizer) == "minimax"
 
-    def answer(prompt: str) -> str:
-        if prompt.endswith('<invoke name="get_weather">\n'):
-            return NAMED_REST
-        if prompt.endswith('<invoke name="'):
-            return 'search">\n<parameter name="query">umbrellas</parameter>\n</invoke>\n</minimax:tool_call>'
-        return "<think>Sunny.</think>\n\nSunny all three days." if "<response>" in prompt else ANSWER
+    answer = script(ANSWER, ('<invoke name="get_weather">\n', NAMED_REST),
+                    ('<invoke name="', 'search">\n<parameter name="query">umbrellas</parameter>\n</invoke>\n'
+                                       '</minimax:tool_call>'), "<response>", "<think>Sunny.</think>\n\nSunny all three days.")
     with recording_server(tokenizer, answer, max_context=4096) as srv:
         yield srv
 
@@ -111,19 +108,13 @@ def test_openai_chat_gets_both_calls_as_typed_json_arguments(scripted):
 
 
 def test_openai_stream_gives_the_arguments_a_parameter_at_a_time(scripted):
-    chunks = list(scripted.openai().chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS,
-                                                            stream=True))
-    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
-    first = [tc.function.arguments for tc in deltas if tc.index == 0 and tc.function.arguments]
+    first, content = streamed(scripted, MSGS, TOOLS)
     assert len(first) == 3 and json.loads("".join(first)) == WANT[0][1]
-    assert not any("<" in (c.choices[0].delta.content or "") for c in chunks if c.choices)
+    assert "<" not in content
 
 
 def test_the_history_goes_back_in_the_format_and_forced_calls_are_prefilled(scripted):
-    client = scripted.openai()
-    first = client.chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS).choices[0].message
-    r = client.chat.completions.create(model=scripted.model, messages=answered(MSGS, first, "ok"), tools=TOOLS)
-    assert r.choices[0].message.content == "Sunny all three days."
+    assert second_turn(scripted, MSGS, TOOLS) == "Sunny all three days."
     assert ('<minimax:tool_call>\n<invoke name="get_weather">\n<parameter name="city">Paris</parameter>\n'
             '<parameter name="days">3</parameter>\n</invoke>\n<invoke name="search">') in scripted.prompts[-1]
     check_forced_calls(scripted, MSGS, TOOLS, ']~b]ai\n<minimax:tool_call>\n<invoke name="get_weather">\n')

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from live import API_KEY, live_server, start_service
-from scripted import answered, chat_calls, check_forced_calls, recording_server, tool_uses
+from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import SCHEMAS, allowed, forced_calls_are_valid, held_to, shown, walk
 from tiny_models import mark_special, with_template
@@ -89,15 +89,9 @@ def test_both_tags_are_special_yet_reach_the_parser(folder):
 
 @pytest.fixture(scope="module")
 def scripted(folder):
-    tokenizer = Tokenizer(folder)
-
-    def answer(prompt: str) -> str:
-        if prompt.endswith(OPEN + "[get_weather("):
-            return 'city="Rome", days=1)]' + CLOSE
-        if prompt.endswith(OPEN + "["):
-            return 'search(query="umbrellas")]' + CLOSE
-        return "Sunny all three days." if "<|im_start|>tool" in prompt else ANSWER
-    with recording_server(tokenizer, answer, max_context=4096) as srv:
+    answer = script(ANSWER, (OPEN + "[get_weather(", 'city="Rome", days=1)]' + CLOSE),
+                    (OPEN + "[", 'search(query="umbrellas")]' + CLOSE), "<|im_start|>tool")
+    with recording_server(Tokenizer(folder), answer, max_context=4096) as srv:
         yield srv
 
 
@@ -107,10 +101,7 @@ def test_openai_chat_gets_both_calls(scripted):
 
 
 def test_the_history_goes_back_in_the_format_and_forced_calls_are_prefilled(scripted):
-    client = scripted.openai()
-    first = client.chat.completions.create(model=scripted.model, messages=MSGS, tools=TOOLS).choices[0].message
-    r = client.chat.completions.create(model=scripted.model, messages=answered(MSGS, first, "ok"), tools=TOOLS)
-    assert r.choices[0].message.content == "Sunny all three days."
+    assert second_turn(scripted, MSGS, TOOLS) == "Sunny all three days."
     assert OPEN + '[get_weather(city="Paris", days=3), search(query="rain [gear]")]' + CLOSE in scripted.prompts[-1]
     check_forced_calls(scripted, MSGS, TOOLS, "<|im_start|>assistant\n" + OPEN + "[get_weather(")
 

@@ -32,11 +32,12 @@ def prompt(style: str, forced: str | None = None, strict=frozenset(), parallel: 
                   schemas=SCHEMAS, strict=frozenset(strict), forced=forced, parallel=parallel)
 
 
-def walk(tokenizer, vocab: int, grammar: str, text: str, close: int, guide: Guide | None = None) -> tuple[int, bool]:
-    """Feed ``text`` then the closing token under the masks: (tokens allowed, grammar complete:
-    the request ended there, or the grammar may end there)."""
+def walk(tokenizer, vocab: int, grammar: str, text: str, close: int | None,
+         guide: Guide | None = None) -> tuple[int, bool]:
+    """Feed ``text`` then the closing token (None: none, a format without one) under the masks:
+    (tokens allowed, grammar complete: the request ended there, or the grammar may end there)."""
     g = guide or Guide(GuideSpec(None, in_tool=grammar), tokenizer, vocab)
-    ids = tokenizer.encode(text, add_special_tokens=False) + [close]
+    ids = tokenizer.encode(text, add_special_tokens=False) + ([close] if close is not None else [])
     for n, t in enumerate(ids):
         if not torch.isfinite(g.constrain(torch.zeros(vocab))[t]):
             return n, False
