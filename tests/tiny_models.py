@@ -104,11 +104,26 @@ MOE = {
     # routing with a bias that steers the choice
     "lfm2_moe": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, head_dim=8, num_hidden_layers=4,
                      num_dense_layers=1, layer_types=["conv", "conv", "full_attention", "conv"], conv_L_cache=3),
+    # latent attention: a query bottleneck, a latent of 16 and a rotated key of 4 per token, values
+    # narrower than the keys' unrotated part; a dense first layer, GLM's routing, a shared expert
+    "deepseek_v3": dict(MLA := dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                    v_head_dim=6), moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, n_group=2, topk_group=1,
+                        routed_scaling_factor=2.5),
+    # V2-Lite's shape: no query bottleneck; softmax routing within the 2 of 4 groups whose best
+    # expert scores highest, two shared experts
+    "deepseek_v2": dict(MLA, q_lora_rank=None, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=2, first_k_dense_replace=1, num_hidden_layers=3, topk_method="group_limited_greedy",
+                        n_group=4, topk_group=2, routed_scaling_factor=2.0),
+    # GLM-4.7-Flash: the latent attention, GLM's routing, dense layers named by mlp_layer_types
+    "glm4_moe_lite": dict(MLA, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                          num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"], n_group=1, topk_group=1),
 }
 SUPPORTED = tuple(MOE)
 # the random correction bias of a biased router, on the scale of its scores (sigmoid: 0..1;
 # softmax over 8 experts: about 1/8)
-BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "lfm2_moe": 0.3, "glm4v_moe": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3}
+BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "lfm2_moe": 0.3, "glm4v_moe": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3,
+            "deepseek_v3": 0.3, "glm4_moe_lite": 0.3}
 # multimodal families: their vision tower's config
 VISION = {"glm4v_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
                             temporal_patch_size=1, spatial_merge_size=1, image_size=4),
@@ -156,6 +171,9 @@ def _classes(model_type: str):
         "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
         "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
         "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextForCausalLM),
+        "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM),
+        "deepseek_v2": (T.DeepseekV2Config, T.DeepseekV2ForCausalLM),
+        "glm4_moe_lite": (T.Glm4MoeLiteConfig, T.Glm4MoeLiteForCausalLM),
         "qwen3_5_moe_text": (T.Qwen3_5MoeTextConfig, T.Qwen3_5MoeForCausalLM),
     }[model_type]
 

@@ -28,6 +28,13 @@ class RopeConfig:
     beta_fast: float = 32.0           # yarn
     beta_slow: float = 1.0            # yarn
     partial_rotary_factor: float = 1.0
+    # yarn's attention factor (the rotary's cos/sin times it): given, or from ``mscale`` over
+    # ``mscale_all_dim`` (DeepSeek), else 0.1 ln(factor) + 1; ``truncate``: the correction range
+    # rounded outward (False: gpt-oss)
+    attention_factor: float | None = None
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+    truncate: bool = True
 
     @staticmethod
     def from_hf(raw: dict) -> "RopeConfig":
@@ -46,7 +53,18 @@ class RopeConfig:
                                                  raw.get("max_position_embeddings", 8192))),
             beta_fast=float(params.get("beta_fast", 32.0)), beta_slow=float(params.get("beta_slow", 1.0)),
             partial_rotary_factor=float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
+            attention_factor=None if params.get("attention_factor") is None else float(params["attention_factor"]),
+            mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
+            truncate=bool(params.get("truncate", True)),
         )
+
+    def softmax_scale(self, head_dim: int) -> float:
+        """``head_dim ** -0.5``, times yarn's ``mscale_all_dim`` term squared where a scaled rotary
+        names one: latent attention scales every dimension's scores by it, not only the rotated
+        ones (DeepSeek's reference, transformers' ``yarn_apply_mscale``)."""
+        m = 0.1 * self.mscale_all_dim * math.log(self.factor) + 1.0 \
+            if self.type != "default" and self.mscale_all_dim and self.factor > 1 else 1.0
+        return head_dim ** -0.5 * m * m
 
 
 @dataclass(frozen=True)
@@ -68,6 +86,9 @@ class MoeConfig:
     shared_intermediate_size: int = 0  # qwen2_moe shared expert (0 = none)
     shared_gate: bool = False          # sigmoid gate on the shared expert
     layers: tuple[int, ...] = ()       # decoder layers whose MLP is sparse
+    # a group's worth, for group-limited choice: the sum of its two best scores ("top2": DeepSeek-V3,
+    # GLM) or its best one ("max": DeepSeek-V2's group_limited_greedy)
+    group_score: str = "top2"
 
 
 @dataclass(frozen=True)
@@ -98,6 +119,28 @@ class LinearAttnConfig:
         """One sequence's recurrent state in one layer: the float32 delta-rule state and the
         convolution's last ``conv - 1`` inputs (in the model's dtype)."""
         return 4 * self.v_heads * self.k_dim * self.v_dim + itemsize * self.conv_dim * (self.conv - 1)
+
+
+@dataclass(frozen=True)
+class LatentAttnConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi-K2, GLM-4.7-Flash): each token's keys and
+    values are one ``kv_rank`` latent (normed) and one ``rope_dim`` rotated key shared by every
+    head; a head's query has ``nope_dim`` dimensions scored against the latent's up-projection and
+    ``rope_dim`` rotated ones, its value ``v_dim`` of the latent's up-projection. Queries come
+    through a ``q_rank`` bottleneck (None: one projection). ``interleaved``: the checkpoint's
+    rotary pairs dimensions (x0, x1), (x2, x3)... (DeepSeek's layout) rather than halves."""
+
+    kv_rank: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    q_rank: int | None = None
+    interleaved: bool = True
+
+    @property
+    def cache_dim(self) -> int:
+        """One token's cached key: its rotated part, then the latent."""
+        return self.rope_dim + self.kv_rank
 
 
 @dataclass(frozen=True)
@@ -151,6 +194,9 @@ class ModelConfig:
     attention_multiplier: float | None = None
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
+    # multi-head latent attention: the KV pool then holds one "head" of ``mla.cache_dim`` per
+    # token (num_kv_heads 1, head_dim cache_dim), the rotary over its first ``mla.rope_dim``
+    mla: LatentAttnConfig | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -168,9 +214,23 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"config.json: {name} must be a positive number, got {value}")
-        if not 0 < self.rope.partial_rotary_factor <= 1 or int(self.head_dim * self.rope.partial_rotary_factor) % 2:
+        if self.mla is not None:
+            self._check_mla(self.mla)
+        elif not 0 < self.rope.partial_rotary_factor <= 1 or int(self.head_dim * self.rope.partial_rotary_factor) % 2:
             raise ConfigError(f"config.json: partial_rotary_factor {self.rope.partial_rotary_factor} must give an "
                               f"even number of the head's {self.head_dim} dimensions")
+
+    def _check_mla(self, a: LatentAttnConfig) -> None:
+        for name, hf in (("kv_rank", "kv_lora_rank"), ("nope_dim", "qk_nope_head_dim"),
+                         ("rope_dim", "qk_rope_head_dim"), ("v_dim", "v_head_dim")):
+            if getattr(a, name) <= 0:
+                raise ConfigError(f"config.json: {hf} must be positive, got {getattr(a, name)}")
+        if a.rope_dim % 2:
+            raise ConfigError(f"config.json: qk_rope_head_dim must be even, got {a.rope_dim}")
+        if a.q_rank is not None and a.q_rank <= 0:
+            raise ConfigError(f"config.json: q_lora_rank must be positive or null, got {a.q_rank}")
+        if (self.num_kv_heads, self.head_dim) != (1, a.cache_dim):
+            raise ConfigError("latent attention keeps one KV head of the latent and rotated key")
 
     @staticmethod
     def _check_moe(m: MoeConfig) -> None:
@@ -181,7 +241,7 @@ class ModelConfig:
         per_group = m.num_experts // m.n_group
         if not 1 <= m.topk_group <= m.n_group:
             raise ConfigError(f"config.json: topk_group must be in 1..n_group ({m.n_group}), got {m.topk_group}")
-        if m.n_group > 1 and (per_group < 2 or m.top_k > m.topk_group * per_group):
+        if m.n_group > 1 and ((per_group < 2 and m.group_score == "top2") or m.top_k > m.topk_group * per_group):
             raise ConfigError(f"config.json: {m.n_group} groups of {per_group} experts, {m.topk_group} of them "
                               f"kept, cannot hold num_experts_per_tok {m.top_k} (groups need 2 experts or more)")
 
@@ -206,6 +266,8 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
+        if self.mla is not None:
+            return self.mla.rope_dim
         return int(self.head_dim * self.rope.partial_rotary_factor)
 
 

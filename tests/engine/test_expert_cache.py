@@ -39,6 +39,9 @@ def checked(llm: LLM) -> LLM:
     ("dots1", "some", (0.5,)),
     ("minimax_m2", "some", (0.0, 0.5)),
     ("granitemoeshared", "some", (0.0, 0.5)),
+    ("deepseek_v3", "some", (0.0, 0.5, 1.0)),
+    ("deepseek_v2", "some", (0.5,)),
+    ("glm4_moe_lite", "some", (0.5,)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)

@@ -21,19 +21,23 @@ from test_mtp import GREEDY, PROMPTS, SAMPLED, plain_outputs, reference_drafts, 
 from tiny_models import load_reference, make_tiny_checkpoint
 
 
-def glm_mtp_parts(path, seed: int = 1) -> dict:
-    """A random MTP layer for the glm4_moe checkpoint at ``path`` from transformers' own GLM
-    modules, written as the hub ships it (``model.layers.{N}.*``, experts one tensor each, the
-    layer's copies of the embedding and LM head beside it); returned float32 for the reference."""
+def glm_mtp_parts(path, seed: int = 1, family: str = "glm4_moe") -> dict:
+    """A random MTP layer for the ``family`` checkpoint at ``path`` (GLM-4.5's or DeepSeek-V3's:
+    one kind) from transformers' own modules of the family, written as the hub ships it
+    (``model.layers.{N}.*``, experts one tensor each, the layer's copies of the embedding and LM
+    head beside it); returned float32 for the reference."""
+    import importlib
+
     import transformers as T
-    from transformers.models.glm4_moe import modeling_glm4_moe as G
+    G = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    stem = {"glm4_moe": "Glm4Moe", "deepseek_v3": "DeepseekV3"}[family]
+    norm, layer = getattr(G, f"{stem}RMSNorm"), getattr(G, f"{stem}DecoderLayer")
     path = Path(path)
     cfg = T.AutoConfig.from_pretrained(path)
     cfg._attn_implementation = "eager"
     n, h = cfg.num_hidden_layers, cfg.hidden_size
-    parts = dict(enorm=G.Glm4MoeRMSNorm(h, cfg.rms_norm_eps), hnorm=G.Glm4MoeRMSNorm(h, cfg.rms_norm_eps),
-                 eh_proj=torch.nn.Linear(2 * h, h, bias=False), layer=G.Glm4MoeDecoderLayer(cfg, n),
-                 norm=G.Glm4MoeRMSNorm(h, cfg.rms_norm_eps))
+    parts = dict(enorm=norm(h, cfg.rms_norm_eps), hnorm=norm(h, cfg.rms_norm_eps),
+                 eh_proj=torch.nn.Linear(2 * h, h, bias=False), layer=layer(cfg, n), norm=norm(h, cfg.rms_norm_eps))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for module in parts.values():
@@ -94,14 +98,15 @@ def glm_join(mtp: dict, embedded: torch.Tensor, hidden: torch.Tensor) -> torch.T
     return mtp["eh_proj"](torch.cat([mtp["enorm"](embedded), mtp["hnorm"](hidden)], -1))
 
 
-def test_the_engines_glm_mtp_drafts_are_the_reference_drafts_and_change_no_token(glm_mtp, monkeypatch):
-    path, mtp = glm_mtp
+def drafts_are_the_references(path, mtp: dict, monkeypatch, prompts, **options) -> None:
+    """The engine's MTP drafts (3 a step, none shortened) for each of ``prompts``: the plain
+    decode's tokens, at least 10 drafts, each the reference modules' ``mtp`` drafts."""
     monkeypatch.setattr(DraftLength, "update", lambda self, drafted, kept: None)
     seen = spy_drafts(monkeypatch)
     plain = LLM(path)
-    llm = LLM(path, speculative_tokens=3, speculative_method="mtp")
+    llm = LLM(path, speculative_tokens=3, speculative_method="mtp", **options)
     ref = load_reference(path)
-    for prompt in PROMPTS[:2]:
+    for prompt in prompts:
         seen.clear()
         out = llm.generate(prompt, GREEDY)
         assert out.token_ids == plain.generate(prompt, GREEDY).token_ids
@@ -109,6 +114,12 @@ def test_the_engines_glm_mtp_drafts_are_the_reference_drafts_and_change_no_token
         tokens = prompt + out.token_ids
         for computed, draft in seen:
             assert draft == reference_drafts(ref, mtp, tokens[:computed + 1], len(draft), glm_join), computed
+
+
+def test_the_engines_glm_mtp_drafts_are_the_reference_drafts_and_change_no_token(glm_mtp, monkeypatch):
+    path, mtp = glm_mtp
+    drafts_are_the_references(path, mtp, monkeypatch, PROMPTS[:2])
+    plain = LLM(path)
     seeded = LLM(path, speculative_tokens=4, speculative_method="mtp", prefill_chunk=5)
     for prompt in PROMPTS:
         out = seeded.generate(prompt, SAMPLED)

@@ -1,6 +1,6 @@
 """The one-launch biased router (``kernels/triton/route.route_biased``) against the torch
 reference (``layers/moe.biased_route``) for GLM-4.5's and ERNIE-4.5's routing and DeepSeek-V3's
-groups: the same experts and weights to float32 rounding, NaN logits kept inside the experts.
+and V2's groups: the same experts and weights to float32 rounding, NaN logits kept inside the experts.
 Under TRITON_INTERPRET=1 on CPU tensors in CI; compiled on the H200 in the GPU test below."""
 from __future__ import annotations
 
@@ -30,6 +30,9 @@ ROUTINGS = {
                         routed_scaling_factor=2.5),
     # ERNIE-4.5: softmax scores, renormalised over max(sum, floor), 64 experts, top 6
     "ernie": MoeConfig(64, 6, 16, scoring="softmax", biased=True, norm_topk_prob=True, norm_floor=1e-12),
+    # DeepSeek-V2: softmax scores, no bias, 8 groups of 20 worth their best expert, 3 kept, top 6
+    "deepseek-v2": MoeConfig(160, 6, 16, scoring="softmax", biased=True, n_group=8, topk_group=3, group_score="max",
+                             routed_scaling_factor=16.0),
     # no renormalisation
     "raw": MoeConfig(60, 4, 16, scoring="sigmoid", biased=True, n_group=4, topk_group=2),
 }

@@ -116,6 +116,11 @@ class Attention(nn.Module):
             self.gate = (self.gate_proj.weight, None)
         del self.q_proj, self.k_proj, self.v_proj, self.gate_proj
 
+    def _fused_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, (h + 2 kvh) d]``: the fused projection's q, k and v of ``x`` (after ``fuse``),
+        before norms and rotary."""
+        return linear(x, *self.qkv)
+
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The output projection of the heads' output ``o [T, h d]`` (gated by ``x``'s gate)."""
         if self.gate is not None:
@@ -131,7 +136,7 @@ class Attention(nn.Module):
             if impl is not None:
                 # Decode: norm, rotary, K/V write and attention in one compiled call on the CPU,
                 # in two Triton launches on a GPU.
-                return self._out(self._decode(impl, linear(x, *self.qkv), cos, sin, k_cache, v_cache,
+                return self._out(self._decode(impl, self._fused_qkv(x), cos, sin, k_cache, v_cache,
                                               batch.slot_mapping, batch.kv_index, batch.kv_len,
                                               batch.write_first), x)
         t = x.shape[0]
@@ -168,7 +173,7 @@ class Attention(nn.Module):
         normed, clipped and rotated as the model does."""
         t = x.shape[0] if qkv is None else qkv.shape[0]
         if qkv is None and self.qkv is not None:
-            qkv = linear(x, *self.qkv)
+            qkv = self._fused_qkv(x)
         if qkv is not None:
             q, k, v = qkv.split([self.h * self.d, self.kvh * self.d, self.kvh * self.d], -1)
         else:
@@ -228,7 +233,7 @@ class Attention(nn.Module):
         (``_by_sequence``). Returns ``[T, h d]`` in row order."""
         sel, rows, width, ends = batch.singles()
         keep = batch.chunk_rows()
-        qkv = linear(x, *self.qkv)
+        qkv = self._fused_qkv(x)
         out = qkv.new_empty((x.shape[0], self.h * self.d))
         out.index_copy_(0, rows, self._decode(
             impl, qkv.index_select(0, rows), cos.index_select(0, rows), sin.index_select(0, rows), k_cache,

@@ -38,13 +38,14 @@ def biased_route(logits: torch.Tensor, bias: torch.Tensor, moe: MoeConfig) -> tu
     """-> (float32 weights [T, k], expert ids [T, k]) of float32 router logits [T, E], as
     transformers' Glm4MoeTopkRouter and Ernie4_5_MoeTopKRouter compute them: sigmoid (softmax)
     scores; the experts outside the best ``topk_group`` groups (a group's worth: its two best
-    biased scores) masked; the top k of the biased scores chosen; their unbiased scores as
+    biased scores, or its best one: ``group_score`` "max", DeepSeek-V2) masked; the top k of the biased scores chosen; their unbiased scores as
     weights, renormalised with ``norm_topk_prob`` and times ``routed_scaling_factor``."""
     scores = logits.sigmoid() if moe.scoring == "sigmoid" else F.softmax(logits, dim=-1, dtype=torch.float32)
     choice = scores + bias
     if moe.topk_group < moe.n_group:
         t, g = choice.shape[0], moe.n_group
-        best = choice.view(t, g, -1).topk(2, dim=-1).values.sum(dim=-1)                # [T, groups]
+        grouped = choice.view(t, g, -1)
+        best = grouped.amax(dim=-1) if moe.group_score == "max" else grouped.topk(2, dim=-1).values.sum(dim=-1)
         keep = torch.zeros_like(best).scatter_(1, best.topk(moe.topk_group, dim=-1, sorted=False).indices, 1.0)
         choice = choice.masked_fill(~keep.bool().repeat_interleave(moe.num_experts // g, dim=1), float("-inf"))
     ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False).indices

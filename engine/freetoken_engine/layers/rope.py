@@ -29,15 +29,32 @@ def inverse_frequencies(rope: RopeConfig, dim: int, max_position: int) -> tuple[
         def correction_dim(rotations: float) -> float:
             return (dim * math.log(rope.original_max_position / (rotations * 2 * math.pi))) / (
                 2 * math.log(rope.theta))
-        low = max(math.floor(correction_dim(rope.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(rope.beta_slow)), dim - 1)
+        low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
         ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
         extrapolation = 1 - ramp
         inv = (inv / rope.factor) * (1 - extrapolation) + inv * extrapolation
-        scaling = 0.1 * math.log(rope.factor) + 1.0 if rope.factor > 1 else 1.0
+        scaling = _yarn_factor(rope)
     return inv, scaling
+
+
+def _mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude term ``0.1 m ln(factor) + 1`` (1 when nothing is stretched)."""
+    return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def _yarn_factor(rope: RopeConfig) -> float:
+    """The cos/sin scale of a yarn rotary: the config's ``attention_factor``, else DeepSeek's
+    ``mscale`` over ``mscale_all_dim`` when both are given, else ``0.1 ln(factor) + 1``."""
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return _mscale(rope.factor, rope.mscale) / _mscale(rope.factor, rope.mscale_all_dim)
+    return _mscale(rope.factor)
 
 
 class Rotary:

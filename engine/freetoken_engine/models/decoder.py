@@ -15,6 +15,7 @@ from ..layers.attention import Attention
 from ..layers.batch import AttnBatch
 from ..layers.deltanet import GatedDeltaNet
 from ..layers.linear import linear
+from ..layers.mla import LatentAttention
 from ..layers.mlp import GatedMLP
 from ..layers.moe import SparseMoE
 from ..layers.norm import RMSNorm
@@ -36,7 +37,7 @@ class DecoderLayer(nn.Module):
             else:
                 self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear, index, cfg.rms_norm_eps)
         else:
-            self.self_attn = Attention(cfg, i, rotary)
+            self.self_attn = (Attention if cfg.mla is None else LatentAttention)(cfg, i, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.sandwich = cfg.sandwich_norms       # post_attention_layernorm norms the attention's output
         if self.sandwich:

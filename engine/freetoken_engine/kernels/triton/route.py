@@ -78,7 +78,7 @@ def route(logits: torch.Tensor, k: int, softmax: bool, norm: bool, out_dtype: to
 @triton.jit
 def _biased_kernel(logits, bias, w_out, id_out, E, scale, floor, K: tl.constexpr, BE: tl.constexpr,
                    BK: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, G: tl.constexpr,
-                   PER: tl.constexpr, TOPG: tl.constexpr, BG: tl.constexpr):
+                   PER: tl.constexpr, TOPG: tl.constexpr, BG: tl.constexpr, TOP2: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, BE)
     em = e < E
@@ -91,7 +91,7 @@ def _biased_kernel(logits, bias, w_out, id_out, E, scale, floor, K: tl.constexpr
     c = s + tl.load(bias + e, mask=em, other=0.0).to(tl.float32)
     c = tl.where(em & (c == c), c, float("-inf"))          # padding and NaN rank below every score
     if G > 1:
-        # a group's worth is its two best biased scores; experts outside the TOPG best groups drop out
+        # a group's worth is its two best biased scores (or its best); experts outside the TOPG best groups drop out
         grp = e // PER
         gg = tl.arange(0, BG)
         worth = tl.zeros([BG], tl.float32) + float("-inf")
@@ -99,8 +99,11 @@ def _biased_kernel(logits, bias, w_out, id_out, E, scale, floor, K: tl.constexpr
             inside = em & (grp == g)
             m1 = tl.max(tl.where(inside, c, float("-inf")), 0)
             i1 = tl.min(tl.where(inside & (c >= m1), e, BE), 0)
-            m2 = tl.max(tl.where(inside & (e != i1), c, float("-inf")), 0)
-            worth = tl.where(gg == g, m1 + m2, worth)
+            if TOP2:
+                m2 = tl.max(tl.where(inside & (e != i1), c, float("-inf")), 0)
+                worth = tl.where(gg == g, m1 + m2, worth)
+            else:                                    # its best one (DeepSeek-V2)
+                worth = tl.where(gg == g, m1, worth)
         worth = tl.where(worth == worth, worth, float("-inf"))
         gfree = gg < G
         keep = e < 0
@@ -149,5 +152,5 @@ def route_biased(logits: torch.Tensor, bias: torch.Tensor, moe, out_dtype: torch
                              K=moe.top_k, BE=next_pow2(e), BK=next_pow2(moe.top_k),
                              SIGMOID=moe.scoring == "sigmoid", NORM=bool(moe.norm_topk_prob),
                              G=moe.n_group if grouped else 1, PER=e // moe.n_group if grouped else e,
-                             TOPG=moe.topk_group, BG=next_pow2(moe.n_group))
+                             TOPG=moe.topk_group, BG=next_pow2(moe.n_group), TOP2=moe.group_score == "top2")
     return weights, ids

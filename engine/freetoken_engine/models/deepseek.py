@@ -1,0 +1,95 @@
+"""Families on multi-head latent attention (``layers/mla.py``).
+
+DeepSeek-V3 / V3.1 / R1 (``deepseek_v3``; Kimi-K2 publishes the same architecture): queries
+through a ``q_lora_rank`` bottleneck, keys and values through a ``kv_lora_rank`` latent and one
+shared rotated key; dense MLPs in the first ``first_k_dense_replace`` layers, then GLM's routing
+(GLM-4.5 took it from here: sigmoid scores, a correction bias that steers the choice, group-
+limited top k, weights times ``routed_scaling_factor``) and ``n_shared_experts`` shared experts;
+a yarn rotary whose ``mscale_all_dim`` also scales every score. The checkpoint's MTP layer is the
+layer after the model's own, as GLM's (``glm4_moe``).
+
+DeepSeek-V2 / V2-Lite / V2.5 / Coder-V2 (``deepseek_v2``): the same attention (V2-Lite without
+the query bottleneck), softmax routing without a correction bias, top k of all experts
+(``topk_method`` "greedy") or within the ``topk_group`` groups whose best expert scores highest
+("group_limited_greedy"), weights times ``routed_scaling_factor``.
+
+GLM-4.7-Flash (``glm4_moe_lite``): the latent attention with GLM's routing; which layers are
+dense is ``mlp_layer_types`` (by default the first).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..config import LatentAttnConfig, ModelConfig
+from ..errors import ConfigError
+from . import glm4_moe
+from .hf import Family, base, layer_kinds, moe, need
+
+
+def _latent(raw: dict) -> dict:
+    """The ``ModelConfig`` fields of a latent attention: its shape, one KV "head" of the rotated
+    key and the latent, and every score's scale (yarn's ``mscale_all_dim`` squared)."""
+    q_rank = raw.get("q_lora_rank")
+    a = LatentAttnConfig(kv_rank=int(need(raw, "kv_lora_rank")), nope_dim=int(need(raw, "qk_nope_head_dim")),
+                         rope_dim=int(need(raw, "qk_rope_head_dim")), v_dim=int(need(raw, "v_head_dim")),
+                         q_rank=None if q_rank is None else int(q_rank),
+                         interleaved=bool(raw.get("rope_interleave", True)))
+    bias = bool(raw.get("attention_bias", False))
+    return dict(mla=a, num_kv_heads=1, head_dim=a.cache_dim, qkv_bias=bias, o_bias=bias, qk_norm="none")
+
+
+def _dense_first(raw: dict, default: int) -> tuple[int, ...]:
+    layers = int(need(raw, "num_hidden_layers"))
+    dense = int(raw.get("first_k_dense_replace", default) or 0)
+    return tuple(range(min(dense, layers), layers))
+
+
+def _mtp(raw: dict) -> dict:
+    return dict(mtp_layers=int(raw.get("num_nextn_predict_layers") or 0), mtp_zero_first=True)
+
+
+def parse_v3(raw: dict) -> ModelConfig:
+    routed = glm4_moe._routed(raw, first_dense=3, norm_topk_prob=True)
+    return ModelConfig(**base(raw, **_latent(raw), moe=routed, **_mtp(raw)))
+
+
+def parse_v2(raw: dict) -> ModelConfig:
+    method = raw.get("topk_method", "greedy") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise ConfigError(f"config.json: DeepSeek-V2 topk_method {method!r} is not supported "
+                          f"(greedy, group_limited_greedy)")
+    if int(raw.get("moe_layer_freq", 1) or 1) != 1:
+        raise ConfigError(f"config.json: moe_layer_freq {raw['moe_layer_freq']} is not supported (1: every layer "
+                          f"after first_k_dense_replace)")
+    grouped = method == "group_limited_greedy"
+    inter = int(need(raw, "moe_intermediate_size"))
+    routed = moe(raw | {"num_experts": need(raw, "n_routed_experts")}, _dense_first(raw, 0), scoring="softmax",
+                 biased=True, group_score="max", n_group=int(raw.get("n_group") or 1) if grouped else 1,
+                 topk_group=int(raw.get("topk_group") or 1) if grouped else 1,
+                 routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                 shared_intermediate_size=inter * int(raw.get("n_shared_experts") or 0))
+    return ModelConfig(**base(raw, **_latent(raw), moe=routed))
+
+
+def parse_lite(raw: dict) -> ModelConfig:
+    layers = int(need(raw, "num_hidden_layers"))
+    kinds = raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
+    kinds = layer_kinds("mlp_layer_types", kinds, layers, ("dense", "sparse"))
+    routed = glm4_moe._routed(raw, first_dense=0, norm_topk_prob=True)
+    sparse = tuple(i for i, k in enumerate(kinds) if k == "sparse")
+    return ModelConfig(**base(raw, **_latent(raw), moe=replace(routed, layers=sparse), **_mtp(raw)))
+
+
+def _source_v2(cfg: ModelConfig, name: str):
+    """DeepSeek-V2's router has no correction bias: the engine's biased router takes zeros (the
+    choice by plain scores); its shared experts are ``mlp.shared_experts``."""
+    if name.endswith(".mlp.gate.e_score_correction_bias"):
+        return name[:-len("e_score_correction_bias")] + "weight", lambda w: w.new_zeros(w.shape[0])
+    return glm4_moe._source(cfg, name)
+
+
+V3 = Family("deepseek_v3", parse_v3, source=glm4_moe._source, skip=glm4_moe.skip, mtp_layer=glm4_moe._mtp_layer)
+V2 = Family("deepseek_v2", parse_v2, source=_source_v2)
+GLM4_MOE_LITE = Family("glm4_moe_lite", parse_lite, source=glm4_moe._source, skip=glm4_moe.skip,
+                       mtp_layer=glm4_moe._mtp_layer)
+FAMILIES = (V3, V2, GLM4_MOE_LITE)
