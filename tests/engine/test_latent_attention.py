@@ -6,6 +6,7 @@ DeepSeek-V3's MTP layer as the drafter. Parity of the default tiny checkpoints i
 test_parity.py, the Triton path in test_triton_engine.py."""
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
@@ -19,6 +20,7 @@ from test_glm_mtp import drafts_are_the_references, glm_mtp_parts
 from test_minimax_m2 import _edit
 from test_mtp import PROMPTS
 from test_parity import PROMPT, check
+from test_scheduler import GREEDY, collect, prompts, service
 from tiny_models import copy_folder, make_tiny_checkpoint
 
 # DeepSeek-V3's published yarn (factor 40, mscale 1 over mscale_all_dim 1) at a tiny scale
@@ -79,11 +81,13 @@ def _top2(cfg):
 
 
 def test_the_kv_pool_holds_one_latent_per_token(tiny_checkpoint):
-    """Per token and layer the pool keeps the rotated key and the latent (as key and as value):
-    2 x (4 + 16) values where the expanded heads would take 4 x (8 + 4 + 6) x 2."""
+    """Per token and layer the pool keeps the rotated key and the latent once, as key and as
+    value: 4 + 16 values where the expanded heads would take 4 x (8 + 4 + 6)."""
     llm = LLM(tiny_checkpoint("deepseek_v3"))
-    k, v = llm.runner.kv.k, llm.runner.kv.v
-    assert k.shape[2:] == v.shape[2:] == (1, 4 + 16)
+    pool = llm.runner.kv
+    k, v = pool.k, pool.v
+    assert k.shape[2:] == (1, 4 + 16) and v.data_ptr() == k.data_ptr()
+    assert pool.nbytes == k.shape[0] * k.shape[1] * (4 + 16) * k.element_size()
     cfg = llm.runner.mcfg
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim) == (1, 20, 4)
     out = llm.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
@@ -121,3 +125,23 @@ def test_deepseek_v3_mtp_drafts_are_the_reference_drafts_and_change_no_token(tmp
     path = make_tiny_checkpoint(tmp_path / "v3", "deepseek_v3")
     drafts_are_the_references(path, glm_mtp_parts(path, family="deepseek_v3"), monkeypatch, PROMPTS[:1],
                               expert_cache_experts=5, cpu_expert_fraction=0.5)
+
+
+async def test_batched_requests_and_a_reused_prefix_are_each_as_alone(tiny_checkpoint):
+    """Through the scheduler: eight requests at once (decode tokens beside prompt chunks, the
+    expert cache and q* on), then a second turn over the first's cached prefix; each answer is
+    what the request gets alone."""
+    folder = tiny_checkpoint("deepseek_v3")
+    llm = LLM(folder)
+    svc = service(folder, expert_cache_experts=5, cpu_expert_fraction=0.5, max_batch=8, prefill_chunk=8)
+    try:
+        batch = prompts(8)
+        got = await asyncio.gather(*(collect(svc, p) for p in batch))
+        assert got == [llm.generate(p, GREEDY).token_ids for p in batch]
+        turn2 = batch[7] + got[7] + [11, 12]
+        handle = svc.submit(turn2, GREEDY)
+        out = [ev.token_id async for ev in handle if ev.token_id is not None]
+        assert handle.cached_tokens >= 16 and out == llm.generate(turn2, GREEDY).token_ids
+        svc.scheduler.check_integrity()
+    finally:
+        svc.shutdown()

@@ -2,6 +2,9 @@
 
 ``k[layer]`` / ``v[layer]`` are ``[num_blocks * block_size, kv_heads, head_dim]``; a token at
 position p of a sequence lives at slot ``block_table[p // block_size] * block_size + p % block_size``.
+With ``shared_values`` (latent attention: a token's value row is its key row) ``v`` is ``k``, one
+tensor: every writer stores the value before the key (``layers/attention.py``, the decode
+kernels), so the key, the later store, is what stays.
 Not thread-safe: owned by the scheduler thread.
 """
 from __future__ import annotations
@@ -11,18 +14,20 @@ import torch
 from ..errors import OutOfKVCache
 
 
-def kv_pool_bytes(layers: int, tokens: int, kv_heads: int, head_dim: int, itemsize: int) -> int:
+def kv_pool_bytes(layers: int, tokens: int, kv_heads: int, head_dim: int, itemsize: int,
+                  shared_values: bool = False) -> int:
     """Bytes a ``KVPool`` of ``tokens`` slots takes (K and V for every layer), before making it."""
-    return 2 * layers * tokens * kv_heads * head_dim * itemsize
+    return (1 if shared_values else 2) * layers * tokens * kv_heads * head_dim * itemsize
 
 
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, shared_values: bool = False):
         self.num_blocks, self.block_size = num_blocks, block_size
         shape = (num_layers, num_blocks * block_size, kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.shared_values = shared_values
+        self.v = self.k if shared_values else torch.zeros(shape, dtype=dtype, device=device)
         self.refs = [0] * num_blocks
         self._free = list(range(num_blocks - 1, -1, -1))
 
@@ -36,7 +41,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return (1 if self.shared_values else 2) * self.k.numel() * self.k.element_size()
 
     def allocate(self, n: int) -> list[int]:
         """Take ``n`` free blocks (reference count 1 each) or raise ``OutOfKVCache``."""
@@ -74,7 +79,8 @@ class KVPool:
         shared block whose tail a new sequence writes differently)."""
         a, b = src * self.block_size, dst * self.block_size
         self.k[:, b:b + n].copy_(self.k[:, a:a + n])
-        self.v[:, b:b + n].copy_(self.v[:, a:a + n])
+        if not self.shared_values:
+            self.v[:, b:b + n].copy_(self.v[:, a:a + n])
 
     def check_integrity(self) -> None:
         free = set(self._free)

@@ -87,7 +87,8 @@ def cache_experts(cfg, mcfg, bank, device: torch.device, dtype: torch.dtype, max
         n = total
     else:                 # what is left after the KV pool, the layer buffers and a prefill step
         size = dtype.itemsize
-        kv = kv_pool_bytes(mcfg.kv_layers, kv_blocks * cfg.kv_block_size, mcfg.num_kv_heads, mcfg.head_dim, size)
+        kv = kv_pool_bytes(mcfg.kv_layers, kv_blocks * cfg.kv_block_size, mcfg.num_kv_heads, mcfg.head_dim, size,
+                           shared_values=mcfg.mla is not None)
         if mcfg.linear_layers:   # the recurrent states: about their default budget (state_slots)
             slot = StatePool.slot_bytes(len(mcfg.linear_layers), mcfg.linear, size)
             kv += min(STATE_BUDGET["cuda"], 64 * slot) + cfg.max_batch * slot

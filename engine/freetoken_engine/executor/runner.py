@@ -111,7 +111,7 @@ class ModelRunner(GraphWarmup):
             self._make_experts()
         m = self.mcfg
         self.kv = KVPool(m.kv_layers, kv_blocks, cfg.kv_block_size,
-                         m.num_kv_heads, m.head_dim, self.dtype, self.device)
+                         m.num_kv_heads, m.head_dim, self.dtype, self.device, shared_values=m.mla is not None)
         self.states = self._make_states()
         # a hybrid draft's verification as chained decode rows (executor/inputs.as_decode_rows): on a
         # GPU, where they replay a decode graph; the CPU keeps the chunk, which ran faster there

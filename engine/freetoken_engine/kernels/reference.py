@@ -155,7 +155,8 @@ def decode_attention_forward(qkv: torch.Tensor, heads: int, kv_heads: int, head_
     if q_norm is not None:
         q, k = rms_norm_forward(q, q_norm, eps), rms_norm_forward(k, k_norm, eps)
     q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
-    k_cache[slot], v_cache[slot] = k, v
+    v_cache[slot] = v                   # V first: the pool's V may be its K (cache/kv.py)
+    k_cache[slot] = k
     out = []
     for i in range(b):
         n = int(kv_len[i])

@@ -146,8 +146,8 @@ class Attention(nn.Module):
             if impl is not None:
                 return self._out(self._beside_chunks(impl, x, batch, cos, sin, k_cache, v_cache), x)
         q, k, v = self._project(x, None, cos, sin)
-        k_cache.index_copy_(0, batch.slot_mapping, k)                      # write new K/V
-        v_cache.index_copy_(0, batch.slot_mapping, v)
+        v_cache.index_copy_(0, batch.slot_mapping, v)     # write new K/V (V first: it may be K, cache/kv.py)
+        k_cache.index_copy_(0, batch.slot_mapping, k)
         if per_chunk:
             return self._out(self._by_sequence(q, k_cache, v_cache, batch).reshape(t, self.h * self.d), x)
         b, lmax = batch.kv_index.shape
@@ -241,8 +241,8 @@ class Attention(nn.Module):
             ends, batch.write_first))
         q, k, v = self._project(x, qkv.index_select(0, keep), cos.index_select(0, keep), sin.index_select(0, keep))
         slots = batch.slot_mapping.index_select(0, keep)
-        k_cache.index_copy_(0, slots, k)
         v_cache.index_copy_(0, slots, v)
+        k_cache.index_copy_(0, slots, k)
         got = torch.empty_like(q)
         self._chunks(q, k_cache, v_cache, batch, got, singles_in_rows=False)
         out.index_copy_(0, keep, got.reshape(-1, self.h * self.d))

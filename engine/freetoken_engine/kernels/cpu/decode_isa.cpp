@@ -129,9 +129,9 @@ void attn(const FtAttn* p, int64_t b0, int64_t b1, float* scratch) {
     for (int64_t g = 0; g < kvh && p->phase != 2; ++g) {   // the new token's K (normed, rotated) and V
       norm_rope<B16>(x + (h + g) * d * es, p->kn_w, p->eps, cs, sn, d, p->rot, tmp, kf);
       const void* v = x + (h + kvh + g) * d * es;
-      for (int64_t i = 0; i < d; ++i) {
-        st<B16>(p->k_cache, (slot * kvh + g) * d + i, kf[i]);
+      for (int64_t i = 0; i < d; ++i) {      // V first: the pool's V may be its K (cache/kv.py)
         st<B16>(p->v_cache, (slot * kvh + g) * d + i, ld<B16>(v, i));
+        st<B16>(p->k_cache, (slot * kvh + g) * d + i, kf[i]);
       }
     }
     if (p->phase == 1) continue;

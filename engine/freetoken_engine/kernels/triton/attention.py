@@ -71,9 +71,9 @@ def _rope_write_kernel(qkv, qw, kw, cos, sin, slots, q_out, k_cache, v_cache, ep
     else:
         slot = tl.load(slots + t)
         kh = hh - H
-        tl.store(k_cache + (slot * KVH + kh) * D + d, y)
         v = tl.load(qkv + t * row_stride + (H + KVH + kh) * D + d)
-        tl.store(v_cache + (slot * KVH + kh) * D + d, v)
+        tl.store(v_cache + (slot * KVH + kh) * D + d, v)          # V first: it may be K (cache/kv.py)
+        tl.store(k_cache + (slot * KVH + kh) * D + d, y)
 
 
 @triton.jit
