@@ -165,6 +165,45 @@ def test_multi_sequence_batch_is_independent_of_threads(isas):
     assert torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("case", [((19,), 12, 4, 24, None), ((19, 7), 12, 4, 24, None), ((33,), 16, 1, 72, 9)],
+                         ids=["one_row_gqa", "two_rows_gqa", "one_row_one_kv_head"])
+def test_query_heads_split_among_threads_give_the_same_bits(isas, case):
+    """Fewer rows than threads: each row's query heads are split among the threads (3 and 5
+    threads cut a KV head's group of 3 heads in two), the K/V written first. Every thread count
+    gives the same bits and the reference's output."""
+    lens, h, kvh, d, window = case
+    args = attention_problem(lens, h, kvh, d, torch.float32, True)
+    ref_k, ref32 = references(args, window, d ** -0.5)
+    outs = []
+    for threads in (1, 2, 3, 5):
+        ce.configure(threads=threads)
+        k_cache = args[9].clone()
+        outs.append(ca.decode_attention(*args[:9], k_cache, args[10].clone(), *args[11:], window, d ** -0.5))
+        assert (k_cache - ref_k).abs().max() <= 1e-6
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert (outs[0] - ref32).abs().max() <= 1e-5 * ref32.abs().max() + 1e-6
+
+
+def test_values_that_are_the_keys_read_the_rotated_keys_latent_parts(isas):
+    """A latent attention's pool (cache/kv.py ``shared_values``): one tensor as K and V, each new
+    token's value row its unrotated key row. The kernel leaves the rotated key in the slot, and
+    every head's output past the rotated dimensions is what separate caches holding the same
+    rows give."""
+    rot, h, d = 8, 16, 40
+    args = attention_problem((21, 5), h, 1, d, torch.float32, False, rot=rot)
+    qkv = args[0].view(2, h + 2, d)
+    qkv[:, h + 1] = qkv[:, h]                                  # the value row is the key row
+    keys = args[9]
+    ref_k, _ = references(args, None, 0.1)
+    apart = ca.decode_attention(*args[:9], keys.clone(), keys.clone(), *args[11:], None, 0.1)
+    for threads in (1, 2):
+        ce.configure(threads=threads)
+        pool = keys.clone()
+        got = ca.decode_attention(*args[:9], pool, pool, *args[11:], None, 0.1)
+        assert (pool - ref_k).abs().max() <= 1e-6
+        assert torch.equal(got.view(2, h, d)[..., rot:], apart.view(2, h, d)[..., rot:])
+
+
 @pytest.mark.parametrize("model_type", ["glm4_moe", "minimax_m2", "olmoe", "qwen3_next", "hunyuan_v1_moe"])
 def test_partial_rotary_and_whole_projection_norms_decode_through_the_fused_kernel(tiny_checkpoint, monkeypatch,
                                                                                   model_type):

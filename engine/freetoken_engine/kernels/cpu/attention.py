@@ -27,7 +27,7 @@ class _FtAttn(ctypes.Structure):   # FtAttn in experts.h, field for field
                 ("kn_w", _vp), ("eps", ctypes.c_float), ("cos", _vp), ("sin", _vp), ("k_cache", _vp),
                 ("v_cache", _vp), ("slot", _vp), ("kv_index", _vp), ("lmax", _i64), ("kv_len", _vp),
                 ("window", _i64), ("scale", ctypes.c_float), ("bf16", ctypes.c_int), ("phase", ctypes.c_int),
-                ("out", _vp), ("scratch", _vp), ("rot", _i64)]
+                ("out", _vp), ("scratch", _vp), ("rot", _i64), ("hsplit", _i64)]
 
 
 def supported(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -58,7 +58,7 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int
                     None if q_norm is None else q_norm.data_ptr(), None if k_norm is None else k_norm.data_ptr(),
                     eps, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot.data_ptr(),
                     kv_index.data_ptr(), kv_index.shape[1], kv_len.data_ptr(), window or 0, scale,
-                    int(qkv.dtype == torch.bfloat16), phase, out.data_ptr(), None, cos.shape[-1])
+                    int(qkv.dtype == torch.bfloat16), phase, out.data_ptr(), None, cos.shape[-1], 0)
         if lib.ft_attn(ctypes.addressof(p)) != 0:
             raise ValueError(lib.ft_last_error().decode())
     return out

@@ -112,21 +112,27 @@ float dot(const float* q, const void* k, int64_t d) {
   return s;
 }
 
+// Work items [i0, i1) of the call: item i is row b = i / split's query heads [c h / split,
+// (c + 1) h / split), c = i % split (split = p->hsplit, at least 1). With split 1 an item also
+// writes its row's new K/V (unless phase 2); with more, the caller wrote every row first.
 template <bool B16>
-void attn(const FtAttn* p, int64_t b0, int64_t b1, float* scratch) {
+void attn(const FtAttn* p, int64_t i0, int64_t i1, float* scratch) {
   const int64_t h = p->h, kvh = p->kvh, d = p->d, grp = h / kvh, es = B16 ? 2 : 4;
+  const int64_t split = p->hsplit > 1 ? p->hsplit : 1;
   const int64_t row = (h + 2 * kvh) * d;
   float* qf = scratch;                 // [h, d] normed + rotated queries
   float* kf = qf + h * d;              // [d]
   float* tmp = kf + d;                 // [d]
-  float* acc = tmp + d;                // [d]
-  float* sc = acc + d;                 // [grp, lmax] scores, then probabilities
-  for (int64_t b = b0; b < b1; ++b) {
+  float* sc = tmp + d;                 // [grp, lmax] scores, then weights
+  float* acc = sc + grp * p->lmax;     // [grp, d] a KV head's query heads' sums
+  for (int64_t it = i0; it < i1; ++it) {
+    const int64_t b = it / split, c = it % split;
+    const int64_t h0 = c * h / split, h1 = (c + 1) * h / split;
     const char* x = (const char*)p->qkv + b * row * es;
     const void* cs = (const char*)p->cos + b * p->rot * es;
     const void* sn = (const char*)p->sin + b * p->rot * es;
     const int64_t slot = p->slot[b];
-    for (int64_t g = 0; g < kvh && p->phase != 2; ++g) {   // the new token's K (normed, rotated) and V
+    for (int64_t g = 0; g < kvh && p->phase != 2 && split == 1; ++g) {   // the new token's K (normed, rotated) and V
       norm_rope<B16>(x + (h + g) * d * es, p->kn_w, p->eps, cs, sn, d, p->rot, tmp, kf);
       const void* v = x + (h + kvh + g) * d * es;
       for (int64_t i = 0; i < d; ++i) {      // V first: the pool's V may be its K (cache/kv.py)
@@ -134,18 +140,20 @@ void attn(const FtAttn* p, int64_t b0, int64_t b1, float* scratch) {
         st<B16>(p->k_cache, (slot * kvh + g) * d + i, kf[i]);
       }
     }
-    if (p->phase == 1) continue;
-    for (int64_t hq = 0; hq < h; ++hq)
+    if (p->phase == 1 || h0 == h1) continue;
+    for (int64_t hq = h0; hq < h1; ++hq)
       norm_rope<B16>(x + hq * d * es, p->qn_w, p->eps, cs, sn, d, p->rot, tmp, qf + hq * d);
     const int64_t len = p->kv_len[b];
     const int64_t lo = p->window > 0 && len > p->window ? len - p->window : 0;
     const int64_t* idx = p->kv_index + b * p->lmax;
-    for (int64_t g = 0; g < kvh; ++g) {
+    for (int64_t g = h0 / grp; g * grp < h1; ++g) {
+      const int64_t q0 = (h0 > g * grp ? h0 : g * grp) - g * grp;
+      const int64_t q1 = (h1 < (g + 1) * grp ? h1 : (g + 1) * grp) - g * grp;
       for (int64_t j = lo; j < len; ++j) {
         const void* key = (const char*)p->k_cache + (idx[j] * kvh + g) * d * es;
-        for (int64_t q = 0; q < grp; ++q) sc[q * p->lmax + j] = dot<B16>(qf + (g * grp + q) * d, key, d) * p->scale;
+        for (int64_t q = q0; q < q1; ++q) sc[q * p->lmax + j] = dot<B16>(qf + (g * grp + q) * d, key, d) * p->scale;
       }
-      for (int64_t q = 0; q < grp; ++q) {
+      for (int64_t q = q0; q < q1; ++q) {
         float* s = sc + q * p->lmax;
         float m = s[lo];
         for (int64_t j = lo + 1; j < len; ++j) m = s[j] > m ? s[j] : m;
@@ -154,14 +162,19 @@ void attn(const FtAttn* p, int64_t b0, int64_t b1, float* scratch) {
           s[j] = expf(s[j] - m);
           z += s[j];
         }
-        for (int64_t i = 0; i < d; ++i) acc[i] = 0.f;
-        for (int64_t j = lo; j < len; ++j) {
-          const void* v = (const char*)p->v_cache + (idx[j] * kvh + g) * d * es;
-          const float w = s[j] / z;
-          for (int64_t i = 0; i < d; ++i) acc[i] += w * ld<B16>(v, i);
-        }
-        for (int64_t i = 0; i < d; ++i) st<B16>(p->out, b * h * d + (g * grp + q) * d + i, acc[i]);
+        for (int64_t j = lo; j < len; ++j) s[j] = s[j] / z;
+        for (int64_t i = 0; i < d; ++i) acc[q * d + i] = 0.f;
       }
+      for (int64_t j = lo; j < len; ++j) {   // each value row read once for the group's heads
+        const void* v = (const char*)p->v_cache + (idx[j] * kvh + g) * d * es;
+        for (int64_t q = q0; q < q1; ++q) {
+          const float w = sc[q * p->lmax + j];
+          float* a = acc + q * d;
+          for (int64_t i = 0; i < d; ++i) a[i] += w * ld<B16>(v, i);
+        }
+      }
+      for (int64_t q = q0; q < q1; ++q)
+        for (int64_t i = 0; i < d; ++i) st<B16>(p->out, b * h * d + (g * grp + q) * d + i, acc[q * d + i]);
     }
   }
 }

@@ -406,11 +406,24 @@ int ft_attn(FtAttn* p) {
   AttnJob J;
   J.p = p;
   J.fn = attn_of(g_isa);
-  J.per = (p->h / p->kvh) * p->lmax + (p->h + 3) * p->d + 16;
-  const int n = p->B > 1 ? g_threads : 1;
+  const int64_t grp = p->h / p->kvh;
+  J.per = grp * p->lmax + (p->h + 2) * p->d + grp * p->d + 16;
+  // fewer rows than threads (one sequence decoding, a latent attention's 16 or 128 heads on one
+  // KV head): each row's query heads split among the threads, every row's K/V written first
+  p->hsplit = p->B < g_threads && p->phase != 1 && p->h > 1 ? (g_threads + p->B - 1) / p->B : 1;
+  if (p->hsplit > p->h) p->hsplit = p->h;
+  J.items = p->B * p->hsplit;
+  const int n = J.items > 1 ? g_threads : 1;
   s_attn.resize((size_t)(J.per * n));
   p->scratch = s_attn.data();
-  if (n == 1) J.fn(p, 0, p->B, p->scratch);
+  if (p->hsplit > 1 && p->phase == 0) {      // the writes, on this thread, before any row attends
+    FtAttn w = *p;
+    w.phase = 1;
+    w.hsplit = 1;
+    J.fn(&w, 0, p->B, p->scratch);
+    p->phase = 2;
+  }
+  if (n == 1) J.fn(p, 0, J.items, p->scratch);
   else pool_run(pool_get(), attn_job, &J);
   return 0;
 }

@@ -111,8 +111,9 @@ struct FtAttn {
                                 // (1 then 2: rows of one sequence at consecutive positions, a draft's
                                 // verification, see every row's K/V whichever thread runs them)
   void* out;                    // [B, h d]
-  float* scratch;               // >= (h / kvh) * lmax + 2 (h + kvh) d floats per participant
+  float* scratch;               // set by ft_attn: its own per-participant scratch
   int64_t rot;                  // the first rot <= d dimensions of each head rotate (cos, sin: [B, rot])
+  int64_t hsplit;               // set by ft_attn: each row's query heads in this many work items
 };
 
 typedef void (*ft_norm_fn)(const FtNorm*);

@@ -36,6 +36,7 @@ struct AttnJob {
   const FtAttn* p;
   ft_attn_fn fn;
   int64_t per;                     // scratch floats per participant
+  int64_t items;                   // rows x FtAttn::hsplit
   std::atomic<int64_t> next{0};
 };
 
@@ -44,7 +45,7 @@ void attn_job(void* c, int tid, int n) {
   AttnJob* J = (AttnJob*)c;
   for (;;) {
     const int64_t b = J->next.fetch_add(1, std::memory_order_relaxed);
-    if (b >= J->p->B) return;
+    if (b >= J->items) return;
     J->fn(J->p, b, b + 1, J->p->scratch + tid * J->per);
   }
 }
