@@ -159,9 +159,13 @@ def walk(tokenizer, grammar: str, text: str) -> tuple[int, bool]:
     return grammar_walk(tokenizer, tokenizer.vocab_size, grammar, text, None)
 
 
-def allowed(tokenizer, grammar: str, text: str) -> str:
-    """How much of ``text`` the masks let through."""
-    return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False)[:walk(tokenizer, grammar, text)[0]])
+def allowed(tokenizer, grammar: str, text: str, keep: tuple[str, ...] = ()) -> str:
+    """How much of ``text`` the masks let through (``keep``: special tags decoded too)."""
+    ids = tokenizer.encode(text, add_special_tokens=False)[:walk(tokenizer, grammar, text)[0]]
+    if not keep:
+        return tokenizer.decode(ids)
+    decoder = tokenizer.stream_decoder(keep)
+    return "".join(decoder.step(i) for i in ids)
 
 
 @pytest.mark.parametrize("text, wrong", [
@@ -177,15 +181,15 @@ def test_calls_after_the_tag_are_held_to_their_schemas(folder, text, wrong):
     held_to(tokenizer, tool_grammars(tokenizer, prompt())[0], text, wrong)
 
 
-def held_to(tokenizer, grammar: str, text: str, wrong: str | None) -> None:
+def held_to(tokenizer, grammar: str, text: str, wrong: str | None, keep: tuple[str, ...] = ()) -> None:
     """``text`` is allowed whole and completes ``grammar``; or, with ``wrong``, is cut where
-    ``wrong`` starts (within a token or so)."""
+    ``wrong`` starts (within a token or so; ``keep``: special tags counted too)."""
     n, complete = walk(tokenizer, grammar, text)
     if wrong is None:
         assert complete and n == len(tokenizer.encode(text, add_special_tokens=False))
     else:
         at = text.index(wrong)
-        assert not complete and at - 4 <= len(allowed(tokenizer, grammar, text)) < at + len(wrong)
+        assert not complete and at - 4 <= len(allowed(tokenizer, grammar, text, keep)) < at + len(wrong)
 
 
 def test_forced_rests_start_where_the_prefill_ends(folder):

@@ -25,6 +25,11 @@ or LFM2's (``style="pythonic"``), Python calls in a block (``parser_pythonic.Pyt
 
     <|tool_call_start|>[f(path="src/app.py", n=3), g()]<|tool_call_end|>
 
+or DeepSeek-V3.1's (``style="deepseek"``; V3 and R1's, with the arguments fenced, ``"deepseek_fenced"``),
+calls between DeepSeek's tokens (``parser_deepseek.DeepSeekCalls``):
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{"path": "src/app.py"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
 An XML, GLM or MiniMax call's arguments become a JSON object, each value typed by the tool's JSON Schema
 (``schemas``: tool name -> its ``parameters``): integers, numbers, booleans, null, objects and
 arrays are parsed from their text when it is valid, strings and unknown parameters stay text.
@@ -46,6 +51,8 @@ ordinary content (so nothing the model wrote is lost). Not thread-safe; one per 
 """
 from __future__ import annotations
 
+from .parser_deepseek import CALLS_BEGIN, DeepSeekCalls
+from .parser_deepseek import TAGS as DEEPSEEK_TAGS
 from .parser_list import CallList
 from .parser_pythonic import PYTHONIC_CLOSE, PYTHONIC_OPEN, PythonicBlock
 from .parser_tagged import (_TAGGED, ARG_KEY, FUNCTION_OPEN, GLM_TAGS, INVOKE, MINIMAX_CLOSE, MINIMAX_OPEN, TOOL_CLOSE,
@@ -64,7 +71,9 @@ GRANITE_OPEN = "<|tool_call|>"        # Granite's token before its JSON list of 
 # styles read by a reader object after their opening tag: (opening tag, the tags a stream
 # decoder keeps, the reader)
 _LISTED = {"granite": (GRANITE_OPEN, (GRANITE_OPEN,), CallList),
-           "pythonic": (PYTHONIC_OPEN, (PYTHONIC_OPEN, PYTHONIC_CLOSE), PythonicBlock)}
+           "pythonic": (PYTHONIC_OPEN, (PYTHONIC_OPEN, PYTHONIC_CLOSE), PythonicBlock),
+           "deepseek": (CALLS_BEGIN, DEEPSEEK_TAGS, DeepSeekCalls),
+           "deepseek_fenced": (CALLS_BEGIN, DEEPSEEK_TAGS, DeepSeekCalls)}
 
 
 def opening_tag(style: str) -> str:
@@ -97,7 +106,7 @@ class OutputParser(TaggedSteps):
             raise ValueError(f"tool-call style {style!r}: one of json, {', '.join((*_LISTED, *_TAGGED))}")
         self.tools, self.xml, self.schemas = tools, style == "xml", schemas or {}
         self.tagged = _TAGGED.get(style)   # None: Hermes JSON bodies, or a reader's style (_LISTED)
-        self.listed: CallList | PythonicBlock | None = None   # Granite's list, LFM2's block being read
+        self.listed: CallList | PythonicBlock | DeepSeekCalls | None = None   # a list or block being read
         self.reader = _LISTED[style][2] if style in _LISTED else None
         self.tool_open = opening_tag(style)
         self.tool_close = self.tagged.close if self.tagged else TOOL_CLOSE

@@ -30,6 +30,7 @@ import json
 from dataclasses import dataclass
 
 from .errors import ApiError
+from .parser_deepseek import CALL_BEGIN, CALLS_BEGIN, FENCE, SEP
 from .parser import (ARG_KEY, FUNCTION_OPEN, GRANITE_OPEN, INVOKE, MINIMAX_OPEN, PYTHONIC_OPEN, THINK_CLOSE,
                      THINK_OPEN, TOOL_OPEN)
 
@@ -49,7 +50,7 @@ class Prompt:
     prefill: str              # text already "written" by the assistant (fed to the parser first)
     tools: bool               # parse tool calls
     style: str = "json"       # the tool calls' format: "json" (Hermes), "xml" (Qwen3.5, Qwen3-Coder), "glm", "minimax",
-    #                           "granite", "pythonic" (LFM2)
+    #                           "granite", "pythonic" (LFM2), "deepseek" (V3.1), "deepseek_fenced" (V3, R1)
     schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
     strict: frozenset[str] = frozenset()   # tools whose calls must follow their schema (``strict``)
     forced: str | None = None     # the prompt opened a tool call: "required", or the named tool
@@ -59,7 +60,8 @@ class Prompt:
 def tool_style(tokenizer) -> str:
     """The tool-call format the model's chat template teaches: "minimax" when it writes
     ``<minimax:tool_call>``, "granite" when it writes ``<|tool_call|>``, "pythonic" when it writes
-    ``<|tool_call_start|>``, "xml" when it writes
+    ``<|tool_call_start|>``, "deepseek" / "deepseek_fenced" when it writes ``<｜tool▁calls▁begin｜>``
+    (the second also a fenced JSON block), "xml" when it writes
     ``<function=``, "glm" when it writes ``<arg_key>``, else "json"."""
     template = getattr(tokenizer, "chat_template", None) or ""
     if MINIMAX_OPEN in template:
@@ -68,6 +70,8 @@ def tool_style(tokenizer) -> str:
         return "granite"
     if PYTHONIC_OPEN in template:
         return "pythonic"
+    if CALLS_BEGIN in template:        # DeepSeek's calls: V3 and R1 fence their arguments, V3.1 does not
+        return "deepseek_fenced" if FENCE in template else "deepseek"
     return "xml" if FUNCTION_OPEN in template else "glm" if ARG_KEY in template else "json"
 
 
@@ -101,6 +105,8 @@ _PREFILLS = {
     "glm": (TOOL_OPEN, lambda name, after: name + after),
     "minimax": (f"{MINIMAX_OPEN}\n{INVOKE}", lambda name, after: f'{name}">\n'),
     "pythonic": (f"{PYTHONIC_OPEN}[", lambda name, after: f"{name}("),
+    "deepseek": (CALLS_BEGIN + CALL_BEGIN, lambda name, after: name + SEP),
+    "deepseek_fenced": (f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}", lambda name, after: f"{name}\n{FENCE}\n"),
 }
 
 

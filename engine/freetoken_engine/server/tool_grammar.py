@@ -1,6 +1,6 @@
 """Grammars that hold tool calls to their tools' schemas, in the chat template's own format.
 
-Six formats (``prompt.tool_style``):
+Seven formats (``prompt.tool_style``):
 
 - JSON (Hermes; Qwen3): ``<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>``;
   the arguments are JSON for the tool's schema, spaced as the templates' ``tojson`` writes it.
@@ -19,6 +19,9 @@ Six formats (``prompt.tool_style``):
   JSON for their schema.
 - Granite (3.x): ``<|tool_call|>[{"name": "NAME", "arguments": {...}}, ...]``, every call of the
   turn in one JSON list, no closing tag.
+- DeepSeek (V3.1): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
+  <｜tool▁calls▁end｜>``; V3 and R1 (``deepseek_fenced``) write ``function<｜tool▁sep｜>NAME``, then the
+  arguments in a fenced JSON block.
 
 ``tool_grammars`` returns two grammars: a call from after its ``<tool_call>`` token (the model
 opened it), and the rest of the answer when the prompt's pre-fill already opened a call
@@ -37,6 +40,7 @@ from ..errors import InvalidRequest
 from ..executor import guide
 from .errors import ApiError
 from .parser import INVOKE, MINIMAX_CLOSE, PYTHONIC_CLOSE, TOOL_CLOSE, TOOL_OPEN
+from .parser_deepseek import CALL_BEGIN, CALL_END, CALLS_END, FENCE, FENCE_END, SEP
 
 _COMPACT = {"whitespace_flexible": False}
 _SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -162,6 +166,8 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
         return _minimax(schemas, prompt, tag)
     if prompt.style == "pythonic":
         return _pythonic(schemas, prompt, tag)
+    if prompt.style in ("deepseek", "deepseek_fenced"):
+        return _deepseek(schemas, prompt, tag, fenced=prompt.style == "deepseek_fenced")
     close = tag(TOOL_CLOSE)
     xml, glm = prompt.style == "xml", prompt.style == "glm"
     rules = _Rules()
@@ -250,6 +256,27 @@ def _pythonic(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
     end = f'"]" {tag(PYTHONIC_CLOSE)}'
     return _held(rules, prompt, f'"[" {call}{more} {end}', lambda name: f'{params[name]} ")" {end}',
                  f"{call}{more} {end}")
+
+
+def _deepseek(schemas: dict, prompt, tag, fenced: bool) -> tuple[str | None, str | None]:
+    """DeepSeek: after ``<｜tool▁calls▁begin｜>`` one or more calls (one without parallel calls),
+    each ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` (fenced: ``function<｜tool▁sep｜>
+    NAME``, a newline, the arguments between ```` ```json ```` lines), then the block's close. The
+    pre-fill of a required call ends where the first name is written, a named one's where its
+    arguments start."""
+    args = {name: _json(schema if prompt.forced is not None or name in prompt.strict else None, _SPACED, "object")
+            for name, schema in schemas.items()}
+    if fenced:
+        head, body = f'"function" {tag(SEP)} ', lambda n: f'{_lit(n)} {_lit(chr(10) + FENCE + chr(10))} '
+        end = f'{_lit(chr(10) + FENCE_END)} {tag(CALL_END)}'
+    else:
+        head, body, end = "", lambda n: f"{_lit(n)} {tag(SEP)} ", tag(CALL_END)
+    named = "(" + " | ".join(f"{body(n)}{args[n]} {end}" for n in schemas) + ")"
+    call = f"/\\n?/ {tag(CALL_BEGIN)} {head}{named}"
+    more = f" ({call})*" if prompt.parallel else ""
+    close = f"/\\n?/ {tag(CALLS_END)}"
+    return _held(_Rules(), prompt, f"{call}{more} {close}", lambda name: f"{args[name]} {end} {close}",
+                 f"{named}{more} {close}")
 
 
 def _keywords(rules: _Rules, schema: dict | None) -> str:

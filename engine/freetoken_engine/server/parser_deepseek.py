@@ -1,0 +1,148 @@
+"""Tool calls in DeepSeek's tokens, streamed. DeepSeek-V3.1 / V3.1-Terminus (``style="deepseek"``):
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>
+
+DeepSeek-V3 (0324) and R1 (0528) (``style="deepseek_fenced"``) put the call's type before the
+separator and its arguments in a fenced JSON block after the name:
+
+    <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather
+    ```json
+    {"city": "Paris"}
+    ```<｜tool▁call▁end｜><｜tool▁calls▁end｜>
+
+``DeepSeekCalls`` reads the text after the block's opening tag as ``parser_list.CallList`` does
+(``feed(text) -> (events, rest)``, ``finish``, ``state``, ``unread``, ``index``), either layout
+told apart by what follows the separator: a call starts (``ToolStart``) once its name is known,
+its arguments stream as they arrive, it ends at its closing tag. Text where a call should begin
+that is not one is ``failed``: the text from that call on is ``unread``, shown as the model's
+text, so nothing it wrote is lost.
+"""
+from __future__ import annotations
+
+from .parser_text import JsonValueEnd, ToolArgs, ToolEnd, ToolStart, partial_tag
+
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+FENCE, FENCE_END = "```json", "```"
+TAGS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, SEP, CALL_END)
+
+
+class DeepSeekCalls:
+    def __init__(self, first: int):
+        self.index = first           # the next call's index
+        self.state = "between"       # between | head | kind | name | args | tail | done | failed
+        self.unread = ""
+        self._buf = ""               # text not yet taken
+        self._raw = ""               # the current call's text taken before its start was shown
+        self._lead = ""              # what came before the separator: the name, or "function"
+        self._end: JsonValueEnd | None = None
+
+    def feed(self, text: str) -> tuple[list, str]:
+        self._buf += text
+        out: list = []
+        while self.state not in ("done", "failed"):
+            before = (self.state, len(self._buf))
+            getattr(self, "_" + self.state)(out)
+            if (self.state, len(self._buf)) == before:
+                break                               # waiting for more text
+        if self.state == "done":
+            rest, self._buf = self._buf, ""
+            return out, rest
+        return out, ""
+
+    def finish(self) -> list:
+        """The end of generation: a started call ends with its arguments as far as they came;
+        one whose name was not yet read stays ``unread``."""
+        out: list = []
+        if self.state in ("args", "tail"):
+            if self.state == "args" and not self._end.started:
+                out.append(ToolArgs(self.index, "{}"))
+            self._end_call(out)
+        elif self.state != "done":
+            self.unread = self._raw + self._buf
+        return out
+
+    # -- states: each takes from the front of the buffer, or waits ---------------------------
+    def _between(self, out: list) -> None:
+        body = self._buf.lstrip()
+        if body.startswith(CALL_BEGIN):
+            self._raw, self._buf, self.state = CALL_BEGIN, body[len(CALL_BEGIN):], "head"
+        elif body.startswith(CALLS_END):
+            self._buf, self.state = body[len(CALLS_END):], "done"
+        elif body and not (CALL_BEGIN.startswith(body) or CALLS_END.startswith(body)):
+            self._fail()
+        else:
+            self._buf = body
+
+    def _head(self, out: list) -> None:
+        at = self._buf.find(SEP)
+        if at == -1:
+            if CALL_END in self._buf or CALLS_END in self._buf:
+                self._fail()
+            return
+        self._lead, self._raw = self._buf[:at].strip(), self._raw + self._buf[:at + len(SEP)]
+        self._buf, self.state = self._buf[at + len(SEP):], "kind"
+
+    def _kind(self, out: list) -> None:
+        """After the separator: V3.1's arguments, or V3's name line and fence."""
+        body = self._buf.lstrip()
+        if not body:
+            return
+        if self._lead == "function" and body[0] not in "{[" and not body.startswith(CALL_END):
+            self.state = "name"
+        elif not self._lead:
+            self._fail()
+        else:
+            self._start(self._lead, out)
+            self._buf = body
+
+    def _name(self, out: list) -> None:
+        at = self._buf.find(FENCE)
+        if at == -1:
+            if CALL_END in self._buf or self._buf.count("\n") > 1:
+                self._fail()
+            return
+        name = self._buf[:at].strip()
+        if not name:
+            self._fail()
+            return
+        self._buf = self._buf[at + len(FENCE):]
+        self._start(name, out)
+
+    def _args(self, out: list) -> None:
+        if not self._end.started:                   # whitespace before the value is not argument text
+            self._buf = self._buf.lstrip()
+            if not self._buf:
+                return
+            if self._buf[0] not in "{[":            # no arguments written (or not JSON): none
+                out.append(ToolArgs(self.index, "{}"))
+                self.state = "tail"
+                return
+        n = self._end.feed(self._buf)
+        if n:
+            out.append(ToolArgs(self.index, self._buf[:n]))
+            self._buf = self._buf[n:]
+        if self._end.done:
+            self.state = "tail"
+
+    def _tail(self, out: list) -> None:
+        """After the arguments: V3's closing fence, if any, and the call's closing tag."""
+        at = self._buf.find(CALL_END)
+        if at == -1:
+            self._buf = self._buf[len(self._buf) - partial_tag(self._buf, (CALL_END,)):]
+            return
+        self._buf = self._buf[at + len(CALL_END):]
+        self._end_call(out)
+        self.state, self._raw = "between", ""
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _start(self, name: str, out: list) -> None:
+        out.append(ToolStart(self.index, name))
+        self.state, self._end, self._raw = "args", JsonValueEnd(), ""
+
+    def _end_call(self, out: list) -> None:
+        out.append(ToolEnd(self.index))
+        self.index += 1
+
+    def _fail(self) -> None:
+        self.state, self.unread, self._buf = "failed", self._raw + self._buf, ""
