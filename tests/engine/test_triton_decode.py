@@ -29,6 +29,7 @@ TRITON_CASES = [c for c in CASES if c[3] >= 16] + [
     ((100, 7), 8, 2, 64, 40),              # a window that starts inside a block
     ((700, 3), 4, 2, 32, None),            # three chunks of 256 keys, merged
     ((600, 2), 4, 1, 32, 300),             # a window across a chunk boundary
+    ((70, 5), 16, 1, 72, None),            # a latent attention's shape: one KV head, not a power of two
 ]
 
 
@@ -57,7 +58,7 @@ def test_decode_attention_matches_reference(case, dtype, qk_norm):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case,rot", PARTIAL, ids=lambda c: str(c))
+@pytest.mark.parametrize("case,rot", PARTIAL + [(((70, 5), 16, 1, 72, None), 8)], ids=lambda c: str(c))
 def test_a_partial_rotary_matches_reference(case, rot, dtype):
     """The rotary over the first ``rot`` dimensions of each head only (GLM-4.5, MiniMax-M2)."""
     lens, h, kvh, d, window = case
@@ -71,10 +72,30 @@ def test_a_partial_rotary_matches_reference(case, rot, dtype):
     assert (got.float() - ref32).abs().max() <= tol
 
 
+def test_values_that_are_the_keys_keep_the_rotated_key():
+    """A latent attention's pool (cache/kv.py ``shared_values``): one tensor as K and V, each new
+    token's value row its unrotated key row; the slot keeps the rotated key and every head's
+    output past the rotated dimensions is what separate caches holding the same rows give."""
+    rot, h, d = 8, 16, 40
+    args = attention_problem((21, 5), h, 1, d, torch.float32, False, rot=rot)
+    qkv = args[0].view(2, h + 2, d)
+    qkv[:, h + 1] = qkv[:, h]
+    ref_k, _ = references(args, None, 0.1)
+    dev = [a.to(DEVICE) if torch.is_tensor(a) else a for a in args]
+    keys = dev[9]
+    apart = ta.decode_attention(*dev[:9], keys.clone(), keys.clone(), *dev[11:], None, 0.1).cpu()
+    pool = keys.clone()
+    got = ta.decode_attention(*dev[:9], pool, pool, *dev[11:], None, 0.1).cpu()
+    assert (pool.cpu() - ref_k).abs().max() <= 1e-6
+    assert (got.view(2, h, d)[..., rot:] - apart.view(2, h, d)[..., rot:]).abs().max() <= 1e-6
+
+
 def test_small_heads_and_other_layouts_are_left_to_torch():
     x = torch.zeros(1, 8, dtype=torch.bfloat16)
     assert not ta.supported(x, torch.zeros(4, 2, 8, dtype=torch.bfloat16), 8)        # head dim below 16
-    assert not ta.supported(x, torch.zeros(4, 2, 48, dtype=torch.bfloat16), 48)      # not a power of two
+    assert not ta.supported(x, torch.zeros(4, 1, 2048, dtype=torch.bfloat16), 2048)  # past 1024
+    assert not ta.supported(x, torch.zeros(4, 1, 45, dtype=torch.bfloat16), 45)      # odd
+    assert ta.supported(x, torch.zeros(4, 1, 576, dtype=torch.bfloat16), 576)        # DeepSeek's latent, masked
     assert not ta.supported(x, torch.zeros(4, 2, 64), 64)                            # pool in another dtype
 
 

@@ -43,50 +43,53 @@ MAX_SPLITS = 64
 @triton.jit
 def _rope_write_kernel(qkv, qw, kw, cos, sin, slots, q_out, k_cache, v_cache, eps, row_stride,
                        H: tl.constexpr, KVH: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr,
-                       ROT: tl.constexpr):
+                       ROT: tl.constexpr, BD: tl.constexpr, V_IS_K: tl.constexpr):
     t = tl.program_id(0)
     hh = tl.program_id(1)                      # 0..H-1 query heads, then the KVH key heads (and V)
     dt = qkv.dtype.element_ty
-    d = tl.arange(0, D)
+    d = tl.arange(0, BD)                       # BD: D, or the power of two above it (masked)
+    dm = d < D
     rot = d < ROT                              # the first ROT dimensions rotate, the rest pass
     rolled = tl.where(rot, (d + ROT // 2) % ROT, d)    # rotate-half as a roll; the sin table is signed
     base = qkv + t * row_stride + hh * D
-    x = tl.load(base + d).to(tl.float32)
-    xr = tl.load(base + rolled).to(tl.float32)
+    x = tl.load(base + d, mask=dm, other=0.0).to(tl.float32)
+    xr = tl.load(base + rolled, mask=dm, other=0.0).to(tl.float32)
     if NORM:
         rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / D + eps)
         if hh < H:
-            w = tl.load(qw + d).to(tl.float32)
-            wr = tl.load(qw + rolled).to(tl.float32)
+            w = tl.load(qw + d, mask=dm, other=0.0).to(tl.float32)
+            wr = tl.load(qw + rolled, mask=dm, other=0.0).to(tl.float32)
         else:
-            w = tl.load(kw + d).to(tl.float32)
-            wr = tl.load(kw + rolled).to(tl.float32)
+            w = tl.load(kw + d, mask=dm, other=0.0).to(tl.float32)
+            wr = tl.load(kw + rolled, mask=dm, other=0.0).to(tl.float32)
         x = ((x * rstd).to(dt).to(tl.float32) * w).to(dt).to(tl.float32)
         xr = ((xr * rstd).to(dt).to(tl.float32) * wr).to(dt).to(tl.float32)
     c = tl.load(cos + t * ROT + d, mask=rot, other=1.0).to(tl.float32)
     s = tl.load(sin + t * ROT + d, mask=rot, other=0.0).to(tl.float32)
     y = ((x * c).to(dt).to(tl.float32) + (xr * s).to(dt).to(tl.float32)).to(dt)
     if hh < H:
-        tl.store(q_out + (t * H + hh) * D + d, y)
+        tl.store(q_out + (t * H + hh) * D + d, y, mask=dm)
     else:
         slot = tl.load(slots + t)
         kh = hh - H
-        v = tl.load(qkv + t * row_stride + (H + KVH + kh) * D + d)
-        tl.store(v_cache + (slot * KVH + kh) * D + d, v)          # V first: it may be K (cache/kv.py)
-        tl.store(k_cache + (slot * KVH + kh) * D + d, y)
+        if not V_IS_K:                         # a pool whose V is its K (cache/kv.py) takes the key only
+            v = tl.load(qkv + t * row_stride + (H + KVH + kh) * D + d, mask=dm)
+            tl.store(v_cache + (slot * KVH + kh) * D + d, v, mask=dm)
+        tl.store(k_cache + (slot * KVH + kh) * D + d, y, mask=dm)
 
 
 @triton.jit
 def _attention_part_kernel(q_ptr, k_cache, v_cache, kv_index, kv_len, part_m, part_l, part_acc, scale, window,
                            idx_stride, chunk, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
-                           D: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constexpr):
+                           D: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr):
     b = tl.program_id(0)
     hq = tl.program_id(1)
     sp = tl.program_id(2)
     ns = tl.num_programs(2)
     kh = hq // G
-    d = tl.arange(0, D)
-    q = tl.load(q_ptr + (b * H + hq) * D + d).to(tl.float32)
+    d = tl.arange(0, BD)
+    dm = d < D
+    q = tl.load(q_ptr + (b * H + hq) * D + d, mask=dm, other=0.0).to(tl.float32)
     n = tl.load(kv_len + b).to(tl.int32)
     lo = n * 0
     if WINDOW:
@@ -95,48 +98,50 @@ def _attention_part_kernel(q_ptr, k_cache, v_cache, kv_index, kv_len, part_m, pa
     end = tl.minimum(n, sp * chunk + chunk)
     m_i = tl.max(tl.full([BN], float("-inf"), tl.float32), 0)
     l_i = tl.sum(tl.zeros([BN], tl.float32), 0)
-    acc = tl.zeros([D], tl.float32)
+    acc = tl.zeros([BD], tl.float32)
     for s0 in range(begin, end, BN):
         offs = s0 + tl.arange(0, BN)
         km = offs < end
         slot = tl.load(kv_index + b * idx_stride + offs, mask=km, other=0)
         at = (slot[:, None] * KVH + kh) * D + d[None, :]
-        k = tl.load(k_cache + at, mask=km[:, None], other=0.0).to(tl.float32)
+        k = tl.load(k_cache + at, mask=km[:, None] & dm[None, :], other=0.0).to(tl.float32)
         sc = tl.where(km, tl.sum(k * q[None, :], 1) * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(sc, 0))
         p = tl.exp(sc - m_new)
         alpha = tl.exp(m_i - m_new)
-        v = tl.load(v_cache + at, mask=km[:, None], other=0.0).to(tl.float32)
+        v = tl.load(v_cache + at, mask=km[:, None] & dm[None, :], other=0.0).to(tl.float32)
         l_i = l_i * alpha + tl.sum(p, 0)
         acc = acc * alpha + tl.sum(p[:, None] * v, 0)
         m_i = m_new
     row = (b * H + hq) * ns + sp
     tl.store(part_m + row, m_i)
     tl.store(part_l + row, l_i)
-    tl.store(part_acc + row * D + d, acc)
+    tl.store(part_acc + row * D + d, acc, mask=dm)
 
 
 @triton.jit
 def _attention_merge_kernel(part_m, part_l, part_acc, out_ptr, NS: tl.constexpr, BS: tl.constexpr,
-                            D: tl.constexpr):
+                            D: tl.constexpr, BD: tl.constexpr):
     r = tl.program_id(0)                       # (sequence, query head)
     sp = tl.arange(0, BS)
     sm = sp < NS
-    d = tl.arange(0, D)
+    d = tl.arange(0, BD)
+    dm = d < D
     m = tl.load(part_m + r * NS + sp, mask=sm, other=float("-inf"))
     top = tl.max(m, 0)
     w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
     l_sum = tl.sum(tl.load(part_l + r * NS + sp, mask=sm, other=0.0) * w, 0)
-    acc = tl.load(part_acc + (r * NS + sp)[:, None] * D + d[None, :], mask=sm[:, None], other=0.0)
+    acc = tl.load(part_acc + (r * NS + sp)[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / l_sum
-    tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty), mask=dm)
 
 
 def supported(x: torch.Tensor, k_cache: torch.Tensor, head_dim: int) -> bool:
     """Whether ``decode_attention`` takes this layer: data and pool of one float dtype on one
-    device, a contiguous ``[slots, kvh, d]`` pool, and a power-of-two head dim of at least 16."""
+    device, a contiguous ``[slots, kvh, d]`` pool, and an even head dim of 16 to 1024 (one that is
+    not a power of two, a latent attention's 576, runs in the power of two above it, masked)."""
     return (x.dtype in DTYPES and k_cache.dtype == x.dtype and k_cache.device == x.device
-            and k_cache.is_contiguous() and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+            and k_cache.is_contiguous() and 16 <= head_dim <= 1024 and head_dim % 2 == 0)
 
 
 def decode_attention(qkv: torch.Tensor, h: int, kvh: int, d: int, q_norm: torch.Tensor | None,
@@ -158,7 +163,8 @@ def decode_attention(qkv: torch.Tensor, h: int, kvh: int, d: int, q_norm: torch.
     w = q_norm if norm else qkv
     _rope_write_kernel[(t, h + kvh)](qkv, w, k_norm if norm else qkv, cos.contiguous(), sin.contiguous(),
                                      slot_mapping, q, k_cache, v_cache, float(eps), qkv.stride(0),
-                                     H=h, KVH=kvh, D=d, NORM=norm, ROT=cos.shape[-1])
+                                     H=h, KVH=kvh, D=d, NORM=norm, ROT=cos.shape[-1], BD=next_pow2(d),
+                                     V_IS_K=v_cache.data_ptr() == k_cache.data_ptr())
     out = torch.empty((t, h * d), dtype=qkv.dtype, device=qkv.device)
     width = kv_index.shape[1]                  # keys any sequence may have (a graph's bucket)
     chunk = max(MIN_CHUNK, next_pow2(-(-width // MAX_SPLITS)))
@@ -168,6 +174,8 @@ def decode_attention(qkv: torch.Tensor, h: int, kvh: int, d: int, q_norm: torch.
     part_acc = torch.empty((t * h * splits, d), dtype=torch.float32, device=qkv.device)
     _attention_part_kernel[(t, h, splits)](q, k_cache, v_cache, kv_index, kv_len, part_m, part_l, part_acc,
                                            float(scale), int(window or 0), kv_index.stride(0), chunk, H=h,
-                                           KVH=kvh, G=h // kvh, D=d, BN=BLOCK_N, WINDOW=window is not None)
-    _attention_merge_kernel[(t * h,)](part_m, part_l, part_acc, out, NS=splits, BS=next_pow2(splits), D=d)
+                                           KVH=kvh, G=h // kvh, D=d, BN=BLOCK_N, WINDOW=window is not None,
+                                           BD=next_pow2(d))
+    _attention_merge_kernel[(t * h,)](part_m, part_l, part_acc, out, NS=splits, BS=next_pow2(splits), D=d,
+                                      BD=next_pow2(d))
     return out
