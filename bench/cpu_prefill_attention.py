@@ -7,7 +7,7 @@ matmuls held each call's float32 scores ``[heads, Q, L]`` whole; SDPA's fused ke
 Per side, in its own process (so that its peak memory is its own), alternating sides for
 ``--rounds`` rounds on one checkpoint: prefill seconds for each prompt length (the request's
 first token, ``max_new_tokens=1``), and the growth of the process's peak resident memory over
-the prompts (``ru_maxrss`` after the longest one, against before the first). The first token of
+the prompts (``VmHWM`` after the longest one, against before the first). The first token of
 every prompt must be the same on both sides.
 
 Checkpoint: a random Qwen3-MoE written by ``save_pretrained`` (float32; hidden 1024, 16 query /
@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
-from hardware import describe  # noqa: E402
+from hardware import describe, peak_rss  # noqa: E402
 
 SIDES = {"sdpa": True, "grouped matmuls": False}
 HEADS = 16
@@ -63,14 +62,14 @@ def worker(model: Path, side: str, lengths: list[int]) -> dict:
     llm = LLM(model, dtype="float32")
     one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
     llm.generate([5, 6, 7] * 100, one)                      # compiles and allocates what it can first
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = peak_rss()
     out = {"side": side, "prompts": []}
     for n in lengths:
         ids = [(37 * i) % 300 + 3 for i in range(n)]
         t0 = time.perf_counter()
         first = llm.generate(ids, one).token_ids
         out["prompts"].append({"tokens": n, "seconds": time.perf_counter() - t0, "first_token": first})
-    out["peak_rss_growth_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before
+    out["peak_rss_growth_bytes"] = peak_rss() - before
     return out
 
 

@@ -24,33 +24,24 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "tests" / "engine"))
-from hardware import describe  # noqa: E402
+from hardware import describe, peak_rss  # noqa: E402
 from report import bars, parse, save  # noqa: E402
 
 SIDES = ("streamed", "whole file")
-
-
-def high_water() -> int:
-    """This process's peak resident bytes (VmHWM: ru_maxrss would carry the parent's peak over
-    the fork that made this process)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def worker(path: Path, out: Path, side: str) -> dict:
     import torch  # noqa: F401  (imported before the baseline: both sides pay it alike)
 
     from freetoken_engine.models.gguf import convert_gguf, load_gguf, write_hf_folder
-    base = high_water()
+    base = peak_rss()
     t0 = time.perf_counter()
     if side == "streamed":
         convert_gguf(path, out)
     else:
         write_hf_folder(load_gguf(path, torch.float32), out)
     seconds = time.perf_counter() - t0
-    return {"peak_growth_bytes": high_water() - base, "seconds": seconds}
+    return {"peak_growth_bytes": peak_rss() - base, "seconds": seconds}
 
 
 def tensors(folder: Path) -> dict:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import sys
 import tempfile
@@ -32,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
 from cpu_prefill_attention import bench_model, run_worker  # noqa: E402
-from hardware import describe  # noqa: E402
+from hardware import describe, peak_rss  # noqa: E402
 
 SIDES = {"by sequence": True, "padded": False}
 
@@ -55,15 +54,14 @@ def worker(model: Path, side: str, decoders: int, context: int, chunk: int, pass
                 runner.forward([SeqChunk(blocks, start, ids[start:min(start + 512, context)])])
             tables.append(blocks)
         step = [SeqChunk(t, context, ids[context:]) for t, ids in zip(tables, seqs)]
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024     # after the prompts alone
+        before = peak_rss()                                    # after the prompts alone
         logits = runner.forward(step)                         # untimed: compiles and allocates first
         seconds = []
         for _ in range(passes):
             t0 = time.perf_counter()
             logits = runner.forward(step)
             seconds.append(time.perf_counter() - t0)
-    return {"side": side, "seconds": seconds, "peak_rss_growth_bytes": resource.getrusage(
-        resource.RUSAGE_SELF).ru_maxrss * 1024 - before, "logits": logits.tolist()}
+    return {"side": side, "seconds": seconds, "peak_rss_growth_bytes": peak_rss() - before, "logits": logits.tolist()}
 
 
 def main() -> None:

@@ -13,9 +13,10 @@ so a layer's attention is grouped-query attention with one KV head of ``rope_dim
 dimensions whose first ``rope_dim`` rotate: the paged KV pool, the fused decode kernels and the
 prompt paths of ``Attention`` run it unchanged, each head's query ``[q_pe, W_UK^T q_nope]`` and
 its output's last ``kv_rank`` dimensions the latent sum that ``W_UV`` takes up. A token costs
-``2 (rope_dim + kv_rank)`` cached values per layer (the value rows repeat the key's: the pool
-holds K and V apart) where the expanded form costs ``heads x (nope + rope + v)``: DeepSeek-V3's
-1,152 against 40,960, DeepSeek-V2-Lite's 1,152 against 5,120.
+``rope_dim + kv_rank`` cached values per layer (the pool's values are its keys, one tensor:
+``cache/kv.py`` ``shared_values``; the value rows' rotated part is never used) where the expanded
+form costs ``heads x (nope + rope + v)``: DeepSeek-V3's 576 against 40,960, DeepSeek-V2-Lite's
+576 against 5,120.
 
 The checkpoint's rotary dimensions are interleaved pairs (DeepSeek's layout, ``rope_interleave``):
 the rows that make ``q_pe`` and ``k_pe`` are permuted to rotate-half order once at load, which
