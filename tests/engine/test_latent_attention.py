@@ -90,8 +90,6 @@ def test_the_kv_pool_holds_one_latent_per_token(tiny_checkpoint):
     assert pool.nbytes == k.shape[0] * k.shape[1] * (4 + 16) * k.element_size()
     cfg = llm.runner.mcfg
     assert (cfg.num_kv_heads, cfg.head_dim, cfg.rotary_dim) == (1, 20, 4)
-    out = llm.generate(PROMPT, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
-    assert len(out.token_ids) == 4
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
