@@ -42,9 +42,24 @@ YARN_V2 = dict(YARN_V3, mscale=0.707, mscale_all_dim=0.707, factor=8.0)
     # GLM-4.7-Flash: a dense layer between sparse ones, two groups of four with the best kept
     ("glm4_moe_lite", dict(mlp_layer_types=["sparse", "dense", "sparse"], n_group=2, topk_group=1,
                            routed_scaling_factor=1.8, num_experts_per_tok=3)),
+    # values wider than the keys' unrotated and rotated parts together, 8 heads
+    ("deepseek_v3", dict(v_head_dim=16, num_attention_heads=8, num_key_value_heads=8)),
 ])
 def test_variants_match_transformers(tmp_path, model_type, overrides):
     check(make_tiny_checkpoint(tmp_path, model_type, seed=3, **overrides), n_new=16)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "glm4_moe_lite"])
+def test_prompts_on_the_latent_give_the_expanded_forms_tokens(tiny_checkpoint, monkeypatch, model_type):
+    """``LatentAttention.expand_prompts`` off (prompt chunks on the latent, as decode steps run):
+    transformers' logits and tokens too, in one pass and in chunks of five."""
+    from freetoken_engine.layers.mla import LatentAttention
+    folder = tiny_checkpoint(model_type)
+    want = check(folder, n_new=16)
+    monkeypatch.setattr(LatentAttention, "expand_prompts", False)
+    assert check(folder, n_new=16) == want
+    greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    assert LLM(folder, prefill_chunk=5).generate(PROMPT, greedy).token_ids == want
 
 
 def _scale_without_mscale(self, head_dim):

@@ -18,6 +18,12 @@ its output's last ``kv_rank`` dimensions the latent sum that ``W_UV`` takes up. 
 form costs ``heads x (nope + rope + v)``: DeepSeek-V3's 576 against 40,960, DeepSeek-V2-Lite's
 576 against 5,120.
 
+Prompt chunks attend in the expanded form instead (``expand_prompts``): each chunk up-projects
+its context's latents to every head's keys and values, so a pair of query and key costs
+``nope + rope + v`` (320) multiply-adds instead of ``2 kv_rank + rope`` (1,088), and the
+up-projection, once per key and chunk, is shared by the chunk's queries. Decode tokens in the
+same pass, and decode steps, stay on the latent.
+
 The checkpoint's rotary dimensions are interleaved pairs (DeepSeek's layout, ``rope_interleave``):
 the rows that make ``q_pe`` and ``k_pe`` are permuted to rotate-half order once at load, which
 leaves every score unchanged (the same permutation on both sides of each dot product).
@@ -25,13 +31,15 @@ leaves every score unchanged (the same permutation on both sides of each dot pro
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import Attention
+from .attention import Attention, gpu_sdpa
+from .batch import AttnBatch
 from .linear import linear
 from .norm import RMSNorm
-from .rope import Rotary
+from .rope import Rotary, apply_rotary
 
 
 def halves_order(rope_dim: int) -> torch.Tensor:
@@ -41,6 +49,10 @@ def halves_order(rope_dim: int) -> torch.Tensor:
 
 
 class LatentAttention(Attention):
+    #: prompt chunks attend in the expanded form; False: on the latent, as decode steps do (the
+    #: engine of stop 53's first commits; bench/latent_attention_prefill.py's A/B)
+    expand_prompts = True
+
     def __init__(self, cfg: ModelConfig, layer: int, rotary: Rotary):
         nn.Module.__init__(self)
         a = cfg.mla
@@ -82,21 +94,99 @@ class LatentAttention(Attention):
             self.qkv = (up[:, :a.nope_dim].contiguous(), up[:, a.nope_dim:].transpose(1, 2).contiguous())
         del self.kv_b_proj
 
-    def _fused_qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """``[T, (h + 2) d]``: each head's query ``[q_pe, W_UK^T q_nope]``, then the token's key
-        ``[k_pe, norm(c)]`` twice (as key and as value), none rotated yet."""
-        a, h, t = self.mla, self.h, x.shape[0]
+    def _parts(self, x: torch.Tensor):
+        """``x``'s projections, none rotated: q_nope ``[T, h, nope]``, q_pe ``[T, h, rope]``, its key
+        row ``[T, rope + kv_rank]`` (``[k_pe, norm(c)]``)."""
+        a, t = self.mla, x.shape[0]
         q = self.q_proj(x) if a.q_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(t, h, a.nope_dim + a.rope_dim).split([a.nope_dim, a.rope_dim], -1)
-        q_lat = torch.bmm(q_nope.transpose(0, 1), self.qkv[0]).transpose(0, 1)          # [T, h, kv_rank]
+        q_nope, q_pe = q.view(t, self.h, a.nope_dim + a.rope_dim).split([a.nope_dim, a.rope_dim], -1)
         c, k_pe = linear(x, self.kv_a_proj_with_mqa.weight, self.kv_a_proj_with_mqa.bias).split(
             [a.kv_rank, a.rope_dim], -1)
-        k = torch.cat((k_pe, self.kv_a_layernorm(c)), -1)
-        return torch.cat((torch.cat((q_pe, q_lat), -1).reshape(t, h * self.d), k, k), -1)
+        return q_nope, q_pe, torch.cat((k_pe, self.kv_a_layernorm(c)), -1)
+
+    def _absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """``[T, (h + 2) d]``: each head's query ``[q_pe, W_UK^T q_nope]``, then the key row twice
+        (as key and as value)."""
+        t = k.shape[0]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), self.qkv[0]).transpose(0, 1)          # [T, h, kv_rank]
+        return torch.cat((torch.cat((q_pe, q_lat), -1).reshape(t, self.h * self.d), k, k), -1)
+
+    def _fused_qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, (h + 2) d]`` of ``x`` (``_absorbed``), none rotated yet."""
+        return self._absorbed(*self._parts(x))
+
+    def forward(self, x: torch.Tensor, batch: AttnBatch, cos: torch.Tensor, sin: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """A pass with prompt chunks: the chunks in the expanded form, its decode tokens through the
+        fused decode kernel on the latent; any other pass (or one whose decode tokens have no
+        fused kernel here) as ``Attention`` runs it, on the latent."""
+        per_chunk = self.by_sequence and batch.q_max > 1 and batch.seq_counts is not None
+        singles = batch.singles() if per_chunk else None
+        impl = self._decode_kernel(x, k_cache) if singles is not None else None
+        if not (self.expand_prompts and per_chunk and (singles is None or impl is not None)):
+            return super().forward(x, batch, cos, sin, k_cache, v_cache)
+        a = self.mla
+        q_nope, q_pe, k = self._parts(x)
+        out = x.new_empty((x.shape[0], self.h, a.v_dim))
+        if singles is not None:               # one token each: decode steps, on the latent
+            sel, rows, width, ends = singles
+            lat = self._decode(impl, self._absorbed(*(z.index_select(0, rows) for z in (q_nope, q_pe, k))),
+                               cos.index_select(0, rows), sin.index_select(0, rows), k_cache, v_cache,
+                               batch.slot_mapping.index_select(0, rows),
+                               batch.kv_index.index_select(0, sel)[:, :width].contiguous(), ends, batch.write_first)
+            out.index_copy_(0, rows, self._up(lat))
+        keep = batch.chunk_rows()
+        c, s = cos.index_select(0, keep), sin.index_select(0, keep)
+        q_nope, q_pe, k = (z.index_select(0, keep) for z in (q_nope, q_pe, k))
+        q_pe = apply_rotary(q_pe, c, s)
+        k = torch.cat((apply_rotary(k[:, None, :a.rope_dim], c, s)[:, 0], k[:, a.rope_dim:]), -1)
+        slots = batch.slot_mapping.index_select(0, keep)
+        v_cache.index_copy_(0, slots, k[:, None])             # V first: it may be K (cache/kv.py)
+        k_cache.index_copy_(0, slots, k[:, None])
+        got = self._expanded_chunks(torch.cat((q_nope, q_pe), -1), k_cache, batch)
+        out.index_copy_(0, keep, got)
+        return self.o_proj(out.reshape(x.shape[0], self.h * a.v_dim))
+
+    def _expanded_chunks(self, q: torch.Tensor, k_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
+        """Each multi-token chunk's attention over its own context, expanded: ``q [rows, h, nope +
+        rope]`` (rotated) of the chunks' rows in order -> ``[rows, h, v]``."""
+        a, out, row = self.mla, [], 0
+        gpu = q.device.type == "cuda"
+        for i, (n, end) in enumerate(zip(batch.seq_counts, batch.seq_ends)):
+            if n == 1:
+                continue
+            lo = max(0, end - n - self.window + 1) if self.window is not None else 0
+            keys = k_cache.index_select(0, batch.kv_index[i, lo:end])[:, 0]               # [L, rope + kv_rank]
+            lat = keys[None, :, a.rope_dim:]
+            k = torch.cat((torch.matmul(lat, self.qkv[0].transpose(1, 2)),                 # [h, L, nope]
+                           keys[None, :, :a.rope_dim].expand(self.h, -1, -1)), -1)
+            v = torch.matmul(lat, self.qkv[1])                                            # [h, L, v]
+            qc = q[row:row + n].transpose(0, 1)[None]                                     # [1, h, n, nope + rope]
+            wide = k.shape[-1] - v.shape[-1]
+            # one head size for all three (zeros added: the same scores and sums): SDPA's fused CPU
+            # kernel took 2.1x as long with narrower values (h 16, 512 x 8192), flash refuses them
+            if wide > 0:
+                v = F.pad(v, (0, wide))
+            elif wide < 0:
+                k, qc = F.pad(k, (0, -wide)), F.pad(qc, (0, -wide))
+            lower_right = self.sdpa and gpu and self.window is None
+            if lower_right:
+                got = gpu_sdpa(qc, k[None], v[None], None, True, self.scale)
+            else:
+                mask = self._allowed(torch.arange(end - n - lo, end - lo, device=q.device), end - lo)
+                got = F.scaled_dot_product_attention(qc, k[None], v[None], attn_mask=mask[None, None], scale=self.scale) \
+                    if not gpu else gpu_sdpa(qc, k[None], v[None], mask[None, None], False, self.scale)
+            out.append(got[0, ..., :a.v_dim].transpose(0, 1))
+            row += n
+        return torch.cat(out)
+
+    def _up(self, o: torch.Tensor) -> torch.Tensor:
+        """``o [T, h d]`` on the latent -> each head's value ``[T, h, v]`` (W_UV of its latent sum)."""
+        t = o.shape[0]
+        lat = o.view(t, self.h, self.d)[..., self.mla.rope_dim:].transpose(0, 1)        # [h, T, kv_rank]
+        return torch.bmm(lat, self.qkv[1]).transpose(0, 1)
 
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``o [T, h d]``: each head's latent sum (its last ``kv_rank`` dimensions) through W_UV,
         then ``o_proj``."""
-        t, a = o.shape[0], self.mla
-        lat = o.view(t, self.h, self.d)[..., a.rope_dim:].transpose(0, 1)                # [h, T, kv_rank]
-        return self.o_proj(torch.bmm(lat, self.qkv[1]).transpose(0, 1).reshape(t, self.h * a.v_dim))
+        return self.o_proj(self._up(o).reshape(o.shape[0], self.h * self.mla.v_dim))
