@@ -92,9 +92,13 @@ def cache_experts(cfg, mcfg, bank, device: torch.device, dtype: torch.dtype, max
         if mcfg.linear_layers:   # the recurrent states: about their default budget (state_slots)
             slot = StatePool.slot_bytes(len(mcfg.linear_layers), mcfg.linear, size)
             kv += min(STATE_BUDGET["cuda"], 64 * slot) + cfg.max_batch * slot
+        a = mcfg.mla
+        if a is not None:    # a prompt chunk expands every head's keys and values (layers/mla.py)
+            kv_heads, dim, grouped = mcfg.num_heads, max(a.nope_dim + a.rope_dim, a.v_dim), True
+        else:
+            kv_heads, dim, grouped = mcfg.num_kv_heads, mcfg.head_dim, reads_grouped_heads(device, dtype, mcfg)
         step = prefill_peak_bytes(cfg.prefill_tokens, max_context, mcfg.moe.top_k, bank.hidden, bank.inter,
-                                  mcfg.num_heads, mcfg.num_kv_heads, mcfg.head_dim, size,
-                                  reads_grouped_heads(device, dtype, mcfg))
+                                  mcfg.num_heads, kv_heads, dim, size, grouped)
         n = default_cache_experts(torch.cuda.mem_get_info(device)[0], per, total, kv,
                                   2 * (bank.w13[0].nbytes + bank.w2[0].nbytes), step)
     if n > total:
