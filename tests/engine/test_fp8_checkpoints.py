@@ -26,7 +26,7 @@ GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
 BLOCK = (16, 16)          # 128 x 128 in the published checkpoints; small here so that blocks are partial
 # the projections FP8 checkpoints quantize: attention, dense MLPs and experts (not routers, norms,
 # embeddings or the LM head)
-QUANTIZED = re.compile(r"\.(self_attn\.[qkvo]_proj|mlp\.(experts\.\d+\.)?(gate|up|down)_proj"
+QUANTIZED = re.compile(r"\.(self_attn\.([qkvo]_proj|q_[ab]_proj|kv_a_proj_with_mqa|kv_b_proj)|mlp\.(experts\.\d+\.)?(gate|up|down)_proj"
                        r"|block_sparse_moe\.experts\.\d+\.w[123])\.weight$|\.mlp\.experts\.(gate_up|down)_proj$")
 
 
@@ -81,8 +81,10 @@ def fp8_pair(src, fp8_dir, ref_dir, compressed: bool = False):
     return fp8_dir, ref_dir
 
 
-@pytest.mark.parametrize("model_type,compressed", [("qwen3_moe", False), ("glm4_moe", False), ("qwen3_moe", True)],
-                         ids=["qwen3_moe-blocks", "glm4_moe-blocks", "qwen3_moe-compressed-channels"])
+@pytest.mark.parametrize("model_type,compressed", [("qwen3_moe", False), ("glm4_moe", False), ("qwen3_moe", True),
+                                                    ("deepseek_v3", False)],
+                         ids=["qwen3_moe-blocks", "glm4_moe-blocks", "qwen3_moe-compressed-channels",
+                              "deepseek_v3-blocks"])
 def test_fp8_checkpoints_give_transformers_tokens_on_the_dequantized_weights(tiny_checkpoint, tmp_path, model_type,
                                                                                compressed):
     src = tiny_checkpoint(model_type, moe_intermediate_size=24)          # blocks of 16: partial ones too
