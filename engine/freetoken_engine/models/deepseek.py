@@ -11,7 +11,9 @@ layer after the model's own, as GLM's (``glm4_moe``).
 DeepSeek-V2 / V2-Lite / V2.5 / Coder-V2 (``deepseek_v2``): the same attention (V2-Lite without
 the query bottleneck), softmax routing without a correction bias, top k of all experts
 (``topk_method`` "greedy") or within the ``topk_group`` groups whose best expert scores highest
-("group_limited_greedy"), weights times ``routed_scaling_factor``.
+("group_limited_greedy"), weights times ``routed_scaling_factor`` (renormalised first where
+``norm_topk_prob`` says so, as DeepSeek's own modeling code does; transformers' leaves that out,
+and the published checkpoints set it false).
 
 GLM-4.7-Flash (``glm4_moe_lite``): the latent attention with GLM's routing; which layers are
 dense is ``mlp_layer_types`` (by default the first).
