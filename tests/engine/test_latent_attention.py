@@ -123,6 +123,7 @@ def test_a_packed_folder_and_chunked_prefill_give_transformers_tokens(tiny_check
 @pytest.mark.parametrize("change,says", [
     ({"topk_method": "noaux_tc"}, "topk_method 'noaux_tc' is not supported"),
     ({"moe_layer_freq": 2}, "moe_layer_freq 2 is not supported"),
+    ({"norm_topk_prob": True}, "norm_topk_prob true is not supported"),
     ({"kv_lora_rank": 0}, "kv_lora_rank must be positive"),
     ({"qk_rope_head_dim": 3}, "qk_rope_head_dim must be even"),
 ])

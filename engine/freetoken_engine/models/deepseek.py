@@ -11,9 +11,9 @@ layer after the model's own, as GLM's (``glm4_moe``).
 DeepSeek-V2 / V2-Lite / V2.5 / Coder-V2 (``deepseek_v2``): the same attention (V2-Lite without
 the query bottleneck), softmax routing without a correction bias, top k of all experts
 (``topk_method`` "greedy") or within the ``topk_group`` groups whose best expert scores highest
-("group_limited_greedy"), weights times ``routed_scaling_factor`` (renormalised first where
-``norm_topk_prob`` says so, as DeepSeek's own modeling code does; transformers' leaves that out,
-and the published checkpoints set it false).
+("group_limited_greedy"), weights times ``routed_scaling_factor``, never renormalised
+(``norm_topk_prob`` true is refused: transformers ignores it, and the published checkpoints set it
+false).
 
 GLM-4.7-Flash (``glm4_moe_lite``): the latent attention with GLM's routing; which layers are
 dense is ``mlp_layer_types`` (by default the first).
@@ -63,6 +63,9 @@ def parse_v2(raw: dict) -> ModelConfig:
     if int(raw.get("moe_layer_freq", 1) or 1) != 1:
         raise ConfigError(f"config.json: moe_layer_freq {raw['moe_layer_freq']} is not supported (1: every layer "
                           f"after first_k_dense_replace)")
+    if raw.get("norm_topk_prob"):
+        raise ConfigError("config.json: DeepSeek-V2 with norm_topk_prob true is not supported (its routing weights "
+                          "are the chosen experts' scores times routed_scaling_factor)")
     grouped = method == "group_limited_greedy"
     inter = int(need(raw, "moe_intermediate_size"))
     routed = moe(raw | {"num_experts": need(raw, "n_routed_experts")}, _dense_first(raw, 0), scoring="softmax",
