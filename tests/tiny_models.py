@@ -104,6 +104,11 @@ MOE = {
     # routing with a bias that steers the choice
     "lfm2_moe": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, head_dim=8, num_hidden_layers=4,
                      num_dense_layers=1, layer_types=["conv", "conv", "full_attention", "conv"], conv_L_cache=3),
+    # Granite 4.0-H: Mamba-2 layers (4 heads in 2 groups, state 8, width-3 convolution) beside an
+    # attention layer without position encoding; Granite's MoE, shared MLP and multipliers
+    "granitemoehybrid": dict(GRANITE, layer_types=["mamba", "attention", "mamba", "mamba"], num_hidden_layers=4,
+                             mamba_n_heads=4, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=3, mamba_expand=2,
+                             shared_intermediate_size=24, position_embedding_type="nope"),
     # latent attention: a query bottleneck, a latent of 16 and a rotated key of 4 per token, values
     # narrower than the keys' unrotated part; a dense first layer, GLM's routing, a shared expert
     "deepseek_v3": dict(MLA := dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -171,6 +176,7 @@ def _classes(model_type: str):
         "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM),
         "qwen3": (T.Qwen3Config, T.Qwen3ForCausalLM),
         "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextForCausalLM),
+        "granitemoehybrid": (T.GraniteMoeHybridConfig, T.GraniteMoeHybridForCausalLM),
         "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM),
         "deepseek_v2": (T.DeepseekV2Config, T.DeepseekV2ForCausalLM),
         "glm4_moe_lite": (T.Glm4MoeLiteConfig, T.Glm4MoeLiteForCausalLM),

@@ -97,15 +97,20 @@ class LinearAttnConfig:
     ``k_heads`` query/key heads of ``k_dim``, ``v_heads`` value heads of ``v_dim`` (a multiple of
     ``k_heads``), and a causal depthwise convolution of width ``conv`` over the projected q, k and
     v. A gated short convolution (``kind`` "short_conv", LFM2: ``short_conv``) keeps only the
-    convolution's state, over the hidden size: one "value head" of the hidden size, no keys."""
+    convolution's state, over the hidden size: one "value head" of the hidden size, no keys.
+    Mamba-2 (``kind`` "mamba2", Granite 4.0's hybrids): ``v_heads`` heads of ``v_dim`` channels,
+    each with an ``[k_dim, v_dim]`` state (k_dim the SSM state size), B and C shared by the heads
+    of each of ``k_heads`` groups; the convolution runs over x, B and C."""
 
     k_heads: int
     v_heads: int
     k_dim: int
     v_dim: int
     conv: int
-    kind: str = "gated_deltanet"          # gated_deltanet | short_conv
-    bias: bool = False                    # short_conv: its projections and convolution have biases
+    kind: str = "gated_deltanet"          # gated_deltanet | short_conv | mamba2
+    bias: bool = False                    # short_conv: its projections and convolution have biases; mamba2: its convolution
+    proj_bias: bool = False               # mamba2: in_proj and out_proj have biases
+    dt_limit: tuple[float, float] = (0.0, math.inf)   # mamba2: the time step's range (time_step_limit)
 
     @staticmethod
     def short_conv(hidden: int, width: int, bias: bool = False) -> "LinearAttnConfig":
@@ -210,6 +215,8 @@ class ModelConfig:
             raise ConfigError("config.json: linear_attention layers need the linear_* head fields")
         if self.linear is not None and self.linear.kind == "gated_deltanet" and self.linear.v_heads % self.linear.k_heads:
             raise ConfigError("config.json: linear_num_value_heads must be a multiple of linear_num_key_heads")
+        if self.linear is not None and self.linear.kind == "mamba2" and self.linear.v_heads % self.linear.k_heads:
+            raise ConfigError("config.json: mamba_n_heads must be a multiple of mamba_n_groups")
         for name in ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):

@@ -56,6 +56,12 @@ LONG = [(7 * i + 3) % 300 + 10 for i in range(150)]     # crosses the delta rule
     ("lfm2_moe", dict(conv_L_cache=4, conv_bias=True, num_dense_layers=0, tie_word_embeddings=False,
                       layer_types=["full_attention", "conv", "conv", "full_attention"], num_experts_per_tok=3,
                       routed_scaling_factor=2.0)),
+    # Granite 4.0-H: one group of heads, a rotary on the attention layer, biases on the Mamba-2
+    # projections, the published multipliers; and the dense form (the shared MLP alone)
+    ("granitemoehybrid", dict(mamba_n_groups=1, position_embedding_type="rope", mamba_proj_bias=True,
+                              layer_types=["attention", "mamba", "mamba", "attention"], embedding_multiplier=12.0,
+                              attention_multiplier=1 / 64, residual_multiplier=0.22, logits_scaling=6.0)),
+    ("granitemoehybrid", dict(num_local_experts=0, mamba_d_conv=4, mamba_n_heads=8)),
 ])
 def test_unseen_hybrid_variants_match(tmp_path, model_type, overrides):
     # the two-value-head variant amplifies float32 summation order at one position: on an AMD
@@ -65,7 +71,7 @@ def test_unseen_hybrid_variants_match(tmp_path, model_type, overrides):
     check(make_tiny_checkpoint(tmp_path, model_type, seed=4, **overrides), n_new=16, tol=tol)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text", "lfm2_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid"])
 def test_a_long_prompt_in_odd_chunks_matches(tiny_checkpoint, model_type):
     folder = tiny_checkpoint(model_type)
     ref = load_reference(folder)
@@ -127,9 +133,9 @@ async def collect(svc: EngineService, ids: list[int], params=GREEDY) -> tuple[li
     return out, handle.cached_tokens
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_moe_text", "lfm2_moe"])
+@pytest.fixture(scope="module", params=["qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid"])
 def hybrid(tiny_checkpoint, request):
-    """A Gated DeltaNet hybrid and a short-convolution one."""
+    """A Gated DeltaNet hybrid, a short-convolution one and a Mamba-2 one."""
     return tiny_checkpoint(request.param)
 
 

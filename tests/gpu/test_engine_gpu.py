@@ -26,7 +26,8 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_vl_moe",
                                         "ernie4_5_moe", "dots1", "minimax_m2", "granitemoeshared", "granite",
                                         "solar_open", "exaone_moe", "hunyuan_v1_moe", "afmoe",
-                                        "lfm2_moe", "glm4v_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite"])
+                                        "lfm2_moe", "glm4v_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite",
+                                        "granitemoehybrid"])
 def test_cuda_float32_matches_transformers_on_cpu(tiny_checkpoint, model_type):
     folder = tiny_checkpoint(model_type)
     ref = load_reference(folder)

@@ -15,6 +15,7 @@ from ..layers.attention import Attention
 from ..layers.batch import AttnBatch
 from ..layers.deltanet import GatedDeltaNet
 from ..layers.linear import linear
+from ..layers.mamba2 import Mamba2
 from ..layers.mla import LatentAttention
 from ..layers.mlp import GatedMLP
 from ..layers.moe import SparseMoE
@@ -34,6 +35,8 @@ class DecoderLayer(nn.Module):
             index = cfg.linear_layers.index(i)
             if cfg.linear.kind == "short_conv":
                 self.linear_attn = ShortConv(cfg.hidden_size, cfg.linear, index)
+            elif cfg.linear.kind == "mamba2":
+                self.linear_attn = Mamba2(cfg.hidden_size, cfg.linear, index, cfg.rms_norm_eps)
             else:
                 self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear, index, cfg.rms_norm_eps)
         else:
@@ -104,7 +107,7 @@ class DecoderLM(nn.Module):
         layers = [*self.model.layers, *(self.mtp.layers if self.mtp is not None else ())]
         return [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)]
 
-    def deltanets(self) -> list[GatedDeltaNet | ShortConv]:
+    def deltanets(self) -> list[GatedDeltaNet | ShortConv | Mamba2]:
         return [layer.linear_attn for layer in self.model.layers if layer.self_attn is None]
 
     def forward(self, ids: torch.Tensor, batch: AttnBatch, kv, logits_at: torch.Tensor,

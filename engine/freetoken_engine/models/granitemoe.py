@@ -9,7 +9,8 @@ Mixtral's renormalised top k. The experts are stored fused: ``block_sparse_moe.i
 [E, 2I, H]`` (each expert's gate rows, then its up rows) and ``output_linear.weight [E, H, I]``;
 the router is ``block_sparse_moe.router.layer``; the shared expert, ungated, is
 ``shared_mlp.input_linear [2S, H]`` (gate rows, then up rows) and ``shared_mlp.output_linear``.
-The hybrid Granite 4.0 (``granitemoehybrid``: Mamba-2 layers) is not this family.
+The hybrid Granite 4.0 (``granitemoehybrid``: Mamba-2 layers) is ``models/granitemoehybrid.py``,
+which reads its MoE and shared MLP through this family's rules.
 """
 from __future__ import annotations
 
