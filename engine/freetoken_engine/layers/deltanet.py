@@ -161,6 +161,51 @@ def each_sequence(batch, device: torch.device, out: torch.Tensor, captured_chain
                 torch.tensor([batch.state_slots[i] for i, _ in ones], device=device), [i for i, _ in ones])
 
 
+def in_segments(n: int, snaps, run, state: torch.Tensor, ssm: torch.Tensor, conv: torch.Tensor, seq: torch.Tensor,
+                slot: int, width: int) -> torch.Tensor:
+    """A prompt's chunk of ``n`` tokens of one sequence in segments ending at each checkpoint the
+    pass asks for (``snaps``: (offset, checkpoint slot)): ``run(at, end, state) -> (outputs,
+    state)`` for each; the state and the last ``width`` convolution inputs (of ``seq``, the K - 1
+    before the chunk then its own) copied to each checkpoint after its segment, and to ``slot``
+    at the end. Returns the outputs, concatenated."""
+    outs, at = [], 0
+    for end, ck in list(snaps) + [(n, None)]:
+        if end > at:
+            out, state = run(at, end, state)
+            outs.append(out)
+            at = end
+        if ck is not None:
+            ssm[ck].copy_(state)
+            conv[ck].copy_(seq[end:end + width])
+    ssm[slot].copy_(state)
+    conv[slot].copy_(seq[seq.shape[0] - width:])
+    return torch.cat(outs)
+
+
+def take_states(conv: torch.Tensor, ssm: torch.Tensor, slots: torch.Tensor, seqs, batch):
+    """The convolution inputs and states in ``slots`` (copies), zero for the sequences of
+    ``seqs`` whose pass starts at position 0."""
+    past, state = conv.index_select(0, slots), ssm.index_select(0, slots)
+    fresh = [j for j, i in enumerate(seqs) if batch.fresh(i)]
+    if fresh:
+        past[fresh], state[fresh] = 0, 0
+    return past, state
+
+
+def keep_states(ssm: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor, out_slots: torch.Tensor | None,
+                state: torch.Tensor, seq: torch.Tensor, seqs, batch) -> None:
+    """After one token of each of several sequences: their new states and last convolution inputs
+    (``seq [B, K, C]``'s last K - 1) into ``slots`` (or ``out_slots``), and into each checkpoint
+    slot the pass asks for after them (``AttnBatch.snaps``)."""
+    dst = slots if out_slots is None else out_slots
+    ssm.index_copy_(0, dst, state)
+    conv.index_copy_(0, dst, seq[:, 1:])
+    for j, i in enumerate(seqs):
+        for _, ck in batch.snaps(i):
+            ssm[ck].copy_(state[j])
+            conv[ck].copy_(seq[j, 1:])
+
+
 def chain_waves(singles, batch, device: torch.device):
     """The one-token sequences ``singles`` ((index, row) pairs) of a pass with chained rows, in
     waves: wave w holds the w-th row of every chain. Each: (sequences, rows, the slots their
@@ -273,20 +318,13 @@ class GatedDeltaNet(nn.Module):
         seq = torch.cat((past.to(mixed.dtype), mixed))             # the raw inputs, for the conv states
         q, k, v = self._qkv(y)
         width = self.conv_w.shape[1] - 1
-        outs, at, kernel = [], 0, self._chunk_kernel(mixed)
-        for end, ck in list(snaps) + [(mixed.shape[0], None)]:
-            if end > at:
-                steps = end - at <= STEPS and mixed.device.type == "cpu"
-                o, state = (delta_rule_steps if steps else partial(delta_rule_chunked, kernel=kernel))(
-                    q[at:end], k[at:end], v[at:end], g[at:end], beta[at:end], state)
-                outs.append(o)
-                at = end
-            if ck is not None:
-                ssm[ck].copy_(state)
-                conv[ck].copy_(seq[end:end + width])
-        ssm[slot].copy_(state)
-        conv[slot].copy_(seq[seq.shape[0] - width:])
-        return torch.cat(outs).to(mixed.dtype)
+        kernel = self._chunk_kernel(mixed)
+
+        def run(at: int, end: int, state: torch.Tensor):
+            steps = end - at <= STEPS and mixed.device.type == "cpu"
+            return (delta_rule_steps if steps else partial(delta_rule_chunked, kernel=kernel))(
+                q[at:end], k[at:end], v[at:end], g[at:end], beta[at:end], state)
+        return in_segments(mixed.shape[0], snaps, run, state, ssm, conv, seq, slot, width).to(mixed.dtype)
 
     def chains(self, device: torch.device, dtype: torch.dtype) -> bool:
         """Whether this layer runs chained decode rows (``AttnBatch.state_chain``) in a pass on
@@ -302,10 +340,7 @@ class GatedDeltaNet(nn.Module):
         whose states are in ``slots`` (device tensors; written back there, or to ``out_slots``);
         ``seqs``: their sequences' indices in the batch, for the host's metadata (empty in a
         captured step, which has none to act on)."""
-        past, state = conv.index_select(0, slots), ssm.index_select(0, slots)
-        fresh = [j for j, i in enumerate(seqs) if batch.fresh(i)]
-        if fresh:
-            past[fresh], state[fresh] = 0, 0
+        past, state = take_states(conv, ssm, slots, seqs, batch)
         m = mixed if rows is None else mixed.index_select(0, rows)                  # [B, C]
         if rows is not None:
             g, beta = g.index_select(0, rows), beta.index_select(0, rows)
@@ -318,12 +353,7 @@ class GatedDeltaNet(nn.Module):
             core.copy_(o.to(core.dtype))
         else:
             core.index_copy_(0, rows, o.to(core.dtype))
-        ssm.index_copy_(0, slots if out_slots is None else out_slots, state)
-        conv.index_copy_(0, slots if out_slots is None else out_slots, seq[:, 1:])
-        for j, i in enumerate(seqs):
-            for _, ck in batch.snaps(i):
-                ssm[ck].copy_(state[j])
-                conv[ck].copy_(seq[j, 1:])
+        keep_states(ssm, conv, slots, out_slots, state, seq, seqs, batch)
 
     def _gated_norm(self, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """Each head's output RMS-normed (float32), scaled, then times SiLU(z), in the model's dtype."""

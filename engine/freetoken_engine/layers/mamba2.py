@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LinearAttnConfig
-from .deltanet import STEPS, each_sequence
+from .deltanet import STEPS, each_sequence, in_segments, keep_states, take_states
 from .linear import linear
 
 CHUNK = 64
@@ -148,27 +148,16 @@ class Mamba2(nn.Module):
         seq = torch.cat((past.to(xbc.dtype), xbc))                       # the raw inputs, for the conv states
         xs, b, c = self._split(self._conv(seq[None])[0])
         width = self.conv_w.shape[1] - 1
-        outs, at = [], 0
-        for end, ck in list(snaps) + [(xbc.shape[0], None)]:
-            if end > at:
-                steps = end - at <= STEPS and xbc.device.type == "cpu"
-                y, state = (ssd_steps if steps else ssd_chunked)(xs[at:end], dt[at:end], self.a, b[at:end],
-                                                                 c[at:end], state)
-                outs.append(y)
-                at = end
-            if ck is not None:
-                ssm[ck].copy_(state)
-                conv[ck].copy_(seq[end:end + width])
-        ssm[slot].copy_(state)
-        conv[slot].copy_(seq[seq.shape[0] - width:])
-        return (torch.cat(outs) + self.D.float()[:, None] * xs).to(xbc.dtype)
+
+        def run(at: int, end: int, state: torch.Tensor):
+            steps = end - at <= STEPS and xbc.device.type == "cpu"
+            return (ssd_steps if steps else ssd_chunked)(xs[at:end], dt[at:end], self.a, b[at:end], c[at:end], state)
+        y = in_segments(xbc.shape[0], snaps, run, state, ssm, conv, seq, slot, width)
+        return (y + self.D.float()[:, None] * xs).to(xbc.dtype)
 
     def _singles(self, rows, slots, seqs, xbc, dt, batch, conv, ssm, core, out_slots=None) -> None:
         """One token of each of several sequences, together (``GatedDeltaNet._singles``' contract)."""
-        past, state = conv.index_select(0, slots), ssm.index_select(0, slots)
-        fresh = [j for j, i in enumerate(seqs) if batch.fresh(i)]
-        if fresh:
-            past[fresh], state[fresh] = 0, 0
+        past, state = take_states(conv, ssm, slots, seqs, batch)
         m = xbc if rows is None else xbc.index_select(0, rows)                   # [B, C]
         if rows is not None:
             dt = dt.index_select(0, rows)
@@ -180,12 +169,7 @@ class Mamba2(nn.Module):
             core.copy_(y)
         else:
             core.index_copy_(0, rows, y)
-        ssm.index_copy_(0, slots if out_slots is None else out_slots, state)
-        conv.index_copy_(0, slots if out_slots is None else out_slots, seq[:, 1:])
-        for j, i in enumerate(seqs):
-            for _, ck in batch.snaps(i):
-                ssm[ck].copy_(state[j])
-                conv[ck].copy_(seq[j, 1:])
+        keep_states(ssm, conv, slots, out_slots, state, seq, seqs, batch)
 
     def _gated_norm(self, y: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         """``y * SiLU(z)`` RMS-normed over each group of I / n_groups channels (float32), then
