@@ -25,6 +25,11 @@ or LFM2's (``style="pythonic"``), Python calls in a block (``parser_pythonic.Pyt
 
     <|tool_call_start|>[f(path="src/app.py", n=3), g()]<|tool_call_end|>
 
+or Hunyuan-A13B's (``style="hunyuan"``), Granite's list between tags, the answer itself between
+``<answer>`` tags that are not shown:
+
+    <answer>\ncontent<tool_calls>[{"name": "f", "arguments": {...}}]</tool_calls></answer>
+
 or DeepSeek-V3.1's (``style="deepseek"``; V3 and R1's, with the arguments fenced, ``"deepseek_fenced"``),
 calls between DeepSeek's tokens (``parser_deepseek.DeepSeekCalls``):
 
@@ -60,18 +65,22 @@ from .parser_tagged import (_TAGGED, ARG_KEY, FUNCTION_OPEN, GLM_TAGS, INVOKE, M
 from .parser_text import (CALL_HEAD, Content, JsonValueEnd, Reasoning, ToolArgs, ToolEnd, ToolStart, parse_whole,
                           partial_tag, unquote)
 
-__all__ = ["ARG_KEY", "FUNCTION_OPEN", "GLM_TAGS", "GRANITE_OPEN", "INVOKE", "MINIMAX_CLOSE", "MINIMAX_OPEN",
-           "PYTHONIC_CLOSE", "PYTHONIC_OPEN", "THINK_CLOSE", "THINK_OPEN", "TOOL_CLOSE", "TOOL_OPEN", "Content",
+__all__ = ["ARG_KEY", "FUNCTION_OPEN", "GLM_TAGS", "GRANITE_OPEN", "HUNYUAN_CLOSE", "HUNYUAN_OPEN", "INVOKE",
+           "MINIMAX_CLOSE", "MINIMAX_OPEN", "PYTHONIC_CLOSE", "PYTHONIC_OPEN", "THINK_CLOSE", "THINK_OPEN", "TOOL_CLOSE", "TOOL_OPEN", "Content",
            "Event", "OutputParser", "Reasoning", "ToolArgs", "ToolEnd", "ToolStart", "format_tags", "opening_tag"]
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 GRANITE_OPEN = "<|tool_call|>"        # Granite's token before its JSON list of calls (no closing tag)
+HUNYUAN_OPEN, HUNYUAN_CLOSE = "<tool_calls>", "</tool_calls>"
+# tags a style's content carries that are not the model's text: dropped where they stand
+_DROPPED = {"hunyuan": ("<answer>", "</answer>", HUNYUAN_CLOSE)}
 
 
 # styles read by a reader object after their opening tag: (opening tag, the tags a stream
 # decoder keeps, the reader)
 _LISTED = {"granite": (GRANITE_OPEN, (GRANITE_OPEN,), CallList),
            "pythonic": (PYTHONIC_OPEN, (PYTHONIC_OPEN, PYTHONIC_CLOSE), PythonicBlock),
+           "hunyuan": (HUNYUAN_OPEN, (HUNYUAN_OPEN, HUNYUAN_CLOSE), CallList),
            "deepseek": (CALLS_BEGIN, DEEPSEEK_TAGS, DeepSeekCalls),
            "deepseek_fenced": (CALLS_BEGIN, DEEPSEEK_TAGS, DeepSeekCalls)}
 
@@ -109,6 +118,7 @@ class OutputParser(TaggedSteps):
         self.listed: CallList | PythonicBlock | DeepSeekCalls | None = None   # a list or block being read
         self.reader = _LISTED[style][2] if style in _LISTED else None
         self.tool_open = opening_tag(style)
+        self.dropped = _DROPPED.get(style, ())
         self.tool_close = self.tagged.close if self.tagged else TOOL_CLOSE
         self._pos = 0                 # tagged: how far into the block's body is read
         self._in_block = 0            # tagged: calls ended in the current block
@@ -182,21 +192,27 @@ class OutputParser(TaggedSteps):
         tags = (THINK_OPEN, self.tool_open) if self.tools else (THINK_OPEN,)
         if self._think_unclosed:
             tags += (THINK_CLOSE,)
+        tags += self.dropped
         hits = [(self.buf.find(t), t) for t in tags]
         hits = [(at, t) for at, t in hits if at != -1]
         if hits:
             at, tag = min(hits)
-            if at and (self._begun or tag != THINK_OPEN or self.buf[:at].strip()):
-                self._emit_content(self.buf[:at], out)
+            before = self.buf[:at].rstrip() if tag in self.dropped and tag.startswith("</") else self.buf[:at]
+            if before and (self._begun or tag != THINK_OPEN or before.strip()):
+                self._emit_content(before, out)
             self.buf = self.buf[at + len(tag):]
             if tag == THINK_OPEN:
                 self.mode, self._think_unclosed = "reasoning", False
             elif tag == THINK_CLOSE:              # the reasoning's late close: dropped
                 self._strip_ws, self._think_unclosed = True, False
+            elif tag in self.dropped:             # a wrapper (Hunyuan's <answer>), not the model's text
+                self._strip_ws = True
             else:
                 self._open_tool()
             return
         keep = partial_tag(self.buf, tags)
+        if self.dropped:     # whitespace before a wrapper's closing tag (Hunyuan's "\n</answer>") is its
+            keep = len(self.buf) - len(self.buf[:len(self.buf) - keep].rstrip())
         if len(self.buf) > keep:
             self._emit_content(self.buf[: len(self.buf) - keep], out)
             self.buf = self.buf[len(self.buf) - keep:]
@@ -279,7 +295,8 @@ class OutputParser(TaggedSteps):
         self.n_tools, self.listed = self.listed.index, None
         if unread:
             self._emit_content((self.tool_open if self.n_tools == first else "") + unread, out)
-        self.mode, self._strip_ws = "content", True
+        # after whole calls the blank line the model writes goes; text that was not calls goes on as it is
+        self.mode, self._strip_ws = "content", not unread
 
     # -- tool calls ------------------------------------------------------------------------
     def _close_tool(self, out: list[Event], *, complete: bool) -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from .errors import ApiError
 from .parser_deepseek import CALL_BEGIN, CALLS_BEGIN, FENCE, SEP
-from .parser import (ARG_KEY, FUNCTION_OPEN, GRANITE_OPEN, INVOKE, MINIMAX_OPEN, PYTHONIC_OPEN, THINK_CLOSE,
+from .parser import (ARG_KEY, FUNCTION_OPEN, GRANITE_OPEN, HUNYUAN_OPEN, INVOKE, MINIMAX_OPEN, PYTHONIC_OPEN, THINK_CLOSE,
                      THINK_OPEN, TOOL_OPEN)
 
 
@@ -50,7 +50,7 @@ class Prompt:
     prefill: str              # text already "written" by the assistant (fed to the parser first)
     tools: bool               # parse tool calls
     style: str = "json"       # the tool calls' format: "json" (Hermes), "xml" (Qwen3.5, Qwen3-Coder), "glm", "minimax",
-    #                           "granite", "pythonic" (LFM2), "deepseek" (V3.1), "deepseek_fenced" (V3, R1)
+    #                           "granite", "pythonic" (LFM2), "hunyuan", "deepseek" (V3.1), "deepseek_fenced" (V3, R1)
     schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
     strict: frozenset[str] = frozenset()   # tools whose calls must follow their schema (``strict``)
     forced: str | None = None     # the prompt opened a tool call: "required", or the named tool
@@ -60,7 +60,7 @@ class Prompt:
 def tool_style(tokenizer) -> str:
     """The tool-call format the model's chat template teaches: "minimax" when it writes
     ``<minimax:tool_call>``, "granite" when it writes ``<|tool_call|>``, "pythonic" when it writes
-    ``<|tool_call_start|>``, "deepseek" / "deepseek_fenced" when it writes ``<｜tool▁calls▁begin｜>``
+    ``<|tool_call_start|>``, "hunyuan" when it writes ``<tool_calls>``, "deepseek" / "deepseek_fenced" when it writes ``<｜tool▁calls▁begin｜>``
     (the second also a fenced JSON block), "xml" when it writes
     ``<function=``, "glm" when it writes ``<arg_key>``, else "json"."""
     template = getattr(tokenizer, "chat_template", None) or ""
@@ -70,6 +70,8 @@ def tool_style(tokenizer) -> str:
         return "granite"
     if PYTHONIC_OPEN in template:
         return "pythonic"
+    if HUNYUAN_OPEN in template:
+        return "hunyuan"
     if CALLS_BEGIN in template:        # DeepSeek's calls: V3 and R1 fence their arguments, V3.1 does not
         return "deepseek_fenced" if FENCE in template else "deepseek"
     return "xml" if FUNCTION_OPEN in template else "glm" if ARG_KEY in template else "json"
@@ -101,6 +103,7 @@ def glm_after_name(tokenizer) -> str:
 _PREFILLS = {
     "json": (f'{TOOL_OPEN}\n{{"name": "', lambda name, after: json.dumps(name)[1:] + ', "arguments": '),
     "granite": (f'{GRANITE_OPEN}[{{"name": "', lambda name, after: json.dumps(name)[1:] + ', "arguments": '),
+    "hunyuan": (f'{HUNYUAN_OPEN}[{{"name": "', lambda name, after: json.dumps(name)[1:] + ', "arguments": '),
     "xml": (f"{TOOL_OPEN}\n{FUNCTION_OPEN}", lambda name, after: f"{name}>\n"),
     "glm": (TOOL_OPEN, lambda name, after: name + after),
     "minimax": (f"{MINIMAX_OPEN}\n{INVOKE}", lambda name, after: f'{name}">\n'),

@@ -1,6 +1,6 @@
 """Grammars that hold tool calls to their tools' schemas, in the chat template's own format.
 
-Seven formats (``prompt.tool_style``):
+Eight formats (``prompt.tool_style``):
 
 - JSON (Hermes; Qwen3): ``<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>``;
   the arguments are JSON for the tool's schema, spaced as the templates' ``tojson`` writes it.
@@ -18,7 +18,7 @@ Seven formats (``prompt.tool_style``):
 - Python calls (LFM2): ``<|tool_call_start|>[NAME(KEY=VALUE, ...), ...]<|tool_call_end|>``, values
   JSON for their schema.
 - Granite (3.x): ``<|tool_call|>[{"name": "NAME", "arguments": {...}}, ...]``, every call of the
-  turn in one JSON list, no closing tag.
+  turn in one JSON list, no closing tag; Hunyuan's the same list between ``<tool_calls>`` tags.
 - DeepSeek (V3.1): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
   <｜tool▁calls▁end｜>``; V3 and R1 (``deepseek_fenced``) write ``function<｜tool▁sep｜>NAME``, then the
   arguments in a fenced JSON block.
@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from ..errors import InvalidRequest
 from ..executor import guide
 from .errors import ApiError
-from .parser import INVOKE, MINIMAX_CLOSE, PYTHONIC_CLOSE, TOOL_CLOSE, TOOL_OPEN
+from .parser import HUNYUAN_CLOSE, INVOKE, MINIMAX_CLOSE, PYTHONIC_CLOSE, TOOL_CLOSE, TOOL_OPEN
 from .parser_deepseek import CALL_BEGIN, CALL_END, CALLS_END, FENCE, FENCE_END, SEP
 
 _COMPACT = {"whitespace_flexible": False}
@@ -160,8 +160,8 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
         at = tokenizer.token_to_id(text)
         return f"<[{at}]>" if at is not None else _lit(text)
 
-    if prompt.style == "granite":
-        return _granite(schemas, prompt)
+    if prompt.style in ("granite", "hunyuan"):
+        return _granite(schemas, prompt, f" {tag(HUNYUAN_CLOSE)}" if prompt.style == "hunyuan" else "")
     if prompt.style == "minimax":
         return _minimax(schemas, prompt, tag)
     if prompt.style == "pythonic":
@@ -211,17 +211,19 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
     return _both(after_open, rest, prompt)
 
 
-def _granite(schemas: dict, prompt) -> tuple[str | None, str | None]:
+def _granite(schemas: dict, prompt, close: str = "") -> tuple[str | None, str | None]:
     """Granite: after ``<|tool_call|>`` a JSON list of calls, ``[{"name": "NAME", "arguments":
     {...}}, ...]`` (one call when parallel calls are off); the pre-fill of a required call ends
-    inside the first name's quotes, a named one's where its arguments start."""
+    inside the first name's quotes, a named one's where its arguments start. Hunyuan: the same
+    list after ``<tool_calls>``, then ``close`` (``</tool_calls>``)."""
     bodies = {name: _json(schema if prompt.forced is not None or name in prompt.strict else None, _SPACED, "object")
               + ' "}"' for name, schema in schemas.items()}
     heads = {name: json.dumps(name) + ', "arguments": ' for name in schemas}
     call = '"{\\"name\\": " (' + " | ".join(f"{_lit(heads[n])} {bodies[n]}" for n in schemas) + ")"
     more = ' ("," /[ \\n]?/ ' + call + ")*" if prompt.parallel else ""
-    return _held(_Rules(), prompt, f'/[ \\n]?/ "[" {call}{more} "]"', lambda name: f'{bodies[name]} "]"',
-                 "(" + " | ".join(f"{_lit(heads[n][1:])} {bodies[n]}" for n in schemas) + f'){more} "]"')
+    end = f'"]"{close}'
+    return _held(_Rules(), prompt, f'/[ \\n]?/ "[" {call}{more} {end}', lambda name: f'{bodies[name]} {end}',
+                 "(" + " | ".join(f"{_lit(heads[n][1:])} {bodies[n]}" for n in schemas) + f'){more} {end}')
 
 
 def _minimax(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
