@@ -1,6 +1,7 @@
 """Families on multi-head latent attention (``layers/mla.py``).
 
-DeepSeek-V3 / V3.1 / R1 (``deepseek_v3``; Kimi-K2 publishes the same architecture): queries
+DeepSeek-V3 / V3.1 / R1 (``deepseek_v3``; Kimi-K2 publishes the same architecture, under
+``kimi_k2`` with a tiktoken tokenizer, neither read here): queries
 through a ``q_lora_rank`` bottleneck, keys and values through a ``kv_lora_rank`` latent and one
 shared rotated key; dense MLPs in the first ``first_k_dense_replace`` layers, then GLM's routing
 (GLM-4.5 took it from here: sigmoid scores, a correction bias that steers the choice, group-
