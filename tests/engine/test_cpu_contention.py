@@ -210,23 +210,29 @@ def test_a_busy_process_on_a_workers_cpu_moves_the_split_and_its_end_moves_it_ba
     experts = _bank_experts()
     cfg = FollowConfig(period_s=0.1, enter_ticks=2, leave_ticks=5, remeasure_s=60.0, probe_s=0.1)
     last = max(os.sched_getaffinity(0))
-    for attempt in range(2):    # a reference taken while the VM's host held a CPU: once more
+    for attempt in range(2):    # the VM's host held a CPU while the reference or the return was measured: once more
         follower = ContentionFollower(0.4, pool_record, experts.cpu_rate, cfg=cfg)
         assert follower.reference and follower.reference > 0
         hog = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{last}}})\nwhile True: pass"])
         try:
             q = _until(follower, experts, lambda q: q > 0.4)
-            break
         except AssertionError:
             if attempt:
                 raise
+            continue
         finally:
             hog.kill()
             hog.wait()
-    assert follower.active and follower.ratio < 1 - cfg.margin
-    assert q == pytest.approx(contended_fraction(0.4, follower.ratio))
-    assert _until(follower, experts, lambda q: q == 0.4) == 0.4
-    assert not follower.active and follower.episodes == 1
+        assert follower.active and follower.ratio < 1 - cfg.margin
+        assert q == pytest.approx(contended_fraction(0.4, follower.ratio))
+        try:
+            back = _until(follower, experts, lambda q: q == 0.4)
+        except AssertionError:
+            if attempt:
+                raise
+            continue
+        assert back == 0.4 and not follower.active and follower.episodes == 1
+        break
 
 
 def test_a_rate_above_the_reference_becomes_the_reference():
