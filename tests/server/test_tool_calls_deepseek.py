@@ -16,13 +16,14 @@ from hypothesis import strategies as st
 from live import API_KEY, live_server, start_service
 from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, streamed, tool_uses
 from test_tool_calls_glm import calls
-from test_tool_calls_granite import SCHEMAS, allowed, forced_calls_are_valid, held_to, shown, walk
+from test_tool_calls_granite import (A_TOOLS, MSGS, SCHEMAS, TOOLS, allowed, forced_calls_are_valid, held_prompt, held_to,
+                                     shown, walk)
 from tiny_models import mark_special, with_template
 
 from freetoken_engine.models.tokenizer import Tokenizer
 from freetoken_engine.server.parser import OutputParser, Reasoning, ToolArgs, ToolEnd, ToolStart, format_tags
 from freetoken_engine.server.parser_deepseek import CALL_BEGIN, CALL_END, CALLS_BEGIN, CALLS_END, SEP, TAGS
-from freetoken_engine.server.prompt import Prompt, tool_style
+from freetoken_engine.server.prompt import tool_style
 from freetoken_engine.server.tool_grammar import tool_grammars
 
 
@@ -55,9 +56,6 @@ ARGS = ('{"city": "Paris", "days": 3}', '{"query": "rain <｜tool▁call▁end�
 WANT = [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "rain <｜tool▁call▁end｜> [gear]"})]
 BLOCKS = {style: CALLS_BEGIN + write("get_weather", ARGS[0]) + write("search", ARGS[1]) + CALLS_END
           for style, write in (("deepseek", v31), ("deepseek_fenced", fenced))}
-TOOLS = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
-A_TOOLS = [{"name": n, "description": n, "input_schema": s} for n, s in SCHEMAS.items()]
-MSGS = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
 def answer(style: str) -> str:
@@ -167,11 +165,6 @@ def test_anthropic_gets_a_tool_use_block_per_call(scripted):
 
 
 # -- the grammar ------------------------------------------------------------------------------------
-def prompt(style: str, forced: str | None = None, parallel: bool = True) -> Prompt:
-    return Prompt(ids=[1], in_reasoning=False, prefill="x" if forced else "", tools=True, style=style,
-                  schemas=SCHEMAS, strict=frozenset(SCHEMAS), forced=forced, parallel=parallel)
-
-
 @pytest.mark.parametrize("name, args, wrong", [
     ("get_weather", '{"city": "Rome", "days": 3}', None),
     ("get_weather", '{"city": "Oslo", "days": 3}', "Oslo"),
@@ -184,23 +177,23 @@ def test_calls_after_the_tag_are_held_to_their_schemas(folder, name, args, wrong
     tokenizer = Tokenizer(path)
     write = v31 if style == "deepseek" else fenced
     text = write(name, args) + (write("search", '{"query": "x"}') + CALLS_END if wrong is None else CALLS_END)
-    held_to(tokenizer, tool_grammars(tokenizer, prompt(style))[0], text, wrong, TAGS)
+    held_to(tokenizer, tool_grammars(tokenizer, held_prompt(style))[0], text, wrong, TAGS)
 
 
 def test_forced_rests_start_where_the_prefill_ends(folder):
     style, path = folder
     tokenizer = Tokenizer(path)
     end = CALL_END if style == "deepseek" else "\n```" + CALL_END
-    _, named = tool_grammars(tokenizer, prompt(style, "get_weather"))
+    _, named = tool_grammars(tokenizer, held_prompt(style, "get_weather"))
     assert walk(tokenizer, named, '{"city": "Paris", "days": 1}' + end + CALLS_END)[1]
     got = allowed(tokenizer, named, '{"city": "Paris", "days": 1}' + end + CALL_BEGIN, TAGS)  # one call only
     assert got.startswith('{"city": "Paris", "days": 1}') and CALL_BEGIN not in got
     write = v31 if style == "deepseek" else fenced
     two = write("search", '{"query": "x"}') + write("search", '{"query": "y"}')
     skip = len(CALL_BEGIN) + (0 if style == "deepseek" else len("function" + SEP))
-    _, required = tool_grammars(tokenizer, prompt(style, "required"))
+    _, required = tool_grammars(tokenizer, held_prompt(style, "required"))
     assert walk(tokenizer, required, two[skip:] + CALLS_END)[1]
-    _, single = tool_grammars(tokenizer, prompt(style, "required", parallel=False))
+    _, single = tool_grammars(tokenizer, held_prompt(style, "required", parallel=False))
     assert '"y"' not in allowed(tokenizer, single, two[skip:], TAGS)
 
 

@@ -7,6 +7,7 @@ calls token by token, and a random model forced to call through a live engine. T
 this test's own, in Granite's layout; scripted answers come from a ``ScriptedService``."""
 from __future__ import annotations
 
+import functools
 import json
 
 import jsonschema
@@ -149,9 +150,14 @@ def test_anthropic_gets_a_tool_use_block_per_call(scripted):
 
 
 # -- the grammar ------------------------------------------------------------------------------------
-def prompt(forced: str | None = None, parallel: bool = True) -> Prompt:
-    return Prompt(ids=[1], in_reasoning=False, prefill="x" if forced else "", tools=True, style="granite",
+def held_prompt(style: str, forced: str | None = None, parallel: bool = True) -> Prompt:
+    """A prompt in ``style`` whose tools (SCHEMAS) are all strict; ``forced``: "required" or a
+    tool's name, the pre-fill already written."""
+    return Prompt(ids=[1], in_reasoning=False, prefill="x" if forced else "", tools=True, style=style,
                   schemas=SCHEMAS, strict=frozenset(SCHEMAS), forced=forced, parallel=parallel)
+
+
+prompt = functools.partial(held_prompt, "granite")
 
 
 def walk(tokenizer, grammar: str, text: str) -> tuple[int, bool]:

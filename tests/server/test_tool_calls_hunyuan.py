@@ -6,18 +6,20 @@ to call through a live engine. The template is this test's own, in Hunyuan's lay
 answers come from a ``ScriptedService``."""
 from __future__ import annotations
 
+import functools
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from live import API_KEY, live_server, start_service
 from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, tool_uses
 from test_tool_calls_glm import calls
-from test_tool_calls_granite import SCHEMAS, allowed, forced_calls_are_valid, held_to, shown, walk
+from test_tool_calls_granite import (A_TOOLS, MSGS, SCHEMAS, TOOLS, allowed, forced_calls_are_valid, held_prompt, held_to,
+                                     shown, walk)
 from tiny_models import with_template
 
 from freetoken_engine.models.tokenizer import Tokenizer
 from freetoken_engine.server.parser import OutputParser, Reasoning
-from freetoken_engine.server.prompt import Prompt, tool_style
+from freetoken_engine.server.prompt import tool_style
 from freetoken_engine.server.tool_grammar import tool_grammars
 
 OPEN, CLOSE = "<tool_calls>", "</tool_calls>"
@@ -34,9 +36,6 @@ TEMPLATE = (
 LIST = '[{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, {"name": "search", "arguments": {"query": "rain [gear]"}}]'
 ANSWER = "<think>\nThe user wants the forecast.\n</think>\n<answer>\nChecking." + OPEN + LIST + CLOSE + "\n</answer>"
 WANT = [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "rain [gear]"})]
-TOOLS = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
-A_TOOLS = [{"name": n, "description": n, "input_schema": s} for n, s in SCHEMAS.items()]
-MSGS = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
 def events(text: str, cuts: list[int], tools: bool = True) -> list:
@@ -98,9 +97,7 @@ def test_anthropic_gets_a_tool_use_block_per_call(scripted):
     assert tool_uses(scripted, MSGS, A_TOOLS) == WANT
 
 
-def prompt(forced: str | None = None, parallel: bool = True) -> Prompt:
-    return Prompt(ids=[1], in_reasoning=False, prefill="x" if forced else "", tools=True, style="hunyuan",
-                  schemas=SCHEMAS, strict=frozenset(SCHEMAS), forced=forced, parallel=parallel)
+prompt = functools.partial(held_prompt, "hunyuan")
 
 
 @pytest.mark.parametrize("text, wrong", [

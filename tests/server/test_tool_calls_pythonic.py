@@ -7,6 +7,7 @@ token, and a random ``lfm2_moe`` model forced to call through a live engine. The
 test's own, in LFM2's layout; scripted answers come from a ``ScriptedService``."""
 from __future__ import annotations
 
+import functools
 
 import pytest
 from hypothesis import given
@@ -14,7 +15,8 @@ from hypothesis import strategies as st
 from live import API_KEY, live_server, start_service
 from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, tool_uses
 from test_tool_calls_glm import calls
-from test_tool_calls_granite import SCHEMAS, allowed, forced_calls_are_valid, held_to, shown, walk
+from test_tool_calls_granite import (A_TOOLS, MSGS, SCHEMAS, TOOLS, allowed, forced_calls_are_valid, held_prompt, held_to,
+                                     shown, walk)
 from tiny_models import mark_special, with_template
 
 from freetoken_engine.models.tokenizer import Tokenizer
@@ -36,9 +38,6 @@ TEMPLATE = (
 BLOCK = OPEN + '[get_weather(city="Paris", days=3), search(query=\'rain [gear]\')]' + CLOSE
 ANSWER = "<think>The user wants the forecast.</think>\n\nChecking." + BLOCK
 WANT = [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "rain [gear]"})]
-TOOLS = [{"type": "function", "function": {"name": n, "parameters": s}} for n, s in SCHEMAS.items()]
-A_TOOLS = [{"name": n, "description": n, "input_schema": s} for n, s in SCHEMAS.items()]
-MSGS = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
 def events(text: str, cuts: list[int]) -> list:
@@ -111,9 +110,7 @@ def test_anthropic_gets_a_tool_use_block_per_call(scripted):
 
 
 # -- the grammar ------------------------------------------------------------------------------------
-def prompt(forced: str | None = None, parallel: bool = True) -> Prompt:
-    return Prompt(ids=[1], in_reasoning=False, prefill="x" if forced else "", tools=True, style="pythonic",
-                  schemas=SCHEMAS, strict=frozenset(SCHEMAS), forced=forced, parallel=parallel)
+prompt = functools.partial(held_prompt, "pythonic")
 
 
 @pytest.mark.parametrize("text, wrong", [
