@@ -90,6 +90,22 @@ def start_service(model_dir: Path, **options):
     return wait_ready(EngineService.start(EngineConfig(model=model_dir, **options)))
 
 
+def serving(model_dir: Path, **options):
+    """Context manager: a real EngineService on ``model_dir`` (``options`` go to EngineConfig)
+    behind a server with ``API_KEY``; yields the ``Live``, shuts the service down after."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def _cm():
+        svc = start_service(model_dir, **options)
+        try:
+            with live_server(svc, api_key=API_KEY) as srv:
+                yield srv
+        finally:
+            svc.shutdown()
+    return _cm()
+
+
 def live_pair(model_dir: Path, first: dict, second: dict):
     """Context manager: two services on ``model_dir`` (EngineConfig ``first`` and ``second``),
     each behind its own server with ``API_KEY``; yields the two ``Live``s."""

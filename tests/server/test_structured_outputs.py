@@ -15,7 +15,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from live import API_KEY, live_server, start_service
+from live import API_KEY, serving
 from tiny_models import CHAT_TEMPLATE, copy_folder
 
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["city", "ok", "n"],
@@ -36,10 +36,8 @@ def live(tiny_dir, tmp_path_factory):
     folder = copy_folder(tiny_dir, tmp_path_factory.mktemp("qwen3-style") / "m")
     cfg = json.loads((folder / "tokenizer_config.json").read_text())
     (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "chat_template": TEMPLATE}))
-    svc = start_service(folder, max_context=512)
-    with live_server(svc, api_key=API_KEY) as srv:
+    with serving(folder, max_context=512) as srv:
         yield srv
-    svc.shutdown()
 
 
 @pytest.fixture(scope="module")

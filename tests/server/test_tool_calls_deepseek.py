@@ -13,7 +13,7 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from live import API_KEY, live_server, start_service
+from live import serving
 from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, streamed, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, MSGS, SCHEMAS, TOOLS, allowed, forced_calls_are_valid, held_prompt, held_to,
@@ -201,10 +201,8 @@ def test_forced_rests_start_where_the_prefill_ends(folder):
 def live(tiny_checkpoint, tmp_path_factory):
     src = tiny_checkpoint("deepseek_v3", extra_tags=TAGS, max_position_embeddings=2048)
     path = with_template(src, tmp_path_factory.mktemp("dsv3") / "m", template(False))
-    svc = start_service(path, max_context=1024)
-    with live_server(svc, api_key=API_KEY) as srv:
+    with serving(path, max_context=1024) as srv:
         yield srv
-    svc.shutdown()
 
 
 @pytest.mark.parametrize("seed", range(2))

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from live import API_KEY, live_server, start_service
+from live import serving
 from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, streamed, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_grammar import walk as grammar_walk
@@ -212,10 +212,8 @@ def test_forced_rests_start_where_the_prefill_ends(folder):
 
 @pytest.fixture(scope="module")
 def live(folder):
-    svc = start_service(folder, max_context=1024)
-    with live_server(svc, api_key=API_KEY) as srv:
+    with serving(folder, max_context=1024) as srv:
         yield srv
-    svc.shutdown()
 
 
 def forced_calls_are_valid(srv, seed: int, messages: list[dict], schemas: dict) -> None:

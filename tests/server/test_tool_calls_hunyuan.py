@@ -10,7 +10,7 @@ import functools
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from live import API_KEY, live_server, start_service
+from live import serving
 from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, MSGS, SCHEMAS, TOOLS, allowed, forced_calls_are_valid, held_prompt, held_to,
@@ -121,10 +121,8 @@ def test_forced_rests_start_where_the_prefill_ends(folder):
 
 @pytest.fixture(scope="module")
 def live(folder):
-    svc = start_service(folder, max_context=1024)
-    with live_server(svc, api_key=API_KEY) as srv:
+    with serving(folder, max_context=1024) as srv:
         yield srv
-    svc.shutdown()
 
 
 @pytest.mark.parametrize("seed", range(2))

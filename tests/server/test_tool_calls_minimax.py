@@ -13,7 +13,7 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from live import API_KEY, live_server, start_service
+from live import serving
 from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, streamed, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import SCHEMAS as HELD
@@ -165,10 +165,8 @@ def test_forced_rests_start_where_the_prefill_ends(tokenizer):
 def live(tiny_checkpoint, tmp_path_factory):
     folder = with_template(tiny_checkpoint("minimax_m2", max_position_embeddings=2048),
                            tmp_path_factory.mktemp("minimax-engine") / "m", TEMPLATE)
-    svc = start_service(folder, max_context=1024)
-    with live_server(svc, api_key=API_KEY) as srv:
+    with serving(folder, max_context=1024) as srv:
         yield srv
-    svc.shutdown()
 
 
 @pytest.mark.parametrize("seed", range(2))

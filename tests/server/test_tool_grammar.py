@@ -10,7 +10,7 @@ import json
 import jsonschema
 import pytest
 import torch
-from live import API_KEY, live_server, start_service
+from live import serving
 from test_tool_calls_xml import TEMPLATE as XML_TEMPLATE
 from tiny_models import with_template
 
@@ -133,10 +133,8 @@ def xml_live(tiny_checkpoint, tmp_path_factory):
     # the tiny tokenizer spends 460 tokens on this prompt: a longer context leaves room for a call
     folder = with_template(tiny_checkpoint("qwen3_moe", max_position_embeddings=2048),
                            tmp_path_factory.mktemp("xml-engine") / "m", XML_TEMPLATE)
-    svc = start_service(folder, max_context=1024)
-    with live_server(svc, api_key=API_KEY) as srv:
+    with serving(folder, max_context=1024) as srv:
         yield srv
-    svc.shutdown()
 
 
 ENUMS = {"type": "object", "required": ["city", "days"], "additionalProperties": False,
