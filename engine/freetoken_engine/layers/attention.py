@@ -308,19 +308,32 @@ class Attention(nn.Module):
                 out: torch.Tensor, singles_in_rows: bool) -> None:
         """Each multi-token chunk's attention, alone, into its rows of ``out``; ``q`` and ``out``
         hold every row of the pass (``singles_in_rows``) or only the chunks' rows."""
+        lower_right = self._lower_right(q)
+        for i, row, n, lo, end in self._chunk_spans(batch, singles_in_rows):
+            keys, values = self._keys(k_cache, v_cache, batch.kv_index[i:i + 1, lo:end])
+            qp = q[row:row + n].transpose(0, 1)[None]                                   # [1, h, n, d]
+            mask = None if lower_right else self._chunk_mask(n, lo, end, q.device)
+            out[row:row + n] = self._attend(qp, keys, values, mask, lower_right)[0].transpose(0, 1)
+
+    def _lower_right(self, q: torch.Tensor) -> bool:
+        """Whether a chunk's causal mask is the lower-right triangle, which a GPU's SDPA computes
+        without a mask tensor (no sliding window)."""
+        return self.sdpa and q.device.type == "cuda" and self.window is None
+
+    def _chunk_spans(self, batch: AttnBatch, singles_in_rows: bool):
+        """(sequence, first row, tokens, first key, keys) of each multi-token chunk of the pass: its
+        keys from the first its sliding window reaches; rows counted over every row of the pass
+        (``singles_in_rows``) or over the chunks' rows only."""
         row = 0
-        lower_right = self.sdpa and q.device.type == "cuda" and self.window is None
         for i, (n, end) in enumerate(zip(batch.seq_counts, batch.seq_ends)):
-            if n > 1:      # keys from the first its sliding window reaches (relative positions below)
-                lo = max(0, end - n - self.window + 1) if self.window is not None else 0
-                keys, values = self._keys(k_cache, v_cache, batch.kv_index[i:i + 1, lo:end])
-                qp = q[row:row + n].transpose(0, 1)[None]                               # [1, h, n, d]
-                mask = None if lower_right else self._allowed(torch.arange(end - n - lo, end - lo, device=q.device),
-                                                              end - lo)
-                got = self._attend(qp, keys, values, mask[None, None] if mask is not None else None, lower_right)
-                out[row:row + n] = got[0].transpose(0, 1)
+            if n > 1:
+                yield i, row, n, (max(0, end - n - self.window + 1) if self.window is not None else 0), end
             if n > 1 or singles_in_rows:
                 row += n
+
+    def _chunk_mask(self, n: int, lo: int, end: int, device: torch.device) -> torch.Tensor:
+        """[1, 1, n, end - lo] bool: the keys from ``lo`` each of a chunk's n queries may see."""
+        return self._allowed(torch.arange(end - n - lo, end - lo, device=device), end - lo)[None, None]
 
     def _one_token(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                    allowed: torch.Tensor) -> torch.Tensor:

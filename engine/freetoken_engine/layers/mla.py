@@ -150,12 +150,9 @@ class LatentAttention(Attention):
     def _expanded_chunks(self, q: torch.Tensor, k_cache: torch.Tensor, batch: AttnBatch) -> torch.Tensor:
         """Each multi-token chunk's attention over its own context, expanded: ``q [rows, h, nope +
         rope]`` (rotated) of the chunks' rows in order -> ``[rows, h, v]``."""
-        a, out, row = self.mla, [], 0
-        gpu = q.device.type == "cuda"
-        for i, (n, end) in enumerate(zip(batch.seq_counts, batch.seq_ends)):
-            if n == 1:
-                continue
-            lo = max(0, end - n - self.window + 1) if self.window is not None else 0
+        a, out = self.mla, []
+        gpu, lower_right = q.device.type == "cuda", self._lower_right(q)
+        for i, row, n, lo, end in self._chunk_spans(batch, singles_in_rows=False):
             keys = k_cache.index_select(0, batch.kv_index[i, lo:end])[:, 0]               # [L, rope + kv_rank]
             lat = keys[None, :, a.rope_dim:]
             k = torch.cat((torch.matmul(lat, self.qkv[0].transpose(1, 2)),                 # [h, L, nope]
@@ -169,15 +166,10 @@ class LatentAttention(Attention):
                 v = F.pad(v, (0, wide))
             elif wide < 0:
                 k, qc = F.pad(k, (0, -wide)), F.pad(qc, (0, -wide))
-            lower_right = self.sdpa and gpu and self.window is None
-            if lower_right:
-                got = gpu_sdpa(qc, k[None], v[None], None, True, self.scale)
-            else:
-                mask = self._allowed(torch.arange(end - n - lo, end - lo, device=q.device), end - lo)
-                got = F.scaled_dot_product_attention(qc, k[None], v[None], attn_mask=mask[None, None], scale=self.scale) \
-                    if not gpu else gpu_sdpa(qc, k[None], v[None], mask[None, None], False, self.scale)
+            mask = None if lower_right else self._chunk_mask(n, lo, end, q.device)
+            got = gpu_sdpa(qc, k[None], v[None], mask, lower_right, self.scale) if gpu else \
+                F.scaled_dot_product_attention(qc, k[None], v[None], attn_mask=mask, scale=self.scale)
             out.append(got[0, ..., :a.v_dim].transpose(0, 1))
-            row += n
         return torch.cat(out)
 
     def _up(self, o: torch.Tensor) -> torch.Tensor:
