@@ -53,6 +53,13 @@ def causal_conv(x: torch.Tensor, past: torch.Tensor, weight: torch.Tensor) -> tu
     return F.silu(y).to(x.dtype), seq[seq.shape[0] - (k - 1):]
 
 
+def depthwise_conv(seq: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``seq [B, n + K - 1, C]`` (the K - 1 inputs before, then n new ones) through the depthwise
+    convolution ``weight [C, K]`` (and ``bias``) -> ``[B, n, C]`` in seq's dtype."""
+    y = F.conv1d(seq.transpose(1, 2).to(weight.dtype), weight[:, None, :], bias, groups=weight.shape[0])
+    return y.transpose(1, 2).to(seq.dtype)
+
+
 def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of B sequences: ``q``/``k [B, h, dk]``, ``v [B, h, dv]``, ``g``/``beta

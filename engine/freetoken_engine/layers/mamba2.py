@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LinearAttnConfig
-from .deltanet import STEPS, each_sequence, in_segments, keep_states, take_states
+from .deltanet import STEPS, depthwise_conv, each_sequence, in_segments, keep_states, take_states
 from .linear import linear
 
 CHUNK = 64
@@ -127,8 +127,7 @@ class Mamba2(nn.Module):
         """``seq [B, n + K - 1, C]`` (the K - 1 inputs before, then n new ones) -> SiLU of the
         convolution, ``[B, n, C]``."""
         w = self.conv_w if self.conv_w is not None else self.conv1d.weight[:, 0, :]
-        y = F.conv1d(seq.transpose(1, 2).to(w.dtype), w[:, None, :], self.conv1d.bias, groups=w.shape[0])
-        return F.silu(y).transpose(1, 2).to(seq.dtype)
+        return F.silu(depthwise_conv(seq, w, self.conv1d.bias))
 
     def _split(self, y: torch.Tensor):
         """The convolved ``y [n, C]`` -> x ``[n, h, P]``, B and C ``[n, h, N]`` (each group's for

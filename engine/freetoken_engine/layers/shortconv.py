@@ -16,11 +16,10 @@ verification) run on the CPU only.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ..config import LinearAttnConfig
-from .deltanet import each_sequence
+from .deltanet import depthwise_conv, each_sequence
 from .linear import linear
 
 
@@ -45,9 +44,7 @@ class ShortConv(nn.Module):
 
     def _convolve(self, seq: torch.Tensor) -> torch.Tensor:
         """``seq [B, n + K - 1, C]`` (the K - 1 inputs before, then n new ones) -> ``[B, n, C]``."""
-        w = self.conv.weight[:, 0, :] if self.conv_w is None else self.conv_w
-        y = F.conv1d(seq.transpose(1, 2).to(w.dtype), w[:, None, :], self.conv.bias, groups=w.shape[0])
-        return y.transpose(1, 2).to(seq.dtype)
+        return depthwise_conv(seq, self.conv.weight[:, 0, :] if self.conv_w is None else self.conv_w, self.conv.bias)
 
     def forward(self, x: torch.Tensor, batch) -> torch.Tensor:
         conv = self.states.conv[self.state_index]
