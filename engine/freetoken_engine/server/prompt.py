@@ -100,10 +100,15 @@ def glm_after_name(tokenizer) -> str:
 
 # each format's pre-fill of a required call (ending where the tool's name is written), and what a
 # named call writes after that: its name and the text up to where its arguments start
+def _json_named(name: str, after: str) -> str:
+    """A JSON call object's rest after ``{"name": "``: the name, then up to its arguments."""
+    return json.dumps(name)[1:] + ', "arguments": '
+
+
 _PREFILLS = {
-    "json": (f'{TOOL_OPEN}\n{{"name": "', lambda name, after: json.dumps(name)[1:] + ', "arguments": '),
-    "granite": (f'{GRANITE_OPEN}[{{"name": "', lambda name, after: json.dumps(name)[1:] + ', "arguments": '),
-    "hunyuan": (f'{HUNYUAN_OPEN}[{{"name": "', lambda name, after: json.dumps(name)[1:] + ', "arguments": '),
+    "json": (f'{TOOL_OPEN}\n{{"name": "', _json_named),
+    "granite": (f'{GRANITE_OPEN}[{{"name": "', _json_named),
+    "hunyuan": (f'{HUNYUAN_OPEN}[{{"name": "', _json_named),
     "xml": (f"{TOOL_OPEN}\n{FUNCTION_OPEN}", lambda name, after: f"{name}>\n"),
     "glm": (TOOL_OPEN, lambda name, after: name + after),
     "minimax": (f"{MINIMAX_OPEN}\n{INVOKE}", lambda name, after: f'{name}">\n'),
