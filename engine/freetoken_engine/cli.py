@@ -157,7 +157,7 @@ def cmd_generate(args) -> int:
     if args.prompt_ids is not None:
         ids = _parse_ids(args.prompt_ids)
     elif llm.tokenizer is None:
-        raise ConfigError("this model has no tokenizer.json: use --prompt-ids")
+        raise ConfigError("this model has no tokenizer (tokenizer.json or tiktoken.model): use --prompt-ids")
     elif llm.tokenizer.chat_template:
         ids = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
     else:

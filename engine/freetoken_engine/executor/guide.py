@@ -126,10 +126,15 @@ class Tables:
     whitespace: torch.Tensor   # ids of the tokens that are only whitespace (allowed after </think>)
 
 
-def _build(tokenizer_json: str, n_vocab: int, eos: tuple[int, ...]) -> Tables:
+def _build(tokenizer, n_vocab: int, eos: tuple[int, ...]) -> Tables:
     import llguidance
     from llguidance.torch import fill_next_token_bitmask
-    lltok = llguidance.LLTokenizer(tokenizer_json, n_vocab=n_vocab, eos_token=list(eos))
+    tik = tokenizer.tiktoken
+    if tik is not None:     # Moonshot's tiktoken tokenizer: its ranks, specials and split pattern
+        lltok = llguidance.LLTokenizer.from_tiktoken(encoder=tik.ranks, special_tokens=tik.special,
+                                                     pattern=tik.pattern, eos_token=list(eos), n_vocab=n_vocab)
+    else:
+        lltok = llguidance.LLTokenizer(tokenizer.json_text, n_vocab=n_vocab, eos_token=list(eos))
     # the first mask ever computed sets up llguidance's per-tokenizer tables: pay it here
     matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}))
     fill_next_token_bitmask(matcher, torch.zeros(1, (n_vocab + 31) // 32, dtype=torch.int32))
@@ -155,7 +160,7 @@ def tables(tokenizer, n_vocab: int) -> concurrent.futures.Future:
 
             def build():
                 try:
-                    future.set_result(_build(*key))
+                    future.set_result(_build(tokenizer, n_vocab, key[2]))
                 except Exception as exc:   # noqa: BLE001  delivered to whoever needs the tables
                     log.warning("constrained decoding is unavailable for this tokenizer: %s", exc)
                     future.set_exception(exc)

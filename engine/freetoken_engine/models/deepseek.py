@@ -1,7 +1,7 @@
 """Families on multi-head latent attention (``layers/mla.py``).
 
-DeepSeek-V3 / V3.1 / R1 (``deepseek_v3``; Kimi-K2 publishes the same architecture, under
-``kimi_k2`` with a tiktoken tokenizer, neither read here): queries
+DeepSeek-V3 / V3.1 / R1 (``deepseek_v3``; Moonlight too, and Kimi-K2 / K2-Instruct publish the same
+architecture under ``kimi_k2``, with Moonshot's tiktoken tokenizer, ``models/tiktoken_tokenizer.py``): queries
 through a ``q_lora_rank`` bottleneck, keys and values through a ``kv_lora_rank`` latent and one
 shared rotated key; dense MLPs in the first ``first_k_dense_replace`` layers, then GLM's routing
 (GLM-4.5 took it from here: sigmoid scores, a correction bias that steers the choice, group-
@@ -98,4 +98,5 @@ V3 = Family("deepseek_v3", parse_v3, source=glm4_moe._source, skip=glm4_moe.skip
 V2 = Family("deepseek_v2", parse_v2, source=_source_v2)
 GLM4_MOE_LITE = Family("glm4_moe_lite", parse_lite, source=glm4_moe._source, skip=glm4_moe.skip,
                        mtp_layer=glm4_moe._mtp_layer)
-FAMILIES = (V3, V2, GLM4_MOE_LITE)
+KIMI_K2 = replace(V3, model_type="kimi_k2")
+FAMILIES = (V3, V2, GLM4_MOE_LITE, KIMI_K2)

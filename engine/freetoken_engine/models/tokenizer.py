@@ -1,6 +1,7 @@
 """Tokenizer and chat template exactly as the checkpoint ships them.
 
-``tokenizer.json`` is read with the ``tokenizers`` library; the chat template comes from
+``tokenizer.json`` is read with the ``tokenizers`` library (Moonshot's ``tiktoken.model`` with the
+``tiktoken`` library: ``models/tiktoken_tokenizer.py``); the chat template comes from
 ``tokenizer_config.json`` (or ``chat_template.jinja``) and is rendered with a sandboxed jinja2
 environment offering what Hugging Face templates expect of transformers' renderer: the helpers
 ``raise_exception`` and ``strftime_now``, its ``tojson`` (non-ASCII kept; ``indent``,
@@ -20,6 +21,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from ..errors import ConfigError, InvalidRequest
+from .tiktoken_tokenizer import TiktokenModel, is_tiktoken_folder
 
 
 def _token_text(value) -> str | None:
@@ -75,15 +77,38 @@ class StreamDecoder:
         return full[len(prefix_text):]
 
 
+def _sorts_tools(folder: Path) -> bool:
+    """Whether the checkpoint's own tokenizer code sorts every key of the tools before its template
+    renders them (Moonshot's later ``tokenization_kimi.py``: ``deep_sort_dict``)."""
+    return any("deep_sort_dict(tools)" in f.read_text(errors="replace") for f in folder.glob("tokenization_*.py"))
+
+
+def _deep_sorted(value):
+    if isinstance(value, dict):
+        return {k: _deep_sorted(v) for k, v in sorted(value.items())}
+    if isinstance(value, list):
+        return [_deep_sorted(v) for v in value]
+    return value
+
+
 class Tokenizer:
     def __init__(self, folder: Path, eos_ids: tuple[int, ...] = ()):
-        path = folder / "tokenizer.json"
-        try:
-            self._tok = _HFTokenizer.from_file(str(path))
-        except Exception as exc:  # the library raises a bare Exception on parse errors
-            raise ConfigError(f"cannot read {path}: {exc}") from None
         cfg_path = folder / "tokenizer_config.json"
-        self.config: dict = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        try:
+            self.config: dict = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        except ValueError as exc:
+            raise ConfigError(f"cannot read {cfg_path}: {exc}") from None
+        #: Moonshot's tiktoken tokenizer (``tiktoken_tokenizer.TiktokenModel``), or None
+        self.tiktoken: TiktokenModel | None = None
+        if is_tiktoken_folder(folder):
+            self._tok = self.tiktoken = TiktokenModel(folder, self.config)
+        else:
+            path = folder / "tokenizer.json"
+            try:
+                self._tok = _HFTokenizer.from_file(str(path))
+            except Exception as exc:  # the library raises a bare Exception on parse errors
+                raise ConfigError(f"cannot read {path}: {exc}") from None
+        self._sort_tools = _sorts_tools(folder)
         template = self.config.get("chat_template")
         jinja_file = folder / "chat_template.jinja"
         if template is None and jinja_file.is_file():
@@ -113,7 +138,10 @@ class Tokenizer:
 
     @functools.cached_property
     def json_text(self) -> str:
-        """The tokenizer as ``tokenizer.json`` text (for the grammar engine); built once."""
+        """The tokenizer as ``tokenizer.json`` text (for the grammar engine); built once. A tiktoken
+        tokenizer's stands for it by its file's digest (the grammar engine reads its ranks)."""
+        if self.tiktoken is not None:
+            return "tiktoken:" + self.tiktoken.digest
         return self._tok.to_str()
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -134,6 +162,8 @@ class Tokenizer:
         if self._compiled is None:
             lines = [f"{m['role']}: {m.get('content') or ''}" for m in messages]
             return "\n".join(lines) + ("\nassistant:" if add_generation_prompt else "")
+        if tools and self._sort_tools:
+            tools = _deep_sorted(tools)
         try:
             return self._compiled.render(messages=messages, tools=tools or None,
                                          add_generation_prompt=add_generation_prompt,
@@ -147,5 +177,9 @@ class Tokenizer:
         return self.encode(self.apply_chat_template(messages, tools, **extra), add_special_tokens=False)
 
 
+def has_tokenizer(folder: Path) -> bool:
+    return (folder / "tokenizer.json").is_file() or is_tiktoken_folder(folder)
+
+
 def load_tokenizer(folder: Path, eos_ids: tuple[int, ...] = ()) -> Tokenizer | None:
-    return Tokenizer(folder, eos_ids) if (folder / "tokenizer.json").is_file() else None
+    return Tokenizer(folder, eos_ids) if has_tokenizer(folder) else None

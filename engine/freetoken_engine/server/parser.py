@@ -35,6 +35,11 @@ calls between DeepSeek's tokens (``parser_deepseek.DeepSeekCalls``):
 
     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{"path": "src/app.py"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>
 
+or Kimi-K2's (``style="kimi"``), the same in Moonshot's tokens, each call named by its id
+(``parser_deepseek.KimiCalls``):
+
+    <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"path": "src/app.py"}<|tool_call_end|><|tool_calls_section_end|>
+
 An XML, GLM or MiniMax call's arguments become a JSON object, each value typed by the tool's JSON Schema
 (``schemas``: tool name -> its ``parameters``): integers, numbers, booleans, null, objects and
 arrays are parsed from their text when it is valid, strings and unknown parameters stay text.
@@ -56,7 +61,7 @@ ordinary content (so nothing the model wrote is lost). Not thread-safe; one per 
 """
 from __future__ import annotations
 
-from .parser_deepseek import CALLS_BEGIN, DeepSeekCalls
+from .parser_deepseek import CALLS_BEGIN, KIMI_CALLS_BEGIN, KIMI_TAGS, DeepSeekCalls, KimiCalls
 from .parser_deepseek import TAGS as DEEPSEEK_TAGS
 from .parser_list import CallList
 from .parser_pythonic import PYTHONIC_CLOSE, PYTHONIC_OPEN, PythonicBlock
@@ -82,7 +87,8 @@ _LISTED = {"granite": (GRANITE_OPEN, (GRANITE_OPEN,), CallList),
            "pythonic": (PYTHONIC_OPEN, (PYTHONIC_OPEN, PYTHONIC_CLOSE), PythonicBlock),
            "hunyuan": (HUNYUAN_OPEN, (HUNYUAN_OPEN, HUNYUAN_CLOSE), CallList),
            "deepseek": (CALLS_BEGIN, DEEPSEEK_TAGS, DeepSeekCalls),
-           "deepseek_fenced": (CALLS_BEGIN, DEEPSEEK_TAGS, DeepSeekCalls)}
+           "deepseek_fenced": (CALLS_BEGIN, DEEPSEEK_TAGS, DeepSeekCalls),
+           "kimi": (KIMI_CALLS_BEGIN, KIMI_TAGS, KimiCalls)}
 
 
 def opening_tag(style: str) -> str:

@@ -16,6 +16,11 @@ told apart by what follows the separator: a call starts (``ToolStart``) once its
 its arguments stream as they arrive, it ends at its closing tag. Text where a call should begin
 that is not one is ``failed``: the text from that call on is ``unread``, shown as the model's
 text, so nothing it wrote is lost.
+
+Kimi-K2's calls (``style="kimi"``, ``KimiCalls``) have the same shape in other tokens, the call's id
+``functions.NAME:INDEX`` where DeepSeek writes the name:
+
+    <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
 """
 from __future__ import annotations
 
@@ -25,9 +30,16 @@ CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 FENCE, FENCE_END = "```json", "```"
 TAGS = (CALLS_BEGIN, CALLS_END, CALL_BEGIN, SEP, CALL_END)
+KIMI_CALLS_BEGIN, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+KIMI_CALL_BEGIN, KIMI_CALL_END, KIMI_SEP = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
+KIMI_TAGS = (KIMI_CALLS_BEGIN, KIMI_CALLS_END, KIMI_CALL_BEGIN, KIMI_SEP, KIMI_CALL_END)
+KIMI_PREFIX = "functions."
 
 
 class DeepSeekCalls:
+    calls_end, call_begin, call_end, sep = CALLS_END, CALL_BEGIN, CALL_END, SEP
+    fenced_lead: str | None = "function"   # what V3's fenced calls write before the separator
+
     def __init__(self, first: int):
         self.index = first           # the next call's index
         self.state = "between"       # between | head | kind | name | args | tail | done | failed
@@ -65,41 +77,45 @@ class DeepSeekCalls:
     # -- states: each takes from the front of the buffer, or waits ---------------------------
     def _between(self, out: list) -> None:
         body = self._buf.lstrip()
-        if body.startswith(CALL_BEGIN):
-            self._raw, self._buf, self.state = CALL_BEGIN, body[len(CALL_BEGIN):], "head"
-        elif body.startswith(CALLS_END):
-            self._buf, self.state = body[len(CALLS_END):], "done"
-        elif body and not (CALL_BEGIN.startswith(body) or CALLS_END.startswith(body)):
+        if body.startswith(self.call_begin):
+            self._raw, self._buf, self.state = self.call_begin, body[len(self.call_begin):], "head"
+        elif body.startswith(self.calls_end):
+            self._buf, self.state = body[len(self.calls_end):], "done"
+        elif body and not (self.call_begin.startswith(body) or self.calls_end.startswith(body)):
             self._fail()
         else:
             self._buf = body
 
     def _head(self, out: list) -> None:
-        at = self._buf.find(SEP)
+        at = self._buf.find(self.sep)
         if at == -1:
-            if CALL_END in self._buf or CALLS_END in self._buf:
+            if self.call_end in self._buf or self.calls_end in self._buf:
                 self._fail()
             return
-        self._lead, self._raw = self._buf[:at].strip(), self._raw + self._buf[:at + len(SEP)]
-        self._buf, self.state = self._buf[at + len(SEP):], "kind"
+        self._lead, self._raw = self._buf[:at].strip(), self._raw + self._buf[:at + len(self.sep)]
+        self._buf, self.state = self._buf[at + len(self.sep):], "kind"
+
+    def _named(self, lead: str) -> str:
+        """The tool's name in what precedes the separator ("" when none)."""
+        return lead
 
     def _kind(self, out: list) -> None:
         """After the separator: V3.1's arguments, or V3's name line and fence."""
         body = self._buf.lstrip()
         if not body:
             return
-        if self._lead == "function" and body[0] not in "{[" and not body.startswith(CALL_END):
+        if self._lead == self.fenced_lead and body[0] not in "{[" and not body.startswith(self.call_end):
             self.state = "name"
-        elif not self._lead:
+        elif not self._named(self._lead):
             self._fail()
         else:
-            self._start(self._lead, out)
+            self._start(self._named(self._lead), out)
             self._buf = body
 
     def _name(self, out: list) -> None:
         at = self._buf.find(FENCE)
         if at == -1:
-            if CALL_END in self._buf or self._buf.count("\n") > 1:
+            if self.call_end in self._buf or self._buf.count("\n") > 1:
                 self._fail()
             return
         name = self._buf[:at].strip()
@@ -127,11 +143,11 @@ class DeepSeekCalls:
 
     def _tail(self, out: list) -> None:
         """After the arguments: V3's closing fence, if any, and the call's closing tag."""
-        at = self._buf.find(CALL_END)
+        at = self._buf.find(self.call_end)
         if at == -1:
-            self._buf = self._buf[len(self._buf) - partial_tag(self._buf, (CALL_END,)):]
+            self._buf = self._buf[len(self._buf) - partial_tag(self._buf, (self.call_end,)):]
             return
-        self._buf = self._buf[at + len(CALL_END):]
+        self._buf = self._buf[at + len(self.call_end):]
         self._end_call(out)
         self.state, self._raw = "between", ""
 
@@ -146,3 +162,20 @@ class DeepSeekCalls:
 
     def _fail(self) -> None:
         self.state, self.unread, self._buf = "failed", self._raw + self._buf, ""
+
+
+class KimiCalls(DeepSeekCalls):
+    """Kimi-K2's calls: the id ``functions.NAME:INDEX`` before the separator names the tool (the
+    prefix and the index optional, a dotted name kept whole)."""
+    calls_end, call_begin, call_end, sep = KIMI_CALLS_END, KIMI_CALL_BEGIN, KIMI_CALL_END, KIMI_SEP
+    fenced_lead = None
+
+    def _named(self, lead: str) -> str:
+        return kimi_name(lead)
+
+
+def kimi_name(call_id: str) -> str:
+    """``functions.get_weather:0`` -> ``get_weather``."""
+    name = call_id.strip().removeprefix(KIMI_PREFIX)
+    head, colon, index = name.rpartition(":")
+    return head if colon and index.isdigit() else name

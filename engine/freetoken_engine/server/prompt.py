@@ -30,7 +30,8 @@ import json
 from dataclasses import dataclass
 
 from .errors import ApiError
-from .parser_deepseek import CALL_BEGIN, CALLS_BEGIN, FENCE, SEP
+from .parser_deepseek import (CALL_BEGIN, CALLS_BEGIN, FENCE, KIMI_CALL_BEGIN, KIMI_CALLS_BEGIN, KIMI_PREFIX, KIMI_SEP,
+                              SEP)
 from .parser import (ARG_KEY, FUNCTION_OPEN, GRANITE_OPEN, HUNYUAN_OPEN, INVOKE, MINIMAX_OPEN, PYTHONIC_OPEN, THINK_CLOSE,
                      THINK_OPEN, TOOL_OPEN)
 
@@ -50,7 +51,8 @@ class Prompt:
     prefill: str              # text already "written" by the assistant (fed to the parser first)
     tools: bool               # parse tool calls
     style: str = "json"       # the tool calls' format: "json" (Hermes), "xml" (Qwen3.5, Qwen3-Coder), "glm", "minimax",
-    #                           "granite", "pythonic" (LFM2), "hunyuan", "deepseek" (V3.1), "deepseek_fenced" (V3, R1)
+    #                           "granite", "pythonic" (LFM2), "hunyuan", "deepseek" (V3.1), "deepseek_fenced" (V3, R1),
+    #                           "kimi" (Kimi-K2)
     schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
     strict: frozenset[str] = frozenset()   # tools whose calls must follow their schema (``strict``)
     forced: str | None = None     # the prompt opened a tool call: "required", or the named tool
@@ -61,9 +63,11 @@ def tool_style(tokenizer) -> str:
     """The tool-call format the model's chat template teaches: "minimax" when it writes
     ``<minimax:tool_call>``, "granite" when it writes ``<|tool_call|>``, "pythonic" when it writes
     ``<|tool_call_start|>``, "hunyuan" when it writes ``<tool_calls>``, "deepseek" / "deepseek_fenced" when it writes ``<｜tool▁calls▁begin｜>``
-    (the second also a fenced JSON block), "xml" when it writes
+    (the second also a fenced JSON block), "kimi" when it writes ``<|tool_calls_section_begin|>``, "xml" when it writes
     ``<function=``, "glm" when it writes ``<arg_key>``, else "json"."""
     template = getattr(tokenizer, "chat_template", None) or ""
+    if KIMI_CALLS_BEGIN in template:
+        return "kimi"
     if MINIMAX_OPEN in template:
         return "minimax"
     if GRANITE_OPEN in template:
@@ -115,6 +119,7 @@ _PREFILLS = {
     "pythonic": (f"{PYTHONIC_OPEN}[", lambda name, after: f"{name}("),
     "deepseek": (CALLS_BEGIN + CALL_BEGIN, lambda name, after: name + SEP),
     "deepseek_fenced": (f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}", lambda name, after: f"{name}\n{FENCE}\n"),
+    "kimi": (KIMI_CALLS_BEGIN + KIMI_CALL_BEGIN + KIMI_PREFIX, lambda name, after: f"{name}:0{KIMI_SEP}"),
 }
 
 
@@ -139,6 +144,9 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
     kwargs = dict(template_kwargs or {})
     render = functools.partial(tokenizer.apply_chat_template, tools=tools if use_tools else None,
                                add_generation_prompt=True, **kwargs)
+    style = tool_style(tokenizer)
+    if style == "kimi":
+        messages = kimi_call_ids(messages)
     try:
         text = _rendered(render, _leading_system_merged(messages))
     except ApiError:
@@ -147,7 +155,6 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
         raise ApiError(400, f"the model's chat template rejected these messages: {exc}",
                        param="messages") from exc
     in_reasoning = text.rstrip().endswith(THINK_OPEN)
-    style = tool_style(tokenizer)
     after = glm_after_name(tokenizer) if style == "glm" and named_tool is not None else "\n"
     prefill = tool_prefill(tool_choice, named_tool, style, after) if use_tools and not continue_text else ""
     if prefill and in_reasoning:
@@ -168,6 +175,29 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
     return Prompt(ids=list(ids), in_reasoning=in_reasoning, prefill=prefill, tools=use_tools,
                   style=style, schemas=schemas, forced=forced, parallel=parallel_calls,
                   strict=frozenset(f["name"] for f in functions if f.get("strict")))
+
+
+def kimi_call_ids(messages: list[dict]) -> list[dict]:
+    """The history with each call's id as Kimi-K2 wrote it, ``functions.NAME:INDEX`` (the index
+    counting the calls of its turn), and each tool result under its call's: the server gives calls
+    ids of the API's kind (``call_...``, ``toolu_...``), and the template renders the id where the
+    model was trained to read its own (``## Return of functions.NAME:INDEX``)."""
+    out, names, pending = [], {}, []
+    for m in messages:
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            calls = [dict(c, id=f"{KIMI_PREFIX}{c['function']['name']}:{i}") for i, c in enumerate(m["tool_calls"])]
+            names = {c.get("id"): new["id"] for c, new in zip(m["tool_calls"], calls)}
+            pending = [c["id"] for c in calls]
+            m = dict(m, tool_calls=calls)
+        elif m["role"] == "tool":
+            # a result without an id answers the next unanswered call (tool_turns.check_tool_turns)
+            new = names.get(m.get("tool_call_id")) if m.get("tool_call_id") is not None else \
+                (pending[0] if pending else None)
+            if new is not None:
+                m = dict(m, tool_call_id=new)
+                pending = [p for p in pending if p != new]
+        out.append(m)
+    return out
 
 
 def _leading_system_merged(messages: list[dict]) -> list[dict]:

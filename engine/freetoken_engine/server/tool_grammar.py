@@ -40,7 +40,8 @@ from ..errors import InvalidRequest
 from ..executor import guide
 from .errors import ApiError
 from .parser import HUNYUAN_CLOSE, INVOKE, MINIMAX_CLOSE, PYTHONIC_CLOSE, TOOL_CLOSE, TOOL_OPEN
-from .parser_deepseek import CALL_BEGIN, CALL_END, CALLS_END, FENCE, FENCE_END, SEP
+from .parser_deepseek import (CALL_BEGIN, CALL_END, CALLS_END, FENCE, FENCE_END, KIMI_CALL_BEGIN, KIMI_CALL_END,
+                              KIMI_CALLS_END, KIMI_PREFIX, KIMI_SEP, SEP)
 
 _COMPACT = {"whitespace_flexible": False}
 _SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -166,8 +167,8 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
         return _minimax(schemas, prompt, tag)
     if prompt.style == "pythonic":
         return _pythonic(schemas, prompt, tag)
-    if prompt.style in ("deepseek", "deepseek_fenced"):
-        return _deepseek(schemas, prompt, tag, fenced=prompt.style == "deepseek_fenced")
+    if prompt.style in ("deepseek", "deepseek_fenced", "kimi"):
+        return _deepseek(schemas, prompt, tag, prompt.style)
     close = tag(TOOL_CLOSE)
     xml, glm = prompt.style == "xml", prompt.style == "glm"
     rules = _Rules()
@@ -260,23 +261,29 @@ def _pythonic(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
                  f"{call}{more} {end}")
 
 
-def _deepseek(schemas: dict, prompt, tag, fenced: bool) -> tuple[str | None, str | None]:
+def _deepseek(schemas: dict, prompt, tag, style: str) -> tuple[str | None, str | None]:
     """DeepSeek: after ``<｜tool▁calls▁begin｜>`` one or more calls (one without parallel calls),
-    each ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` (fenced: ``function<｜tool▁sep｜>
-    NAME``, a newline, the arguments between ```` ```json ```` lines), then the block's close. The
-    pre-fill of a required call ends where the first name is written, a named one's where its
-    arguments start."""
+    each ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` (``deepseek_fenced``:
+    ``function<｜tool▁sep｜>NAME``, a newline, the arguments between ```` ```json ```` lines), then
+    the block's close. Kimi-K2 (``kimi``): the same in its tokens, the name written as the call's
+    id ``functions.NAME:INDEX``. The pre-fill of a required call ends where the first name is
+    written, a named one's where its arguments start."""
     args = {name: _json(schema if prompt.forced is not None or name in prompt.strict else None, _SPACED, "object")
             for name, schema in schemas.items()}
-    if fenced:
+    if style == "deepseek_fenced":
         head, body = f'"function" {tag(SEP)} ', lambda n: f'{_lit(n)} {_lit(chr(10) + FENCE + chr(10))} '
         end = f'{_lit(chr(10) + FENCE_END)} {tag(CALL_END)}'
+        begin, calls_end = CALL_BEGIN, CALLS_END
+    elif style == "kimi":
+        head, body = f"{_lit(KIMI_PREFIX)} ", lambda n: f'{_lit(n + ":")} /[0-9]+/ {tag(KIMI_SEP)} '
+        end, begin, calls_end = tag(KIMI_CALL_END), KIMI_CALL_BEGIN, KIMI_CALLS_END
     else:
         head, body, end = "", lambda n: f"{_lit(n)} {tag(SEP)} ", tag(CALL_END)
+        begin, calls_end = CALL_BEGIN, CALLS_END
     named = "(" + " | ".join(f"{body(n)}{args[n]} {end}" for n in schemas) + ")"
-    call = f"/\\n?/ {tag(CALL_BEGIN)} {head}{named}"
+    call = f"/\\n?/ {tag(begin)} {head}{named}"
     more = f" ({call})*" if prompt.parallel else ""
-    close = f"/\\n?/ {tag(CALLS_END)}"
+    close = f"/\\n?/ {tag(calls_end)}"
     return _held(_Rules(), prompt, f"{call}{more} {close}", lambda name: f"{args[name]} {end} {close}",
                  f"{named}{more} {close}")
 
