@@ -73,7 +73,8 @@ def check_guided(params: SamplingParams, tokenizer, n_vocab: int) -> None:
         raise InvalidRequest(f"logit_bias: token id {bad} is outside the vocabulary (0..{n_vocab - 1})")
     if params.guide is not None:
         if tokenizer is None:
-            raise InvalidRequest("constrained decoding needs the model's tokenizer (tokenizer.json or tiktoken.model), and this model has none")
+            raise InvalidRequest("constrained decoding needs the model's tokenizer (tokenizer.json or "
+                                 "tiktoken.model), and this model has none")
         tables_ready(tokenizer, n_vocab)
 
 

@@ -16,7 +16,8 @@ def ready_service(request: Request, need_tokenizer: bool = True):
     health = svc.health()
     if health.get("status") == "ok":
         if need_tokenizer and svc.tokenizer is None:
-            raise ApiError(400, "this model folder has no tokenizer (tokenizer.json or tiktoken.model); the HTTP API needs one",
+            raise ApiError(400, "this model folder has no tokenizer (tokenizer.json or tiktoken.model); the HTTP "
+                                "API needs one",
                            code="no_tokenizer")
         return svc
     if health.get("status") == "loading":
