@@ -97,14 +97,16 @@ class LinearAttnConfig:
     convolution's state, over the hidden size: one "value head" of the hidden size, no keys.
     Mamba-2 (``kind`` "mamba2", Granite 4.0's hybrids): ``v_heads`` heads of ``v_dim`` channels,
     each with an ``[k_dim, v_dim]`` state (k_dim the SSM state size), B and C shared by the heads
-    of each of ``k_heads`` groups; the convolution runs over x, B and C."""
+    of each of ``k_heads`` groups; the convolution runs over x, B and C. Kimi Delta Attention
+    (``kind`` "kda", Kimi-Linear): Gated DeltaNet with ``v_heads`` = ``k_heads`` heads, k_dim =
+    v_dim, and a decay per key channel."""
 
     k_heads: int
     v_heads: int
     k_dim: int
     v_dim: int
     conv: int
-    kind: str = "gated_deltanet"          # gated_deltanet | short_conv | mamba2
+    kind: str = "gated_deltanet"          # gated_deltanet | short_conv | mamba2 | kda
     bias: bool = False                    # short_conv: its projections and convolution have biases; mamba2: its convolution
     proj_bias: bool = False               # mamba2: in_proj and out_proj have biases
     dt_limit: tuple[float, float] = (0.0, math.inf)   # mamba2: the time step's range (time_step_limit)

@@ -42,6 +42,7 @@ def checked(llm: LLM) -> LLM:
     ("deepseek_v3", "some", (0.0, 0.5, 1.0)),
     ("deepseek_v2", "some", (0.5,)),
     ("glm4_moe_lite", "some", (0.5,)),
+    ("kimi_linear", "some", (0.0, 0.5)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)

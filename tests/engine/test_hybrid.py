@@ -71,7 +71,7 @@ def test_unseen_hybrid_variants_match(tmp_path, model_type, overrides):
     check(make_tiny_checkpoint(tmp_path, model_type, seed=4, **overrides), n_new=16, tol=tol)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "kimi_linear"])
 def test_a_long_prompt_in_odd_chunks_matches(tiny_checkpoint, model_type):
     folder = tiny_checkpoint(model_type)
     ref = load_reference(folder)
@@ -133,9 +133,9 @@ async def collect(svc: EngineService, ids: list[int], params=GREEDY) -> tuple[li
     return out, handle.cached_tokens
 
 
-@pytest.fixture(scope="module", params=["qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid"])
+@pytest.fixture(scope="module", params=["qwen3_5_moe_text", "lfm2_moe", "granitemoehybrid", "kimi_linear"])
 def hybrid(tiny_checkpoint, request):
-    """A Gated DeltaNet hybrid, a short-convolution one and a Mamba-2 one."""
+    """A Gated DeltaNet hybrid, a short-convolution one, a Mamba-2 one and a Kimi Delta Attention one."""
     return tiny_checkpoint(request.param)
 
 

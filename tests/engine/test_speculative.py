@@ -74,7 +74,7 @@ class Oracle:
         return self
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next", "lfm2_moe", "granitemoehybrid"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_next", "lfm2_moe", "granitemoehybrid", "kimi_linear"])
 def model(request, tiny_checkpoint):
     return tiny_checkpoint(request.param)
 
@@ -255,7 +255,7 @@ def test_a_verification_as_decode_rows_equals_its_chunk(tiny_checkpoint, monkeyp
     assert as_decode_rows([SeqChunk(blocks[0], 3, [1, 2], rows=2, state=0)])[0].tokens == [1, 2]   # recurrent: kept whole
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "lfm2_moe", "granitemoehybrid"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "lfm2_moe", "granitemoehybrid", "kimi_linear"])
 def test_a_hybrid_verification_as_chained_rows_equals_its_chunk(tiny_checkpoint, model_type):
     """A hybrid model's verification as decode rows: each row of a sequence continues the
     recurrent state the row before it left and writes its own into the draft's snapshot slot

@@ -19,7 +19,7 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
                                                      ("minimax_m2", 3, 0.5), ("granitemoeshared", 3, 0.5),
                                                      ("exaone_moe", 3, 0.5), ("afmoe", 3, 0.5),
                                                      ("deepseek_v3", 3, 0.5), ("deepseek_v2", 3, 0.5),
-                                                     ("granitemoehybrid", 3, 0.5)])
+                                                     ("granitemoehybrid", 3, 0.5), ("kimi_linear", 3, 0.5)])
 def test_triton_path_equals_torch_path(tiny_checkpoint, model, capacity, fraction):
     folder = tiny_checkpoint(model)
     want = LLM(folder, expert_backend="torch").generate(PROMPT, GREEDY).token_ids

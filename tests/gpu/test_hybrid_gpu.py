@@ -29,7 +29,7 @@ LONG = [(7 * i + 3) % 300 + 10 for i in range(150)]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text", "granitemoehybrid", "kimi_linear"])
 def test_cuda_float32_matches_transformers_on_cpu(tiny_checkpoint, model_type):
     folder = tiny_checkpoint(model_type)
     ref = load_reference(folder)

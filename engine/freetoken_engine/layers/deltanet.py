@@ -63,8 +63,9 @@ def depthwise_conv(seq: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 def delta_rule_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token for each of B sequences: ``q``/``k [B, h, dk]``, ``v [B, h, dv]``, ``g``/``beta
-    [B, h]``, ``state [B, h, dk, dv]`` (float32) -> (``o [B, h, dv]``, the new state)."""
-    state = state * g.exp()[..., None, None]
+    [B, h]`` (``g [B, h, dk]``: a decay per key channel, Kimi Delta Attention), ``state [B, h, dk,
+    dv]`` (float32) -> (``o [B, h, dv]``, the new state)."""
+    state = state * (g.exp()[..., None] if g.dim() == q.dim() else g.exp()[..., None, None])
     u = beta[..., None] * (v - torch.einsum("bhk,bhkv->bhv", k, state))
     state = state + k[..., :, None] * u[..., None, :]
     return torch.einsum("bhk,bhkv->bhv", q, state), state
@@ -235,6 +236,8 @@ class GatedDeltaNet(nn.Module):
     ``in_proj_a``); Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba`` (grouped per key head) are
     reordered into that layout when loaded (``models/qwen3_next.py``). ``fuse()`` joins the four
     into one projection."""
+    #: a prompt's chunk of tokens (``delta_rule_chunked``'s contract)
+    chunked = staticmethod(delta_rule_chunked)
 
     def __init__(self, hidden: int, lin: LinearAttnConfig, state_index: int, eps: float):
         super().__init__()
@@ -329,7 +332,7 @@ class GatedDeltaNet(nn.Module):
 
         def run(at: int, end: int, state: torch.Tensor):
             steps = end - at <= STEPS and mixed.device.type == "cpu"
-            return (delta_rule_steps if steps else partial(delta_rule_chunked, kernel=kernel))(
+            return (delta_rule_steps if steps else partial(self.chunked, kernel=kernel))(
                 q[at:end], k[at:end], v[at:end], g[at:end], beta[at:end], state)
         return in_segments(mixed.shape[0], snaps, run, state, ssm, conv, seq, slot, width).to(mixed.dtype)
 

@@ -15,6 +15,7 @@ from ..layers.attention import Attention
 from ..layers.batch import AttnBatch
 from ..layers.deltanet import GatedDeltaNet
 from ..layers.linear import linear
+from ..layers.kda import KimiDeltaAttention
 from ..layers.mamba2 import Mamba2
 from ..layers.mla import LatentAttention
 from ..layers.mlp import GatedMLP
@@ -37,6 +38,8 @@ class DecoderLayer(nn.Module):
                 self.linear_attn = ShortConv(cfg.hidden_size, cfg.linear, index)
             elif cfg.linear.kind == "mamba2":
                 self.linear_attn = Mamba2(cfg.hidden_size, cfg.linear, index, cfg.rms_norm_eps)
+            elif cfg.linear.kind == "kda":
+                self.linear_attn = KimiDeltaAttention(cfg.hidden_size, cfg.linear, index, cfg.rms_norm_eps)
             else:
                 self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear, index, cfg.rms_norm_eps)
         else:
