@@ -6,13 +6,14 @@ from pathlib import Path
 from typing import Callable
 
 
-def parse(ap, default_out: Path, plot: Callable[[dict, Path], None]):
-    """``ap``'s arguments with ``--out`` (default ``default_out``) and ``--plot-only`` added:
-    (args, out), or None when ``--plot-only`` redrew the PNG of the saved JSON (nothing to run)."""
-    ap.add_argument("--out", default=str(default_out))
+def parse(ap, default_out: Path | Callable, plot: Callable[[dict, Path], None]):
+    """``ap``'s arguments with ``--out`` (default ``default_out``, or ``default_out(args)``) and
+    ``--plot-only`` added: (args, out), or None when ``--plot-only`` redrew the PNG of the saved
+    JSON (nothing to run)."""
+    ap.add_argument("--out", default=None)
     ap.add_argument("--plot-only", action="store_true")
     args = ap.parse_args()
-    out = Path(args.out)
+    out = Path(args.out) if args.out else Path(default_out(args) if callable(default_out) else default_out)
     if args.plot_only:
         plot(json.loads(out.read_text()), out.with_suffix(".png"))
         return None

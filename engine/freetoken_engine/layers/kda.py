@@ -28,8 +28,9 @@ from ..config import LinearAttnConfig
 from .deltanet import CHUNK, GatedDeltaNet, _hand_over, each_sequence
 from .linear import linear
 
-#: bytes of per-channel decays held at once by the chunked form (a chunk's [h, C, C, d] at least)
+#: bytes of per-channel decays held at once by the chunked form (a chunk's sub-blocks at least)
 DECAY_BYTES = 64 << 20
+SUB = 4             # tokens of a sub-block, inside which the decays are held whole
 
 
 def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -46,16 +47,8 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     qc, kc, vc, gc = (z.view(-1, chunk, h, z.shape[-1]).permute(2, 0, 1, 3) for z in (q, k, v, g))   # [h, N, C, d]
     bc = beta.view(-1, chunk, h).permute(2, 0, 1)                                                      # [h, N, C]
     cum = gc.cumsum(2)
-    nc = cum.shape[1]
+    kk, qk = _decayed_products(qc, kc, cum)
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    kk, qk = (torch.empty((h, nc, chunk, chunk), dtype=q.dtype, device=q.device) for _ in range(2))
-    step = max(1, DECAY_BYTES // (h * chunk * chunk * dk * 4))
-    for s in range(0, nc, step):
-        c = cum[:, s:s + step]
-        decay = (c[..., :, None, :] - c[..., None, :, :]).masked_fill(~causal[..., None], float("-inf")).exp()
-        kj = kc[:, s:s + step, None, :, :] * decay                                    # k_j,c D[t, j, c]
-        kk[:, s:s + step] = (kc[:, s:s + step, :, None, :] * kj).sum(-1)
-        qk[:, s:s + step] = (qc[:, s:s + step, :, None, :] * kj).sum(-1)
     strict = causal & ~torch.eye(chunk, dtype=torch.bool, device=q.device)
     system = (bc[..., None] * kk).masked_fill(~strict, 0.0) + torch.eye(chunk, dtype=q.dtype, device=q.device)
     grow = cum.exp()
@@ -66,6 +59,35 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     ke = kc * (last - cum).exp()
     out, state = _hand_over(ub, w, grow * qc, qk, ke.transpose(-1, -2), last.exp().transpose(-1, -2), state)
     return out.permute(1, 2, 0, 3).reshape(-1, h, vc.shape[-1])[:n], state
+
+
+def _decayed_products(qc: torch.Tensor, kc: torch.Tensor, cum: torch.Tensor, sub: int = SUB):
+    """``k_t . (k_j * D[t, j])`` and ``q_t . (k_j * D[t, j])`` of each chunk (``[h, N, C, C]``, zero
+    where j > t; D[t, j, c] = exp(G_t,c - G_j,c)). Within a sub-block of ``sub`` tokens the decays
+    are held whole; between sub-blocks b < a the decay splits at b's last token G_e into two
+    factors of at most one, exp(G_t - G_e) exp(G_e - G_j), so the block is a product of two
+    [sub, d] matrices (a single reference for the whole chunk would overflow exp once a chunk's
+    decays sum past about -88)."""
+    h, nc, c, d = kc.shape
+    nb = c // sub
+    qs, ks, gs = (z.view(h, nc, nb, sub, d) for z in (qc, kc, cum))
+    kk, qk = (qc.new_zeros((h, nc, nb, sub, nb, sub)) for _ in range(2))
+    lower = torch.ones(sub, sub, dtype=torch.bool, device=qc.device).tril()
+    step = max(1, DECAY_BYTES // (h * nb * sub * sub * d * 4))
+    for s in range(0, nc, step):
+        g = gs[:, s:s + step]
+        decay = (g[..., :, None, :] - g[..., None, :, :]).masked_fill(~lower[..., None], float("-inf")).exp()
+        kj = ks[:, s:s + step, :, None, :, :] * decay                          # [h, m, nb, S, S, d]
+        for z, out in ((ks, kk), (qs, qk)):
+            out[:, s:s + step].diagonal(dim1=2, dim2=4).copy_(
+                (z[:, s:s + step, :, :, None, :] * kj).sum(-1).permute(0, 1, 3, 4, 2))
+    for b in range(nb - 1):
+        end = gs[:, :, b, -1:, :]                                               # G_e [h, N, 1, d]
+        right = (ks[:, :, b] * (end - gs[:, :, b]).exp()).transpose(-1, -2)     # [h, N, d, S]
+        scale = (gs[:, :, b + 1:] - end[:, :, None]).exp()                      # [h, N, nb-b-1, S, d]
+        for z, out in ((ks, kk), (qs, qk)):
+            out[:, :, b + 1:, :, b, :] = (z[:, :, b + 1:] * scale) @ right[:, :, None]
+    return kk.view(h, nc, c, c), qk.view(h, nc, c, c)
 
 
 class KimiDeltaAttention(GatedDeltaNet):
