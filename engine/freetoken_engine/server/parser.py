@@ -40,6 +40,12 @@ or Kimi-K2's (``style="kimi"``), the same in Moonshot's tokens, each call named 
 
     <|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"path": "src/app.py"}<|tool_call_end|><|tool_calls_section_end|>
 
+or Solar Open's (``style="solar"``), reasoning between ``<|think|>`` and ``<|end|>``, each part of the
+answer an assistant turn of its own (``<|begin|>assistant<|content|>`` text, not shown), the calls
+after ``<|tool_calls|>``, each with an id before its name (``parser_deepseek.SolarCalls``):
+
+    <|think|>...<|end|><|begin|>assistant<|tool_calls|><|tool_call:begin|>a1b2c3d4e5<|tool_call:name|>f<|tool_call:args|>{...}<|tool_call:end|>
+
 An XML, GLM or MiniMax call's arguments become a JSON object, each value typed by the tool's JSON Schema
 (``schemas``: tool name -> its ``parameters``): integers, numbers, booleans, null, objects and
 arrays are parsed from their text when it is valid, strings and unknown parameters stay text.
@@ -61,7 +67,8 @@ ordinary content (so nothing the model wrote is lost). Not thread-safe; one per 
 """
 from __future__ import annotations
 
-from .parser_deepseek import CALLS_BEGIN, KIMI_CALLS_BEGIN, KIMI_TAGS, DeepSeekCalls, KimiCalls
+from .parser_deepseek import (CALLS_BEGIN, KIMI_CALLS_BEGIN, KIMI_TAGS, SOLAR_CALLS, SOLAR_TAGS, DeepSeekCalls, KimiCalls,
+                              SolarCalls)
 from .parser_deepseek import TAGS as DEEPSEEK_TAGS
 from .parser_list import CallList
 from .parser_pythonic import PYTHONIC_CLOSE, PYTHONIC_OPEN, PythonicBlock
@@ -78,7 +85,15 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 GRANITE_OPEN = "<|tool_call|>"        # Granite's token before its JSON list of calls (no closing tag)
 HUNYUAN_OPEN, HUNYUAN_CLOSE = "<tool_calls>", "</tool_calls>"
 # tags a style's content carries that are not the model's text: dropped where they stand
-_DROPPED = {"hunyuan": ("<answer>", "</answer>", HUNYUAN_CLOSE)}
+_DROPPED = {"hunyuan": ("<answer>", "</answer>", HUNYUAN_CLOSE),
+            "solar": ("<|end|>", "<|begin|>assistant", "<|content|>")}
+# a style's reasoning tags, where they are not <think> and </think>
+_THINK = {"solar": ("<|think|>", "<|end|>")}
+
+
+def think_tags(style: str) -> tuple[str, str]:
+    """The tags that open and close ``style``'s reasoning."""
+    return _THINK.get(style, (THINK_OPEN, THINK_CLOSE))
 
 
 # styles read by a reader object after their opening tag: (opening tag, the tags a stream
@@ -88,7 +103,8 @@ _LISTED = {"granite": (GRANITE_OPEN, (GRANITE_OPEN,), CallList),
            "hunyuan": (HUNYUAN_OPEN, (HUNYUAN_OPEN, HUNYUAN_CLOSE), CallList),
            "deepseek": (CALLS_BEGIN, DEEPSEEK_TAGS, DeepSeekCalls),
            "deepseek_fenced": (CALLS_BEGIN, DEEPSEEK_TAGS, DeepSeekCalls),
-           "kimi": (KIMI_CALLS_BEGIN, KIMI_TAGS, KimiCalls)}
+           "kimi": (KIMI_CALLS_BEGIN, KIMI_TAGS, KimiCalls),
+           "solar": (SOLAR_CALLS, SOLAR_TAGS, SolarCalls)}
 
 
 def opening_tag(style: str) -> str:
@@ -125,6 +141,7 @@ class OutputParser(TaggedSteps):
         self.reader = _LISTED[style][2] if style in _LISTED else None
         self.tool_open = opening_tag(style)
         self.dropped = _DROPPED.get(style, ())
+        self.think_open, self.think_close = think_tags(style)
         self.tool_close = self.tagged.close if self.tagged else TOOL_CLOSE
         self._pos = 0                 # tagged: how far into the block's body is read
         self._in_block = 0            # tagged: calls ended in the current block
@@ -195,21 +212,21 @@ class OutputParser(TaggedSteps):
     def _step_content(self, out: list[Event]) -> None:
         if not self._begun and not self.buf.strip():
             return                                # leading whitespace: shown with what follows it
-        tags = (THINK_OPEN, self.tool_open) if self.tools else (THINK_OPEN,)
+        tags = (self.think_open, self.tool_open) if self.tools else (self.think_open,)
         if self._think_unclosed:
-            tags += (THINK_CLOSE,)
+            tags += (self.think_close,)
         tags += self.dropped
         hits = [(self.buf.find(t), t) for t in tags]
         hits = [(at, t) for at, t in hits if at != -1]
         if hits:
             at, tag = min(hits)
             before = self.buf[:at].rstrip() if tag in self.dropped and tag.startswith("</") else self.buf[:at]
-            if before and (self._begun or tag != THINK_OPEN or before.strip()):
+            if before and (self._begun or tag != self.think_open or before.strip()):
                 self._emit_content(before, out)
             self.buf = self.buf[at + len(tag):]
-            if tag == THINK_OPEN:
+            if tag == self.think_open:
                 self.mode, self._think_unclosed = "reasoning", False
-            elif tag == THINK_CLOSE:              # the reasoning's late close: dropped
+            elif tag == self.think_close and self._think_unclosed:     # the reasoning's late close: dropped
                 self._strip_ws, self._think_unclosed = True, False
             elif tag in self.dropped:             # a wrapper (Hunyuan's <answer>), not the model's text
                 self._strip_ws = True
@@ -230,7 +247,7 @@ class OutputParser(TaggedSteps):
         self.listed = self.reader(self.n_tools) if self.reader else None
 
     def _step_reasoning(self, out: list[Event]) -> None:
-        tags = (THINK_CLOSE, TOOL_OPEN) if self.xml and self.tools else (THINK_CLOSE,)
+        tags = (self.think_close, TOOL_OPEN) if self.xml and self.tools else (self.think_close,)
         hits = [(at, t) for at, t in ((self.buf.find(t), t) for t in tags) if at != -1]
         if hits:
             at, tag = min(hits)

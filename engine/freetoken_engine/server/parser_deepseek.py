@@ -21,6 +21,10 @@ Kimi-K2's calls (``style="kimi"``, ``KimiCalls``) have the same shape in other t
 ``functions.NAME:INDEX`` where DeepSeek writes the name:
 
     <|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|>
+
+and Solar Open's (``style="solar"``, ``SolarCalls``) an id, then the name, in tags of their own:
+
+    <|tool_calls|><|tool_call:begin|>a1b2c3d4e5<|tool_call:name|>get_weather<|tool_call:args|>{"city": "Paris"}<|tool_call:end|>
 """
 from __future__ import annotations
 
@@ -34,6 +38,10 @@ KIMI_CALLS_BEGIN, KIMI_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls
 KIMI_CALL_BEGIN, KIMI_CALL_END, KIMI_SEP = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"
 KIMI_TAGS = (KIMI_CALLS_BEGIN, KIMI_CALLS_END, KIMI_CALL_BEGIN, KIMI_SEP, KIMI_CALL_END)
 KIMI_PREFIX = "functions."
+SOLAR_CALLS, SOLAR_END = "<|tool_calls|>", "<|calls|>"
+SOLAR_BEGIN, SOLAR_NAME, SOLAR_ARGS, SOLAR_CALL_END = ("<|tool_call:begin|>", "<|tool_call:name|>", "<|tool_call:args|>",
+                                                      "<|tool_call:end|>")
+SOLAR_TAGS = (SOLAR_CALLS, SOLAR_BEGIN, SOLAR_NAME, SOLAR_ARGS, SOLAR_CALL_END)
 
 
 class DeepSeekCalls:
@@ -172,6 +180,18 @@ class KimiCalls(DeepSeekCalls):
 
     def _named(self, lead: str) -> str:
         return kimi_name(lead)
+
+
+class SolarCalls(DeepSeekCalls):
+    """Solar Open's calls, after ``<|tool_calls|>``: ``<|tool_call:begin|>ID<|tool_call:name|>NAME
+    <|tool_call:args|>{...}<|tool_call:end|>``, one after another until ``<|calls|>`` (an end of
+    generation, so usually never seen)."""
+    calls_end, call_begin, call_end, sep = SOLAR_END, SOLAR_BEGIN, SOLAR_CALL_END, SOLAR_ARGS
+    fenced_lead = None
+
+    def _named(self, lead: str) -> str:
+        _, tag, name = lead.partition(SOLAR_NAME)
+        return name.strip() if tag else ""
 
 
 def kimi_name(call_id: str) -> str:

@@ -31,9 +31,9 @@ from dataclasses import dataclass
 
 from .errors import ApiError
 from .parser_deepseek import (CALL_BEGIN, CALLS_BEGIN, FENCE, KIMI_CALL_BEGIN, KIMI_CALLS_BEGIN, KIMI_PREFIX, KIMI_SEP,
-                              SEP)
+                              SEP, SOLAR_ARGS, SOLAR_BEGIN, SOLAR_CALLS, SOLAR_NAME)
 from .parser import (ARG_KEY, FUNCTION_OPEN, GRANITE_OPEN, HUNYUAN_OPEN, INVOKE, MINIMAX_OPEN, PYTHONIC_OPEN, THINK_CLOSE,
-                     THINK_OPEN, TOOL_OPEN)
+                     TOOL_OPEN, think_tags)
 
 
 #: what a tool's result says in place of an image or file part: the models served here read
@@ -52,7 +52,7 @@ class Prompt:
     tools: bool               # parse tool calls
     style: str = "json"       # the tool calls' format: "json" (Hermes), "xml" (Qwen3.5, Qwen3-Coder), "glm", "minimax",
     #                           "granite", "pythonic" (LFM2), "hunyuan", "deepseek" (V3.1), "deepseek_fenced" (V3, R1),
-    #                           "kimi" (Kimi-K2)
+    #                           "kimi" (Kimi-K2), "solar" (Solar Open)
     schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
     strict: frozenset[str] = frozenset()   # tools whose calls must follow their schema (``strict``)
     forced: str | None = None     # the prompt opened a tool call: "required", or the named tool
@@ -63,11 +63,14 @@ def tool_style(tokenizer) -> str:
     """The tool-call format the model's chat template teaches: "minimax" when it writes
     ``<minimax:tool_call>``, "granite" when it writes ``<|tool_call|>``, "pythonic" when it writes
     ``<|tool_call_start|>``, "hunyuan" when it writes ``<tool_calls>``, "deepseek" / "deepseek_fenced" when it writes ``<｜tool▁calls▁begin｜>``
-    (the second also a fenced JSON block), "kimi" when it writes ``<|tool_calls_section_begin|>``, "xml" when it writes
+    (the second also a fenced JSON block), "kimi" when it writes ``<|tool_calls_section_begin|>``, "solar" when it
+    writes ``<|tool_call:begin|>``, "xml" when it writes
     ``<function=``, "glm" when it writes ``<arg_key>``, else "json"."""
     template = getattr(tokenizer, "chat_template", None) or ""
     if KIMI_CALLS_BEGIN in template:
         return "kimi"
+    if SOLAR_BEGIN in template:
+        return "solar"
     if MINIMAX_OPEN in template:
         return "minimax"
     if GRANITE_OPEN in template:
@@ -109,6 +112,7 @@ def _json_named(name: str, after: str) -> str:
     return json.dumps(name)[1:] + ', "arguments": '
 
 
+SOLAR_ID = "0000000000"
 _PREFILLS = {
     "json": (f'{TOOL_OPEN}\n{{"name": "', _json_named),
     "granite": (f'{GRANITE_OPEN}[{{"name": "', _json_named),
@@ -120,7 +124,11 @@ _PREFILLS = {
     "deepseek": (CALLS_BEGIN + CALL_BEGIN, lambda name, after: name + SEP),
     "deepseek_fenced": (f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}", lambda name, after: f"{name}\n{FENCE}\n"),
     "kimi": (KIMI_CALLS_BEGIN + KIMI_CALL_BEGIN + KIMI_PREFIX, lambda name, after: f"{name}:0{KIMI_SEP}"),
+    # Solar Open writes a 10-character id before the name: the pre-fill writes one of its own
+    "solar": (SOLAR_CALLS + SOLAR_BEGIN + SOLAR_ID + SOLAR_NAME, lambda name, after: name + SOLAR_ARGS),
 }
+#: what ends a style's open reasoning before a forced call's pre-fill, where it is not "</think>\n\n"
+_REASONING_END = {"solar": "<|end|><|begin|>assistant"}
 
 
 def tool_prefill(tool_choice: str | None, named: str | None, style: str = "json", after_name: str = "\n") -> str:
@@ -154,11 +162,11 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
     except Exception as exc:  # jinja2 TemplateError, or raise_exception() inside the template
         raise ApiError(400, f"the model's chat template rejected these messages: {exc}",
                        param="messages") from exc
-    in_reasoning = text.rstrip().endswith(THINK_OPEN)
+    in_reasoning = text.rstrip().endswith(think_tags(style)[0])
     after = glm_after_name(tokenizer) if style == "glm" and named_tool is not None else "\n"
     prefill = tool_prefill(tool_choice, named_tool, style, after) if use_tools and not continue_text else ""
     if prefill and in_reasoning:
-        prefill = f"{THINK_CLOSE}\n\n{prefill}"
+        prefill = _REASONING_END.get(style, f"{THINK_CLOSE}\n\n") + prefill
     if continue_text:
         text, in_reasoning = text + continue_text, False
     # the template already wrote BOS and friends: do not add special tokens again

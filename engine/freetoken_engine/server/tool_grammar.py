@@ -41,7 +41,8 @@ from ..executor import guide
 from .errors import ApiError
 from .parser import HUNYUAN_CLOSE, INVOKE, MINIMAX_CLOSE, PYTHONIC_CLOSE, TOOL_CLOSE, TOOL_OPEN
 from .parser_deepseek import (CALL_BEGIN, CALL_END, CALLS_END, FENCE, FENCE_END, KIMI_CALL_BEGIN, KIMI_CALL_END,
-                              KIMI_CALLS_END, KIMI_PREFIX, KIMI_SEP, SEP)
+                              KIMI_CALLS_END, KIMI_PREFIX, KIMI_SEP, SEP, SOLAR_ARGS, SOLAR_BEGIN, SOLAR_CALL_END,
+                              SOLAR_NAME)
 
 _COMPACT = {"whitespace_flexible": False}
 _SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -167,7 +168,7 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
         return _minimax(schemas, prompt, tag)
     if prompt.style == "pythonic":
         return _pythonic(schemas, prompt, tag)
-    if prompt.style in ("deepseek", "deepseek_fenced", "kimi"):
+    if prompt.style in ("deepseek", "deepseek_fenced", "kimi", "solar"):
         return _deepseek(schemas, prompt, tag, prompt.style)
     close = tag(TOOL_CLOSE)
     xml, glm = prompt.style == "xml", prompt.style == "glm"
@@ -266,8 +267,10 @@ def _deepseek(schemas: dict, prompt, tag, style: str) -> tuple[str | None, str |
     each ``<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>ARGS<｜tool▁call▁end｜>`` (``deepseek_fenced``:
     ``function<｜tool▁sep｜>NAME``, a newline, the arguments between ```` ```json ```` lines), then
     the block's close. Kimi-K2 (``kimi``): the same in its tokens, the name written as the call's
-    id ``functions.NAME:INDEX``. The pre-fill of a required call ends where the first name is
-    written, a named one's where its arguments start."""
+    id ``functions.NAME:INDEX``. Solar Open (``solar``): after ``<|tool_calls|>`` each call is
+    ``<|tool_call:begin|>ID<|tool_call:name|>NAME<|tool_call:args|>ARGS<|tool_call:end|>``, and the
+    calls end with the generation (``<|calls|>`` is an end token). The pre-fill of a required call
+    ends where the first name is written, a named one's where its arguments start."""
     args = {name: _json(schema if prompt.forced is not None or name in prompt.strict else None, _SPACED, "object")
             for name, schema in schemas.items()}
     if style == "deepseek_fenced":
@@ -277,13 +280,16 @@ def _deepseek(schemas: dict, prompt, tag, style: str) -> tuple[str | None, str |
     elif style == "kimi":
         head, body = f"{_lit(KIMI_PREFIX)} ", lambda n: f'{_lit(n + ":")} /[0-9]+/ {tag(KIMI_SEP)} '
         end, begin, calls_end = tag(KIMI_CALL_END), KIMI_CALL_BEGIN, KIMI_CALLS_END
+    elif style == "solar":
+        head, body = f"/[A-Za-z0-9]{{1,32}}/ {tag(SOLAR_NAME)} ", lambda n: f"{_lit(n)} {tag(SOLAR_ARGS)} "
+        end, begin, calls_end = tag(SOLAR_CALL_END), SOLAR_BEGIN, None
     else:
         head, body, end = "", lambda n: f"{_lit(n)} {tag(SEP)} ", tag(CALL_END)
         begin, calls_end = CALL_BEGIN, CALLS_END
     named = "(" + " | ".join(f"{body(n)}{args[n]} {end}" for n in schemas) + ")"
     call = f"/\\n?/ {tag(begin)} {head}{named}"
     more = f" ({call})*" if prompt.parallel else ""
-    close = f"/\\n?/ {tag(calls_end)}"
+    close = f"/\\n?/ {tag(calls_end)}" if calls_end else ""
     return _held(_Rules(), prompt, f"{call}{more} {close}", lambda name: f"{args[name]} {end} {close}",
                  f"{named}{more} {close}")
 
