@@ -18,6 +18,7 @@ from freetoken_engine.cache.states import StatePool  # noqa: E402
 from freetoken_engine.config import LinearAttnConfig  # noqa: E402
 from freetoken_engine.layers.batch import AttnBatch  # noqa: E402
 from freetoken_engine.layers.deltanet import GatedDeltaNet  # noqa: E402
+from freetoken_engine.layers.kda import KimiDeltaAttention  # noqa: E402
 from freetoken_engine.layers.linear import linear  # noqa: E402
 from freetoken_engine.kernels.triton import deltanet as td  # noqa: E402
 
@@ -25,9 +26,12 @@ COMPILED = os.environ.get("TRITON_INTERPRET") != "1"
 DEVICE = "cuda" if COMPILED else "cpu"
 
 
+KDA = LinearAttnConfig(k_heads=4, v_heads=4, k_dim=16, v_dim=16, conv=4, kind="kda")
+
+
 def layer_and_pool(lin: LinearAttnConfig, dtype, hidden=32, seed=0):
     g = torch.Generator().manual_seed(seed)
-    layer = GatedDeltaNet(hidden, lin, 0, 1e-6)
+    layer = (KimiDeltaAttention if lin.kind == "kda" else GatedDeltaNet)(hidden, lin, 0, 1e-6)
     with torch.no_grad():
         for p in layer.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
@@ -40,10 +44,30 @@ def layer_and_pool(lin: LinearAttnConfig, dtype, hidden=32, seed=0):
     return layer, pool
 
 
+def kernel_inputs(layer, x):
+    """The layer's convolution input, the rest of its projected rows as ``recurrent_step`` takes
+    them, and that step for the layer's kind: ``step(y, rest, slots, chain=None)``."""
+    proj = linear(x, layer.proj, None)                      # the layer's own projection
+    if isinstance(layer, KimiDeltaAttention):
+        mixed, b, fa, ga = proj.split(layer.sizes, -1)
+        rest = torch.cat((layer.g_b_proj(ga), b, layer.f_b_proj(fa)), -1)
+
+        def step(y, rows, slots, chain=None):
+            return td.recurrent_step(y, rows, layer.states.ssm[0], slots, layer.neg_a.view(-1), layer.dt_bias,
+                                     layer.o_norm.weight, layer.lin.k_heads, layer.eps, chain=chain, kda=True)
+        return mixed, rest, step
+    c = layer.sizes[0]
+
+    def step(y, rows, slots, chain=None):
+        return td.recurrent_step(y, rows, layer.states.ssm[0], slots, layer.neg_a, layer.dt_bias, layer.norm.weight,
+                                 layer.lin.k_heads, layer.eps, chain=chain)
+    return proj[:, :c], proj[:, c:], step
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lin", [LinearAttnConfig(k_heads=2, v_heads=4, k_dim=8, v_dim=16, conv=4),
-                                 LinearAttnConfig(k_heads=2, v_heads=2, k_dim=32, v_dim=64, conv=3)],
-                         ids=["grouped", "wide"])
+                                 LinearAttnConfig(k_heads=2, v_heads=2, k_dim=32, v_dim=64, conv=3), KDA],
+                         ids=["grouped", "wide", "kda"])
 def test_decode_step_matches_the_torch_path(lin, dtype):
     layer, pool = layer_and_pool(lin, dtype)
     slots = torch.tensor([4, 1, 3], device=DEVICE)
@@ -56,11 +80,9 @@ def test_decode_step_matches_the_torch_path(lin, dtype):
     want_conv, want_ssm = pool.conv.clone(), pool.ssm.clone()
     pool.conv.copy_(conv0)
     pool.ssm.copy_(ssm0)
-    proj = linear(x, layer.proj, None)                      # the layer's own projection
-    c = layer.sizes[0]
-    y = td.conv_step(proj[:, :c], pool.conv[0], slots, layer.conv_w)
-    got = layer.out_proj(td.recurrent_step(y, proj[:, c:], pool.ssm[0], slots, layer.neg_a, layer.dt_bias,
-                                           layer.norm.weight, lin.k_heads, layer.eps))
+    mixed, rest, step = kernel_inputs(layer, x)
+    y = td.conv_step(mixed, pool.conv[0], slots, layer.conv_w)
+    got = (layer.out_proj if lin.kind != "kda" else layer.o_proj)(step(y, rest, slots))
     rel = 1e-5 if dtype == torch.float32 else (2.0 ** -6 if COMPILED else 2.0 ** -5)
     scale = want.float().abs().max()
     assert (got.float() - want.float()).abs().max() <= rel * scale
@@ -71,38 +93,37 @@ def test_decode_step_matches_the_torch_path(lin, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_chained_rows_run_each_draft_token_from_the_state_before_it(dtype):
+@pytest.mark.parametrize("lin", [LinearAttnConfig(k_heads=2, v_heads=4, k_dim=8, v_dim=16, conv=4), KDA],
+                         ids=["gdn", "kda"])
+def test_chained_rows_run_each_draft_token_from_the_state_before_it(dtype, lin):
     """A draft's verification as decode rows: rows 0-2 are three tokens of the sequence in slot 4
     (their states go to the snapshot slots 1 and 3, the last back to 4), row 3 a lone sequence in
     slot 2. Each chained row must equal the unchained kernels (tested above against the torch
     path) run a token at a time from the state the token before left, and every slot must hold
     the state after its row; a kernel that ran the rows side by side from slot 4 would not."""
-    lin = LinearAttnConfig(k_heads=2, v_heads=4, k_dim=8, v_dim=16, conv=4)
     layer, pool = layer_and_pool(lin, dtype)
     x = torch.randn(4, 32, generator=torch.Generator().manual_seed(2)).to(DEVICE, dtype)
     src = torch.tensor([4, 4, 4, 2], device=DEVICE)
     dst = torch.tensor([1, 3, 4, 2], device=DEVICE)
     cont = torch.tensor([0, 1, 1, 0], device=DEVICE)
-    proj = linear(x, layer.proj, None)                 # one projection for both sides
-    c = layer.sizes[0]
+    mixed, rest, step = kernel_inputs(layer, x)        # one projection for both sides
 
     def recurrent(y, rows, slots, chain=None):
-        return td.recurrent_step(y, proj[rows, c:], pool.ssm[0], slots, layer.neg_a, layer.dt_bias,
-                                 layer.norm.weight, lin.k_heads, layer.eps, chain=chain)
+        return step(y, rest[rows], slots, chain=chain)
     conv0, ssm0 = pool.conv.clone(), pool.ssm.clone()
     # the reference: a row at a time in a work slot (5), its state copied out after each
     work, wants = torch.tensor([5], device=DEVICE), []
     for r, (s, d, cn) in enumerate(zip(src.tolist(), dst.tolist(), cont.tolist())):
         if not cn:
             pool.conv[:, 5], pool.ssm[:, 5] = pool.conv[:, s], pool.ssm[:, s]
-        y = td.conv_step(proj[r:r + 1, :c], pool.conv[0], work, layer.conv_w)
+        y = td.conv_step(mixed[r:r + 1], pool.conv[0], work, layer.conv_w)
         wants.append(recurrent(y, slice(r, r + 1), work))
         pool.conv[:, d], pool.ssm[:, d] = pool.conv[:, 5], pool.ssm[:, 5]
     want = torch.cat(wants)
     want_conv, want_ssm = pool.conv[:, :5].clone(), pool.ssm[:, :5].clone()
     pool.conv.copy_(conv0)
     pool.ssm.copy_(ssm0)
-    y = td.conv_step(proj[:, :c], pool.conv[0], src, layer.conv_w, chain=(dst, cont))
+    y = td.conv_step(mixed, pool.conv[0], src, layer.conv_w, chain=(dst, cont))
     got = recurrent(y, slice(None), src, chain=(dst, cont))
     rel = 1e-5 if dtype == torch.float32 else 2.0 ** -7
     assert (got.float() - want.float()).abs().max() <= rel * want.float().abs().max()

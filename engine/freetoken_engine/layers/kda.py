@@ -129,6 +129,13 @@ class KimiDeltaAttention(GatedDeltaNet):
         h, d = lin.v_heads, lin.v_dim
         mixed, b, fa, ga = linear(x, self.proj, None).split(self.sizes, -1)
         conv, ssm = pool.conv[self.state_index], pool.ssm[self.state_index]
+        gpu = self._decode_kernels(x, batch)
+        if gpu is not None:           # a decode step on a GPU: two launches (kernels/triton/deltanet.py)
+            y = gpu.conv_step(mixed, conv, batch.state_index, self.conv_w, chain=batch.state_chain)
+            gated = torch.cat((self.g_b_proj(ga), b, self.f_b_proj(fa)), -1)         # gate, b, forget gate
+            return self.o_proj(gpu.recurrent_step(y, gated, ssm, batch.state_index, self.neg_a.view(-1), self.dt_bias,
+                                                  self.o_norm.weight, lin.k_heads, self.eps, chain=batch.state_chain,
+                                                  kda=True))
         beta = b.sigmoid().float()
         g = self.neg_a * F.softplus(self.f_b_proj(fa).float().view(-1, h, d) + self.dt_bias.float().view(h, d))
         core = x.new_empty((x.shape[0], h, d))
@@ -141,14 +148,8 @@ class KimiDeltaAttention(GatedDeltaNet):
         out = self._gated_norm(core, self.g_b_proj(ga).view(-1, h, d))
         return self.o_proj(out.reshape(x.shape[0], -1))
 
-    def _decode_kernels(self, x: torch.Tensor, batch):
-        return None                     # the Triton decode step takes one decay per head
-
     def _chunk_kernel(self, x: torch.Tensor):
-        return None
-
-    def chains(self, device: torch.device, dtype: torch.dtype) -> bool:
-        return device.type != "cuda"
+        return None                     # the Triton hand-over between chunks takes one decay per head
 
     def _gated_norm(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """Each head's output RMS-normed and scaled in float32, times sigmoid(gate), in the model's dtype."""

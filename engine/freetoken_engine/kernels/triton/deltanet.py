@@ -14,6 +14,11 @@ RMS-normed, scaled and gated by SiLU(z). Rounding points as the reference: the c
 SiLU's outputs, beta, the head's output and its normed value rounded to the data type.
 Tolerance (tests/engine/test_triton_deltanet.py): fp32 1e-5 relative; 16-bit a few roundings.
 
+Kimi Delta Attention (``recurrent_step(kda=True)``, ``layers/kda.py``): the same step with a decay
+per key channel, ``-exp(A_log) softplus(f + dt_bias)`` from the forget gate's output f (one value
+per head and channel, given where Gated DeltaNet's a is), and the output's norm in float32 times
+sigmoid(gate) rounded once, as ``KimiDeltaAttention._gated_norm``.
+
 Chained rows (``chain=``): a draft's verification on a GPU runs as decode rows, several of one
 sequence (``executor/inputs.as_decode_rows``). Its tokens are sequential in a recurrent layer, so
 the program of a chain's first row runs the chain's rows one after the other, each from the state
@@ -75,7 +80,7 @@ def _conv_kernel(x_ptr, x_stride, state_ptr, src_ptr, dst_ptr, cont_ptr, B, w_pt
 @triton.jit
 def _recurrent_kernel(y_ptr, zab_ptr, zab_stride, state_ptr, src_ptr, dst_ptr, cont_ptr, B, neg_a_ptr, dt_ptr,
                       w_ptr, out_ptr, eps, KH, R, VH, DK: tl.constexpr, DV: tl.constexpr, BV: tl.constexpr,
-                      CHAIN: tl.constexpr):
+                      CHAIN: tl.constexpr, KDA: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1)
     kh = hv // R
@@ -97,9 +102,15 @@ def _recurrent_kernel(y_ptr, zab_ptr, zab_stride, state_ptr, src_ptr, dst_ptr, c
             zab = zab_ptr + r * zab_stride                              # z [VH * DV], b [VH], a [VH]
             bb = tl.load(zab + VH * DV + hv).to(tl.float32)
             beta = (1.0 / (1.0 + tl.exp(-bb))).to(zab_ptr.dtype.element_ty).to(tl.float32)
-            a = tl.load(zab + VH * DV + VH + hv).to(tl.float32) + tl.load(dt_ptr + hv).to(tl.float32)
+            if KDA:     # a decay per key channel: [DK]
+                a = (tl.load(zab + VH * DV + VH + hv * DK + kd).to(tl.float32)
+                     + tl.load(dt_ptr + hv * DK + kd).to(tl.float32))
+            else:
+                a = tl.load(zab + VH * DV + VH + hv).to(tl.float32) + tl.load(dt_ptr + hv).to(tl.float32)
             soft = tl.where(a > 20.0, a, tl.log(1.0 + tl.exp(tl.minimum(a, 20.0))))
             decay = tl.exp(tl.load(neg_a_ptr + hv) * soft)
+            if KDA:
+                decay = decay[:, None]
             s_src = state_ptr + (src * VH + hv) * DK * DV
             s_dst = state_ptr + (dst * VH + hv) * DK * DV
             o_base = out_ptr + r * VH * DV + hv * DV
@@ -119,11 +130,15 @@ def _recurrent_kernel(y_ptr, zab_ptr, zab_stride, state_ptr, src_ptr, dst_ptr, c
             for v0 in range(0, DV, BV):
                 vd = v0 + tl.arange(0, BV)
                 o = tl.load(o_base + vd).to(tl.float32)
-                normed = (o * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
                 w = tl.load(w_ptr + vd).to(tl.float32)
-                scaled = (w * normed).to(out_ptr.dtype.element_ty).to(tl.float32)
                 z = tl.load(zab + hv * DV + vd).to(tl.float32)
-                tl.store(o_base + vd, (scaled * (z / (1.0 + tl.exp(-z)))).to(out_ptr.dtype.element_ty))
+                if KDA:      # float32 throughout, sigmoid(gate), one rounding
+                    gated = w * (o * rstd) / (1.0 + tl.exp(-z))
+                else:
+                    normed = (o * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+                    scaled = (w * normed).to(out_ptr.dtype.element_ty).to(tl.float32)
+                    gated = scaled * (z / (1.0 + tl.exp(-z)))
+                tl.store(o_base + vd, gated.to(out_ptr.dtype.element_ty))
             tl.debug_barrier()                     # the next row reads the state this one wrote
             src = dst
             r = _next_row(r, B, cont_ptr, CHAIN)
@@ -156,14 +171,17 @@ def conv_step(mixed: torch.Tensor, conv_state: torch.Tensor, slots: torch.Tensor
 
 def recurrent_step(y: torch.Tensor, zab: torch.Tensor, ssm: torch.Tensor, slots: torch.Tensor, neg_a: torch.Tensor,
                    dt_bias: torch.Tensor, norm_w: torch.Tensor, k_heads: int, eps: float,
-                   chain: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                   chain: tuple[torch.Tensor, torch.Tensor] | None = None, kda: bool = False) -> torch.Tensor:
     """``y [B, C]`` (``conv_step``'s), ``zab [B, >= V*dv + 2V]`` (rows holding z, b and a one after
     the other; strided), ``ssm [S, V, dk, dv]`` float32 (updated in place at ``slots``) ->
-    the heads' normed, gated output ``[B, V * dv]`` in ``y``'s dtype. ``chain``: as ``conv_step``'s."""
+    the heads' normed, gated output ``[B, V * dv]`` in ``y``'s dtype. ``chain``: as ``conv_step``'s.
+    ``kda``: Kimi Delta Attention, ``zab [B, >= V*dv + V + V*dk]`` (the gate, b, then the forget
+    gate's output per head and channel), ``dt_bias [V*dk]``, ``neg_a [V]``."""
     bsz = y.shape[0]
     _, vh, dk, dv = ssm.shape
     out = torch.empty((bsz, vh * dv), dtype=y.dtype, device=y.device)
     dst, cont = chain if chain is not None else (slots, slots)
     _recurrent_kernel[(bsz, vh)](y, zab, zab.stride(0), ssm, slots, dst, cont, bsz, neg_a, dt_bias, norm_w, out, eps,
-                                 k_heads, vh // k_heads, vh, DK=dk, DV=dv, BV=min(dv, 32), CHAIN=chain is not None)
+                                 k_heads, vh // k_heads, vh, DK=dk, DV=dv, BV=min(dv, 32), CHAIN=chain is not None,
+                                 KDA=kda)
     return out
