@@ -8,12 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken_engine import LLM, SamplingParams
+from freetoken_engine import LLM
 from freetoken_engine.errors import ConfigError
 from freetoken_engine.layers.mamba2 import ssd_chunked, ssd_step, ssd_steps
-from freetoken_engine.packed import convert
 from test_minimax_m2 import _edit
-from test_parity import PROMPT, check
+from test_parity import packed_and_cached
 from tiny_models import copy_folder
 
 
@@ -40,14 +39,7 @@ def test_the_chunked_form_equals_the_recurrence(n):
 def test_a_packed_folder_and_the_expert_cache_give_transformers_tokens(tiny_checkpoint, tmp_path):
     """``freetoken convert`` folds the residual multiplier into Mamba-2's ``out_proj`` as it does
     into the other branch ends; the expert cache and q* change no token."""
-    src = tiny_checkpoint("granitemoehybrid")
-    want = check(convert(src, tmp_path / "packed", progress=False), n_new=16, ref_folder=src)
-    greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
-    for capacity, fraction in ((1, 0.0), (3, 0.5), (5, 1.0)):
-        llm = LLM(src, expert_cache_experts=capacity, cpu_expert_fraction=fraction)
-        got = llm.generate(PROMPT, greedy)
-        assert got.token_ids == want
-        assert got.stats["fills"] + got.stats["cpu_computed"] == got.stats["misses"] > 0
+    packed_and_cached(tiny_checkpoint("granitemoehybrid"), tmp_path / "packed")
 
 
 @pytest.mark.parametrize("change,says", [

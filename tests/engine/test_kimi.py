@@ -47,24 +47,24 @@ TEXTS = ["Hello 你好 World's weather.", "def add(a, b):\n    return a + b\n", 
          "<|im_user|>user<|im_middle|>天气很好<|im_end|>", "  spaces\t\ttabs\n\n\nlines ", "naïve café Ωmega 日本語テキスト"]
 
 
-@pytest.mark.parametrize("text", TEXTS)
-def test_ids_are_the_checkpoint_tokenizers(folder, text):
-    path, _ = folder
+def same_as_reference(path, text: str) -> None:
+    """``text``'s ids are the reference's, and they decode back to ``text``."""
     tok = Tokenizer(path)
     ids = tok.encode(text)
     assert ids == reference(path).encode(text, allowed_special="all")
     assert tok.decode(ids, skip_special_tokens=False) == text
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_ids_are_the_checkpoint_tokenizers(folder, text):
+    same_as_reference(folder[0], text)
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.sampled_from(list("ab AB1你好。\n'sé") + ["<|im_end|>", "<|tool_call_begin|>"]),
                 max_size=40).map("".join))
 def test_any_text_round_trips_with_the_reference_ids(folder, text):
-    path, _ = folder
-    tok = Tokenizer(path)
-    ids = tok.encode(text)
-    assert ids == reference(path).encode(text, allowed_special="all")
-    assert tok.decode(ids, skip_special_tokens=False) == text
+    same_as_reference(folder[0], text)
 
 
 def test_han_runs_are_split_from_other_letters(folder):

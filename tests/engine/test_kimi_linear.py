@@ -11,13 +11,12 @@ import json
 import pytest
 import torch
 
-from freetoken_engine import LLM, SamplingParams
+from freetoken_engine import LLM
 from freetoken_engine.errors import ConfigError
 from freetoken_engine.layers.deltanet import delta_rule_step, delta_rule_steps
 from freetoken_engine.layers.kda import kda_chunked
-from freetoken_engine.packed import convert
 from test_minimax_m2 import _edit
-from test_parity import PROMPT, check
+from test_parity import check, packed_and_cached
 from tiny_models import copy_folder
 
 
@@ -72,14 +71,7 @@ def test_the_published_config_form_gives_the_same_tokens(tiny_checkpoint, tmp_pa
 
 
 def test_a_packed_folder_and_the_expert_cache_give_transformers_tokens(tiny_checkpoint, tmp_path):
-    src = tiny_checkpoint("kimi_linear")
-    want = check(convert(src, tmp_path / "packed", progress=False), n_new=16, ref_folder=src)
-    greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
-    for capacity, fraction in ((1, 0.0), (3, 0.5), (5, 1.0)):
-        llm = LLM(src, expert_cache_experts=capacity, cpu_expert_fraction=fraction)
-        got = llm.generate(PROMPT, greedy)
-        assert got.token_ids == want
-        assert got.stats["fills"] + got.stats["cpu_computed"] == got.stats["misses"] > 0
+    packed_and_cached(tiny_checkpoint("kimi_linear"), tmp_path / "packed")
 
 
 @pytest.mark.parametrize("change,says", [

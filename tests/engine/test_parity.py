@@ -31,6 +31,18 @@ def check(folder, n_new: int = 32, tol: float = 1e-4, ref_folder=None, **engine_
     return got.token_ids
 
 
+def packed_and_cached(src, packed_dir, n_new: int = 16) -> None:
+    """``freetoken convert``'s folder of ``src`` gives transformers' tokens on ``src``, and the expert
+    cache at three capacities and CPU fractions gives them too, every miss filled or computed."""
+    from freetoken_engine.packed import convert
+    want = check(convert(src, packed_dir, progress=False), n_new=n_new, ref_folder=src)
+    greedy = SamplingParams(max_new_tokens=n_new, temperature=0, ignore_eos=True)
+    for capacity, fraction in ((1, 0.0), (3, 0.5), (5, 1.0)):
+        got = LLM(src, expert_cache_experts=capacity, cpu_expert_fraction=fraction).generate(PROMPT, greedy)
+        assert got.token_ids == want
+        assert got.stats["fills"] + got.stats["cpu_computed"] == got.stats["misses"] > 0
+
+
 @pytest.mark.parametrize("model_type", SUPPORTED)
 def test_every_family_matches_transformers(tiny_checkpoint, model_type):
     check(tiny_checkpoint(model_type))

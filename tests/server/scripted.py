@@ -152,3 +152,15 @@ def streamed(srv, messages: list[dict], tools: list[dict]) -> tuple[list[str], s
     deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or ()]
     return ([tc.function.arguments for tc in deltas if tc.index == 0 and tc.function.arguments],
             "".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+
+
+def clients_get_the_calls(srv, messages: list[dict], tools: list[dict], a_tools: list[dict], want: list,
+                          content: str, reasoning: str = "The user wants the forecast.") -> None:
+    """The scripted answer through both official clients: the OpenAI chat answer's reasoning,
+    content and calls (``want``: (name, arguments) each); its stream's first call's arguments in
+    more than one piece and the same content; an Anthropic tool_use block per call."""
+    msg, got = chat_calls(srv, messages, tools)
+    assert (msg.reasoning_content, msg.content, got) == (reasoning, content, want)
+    first, shown = streamed(srv, messages, tools)
+    assert len(first) > 1 and json.loads("".join(first)) == want[0][1] and shown == content
+    assert tool_uses(srv, messages, a_tools) == want

@@ -8,13 +8,11 @@ engine. The templates are this test's own, in DeepSeek's layouts; scripted answe
 ``ScriptedService``."""
 from __future__ import annotations
 
-import json
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from live import serving
-from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, streamed, tool_uses
+from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, MSGS, SCHEMAS, TOOLS, allowed, forced_calls_are_valid, held_prompt, held_to,
                                      shown, walk)
@@ -142,15 +140,8 @@ def scripted(folder):
         yield srv
 
 
-def test_openai_chat_gets_both_calls(scripted):
-    msg, got = chat_calls(scripted, MSGS, TOOLS)
-    assert msg.reasoning_content == "The user wants the forecast." and msg.content == "Checking.Done." and got == WANT
-
-
-def test_openai_stream_gives_the_arguments_as_they_come(scripted):
-    first, content = streamed(scripted, MSGS, TOOLS)
-    assert len(first) > 1 and json.loads("".join(first)) == WANT[0][1]
-    assert content == "Checking.Done."
+def test_both_clients_get_the_reasoning_the_content_and_each_call(scripted):
+    clients_get_the_calls(scripted, MSGS, TOOLS, A_TOOLS, WANT, "Checking.Done.")
 
 
 def test_the_history_goes_back_in_the_format_and_forced_calls_are_prefilled(scripted):
@@ -158,10 +149,6 @@ def test_the_history_goes_back_in_the_format_and_forced_calls_are_prefilled(scri
     write = v31 if scripted.style == "deepseek" else fenced
     assert write("get_weather", '{"city": "Paris", "days": 3}') in scripted.prompts[-1]
     check_forced_calls(scripted, MSGS, TOOLS, "<｜Assistant｜>" + scripted.named)
-
-
-def test_anthropic_gets_a_tool_use_block_per_call(scripted):
-    assert tool_uses(scripted, MSGS, A_TOOLS) == WANT
 
 
 # -- the grammar ------------------------------------------------------------------------------------

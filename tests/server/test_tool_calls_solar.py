@@ -8,13 +8,11 @@ random ``solar_open`` model forced to call through a live engine. The template i
 own, in Solar Open's layout."""
 from __future__ import annotations
 
-import json
-
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from live import serving
-from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, streamed, tool_uses
+from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, MSGS, SCHEMAS, TOOLS, allowed, forced_calls_are_valid, held_prompt,
                                      held_to, shown, walk)
@@ -72,7 +70,7 @@ def test_reasoning_content_and_calls_on_any_split(cuts):
 
 
 @pytest.mark.parametrize("text, want, text_shown, reasoning", [
-    (f"<|content|>Hello!", [], "Hello!", ""),                                # reasoning switched off by the template
+    ("<|content|>Hello!", [], "Hello!", ""),                                # reasoning switched off by the template
     (f"<|think|>Plan.<|end|>{TURN}<|content|>Seoul.", [], "Seoul.", "Plan."),
     (SOLAR_CALLS + call("get_time", "{}"), [("get_time", {})], "", ""),      # calls only
     (SOLAR_CALLS + call("get_time", ""), [("get_time", {})], "", ""),        # no arguments written
@@ -137,15 +135,8 @@ def scripted(folder):
         yield srv
 
 
-def test_openai_chat_gets_both_calls(scripted):
-    msg, got = chat_calls(scripted, MSGS, TOOLS)
-    assert msg.reasoning_content == "The user wants the forecast." and msg.content == "Checking." and got == WANT
-
-
-def test_openai_stream_gives_the_arguments_as_they_come(scripted):
-    first, content = streamed(scripted, MSGS, TOOLS)
-    assert len(first) > 1 and json.loads("".join(first)) == WANT[0][1]
-    assert content == "Checking."
+def test_both_clients_get_the_reasoning_the_content_and_each_call(scripted):
+    clients_get_the_calls(scripted, MSGS, TOOLS, A_TOOLS, WANT, "Checking.")
 
 
 def test_the_history_goes_back_in_the_format_and_forced_calls_are_prefilled(scripted):
@@ -154,10 +145,6 @@ def test_the_history_goes_back_in_the_format_and_forced_calls_are_prefilled(scri
     assert f"{SOLAR_NAME}get_weather{SOLAR_ARGS}" + '{"city": "Paris", "days": 3}' in prompt
     assert f"{TURN}<|content|>Checking.<|end|>{TURN}{SOLAR_CALLS}" in prompt
     check_forced_calls(scripted, MSGS, TOOLS, TURN + scripted.named)
-
-
-def test_anthropic_gets_a_tool_use_block_per_call(scripted):
-    assert tool_uses(scripted, MSGS, A_TOOLS) == WANT
 
 
 # -- the grammar ------------------------------------------------------------------------------------

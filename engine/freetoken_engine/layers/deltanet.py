@@ -277,17 +277,23 @@ class GatedDeltaNet(nn.Module):
                                                     self.dt_bias, self.norm.weight, lin.k_heads, self.eps,
                                                     chain=batch.state_chain))
         mixed, z, b, a = proj.split(self.sizes, -1)
-        core = x.new_empty((x.shape[0], lin.v_heads, lin.v_dim))
         beta = b.sigmoid().float()                 # in the model's dtype first, as the reference
         g = self.neg_a * F.softplus(a.float() + self.dt_bias)
+        core = self._mix(x, batch, mixed, g, beta, conv, ssm)
+        out = self._gated_norm(core, z.view(-1, lin.v_heads, lin.v_dim))
+        return self.out_proj(out.reshape(x.shape[0], -1))
+
+    def _mix(self, x: torch.Tensor, batch, mixed, g, beta, conv, ssm) -> torch.Tensor:
+        """The heads' outputs ``[T, v_heads, v_dim]`` of a pass on the torch path: each sequence's
+        rows from its own state (``each_sequence``), prompts' chunks in the chunked form."""
+        core = x.new_empty((x.shape[0], self.lin.v_heads, self.lin.v_dim))
         each_sequence(
             batch, x.device, core, "chained decode rows need the Triton decode kernels in a captured step",
             chunk=lambda i, at, n: self._chunk(mixed[at:at + n], g[at:at + n], beta[at:at + n], batch.state_slots[i],
                                                batch.fresh(i), batch.snaps(i), conv, ssm),
             singles=lambda rows, slots, seqs, out_slots=None: self._singles(
                 rows, slots, seqs, mixed, g, beta, batch, conv, ssm, core, out_slots=out_slots))
-        out = self._gated_norm(core, z.view(-1, lin.v_heads, lin.v_dim))
-        return self.out_proj(out.reshape(x.shape[0], -1))
+        return core
 
     def _decode_kernels(self, x: torch.Tensor, batch):
         """The Triton decode step when this pass is one token per sequence, none starting and no

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import LinearAttnConfig
-from .deltanet import CHUNK, GatedDeltaNet, _hand_over, each_sequence
+from .deltanet import CHUNK, GatedDeltaNet, _hand_over
 from .linear import linear
 
 #: bytes of per-channel decays held at once by the chunked form (a chunk's sub-blocks at least)
@@ -138,13 +138,7 @@ class KimiDeltaAttention(GatedDeltaNet):
                                                   kda=True))
         beta = b.sigmoid().float()
         g = self.neg_a * F.softplus(self.f_b_proj(fa).float().view(-1, h, d) + self.dt_bias.float().view(h, d))
-        core = x.new_empty((x.shape[0], h, d))
-        each_sequence(
-            batch, x.device, core, "chained decode rows of Kimi Delta Attention run eagerly, not in a captured step",
-            chunk=lambda i, at, n: self._chunk(mixed[at:at + n], g[at:at + n], beta[at:at + n], batch.state_slots[i],
-                                               batch.fresh(i), batch.snaps(i), conv, ssm),
-            singles=lambda rows, slots, seqs, out_slots=None: self._singles(
-                rows, slots, seqs, mixed, g, beta, batch, conv, ssm, core, out_slots=out_slots))
+        core = self._mix(x, batch, mixed, g, beta, conv, ssm)
         out = self._gated_norm(core, self.g_b_proj(ga).view(-1, h, d))
         return self.o_proj(out.reshape(x.shape[0], -1))
 
