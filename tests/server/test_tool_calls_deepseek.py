@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from live import serving
 from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
 from test_tool_calls_glm import calls
-from test_tool_calls_granite import (A_TOOLS, MSGS, SCHEMAS, TOOLS, allowed, forced_calls_are_valid, held_prompt, held_to,
+from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
+                                     held_prompt, held_to,
                                      shown, walk)
 from tiny_models import mark_special, with_template
 
@@ -60,12 +61,6 @@ def answer(style: str) -> str:
     return "<think>The user wants the forecast.</think>\n\nChecking." + BLOCKS[style] + " Done."
 
 
-def events(text: str, cuts: list[int], style: str = "deepseek") -> list:
-    p = OutputParser(tools=True, style=style)
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    return [e for piece in pieces for e in p.feed(piece)] + p.finish()
-
-
 @pytest.mark.parametrize("style", ["deepseek", "deepseek_fenced"])
 @given(cuts=st.lists(st.integers(0, len(answer("deepseek_fenced"))), max_size=6).map(sorted))
 def test_a_block_of_calls_on_any_split_gives_each_call(style, cuts):
@@ -87,7 +82,7 @@ def test_a_block_of_calls_on_any_split_gives_each_call(style, cuts):
     (CALLS_BEGIN + CALL_BEGIN + "f" + CALL_END, [], CALLS_BEGIN + CALL_BEGIN + "f" + CALL_END),   # no separator
 ])
 def test_deepseek_variants(text, want, text_shown):
-    evs = events(text, [len(text) // 2])
+    evs = events(text, [len(text) // 2], "deepseek")
     if want == [("search", None)]:             # the arguments as far as they came, the call ended
         assert "".join(e.text for e in evs if isinstance(e, ToolArgs)) == '{"query": "cut'
         assert [e.name for e in evs if isinstance(e, ToolStart)] == ["search"] and isinstance(evs[-1], ToolEnd)
@@ -152,13 +147,7 @@ def test_the_history_goes_back_in_the_format_and_forced_calls_are_prefilled(scri
 
 
 # -- the grammar ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name, args, wrong", [
-    ("get_weather", '{"city": "Rome", "days": 3}', None),
-    ("get_weather", '{"city": "Oslo", "days": 3}', "Oslo"),
-    ("get_weather", '{"city": "Rome", "days": 9}', "9"),
-    ("delete_all", "{}", "delete"),
-    ("search", "{}", "}"),                                              # query required
-])
+@pytest.mark.parametrize("name, args, wrong", HELD)
 def test_calls_after_the_tag_are_held_to_their_schemas(folder, name, args, wrong):
     style, path = folder
     tokenizer = Tokenizer(path)

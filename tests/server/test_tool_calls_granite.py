@@ -49,10 +49,22 @@ A_TOOLS = [{"name": n, "description": n, "input_schema": s} for n, s in SCHEMAS.
 MSGS = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
-def events(text: str, cuts: list[int]) -> list:
-    p = OutputParser(tools=True, style="granite", schemas=SCHEMAS)
+def events(text: str, cuts: list[int], style: str = "granite") -> list:
+    """The parser's events for ``text`` fed in the pieces ``cuts`` make."""
+    p = OutputParser(tools=True, style=style, schemas=SCHEMAS)
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     return [e for piece in pieces for e in p.feed(piece)] + p.finish()
+
+
+#: (tool, its arguments, the first text the grammar refuses: None when the call is allowed) of the
+#: formats whose calls are a name and a JSON object
+HELD = [
+    ("get_weather", '{"city": "Rome", "days": 3}', None),
+    ("get_weather", '{"city": "Oslo", "days": 3}', "Oslo"),
+    ("get_weather", '{"city": "Rome", "days": 9}', "9"),
+    ("delete_all", "{}", "delete"),
+    ("search", "{}", "}"),                                              # query required
+]
 
 
 def shown(evs) -> str:

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from live import serving
 from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
 from test_tool_calls_glm import calls
-from test_tool_calls_granite import (A_TOOLS, MSGS, SCHEMAS, TOOLS, allowed, forced_calls_are_valid, held_prompt,
-                                     held_to, shown, walk)
+from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
+                                     held_prompt, held_to, shown, walk)
 from tiny_models import with_template
 
 from freetoken_engine.models.tokenizer import Tokenizer
@@ -55,15 +55,9 @@ BLOCK = SOLAR_CALLS + call("get_weather", ARGS[0]) + call("search", ARGS[1], "f6
 ANSWER = f"<|think|>The user wants the forecast.<|end|>{TURN}<|content|>Checking.<|end|>{TURN}{BLOCK}"
 
 
-def events(text: str, cuts: list[int]) -> list:
-    p = OutputParser(tools=True, style=STYLE)
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    return [e for piece in pieces for e in p.feed(piece)] + p.finish()
-
-
 @given(cuts=st.lists(st.integers(0, len(ANSWER)), max_size=6).map(sorted))
 def test_reasoning_content_and_calls_on_any_split(cuts):
-    evs = events(ANSWER, cuts)
+    evs = events(ANSWER, cuts, STYLE)
     assert calls(evs) == WANT
     assert "".join(e.text for e in evs if isinstance(e, Reasoning)) == "The user wants the forecast."
     assert shown(evs) == "Checking."
@@ -80,7 +74,7 @@ def test_reasoning_content_and_calls_on_any_split(cuts):
      SOLAR_CALLS + SOLAR_BEGIN + "x1" + SOLAR_ARGS + "{}" + SOLAR_CALL_END, ""),
 ])
 def test_solar_variants(text, want, text_shown, reasoning):
-    evs = events(text, [len(text) // 2])
+    evs = events(text, [len(text) // 2], STYLE)
     if want == [("search", None)]:
         assert "".join(e.text for e in evs if isinstance(e, ToolArgs)) == '{"query": "cut'
         assert [e.name for e in evs if isinstance(e, ToolStart)] == ["search"] and isinstance(evs[-1], ToolEnd)
@@ -148,13 +142,7 @@ def test_the_history_goes_back_in_the_format_and_forced_calls_are_prefilled(scri
 
 
 # -- the grammar ------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name, args, wrong", [
-    ("get_weather", '{"city": "Rome", "days": 3}', None),
-    ("get_weather", '{"city": "Oslo", "days": 3}', "Oslo"),
-    ("get_weather", '{"city": "Rome", "days": 9}', "9"),
-    ("delete_all", "{}", "delete"),
-    ("search", "{}", "}"),                                              # query required
-])
+@pytest.mark.parametrize("name, args, wrong", HELD)
 def test_calls_after_the_tag_are_held_to_their_schemas(folder, name, args, wrong):
     tokenizer = Tokenizer(folder)
     text = call(name, args) + (call("search", '{"query": "x"}') if wrong is None else "")
