@@ -49,9 +49,9 @@ A_TOOLS = [{"name": n, "description": n, "input_schema": s} for n, s in SCHEMAS.
 MSGS = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
-def events(text: str, cuts: list[int], style: str = "granite") -> list:
+def events(text: str, cuts: list[int], style: str = "granite", in_reasoning: bool = False) -> list:
     """The parser's events for ``text`` fed in the pieces ``cuts`` make."""
-    p = OutputParser(tools=True, style=style, schemas=SCHEMAS)
+    p = OutputParser(tools=True, style=style, schemas=SCHEMAS, in_reasoning=in_reasoning)
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     return [e for piece in pieces for e in p.feed(piece)] + p.finish()
 

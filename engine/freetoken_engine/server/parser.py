@@ -26,7 +26,8 @@ or LFM2's (``style="pythonic"``), Python calls in a block (``parser_pythonic.Pyt
     <|tool_call_start|>[f(path="src/app.py", n=3), g()]<|tool_call_end|>
 
 or Hunyuan-A13B's (``style="hunyuan"``), Granite's list between tags, the answer itself between
-``<answer>`` tags that are not shown:
+``<answer>`` tags that are not shown (ERNIE-4.5's, ``style="ernie"``, is Hermes JSON calls and the
+answer between ``<response>`` tags, not shown either):
 
     <answer>\ncontent<tool_calls>[{"name": "f", "arguments": {...}}]</tool_calls></answer>
 
@@ -84,8 +85,9 @@ __all__ = ["ARG_KEY", "FUNCTION_OPEN", "GLM_TAGS", "GRANITE_OPEN", "HUNYUAN_CLOS
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 GRANITE_OPEN = "<|tool_call|>"        # Granite's token before its JSON list of calls (no closing tag)
 HUNYUAN_OPEN, HUNYUAN_CLOSE = "<tool_calls>", "</tool_calls>"
+ERNIE_OPEN, ERNIE_CLOSE = "<response>", "</response>"   # ERNIE-4.5's answer wrapper (its calls are Hermes JSON)
 # tags a style's content carries that are not the model's text: dropped where they stand
-_DROPPED = {"hunyuan": ("<answer>", "</answer>", HUNYUAN_CLOSE),
+_DROPPED = {"hunyuan": ("<answer>", "</answer>", HUNYUAN_CLOSE), "ernie": (ERNIE_OPEN, ERNIE_CLOSE),
             "solar": ("<|end|>", "<|begin|>assistant", "<|content|>")}
 # a style's reasoning tags, where they are not <think> and </think>
 _THINK = {"solar": ("<|think|>", "<|end|>")}
@@ -133,8 +135,8 @@ class OutputParser(TaggedSteps):
 
     def __init__(self, *, tools: bool, in_reasoning: bool = False, style: str = "json",
                  schemas: dict[str, dict] | None = None):
-        if style not in ("json", *_LISTED, *_TAGGED):
-            raise ValueError(f"tool-call style {style!r}: one of json, {', '.join((*_LISTED, *_TAGGED))}")
+        if style not in ("json", "ernie", *_LISTED, *_TAGGED):
+            raise ValueError(f"tool-call style {style!r}: one of json, ernie, {', '.join((*_LISTED, *_TAGGED))}")
         self.tools, self.xml, self.schemas = tools, style == "xml", schemas or {}
         self.tagged = _TAGGED.get(style)   # None: Hermes JSON bodies, or a reader's style (_LISTED)
         self.listed: CallList | PythonicBlock | DeepSeekCalls | None = None   # a list or block being read

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from .errors import ApiError
 from .parser_deepseek import (CALL_BEGIN, CALLS_BEGIN, FENCE, KIMI_CALL_BEGIN, KIMI_CALLS_BEGIN, KIMI_PREFIX, KIMI_SEP,
                               SEP, SOLAR_ARGS, SOLAR_BEGIN, SOLAR_CALLS, SOLAR_NAME)
-from .parser import (ARG_KEY, FUNCTION_OPEN, GRANITE_OPEN, HUNYUAN_OPEN, INVOKE, MINIMAX_OPEN, PYTHONIC_OPEN, THINK_CLOSE,
-                     TOOL_OPEN, think_tags)
+from .parser import (ARG_KEY, ERNIE_CLOSE, ERNIE_OPEN, FUNCTION_OPEN, GRANITE_OPEN, HUNYUAN_OPEN, INVOKE, MINIMAX_OPEN,
+                     PYTHONIC_OPEN, THINK_CLOSE, TOOL_OPEN, think_tags)
 
 
 #: what a tool's result says in place of an image or file part: the models served here read
@@ -52,7 +52,7 @@ class Prompt:
     tools: bool               # parse tool calls
     style: str = "json"       # the tool calls' format: "json" (Hermes), "xml" (Qwen3.5, Qwen3-Coder), "glm", "minimax",
     #                           "granite", "pythonic" (LFM2), "hunyuan", "deepseek" (V3.1), "deepseek_fenced" (V3, R1),
-    #                           "kimi" (Kimi-K2), "solar" (Solar Open)
+    #                           "kimi" (Kimi-K2), "solar" (Solar Open), "ernie" (ERNIE-4.5: json in <response> tags)
     schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
     strict: frozenset[str] = frozenset()   # tools whose calls must follow their schema (``strict``)
     forced: str | None = None     # the prompt opened a tool call: "required", or the named tool
@@ -65,7 +65,9 @@ def tool_style(tokenizer) -> str:
     ``<|tool_call_start|>``, "hunyuan" when it writes ``<tool_calls>``, "deepseek" / "deepseek_fenced" when it writes ``<｜tool▁calls▁begin｜>``
     (the second also a fenced JSON block), "kimi" when it writes ``<|tool_calls_section_begin|>``, "solar" when it
     writes ``<|tool_call:begin|>``, "xml" when it writes
-    ``<function=``, "glm" when it writes ``<arg_key>``, else "json"."""
+    ``<function=``, "glm" when it writes ``<arg_key>``, "ernie" (Hermes JSON calls, the answer in
+    ``<response>`` tags that are not shown) when it writes ``<response>`` or the tokenizer has it and
+    ``</response>`` as tokens (ERNIE-4.5-Thinking), else "json"."""
     template = getattr(tokenizer, "chat_template", None) or ""
     if KIMI_CALLS_BEGIN in template:
         return "kimi"
@@ -81,7 +83,14 @@ def tool_style(tokenizer) -> str:
         return "hunyuan"
     if CALLS_BEGIN in template:        # DeepSeek's calls: V3 and R1 fence their arguments, V3.1 does not
         return "deepseek_fenced" if FENCE in template else "deepseek"
-    return "xml" if FUNCTION_OPEN in template else "glm" if ARG_KEY in template else "json"
+    if FUNCTION_OPEN in template:
+        return "xml"
+    if ARG_KEY in template:
+        return "glm"
+    ids = getattr(tokenizer, "token_to_id", lambda tag: None)
+    if ERNIE_OPEN in template or (ids(ERNIE_OPEN) is not None and ids(ERNIE_CLOSE) is not None):
+        return "ernie"
+    return "json"
 
 
 _PROBE = "probe_tool"
@@ -115,6 +124,7 @@ def _json_named(name: str, after: str) -> str:
 SOLAR_ID = "0000000000"
 _PREFILLS = {
     "json": (f'{TOOL_OPEN}\n{{"name": "', _json_named),
+    "ernie": (f'{TOOL_OPEN}\n{{"name": "', _json_named),
     "granite": (f'{GRANITE_OPEN}[{{"name": "', _json_named),
     "hunyuan": (f'{HUNYUAN_OPEN}[{{"name": "', _json_named),
     "xml": (f"{TOOL_OPEN}\n{FUNCTION_OPEN}", lambda name, after: f"{name}>\n"),
