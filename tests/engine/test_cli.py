@@ -109,7 +109,7 @@ def _broken(tmp_path, tiny_checkpoint, kind: str):
                    "granitemoe, granitemoehybrid, granitemoeshared, hunyuan_v1_moe, kimi_k2, kimi_linear, lfm2_moe, llama, minimax_m2, "
                    "mistral, mixtral, olmoe, "
                    "qwen2, qwen2_moe, qwen3, "
-                   "qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next, qwen3_vl_moe, solar_open"),
+                   "qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, qwen3_next, qwen3_omni_moe, qwen3_vl_moe, solar_open"),
 ])
 def test_broken_folders_fail_in_one_line(tmp_path, tiny_checkpoint, cli_error, kind, needle):
     folder = str(_broken(tmp_path, tiny_checkpoint, kind))

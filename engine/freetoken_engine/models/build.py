@@ -154,7 +154,7 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
     # Module.to_empty would call empty_like on meta tensors, whose reference path imports sympy.
     model = model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     params = dict(model.named_parameters())
-    tied = cfg.tie_word_embeddings or not ckpt.has("lm_head.weight")
+    tied = cfg.tie_word_embeddings or not ckpt.has(fam.lm_head)
     wanted = [k for k in params if not (tied and k == "lm_head.weight")]
     by_engine_name = {fam.rename(k): k for k in ckpt.names()}
     bank = None

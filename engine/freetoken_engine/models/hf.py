@@ -18,6 +18,7 @@ class Family:
     moe_prefix: str = "mlp"                                   # model.layers.{i}.<moe_prefix>
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     model_prefix: str = "model"                               # <model_prefix>.layers.{i}, .embed_tokens, .norm
+    lm_head: str = "lm_head.weight"                           # the checkpoint's key of the output projection
     # engine parameter -> (the engine-side name of the tensor it comes from, how), for tensors
     # whose layout or convention differs from the engine's; None: the tensor of its own name as it is
     source: Callable[[ModelConfig, str], tuple[str, Callable] | None] | None = None
@@ -91,6 +92,8 @@ class Family:
 
     def rename(self, key: str) -> str:
         """Checkpoint key -> engine module key (non-expert tensors)."""
+        if key == self.lm_head:
+            return "lm_head.weight"
         if self.moe_prefix != "mlp":
             key = key.replace(f".{self.moe_prefix}.", ".mlp.")
         if self.model_prefix != "model" and key.startswith(self.model_prefix + "."):
