@@ -115,6 +115,11 @@ MOE = {
                                     v_head_dim=6), moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2,
                         n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3, n_group=2, topk_group=1,
                         routed_scaling_factor=2.5),
+    # MiniCPM5-MoE: attention gated per head by q_proj's second half, DeepSeek-V3's routing with a
+    # shared expert after a dense first layer
+    "minicpm5_moe": dict(moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                         n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=8, num_hidden_layers=3,
+                         mlp_layer_types=["dense", "sparse", "sparse"]),
     # Kimi-Linear: Kimi Delta Attention layers around one latent attention without position
     # encoding (no query bottleneck); a dense first layer, DeepSeek-V3's routing, a shared expert
     "kimi_linear": dict(MLA, q_lora_rank=None, moe_intermediate_size=16, num_experts=8, num_experts_per_token=2,
@@ -135,7 +140,8 @@ SUPPORTED = tuple(MOE)
 # the random correction bias of a biased router, on the scale of its scores (sigmoid: 0..1;
 # softmax over 8 experts: about 1/8)
 BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "lfm2_moe": 0.3, "glm4v_moe": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3,
-            "deepseek_v3": 0.3, "glm4_moe_lite": 0.3, "kimi_linear": 0.3}
+            "deepseek_v3": 0.3, "glm4_moe_lite": 0.3, "kimi_linear": 0.3,
+            "minicpm5_moe": 0.3}
 # multimodal families: their vision tower's config
 VISION = {"glm4v_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
                             temporal_patch_size=1, spatial_merge_size=1, image_size=4),
@@ -188,6 +194,7 @@ def _classes(model_type: str):
         "deepseek_v2": (T.DeepseekV2Config, T.DeepseekV2ForCausalLM),
         "glm4_moe_lite": (T.Glm4MoeLiteConfig, T.Glm4MoeLiteForCausalLM),
         "kimi_linear": (T.KimiLinearConfig, T.KimiLinearForCausalLM),
+        "minicpm5_moe": (T.MiniCPM5MoeConfig, T.MiniCPM5MoeForCausalLM),
         "qwen3_5_moe_text": (T.Qwen3_5MoeTextConfig, T.Qwen3_5MoeForCausalLM),
     }[model_type]
 
