@@ -120,6 +120,14 @@ MOE = {
     "minicpm5_moe": dict(moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                          n_group=2, topk_group=1, routed_scaling_factor=2.5, head_dim=8, num_hidden_layers=3,
                          mlp_layer_types=["dense", "sparse", "sparse"]),
+    # GLM-4.5's model in Ling's tensor names (one fused query_key_value with its bias, per-head q/k
+    # norms, the router's expert_bias), the rotary over the whole head
+    "sarvam_moe": dict(moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                       n_group=2, topk_group=1, head_dim=8, num_hidden_layers=3, first_k_dense_replace=1,
+                       attention_bias=True),
+    "param2moe": dict(moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2,
+                      n_group=2, topk_group=1, head_dim=8, num_hidden_layers=3, first_k_dense_replace=1,
+                      tie_word_embeddings=True),
     # Kimi-Linear: Kimi Delta Attention layers around one latent attention without position
     # encoding (no query bottleneck); a dense first layer, DeepSeek-V3's routing, a shared expert
     "kimi_linear": dict(MLA, q_lora_rank=None, moe_intermediate_size=16, num_experts=8, num_experts_per_token=2,
@@ -141,7 +149,7 @@ SUPPORTED = tuple(MOE)
 # softmax over 8 experts: about 1/8)
 BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "lfm2_moe": 0.3, "glm4v_moe": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3,
             "deepseek_v3": 0.3, "glm4_moe_lite": 0.3, "kimi_linear": 0.3,
-            "minicpm5_moe": 0.3}
+            "minicpm5_moe": 0.3, "sarvam_moe": 0.3, "param2moe": 0.3}
 # multimodal families: their vision tower's config
 VISION = {"glm4v_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
                             temporal_patch_size=1, spatial_merge_size=1, image_size=4),
@@ -195,6 +203,8 @@ def _classes(model_type: str):
         "glm4_moe_lite": (T.Glm4MoeLiteConfig, T.Glm4MoeLiteForCausalLM),
         "kimi_linear": (T.KimiLinearConfig, T.KimiLinearForCausalLM),
         "minicpm5_moe": (T.MiniCPM5MoeConfig, T.MiniCPM5MoeForCausalLM),
+        "sarvam_moe": (T.SarvamMoEConfig, T.Glm4MoeForCausalLM),
+        "param2moe": (T.Param2MoeConfig, T.Glm4MoeForCausalLM),
         "qwen3_5_moe_text": (T.Qwen3_5MoeTextConfig, T.Qwen3_5MoeForCausalLM),
     }[model_type]
 

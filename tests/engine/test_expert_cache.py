@@ -44,6 +44,7 @@ def checked(llm: LLM) -> LLM:
     ("glm4_moe_lite", "some", (0.5,)),
     ("kimi_linear", "some", (0.0, 0.5)),
     ("minicpm5_moe", "some", (0.5,)),
+    ("sarvam_moe", "some", (0.5,)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)
