@@ -152,7 +152,7 @@ def tables(tokenizer, n_vocab: int) -> concurrent.futures.Future:
     served without grammars never pays for them (0.9-1.6 s for a 49k vocabulary on a 2-CPU VM,
     4.3-4.8 s on the H200 machine's host); the scheduler keeps a constrained request waiting
     (the others run) and the server awaits them without blocking, until they are there."""
-    key = (tokenizer.json_text, n_vocab, tuple(tokenizer.eos_token_ids))
+    key = (tokenizer.identity, n_vocab, tuple(tokenizer.eos_token_ids))
     with _builds_lock:
         future = _builds.get(key)
         if future is None:

@@ -138,11 +138,17 @@ class Tokenizer:
 
     @functools.cached_property
     def json_text(self) -> str:
-        """The tokenizer as ``tokenizer.json`` text (for the grammar engine); built once. A tiktoken
-        tokenizer's stands for it by its file's digest (the grammar engine reads its ranks)."""
+        """The tokenizer as ``tokenizer.json`` text (for the grammar engine); built once. Not for a
+        tiktoken tokenizer, which the grammar engine reads from its ranks (``tiktoken``)."""
         if self.tiktoken is not None:
-            return "tiktoken:" + self.tiktoken.digest
+            raise TypeError("a tiktoken tokenizer has no tokenizer.json text: read its ranks")
         return self._tok.to_str()
+
+    @functools.cached_property
+    def identity(self) -> str:
+        """What tells this tokenizer apart from any other (the grammar engine's tables are built
+        once per identity): its ``tokenizer.json`` text, or its ``tiktoken.model``'s digest."""
+        return "tiktoken:" + self.tiktoken.digest if self.tiktoken is not None else self.json_text
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
