@@ -22,6 +22,7 @@ from freetoken_engine.models.tokenizer import Tokenizer
 from freetoken_engine.server.parser import OutputParser, Reasoning, ToolArgs, ToolEnd, ToolStart, format_tags
 from freetoken_engine.server.parser_deepseek import SOLAR_ARGS, SOLAR_BEGIN, SOLAR_CALL_END, SOLAR_CALLS, SOLAR_NAME
 from freetoken_engine.server.prompt import build_prompt, tool_style
+from freetoken_engine.server.structured import guide_spec
 from freetoken_engine.server.tool_grammar import tool_grammars
 
 STYLE = "solar"
@@ -110,11 +111,13 @@ def test_the_templates_format_is_read_and_its_tags_reach_the_parser(folder):
 
 def test_a_forced_call_inside_the_reasoning_closes_it_first(folder):
     """A template that opens the reasoning (``<|think|>`` at the end of its prompt): the pre-fill
-    closes it and opens an assistant turn of calls."""
+    closes it and opens an assistant turn of calls; an answer's grammar waits for ``<|end|>``."""
     tokenizer = Tokenizer(with_template(folder, folder.parent / "thinking", TEMPLATE.replace(
         "<|begin|>assistant{% endif %}", "<|begin|>assistant<|think|>{% endif %}")))
     p = build_prompt(tokenizer, MSGS, TOOLS, tool_choice="required")
     assert p.in_reasoning and p.prefill == f"<|end|>{TURN}{SOLAR_CALLS}{SOLAR_BEGIN}0000000000{SOLAR_NAME}"
+    spec = guide_spec('start: "ok"', tokenizer, build_prompt(tokenizer, MSGS, None))
+    assert spec.reasoning and spec.close_reasoning == tokenizer.token_to_id("<|end|>")
 
 
 @pytest.fixture(scope="module")

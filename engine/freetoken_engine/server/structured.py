@@ -24,7 +24,7 @@ from ..errors import InvalidRequest
 from ..executor import guide
 from ..executor.guide import GuideSpec
 from .errors import ApiError
-from .parser import THINK_CLOSE, THINK_OPEN, opening_tag
+from .parser import opening_tag, think_tags
 from .tool_grammar import tool_grammars
 
 _FORMATS = "'text', 'json_object' or 'json_schema'"
@@ -92,7 +92,7 @@ def guide_spec(grammar: str | None, tokenizer, prompt) -> GuideSpec | None:
     """The engine's constraint for a rendered ``prompt`` (server/prompt.Prompt): the answer's
     ``grammar`` (not when the prompt already opens a tool call), and the tool calls' grammar
     where they must follow their schemas (``tool_grammars``); None when nothing is constrained."""
-    open_, close = tokenizer.token_to_id(THINK_OPEN), tokenizer.token_to_id(THINK_CLOSE)
+    open_, close = (tokenizer.token_to_id(tag) for tag in think_tags(prompt.style))
     tool = tokenizer.token_to_id(opening_tag(prompt.style)) if prompt.tools else None
     calls, rest = tool_grammars(tokenizer, prompt) if prompt.tools else (None, None)
     if tool is None:
