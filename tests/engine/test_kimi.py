@@ -167,3 +167,18 @@ def test_kimi_k2_runs_as_deepseek_v3_token_for_token(kimi):
         logits = ref(torch.tensor([prompt])).logits[0]
     assert (llm.forward_logits(prompt) - logits).abs().max() < 1e-4
     assert set(SPECIALS) <= {llm.tokenizer.tiktoken._by_id[i] for i in llm.tokenizer.tiktoken._by_id}
+
+
+def test_a_packed_folder_stands_alone_with_the_tiktoken_tokenizer(kimi, tmp_path):
+    """``freetoken convert`` copies ``tiktoken.model`` and the tokenizer config: the packed folder
+    reads the same tokenizer and gives the same tokens."""
+    from freetoken_engine.packed import convert
+    _, path = kimi
+    packed = LLM(convert(path, tmp_path / "packed", progress=False), dtype="float32")
+    llm = LLM(path, dtype="float32")
+    msgs = [{"role": "user", "content": "天气 today?"}]
+    assert packed.tokenizer.tiktoken is not None
+    assert packed.tokenizer.encode_chat(msgs) == llm.tokenizer.encode_chat(msgs)
+    greedy = SamplingParams(max_new_tokens=8, temperature=0, ignore_eos=True)
+    prompt = llm.tokenizer.encode_chat(msgs)
+    assert packed.generate(prompt, greedy).token_ids == llm.generate(prompt, greedy).token_ids
