@@ -80,6 +80,7 @@ def test_a_packed_folder_and_the_expert_cache_give_transformers_tokens(tiny_chec
     ({"layer_types": None, "linear_attn_config": {"kda_layers": [1, 3, 4], "full_attn_layers": [5]}},
      r"linear_attn_config.full_attn_layers names layer 5 of 4 \(counted from 1\)"),
     ({"mlp_layer_types": ["dense", "moe", "sparse", "sparse"]}, "mlp_layer_types must name each of the 4 layers"),
+    ({"mla_use_nope": False}, "mla_use_nope false"),
 ])
 def test_configurations_it_cannot_follow_are_refused_by_name(tiny_checkpoint, tmp_path, change, says):
     folder = _edit(copy_folder(tiny_checkpoint("kimi_linear"), tmp_path / "k"), change)

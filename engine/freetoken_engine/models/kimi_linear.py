@@ -44,6 +44,9 @@ def _layer_types(raw: dict, layers: int) -> list[str]:
 
 
 def parse(raw: dict) -> ModelConfig:
+    if raw.get("mla_use_nope") is False:
+        raise ConfigError("config.json: Kimi-Linear with mla_use_nope false (a rotary on the latent attention) is "
+                          "not supported; the published checkpoints use none")
     raw = {_RENAMED.get(k, k): v for k, v in raw.items()}
     layers = int(need(raw, "num_hidden_layers"))
     kinds = layer_kinds("layer_types", _layer_types(raw, layers), layers, ("linear_attention", "full_attention"))
