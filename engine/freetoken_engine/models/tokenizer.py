@@ -159,6 +159,14 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
+    @functools.cached_property
+    def added_tokens(self) -> frozenset[str]:
+        """The tokens added to the vocabulary as wholes (special or not): a chat format's tags, as
+        opposed to text a merge happens to spell."""
+        if self.tiktoken is not None:
+            return frozenset(self.tiktoken.special)
+        return frozenset(t.content for t in self._tok.get_added_tokens_decoder().values())
+
     def stream_decoder(self, keep: tuple[str, ...] = ()) -> StreamDecoder:
         return StreamDecoder(self, keep)
 

@@ -67,7 +67,7 @@ def tool_style(tokenizer) -> str:
     writes ``<|tool_call:begin|>``, "xml" when it writes
     ``<function=``, "glm" when it writes ``<arg_key>``, "ernie" (Hermes JSON calls, the answer in
     ``<response>`` tags that are not shown) when it writes ``<response>`` or the tokenizer has it and
-    ``</response>`` as tokens (ERNIE-4.5-Thinking), else "json"."""
+    ``</response>`` as added tokens (ERNIE-4.5-Thinking), else "json"."""
     template = getattr(tokenizer, "chat_template", None) or ""
     if KIMI_CALLS_BEGIN in template:
         return "kimi"
@@ -87,8 +87,7 @@ def tool_style(tokenizer) -> str:
         return "xml"
     if ARG_KEY in template:
         return "glm"
-    ids = getattr(tokenizer, "token_to_id", lambda tag: None)
-    if ERNIE_OPEN in template or (ids(ERNIE_OPEN) is not None and ids(ERNIE_CLOSE) is not None):
+    if ERNIE_OPEN in template or {ERNIE_OPEN, ERNIE_CLOSE} <= getattr(tokenizer, "added_tokens", frozenset()):
         return "ernie"
     return "json"
 
