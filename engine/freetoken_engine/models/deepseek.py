@@ -26,7 +26,7 @@ from dataclasses import replace
 from ..config import LatentAttnConfig, ModelConfig
 from ..errors import ConfigError
 from . import glm4_moe
-from .hf import Family, base, layer_kinds, moe, need
+from .hf import Family, base, moe, need
 
 
 def _latent(raw: dict) -> dict:
@@ -78,12 +78,7 @@ def parse_v2(raw: dict) -> ModelConfig:
 
 
 def parse_lite(raw: dict) -> ModelConfig:
-    layers = int(need(raw, "num_hidden_layers"))
-    kinds = raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
-    kinds = layer_kinds("mlp_layer_types", kinds, layers, ("dense", "sparse"))
-    routed = glm4_moe._routed(raw, first_dense=0, norm_topk_prob=True)
-    sparse = tuple(i for i, k in enumerate(kinds) if k == "sparse")
-    return ModelConfig(**base(raw, **_latent(raw), moe=replace(routed, layers=sparse), **_mtp(raw)))
+    return ModelConfig(**base(raw, **_latent(raw), moe=glm4_moe.routed_by_kinds(raw, first_k=False), **_mtp(raw)))
 
 
 def _source_v2(cfg: ModelConfig, name: str):

@@ -28,7 +28,7 @@ import re
 from dataclasses import replace
 
 from ..config import ModelConfig
-from .hf import Family, base, moe, need, shared_experts, sliding
+from .hf import Family, base, layer_kinds, moe, need, shared_experts, sliding
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -44,6 +44,18 @@ def _routed(raw: dict, first_dense: int, norm_topk_prob: bool):
                n_group=int(raw.get("n_group", 1) or 1), topk_group=int(raw.get("topk_group", 1) or 1),
                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
                shared_intermediate_size=inter * int(raw.get("n_shared_experts", 1) or 0))
+
+
+def routed_by_kinds(raw: dict, first_k: bool = True):
+    """``_routed`` in the layers ``mlp_layer_types`` names "sparse": by default all after the first
+    ``first_k_dense_replace`` (itself 1 by default; MiniCPM5's, Kimi-Linear's), or after the first
+    alone (``first_k`` False: GLM-4.7-Flash's, as transformers reads its config)."""
+    layers = int(need(raw, "num_hidden_layers"))
+    dense = int(raw.get("first_k_dense_replace", 1) or 0) if first_k else 1
+    kinds = raw.get("mlp_layer_types") or ["dense" if i < dense else "sparse" for i in range(layers)]
+    kinds = layer_kinds("mlp_layer_types", kinds, layers, ("dense", "sparse"))
+    routed = _routed(raw, first_dense=0, norm_topk_prob=True)
+    return replace(routed, layers=tuple(i for i, k in enumerate(kinds) if k == "sparse"))
 
 
 def parse(raw: dict) -> ModelConfig:

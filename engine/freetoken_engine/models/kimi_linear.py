@@ -50,16 +50,13 @@ def parse(raw: dict) -> ModelConfig:
     raw = {_RENAMED.get(k, k): v for k, v in raw.items()}
     layers = int(need(raw, "num_hidden_layers"))
     kinds = layer_kinds("layer_types", _layer_types(raw, layers), layers, ("linear_attention", "full_attention"))
-    mlp = raw.get("mlp_layer_types") or ["dense" if i < int(raw.get("first_k_dense_replace", 1) or 0) else "sparse"
-                                         for i in range(layers)]
-    mlp = layer_kinds("mlp_layer_types", mlp, layers, ("dense", "sparse"))
     spec = raw.get("linear_attn_config") or {}
     heads = int(spec.get("num_heads", raw.get("linear_num_heads", 32)))
     dim = int(spec.get("head_dim", raw.get("linear_head_dim", 128)))
     conv = int(spec.get("short_conv_kernel_size", raw.get("linear_conv_kernel_dim", 4)))
     cfg = deepseek.parse_v3(raw | {"first_k_dense_replace": 0, "num_nextn_predict_layers": 0})
     attention = tuple(i for i, k in enumerate(kinds) if k == "full_attention")
-    return replace(cfg, moe=replace(cfg.moe, layers=tuple(i for i, k in enumerate(mlp) if k == "sparse")),
+    return replace(cfg, moe=replace(cfg.moe, layers=glm4_moe.routed_by_kinds(raw).layers),
                    linear=LinearAttnConfig(k_heads=heads, v_heads=heads, k_dim=dim, v_dim=dim, conv=conv, kind="kda"),
                    linear_layers=tuple(i for i, k in enumerate(kinds) if k == "linear_attention"),
                    nope_layers=attention)

@@ -7,20 +7,13 @@ router) with ungated shared experts (``mlp.shared_experts``), after the dense la
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 from ..config import ModelConfig
 from . import glm4_moe
-from .hf import Family, base, layer_kinds, need
+from .hf import Family, base
 
 
 def parse(raw: dict) -> ModelConfig:
-    layers = int(need(raw, "num_hidden_layers"))
-    kinds = raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1)
-    kinds = layer_kinds("mlp_layer_types", kinds, layers, ("dense", "sparse"))
-    routed = glm4_moe._routed(raw, first_dense=0, norm_topk_prob=True)
-    sparse = tuple(i for i, k in enumerate(kinds) if k == "sparse")
-    return ModelConfig(**base(raw, attn_gate=True, moe=replace(routed, layers=sparse)))
+    return ModelConfig(**base(raw, attn_gate=True, moe=glm4_moe.routed_by_kinds(raw)))
 
 
 FAMILY = Family("minicpm5_moe", parse, source=glm4_moe.FAMILY.source)
