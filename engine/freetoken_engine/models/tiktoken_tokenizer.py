@@ -45,12 +45,13 @@ def is_tiktoken_folder(folder: Path) -> bool:
     return (folder / FILE).is_file() and not (folder / "tokenizer.json").is_file()
 
 
-def read_ranks(path: Path) -> dict[bytes, int]:
-    """``tiktoken.model``'s mergeable tokens: bytes -> rank. A line that is not ``base64 rank``, a
-    rank given twice, or ranks that are not 0..n-1 fail with the line to fix."""
+def read_ranks(path: Path, data: bytes) -> dict[bytes, int]:
+    """``tiktoken.model``'s mergeable tokens (``data``, the file at ``path``): bytes -> rank. A line
+    that is not ``base64 rank``, a rank given twice, or ranks that are not 0..n-1 fail with the
+    line to fix."""
     ranks: dict[bytes, int] = {}
     seen: set[int] = set()
-    for number, line in enumerate(path.read_bytes().splitlines(), 1):
+    for number, line in enumerate(data.splitlines(), 1):
         if not line.strip():
             continue
         parts = line.split()
@@ -87,8 +88,9 @@ class TiktokenModel:
         if "TikTokenTokenizer" not in cls + auto:
             raise ConfigError(f"{folder / FILE}: a tiktoken tokenizer other than Moonshot's TikTokenTokenizer "
                               f"(tokenizer_class {cls or 'not given'}), whose split pattern is not known here")
-        self.ranks = read_ranks(folder / FILE)
-        self.digest = hashlib.sha256((folder / FILE).read_bytes()).hexdigest()
+        data = (folder / FILE).read_bytes()                 # read once: the ranks and the digest
+        self.ranks = read_ranks(folder / FILE, data)
+        self.digest = hashlib.sha256(data).hexdigest()
         base = len(self.ranks)
         named = {}
         for key, entry in (config.get("added_tokens_decoder") or {}).items():
