@@ -143,6 +143,14 @@ MOE = {
     # GLM-4.7-Flash: the latent attention, GLM's routing, dense layers named by mlp_layer_types
     "glm4_moe_lite": dict(MLA, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                           num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"], n_group=1, topk_group=1),
+    # Phi-3.5-MoE: LayerNorms with biases, q/k/v/o and LM-head biases, sparsemixer routing (its
+    # near-tie masking wide enough here to keep several experts in a softmax), the longrope rotary
+    # (short factors below 256 positions, long ones after; mscales as published, one per side)
+    "phimoe": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=16, attention_bias=True,
+                   lm_head_bias=True, router_jitter_noise=0.2,
+                   rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=256,
+                                        short_factor=[1.0, 1.3, 2.1, 3.4], long_factor=[1.2, 2.5, 6.0, 11.0],
+                                        short_mscale=1.1, long_mscale=1.25)),
 }
 SUPPORTED = tuple(MOE)
 # the random correction bias of a biased router, on the scale of its scores (sigmoid: 0..1;
@@ -206,6 +214,7 @@ def _classes(model_type: str):
         "sarvam_moe": (T.SarvamMoEConfig, T.Glm4MoeForCausalLM),
         "param2moe": (T.Param2MoeConfig, T.Glm4MoeForCausalLM),
         "qwen3_5_moe_text": (T.Qwen3_5MoeTextConfig, T.Qwen3_5MoeForCausalLM),
+        "phimoe": (T.PhimoeConfig, T.PhimoeForCausalLM),
     }[model_type]
 
 

@@ -17,7 +17,7 @@ from .run_config import DTYPES, SPECULATIVE_METHODS, EngineConfig, check_device 
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    type: str = "default"            # default | linear | llama3 | yarn
+    type: str = "default"            # default | linear | llama3 | yarn | longrope
     factor: float = 1.0
     low_freq_factor: float = 1.0      # llama3
     high_freq_factor: float = 4.0     # llama3
@@ -32,6 +32,14 @@ class RopeConfig:
     mscale: float = 0.0
     mscale_all_dim: float = 0.0
     truncate: bool = True
+    # longrope (Phi-3.5-MoE): each frequency divided by its ``short_factor`` at positions below
+    # ``original_max_position``, by its ``long_factor`` from there on, cos/sin times
+    # ``short_mscale`` / ``long_mscale`` (None: the attention factor, given or sqrt(1 + ln(factor)
+    # / ln(original)) with factor max_position_embeddings / original)
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    short_mscale: float | None = None
+    long_mscale: float | None = None
 
     @staticmethod
     def from_hf(raw: dict) -> "RopeConfig":
@@ -40,20 +48,44 @@ class RopeConfig:
         params.update(raw.get("rope_parameters") or {})
         theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
         kind = params.get("rope_type", params.get("type", "default")) or "default"
-        if kind not in ("default", "linear", "llama3", "yarn"):
-            raise ConfigError(f"unsupported rope type {kind!r}; supported: default, linear, llama3, yarn")
-        return RopeConfig(
+        kind = "longrope" if kind == "su" else kind                 # Phi-3's first name for it
+        if kind not in ("default", "linear", "llama3", "yarn", "longrope"):
+            raise ConfigError(f"unsupported rope type {kind!r}; supported: default, linear, llama3, yarn, longrope")
+        original = params.get("original_max_position_embeddings")
+        if kind == "longrope":               # Phi-3.5-MoE writes it beside rope_scaling
+            original = original or raw.get("original_max_position_embeddings")
+        fields = dict(
             theta=float(theta), type=kind, factor=float(params.get("factor", 1.0) or 1.0),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position=int(params.get("original_max_position_embeddings",
-                                                 raw.get("max_position_embeddings", 8192))),
+            original_max_position=int(original or raw.get("max_position_embeddings", 8192)),
             beta_fast=float(params.get("beta_fast", 32.0)), beta_slow=float(params.get("beta_slow", 1.0)),
             partial_rotary_factor=float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))),
             attention_factor=None if params.get("attention_factor") is None else float(params["attention_factor"]),
             mscale=float(params.get("mscale") or 0.0), mscale_all_dim=float(params.get("mscale_all_dim") or 0.0),
             truncate=bool(params.get("truncate", True)),
         )
+        if kind == "longrope":
+            fields.update(RopeConfig._longrope(params, raw, original))
+        return RopeConfig(**fields)
+
+    @staticmethod
+    def _longrope(params: dict, raw: dict, original) -> dict:
+        """A longrope's own fields; its factors must be lists of numbers of one length."""
+        factors = {}
+        for name in ("short_factor", "long_factor"):
+            value = params.get(name)
+            if not isinstance(value, list) or not value or not all(isinstance(v, (int, float)) and v > 0 for v in value):
+                raise ConfigError(f"config.json: a longrope rotary needs {name}, a list of positive numbers")
+            factors[name] = tuple(float(v) for v in value)
+        if len(factors["short_factor"]) != len(factors["long_factor"]):
+            raise ConfigError("config.json: longrope's short_factor and long_factor must have one length")
+        if not original or int(original) <= 0:
+            raise ConfigError("config.json: a longrope rotary needs original_max_position_embeddings")
+        if params.get("factor") is None and raw.get("max_position_embeddings"):   # the stretch, for the attention factor
+            factors["factor"] = float(raw["max_position_embeddings"]) / float(original)
+        scales = {k: float(params[k]) for k in ("short_mscale", "long_mscale") if params.get(k) is not None}
+        return factors | scales
 
     def softmax_scale(self, head_dim: int) -> float:
         """``head_dim ** -0.5``, times yarn's ``mscale_all_dim`` term squared where a scaled rotary
@@ -69,8 +101,11 @@ class MoeConfig:
     num_experts: int
     top_k: int
     intermediate_size: int
-    # softmax | unit (our MoEfied llama: weight 1 per expert) | sigmoid (GLM-4.5, DeepSeek-V3)
+    # softmax | unit (our MoEfied llama: weight 1 per expert) | sigmoid (GLM-4.5, DeepSeek-V3) |
+    # sparsemixer (Phi-3.5-MoE: two experts one after the other, each weighted by a softmax over
+    # the logits within ``jitter_eps`` of it; layers/moe.py ``sparsemixer``)
     scoring: str = "softmax"
+    jitter_eps: float = 0.0
     norm_topk_prob: bool = False
     # a per-expert e_score_correction_bias added to the scores to choose the top k (not to weight
     # them; GLM-4.5, ERNIE-4.5), within the best ``topk_group`` of ``n_group`` expert groups; the
@@ -201,6 +236,10 @@ class ModelConfig:
     # multi-head latent attention: the KV pool then holds one "head" of ``mla.cache_dim`` per
     # token (num_kv_heads 1, head_dim cache_dim), the rotary over its first ``mla.rope_dim``
     mla: LatentAttnConfig | None = None
+    # LayerNorm with a bias (mean removed) wherever the others RMS-norm the hidden state: each
+    # layer's two norms and the final one (Phi-3.5-MoE); the LM head with a bias
+    layer_norm: bool = False
+    lm_head_bias: bool = False
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -242,6 +281,8 @@ class ModelConfig:
     def _check_moe(m: MoeConfig) -> None:
         if not 1 <= m.top_k <= m.num_experts:
             raise ConfigError(f"config.json: num_experts_per_tok must be in 1..{m.num_experts}")
+        if m.scoring == "sparsemixer" and m.top_k != 2:
+            raise ConfigError(f"config.json: sparsemixer routing picks 2 experts; num_experts_per_tok is {m.top_k}")
         if m.n_group < 1 or m.num_experts % m.n_group:
             raise ConfigError(f"config.json: n_group must divide the {m.num_experts} routed experts, got {m.n_group}")
         per_group = m.num_experts // m.n_group

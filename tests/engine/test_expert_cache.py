@@ -45,6 +45,7 @@ def checked(llm: LLM) -> LLM:
     ("kimi_linear", "some", (0.0, 0.5)),
     ("minicpm5_moe", "some", (0.5,)),
     ("sarvam_moe", "some", (0.5,)),
+    ("phimoe", "some", (0.0, 0.5)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)

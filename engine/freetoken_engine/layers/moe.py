@@ -56,6 +56,27 @@ def biased_route(logits: torch.Tensor, bias: torch.Tensor, moe: MoeConfig) -> tu
     return weights * moe.routed_scaling_factor, ids
 
 
+def sparsemixer(logits: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (float32 weights [T, 2], expert ids [T, 2]) as Phi-3.5-MoE routes at inference
+    (transformers' ``sparsemixer``): the best logit's expert, weighted by its softmax over the
+    logits within relative distance 2 eps of it (the rest masked); then the best of the others,
+    weighted by its softmax over the others within 2 eps of it. Not renormalised."""
+    scores = logits.float()
+    first, one = scores.max(dim=-1, keepdim=True)
+    rest = scores.scatter(-1, one, float("-inf"))
+    second, two = rest.max(dim=-1, keepdim=True)
+    weights = [_near_softmax(among, scores, best, eps).gather(-1, at)
+               for among, best, at in ((scores, first, one), (rest, second, two))]
+    return torch.cat(weights, dim=-1), torch.cat((one, two), dim=-1)
+
+
+def _near_softmax(among: torch.Tensor, scores: torch.Tensor, best: torch.Tensor, eps: float) -> torch.Tensor:
+    """Softmax of ``among`` with the logits whose distance below ``best``, relative to
+    max(|logit|, best), passes 2 eps masked out."""
+    far = (best - scores) / scores.abs().clamp(min=best) > 2 * eps
+    return F.softmax(among.masked_fill(far, float("-inf")), dim=-1)
+
+
 class SparseMoE(nn.Module):
     def __init__(self, hidden: int, moe: MoeConfig, moe_layer: int):
         super().__init__()
@@ -77,6 +98,9 @@ class SparseMoE(nn.Module):
         gpu = gpu_decode_kernels("route") if x.device.type == "cuda" else None
         if self.moe.biased:
             return self._biased(self.gate, logits, x.dtype, gpu)
+        if self.moe.scoring == "sparsemixer":
+            weights, ids = sparsemixer(logits, self.moe.jitter_eps)
+            return weights.to(x.dtype), ids
         if gpu is not None and gpu.supported(logits, self.moe.top_k):     # one launch
             return gpu.route(logits, self.moe.top_k, self.moe.scoring != "unit", self.moe.norm_topk_prob, x.dtype)
         if self.moe.scoring == "unit":

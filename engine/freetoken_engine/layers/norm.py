@@ -4,6 +4,7 @@ torch's ops."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import gpu_decode_kernels
@@ -32,3 +33,26 @@ class RMSNorm(nn.Module):
             return gpu.add_rms_norm(x, residual, self.weight, self.eps)
         s = residual + x
         return s, self(s)
+
+
+class LayerNorm(nn.Module):
+    """``nn.LayerNorm`` with a weight and a bias (Phi-3.5-MoE's norms), under ``RMSNorm``'s
+    interface; torch's own kernel on every device (its statistics in float32)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s = residual + x
+        return s, self(s)
+
+
+def hidden_norm(dim: int, eps: float, layer_norm: bool) -> RMSNorm | LayerNorm:
+    """The norm a model applies to its hidden state (``ModelConfig.layer_norm``)."""
+    return (LayerNorm if layer_norm else RMSNorm)(dim, eps)

@@ -6,6 +6,7 @@ import math
 import torch
 
 from ..config import RopeConfig
+from ..errors import ConfigError
 
 
 def inverse_frequencies(rope: RopeConfig, dim: int, max_position: int) -> tuple[torch.Tensor, float]:
@@ -39,7 +40,27 @@ def inverse_frequencies(rope: RopeConfig, dim: int, max_position: int) -> tuple[
         extrapolation = 1 - ramp
         inv = (inv / rope.factor) * (1 - extrapolation) + inv * extrapolation
         scaling = _yarn_factor(rope)
+    elif rope.type == "longrope":
+        return longrope(rope, dim, long=False)
     return inv, scaling
+
+
+def longrope(rope: RopeConfig, dim: int, long: bool) -> tuple[torch.Tensor, float]:
+    """A longrope's ``(inv_freq, cos/sin scale)`` below its original context (``long`` False:
+    ``short_factor``, ``short_mscale``) or from there on (``long_factor``, ``long_mscale``);
+    without the mscales, the attention factor of both (Phi-3.5-MoE's published code and
+    transformers' ``_compute_longrope_parameters``)."""
+    factors = rope.long_factor if long else rope.short_factor
+    if len(factors) != dim // 2:
+        raise ConfigError(f"config.json: longrope's factors name {len(factors)} frequencies; the rotary has {dim // 2}")
+    base = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)
+    inv = 1.0 / (torch.tensor(factors, dtype=torch.float32) * base)
+    scale = rope.long_mscale if long else rope.short_mscale
+    if scale is None:
+        scale = rope.attention_factor
+    if scale is None:
+        scale = math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position)) if rope.factor > 1 else 1.0
+    return inv, scale
 
 
 def _mscale(factor: float, m: float = 1.0) -> float:
@@ -58,18 +79,33 @@ def _yarn_factor(rope: RopeConfig) -> float:
 
 
 class Rotary:
-    """Computes cos/sin for given positions over the ``dim`` rotated dimensions of a head."""
+    """Computes cos/sin for given positions over the ``dim`` rotated dimensions of a head. A
+    longrope rotates positions below its original context by its short factors and the rest by
+    its long ones: a token's rotation depends on its own position only, so the KV written before
+    a sequence crosses that length stays valid (Phi-3.5-MoE's published code switches the whole
+    pass at once; the two agree up to the original context, and token by token in decode)."""
 
     def __init__(self, rope: RopeConfig, dim: int, max_position: int, device: torch.device):
         inv, self.scaling = inverse_frequencies(rope, dim, max_position)
         self.inv_freq = inv.to(device)
+        self.long: tuple[int, torch.Tensor, float] | None = None     # (first position, inv_freq, scale)
+        if rope.type == "longrope":
+            inv_long, scale_long = longrope(rope, dim, long=True)
+            self.long = (rope.original_max_position, inv_long.to(device), scale_long)
         self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]       # [T, d/2]
-        cos = (torch.cat((freqs, freqs), dim=-1).cos() * self.scaling).to(dtype)
-        sin = (freqs.sin() * self.scaling).to(dtype)
+        cos, sin = self._cos_sin(positions, self.inv_freq, self.scaling, dtype)
+        if self.long is not None:
+            far = positions >= self.long[0]
+            if bool(far.any()):
+                cos[far], sin[far] = self._cos_sin(positions[far], self.long[1], self.long[2], dtype)
         return cos[:, None, :], torch.cat((-sin, sin), dim=-1)[:, None, :]
+
+    @staticmethod
+    def _cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype):
+        freqs = positions.float()[:, None] * inv_freq[None, :]            # [T, d/2]
+        return (torch.cat((freqs, freqs), dim=-1).cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
                 max_position: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ from ..layers.mamba2 import Mamba2
 from ..layers.mla import LatentAttention
 from ..layers.mlp import GatedMLP
 from ..layers.moe import SparseMoE
-from ..layers.norm import RMSNorm
+from ..layers.norm import RMSNorm, hidden_norm
 from ..layers.rope import Rotary
 from ..layers.shortconv import ShortConv
 
@@ -30,7 +30,7 @@ class DecoderLayer(nn.Module):
         """Layer ``i`` of ``cfg``; ``moe_index``: a MoE layer whose routed experts are the expert
         bank's layer ``moe_index`` (the MTP layer, which follows the model's own)."""
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = hidden_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm)
         if i in cfg.linear_layers:           # a hybrid model's recurrent layer: no KV
             self.self_attn = None
             index = cfg.linear_layers.index(i)
@@ -44,7 +44,7 @@ class DecoderLayer(nn.Module):
                 self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear, index, cfg.rms_norm_eps)
         else:
             self.self_attn = (Attention if cfg.mla is None else LatentAttention)(cfg, i, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = hidden_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm)
         self.sandwich = cfg.sandwich_norms       # post_attention_layernorm norms the attention's output
         if self.sandwich:
             self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -69,7 +69,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = hidden_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm)
 
 
 class MtpHead(nn.Module):
@@ -100,7 +100,7 @@ class DecoderLM(nn.Module):
         self.cfg = cfg
         self.rotary = rotary
         self.model = Backbone(cfg, rotary)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
         kv_of = {layer: j for j, layer in enumerate(cfg.attention_layers)}
         self.kv_of = [kv_of.get(i) for i in range(cfg.num_layers)]     # each layer's KV pool layer (None: none)
         self.mtp = MtpHead(cfg, rotary) if cfg.use_mtp else None
@@ -144,7 +144,9 @@ class DecoderLM(nn.Module):
     def logits(self, h: torch.Tensor, vocab: int = 0) -> torch.Tensor:
         """float32 logits of final hidden states (after their norm); ``vocab``: of the first
         ``vocab`` token ids only (0: all)."""
-        logits = self.lm_head(h) if not 0 < vocab < self.cfg.vocab_size else linear(h, self.lm_head.weight[:vocab])
+        head = self.lm_head
+        logits = head(h) if not 0 < vocab < self.cfg.vocab_size else \
+            linear(h, head.weight[:vocab], None if head.bias is None else head.bias[:vocab])
         logits = logits if logits.dtype == torch.float32 else logits.float()
         return logits if self.cfg.logits_scaling == 1.0 else logits / self.cfg.logits_scaling
 
