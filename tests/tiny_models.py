@@ -88,8 +88,15 @@ MOE = {
         num_local_experts=8, num_experts_per_tok=2, intermediate_size=16, embedding_multiplier=6.0,
         attention_multiplier=0.25, residual_multiplier=0.5, logits_scaling=2.0, tie_word_embeddings=True)),
     "granitemoeshared": dict(GRANITE, shared_intermediate_size=24),
-    "granite": dict(embedding_multiplier=6.0, attention_multiplier=0.25, residual_multiplier=0.5, logits_scaling=2.0,
-                    tie_word_embeddings=True),
+    # Granite swash: sliding-window layers beside global ones, a sink per query head (random here:
+    # transformers starts them at zero), a rotary base per layer, one layer without position encoding
+    "granitemoe_swa": dict(SWASH := dict(num_hidden_layers=4, sliding_window=4,
+                                         layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                                      "full_attention"],
+                                         layer_rope_theta=[10000.0, 0, 500.0, 10000.0]), **GRANITE),
+    "granite": dict(GRANITE_DENSE := dict(embedding_multiplier=6.0, attention_multiplier=0.25, residual_multiplier=0.5,
+                                          logits_scaling=2.0, tie_word_embeddings=True)),
+    "granite_swa": dict(SWASH, **GRANITE_DENSE),
     "llama": dict(),
     "mistral": dict(sliding_window=4),
     "qwen2": dict(),
@@ -199,6 +206,8 @@ def _classes(model_type: str):
         "qwen3_vl_moe": (T.Qwen3VLMoeConfig, T.Qwen3VLMoeForConditionalGeneration),
         "granitemoe": (T.GraniteMoeConfig, T.GraniteMoeForCausalLM),
         "granitemoeshared": (T.GraniteMoeSharedConfig, T.GraniteMoeSharedForCausalLM),
+        "granitemoe_swa": (T.GraniteMoeSWAConfig, T.GraniteMoeSWAForCausalLM),
+        "granite_swa": (T.GraniteSWAConfig, T.GraniteSWAForCausalLM),
         "granite": (T.GraniteConfig, T.GraniteForCausalLM),
         "llama": (T.LlamaConfig, T.LlamaForCausalLM),
         "mistral": (T.MistralConfig, T.MistralForCausalLM),
@@ -245,6 +254,8 @@ def make_tiny_checkpoint(path, model_type: str = "qwen3_moe", seed: int = 0, sha
         for name, buf in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith(("e_score_correction_bias", "expert_bias")):   # transformers starts it at zero
                 buf.copy_(BIAS_STD[model_type] * torch.randn(buf.shape))
+            if name.endswith("self_attn.sinks"):                            # likewise
+                buf.copy_(torch.randn(buf.shape))
     save = {"max_shard_size": f"{shard_kb}KB"} if shard_kb else {}
     model.save_pretrained(path, **save)
     tok.save(str(path / "tokenizer.json"))

@@ -240,6 +240,12 @@ class ModelConfig:
     # layer's two norms and the final one (Phi-3.5-MoE); the LM head with a bias
     layer_norm: bool = False
     lm_head_bias: bool = False
+    # a learned logit per query head in every attention softmax's denominator ("attention sinks":
+    # Granite swash, gpt-oss): the weights of a query's keys sum to less than one
+    attn_sinks: bool = False
+    # each layer's rotary base where they differ (Granite swash's ``layer_rope_theta``; its 0
+    # layers are ``nope_layers``); empty: every layer ``rope.theta``
+    layer_thetas: tuple[float, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -259,6 +265,10 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"config.json: {name} must be a positive number, got {value}")
+        if self.layer_thetas and (len(self.layer_thetas) != self.num_layers
+                                  or not all(math.isfinite(t) and t >= 0 for t in self.layer_thetas)):
+            raise ConfigError(f"config.json: layer_rope_theta must give each of the {self.num_layers} layers a "
+                              f"rotary base >= 0 (0: none), got {list(self.layer_thetas)}")
         if self.mla is not None:
             self._check_mla(self.mla)
         elif not 0 < self.rope.partial_rotary_factor <= 1 or int(self.head_dim * self.rope.partial_rotary_factor) % 2:

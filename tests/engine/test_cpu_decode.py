@@ -225,3 +225,25 @@ def test_partial_rotary_and_whole_projection_norms_decode_through_the_fused_kern
     monkeypatch.setattr(Attention, "_decode_kernel", lambda self, x, k_cache: None)
     calls.clear()
     assert LLM(folder).generate(prompt, greedy).token_ids == got and not calls
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", [c for c in CASES if c[1] % c[2] == 0][:4], ids=lambda c: "L%s_h%d_kv%d_d%d_w%s" % (
+    "-".join(map(str, c[0])), *c[1:]))
+def test_attention_sinks_join_each_softmax_as_the_reference_has_them(isas, case, dtype):
+    """A sink per query head (Granite swash, gpt-oss), large enough to take most of the weight
+    from some heads and little from others: the kernel's output is the reference's."""
+    lens, h, kvh, d, window = case
+    args = attention_problem(lens, h, kvh, d, dtype, False)
+    sinks = torch.linspace(-3.0, 6.0, h).to(dtype)
+    plain = decode_attention_forward(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a
+                                       for a in args], window, d ** -0.5)
+    ref32 = decode_attention_forward(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a
+                                       for a in args], window, d ** -0.5, sinks)
+    assert (plain - ref32).abs().max() > 0.1 * plain.abs().max()          # the sinks change the answer
+    for isa in isas:
+        ce.configure(isa=isa)
+        got = ca.decode_attention(*args[:9], args[9].clone(), args[10].clone(), *args[11:], window, d ** -0.5,
+                                  sinks=sinks)
+        tol = 1e-5 * ref32.abs().max() + 1e-6 if dtype == torch.float32 else 2.0 ** -7 * ref32.abs().max()
+        assert (got.float() - ref32).abs().max() <= tol, isa

@@ -14,7 +14,7 @@ from freetoken_engine.executor.inputs import SeqChunk
 
 
 def graphs() -> DecodeGraphs:
-    model = SimpleNamespace(rotary=SimpleNamespace(cos_sin=lambda *a: None))
+    model = SimpleNamespace(rotaries=lambda: [])      # no rotary table to size
     return DecodeGraphs(model, None, None, torch.device("cpu"), torch.float32, 4096, 8)
 
 

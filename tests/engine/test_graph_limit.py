@@ -19,7 +19,7 @@ MB = 1_000_000
 
 
 def graphs(limit_mb: int) -> DecodeGraphs:
-    model = SimpleNamespace(rotary=SimpleNamespace(cos_sin=lambda *a: None))
+    model = SimpleNamespace(rotaries=lambda: [])      # no rotary table to size
     return DecodeGraphs(model, None, None, torch.device("cpu"), torch.float32, 4096, 8, limit_mb * MB)
 
 

@@ -176,3 +176,20 @@ def test_route_of_nan_or_infinite_logits_stays_inside_the_experts(softmax):
         finite = logits[1].nan_to_num(nan=float("-inf"))
         assert sorted(ids[1].tolist()) == sorted(finite.topk(k).indices.tolist())
         assert ids[3, 0] == 5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", TRITON_CASES[-4:], ids=lambda c: "L%s_h%d_kv%d_d%d_w%s" % (
+    "-".join(map(str, c[0])), *c[1:]))
+def test_attention_sinks_join_the_merged_softmax(case, dtype):
+    """A sink per query head, added once in the merge of the chunks' partial softmaxes (several
+    chunks of 256 keys here, and a window across them)."""
+    lens, h, kvh, d, window = case
+    args = attention_problem(lens, h, kvh, d, dtype, False)
+    sinks = torch.linspace(-3.0, 6.0, h).to(dtype)
+    ref32 = decode_attention_forward(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a
+                                       for a in args], window, d ** -0.5, sinks)
+    dev = [a.to(DEVICE) if torch.is_tensor(a) else a for a in args]
+    got = ta.decode_attention(*dev, window, d ** -0.5, sinks=sinks.to(DEVICE)).cpu()
+    tol = 1e-5 * ref32.abs().max() + 1e-6 if dtype == torch.float32 else REL16 * ref32.abs().max()
+    assert (got.float() - ref32).abs().max() <= tol

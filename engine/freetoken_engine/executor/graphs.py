@@ -119,8 +119,9 @@ class DecodeGraphs:
         self._out: torch.Tensor | None = None          # [max_batch, V] float32, every graph's logits
         self._hidden: torch.Tensor | None = None       # [max_batch, H]: their final hidden states (MTP)
         self._feed: torch.Tensor | None = None         # [max_batch, H]: an MTP pass's input rows
-        # the rotary table must never be regrown under a graph: size it for the whole context now
-        model.rotary.cos_sin(torch.zeros(1, dtype=torch.int64, device=device), dtype, max_context - 1)
+        # the rotary tables must never be regrown under a graph: size them for the whole context now
+        for rotary in model.rotaries():
+            rotary.cos_sin(torch.zeros(1, dtype=torch.int64, device=device), dtype, max_context - 1)
 
     def width(self, keys: int) -> int:
         w = MIN_WIDTH

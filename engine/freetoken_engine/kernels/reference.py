@@ -137,7 +137,8 @@ def decode_attention_forward(qkv: torch.Tensor, heads: int, kv_heads: int, head_
                              q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, eps: float,
                              cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, slot: torch.Tensor, kv_index: torch.Tensor,
-                             kv_len: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+                             kv_len: torch.Tensor, window: int | None, scale: float,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over a paged KV pool (the compiled decode kernel's
     specification, kernels/cpu/attention.py). Writes the new K/V into ``k_cache``/``v_cache`` at
     ``slot`` and returns ``[B, heads * head_dim]`` in ``qkv.dtype``.
@@ -147,7 +148,8 @@ def decode_attention_forward(qkv: torch.Tensor, heads: int, kv_heads: int, head_
     dimensions of each head, layers/rope.py: r < d a partial rotary); caches
     [S, kvh, d]; kv_index [B, Lmax] slot of each position; kv_len [B] keys per sequence (the new
     token included); the last ``window`` keys only when a window is given. Norm and rotary run
-    in the data type; scores, softmax and the weighted sum in fp32.
+    in the data type; scores, softmax and the weighted sum in fp32. ``sinks [heads]``: each query
+    head's sink logit joins its softmax's denominator (a column whose weight is dropped).
     """
     b, d = qkv.shape[0], head_dim
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
@@ -164,6 +166,9 @@ def decode_attention_forward(qkv: torch.Tensor, heads: int, kv_heads: int, head_
         keys = k_cache[kv_index[i, lo:n]].float()                     # [L, kvh, d]
         values = v_cache[kv_index[i, lo:n]].float()
         qi = q[i].float().view(kv_heads, heads // kv_heads, d)        # [kvh, g, d]
-        probs = torch.softmax(torch.einsum("kgd,lkd->kgl", qi, keys) * scale, dim=-1)
+        scores = torch.einsum("kgd,lkd->kgl", qi, keys) * scale
+        if sinks is not None:
+            scores = torch.cat((scores, sinks.float().view(kv_heads, -1, 1)), -1)
+        probs = torch.softmax(scores, dim=-1)[..., :n - lo]
         out.append(torch.einsum("kgl,lkd->kgd", probs, values).reshape(-1))
     return torch.stack(out).to(qkv.dtype)

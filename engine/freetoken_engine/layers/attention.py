@@ -28,6 +28,8 @@ from .rope import Rotary, apply_rotary
 #: torch 2.11, whose masked forward gave wrong rows on the H200 (device run 120: batched prefill
 #: chunks of different lengths; pytorch issues 162588, 196678 name masked cuDNN SDPA bugs)
 GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+#: a layer with sinks holds its float32 scores for this many bytes' worth of query rows at a time
+SINK_BLOCK_BYTES = 256 << 20
 
 
 def flash_takes_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -97,6 +99,8 @@ class Attention(nn.Module):
         self.scale = cfg.attention_multiplier or d ** -0.5
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.gate: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # attention sinks: a logit per query head in the softmax's denominator only
+        self.sinks = nn.Parameter(torch.zeros(h)) if cfg.attn_sinks else None
 
     def fuse(self) -> None:
         """After loading: one [q; k; v] matmul instead of three (fewer ops per decode step); a
@@ -223,7 +227,7 @@ class Attention(nn.Module):
         return impl.decode_attention(qkv, self.h, self.kvh, self.d, self.q_norm.weight if head else None,
                                      self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0,
                                      cos, sin, k_cache, v_cache, slots, kv_index, kv_len, self.window, self.scale,
-                                     write_first)
+                                     write_first, sinks=self.sinks)
 
     def _beside_chunks(self, impl, x: torch.Tensor, batch: AttnBatch, cos: torch.Tensor, sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -264,6 +268,8 @@ class Attention(nn.Module):
         takes a mask (or float32 data) there takes no grouped heads: 0.34 GB each for keys and
         values of Qwen3-30B at a 40k context."""
         g = self.h // self.kvh
+        if self.sinks is not None:
+            return self._with_sinks(qp, keys, values, mask, lower_right)
         if not self.sdpa:
             return self._grouped_matmuls(qp, keys, values, mask)
         if qp.device.type == "cuda":
@@ -343,7 +349,7 @@ class Attention(nn.Module):
         b, g = q.shape[0], self.h // self.kvh
         scores = torch.matmul(q.view(b, self.kvh, g, self.d), keys.transpose(-1, -2)) * self.scale
         scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))          # [B, kvh, g, L]
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = self._softmax(scores, (1, self.kvh, g, 1)).to(q.dtype)
         return torch.matmul(probs, values).view(b, self.h, self.d)
 
     def _grouped_matmuls(self, qp: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -355,5 +361,31 @@ class Attention(nn.Module):
         scores = torch.matmul(qg, keys.unsqueeze(2).transpose(-1, -2)) * self.scale
         if mask is not None:
             scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qp.dtype)
+        probs = self._softmax(scores, (1, self.kvh, g, 1, 1)).to(qp.dtype)
         return torch.matmul(probs, values.unsqueeze(2)).view(b, self.h, q_max, self.d)
+
+    def _softmax(self, scores: torch.Tensor, heads: tuple[int, ...]) -> torch.Tensor:
+        """float32 softmax over the last dimension; with sinks, each query head's sink (viewed as
+        ``heads``) one more logit in the denominator (transformers' gpt-oss and Granite swash:
+        the sink column's weight dropped)."""
+        if self.sinks is None:
+            return torch.softmax(scores, dim=-1, dtype=torch.float32)
+        scores, sink = scores.float(), self.sinks.float().view(heads)
+        top = torch.maximum(scores.amax(-1, keepdim=True), sink)        # finite: the sink is
+        e = (scores - top).exp()
+        return e / (e.sum(-1, keepdim=True) + (sink - top).exp())
+
+    def _with_sinks(self, qp: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                    lower_right: bool) -> torch.Tensor:
+        """``_attend`` with sinks: torch's fused kernels have no sink, so the float32 scores are
+        held, for as many query rows at a time as keep them within ``SINK_BLOCK_BYTES``."""
+        b, _, q_max, _ = qp.shape
+        length = keys.shape[2]
+        if lower_right:                     # a chunk's causal triangle, its last query at the last key
+            mask = self._allowed(torch.arange(length - q_max, length, device=qp.device), length)[None, None]
+        rows = max(1, SINK_BLOCK_BYTES // (4 * b * self.h * length))
+        out = torch.empty_like(qp)
+        for r in range(0, q_max, rows):
+            part = None if mask is None else mask[:, :, r:r + rows] if mask.shape[2] > 1 else mask
+            out[:, :, r:r + rows] = self._grouped_matmuls(qp[:, :, r:r + rows], keys, values, part)
+        return out

@@ -58,7 +58,7 @@ class LatentAttention(Attention):
         a = cfg.mla
         self.mla = a
         self.h, self.kvh, self.d = cfg.num_heads, 1, a.cache_dim
-        self.gated, self.gate_proj, self.qk_norm, self.clip = False, None, "none", None
+        self.gated, self.gate_proj, self.qk_norm, self.clip, self.sinks = False, None, "none", None, None
         self.window = cfg.sliding_window[layer] if cfg.sliding_window else None
         self.rotary = rotary
         self.scale = cfg.rope.softmax_scale(a.nope_dim + a.rope_dim)

@@ -5,6 +5,7 @@ checkpoint's non-expert tensors load by name; routed experts live in the expert 
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -99,12 +100,24 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rotary = rotary
+        # layers whose rotary base is not the model's own (Granite swash): one more Rotary per base,
+        # made on first use (the model is built on the meta device)
+        self.layer_base = [t if t and t != cfg.rope.theta and i not in cfg.nope_layers else None
+                           for i, t in enumerate(cfg.layer_thetas or [None] * cfg.num_layers)]
+        self.other_rotaries: dict[float, Rotary] = {}
         self.model = Backbone(cfg, rotary)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
         kv_of = {layer: j for j, layer in enumerate(cfg.attention_layers)}
         self.kv_of = [kv_of.get(i) for i in range(cfg.num_layers)]     # each layer's KV pool layer (None: none)
         self.mtp = MtpHead(cfg, rotary) if cfg.use_mtp else None
         self.last_hidden: torch.Tensor | None = None
+
+    def rotaries(self) -> list[Rotary]:
+        """Every rotary the layers use: the model's, then one per other base (ascending)."""
+        for t in {t for t in self.layer_base if t is not None} - set(self.other_rotaries):
+            self.other_rotaries[t] = Rotary(replace(self.cfg.rope, theta=t), self.cfg.rotary_dim,
+                                            self.cfg.max_position_embeddings, self.rotary.inv_freq.device)
+        return [self.rotary, *(self.other_rotaries[t] for t in sorted(self.other_rotaries))]
 
     def moe_blocks(self) -> list[SparseMoE]:
         layers = [*self.model.layers, *(self.mtp.layers if self.mtp is not None else ())]
@@ -120,10 +133,12 @@ class DecoderLM(nn.Module):
         h = self.embed(ids)                                               # [T, H]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype, batch.max_position)   # [T, 1, d]
         unrotated = (torch.ones_like(cos), torch.zeros_like(sin)) if self.cfg.nope_layers else None
+        by_base = {t: r.cos_sin(batch.positions, h.dtype, batch.max_position)
+                   for t, r in zip(sorted(self.other_rotaries), self.rotaries()[1:])} if self.rotaries()[1:] else {}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             j = self.kv_of[i]
-            c, s = unrotated if i in self.cfg.nope_layers else (cos, sin)
+            c, s = unrotated if i in self.cfg.nope_layers else by_base.get(self.layer_base[i], (cos, sin))
             h = layer(h, batch, c, s, kv.k[j] if j is not None else None, kv.v[j] if j is not None else None)
             if between is not None and i < last:
                 between(i)

@@ -157,7 +157,9 @@ void attn(const FtAttn* p, int64_t i0, int64_t i1, float* scratch) {
         float* s = sc + q * p->lmax;
         float m = s[lo];
         for (int64_t j = lo + 1; j < len; ++j) m = s[j] > m ? s[j] : m;
-        float z = 0.f;
+        const float sink = p->sinks ? p->sinks[g * grp + q] : 0.f;
+        if (p->sinks && sink > m) m = sink;
+        float z = p->sinks ? expf(sink - m) : 0.f;
         for (int64_t j = lo; j < len; ++j) {
           s[j] = expf(s[j] - m);
           z += s[j];

@@ -114,6 +114,8 @@ struct FtAttn {
   float* scratch;               // set by ft_attn: its own per-participant scratch
   int64_t rot;                  // the first rot <= d dimensions of each head rotate (cos, sin: [B, rot])
   int64_t hsplit;               // set by ft_attn: each row's query heads in this many work items
+  const float* sinks;           // [h] fp32 attention sinks (one more logit in each softmax's
+                                // denominator, no value), or null
 };
 
 typedef void (*ft_norm_fn)(const FtNorm*);

@@ -120,8 +120,8 @@ def _attention_part_kernel(q_ptr, k_cache, v_cache, kv_index, kv_len, part_m, pa
 
 
 @triton.jit
-def _attention_merge_kernel(part_m, part_l, part_acc, out_ptr, NS: tl.constexpr, BS: tl.constexpr,
-                            D: tl.constexpr, BD: tl.constexpr):
+def _attention_merge_kernel(part_m, part_l, part_acc, out_ptr, sinks, NS: tl.constexpr, BS: tl.constexpr,
+                            D: tl.constexpr, BD: tl.constexpr, H: tl.constexpr, SINKS: tl.constexpr):
     r = tl.program_id(0)                       # (sequence, query head)
     sp = tl.arange(0, BS)
     sm = sp < NS
@@ -129,8 +129,13 @@ def _attention_merge_kernel(part_m, part_l, part_acc, out_ptr, NS: tl.constexpr,
     dm = d < D
     m = tl.load(part_m + r * NS + sp, mask=sm, other=float("-inf"))
     top = tl.max(m, 0)
+    if SINKS:                                  # the head's sink: one more logit in the denominator
+        sink = tl.load(sinks + r % H).to(tl.float32)
+        top = tl.maximum(top, sink)
     w = tl.where(m > float("-inf"), tl.exp(m - top), 0.0)
     l_sum = tl.sum(tl.load(part_l + r * NS + sp, mask=sm, other=0.0) * w, 0)
+    if SINKS:
+        l_sum += tl.exp(sink - top)
     acc = tl.load(part_acc + (r * NS + sp)[:, None] * D + d[None, :], mask=sm[:, None] & dm[None, :], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / l_sum
     tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty), mask=dm)
@@ -148,13 +153,14 @@ def decode_attention(qkv: torch.Tensor, h: int, kvh: int, d: int, q_norm: torch.
                      k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                      kv_index: torch.Tensor, kv_len: torch.Tensor, window: int | None, scale: float,
-                     write_first: bool = True) -> torch.Tensor:
+                     write_first: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [T, (h + 2 kvh) d] of T decode tokens (token t is sequence t) -> attention output
     [T, h d]; writes the new K/V at ``slot_mapping`` first (every row's, in its own launch, so
     ``write_first`` always holds: rows of one sequence see each other's keys). ``q_norm`` / ``k_norm``: per-head
     RMSNorm weights [d] or None; cos / sin [T, 1, r] from ``Rotary.cos_sin`` (the first r <= d
     dimensions of each head rotate); kv_index [T, L]
-    the pool slots of each sequence's keys, kv_len [T] how many it has after this token."""
+    the pool slots of each sequence's keys, kv_len [T] how many it has after this token;
+    ``sinks [h]``: a logit per query head in each softmax's denominator, or None."""
     t = qkv.shape[0]
     if qkv.stride(-1) != 1 or t == 0:
         raise ValueError(f"qkv must be a non-empty row-major [T, (h + 2 kvh) d], got {tuple(qkv.shape)}")
@@ -176,6 +182,7 @@ def decode_attention(qkv: torch.Tensor, h: int, kvh: int, d: int, q_norm: torch.
                                            float(scale), int(window or 0), kv_index.stride(0), chunk, H=h,
                                            KVH=kvh, G=h // kvh, D=d, BN=BLOCK_N, WINDOW=window is not None,
                                            BD=next_pow2(d))
-    _attention_merge_kernel[(t * h,)](part_m, part_l, part_acc, out, NS=splits, BS=next_pow2(splits), D=d,
-                                      BD=next_pow2(d))
+    sink = part_m if sinks is None else sinks.float().contiguous()
+    _attention_merge_kernel[(t * h,)](part_m, part_l, part_acc, out, sink, NS=splits, BS=next_pow2(splits), D=d,
+                                      BD=next_pow2(d), H=h, SINKS=sinks is not None)
     return out

@@ -1,0 +1,80 @@
+"""Granite swash (``granitemoe_swa``, ``granite_swa``): attention sinks, sliding-window layers and
+a rotary base per layer. Parity with transformers on random checkpoints (random sinks, a layer
+without position encoding, two bases, a window of 4) is in test_parity.py; here the sinks through
+every attention path of the engine, the configs' refusals, and Granite's default multiplier."""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+import torch
+
+from freetoken_engine import LLM, SamplingParams
+from freetoken_engine.config import EngineConfig
+from freetoken_engine.errors import ConfigError
+from freetoken_engine.layers import attention as A
+from freetoken_engine.scheduler.service import EngineService
+from test_parity import PROMPT, check
+from tiny_models import copy_folder, load_reference
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+LONG = [(11 * i) % 300 + 3 for i in range(40)]
+
+
+def test_sink_scores_held_a_few_rows_at_a_time_give_transformers_logits(tiny_checkpoint, monkeypatch):
+    """A layer with sinks holds its float32 scores for a bounded number of query rows at a time:
+    a 40-token prompt in blocks of one or two rows gives the logits of one block, and
+    transformers'."""
+    folder = tiny_checkpoint("granitemoe_swa")
+    ref = load_reference(folder)
+    with torch.no_grad():
+        want = ref(torch.tensor([LONG])).logits[0]
+    whole = LLM(folder).prefill_logits(LONG)
+    monkeypatch.setattr(A, "SINK_BLOCK_BYTES", 4 * 4 * 40 * 2)        # two query rows of 4 heads x 40 keys
+    blocked = LLM(folder).prefill_logits(LONG)
+    assert (blocked - whole).abs().max() < 1e-5
+    assert (whole - want).abs().max() < 1e-4
+
+
+async def test_concurrent_requests_with_sinks_equal_each_alone(tiny_checkpoint):
+    """Prompts' chunks beside other sequences' decode tokens (the mixed pass: the fused decode
+    kernel for the single tokens, the chunks on their own) and several sequences decoding at once,
+    every softmax with its sink: each request's tokens are its tokens alone."""
+    folder = tiny_checkpoint("granitemoe_swa")
+    prompts = [LONG[:6 + 3 * i] for i in range(6)]
+    llm = LLM(folder)
+    alone = [llm.generate(p, GREEDY).token_ids for p in prompts]
+    svc = EngineService.start(EngineConfig(model=folder, max_batch=4, prefill_chunk=8), wait=True)
+    try:
+        async def run(ids):
+            return [ev.token_id async for ev in svc.submit(ids, GREEDY) if ev.token_id is not None]
+        got = await asyncio.gather(*(run(p) for p in prompts))
+    finally:
+        svc.shutdown()
+    assert got == alone
+
+
+@pytest.mark.parametrize("thetas,needle", [
+    ([10000.0, 0, 500.0], "layer_rope_theta must give each of the 4 layers a rotary base >= 0"),
+    ([10000.0, -1.0, 500.0, 10000.0], "layer_rope_theta must give each of the 4 layers"),
+    ("10000", "layer_rope_theta must be a list of numbers"),
+])
+def test_a_broken_layer_rope_theta_fails_with_what_to_fix(tiny_checkpoint, tmp_path, thetas, needle):
+    folder = copy_folder(tiny_checkpoint("granitemoe_swa"), tmp_path / "p")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["layer_rope_theta"] = thetas
+    (folder / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=needle):
+        LLM(folder)
+
+
+def test_a_granite_config_without_attention_multiplier_scales_as_transformers_does(tiny_checkpoint, tmp_path):
+    """transformers' Granite configs default ``attention_multiplier`` to 1.0 (not head_dim ** -0.5):
+    a config that leaves it out reads as transformers reads it."""
+    folder = copy_folder(tiny_checkpoint("granitemoeshared"), tmp_path / "p")
+    cfg = json.loads((folder / "config.json").read_text())
+    del cfg["attention_multiplier"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    assert LLM(folder).runner.mcfg.attention_multiplier == 1.0
+    check(folder, n_new=8)
