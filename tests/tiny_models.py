@@ -150,6 +150,15 @@ MOE = {
     # GLM-4.7-Flash: the latent attention, GLM's routing, dense layers named by mlp_layer_types
     "glm4_moe_lite": dict(MLA, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                           num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"], n_group=1, topk_group=1),
+    # OLMo 2/3 and FlexOlmo: each branch's output normed before the residual add, q/k norms over the
+    # whole projections; OLMo 3's sliding layers with a rotary of their own (the full layers' yarn)
+    "olmo2": dict(),
+    "olmo3": dict(num_hidden_layers=4, sliding_window=4,
+                  layer_types=["sliding_attention", "sliding_attention", "sliding_attention", "full_attention"],
+                  rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=500.0),
+                                   "full_attention": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
+                                                          original_max_position_embeddings=128)}),
+    "flex_olmo": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=16),
     # Phi-3.5-MoE: LayerNorms with biases, q/k/v/o and LM-head biases, sparsemixer routing (its
     # near-tie masking wide enough here to keep several experts in a softmax), the longrope rotary
     # (short factors below 256 positions, long ones after; mscales as published, one per side)
@@ -224,6 +233,9 @@ def _classes(model_type: str):
         "param2moe": (T.Param2MoeConfig, T.Glm4MoeForCausalLM),
         "qwen3_5_moe_text": (T.Qwen3_5MoeTextConfig, T.Qwen3_5MoeForCausalLM),
         "phimoe": (T.PhimoeConfig, T.PhimoeForCausalLM),
+        "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM),
+        "olmo3": (T.Olmo3Config, T.Olmo3ForCausalLM),
+        "flex_olmo": (T.FlexOlmoConfig, T.FlexOlmoForCausalLM),
     }[model_type]
 
 

@@ -221,6 +221,9 @@ class ModelConfig:
     # each branch's output normed before the residual add (afmoe): ``post_attention_layernorm``
     # and ``post_mlp_layernorm``, with ``pre_mlp_layernorm`` before the MLP
     sandwich_norms: bool = False
+    # no norm before the attention or the MLP; each branch's output normed before the residual
+    # add instead (OLMo 2/3, FlexOlmo: ``post_attention_layernorm``, ``post_feedforward_layernorm``)
+    post_norms: bool = False
     # layers whose attention rotates nothing (EXAONE's global layers: "NoPE"); run with the
     # identity rotation, cos 1 and sin 0, through every attention path
     nope_layers: tuple[int, ...] = ()
@@ -243,9 +246,9 @@ class ModelConfig:
     # a learned logit per query head in every attention softmax's denominator ("attention sinks":
     # Granite swash, gpt-oss): the weights of a query's keys sum to less than one
     attn_sinks: bool = False
-    # each layer's rotary base where they differ (Granite swash's ``layer_rope_theta``; its 0
-    # layers are ``nope_layers``); empty: every layer ``rope.theta``
-    layer_thetas: tuple[float, ...] = ()
+    # each layer's rotary where they differ (Granite swash's base per layer, OLMo 3's per layer
+    # type); empty: every layer ``rope`` (``nope_layers`` rotate by none either way)
+    layer_ropes: tuple[RopeConfig, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim"):
@@ -265,10 +268,9 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"config.json: {name} must be a positive number, got {value}")
-        if self.layer_thetas and (len(self.layer_thetas) != self.num_layers
-                                  or not all(math.isfinite(t) and t >= 0 for t in self.layer_thetas)):
-            raise ConfigError(f"config.json: layer_rope_theta must give each of the {self.num_layers} layers a "
-                              f"rotary base >= 0 (0: none), got {list(self.layer_thetas)}")
+        if self.layer_ropes and len(self.layer_ropes) != self.num_layers:
+            raise ConfigError(f"config.json names the rotary of {len(self.layer_ropes)} layers; the model has "
+                              f"{self.num_layers}")
         if self.mla is not None:
             self._check_mla(self.mla)
         elif not 0 < self.rope.partial_rotary_factor <= 1 or int(self.head_dim * self.rope.partial_rotary_factor) % 2:

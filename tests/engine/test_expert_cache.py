@@ -47,6 +47,7 @@ def checked(llm: LLM) -> LLM:
     ("sarvam_moe", "some", (0.5,)),
     ("phimoe", "some", (0.0, 0.5)),
     ("granitemoe_swa", "some", (0.5,)),
+    ("flex_olmo", "some", (0.0, 0.5)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)

@@ -15,7 +15,7 @@ from freetoken_engine.config import EngineConfig
 from freetoken_engine.errors import ConfigError
 from freetoken_engine.layers import attention as A
 from freetoken_engine.scheduler.service import EngineService
-from test_parity import PROMPT, check
+from test_parity import check
 from tiny_models import copy_folder, load_reference
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)

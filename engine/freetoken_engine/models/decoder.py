@@ -5,13 +5,12 @@ checkpoint's non-expert tensors load by name; routed experts live in the expert 
 """
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Callable
 
 import torch
 from torch import nn
 
-from ..config import ModelConfig
+from ..config import ModelConfig, RopeConfig
 from ..layers.attention import Attention
 from ..layers.batch import AttnBatch
 from ..layers.deltanet import GatedDeltaNet
@@ -31,7 +30,11 @@ class DecoderLayer(nn.Module):
         """Layer ``i`` of ``cfg``; ``moe_index``: a MoE layer whose routed experts are the expert
         bank's layer ``moe_index`` (the MTP layer, which follows the model's own)."""
         super().__init__()
-        self.input_layernorm = hidden_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm)
+        self.post_norms = cfg.post_norms
+        if self.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        else:
+            self.input_layernorm = hidden_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm)
         if i in cfg.linear_layers:           # a hybrid model's recurrent layer: no KV
             self.self_attn = None
             index = cfg.linear_layers.index(i)
@@ -56,6 +59,9 @@ class DecoderLayer(nn.Module):
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
     def forward(self, h, batch, cos, sin, k_cache, v_cache):
+        if self.post_norms:                 # OLMo 2: the branches' outputs normed, not their inputs
+            h = h + self.post_attention_layernorm(self.self_attn(h, batch, cos, sin, k_cache, v_cache))
+            return h + self.post_feedforward_layernorm(self.mlp(h))
         x = self.input_layernorm(h)
         a = self.linear_attn(x, batch) if self.self_attn is None else self.self_attn(x, batch, cos, sin, k_cache, v_cache)
         if self.sandwich:
@@ -100,11 +106,11 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.rotary = rotary
-        # layers whose rotary base is not the model's own (Granite swash): one more Rotary per base,
-        # made on first use (the model is built on the meta device)
-        self.layer_base = [t if t and t != cfg.rope.theta and i not in cfg.nope_layers else None
-                           for i, t in enumerate(cfg.layer_thetas or [None] * cfg.num_layers)]
-        self.other_rotaries: dict[float, Rotary] = {}
+        # layers whose rotary is not the model's own (Granite swash's bases, OLMo 3's sliding
+        # layers): one more Rotary per kind, made on first use (the model is built on the meta device)
+        self.layer_rope = [r if r != cfg.rope and i not in cfg.nope_layers else None
+                           for i, r in enumerate(cfg.layer_ropes or [None] * cfg.num_layers)]
+        self.other_rotaries: dict[RopeConfig, Rotary] = {}
         self.model = Backbone(cfg, rotary)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=cfg.lm_head_bias)
         kv_of = {layer: j for j, layer in enumerate(cfg.attention_layers)}
@@ -113,11 +119,12 @@ class DecoderLM(nn.Module):
         self.last_hidden: torch.Tensor | None = None
 
     def rotaries(self) -> list[Rotary]:
-        """Every rotary the layers use: the model's, then one per other base (ascending)."""
-        for t in {t for t in self.layer_base if t is not None} - set(self.other_rotaries):
-            self.other_rotaries[t] = Rotary(replace(self.cfg.rope, theta=t), self.cfg.rotary_dim,
-                                            self.cfg.max_position_embeddings, self.rotary.inv_freq.device)
-        return [self.rotary, *(self.other_rotaries[t] for t in sorted(self.other_rotaries))]
+        """Every rotary the layers use: the model's, then one per other kind."""
+        for rope in self.layer_rope:
+            if rope is not None and rope not in self.other_rotaries:
+                self.other_rotaries[rope] = Rotary(rope, self.cfg.rotary_dim, self.cfg.max_position_embeddings,
+                                                   self.rotary.inv_freq.device)
+        return [self.rotary, *self.other_rotaries.values()]
 
     def moe_blocks(self) -> list[SparseMoE]:
         layers = [*self.model.layers, *(self.mtp.layers if self.mtp is not None else ())]
@@ -133,12 +140,12 @@ class DecoderLM(nn.Module):
         h = self.embed(ids)                                               # [T, H]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype, batch.max_position)   # [T, 1, d]
         unrotated = (torch.ones_like(cos), torch.zeros_like(sin)) if self.cfg.nope_layers else None
-        by_base = {t: r.cos_sin(batch.positions, h.dtype, batch.max_position)
-                   for t, r in zip(sorted(self.other_rotaries), self.rotaries()[1:])} if self.rotaries()[1:] else {}
+        self.rotaries()
+        by_rope = {r: rot.cos_sin(batch.positions, h.dtype, batch.max_position) for r, rot in self.other_rotaries.items()}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             j = self.kv_of[i]
-            c, s = unrotated if i in self.cfg.nope_layers else by_base.get(self.layer_base[i], (cos, sin))
+            c, s = unrotated if i in self.cfg.nope_layers else by_rope.get(self.layer_rope[i], (cos, sin))
             h = layer(h, batch, c, s, kv.k[j] if j is not None else None, kv.v[j] if j is not None else None)
             if between is not None and i < last:
                 between(i)

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import re
 
+import math
 from dataclasses import replace
 
-from ..config import ModelConfig
+from ..config import ModelConfig, RopeConfig
 from ..errors import ConfigError
 from .hf import Family, base, layer_kinds, moe
 
@@ -67,7 +68,11 @@ def _swash(raw: dict) -> dict:
     if thetas is not None:
         if not isinstance(thetas, list) or not all(isinstance(t, (int, float)) for t in thetas):
             raise ConfigError(f"config.json: layer_rope_theta must be a list of numbers, got {thetas!r}")
-        fields.update(layer_thetas=tuple(float(t) for t in thetas),
+        if len(thetas) != layers or not all(math.isfinite(t) and t >= 0 for t in thetas):
+            raise ConfigError(f"config.json: layer_rope_theta must give each of the {layers} layers a rotary base "
+                              f">= 0 (0: none), got {thetas}")
+        rope = RopeConfig.from_hf(raw)
+        fields.update(layer_ropes=tuple(replace(rope, theta=float(t)) if t else rope for t in thetas),
                       nope_layers=tuple(i for i, t in enumerate(thetas) if t == 0))
     return fields
 
