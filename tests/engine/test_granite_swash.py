@@ -13,7 +13,7 @@ import torch
 from freetoken_engine import LLM, SamplingParams
 from freetoken_engine.config import EngineConfig
 from freetoken_engine.errors import ConfigError
-from freetoken_engine.layers import attention as A
+from freetoken_engine.layers import sinks as S
 from freetoken_engine.scheduler.service import EngineService
 from test_parity import check
 from tiny_models import copy_folder, load_reference
@@ -22,19 +22,30 @@ GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 LONG = [(11 * i) % 300 + 3 for i in range(40)]
 
 
-def test_sink_scores_held_a_few_rows_at_a_time_give_transformers_logits(tiny_checkpoint, monkeypatch):
-    """A layer with sinks holds its float32 scores for a bounded number of query rows at a time:
-    a 40-token prompt in blocks of one or two rows gives the logits of one block, and
-    transformers'."""
+@pytest.mark.parametrize("flash", [True, False], ids=["flash-lse", "held-scores"])
+def test_both_prompt_paths_give_transformers_logits(tiny_checkpoint, monkeypatch, flash):
+    """A prompt's chunk through the CPU's flash kernel and its log-sum-exp, and through held
+    float32 scores (a GPU's path) a bounded number of query rows at a time: a 40-token prompt in
+    blocks of two rows gives the logits of one block, and both give transformers'."""
     folder = tiny_checkpoint("granitemoe_swa")
     ref = load_reference(folder)
     with torch.no_grad():
         want = ref(torch.tensor([LONG])).logits[0]
+    monkeypatch.setattr(S, "FLASH_LSE", flash)
     whole = LLM(folder).prefill_logits(LONG)
-    monkeypatch.setattr(A, "SINK_BLOCK_BYTES", 4 * 4 * 40 * 2)        # two query rows of 4 heads x 40 keys
-    blocked = LLM(folder).prefill_logits(LONG)
-    assert (blocked - whole).abs().max() < 1e-5
     assert (whole - want).abs().max() < 1e-4
+    if not flash:
+        monkeypatch.setattr(S, "BLOCK_BYTES", 4 * 4 * 40 * 2)          # two query rows of 4 heads x 40 keys
+        assert (LLM(folder).prefill_logits(LONG) - whole).abs().max() < 1e-5
+
+
+def test_the_sink_softmax_is_the_sink_column_dropped_and_a_masked_row_is_zero():
+    scores = torch.tensor([[1.0, 2.0, float("-inf")], [float("-inf")] * 3])
+    sink = torch.tensor([[0.5], [3.0]])
+    got = S.softmax(scores, sink)
+    want = torch.softmax(torch.cat((scores[:1], sink[:1]), -1), -1)[:, :-1]
+    torch.testing.assert_close(got[:1], want)
+    assert torch.equal(got[1], torch.zeros(3))
 
 
 async def test_concurrent_requests_with_sinks_equal_each_alone(tiny_checkpoint):

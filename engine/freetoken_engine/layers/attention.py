@@ -18,6 +18,7 @@ from torch.nn.attention.bias import causal_lower_right
 from ..config import ModelConfig
 from ..kernels import gpu_decode_kernels
 from ..kernels.cpu import attention as cpu_attention
+from . import sinks as attention_sinks
 from .batch import AttnBatch
 from .linear import linear
 from .norm import RMSNorm
@@ -28,8 +29,6 @@ from .rope import Rotary, apply_rotary
 #: torch 2.11, whose masked forward gave wrong rows on the H200 (device run 120: batched prefill
 #: chunks of different lengths; pytorch issues 162588, 196678 name masked cuDNN SDPA bugs)
 GPU_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-#: a layer with sinks holds its float32 scores for this many bytes' worth of query rows at a time
-SINK_BLOCK_BYTES = 256 << 20
 
 
 def flash_takes_groups(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -269,7 +268,7 @@ class Attention(nn.Module):
         values of Qwen3-30B at a 40k context."""
         g = self.h // self.kvh
         if self.sinks is not None:
-            return self._with_sinks(qp, keys, values, mask, lower_right)
+            return attention_sinks.attend(self, qp, keys, values, mask, lower_right)
         if not self.sdpa:
             return self._grouped_matmuls(qp, keys, values, mask)
         if qp.device.type == "cuda":
@@ -365,27 +364,8 @@ class Attention(nn.Module):
         return torch.matmul(probs, values.unsqueeze(2)).view(b, self.h, q_max, self.d)
 
     def _softmax(self, scores: torch.Tensor, heads: tuple[int, ...]) -> torch.Tensor:
-        """float32 softmax over the last dimension; with sinks, each query head's sink (viewed as
-        ``heads``) one more logit in the denominator (transformers' gpt-oss and Granite swash:
-        the sink column's weight dropped)."""
+        """float32 softmax over the last dimension, each query head's sink (viewed as ``heads``)
+        in the denominator when the layer has sinks."""
         if self.sinks is None:
             return torch.softmax(scores, dim=-1, dtype=torch.float32)
-        scores, sink = scores.float(), self.sinks.float().view(heads)
-        top = torch.maximum(scores.amax(-1, keepdim=True), sink)        # finite: the sink is
-        e = (scores - top).exp()
-        return e / (e.sum(-1, keepdim=True) + (sink - top).exp())
-
-    def _with_sinks(self, qp: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
-                    lower_right: bool) -> torch.Tensor:
-        """``_attend`` with sinks: torch's fused kernels have no sink, so the float32 scores are
-        held, for as many query rows at a time as keep them within ``SINK_BLOCK_BYTES``."""
-        b, _, q_max, _ = qp.shape
-        length = keys.shape[2]
-        if lower_right:                     # a chunk's causal triangle, its last query at the last key
-            mask = self._allowed(torch.arange(length - q_max, length, device=qp.device), length)[None, None]
-        rows = max(1, SINK_BLOCK_BYTES // (4 * b * self.h * length))
-        out = torch.empty_like(qp)
-        for r in range(0, q_max, rows):
-            part = None if mask is None else mask[:, :, r:r + rows] if mask.shape[2] > 1 else mask
-            out[:, :, r:r + rows] = self._grouped_matmuls(qp[:, :, r:r + rows], keys, values, part)
-        return out
+        return attention_sinks.softmax(scores, self.sinks.float().view(heads))
