@@ -159,6 +159,15 @@ MOE = {
                                    "full_attention": dict(rope_type="yarn", rope_theta=10000.0, factor=4.0,
                                                           original_max_position_embeddings=128)}),
     "flex_olmo": dict(num_experts=8, num_experts_per_tok=2, intermediate_size=16),
+    # Llama 4: one routed expert (its sigmoid weight on its input) beside a shared one every other
+    # layer, dense layers of their own size; the other half of the layers without rotary, their
+    # queries tempered by position (floor_scale 4: it changes within a prompt); chunks of 4
+    "llama4_text": dict(LLAMA4 := dict(intermediate_size=8, intermediate_size_mlp=48, num_hidden_layers=4, head_dim=8,
+                                       num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                       attention_chunk_size=4, no_rope_layer_interval=2, floor_scale=4,
+                                       attn_scale=0.5)),
+    # ... as published: the multimodal wrapper (``language_model.*``, a vision tower left unread)
+    "llama4": LLAMA4,
     # Phi-3.5-MoE: LayerNorms with biases, q/k/v/o and LM-head biases, sparsemixer routing (its
     # near-tie masking wide enough here to keep several experts in a softmax), the longrope rotary
     # (short factors below 256 positions, long ones after; mscales as published, one per side)
@@ -179,7 +188,9 @@ VISION = {"glm4v_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_h
                             temporal_patch_size=1, spatial_merge_size=1, image_size=4),
           "qwen3_vl_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                                patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16,
-                               deepstack_visual_indexes=[0])}
+                               deepstack_visual_indexes=[0]),
+          "llama4": dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
+                         patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)}
 
 
 def build_tokenizer(vocab_size: int, extra_tags: tuple[str, ...] = ()):
@@ -233,6 +244,8 @@ def _classes(model_type: str):
         "param2moe": (T.Param2MoeConfig, T.Glm4MoeForCausalLM),
         "qwen3_5_moe_text": (T.Qwen3_5MoeTextConfig, T.Qwen3_5MoeForCausalLM),
         "phimoe": (T.PhimoeConfig, T.PhimoeForCausalLM),
+        "llama4_text": (T.Llama4TextConfig, T.Llama4ForCausalLM),
+        "llama4": (T.Llama4Config, T.Llama4ForConditionalGeneration),
         "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM),
         "olmo3": (T.Olmo3Config, T.Olmo3ForCausalLM),
         "flex_olmo": (T.FlexOlmoConfig, T.FlexOlmoForCausalLM),

@@ -117,6 +117,9 @@ class MoeConfig:
     norm_floor: float = 0.0
     shared_intermediate_size: int = 0  # qwen2_moe shared expert (0 = none)
     shared_gate: bool = False          # sigmoid gate on the shared expert
+    # the routing weight scales each routed expert's input, not its output (Llama 4, one expert a
+    # token: scoring "sigmoid" over the top logits, no bias)
+    scale_input: bool = False
     layers: tuple[int, ...] = ()       # decoder layers whose MLP is sparse
     # a group's worth, for group-limited choice: the sum of its two best scores ("top2": DeepSeek-V3,
     # GLM) or its best one ("max": DeepSeek-V2's group_limited_greedy)
@@ -199,9 +202,17 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
-    qk_norm: str = "none"              # none | head (qwen3) | full (olmoe) | rotated (per head, after the rotary: Hunyuan)
+    # none | head (qwen3) | full (olmoe) | rotated (per head, after the rotary: Hunyuan) | l2
+    # (Llama 4: per head after the rotary, no weight, on the rotary layers only)
+    qk_norm: str = "none"
     clip_qkv: float | None = None
     sliding_window: tuple[int | None, ...] = ()   # per layer; None = full attention
+    # per layer: a query sees only the keys of its own chunk of this many positions (Llama 4's
+    # ``attention_chunk_size`` on its rotary layers); None or empty: no chunks
+    attention_chunks: tuple[int | None, ...] = ()
+    # Llama 4's temperature on the layers without a rotary (``nope_layers``): each query times
+    # ``log1p(floor((position + 1) / floor_scale)) * scale + 1``; (floor_scale, scale), or None
+    attn_temperature: tuple[float, float] | None = None
     moe: MoeConfig | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
@@ -293,6 +304,9 @@ class ModelConfig:
     def _check_moe(m: MoeConfig) -> None:
         if not 1 <= m.top_k <= m.num_experts:
             raise ConfigError(f"config.json: num_experts_per_tok must be in 1..{m.num_experts}")
+        if m.scale_input and m.top_k != 1:
+            raise ConfigError(f"config.json: routing that scales the experts' input takes one expert a token; "
+                              f"num_experts_per_tok is {m.top_k}")
         if m.scoring == "sparsemixer" and m.top_k != 2:
             raise ConfigError(f"config.json: sparsemixer routing picks 2 experts; num_experts_per_tok is {m.top_k}")
         if m.n_group < 1 or m.num_experts % m.n_group:

@@ -247,3 +247,17 @@ def test_attention_sinks_join_each_softmax_as_the_reference_has_them(isas, case,
                                   sinks=sinks)
         tol = 1e-5 * ref32.abs().max() + 1e-6 if dtype == torch.float32 else 2.0 ** -7 * ref32.abs().max()
         assert (got.float() - ref32).abs().max() <= tol, isa
+
+
+@pytest.mark.parametrize("chunk,window", [(8, None), (5, 3), (64, None)])
+def test_attention_chunks_leave_the_earlier_chunks_keys_out(isas, chunk, window):
+    """Llama 4's chunked layers: a token attends to the keys of its own chunk only (17, 3 and 9
+    keys: the 17th token's chunk of 8 starts at 16; with a window too, the later bound wins)."""
+    args = attention_problem((17, 3, 9), 16, 4, 128, torch.float32, False)
+    plain = decode_attention_forward(*args[:9], args[9].clone(), args[10].clone(), *args[11:], window, 0.1)
+    want = decode_attention_forward(*args[:9], args[9].clone(), args[10].clone(), *args[11:], window, 0.1, chunk=chunk)
+    assert (chunk >= 17) == torch.equal(plain, want)            # a chunk past every length changes nothing
+    for isa in isas:
+        ce.configure(isa=isa)
+        got = ca.decode_attention(*args[:9], args[9].clone(), args[10].clone(), *args[11:], window, 0.1, chunk=chunk)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max() + 1e-6, isa

@@ -193,3 +193,14 @@ def test_attention_sinks_join_the_merged_softmax(case, dtype):
     got = ta.decode_attention(*dev, window, d ** -0.5, sinks=sinks.to(DEVICE)).cpu()
     tol = 1e-5 * ref32.abs().max() + 1e-6 if dtype == torch.float32 else REL16 * ref32.abs().max()
     assert (got.float() - ref32).abs().max() <= tol
+
+
+@pytest.mark.parametrize("chunk,window", [(256, None), (100, 40), (8192, None)])
+def test_attention_chunks_start_each_token_at_its_chunk(chunk, window):
+    """Llama 4's chunked layers through the split-K kernel: 700 keys in chunks of 256 (the keys
+    of programs below the token's chunk left out entirely), with a window, and one chunk for all."""
+    args = attention_problem((700, 3), 4, 2, 32, torch.float32, False)
+    ref = decode_attention_forward(*args, window, 0.2, chunk=chunk)
+    dev = [a.to(DEVICE) if torch.is_tensor(a) else a for a in args]
+    got = ta.decode_attention(*dev, window, 0.2, chunk=chunk).cpu()
+    assert (got - ref).abs().max() <= 1e-5 * ref.abs().max() + 1e-6

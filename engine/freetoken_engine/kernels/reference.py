@@ -138,7 +138,7 @@ def decode_attention_forward(qkv: torch.Tensor, heads: int, kv_heads: int, head_
                              cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                              v_cache: torch.Tensor, slot: torch.Tensor, kv_index: torch.Tensor,
                              kv_len: torch.Tensor, window: int | None, scale: float,
-                             sinks: torch.Tensor | None = None) -> torch.Tensor:
+                             sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """Attention of one new token per sequence over a paged KV pool (the compiled decode kernel's
     specification, kernels/cpu/attention.py). Writes the new K/V into ``k_cache``/``v_cache`` at
     ``slot`` and returns ``[B, heads * head_dim]`` in ``qkv.dtype``.
@@ -149,7 +149,8 @@ def decode_attention_forward(qkv: torch.Tensor, heads: int, kv_heads: int, head_
     [S, kvh, d]; kv_index [B, Lmax] slot of each position; kv_len [B] keys per sequence (the new
     token included); the last ``window`` keys only when a window is given. Norm and rotary run
     in the data type; scores, softmax and the weighted sum in fp32. ``sinks [heads]``: each query
-    head's sink logit joins its softmax's denominator (a column whose weight is dropped).
+    head's sink logit joins its softmax's denominator (a column whose weight is dropped);
+    ``chunk``: a token sees only the keys of its own chunk of that many positions.
     """
     b, d = qkv.shape[0], head_dim
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
@@ -163,6 +164,7 @@ def decode_attention_forward(qkv: torch.Tensor, heads: int, kv_heads: int, head_
     for i in range(b):
         n = int(kv_len[i])
         lo = max(0, n - window) if window else 0
+        lo = max(lo, (n - 1) // chunk * chunk) if chunk else lo
         keys = k_cache[kv_index[i, lo:n]].float()                     # [L, kvh, d]
         values = v_cache[kv_index[i, lo:n]].float()
         qi = q[i].float().view(kv_heads, heads // kv_heads, d)        # [kvh, g, d]

@@ -21,7 +21,7 @@ from ..kernels.cpu import attention as cpu_attention
 from . import sinks as attention_sinks
 from .batch import AttnBatch
 from .linear import linear
-from .norm import RMSNorm
+from .norm import L2Norm, RMSNorm
 from .rope import Rotary, apply_rotary
 
 
@@ -88,12 +88,18 @@ class Attention(nn.Module):
         # ... or a projection of its own does (afmoe)
         self.gate_proj = nn.Linear(cfg.hidden_size, h * d, bias=False) if cfg.gate_proj else None
         self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm in ("head", "rotated"):
+        if cfg.qk_norm == "l2":             # Llama 4: weightless, after the rotary, rotary layers only
+            self.qk_norm = "none" if layer in cfg.nope_layers else "rotated"
+            if self.qk_norm == "rotated":
+                self.q_norm = self.k_norm = L2Norm(cfg.rms_norm_eps)
+        elif cfg.qk_norm in ("head", "rotated"):
             self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
         elif cfg.qk_norm == "full":
             self.q_norm, self.k_norm = RMSNorm(h * d, cfg.rms_norm_eps), RMSNorm(kvh * d, cfg.rms_norm_eps)
         self.clip = cfg.clip_qkv
         self.window = cfg.sliding_window[layer] if cfg.sliding_window else None
+        self.chunk = cfg.attention_chunks[layer] if cfg.attention_chunks else None
+        self.temper = cfg.attn_temperature if layer in cfg.nope_layers else None
         self.rotary = rotary
         self.scale = cfg.attention_multiplier or d ** -0.5
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -124,6 +130,18 @@ class Attention(nn.Module):
         before norms and rotary."""
         return linear(x, *self.qkv)
 
+    def _tempered(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Llama 4's temperature on a layer without rotary: the queries of ``q`` (``[T, h, d]``, or
+        the first h d columns of a fused ``[T, (h + 2 kvh) d]``) times a factor of each position."""
+        if self.temper is None:
+            return q
+        floor_scale, scale = self.temper
+        f = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * scale + 1.0
+        if q.dim() == 3:
+            return (q * f[:, None, None]).to(q.dtype)
+        n = self.h * self.d
+        return torch.cat(((q[:, :n] * f[:, None]).to(q.dtype), q[:, n:]), -1)
+
     def _out(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """The output projection of the heads' output ``o [T, h d]`` (gated by ``x``'s gate)."""
         if self.gate is not None:
@@ -139,8 +157,8 @@ class Attention(nn.Module):
             if impl is not None:
                 # Decode: norm, rotary, K/V write and attention in one compiled call on the CPU,
                 # in two Triton launches on a GPU.
-                return self._out(self._decode(impl, self._fused_qkv(x), cos, sin, k_cache, v_cache,
-                                              batch.slot_mapping, batch.kv_index, batch.kv_len,
+                return self._out(self._decode(impl, self._tempered(self._fused_qkv(x), batch.positions), cos, sin,
+                                              k_cache, v_cache, batch.slot_mapping, batch.kv_index, batch.kv_len,
                                               batch.write_first), x)
         t = x.shape[0]
         per_chunk = self.by_sequence and batch.q_max > 1 and batch.seq_counts is not None
@@ -149,6 +167,7 @@ class Attention(nn.Module):
             if impl is not None:
                 return self._out(self._beside_chunks(impl, x, batch, cos, sin, k_cache, v_cache), x)
         q, k, v = self._project(x, None, cos, sin)
+        q = self._tempered(q, batch.positions)
         v_cache.index_copy_(0, batch.slot_mapping, v)     # write new K/V (V first: it may be K, cache/kv.py)
         k_cache.index_copy_(0, batch.slot_mapping, k)
         if per_chunk:
@@ -161,8 +180,9 @@ class Attention(nn.Module):
             qp = q.new_zeros((b * batch.q_max, self.h, self.d)).index_copy(0, batch.q_flat, q)
             qp = qp.view(b, batch.q_max, self.h, self.d)
         qp = qp.transpose(1, 2)                                                        # [B, h, Q, d]
-        lower_right = self.sdpa and x.device.type == "cuda" and batch.aligned and self.window is None
-        mask = batch.mask(self.window) if (batch.needs_mask or self.window is not None) and not lower_right else None
+        lower_right = batch.aligned and self._lower_right(x)
+        spans = self.window is not None or self.chunk is not None
+        mask = batch.mask(self.window, self.chunk) if (batch.needs_mask or spans) and not lower_right else None
         if batch.needs_mask and not batch.aligned:   # padding reads slot 0, whoever holds it: a NaN
             keys, values = keys.masked_fill(batch.padding(), 0.0), values.masked_fill(batch.padding(), 0.0)
         out = self._attend(qp, keys, values, mask, lower_right)
@@ -226,7 +246,7 @@ class Attention(nn.Module):
         return impl.decode_attention(qkv, self.h, self.kvh, self.d, self.q_norm.weight if head else None,
                                      self.k_norm.weight if head else None, self.q_norm.eps if head else 0.0,
                                      cos, sin, k_cache, v_cache, slots, kv_index, kv_len, self.window, self.scale,
-                                     write_first, sinks=self.sinks)
+                                     write_first, sinks=self.sinks, chunk=self.chunk)
 
     def _beside_chunks(self, impl, x: torch.Tensor, batch: AttnBatch, cos: torch.Tensor, sin: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -236,7 +256,7 @@ class Attention(nn.Module):
         (``_by_sequence``). Returns ``[T, h d]`` in row order."""
         sel, rows, width, ends = batch.singles()
         keep = batch.chunk_rows()
-        qkv = self._fused_qkv(x)
+        qkv = self._tempered(self._fused_qkv(x), batch.positions)
         out = qkv.new_empty((x.shape[0], self.h * self.d))
         out.index_copy_(0, rows, self._decode(
             impl, qkv.index_select(0, rows), cos.index_select(0, rows), sin.index_select(0, rows), k_cache,
@@ -285,6 +305,8 @@ class Attention(nn.Module):
         m = kpos <= qpos[..., None]
         if self.window is not None:
             m &= kpos > qpos[..., None] - self.window
+        if self.chunk is not None:
+            m &= kpos >= qpos[..., None] - qpos[..., None] % self.chunk
         return m
 
     def _by_sequence(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -323,7 +345,7 @@ class Attention(nn.Module):
     def _lower_right(self, q: torch.Tensor) -> bool:
         """Whether a chunk's causal mask is the lower-right triangle, which a GPU's SDPA computes
         without a mask tensor (no sliding window)."""
-        return self.sdpa and q.device.type == "cuda" and self.window is None
+        return self.sdpa and q.device.type == "cuda" and self.window is None and self.chunk is None
 
     def _chunk_spans(self, batch: AttnBatch, singles_in_rows: bool):
         """(sequence, first row, tokens, first key, keys) of each multi-token chunk of the pass: its
@@ -332,7 +354,9 @@ class Attention(nn.Module):
         row = 0
         for i, (n, end) in enumerate(zip(batch.seq_counts, batch.seq_ends)):
             if n > 1:
-                yield i, row, n, (max(0, end - n - self.window + 1) if self.window is not None else 0), end
+                first = end - n                 # the first query's position: keys before its reach are left out
+                lo = max(0, first - self.window + 1) if self.window is not None else 0
+                yield i, row, n, max(lo, first - first % self.chunk) if self.chunk is not None else lo, end
             if n > 1 or singles_in_rows:
                 row += n
 

@@ -62,10 +62,12 @@ class AttnBatch:
         """[T] row of each new token in the padded ``[B * Qmax]`` query layout."""
         return self.q_seq * self.q_max + self.q_idx
 
-    def mask(self, window: int | None) -> torch.Tensor:
-        """[B, 1, Qmax, Lmax] bool: True where a query may attend to a key (causal and
-        sliding-window), cached per window; shaped for ``scaled_dot_product_attention``."""
-        if window not in self._made:
+    def mask(self, window: int | None, chunk: int | None = None) -> torch.Tensor:
+        """[B, 1, Qmax, Lmax] bool: True where a query may attend to a key (causal, sliding-window,
+        within the query's chunk of ``chunk`` positions), cached per kind; shaped for
+        ``scaled_dot_product_attention``."""
+        key = window if chunk is None else (window, chunk)
+        if key not in self._made:
             b = self.kv_index.shape[0]
             qpos = torch.full((b * self.q_max,), -1, dtype=torch.int64, device=self.positions.device)
             qpos = qpos.index_copy(0, self.q_flat, self.positions).view(b, self.q_max)
@@ -73,9 +75,11 @@ class AttnBatch:
             m = self.kv_valid[:, None, :] & (kpos[None, None, :] <= qpos[:, :, None])   # [B, Q, L]
             if window is not None:
                 m &= kpos[None, None, :] > qpos[:, :, None] - window
+            if chunk is not None:
+                m &= kpos[None, None, :] >= qpos[:, :, None] - qpos[:, :, None] % chunk
             m[:, :, 0] |= qpos < 0          # padded query rows see one key: no NaN rows
-            self._made[window] = m[:, None]
-        return self._made[window]
+            self._made[key] = m[:, None]
+        return self._made[key]
 
     def singles(self) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor] | None:
         """The sequences with one new token (``seq_counts``), for ``Attention._by_sequence``:

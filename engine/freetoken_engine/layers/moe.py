@@ -101,6 +101,9 @@ class SparseMoE(nn.Module):
         if self.moe.scoring == "sparsemixer":
             weights, ids = sparsemixer(logits, self.moe.jitter_eps)
             return weights.to(x.dtype), ids
+        if self.moe.scoring == "sigmoid":                 # Llama 4: sigmoid of the top logits, no bias
+            top, ids = torch.topk(logits, self.moe.top_k, dim=-1)
+            return torch.sigmoid(top.float()).to(x.dtype), ids
         if gpu is not None and gpu.supported(logits, self.moe.top_k):     # one launch
             return gpu.route(logits, self.moe.top_k, self.moe.scoring != "unit", self.moe.norm_topk_prob, x.dtype)
         if self.moe.scoring == "unit":
@@ -129,6 +132,9 @@ class SparseMoE(nn.Module):
         """The layer's output for x [T, H], plus ``residual`` when given (the decoder's residual
         add, fused into the combine on a GPU)."""
         weights, ids = self.route(x)
+        routed = x
+        if self.moe.scale_input:          # Llama 4: the weight scales the (one) expert's input
+            routed, weights = x * weights, torch.ones_like(weights)
         if self.next_gate is not None and self.experts.wants_guess(self.moe_layer, x.shape[0]):
             # the next layer's experts guessed from this layer's router input: copied while this
             # layer computes (OffloadedExperts.guess); a wrong guess costs a fill, never a result
@@ -139,7 +145,7 @@ class SparseMoE(nn.Module):
             self.experts.guess(self.moe_layer + 1, guess)
         # [T*k, H] or SplitRows; on a GPU the shared expert runs beside the hits while fills copy
         beside = None if self.shared_expert is None else functools.partial(self._shared, x)
-        rows, shared = self.experts.forward_beside(self.moe_layer, x, ids, beside)
+        rows, shared = self.experts.forward_beside(self.moe_layer, routed, ids, beside)
         dense = rows.gpu if isinstance(rows, SplitRows) else rows
         gpu = gpu_decode_kernels("combine") if dense.device.type == "cuda" else None
         if gpu is not None and not (torch.is_grad_enabled() and dense.requires_grad) \

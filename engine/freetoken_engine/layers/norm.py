@@ -53,6 +53,18 @@ class LayerNorm(nn.Module):
         return s, self(s)
 
 
+class L2Norm(nn.Module):
+    """RMSNorm without a weight (Llama 4's q/k norm): float32 statistics, cast back."""
+
+    def __init__(self, eps: float):
+        super().__init__()
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        f = x.float()
+        return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
 def hidden_norm(dim: int, eps: float, layer_norm: bool) -> RMSNorm | LayerNorm:
     """The norm a model applies to its hidden state (``ModelConfig.layer_norm``)."""
     return (LayerNorm if layer_norm else RMSNorm)(dim, eps)

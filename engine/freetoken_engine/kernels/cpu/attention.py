@@ -27,7 +27,8 @@ class _FtAttn(ctypes.Structure):   # FtAttn in experts.h, field for field
                 ("kn_w", _vp), ("eps", ctypes.c_float), ("cos", _vp), ("sin", _vp), ("k_cache", _vp),
                 ("v_cache", _vp), ("slot", _vp), ("kv_index", _vp), ("lmax", _i64), ("kv_len", _vp),
                 ("window", _i64), ("scale", ctypes.c_float), ("bf16", ctypes.c_int), ("phase", ctypes.c_int),
-                ("out", _vp), ("scratch", _vp), ("rot", _i64), ("hsplit", _i64), ("sinks", _vp)]
+                ("out", _vp), ("scratch", _vp), ("rot", _i64), ("hsplit", _i64), ("sinks", _vp),
+                ("chunk", _i64)]
 
 
 def supported(x: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -41,7 +42,7 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int
                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      slot: torch.Tensor, kv_index: torch.Tensor, kv_len: torch.Tensor,
                      window: int | None, scale: float, write_first: bool = False,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """qkv [B, (h + 2 kvh) d]; cos / signed sin [B, 1, r] (the first r <= d dimensions of each head
     rotate: r < d a partial rotary); caches [S, kvh, d] (K/V of the new
     tokens are written at ``slot [B]``); kv_index [B, Lmax] slots by position; kv_len [B] keys per
@@ -49,7 +50,8 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int
     K/V is written before any row attends (two calls: rows of one sequence at consecutive
     positions, a draft's verification; otherwise each row, on whichever thread, writes then
     attends). ``sinks [h]``: a logit per query head in each softmax's denominator (attention
-    sinks), or None. Call only when ``supported``."""
+    sinks), or None; ``chunk``: each token sees only the keys of its own chunk of that many
+    positions (Llama 4), or None. Call only when ``supported``."""
     b = qkv.shape[0]
     out = torch.empty((b, heads * head_dim), dtype=qkv.dtype)
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
@@ -62,7 +64,7 @@ def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, head_dim: int
                     eps, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slot.data_ptr(),
                     kv_index.data_ptr(), kv_index.shape[1], kv_len.data_ptr(), window or 0, scale,
                     int(qkv.dtype == torch.bfloat16), phase, out.data_ptr(), None, cos.shape[-1], 0,
-                    None if sinks is None else sinks.data_ptr())
+                    None if sinks is None else sinks.data_ptr(), chunk or 0)
         if lib.ft_attn(ctypes.addressof(p)) != 0:
             raise ValueError(lib.ft_last_error().decode())
     return out

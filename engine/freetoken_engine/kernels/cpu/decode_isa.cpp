@@ -144,7 +144,8 @@ void attn(const FtAttn* p, int64_t i0, int64_t i1, float* scratch) {
     for (int64_t hq = h0; hq < h1; ++hq)
       norm_rope<B16>(x + hq * d * es, p->qn_w, p->eps, cs, sn, d, p->rot, tmp, qf + hq * d);
     const int64_t len = p->kv_len[b];
-    const int64_t lo = p->window > 0 && len > p->window ? len - p->window : 0;
+    int64_t lo = p->window > 0 && len > p->window ? len - p->window : 0;
+    if (p->chunk > 0 && (len - 1) / p->chunk * p->chunk > lo) lo = (len - 1) / p->chunk * p->chunk;
     const int64_t* idx = p->kv_index + b * p->lmax;
     for (int64_t g = h0 / grp; g * grp < h1; ++g) {
       const int64_t q0 = (h0 > g * grp ? h0 : g * grp) - g * grp;

@@ -116,6 +116,7 @@ struct FtAttn {
   int64_t hsplit;               // set by ft_attn: each row's query heads in this many work items
   const float* sinks;           // [h] fp32 attention sinks (one more logit in each softmax's
                                 // denominator, no value), or null
+  int64_t chunk;                // a query sees only its own chunk of this many positions (0: none)
 };
 
 typedef void (*ft_norm_fn)(const FtNorm*);

@@ -80,8 +80,9 @@ def _rope_write_kernel(qkv, qw, kw, cos, sin, slots, q_out, k_cache, v_cache, ep
 
 @triton.jit
 def _attention_part_kernel(q_ptr, k_cache, v_cache, kv_index, kv_len, part_m, part_l, part_acc, scale, window,
-                           idx_stride, chunk, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
-                           D: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr):
+                           idx_stride, chunk, span, H: tl.constexpr, KVH: tl.constexpr, G: tl.constexpr,
+                           D: tl.constexpr, BN: tl.constexpr, WINDOW: tl.constexpr, BD: tl.constexpr,
+                           SPAN: tl.constexpr):
     b = tl.program_id(0)
     hq = tl.program_id(1)
     sp = tl.program_id(2)
@@ -94,6 +95,8 @@ def _attention_part_kernel(q_ptr, k_cache, v_cache, kv_index, kv_len, part_m, pa
     lo = n * 0
     if WINDOW:
         lo = tl.maximum(n - window, 0)
+    if SPAN:                                   # Llama 4's chunks: the keys of the token's own
+        lo = tl.maximum(lo, (n - 1) // span * span)
     begin = tl.maximum(lo, sp * chunk)
     end = tl.minimum(n, sp * chunk + chunk)
     m_i = tl.max(tl.full([BN], float("-inf"), tl.float32), 0)
@@ -153,14 +156,16 @@ def decode_attention(qkv: torch.Tensor, h: int, kvh: int, d: int, q_norm: torch.
                      k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                      kv_index: torch.Tensor, kv_len: torch.Tensor, window: int | None, scale: float,
-                     write_first: bool = True, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     write_first: bool = True, sinks: torch.Tensor | None = None,
+                     chunk: int | None = None) -> torch.Tensor:
     """qkv [T, (h + 2 kvh) d] of T decode tokens (token t is sequence t) -> attention output
     [T, h d]; writes the new K/V at ``slot_mapping`` first (every row's, in its own launch, so
     ``write_first`` always holds: rows of one sequence see each other's keys). ``q_norm`` / ``k_norm``: per-head
     RMSNorm weights [d] or None; cos / sin [T, 1, r] from ``Rotary.cos_sin`` (the first r <= d
     dimensions of each head rotate); kv_index [T, L]
     the pool slots of each sequence's keys, kv_len [T] how many it has after this token;
-    ``sinks [h]``: a logit per query head in each softmax's denominator, or None."""
+    ``sinks [h]``: a logit per query head in each softmax's denominator, or None; ``chunk``: a
+    token sees only the keys of its own chunk of that many positions (Llama 4), or None."""
     t = qkv.shape[0]
     if qkv.stride(-1) != 1 or t == 0:
         raise ValueError(f"qkv must be a non-empty row-major [T, (h + 2 kvh) d], got {tuple(qkv.shape)}")
@@ -173,15 +178,15 @@ def decode_attention(qkv: torch.Tensor, h: int, kvh: int, d: int, q_norm: torch.
                                      V_IS_K=v_cache.data_ptr() == k_cache.data_ptr())
     out = torch.empty((t, h * d), dtype=qkv.dtype, device=qkv.device)
     width = kv_index.shape[1]                  # keys any sequence may have (a graph's bucket)
-    chunk = max(MIN_CHUNK, next_pow2(-(-width // MAX_SPLITS)))
-    splits = -(-width // chunk)
+    chunk_keys = max(MIN_CHUNK, next_pow2(-(-width // MAX_SPLITS)))
+    splits = -(-width // chunk_keys)
     part_m = torch.empty((t * h * splits,), dtype=torch.float32, device=qkv.device)
     part_l = torch.empty_like(part_m)
     part_acc = torch.empty((t * h * splits, d), dtype=torch.float32, device=qkv.device)
     _attention_part_kernel[(t, h, splits)](q, k_cache, v_cache, kv_index, kv_len, part_m, part_l, part_acc,
-                                           float(scale), int(window or 0), kv_index.stride(0), chunk, H=h,
-                                           KVH=kvh, G=h // kvh, D=d, BN=BLOCK_N, WINDOW=window is not None,
-                                           BD=next_pow2(d))
+                                           float(scale), int(window or 0), kv_index.stride(0), chunk_keys,
+                                           int(chunk or 1), H=h, KVH=kvh, G=h // kvh, D=d, BN=BLOCK_N,
+                                           WINDOW=window is not None, BD=next_pow2(d), SPAN=chunk is not None)
     sink = part_m if sinks is None else sinks.float().contiguous()
     _attention_merge_kernel[(t * h,)](part_m, part_l, part_acc, out, sink, NS=splits, BS=next_pow2(splits), D=d,
                                       BD=next_pow2(d), H=h, SINKS=sinks is not None)

@@ -1,0 +1,37 @@
+"""Llama 4 (``llama4``, ``llama4_text``): parity with transformers on random checkpoints (the text
+model and the published multimodal wrapper; chunks of 4 positions, half the layers without
+rotary and their queries tempered, one expert a token whose weight scales its input) is in
+test_parity.py, through the expert cache in test_expert_cache.py; here the packed folder and the
+configs' refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from freetoken_engine import LLM
+from freetoken_engine.errors import ConfigError
+from freetoken_engine.packed import INDEX_NAME
+from test_parity import packed_and_cached
+from tiny_models import copy_folder
+
+
+def test_a_packed_wrapper_folder_leaves_the_vision_tower_out_and_gives_the_same_tokens(tiny_checkpoint, tmp_path):
+    src = tiny_checkpoint("llama4")
+    packed_and_cached(src, tmp_path / "packed")
+    index = (tmp_path / "packed" / INDEX_NAME).read_text()
+    assert "language_model.model.layers.0.self_attn.q_proj.weight" in index
+    assert "vision_model." not in index and "multi_modal_projector." not in index
+
+
+@pytest.mark.parametrize("change,needle", [
+    (dict(num_experts_per_tok=2), "routing that scales the experts' input takes one expert a token; "
+                                  "num_experts_per_tok is 2"),
+    (dict(no_rope_layers=[1, 0]), "no_rope_layers must name each of the 4 layers"),
+])
+def test_a_config_the_engine_cannot_run_fails_with_what_to_fix(tiny_checkpoint, tmp_path, change, needle):
+    folder = copy_folder(tiny_checkpoint("llama4_text"), tmp_path / "p")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(dict(cfg, **change)))
+    with pytest.raises(ConfigError, match=needle):
+        LLM(folder)
