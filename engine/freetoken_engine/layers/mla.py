@@ -60,7 +60,7 @@ class LatentAttention(Attention):
         self.h, self.kvh, self.d = cfg.num_heads, 1, a.cache_dim
         self.gated, self.gate_proj, self.qk_norm, self.clip, self.sinks = False, None, "none", None, None
         self.window = cfg.sliding_window[layer] if cfg.sliding_window else None
-        self.chunk = None
+        self.chunk = self.temper = None
         self.rotary = rotary
         self.scale = cfg.rope.softmax_scale(a.nope_dim + a.rope_dim)
         self.gate = None
