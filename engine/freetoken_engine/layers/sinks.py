@@ -35,12 +35,18 @@ def attend(attn, qp: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mas
     b, h, q_max, _ = qp.shape
     length = keys.shape[2]
     if FLASH_LSE and qp.device.type == "cpu" and qp.dtype in (torch.float32, torch.bfloat16):
-        g = h // keys.shape[1]
-        bias = None if mask is None else torch.zeros(mask.shape, dtype=qp.dtype).masked_fill(~mask, float("-inf"))
+        # each KV head's g query heads as g x Q query rows of one head (the kernel takes no groups):
+        # no key or value is repeated, the mask's rows are, once per query head of the group
+        kvh = keys.shape[1]
+        g = h // kvh
+        bias = None
+        if mask is not None:
+            bias = torch.zeros(mask.shape, dtype=qp.dtype).masked_fill(~mask, float("-inf"))
+            bias = bias.expand(b, 1, q_max, length).repeat(1, 1, g, 1)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qp, keys.repeat_interleave(g, 1), values.repeat_interleave(g, 1), attn_mask=bias, scale=attn.scale)
-        share = torch.sigmoid(lse - attn.sinks.float().view(1, h, 1))            # [B, h, Q]
-        return (out.float() * share[..., None]).to(qp.dtype)
+            qp.reshape(b, kvh, g * q_max, -1), keys, values, attn_mask=bias, scale=attn.scale)
+        share = torch.sigmoid(lse.reshape(b, h, q_max) - attn.sinks.float().view(1, h, 1))
+        return (out.reshape(qp.shape).float() * share[..., None]).to(qp.dtype)
     if lower_right:                     # a chunk's causal triangle, its last query at the last key
         mask = attn._allowed(torch.arange(length - q_max, length, device=qp.device), length)[None, None]
     rows = max(1, BLOCK_BYTES // (4 * b * h * length))
