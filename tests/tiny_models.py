@@ -168,6 +168,11 @@ MOE = {
                                        attn_scale=0.5)),
     # ... as published: the multimodal wrapper (``language_model.*``, a vision tower left unread)
     "llama4": LLAMA4,
+    # ERNIE-4.5-VL served as text: text experts (16 wide) then vision experts (8 wide) in each MoE
+    # layer, a router and a correction-bias row per set; the 3-D rotary's sections
+    "ernie4_5_vl_moe": dict(intermediate_size=64, num_hidden_layers=3, moe_intermediate_size=[16, 8], moe_k=2,
+                            moe_num_experts=8, moe_num_shared_experts=1,
+                            rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2])),
     # Phi-3.5-MoE: LayerNorms with biases, q/k/v/o and LM-head biases, sparsemixer routing (its
     # near-tie masking wide enough here to keep several experts in a softmax), the longrope rotary
     # (short factors below 256 positions, long ones after; mscales as published, one per side)
@@ -180,7 +185,7 @@ MOE = {
 SUPPORTED = tuple(MOE)
 # the random correction bias of a biased router, on the scale of its scores (sigmoid: 0..1;
 # softmax over 8 experts: about 1/8)
-BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "lfm2_moe": 0.3, "glm4v_moe": 0.3, "ernie4_5_moe": 0.05, "minimax_m2": 0.3,
+BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "lfm2_moe": 0.3, "glm4v_moe": 0.3, "ernie4_5_moe": 0.05, "ernie4_5_vl_moe": 0.05, "minimax_m2": 0.3,
             "deepseek_v3": 0.3, "glm4_moe_lite": 0.3, "kimi_linear": 0.3,
             "minicpm5_moe": 0.3, "sarvam_moe": 0.3, "param2moe": 0.3}
 # multimodal families: their vision tower's config
@@ -189,6 +194,8 @@ VISION = {"glm4v_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_h
           "qwen3_vl_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
                                patch_size=2, temporal_patch_size=1, spatial_merge_size=1, num_position_embeddings=16,
                                deepstack_visual_indexes=[0]),
+          "ernie4_5_vl_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2,
+                                  spatial_merge_size=1),
           "llama4": dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
                          patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)}
 
@@ -245,6 +252,7 @@ def _classes(model_type: str):
         "qwen3_5_moe_text": (T.Qwen3_5MoeTextConfig, T.Qwen3_5MoeForCausalLM),
         "phimoe": (T.PhimoeConfig, T.PhimoeForCausalLM),
         "llama4_text": (T.Llama4TextConfig, T.Llama4ForCausalLM),
+        "ernie4_5_vl_moe": (T.Ernie4_5_VLMoeConfig, T.Ernie4_5_VLMoeForConditionalGeneration),
         "llama4": (T.Llama4Config, T.Llama4ForConditionalGeneration),
         "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM),
         "olmo3": (T.Olmo3Config, T.Olmo3ForCausalLM),
