@@ -3,7 +3,8 @@ together, or beside decode tokens: what the scheduler runs when a request arrive
 decode) attends each chunk over its own keys and the single tokens together
 (``Attention._by_sequence``), instead of padding every sequence to the longest chunk and the
 longest context. Each sequence gets the logits it gets in a pass of its own through the padded
-path (``Attention.by_sequence = False``, which matches transformers: tests/engine/test_parity.py)."""
+path (``Attention.by_sequence = False``, which matches transformers: tests/engine/test_parity.py),
+with Llama 4's chunked layers and Granite swash's sinks too."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +16,11 @@ from mixed_pass import alone_and_mixed
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["decode-kernel", "matmul"])
 @pytest.mark.parametrize("sdpa", [True, False])
-@pytest.mark.parametrize("model_type,overrides", [("qwen3_moe", {}), ("mixtral", {"sliding_window": 5})])
+@pytest.mark.parametrize("model_type,overrides", [
+    ("qwen3_moe", {}), ("mixtral", {"sliding_window": 5}),
+    ("llama4_text", {}),        # chunks of 4 positions, tempered queries, L2 q/k norms
+    ("granitemoe_swa", {}),     # attention sinks beside windows of 4
+])
 def test_a_mixed_pass_gives_each_sequence_its_own_logits(tiny_checkpoint, monkeypatch, model_type, overrides, sdpa,
                                                           kernel):
     """The decode tokens go through the fused decode kernel over the paged pool (``kernel``), or,
