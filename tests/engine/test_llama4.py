@@ -5,13 +5,16 @@ test_parity.py, through the expert cache in test_expert_cache.py; here the packe
 configs' refusals."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from freetoken_engine import LLM
+from freetoken_engine import LLM, SamplingParams
+from freetoken_engine.config import EngineConfig
 from freetoken_engine.errors import ConfigError
 from freetoken_engine.packed import INDEX_NAME
+from freetoken_engine.scheduler.service import EngineService
 from test_parity import packed_and_cached
 from tiny_models import copy_folder
 
@@ -35,3 +38,21 @@ def test_a_config_the_engine_cannot_run_fails_with_what_to_fix(tiny_checkpoint, 
     (folder / "config.json").write_text(json.dumps(dict(cfg, **change)))
     with pytest.raises(ConfigError, match=needle):
         LLM(folder)
+
+
+async def test_concurrent_requests_in_odd_prefill_chunks_equal_each_alone(tiny_checkpoint):
+    """Prompts prefilled 3 tokens at a time (so a pass's chunks start inside a 4-position attention
+    chunk) beside other requests' decode steps: each request's tokens are its tokens alone."""
+    folder = tiny_checkpoint("llama4_text")
+    prompts = [[(7 * i + j) % 300 + 3 for j in range(5 + 3 * i)] for i in range(5)]
+    greedy = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    llm = LLM(folder)
+    alone = [llm.generate(p, greedy).token_ids for p in prompts]
+    svc = EngineService.start(EngineConfig(model=folder, max_batch=4, prefill_chunk=3), wait=True)
+    try:
+        async def run(ids):
+            return [ev.token_id async for ev in svc.submit(ids, greedy) if ev.token_id is not None]
+        got = await asyncio.gather(*(run(p) for p in prompts))
+    finally:
+        svc.shutdown()
+    assert got == alone
