@@ -4,17 +4,15 @@ without position encoding, two bases, a window of 4) is in test_parity.py; here 
 every attention path of the engine, the configs' refusals, and Granite's default multiplier."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 import torch
 
 from freetoken_engine import LLM, SamplingParams
-from freetoken_engine.config import EngineConfig
 from freetoken_engine.errors import ConfigError
 from freetoken_engine.layers import sinks as S
-from freetoken_engine.scheduler.service import EngineService
+from served import served_tokens
 from test_parity import check
 from tiny_models import copy_folder, load_reference
 
@@ -56,13 +54,7 @@ async def test_concurrent_requests_with_sinks_equal_each_alone(tiny_checkpoint):
     prompts = [LONG[:6 + 3 * i] for i in range(6)]
     llm = LLM(folder)
     alone = [llm.generate(p, GREEDY).token_ids for p in prompts]
-    svc = EngineService.start(EngineConfig(model=folder, max_batch=4, prefill_chunk=8), wait=True)
-    try:
-        async def run(ids):
-            return [ev.token_id async for ev in svc.submit(ids, GREEDY) if ev.token_id is not None]
-        got = await asyncio.gather(*(run(p) for p in prompts))
-    finally:
-        svc.shutdown()
+    got = await served_tokens(folder, prompts, GREEDY, max_batch=4, prefill_chunk=8)
     assert got == alone
 
 

@@ -5,16 +5,14 @@ test_parity.py, through the expert cache in test_expert_cache.py; here the packe
 configs' refusals."""
 from __future__ import annotations
 
-import asyncio
 import json
 
 import pytest
 
 from freetoken_engine import LLM, SamplingParams
-from freetoken_engine.config import EngineConfig
 from freetoken_engine.errors import ConfigError
 from freetoken_engine.packed import INDEX_NAME
-from freetoken_engine.scheduler.service import EngineService
+from served import served_tokens
 from test_parity import packed_and_cached
 from tiny_models import copy_folder
 
@@ -48,11 +46,5 @@ async def test_concurrent_requests_in_odd_prefill_chunks_equal_each_alone(tiny_c
     greedy = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
     llm = LLM(folder)
     alone = [llm.generate(p, greedy).token_ids for p in prompts]
-    svc = EngineService.start(EngineConfig(model=folder, max_batch=4, prefill_chunk=3), wait=True)
-    try:
-        async def run(ids):
-            return [ev.token_id async for ev in svc.submit(ids, greedy) if ev.token_id is not None]
-        got = await asyncio.gather(*(run(p) for p in prompts))
-    finally:
-        svc.shutdown()
+    got = await served_tokens(folder, prompts, greedy, max_batch=4, prefill_chunk=3)
     assert got == alone
