@@ -173,6 +173,12 @@ MOE = {
     "ernie4_5_vl_moe": dict(intermediate_size=64, num_hidden_layers=3, moe_intermediate_size=[16, 8], moe_k=2,
                             moe_num_experts=8, moe_num_shared_experts=1,
                             rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[1, 1, 2])),
+    # Cohere's MoE: one LayerNorm (weight only) a layer, attention and MLP side by side; sliding layers
+    # rotating Cohere's interleaved pairs, the global ones nothing but the dense prefix's; shared
+    # experts averaged with the routed ones; the logits scaled
+    "cohere2_moe": dict(intermediate_size=16, prefix_dense_intermediate_size=48, num_hidden_layers=5, num_experts=8,
+                        num_experts_per_tok=2, num_shared_experts=1, first_k_dense_replace=1, sliding_window=4,
+                        sliding_window_pattern=2, head_dim=8, logit_scale=0.5),
     # Phi-3.5-MoE: LayerNorms with biases, q/k/v/o and LM-head biases, sparsemixer routing (its
     # near-tie masking wide enough here to keep several experts in a softmax), the longrope rotary
     # (short factors below 256 positions, long ones after; mscales as published, one per side)
@@ -251,6 +257,7 @@ def _classes(model_type: str):
         "param2moe": (T.Param2MoeConfig, T.Glm4MoeForCausalLM),
         "qwen3_5_moe_text": (T.Qwen3_5MoeTextConfig, T.Qwen3_5MoeForCausalLM),
         "phimoe": (T.PhimoeConfig, T.PhimoeForCausalLM),
+        "cohere2_moe": (T.Cohere2MoeConfig, T.Cohere2MoeForCausalLM),
         "llama4_text": (T.Llama4TextConfig, T.Llama4ForCausalLM),
         "ernie4_5_vl_moe": (T.Ernie4_5_VLMoeConfig, T.Ernie4_5_VLMoeForConditionalGeneration),
         "llama4": (T.Llama4Config, T.Llama4ForConditionalGeneration),

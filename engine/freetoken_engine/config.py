@@ -120,6 +120,9 @@ class MoeConfig:
     # the routing weight scales each routed expert's input, not its output (Llama 4, one expert a
     # token: scoring "sigmoid" over the top logits, no bias)
     scale_input: bool = False
+    # the layer's output is the mean of the routed sum and the shared experts', not their sum
+    # (Cohere's ``shared_expert_combination_strategy: average``)
+    average_shared: bool = False
     layers: tuple[int, ...] = ()       # decoder layers whose MLP is sparse
     # a group's worth, for group-limited choice: the sum of its two best scores ("top2": DeepSeek-V3,
     # GLM) or its best one ("max": DeepSeek-V2's group_limited_greedy)
@@ -253,7 +256,11 @@ class ModelConfig:
     # LayerNorm with a bias (mean removed) wherever the others RMS-norm the hidden state: each
     # layer's two norms and the final one (Phi-3.5-MoE); the LM head with a bias
     layer_norm: bool = False
+    layer_norm_bias: bool = True         # False: LayerNorm with a weight only (Cohere)
     lm_head_bias: bool = False
+    # the attention and the MLP both read the layer's one normed input, their outputs added to
+    # the residual together (Cohere: no post-attention norm)
+    parallel_block: bool = False
     # a learned logit per query head in every attention softmax's denominator ("attention sinks":
     # Granite swash, gpt-oss): the weights of a query's keys sum to less than one
     attn_sinks: bool = False

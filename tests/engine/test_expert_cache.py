@@ -50,6 +50,7 @@ def checked(llm: LLM) -> LLM:
     ("flex_olmo", "some", (0.0, 0.5)),
     ("llama4_text", "some", (0.0, 0.5, 1.0)),
     ("ernie4_5_vl_moe", "some", (0.5,)),
+    ("cohere2_moe", "some", (0.0, 0.5)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)

@@ -101,9 +101,12 @@ class SparseMoE(nn.Module):
         if self.moe.scoring == "sparsemixer":
             weights, ids = sparsemixer(logits, self.moe.jitter_eps)
             return weights.to(x.dtype), ids
-        if self.moe.scoring == "sigmoid":                 # Llama 4: sigmoid of the top logits, no bias
+        if self.moe.scoring == "sigmoid":                 # Llama 4, Cohere: sigmoid of the top logits, no bias
             top, ids = torch.topk(logits, self.moe.top_k, dim=-1)
-            return torch.sigmoid(top.float()).to(x.dtype), ids
+            weights = torch.sigmoid(top.float())
+            if self.moe.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights.to(x.dtype), ids
         if gpu is not None and gpu.supported(logits, self.moe.top_k):     # one launch
             return gpu.route(logits, self.moe.top_k, self.moe.scoring != "unit", self.moe.norm_topk_prob, x.dtype)
         if self.moe.scoring == "unit":
@@ -126,12 +129,14 @@ class SparseMoE(nn.Module):
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-        return shared
+        return shared * 0.5 if self.moe.average_shared else shared
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The layer's output for x [T, H], plus ``residual`` when given (the decoder's residual
         add, fused into the combine on a GPU)."""
         weights, ids = self.route(x)
+        if self.moe.average_shared:       # Cohere: the mean of the routed and the shared outputs
+            weights = weights * 0.5
         routed = x
         if self.moe.scale_input:          # Llama 4: the weight scales the (one) expert's input
             routed, weights = x * weights, torch.ones_like(weights)

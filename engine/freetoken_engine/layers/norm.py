@@ -36,13 +36,13 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """``nn.LayerNorm`` with a weight and a bias (Phi-3.5-MoE's norms), under ``RMSNorm``'s
-    interface; torch's own kernel on every device (its statistics in float32)."""
+    """``nn.LayerNorm`` with a weight and a bias (Phi-3.5-MoE's norms) or a weight only (Cohere's),
+    under ``RMSNorm``'s interface; torch's own kernel on every device (its statistics in float32)."""
 
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, bias: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,6 +65,6 @@ class L2Norm(nn.Module):
         return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def hidden_norm(dim: int, eps: float, layer_norm: bool) -> RMSNorm | LayerNorm:
-    """The norm a model applies to its hidden state (``ModelConfig.layer_norm``)."""
-    return (LayerNorm if layer_norm else RMSNorm)(dim, eps)
+def hidden_norm(dim: int, eps: float, layer_norm: bool, bias: bool = True) -> RMSNorm | LayerNorm:
+    """The norm a model applies to its hidden state (``ModelConfig.layer_norm``, ``layer_norm_bias``)."""
+    return LayerNorm(dim, eps, bias) if layer_norm else RMSNorm(dim, eps)

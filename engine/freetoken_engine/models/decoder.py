@@ -34,7 +34,7 @@ class DecoderLayer(nn.Module):
         if self.post_norms:
             self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         else:
-            self.input_layernorm = hidden_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm)
+            self.input_layernorm = hidden_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm, cfg.layer_norm_bias)
         if i in cfg.linear_layers:           # a hybrid model's recurrent layer: no KV
             self.self_attn = None
             index = cfg.linear_layers.index(i)
@@ -48,7 +48,10 @@ class DecoderLayer(nn.Module):
                 self.linear_attn = GatedDeltaNet(cfg.hidden_size, cfg.linear, index, cfg.rms_norm_eps)
         else:
             self.self_attn = (Attention if cfg.mla is None else LatentAttention)(cfg, i, rotary)
-        self.post_attention_layernorm = hidden_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm)
+        self.parallel = cfg.parallel_block   # Cohere: one norm, attention and MLP side by side
+        if not self.parallel:
+            self.post_attention_layernorm = hidden_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm,
+                                                        cfg.layer_norm_bias)
         self.sandwich = cfg.sandwich_norms       # post_attention_layernorm norms the attention's output
         if self.sandwich:
             self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -64,6 +67,8 @@ class DecoderLayer(nn.Module):
             return h + self.post_feedforward_layernorm(self.mlp(h))
         x = self.input_layernorm(h)
         a = self.linear_attn(x, batch) if self.self_attn is None else self.self_attn(x, batch, cos, sin, k_cache, v_cache)
+        if self.parallel:
+            return self.mlp(x, residual=h + a)
         if self.sandwich:
             h, x = self.pre_mlp_layernorm.add_forward(self.post_attention_layernorm(a), h)
             return h + self.post_mlp_layernorm(self.mlp(x))
@@ -76,7 +81,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
-        self.norm = hidden_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm)
+        self.norm = hidden_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm, cfg.layer_norm_bias)
 
 
 class MtpHead(nn.Module):
