@@ -3,14 +3,13 @@ LayerNorm) is in test_parity.py's every-family suites; here the config's other c
 transformers, and the refusals."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from freetoken_engine import LLM
 from freetoken_engine.errors import ConfigError
 from test_parity import check
-from tiny_models import copy_folder
+from tiny_models import edited_config
 
 
 @pytest.mark.parametrize("overrides", [
@@ -29,8 +28,6 @@ def test_each_config_choice_gives_transformers_tokens(tiny_checkpoint, overrides
     (dict(shared_expert_combination_strategy="max"), "shared_expert_combination_strategy 'max'"),
 ])
 def test_a_choice_the_engine_does_not_know_fails_with_what_to_fix(tiny_checkpoint, tmp_path, change, needle):
-    folder = copy_folder(tiny_checkpoint("cohere2_moe"), tmp_path / "p")
-    cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(dict(cfg, **change)))
+    folder = edited_config(tiny_checkpoint("cohere2_moe"), tmp_path / "p", lambda cfg: cfg.update(change))
     with pytest.raises(ConfigError, match=needle):
         LLM(folder)

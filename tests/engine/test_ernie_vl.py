@@ -9,7 +9,7 @@ import json
 from freetoken_engine import LLM, SamplingParams
 from freetoken_engine.packed import INDEX_NAME
 from test_parity import PROMPT, packed_and_cached
-from tiny_models import copy_folder
+from tiny_models import edited_config
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
@@ -19,12 +19,13 @@ def test_the_published_config_form_gives_the_same_tokens(tiny_checkpoint, tmp_pa
     layers by ``moe_layer_start_index``, where transformers writes ``mlp_layer_types``."""
     src = tiny_checkpoint("ernie4_5_vl_moe")
     want = LLM(src).generate(PROMPT, GREEDY).token_ids
-    folder = copy_folder(src, tmp_path / "p")
-    cfg = json.loads((folder / "config.json").read_text())
-    text = cfg["text_config"]
-    assert text.pop("mlp_layer_types") == ["dense", "sparse", "sparse"]
-    text.update(moe_layer_start_index=1, moe_num_experts=[text["moe_num_experts"]] * 2)
-    (folder / "config.json").write_text(json.dumps(cfg))
+    text = json.loads((src / "config.json").read_text())["text_config"]
+    assert text["mlp_layer_types"] == ["dense", "sparse", "sparse"]
+
+    def published(cfg):
+        del cfg["text_config"]["mlp_layer_types"]
+        cfg["text_config"].update(moe_layer_start_index=1, moe_num_experts=[text["moe_num_experts"]] * 2)
+    folder = edited_config(src, tmp_path / "p", published)
     llm = LLM(folder)
     assert llm.runner.mcfg.moe.layers == (1, 2) and llm.runner.mcfg.moe.num_experts == 8
     assert llm.generate(PROMPT, GREEDY).token_ids == want

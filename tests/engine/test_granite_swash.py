@@ -4,7 +4,6 @@ without position encoding, two bases, a window of 4) is in test_parity.py; here 
 every attention path of the engine, the configs' refusals, and Granite's default multiplier."""
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from freetoken_engine.errors import ConfigError
 from freetoken_engine.layers import sinks as S
 from served import served_tokens
 from test_parity import check
-from tiny_models import copy_folder, load_reference
+from tiny_models import edited_config, load_reference
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 LONG = [(11 * i) % 300 + 3 for i in range(40)]
@@ -64,10 +63,8 @@ async def test_concurrent_requests_with_sinks_equal_each_alone(tiny_checkpoint):
     ("10000", "layer_rope_theta must be a list of numbers"),
 ])
 def test_a_broken_layer_rope_theta_fails_with_what_to_fix(tiny_checkpoint, tmp_path, thetas, needle):
-    folder = copy_folder(tiny_checkpoint("granitemoe_swa"), tmp_path / "p")
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["layer_rope_theta"] = thetas
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = edited_config(tiny_checkpoint("granitemoe_swa"), tmp_path / "p",
+                           lambda cfg: cfg.update(layer_rope_theta=thetas))
     with pytest.raises(ConfigError, match=needle):
         LLM(folder)
 
@@ -75,9 +72,7 @@ def test_a_broken_layer_rope_theta_fails_with_what_to_fix(tiny_checkpoint, tmp_p
 def test_a_granite_config_without_attention_multiplier_scales_as_transformers_does(tiny_checkpoint, tmp_path):
     """transformers' Granite configs default ``attention_multiplier`` to 1.0 (not head_dim ** -0.5):
     a config that leaves it out reads as transformers reads it."""
-    folder = copy_folder(tiny_checkpoint("granitemoeshared"), tmp_path / "p")
-    cfg = json.loads((folder / "config.json").read_text())
-    del cfg["attention_multiplier"]
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = edited_config(tiny_checkpoint("granitemoeshared"), tmp_path / "p",
+                           lambda cfg: cfg.pop("attention_multiplier"))
     assert LLM(folder).runner.mcfg.attention_multiplier == 1.0
     check(folder, n_new=8)

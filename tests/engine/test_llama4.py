@@ -5,7 +5,6 @@ test_parity.py, through the expert cache in test_expert_cache.py; here the packe
 configs' refusals."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
@@ -14,7 +13,7 @@ from freetoken_engine.errors import ConfigError
 from freetoken_engine.packed import INDEX_NAME
 from served import served_tokens
 from test_parity import packed_and_cached
-from tiny_models import copy_folder
+from tiny_models import edited_config
 
 
 def test_a_packed_wrapper_folder_leaves_the_vision_tower_out_and_gives_the_same_tokens(tiny_checkpoint, tmp_path):
@@ -31,9 +30,7 @@ def test_a_packed_wrapper_folder_leaves_the_vision_tower_out_and_gives_the_same_
     (dict(no_rope_layers=[1, 0]), "no_rope_layers must name each of the 4 layers"),
 ])
 def test_a_config_the_engine_cannot_run_fails_with_what_to_fix(tiny_checkpoint, tmp_path, change, needle):
-    folder = copy_folder(tiny_checkpoint("llama4_text"), tmp_path / "p")
-    cfg = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps(dict(cfg, **change)))
+    folder = edited_config(tiny_checkpoint("llama4_text"), tmp_path / "p", lambda cfg: cfg.update(change))
     with pytest.raises(ConfigError, match=needle):
         LLM(folder)
 

@@ -3,22 +3,13 @@
 weights too, is in test_parity.py; here OLMo 3's two config forms and the refusals."""
 from __future__ import annotations
 
-import json
 
 import pytest
 
 from freetoken_engine import LLM
 from freetoken_engine.errors import ConfigError
 from test_parity import check
-from tiny_models import copy_folder
-
-
-def _with_config(src, dst, change):
-    folder = copy_folder(src, dst)
-    cfg = json.loads((folder / "config.json").read_text())
-    change(cfg)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
+from tiny_models import edited_config
 
 
 def test_olmo3_flat_rope_scaling_scales_the_full_layers_only(tiny_checkpoint, tmp_path):
@@ -29,7 +20,7 @@ def test_olmo3_flat_rope_scaling_scales_the_full_layers_only(tiny_checkpoint, tm
         cfg["rope_theta"] = 500000.0
         cfg["rope_scaling"] = dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=128)
         del cfg["rope_parameters"]
-    folder = _with_config(tiny_checkpoint("olmo3"), tmp_path / "flat", flat)
+    folder = edited_config(tiny_checkpoint("olmo3"), tmp_path / "flat", flat)
     check(folder, n_new=8)
     cfg = LLM(folder).runner.mcfg
     assert [r.type for r in cfg.layer_ropes] == ["default", "default", "default", "yarn"]
@@ -37,14 +28,14 @@ def test_olmo3_flat_rope_scaling_scales_the_full_layers_only(tiny_checkpoint, tm
 
 
 def test_olmo3_without_a_rotary_for_a_layer_kind_fails_with_what_to_fix(tiny_checkpoint, tmp_path):
-    folder = _with_config(tiny_checkpoint("olmo3"), tmp_path / "p",
+    folder = edited_config(tiny_checkpoint("olmo3"), tmp_path / "p",
                           lambda cfg: cfg["rope_parameters"].pop("full_attention"))
     with pytest.raises(ConfigError, match="rope_parameters names no rotary for full_attention layers"):
         LLM(folder)
 
 
 def test_olmo3_layer_types_must_name_each_layer(tiny_checkpoint, tmp_path):
-    folder = _with_config(tiny_checkpoint("olmo3"), tmp_path / "p",
+    folder = edited_config(tiny_checkpoint("olmo3"), tmp_path / "p",
                           lambda cfg: cfg.update(layer_types=["sliding_attention", "global"]))
     with pytest.raises(ConfigError, match="layer_types must name each of the 4 layers one of sliding_attention, "
                                           "full_attention"):

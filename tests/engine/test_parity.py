@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from freetoken_engine import LLM, SamplingParams
-from tiny_models import SUPPORTED, copy_folder, load_reference, make_tiny_checkpoint, uneven_norms
+from tiny_configs import SUPPORTED
+from tiny_models import copy_folder, load_reference, make_tiny_checkpoint, uneven_norms
 
 PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
 

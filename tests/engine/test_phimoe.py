@@ -4,7 +4,6 @@ test_parity.py and the other every-family suites; here each part against transfo
 function, the published config's form, and the refusals."""
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ from freetoken_engine.layers.norm import LayerNorm
 from freetoken_engine.layers.rope import Rotary
 from freetoken_engine.models import family
 from test_parity import PROMPT, check, packed_and_cached
-from tiny_models import copy_folder, uneven_norms
+from tiny_models import copy_folder, edited_config, uneven_norms
 
 GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
 
@@ -106,10 +105,7 @@ def test_a_published_phi35_moe_config_reads_as_its_parts():
     (lambda p: p.update(short_factor=[1.0] * 3, long_factor=[1.0] * 3), "name 3 frequencies; the rotary has 4"),
 ])
 def test_a_broken_longrope_fails_with_what_to_fix(tiny_checkpoint, tmp_path, change, needle):
-    folder = copy_folder(tiny_checkpoint("phimoe"), tmp_path / "p")
-    cfg = json.loads((folder / "config.json").read_text())
-    change(cfg["rope_parameters"])
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = edited_config(tiny_checkpoint("phimoe"), tmp_path / "p", lambda cfg: change(cfg["rope_parameters"]))
     with pytest.raises(ConfigError, match=needle):
         LLM(folder)
 
@@ -169,9 +165,7 @@ def test_the_long_factors_rotate_from_the_original_context_on_and_only_there(tin
     llm = LLM(folder, max_context=512)
     short, long = llm.prefill_logits(ids[:200]), llm.prefill_logits(ids)
     assert (llm.forward_logits(ids) - long).abs().max() < 1e-4
-    cfg = json.loads((folder / "config.json").read_text())
-    cfg["rope_parameters"]["long_factor"] = [3.0, 5.0, 9.0, 20.0]
-    (folder / "config.json").write_text(json.dumps(cfg))
-    other = LLM(folder, max_context=512)
+    other = LLM(edited_config(folder, tmp_path / "q", lambda cfg: cfg["rope_parameters"].update(
+        long_factor=[3.0, 5.0, 9.0, 20.0])), max_context=512)
     assert torch.equal(other.prefill_logits(ids[:200]), short)
     assert (other.prefill_logits(ids) - long).abs().max() > 1e-2
