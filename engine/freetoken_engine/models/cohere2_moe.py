@@ -9,14 +9,10 @@ weighted by their softmax (or, ``expert_selection_fn: sigmoid``, their sigmoids,
 (``shared_expert_combination_strategy``); the logits times ``logit_scale``."""
 from __future__ import annotations
 
-import re
-
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .ernie4_5_moe import _halves
-from .hf import Family, base, layer_kinds, moe, need, shared_experts
+from .hf import Family, base, interleaved_rotary, layer_kinds, moe, need, shared_experts
 
-_QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias)$")
 
 
 def parse(raw: dict) -> ModelConfig:
@@ -56,9 +52,7 @@ def _default_kinds(raw: dict, layers: int, dense: int) -> list[str]:
 
 
 def _source(cfg: ModelConfig, name: str):
-    if _QK.search(name):
-        return name, lambda t: _halves(t, cfg.head_dim)
-    return shared_experts(name)
+    return interleaved_rotary(cfg, name) or shared_experts(name)
 
 
 FAMILY = Family("cohere2_moe", parse, source=_source)

@@ -145,8 +145,11 @@ class DecoderLM(nn.Module):
         h = self.embed(ids)                                               # [T, H]
         cos, sin = self.rotary.cos_sin(batch.positions, h.dtype, batch.max_position)   # [T, 1, d]
         unrotated = (torch.ones_like(cos), torch.zeros_like(sin)) if self.cfg.nope_layers else None
-        self.rotaries()
-        by_rope = {r: rot.cos_sin(batch.positions, h.dtype, batch.max_position) for r, rot in self.other_rotaries.items()}
+        by_rope = {}                                                      # layers with a rotary of their own
+        if self.cfg.layer_ropes:
+            self.rotaries()
+            by_rope = {r: rot.cos_sin(batch.positions, h.dtype, batch.max_position)
+                       for r, rot in self.other_rotaries.items()}
         last = len(self.model.layers) - 1
         for i, layer in enumerate(self.model.layers):
             j = self.kv_of[i]

@@ -24,13 +24,10 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 from ..config import ModelConfig
 from ..errors import ConfigError
-from .hf import Family, base, language_model, layer_kinds, moe, need, shared_experts
+from .hf import Family, base, interleaved_rotary, language_model, layer_kinds, moe, need, shared_experts
 
-_QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias)$")
 _BIAS = re.compile(r"^(.*\.mlp\.)gate\.e_score_correction_bias$")
 _MTP = re.compile(r"(^|\.)mtp")
 
@@ -57,15 +54,10 @@ def parse(raw: dict, sparse: tuple[int, ...] | None = None) -> ModelConfig:
     return ModelConfig(**base(raw, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)), moe=spec))
 
 
-def _halves(t: torch.Tensor, head_dim: int) -> torch.Tensor:
-    """Rows of each head reordered from interleaved pairs to halves."""
-    heads = t.reshape(-1, head_dim // 2, 2, *t.shape[1:])
-    return heads.transpose(1, 2).reshape(t.shape)
-
-
 def _source(cfg: ModelConfig, name: str):
-    if _QK.search(name):
-        return name, lambda t: _halves(t, cfg.head_dim)
+    rows = interleaved_rotary(cfg, name)
+    if rows:
+        return rows
     m = _BIAS.match(name)
     if m:
         return f"{m.group(1)}moe_statics.e_score_correction_bias", lambda t: t.reshape(-1)

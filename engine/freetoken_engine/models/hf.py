@@ -102,6 +102,18 @@ class Family:
 
 
 _SHARED_EXPERT = re.compile(r"^(.*\.mlp\.)shared_expert\.(.*)$")
+_QK = re.compile(r"\.self_attn\.[qk]_proj\.(weight|bias)$")
+
+
+def interleaved_rotary(cfg: ModelConfig, name: str) -> tuple[str, Callable] | None:
+    """A ``Family.source`` rule for checkpoints whose rotary turns interleaved pairs of each head
+    (dimensions 2j, 2j + 1: ERNIE-4.5, Llama 4, Cohere): q_proj's and k_proj's rows (and biases)
+    reordered within each head, ``[0, 2, 4, ...; 1, 3, 5, ...]``, into the engine's halves.
+    Attention scores are sums over a head's dimensions, the same in any order q and k share."""
+    if not _QK.search(name):
+        return None
+    half = cfg.head_dim // 2
+    return name, lambda t: t.reshape(-1, half, 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
 
 
 def shared_experts(name: str) -> tuple[str, Callable] | None:

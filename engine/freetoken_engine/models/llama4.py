@@ -13,10 +13,8 @@ import re
 
 from ..config import ModelConfig, MoeConfig
 from ..errors import ConfigError
-from .ernie4_5_moe import _halves
-from .hf import Family, base, language_model, need
+from .hf import Family, base, interleaved_rotary, language_model, need
 
-_QK = re.compile(r"\.self_attn\.[qk]_proj\.weight$")
 _ROUTER = re.compile(r"^(.*\.mlp\.)gate\.weight$")
 
 
@@ -48,10 +46,8 @@ def parse(raw: dict) -> ModelConfig:
 def _source(cfg: ModelConfig, name: str):
     """q/k rows turned from Meta's interleaved pairs into halves, per head; the router is
     ``feed_forward.router``."""
-    if _QK.search(name):
-        return name, lambda t: _halves(t, cfg.head_dim)
     m = _ROUTER.match(name)
-    return (f"{m.group(1)}router.weight", lambda t: t) if m else None
+    return (f"{m.group(1)}router.weight", lambda t: t) if m else interleaved_rotary(cfg, name)
 
 
 def _vision(cfg: ModelConfig, key: str) -> bool:
