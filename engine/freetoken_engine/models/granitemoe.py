@@ -23,7 +23,7 @@ from dataclasses import replace
 
 from ..config import ModelConfig, RopeConfig
 from ..errors import ConfigError
-from .hf import Family, base, layer_kinds, moe
+from .hf import Family, base, layer_kinds, moe, windows_by_kind
 
 _ROUTER = re.compile(r"^(.*\.mlp\.)gate\.weight$")
 _SHARED = re.compile(r"^(.*\.)mlp\.shared_expert\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -59,12 +59,8 @@ def _swash(raw: dict) -> dict:
     layers = int(raw["num_hidden_layers"])
     kinds = raw.get("layer_types") or ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(layers)]
     kinds = layer_kinds("layer_types", kinds, layers, ("full_attention", "sliding_attention"))
-    window = raw.get("sliding_window", 128)
-    if not window or int(window) < 1:
-        raise ConfigError(f"config.json: sliding_window must be a positive number of tokens, got {window}")
     thetas = raw.get("layer_rope_theta")
-    fields = dict(sliding_window=tuple(int(window) if k == "sliding_attention" else None for k in kinds),
-                  attn_sinks=True)
+    fields = dict(sliding_window=windows_by_kind(raw, kinds, 128), attn_sinks=True)
     if thetas is not None:
         if not isinstance(thetas, list) or not all(isinstance(t, (int, float)) for t in thetas):
             raise ConfigError(f"config.json: layer_rope_theta must be a list of numbers, got {thetas!r}")

@@ -170,6 +170,16 @@ def sliding(raw: dict, layers: int, enabled: bool) -> tuple[int | None, ...]:
     return (window,) * layers
 
 
+def windows_by_kind(raw: dict, kinds: list[str], default: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window: ``sliding_window`` (else ``default``) on the layers ``kinds``
+    names "sliding_attention", none on the others; a ConfigError for a window that is no number of
+    tokens."""
+    window = raw.get("sliding_window", default)
+    if not isinstance(window, (int, float)) or int(window) < 1:
+        raise ConfigError(f"config.json: sliding_window must be a positive number of tokens, got {window}")
+    return tuple(int(window) if k == "sliding_attention" else None for k in kinds)
+
+
 def layer_kinds(name: str, kinds, layers: int, allowed: tuple[str, ...]) -> list[str]:
     """``kinds`` (a per-layer list such as ``layer_types``) when it names each of the ``layers``
     layers one of ``allowed``, else a ConfigError that says so."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig, RopeConfig
 from ..errors import ConfigError
-from .hf import Family, base, layer_kinds, moe
+from .hf import Family, base, layer_kinds, moe, windows_by_kind
 
 _KINDS = ("sliding_attention", "full_attention")
 
@@ -28,12 +28,9 @@ def parse_olmo3(raw: dict) -> ModelConfig:
     layers = int(raw["num_hidden_layers"])
     kinds = raw.get("layer_types") or ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(layers)]
     kinds = layer_kinds("layer_types", kinds, layers, _KINDS)
-    window = raw.get("sliding_window", 4096)
-    if not window or int(window) < 1:
-        raise ConfigError(f"config.json: sliding_window must be a positive number of tokens, got {window}")
     ropes = _ropes(raw)
     return ModelConfig(**base(raw, qk_norm="full", post_norms=True, rope=ropes["full_attention"],
-                              sliding_window=tuple(int(window) if k == "sliding_attention" else None for k in kinds),
+                              sliding_window=windows_by_kind(raw, kinds, 4096),
                               layer_ropes=tuple(ropes[k] for k in kinds)))
 
 
