@@ -164,6 +164,13 @@ MOE = {
                    rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=256,
                                         short_factor=[1.0, 1.3, 2.1, 3.4], long_factor=[1.2, 2.5, 6.0, 11.0],
                                         short_mscale=1.1, long_mscale=1.25)),
+    # gpt-oss: sinks, q/k/v/o biases, sliding layers beside full ones, an untruncated yarn rotary,
+    # a router with a bias, experts with biases (randomised below) and the clamped activation, its
+    # limit low enough here that the clamps bite; I != H / 2 tells the transposed pair apart
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=24, head_dim=8, sliding_window=4,
+                    swiglu_limit=1.0, layer_types=["sliding_attention", "full_attention"],
+                    rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0,
+                                         beta_slow=1.0, truncate=False, original_max_position_embeddings=128)),
 }
 SUPPORTED = tuple(MOE)
 # the random correction bias of a biased router, on the scale of its scores (sigmoid: 0..1;
@@ -228,4 +235,5 @@ def classes(model_type: str):
         "olmo2": (T.Olmo2Config, T.Olmo2ForCausalLM),
         "olmo3": (T.Olmo3Config, T.Olmo3ForCausalLM),
         "flex_olmo": (T.FlexOlmoConfig, T.FlexOlmoForCausalLM),
+        "gpt_oss": (T.GptOssConfig, T.GptOssForCausalLM),
     }[model_type]

@@ -71,6 +71,8 @@ def make_tiny_checkpoint(path, model_type: str = "qwen3_moe", seed: int = 0, sha
                 buf.copy_(BIAS_STD[model_type] * torch.randn(buf.shape))
             if name.endswith("self_attn.sinks"):                            # likewise
                 buf.copy_(torch.randn(buf.shape))
+            if name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):   # likewise (gpt-oss)
+                buf.copy_(0.3 * torch.randn(buf.shape))
     save = {"max_shard_size": f"{shard_kb}KB"} if shard_kb else {}
     model.save_pretrained(path, **save)
     tok.save(str(path / "tokenizer.json"))

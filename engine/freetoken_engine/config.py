@@ -127,6 +127,22 @@ class MoeConfig:
     # a group's worth, for group-limited choice: the sum of its two best scores ("top2": DeepSeek-V3,
     # GLM) or its best one ("max": DeepSeek-V2's group_limited_greedy)
     group_score: str = "top2"
+    # the router's linear layer has a bias (gpt-oss: ``mlp.router.bias``)
+    router_bias: bool = False
+    # how an expert turns its gate and up rows into the down projection's input: "silu"
+    # (silu(gate) * up) or "swiglu_oai" (gpt-oss: gate clamped above at ``swiglu_limit``, up
+    # clamped to +-limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1)); kernels/reference.GatedAct
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    # each routed expert's gate/up and down projections have biases (gpt-oss)
+    expert_bias: bool = False
+
+    @property
+    def plain_experts(self) -> bool:
+        """Experts of the engine's first kind (silu(gate) * up, no biases): every expert kernel's
+        case. Others run on the reference kernels (kernels/reference.py) for now."""
+        return self.activation == "silu" and not self.expert_bias
 
 
 @dataclass(frozen=True)
@@ -316,6 +332,11 @@ class ModelConfig:
                               f"num_experts_per_tok is {m.top_k}")
         if m.scoring == "sparsemixer" and m.top_k != 2:
             raise ConfigError(f"config.json: sparsemixer routing picks 2 experts; num_experts_per_tok is {m.top_k}")
+        if m.activation not in ("silu", "swiglu_oai"):
+            raise ConfigError(f"config.json: expert activation {m.activation!r} is not supported (silu, swiglu_oai)")
+        if m.activation == "swiglu_oai" and not (m.swiglu_limit > 0 and math.isfinite(m.swiglu_alpha)):
+            raise ConfigError(f"config.json: swiglu_limit must be > 0 and swiglu_alpha a number, got "
+                              f"{m.swiglu_limit} and {m.swiglu_alpha}")
         if m.n_group < 1 or m.num_experts % m.n_group:
             raise ConfigError(f"config.json: n_group must divide the {m.num_experts} routed experts, got {m.n_group}")
         per_group = m.num_experts // m.n_group

@@ -105,7 +105,7 @@ def _broken(tmp_path, tiny_checkpoint, kind: str):
     ("missing-shard", "no *.safetensors"),
     # every family the engine reads, named in order
     ("model-type", "supported: afmoe, cohere2_moe, deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, ernie4_5_vl_moe, "
-                   "exaone_moe, flex_olmo, freetoken_llama_moe, glm4_moe, glm4_moe_lite, glm4v_moe, granite, "
+                   "exaone_moe, flex_olmo, freetoken_llama_moe, glm4_moe, glm4_moe_lite, glm4v_moe, gpt_oss, granite, "
                    "granite_swa, granitemoe, granitemoe_swa, granitemoehybrid, granitemoeshared, hunyuan_v1_moe, "
                    "kimi_k2, kimi_linear, lfm2_moe, llama, llama4, llama4_text, minicpm5_moe, minimax_m2, mistral, "
                    "mixtral, olmo2, olmo3, olmoe, param2moe, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5_moe, "

@@ -51,6 +51,7 @@ def checked(llm: LLM) -> LLM:
     ("llama4_text", "some", (0.0, 0.5, 1.0)),
     ("ernie4_5_vl_moe", "some", (0.5,)),
     ("cohere2_moe", "some", (0.0, 0.5)),
+    ("gpt_oss", "some", (0.0, 0.5, 1.0)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)

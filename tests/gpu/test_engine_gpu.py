@@ -29,7 +29,7 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
                                         "lfm2_moe", "glm4v_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite",
                                         "granitemoehybrid", "kimi_linear", "minicpm5_moe", "phimoe",
                                         "granitemoe_swa", "flex_olmo", "olmo3", "llama4", "ernie4_5_vl_moe",
-                                        "cohere2_moe"])
+                                        "cohere2_moe", "gpt_oss"])
 def test_cuda_float32_matches_transformers_on_cpu(tiny_checkpoint, model_type):
     folder = tiny_checkpoint(model_type)
     ref = load_reference(folder)

@@ -23,7 +23,7 @@ import torch
 
 from .. import env
 from ..kernels import cpu_branch, cpu_expert_forward
-from ..kernels.reference import expert_pairs_forward
+from ..kernels.reference import SILU, GatedAct, expert_pairs_forward
 from .bank import ExpertBank
 from .experts import ExpertCache
 from .layer_weights import BankStreamer, WholeLayers
@@ -69,6 +69,10 @@ class OffloadedExperts:
         self.device = cache.device
         self.prefill_threshold = prefill_threshold
         self._pair_tok: dict[tuple[int, int], torch.Tensor] = {}
+        # (act, b13 on x's device, layer) of the call in progress, for experts of another
+        # kind (forward_beside); the host copies of each layer's biases, made on first use
+        self._variant: tuple | None = None
+        self._b13_host: dict[int, torch.Tensor] = {}
         self.cpu_backend_name, self.cpu_forward = cpu_expert_forward(cpu_backend)
         self.control = None
         self.seeded = 0          # experts the prefills copied into the cache (_seed_cache)
@@ -302,14 +306,29 @@ class OffloadedExperts:
         the CPU branch a ``SplitRows`` (device rows + the host's rows in pinned memory) instead."""
         return self.forward_beside(layer, x, topk_ids)[0]
 
-    def forward_beside(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, beside=None):
+    def forward_beside(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, beside=None,
+                       act: GatedAct = SILU, b13: torch.Tensor | None = None):
         """``forward``, and ``beside()`` (device work independent of the routed experts: the
         layer's shared expert), run on a side stream with the hits while a decode call's fills
         are copied (``DeviceControl.run_experts``), else after the experts.
-        Returns ``(rows, beside's result or None)``."""
+        Returns ``(rows, beside's result or None)``.
+
+        ``act`` and ``b13`` (the layer's gate/up biases [E, 2I] on x's device): experts of another
+        kind than silu(gate) * up (gpt-oss), which only the reference kernels compute: the torch
+        backend's (the runner picks it for such models)."""
         t, k = topk_ids.shape
         pair_exp = topk_ids.reshape(-1)                                   # [P]
         pair_tok = self._pair_tokens(t, k, x.device)                      # [P]
+        if act != SILU or b13 is not None:
+            if self.control is not None:
+                raise ValueError("experts with biases or another activation need the torch expert backend, "
+                                 "not the Triton one")
+            self._variant = (act, b13, layer)
+            try:
+                rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)
+            finally:
+                self._variant = None
+            return rows, beside() if beside is not None else None
         if self.control is not None and t < self.prefill_threshold and not self._bank_in_place():
             if self._fills_only(t):
                 # Every miss is filled: no CPU pair is possible, so no host sync in this layer
@@ -324,6 +343,19 @@ class OffloadedExperts:
             self.control.wait_prefetched()    # (a layer before may have prefetched into the slots)
         rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)
         return rows, beside() if beside is not None else None
+
+    def _math(self, host: bool = False, pair_bias: torch.Tensor | None = None) -> dict:
+        """An expert call's keyword arguments for experts of another kind (``forward_beside``):
+        the activation, the layer's gate/up biases (a host copy for ``host`` calls, made once) and
+        each pair's expert where the call's indices are slots; none for plain experts."""
+        if self._variant is None:
+            return {}
+        act, b13, layer = self._variant
+        if host and b13 is not None and b13.device.type != "cpu":
+            if layer not in self._b13_host:
+                self._b13_host[layer] = b13.cpu()
+            b13 = self._b13_host[layer]
+        return dict(act=act, b13=b13) if pair_bias is None else dict(act=act, b13=b13, pair_bias=pair_bias)
 
     def _pool_forward(self, layer: int, x: torch.Tensor, pair_tok: torch.Tensor,
                       pair_exp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -361,7 +393,7 @@ class OffloadedExperts:
             else:
                 w13, w2 = self.streamer.layer(layer)
                 fn = self.cpu_forward if w13.device.type == "cpu" and self.control is None else self.slots_forward
-                out = fn(x, w13, w2, pair_tok, pair_exp)
+                out = fn(x, w13, w2, pair_tok, pair_exp, **self._math())
             if self.control is not None and self.prefill_fills_free:
                 self.filled_free += self.control.fill_free(layer, topk_ids, w13, w2)
             if self._seed and self.seed_now and self.cache.capacity < self.bank.total_experts:
@@ -372,21 +404,23 @@ class OffloadedExperts:
             # copy, so compute from it in place (no fills, no slot lookups). Each distinct
             # routed expert counts as a hit (a token's top-k experts are distinct).
             self.cache.stats.hits += k if t == 1 else int(torch.unique(pair_exp).numel())
-            return self.cpu_forward(x, self.bank.w13[layer], self.bank.w2[layer], pair_tok, pair_exp)
+            return self.cpu_forward(x, self.bank.w13[layer], self.bank.w2[layer], pair_tok, pair_exp, **self._math())
         if self.control is not None:       # the sync path: no host branch (or it is off)
             pair_slot = self.control.step(layer, topk_ids).pair_slot
         else:
             pair_slot = self.cache.step(layer, pair_exp)                  # [P], -1 = CPU
         if self.device.type == "cpu" and bool((pair_slot >= 0).all()):
-            return self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot)
+            return self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot,
+                                      **self._math(pair_bias=pair_exp))
         out = x.new_empty((t * k, x.shape[1]))
         on_dev = pair_slot >= 0
         cpu = ~on_dev
         if bool(on_dev.any()):
-            out[on_dev] = self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok[on_dev], pair_slot[on_dev])
+            out[on_dev] = self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok[on_dev], pair_slot[on_dev],
+                                             **self._math(pair_bias=pair_exp[on_dev]))
         if bool(cpu.any()):
             x_host = x if x.device.type == "cpu" else x.cpu()
             rows = self.cpu_forward(x_host, self.bank.w13[layer], self.bank.w2[layer],
-                                    pair_tok[cpu].cpu(), pair_exp[cpu].cpu())
+                                    pair_tok[cpu].cpu(), pair_exp[cpu].cpu(), **self._math(host=True))
             out[cpu] = rows.to(out.device, non_blocking=True)
         return out

@@ -261,8 +261,12 @@ def cpu_features() -> dict:
 
 def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     pair_tok: torch.Tensor, pair_exp: torch.Tensor,
-                    out: torch.Tensor | None = None, rows_from: int = 0) -> torch.Tensor:
+                    out: torch.Tensor | None = None, rows_from: int = 0, act: reference.GatedAct = reference.SILU,
+                    b13: torch.Tensor | None = None, pair_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``[P, H]`` outputs of every (token, expert) pair; see the module docstring.
+
+    ``act``, ``b13``, ``pair_bias``: experts of another kind (reference.expert_pairs_forward's
+    arguments: gpt-oss), computed by the reference for now (whole experts only).
 
     ``rows_from`` (0 <= rows_from < I): only the intermediate rows [rows_from, I) of each expert,
     the CPU's share of an expert whose rows [0, rows_from) a GPU computes from a streamed copy
@@ -275,6 +279,11 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     kernel's workers are pinned to: bench/cpu_expert_kernel.py's static-split rows.) Raises
     ValueError for inconsistent shapes or a bad ``out``, IndexError for an out-of-range index.
     """
+    if act != reference.SILU or b13 is not None:
+        if rows_from:
+            raise ValueError("rows_from needs the compiled kernel's experts (silu, no biases)")
+        y = reference.expert_pairs_forward(x, w13, w2, pair_tok, pair_exp, act, b13, pair_bias)
+        return y if out is None else out.copy_(y)
     lib = _lib if _loaded else _load()
     args = fast_args(x, w13, w2, pair_tok, pair_exp, out, rows_from) if lib is not None else None
     if args is not None and args[-1]:

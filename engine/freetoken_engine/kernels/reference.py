@@ -9,26 +9,65 @@ with the gate (W1) and up (W3) projections stored fused as ``w13[e] = cat(W1[e],
 by the caller, so a pair's output does not depend on which other pairs share the call, on
 where the expert was computed, or on the order of pairs: this is what lets caching, offload
 and the q* split leave the model's output unchanged.
+
+Some families' experts differ (``GatedAct``, ``MoeConfig.plain_experts``): gpt-oss clamps the gate
+and up rows and gates with ``gate * sigmoid(alpha gate) * (up + 1)``, and adds a bias to the gate
+and up rows (``b13 [E, 2I]``, the row of expert ``pair_bias[p]``) and to the output; the output's
+bias is added where the weighted rows are combined (layers/moe.py), so no kernel holds it.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 
+@dataclass(frozen=True)
+class GatedAct:
+    """How an expert's gate and up rows become the down projection's input: ``silu`` (silu(gate)
+    * up) or ``swiglu_oai`` (gpt-oss: gate clamped above at ``limit``, up to [-limit, limit], then
+    gate * sigmoid(alpha * gate) * (up + 1), each op rounded to the data type as transformers'
+    GptOssExperts rounds it)."""
+
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(gate) * up
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+SILU = GatedAct()
+
+
+def _gate_up(xs: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor | None, bias_rows: torch.Tensor | None,
+             act: GatedAct) -> torch.Tensor:
+    """``act`` of the gate and up rows ``xs @ w13^T`` (plus each row's bias ``b13[bias_rows]``,
+    added after the product's rounding)."""
+    h = F.linear(xs, w13)
+    if b13 is not None:
+        h = h + b13.index_select(0, bias_rows).to(h.dtype)
+    gate, up = h.chunk(2, dim=-1)
+    return act(gate, up)
+
+
 def expert_pairs_act(x: torch.Tensor, w13: torch.Tensor, pair_tok: torch.Tensor,
-                     pair_exp: torch.Tensor) -> torch.Tensor:
-    """``[P, I]`` in x.dtype: ``silu(gate) * up`` of every pair, the first stage of
+                     pair_exp: torch.Tensor, act: GatedAct = SILU, b13: torch.Tensor | None = None,
+                     pair_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``[P, I]`` in x.dtype: ``silu(gate) * up`` (``act``) of every pair, the first stage of
     ``expert_pairs_forward`` with its rounding (a split by stage runs the second elsewhere)."""
     if w13.dtype != x.dtype:
         w13 = w13.to(x.dtype)
     inter = w13.shape[1] // 2
+    bias = pair_exp if pair_bias is None else pair_bias
     out = x.new_empty((pair_tok.numel(), inter))
     for i, (t, e) in enumerate(zip(pair_tok.tolist(), pair_exp.tolist())):
-        gate, up = F.linear(x[t:t + 1], w13[e]).chunk(2, dim=-1)
-        out[i] = (F.silu(gate) * up)[0]
+        out[i] = _gate_up(x[t:t + 1], w13[e], b13, bias[i:i + 1], act)[0]
     return out
 
 
@@ -38,31 +77,34 @@ def expert_pairs_forward(
     w2: torch.Tensor,         # [E, H, I]
     pair_tok: torch.Tensor,   # [P] int64, index into x
     pair_exp: torch.Tensor,   # [P] int64, index into w13 / w2
+    act: GatedAct = SILU,     # the gated activation
+    b13: torch.Tensor | None = None,        # [E', 2I] the experts' gate/up biases, or None
+    pair_bias: torch.Tensor | None = None,  # [P] each pair's row of b13 (default: pair_exp)
 ) -> torch.Tensor:            # [P, H] in x.dtype
     """Compute every (token, expert) pair; weights are read once per distinct expert.
 
     Pairs are grouped by expert (a stable sort), each group is two matmuls, and the results
     are written back in the caller's pair order. Accumulation follows torch's matmul for the
-    dtype (float32 accumulate for bf16/fp16 on CPU).
+    dtype (float32 accumulate for bf16/fp16 on CPU). ``pair_bias`` tells a pair's expert where
+    ``pair_exp`` holds cache slots (b13 is indexed by expert, the weights by slot).
     """
     if pair_tok.numel() == 0:
         return x.new_zeros((0, x.shape[1]))
     if w13.dtype != x.dtype:
         w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
+    bias = pair_exp if pair_bias is None else pair_bias
     if pair_tok.numel() == 1:                       # one pair (decode, top-1): no grouping needed
-        h = F.linear(x[pair_tok], w13[pair_exp[0]])            # [1, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, w2[pair_exp[0]])   # [1, H]
+        return F.linear(_gate_up(x[pair_tok], w13[pair_exp[0]], b13, bias, act), w2[pair_exp[0]])   # [1, H]
     order = torch.argsort(pair_exp, stable=True)
     experts, counts = torch.unique_consecutive(pair_exp[order], return_counts=True)
     xs = x.index_select(0, pair_tok[order])               # [P, H] grouped by expert
+    bias = bias[order]
     outs = []
     start = 0
     # One group per distinct expert: the reference is readable, the compiled kernels fuse this.
     for e, n in zip(experts.tolist(), counts.tolist()):
-        h = F.linear(xs[start:start + n], w13[e])          # [n, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        outs.append(F.linear(F.silu(gate) * up, w2[e]))    # [n, H]
+        a = _gate_up(xs[start:start + n], w13[e], b13, bias[start:start + n], act)   # [n, I]
+        outs.append(F.linear(a, w2[e]))                    # [n, H]
         start += n
     grouped = torch.cat(outs)                              # [P, H] in expert order
     return torch.empty_like(grouped).index_copy_(0, order, grouped)

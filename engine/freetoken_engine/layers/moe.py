@@ -13,7 +13,7 @@ from torch import nn
 
 from ..config import MoeConfig
 from ..kernels import gpu_decode_kernels
-from ..kernels.reference import SplitRows, moe_combine_forward
+from ..kernels.reference import SILU, GatedAct, SplitRows, moe_combine_forward
 from .mlp import GatedMLP
 
 
@@ -82,7 +82,15 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.moe, self.moe_layer = moe, moe_layer
         self.gate = BiasedRouter(hidden, moe.num_experts) if moe.biased else \
-            nn.Linear(hidden, moe.num_experts, bias=False)
+            nn.Linear(hidden, moe.num_experts, bias=moe.router_bias)
+        self.act = GatedAct(moe.activation, moe.swiglu_alpha, moe.swiglu_limit) if moe.activation != "silu" else SILU
+        if moe.expert_bias:
+            # the routed experts' biases (gpt-oss): small, so they stay with the layer's other
+            # weights on the device; b13 rows are each expert's gate biases, then its up ones
+            self.expert_b13 = nn.Parameter(torch.zeros(moe.num_experts, 2 * moe.intermediate_size), requires_grad=False)
+            self.expert_b2 = nn.Parameter(torch.zeros(moe.num_experts, hidden), requires_grad=False)
+        else:
+            self.expert_b13 = self.expert_b2 = None
         if moe.shared_intermediate_size:
             self.shared_expert = GatedMLP(hidden, moe.shared_intermediate_size)
             self.shared_expert_gate = nn.Linear(hidden, 1, bias=False) if moe.shared_gate else None
@@ -150,7 +158,14 @@ class SparseMoE(nn.Module):
             self.experts.guess(self.moe_layer + 1, guess)
         # [T*k, H] or SplitRows; on a GPU the shared expert runs beside the hits while fills copy
         beside = None if self.shared_expert is None else functools.partial(self._shared, x)
-        rows, shared = self.experts.forward_beside(self.moe_layer, routed, ids, beside)
+        if self.moe.plain_experts:
+            rows, shared = self.experts.forward_beside(self.moe_layer, routed, ids, beside)
+        else:
+            rows, shared = self.experts.forward_beside(self.moe_layer, routed, ids, beside, act=self.act,
+                                                       b13=self.expert_b13)
+            if self.expert_b2 is not None:    # sum_j w_j (row_j + b2[e_j]): the biases' share beside the rows
+                biases = (self.expert_b2[ids] * weights[..., None]).sum(dim=1)
+                shared = biases if shared is None else shared + biases
         dense = rows.gpu if isinstance(rows, SplitRows) else rows
         gpu = gpu_decode_kernels("combine") if dense.device.type == "cuda" else None
         if gpu is not None and not (torch.is_grad_enabled() and dense.requires_grad) \

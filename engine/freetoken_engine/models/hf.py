@@ -29,6 +29,8 @@ class Family:
     fused_transposed: bool = False
     # the fused pair's names within the MoE block (Granite: input_linear.weight, output_linear.weight)
     fused_names: tuple[str, str] = ("experts.gate_up_proj", "experts.down_proj")
+    # the fused pair's gate and up rows alternate (gpt-oss: gate rows 0, 2, 4..., up rows 1, 3, 5...)
+    interleaved_gate_up: bool = False
     # the key prefix of the multi-token-prediction layer the checkpoint ships: Qwen3-Next's
     # ``mtp.layers.0`` (its other parts ``mtp.*``); GLM's and DeepSeek's the layer after the
     # model's own, ``model.layers.{N}``, its parts mapped to the engine's by ``source``
@@ -88,7 +90,10 @@ class Family:
                               f"{down.shape[0]}; config.json says {num_experts}")
         inter = gate_up.shape[1] // 2
         for e in range(num_experts):
-            yield gate_up[e, :inter], gate_up[e, inter:], down[e]
+            if self.interleaved_gate_up:
+                yield gate_up[e, 0::2], gate_up[e, 1::2], down[e]
+            else:
+                yield gate_up[e, :inter], gate_up[e, inter:], down[e]
 
     def rename(self, key: str) -> str:
         """Checkpoint key -> engine module key (non-expert tensors)."""

@@ -12,7 +12,11 @@ weights, a float32 ``<name>_scale_inv`` per ``weight_block_size`` block of the l
 dimensions) and llm-compressor's (``compressed-tensors`` with 8-bit float weights, as the
 "FP8-dynamic" checkpoints are made: ``<name>_scale`` per output channel, per tensor or per block;
 static activation scales, ``input_scale``, are unread: activations stay in the model's dtype).
-Other quantization methods are refused by name.
+MXFP4 checkpoints (``quant_method: mxfp4``, gpt-oss as published) store some tensors as
+``<name>_blocks [..., rows, G, 16]`` (two 4-bit e2m1 values a byte, the low nibble first) and
+``<name>_scales [..., rows, G]`` (a power of two per 32 values, biased by 127): ``names`` lists
+``<name>`` in their place and ``get`` returns it dequantized, ``[..., rows, 32 G]`` in the
+checkpoint's dtype. Other quantization methods are refused by name.
 """
 from __future__ import annotations
 
@@ -92,18 +96,25 @@ class Checkpoint:
             if missing:
                 raise ConfigError(f"index names tensors absent from their shards, e.g. {missing[0]}")
         self._handles: dict[Path, object] = {}
-        self._block, self._fp8_dtype, self._scale = _fp8_scheme(self.config, cfg_path)
+        self._mx_dtype = _mxfp4_dtype(self.config)
+        self._mx = {n[:-len(_BLOCKS)] for n in self._where if self._mx_dtype is not None and n.endswith(_BLOCKS)
+                    and n[:-len(_BLOCKS)] + _SCALES in self._where}
+        self._block, self._fp8_dtype, self._scale = (None, None, _SCALE) if self._mx_dtype is not None else \
+            _fp8_scheme(self.config, cfg_path)
         compressed = self._scale == _COMPRESSED_SCALE       # llm-compressor's: static input scales too
         self._scales = {n for n in self._where if (n.endswith(self._scale) and n[: -len(self._scale)] in self._where)
                         or (compressed and n.endswith(".input_scale"))}
 
     def names(self) -> list[str]:
-        return [n for n in self._where if n not in self._scales]
+        packed = {n + suffix for n in self._mx for suffix in (_BLOCKS, _SCALES)}
+        return [n for n in self._where if n not in self._scales and n not in packed] + sorted(self._mx)
 
     def has(self, name: str) -> bool:
-        return name in self._where
+        return name in self._where or name in self._mx
 
     def get(self, name: str) -> torch.Tensor:
+        if name in self._mx:
+            return dequantize_mxfp4(self.get(name + _BLOCKS), self.get(name + _SCALES), self._mx_dtype)
         path = self._where.get(name)
         if path is None:
             raise ConfigError(f"checkpoint {self.folder} lacks tensor {name}")
@@ -123,11 +134,48 @@ class Checkpoint:
         self._handles.clear()
 
 
+_BLOCKS, _SCALES = "_blocks", "_scales"
+#: the 16 values of a 4-bit e2m1 float (MXFP4's elements)
+_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def _quant(config: dict) -> dict:
+    return config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {}
+
+
+def _mxfp4_dtype(config: dict) -> torch.dtype | None:
+    """The dtype an MXFP4 checkpoint's packed tensors dequantize into; None for any other."""
+    if str(_quant(config).get("quant_method", "")).lower() != "mxfp4":
+        return None
+    return _DTYPES.get(str(config.get("torch_dtype") or config.get("dtype") or "bfloat16"), torch.bfloat16)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 ``blocks [..., G, 16]`` (uint8, two e2m1 values a byte, low nibble first) times
+    ``2 ** (scales [..., G] - 127)`` -> ``[..., 32 G]`` in ``dtype``, exact (every product is a
+    float32 value). A matrix of rows at a time, so a layer's temporaries stay small."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[-1] != 16 \
+            or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ConfigError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
+                          f"{scales.dtype} do not fit: expected uint8 [..., G, 16] and uint8 [..., G]")
+    lut = torch.tensor(_E2M1, dtype=torch.float32)
+    groups = scales.shape[-1]
+    out = torch.empty((*scales.shape[:-1], groups * 32), dtype=dtype)
+    flat_b, flat_s, flat_o = blocks.reshape(-1, groups, 16), scales.reshape(-1, groups), out.view(-1, groups * 32)
+    step = max(1, (1 << 22) // (groups * 32))          # rows a pass: ~4M values
+    for r0 in range(0, flat_b.shape[0], step):
+        b = flat_b[r0:r0 + step].to(torch.int64)
+        vals = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).view(b.shape[0], groups, 32)
+        vals = torch.ldexp(vals, flat_s[r0:r0 + step].to(torch.int32)[..., None] - 127)
+        flat_o[r0:r0 + step] = vals.view(b.shape[0], -1)
+    return out
+
+
 def _fp8_scheme(config: dict, where: Path) -> tuple[tuple[int, int] | None, torch.dtype | None, str]:
     """(block size or None: told by the scales' shape, the dtype FP8 tensors dequantize into,
     the scale tensors' suffix); (None, None, ``_scale_inv``) for a checkpoint that is not
     quantized; a ConfigError names a quantization the engine cannot read."""
-    quant = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    quant = _quant(config)
     if not quant:
         return None, None, _SCALE
     method = str(quant.get("quant_method", "?")).lower()
@@ -142,8 +190,8 @@ def _fp8_scheme(config: dict, where: Path) -> tuple[tuple[int, int] | None, torc
                           f"unquantized checkpoints and 8-bit float (FP8) ones")
     if method != "fp8" or str(quant.get("fmt", "e4m3")).lower() != "e4m3":
         raise ConfigError(f"{where}: quantization_config {method!r} (fmt {quant.get('fmt', '-')!r}) is not supported; "
-                          f"the engine reads unquantized (bfloat16 / float16 / float32) checkpoints and FP8 "
-                          f"(e4m3, block-scaled) ones")
+                          f"the engine reads unquantized (bfloat16 / float16 / float32) checkpoints, FP8 "
+                          f"(e4m3, block-scaled) ones and MXFP4 ones (gpt-oss)")
     block = quant.get("weight_block_size")
     return (tuple(int(b) for b in block) if block else None), dtype, _SCALE
 
