@@ -188,5 +188,6 @@ def start_generation(service, prompt, opts: GenOptions, spec: GuideSpec | None, 
         min_p=opts.min_p)
     handle = service.submit(list(prompt_ids), params)
     text = None if opts.logprobs is None else LogprobText(tok, service.vocab_size)
-    keep = format_tags(prompt.style) if prompt.tools else ()
+    # harmony's tags split reasoning from the answer: kept with or without tools
+    keep = format_tags(prompt.style) if prompt.tools or prompt.style == "harmony" else ()
     return Generation(handle, tok, opts.stop, frozenset(eos), metrics, endpoint, t_arrival, text, keep)

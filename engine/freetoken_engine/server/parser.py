@@ -71,6 +71,8 @@ from __future__ import annotations
 from .parser_deepseek import (CALLS_BEGIN, KIMI_CALLS_BEGIN, KIMI_TAGS, SOLAR_CALLS, SOLAR_TAGS, DeepSeekCalls, KimiCalls,
                               SolarCalls)
 from .parser_deepseek import TAGS as DEEPSEEK_TAGS
+from .parser_harmony import CHANNEL, HarmonyParser
+from .parser_harmony import TAGS as HARMONY_TAGS
 from .parser_list import CallList
 from .parser_pythonic import PYTHONIC_CLOSE, PYTHONIC_OPEN, PythonicBlock
 from .parser_tagged import (_TAGGED, ARG_KEY, FUNCTION_OPEN, GLM_TAGS, INVOKE, MINIMAX_CLOSE, MINIMAX_OPEN, TOOL_CLOSE,
@@ -111,6 +113,8 @@ _LISTED = {"granite": (GRANITE_OPEN, (GRANITE_OPEN,), CallList),
 
 def opening_tag(style: str) -> str:
     """The tag before a tool call (or a block or list of them) in ``style``."""
+    if style == "harmony":
+        return CHANNEL
     return _TAGGED[style].open if style in _TAGGED else _LISTED[style][0] if style in _LISTED else TOOL_OPEN
 
 
@@ -118,11 +122,22 @@ def format_tags(style: str) -> tuple[str, ...]:
     """The tags that open and close ``style``'s calls (Granite's list has no closing tag)."""
     if style in _LISTED:
         return _LISTED[style][1]
+    if style == "harmony":
+        return HARMONY_TAGS
     tags = _TAGGED.get(style)
     return (tags.open, tags.close) if tags else (TOOL_OPEN, TOOL_CLOSE)
 
 
 Event = Reasoning | Content | ToolStart | ToolArgs | ToolEnd
+
+
+def output_parser(*, tools: bool, in_reasoning: bool = False, style: str = "json",
+                  schemas: dict[str, dict] | None = None):
+    """The parser of ``style``'s answers: gpt-oss's harmony messages (``parser_harmony``) or the
+    tagged formats (``OutputParser``); both have ``feed`` and ``finish``."""
+    if style == "harmony":
+        return HarmonyParser(tools=tools)
+    return OutputParser(tools=tools, in_reasoning=in_reasoning, style=style, schemas=schemas)
 
 
 class OutputParser(TaggedSteps):

@@ -32,6 +32,9 @@ from dataclasses import dataclass
 from .errors import ApiError
 from .parser_deepseek import (CALL_BEGIN, CALLS_BEGIN, FENCE, KIMI_CALL_BEGIN, KIMI_CALLS_BEGIN, KIMI_PREFIX, KIMI_SEP,
                               SEP, SOLAR_ARGS, SOLAR_BEGIN, SOLAR_CALLS, SOLAR_NAME)
+from .parser_harmony import CHANNEL as HARMONY_CHANNEL
+from .parser_harmony import CONSTRAIN as HARMONY_CONSTRAIN
+from .parser_harmony import MESSAGE as HARMONY_MESSAGE
 from .parser import (ARG_KEY, ERNIE_CLOSE, ERNIE_OPEN, FUNCTION_OPEN, GRANITE_OPEN, HUNYUAN_OPEN, INVOKE, MINIMAX_OPEN,
                      PYTHONIC_OPEN, THINK_CLOSE, TOOL_OPEN, think_tags)
 
@@ -52,7 +55,8 @@ class Prompt:
     tools: bool               # parse tool calls
     style: str = "json"       # the tool calls' format: "json" (Hermes), "xml" (Qwen3.5, Qwen3-Coder), "glm", "minimax",
     #                           "granite", "pythonic" (LFM2), "hunyuan", "deepseek" (V3.1), "deepseek_fenced" (V3, R1),
-    #                           "kimi" (Kimi-K2), "solar" (Solar Open), "ernie" (ERNIE-4.5: json in <response> tags)
+    #                           "kimi" (Kimi-K2), "solar" (Solar Open), "ernie" (ERNIE-4.5: json in <response> tags),
+    #                           "harmony" (gpt-oss: channels; parser_harmony.py)
     schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
     strict: frozenset[str] = frozenset()   # tools whose calls must follow their schema (``strict``)
     forced: str | None = None     # the prompt opened a tool call: "required", or the named tool
@@ -63,12 +67,14 @@ def tool_style(tokenizer) -> str:
     """The tool-call format the model's chat template teaches: "minimax" when it writes
     ``<minimax:tool_call>``, "granite" when it writes ``<|tool_call|>``, "pythonic" when it writes
     ``<|tool_call_start|>``, "hunyuan" when it writes ``<tool_calls>``, "deepseek" / "deepseek_fenced" when it writes ``<｜tool▁calls▁begin｜>``
-    (the second also a fenced JSON block), "kimi" when it writes ``<|tool_calls_section_begin|>``, "solar" when it
+    (the second also a fenced JSON block), "harmony" (gpt-oss) when it writes ``<|channel|>``, "kimi" when it writes ``<|tool_calls_section_begin|>``, "solar" when it
     writes ``<|tool_call:begin|>``, "xml" when it writes
     ``<function=``, "glm" when it writes ``<arg_key>``, "ernie" (Hermes JSON calls, the answer in
     ``<response>`` tags that are not shown) when it writes ``<response>`` or the tokenizer has it and
     ``</response>`` as added tokens (ERNIE-4.5-Thinking), else "json"."""
     template = getattr(tokenizer, "chat_template", None) or ""
+    if HARMONY_CHANNEL in template:
+        return "harmony"
     if KIMI_CALLS_BEGIN in template:
         return "kimi"
     if SOLAR_BEGIN in template:
@@ -133,6 +139,8 @@ _PREFILLS = {
     "deepseek": (CALLS_BEGIN + CALL_BEGIN, lambda name, after: name + SEP),
     "deepseek_fenced": (f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}", lambda name, after: f"{name}\n{FENCE}\n"),
     "kimi": (KIMI_CALLS_BEGIN + KIMI_CALL_BEGIN + KIMI_PREFIX, lambda name, after: f"{name}:0{KIMI_SEP}"),
+    "harmony": (f"{HARMONY_CHANNEL}commentary to=functions.",
+                lambda name, after: f"{name} {HARMONY_CONSTRAIN}json{HARMONY_MESSAGE}"),
     # Solar Open writes a 10-character id before the name: the pre-fill writes one of its own
     "solar": (SOLAR_CALLS + SOLAR_BEGIN + SOLAR_ID + SOLAR_NAME, lambda name, after: name + SOLAR_ARGS),
 }
@@ -164,6 +172,8 @@ def build_prompt(tokenizer, messages: list[dict], tools: list[dict] | None, *,
     style = tool_style(tokenizer)
     if style == "kimi":
         messages = kimi_call_ids(messages)
+    if style == "harmony":      # gpt-oss's template renders an assistant's reasoning from ``thinking``
+        messages = [dict(m, thinking=m["reasoning_content"]) if m.get("reasoning_content") else m for m in messages]
     try:
         text = _rendered(render, _leading_system_merged(messages))
     except ApiError:

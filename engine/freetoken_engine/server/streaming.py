@@ -20,7 +20,7 @@ from fastapi.responses import Response, StreamingResponse
 
 from .errors import is_anthropic
 from .generation import Generation
-from .parser import Event, OutputParser
+from .parser import Event, output_parser
 from .prompt import Prompt
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ def sse(data: dict | str, event: str | None = None) -> str:
 
 
 async def parsed_events(gen: Generation, prompt: Prompt) -> AsyncIterator[Event]:
-    parser = OutputParser(tools=prompt.tools, in_reasoning=prompt.in_reasoning, style=prompt.style,
+    parser = output_parser(tools=prompt.tools, in_reasoning=prompt.in_reasoning, style=prompt.style,
                           schemas=prompt.schemas)
     for ev in parser.feed(prompt.prefill) if prompt.prefill else ():
         yield ev

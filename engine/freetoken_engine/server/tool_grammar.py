@@ -155,8 +155,8 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
     each where nothing needs holding. Raises ApiError(400) when a strict tool's schema cannot be
     compiled; a forced call to such a schema is left to the pre-fill alone."""
     schemas = prompt.schemas or {}
-    if not schemas or not (prompt.forced or prompt.strict):
-        return None, None
+    if not schemas or not (prompt.forced or prompt.strict) or prompt.style == "harmony":
+        return None, None         # harmony (gpt-oss): calls are held by the pre-fill only, for now
 
     def tag(text: str) -> str:                 # a tag that is a token of its own is held as that token
         at = tokenizer.token_to_id(text)

@@ -1,0 +1,171 @@
+"""gpt-oss's answers in OpenAI's harmony format (``style="harmony"``): messages on channels,
+reasoning on ``analysis``, the answer on ``final``, a preamble on ``commentary``, each call a
+``commentary`` message to ``functions.NAME`` whose body is its JSON arguments. The tags are special
+tokens, kept for the parser with or without tools. Reasoning, content and calls split on any split,
+arguments streamed, through both official clients; forced calls pre-filled; the reasoning goes back
+to the template as ``thinking``. The template is this test's own, in gpt-oss's layout."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
+from test_tool_calls_glm import calls
+from test_tool_calls_granite import A_TOOLS, MSGS, SCHEMAS, TOOLS, shown
+from tiny_models import mark_special, with_template
+
+from freetoken_engine.models.tokenizer import Tokenizer
+from freetoken_engine.server.parser import Reasoning, ToolArgs, ToolEnd, ToolStart, format_tags, output_parser
+from freetoken_engine.server.parser_harmony import TAGS
+from freetoken_engine.server.prompt import build_prompt, tool_style
+
+STYLE = "harmony"
+TEMPLATE = (
+    "{%- if tools %}<|start|>developer<|message|># Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|end|>"
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role in ('system', 'user') %}<|start|>{{ m.role }}<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' %}"
+    "{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif %}"
+    "{%- if m.tool_calls %}{% for tc in m.tool_calls %}<|start|>assistant to=functions.{{ tc.function.name }}"
+    "<|channel|>commentary json<|message|>{{ tc.function.arguments | tojson }}<|call|>{% endfor %}"
+    "{%- else %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{% endif %}"
+    "{%- elif m.role == 'tool' %}<|start|>functions.tool to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content }}<|end|>"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}")
+TURN = "<|start|>assistant"
+REASONING = "<|channel|>analysis<|message|>The user wants the forecast.<|end|>"
+PREAMBLE = f"{TURN}<|channel|>commentary<|message|>Checking.<|end|>"
+
+
+def call(name: str, args: str, head_recipient: bool = False) -> str:
+    """A call as gpt-oss writes it: the recipient in the channel part, or after the role."""
+    if head_recipient:
+        return f"{TURN} to=functions.{name}<|channel|>commentary json<|message|>{args}<|call|>"
+    return f"{TURN}<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>{args}<|call|>"
+
+
+ARGS = ('{"city": "Paris", "days": 3}', '{"query": "rain [gear] in <|channel|"}')
+WANT = [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "rain [gear] in <|channel|"})]
+ANSWER = REASONING + PREAMBLE + call("get_weather", ARGS[0]) + call("search", ARGS[1], head_recipient=True)
+
+
+def events(text: str, cuts: list[int], tools: bool = True) -> list:
+    p = output_parser(tools=tools, style=STYLE, schemas=SCHEMAS)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    return [e for piece in pieces for e in p.feed(piece)] + p.finish()
+
+
+def reasoning(evs) -> str:
+    return "".join(e.text for e in evs if isinstance(e, Reasoning))
+
+
+@given(cuts=st.lists(st.integers(0, len(ANSWER)), max_size=6).map(sorted))
+def test_reasoning_preamble_and_calls_on_any_split(cuts):
+    """The recipient in either place; a tag's first characters inside the arguments held back
+    only until they are decided."""
+    evs = events(ANSWER, cuts)
+    assert calls(evs) == WANT
+    assert reasoning(evs) == "The user wants the forecast."
+    assert shown(evs) == "Checking."
+
+
+@pytest.mark.parametrize("text, want, text_shown, thought", [
+    (f"{REASONING}{TURN}<|channel|>final<|message|>Seoul.<|return|>", [], "Seoul.", "The user wants the forecast."),
+    ("<|channel|>final<|message|>Seoul.", [], "Seoul.", ""),                       # <|return|> is EOS: not in the text
+    (call("get_time", "{}")[len(TURN):], [("get_time", {})], "", ""),              # the first header has no <|start|>
+    (call("get_time", "")[:-len("<|call|>")], [("get_time", {})], "", ""),         # no arguments, <|call|> as EOS
+    (call("browser.search", '{"q": "x"}', head_recipient=True).replace("functions.", ""),
+     [("browser.search", {"q": "x"})], "", ""),                                    # a built-in tool, named as written
+    ("Plain words, no header.", [], "Plain words, no header.", ""),                # a model that writes no format
+    ("<|channel|>analysis<|message|>Thinking cut by max_tok", [], "", "Thinking cut by max_tok"),
+    ("<|channel|>analy", [], "", ""),                                              # a header cut: format, dropped
+])
+def test_harmony_variants(text, want, text_shown, thought):
+    evs = events(text, [len(text) // 2])
+    assert calls(evs) == want
+    assert shown(evs) == text_shown and reasoning(evs) == thought
+
+
+def test_a_calls_name_starts_it_and_its_arguments_stream_and_without_tools_it_is_text():
+    p = output_parser(tools=True, style=STYLE)
+    assert p.feed(f"{TURN}<|channel|>commentary to=functions.get_weather <|constrain|>json") == []
+    started = p.feed('<|message|>{"city": ')
+    assert [type(e) for e in started] == [ToolStart, ToolArgs] and started[0].name == "get_weather"
+    assert [e.text for e in p.feed('"Paris"')] == ['"Paris"']
+    assert [type(e) for e in p.feed("}<|call|>")] == [ToolArgs, ToolEnd]
+    evs = events(call("get_weather", ARGS[0]), [7], tools=False)
+    assert shown(evs) == ARGS[0] and not calls(evs)
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_checkpoint, tmp_path_factory):
+    src = tiny_checkpoint("gpt_oss", extra_tags=TAGS, max_position_embeddings=2048)
+    folder = with_template(src, tmp_path_factory.mktemp("harmony") / "m", TEMPLATE)
+    for tag in TAGS:
+        mark_special(folder, tag)
+    return folder
+
+
+def test_the_templates_format_is_read_and_its_special_tags_reach_the_parser(folder):
+    """The tags are special tokens (decoding leaves them out); the stream decoder keeps them for
+    this format, with or without tools: they are what tells reasoning from the answer."""
+    tokenizer = Tokenizer(folder)
+    assert tool_style(tokenizer) == STYLE
+    ids = tokenizer.encode(ANSWER, add_special_tokens=False)
+    assert tokenizer.decode(ids) != ANSWER and "<|channel|>" not in tokenizer.decode(ids)
+    decoder = tokenizer.stream_decoder(format_tags(STYLE))
+    assert "".join(decoder.step(i) for i in ids) == ANSWER
+
+
+def test_forced_calls_are_prefilled_and_the_reasoning_goes_back_as_thinking(folder):
+    tokenizer = Tokenizer(folder)
+    p = build_prompt(tokenizer, MSGS, TOOLS, tool_choice="required")
+    assert p.prefill == "<|channel|>commentary to=functions." and not p.in_reasoning
+    p = build_prompt(tokenizer, MSGS, TOOLS, named_tool="search")
+    assert p.prefill == "<|channel|>commentary to=functions.search <|constrain|>json<|message|>"
+    history = [*MSGS, {"role": "assistant", "content": "Sunny.", "reasoning_content": "Look it up."},
+               {"role": "user", "content": "Thanks"}]
+    text = tokenizer.decode(build_prompt(tokenizer, history, None).ids, skip_special_tokens=False)
+    assert "<|channel|>analysis<|message|>Look it up.<|end|>" in text
+
+
+@pytest.fixture(scope="module")
+def scripted(folder):
+    named = "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+    required = "<|channel|>commentary to=functions."
+    with_tools = script(ANSWER, (named, '{"city": "Rome", "days": 1}<|call|>'),
+                        (required, 'search <|constrain|>json<|message|>{"query": "umbrellas"}<|call|>'),
+                        "to=assistant", reply="<|channel|>final<|message|>Sunny all three days.<|return|>")
+
+    def answers(prompt: str) -> str:
+        return with_tools(prompt) if "# Tools" in prompt else f"{REASONING}{TURN}<|channel|>final<|message|>Bye!"
+    with recording_server(Tokenizer(folder), answers, max_context=4096) as srv:
+        srv.named = named
+        yield srv
+
+
+def test_both_clients_get_the_reasoning_the_content_and_each_call(scripted):
+    clients_get_the_calls(scripted, MSGS, TOOLS, A_TOOLS, WANT, "Checking.")
+
+
+def test_the_history_goes_back_in_the_format_and_forced_calls_are_prefilled(scripted):
+    assert second_turn(scripted, MSGS, TOOLS) == "Sunny all three days."
+    back = scripted.prompts[-1]
+    assert '<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>' in back
+    assert json.dumps({"city": "Paris", "days": 3}) in back
+    check_forced_calls(scripted, MSGS, TOOLS, scripted.named)
+
+
+def test_without_tools_the_answer_is_split_from_the_reasoning(scripted):
+    r = scripted.openai().chat.completions.create(model=scripted.model, messages=[
+        {"role": "user", "content": "Thanks, that is all."}])
+    msg = r.choices[0].message
+    assert (msg.reasoning_content, msg.content) == ("The user wants the forecast.", "Bye!")
+    m = scripted.anthropic().messages.create(model=scripted.model, max_tokens=100, messages=[
+        {"role": "user", "content": "Thanks, that is all."}])
+    assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
+        ("thinking", "The user wants the forecast."), ("text", "Bye!")]
