@@ -165,3 +165,19 @@ def test_the_tiny_model_has_its_parts_where_they_matter(tiny_checkpoint):
         with torch.no_grad():
             param.copy_(keep)
         assert moved > 1e-3
+
+
+def test_bfloat16_tokens_do_not_depend_on_the_cache_or_the_cpu_share(tiny_checkpoint):
+    """In bfloat16 the compiled CPU kernel computes the gated experts on both sides of the split
+    (the cache's slots and the bank), so any capacity and CPU fraction gives the all-resident
+    model's tokens; its logits stay near float32's."""
+    folder = tiny_checkpoint("gpt_oss")
+    greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    full = LLM(folder, dtype="bfloat16")
+    want = full.generate(PROMPT, greedy).token_ids
+    wide = (full.prefill_logits(PROMPT).float() - LLM(folder).prefill_logits(PROMPT)).abs().max()
+    assert wide < 0.1
+    for capacity, fraction in ((1, 0.0), (3, 0.5), (5, 1.0)):
+        got = LLM(folder, dtype="bfloat16", expert_cache_experts=capacity, cpu_expert_fraction=fraction)
+        out = got.generate(PROMPT, greedy)
+        assert out.token_ids == want and out.stats["misses"] > 0

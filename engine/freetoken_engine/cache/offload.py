@@ -344,16 +344,17 @@ class OffloadedExperts:
         rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)
         return rows, beside() if beside is not None else None
 
-    def _math(self, host: bool = False, pair_bias: torch.Tensor | None = None) -> dict:
+    def _math(self, x: torch.Tensor, pair_bias: torch.Tensor | None = None) -> dict:
         """An expert call's keyword arguments for experts of another kind (``forward_beside``):
-        the activation, the layer's gate/up biases (a host copy for ``host`` calls, made once) and
-        each pair's expert where the call's indices are slots; none for plain experts."""
+        the activation, the layer's gate/up biases (for a call on the host, a float32 copy made
+        once a layer: the compiled kernel's rows) and each pair's expert where the call's indices
+        are slots; none for plain experts."""
         if self._variant is None:
             return {}
         act, b13, layer = self._variant
-        if host and b13 is not None and b13.device.type != "cpu":
+        if b13 is not None and x.device.type == "cpu":
             if layer not in self._b13_host:
-                self._b13_host[layer] = b13.cpu()
+                self._b13_host[layer] = b13.detach().float().cpu().contiguous()
             b13 = self._b13_host[layer]
         return dict(act=act, b13=b13) if pair_bias is None else dict(act=act, b13=b13, pair_bias=pair_bias)
 
@@ -393,7 +394,7 @@ class OffloadedExperts:
             else:
                 w13, w2 = self.streamer.layer(layer)
                 fn = self.cpu_forward if w13.device.type == "cpu" and self.control is None else self.slots_forward
-                out = fn(x, w13, w2, pair_tok, pair_exp, **self._math())
+                out = fn(x, w13, w2, pair_tok, pair_exp, **self._math(x))
             if self.control is not None and self.prefill_fills_free:
                 self.filled_free += self.control.fill_free(layer, topk_ids, w13, w2)
             if self._seed and self.seed_now and self.cache.capacity < self.bank.total_experts:
@@ -404,23 +405,23 @@ class OffloadedExperts:
             # copy, so compute from it in place (no fills, no slot lookups). Each distinct
             # routed expert counts as a hit (a token's top-k experts are distinct).
             self.cache.stats.hits += k if t == 1 else int(torch.unique(pair_exp).numel())
-            return self.cpu_forward(x, self.bank.w13[layer], self.bank.w2[layer], pair_tok, pair_exp, **self._math())
+            return self.cpu_forward(x, self.bank.w13[layer], self.bank.w2[layer], pair_tok, pair_exp, **self._math(x))
         if self.control is not None:       # the sync path: no host branch (or it is off)
             pair_slot = self.control.step(layer, topk_ids).pair_slot
         else:
             pair_slot = self.cache.step(layer, pair_exp)                  # [P], -1 = CPU
         if self.device.type == "cpu" and bool((pair_slot >= 0).all()):
             return self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot,
-                                      **self._math(pair_bias=pair_exp))
+                                      **self._math(x, pair_exp))
         out = x.new_empty((t * k, x.shape[1]))
         on_dev = pair_slot >= 0
         cpu = ~on_dev
         if bool(on_dev.any()):
             out[on_dev] = self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok[on_dev], pair_slot[on_dev],
-                                             **self._math(pair_bias=pair_exp[on_dev]))
+                                             **self._math(x, pair_exp[on_dev]))
         if bool(cpu.any()):
             x_host = x if x.device.type == "cpu" else x.cpu()
             rows = self.cpu_forward(x_host, self.bank.w13[layer], self.bank.w2[layer],
-                                    pair_tok[cpu].cpu(), pair_exp[cpu].cpu(), **self._math(host=True))
+                                    pair_tok[cpu].cpu(), pair_exp[cpu].cpu(), **self._math(x_host))
             out[cpu] = rows.to(out.device, non_blocking=True)
         return out

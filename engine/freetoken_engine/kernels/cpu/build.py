@@ -129,6 +129,9 @@ def load() -> ctypes.CDLL:
     lib.ft_configure.argtypes = [ci, ctypes.POINTER(ci), ci, ci, i64, i64, ci]
     lib.ft_experts_range.restype = ci
     lib.ft_experts_range.argtypes = [vp, ci, i64, i64, i64, vp, vp, ci, i64, i64, i64, i64, i64, vp, vp, i64, vp, i64]
+    lib.ft_experts_gated.restype = ci
+    lib.ft_experts_gated.argtypes = [vp, ci, i64, i64, i64, vp, vp, ci, i64, i64, i64, i64, i64, vp, vp, i64, vp,
+                                     ci, ctypes.c_float, ctypes.c_float, vp, i64, vp]
     lib.ft_experts_act.restype = ci
     lib.ft_experts_act.argtypes = [vp, ci, i64, i64, i64, vp, vp, ci, i64, i64, i64, i64, i64, vp, vp, i64, vp]
     lib.ft_linear.restype = ci

@@ -68,6 +68,17 @@ template <class T> using avec = std::vector<T, Aligned64<T>>;
 PackPlan s_pack;
 std::vector<int64_t> s_done0, s_done1, s_cnt, s_gexp, s_gstart, s_gcount, s_sorted;
 std::vector<uint8_t> s_gamx;
+std::vector<int64_t> s_gbias;
+
+// The gate of the call in progress (set by ft_experts_gated under g_call; plain otherwise).
+struct Gate {
+  int act = 0;
+  float alpha = 0.f, limit = 0.f;
+  const float* b13 = nullptr;       // [n_bias, 2 I] fp32 gate/up bias rows
+  int64_t n_bias = 0;
+  const int64_t* pair_bias = nullptr;   // [P] each pair's bias row
+};
+Gate g_gate;
 avec<uint32_t> s_xv;
 avec<float> s_xf, s_act, s_attn;
 
@@ -185,6 +196,18 @@ int experts_call(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
       return -1;
     }
   }
+  if (g_gate.b13) {
+    if (i0 != 0) {
+      snprintf(g_err, sizeof g_err, "expert biases need whole experts (first row 0, got %lld)", (long long)i0);
+      return -1;
+    }
+    for (int64_t i = 0; i < P; ++i)
+      if (g_gate.pair_bias[i] < 0 || g_gate.pair_bias[i] >= g_gate.n_bias) {
+        snprintf(g_err, sizeof g_err, "pair %lld: bias row %lld out of range (%lld rows)", (long long)i,
+                 (long long)g_gate.pair_bias[i], (long long)g_gate.n_bias);
+        return -1;
+      }
+  }
   group_pairs(pair_exp, P, E);
 
   const bool bfdot = base_isa(g_isa) == ISA_AVX512BF16 && x_bf16 && w_bf16;
@@ -198,6 +221,12 @@ int experts_call(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   p.x_bf16 = x_bf16; p.out = out; p.out_bf16 = x_bf16; p.prefetch = w_bf16 ? g_prefetch : g_prefetch_f32;
   p.far_pf = g_tune.far_pf; p.far_pf_tokens = g_tune.far_pf_tokens;
   p.amx_pf = g_tune.amx_pf; p.amx_next = g_tune.amx_next;
+  p.gate_act = g_gate.act; p.alpha = g_gate.alpha; p.limit = g_gate.limit;
+  if (g_gate.b13) {         // a group is one expert: its first pair's bias row is the group's
+    s_gbias.resize(s_gexp.size());
+    for (size_t g = 0; g < s_gexp.size(); ++g) s_gbias[g] = g_gate.pair_bias[s_sorted[s_gstart[g]]];
+    p.b13 = g_gate.b13; p.b13_rs = 2 * up; p.g_bias = s_gbias.data();
+  }
   if (bfdot) {
     p.xb = (const uint16_t*)x;
     s_actb.resize(P * I);
@@ -297,6 +326,24 @@ int ft_experts_act(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   std::lock_guard<std::mutex> lk(g_call);
   return experts_call(x, x_bf16, T, H, I, w13, w2, w_bf16, E, w13_es, w13_rs, w2_es, w2_rs, pair_tok, pair_exp,
                       P, nullptr, 0, act);
+}
+
+// ft_experts_range (whole experts) for experts of another kind: act 0 silu(gate) * up, 1 gpt-oss's
+// clamped gate (alpha, limit: simd.h oai_gate); b13 (or null): fp32 gate/up bias rows [n_bias, 2I],
+// pair p's row pair_bias[p] (the pair's expert where pair_exp holds cache slots). Returns 0, or -1
+// as ft_experts_range (also for a bias row out of range).
+int ft_experts_gated(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
+                     const void* w13, const void* w2, int w_bf16, int64_t E,
+                     int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
+                     const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out,
+                     int act, float alpha, float limit, const float* b13, int64_t n_bias, const int64_t* pair_bias) {
+  std::lock_guard<std::mutex> lk(g_call);
+  g_gate.act = act; g_gate.alpha = alpha; g_gate.limit = limit;
+  g_gate.b13 = b13; g_gate.n_bias = n_bias; g_gate.pair_bias = pair_bias;
+  const int rc = experts_call(x, x_bf16, T, H, I, w13, w2, w_bf16, E, w13_es, w13_rs, w2_es, w2_rs, pair_tok,
+                              pair_exp, P, out, 0, nullptr);
+  g_gate = Gate();
+  return rc;
 }
 
 // Seconds for n_calls calls of ft_experts_range (intermediate rows [i0, I); 0: whole experts) back

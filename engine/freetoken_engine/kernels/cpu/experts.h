@@ -44,6 +44,15 @@ struct FtProblem {
   // distance along each of their 16 rows (bytes, 0: off) and, with amx_next, the next 16-row
   // block prefetched into L2 in address order while the tiles read the current one.
   int64_t far_pf, far_pf_tokens, amx_pf, amx_next;
+  // Experts of another kind (gated_block in simd.h): gate_act 0 silu(gate) * up, 1 gpt-oss's
+  // (gate clamped above at limit, up to [-limit, limit], gate sigmoid(alpha gate) (up + 1)); b13:
+  // fp32 gate/up bias rows of b13_rs floats (gate biases, then up ones at +up), group g's row
+  // g_bias[g]; null: none.
+  int gate_act;
+  float alpha, limit;
+  const float* b13;
+  int64_t b13_rs;
+  const int64_t* g_bias;
 };
 
 // Stage 1: for group g and intermediate rows [i0, i1): act = silu(x W1^T) * (x W3^T).

@@ -349,4 +349,42 @@ inline void dotrn_bf(int nt, const uint16_t* row, const uint16_t* const* xs, int
 }
 #endif
 
+// gpt-oss's gate: (clamp(u, -l, l) + 1) * g' sigmoid(alpha g') with g' = min(g, l), each op
+// rounded to bf16 where the reference (torch in bf16) rounds it.
+inline float oai_gate(float g, float u, float alpha, float limit, int xb16) {
+  g = g < limit ? g : limit;
+  u = u < limit ? (u > -limit ? u : -limit) : limit;
+  if (!xb16) return (u + 1.f) * (g * (1.f / (1.f + expf(-(g * alpha)))));
+  const float s = rbf(1.f / (1.f + expf(-rbf(g * alpha))));
+  return rbf(rbf(u + 1.f) * rbf(g * s));
+}
+
+// The activations of m intermediate rows from ib of group g, `stride` token lanes a row
+// (og/ou/oa[r * stride + t]): swiglu_block for plain experts; with biases or gpt-oss's gate,
+// each row's biases added to the rounded products (rounded again), then the gate, per element.
+inline void gated_block(const FtProblem* p, int64_t g, int64_t ib, int64_t m, int stride, float* og, float* ou,
+                        float* oa) {
+  if (!p->gate_act && !p->b13) return swiglu_block(og, ou, oa, m * stride, p->x_bf16);
+  const int xb16 = p->x_bf16;
+  const float* bg = p->b13 ? p->b13 + p->g_bias[g] * p->b13_rs + ib : 0;
+  for (int64_t r = 0; r < m; ++r) {
+    for (int t = 0; t < stride; ++t) {
+      const int64_t at = r * stride + t;
+      float gv = og[at], uv = ou[at];
+      if (xb16) { gv = rbf(gv); uv = rbf(uv); }
+      if (bg) {
+        gv += bg[r];
+        uv += bg[p->up + r];
+        if (xb16) { gv = rbf(gv); uv = rbf(uv); }
+      }
+      if (p->gate_act == 1) {
+        oa[at] = oai_gate(gv, uv, p->alpha, p->limit, xb16);
+      } else {
+        const float s = xb16 ? rbf(gv / (1.f + expf(-gv))) : gv / (1.f + expf(-gv));
+        oa[at] = xb16 ? rbf(s * uv) : s * uv;
+      }
+    }
+  }
+}
+
 }  // namespace
