@@ -140,8 +140,9 @@ class MoeConfig:
 
     @property
     def plain_experts(self) -> bool:
-        """Experts of the engine's first kind (silu(gate) * up, no biases): every expert kernel's
-        case. Others run on the reference kernels (kernels/reference.py) for now."""
+        """Experts of the engine's first kind (silu(gate) * up, no biases). The others (gpt-oss)
+        are computed by every expert kernel too, whole: their CPU pairs skip the sync-free CPU
+        branch and the streamed and staged splits (cache/offload.py)."""
         return self.activation == "silu" and not self.expert_bias
 
 

@@ -284,3 +284,20 @@ def test_decode_calls_past_the_host_branch_pair_limit_sync_per_layer(tiny_checkp
     assert experts.host_branch is not None and experts.host_branch.br.max_tokens == 4
     assert experts.host_branch.br.totals["cpu_pairs"] > 0
     assert experts.graph_mode(4) == "branch" and experts.graph_mode(6) is None
+
+
+@pytest.mark.parametrize("capacity,fraction,prompt", [(3, 0.5, PROMPT), (5, 0.0, PROMPT), (16, 0.0, PROMPT),
+                                                      (1, 1.0, PROMPT), (3, 0.5, PROMPT * 8)])
+def test_gpt_oss_experts_on_the_triton_path(tiny_checkpoint, capacity, fraction, prompt):
+    """Experts with biases and the clamped gate (gpt-oss) through the device control step and the
+    Triton MoE kernel (decode calls and, with the long prompt, whole-layer calls from the pool and
+    the streamed buffer; every miss filled: the graph-capturable step; all experts held: the bank
+    in place): the torch path's tokens; their CPU pairs take the synchronous path."""
+    folder = tiny_checkpoint("gpt_oss")
+    want = LLM(folder, expert_backend="torch").generate(prompt, GREEDY).token_ids
+    llm = LLM(folder, expert_backend="triton", expert_cache_experts=capacity, cpu_expert_fraction=fraction)
+    got = llm.generate(prompt, GREEDY)
+    assert llm.runner.experts.backend == "triton" and got.token_ids == want
+    s = got.stats
+    assert s["fills"] + s["cpu_computed"] == s["misses"] and s["hits"] + s["misses"] > 0
+    assert llm.runner.experts.host_branch is None

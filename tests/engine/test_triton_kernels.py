@@ -117,3 +117,29 @@ def test_gather_fill_rows_copies_listed_experts_only():
     assert torch.all(w13[[0, 3]] == 0) and torch.all(w2[[0, 3]] == 0)
     with pytest.raises(ValueError, match="row shapes"):
         gather_fill_rows(bank13, bank2, w13[:, :, :-4], w2, 1, fill_exp, fill_slot)
+
+
+@pytest.mark.parametrize("tokens,k", [(1, 4), (4, 4), (40, 2)])   # lanes, in-kernel grouping, block table
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_experts_with_biases_match_the_reference(tokens, k, dtype):
+    """gpt-oss's experts (gate/up biases, the clamped gate with a limit that bites): each pair's
+    bias row is its expert's (``pair_bias``), not its slot's; fp32 1e-5, bf16 the stated 2e-2; CPU
+    pairs (slot -1) untouched."""
+    from freetoken_engine.kernels.reference import GatedAct
+    act = GatedAct("swiglu_oai", 1.702, 0.5)
+    w13, w2 = (w.to(dtype) for w in _pool(6))
+    g = torch.Generator().manual_seed(7)
+    x = (torch.randn(tokens, H, generator=g) * 3).to(dtype)
+    b13 = torch.randn(9, 2 * I, generator=g).to(dtype)
+    tok, slot = _routing(tokens, k, 6)
+    slot[::5] = -1
+    expert = (slot * 7 + 3) % 9                           # the pairs' experts: rows of b13
+    gpu = slot >= 0
+    out = moe_slots_forward(x, w13, w2, tok, slot, act=act, b13=b13, pair_bias=expert)
+    ref = expert_pairs_forward(x.float(), w13.float(), w2.float(), tok[gpu], slot[gpu], act, b13.float(), expert[gpu])
+    plain = expert_pairs_forward(x.float(), w13.float(), w2.float(), tok[gpu], slot[gpu])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert (out[gpu].float() - ref).abs().max() <= tol * ref.abs().max() + 1e-6
+    assert (plain - ref).abs().max() > 0.2 * ref.abs().max() and torch.all(out[~gpu] == 0)
+    with pytest.raises(ValueError, match="b13 must be"):
+        moe_slots_forward(x, w13, w2, tok, slot, act=act, b13=b13[:, :I], pair_bias=expert)

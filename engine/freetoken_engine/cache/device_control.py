@@ -301,8 +301,8 @@ class DeviceControl:
         gather_fill_rows(self.bank_w13, self.bank_w2, self.w13_slots, self.w2_slots, layer, out.fill_exp, out.fill_slot)
 
     def run_experts(self, layer: int, x: torch.Tensor, pair_tok: torch.Tensor, out: ControlOutputs,
-                    beside=None, copy: bool = True, guess: tuple[int, torch.Tensor] | None = None
-                    ) -> tuple[torch.Tensor, object]:
+                    beside=None, copy: bool = True, guess: tuple[int, torch.Tensor] | None = None,
+                    math: dict | None = None) -> tuple[torch.Tensor, object]:
         """Queue ``layer``'s fills (``copy``; False when ``step`` already copied them) and the GPU
         experts of the control step ``out``; returns ``(rows, beside())`` (None without ``beside``,
         a callable of device work independent of the experts, e.g. the layer's shared expert).
@@ -317,8 +317,10 @@ class DeviceControl:
         ``guess`` (``(layer + 1, ids)``): once this layer's fills are queued, ``prefetch`` the next
         layer's guessed experts (their copies cross PCIe while this layer's filled experts, the
         next layer's step and its CPU branch run; the next layer's ``run_experts`` waits for
-        them)."""
-        fwd = functools.partial(moe_slots_forward, x, self.w13_slots, self.w2_slots, pair_tok, zero=False)
+        them). ``math``: ``moe_slots_forward``'s keyword arguments for experts of another kind
+        (``act``, ``b13``, ``pair_bias``: gpt-oss)."""
+        fwd = functools.partial(moe_slots_forward, x, self.w13_slots, self.w2_slots, pair_tok, zero=False,
+                                **(math or {}))
         self.wait_prefetched()            # this layer's guesses, copied during the layer before
         if not (copy and self.overlap_hits and self.slot_owner.numel() < self.slot_of.numel()):
             if copy:

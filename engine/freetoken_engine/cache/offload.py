@@ -314,35 +314,33 @@ class OffloadedExperts:
         Returns ``(rows, beside's result or None)``.
 
         ``act`` and ``b13`` (the layer's gate/up biases [E, 2I] on x's device): experts of another
-        kind than silu(gate) * up (gpt-oss), which only the reference kernels compute: the torch
-        backend's (the runner picks it for such models)."""
+        kind than silu(gate) * up (gpt-oss). Every expert kernel computes them but the CPU branch's
+        partial experts, so their CPU pairs take the synchronous path (no sync-free branch, no
+        streamed or staged split)."""
         t, k = topk_ids.shape
         pair_exp = topk_ids.reshape(-1)                                   # [P]
         pair_tok = self._pair_tokens(t, k, x.device)                      # [P]
-        if act != SILU or b13 is not None:
+        variant = act != SILU or b13 is not None
+        self._variant = (act, b13, layer) if variant else None
+        try:
+            if self.control is not None and t < self.prefill_threshold and not self._bank_in_place():
+                if self._fills_only(t):
+                    # Every miss is filled: no CPU pair is possible, so no host sync in this layer
+                    # (a decode step of such layers can be captured in a CUDA graph).
+                    out = self.control.step(layer, topk_ids, copy=False)    # on the device, no sync
+                    return self.control.run_experts(layer, x, pair_tok, out, beside, guess=self._take_guess(layer),
+                                                    math=self._math(x, pair_exp))
+                branch = self._host_branch(x, layer) if t <= self._branch_tokens() and not variant else None
+                if branch is not None:      # CPU pairs answered by a host thread: still no sync here
+                    return branch.layer(self.control, layer, x, topk_ids, pair_tok, beside,
+                                        guess=self._take_guess(layer))
+            self._guess = None              # a synchronous call: no prefetch
             if self.control is not None:
-                raise ValueError("experts with biases or another activation need the torch expert backend, "
-                                 "not the Triton one")
-            self._variant = (act, b13, layer)
-            try:
-                rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)
-            finally:
-                self._variant = None
+                self.control.wait_prefetched()    # (a layer before may have prefetched into the slots)
+            rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)
             return rows, beside() if beside is not None else None
-        if self.control is not None and t < self.prefill_threshold and not self._bank_in_place():
-            if self._fills_only(t):
-                # Every miss is filled: no CPU pair is possible, so no host sync in this layer
-                # (a decode step of such layers can be captured in a CUDA graph).
-                out = self.control.step(layer, topk_ids, copy=False)    # on the device, no sync
-                return self.control.run_experts(layer, x, pair_tok, out, beside, guess=self._take_guess(layer))
-            branch = self._host_branch(x, layer) if t <= self._branch_tokens() else None
-            if branch is not None:      # CPU pairs answered by a host thread: still no sync here
-                return branch.layer(self.control, layer, x, topk_ids, pair_tok, beside, guess=self._take_guess(layer))
-        self._guess = None              # a synchronous call: no prefetch
-        if self.control is not None:
-            self.control.wait_prefetched()    # (a layer before may have prefetched into the slots)
-        rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)
-        return rows, beside() if beside is not None else None
+        finally:
+            self._variant = None
 
     def _math(self, x: torch.Tensor, pair_bias: torch.Tensor | None = None) -> dict:
         """An expert call's keyword arguments for experts of another kind (``forward_beside``):
@@ -372,9 +370,10 @@ class OffloadedExperts:
         pair_slot = self.cache.slot_of[layer].to(pair_exp.device).index_select(0, pair_exp)
         rows = x.new_empty((pair_exp.numel(), x.shape[1]))
         w13, w2 = self.streamer.layer(layer, gather_cached=False, wait=False)
-        self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot, out=rows)
+        math = self._math(x, pair_exp)
+        self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot, out=rows, **math)
         self.streamer.wait(layer)
-        self.slots_forward(x, w13, w2, pair_tok, pair_exp.masked_fill(pair_slot >= 0, -1), out=rows)
+        self.slots_forward(x, w13, w2, pair_tok, pair_exp.masked_fill(pair_slot >= 0, -1), out=rows, **math)
         return rows, w13, w2
 
     def _pool_in_place(self) -> bool:

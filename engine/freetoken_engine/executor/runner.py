@@ -201,15 +201,8 @@ class ModelRunner(GraphWarmup):
         return (self.bank.w13.data_ptr(), self.bank.w2.data_ptr()) if self.bank is not None else None
 
     def _make_experts(self) -> None:
-        backend = self.cfg.expert_backend
-        if not self.mcfg.moe.plain_experts and backend != "torch":
-            # biases or another activation (gpt-oss): only the reference kernels compute them yet
-            log.info("experts with %s activation%s: torch expert backend (the Triton and compiled CPU kernels "
-                     "compute silu experts without biases)", self.mcfg.moe.activation,
-                     " and biases" if self.mcfg.moe.expert_bias else "")
-            backend = "torch"
         self.experts = OffloadedExperts(self.bank, self.cache, self.cfg.expert_threshold,
-                                        backend=backend, top_k=self.mcfg.moe.top_k,
+                                        backend=self.cfg.expert_backend, top_k=self.mcfg.moe.top_k,
                                         step_layers=len(self.mcfg.moe_layers))
         for block in self.model.moe_blocks():
             block.experts = self.experts

@@ -31,11 +31,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..reference import SILU, GatedAct
 from ._common import check_tensor, interpreting, next_pow2
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX = (torch.int32, torch.int64)
 SMALL_P = 64          # calls with at most this many pairs group inside the kernel
+_ACTS = {"silu": 0, "swiglu_oai": 1}     # the gate kernels' ACT
 #: tile sizes (BN, BK of gate/up; BN, BK of down; warps) for small calls and for large ones;
 #: module-level so that a benchmark or a tuning run can set them for the GPU at hand.
 DECODE_TILES = {"bn1": 32, "bk1": 128, "bn2": 64, "bk2": 128, "warps": 4}
@@ -70,10 +72,25 @@ def _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
 
 
 @triton.jit
+def _gated(g, u, alpha, clamp, ACT: tl.constexpr):
+    """The activation of float32 gate and up rows: silu(g) u (ACT 0) or gpt-oss's clamped gate
+    (ACT 1: reference.GatedAct "swiglu_oai")."""
+    if ACT == 1:
+        gc = tl.minimum(g, clamp)
+        uc = tl.minimum(tl.maximum(u, -clamp), clamp)
+        h = (uc + 1.0) * (gc / (1.0 + tl.exp(-(gc * alpha))))
+    else:
+        h = g / (1.0 + tl.exp(-g)) * u
+    return h
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, block_rows_ptr,
-                    block_slot_ptr, limit_ptr, P, H, I, stride_xt, stride_ws, stride_wn,
+                    block_slot_ptr, limit_ptr, b13_ptr, pair_bias_ptr, alpha, clamp,
+                    P, H, I, stride_xt, stride_ws, stride_wn, stride_b,
                     BLOCK_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                    IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr, LIMIT: tl.constexpr):
+                    IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr, LIMIT: tl.constexpr,
+                    ACT: tl.constexpr, BIAS: tl.constexpr):
     pid = tl.program_id(0)
     s, rows = _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
                                BLOCK_P, BM, IN_KERNEL)
@@ -104,7 +121,12 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, bloc
                 xw = xt.to(wg.dtype)
                 acc_g = tl.dot(xw, wg, acc_g)
                 acc_u = tl.dot(xw, wu, acc_u)
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u                          # SwiGLU, float32
+        if BIAS:          # each pair's expert's gate/up biases (its row of b13)
+            b = b13_ptr + tl.load(pair_bias_ptr + rows, mask=valid, other=0).to(tl.int64)[:, None] * stride_b
+            bmask = valid[:, None] & nmask[None, :]
+            acc_g += tl.load(b + n[None, :], mask=bmask, other=0.0).to(tl.float32)
+            acc_u += tl.load(b + I + n[None, :], mask=bmask, other=0.0).to(tl.float32)
+        h = _gated(acc_g, acc_u, alpha, clamp, ACT)                          # float32
         tl.store(inter_ptr + rows[:, None] * I + n[None, :], h.to(inter_ptr.dtype.element_ty),
                  mask=valid[:, None] & nmask[None, :])
 
@@ -142,8 +164,10 @@ def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, bloc
 
 
 @triton.jit
-def _gate_up_lanes_kernel(x_ptr, w13_ptr, inter_ptr, pair_slot_ptr, limit_ptr, H, I, stride_ws, stride_wn,
-                          BN: tl.constexpr, BK: tl.constexpr, LIMIT: tl.constexpr):
+def _gate_up_lanes_kernel(x_ptr, w13_ptr, inter_ptr, pair_slot_ptr, limit_ptr, b13_ptr, pair_bias_ptr, alpha, clamp,
+                          H, I, stride_ws, stride_wn, stride_b,
+                          BN: tl.constexpr, BK: tl.constexpr, LIMIT: tl.constexpr, ACT: tl.constexpr,
+                          BIAS: tl.constexpr):
     """One token: program (p, j) computes intermediate rows [j BN, (j + 1) BN) of pair p,
     multiplying elementwise in fp32 and reducing each row once, after the K loop."""
     p = tl.program_id(0)
@@ -165,8 +189,12 @@ def _gate_up_lanes_kernel(x_ptr, w13_ptr, inter_ptr, pair_slot_ptr, limit_ptr, H
             wmask = nmask[:, None] & kmask[None, :]
             acc_g += tl.load(gate + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xk
             acc_u += tl.load(up + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xk
-        g = tl.sum(acc_g, 1)
-        h = g / (1.0 + tl.exp(-g)) * tl.sum(acc_u, 1)                    # SwiGLU, float32
+        g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+        if BIAS:
+            b = b13_ptr + tl.load(pair_bias_ptr + p).to(tl.int64) * stride_b
+            g += tl.load(b + n, mask=nmask, other=0.0).to(tl.float32)
+            u += tl.load(b + I + n, mask=nmask, other=0.0).to(tl.float32)
+        h = _gated(g, u, alpha, clamp, ACT)                                 # float32
         tl.store(inter_ptr + p * I + n, h.to(inter_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -221,7 +249,8 @@ def block_table(pair_slot: torch.Tensor, block_m: int, slots: int) -> tuple[torc
 def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.Tensor,
                       pair_tok: torch.Tensor, pair_slot: torch.Tensor,
                       out: torch.Tensor | None = None, limit: torch.Tensor | None = None,
-                      zero: bool = True) -> torch.Tensor:
+                      zero: bool = True, act: GatedAct = SILU, b13: torch.Tensor | None = None,
+                      pair_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Compute every (token, slot) pair from the slot pool; see the module docstring.
     ``zero=False``: the rows of pairs with a negative slot are left unset instead of zeroed (one
     launch less, for callers that select per pair, as the engine's combine does).
@@ -231,6 +260,10 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     x [T, H]; w13_slots [S, 2I, H]; w2_slots [S, H, I]; pair_tok, pair_slot [P] int32/int64 on
     x's device. Returns ``out [P, H]`` in x.dtype (written into ``out`` when given). Raises
     ValueError on a shape, dtype, device or stride the kernels cannot take. No host sync.
+
+    ``act``, ``b13 [E, 2I]`` (contiguous rows), ``pair_bias [P]``: experts of another kind, as
+    ``reference.expert_pairs_forward`` takes them (gpt-oss); the biases are added to the float32
+    gate/up sums, the activation computed in float32 (one rounding, as the plain gate's).
     """
     dev = x.device
     check_tensor("x", x, 2, _FLOATS)
@@ -250,6 +283,18 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
         raise ValueError("x needs a unit stride in its last dim")
     if limit is not None:
         check_tensor("limit", limit, 1, _INDEX, dev)
+    if act.kind not in _ACTS:
+        raise ValueError(f"expert activation {act.kind!r}: one of {', '.join(_ACTS)}")
+    if b13 is not None:
+        check_tensor("b13", b13, 2, _FLOATS, dev)
+        pair_bias = pair_slot if pair_bias is None else pair_bias
+        check_tensor("pair_bias", pair_bias, 1, _INDEX, dev)
+        if b13.shape[1] != two_i or b13.stride(1) != 1 or pair_bias.numel() != pair_slot.numel():
+            raise ValueError(f"b13 must be [experts, {two_i}] with unit-stride rows and pair_bias a row per pair, "
+                             f"got {tuple(b13.shape)} and {pair_bias.numel()} of {pair_slot.numel()} pairs")
+    gate = dict(b13_ptr=b13 if b13 is not None else x, pair_bias_ptr=pair_bias if b13 is not None else pair_slot,
+                alpha=act.alpha, clamp=act.limit, stride_b=b13.stride(0) if b13 is not None else 0,
+                ACT=_ACTS[act.kind], BIAS=b13 is not None)
     p = pair_tok.numel()
     if pair_slot.numel() != p:
         raise ValueError(f"pair_tok has {p} pairs, pair_slot {pair_slot.numel()}")
@@ -269,8 +314,9 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     if t == 1 and p <= SMALL_P and LANES_TILES is not None:
         bn1, bk1, bn2, bk2, warps = (LANES_TILES[key] for key in ("bn1", "bk1", "bn2", "bk2", "warps"))
         _gate_up_lanes_kernel[(p, triton.cdiv(inter, bn1))](
-            x, w13_slots, inter_buf, pair_slot, lim, h, inter, w13_slots.stride(0), w13_slots.stride(1),
-            BN=bn1, BK=min(bk1, next_pow2(h)), LIMIT=limit is not None, num_warps=warps)
+            x, w13_slots, inter_buf, pair_slot, lim, H=h, I=inter, stride_ws=w13_slots.stride(0),
+            stride_wn=w13_slots.stride(1), BN=bn1, BK=min(bk1, next_pow2(h)), LIMIT=limit is not None,
+            num_warps=warps, **gate)
         _down_lanes_kernel[(p, triton.cdiv(h, bn2))](
             inter_buf, w2_slots, out, pair_slot, lim, h, inter, w2_slots.stride(0), w2_slots.stride(1),
             out.stride(0), BN=bn2, BK=min(bk2, next_pow2(inter)), LIMIT=limit is not None, num_warps=warps)
@@ -289,9 +335,9 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     block_p = next_pow2(p) if in_kernel else 1
     _gate_up_kernel[(nb, triton.cdiv(inter, bn1))](
         x, w13_slots, inter_buf, pair_tok, pair_slot, rows, slots, lim,
-        p, h, inter, x.stride(0), w13_slots.stride(0), w13_slots.stride(1),
+        P=p, H=h, I=inter, stride_xt=x.stride(0), stride_ws=w13_slots.stride(0), stride_wn=w13_slots.stride(1),
         BLOCK_P=block_p, BM=bm, BN=bn1, BK=bk1, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limit is not None,
-        num_warps=warps)
+        num_warps=warps, **gate)
     _down_kernel[(nb, triton.cdiv(h, bn2))](
         inter_buf, w2_slots, out, pair_slot, rows, slots, lim,
         p, h, inter, w2_slots.stride(0), w2_slots.stride(1), out.stride(0),
