@@ -67,6 +67,20 @@ class ExpertBank:
     def total_experts(self) -> int:
         return self.num_layers * self.num_experts
 
+    def cpu_rate(self, seconds: float) -> float:
+        """GB/s of this bank's expert rows that the compiled CPU kernel reads in one-expert calls
+        run back to back from C (as the CPU branch runs a step's misses), random experts, layer
+        after layer, for about ``seconds``."""
+        from ..kernels import cpu_experts
+        x, tok = torch.zeros(1, self.hidden, dtype=self.dtype), torch.zeros(1, dtype=torch.int64)
+        gen = torch.Generator().manual_seed(0)
+        calls, busy, layer = 0, 0.0, 0
+        while busy < seconds:
+            exps = torch.randint(self.num_experts, (16, 1), generator=gen)
+            busy += cpu_experts.calls_seconds(x, self.w13[layer], self.w2[layer], tok, exps)
+            calls, layer = calls + len(exps), (layer + 1) % self.num_layers
+        return calls * self.expert_bytes / busy / 1e9
+
     def fill(self, layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         """Copy one expert's ``gate [I,H]``, ``up [I,H]``, ``down [H,I]`` into its final place."""
         i = self.inter

@@ -25,6 +25,7 @@ from .. import env
 from ..kernels import cpu_branch, cpu_expert_forward
 from ..kernels.reference import SILU, GatedAct, expert_pairs_forward
 from .bank import ExpertBank
+from .expert_math import ExpertMath
 from .experts import ExpertCache
 from .layer_weights import BankStreamer, WholeLayers
 
@@ -69,10 +70,7 @@ class OffloadedExperts:
         self.device = cache.device
         self.prefill_threshold = prefill_threshold
         self._pair_tok: dict[tuple[int, int], torch.Tensor] = {}
-        # (act, b13 on x's device, layer) of the call in progress, for experts of another
-        # kind (forward_beside); the host copies of each layer's biases, made on first use
-        self._variant: tuple | None = None
-        self._b13_host: dict[int, torch.Tensor] = {}
+        self.math = ExpertMath()   # the call in progress's experts of another kind (gpt-oss)
         self.cpu_backend_name, self.cpu_forward = cpu_expert_forward(cpu_backend)
         self.control = None
         self.seeded = 0          # experts the prefills copied into the cache (_seed_cache)
@@ -273,21 +271,10 @@ class OffloadedExperts:
             self.control.set_fill_fraction(self._control_fraction())
 
     def cpu_rate(self, seconds: float) -> float:
-        """GB/s of this bank's expert rows that the compiled CPU kernel reads in one-expert calls
-        run back to back from C (as the CPU branch runs a step's misses), random experts, layer
-        after layer, for about ``seconds``: the q* follower's probe (executor/cpu_contention.py).
-        A running CPU-branch step is finished first: the two would share the kernel's pool."""
-        from ..kernels import cpu_experts
+        """``ExpertBank.cpu_rate``: the q* follower's probe (executor/cpu_contention.py). A running
+        CPU-branch step is finished first: the two would share the kernel's pool."""
         self._finish_branches()
-        b = self.bank
-        x, tok = torch.zeros(1, b.hidden, dtype=b.dtype), torch.zeros(1, dtype=torch.int64)
-        gen = torch.Generator().manual_seed(0)
-        calls, busy, layer = 0, 0.0, 0
-        while busy < seconds:
-            exps = torch.randint(b.num_experts, (16, 1), generator=gen)
-            busy += cpu_experts.calls_seconds(x, b.w13[layer], b.w2[layer], tok, exps)
-            calls, layer = calls + len(exps), (layer + 1) % b.num_layers
-        return calls * b.expert_bytes / busy / 1e9
+        return self.bank.cpu_rate(seconds)
 
     def _pair_tokens(self, t: int, k: int, device: torch.device) -> torch.Tensor:
         """``[t * k]`` token of each (token, k) pair; kept for decode-sized calls (stable addresses
@@ -320,8 +307,7 @@ class OffloadedExperts:
         t, k = topk_ids.shape
         pair_exp = topk_ids.reshape(-1)                                   # [P]
         pair_tok = self._pair_tokens(t, k, x.device)                      # [P]
-        variant = act != SILU or b13 is not None
-        self._variant = (act, b13, layer) if variant else None
+        variant = self.math.begin(layer, act, b13)
         try:
             if self.control is not None and t < self.prefill_threshold and not self._bank_in_place():
                 if self._fills_only(t):
@@ -329,7 +315,7 @@ class OffloadedExperts:
                     # (a decode step of such layers can be captured in a CUDA graph).
                     out = self.control.step(layer, topk_ids, copy=False)    # on the device, no sync
                     return self.control.run_experts(layer, x, pair_tok, out, beside, guess=self._take_guess(layer),
-                                                    math=self._math(x, pair_exp))
+                                                    math=self.math.kwargs(x, pair_exp))
                 branch = self._host_branch(x, layer) if t <= self._branch_tokens() and not variant else None
                 if branch is not None:      # CPU pairs answered by a host thread: still no sync here
                     return branch.layer(self.control, layer, x, topk_ids, pair_tok, beside,
@@ -340,21 +326,7 @@ class OffloadedExperts:
             rows = self._forward(layer, x, topk_ids, pair_tok, pair_exp)
             return rows, beside() if beside is not None else None
         finally:
-            self._variant = None
-
-    def _math(self, x: torch.Tensor, pair_bias: torch.Tensor | None = None) -> dict:
-        """An expert call's keyword arguments for experts of another kind (``forward_beside``):
-        the activation, the layer's gate/up biases (for a call on the host, a float32 copy made
-        once a layer: the compiled kernel's rows) and each pair's expert where the call's indices
-        are slots; none for plain experts."""
-        if self._variant is None:
-            return {}
-        act, b13, layer = self._variant
-        if b13 is not None and x.device.type == "cpu":
-            if layer not in self._b13_host:
-                self._b13_host[layer] = b13.detach().float().cpu().contiguous()
-            b13 = self._b13_host[layer]
-        return dict(act=act, b13=b13) if pair_bias is None else dict(act=act, b13=b13, pair_bias=pair_bias)
+            self.math.end()
 
     def _pool_forward(self, layer: int, x: torch.Tensor, pair_tok: torch.Tensor,
                       pair_exp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -370,7 +342,7 @@ class OffloadedExperts:
         pair_slot = self.cache.slot_of[layer].to(pair_exp.device).index_select(0, pair_exp)
         rows = x.new_empty((pair_exp.numel(), x.shape[1]))
         w13, w2 = self.streamer.layer(layer, gather_cached=False, wait=False)
-        math = self._math(x, pair_exp)
+        math = self.math.kwargs(x, pair_exp)
         self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot, out=rows, **math)
         self.streamer.wait(layer)
         self.slots_forward(x, w13, w2, pair_tok, pair_exp.masked_fill(pair_slot >= 0, -1), out=rows, **math)
@@ -393,7 +365,7 @@ class OffloadedExperts:
             else:
                 w13, w2 = self.streamer.layer(layer)
                 fn = self.cpu_forward if w13.device.type == "cpu" and self.control is None else self.slots_forward
-                out = fn(x, w13, w2, pair_tok, pair_exp, **self._math(x))
+                out = fn(x, w13, w2, pair_tok, pair_exp, **self.math.kwargs(x))
             if self.control is not None and self.prefill_fills_free:
                 self.filled_free += self.control.fill_free(layer, topk_ids, w13, w2)
             if self._seed and self.seed_now and self.cache.capacity < self.bank.total_experts:
@@ -404,23 +376,23 @@ class OffloadedExperts:
             # copy, so compute from it in place (no fills, no slot lookups). Each distinct
             # routed expert counts as a hit (a token's top-k experts are distinct).
             self.cache.stats.hits += k if t == 1 else int(torch.unique(pair_exp).numel())
-            return self.cpu_forward(x, self.bank.w13[layer], self.bank.w2[layer], pair_tok, pair_exp, **self._math(x))
+            return self.cpu_forward(x, self.bank.w13[layer], self.bank.w2[layer], pair_tok, pair_exp, **self.math.kwargs(x))
         if self.control is not None:       # the sync path: no host branch (or it is off)
             pair_slot = self.control.step(layer, topk_ids).pair_slot
         else:
             pair_slot = self.cache.step(layer, pair_exp)                  # [P], -1 = CPU
         if self.device.type == "cpu" and bool((pair_slot >= 0).all()):
             return self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok, pair_slot,
-                                      **self._math(x, pair_exp))
+                                      **self.math.kwargs(x, pair_exp))
         out = x.new_empty((t * k, x.shape[1]))
         on_dev = pair_slot >= 0
         cpu = ~on_dev
         if bool(on_dev.any()):
             out[on_dev] = self.slots_forward(x, self.cache.w13, self.cache.w2, pair_tok[on_dev], pair_slot[on_dev],
-                                             **self._math(x, pair_exp[on_dev]))
+                                             **self.math.kwargs(x, pair_exp[on_dev]))
         if bool(cpu.any()):
             x_host = x if x.device.type == "cpu" else x.cpu()
             rows = self.cpu_forward(x_host, self.bank.w13[layer], self.bank.w2[layer],
-                                    pair_tok[cpu].cpu(), pair_exp[cpu].cpu(), **self._math(x_host))
+                                    pair_tok[cpu].cpu(), pair_exp[cpu].cpu(), **self.math.kwargs(x_host))
             out[cpu] = rows.to(out.device, non_blocking=True)
         return out

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import torch
 
 from . import reference
+from .cpu import gated
 from .cpu.expert_args import as_int64, check_problem, compiled_ok, fast_args, problem_args
 
 log = logging.getLogger(__name__)
@@ -282,7 +283,8 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if act != reference.SILU or b13 is not None:
         if rows_from:
             raise ValueError("rows_from takes plain experts (silu, no biases)")
-        return gated_forward(x, w13, w2, pair_tok, pair_exp, out, act, b13, pair_bias)
+        return gated.gated_forward(_lib if _loaded else _load(), x, w13, w2, pair_tok, pair_exp, out, act, b13,
+                                   pair_bias)
     lib = _lib if _loaded else _load()
     args = fast_args(x, w13, w2, pair_tok, pair_exp, out, rows_from) if lib is not None else None
     if args is not None and args[-1]:
@@ -312,45 +314,6 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if out is None:
         out = torch.empty((P, H), dtype=x.dtype)
     rc = lib.ft_experts_range(*problem_args(x, w13, w2), tok.data_ptr(), exp.data_ptr(), P, out.data_ptr(), rows_from)
-    if rc != 0:
-        raise IndexError(lib.ft_last_error().decode())
-    return out
-
-
-_ACTS = {"silu": 0, "swiglu_oai": 1}
-
-
-def gated_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: torch.Tensor,
-                  pair_exp: torch.Tensor, out: torch.Tensor | None, act: reference.GatedAct,
-                  b13: torch.Tensor | None, pair_bias: torch.Tensor | None) -> torch.Tensor:
-    """``experts_forward`` for experts of another kind: the compiled kernel with the gate and the
-    gate/up biases in its first stage (simd.h ``gated_block``; b13 read as float32 rows, so pass a
-    float32 contiguous copy to avoid one conversion a call); the reference where the kernel does
-    not take the tensors. Raises ValueError / IndexError as ``experts_forward``."""
-    check_problem(x, w13, w2, pair_tok, pair_exp)
-    P, H, I = pair_tok.numel(), x.shape[1], w2.shape[2]
-    if out is not None and (out.shape != (P, H) or out.dtype != x.dtype or out.device.type != "cpu"
-                            or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous CPU [{P}, {H}] {x.dtype} tensor, got "
-                         f"{tuple(out.shape)} {out.dtype} on {out.device}")
-    bias = pair_exp if pair_bias is None else pair_bias
-    if b13 is not None and (b13.dim() != 2 or b13.shape[1] != 2 * I or bias.shape != pair_exp.shape):
-        raise ValueError(f"b13 must be [experts, {2 * I}] with a row per pair, got {tuple(b13.shape)} and "
-                         f"pair_bias {tuple(bias.shape)}")
-    lib = _load()
-    if P == 0 or lib is None or not compiled_ok(x, w13, w2) or act.kind not in _ACTS \
-            or (b13 is not None and not b13.is_cpu):
-        y = reference.expert_pairs_forward(x, w13, w2, pair_tok, pair_exp, act, b13, pair_bias)
-        return y if out is None else out.copy_(y)
-    x = x.contiguous()
-    tok, exp = as_int64(pair_tok), as_int64(pair_exp)
-    rows = None if b13 is None else b13.float().contiguous()
-    rows_at = as_int64(bias) if rows is not None else None
-    if out is None:
-        out = torch.empty((P, H), dtype=x.dtype)
-    rc = lib.ft_experts_gated(*problem_args(x, w13, w2), tok.data_ptr(), exp.data_ptr(), P, out.data_ptr(),
-                              _ACTS[act.kind], act.alpha, act.limit, None if rows is None else rows.data_ptr(),
-                              0 if rows is None else rows.shape[0], None if rows_at is None else rows_at.data_ptr())
     if rc != 0:
         raise IndexError(lib.ft_last_error().decode())
     return out

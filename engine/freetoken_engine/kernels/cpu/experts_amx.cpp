@@ -78,7 +78,7 @@ extern "C" void ft_stage1_amx(const FtProblem* p, int64_t g, int64_t i0, int64_t
       tile_rows(base + ib * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (p->up + ib) * rs : 0, m, og);
       tile_rows(base + (p->up + ib) * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (ib + m) * rs : 0, nm,
                 ou);
-      gated_block(p, g, ib, m, 16, og, ou, oa);
+      gated_block(p, g, ib, m, 16, nt, og, ou, oa);
       for (int r = 0; r < m; ++r) {
         const int64_t i = ib + r;
         for (int t = 0; t < nt; ++t) act[(i / 2) * 2 * nt + 2 * t + (i & 1)] = f2bf(oa[r * 16 + t]);

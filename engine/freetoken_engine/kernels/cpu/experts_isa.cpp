@@ -276,7 +276,7 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
         rows_f<WB>(nt, base, rs, ib, ie, xs, H, p->prefetch, og, i1);
         rows_f<WB>(nt, base + p->up * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
       }
-      gated_block(p, g, ib, ie - ib, NTMAX, og, ou, oa);
+      gated_block(p, g, ib, ie - ib, NTMAX, nt, og, ou, oa);
       for (int t = 0; t < nt; ++t) {
         const int64_t at = (s + tb + t) * I + ib;
         if (act) store_strided(oa + t, NTMAX, ie - ib, false, act + at);

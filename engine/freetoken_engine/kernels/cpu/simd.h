@@ -360,15 +360,16 @@ inline float oai_gate(float g, float u, float alpha, float limit, int xb16) {
 }
 
 // The activations of m intermediate rows from ib of group g, `stride` token lanes a row
-// (og/ou/oa[r * stride + t]): swiglu_block for plain experts; with biases or gpt-oss's gate,
-// each row's biases added to the rounded products (rounded again), then the gate, per element.
-inline void gated_block(const FtProblem* p, int64_t g, int64_t ib, int64_t m, int stride, float* og, float* ou,
-                        float* oa) {
+// (og/ou/oa[r * stride + t]) of which the first nt hold tokens: swiglu_block for plain experts;
+// with biases or gpt-oss's gate, each row's biases added to the rounded products (rounded again),
+// then the gate, per element of the nt lanes.
+inline void gated_block(const FtProblem* p, int64_t g, int64_t ib, int64_t m, int stride, int nt, float* og,
+                        float* ou, float* oa) {
   if (!p->gate_act && !p->b13) return swiglu_block(og, ou, oa, m * stride, p->x_bf16);
   const int xb16 = p->x_bf16;
   const float* bg = p->b13 ? p->b13 + p->g_bias[g] * p->b13_rs + ib : 0;
   for (int64_t r = 0; r < m; ++r) {
-    for (int t = 0; t < stride; ++t) {
+    for (int t = 0; t < nt; ++t) {
       const int64_t at = r * stride + t;
       float gv = og[at], uv = ou[at];
       if (xb16) { gv = rbf(gv); uv = rbf(uv); }
