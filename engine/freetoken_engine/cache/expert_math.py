@@ -17,12 +17,30 @@ class ExpertMath:
     def __init__(self):
         self._call: tuple[GatedAct, torch.Tensor | None, int] | None = None
         self._host: dict[int, torch.Tensor] = {}
+        self.act: GatedAct = SILU
+        self.layer_b13: list[torch.Tensor | None] = []
 
-    def begin(self, layer: int, act: GatedAct, b13: torch.Tensor | None) -> bool:
-        """Whether ``act`` / ``b13`` make the layer's experts of another kind (then set for the call)."""
-        plain = act == SILU and b13 is None
-        self._call = None if plain else (act, b13, layer)
-        return not plain
+    def set_model(self, act: GatedAct, layer_b13: list[torch.Tensor | None]) -> None:
+        """The model's experts, for what runs apart from the MoE calls (the CPU branch): their
+        activation and each MoE layer's gate/up biases (None: none)."""
+        self.act, self.layer_b13 = act, list(layer_b13)
+
+    @property
+    def plain(self) -> bool:
+        """The model's experts are silu(gate) * up without biases."""
+        return self.act == SILU and all(b is None for b in self.layer_b13)
+
+    def gate_branch(self, branch, first: int, layers: int) -> None:
+        """Give the CPU branch (``kernels/cpu_branch.CpuBranch``) of MoE layers [first, first +
+        layers) the model's experts, when they are not plain."""
+        if self.plain:
+            return
+        biases = self.layer_b13[first:first + layers]
+        branch.set_gate(self.act, None if biases[0] is None else torch.stack([b.detach() for b in biases]))
+
+    def begin(self, layer: int, act: GatedAct, b13: torch.Tensor | None) -> None:
+        """The call of ``layer``: ``act`` and ``b13`` its experts' (plain: nothing to pass)."""
+        self._call = None if act == SILU and b13 is None else (act, b13, layer)
 
     def end(self) -> None:
         self._call = None

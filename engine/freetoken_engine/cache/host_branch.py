@@ -77,11 +77,13 @@ class HostBranch:
         self.br.check()
 
     def layer(self, control, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, pair_tok: torch.Tensor,
-              beside=None, guess=None) -> tuple[SplitRows, object]:
+              beside=None, guess=None, math: dict | None = None) -> tuple[SplitRows, object]:
         """Queue MoE layer ``layer`` of the current step; returns its pair rows (``SplitRows``:
         the device's rows, the host's compact rows in pinned memory; valid in stream order) and
         ``beside()`` (device work run beside the hits, ``DeviceControl.run_experts``, which also
-        prefetches ``guess``: the next layer's guessed experts)."""
+        prefetches ``guess``: the next layer's guessed experts). ``math``: the device's expert
+        calls' arguments for experts of another kind (``run_experts``'; the host's are the
+        branch's own, ``CpuBranch.set_gate``)."""
         br = self.br
         t, k = topk_ids.shape
         p = t * k
@@ -98,7 +100,8 @@ class HostBranch:
         handshake.signal(br.flag[i:i + 1], br.epoch, src=x.contiguous(), dst=br.x[i, :t])
         # The copies only after the signal: the host starts its experts while the fills cross PCIe,
         # the hits run beside the copies and the filled experts after them (CPU pairs' rows unset).
-        gpu, extra = control.run_experts(layer, x, pair_tok, out, beside, copy=self.copy_after_signal, guess=guess)
+        gpu, extra = control.run_experts(layer, x, pair_tok, out, beside, copy=self.copy_after_signal, guess=guess,
+                                         math=math)
         part = control.streamed_forward(x, pair_tok, out)     # the streamed split's GPU part, or None
         if control.stream is not None and control.stream.stage:
             # the split by stage: the host publishes the activations before its other CPU pairs

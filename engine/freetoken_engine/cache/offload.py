@@ -127,11 +127,14 @@ class OffloadedExperts:
                 if mtp:
                     self.mtp_branch = HostBranch(self.bank, self.top_k, self._branch_tokens(), self.device, x.dtype,
                                                  first=self.step_layers)
+                    self.math.gate_branch(self.mtp_branch.br, self.step_layers, self.mtp_branch.layers)
                     return self.mtp_branch
                 self.host_branch = HostBranch(self.bank, self.top_k, self._branch_tokens(), self.device, x.dtype,
                                               layers=self.step_layers)
+                self.math.gate_branch(self.host_branch.br, 0, self.step_layers)
                 mode = env.stream_split()
-                if mode != "off" and self.device.type == "cuda":
+                # the streamed and staged splits compute parts of experts: plain experts only
+                if mode != "off" and self.device.type == "cuda" and self.math.plain:
                     try:   # scratch for STREAMED experts' rows: that many experts' bytes of device memory
                         self.control.set_stream(min(STREAMED, self.bank.w13.shape[1]), floor_fills=mode == "floor",
                                                 stage=mode == "stage")
@@ -301,13 +304,13 @@ class OffloadedExperts:
         Returns ``(rows, beside's result or None)``.
 
         ``act`` and ``b13`` (the layer's gate/up biases [E, 2I] on x's device): experts of another
-        kind than silu(gate) * up (gpt-oss). Every expert kernel computes them but the CPU branch's
-        partial experts, so their CPU pairs take the synchronous path (no sync-free branch, no
-        streamed or staged split)."""
+        kind than silu(gate) * up (gpt-oss). Every expert kernel computes them, the sync-free CPU
+        branch's whole experts too (``ExpertMath.gate_branch``); the streamed and staged splits,
+        which compute parts of experts, stay off for them."""
         t, k = topk_ids.shape
         pair_exp = topk_ids.reshape(-1)                                   # [P]
         pair_tok = self._pair_tokens(t, k, x.device)                      # [P]
-        variant = self.math.begin(layer, act, b13)
+        self.math.begin(layer, act, b13)
         try:
             if self.control is not None and t < self.prefill_threshold and not self._bank_in_place():
                 if self._fills_only(t):
@@ -316,10 +319,10 @@ class OffloadedExperts:
                     out = self.control.step(layer, topk_ids, copy=False)    # on the device, no sync
                     return self.control.run_experts(layer, x, pair_tok, out, beside, guess=self._take_guess(layer),
                                                     math=self.math.kwargs(x, pair_exp))
-                branch = self._host_branch(x, layer) if t <= self._branch_tokens() and not variant else None
+                branch = self._host_branch(x, layer) if t <= self._branch_tokens() else None
                 if branch is not None:      # CPU pairs answered by a host thread: still no sync here
                     return branch.layer(self.control, layer, x, topk_ids, pair_tok, beside,
-                                        guess=self._take_guess(layer))
+                                        guess=self._take_guess(layer), math=self.math.kwargs(x, pair_exp))
             self._guess = None              # a synchronous call: no prefetch
             if self.control is not None:
                 self.control.wait_prefetched()    # (a layer before may have prefetched into the slots)

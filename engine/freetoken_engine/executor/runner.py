@@ -204,8 +204,11 @@ class ModelRunner(GraphWarmup):
         self.experts = OffloadedExperts(self.bank, self.cache, self.cfg.expert_threshold,
                                         backend=self.cfg.expert_backend, top_k=self.mcfg.moe.top_k,
                                         step_layers=len(self.mcfg.moe_layers))
-        for block in self.model.moe_blocks():
+        blocks = self.model.moe_blocks()
+        for block in blocks:
             block.experts = self.experts
+        if not self.mcfg.moe.plain_experts:     # gpt-oss: what the CPU branch computes beside the calls
+            self.experts.math.set_model(blocks[0].act, [block.expert_b13 for block in blocks])
         if env.expert_prefetch():           # each MoE layer guesses the next one's experts
             blocks = self.model.moe_blocks()[:len(self.mcfg.moe_layers)]
             for block, nxt in zip(blocks, blocks[1:]):

@@ -63,7 +63,8 @@ class _FtBranch(ctypes.Structure):   # FtBranch in kernels/cpu/branch.cpp, field
                 ("wait_s", ctypes.c_double), ("compute_s", ctypes.c_double),
                 ("cpu_layers", _i64), ("cpu_pairs", _i64), ("failed_layer", _i64),
                 ("from_rows", _vp), ("rows_tmp", _vp), ("streamed_rows", _i64),
-                ("act", _vp), ("act_flag", _vp), ("act_tmp", _vp), ("stage_pairs", _i64)]
+                ("act", _vp), ("act_flag", _vp), ("act_tmp", _vp), ("stage_pairs", _i64),
+                ("gate_act", ctypes.c_int), ("alpha", ctypes.c_float), ("limit", ctypes.c_float), ("b13", _vp)]
 
 
 _DTYPES = (torch.bfloat16, torch.float32)
@@ -121,9 +122,22 @@ class CpuBranch:
                             bank_w13.data_ptr(), bank_w2.data_ptr(),
                             s13[0], s13[1], s13[2], s2[0], s2[1], s2[2], self.rows.data_ptr(), timeout_s,
                             0.0, 0.0, 0, 0, -1, self.from_rows.data_ptr(), self._rows_tmp.data_ptr(), 0,
-                            self.act.data_ptr(), self.act_flag.data_ptr(), self._act_tmp.data_ptr(), 0)
+                            self.act.data_ptr(), self.act_flag.data_ptr(), self._act_tmp.data_ptr(), 0,
+                            0, 0.0, 0.0, None)
         self.totals = {"wait_s": 0.0, "compute_s": 0.0, "cpu_layers": 0, "cpu_pairs": 0, "streamed_rows": 0,
                        "stage_pairs": 0, "steps": 0}
+
+    def set_gate(self, act, b13: torch.Tensor | None) -> None:
+        """Experts of another kind (gpt-oss): ``act`` (a ``reference.GatedAct``) and the gate/up
+        biases of every layer of the branch, ``b13 [L, E, 2I]`` (None: none), read as float32.
+        Whole experts only: a step must then mark no streamed or staged pair."""
+        from .cpu.gated import ACTS
+        L, E, two_i = self.pair_slot.shape[0], self._c.E, 2 * self._c.I
+        if b13 is not None and tuple(b13.shape) != (L, E, two_i):
+            raise ValueError(f"b13 must be [{L}, {E}, {two_i}], got {tuple(b13.shape)}")
+        self._b13 = None if b13 is None else b13.detach().float().cpu().contiguous()
+        self._c.gate_act, self._c.alpha, self._c.limit = ACTS[act.kind], act.alpha, act.limit
+        self._c.b13 = None if self._b13 is None else self._b13.data_ptr()
 
     def run(self, timeout_s: float | None = None, tokens: int | None = None) -> None:
         """The host half of the next step (blocks until its last layer's rows are published).

@@ -15,6 +15,11 @@ int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
                      const void* w13, const void* w2, int w_bf16, int64_t E,
                      int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
                      const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out, int64_t i0);
+int ft_experts_gated(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
+                     const void* w13, const void* w2, int w_bf16, int64_t E,
+                     int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
+                     const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out,
+                     int act, float alpha, float limit, const float* b13, int64_t n_bias, const int64_t* pair_bias);
 int ft_experts_act(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
                    const void* w13, const void* w2, int w_bf16, int64_t E,
                    int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
@@ -48,6 +53,11 @@ struct FtBranch {
   int64_t* act_flag;          // [L] stored here (release) once layer l's activations are written
   void* act_tmp;              // [P, I] scratch in x's dtype
   int64_t stage_pairs;        // output: split-by-stage pairs answered
+  // experts of another kind (gpt-oss; whole experts only: no streamed or staged pairs): the gate
+  // (ft_experts_gated's act, alpha, limit) and fp32 gate/up bias rows [L, E, 2I] (null: none)
+  int gate_act;
+  float alpha, limit;
+  const float* b13;
 };
 
 }  // extern "C"
@@ -155,7 +165,11 @@ int ft_branch_run(FtBranch* b, int64_t epoch) {
     const bool scatter = (n && n2) || n3;
     char* out1 = scatter || n2 ? (char*)b->rows_tmp : (char*)b->rows;
     char* out2 = n ? (char*)b->rows_tmp + n * row : scatter ? (char*)b->rows_tmp : (char*)b->rows;
-    if (n)
+    if (n && (b->gate_act || b->b13))   // each pair's bias row is its expert's: the bank is indexed by expert
+      rc = ft_experts_gated(xl, b->x_bf16, b->T, b->H, b->I, w13l, w2l, b->w_bf16, b->E, b->w13_es, b->w13_rs,
+                            b->w2_es, b->w2_rs, tok, exp, n, out1, b->gate_act, b->alpha, b->limit,
+                            b->b13 ? b->b13 + l * b->E * 2 * b->I : nullptr, b->E, exp);
+    else if (n)
       rc = ft_experts_range(xl, b->x_bf16, b->T, b->H, b->I, w13l, w2l, b->w_bf16, b->E, b->w13_es, b->w13_rs,
                             b->w2_es, b->w2_rs, tok, exp, n, out1, 0);
     if (n2 && rc == 0)

@@ -7,7 +7,7 @@ import torch
 from .. import reference
 from .expert_args import as_int64, check_problem, compiled_ok, problem_args
 
-_ACTS = {"silu": 0, "swiglu_oai": 1}
+ACTS = {"silu": 0, "swiglu_oai": 1}    # the kernel's gate_act
 
 
 def gated_forward(lib, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: torch.Tensor,
@@ -27,7 +27,7 @@ def gated_forward(lib, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pai
     if b13 is not None and (b13.dim() != 2 or b13.shape[1] != 2 * I or bias.shape != pair_exp.shape):
         raise ValueError(f"b13 must be [experts, {2 * I}] with a row per pair, got {tuple(b13.shape)} and "
                          f"pair_bias {tuple(bias.shape)}")
-    if P == 0 or lib is None or not compiled_ok(x, w13, w2) or act.kind not in _ACTS \
+    if P == 0 or lib is None or not compiled_ok(x, w13, w2) or act.kind not in ACTS \
             or (b13 is not None and not b13.is_cpu):
         y = reference.expert_pairs_forward(x, w13, w2, pair_tok, pair_exp, act, b13, pair_bias)
         return y if out is None else out.copy_(y)
@@ -38,7 +38,7 @@ def gated_forward(lib, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pai
     if out is None:
         out = torch.empty((P, H), dtype=x.dtype)
     rc = lib.ft_experts_gated(*problem_args(x, w13, w2), tok.data_ptr(), exp.data_ptr(), P, out.data_ptr(),
-                              _ACTS[act.kind], act.alpha, act.limit, None if rows is None else rows.data_ptr(),
+                              ACTS[act.kind], act.alpha, act.limit, None if rows is None else rows.data_ptr(),
                               0 if rows is None else rows.shape[0], None if rows_at is None else rows_at.data_ptr())
     if rc != 0:
         raise IndexError(lib.ft_last_error().decode())
