@@ -303,10 +303,9 @@ class OffloadedExperts:
         are copied (``DeviceControl.run_experts``), else after the experts.
         Returns ``(rows, beside's result or None)``.
 
-        ``act`` and ``b13`` (the layer's gate/up biases [E, 2I] on x's device): experts of another
-        kind than silu(gate) * up (gpt-oss). Every expert kernel computes them, the sync-free CPU
-        branch's whole experts too (``ExpertMath.gate_branch``); the streamed and staged splits,
-        which compute parts of experts, stay off for them."""
+        ``act``, ``b13`` (the layer's gate/up biases [E, 2I] on x's device): experts of another kind
+        (gpt-oss), which every expert kernel and the CPU branch compute (``ExpertMath``); the
+        streamed and staged splits, which compute parts of experts, stay off for them."""
         t, k = topk_ids.shape
         pair_exp = topk_ids.reshape(-1)                                   # [P]
         pair_tok = self._pair_tokens(t, k, x.device)                      # [P]
