@@ -116,9 +116,10 @@ def test_gpu_prefill_attention_matches_the_grouped_matmuls(tiny_checkpoint, monk
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])     # gpt-oss: the gated experts' kernels
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_cache_capacity_and_split_do_not_change_tokens_on_gpu(tiny_checkpoint, backend):
-    folder = tiny_checkpoint("qwen3_moe")
+def test_cache_capacity_and_split_do_not_change_tokens_on_gpu(tiny_checkpoint, backend, model_type):
+    folder = tiny_checkpoint(model_type)
     want = LLM(folder, device="cuda", dtype="float32", expert_backend=backend).generate(PROMPT, GREEDY).token_ids
     for capacity, fraction in [(1, 0.0), (3, 0.5), (5, 1.0), (16, 0.5)]:
         llm = LLM(folder, device="cuda", dtype="float32", expert_backend=backend,
