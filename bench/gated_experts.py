@@ -5,7 +5,8 @@ element by element) and through the PyTorch reference of gpt-oss's experts (the 
 before the kernel took them), for calls of 1, 4 and 8 tokens on one to four experts each, on experts
 beyond the last-level cache (a pass over many experts, as decode's CPU share reads them).
 
-Every side in this one process, alternating, ``--rounds`` rounds, the median kept; GB/s counts the
+Every side in this one process, in turn (each first in one round of three, after a pause),
+``--rounds`` rounds, the median kept; GB/s counts the
 expert bytes a call reads, against a STREAM-style read of the same bank by the kernel's threads. The gated kernel's rows are checked against the reference before anything
 is timed (bf16: within 2e-2 of the output scale, the kernels' stated tolerance).
 
@@ -84,9 +85,13 @@ def run(args) -> dict:
     rows = []
     for tokens, per in CALLS:
         times = {name: [] for name in fns}
-        for _ in range(args.rounds):
-            for name, fn in fns.items():
-                times[name].append(measure(fn, args.experts, tokens, per))
+        names = list(fns)
+        for r in range(args.rounds):
+            # each side first in turn, a pause before each: torch's OpenMP threads (the reference's)
+            # spin for a while after it on the CPUs the kernel's workers are pinned to
+            for name in names[r % len(names):] + names[:r % len(names)]:
+                time.sleep(0.3)
+                times[name].append(measure(fns[name], args.experts, tokens, per))
         med = {name: statistics.median(t) for name, t in times.items()}
         row = {"tokens": tokens, "experts_per_call": per, "ms_per_call": {k: v * 1e3 for k, v in med.items()},
                "gb_per_s": {k: per * per_expert / v / 1e9 for k, v in med.items()},
