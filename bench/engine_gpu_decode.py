@@ -229,10 +229,10 @@ def main() -> None:
                     help="a 2-layer packed checkpoint repeated to --layers layers, in a temp folder under "
                          "FAST_DIR (e.g. /dev/shm: no disk reads; bench/stretch.py): deep models on a small disk")
     ap.add_argument("--shape", default="qwen3-30b", choices=("qwen3-30b", "qwen3.6", "qwen3.6-hybrid", "ernie4.5-21b",
-                                                             "glm4.5-air"),
+                                                             "glm4.5-air", "gpt-oss-20b"),
                     help="the checkpoint's shapes (bench/fast_load.py SHAPES): Qwen3-30B-A3B, "
-                         "Qwen3.6-35B-A3B's MoE layers with their shared expert, ERNIE-4.5-21B-A3B's or "
-                         "GLM-4.5-Air's MoE layers")
+                         "Qwen3.6-35B-A3B's MoE layers with their shared expert, ERNIE-4.5-21B-A3B's, "
+                         "GLM-4.5-Air's or gpt-oss-20b's MoE layers")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script itself")
     ap.add_argument("--routing", default="locality", choices=("model", "locality", "uniform"),
                     help="locality / uniform: the MoE bench's generated routing replayed through the routers "

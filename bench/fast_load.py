@@ -88,6 +88,11 @@ SHAPES = {
                    "moe_intermediate_size": 1408, "n_routed_experts": 128, "n_shared_experts": 1,
                    "first_k_dense_replace": 0, "routed_scaling_factor": 1.0, "partial_rotary_factor": 0.5,
                    "intermediate_size": 10944},
+    # gpt-oss-20b (32 experts of I 2880, top 4, gate/up and down biases, the clamped gate, sinks,
+    # sliding layers beside full ones, 64/8 heads of 64 with q/k/v/o biases, H 2880)
+    "gpt-oss-20b": {"model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "hidden_size": 2880,
+                    "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "intermediate_size": 2880,
+                    "num_local_experts": 32, "num_experts_per_tok": 4, "sliding_window": 128, "attention_bias": True},
 }
 #: layers a stretched checkpoint repeats (a hybrid model's period of layer kinds)
 PERIOD = {"qwen3.6-hybrid": 4}

@@ -23,6 +23,12 @@ PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 
 
+#: configs the GPU machine's older transformers (5.17) reads otherwise: its gpt-oss experts clamp at
+#: 7.0 whatever ``swiglu_limit`` says (the tiny config's 1.0 is read by 5.25, the CI's, and by the
+#: engine): the published limit here, where both agree
+OLD_REFERENCE = {"gpt_oss": {"swiglu_limit": 7.0}}
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "qwen3_vl_moe",
                                         "ernie4_5_moe", "dots1", "minimax_m2", "granitemoeshared", "granite",
                                         "solar_open", "exaone_moe", "hunyuan_v1_moe", "afmoe",
@@ -31,7 +37,7 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
                                         "granitemoe_swa", "flex_olmo", "olmo3", "llama4", "ernie4_5_vl_moe",
                                         "cohere2_moe", "gpt_oss"])
 def test_cuda_float32_matches_transformers_on_cpu(tiny_checkpoint, model_type):
-    folder = tiny_checkpoint(model_type)
+    folder = tiny_checkpoint(model_type, **OLD_REFERENCE.get(model_type, {}))
     ref = load_reference(folder)
     with torch.no_grad():
         want = ref(torch.tensor([PROMPT])).logits[0]
