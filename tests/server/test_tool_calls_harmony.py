@@ -11,18 +11,23 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from live import serving
 from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
 from test_tool_calls_glm import calls
-from test_tool_calls_granite import A_TOOLS, MSGS, SCHEMAS, TOOLS, shown
+from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, forced_calls_are_valid, held_prompt,
+                                     shown, walk)
 from tiny_models import mark_special, with_template
 
 from freetoken_engine.models.tokenizer import Tokenizer
 from freetoken_engine.server.parser import Reasoning, ToolArgs, ToolEnd, ToolStart, format_tags, output_parser
 from freetoken_engine.server.parser_harmony import TAGS
 from freetoken_engine.server.prompt import build_prompt, tool_style
+from freetoken_engine.server.structured import guide_spec
+from freetoken_engine.server.tool_grammar import tool_grammars
 
 STYLE = "harmony"
 TEMPLATE = (
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort | default('medium') }}<|end|>"
     "{%- if tools %}<|start|>developer<|message|># Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|end|>"
     "{%- endif %}"
     "{%- for m in messages %}"
@@ -169,3 +174,47 @@ def test_without_tools_the_answer_is_split_from_the_reasoning(scripted):
         {"role": "user", "content": "Thanks, that is all."}])
     assert [(b.type, getattr(b, "thinking", None) or getattr(b, "text", None)) for b in m.content] == [
         ("thinking", "The user wants the forecast."), ("text", "Bye!")]
+
+
+def test_the_reasoning_effort_reaches_the_template(scripted):
+    """OpenAI's ``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses) become the
+    template's ``reasoning_effort``: gpt-oss's system message says it."""
+    client = scripted.openai()
+    client.chat.completions.create(model=scripted.model, messages=MSGS, reasoning_effort="high")
+    assert "Reasoning: high<|end|>" in scripted.prompts[-1]
+    client.responses.create(model=scripted.model, input="Hi", reasoning={"effort": "low"})
+    assert "Reasoning: low<|end|>" in scripted.prompts[-1]
+    client.chat.completions.create(model=scripted.model, messages=MSGS)
+    assert "Reasoning: medium<|end|>" in scripted.prompts[-1]
+
+
+# -- the grammar ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, args, wrong", HELD)
+def test_forced_calls_are_held_to_their_schemas(folder, name, args, wrong):
+    """A forced call's rest after its pre-fill (required: from the tool's name; named: from its
+    arguments), ``<|call|>`` ending it; a call the model opens itself is not held (``<|channel|>``
+    opens every message), nor is an answer's grammar escaped by it."""
+    tokenizer = Tokenizer(folder)
+    _, named = tool_grammars(tokenizer, held_prompt(STYLE, name if name in SCHEMAS else "search"))
+    _, required = tool_grammars(tokenizer, held_prompt(STYLE, "required"))
+    rest = f"{name} <|constrain|>json<|message|>{args}<|call|>"
+    n, complete = walk(tokenizer, required, rest)
+    if wrong is None:
+        assert complete and walk(tokenizer, named, args + "<|call|>")[1]
+        assert not walk(tokenizer, named, args + "<|end|>")[1]
+    else:
+        assert not complete and len(allowed(tokenizer, required, rest, TAGS)) < rest.index(wrong) + len(wrong)
+    assert tool_grammars(tokenizer, held_prompt(STYLE))[0] is None
+    spec = guide_spec('start: "ok"', tokenizer, build_prompt(tokenizer, MSGS, TOOLS))
+    assert spec.escape == () and spec.tool_grammar is None
+
+
+@pytest.fixture(scope="module")
+def live(folder):
+    with serving(folder, max_context=1024) as srv:
+        yield srv
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_a_random_gpt_oss_model_forced_to_call_writes_valid_calls(live, seed):
+    forced_calls_are_valid(live, seed, MSGS, SCHEMAS)

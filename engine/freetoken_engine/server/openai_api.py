@@ -21,7 +21,7 @@ from .errors import ApiError, error_body
 from .generation import Choices, Generation
 from .openai_schema import ChatMessage, ChatRequest, CompletionRequest, NamedToolChoice
 from .parser import Content, Reasoning, ToolArgs, ToolStart
-from .prompt import Prompt, arguments_object, build_prompt, check_tool_schema, encode_text
+from .prompt import EFFORTS, Prompt, arguments_object, build_prompt, check_tool_schema, encode_text
 from .structured import completion_logprobs
 from .tool_turns import OPENAI, check_tool_turns
 from .streaming import new_id, parsed_events, sse, sse_response, until_disconnect
@@ -116,6 +116,8 @@ def chat_prompt(svc, body: ChatRequest) -> Prompt:
     kwargs = dict(body.chat_template_kwargs or {})
     if body.reasoning_effort in ("none", "minimal"):
         kwargs.setdefault("enable_thinking", False)
+    elif body.reasoning_effort in EFFORTS:          # gpt-oss's template reads it (others ignore it)
+        kwargs.setdefault("reasoning_effort", body.reasoning_effort)
     mode = "auto" if choice is None or named else choice
     return build_prompt(svc.tokenizer, to_template_messages(body.messages), tools,
                         tool_choice=mode, named_tool=named, template_kwargs=kwargs,

@@ -39,6 +39,10 @@ from .parser import (ARG_KEY, ERNIE_CLOSE, ERNIE_OPEN, FUNCTION_OPEN, GRANITE_OP
                      PYTHONIC_OPEN, THINK_CLOSE, TOOL_OPEN, think_tags)
 
 
+#: reasoning efforts a template may take as ``reasoning_effort`` (gpt-oss's: its system message's
+#: "Reasoning: low|medium|high"); the API's "none" and "minimal" switch thinking off instead
+EFFORTS = ("low", "medium", "high")
+
 #: what a tool's result says in place of an image or file part: the models served here read
 #: text only, and refusing the result would end an agent's session (Codex's view_image, Claude
 #: Code reading an image file)

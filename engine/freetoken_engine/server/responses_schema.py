@@ -35,7 +35,7 @@ from .errors import ApiError, unsupported
 from .structured import format_grammar
 from .generation import MAX_TOKENS_LIMIT, GenOptions
 from .openai_schema import TOOL_NAME, Body, ContentPart
-from .prompt import NON_TEXT_RESULT, arguments_object, check_tool_schema
+from .prompt import EFFORTS, NON_TEXT_RESULT, arguments_object, check_tool_schema
 from .tool_turns import RESPONSES, check_tool_turns
 
 TEXT_PARTS = ("input_text", "output_text", "text", "summary_text", "reasoning_text")
@@ -215,6 +215,8 @@ class ResponsesRequest(Body):
         kwargs = dict(self.chat_template_kwargs or {})
         if self.reasoning is not None and self.reasoning.effort in ("none", "minimal"):
             kwargs.setdefault("enable_thinking", False)
+        elif self.reasoning is not None and self.reasoning.effort in EFFORTS:   # gpt-oss's template reads it
+            kwargs.setdefault("reasoning_effort", self.reasoning.effort)
         return kwargs
 
     def template_messages(self) -> list[dict]:

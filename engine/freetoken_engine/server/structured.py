@@ -93,7 +93,8 @@ def guide_spec(grammar: str | None, tokenizer, prompt) -> GuideSpec | None:
     ``grammar`` (not when the prompt already opens a tool call), and the tool calls' grammar
     where they must follow their schemas (``tool_grammars``); None when nothing is constrained."""
     open_, close = (tokenizer.token_to_id(tag) for tag in think_tags(prompt.style))
-    tool = tokenizer.token_to_id(opening_tag(prompt.style)) if prompt.tools else None
+    # harmony's <|channel|> opens every message, not only calls: no escape from the answer's grammar
+    tool = tokenizer.token_to_id(opening_tag(prompt.style)) if prompt.tools and prompt.style != "harmony" else None
     calls, rest = tool_grammars(tokenizer, prompt) if prompt.tools else (None, None)
     if tool is None:
         # no <tool_call> token (SmolLM2): a call the model opens is text the guide cannot see

@@ -40,6 +40,9 @@ from ..errors import InvalidRequest
 from ..executor import guide
 from .errors import ApiError
 from .parser import HUNYUAN_CLOSE, INVOKE, MINIMAX_CLOSE, PYTHONIC_CLOSE, TOOL_CLOSE, TOOL_OPEN
+from .parser_harmony import CALL as HARMONY_CALL
+from .parser_harmony import CONSTRAIN as HARMONY_CONSTRAIN
+from .parser_harmony import MESSAGE as HARMONY_MESSAGE
 from .parser_deepseek import (CALL_BEGIN, CALL_END, CALLS_END, FENCE, FENCE_END, KIMI_CALL_BEGIN, KIMI_CALL_END,
                               KIMI_CALLS_END, KIMI_PREFIX, KIMI_SEP, SEP, SOLAR_ARGS, SOLAR_BEGIN, SOLAR_CALL_END,
                               SOLAR_NAME)
@@ -155,8 +158,8 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
     each where nothing needs holding. Raises ApiError(400) when a strict tool's schema cannot be
     compiled; a forced call to such a schema is left to the pre-fill alone."""
     schemas = prompt.schemas or {}
-    if not schemas or not (prompt.forced or prompt.strict) or prompt.style == "harmony":
-        return None, None         # harmony (gpt-oss): calls are held by the pre-fill only, for now
+    if not schemas or not (prompt.forced or prompt.strict):
+        return None, None
 
     def tag(text: str) -> str:                 # a tag that is a token of its own is held as that token
         at = tokenizer.token_to_id(text)
@@ -170,6 +173,8 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
         return _pythonic(schemas, prompt, tag)
     if prompt.style in ("deepseek", "deepseek_fenced", "kimi", "solar"):
         return _deepseek(schemas, prompt, tag, prompt.style)
+    if prompt.style == "harmony":
+        return _harmony(schemas, prompt, tag)
     close = tag(TOOL_CLOSE)
     xml, glm = prompt.style == "xml", prompt.style == "glm"
     rules = _Rules()
@@ -292,6 +297,20 @@ def _deepseek(schemas: dict, prompt, tag, style: str) -> tuple[str | None, str |
     close = f"/\\n?/ {tag(calls_end)}" if calls_end else ""
     return _held(_Rules(), prompt, f"{call}{more} {close}", lambda name: f"{args[name]} {end} {close}",
                  f"{named}{more} {close}")
+
+
+def _harmony(schemas: dict, prompt, tag) -> tuple[None, str | None]:
+    """gpt-oss (harmony): the rest of a forced call after its pre-fill, ``NAME <|constrain|>json
+    <|message|>ARGS<|call|>`` from the name on (required) or ARGS<|call|> (named; ``<|call|>`` ends
+    the turn). A call the model opens itself is not held: its opening token, ``<|channel|>``,
+    opens every message (reasoning and answers too)."""
+    if not prompt.forced:
+        return None, None
+    args = {name: _json(schema, _SPACED, "object") for name, schema in schemas.items()}
+    head = f" {tag(HARMONY_CONSTRAIN)} {_lit('json')} {tag(HARMONY_MESSAGE)} "
+    required = "(" + " | ".join(f"{_lit(n + ' ')}{head}{args[n]} {tag(HARMONY_CALL)}" for n in schemas) + ")"
+    _, rest = _held(_Rules(), prompt, required, lambda name: f"{args[name]} {tag(HARMONY_CALL)}", required)
+    return None, rest
 
 
 def _keywords(rules: _Rules, schema: dict | None) -> str:
