@@ -22,7 +22,7 @@ from ..errors import RequestTooLong
 from ..executor.guide import GuideSpec
 from ..executor.sampler import SamplingParams
 from .errors import ApiError
-from .parser import format_tags
+from .parser import ALWAYS_KEPT, format_tags
 from .stops import StopMatcher
 from .structured import LogprobText, guide_spec
 
@@ -188,6 +188,6 @@ def start_generation(service, prompt, opts: GenOptions, spec: GuideSpec | None, 
         min_p=opts.min_p)
     handle = service.submit(list(prompt_ids), params)
     text = None if opts.logprobs is None else LogprobText(tok, service.vocab_size)
-    # harmony's tags split reasoning from the answer: kept with or without tools
-    keep = format_tags(prompt.style) if prompt.tools or prompt.style == "harmony" else ()
+    # some formats' tags split reasoning from the answer: kept with or without tools
+    keep = format_tags(prompt.style) if prompt.tools or prompt.style in ALWAYS_KEPT else ()
     return Generation(handle, tok, opts.stop, frozenset(eos), metrics, endpoint, t_arrival, text, keep)

@@ -68,12 +68,14 @@ ordinary content (so nothing the model wrote is lost). Not thread-safe; one per 
 """
 from __future__ import annotations
 
+import functools
+
 from .parser_deepseek import (CALLS_BEGIN, KIMI_CALLS_BEGIN, KIMI_TAGS, SOLAR_CALLS, SOLAR_TAGS, DeepSeekCalls, KimiCalls,
                               SolarCalls)
 from .parser_deepseek import TAGS as DEEPSEEK_TAGS
 from .parser_harmony import CHANNEL, HarmonyParser
 from .parser_harmony import TAGS as HARMONY_TAGS
-from .parser_list import CallList
+from .parser_list import COHERE_HEAD, CallList
 from .parser_pythonic import PYTHONIC_CLOSE, PYTHONIC_OPEN, PythonicBlock
 from .parser_tagged import (_TAGGED, ARG_KEY, FUNCTION_OPEN, GLM_TAGS, INVOKE, MINIMAX_CLOSE, MINIMAX_OPEN, TOOL_CLOSE,
                             TOOL_OPEN, TaggedSteps)
@@ -88,11 +90,17 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 GRANITE_OPEN = "<|tool_call|>"        # Granite's token before its JSON list of calls (no closing tag)
 HUNYUAN_OPEN, HUNYUAN_CLOSE = "<tool_calls>", "</tool_calls>"
 ERNIE_OPEN, ERNIE_CLOSE = "<response>", "</response>"   # ERNIE-4.5's answer wrapper (its calls are Hermes JSON)
+COHERE_OPEN, COHERE_CLOSE = "<|START_ACTION|>", "<|END_ACTION|>"      # Cohere's JSON list of calls between them
+COHERE_THINK = ("<|START_THINKING|>", "<|END_THINKING|>")
+COHERE_RESPONSE = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")          # its answer's wrapper, not shown
 # tags a style's content carries that are not the model's text: dropped where they stand
 _DROPPED = {"hunyuan": ("<answer>", "</answer>", HUNYUAN_CLOSE), "ernie": (ERNIE_OPEN, ERNIE_CLOSE),
-            "solar": ("<|end|>", "<|begin|>assistant", "<|content|>")}
+            "solar": ("<|end|>", "<|begin|>assistant", "<|content|>"), "cohere": (*COHERE_RESPONSE, COHERE_CLOSE)}
 # a style's reasoning tags, where they are not <think> and </think>
-_THINK = {"solar": ("<|think|>", "<|end|>")}
+_THINK = {"solar": ("<|think|>", "<|end|>"), "cohere": COHERE_THINK}
+#: styles whose tags are kept for the parser with or without tools: they also tell the reasoning
+#: and the answer apart (special tokens in their tokenizers)
+ALWAYS_KEPT = ("harmony", "cohere")
 
 
 def think_tags(style: str) -> tuple[str, str]:
@@ -108,7 +116,9 @@ _LISTED = {"granite": (GRANITE_OPEN, (GRANITE_OPEN,), CallList),
            "deepseek": (CALLS_BEGIN, DEEPSEEK_TAGS, DeepSeekCalls),
            "deepseek_fenced": (CALLS_BEGIN, DEEPSEEK_TAGS, DeepSeekCalls),
            "kimi": (KIMI_CALLS_BEGIN, KIMI_TAGS, KimiCalls),
-           "solar": (SOLAR_CALLS, SOLAR_TAGS, SolarCalls)}
+           "solar": (SOLAR_CALLS, SOLAR_TAGS, SolarCalls),
+           "cohere": (COHERE_OPEN, (COHERE_OPEN, COHERE_CLOSE, *COHERE_THINK, *COHERE_RESPONSE),
+                      functools.partial(CallList, head=COHERE_HEAD))}
 
 
 def opening_tag(style: str) -> str:

@@ -2,6 +2,10 @@
 
     [{"name": "f", "arguments": {...}}, {"name": "g", "arguments": {...}}]
 
+or Cohere's after ``<|START_ACTION|>`` (``COHERE_HEAD``), each call with an id first:
+
+    [{"tool_call_id": "0", "tool_name": "f", "parameters": {...}}]
+
 ``CallList.feed(text)`` takes the text after the list's opening tag piece by piece and returns
 ``(events, rest)``: the calls' events (``ToolStart`` / ``ToolArgs`` / ``ToolEnd``, numbered
 from ``first``) and, once the list has closed, the text after it (else ""). A call
@@ -12,11 +16,18 @@ show as the model's text, so nothing the model wrote is lost.
 """
 from __future__ import annotations
 
+import re
+
 from .parser_text import CALL_HEAD, JsonValueEnd, ToolArgs, ToolEnd, ToolStart, parse_whole, unquote
+
+# Cohere's call object as it begins, up to where its parameters start
+COHERE_HEAD = re.compile(r'\s*\{\s*"tool_call_id"\s*:\s*"(?:[^"\\]|\\.)*"\s*,\s*"tool_name"\s*:\s*'
+                         r'"((?:[^"\\]|\\.)*)"\s*,\s*"parameters"\s*:\s*')
 
 
 class CallList:
-    def __init__(self, first: int):
+    def __init__(self, first: int, head: re.Pattern = CALL_HEAD):
+        self.head = head             # a call object's start, up to its arguments (the name its group)
         self.index = first           # the next call's index
         self.state = "open"          # open | element | args | tail | after | done | failed
         self.unread = ""             # the current element's text, kept until it is decided
@@ -72,7 +83,7 @@ class CallList:
         if not start:                           # where this element's object ends, found as it comes
             self._scan = JsonValueEnd()
         self.unread += text
-        head = CALL_HEAD.match(self.unread)
+        head = self.head.match(self.unread)
         if head is not None:
             rest = self.unread[head.end():]
             self.unread = ""

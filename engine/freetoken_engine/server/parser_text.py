@@ -93,12 +93,13 @@ def parse_whole(body: str) -> tuple[str, str] | None:
         obj = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+    name = obj.get("name", obj.get("tool_name")) if isinstance(obj, dict) else None    # Cohere's: tool_name
+    if not isinstance(name, str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):
-        return obj["name"], args
-    return obj["name"], json.dumps(args, ensure_ascii=False)
+        return name, args
+    return name, json.dumps(args, ensure_ascii=False)
 
 
 def typed(raw: str, schema) -> object:

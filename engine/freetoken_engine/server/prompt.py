@@ -35,7 +35,7 @@ from .parser_deepseek import (CALL_BEGIN, CALLS_BEGIN, FENCE, KIMI_CALL_BEGIN, K
 from .parser_harmony import CHANNEL as HARMONY_CHANNEL
 from .parser_harmony import CONSTRAIN as HARMONY_CONSTRAIN
 from .parser_harmony import MESSAGE as HARMONY_MESSAGE
-from .parser import (ARG_KEY, ERNIE_CLOSE, ERNIE_OPEN, FUNCTION_OPEN, GRANITE_OPEN, HUNYUAN_OPEN, INVOKE, MINIMAX_OPEN,
+from .parser import (ARG_KEY, COHERE_OPEN, ERNIE_CLOSE, ERNIE_OPEN, FUNCTION_OPEN, GRANITE_OPEN, HUNYUAN_OPEN, INVOKE, MINIMAX_OPEN,
                      PYTHONIC_OPEN, THINK_CLOSE, TOOL_OPEN, think_tags)
 
 
@@ -60,7 +60,7 @@ class Prompt:
     style: str = "json"       # the tool calls' format: "json" (Hermes), "xml" (Qwen3.5, Qwen3-Coder), "glm", "minimax",
     #                           "granite", "pythonic" (LFM2), "hunyuan", "deepseek" (V3.1), "deepseek_fenced" (V3, R1),
     #                           "kimi" (Kimi-K2), "solar" (Solar Open), "ernie" (ERNIE-4.5: json in <response> tags),
-    #                           "harmony" (gpt-oss: channels; parser_harmony.py)
+    #                           "harmony" (gpt-oss: channels; parser_harmony.py), "cohere" (Command A)
     schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
     strict: frozenset[str] = frozenset()   # tools whose calls must follow their schema (``strict``)
     forced: str | None = None     # the prompt opened a tool call: "required", or the named tool
@@ -71,7 +71,8 @@ def tool_style(tokenizer) -> str:
     """The tool-call format the model's chat template teaches: "minimax" when it writes
     ``<minimax:tool_call>``, "granite" when it writes ``<|tool_call|>``, "pythonic" when it writes
     ``<|tool_call_start|>``, "hunyuan" when it writes ``<tool_calls>``, "deepseek" / "deepseek_fenced" when it writes ``<｜tool▁calls▁begin｜>``
-    (the second also a fenced JSON block), "harmony" (gpt-oss) when it writes ``<|channel|>``, "kimi" when it writes ``<|tool_calls_section_begin|>``, "solar" when it
+    (the second also a fenced JSON block), "harmony" (gpt-oss) when it writes ``<|channel|>``, "cohere" when it
+    writes ``<|START_ACTION|>``, "kimi" when it writes ``<|tool_calls_section_begin|>``, "solar" when it
     writes ``<|tool_call:begin|>``, "xml" when it writes
     ``<function=``, "glm" when it writes ``<arg_key>``, "ernie" (Hermes JSON calls, the answer in
     ``<response>`` tags that are not shown) when it writes ``<response>`` or the tokenizer has it and
@@ -79,6 +80,8 @@ def tool_style(tokenizer) -> str:
     template = getattr(tokenizer, "chat_template", None) or ""
     if HARMONY_CHANNEL in template:
         return "harmony"
+    if COHERE_OPEN in template:
+        return "cohere"
     if KIMI_CALLS_BEGIN in template:
         return "kimi"
     if SOLAR_BEGIN in template:
@@ -136,6 +139,8 @@ _PREFILLS = {
     "ernie": (f'{TOOL_OPEN}\n{{"name": "', _json_named),
     "granite": (f'{GRANITE_OPEN}[{{"name": "', _json_named),
     "hunyuan": (f'{HUNYUAN_OPEN}[{{"name": "', _json_named),
+    "cohere": (f'{COHERE_OPEN}[{{"tool_call_id": "0", "tool_name": "', lambda name, after: json.dumps(name)[1:] +
+               ', "parameters": '),
     "xml": (f"{TOOL_OPEN}\n{FUNCTION_OPEN}", lambda name, after: f"{name}>\n"),
     "glm": (TOOL_OPEN, lambda name, after: name + after),
     "minimax": (f"{MINIMAX_OPEN}\n{INVOKE}", lambda name, after: f'{name}">\n'),
@@ -149,7 +154,7 @@ _PREFILLS = {
     "solar": (SOLAR_CALLS + SOLAR_BEGIN + SOLAR_ID + SOLAR_NAME, lambda name, after: name + SOLAR_ARGS),
 }
 #: what ends a style's open reasoning before a forced call's pre-fill, where it is not "</think>\n\n"
-_REASONING_END = {"solar": "<|end|><|begin|>assistant"}
+_REASONING_END = {"solar": "<|end|><|begin|>assistant", "cohere": "<|END_THINKING|>"}
 
 
 def tool_prefill(tool_choice: str | None, named: str | None, style: str = "json", after_name: str = "\n") -> str:

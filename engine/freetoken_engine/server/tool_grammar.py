@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from ..errors import InvalidRequest
 from ..executor import guide
 from .errors import ApiError
-from .parser import HUNYUAN_CLOSE, INVOKE, MINIMAX_CLOSE, PYTHONIC_CLOSE, TOOL_CLOSE, TOOL_OPEN
+from .parser import COHERE_CLOSE, HUNYUAN_CLOSE, INVOKE, MINIMAX_CLOSE, PYTHONIC_CLOSE, TOOL_CLOSE, TOOL_OPEN
 from .parser_harmony import CALL as HARMONY_CALL
 from .parser_harmony import CONSTRAIN as HARMONY_CONSTRAIN
 from .parser_harmony import MESSAGE as HARMONY_MESSAGE
@@ -165,8 +165,9 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
         at = tokenizer.token_to_id(text)
         return f"<[{at}]>" if at is not None else _lit(text)
 
-    if prompt.style in ("granite", "hunyuan"):
-        return _granite(schemas, prompt, f" {tag(HUNYUAN_CLOSE)}" if prompt.style == "hunyuan" else "")
+    if prompt.style in ("granite", "hunyuan", "cohere"):
+        close = {"hunyuan": f" {tag(HUNYUAN_CLOSE)}", "cohere": f" {tag(COHERE_CLOSE)}"}.get(prompt.style, "")
+        return _granite(schemas, prompt, close, cohere=prompt.style == "cohere")
     if prompt.style == "minimax":
         return _minimax(schemas, prompt, tag)
     if prompt.style == "pythonic":
@@ -218,17 +219,23 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
     return _both(after_open, rest, prompt)
 
 
-def _granite(schemas: dict, prompt, close: str = "") -> tuple[str | None, str | None]:
+def _granite(schemas: dict, prompt, close: str = "", cohere: bool = False) -> tuple[str | None, str | None]:
     """Granite: after ``<|tool_call|>`` a JSON list of calls, ``[{"name": "NAME", "arguments":
     {...}}, ...]`` (one call when parallel calls are off); the pre-fill of a required call ends
     inside the first name's quotes, a named one's where its arguments start. Hunyuan: the same
-    list after ``<tool_calls>``, then ``close`` (``</tool_calls>``)."""
+    list after ``<tool_calls>``, then ``close`` (``</tool_calls>``). Cohere (``cohere``): after
+    ``<|START_ACTION|>``, ``[{"tool_call_id": "N", "tool_name": "NAME", "parameters": {...}}]``,
+    then ``<|END_ACTION|>``."""
     bodies = {name: _json(schema if prompt.forced is not None or name in prompt.strict else None, _SPACED, "object")
               + ' "}"' for name, schema in schemas.items()}
-    heads = {name: json.dumps(name) + ', "arguments": ' for name in schemas}
-    call = '"{\\"name\\": " (' + " | ".join(f"{_lit(heads[n])} {bodies[n]}" for n in schemas) + ")"
+    key = ', "parameters": ' if cohere else ', "arguments": '
+    heads = {name: json.dumps(name) + key for name in schemas}
+    # Cohere writes its list one call a line, indented: any whitespace around its calls
+    ws = "(/[ \\n]+/)? " if cohere else ""
+    start = '"{\\"tool_call_id\\": \\"" /[0-9]+/ "\\", \\"tool_name\\": "' if cohere else '"{\\"name\\": "'
+    call = ws + start + ' (' + " | ".join(f"{_lit(heads[n])} {bodies[n]}" for n in schemas) + ")"
     more = ' ("," /[ \\n]?/ ' + call + ")*" if prompt.parallel else ""
-    end = f'"]"{close}'
+    end = f'{ws}"]"{close}'
     return _held(_Rules(), prompt, f'/[ \\n]?/ "[" {call}{more} {end}', lambda name: f'{bodies[name]} {end}',
                  "(" + " | ".join(f"{_lit(heads[n][1:])} {bodies[n]}" for n in schemas) + f'){more} {end}')
 
