@@ -274,8 +274,7 @@ class OffloadedExperts:
             self.control.set_fill_fraction(self._control_fraction())
 
     def cpu_rate(self, seconds: float) -> float:
-        """``ExpertBank.cpu_rate``: the q* follower's probe (executor/cpu_contention.py). A running
-        CPU-branch step is finished first: the two would share the kernel's pool."""
+        """``ExpertBank.cpu_rate`` (the q* follower's probe), a CPU-branch step finished first (shared pool)."""
         self._finish_branches()
         return self.bank.cpu_rate(seconds)
 
@@ -378,7 +377,8 @@ class OffloadedExperts:
             # copy, so compute from it in place (no fills, no slot lookups). Each distinct
             # routed expert counts as a hit (a token's top-k experts are distinct).
             self.cache.stats.hits += k if t == 1 else int(torch.unique(pair_exp).numel())
-            return self.cpu_forward(x, self.bank.w13[layer], self.bank.w2[layer], pair_tok, pair_exp, **self.math.kwargs(x))
+            return self.cpu_forward(x, self.bank.w13[layer], self.bank.w2[layer], pair_tok, pair_exp,
+                                    **self.math.kwargs(x))
         if self.control is not None:       # the sync path: no host branch (or it is off)
             pair_slot = self.control.step(layer, topk_ids).pair_slot
         else:

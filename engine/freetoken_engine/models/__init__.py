@@ -3,10 +3,10 @@ and every family composes the same layers (``models/decoder.py``)."""
 from __future__ import annotations
 
 from ..errors import ConfigError
-from . import (afmoe, cohere2_moe, deepseek, ernie4_5_moe, exaone_moe, freetoken_llama_moe, glm4_moe, glm4v_moe, granitemoe,
-               gpt_oss, granitemoehybrid, hunyuan_v1_moe, kimi_linear, lfm2_moe, llama, llama4, minicpm5_moe, minimax_m2,
-               mixtral, olmo, olmoe, phimoe, qwen2_moe, qwen3, qwen3_moe, qwen3_next, qwen3_omni_moe, qwen3_vl_moe,
-               sarvam)
+from . import (afmoe, cohere2_moe, deepseek, ernie4_5_moe, exaone_moe, freetoken_llama_moe, glm4_moe, glm4v_moe, gpt_oss,
+               granitemoe, granitemoehybrid, hunyuan_v1_moe, kimi_linear, lfm2_moe, llama, llama4, minicpm5_moe,
+               minimax_m2, mixtral, olmo, olmoe, phimoe, qwen2_moe, qwen3, qwen3_moe, qwen3_next, qwen3_omni_moe,
+               qwen3_vl_moe, sarvam)
 from .hf import Family
 
 REGISTRY: dict[str, Family] = {

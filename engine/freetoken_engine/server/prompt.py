@@ -35,8 +35,8 @@ from .parser_deepseek import (CALL_BEGIN, CALLS_BEGIN, FENCE, KIMI_CALL_BEGIN, K
 from .parser_harmony import CHANNEL as HARMONY_CHANNEL
 from .parser_harmony import CONSTRAIN as HARMONY_CONSTRAIN
 from .parser_harmony import MESSAGE as HARMONY_MESSAGE
-from .parser import (ARG_KEY, COHERE_OPEN, ERNIE_CLOSE, ERNIE_OPEN, FUNCTION_OPEN, GRANITE_OPEN, HUNYUAN_OPEN, INVOKE, MINIMAX_OPEN,
-                     PYTHONIC_OPEN, THINK_CLOSE, TOOL_OPEN, think_tags)
+from .parser import (ARG_KEY, COHERE_OPEN, ERNIE_CLOSE, ERNIE_OPEN, FUNCTION_OPEN, GRANITE_OPEN, HUNYUAN_OPEN,
+                     INVOKE, MINIMAX_OPEN, PYTHONIC_OPEN, THINK_CLOSE, TOOL_OPEN, think_tags)
 
 
 #: reasoning efforts a template may take as ``reasoning_effort`` (gpt-oss's: its system message's
