@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from live import serving
 from scripted import check_forced_calls, chat_calls, recording_server, script, second_turn, tool_uses
 from test_tool_calls_glm import calls
-from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, forced_calls_are_valid, held_prompt,
-                                     held_to, shown, walk)
+from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
+                                     held_prompt, held_to, shown, thought, walk)
 from tiny_models import mark_special, with_template
 
 from freetoken_engine.models.tokenizer import Tokenizer
-from freetoken_engine.server.parser import Reasoning, ToolArgs, ToolEnd, ToolStart, format_tags, output_parser
+from freetoken_engine.server.parser import ToolArgs, ToolEnd, ToolStart, format_tags, output_parser
 from freetoken_engine.server.prompt import build_prompt, tool_style
 from freetoken_engine.server.tool_grammar import tool_grammars
 
@@ -61,24 +61,14 @@ WANT = [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "rai
 ANSWER = f"{THINK}The user wants the forecast.{THOUGHT}" + action(("get_weather", ARGS[0]), ("search", ARGS[1]))
 
 
-def events(text: str, cuts: list[int], tools: bool = True) -> list:
-    p = output_parser(tools=tools, style=STYLE, schemas=SCHEMAS)
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    return [e for piece in pieces for e in p.feed(piece)] + p.finish()
-
-
-def reasoning(evs) -> str:
-    return "".join(e.text for e in evs if isinstance(e, Reasoning))
-
-
 @given(cuts=st.lists(st.integers(0, len(ANSWER)), max_size=6).map(sorted))
 def test_reasoning_and_calls_on_any_split(cuts):
-    evs = events(ANSWER, cuts)
+    evs = events(ANSWER, cuts, STYLE)
     assert calls(evs) == WANT
-    assert reasoning(evs) == "The user wants the forecast." and shown(evs).strip() == ""
+    assert thought(evs) == "The user wants the forecast." and shown(evs).strip() == ""
 
 
-@pytest.mark.parametrize("text, want, text_shown, thought", [
+@pytest.mark.parametrize("text, want, text_shown, reasoning", [
     (f"{SAY}Seoul.{SAID}", [], "Seoul.", ""),                                        # reasoning off
     (f"{THINK}Plan.{THOUGHT}{SAY}Seoul.{SAID}", [], "Seoul.", "Plan."),
     (action(("get_time", "{}")), [("get_time", {})], "", ""),                        # calls only
@@ -87,14 +77,14 @@ def test_reasoning_and_calls_on_any_split(cuts):
     (OPEN + '[{"tool_call_id": "0", "tool_name": "search", "parameters": {"query": "cut', [("search", None)], "",
      ""),                                                                             # max_tokens mid-way
 ])
-def test_cohere_variants(text, want, text_shown, thought):
-    evs = events(text, [len(text) // 2])
+def test_cohere_variants(text, want, text_shown, reasoning):
+    evs = events(text, [len(text) // 2], STYLE)
     if want == [("search", None)]:
         assert "".join(e.text for e in evs if isinstance(e, ToolArgs)) == '{"query": "cut'
         assert [e.name for e in evs if isinstance(e, ToolStart)] == ["search"] and isinstance(evs[-1], ToolEnd)
     else:
         assert calls(evs) == want
-    assert shown(evs).strip() == text_shown and reasoning(evs) == thought
+    assert shown(evs).strip() == text_shown and thought(evs) == reasoning
 
 
 def test_a_calls_name_starts_it_and_its_parameters_stream():

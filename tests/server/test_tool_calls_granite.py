@@ -22,7 +22,7 @@ from tiny_models import mark_special, with_template
 
 from freetoken_engine.models.tokenizer import Tokenizer
 from freetoken_engine.server.parser import (Content, OutputParser, Reasoning, ToolArgs, ToolEnd, ToolStart,
-                                           format_tags)
+                                           format_tags, output_parser)
 from freetoken_engine.server.prompt import Prompt, tool_style
 from freetoken_engine.server.tool_grammar import tool_grammars
 
@@ -49,9 +49,9 @@ A_TOOLS = [{"name": n, "description": n, "input_schema": s} for n, s in SCHEMAS.
 MSGS = [{"role": "user", "content": "Weather in Paris for 3 days?"}]
 
 
-def events(text: str, cuts: list[int], style: str = "granite", in_reasoning: bool = False) -> list:
+def events(text: str, cuts: list[int], style: str = "granite", in_reasoning: bool = False, tools: bool = True) -> list:
     """The parser's events for ``text`` fed in the pieces ``cuts`` make."""
-    p = OutputParser(tools=True, style=style, schemas=SCHEMAS, in_reasoning=in_reasoning)
+    p = output_parser(tools=tools, style=style, schemas=SCHEMAS, in_reasoning=in_reasoning)
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     return [e for piece in pieces for e in p.feed(piece)] + p.finish()
 
@@ -69,6 +69,10 @@ HELD = [
 
 def shown(evs) -> str:
     return "".join(e.text for e in evs if isinstance(e, Content))
+
+
+def thought(evs) -> str:
+    return "".join(e.text for e in evs if isinstance(e, Reasoning))
 
 
 @given(st.lists(st.integers(0, len(ANSWER)), max_size=6).map(sorted))

@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 from live import serving
 from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
 from test_tool_calls_glm import calls
-from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, forced_calls_are_valid, held_prompt,
-                                     shown, walk)
+from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
+                                     held_prompt, shown, thought, walk)
 from tiny_models import mark_special, with_template
 
 from freetoken_engine.models.tokenizer import Tokenizer
-from freetoken_engine.server.parser import Reasoning, ToolArgs, ToolEnd, ToolStart, format_tags, output_parser
+from freetoken_engine.server.parser import ToolArgs, ToolEnd, ToolStart, format_tags, output_parser
 from freetoken_engine.server.parser_harmony import TAGS
 from freetoken_engine.server.prompt import build_prompt, tool_style
 from freetoken_engine.server.structured import guide_spec
@@ -58,27 +58,17 @@ WANT = [("get_weather", {"city": "Paris", "days": 3}), ("search", {"query": "rai
 ANSWER = REASONING + PREAMBLE + call("get_weather", ARGS[0]) + call("search", ARGS[1], head_recipient=True)
 
 
-def events(text: str, cuts: list[int], tools: bool = True) -> list:
-    p = output_parser(tools=tools, style=STYLE, schemas=SCHEMAS)
-    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-    return [e for piece in pieces for e in p.feed(piece)] + p.finish()
-
-
-def reasoning(evs) -> str:
-    return "".join(e.text for e in evs if isinstance(e, Reasoning))
-
-
 @given(cuts=st.lists(st.integers(0, len(ANSWER)), max_size=6).map(sorted))
 def test_reasoning_preamble_and_calls_on_any_split(cuts):
     """The recipient in either place; a tag's first characters inside the arguments held back
     only until they are decided."""
-    evs = events(ANSWER, cuts)
+    evs = events(ANSWER, cuts, STYLE)
     assert calls(evs) == WANT
-    assert reasoning(evs) == "The user wants the forecast."
+    assert thought(evs) == "The user wants the forecast."
     assert shown(evs) == "Checking."
 
 
-@pytest.mark.parametrize("text, want, text_shown, thought", [
+@pytest.mark.parametrize("text, want, text_shown, reasoning", [
     (f"{REASONING}{TURN}<|channel|>final<|message|>Seoul.<|return|>", [], "Seoul.", "The user wants the forecast."),
     ("<|channel|>final<|message|>Seoul.", [], "Seoul.", ""),                       # <|return|> is EOS: not in the text
     (call("get_time", "{}")[len(TURN):], [("get_time", {})], "", ""),              # the first header has no <|start|>
@@ -89,10 +79,10 @@ def test_reasoning_preamble_and_calls_on_any_split(cuts):
     ("<|channel|>analysis<|message|>Thinking cut by max_tok", [], "", "Thinking cut by max_tok"),
     ("<|channel|>analy", [], "", ""),                                              # a header cut: format, dropped
 ])
-def test_harmony_variants(text, want, text_shown, thought):
-    evs = events(text, [len(text) // 2])
+def test_harmony_variants(text, want, text_shown, reasoning):
+    evs = events(text, [len(text) // 2], STYLE)
     assert calls(evs) == want
-    assert shown(evs) == text_shown and reasoning(evs) == thought
+    assert shown(evs) == text_shown and thought(evs) == reasoning
 
 
 def test_a_calls_name_starts_it_and_its_arguments_stream_and_without_tools_it_is_text():
@@ -102,7 +92,7 @@ def test_a_calls_name_starts_it_and_its_arguments_stream_and_without_tools_it_is
     assert [type(e) for e in started] == [ToolStart, ToolArgs] and started[0].name == "get_weather"
     assert [e.text for e in p.feed('"Paris"')] == ['"Paris"']
     assert [type(e) for e in p.feed("}<|call|>")] == [ToolArgs, ToolEnd]
-    evs = events(call("get_weather", ARGS[0]), [7], tools=False)
+    evs = events(call("get_weather", ARGS[0]), [7], STYLE, tools=False)
     assert shown(evs) == ARGS[0] and not calls(evs)
 
 
