@@ -164,6 +164,16 @@ MOE = {
                    rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=256,
                                         short_factor=[1.0, 1.3, 2.1, 3.4], long_factor=[1.2, 2.5, 6.0, 11.0],
                                         short_mscale=1.1, long_mscale=1.25)),
+    # Mistral 4 (Mistral Small 4): DeepSeek-V3's latent attention and experts, softmax routing over
+    # groups without a correction bias, every query scaled by its position (llama_4_scaling_beta)
+    # past original_max_position_embeddings (4 here: the prompt crosses it)
+    "mistral4": dict(MOE_MISTRAL4 := dict(MLA, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                     first_k_dense_replace=1, num_hidden_layers=3, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                      "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0,
+                                      "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5})),
+    # Mistral Small 4 as published: Mistral 3's multimodal wrapper (a one-layer Pixtral tower) around it
+    "mistral3": dict(MOE_MISTRAL4, model_type="mistral4"),
     # gpt-oss: sinks, q/k/v/o biases, sliding layers beside full ones, an untruncated yarn rotary,
     # a router with a bias, experts with biases (randomised below) and the clamped activation, its
     # limit low enough here that the clamps bite; I != H / 2 tells the transposed pair apart
@@ -178,6 +188,9 @@ SUPPORTED = tuple(MOE)
 BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "lfm2_moe": 0.3, "glm4v_moe": 0.3, "ernie4_5_moe": 0.05, "ernie4_5_vl_moe": 0.05, "minimax_m2": 0.3,
             "deepseek_v3": 0.3, "glm4_moe_lite": 0.3, "kimi_linear": 0.3,
             "minicpm5_moe": 0.3, "sarvam_moe": 0.3, "param2moe": 0.3}
+# text families transformers' AutoModelForCausalLM does not list (Mistral 4 is published inside
+# Mistral 3's multimodal wrapper): their causal-LM class by name
+UNLISTED = ("mistral4",)
 # multimodal families: their vision tower's config
 VISION = {"glm4v_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32, patch_size=2,
                             temporal_patch_size=1, spatial_merge_size=1, image_size=4),
@@ -186,6 +199,8 @@ VISION = {"glm4v_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_h
                                deepstack_visual_indexes=[0]),
           "ernie4_5_vl_moe": dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=2,
                                   spatial_merge_size=1),
+          "mistral3": dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                           patch_size=14, head_dim=8),
           "llama4": dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
                          patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32)}
 
@@ -238,5 +253,7 @@ def classes(model_type: str):
         "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
         "flex_olmo": ("FlexOlmoConfig", "FlexOlmoForCausalLM"),
         "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+        "mistral4": ("Mistral4Config", "Mistral4ForCausalLM"),
+        "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
     }[model_type]
     return tuple(getattr(T, name) for name in names)

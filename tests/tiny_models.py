@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tiny_configs import BASE, BIAS_STD, MOE, VISION, classes
+from tiny_configs import BASE, BIAS_STD, MOE, UNLISTED, VISION, classes
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added but not special, as in real Qwen3 tokenizers: decoding keeps them in the text.
@@ -86,7 +86,8 @@ def load_reference(path):
     """The same checkpoint in transformers (float32, eager attention)."""
     import transformers as T
     model_type = json.loads((Path(path) / "config.json").read_text()).get("model_type")
-    cls = classes(model_type)[1] if model_type in VISION else T.AutoModelForCausalLM
+    # multimodal classes, and text ones transformers' auto classes do not list (Mistral 4): by name
+    cls = classes(model_type)[1] if model_type in VISION or model_type in UNLISTED else T.AutoModelForCausalLM
     return cls.from_pretrained(path, dtype="float32", attn_implementation="eager").eval()
 
 

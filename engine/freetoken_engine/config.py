@@ -233,6 +233,9 @@ class ModelConfig:
     # Llama 4's temperature on the layers without a rotary (``nope_layers``): each query times
     # ``log1p(floor((position + 1) / floor_scale)) * scale + 1``; (floor_scale, scale), or None
     attn_temperature: tuple[float, float] | None = None
+    # Mistral 4's scaling of every layer's queries by position (``llama_4_scaling_beta``): each
+    # query times ``1 + beta * log1p(floor(position / original_max))``; (original_max, beta), or None
+    position_temperature: tuple[float, float] | None = None
     moe: MoeConfig | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None

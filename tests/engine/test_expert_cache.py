@@ -52,6 +52,8 @@ def checked(llm: LLM) -> LLM:
     ("ernie4_5_vl_moe", "some", (0.5,)),
     ("cohere2_moe", "some", (0.0, 0.5)),
     ("gpt_oss", "some", (0.0, 0.5, 1.0)),
+    ("mistral4", "some", (0.0, 0.5)),
+    ("mistral3", "some", (0.5,)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)

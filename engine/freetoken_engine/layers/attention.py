@@ -63,6 +63,23 @@ def gpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=grouped)
 
 
+def tempering(cfg: ModelConfig, layer: int) -> tuple[float, float, float] | None:
+    """``(floor_scale, scale, offset)`` of ``layer``'s query temperature, each query times
+    ``log1p(floor((position + offset) / floor_scale)) * scale + 1``: Llama 4's on its layers without
+    rotary (offset 1), Mistral 4's on every layer (offset 0); None: none."""
+    if cfg.position_temperature is not None:
+        return (*cfg.position_temperature, 0.0)
+    if cfg.attn_temperature is not None and layer in cfg.nope_layers:
+        return (*cfg.attn_temperature, 1.0)
+    return None
+
+
+def temper_factor(temper: tuple[float, float, float], positions: torch.Tensor) -> torch.Tensor:
+    """``[T]`` float32 factors of ``tempering``'s temperature at ``positions``."""
+    floor_scale, scale, offset = temper
+    return torch.log1p(torch.floor((positions.float() + offset) / floor_scale)) * scale + 1.0
+
+
 class Attention(nn.Module):
     #: the general path through ``scaled_dot_product_attention``; False: grouped matmuls that hold
     #: the [Q, L] scores whole (the engine before 2026-12-01; bench/cpu_prefill_attention.py's A/B)
@@ -99,7 +116,7 @@ class Attention(nn.Module):
         self.clip = cfg.clip_qkv
         self.window = cfg.sliding_window[layer] if cfg.sliding_window else None
         self.chunk = cfg.attention_chunks[layer] if cfg.attention_chunks else None
-        self.temper = cfg.attn_temperature if layer in cfg.nope_layers else None
+        self.temper = tempering(cfg, layer)
         self.rotary = rotary
         self.scale = cfg.attention_multiplier or d ** -0.5
         self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None
@@ -131,12 +148,12 @@ class Attention(nn.Module):
         return linear(x, *self.qkv)
 
     def _tempered(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Llama 4's temperature on a layer without rotary: the queries of ``q`` (``[T, h, d]``, or
-        the first h d columns of a fused ``[T, (h + 2 kvh) d]``) times a factor of each position."""
+        """Llama 4's temperature on a layer without rotary, Mistral 4's on every layer
+        (``tempering``): the queries of ``q`` (``[T, h, d]``, or the first h d columns of a fused
+        ``[T, (h + 2 kvh) d]``) times a factor of each position."""
         if self.temper is None:
             return q
-        floor_scale, scale = self.temper
-        f = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * scale + 1.0
+        f = temper_factor(self.temper, positions)
         if q.dim() == 3:
             return (q * f[:, None, None]).to(q.dtype)
         n = self.h * self.d

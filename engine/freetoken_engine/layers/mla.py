@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import Attention, gpu_sdpa
+from .attention import Attention, gpu_sdpa, temper_factor, tempering
 from .batch import AttnBatch
 from .linear import linear
 from .norm import RMSNorm
@@ -60,7 +60,7 @@ class LatentAttention(Attention):
         self.h, self.kvh, self.d = cfg.num_heads, 1, a.cache_dim
         self.gated, self.gate_proj, self.qk_norm, self.clip, self.sinks = False, None, "none", None, None
         self.window = cfg.sliding_window[layer] if cfg.sliding_window else None
-        self.chunk = self.temper = None
+        self.chunk, self.temper = None, tempering(cfg, layer)
         self.rotary = rotary
         self.scale = cfg.rope.softmax_scale(a.nope_dim + a.rope_dim)
         self.gate = None
@@ -128,6 +128,9 @@ class LatentAttention(Attention):
             return super().forward(x, batch, cos, sin, k_cache, v_cache)
         a = self.mla
         q_nope, q_pe, k = self._parts(x)
+        if self.temper is not None:            # Mistral 4: every query scaled by its position
+            f = temper_factor(self.temper, batch.positions)[:, None, None]
+            q_nope, q_pe = (q_nope * f).to(q_nope.dtype), (q_pe * f).to(q_pe.dtype)
         out = x.new_empty((x.shape[0], self.h, a.v_dim))
         if singles is not None:               # one token each: decode steps, on the latent
             sel, rows, width, ends = singles

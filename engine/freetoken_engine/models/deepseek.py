@@ -18,6 +18,11 @@ false).
 
 GLM-4.7-Flash (``glm4_moe_lite``): the latent attention with GLM's routing; which layers are
 dense is ``mlp_layer_types`` (by default the first).
+
+Mistral 4 (``mistral4``: Mistral Small 4, as transformers holds its text model): V3's attention and
+experts, softmax scores chosen within groups, no correction bias, and every query scaled by its
+position past ``original_max_position_embeddings`` (``parse_mistral4``); ``mistral3``: the same
+language model inside Mistral 3's multimodal wrapper, served as text (the vision tower unread).
 """
 from __future__ import annotations
 
@@ -26,7 +31,7 @@ from dataclasses import replace
 from ..config import LatentAttnConfig, ModelConfig
 from ..errors import ConfigError
 from . import glm4_moe
-from .hf import Family, base, moe, need
+from .hf import Family, base, language_model, moe, need
 
 
 def _latent(raw: dict) -> dict:
@@ -77,6 +82,38 @@ def parse_v2(raw: dict) -> ModelConfig:
     return ModelConfig(**base(raw, **_latent(raw), moe=routed))
 
 
+def parse_mistral4(raw: dict) -> ModelConfig:
+    """Mistral 4: V3's latent attention and experts (shared ones after ``first_k_dense_replace``
+    dense layers), softmax scores chosen within the best groups (a group's worth its two best) and
+    no correction bias (the biased router takes zeros, as V2's), every query times ``1 + beta
+    log1p(floor(position / original_max))`` (``llama_4_scaling_beta``)."""
+    routed = replace(glm4_moe._routed(raw, first_dense=0, norm_topk_prob=True), scoring="softmax")
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    beta = rope.get("llama_4_scaling_beta")
+    temper = None
+    if beta:
+        original = rope.get("original_max_position_embeddings")
+        if not isinstance(original, (int, float)) or original < 1:
+            raise ConfigError(f"config.json: llama_4_scaling_beta needs original_max_position_embeddings >= 1 in "
+                              f"rope_parameters, got {original!r}")
+        temper = (float(original), float(beta))
+    return ModelConfig(**base(raw, **_latent(raw), moe=routed, position_temperature=temper))
+
+
+def parse_mistral3(raw: dict) -> ModelConfig:
+    """Mistral 3's multimodal wrapper around a Mistral 4 language model (Mistral Small 4 as
+    published), served as text: its ``text_config``."""
+    kind = (raw.get("text_config") or {}).get("model_type")
+    if kind != "mistral4":
+        raise ConfigError(f"config.json: a mistral3 model whose text_config is {kind!r} is not supported "
+                          f"(mistral4: Mistral Small 4)")
+    return parse_mistral4(language_model(raw, "mistral3"))
+
+
+def _vision(cfg: ModelConfig, key: str) -> bool:
+    return key.startswith(("vision_tower.", "multi_modal_projector."))
+
+
 def parse_lite(raw: dict) -> ModelConfig:
     return ModelConfig(**base(raw, **_latent(raw), moe=glm4_moe.routed_by_kinds(raw, first_k=False), **_mtp(raw)))
 
@@ -91,7 +128,10 @@ def _source_v2(cfg: ModelConfig, name: str):
 
 V3 = Family("deepseek_v3", parse_v3, source=glm4_moe._source, skip=glm4_moe.skip, mtp_layer=glm4_moe._mtp_layer)
 V2 = Family("deepseek_v2", parse_v2, source=_source_v2)
+MISTRAL4 = Family("mistral4", parse_mistral4, source=_source_v2)
+MISTRAL3 = Family("mistral3", parse_mistral3, source=_source_v2, model_prefix="language_model.model",
+                  lm_head="language_model.lm_head.weight", skip=_vision)
 GLM4_MOE_LITE = Family("glm4_moe_lite", parse_lite, source=glm4_moe._source, skip=glm4_moe.skip,
                        mtp_layer=glm4_moe._mtp_layer)
 KIMI_K2 = replace(V3, model_type="kimi_k2")
-FAMILIES = (V3, V2, GLM4_MOE_LITE, KIMI_K2)
+FAMILIES = (V3, V2, GLM4_MOE_LITE, KIMI_K2, MISTRAL4, MISTRAL3)
