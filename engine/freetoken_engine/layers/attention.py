@@ -22,7 +22,7 @@ from . import sinks as attention_sinks
 from .batch import AttnBatch
 from .linear import linear
 from .norm import L2Norm, RMSNorm
-from .rope import Rotary, apply_rotary
+from .rope import Rotary, apply_rotary, temper_factor, tempering
 
 
 #: the backends a GPU's general attention path may take: not cuDNN's, the default on SM 9.0+ since
@@ -61,23 +61,6 @@ def gpu_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
         mask = causal_lower_right(q.shape[2], k.shape[2])
     with sdpa_kernel(GPU_BACKENDS):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=grouped)
-
-
-def tempering(cfg: ModelConfig, layer: int) -> tuple[float, float, float] | None:
-    """``(floor_scale, scale, offset)`` of ``layer``'s query temperature, each query times
-    ``log1p(floor((position + offset) / floor_scale)) * scale + 1``: Llama 4's on its layers without
-    rotary (offset 1), Mistral 4's on every layer (offset 0); None: none."""
-    if cfg.position_temperature is not None:
-        return (*cfg.position_temperature, 0.0)
-    if cfg.attn_temperature is not None and layer in cfg.nope_layers:
-        return (*cfg.attn_temperature, 1.0)
-    return None
-
-
-def temper_factor(temper: tuple[float, float, float], positions: torch.Tensor) -> torch.Tensor:
-    """``[T]`` float32 factors of ``tempering``'s temperature at ``positions``."""
-    floor_scale, scale, offset = temper
-    return torch.log1p(torch.floor((positions.float() + offset) / floor_scale)) * scale + 1.0
 
 
 class Attention(nn.Module):

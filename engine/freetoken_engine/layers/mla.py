@@ -35,11 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ModelConfig
-from .attention import Attention, gpu_sdpa, temper_factor, tempering
+from .attention import Attention, gpu_sdpa
 from .batch import AttnBatch
 from .linear import linear
 from .norm import RMSNorm
-from .rope import Rotary, apply_rotary
+from .rope import Rotary, apply_rotary, temper_factor, tempering
 
 
 def halves_order(rope_dim: int) -> torch.Tensor:

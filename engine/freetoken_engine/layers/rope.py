@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from ..config import RopeConfig
+from ..config import ModelConfig, RopeConfig
 from ..errors import ConfigError
 
 
@@ -133,3 +133,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -
     if r < x.shape[-1]:
         return torch.cat((apply_rotary(x[..., :r], cos, signed_sin), x[..., r:]), dim=-1)
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def tempering(cfg: ModelConfig, layer: int) -> tuple[float, float, float] | None:
+    """``(floor_scale, scale, offset)`` of ``layer``'s query temperature, each query times
+    ``log1p(floor((position + offset) / floor_scale)) * scale + 1``: Llama 4's on its layers without
+    rotary (offset 1), Mistral 4's on every layer (offset 0); None: none."""
+    if cfg.position_temperature is not None:
+        return (*cfg.position_temperature, 0.0)
+    if cfg.attn_temperature is not None and layer in cfg.nope_layers:
+        return (*cfg.attn_temperature, 1.0)
+    return None
+
+
+def temper_factor(temper: tuple[float, float, float], positions: torch.Tensor) -> torch.Tensor:
+    """``[T]`` float32 factors of ``tempering``'s temperature at ``positions``."""
+    floor_scale, scale, offset = temper
+    return torch.log1p(torch.floor((positions.float() + offset) / floor_scale)) * scale + 1.0
