@@ -54,6 +54,7 @@ def checked(llm: LLM) -> LLM:
     ("gpt_oss", "some", (0.0, 0.5, 1.0)),
     ("mistral4", "some", (0.0, 0.5)),
     ("mistral3", "some", (0.5,)),
+    ("sarvam_mla", "some", (0.5,)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)

@@ -1,7 +1,8 @@
 """Families on multi-head latent attention (``layers/mla.py``).
 
 DeepSeek-V3 / V3.1 / R1 (``deepseek_v3``; Moonlight too, and Kimi-K2 / K2-Instruct publish the same
-architecture under ``kimi_k2``, with Moonshot's tiktoken tokenizer, ``models/tiktoken_tokenizer.py``): queries
+architecture under ``kimi_k2``, with Moonshot's tiktoken tokenizer, ``models/tiktoken_tokenizer.py``, and Sarvam-105B under
+``sarvam_mla``): queries
 through a ``q_lora_rank`` bottleneck, keys and values through a ``kv_lora_rank`` latent and one
 shared rotated key; dense MLPs in the first ``first_k_dense_replace`` layers, then GLM's routing
 (GLM-4.5 took it from here: sigmoid scores, a correction bias that steers the choice, group-
@@ -59,6 +60,16 @@ def _mtp(raw: dict) -> dict:
 def parse_v3(raw: dict) -> ModelConfig:
     routed = glm4_moe._routed(raw, first_dense=3, norm_topk_prob=True)
     return ModelConfig(**base(raw, **_latent(raw), moe=routed, **_mtp(raw)))
+
+
+def parse_sarvam_mla(raw: dict) -> ModelConfig:
+    """Sarvam-105B (``sarvam_mla``): DeepSeek-V3's model under Sarvam's name; its first published
+    config's legacy form read too (a ``rope_scaling`` of type "deepseek_yarn": yarn; ``head_dim``
+    and ``q_head_dim`` derived anyway), as transformers reads it."""
+    rope = raw.get("rope_scaling") or {}
+    if "deepseek_yarn" in (rope.get("type"), rope.get("rope_type")):
+        raw = raw | {"rope_scaling": {k: v for k, v in rope.items() if k != "type"} | {"rope_type": "yarn"}}
+    return parse_v3(raw)
 
 
 def parse_v2(raw: dict) -> ModelConfig:
@@ -129,9 +140,11 @@ def _source_v2(cfg: ModelConfig, name: str):
 V3 = Family("deepseek_v3", parse_v3, source=glm4_moe._source, skip=glm4_moe.skip, mtp_layer=glm4_moe._mtp_layer)
 V2 = Family("deepseek_v2", parse_v2, source=_source_v2)
 MISTRAL4 = Family("mistral4", parse_mistral4, source=_source_v2)
+SARVAM_MLA = Family("sarvam_mla", parse_sarvam_mla, source=glm4_moe._source, skip=glm4_moe.skip,
+                    mtp_layer=glm4_moe._mtp_layer)
 MISTRAL3 = Family("mistral3", parse_mistral3, source=_source_v2, model_prefix="language_model.model",
                   lm_head="language_model.lm_head.weight", skip=_vision)
 GLM4_MOE_LITE = Family("glm4_moe_lite", parse_lite, source=glm4_moe._source, skip=glm4_moe.skip,
                        mtp_layer=glm4_moe._mtp_layer)
 KIMI_K2 = replace(V3, model_type="kimi_k2")
-FAMILIES = (V3, V2, GLM4_MOE_LITE, KIMI_K2, MISTRAL4, MISTRAL3)
+FAMILIES = (V3, V2, GLM4_MOE_LITE, KIMI_K2, MISTRAL4, MISTRAL3, SARVAM_MLA)
