@@ -172,6 +172,10 @@ MOE = {
                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                       "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0,
                                       "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5})),
+    # Tencent's HY-V3: EXAONE's MoE block (its correction bias on the block, randomised below) behind
+    # Llama's attention with per-head q/k norms; a dense first layer
+    "hy_v3": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1, head_dim=8,
+                  num_hidden_layers=3, router_scaling_factor=2.0),
     # Sarvam-105B: DeepSeek-V3's model under Sarvam's name (its correction bias randomised below)
     "sarvam_mla": dict(MLA, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                        first_k_dense_replace=1, num_hidden_layers=3, routed_scaling_factor=2.5),
@@ -190,7 +194,7 @@ SUPPORTED = tuple(MOE)
 # softmax over 8 experts: about 1/8)
 BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "lfm2_moe": 0.3, "glm4v_moe": 0.3, "ernie4_5_moe": 0.05, "ernie4_5_vl_moe": 0.05, "minimax_m2": 0.3,
             "deepseek_v3": 0.3, "glm4_moe_lite": 0.3, "kimi_linear": 0.3,
-            "minicpm5_moe": 0.3, "sarvam_moe": 0.3, "param2moe": 0.3, "sarvam_mla": 0.3}
+            "minicpm5_moe": 0.3, "sarvam_moe": 0.3, "param2moe": 0.3, "sarvam_mla": 0.3, "hy_v3": 0.3}
 # text families transformers' AutoModelForCausalLM does not list (Mistral 4 is published inside
 # Mistral 3's multimodal wrapper): their causal-LM class by name
 UNLISTED = ("mistral4",)
@@ -259,5 +263,6 @@ def classes(model_type: str):
         "mistral4": ("Mistral4Config", "Mistral4ForCausalLM"),
         "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
         "sarvam_mla": ("SarvamMLAConfig", "DeepseekV3ForCausalLM"),
+        "hy_v3": ("HYV3Config", "HYV3ForCausalLM"),
     }[model_type]
     return tuple(getattr(T, name) for name in names)

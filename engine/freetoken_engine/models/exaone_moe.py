@@ -1,4 +1,5 @@
-"""LG's EXAONE MoE (``exaone_moe``: K-EXAONE-236B-A23B).
+"""LG's EXAONE MoE (``exaone_moe``: K-EXAONE-236B-A23B), and Tencent's HY-V3 (``hy_v3``: its MoE
+block behind Llama's attention, ``parse_hy_v3``).
 
 Attention with per-head q/k RMSNorm; with a ``sliding_window``, the ``sliding_attention`` layers
 (``layer_types``, else three of every ``sliding_window_pattern``) attend within the window with
@@ -54,4 +55,35 @@ def _source(cfg: ModelConfig, name: str):
     return (f"{m.group(1)}e_score_correction_bias", lambda t: t) if m else shared_experts(name)
 
 
+def parse_hy_v3(raw: dict) -> ModelConfig:
+    """Tencent's HY-V3 (``hy_v3``): the same MoE block (its correction bias on the block, sigmoid
+    scores renormalised times ``router_scaling_factor``, ``num_shared_experts`` shared experts,
+    dense layers where ``mlp_layer_types`` says so: by default the first) behind Llama's attention
+    with per-head q/k norms before the rotary; no sliding windows."""
+    layers = int(need(raw, "num_hidden_layers"))
+    mlp = layer_kinds("mlp_layer_types", raw.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1), layers,
+                      ("dense", "sparse"))
+    inter = int(need(raw, "moe_intermediate_size"))
+    spec = moe(raw | {"norm_topk_prob": True}, tuple(i for i, kind in enumerate(mlp) if kind == "sparse"),
+               scoring="sigmoid", biased=True, routed_scaling_factor=float(raw.get("router_scaling_factor", 2.826)),
+               shared_intermediate_size=inter * int(raw.get("num_shared_experts", 1) or 0))
+    return ModelConfig(**base(raw, qk_norm="head", moe=spec))
+
+
+_HY = re.compile(r"^(.*\.mlp\.)(gate\.weight|gate\.e_score_correction_bias|shared_expert\.(.*))$")
+
+
+def _source_hy_v3(cfg: ModelConfig, name: str):
+    """HY-V3's published names: the router ``mlp.router.gate``, the correction bias
+    ``mlp.expert_bias``, the shared experts ``mlp.shared_mlp``."""
+    m = _HY.match(name)
+    if m is None:
+        return None
+    part = m.group(2)
+    source = ("router.gate.weight" if part == "gate.weight" else "expert_bias" if part.startswith("gate.")
+              else f"shared_mlp.{m.group(3)}")
+    return m.group(1) + source, lambda t: t
+
+
 FAMILY = Family("exaone_moe", parse, source=_source, skip=skip)
+HY_V3 = Family("hy_v3", parse_hy_v3, source=_source_hy_v3, skip=skip)
