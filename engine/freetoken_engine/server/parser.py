@@ -70,8 +70,8 @@ from __future__ import annotations
 
 import functools
 
-from .parser_deepseek import (CALLS_BEGIN, KIMI_CALLS_BEGIN, KIMI_TAGS, SOLAR_CALLS, SOLAR_TAGS, DeepSeekCalls, KimiCalls,
-                              SolarCalls)
+from .parser_deepseek import (CALLS_BEGIN, KIMI_CALLS_BEGIN, KIMI_TAGS, MISTRAL_CALLS, MISTRAL_TAGS, MISTRAL_THINK,
+                              SOLAR_CALLS, SOLAR_TAGS, DeepSeekCalls, KimiCalls, MistralCalls, SolarCalls)
 from .parser_deepseek import TAGS as DEEPSEEK_TAGS
 from .parser_harmony import CHANNEL, HarmonyParser
 from .parser_harmony import TAGS as HARMONY_TAGS
@@ -97,10 +97,10 @@ COHERE_RESPONSE = ("<|START_RESPONSE|>", "<|END_RESPONSE|>")          # its answ
 _DROPPED = {"hunyuan": ("<answer>", "</answer>", HUNYUAN_CLOSE), "ernie": (ERNIE_OPEN, ERNIE_CLOSE),
             "solar": ("<|end|>", "<|begin|>assistant", "<|content|>"), "cohere": (*COHERE_RESPONSE, COHERE_CLOSE)}
 # a style's reasoning tags, where they are not <think> and </think>
-_THINK = {"solar": ("<|think|>", "<|end|>"), "cohere": COHERE_THINK}
+_THINK = {"solar": ("<|think|>", "<|end|>"), "cohere": COHERE_THINK, "mistral": MISTRAL_THINK}
 #: styles whose tags are kept for the parser with or without tools: they also tell the reasoning
 #: and the answer apart (special tokens in their tokenizers)
-ALWAYS_KEPT = ("harmony", "cohere")
+ALWAYS_KEPT = ("harmony", "cohere", "mistral")
 
 
 def think_tags(style: str) -> tuple[str, str]:
@@ -118,7 +118,8 @@ _LISTED = {"granite": (GRANITE_OPEN, (GRANITE_OPEN,), CallList),
            "kimi": (KIMI_CALLS_BEGIN, KIMI_TAGS, KimiCalls),
            "solar": (SOLAR_CALLS, SOLAR_TAGS, SolarCalls),
            "cohere": (COHERE_OPEN, (COHERE_OPEN, COHERE_CLOSE, *COHERE_THINK, *COHERE_RESPONSE),
-                      functools.partial(CallList, head=COHERE_HEAD))}
+                      functools.partial(CallList, head=COHERE_HEAD)),
+           "mistral": (MISTRAL_CALLS, MISTRAL_TAGS, MistralCalls)}
 
 
 def opening_tag(style: str) -> str:

@@ -25,6 +25,11 @@ Kimi-K2's calls (``style="kimi"``, ``KimiCalls``) have the same shape in other t
 and Solar Open's (``style="solar"``, ``SolarCalls``) an id, then the name, in tags of their own:
 
     <|tool_calls|><|tool_call:begin|>a1b2c3d4e5<|tool_call:name|>get_weather<|tool_call:args|>{"city": "Paris"}<|tool_call:end|>
+
+and Mistral's (``style="mistral"``, ``MistralCalls``: Mistral Small 3.2+, Devstral, Magistral, Mistral
+Small 4; its tokenizers' v11 format and later), each call opened by the same tag, no closing one:
+
+    [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]search[CALL_ID]a1b2c3d4e[ARGS]{"query": "x"}
 """
 from __future__ import annotations
 
@@ -42,6 +47,9 @@ SOLAR_CALLS, SOLAR_END = "<|tool_calls|>", "<|calls|>"
 SOLAR_BEGIN, SOLAR_NAME, SOLAR_ARGS, SOLAR_CALL_END = ("<|tool_call:begin|>", "<|tool_call:name|>", "<|tool_call:args|>",
                                                       "<|tool_call:end|>")
 SOLAR_TAGS = (SOLAR_CALLS, SOLAR_BEGIN, SOLAR_NAME, SOLAR_ARGS, SOLAR_CALL_END)
+MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+MISTRAL_THINK = ("[THINK]", "[/THINK]")
+MISTRAL_TAGS = (MISTRAL_CALLS, MISTRAL_ARGS, MISTRAL_CALL_ID, *MISTRAL_THINK)
 
 
 class DeepSeekCalls:
@@ -192,6 +200,56 @@ class SolarCalls(DeepSeekCalls):
     def _named(self, lead: str) -> str:
         _, tag, name = lead.partition(SOLAR_NAME)
         return name.strip() if tag else ""
+
+
+class MistralCalls(DeepSeekCalls):
+    """Mistral's calls after ``[TOOL_CALLS]``: ``NAME[ARGS]{...}`` (an id after ``[CALL_ID]`` before
+    ``[ARGS]`` passed over), the next call after another ``[TOOL_CALLS]``; no closing tag, so a call
+    ends with its arguments' JSON value and the block with anything but a next call (the text
+    after it is the model's, shown). The older list form, ``[TOOL_CALLS][{...}]``, is not read: it
+    stays the model's text."""
+    calls_end, call_begin, call_end, sep = "", MISTRAL_CALLS, "", MISTRAL_ARGS
+    fenced_lead = None
+
+    def __init__(self, first: int):
+        super().__init__(first)
+        self.state = "head"                  # the opening tag was the first call's
+
+    def _head(self, out: list) -> None:
+        at = self._buf.find(self.sep)
+        if at == -1:
+            if "{" in self._buf or "\n" in self._buf or self._buf.lstrip().startswith("[") or len(self._buf) > 256:
+                self._fail()                 # no name holds these (the list form starts with "["): not a call
+            return
+        self._lead, self._raw = self._buf[:at].strip(), self._raw + self._buf[:at + len(self.sep)]
+        self._buf, self.state = self._buf[at + len(self.sep):], "kind"
+
+    def _named(self, lead: str) -> str:
+        return lead.partition(MISTRAL_CALL_ID)[0].strip()
+
+    def finish(self) -> list:
+        """As ``DeepSeekCalls.finish``; a call whose ``[ARGS]`` ended the generation is a call
+        without arguments."""
+        if self.state == "kind" and not self._buf.strip() and self._named(self._lead):
+            out: list = []
+            self._start(self._named(self._lead), out)
+            out.append(ToolArgs(self.index, "{}"))
+            self._end_call(out)
+            return out
+        return super().finish()
+
+    def _tail(self, out: list) -> None:
+        self._end_call(out)
+        self.state, self._raw = "between", ""
+
+    def _between(self, out: list) -> None:
+        body = self._buf.lstrip()
+        if body.startswith(self.call_begin):
+            self._raw, self._buf, self.state = self.call_begin, body[len(self.call_begin):], "head"
+        elif body and not self.call_begin.startswith(body):
+            self.state = "done"              # the text after the calls: the model's
+        else:
+            self._buf = body
 
 
 def kimi_name(call_id: str) -> str:

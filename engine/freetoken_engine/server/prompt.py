@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from .errors import ApiError
 from .parser_deepseek import (CALL_BEGIN, CALLS_BEGIN, FENCE, KIMI_CALL_BEGIN, KIMI_CALLS_BEGIN, KIMI_PREFIX, KIMI_SEP,
+                              MISTRAL_ARGS, MISTRAL_CALLS,
                               SEP, SOLAR_ARGS, SOLAR_BEGIN, SOLAR_CALLS, SOLAR_NAME)
 from .parser_harmony import CHANNEL as HARMONY_CHANNEL
 from .parser_harmony import CONSTRAIN as HARMONY_CONSTRAIN
@@ -60,7 +61,7 @@ class Prompt:
     style: str = "json"       # the tool calls' format: "json" (Hermes), "xml" (Qwen3.5, Qwen3-Coder), "glm", "minimax",
     #                           "granite", "pythonic" (LFM2), "hunyuan", "deepseek" (V3.1), "deepseek_fenced" (V3, R1),
     #                           "kimi" (Kimi-K2), "solar" (Solar Open), "ernie" (ERNIE-4.5: json in <response> tags),
-    #                           "harmony" (gpt-oss: channels; parser_harmony.py), "cohere" (Command A)
+    #                           "harmony" (gpt-oss: channels; parser_harmony.py), "cohere" (Command A), "mistral"
     schemas: dict | None = None   # tool name -> its parameters' JSON Schema (types the XML values)
     strict: frozenset[str] = frozenset()   # tools whose calls must follow their schema (``strict``)
     forced: str | None = None     # the prompt opened a tool call: "required", or the named tool
@@ -72,7 +73,7 @@ def tool_style(tokenizer) -> str:
     ``<minimax:tool_call>``, "granite" when it writes ``<|tool_call|>``, "pythonic" when it writes
     ``<|tool_call_start|>``, "hunyuan" when it writes ``<tool_calls>``, "deepseek" / "deepseek_fenced" when it writes ``<｜tool▁calls▁begin｜>``
     (the second also a fenced JSON block), "harmony" (gpt-oss) when it writes ``<|channel|>``, "cohere" when it
-    writes ``<|START_ACTION|>``, "kimi" when it writes ``<|tool_calls_section_begin|>``, "solar" when it
+    writes ``<|START_ACTION|>``, "mistral" when it writes ``[TOOL_CALLS]``, "kimi" when it writes ``<|tool_calls_section_begin|>``, "solar" when it
     writes ``<|tool_call:begin|>``, "xml" when it writes
     ``<function=``, "glm" when it writes ``<arg_key>``, "ernie" (Hermes JSON calls, the answer in
     ``<response>`` tags that are not shown) when it writes ``<response>`` or the tokenizer has it and
@@ -82,6 +83,8 @@ def tool_style(tokenizer) -> str:
         return "harmony"
     if COHERE_OPEN in template:
         return "cohere"
+    if MISTRAL_CALLS in template:
+        return "mistral"
     if KIMI_CALLS_BEGIN in template:
         return "kimi"
     if SOLAR_BEGIN in template:
@@ -148,13 +151,14 @@ _PREFILLS = {
     "deepseek": (CALLS_BEGIN + CALL_BEGIN, lambda name, after: name + SEP),
     "deepseek_fenced": (f"{CALLS_BEGIN}{CALL_BEGIN}function{SEP}", lambda name, after: f"{name}\n{FENCE}\n"),
     "kimi": (KIMI_CALLS_BEGIN + KIMI_CALL_BEGIN + KIMI_PREFIX, lambda name, after: f"{name}:0{KIMI_SEP}"),
+    "mistral": (MISTRAL_CALLS, lambda name, after: name + MISTRAL_ARGS),
     "harmony": (f"{HARMONY_CHANNEL}commentary to=functions.",
                 lambda name, after: f"{name} {HARMONY_CONSTRAIN}json{HARMONY_MESSAGE}"),
     # Solar Open writes a 10-character id before the name: the pre-fill writes one of its own
     "solar": (SOLAR_CALLS + SOLAR_BEGIN + SOLAR_ID + SOLAR_NAME, lambda name, after: name + SOLAR_ARGS),
 }
 #: what ends a style's open reasoning before a forced call's pre-fill, where it is not "</think>\n\n"
-_REASONING_END = {"solar": "<|end|><|begin|>assistant", "cohere": "<|END_THINKING|>"}
+_REASONING_END = {"solar": "<|end|><|begin|>assistant", "cohere": "<|END_THINKING|>", "mistral": "[/THINK]"}
 
 
 def tool_prefill(tool_choice: str | None, named: str | None, style: str = "json", after_name: str = "\n") -> str:

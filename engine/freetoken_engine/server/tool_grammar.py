@@ -44,8 +44,8 @@ from .parser_harmony import CALL as HARMONY_CALL
 from .parser_harmony import CONSTRAIN as HARMONY_CONSTRAIN
 from .parser_harmony import MESSAGE as HARMONY_MESSAGE
 from .parser_deepseek import (CALL_BEGIN, CALL_END, CALLS_END, FENCE, FENCE_END, KIMI_CALL_BEGIN, KIMI_CALL_END,
-                              KIMI_CALLS_END, KIMI_PREFIX, KIMI_SEP, SEP, SOLAR_ARGS, SOLAR_BEGIN, SOLAR_CALL_END,
-                              SOLAR_NAME)
+                              KIMI_CALLS_END, KIMI_PREFIX, KIMI_SEP, MISTRAL_ARGS, MISTRAL_CALLS, SEP, SOLAR_ARGS,
+                              SOLAR_BEGIN, SOLAR_CALL_END, SOLAR_NAME)
 
 _COMPACT = {"whitespace_flexible": False}
 _SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -176,6 +176,8 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
         return _deepseek(schemas, prompt, tag, prompt.style)
     if prompt.style == "harmony":
         return _harmony(schemas, prompt, tag)
+    if prompt.style == "mistral":
+        return _mistral(schemas, prompt, tag)
     close = tag(TOOL_CLOSE)
     xml, glm = prompt.style == "xml", prompt.style == "glm"
     rules = _Rules()
@@ -304,6 +306,17 @@ def _deepseek(schemas: dict, prompt, tag, style: str) -> tuple[str | None, str |
     close = f"/\\n?/ {tag(calls_end)}" if calls_end else ""
     return _held(_Rules(), prompt, f"{call}{more} {close}", lambda name: f"{args[name]} {end} {close}",
                  f"{named}{more} {close}")
+
+
+def _mistral(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
+    """Mistral: after ``[TOOL_CALLS]``, ``NAME[ARGS]{...}``, further calls each after another
+    ``[TOOL_CALLS]`` (none without parallel calls); no closing tag: the generation ends. The
+    pre-fill of a required call ends after the tag, a named one's after ``[ARGS]``."""
+    args = {name: _json(schema if prompt.forced is not None or name in prompt.strict else None, _SPACED, "object")
+            for name, schema in schemas.items()}
+    call = "(" + " | ".join(f"{_lit(n)} {tag(MISTRAL_ARGS)} {args[n]}" for n in schemas) + ")"
+    more = f" ({tag(MISTRAL_CALLS)} {call})*" if prompt.parallel else ""
+    return _held(_Rules(), prompt, f"{call}{more}", lambda name: f"{args[name]}{more}", f"{call}{more}")
 
 
 def _harmony(schemas: dict, prompt, tag) -> tuple[None, str | None]:
