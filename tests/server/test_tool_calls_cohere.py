@@ -13,16 +13,17 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from format_cases import format_folder, special_tags_reach_the_parser
 from live import serving
 from scripted import check_forced_calls, chat_calls, recording_server, script, second_turn, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
                                      held_prompt, held_to, shown, thought, walk)
-from tiny_models import mark_special, with_template
+from tiny_models import with_template
 
 from freetoken_engine.models.tokenizer import Tokenizer
-from freetoken_engine.server.parser import ToolArgs, ToolEnd, ToolStart, format_tags, output_parser
-from freetoken_engine.server.prompt import build_prompt, tool_style
+from freetoken_engine.server.parser import ToolArgs, ToolEnd, ToolStart, output_parser
+from freetoken_engine.server.prompt import build_prompt
 from freetoken_engine.server.tool_grammar import tool_grammars
 
 STYLE = "cohere"
@@ -98,21 +99,12 @@ def test_a_calls_name_starts_it_and_its_parameters_stream():
 
 @pytest.fixture(scope="module")
 def folder(tiny_checkpoint, tmp_path_factory):
-    src = tiny_checkpoint("cohere2_moe", extra_tags=TAGS + TURN + ("<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"),
-                          max_position_embeddings=2048)
-    folder = with_template(src, tmp_path_factory.mktemp("cohere") / "m", TEMPLATE)
-    for tag in TAGS:
-        mark_special(folder, tag)
-    return folder
+    return format_folder(tiny_checkpoint, tmp_path_factory, "cohere2_moe", TEMPLATE, TAGS,
+                         TURN + ("<|START_TOOL_RESULT|>", "<|END_TOOL_RESULT|>"))
 
 
 def test_the_templates_format_is_read_and_its_special_tags_reach_the_parser(folder):
-    tokenizer = Tokenizer(folder)
-    assert tool_style(tokenizer) == STYLE
-    ids = tokenizer.encode(ANSWER, add_special_tokens=False)
-    assert THINK not in tokenizer.decode(ids)
-    decoder = tokenizer.stream_decoder(format_tags(STYLE))
-    assert "".join(decoder.step(i) for i in ids) == ANSWER
+    special_tags_reach_the_parser(folder, STYLE, ANSWER, THINK)
 
 
 def test_forced_calls_are_prefilled_and_close_an_open_reasoning(folder):

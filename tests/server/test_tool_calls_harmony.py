@@ -11,17 +11,17 @@ import json
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from format_cases import format_folder, special_tags_reach_the_parser
 from live import serving
 from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
                                      held_prompt, shown, thought, walk)
-from tiny_models import mark_special, with_template
 
 from freetoken_engine.models.tokenizer import Tokenizer
-from freetoken_engine.server.parser import ToolArgs, ToolEnd, ToolStart, format_tags, output_parser
+from freetoken_engine.server.parser import ToolArgs, ToolEnd, ToolStart, output_parser
 from freetoken_engine.server.parser_harmony import TAGS
-from freetoken_engine.server.prompt import build_prompt, tool_style
+from freetoken_engine.server.prompt import build_prompt
 from freetoken_engine.server.structured import guide_spec
 from freetoken_engine.server.tool_grammar import tool_grammars
 
@@ -98,22 +98,13 @@ def test_a_calls_name_starts_it_and_its_arguments_stream_and_without_tools_it_is
 
 @pytest.fixture(scope="module")
 def folder(tiny_checkpoint, tmp_path_factory):
-    src = tiny_checkpoint("gpt_oss", extra_tags=TAGS, max_position_embeddings=2048)
-    folder = with_template(src, tmp_path_factory.mktemp("harmony") / "m", TEMPLATE)
-    for tag in TAGS:
-        mark_special(folder, tag)
-    return folder
+    return format_folder(tiny_checkpoint, tmp_path_factory, "gpt_oss", TEMPLATE, TAGS)
 
 
 def test_the_templates_format_is_read_and_its_special_tags_reach_the_parser(folder):
     """The tags are special tokens (decoding leaves them out); the stream decoder keeps them for
     this format, with or without tools: they are what tells reasoning from the answer."""
-    tokenizer = Tokenizer(folder)
-    assert tool_style(tokenizer) == STYLE
-    ids = tokenizer.encode(ANSWER, add_special_tokens=False)
-    assert tokenizer.decode(ids) != ANSWER and "<|channel|>" not in tokenizer.decode(ids)
-    decoder = tokenizer.stream_decoder(format_tags(STYLE))
-    assert "".join(decoder.step(i) for i in ids) == ANSWER
+    special_tags_reach_the_parser(folder, STYLE, ANSWER, "<|channel|>")
 
 
 def test_forced_calls_are_prefilled_and_the_reasoning_goes_back_as_thinking(folder):
