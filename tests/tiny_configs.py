@@ -172,6 +172,10 @@ MOE = {
                      rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                       "original_max_position_embeddings": 4, "beta_fast": 32.0, "beta_slow": 1.0,
                                       "mscale_all_dim": 1.0, "mscale": 1.0, "llama_4_scaling_beta": 0.5})),
+    # Flint: Qwen3-MoE's layers with sinks everywhere, the rotary on the sliding layers only, sigmoid
+    # top-k routing renormalised, a shared expert without an output gate, two dense first layers
+    "flint": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=24,
+                  head_dim=8, num_hidden_layers=4, sliding_window=4),
     # Tencent's HY-V3: EXAONE's MoE block (its correction bias on the block, randomised below) behind
     # Llama's attention with per-head q/k norms; a dense first layer
     "hy_v3": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1, head_dim=8,
@@ -264,5 +268,6 @@ def classes(model_type: str):
         "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration"),
         "sarvam_mla": ("SarvamMLAConfig", "DeepseekV3ForCausalLM"),
         "hy_v3": ("HYV3Config", "HYV3ForCausalLM"),
+        "flint": ("FlintConfig", "FlintForCausalLM"),
     }[model_type]
     return tuple(getattr(T, name) for name in names)

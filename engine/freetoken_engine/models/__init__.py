@@ -15,7 +15,7 @@ REGISTRY: dict[str, Family] = {
                                ernie4_5_moe, minimax_m2, exaone_moe, hunyuan_v1_moe, afmoe, lfm2_moe,
                                glm4v_moe, freetoken_llama_moe, granitemoehybrid, kimi_linear, qwen3_omni_moe,
                                minicpm5_moe, phimoe, cohere2_moe, gpt_oss)),
-              glm4_moe.DOTS1, glm4_moe.SOLAR_OPEN, ernie4_5_moe.VL, llama.MISTRAL, llama.QWEN2, exaone_moe.HY_V3, *qwen3_next.FAMILIES, *granitemoe.FAMILIES,
+              glm4_moe.DOTS1, glm4_moe.SOLAR_OPEN, ernie4_5_moe.VL, llama.MISTRAL, llama.QWEN2, exaone_moe.HY_V3, qwen3_moe.FLINT, *qwen3_next.FAMILIES, *granitemoe.FAMILIES,
               *deepseek.FAMILIES, *sarvam.FAMILIES, *olmo.FAMILIES,
               *llama4.FAMILIES)
 }
