@@ -183,6 +183,9 @@ MOE = {
     # Sarvam-105B: DeepSeek-V3's model under Sarvam's name (its correction bias randomised below)
     "sarvam_mla": dict(MLA, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
                        first_k_dense_replace=1, num_hidden_layers=3, routed_scaling_factor=2.5),
+    # SK Telecom's A.X-K1: DeepSeek-V3 with its MoE layers' output normed (a dense first layer)
+    "axk1": dict(MLA, moe_intermediate_size=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+                 num_hidden_layers=3, n_group=2, topk_group=1, routed_scaling_factor=2.5),
     # Mistral Small 4 as published: Mistral 3's multimodal wrapper (a one-layer Pixtral tower) around it
     "mistral3": dict(MOE_MISTRAL4, model_type="mistral4"),
     # gpt-oss: sinks, q/k/v/o biases, sliding layers beside full ones, an untruncated yarn rotary,
@@ -198,7 +201,7 @@ SUPPORTED = tuple(MOE)
 # softmax over 8 experts: about 1/8)
 BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "lfm2_moe": 0.3, "glm4v_moe": 0.3, "ernie4_5_moe": 0.05, "ernie4_5_vl_moe": 0.05, "minimax_m2": 0.3,
             "deepseek_v3": 0.3, "glm4_moe_lite": 0.3, "kimi_linear": 0.3,
-            "minicpm5_moe": 0.3, "sarvam_moe": 0.3, "param2moe": 0.3, "sarvam_mla": 0.3, "hy_v3": 0.3}
+            "minicpm5_moe": 0.3, "sarvam_moe": 0.3, "param2moe": 0.3, "sarvam_mla": 0.3, "hy_v3": 0.3, "axk1": 0.3}
 # text families transformers' AutoModelForCausalLM does not list (Mistral 4 is published inside
 # Mistral 3's multimodal wrapper): their causal-LM class by name
 UNLISTED = ("mistral4",)
@@ -269,5 +272,6 @@ def classes(model_type: str):
         "sarvam_mla": ("SarvamMLAConfig", "DeepseekV3ForCausalLM"),
         "hy_v3": ("HYV3Config", "HYV3ForCausalLM"),
         "flint": ("FlintConfig", "FlintForCausalLM"),
+        "axk1": ("AXK1Config", "AXK1ForCausalLM"),
     }[model_type]
     return tuple(getattr(T, name) for name in names)

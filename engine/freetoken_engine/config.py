@@ -258,6 +258,8 @@ class ModelConfig:
     # no norm before the attention or the MLP; each branch's output normed before the residual
     # add instead (OLMo 2/3, FlexOlmo: ``post_attention_layernorm``, ``post_feedforward_layernorm``)
     post_norms: bool = False
+    # A.X-K1: the MoE layers' MLP output normed before the residual add (``post_mlp_layernorm``)
+    moe_post_norm: bool = False
     # layers whose attention rotates nothing (EXAONE's global layers: "NoPE"); run with the
     # identity rotation, cos 1 and sin 0, through every attention path
     nope_layers: tuple[int, ...] = ()

@@ -57,6 +57,7 @@ def checked(llm: LLM) -> LLM:
     ("sarvam_mla", "some", (0.5,)),
     ("hy_v3", "some", (0.0, 0.5)),
     ("flint", "some", (0.0, 0.5)),
+    ("axk1", "some", (0.5,)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)

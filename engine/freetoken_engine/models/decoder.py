@@ -53,8 +53,11 @@ class DecoderLayer(nn.Module):
             self.post_attention_layernorm = hidden_norm(cfg.hidden_size, cfg.rms_norm_eps, cfg.layer_norm,
                                                         cfg.layer_norm_bias)
         self.sandwich = cfg.sandwich_norms       # post_attention_layernorm norms the attention's output
+        # A.X-K1: a MoE layer's MLP output normed before the residual add
+        self.moe_post = cfg.moe_post_norm and (moe_index is not None or i in cfg.moe_layers)
         if self.sandwich:
             self.pre_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.sandwich or self.moe_post:
             self.post_mlp_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if moe_index is not None or i in cfg.moe_layers:
             self.mlp = SparseMoE(cfg.hidden_size, cfg.moe, cfg.moe_layers.index(i) if moe_index is None else moe_index)
@@ -71,6 +74,9 @@ class DecoderLayer(nn.Module):
             return self.mlp(x, residual=h + a)
         if self.sandwich:
             h, x = self.pre_mlp_layernorm.add_forward(self.post_attention_layernorm(a), h)
+            return h + self.post_mlp_layernorm(self.mlp(x))
+        if self.moe_post:
+            h, x = self.post_attention_layernorm.add_forward(a, h)
             return h + self.post_mlp_layernorm(self.mlp(x))
         h, x = self.post_attention_layernorm.add_forward(a, h)           # h + a and its norm
         return self.mlp(x, residual=h)                                   # h + mlp(x)

@@ -32,7 +32,7 @@ from dataclasses import replace
 from ..config import LatentAttnConfig, ModelConfig
 from ..errors import ConfigError
 from . import glm4_moe
-from .hf import Family, base, language_model, moe, need
+from .hf import Family, base, language_model, layer_kinds, moe, need
 
 
 def _latent(raw: dict) -> dict:
@@ -70,6 +70,19 @@ def parse_sarvam_mla(raw: dict) -> ModelConfig:
     if "deepseek_yarn" in (rope.get("type"), rope.get("rope_type")):
         raw = raw | {"rope_scaling": {k: v for k, v in rope.items() if k != "type"} | {"rope_type": "yarn"}}
     return parse_v3(raw)
+
+
+def parse_axk1(raw: dict) -> ModelConfig:
+    """SK Telecom's A.X-K1 (``axk1``): DeepSeek-V3 (the query bottleneck always) whose MoE layers'
+    output is normed before the residual add (``post_mlp_layernorm``); which layers are dense is
+    ``mlp_layer_types``, else the first ``first_k_dense_replace`` (1) and those off ``moe_layer_freq``."""
+    layers = int(need(raw, "num_hidden_layers"))
+    first, freq = int(raw.get("first_k_dense_replace", 1) or 0), int(raw.get("moe_layer_freq", 1) or 1)
+    kinds = raw.get("mlp_layer_types") or ["sparse" if i >= first and i % freq == 0 else "dense" for i in range(layers)]
+    kinds = layer_kinds("mlp_layer_types", kinds, layers, ("dense", "sparse"))
+    cfg = parse_v3(raw | {"first_k_dense_replace": 0})
+    return replace(cfg, moe=replace(cfg.moe, layers=tuple(i for i, k in enumerate(kinds) if k == "sparse")),
+                   moe_post_norm=True)
 
 
 def parse_v2(raw: dict) -> ModelConfig:
@@ -140,6 +153,7 @@ def _source_v2(cfg: ModelConfig, name: str):
 V3 = Family("deepseek_v3", parse_v3, source=glm4_moe._source, skip=glm4_moe.skip, mtp_layer=glm4_moe._mtp_layer)
 V2 = Family("deepseek_v2", parse_v2, source=_source_v2)
 MISTRAL4 = Family("mistral4", parse_mistral4, source=_source_v2)
+AXK1 = Family("axk1", parse_axk1, source=glm4_moe._source, skip=glm4_moe.skip, mtp_layer=glm4_moe._mtp_layer)
 SARVAM_MLA = Family("sarvam_mla", parse_sarvam_mla, source=glm4_moe._source, skip=glm4_moe.skip,
                     mtp_layer=glm4_moe._mtp_layer)
 MISTRAL3 = Family("mistral3", parse_mistral3, source=_source_v2, model_prefix="language_model.model",
@@ -147,4 +161,4 @@ MISTRAL3 = Family("mistral3", parse_mistral3, source=_source_v2, model_prefix="l
 GLM4_MOE_LITE = Family("glm4_moe_lite", parse_lite, source=glm4_moe._source, skip=glm4_moe.skip,
                        mtp_layer=glm4_moe._mtp_layer)
 KIMI_K2 = replace(V3, model_type="kimi_k2")
-FAMILIES = (V3, V2, GLM4_MOE_LITE, KIMI_K2, MISTRAL4, MISTRAL3, SARVAM_MLA)
+FAMILIES = (V3, V2, GLM4_MOE_LITE, KIMI_K2, MISTRAL4, MISTRAL3, SARVAM_MLA, AXK1)
