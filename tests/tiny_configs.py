@@ -176,6 +176,10 @@ MOE = {
     # top-k routing renormalised, a shared expert without an output gate, two dense first layers
     "flint": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=24,
                   head_dim=8, num_hidden_layers=4, sliding_window=4),
+    # Kolibri: EXAONE 4's attention (NoPE global layers beside sliding ones), GLM-4's four norms, a MoE
+    # block in every layer choosing by logits plus a correction bias (randomised below), a shared expert
+    "kolibri1": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, shared_expert_intermediate_size=24,
+                     head_dim=8, num_hidden_layers=5, sliding_window=4),
     # Tencent's HY-V3: EXAONE's MoE block (its correction bias on the block, randomised below) behind
     # Llama's attention with per-head q/k norms; a dense first layer
     "hy_v3": dict(moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1, head_dim=8,
@@ -201,7 +205,7 @@ SUPPORTED = tuple(MOE)
 # softmax over 8 experts: about 1/8)
 BIAS_STD = {"glm4_moe": 0.3, "dots1": 0.3, "solar_open": 0.3, "exaone_moe": 0.3, "afmoe": 0.3, "lfm2_moe": 0.3, "glm4v_moe": 0.3, "ernie4_5_moe": 0.05, "ernie4_5_vl_moe": 0.05, "minimax_m2": 0.3,
             "deepseek_v3": 0.3, "glm4_moe_lite": 0.3, "kimi_linear": 0.3,
-            "minicpm5_moe": 0.3, "sarvam_moe": 0.3, "param2moe": 0.3, "sarvam_mla": 0.3, "hy_v3": 0.3, "axk1": 0.3}
+            "minicpm5_moe": 0.3, "sarvam_moe": 0.3, "param2moe": 0.3, "sarvam_mla": 0.3, "hy_v3": 0.3, "axk1": 0.3, "kolibri1": 1.0}
 # text families transformers' AutoModelForCausalLM does not list (Mistral 4 is published inside
 # Mistral 3's multimodal wrapper): their causal-LM class by name
 UNLISTED = ("mistral4",)
@@ -273,5 +277,6 @@ def classes(model_type: str):
         "hy_v3": ("HYV3Config", "HYV3ForCausalLM"),
         "flint": ("FlintConfig", "FlintForCausalLM"),
         "axk1": ("AXK1Config", "AXK1ForCausalLM"),
+        "kolibri1": ("Kolibri1Config", "Kolibri1ForCausalLM"),
     }[model_type]
     return tuple(getattr(T, name) for name in names)

@@ -137,6 +137,8 @@ class MoeConfig:
     swiglu_limit: float = 7.0
     # each routed expert's gate/up and down projections have biases (gpt-oss)
     expert_bias: bool = False
+    # a biased choice adds the correction bias to the router's logits, not to its scores (Kolibri)
+    bias_on_logits: bool = False
 
     @property
     def plain_experts(self) -> bool:

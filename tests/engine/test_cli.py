@@ -107,10 +107,10 @@ def _broken(tmp_path, tiny_checkpoint, kind: str):
     ("model-type", "supported: afmoe, axk1, cohere2_moe, deepseek_v2, deepseek_v3, dots1, ernie4_5_moe, "
                    "ernie4_5_vl_moe, exaone_moe, flex_olmo, flint, freetoken_llama_moe, glm4_moe, glm4_moe_lite, "
                    "glm4v_moe, gpt_oss, granite, granite_swa, granitemoe, granitemoe_swa, granitemoehybrid, "
-                   "granitemoeshared, hunyuan_v1_moe, hy_v3, kimi_k2, kimi_linear, lfm2_moe, llama, llama4, "
-                   "llama4_text, minicpm5_moe, minimax_m2, mistral, mistral3, mistral4, mixtral, olmo2, olmo3, "
-                   "olmoe, param2moe, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5_moe, qwen3_5_moe_text, qwen3_moe, "
-                   "qwen3_next, qwen3_omni_moe, qwen3_vl_moe, sarvam_mla, sarvam_moe, solar_open"),
+                   "granitemoeshared, hunyuan_v1_moe, hy_v3, kimi_k2, kimi_linear, kolibri1, lfm2_moe, llama, "
+                   "llama4, llama4_text, minicpm5_moe, minimax_m2, mistral, mistral3, mistral4, mixtral, olmo2, "
+                   "olmo3, olmoe, param2moe, phimoe, qwen2, qwen2_moe, qwen3, qwen3_5_moe, qwen3_5_moe_text, "
+                   "qwen3_moe, qwen3_next, qwen3_omni_moe, qwen3_vl_moe, sarvam_mla, sarvam_moe, solar_open"),
 
 
 

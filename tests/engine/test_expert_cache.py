@@ -58,6 +58,7 @@ def checked(llm: LLM) -> LLM:
     ("hy_v3", "some", (0.0, 0.5)),
     ("flint", "some", (0.0, 0.5)),
     ("axk1", "some", (0.5,)),
+    ("kolibri1", "some", (0.0, 0.5)),
 ])
 def test_same_tokens_for_every_capacity_and_cpu_fraction(tiny_checkpoint, model_type, capacities, fractions):
     folder = tiny_checkpoint(model_type)

@@ -35,7 +35,7 @@ OLD_REFERENCE = {"gpt_oss": {"swiglu_limit": 7.0}}
                                         "lfm2_moe", "glm4v_moe", "deepseek_v3", "deepseek_v2", "glm4_moe_lite",
                                         "granitemoehybrid", "kimi_linear", "minicpm5_moe", "phimoe",
                                         "granitemoe_swa", "flex_olmo", "olmo3", "llama4", "ernie4_5_vl_moe",
-                                        "cohere2_moe", "gpt_oss", "mistral4", "sarvam_mla", "hy_v3", "flint", "axk1"])
+                                        "cohere2_moe", "gpt_oss", "mistral4", "sarvam_mla", "hy_v3", "flint", "axk1", "kolibri1"])
 def test_cuda_float32_matches_transformers_on_cpu(tiny_checkpoint, model_type):
     folder = tiny_checkpoint(model_type, **OLD_REFERENCE.get(model_type, {}))
     ref = load_reference(folder)

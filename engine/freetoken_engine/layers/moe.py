@@ -38,10 +38,11 @@ def biased_route(logits: torch.Tensor, bias: torch.Tensor, moe: MoeConfig) -> tu
     """-> (float32 weights [T, k], expert ids [T, k]) of float32 router logits [T, E], as
     transformers' Glm4MoeTopkRouter and Ernie4_5_MoeTopKRouter compute them: sigmoid (softmax)
     scores; the experts outside the best ``topk_group`` groups (a group's worth: its two best
-    biased scores, or its best one: ``group_score`` "max", DeepSeek-V2) masked; the top k of the biased scores chosen; their unbiased scores as
-    weights, renormalised with ``norm_topk_prob`` and times ``routed_scaling_factor``."""
+    biased scores, or its best one: ``group_score`` "max", DeepSeek-V2) masked; the top k of the
+    biased scores (``bias_on_logits``: of the biased logits, Kolibri) chosen; their unbiased scores
+    as weights, renormalised with ``norm_topk_prob`` and times ``routed_scaling_factor``."""
     scores = logits.sigmoid() if moe.scoring == "sigmoid" else F.softmax(logits, dim=-1, dtype=torch.float32)
-    choice = scores + bias
+    choice = (logits if moe.bias_on_logits else scores) + bias
     if moe.topk_group < moe.n_group:
         t, g = choice.shape[0], moe.n_group
         grouped = choice.view(t, g, -1)

@@ -134,7 +134,7 @@ def _biased_kernel(logits, bias, w_out, id_out, E, scale, floor, K: tl.constexpr
 def supported_biased(logits: torch.Tensor, moe) -> bool:
     """Whether ``route_biased`` takes these float32 router logits and that routing (``MoeConfig``)."""
     return (logits.dim() == 2 and logits.is_contiguous() and logits.dtype == torch.float32
-            and 0 < moe.top_k <= logits.shape[1] <= 1024 and moe.n_group <= 64)
+            and 0 < moe.top_k <= logits.shape[1] <= 1024 and moe.n_group <= 64 and not moe.bias_on_logits)
 
 
 def route_biased(logits: torch.Tensor, bias: torch.Tensor, moe, out_dtype: torch.dtype
