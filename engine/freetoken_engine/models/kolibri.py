@@ -26,8 +26,9 @@ def parse(raw: dict) -> ModelConfig:
     kinds = raw.get("layer_types") or ["full_attention" if (i + 1) % 5 == 0 else "sliding_attention"
                                        for i in range(layers)]
     kinds = layer_kinds("layer_types", kinds, layers, ("full_attention", "sliding_attention"))
+    shared = int(raw.get("shared_expert_intermediate_size") or 0)
     spec = moe(raw | {"norm_topk_prob": raw.get("norm_topk_prob", True)}, tuple(range(layers)), scoring="sigmoid",
-               biased=True, bias_on_logits=True, shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0))
+               biased=True, bias_on_logits=True, shared_intermediate_size=shared)
     sliding = tuple(int(window) if k == "sliding_attention" else None for k in kinds) if window else ()
     return ModelConfig(**base(raw, intermediate_size=0, qk_norm="head", moe=spec, sandwich_norms=True,
                               sliding_window=sliding,
