@@ -127,8 +127,10 @@ class MoeConfig:
     # a group's worth, for group-limited choice: the sum of its two best scores ("top2": DeepSeek-V3,
     # GLM) or its best one ("max": DeepSeek-V2's group_limited_greedy)
     group_score: str = "top2"
-    # the router's linear layer has a bias (gpt-oss: ``mlp.router.bias``)
+    # the router's linear layer has a bias (gpt-oss: ``mlp.router.bias``); it is kept in float32
+    # whatever the model's dtype (Flint; a biased router always is)
     router_bias: bool = False
+    router_fp32: bool = False
     # how an expert turns its gate and up rows into the down projection's input: "silu"
     # (silu(gate) * up) or "swiglu_oai" (gpt-oss: gate clamped above at ``swiglu_limit``, up
     # clamped to +-limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1)); kernels/reference.GatedAct

@@ -17,21 +17,26 @@ from ..kernels.reference import SILU, GatedAct, SplitRows, moe_combine_forward
 from .mlp import GatedMLP
 
 
-class BiasedRouter(nn.Linear):
-    """The router of a biased choice (GLM-4.5, ERNIE-4.5, DeepSeek-V3): float32 weights whatever
-    the model's dtype, as transformers keeps them, and ``e_score_correction_bias``, a per-expert
-    offset that steers which experts are chosen but not their weights. Its logits are float32."""
-
-    def __init__(self, hidden: int, num_experts: int):
-        super().__init__(hidden, num_experts, bias=False)
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
+class Fp32Router(nn.Linear):
+    """A router kept in float32 whatever the model's dtype, as transformers keeps some (Flint):
+    float32 weights, float32 logits."""
 
     def _apply(self, fn, recurse=True):
         # a model-wide .to(bfloat16) leaves the router in float32
         return super()._apply(lambda t: fn(t).float() if t.is_floating_point() else fn(t), recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)
+        return F.linear(x.float(), self.weight, self.bias)
+
+
+class BiasedRouter(Fp32Router):
+    """The router of a biased choice (GLM-4.5, ERNIE-4.5, DeepSeek-V3): float32 as transformers
+    keeps it, and ``e_score_correction_bias``, a per-expert offset that steers which experts are
+    chosen but not their weights."""
+
+    def __init__(self, hidden: int, num_experts: int):
+        super().__init__(hidden, num_experts, bias=False)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
 
 
 def biased_route(logits: torch.Tensor, bias: torch.Tensor, moe: MoeConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,8 +87,10 @@ class SparseMoE(nn.Module):
     def __init__(self, hidden: int, moe: MoeConfig, moe_layer: int):
         super().__init__()
         self.moe, self.moe_layer = moe, moe_layer
-        self.gate = BiasedRouter(hidden, moe.num_experts) if moe.biased else \
-            nn.Linear(hidden, moe.num_experts, bias=moe.router_bias)
+        if moe.biased:
+            self.gate = BiasedRouter(hidden, moe.num_experts)
+        else:
+            self.gate = (Fp32Router if moe.router_fp32 else nn.Linear)(hidden, moe.num_experts, bias=moe.router_bias)
         self.act = GatedAct(moe.activation, moe.swiglu_alpha, moe.swiglu_limit) if moe.activation != "silu" else SILU
         if moe.expert_bias:
             # the routed experts' biases (gpt-oss): small, so they stay with the layer's other

@@ -24,7 +24,7 @@ def parse_flint(raw: dict) -> ModelConfig:
     kinds = layer_kinds("layer_types", kinds, layers, ("full_attention", "sliding_attention"))
     raw = raw | {"mlp_only_layers": raw.get("mlp_only_layers", [0, 1]), "norm_topk_prob": raw.get("norm_topk_prob", True)}
     window = int(raw.get("sliding_window") or 513)
-    spec = replace(moe(raw, sparse_layers(raw, layers)), scoring="sigmoid",
+    spec = replace(moe(raw, sparse_layers(raw, layers)), scoring="sigmoid", router_fp32=True,
                    shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0))
     return ModelConfig(**base(raw, qk_norm="head", attn_sinks=True, moe=spec,
                               sliding_window=tuple(window if k == "sliding_attention" else None for k in kinds),
