@@ -158,8 +158,8 @@ def test_without_tools_the_answer_is_split_from_the_reasoning(scripted):
 
 
 def test_the_reasoning_effort_reaches_the_template(scripted):
-    """OpenAI's ``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses) become the
-    template's ``reasoning_effort``: gpt-oss's system message says it."""
+    """OpenAI's ``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses), and Anthropic's
+    thinking budget, become the template's ``reasoning_effort``: gpt-oss's system message says it."""
     client = scripted.openai()
     client.chat.completions.create(model=scripted.model, messages=MSGS, reasoning_effort="high")
     assert "Reasoning: high<|end|>" in scripted.prompts[-1]
@@ -167,6 +167,11 @@ def test_the_reasoning_effort_reaches_the_template(scripted):
     assert "Reasoning: low<|end|>" in scripted.prompts[-1]
     client.chat.completions.create(model=scripted.model, messages=MSGS)
     assert "Reasoning: medium<|end|>" in scripted.prompts[-1]
+    # Anthropic's thinking budget: under 4,096 tokens low, under 16,384 medium, else high
+    for budget, effort in ((1024, "low"), (8000, "medium"), (20000, "high")):
+        scripted.anthropic().messages.create(model=scripted.model, max_tokens=30000, messages=MSGS,
+                                             thinking={"type": "enabled", "budget_tokens": budget})
+        assert f"Reasoning: {effort}<|end|>" in scripted.prompts[-1]
 
 
 # -- the grammar ------------------------------------------------------------------------------------

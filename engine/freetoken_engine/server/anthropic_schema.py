@@ -122,8 +122,15 @@ class CountRequest(Body):
 
     def template_kwargs(self) -> dict:
         """Anthropic thinks only when asked: no ``thinking`` means ``enable_thinking=False`` for
-        templates that have the switch (Qwen3); others ignore the variable."""
-        return {"enable_thinking": self.thinking is not None and self.thinking.type != "disabled"}
+        templates that have the switch (Qwen3); others ignore the variable. A thinking budget
+        becomes a reasoning effort (gpt-oss's template reads ``reasoning_effort``): under 4,096
+        tokens low, under 16,384 medium, else high."""
+        thinking = self.thinking is not None and self.thinking.type != "disabled"
+        kwargs = {"enable_thinking": thinking}
+        budget = self.thinking.budget_tokens if thinking else None
+        if budget is not None:
+            kwargs["reasoning_effort"] = "low" if budget < 4096 else "medium" if budget < 16384 else "high"
+        return kwargs
 
 
 class MessagesRequest(CountRequest):
