@@ -142,13 +142,6 @@ class MoeConfig:
     # a biased choice adds the correction bias to the router's logits, not to its scores (Kolibri)
     bias_on_logits: bool = False
 
-    @property
-    def plain_experts(self) -> bool:
-        """Experts of the engine's first kind (silu(gate) * up, no biases). The others (gpt-oss)
-        are computed by every expert kernel too, whole: their CPU pairs skip the sync-free CPU
-        branch and the streamed and staged splits (cache/offload.py)."""
-        return self.activation == "silu" and not self.expert_bias
-
 
 @dataclass(frozen=True)
 class LinearAttnConfig:

@@ -23,7 +23,7 @@ import torch
 
 from .. import env
 from ..kernels import cpu_branch, cpu_expert_forward
-from ..kernels.reference import SILU, GatedAct, expert_pairs_forward
+from ..kernels.reference import expert_pairs_forward
 from .bank import ExpertBank
 from .expert_math import ExpertMath
 from .experts import ExpertCache
@@ -70,7 +70,7 @@ class OffloadedExperts:
         self.device = cache.device
         self.prefill_threshold = prefill_threshold
         self._pair_tok: dict[tuple[int, int], torch.Tensor] = {}
-        self.math = ExpertMath()   # the call in progress's experts of another kind (gpt-oss)
+        self.math = ExpertMath()   # the model's experts, when of another kind (gpt-oss; the runner's)
         self.cpu_backend_name, self.cpu_forward = cpu_expert_forward(cpu_backend)
         self.control = None
         self.seeded = 0          # experts the prefills copied into the cache (_seed_cache)
@@ -295,20 +295,19 @@ class OffloadedExperts:
         the CPU branch a ``SplitRows`` (device rows + the host's rows in pinned memory) instead."""
         return self.forward_beside(layer, x, topk_ids)[0]
 
-    def forward_beside(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, beside=None,
-                       act: GatedAct = SILU, b13: torch.Tensor | None = None):
+    def forward_beside(self, layer: int, x: torch.Tensor, topk_ids: torch.Tensor, beside=None):
         """``forward``, and ``beside()`` (device work independent of the routed experts: the
         layer's shared expert), run on a side stream with the hits while a decode call's fills
         are copied (``DeviceControl.run_experts``), else after the experts.
         Returns ``(rows, beside's result or None)``.
 
-        ``act``, ``b13`` (the layer's gate/up biases [E, 2I] on x's device): experts of another kind
-        (gpt-oss), which every expert kernel and the CPU branch compute (``ExpertMath``); the
-        streamed and staged splits, which compute parts of experts, stay off for them."""
+        Experts of another kind (gpt-oss: ``math``, the runner's ``ExpertMath.set_model``) are
+        computed by every expert kernel and the CPU branch; the streamed and staged splits, which
+        compute parts of experts, stay off for them."""
         t, k = topk_ids.shape
         pair_exp = topk_ids.reshape(-1)                                   # [P]
         pair_tok = self._pair_tokens(t, k, x.device)                      # [P]
-        self.math.begin(layer, act, b13)
+        self.math.begin(layer)
         try:
             if self.control is not None and t < self.prefill_threshold and not self._bank_in_place():
                 if self._fills_only(t):

@@ -207,7 +207,7 @@ class ModelRunner(GraphWarmup):
         blocks = self.model.moe_blocks()
         for block in blocks:
             block.experts = self.experts
-        self.experts.math.set_model(blocks[0].act, [b.expert_b13 for b in blocks])   # for the CPU branch (gpt-oss)
+        self.experts.math.set_model(blocks[0].act, [b.expert_b13 for b in blocks])   # gpt-oss: its experts
         if env.expert_prefetch():           # each MoE layer guesses the next one's experts
             blocks = self.model.moe_blocks()[:len(self.mcfg.moe_layers)]
             for block, nxt in zip(blocks, blocks[1:]):

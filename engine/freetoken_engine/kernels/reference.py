@@ -10,7 +10,7 @@ by the caller, so a pair's output does not depend on which other pairs share the
 where the expert was computed, or on the order of pairs: this is what lets caching, offload
 and the q* split leave the model's output unchanged.
 
-Some families' experts differ (``GatedAct``, ``MoeConfig.plain_experts``): gpt-oss clamps the gate
+Some families' experts differ (``GatedAct``, ``cache/expert_math.py``): gpt-oss clamps the gate
 and up rows and gates with ``gate * sigmoid(alpha gate) * (up + 1)``, and adds a bias to the gate
 and up rows (``b13 [E, 2I]``, the row of expert ``pair_bias[p]``) and to the output; the output's
 bias is added where the weighted rows are combined (layers/moe.py), so no kernel holds it.

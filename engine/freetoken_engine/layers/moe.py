@@ -166,14 +166,12 @@ class SparseMoE(nn.Module):
             self.experts.guess(self.moe_layer + 1, guess)
         # [T*k, H] or SplitRows; on a GPU the shared expert runs beside the hits while fills copy
         beside = None if self.shared_expert is None else functools.partial(self._shared, x)
-        if self.moe.plain_experts:
-            rows, shared = self.experts.forward_beside(self.moe_layer, routed, ids, beside)
-        else:
-            rows, shared = self.experts.forward_beside(self.moe_layer, routed, ids, beside, act=self.act,
-                                                       b13=self.expert_b13)
-            if self.expert_b2 is not None:    # sum_j w_j (row_j + b2[e_j]): the biases' share beside the rows
-                biases = (self.expert_b2[ids] * weights[..., None]).sum(dim=1)
-                shared = biases if shared is None else shared + biases
+        # experts of another kind (gpt-oss) take self.act and self.expert_b13 from the executor's
+        # ExpertMath, which the runner gave them
+        rows, shared = self.experts.forward_beside(self.moe_layer, routed, ids, beside)
+        if self.expert_b2 is not None:    # sum_j w_j (row_j + b2[e_j]): the biases' share beside the rows
+            biases = (self.expert_b2[ids] * weights[..., None]).sum(dim=1)
+            shared = biases if shared is None else shared + biases
         dense = rows.gpu if isinstance(rows, SplitRows) else rows
         gpu = gpu_decode_kernels("combine") if dense.device.type == "cuda" else None
         if gpu is not None and not (torch.is_grad_enabled() and dense.requires_grad) \
