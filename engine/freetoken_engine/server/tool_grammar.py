@@ -329,8 +329,7 @@ def _harmony(schemas: dict, prompt, tag) -> tuple[None, str | None]:
     args = {name: _json(schema, _SPACED, "object") for name, schema in schemas.items()}
     head = f" {tag(HARMONY_CONSTRAIN)} {_lit('json')} {tag(HARMONY_MESSAGE)} "
     required = "(" + " | ".join(f"{_lit(n + ' ')}{head}{args[n]} {tag(HARMONY_CALL)}" for n in schemas) + ")"
-    _, rest = _held(_Rules(), prompt, required, lambda name: f"{args[name]} {tag(HARMONY_CALL)}", required)
-    return None, rest
+    return _held(_Rules(), prompt, None, lambda name: f"{args[name]} {tag(HARMONY_CALL)}", required)
 
 
 def _keywords(rules: _Rules, schema: dict | None) -> str:
@@ -361,21 +360,21 @@ def _keywords(rules: _Rules, schema: dict | None) -> str:
     return after(0, True)
 
 
-def _held(rules: _Rules, prompt, opened: str, named, required: str) -> tuple[str | None, str | None]:
-    """The two grammars over ``rules``: from after the opening tag (``opened``), and the rest
-    of the answer after a forced call's pre-fill: ``named(tool)`` for a named one, ``required``
-    for a required one."""
+def _held(rules: _Rules, prompt, opened: str | None, named, required: str) -> tuple[str | None, str | None]:
+    """The two grammars over ``rules``: from after the opening tag (``opened``; None: calls the
+    model opens are not held), and the rest of the answer after a forced call's pre-fill:
+    ``named(tool)`` for a named one, ``required`` for a required one."""
     def grammar(start: str) -> str:
         return "\n".join([f"start: {start}", *rules.lines])
 
     schemas = prompt.schemas or {}
     rest = grammar(named(prompt.forced)) if prompt.forced in schemas else grammar(required) if prompt.forced else None
-    return _both(grammar(opened), rest, prompt)
+    return _both(None if opened is None else grammar(opened), rest, prompt)
 
 
-def _both(after_open: str, rest: str | None, prompt) -> tuple[str | None, str | None]:
+def _both(after_open: str | None, rest: str | None, prompt) -> tuple[str | None, str | None]:
     try:
-        return (_compiled(after_open), None if rest is None else _compiled(rest))
+        return (None if after_open is None else _compiled(after_open), None if rest is None else _compiled(rest))
     except ApiError:
         if prompt.strict:
             raise       # strictness was asked for: say why it cannot be had
