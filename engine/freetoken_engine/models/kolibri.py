@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 
 from ..config import ModelConfig
-from .hf import Family, base, layer_kinds, moe, shared_experts
+from .hf import Family, base, layer_kinds, moe, shared_experts, windows_by_kind
 
 # the published names of the sandwich norms (the engine's post_attention_layernorm norms the
 # attention's output, pre_mlp_layernorm the MLP's input, post_mlp_layernorm its output) and of the
@@ -29,7 +29,7 @@ def parse(raw: dict) -> ModelConfig:
     shared = int(raw.get("shared_expert_intermediate_size") or 0)
     spec = moe(raw | {"norm_topk_prob": raw.get("norm_topk_prob", True)}, tuple(range(layers)), scoring="sigmoid",
                biased=True, bias_on_logits=True, shared_intermediate_size=shared)
-    sliding = tuple(int(window) if k == "sliding_attention" else None for k in kinds) if window else ()
+    sliding = windows_by_kind(raw, kinds, 0) if window else ()
     return ModelConfig(**base(raw, intermediate_size=0, qk_norm="head", moe=spec, sandwich_norms=True,
                               sliding_window=sliding,
                               nope_layers=tuple(i for i, k in enumerate(kinds) if k == "full_attention") if window

@@ -7,7 +7,7 @@ and dense layers by ``mlp_only_layers`` (by default the first two); its sinks ar
 from dataclasses import replace
 
 from ..config import ModelConfig
-from .hf import Family, base, layer_kinds, moe, sliding, sparse_layers
+from .hf import Family, base, layer_kinds, moe, sliding, sparse_layers, windows_by_kind
 
 
 def parse(raw: dict) -> ModelConfig:
@@ -19,19 +19,18 @@ def parse(raw: dict) -> ModelConfig:
 
 def parse_flint(raw: dict) -> ModelConfig:
     layers = int(raw["num_hidden_layers"])
-    kinds = raw.get("layer_types") or ["full_attention" if i < 2 or i % 4 == 1 or i == layers - 1 else "sliding_attention"
-                                       for i in range(layers)]
+    kinds = raw.get("layer_types") or ["full_attention" if i < 2 or i % 4 == 1 or i == layers - 1
+                                       else "sliding_attention" for i in range(layers)]
     kinds = layer_kinds("layer_types", kinds, layers, ("full_attention", "sliding_attention"))
-    raw = raw | {"mlp_only_layers": raw.get("mlp_only_layers", [0, 1]), "norm_topk_prob": raw.get("norm_topk_prob", True)}
-    window = int(raw.get("sliding_window") or 513)
+    raw = raw | {"mlp_only_layers": raw.get("mlp_only_layers", [0, 1]),
+                 "norm_topk_prob": raw.get("norm_topk_prob", True), "sliding_window": raw.get("sliding_window") or 513}
     spec = replace(moe(raw, sparse_layers(raw, layers)), scoring="sigmoid", router_fp32=True,
                    shared_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0))
     return ModelConfig(**base(raw, qk_norm="head", attn_sinks=True, moe=spec,
-                              sliding_window=tuple(window if k == "sliding_attention" else None for k in kinds),
+                              sliding_window=windows_by_kind(raw, kinds, 513),
                               nope_layers=tuple(i for i, k in enumerate(kinds) if k == "full_attention")))
 
 
-FAMILY = Family("qwen3_moe", parse)
 def _source_flint(cfg: ModelConfig, name: str):
     """Flint's published name of the attention sinks: ``self_attn.softmax_offset``."""
     if name.endswith(".self_attn.sinks"):
@@ -39,4 +38,5 @@ def _source_flint(cfg: ModelConfig, name: str):
     return None
 
 
+FAMILY = Family("qwen3_moe", parse)
 FLINT = Family("flint", parse_flint, source=_source_flint)
