@@ -30,3 +30,11 @@ def special_tags_reach_the_parser(folder, style: str, answer: str, hidden: str) 
     assert hidden not in tokenizer.decode(ids)
     decoder = tokenizer.stream_decoder(format_tags(style))
     assert "".join(decoder.step(i) for i in ids) == answer
+
+
+def answered_without_tools(srv) -> tuple[str | None, str | None]:
+    """(reasoning, content) of an OpenAI chat answer to a request without tools: what a format
+    whose tags tell the two apart must keep them apart by, tools or not."""
+    msg = srv.openai().chat.completions.create(model=srv.model, messages=[
+        {"role": "user", "content": "Thanks, that is all."}]).choices[0].message
+    return msg.reasoning_content, msg.content
