@@ -127,7 +127,9 @@ def test_gpu_prefill_attention_matches_the_grouped_matmuls(tiny_checkpoint, monk
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])     # gpt-oss: the gated experts' kernels
+# gpt-oss: the gated experts' kernels; Kolibri: a router the one-launch routing kernel declines;
+# Flint: a float32 router and sinks; Mistral 4: latent attention with position temperature
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss", "kolibri1", "flint", "mistral4"])
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_cache_capacity_and_split_do_not_change_tokens_on_gpu(tiny_checkpoint, backend, model_type):
     folder = tiny_checkpoint(model_type)
