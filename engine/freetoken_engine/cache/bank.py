@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.mxfp4 import row_bytes
 
 _PAGE = 4096
 _REGISTER_MIN = 2 << 20
@@ -44,24 +45,28 @@ def _register_in_place(t: torch.Tensor, registered: list[int]) -> bool:
 
 class ExpertBank:
     def __init__(self, num_layers: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
-                 w13: torch.Tensor | None = None, w2: torch.Tensor | None = None):
+                 w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, mxfp4: bool = False):
         """Allocate an empty bank, or adopt ``w13``/``w2`` already in the final layout (a packed
-        checkpoint read straight into place)."""
+        checkpoint read straight into place). ``dtype``: the model's; the weights' too, unless
+        ``mxfp4``: the experts then stay in 4 bits, each row of K values as ``kernels/mxfp4.py``'s
+        ``K/2 + K/32`` bytes (uint8 ``[L, E, 2I, 17H/32]`` and ``[L, E, H, 17I/32]``)."""
         self.num_layers, self.num_experts, self.hidden, self.inter = num_layers, num_experts, hidden, inter
-        self.dtype = dtype
-        shape13, shape2 = (num_layers, num_experts, 2 * inter, hidden), (num_layers, num_experts, hidden, inter)
+        self.dtype, self.mxfp4 = dtype, mxfp4
+        store = torch.uint8 if mxfp4 else dtype
+        k13, k2 = (row_bytes(hidden), row_bytes(inter)) if mxfp4 else (hidden, inter)
+        shape13, shape2 = (num_layers, num_experts, 2 * inter, k13), (num_layers, num_experts, hidden, k2)
         if w13 is None:
-            w13, w2 = _page_aligned(shape13, dtype), _page_aligned(shape2, dtype)
-        elif tuple(w13.shape) != shape13 or tuple(w2.shape) != shape2 or w13.dtype != dtype:
-            raise ValueError(f"bank tensors {tuple(w13.shape)} {w13.dtype} do not match {shape13} {dtype}")
-        self.w13 = w13      # [L, E, 2I, H]: gate ; up
-        self.w2 = w2        # [L, E, H, I]: down
+            w13, w2 = _page_aligned(shape13, store), _page_aligned(shape2, store)
+        elif tuple(w13.shape) != shape13 or tuple(w2.shape) != shape2 or w13.dtype != store:
+            raise ValueError(f"bank tensors {tuple(w13.shape)} {w13.dtype} do not match {shape13} {store}")
+        self.w13 = w13      # [L, E, 2I, H]: gate ; up  (MXFP4: rows of 17H/32 bytes)
+        self.w2 = w2        # [L, E, H, I]: down        (MXFP4: rows of 17I/32 bytes)
         self.pinned = False
 
     @property
     def expert_bytes(self) -> int:
-        """Bytes of one expert (all three projections)."""
-        return 3 * self.hidden * self.inter * self.w13.element_size()
+        """Bytes of one expert (all three projections), as stored."""
+        return (self.w13[0, 0].numel() + self.w2[0, 0].numel()) * self.w13.element_size()
 
     @property
     def total_experts(self) -> int:
@@ -82,7 +87,10 @@ class ExpertBank:
         return calls * self.expert_bytes / busy / 1e9
 
     def fill(self, layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
-        """Copy one expert's ``gate [I,H]``, ``up [I,H]``, ``down [H,I]`` into its final place."""
+        """Copy one expert's ``gate [I,H]``, ``up [I,H]``, ``down [H,I]`` into its final place
+        (an MXFP4 bank takes them as MXFP4 rows, ``[I, 17H/32]`` and ``[H, 17I/32]`` uint8)."""
+        if self.mxfp4 and gate.dtype != torch.uint8:
+            raise ValueError(f"an MXFP4 bank takes MXFP4 rows (uint8), got {gate.dtype}")
         i = self.inter
         self.w13[layer, expert, :i].copy_(gate)
         self.w13[layer, expert, i:].copy_(up)

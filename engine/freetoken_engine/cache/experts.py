@@ -102,8 +102,9 @@ class ExpertCache:
         self.capacity = capacity
         self.bypass = bypass_slots(capacity, b.total_experts, self.bypass_wanted)
         self.lru_slots = capacity - self.bypass
-        self.w13 = torch.empty((capacity, 2 * b.inter, b.hidden), dtype=b.dtype, device=self.device)
-        self.w2 = torch.empty((capacity, b.hidden, b.inter), dtype=b.dtype, device=self.device)
+        # slots in the bank's own layout (MXFP4 rows stay MXFP4)
+        self.w13 = torch.empty((capacity, *b.w13.shape[2:]), dtype=b.w13.dtype, device=self.device)
+        self.w2 = torch.empty((capacity, *b.w2.shape[2:]), dtype=b.w2.dtype, device=self.device)
         self.slot_of = torch.full((b.num_layers, b.num_experts), -1, dtype=torch.int64, device=self.device)
         self.slot_owner = torch.full((self.lru_slots,), -1, dtype=torch.int64, device=self.device)
         self.last_used = torch.full((self.lru_slots,), -1, dtype=torch.int64, device=self.device)

@@ -80,7 +80,8 @@ class ModelRunner(GraphWarmup):
             from ..models.gguf_folder import gguf_folder
             folder = gguf_folder(folder)
         self.model, self.bank, self.mcfg, rest = start_model(folder, self.dtype, self.device, progress,
-                                                             mtp=cfg.speculative_method == "mtp")
+                                                             mtp=cfg.speculative_method == "mtp",
+                                                             expert_format=cfg.expert_format)
         try:
             self._assemble(cfg, folder, rest)
         except BaseException:

@@ -47,7 +47,7 @@ import torch
 
 from . import reference
 from .cpu import gated
-from .cpu.expert_args import as_int64, check_problem, compiled_ok, fast_args, problem_args
+from .cpu.expert_args import as_int64, check_problem, compiled_ok, fast_args, problem_args, values
 
 log = logging.getLogger(__name__)
 
@@ -294,9 +294,9 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
             raise IndexError(lib.ft_last_error().decode())
         return out
     check_problem(x, w13, w2, pair_tok, pair_exp)
-    H, I, P = x.shape[1], w2.shape[2], pair_tok.numel()
-    if not 0 <= rows_from < I:
-        raise ValueError(f"rows_from must be in [0, {I}), got {rows_from}")
+    H, I, P = x.shape[1], values(w2), pair_tok.numel()
+    if not 0 <= rows_from < I or (rows_from and w13.dtype == torch.uint8):
+        raise ValueError(f"rows_from must be in [0, {I}) (0 for MXFP4 rows), got {rows_from}")
     if out is not None and (out.shape != (P, H) or out.dtype != x.dtype or out.device.type != "cpu"
                             or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous CPU [{P}, {H}] {x.dtype} tensor, got "
@@ -326,7 +326,7 @@ def experts_act(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: 
     projection elsewhere. Same arguments and errors as ``experts_forward``; the reference when the
     compiled kernel does not take the tensors."""
     check_problem(x, w13, w2, pair_tok, pair_exp)
-    P, I = pair_tok.numel(), w2.shape[2]
+    P, I = pair_tok.numel(), values(w2)
     lib = _load()
     if P == 0 or lib is None or not compiled_ok(x, w13, w2):
         return reference.expert_pairs_act(x, w13, pair_tok, pair_exp)
@@ -353,8 +353,8 @@ def calls_seconds(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok
     if pair_exps.dim() != 2 or pair_tok.dim() != 1 or pair_exps.shape[1] != pair_tok.numel():
         raise ValueError(f"pair_exps must be [calls, P] and pair_tok [P], got {tuple(pair_exps.shape)}, "
                          f"{tuple(pair_tok.shape)}")
-    if not 0 <= rows_from < w2.shape[2]:
-        raise ValueError(f"rows_from must be in [0, {w2.shape[2]}), got {rows_from}")
+    if not 0 <= rows_from < values(w2) or (rows_from and w13.dtype == torch.uint8):
+        raise ValueError(f"rows_from must be in [0, {values(w2)}) (0 for MXFP4 rows), got {rows_from}")
     x = x.contiguous()
     tok, exps = as_int64(pair_tok), as_int64(pair_exps)
     out = torch.empty((tok.numel(), x.shape[1]), dtype=x.dtype)

@@ -56,11 +56,25 @@ def _gate_up(xs: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor | None, bias
     return act(gate, up)
 
 
+def dense_experts(w13: torch.Tensor, w2: torch.Tensor, pair_exp: torch.Tensor, pair_bias: torch.Tensor | None,
+                  dtype: torch.dtype) -> tuple:
+    """``(w13, w2, pair_exp, pair_bias)`` as dense weights: themselves, or, for MXFP4 rows
+    (``kernels/mxfp4.py``), the pairs' experts dequantized into ``dtype`` and ``pair_exp``
+    renumbered into them (``pair_bias`` keeping each pair's own expert for its bias row)."""
+    if w13.dtype != torch.uint8:
+        return w13, w2, pair_exp, pair_bias
+    from .mxfp4 import dequantize
+    used, inv = torch.unique(pair_exp, return_inverse=True)
+    dense2 = dequantize(w2[used], dtype) if w2.numel() else w2
+    return dequantize(w13[used], dtype), dense2, inv.view_as(pair_exp), pair_exp if pair_bias is None else pair_bias
+
+
 def expert_pairs_act(x: torch.Tensor, w13: torch.Tensor, pair_tok: torch.Tensor,
                      pair_exp: torch.Tensor, act: GatedAct = SILU, b13: torch.Tensor | None = None,
                      pair_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``[P, I]`` in x.dtype: ``silu(gate) * up`` (``act``) of every pair, the first stage of
     ``expert_pairs_forward`` with its rounding (a split by stage runs the second elsewhere)."""
+    w13, _, pair_exp, pair_bias = dense_experts(w13, w13[:0], pair_exp, pair_bias, x.dtype)
     if w13.dtype != x.dtype:
         w13 = w13.to(x.dtype)
     inter = w13.shape[1] // 2
@@ -90,6 +104,7 @@ def expert_pairs_forward(
     """
     if pair_tok.numel() == 0:
         return x.new_zeros((0, x.shape[1]))
+    w13, w2, pair_exp, pair_bias = dense_experts(w13, w2, pair_exp, pair_bias, x.dtype)
     if w13.dtype != x.dtype:
         w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
     bias = pair_exp if pair_bias is None else pair_bias

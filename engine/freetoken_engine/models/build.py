@@ -97,9 +97,10 @@ class BankRead:
 
 
 def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
-                progress: Progress | None = None, mtp: bool = False) -> tuple[DecoderLM, ExpertBank | None, ModelConfig]:
+                progress: Progress | None = None, mtp: bool = False,
+                expert_format: str = "auto") -> tuple[DecoderLM, ExpertBank | None, ModelConfig]:
     """The model on ``device`` and its filled, pinned expert bank (None without MoE layers)."""
-    model, bank, cfg, rest = start_model(folder, dtype, device, progress, mtp)
+    model, bank, cfg, rest = start_model(folder, dtype, device, progress, mtp, expert_format)
     try:
         rest.finish()
     except BaseException:
@@ -109,17 +110,20 @@ def build_model(folder: Path, dtype: torch.dtype, device: torch.device,
 
 
 def start_model(folder: Path, dtype: torch.dtype, device: torch.device, progress: Progress | None = None,
-                mtp: bool = False) -> tuple[DecoderLM, ExpertBank | None, ModelConfig, BankRead]:
+                mtp: bool = False, expert_format: str = "auto") -> tuple[DecoderLM, ExpertBank | None, ModelConfig,
+                                                                         BankRead]:
     """``build_model`` that returns while a packed folder's bank is still being read: the
     caller may do anything that does not read the bank's bytes (allocate the expert cache,
     capture decode graphs with every expert resident) before ``BankRead.finish()``, and must
     call ``cancel()`` if it gives up before that. ``mtp``: load the checkpoint's
-    multi-token-prediction layer too (``MtpHead``), for speculative drafts."""
+    multi-token-prediction layer too (``MtpHead``), for speculative drafts. ``expert_format``:
+    ``auto`` keeps a checkpoint's MXFP4 experts in 4 bits on the CPU (``mxfp4``: or fail saying
+    why not), ``dense`` dequantizes them (what a GPU runs)."""
     ckpt, cfg = read_config(folder, dtype, progress)
     try:
         if mtp:
             cfg = _with_mtp(folder, ckpt, cfg)
-        return _build(folder, ckpt, cfg, dtype, device, progress)
+        return _build(folder, ckpt, cfg, dtype, device, progress, expert_format)
     except BaseException:
         ckpt.close()                    # a packed bank still being read stops there
         raise
@@ -145,8 +149,25 @@ def _with_mtp(folder: Path, ckpt, cfg: ModelConfig) -> ModelConfig:
     return replace(cfg, use_mtp=True)
 
 
+def _expert_rows(fam, ckpt, cfg: ModelConfig, device: torch.device, expert_format: str, folder: Path):
+    """The first MoE layer's MXFP4 expert rows (``Family.layer_expert_rows``) when the bank keeps
+    the checkpoint's experts in 4 bits: ``expert_format`` auto on the CPU, or mxfp4 (a ConfigError
+    when the checkpoint has none); None: a dense bank."""
+    if cfg.moe is None or expert_format == "dense" or (expert_format == "auto" and device.type != "cpu"):
+        return None
+    rows = None
+    if cfg.residual_multiplier == 1.0:
+        rows = fam.layer_expert_rows(ckpt, cfg.moe.layers[0], cfg.moe.num_experts,
+                                     (cfg.hidden_size, cfg.moe.intermediate_size))
+    if rows is None and expert_format == "mxfp4":
+        raise ConfigError(f"{folder} holds no MXFP4 experts the engine can keep in 4 bits (gpt-oss's published "
+                          f"checkpoints do; a packed folder holds them dequantized): use --expert-format auto or dense")
+    return rows
+
+
 def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
-           progress: Progress | None) -> tuple[DecoderLM, ExpertBank | None, ModelConfig, BankRead]:
+           progress: Progress | None, expert_format: str = "auto") -> tuple[DecoderLM, ExpertBank | None, ModelConfig,
+                                                                            BankRead]:
     fam = family(cfg.model_type)
     rotary = Rotary(cfg.rope, cfg.rotary_dim, cfg.max_position_embeddings, device)
     with torch.device("meta"), no_init():
@@ -159,13 +180,17 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
     by_engine_name = {fam.rename(k): k for k in ckpt.names()}
     bank = None
     packed = hasattr(ckpt, "bank_tensors")
+    first_rows = None if packed else _expert_rows(fam, ckpt, cfg, device, expert_format, folder)
+    if packed and expert_format == "mxfp4":
+        _expert_rows(fam, ckpt, cfg, device, expert_format, folder)      # says why not
     if cfg.moe:
         m = cfg.moe
         try:
             tensors = ckpt.bank_tensors() if packed else ()
             if packed and tensors[0].shape[0] > cfg.bank_layers:   # an MTP layer packed, not run here
                 tensors = tuple(t[:cfg.bank_layers] for t in tensors)
-            bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype, *tensors)
+            bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype, *tensors,
+                              mxfp4=first_rows is not None)
         except ValueError as exc:
             raise ConfigError(f"packed checkpoint {folder}: {exc}") from None
     total = len(wanted) + (bank.total_experts if bank and not packed else 0)
@@ -190,6 +215,19 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
         if not packed and bank is not None:
             layers = [*cfg.moe.layers, *([fam.mtp_layer(cfg)] if cfg.use_mtp else [])]
             for li, layer in enumerate(layers):
+                if bank.mxfp4:
+                    rows = first_rows if li == 0 else fam.layer_expert_rows(ckpt, layer, cfg.moe.num_experts,
+                                                                            (bank.hidden, bank.inter))
+                    if rows is None:
+                        raise ConfigError(f"layer {layer}'s experts are not MXFP4 as the first layer's are: "
+                                          f"use --expert-format dense")
+                    for e, (w13, w2) in enumerate(rows):
+                        bank.w13[li, e].copy_(w13)
+                        bank.w2[li, e].copy_(w2)
+                        done += 1
+                    if progress:
+                        progress(done / total)
+                    continue
                 for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, cfg.moe.num_experts,
                                                                             (bank.hidden, bank.inter),
                                                                             cfg.residual_multiplier)):

@@ -5,6 +5,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from ..config import ModelConfig, MoeConfig, RopeConfig
 from ..errors import ConfigError
 
@@ -94,6 +96,23 @@ class Family:
                 yield gate_up[e, 0::2], gate_up[e, 1::2], down[e]
             else:
                 yield gate_up[e, :inter], gate_up[e, inter:], down[e]
+
+    def layer_expert_rows(self, ckpt, layer: int | str, num_experts: int, shape: tuple[int, int]):
+        """``(w13 [2I, 17H/32], w2 [H, 17I/32])`` MXFP4 rows (kernels/mxfp4.py, gate rows then up
+        rows) of each routed expert of ``layer``, in order, when ``ckpt`` stores the layer's fused
+        experts in MXFP4 as published (rows the output features: gpt-oss's); None otherwise."""
+        from ..kernels.mxfp4 import row_bytes
+        rows = getattr(ckpt, "mxfp4_rows", None)
+        gate_up_key, down_key = self.fused_expert_keys(layer)
+        gate_up = rows(gate_up_key) if rows else None
+        down = rows(down_key) if gate_up is not None else None
+        h, i = shape
+        if down is None or h % 32 or i % 32 or tuple(gate_up.shape) != (num_experts, 2 * i, row_bytes(h)) \
+                or tuple(down.shape) != (num_experts, h, row_bytes(i)):
+            return None
+        if self.interleaved_gate_up:
+            gate_up = torch.cat((gate_up[:, 0::2], gate_up[:, 1::2]), dim=1)
+        return ((gate_up[e], down[e]) for e in range(num_experts))
 
     def rename(self, key: str) -> str:
         """Checkpoint key -> engine module key (non-expert tensors)."""

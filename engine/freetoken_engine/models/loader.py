@@ -112,6 +112,14 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._where or name in self._mx
 
+    def mxfp4_rows(self, name: str) -> torch.Tensor | None:
+        """``name`` as ``kernels/mxfp4.py``'s rows (uint8 ``[..., R, 17 G]``, repacked exactly from
+        its blocks and scales) when the checkpoint stores it in MXFP4; None when it does not."""
+        if name not in self._mx:
+            return None
+        from ..kernels.mxfp4 import from_blocks
+        return from_blocks(self.get(name + _BLOCKS), self.get(name + _SCALES))
+
     def get(self, name: str) -> torch.Tensor:
         if name in self._mx:
             return dequantize_mxfp4(self.get(name + _BLOCKS), self.get(name + _SCALES), self._mx_dtype)

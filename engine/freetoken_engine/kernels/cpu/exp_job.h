@@ -19,7 +19,8 @@ struct ExpJob {
   uint32_t* xv = nullptr;          // the packs' destination (p->xv)
   int64_t* done0 = nullptr;        // [packs] 1 once packed
   int64_t ch1, per1, tot1, ch2, per2, tot2;
-  int64_t es;                      // bytes per weight element
+  int64_t es;                      // bytes per weight element (1: MXFP4 rows, strides in bytes)
+  int64_t rb1, rb2;                // bytes of a gate/up row and of a down row
   int64_t* done1;                  // [n_groups] finished stage-1 chunks per group
   std::atomic<int64_t> next{0};
 };
@@ -80,8 +81,8 @@ void exp_job(void* c, int tid, int n) {
       const int64_t r1 = r0 + J->ch1 < p->I ? r0 + J->ch1 : p->I;
       const char* w = (const char*)p->w13 + p->g_expert[g] * p->w13_es * J->es;
       const int64_t rs = p->w13_rs * J->es;
-      prefetch_start(w + r0 * rs, rs, r1 - r0, p->H * J->es, p->prefetch, false);         // gate rows
-      prefetch_start(w + (p->up + r0) * rs, rs, r1 - r0, p->H * J->es, p->prefetch, true);  // up rows
+      prefetch_start(w + r0 * rs, rs, r1 - r0, J->rb1, p->prefetch, false);         // gate rows
+      prefetch_start(w + (p->up + r0) * rs, rs, r1 - r0, J->rb1, p->prefetch, true);  // up rows
       const bool amx = p->g_amx && p->g_amx[g];
       if (amx) wait_for(&J->done0[J->pk->g_pack[g]], 1, [] { return false; });
       pool_test_stall(tid, test_stalled);
@@ -92,7 +93,7 @@ void exp_job(void* c, int tid, int n) {
       const int64_t g = (k - J->tot1) / J->per2, r0 = ((k - J->tot1) % J->per2) * J->ch2;
       const int64_t r1 = r0 + J->ch2 < p->H ? r0 + J->ch2 : p->H;
       const char* w = (const char*)p->w2 + p->g_expert[g] * p->w2_es * J->es;
-      const int64_t rs = p->w2_rs * J->es, row_bytes = p->I * J->es;
+      const int64_t rs = p->w2_rs * J->es, row_bytes = J->rb2;
       const int64_t per_row = (row_bytes + 63) / 64, lines = (r1 - r0) * per_row;
       int64_t line = 0;
       wait_for(&J->done1[g], J->per1, [&] {

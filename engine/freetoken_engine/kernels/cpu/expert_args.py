@@ -5,14 +5,25 @@ from __future__ import annotations
 
 import torch
 
+from .. import mxfp4
+
 DT = {torch.float32: 0, torch.bfloat16: 1}
+#: the kernel's weight kinds: uint8 weights are MXFP4 rows (kernels/mxfp4.py)
+WT = {torch.float32: 0, torch.bfloat16: 1, torch.uint8: 2}
+
+
+def values(w: torch.Tensor) -> int:
+    """Values a row of ``w`` holds: its last dimension, or, for MXFP4 rows, what they encode
+    (ValueError for a uint8 row of no MXFP4 size)."""
+    n = w.shape[-1]
+    return n if w.dtype != torch.uint8 else mxfp4.row_values(n)
 
 
 def compiled_ok(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether the compiled kernel takes these tensors (else the reference runs: same result)."""
     # cheapest tests first: this runs once per MoE layer call (the decode hot path)
     return (x.is_cpu and w13.is_cpu and w2.is_cpu
-            and x.dtype in DT and w13.dtype in DT and w2.dtype == w13.dtype
+            and x.dtype in DT and w13.dtype in WT and w2.dtype == w13.dtype
             and w13.stride(-1) == 1 and w2.stride(-1) == 1
             and not ((x.requires_grad or w13.requires_grad) and torch.is_grad_enabled()))
 
@@ -24,8 +35,8 @@ def as_int64(t: torch.Tensor) -> torch.Tensor:
 
 def problem_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> tuple:
     """The leading arguments of ft_experts_range / ft_experts_loop: x (contiguous) and the bank."""
-    (T, H), E, I = x.shape, w2.shape[0], w2.shape[2]
-    return (x.data_ptr(), DT[x.dtype], T, H, I, w13.data_ptr(), w2.data_ptr(), DT[w13.dtype], E,
+    (T, H), E, I = x.shape, w2.shape[0], values(w2)
+    return (x.data_ptr(), DT[x.dtype], T, H, I, w13.data_ptr(), w2.data_ptr(), WT[w13.dtype], E,
             w13.stride(0), w13.stride(1), w2.stride(0), w2.stride(1))
 
 
@@ -35,8 +46,11 @@ def check_problem(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"expected x [T,H], w13 [E,2I,H], w2 [E,H,I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
-    H, E, I = x.shape[1], w2.shape[0], w2.shape[2]
-    if tuple(w13.shape) != (E, 2 * I, H) or w2.shape[1] != H:
+    H, E = x.shape[1], w2.shape[0]
+    if (w13.dtype == torch.uint8) != (w2.dtype == torch.uint8):
+        raise ValueError(f"w13 {w13.dtype} and w2 {w2.dtype}: MXFP4 rows (uint8) for both or neither")
+    I = values(w2)
+    if tuple(w13.shape[:2]) != (E, 2 * I) or values(w13) != H or w2.shape[1] != H:
         raise ValueError(f"shape mismatch: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     if pair_tok.shape != pair_exp.shape or pair_tok.dim() != 1:
         raise ValueError(f"pair_tok {tuple(pair_tok.shape)} and pair_exp {tuple(pair_exp.shape)} must be equal 1-D")
@@ -55,9 +69,15 @@ def fast_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: to
         return None
     T, H = xs
     E, H2, I = s2
-    if s13[0] != E or s13[1] != 2 * I or s13[2] != H or H2 != H or not 0 <= rows_from < I:
+    dx, dw = DT.get(x.dtype), WT.get(w13.dtype)
+    if dw == 2:                                 # MXFP4 rows: whole experts only
+        if rows_from or I % 17 or H % 32:
+            return None
+        I, K = I * 32 // 17, mxfp4.row_bytes(H)
+    else:
+        K = H
+    if s13[0] != E or s13[1] != 2 * I or s13[2] != K or H2 != H or not 0 <= rows_from < I:
         return None
-    dx, dw = DT.get(x.dtype), DT.get(w13.dtype)
     if dx is None or dw is None or w2.dtype != w13.dtype or pair_tok.dtype != torch.int64 or pair_exp.dtype != torch.int64:
         return None
     st13, st2 = w13.stride(), w2.stride()

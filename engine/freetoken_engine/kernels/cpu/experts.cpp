@@ -185,9 +185,15 @@ int experts_call(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
     snprintf(g_err, sizeof g_err, "first intermediate row %lld outside [0, %lld)", (long long)i0, (long long)I);
     return -1;
   }
+  if (w_bf16 == 2 && (i0 != 0 || H % 32 || I % 32)) {
+    snprintf(g_err, sizeof g_err, "MXFP4 weights need whole experts and H, I multiples of 32 (first row %lld, "
+             "H=%lld, I=%lld)", (long long)i0, (long long)H, (long long)I);
+    return -1;
+  }
   const int64_t up = I;       // gate row i's up row stays at i + I; the call sees rows [i0, I) only
-  w13 = (const char*)w13 + i0 * w13_rs * (w_bf16 ? 2 : 4);
-  w2 = (const char*)w2 + i0 * (w_bf16 ? 2 : 4);
+  const int64_t es = w_bf16 == 2 ? 1 : w_bf16 ? 2 : 4;   // strides' unit: MXFP4 rows' are bytes
+  w13 = (const char*)w13 + i0 * w13_rs * es;
+  w2 = (const char*)w2 + i0 * es;
   I -= i0;
   for (int64_t i = 0; i < P; ++i) {
     if (pair_tok[i] < 0 || pair_tok[i] >= T || pair_exp[i] < 0 || pair_exp[i] >= E) {
@@ -210,7 +216,7 @@ int experts_call(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   }
   group_pairs(pair_exp, P, E);
 
-  const bool bfdot = base_isa(g_isa) == ISA_AVX512BF16 && x_bf16 && w_bf16;
+  const bool bfdot = base_isa(g_isa) == ISA_AVX512BF16 && x_bf16 && w_bf16 == 1;
   FtProblem p;
   memset(&p, 0, sizeof p);
   p.H = H; p.I = I; p.up = up; p.w13 = w13; p.w2 = w2; p.w_bf16 = w_bf16;
@@ -219,6 +225,8 @@ int experts_call(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   p.g_expert = s_gexp.data(); p.g_start = s_gstart.data(); p.g_count = s_gcount.data();
   p.sorted_pair = s_sorted.data(); p.pair_tok = pair_tok;
   p.x_bf16 = x_bf16; p.out = out; p.out_bf16 = x_bf16; p.prefetch = w_bf16 ? g_prefetch : g_prefetch_f32;
+  // bytes of a gate/up row and of a down row (an MXFP4 row: K/2 code bytes, K/32 scales)
+  const int64_t rb1 = w_bf16 == 2 ? H / 2 + H / 32 : H * es, rb2 = w_bf16 == 2 ? I / 2 + I / 32 : I * es;
   p.far_pf = g_tune.far_pf; p.far_pf_tokens = g_tune.far_pf_tokens;
   p.amx_pf = g_tune.amx_pf; p.amx_next = g_tune.amx_next;
   p.gate_act = g_gate.act; p.alpha = g_gate.alpha; p.limit = g_gate.limit;
@@ -265,11 +273,12 @@ int experts_call(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   J.p = &p;
   J.s1 = stage1_of(g_isa);
   J.s2 = stage2_of(g_isa);
-  const int64_t es = w_bf16 ? 2 : 4;
   J.es = es;
+  J.rb1 = rb1;
+  J.rb2 = rb2;
   auto chunk = [&](int64_t stage_bytes) { return chunk_bytes(stage_bytes, g_threads); };
-  J.ch1 = chunk(p.n_groups * 2 * I * H * es) / (2 * H * es); if (J.ch1 < 1) J.ch1 = 1;
-  J.ch2 = (chunk(p.n_groups * H * I * es) / (I * es)) & ~int64_t(any_amx ? 15 : 1);  // AMX: 16-row tiles
+  J.ch1 = chunk(p.n_groups * 2 * I * rb1) / (2 * rb1); if (J.ch1 < 1) J.ch1 = 1;
+  J.ch2 = (chunk(p.n_groups * H * rb2) / rb2) & ~int64_t(any_amx ? 15 : 1);  // AMX: 16-row tiles
   if (J.ch2 < 2) J.ch2 = 2;
   J.per1 = (I + J.ch1 - 1) / J.ch1;
   J.per2 = (H + J.ch2 - 1) / J.ch2;

@@ -16,7 +16,7 @@ struct FtProblem {
   int64_t up;                   // rows from a gate row to its up row (the full I; see ft_experts_range)
   const void* w13;              // [E, 2I, H] rows of H, bf16 or fp32
   const void* w2;               // [E, H, I]  rows of I
-  int w_bf16;                   // 1: weights are bf16, 0: fp32
+  int w_bf16;                   // 1: weights are bf16, 0: fp32, 2: MXFP4 rows (mxfp4.h; strides in bytes)
   int64_t w13_es, w13_rs;       // expert stride, row stride (elements)
   int64_t w2_es, w2_rs;
   int64_t n_groups;

@@ -10,6 +10,7 @@
 // pairs directly (products are exact in fp32, so the result matches the fp32 path up to
 // summation order). Groups of 4+ tokens on an AMX CPU go to experts_amx.cpp instead.
 #include "simd.h"
+#include "mxfp4.h"
 
 namespace {
 
@@ -242,10 +243,14 @@ inline void rows_f(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1,
 // sequential stream), then SwiGLU over the block.
 enum { RB = 64 };
 
-template <bool WB>
+// Weight kinds (FtProblem::w_bf16): 0 fp32, 1 bf16, 2 MXFP4 rows (mxfp4.h; strides in bytes).
+constexpr int64_t elem_bytes(int wk) { return wk == 1 ? 2 : wk == 0 ? 4 : 1; }
+
+template <int WK>
 void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
+  constexpr bool WB = WK == 1;
   const int64_t H = p->H, I = p->I, s = p->g_start[g], n = p->g_count[g];
-  const int64_t es = WB ? 2 : 4;
+  const int64_t es = elem_bytes(WK);
   const char* base = (const char*)p->w13 + p->g_expert[g] * p->w13_es * es;
   const int64_t rs = p->w13_rs * es;
   float og[RB * NTMAX], ou[RB * NTMAX], oa[RB * NTMAX];
@@ -272,7 +277,10 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
         rows_bf_n(p, nt, base + p->up * rs, rs, ib, ie, xbs, H, ou, i1);
       } else
 #endif
-      {
+      if (WK == 2) {
+        rows_q(nt, base, rs, ib, ie, xs, H, p->prefetch, og, i1);
+        rows_q(nt, base + p->up * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
+      } else {
         rows_f<WB>(nt, base, rs, ib, ie, xs, H, p->prefetch, og, i1);
         rows_f<WB>(nt, base + p->up * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
       }
@@ -286,10 +294,11 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
   }
 }
 
-template <bool WB>
+template <int WK>
 void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
+  constexpr bool WB = WK == 1;
   const int64_t H = p->H, I = p->I, s = p->g_start[g], n = p->g_count[g];
-  const int64_t es = WB ? 2 : 4;
+  const int64_t es = elem_bytes(WK);
   const char* base = (const char*)p->w2 + p->g_expert[g] * p->w2_es * es;
   const int64_t rs = p->w2_rs * es;
   enum { HB = 32 };
@@ -316,7 +325,8 @@ void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
       if (p->xb) rows_bf_n(p, nt, base, rs, hb, he, xbs, I, o, h1);
       else
 #endif
-        rows_f<WB>(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);
+      if (WK == 2) rows_q(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);
+      else rows_f<WB>(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);
       for (int t = 0; t < nt; ++t)
         store_strided(o + t, NTMAX, he - hb, obf,
                       obf ? (void*)((uint16_t*)out + dst[t] + hb) : (void*)((float*)out + dst[t] + hb));
@@ -327,13 +337,15 @@ void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
 }  // namespace
 
 extern "C" void FT_SUFFIX(ft_stage1)(const FtProblem* p, int64_t g, int64_t r0, int64_t r1) {
-  if (p->w_bf16) stage1<true>(p, g, r0, r1);
-  else stage1<false>(p, g, r0, r1);
+  if (p->w_bf16 == 2) stage1<2>(p, g, r0, r1);
+  else if (p->w_bf16) stage1<1>(p, g, r0, r1);
+  else stage1<0>(p, g, r0, r1);
 }
 
 extern "C" void FT_SUFFIX(ft_stage2)(const FtProblem* p, int64_t g, int64_t r0, int64_t r1) {
-  if (p->w_bf16) stage2<true>(p, g, r0, r1);
-  else stage2<false>(p, g, r0, r1);
+  if (p->w_bf16 == 2) stage2<2>(p, g, r0, r1);
+  else if (p->w_bf16) stage2<1>(p, g, r0, r1);
+  else stage2<0>(p, g, r0, r1);
 }
 
 // STREAM-style read of [p, p + bytes): the bandwidth yardstick, same threads as the kernel.

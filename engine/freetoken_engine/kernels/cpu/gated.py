@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import reference
-from .expert_args import as_int64, check_problem, compiled_ok, problem_args
+from .expert_args import as_int64, check_problem, compiled_ok, problem_args, values
 
 ACTS = {"silu": 0, "swiglu_oai": 1}    # the kernel's gate_act
 
@@ -18,7 +18,7 @@ def gated_forward(lib, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pai
     float32 rows: pass a float32 contiguous copy to save a conversion a call); the reference where
     the kernel does not take the tensors. Raises ValueError / IndexError as ``experts_forward``."""
     check_problem(x, w13, w2, pair_tok, pair_exp)
-    P, H, I = pair_tok.numel(), x.shape[1], w2.shape[2]
+    P, H, I = pair_tok.numel(), x.shape[1], values(w2)
     if out is not None and (out.shape != (P, H) or out.dtype != x.dtype or out.device.type != "cpu"
                             or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous CPU [{P}, {H}] {x.dtype} tensor, got "

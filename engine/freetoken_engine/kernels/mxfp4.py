@@ -1,0 +1,88 @@
+"""MXFP4 expert rows: the bank's layout for experts kept in 4 bits (gpt-oss as published).
+
+A weight matrix ``[R, K]`` (K a multiple of 32) is stored as ``uint8 [R, K/2 + K/32]``: each row's
+K/2 bytes of 4-bit e2m1 codes, then its K/32 scale bytes (a power of two, ``2 ** (s - 127)``, per
+block of 32 values). Within block b the 16 bytes at ``16 b`` hold value ``32 b + j`` in byte j's
+low nibble and value ``32 b + 16 + j`` in its high nibble: each nibble half is a run of 16
+consecutive values, which a vector kernel turns into one AVX-512 vector (kernels/cpu/mxfp4.h).
+A row's codes and scales stay together, so an expert is one contiguous run of bytes that copies,
+caches and pages like any other row.
+
+The checkpoints' own MXFP4 (``<name>_blocks [..., R, G, 16]`` with values 2j / 2j + 1 in the low /
+high nibble of byte j, ``<name>_scales [..., R, G]``) is repacked into it exactly (``from_blocks``);
+``dequantize`` gives the values, exactly as models/loader.dequantize_mxfp4 gives them.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import ConfigError
+
+#: the 16 values of a 4-bit e2m1 float, by code
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def row_bytes(k: int) -> int:
+    """Bytes of an MXFP4 row of ``k`` values."""
+    if k % 32:
+        raise ValueError(f"MXFP4 rows hold a multiple of 32 values, got {k}")
+    return k // 2 + k // 32
+
+
+def row_values(nbytes: int) -> int:
+    """Values of an MXFP4 row of ``nbytes`` bytes (the inverse of ``row_bytes``)."""
+    k = nbytes * 32 // 17
+    if k % 32 or row_bytes(k) != nbytes:
+        raise ValueError(f"{nbytes} bytes is no MXFP4 row (K/2 + K/32 bytes for K a multiple of 32)")
+    return k
+
+
+def is_mxfp4(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds MXFP4 rows (the bank's only uint8 weights)."""
+    return t.dtype == torch.uint8
+
+
+def from_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """A checkpoint's MXFP4 ``blocks [..., G, 16]`` (value 2j in byte j's low nibble, 2j + 1 in its
+    high one) and ``scales [..., G]`` -> rows ``uint8 [..., 17 G]`` in this module's layout."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() < 2 \
+            or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ConfigError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
+                          f"{scales.dtype} do not fit: expected uint8 [..., G, 16] and uint8 [..., G]")
+    lead, groups = tuple(scales.shape[:-1]), scales.shape[-1]
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*lead, groups, 32)   # value order
+    packed = codes[..., :16] | (codes[..., 16:] << 4)
+    return torch.cat((packed.reshape(*lead, groups * 16), scales), dim=-1)
+
+
+def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """MXFP4 rows ``uint8 [..., K/2 + K/32]`` -> their values ``[..., K]`` in ``dtype``, exact
+    (every value is an e2m1 code times a power of two)."""
+    k = row_values(rows.shape[-1])
+    lead, groups = tuple(rows.shape[:-1]), k // 32
+    codes = rows[..., :k // 2].reshape(*lead, groups, 16).to(torch.int64)
+    lut = torch.tensor(E2M1, dtype=torch.float32)
+    vals = torch.cat((lut[codes & 0x0F], lut[codes >> 4]), dim=-1)             # [..., G, 32]
+    vals = torch.ldexp(vals, rows[..., k // 2:].to(torch.int32)[..., None] - 127)
+    return vals.reshape(*lead, k).to(dtype)
+
+
+def quantize(w: torch.Tensor) -> torch.Tensor:
+    """Values ``[..., K]`` -> the nearest MXFP4 rows (each block's scale the power of two that
+    puts its largest magnitude at or below 6, codes rounded to nearest): random test banks and
+    benchmarks. Not a model converter's quantizer: no error compensation."""
+    k = w.shape[-1]
+    out = torch.empty((*w.shape[:-1], row_bytes(k)), dtype=torch.uint8)
+    flat_w, flat_o = w.reshape(-1, k), out.view(-1, out.shape[-1])
+    mags = torch.tensor(E2M1[:8])
+    step = max(1, (1 << 20) // k)                       # rows a pass: ~1M values
+    for r0 in range(0, flat_w.shape[0], step):
+        v = flat_w[r0:r0 + step].float().reshape(-1, k // 32, 32)
+        amax = v.abs().amax(-1).clamp_min(2.0 ** -126)
+        exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127).to(torch.int32)
+        scaled = torch.ldexp(v, -exp[..., None])
+        code = (scaled.abs()[..., None] - mags).abs().argmin(-1).to(torch.uint8)
+        code = code | (torch.signbit(scaled).to(torch.uint8) << 3)
+        packed = code[..., :16] | (code[..., 16:] << 4)
+        flat_o[r0:r0 + step] = torch.cat((packed.reshape(v.shape[0], -1), (exp + 127).to(torch.uint8)), dim=-1)
+    return out

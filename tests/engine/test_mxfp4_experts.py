@@ -1,0 +1,132 @@
+"""Experts kept in MXFP4 (kernels/mxfp4.py, kernels/cpu/mxfp4.h): the row layout against
+transformers' own dequantization, the compiled kernel on every instruction set against the
+kernel and the reference on the dequantized weights, and the engine's 4-bit bank on gpt-oss as
+published: the same tokens as transformers in float32, a quarter of the bank's bytes, and the
+refusals that say what to do instead."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+from freetoken_engine import LLM, SamplingParams
+from freetoken_engine.errors import ConfigError
+from freetoken_engine.kernels import cpu_experts as ce
+from freetoken_engine.kernels import mxfp4, reference
+from freetoken_engine.kernels.reference import GatedAct, expert_pairs_forward
+from freetoken_engine.run_config import EngineConfig
+from test_cpu_kernel import _close, _isas, kernel_config  # noqa: F401  (a fixture)
+from test_gpt_oss import _as_mxfp4
+from test_parity import PROMPT, check
+
+GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+# T, H, I, E, P: one token, a few tokens on few experts (4+ a group: where AMX would take bf16), many
+# pairs, and an odd number of 32-value blocks a row (gpt-oss-20b's 2880 is 90: 1440 is 45, 288 is 9)
+SHAPES = [(1, 64, 32, 4, 1), (3, 96, 64, 5, 9), (8, 128, 96, 3, 40), (4, 1440, 288, 6, 16)]
+
+
+def _problem(T, H, I, E, P, xd, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(xd)
+    q13 = mxfp4.quantize(torch.randn(E, 2 * I, H, generator=g) / H ** 0.5)
+    q2 = mxfp4.quantize(torch.randn(E, H, I, generator=g) / I ** 0.5)
+    return x, q13, q2, torch.randint(0, T, (P,), generator=g), torch.randint(0, E, (P,), generator=g)
+
+
+def test_rows_repack_the_published_blocks_exactly():
+    """The checkpoint's blocks and scales -> rows -> values: transformers' dequantization bit for
+    bit, including scales at the ends of the range (2^-127 and 2^127); a row of 17G bytes."""
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 10, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 150, (3, 10, 4), dtype=torch.uint8, generator=g)
+    scales[0, 0, 0], scales[0, 0, 1] = 0, 254
+    rows = mxfp4.from_blocks(blocks, scales)
+    assert rows.shape == (3, 10, 4 * 17) and rows.dtype == torch.uint8
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+    assert torch.equal(mxfp4.dequantize(rows, torch.float32), want)
+    assert mxfp4.row_values(rows.shape[-1]) == 128 and mxfp4.row_bytes(128) == 68
+    with pytest.raises(ValueError, match="no MXFP4 row"):
+        mxfp4.row_values(70)
+    with pytest.raises(ConfigError, match="MXFP4 blocks"):
+        mxfp4.from_blocks(blocks[..., :8], scales)
+
+
+def test_quantize_rounds_to_the_nearest_code():
+    """The test banks' quantizer: every value within half a code step of its block's grid (the
+    largest magnitude exactly representable as 6 times the block's scale or below)."""
+    w = torch.randn(7, 96, generator=torch.Generator().manual_seed(3))
+    back = mxfp4.dequantize(mxfp4.quantize(w), torch.float32)
+    blocks = w.view(7, 3, 32).abs().amax(-1, keepdim=True)
+    scale = torch.exp2(torch.ceil(torch.log2(blocks / 6)))
+    assert ((back - w).view(7, 3, 32).abs() <= scale + 1e-7).all()      # the widest step, 4 -> 6, is 2 scales
+    assert torch.equal(mxfp4.dequantize(mxfp4.quantize(back), torch.float32), back)   # representable: kept
+
+
+@pytest.mark.parametrize("xd", [torch.float32, torch.bfloat16], ids=["x32", "xbf16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T%d_H%d_I%d_E%d_P%d" % s)
+def test_kernel_on_mxfp4_rows_matches_it_on_their_values(kernel_config, monkeypatch, shape, xd):
+    """On every instruction set: the 4-bit rows give bit for bit what the kernel gives on their
+    dequantized values where that runs in fp32 (the row's values decoded in order, summed in the
+    same order), and the reference's result within test_cpu_kernel's tolerance everywhere."""
+    x, q13, q2, tok, exp = _problem(*shape, xd)
+    dense13, dense2 = mxfp4.dequantize(q13, xd), mxfp4.dequantize(q2, xd)
+    want = expert_pairs_forward(x, dense13, dense2, tok, exp)
+    assert torch.equal(expert_pairs_forward(x, q13, q2, tok, exp), want)         # the reference's own path
+    monkeypatch.setattr(reference, "expert_pairs_forward", None)                  # compiled only
+    for isa in _isas():
+        ce.configure(isa=isa)
+        got = ce.experts_forward(x, q13, q2, tok, exp)
+        _close(got, want)
+        if xd == torch.float32 or isa in ("generic", "avx2", "avx512"):
+            assert torch.equal(got, ce.experts_forward(x, dense13, dense2, tok, exp)), isa
+
+
+def test_gpt_oss_experts_on_mxfp4_rows(kernel_config, monkeypatch):
+    """gpt-oss's clamped gate and biases (bias rows by expert, weights by slot) on 4-bit rows."""
+    x, q13, q2, tok, exp = _problem(3, 96, 64, 5, 9, torch.float32)
+    b13 = torch.randn(5, 128, generator=torch.Generator().manual_seed(2))
+    act = GatedAct("swiglu_oai", 1.702, 0.9)
+    want = expert_pairs_forward(x, mxfp4.dequantize(q13, x.dtype), mxfp4.dequantize(q2, x.dtype), tok, exp, act, b13)
+    monkeypatch.setattr(reference, "expert_pairs_forward", None)
+    for isa in _isas():
+        ce.configure(isa=isa)
+        _close(ce.experts_forward(x, q13.flip(0), q2.flip(0), tok, 4 - exp, act=act, b13=b13, pair_bias=exp), want)
+
+
+def test_bad_mxfp4_calls_raise_clear_errors(kernel_config):
+    x, q13, q2, tok, exp = _problem(2, 64, 32, 4, 3, torch.float32)
+    with pytest.raises(ValueError, match="MXFP4 rows"):
+        ce.experts_forward(x, q13, q2, tok, exp, rows_from=8)
+    with pytest.raises(ValueError, match="both or neither"):
+        ce.experts_forward(x, q13, mxfp4.dequantize(q2, x.dtype), tok, exp)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        ce.experts_forward(x[:, :32], q13, q2, tok, exp)
+    with pytest.raises(ValueError, match="no MXFP4 row"):
+        ce.experts_forward(x, q13, q2[..., :-1], tok, exp)
+
+
+def test_engine_keeps_published_mxfp4_experts_in_four_bits(tiny_checkpoint, tmp_path):
+    """gpt-oss as published on the CPU: the bank holds the experts as MXFP4 rows (17/64 of the
+    bf16 bytes; 17/128 of float32's) and the engine gives transformers' tokens on the dequantized
+    weights, with the expert cache and CPU shares too; ``dense`` dequantizes as before, same tokens."""
+    src = tiny_checkpoint("gpt_oss", hidden_size=64, intermediate_size=64, head_dim=16)
+    mx, flat = _as_mxfp4(src, tmp_path)
+    want = check(mx, n_new=16, ref_folder=flat)
+    four, dense = LLM(mx), LLM(mx, expert_format="dense")
+    assert four.runner.bank.mxfp4 and four.runner.bank.w13.dtype == torch.uint8
+    assert not dense.runner.bank.mxfp4 and dense.runner.bank.w13.dtype == torch.float32
+    assert four.runner.bank.expert_bytes * 128 == dense.runner.bank.expert_bytes * 17
+    assert four.generate(PROMPT, GREEDY).token_ids == dense.generate(PROMPT, GREEDY).token_ids == want[:12]
+    for capacity, fraction in ((1, 0.0), (3, 0.5)):
+        got = LLM(mx, expert_cache_experts=capacity, cpu_expert_fraction=fraction).generate(PROMPT, GREEDY)
+        assert got.token_ids == want[:12] and got.stats["misses"] > 0
+
+
+def test_mxfp4_format_refusals_say_what_to_do(tiny_checkpoint):
+    """A checkpoint without MXFP4 experts, or a GPU, with --expert-format mxfp4: a clear error."""
+    with pytest.raises(ConfigError, match="holds no MXFP4 experts"):
+        LLM(tiny_checkpoint("gpt_oss"), expert_format="mxfp4")
+    with pytest.raises(ConfigError, match="runs on the CPU"):
+        EngineConfig(model=tiny_checkpoint("gpt_oss"), device="cuda", expert_format="mxfp4")
+    with pytest.raises(ConfigError, match="auto, mxfp4 or dense"):
+        EngineConfig(model=tiny_checkpoint("gpt_oss"), expert_format="int4")
