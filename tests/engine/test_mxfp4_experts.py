@@ -1,6 +1,6 @@
 """Experts kept in MXFP4 (kernels/mxfp4.py, kernels/cpu/mxfp4.h): the row layout against
 transformers' own dequantization, the compiled kernel on every instruction set against the
-kernel and the reference on the dequantized weights, and the engine's 4-bit bank on gpt-oss as
+reference on the dequantized weights, and the engine's 4-bit bank on gpt-oss as
 published: the same tokens as transformers in float32, a quarter of the bank's bytes, and the
 refusals that say what to do instead."""
 from __future__ import annotations
@@ -65,9 +65,9 @@ def test_quantize_rounds_to_the_nearest_code():
 @pytest.mark.parametrize("xd", [torch.float32, torch.bfloat16], ids=["x32", "xbf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "T%d_H%d_I%d_E%d_P%d" % s)
 def test_kernel_on_mxfp4_rows_matches_it_on_their_values(kernel_config, monkeypatch, shape, xd):
-    """On every instruction set: the 4-bit rows give bit for bit what the kernel gives on their
-    dequantized values where that runs in fp32 (the row's values decoded in order, summed in the
-    same order), and the reference's result within test_cpu_kernel's tolerance everywhere."""
+    """On every instruction set the kernel on 4-bit rows gives the reference's result on their
+    dequantized values within test_cpu_kernel's tolerance (the reference itself dequantizes the
+    pairs' experts: bit for bit its result on the dense weights)."""
     x, q13, q2, tok, exp = _problem(*shape, xd)
     dense13, dense2 = mxfp4.dequantize(q13, xd), mxfp4.dequantize(q2, xd)
     want = expert_pairs_forward(x, dense13, dense2, tok, exp)
@@ -75,10 +75,7 @@ def test_kernel_on_mxfp4_rows_matches_it_on_their_values(kernel_config, monkeypa
     monkeypatch.setattr(reference, "expert_pairs_forward", None)                  # compiled only
     for isa in _isas():
         ce.configure(isa=isa)
-        got = ce.experts_forward(x, q13, q2, tok, exp)
-        _close(got, want)
-        if xd == torch.float32 or isa in ("generic", "avx2", "avx512"):
-            assert torch.equal(got, ce.experts_forward(x, dense13, dense2, tok, exp)), isa
+        _close(ce.experts_forward(x, q13, q2, tok, exp), want)
 
 
 def test_gpt_oss_experts_on_mxfp4_rows(kernel_config, monkeypatch):

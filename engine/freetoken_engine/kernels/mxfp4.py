@@ -2,11 +2,11 @@
 
 A weight matrix ``[R, K]`` (K a multiple of 32) is stored as ``uint8 [R, K/2 + K/32]``: each row's
 K/2 bytes of 4-bit e2m1 codes, then its K/32 scale bytes (a power of two, ``2 ** (s - 127)``, per
-block of 32 values). Within block b the 16 bytes at ``16 b`` hold value ``32 b + j`` in byte j's
-low nibble and value ``32 b + 16 + j`` in its high nibble: each nibble half is a run of 16
-consecutive values, which a vector kernel turns into one AVX-512 vector (kernels/cpu/mxfp4.h).
-A row's codes and scales stay together, so an expert is one contiguous run of bytes that copies,
-caches and pages like any other row.
+block of 32 values). The codes of each run of 16 values are 8 bytes, two little-endian 32-bit words
+A and B: value 2m in A's nibble m, value 2m + 1 in B's (``(A >> 4m) & 15``). A vector kernel
+broadcasts the 8 bytes to every lane, shifts each lane by its own count and looks the code up:
+no byte shuffle (kernels/cpu/mxfp4.h). A row's codes and scales stay together, so an expert is
+one contiguous run of bytes that copies, caches and pages like any other row.
 
 The checkpoints' own MXFP4 (``<name>_blocks [..., R, G, 16]`` with values 2j / 2j + 1 in the low /
 high nibble of byte j, ``<name>_scales [..., R, G]``) is repacked into it exactly (``from_blocks``);
@@ -50,9 +50,23 @@ def from_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         raise ConfigError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
                           f"{scales.dtype} do not fit: expected uint8 [..., G, 16] and uint8 [..., G]")
     lead, groups = tuple(scales.shape[:-1]), scales.shape[-1]
-    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*lead, groups, 32)   # value order
-    packed = codes[..., :16] | (codes[..., 16:] << 4)
-    return torch.cat((packed.reshape(*lead, groups * 16), scales), dim=-1)
+    codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*lead, groups * 32)   # value order
+    return torch.cat((_pack(codes), scales), dim=-1)
+
+
+def _pack(codes: torch.Tensor) -> torch.Tensor:
+    """Codes ``[..., K]`` in value order (uint8, 0..15) -> the rows' code bytes ``[..., K/2]``."""
+    c = codes.reshape(*codes.shape[:-1], -1, 4, 4)          # runs of 16 as 4 x (4i, 4i+1, 4i+2, 4i+3)
+    a = c[..., 0] | (c[..., 2] << 4)                         # A's byte i: values 4i, 4i + 2
+    b = c[..., 1] | (c[..., 3] << 4)                         # B's byte i: values 4i + 1, 4i + 3
+    return torch.cat((a, b), dim=-1).reshape(*codes.shape[:-1], -1)
+
+
+def _codes(packed: torch.Tensor) -> torch.Tensor:
+    """The rows' code bytes ``[..., K/2]`` -> codes ``[..., K]`` in value order (int64)."""
+    q = packed.reshape(*packed.shape[:-1], -1, 2, 4).to(torch.int64)       # runs of 16: A's bytes, B's
+    a, b = q[..., 0, :], q[..., 1, :]
+    return torch.stack((a & 15, b & 15, a >> 4, b >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
 def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -60,9 +74,8 @@ def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     (every value is an e2m1 code times a power of two)."""
     k = row_values(rows.shape[-1])
     lead, groups = tuple(rows.shape[:-1]), k // 32
-    codes = rows[..., :k // 2].reshape(*lead, groups, 16).to(torch.int64)
     lut = torch.tensor(E2M1, dtype=torch.float32)
-    vals = torch.cat((lut[codes & 0x0F], lut[codes >> 4]), dim=-1)             # [..., G, 32]
+    vals = lut[_codes(rows[..., :k // 2])].reshape(*lead, groups, 32)
     vals = torch.ldexp(vals, rows[..., k // 2:].to(torch.int32)[..., None] - 127)
     return vals.reshape(*lead, k).to(dtype)
 
@@ -83,6 +96,6 @@ def quantize(w: torch.Tensor) -> torch.Tensor:
         scaled = torch.ldexp(v, -exp[..., None])
         code = (scaled.abs()[..., None] - mags).abs().argmin(-1).to(torch.uint8)
         code = code | (torch.signbit(scaled).to(torch.uint8) << 3)
-        packed = code[..., :16] | (code[..., 16:] << 4)
-        flat_o[r0:r0 + step] = torch.cat((packed.reshape(v.shape[0], -1), (exp + 127).to(torch.uint8)), dim=-1)
+        packed = _pack(code.reshape(v.shape[0], k))
+        flat_o[r0:r0 + step] = torch.cat((packed, (exp + 127).to(torch.uint8)), dim=-1)
     return out

@@ -1,7 +1,10 @@
 // MXFP4 weight rows (kernels/mxfp4.py): a row of K values (K a multiple of 32) is K/2 bytes of
-// 4-bit e2m1 codes, then K/32 scale bytes (2^(s - 127)). Block b's 32 values are the 16 bytes at
-// 16b: byte j holds value 32b + j in its low nibble and value 32b + 16 + j in its high one, so a
-// nibble half of the block is a run of 16 consecutive values (one AVX-512 vector, two AVX2 ones).
+// 4-bit e2m1 codes, then K/32 scale bytes (2^(s - 127), one per block of 32 values). Each run of
+// 16 values is 8 bytes, little-endian words A and B: value 2m in A's nibble m, value 2m + 1 in B's.
+// Broadcast to every 64-bit lane, the words alternate A, B across the 32-bit lanes, so lane l
+// shifted right by 4 (l / 2) holds value l's code in its low nibble: a load, a variable shift and a
+// table lookup (vpermps, which reads the low 4 bits of each index) per 16 values, and the only
+// shuffle-port instruction is the lookup. The block's scale is folded into the table.
 // Included by experts_isa.cpp after simd.h (same ISA macros, same anonymous namespace rules).
 #pragma once
 #include "simd.h"
@@ -15,73 +18,69 @@ inline float mx_scale(uint8_t s) {
   return v.f;
 }
 
-#if FT_ISA >= 2
-// The 16 low (hi = false) or high nibbles of a block's 16 bytes as fp32 values times scale.
-inline vf mx_half(__m128i bytes, bool hi, vf scale) {
-  static const float lut[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-  const __m128i nib = _mm_and_si128(hi ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(0x0F));
-  return _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_cvtepu8_epi32(nib), _mm512_loadu_ps(lut)), scale);
+static const float kE2M1[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+// Value k's code in a row's code bytes (scalar; the layout's definition).
+inline int mx_code(const uint8_t* row, int64_t k) {
+  const uint8_t* run = row + (k >> 4) * 8;
+  const int v = (int)(k & 15), m = v >> 1;
+  const uint8_t byte = run[(v & 1) * 4 + (m >> 1)];
+  return (m & 1) ? byte >> 4 : byte & 15;
 }
-#elif FT_ISA == 1
-// Eight nibbles (the low or high ones of 8 bytes in the low half of `bytes`) as fp32 values times
-// scale: the magnitude from an 8-entry table, the sign from the code's bit 3.
-inline vf mx_eighth(__m128i bytes, bool hi, vf scale) {
-  const __m128i nib = _mm_and_si128(hi ? _mm_srli_epi16(bytes, 4) : bytes, _mm_set1_epi8(0x0F));
-  const __m256i idx = _mm256_cvtepu8_epi32(nib);
-  const vf mag = _mm256_permutevar8x32_ps(_mm256_setr_ps(0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f), idx);
-  const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(idx, 28), _mm256_set1_epi32((int)0x80000000u));
-  return _mm256_mul_ps(_mm256_or_ps(mag, _mm256_castsi256_ps(sign)), scale);
-}
-#endif
 
 inline float mx_value(const uint8_t* row, int64_t K, int64_t k) {
-  static const float lut[16] = {0.f, .5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f, -0.f, -.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
-  const int64_t b = k >> 5, j = k & 31;
-  const uint8_t byte = row[b * 16 + (j & 15)];
-  return lut[j < 16 ? byte & 15 : byte >> 4] * mx_scale(row[K / 2 + b]);
+  return kE2M1[mx_code(row, k)] * mx_scale(row[K / 2 + (k >> 5)]);
 }
 
-// Rows of up to 32768 values (1024 blocks): every model's hidden and expert sizes.
-enum { MX_MAX_BLOCKS = 1024 };
-
-// out[t] = dot(row[0:K], xs[t][0:K]) for NT fp32 token vectors over an MXFP4 row, one
-// accumulator per token and VW values a step in order: dotr's summation exactly, so the result is
-// dotr's on the row's dequantized (bf16 or fp32) values bit for bit.
+// out[t] = dot(row[0:K], xs[t][0:K]) for NT fp32 token vectors over an MXFP4 row. Two
+// accumulators per token (the first and second 16 values of each block; AVX2: the first and
+// second 8 of each run of 16), added before the horizontal sum: with four times fewer bytes a
+// value than bf16, one chain of dependent multiply-adds would bound a lone token's row (about 12 G
+// values/s a core at 3 GHz). Their number does not depend on NT, so a pair's result never depends
+// on the other tokens of its group.
 template <int NT>
 inline void dotq(const uint8_t* row, const float* const* xs, int64_t K, int64_t pf, float* out) {
-  vf acc[NT];
-  for (int t = 0; t < NT; ++t) acc[t] = vzero();
+  vf acc[2][NT];
+  for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = vzero();
   const uint8_t* sc = row + K / 2;
-  // the row's block scales as floats first: each block then broadcasts its scale from memory (a
-  // load, where a broadcast from a register takes the shuffle port the decoding needs)
-  float scale[MX_MAX_BLOCKS];
-  const int64_t nb = K / 32;
-  for (int64_t b = 0; b < nb; ++b) scale[b] = mx_scale(sc[b]);
-  for (int64_t b = 0; b < nb; ++b) {
+#if FT_ISA >= 2
+  const __m512 lut = _mm512_loadu_ps(kE2M1);
+  const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+#elif FT_ISA == 1
+  const __m256 mag = _mm256_loadu_ps(kE2M1);
+  const __m256i sh0 = _mm256_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12), sh1 = _mm256_setr_epi32(16, 16, 20, 20, 24, 24, 28, 28);
+  const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
+#endif
+  for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* blk = row + b * 16;
     if (pf && (b & 3) == 0) prefetch(blk + pf);
     const int64_t k = b * 32;
 #if FT_ISA >= 2
-    const vf s = _mm512_set1_ps(scale[b]);
-    const __m128i bytes = _mm_loadu_si128((const __m128i*)blk);
-    const vf w0 = mx_half(bytes, false, s), w1 = mx_half(bytes, true, s);
-    for (int t = 0; t < NT; ++t) acc[t] = vfma(w0, vld(xs[t] + k), acc[t]);
-    for (int t = 0; t < NT; ++t) acc[t] = vfma(w1, vld(xs[t] + k + 16), acc[t]);
+    const __m512 ls = _mm512_mul_ps(lut, _mm512_set1_ps(mx_scale(sc[b])));      // the block's values
+    for (int r = 0; r < 2; ++r) {
+      int64_t q;
+      __builtin_memcpy(&q, blk + 8 * r, 8);
+      const vf w = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(q), sh), ls);
+      for (int t = 0; t < NT; ++t) acc[r][t] = vfma(w, vld(xs[t] + k + 16 * r), acc[r][t]);
+    }
 #elif FT_ISA == 1
-    const vf s = _mm256_set1_ps(scale[b]);
-    const __m128i lo8 = _mm_loadl_epi64((const __m128i*)blk), hi8 = _mm_loadl_epi64((const __m128i*)(blk + 8));
-    const vf w[4] = {mx_eighth(lo8, false, s), mx_eighth(hi8, false, s), mx_eighth(lo8, true, s),
-                     mx_eighth(hi8, true, s)};
-    for (int q = 0; q < 4; ++q)
-      for (int t = 0; t < NT; ++t) acc[t] = vfma(w[q], vld(xs[t] + k + 8 * q), acc[t]);
+    const __m256 ms = _mm256_mul_ps(mag, _mm256_set1_ps(mx_scale(sc[b])));      // magnitudes (codes 0-7)
+    for (int r = 0; r < 4; ++r) {
+      int64_t q;
+      __builtin_memcpy(&q, blk + 8 * (r >> 1), 8);
+      const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi64x(q), (r & 1) ? sh1 : sh0);
+      const __m256i sgn = _mm256_and_si256(_mm256_slli_epi32(idx, 28), sign);
+      const vf w = _mm256_or_ps(_mm256_permutevar8x32_ps(ms, idx), _mm256_castsi256_ps(sgn));
+      for (int t = 0; t < NT; ++t) acc[r & 1][t] = vfma(w, vld(xs[t] + k + 8 * r), acc[r & 1][t]);
+    }
 #else
     for (int j = 0; j < 32; ++j) {
       const float wv = mx_value(row, K, k + j);
-      for (int t = 0; t < NT; ++t) acc[t] = vfma(wv, xs[t][k + j], acc[t]);
+      for (int t = 0; t < NT; ++t) acc[(j >> 4) & 1][t] = vfma(wv, xs[t][k + j], acc[(j >> 4) & 1][t]);
     }
 #endif
   }
-  for (int t = 0; t < NT; ++t) out[t] = vsum(acc[t]);
+  for (int t = 0; t < NT; ++t) out[t] = vsum(vadd(acc[0][t], acc[1][t]));
 }
 
 inline void dotqn(int nt, const uint8_t* row, const float* const* xs, int64_t K, int64_t pf, float* out) {
