@@ -43,7 +43,7 @@ class EngineConfig:
     expert_cache_gb: float | None = None
     cpu_expert_fraction: float | None = None  # forced share of misses computed in place
     expert_backend: str = "auto"             # torch | triton | auto (triton on CUDA)
-    expert_format: str = "auto"              # auto | mxfp4 | dense: MXFP4 experts kept in 4 bits (auto: on the CPU)
+    expert_format: str = "auto"              # auto | mxfp4 | dense: a checkpoint's MXFP4 experts kept in 4 bits
     cuda_graphs: bool = True                 # capture decode steps as CUDA graphs (CUDA + triton)
     graph_warmup: int = 4                    # capture batch sizes 1..N at start (0: on first use)
     graph_warmup_widths: int = 1             # ... at the narrowest N KV widths (0: all); the rest when idle
@@ -88,9 +88,6 @@ class EngineConfig:
             raise ConfigError(f"--expert-backend must be auto, torch or triton, got {self.expert_backend!r}")
         if self.expert_format not in ("auto", "mxfp4", "dense"):
             raise ConfigError(f"--expert-format must be auto, mxfp4 or dense, got {self.expert_format!r}")
-        if self.expert_format == "mxfp4" and self.device != "cpu":
-            raise ConfigError("--expert-format mxfp4 runs on the CPU (--device cpu) in this version: the GPU's "
-                              "expert kernels read dense weights; use --expert-format auto or dense there")
         if self.graph_warmup < 0:
             raise ConfigError(f"--graph-warmup must be 0 or more, got {self.graph_warmup}")
         if not self.graph_memory_gb >= 0:

@@ -133,8 +133,8 @@ class OffloadedExperts:
                                               layers=self.step_layers)
                 self.math.gate_branch(self.host_branch.br, 0, self.step_layers)
                 mode = env.stream_split()
-                # the streamed and staged splits compute parts of experts: plain experts only
-                if mode != "off" and self.device.type == "cuda" and self.math.plain:
+                # the streamed and staged splits compute parts of experts: plain dense experts only
+                if mode != "off" and self.device.type == "cuda" and self.math.plain and not self.bank.mxfp4:
                     try:   # scratch for STREAMED experts' rows: that many experts' bytes of device memory
                         self.control.set_stream(min(STREAMED, self.bank.w13.shape[1]), floor_fills=mode == "floor",
                                                 stage=mode == "stage")

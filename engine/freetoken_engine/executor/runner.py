@@ -168,7 +168,7 @@ class ModelRunner(GraphWarmup):
         if not cpu_experts.available():
             return
         b = self.bank
-        shape = f"{b.hidden}x{b.inter}-{str(b.dtype).removeprefix('torch.')}"
+        shape = f"{b.hidden}x{b.inter}-{'mxfp4' if b.mxfp4 else str(b.dtype).removeprefix('torch.')}"
         known = cached_model_rate(self.device, shape)
         if known is None and rest.pending:
             rest.finish()

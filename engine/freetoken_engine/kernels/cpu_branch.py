@@ -42,6 +42,7 @@ import ctypes
 
 import torch
 
+from .cpu.expert_args import values
 from .cpu_experts import _load
 
 _i64, _vp = ctypes.c_int64, ctypes.c_void_p
@@ -84,12 +85,16 @@ class CpuBranch:
         lib = _load()
         if lib is None:
             raise RuntimeError("the CPU branch needs the compiled CPU kernel (kernels/cpu/build.py)")
-        dtype = dtype or bank_w13.dtype
-        if bank_w13.dtype not in _DTYPES or bank_w2.dtype != bank_w13.dtype or dtype not in _DTYPES:
-            raise ValueError(f"bank and inputs must be bf16 or fp32, got {bank_w13.dtype} / {bank_w2.dtype} / {dtype}")
+        mx = bank_w13.dtype == torch.uint8                 # MXFP4 rows (kernels/mxfp4.py)
+        dtype = dtype or (torch.bfloat16 if mx else bank_w13.dtype)
+        if (bank_w13.dtype not in _DTYPES and not mx) or bank_w2.dtype != bank_w13.dtype or dtype not in _DTYPES:
+            raise ValueError(f"bank and inputs must be bf16 or fp32 (the bank also MXFP4 rows), got {bank_w13.dtype} / "
+                             f"{bank_w2.dtype} / {dtype}")
         if bank_w13.device.type != "cpu" or bank_w13.stride(-1) != 1 or bank_w2.stride(-1) != 1:
             raise ValueError("bank tensors must be host tensors with a unit stride in their last dim")
         L, E, two_i, H = bank_w13.shape
+        if mx:
+            H = values(bank_w13)
         P = max_tokens * top_k
         if P > MAX_PAIRS:
             raise ValueError(f"at most {MAX_PAIRS} pairs per call, got {max_tokens} x {top_k}")
@@ -114,7 +119,7 @@ class CpuBranch:
         self.host_epoch = 0
         self._bank = (bank_w13, bank_w2)
         s13, s2 = bank_w13.stride(), bank_w2.stride()
-        bf = int(dtype == torch.bfloat16), int(bank_w13.dtype == torch.bfloat16)
+        bf = int(dtype == torch.bfloat16), 2 if mx else int(bank_w13.dtype == torch.bfloat16)
         self._c = _FtBranch(L, P, max_tokens, H, two_i // 2, E,
                             *(t.data_ptr() for t in (self.flag, self.done, self.cancel_word, self.pair_slot,
                                                      self.pair_exp)), P,

@@ -37,7 +37,7 @@ struct FtBranch {
   const int64_t* pair_tok;    // [P] the token of every pair
   const void* x;              // [L, >= T, H]: layer l's input, stored by the device
   int64_t x_ls;               // its layer stride (elements)
-  int x_bf16, w_bf16;         // 1: bf16 (x and rows; the bank), 0: fp32
+  int x_bf16, w_bf16;         // 1: bf16 (x and rows; the bank), 0: fp32; the bank 2: MXFP4 rows
   const void* w13;            // bank [L, E, 2I, H] with the strides below (elements)
   const void* w2;             // bank [L, E, H, I]
   int64_t w13_ls, w13_es, w13_rs, w2_ls, w2_es, w2_rs;
@@ -107,7 +107,7 @@ int ft_branch_run(FtBranch* b, int64_t epoch) {
   const char* x = (const char*)b->x;
   const char* w13 = (const char*)b->w13;
   const char* w2 = (const char*)b->w2;
-  const int64_t xs = b->x_bf16 ? 2 : 4, ws = b->w_bf16 ? 2 : 4;
+  const int64_t xs = b->x_bf16 ? 2 : 4, ws = b->w_bf16 == 2 ? 1 : b->w_bf16 ? 2 : 4;   // MXFP4 rows: bytes
   for (int64_t l = 0; l < b->L; ++l) {
     double t0 = now_s();
     int w = wait_for(b->flag + l, b->cancel, epoch, b->timeout_s);

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..mxfp4 import row_bytes
 from ..reference import SILU, GatedAct
 from ._common import check_tensor, interpreting, next_pow2
 
@@ -72,6 +73,28 @@ def _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
 
 
 @triton.jit
+def _weights(rows, k, K, mask, MX: tl.constexpr):
+    """Weights at values ``k`` of the rows at pointers ``rows`` (broadcast together): loaded as
+    stored, or, for MXFP4 rows (MX; kernels/mxfp4.py: K/2 code bytes, then K/32 scales, each run of
+    16 values two words A, B with value 2m in A's nibble m and 2m + 1 in B's), decoded to float32."""
+    if MX:
+        v = k % 16
+        m = v // 2
+        byte = tl.load(rows + (k // 16) * 8 + (v % 2) * 4 + m // 2, mask=mask, other=0).to(tl.int32)
+        code = (byte >> ((m % 2) * 4)) & 15
+        mag = code & 7
+        e = mag >> 1
+        val = tl.where(e == 0, (mag & 1).to(tl.float32) * 0.5,
+                       (1.0 + (mag & 1).to(tl.float32) * 0.5) * tl.exp2((e - 1).to(tl.float32)))
+        val = tl.where(code >= 8, -val, val)
+        sc = tl.load(rows + K // 2 + k // 32, mask=mask, other=127).to(tl.float32)
+        w = val * tl.exp2(sc - 127.0)
+    else:
+        w = tl.load(rows + k, mask=mask, other=0.0)
+    return w
+
+
+@triton.jit
 def _gated(g, u, alpha, clamp, ACT: tl.constexpr):
     """The activation of float32 gate and up rows: silu(g) u (ACT 0) or gpt-oss's clamped gate
     (ACT 1: reference.GatedAct "swiglu_oai")."""
@@ -90,7 +113,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, bloc
                     P, H, I, stride_xt, stride_ws, stride_wn, stride_b,
                     BLOCK_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr, LIMIT: tl.constexpr,
-                    ACT: tl.constexpr, BIAS: tl.constexpr):
+                    ACT: tl.constexpr, BIAS: tl.constexpr, MX: tl.constexpr):
     pid = tl.program_id(0)
     s, rows = _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
                                BLOCK_P, BM, IN_KERNEL)
@@ -111,8 +134,10 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, bloc
             xt = tl.load(x_ptr + toks[:, None] * stride_xt + k[None, :],
                          mask=valid[:, None] & kmask[None, :], other=0.0)           # [BM, BK]
             wmask = kmask[:, None] & nmask[None, :]
-            wg = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=wmask, other=0.0)        # [BK, BN]
-            wu = tl.load(w_base + (n[None, :] + I) * stride_wn + k[:, None], mask=wmask, other=0.0)  # [BK, BN]
+            wg = _weights(w_base + n[None, :] * stride_wn, k[:, None], H, wmask, MX)          # [BK, BN]
+            wu = _weights(w_base + (n[None, :] + I) * stride_wn, k[:, None], H, wmask, MX)    # [BK, BN]
+            if MX and not UPCAST:
+                wg, wu = wg.to(xt.dtype), wu.to(xt.dtype)
             if UPCAST:
                 xf = xt.to(tl.float32)
                 acc_g += tl.dot(xf, wg.to(tl.float32), input_precision="ieee")
@@ -135,7 +160,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, bloc
 def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, block_slot_ptr, limit_ptr,
                  P, H, I, stride_ws, stride_wn, stride_ot,
                  BLOCK_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr, LIMIT: tl.constexpr):
+                 IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr, LIMIT: tl.constexpr, MX: tl.constexpr):
     pid = tl.program_id(0)
     s, rows = _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
                                BLOCK_P, BM, IN_KERNEL)
@@ -153,8 +178,9 @@ def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, bloc
             kmask = k < lim
             a = tl.load(inter_ptr + rows[:, None] * I + k[None, :],
                         mask=valid[:, None] & kmask[None, :], other=0.0)            # [BM, BK]
-            w = tl.load(w_base + n[None, :] * stride_wn + k[:, None],
-                        mask=kmask[:, None] & nmask[None, :], other=0.0)            # [BK, BN]
+            w = _weights(w_base + n[None, :] * stride_wn, k[:, None], I, kmask[:, None] & nmask[None, :], MX)
+            if MX and not UPCAST:
+                w = w.to(a.dtype)
             if UPCAST:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
@@ -167,7 +193,7 @@ def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, bloc
 def _gate_up_lanes_kernel(x_ptr, w13_ptr, inter_ptr, pair_slot_ptr, limit_ptr, b13_ptr, pair_bias_ptr, alpha, clamp,
                           H, I, stride_ws, stride_wn, stride_b,
                           BN: tl.constexpr, BK: tl.constexpr, LIMIT: tl.constexpr, ACT: tl.constexpr,
-                          BIAS: tl.constexpr):
+                          BIAS: tl.constexpr, MX: tl.constexpr):
     """One token: program (p, j) computes intermediate rows [j BN, (j + 1) BN) of pair p,
     multiplying elementwise in fp32 and reducing each row once, after the K loop."""
     p = tl.program_id(0)
@@ -187,8 +213,8 @@ def _gate_up_lanes_kernel(x_ptr, w13_ptr, inter_ptr, pair_slot_ptr, limit_ptr, b
             kmask = k < H
             xk = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
             wmask = nmask[:, None] & kmask[None, :]
-            acc_g += tl.load(gate + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xk
-            acc_u += tl.load(up + k[None, :], mask=wmask, other=0.0).to(tl.float32) * xk
+            acc_g += _weights(gate, k[None, :], H, wmask, MX).to(tl.float32) * xk
+            acc_u += _weights(up, k[None, :], H, wmask, MX).to(tl.float32) * xk
         g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
         if BIAS:
             b = b13_ptr + tl.load(pair_bias_ptr + p).to(tl.int64) * stride_b
@@ -200,7 +226,7 @@ def _gate_up_lanes_kernel(x_ptr, w13_ptr, inter_ptr, pair_slot_ptr, limit_ptr, b
 
 @triton.jit
 def _down_lanes_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, limit_ptr, H, I, stride_ws, stride_wn, stride_ot,
-                       BN: tl.constexpr, BK: tl.constexpr, LIMIT: tl.constexpr):
+                       BN: tl.constexpr, BK: tl.constexpr, LIMIT: tl.constexpr, MX: tl.constexpr):
     """One token: program (p, j) computes output rows [j BN, (j + 1) BN) of pair p."""
     p = tl.program_id(0)
     s = tl.load(pair_slot_ptr + p).to(tl.int64)
@@ -216,7 +242,7 @@ def _down_lanes_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, limit_ptr, H, 
             k = k0 + tl.arange(0, BK)
             kmask = k < lim
             a = tl.load(inter_ptr + p * I + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
-            acc += tl.load(rows + k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0).to(tl.float32) * a
+            acc += _weights(rows, k[None, :], I, nmask[:, None] & kmask[None, :], MX).to(tl.float32) * a
         tl.store(out_ptr + p * stride_ot + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
@@ -266,18 +292,22 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     gate/up sums, the activation computed in float32 (one rounding, as the plain gate's).
     """
     dev = x.device
+    mx = w13_slots.dtype == torch.uint8            # MXFP4 rows (kernels/mxfp4.py)
     check_tensor("x", x, 2, _FLOATS)
-    check_tensor("w13_slots", w13_slots, 3, _FLOATS, dev)
-    check_tensor("w2_slots", w2_slots, 3, _FLOATS, dev)
+    check_tensor("w13_slots", w13_slots, 3, (torch.uint8,) if mx else _FLOATS, dev)
+    check_tensor("w2_slots", w2_slots, 3, (torch.uint8,) if mx else _FLOATS, dev)
     check_tensor("pair_tok", pair_tok, 1, _INDEX, dev)
     check_tensor("pair_slot", pair_slot, 1, _INDEX, dev)
     t, h = x.shape
     s, two_i, h13 = w13_slots.shape
     inter = two_i // 2
-    if h13 != h or two_i % 2 or tuple(w2_slots.shape) != (s, h, inter):
+    row13, row2 = (row_bytes(h), row_bytes(inter)) if mx and h % 32 == 0 and inter % 32 == 0 else (h, inter)
+    if h13 != row13 or two_i % 2 or tuple(w2_slots.shape) != (s, h, row2) or (mx and row13 == h):
         raise ValueError(f"shapes disagree: x {tuple(x.shape)}, w13_slots {tuple(w13_slots.shape)}, "
                          f"w2_slots {tuple(w2_slots.shape)}")
-    if w13_slots.stride(1) != h or w2_slots.stride(1) != inter:
+    if mx and limit is not None:
+        raise ValueError("a streamed part of an expert (limit) takes dense slots, not MXFP4 rows")
+    if w13_slots.stride(1) != row13 or w2_slots.stride(1) != row2:
         raise ValueError("slot rows must be dense: w13_slots.stride(1) == H and w2_slots.stride(1) == I")
     if x.stride(1) != 1:
         raise ValueError("x needs a unit stride in its last dim")
@@ -294,7 +324,7 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
                              f"got {tuple(b13.shape)} and {pair_bias.numel()} of {pair_slot.numel()} pairs")
     gate = dict(b13_ptr=b13 if b13 is not None else x, pair_bias_ptr=pair_bias if b13 is not None else pair_slot,
                 alpha=act.alpha, clamp=act.limit, stride_b=b13.stride(0) if b13 is not None else 0,
-                ACT=_ACTS[act.kind], BIAS=b13 is not None)
+                ACT=_ACTS[act.kind], BIAS=b13 is not None, MX=mx)
     p = pair_tok.numel()
     if pair_slot.numel() != p:
         raise ValueError(f"pair_tok has {p} pairs, pair_slot {pair_slot.numel()}")
@@ -319,7 +349,7 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
             num_warps=warps, **gate)
         _down_lanes_kernel[(p, triton.cdiv(h, bn2))](
             inter_buf, w2_slots, out, pair_slot, lim, h, inter, w2_slots.stride(0), w2_slots.stride(1),
-            out.stride(0), BN=bn2, BK=min(bk2, next_pow2(inter)), LIMIT=limit is not None, num_warps=warps)
+            out.stride(0), BN=bn2, BK=min(bk2, next_pow2(inter)), LIMIT=limit is not None, MX=mx, num_warps=warps)
         return out
     in_kernel = p <= SMALL_P
     if in_kernel:
@@ -342,5 +372,5 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
         inter_buf, w2_slots, out, pair_slot, rows, slots, lim,
         p, h, inter, w2_slots.stride(0), w2_slots.stride(1), out.stride(0),
         BLOCK_P=block_p, BM=bm, BN=bn2, BK=bk2, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limit is not None,
-        num_warps=warps)
+        MX=mx, num_warps=warps)
     return out

@@ -1,0 +1,143 @@
+"""gpt-oss's experts kept in MXFP4 on the GPU against the same experts stored as bfloat16, in
+gpt-oss-20b's expert shape (H 2880, I 2880, 32 experts a layer, top 4): the Triton MoE kernels on a
+layer's slot pool (decode calls of 1, 4 and 16 tokens, a 2,048-token prefill call over the whole
+layer) and the step's fills (``gather_fill_rows``: 4 experts of a layer from the pinned host bank
+over PCIe), each side in this one process, in turn, CUDA events, the median of ``--reps``. The
+4-bit pool holds random codes and scales; the bf16 pool holds exactly their values, so both
+compute the same products (checked equal before timing). Reported: microseconds a call, the
+expert bytes it reads as GB/s (4.25 bits a value against 16), the speed-up, and how many experts
+a GB of expert cache holds.
+
+    python bench/mxfp4_gpu.py [--reps 50] [--layers 4]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from hardware import describe  # noqa: E402
+from report import parse, save  # noqa: E402
+
+H = I = 2880
+E, K = 32, 4
+CALLS = [1, 4, 16, 2048]          # tokens a MoE call (top 4 of 32 experts each)
+
+
+def pools(layers: int):
+    """Host banks [L, E, ...] (pinned) of MXFP4 rows and their bf16 values."""
+    from freetoken_engine.kernels import mxfp4
+    g = torch.Generator().manual_seed(0)
+    q13 = torch.randint(0, 256, (layers, E, 2 * I, mxfp4.row_bytes(H)), dtype=torch.uint8, generator=g)
+    q2 = torch.randint(0, 256, (layers, E, H, mxfp4.row_bytes(I)), dtype=torch.uint8, generator=g)
+    q13[..., H // 2:] = torch.randint(118, 124, q13[..., H // 2:].shape, dtype=torch.uint8, generator=g)
+    q2[..., I // 2:] = torch.randint(118, 124, q2[..., I // 2:].shape, dtype=torch.uint8, generator=g)
+    d13 = torch.stack([mxfp4.dequantize(q13[layer], torch.bfloat16) for layer in range(layers)])
+    d2 = torch.stack([mxfp4.dequantize(q2[layer], torch.bfloat16) for layer in range(layers)])
+    return {"mxfp4": (q13.pin_memory(), q2.pin_memory()), "bf16": (d13.pin_memory(), d2.pin_memory())}
+
+
+def timed(fn, reps: int) -> float:
+    """Median seconds of ``fn()`` over ``reps`` calls (CUDA events), after two warm-up calls."""
+    fn()
+    fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def routing(tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.arange(tokens).repeat_interleave(K)
+    slot = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)]).flatten()
+    return tok.cuda(), slot.cuda()
+
+
+def run(args) -> dict:
+    from freetoken_engine.kernels.triton.gather import gather_fill_rows
+    from freetoken_engine.kernels.triton.moe import moe_slots_forward
+    banks = pools(args.layers)
+    dev = {k: (w13[0].cuda(), w2[0].cuda()) for k, (w13, w2) in banks.items()}      # layer 0 as the pool
+    per_expert = {k: (w13[0].numel() + w2[0].numel()) * w13.element_size() // E for k, (w13, w2) in dev.items()}
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    hbm = 2 * big.numel() / timed(lambda: big.clone(), 10) / 1e9     # read + write of a copy
+    del big
+    rows = []
+    for tokens in CALLS:
+        x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)
+        tok, slot = routing(tokens, tokens)
+        outs = {k: moe_slots_forward(x, *dev[k], tok, slot) for k in dev}
+        assert torch.equal(outs["mxfp4"], outs["bf16"]), "the 4-bit pool's rows differ from its values'"
+        distinct = int(slot.unique().numel())
+        med = {}
+        order = ["bf16", "mxfp4"]
+        for r in range(2):
+            for k in order[r:] + order[:r]:
+                med.setdefault(k, []).append(timed(lambda k=k: moe_slots_forward(x, *dev[k], tok, slot), args.reps))
+        med = {k: min(v) for k, v in med.items()}
+        row = {"what": f"MoE call, {tokens} token{'s' if tokens > 1 else ''}", "tokens": tokens,
+               "experts_read": distinct, "us": {k: v * 1e6 for k, v in med.items()},
+               "gb_per_s": {k: distinct * per_expert[k] / v / 1e9 for k, v in med.items()},
+               "speedup": med["bf16"] / med["mxfp4"]}
+        rows.append(row)
+    slots = {k: (torch.empty_like(dev[k][0]), torch.empty_like(dev[k][1])) for k in dev}
+    fill_exp = torch.tensor([3, 11, 20, 29], device="cuda")
+    fill_slot = torch.tensor([0, 5, 9, 30], device="cuda")
+    med = {k: timed(lambda k=k: gather_fill_rows(*banks[k], *slots[k], 1, fill_exp, fill_slot), args.reps)
+           for k in ("bf16", "mxfp4")}
+    rows.append({"what": "fills, 4 experts from the pinned host bank", "tokens": 0, "experts_read": 4,
+                 "us": {k: v * 1e6 for k, v in med.items()},
+                 "gb_per_s": {k: 4 * per_expert[k] / v / 1e9 for k, v in med.items()},
+                 "speedup": med["bf16"] / med["mxfp4"]})
+    for r in rows:
+        print(f"{r['what']:45s} bf16 {r['us']['bf16']:9.1f} us ({r['gb_per_s']['bf16']:7.1f} GB/s)   "
+              f"MXFP4 {r['us']['mxfp4']:9.1f} us ({r['gb_per_s']['mxfp4']:7.1f} GB/s)   {r['speedup']:.2f}x")
+    per_gb = {k: int(1e9 // v) for k, v in per_expert.items()}
+    print(f"an expert: {per_expert['bf16'] / 1e6:.1f} MB bf16, {per_expert['mxfp4'] / 1e6:.1f} MB MXFP4; "
+          f"a GB of cache holds {per_gb['bf16']} / {per_gb['mxfp4']}; HBM copy {hbm:.0f} GB/s")
+    return {"hardware": describe(), "gpu": torch.cuda.get_device_name(), "hbm_copy_gb_per_s": hbm,
+            "shape": {"hidden": H, "intermediate": I, "experts": E, "top_k": K}, "expert_bytes": per_expert,
+            "experts_per_gb": per_gb, "reps": args.reps, "rows": rows}
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = result["rows"]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    ax.bar(range(len(rows)), [r["speedup"] for r in rows], color="tab:green")
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks(range(len(rows)), [r["what"].replace("MoE call, ", "").replace(" from the pinned host bank", "")
+                                     for r in rows], fontsize=8, rotation=15)
+    ax.set_ylabel("MXFP4 speed-up over bf16 (same values)")
+    ax.set_title(f"gpt-oss-20b experts on {result['gpu']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--layers", type=int, default=4, help="layers of the host bank the fills read from")
+    parsed = parse(ap, ROOT / "bench" / "results" / "mxfp4_gpu.json", plot)
+    if parsed is None:
+        return
+    args, out = parsed
+    save(run(args), out, plot)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,105 @@
+"""The Triton MoE kernels on MXFP4 slots (kernels/mxfp4.py's rows, decoded where they are loaded)
+against the reference on their dequantized values: one token (the lanes kernels), a few tokens
+(grouping in the kernel) and many (the block table), plain and gpt-oss's experts, fp32 within 1e-5
+and bf16 within the stated 2e-2; the fills' gather copies MXFP4 rows as bytes. On CPU under
+TRITON_INTERPRET=1 (CI) and compiled on a GPU (tests/gpu)."""
+from __future__ import annotations
+
+import interpret  # noqa: E402  (first: it turns the Triton interpreter on)
+
+interpret.require()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from freetoken_engine.kernels import mxfp4  # noqa: E402
+from freetoken_engine.kernels.reference import GatedAct, expert_pairs_forward  # noqa: E402
+from freetoken_engine.kernels.triton.gather import gather_fill_rows  # noqa: E402
+from freetoken_engine.kernels.triton.moe import SMALL_P, moe_slots_forward  # noqa: E402
+
+H, I = 64, 96
+
+
+def _pool(slots: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return (mxfp4.quantize(torch.randn(slots, 2 * I, H, generator=g) * 0.1),
+            mxfp4.quantize(torch.randn(slots, H, I, generator=g) * 0.1))
+
+
+def _routing(tokens: int, k: int, slots: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tok = torch.arange(tokens).repeat_interleave(k)
+    slot = torch.stack([torch.randperm(slots, generator=g)[:k] for _ in range(tokens)]).flatten()
+    return tok, slot
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["silu", "gpt-oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tokens,k", [(1, 4), (4, 4), (40, 2)])   # lanes, in-kernel grouping, block table
+def test_moe_on_mxfp4_slots_matches_the_reference(tokens, k, dtype, gated):
+    q13, q2 = _pool(6)
+    d13, d2 = mxfp4.dequantize(q13, torch.float32), mxfp4.dequantize(q2, torch.float32)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, H, generator=g).to(dtype)
+    tok, slot = _routing(tokens, k, 6)
+    slot[::5] = -1                                        # pairs computed on the CPU
+    assert (tokens * k <= SMALL_P) == (tokens < 40)
+    gpu = slot >= 0
+    extra = {}
+    if gated:
+        extra = dict(act=GatedAct("swiglu_oai", 1.702, 0.5), b13=torch.randn(9, 2 * I, generator=g).to(dtype),
+                     pair_bias=(slot * 7 + 3) % 9)
+    out = moe_slots_forward(x, q13, q2, tok, slot, **extra)
+    ref_extra = {} if not gated else dict(act=extra["act"], b13=extra["b13"].float(), pair_bias=extra["pair_bias"][gpu])
+    ref = expert_pairs_forward(x.float(), d13, d2, tok[gpu], slot[gpu], **ref_extra)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype and torch.all(out[~gpu] == 0)
+    assert (out[gpu].float() - ref).abs().max() <= tol * ref.abs().max() + 1e-6
+
+
+def test_mxfp4_slots_refuse_a_streamed_part_and_bad_rows():
+    q13, q2 = _pool(3)
+    x = torch.randn(1, H)
+    tok, slot = torch.zeros(2, dtype=torch.int64), torch.tensor([0, 2])
+    with pytest.raises(ValueError, match="streamed part"):
+        moe_slots_forward(x, q13, q2, tok, slot, limit=torch.tensor([8]))
+    with pytest.raises(ValueError, match="shapes disagree"):
+        moe_slots_forward(x, q13[..., :-1], q2, tok, slot)
+
+
+def test_gather_copies_mxfp4_rows():
+    """A step's fills move MXFP4 experts as bytes: the listed slots hold the bank's rows exactly."""
+    bank13 = torch.stack([_pool(4, seed=s)[0] for s in range(2)])       # [L=2, E=4, 2I, 17H/32]
+    bank2 = torch.stack([_pool(4, seed=s)[1] for s in range(2)])
+    slots13, slots2 = torch.zeros(3, *bank13.shape[2:], dtype=torch.uint8), torch.zeros(3, *bank2.shape[2:],
+                                                                                       dtype=torch.uint8)
+    gather_fill_rows(bank13, bank2, slots13, slots2, 1, torch.tensor([3, -1, 0]), torch.tensor([2, 1, 0]))
+    assert torch.equal(slots13[2], bank13[1, 3]) and torch.equal(slots2[0], bank2[1, 0])
+    assert not slots13[1].any()
+
+
+@pytest.mark.parametrize("capacity,fraction,long", [(3, 0.5, False), (16, 0.0, False), (1, 1.0, False),
+                                                    (3, 0.5, True)])
+def test_gpt_oss_in_four_bits_on_the_triton_path(tiny_checkpoint, tmp_path, capacity, fraction, long):
+    """gpt-oss as published with its experts kept in MXFP4: the bank, the cache's slots, the fills
+    and the prefill's whole-layer buffers hold 4-bit rows, the Triton kernels decode them and the
+    C++ host loop computes the CPU's pairs from them; the tokens of the dense torch path."""
+    from freetoken_engine import LLM, SamplingParams
+    from test_gpt_oss import _as_mxfp4
+    src = tiny_checkpoint("gpt_oss", hidden_size=64, intermediate_size=64, head_dim=16)
+    mx, _ = _as_mxfp4(src, tmp_path)
+    prompt = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150] * (8 if long else 1)
+    greedy = SamplingParams(max_new_tokens=10, temperature=0, ignore_eos=True)
+    want = LLM(mx, expert_backend="torch", expert_format="dense").generate(prompt, greedy).token_ids
+    llm = LLM(mx, expert_backend="triton", expert_format="mxfp4", expert_cache_experts=capacity,
+              cpu_expert_fraction=fraction)
+    assert llm.runner.bank.mxfp4 and llm.runner.cache.w13.dtype == torch.uint8
+    got = llm.generate(prompt, greedy)
+    assert got.token_ids == want
+    s = got.stats
+    assert s["fills"] + s["cpu_computed"] == s["misses"] and s["hits"] + s["misses"] > 0
+    if fraction > 0 and capacity < 16:
+        assert llm.runner.experts.host_branch.br.totals["cpu_pairs"] > 0
+    llm.runner.resize_expert_cache(2)
+    llm.runner.cache.check_integrity(deep=True)
+    assert llm.generate(prompt, greedy).token_ids == want

@@ -1,0 +1,65 @@
+"""Experts kept in MXFP4 on a real GPU (``pytest -m gpu tests/gpu``): the compiled Triton kernels
+on 4-bit slots give bit for bit what they give on the same values stored densely (the decoded
+weights are exact in bf16 and enter the same products), in gpt-oss-20b's expert shape; and the
+engine on a published-form gpt-oss checkpoint keeps its experts in 4 bits on the GPU with the
+tokens of the dense engine, through the cache, the fills and the CPU branch."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "engine"))   # test_gpt_oss's checkpoint
+
+from freetoken_engine import LLM, SamplingParams  # noqa: E402
+from freetoken_engine.kernels import mxfp4  # noqa: E402
+from freetoken_engine.kernels.triton.moe import moe_slots_forward  # noqa: E402
+
+CUDA = torch.device("cuda")
+H = I = 2880                     # gpt-oss-20b's expert shape
+PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 300])     # the lanes kernels, grouping in the kernel, the block table
+def test_mxfp4_slots_equal_their_dense_values_bit_for_bit(tokens):
+    g = torch.Generator().manual_seed(0)
+    q13 = torch.randint(0, 256, (6, 2 * I, mxfp4.row_bytes(H)), dtype=torch.uint8, generator=g)
+    q2 = torch.randint(0, 256, (6, H, mxfp4.row_bytes(I)), dtype=torch.uint8, generator=g)
+    q13[..., H // 2:], q2[..., I // 2:] = 120, 121                      # scales: values within bf16 easily
+    d13, d2 = mxfp4.dequantize(q13, torch.bfloat16), mxfp4.dequantize(q2, torch.bfloat16)
+    x = torch.randn(tokens, H, generator=g).to(torch.bfloat16)
+    k = min(4, 6)
+    tok = torch.arange(tokens).repeat_interleave(k)
+    slot = torch.stack([torch.randperm(6, generator=g)[:k] for _ in range(tokens)]).flatten()
+    args = [t.to(CUDA) for t in (tok, slot)]
+    four = moe_slots_forward(x.to(CUDA), q13.to(CUDA), q2.to(CUDA), *args)
+    dense = moe_slots_forward(x.to(CUDA), d13.to(CUDA), d2.to(CUDA), *args)
+    assert torch.equal(four, dense)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gpt_oss_in_four_bits_on_the_gpu_keeps_the_dense_tokens(tiny_checkpoint, tmp_path, dtype):
+    """Every expert resident: the same kernels on the same values, so the dense engine's tokens
+    in both dtypes. With misses filled or computed on the host (float32 only: the CPU's 4-bit
+    kernel sums in another order than its dense one, within fp32 rounding): the same tokens too."""
+    from test_gpt_oss import _as_mxfp4
+    src = tiny_checkpoint("gpt_oss", hidden_size=64, intermediate_size=64, head_dim=16)
+    mx, _ = _as_mxfp4(src, tmp_path)
+    greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    cases = [(None, None)] + ([(1, 0.0), (3, 0.5), (5, 1.0)] if dtype == "float32" else [])
+    for capacity, fraction in cases:
+        opts = {} if capacity is None else dict(expert_cache_experts=capacity, cpu_expert_fraction=fraction)
+        four = LLM(mx, device="cuda", dtype=dtype, expert_format="mxfp4", **opts)
+        dense = LLM(mx, device="cuda", dtype=dtype, expert_format="dense", **opts)
+        assert four.runner.bank.mxfp4 and four.runner.cache.w13.dtype == torch.uint8
+        for prompt in (PROMPT, PROMPT * 8):         # decode calls; whole-layer prefill calls
+            got = four.generate(prompt, greedy)
+            assert got.token_ids == dense.generate(prompt, greedy).token_ids, (capacity, fraction)
+        if fraction:
+            assert four.runner.experts.host_branch.br.totals["cpu_pairs"] > 0
