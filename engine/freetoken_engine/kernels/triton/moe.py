@@ -82,13 +82,14 @@ def _weights(rows, k, K, mask, MX: tl.constexpr):
         m = v // 2
         byte = tl.load(rows + (k // 16) * 8 + (v % 2) * 4 + m // 2, mask=mask, other=0).to(tl.int32)
         code = (byte >> ((m % 2) * 4)) & 15
-        mag = code & 7
-        e = mag >> 1
-        val = tl.where(e == 0, (mag & 1).to(tl.float32) * 0.5,
-                       (1.0 + (mag & 1).to(tl.float32) * 0.5) * tl.exp2((e - 1).to(tl.float32)))
+        e, half = (code >> 1) & 3, (code & 1).to(tl.float32) * 0.5
+        # e2m1: half (e = 0), else (1 + half) 2^(e - 1); powers of two made exactly (no exp2,
+        # whose approximation need not be exact on a GPU)
+        val = tl.where(e == 0, half, (1.0 + half) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
         val = tl.where(code >= 8, -val, val)
-        sc = tl.load(rows + K // 2 + k // 32, mask=mask, other=127).to(tl.float32)
-        w = val * tl.exp2(sc - 127.0)
+        sc = tl.load(rows + K // 2 + k // 32, mask=mask, other=127).to(tl.int32)
+        scale = (sc << 23).to(tl.float32, bitcast=True)                   # 2^(sc - 127) for sc >= 1
+        w = val * tl.where(sc == 0, 5.877471754111438e-39, scale)         # sc = 0: 2^-127
     else:
         w = tl.load(rows + k, mask=mask, other=0.0)
     return w
