@@ -260,6 +260,13 @@ def cpu_features() -> dict:
             "prefetch_bytes": _config.prefetch_bytes, "prefetch_fp32_bytes": _config.prefetch_fp32_bytes}
 
 
+def _check_rows_from(rows_from: int, inter: int, w13: torch.Tensor) -> None:
+    if not 0 <= rows_from < inter:
+        raise ValueError(f"rows_from must be in [0, {inter}), got {rows_from}")
+    if rows_from and w13.dtype == torch.uint8:
+        raise ValueError(f"MXFP4 rows are computed as whole experts: rows_from must be 0, got {rows_from}")
+
+
 def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                     pair_tok: torch.Tensor, pair_exp: torch.Tensor,
                     out: torch.Tensor | None = None, rows_from: int = 0, act: reference.GatedAct = reference.SILU,
@@ -295,8 +302,7 @@ def experts_forward(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         return out
     check_problem(x, w13, w2, pair_tok, pair_exp)
     H, I, P = x.shape[1], values(w2), pair_tok.numel()
-    if not 0 <= rows_from < I or (rows_from and w13.dtype == torch.uint8):
-        raise ValueError(f"rows_from must be in [0, {I}) (0 for MXFP4 rows), got {rows_from}")
+    _check_rows_from(rows_from, I, w13)
     if out is not None and (out.shape != (P, H) or out.dtype != x.dtype or out.device.type != "cpu"
                             or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous CPU [{P}, {H}] {x.dtype} tensor, got "
@@ -353,8 +359,7 @@ def calls_seconds(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok
     if pair_exps.dim() != 2 or pair_tok.dim() != 1 or pair_exps.shape[1] != pair_tok.numel():
         raise ValueError(f"pair_exps must be [calls, P] and pair_tok [P], got {tuple(pair_exps.shape)}, "
                          f"{tuple(pair_tok.shape)}")
-    if not 0 <= rows_from < values(w2) or (rows_from and w13.dtype == torch.uint8):
-        raise ValueError(f"rows_from must be in [0, {values(w2)}) (0 for MXFP4 rows), got {rows_from}")
+    _check_rows_from(rows_from, values(w2), w13)
     x = x.contiguous()
     tok, exps = as_int64(pair_tok), as_int64(pair_exps)
     out = torch.empty((tok.numel(), x.shape[1]), dtype=x.dtype)
