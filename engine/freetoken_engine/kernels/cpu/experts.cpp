@@ -216,7 +216,8 @@ int experts_call(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   }
   group_pairs(pair_exp, P, E);
 
-  const bool bfdot = base_isa(g_isa) == ISA_AVX512BF16 && x_bf16 && w_bf16 == 1;
+  // bf16 x on AVX512-BF16: vdpbf16ps on bf16 weights; the AMX tiles on bf16 and on MXFP4 rows
+  const bool bfdot = base_isa(g_isa) == ISA_AVX512BF16 && x_bf16 && w_bf16 >= 1;
   FtProblem p;
   memset(&p, 0, sizeof p);
   p.H = H; p.I = I; p.up = up; p.w13 = w13; p.w2 = w2; p.w_bf16 = w_bf16;
@@ -239,7 +240,10 @@ int experts_call(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
     p.xb = (const uint16_t*)x;
     s_actb.resize(P * I);
     p.act_b = s_actb.data();
-  } else {
+  }
+  // MXFP4 rows' vector groups multiply in fp32 (vdpbf16ps on rows decoded to bf16 measured slower:
+  // 1.4x a one-token expert on the 2-CPU Xeon); only their groups on the AMX tiles take bf16
+  if (!bfdot || w_bf16 == 2) {
     p.xf = as_f32(x, x_bf16, T * H);
     s_act.resize(P * I);
     p.act = s_act.data();
@@ -251,7 +255,9 @@ int experts_call(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   bool any_amx = false;
   p.g_amx = nullptr;
   ExpJob J;
-  if (g_isa == ISA_AMX && bfdot && H % 32 == 0 && I % 32 == 0 && !act_out) {
+  // (MXFP4 rows: up to 8192 values, the tiles' scale table, experts_amx.cpp tile_rows_q)
+  if (g_isa == ISA_AMX && bfdot && H % 32 == 0 && I % 32 == 0 && !act_out
+      && (w_bf16 != 2 || (H <= 8192 && I <= 8192))) {
     s_gamx.assign(p.n_groups, 0);
     for (int64_t g = 0; g < p.n_groups; ++g)
       if (s_gcount[g] >= g_tune.amx_min_tokens) s_gamx[g] = 1, any_amx = true;

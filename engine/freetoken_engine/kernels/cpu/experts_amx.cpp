@@ -1,5 +1,6 @@
 // AMX-BF16 expert kernels: the stage functions of experts.h for groups of at least
-// AMX_MIN_TOKENS tokens (experts.cpp decides; bf16 x and weights, H and I multiples of 32).
+// AMX_MIN_TOKENS tokens (experts.cpp decides; bf16 x, bf16 or MXFP4 weights, H and I multiples
+// of 32).
 // Compiled once, with -DFT_ISA=3 -mamx-tile -mamx-bf16; called only where cpuid, the OS and the
 // process's tile permission say AMX is usable (experts.cpp amx_usable).
 //
@@ -13,6 +14,7 @@
 // (the same tolerance against the reference). A group's path depends only on its token count,
 // never on the thread count or on other groups.
 #include "simd.h"
+#include "mxfp4.h"
 
 namespace {
 
@@ -58,12 +60,48 @@ void tile_rows(const char* w, int64_t rs, int m, const uint32_t* xv, int nt, int
   _tile_stored(0, out, 16 * 4);
 }
 
+// The bf16 values of the m rows' 32-value block at k (MXFP4 rows, mxfp4.h), as dotq_bf decodes
+// them (exact), into tile [16][32].
+inline void decode_block(const char* w, int64_t rs, int m, int64_t K, int64_t k, int64_t pf, const float* scl,
+                         uint16_t* tile) {
+  const __m512 lut = _mm512_loadu_ps(kE2M1);
+  const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
+  for (int r = 0; r < m; ++r) {
+    const uint8_t* blk = (const uint8_t*)(w + r * rs) + k / 2;
+    if (pf && (k & 127) == 0) prefetch(blk + pf);
+    const __m512 ls = _mm512_mul_ps(lut, _mm512_set1_ps(scl[r * (K / 32) + k / 32]));
+    const __m512 w0 = _mm512_permutexvar_ps(_mm512_srlv_epi32(mx_bcast(blk), sh), ls);
+    const __m512 w1 = _mm512_permutexvar_ps(_mm512_srlv_epi32(mx_bcast(blk + 8), sh), ls);
+    _mm512_store_si512((void*)(tile + r * 32), (__m512i)_mm512_cvtne2ps_pbh(w1, w0));
+  }
+}
+
+// tile_rows for MXFP4 rows (rb bytes a row): each step of 32 K multiplies a block the vector
+// units decoded into a bf16 tile in L1 one step before (two tiles in turn: a tile load waits for
+// the stores it reads, so the block it loads was written a whole decoding earlier): one decoding
+// a block for up to 16 tokens. pf: bytes ahead along each row's codes.
+void tile_rows_q(const char* w, int64_t rs, int m, const uint32_t* xv, int nt, int64_t K, int64_t pf, float* out) {
+  alignas(64) uint16_t tiles[2][16 * 32];
+  float scl[16 * MX_CHUNK];       // the rows' block scales as floats (K <= 32 MX_CHUNK: experts.cpp)
+  for (int r = 0; r < m; ++r) mx_scales((const uint8_t*)(w + r * rs) + K / 2, 0, K / 32, scl + r * (K / 32));
+  _tile_zero(0);
+  decode_block(w, rs, m, K, 0, pf, scl, tiles[0]);
+  for (int64_t k = 0, i = 0; k < K; k += 32, i ^= 1) {
+    if (k + 32 < K) decode_block(w, rs, m, K, k + 32, pf, scl, tiles[i ^ 1]);
+    _tile_loadd(1, tiles[i], 64);
+    _tile_loadd(2, xv + (k / 2) * nt, nt * 4);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, out, 16 * 4);
+}
+
 }  // namespace
 
 extern "C" void ft_stage1_amx(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
   const int64_t H = p->H, I = p->I, s = p->g_start[g], n = p->g_count[g];
-  const char* base = (const char*)p->w13 + p->g_expert[g] * p->w13_es * 2;
-  const int64_t rs = p->w13_rs * 2;
+  const bool mx = p->w_bf16 == 2;                 // MXFP4 rows: strides in bytes
+  const char* base = (const char*)p->w13 + p->g_expert[g] * p->w13_es * (mx ? 1 : 2);
+  const int64_t rs = p->w13_rs * (mx ? 1 : 2);
   float og[16 * 16], ou[16 * 16], oa[16 * 16];
   int cm = -1, cn = -1;
   for (int64_t tb = 0; tb < n; tb += 16) {
@@ -75,9 +113,14 @@ extern "C" void ft_stage1_amx(const FtProblem* p, int64_t g, int64_t i0, int64_t
       if (m != cm || nt != cn) configure_tiles(cm = m, cn = nt);
       // next: this block's up rows after its gate rows, then the next block's gate rows
       const int nm = (int)(i1 - ib - m < 16 ? i1 - ib - m : 16);
-      tile_rows(base + ib * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (p->up + ib) * rs : 0, m, og);
-      tile_rows(base + (p->up + ib) * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (ib + m) * rs : 0, nm,
-                ou);
+      if (mx) {
+        tile_rows_q(base + ib * rs, rs, m, xv, nt, H, p->prefetch, og);
+        tile_rows_q(base + (p->up + ib) * rs, rs, m, xv, nt, H, p->prefetch, ou);
+      } else {
+        tile_rows(base + ib * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (p->up + ib) * rs : 0, m, og);
+        tile_rows(base + (p->up + ib) * rs, rs, m, xv, nt, H, p->amx_pf, p->amx_next ? base + (ib + m) * rs : 0, nm,
+                  ou);
+      }
       gated_block(p, g, ib, m, 16, nt, og, ou, oa);
       for (int r = 0; r < m; ++r) {
         const int64_t i = ib + r;
@@ -90,8 +133,9 @@ extern "C" void ft_stage1_amx(const FtProblem* p, int64_t g, int64_t i0, int64_t
 
 extern "C" void ft_stage2_amx(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
   const int64_t H = p->H, I = p->I, s = p->g_start[g], n = p->g_count[g];
-  const char* base = (const char*)p->w2 + p->g_expert[g] * p->w2_es * 2;
-  const int64_t rs = p->w2_rs * 2;
+  const bool mx = p->w_bf16 == 2;
+  const char* base = (const char*)p->w2 + p->g_expert[g] * p->w2_es * (mx ? 1 : 2);
+  const int64_t rs = p->w2_rs * (mx ? 1 : 2);
   float o[16 * 16];
   void* const out = p->out;
   int cm = -1, cn = -1;
@@ -104,7 +148,8 @@ extern "C" void ft_stage2_amx(const FtProblem* p, int64_t g, int64_t h0, int64_t
       const int m = (int)(h1 - hb < 16 ? h1 - hb : 16);
       if (m != cm || nt != cn) configure_tiles(cm = m, cn = nt);
       const int nm = (int)(h1 - hb - m < 16 ? h1 - hb - m : 16);
-      tile_rows(base + hb * rs, rs, m, av, nt, I, p->amx_pf, p->amx_next ? base + (hb + m) * rs : 0, nm, o);
+      if (mx) tile_rows_q(base + hb * rs, rs, m, av, nt, I, p->prefetch, o);
+      else tile_rows(base + hb * rs, rs, m, av, nt, I, p->amx_pf, p->amx_next ? base + (hb + m) * rs : 0, nm, o);
       for (int t = 0; t < nt; ++t) store_strided(o + t, 16, m, true, (uint16_t*)out + dst[t] + hb);
     }
   }

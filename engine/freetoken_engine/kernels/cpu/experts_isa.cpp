@@ -272,7 +272,7 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
     for (int64_t ib = i0; ib < i1; ib += RB) {
       const int64_t ie = ib + RB < i1 ? ib + RB : i1;
 #if FT_ISA == 3
-      if (p->xb) {
+      if (p->xb && WK != 2) {        // (MXFP4 rows' vector groups multiply in fp32: experts.cpp)
         rows_bf_n(p, nt, base, rs, ib, ie, xbs, H, og, i1);
         rows_bf_n(p, nt, base + p->up * rs, rs, ib, ie, xbs, H, ou, i1);
       } else
@@ -322,7 +322,7 @@ void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
     for (int64_t hb = h0; hb < h1; hb += HB) {
       const int64_t he = hb + HB < h1 ? hb + HB : h1;
 #if FT_ISA == 3
-      if (p->xb) rows_bf_n(p, nt, base, rs, hb, he, xbs, I, o, h1);
+      if (p->xb && WK != 2) rows_bf_n(p, nt, base, rs, hb, he, xbs, I, o, h1);
       else
 #endif
       if (WK == 2) rows_q(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);

@@ -28,6 +28,21 @@ inline int mx_code(const uint8_t* row, int64_t k) {
   return (m & 1) ? byte >> 4 : byte & 15;
 }
 
+#if FT_ISA >= 2
+// The 8 code bytes of a run of 16 values in every 64-bit lane, and a block's scale in every lane:
+// broadcasts from memory (load ports), where a broadcast from a register takes the shuffle port
+// that the lookups need.
+inline __m512i mx_bcast(const uint8_t* run) { return _mm512_castpd_si512(_mm512_set1_pd(*(const double*)run)); }
+#elif FT_ISA == 1
+inline __m256i mx_bcast(const uint8_t* run) { return _mm256_castpd_si256(_mm256_broadcast_sd((const double*)run)); }
+#endif
+
+// The scales of blocks [b0, b0 + n) of a row (its scale bytes at sc) as floats, n <= MX_CHUNK.
+enum { MX_CHUNK = 256 };
+inline void mx_scales(const uint8_t* sc, int64_t b0, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = mx_scale(sc[b0 + i]);
+}
+
 inline float mx_value(const uint8_t* row, int64_t K, int64_t k) {
   return kE2M1[mx_code(row, k)] * mx_scale(row[K / 2 + (k >> 5)]);
 }
@@ -43,6 +58,7 @@ inline void dotq(const uint8_t* row, const float* const* xs, int64_t K, int64_t 
   vf acc[2][NT];
   for (int t = 0; t < NT; ++t) acc[0][t] = acc[1][t] = vzero();
   const uint8_t* sc = row + K / 2;
+  float scl[MX_CHUNK];
 #if FT_ISA >= 2
   const __m512 lut = _mm512_loadu_ps(kE2M1);
   const __m512i sh = _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16, 16, 20, 20, 24, 24, 28, 28);
@@ -52,23 +68,20 @@ inline void dotq(const uint8_t* row, const float* const* xs, int64_t K, int64_t 
   const __m256i sign = _mm256_set1_epi32((int)0x80000000u);
 #endif
   for (int64_t b = 0; b < K / 32; ++b) {
+    if (b % MX_CHUNK == 0) mx_scales(sc, b, K / 32 - b < MX_CHUNK ? K / 32 - b : MX_CHUNK, scl);
     const uint8_t* blk = row + b * 16;
     if (pf && (b & 3) == 0) prefetch(blk + pf);
     const int64_t k = b * 32;
 #if FT_ISA >= 2
-    const __m512 ls = _mm512_mul_ps(lut, _mm512_set1_ps(mx_scale(sc[b])));      // the block's values
+    const __m512 ls = _mm512_mul_ps(lut, _mm512_set1_ps(scl[b % MX_CHUNK]));     // the block's values
     for (int r = 0; r < 2; ++r) {
-      int64_t q;
-      __builtin_memcpy(&q, blk + 8 * r, 8);
-      const vf w = _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_set1_epi64(q), sh), ls);
+      const vf w = _mm512_permutexvar_ps(_mm512_srlv_epi32(mx_bcast(blk + 8 * r), sh), ls);
       for (int t = 0; t < NT; ++t) acc[r][t] = vfma(w, vld(xs[t] + k + 16 * r), acc[r][t]);
     }
 #elif FT_ISA == 1
-    const __m256 ms = _mm256_mul_ps(mag, _mm256_set1_ps(mx_scale(sc[b])));      // magnitudes (codes 0-7)
+    const __m256 ms = _mm256_mul_ps(mag, _mm256_broadcast_ss(scl + b % MX_CHUNK));  // magnitudes (codes 0-7)
     for (int r = 0; r < 4; ++r) {
-      int64_t q;
-      __builtin_memcpy(&q, blk + 8 * (r >> 1), 8);
-      const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi64x(q), (r & 1) ? sh1 : sh0);
+      const __m256i idx = _mm256_srlv_epi32(mx_bcast(blk + 8 * (r >> 1)), (r & 1) ? sh1 : sh0);
       const __m256i sgn = _mm256_and_si256(_mm256_slli_epi32(idx, 28), sign);
       const vf w = _mm256_or_ps(_mm256_permutevar8x32_ps(ms, idx), _mm256_castsi256_ps(sgn));
       for (int t = 0; t < NT; ++t) acc[r & 1][t] = vfma(w, vld(xs[t] + k + 8 * r), acc[r & 1][t]);
