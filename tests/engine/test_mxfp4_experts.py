@@ -126,3 +126,29 @@ def test_mxfp4_format_refusals_say_what_to_do(tiny_checkpoint):
         LLM(tiny_checkpoint("gpt_oss"), expert_format="mxfp4")
     with pytest.raises(ConfigError, match="auto, mxfp4 or dense"):
         EngineConfig(model=tiny_checkpoint("gpt_oss"), expert_format="int4")
+
+
+def test_packed_folder_keeps_mxfp4_experts_in_four_bits(tiny_checkpoint, tmp_path):
+    """``freetoken convert`` of a published gpt-oss writes the bank as MXFP4 rows (17/128 of the
+    float32 bank's bytes), the engine reads them into a 4-bit bank with the source's tokens, a
+    ``dense`` engine is told to take the source, and a bank format it does not know is refused."""
+    import json
+
+    from freetoken_engine.packed import convert
+    from freetoken_engine.packed.format import INDEX_NAME, PackedFormatError
+    src = tiny_checkpoint("gpt_oss", hidden_size=64, intermediate_size=64, head_dim=16)
+    mx, flat = _as_mxfp4(src, tmp_path)
+    packed4, packed32 = convert(mx, tmp_path / "p4", progress=False), convert(flat, tmp_path / "p32", progress=False)
+    index4, index32 = (json.loads((p / INDEX_NAME).read_text()) for p in (packed4, packed32))
+    assert index4["bank"]["format"] == "mxfp4" and index32["bank"]["format"] == "dense"
+    bank_bytes = [sum(m["size"] for n, m in i["files"].items() if n.startswith("bank-")) for i in (index4, index32)]
+    assert bank_bytes[0] * 128 <= bank_bytes[1] * 17 + 2 * 4096 * 128        # (each piece padded to a page)
+    want = LLM(mx).generate(PROMPT, GREEDY).token_ids
+    llm = LLM(packed4)
+    assert llm.runner.bank.mxfp4 and llm.generate(PROMPT, GREEDY).token_ids == want
+    with pytest.raises(ConfigError, match="holds its experts in MXFP4"):
+        LLM(packed4, expert_format="dense")
+    index4["bank"]["format"] = "int4"
+    (packed4 / INDEX_NAME).write_text(json.dumps(index4))
+    with pytest.raises(PackedFormatError, match="bank format 'int4'"):
+        LLM(packed4)

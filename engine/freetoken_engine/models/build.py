@@ -181,16 +181,18 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
     bank = None
     packed = hasattr(ckpt, "bank_tensors")
     first_rows = None if packed else _expert_rows(fam, ckpt, cfg, device, expert_format, folder)
-    if packed and expert_format == "mxfp4":
-        _expert_rows(fam, ckpt, cfg, device, expert_format, folder)      # says why not
     if cfg.moe:
         m = cfg.moe
         try:
             tensors = ckpt.bank_tensors() if packed else ()
             if packed and tensors[0].shape[0] > cfg.bank_layers:   # an MTP layer packed, not run here
                 tensors = tuple(t[:cfg.bank_layers] for t in tensors)
+            four = tensors[0].dtype == torch.uint8 if packed else first_rows is not None
+            if packed and four != (expert_format != "dense") and expert_format != "auto":
+                raise ConfigError(f"packed folder {folder} holds its experts {'in MXFP4' if four else 'dense'}: "
+                                  f"--expert-format {expert_format} needs the source checkpoint (or auto)")
             bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype, *tensors,
-                              mxfp4=first_rows is not None)
+                              mxfp4=four)
         except ValueError as exc:
             raise ConfigError(f"packed checkpoint {folder}: {exc}") from None
     total = len(wanted) + (bank.total_experts if bank and not packed else 0)

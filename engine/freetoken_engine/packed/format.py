@@ -5,6 +5,7 @@ Index (``freetoken-packed.json``)::
     {"format": "freetoken-packed", "version": 1, "alignment": 4096, "block_bytes": 16777216,
      "dtype": "bfloat16", "model_type": "qwen3_moe",
      "bank": {"moe_layers": [..], "mtp_layers": 0 or 1, "num_experts": E, "hidden": H, "inter": I,
+              "format": "dense" (in dtype; the default) | "mxfp4" (rows of 17K/32 bytes),
               "pieces": [{"tensor": "w13"|"w2", "layers": [a, b], "file": NAME}]},
      "tensors": {KEY: {"file": NAME, "offset": N, "nbytes": N, "dtype": "bfloat16", "shape": [..]}},
      "files": {NAME: {"size": N, "crc32": [one per block_bytes block]}}}
@@ -53,12 +54,22 @@ def bank_layers(bank: dict) -> int:
     return len(bank["moe_layers"]) + int(bank.get("mtp_layers", 0))
 
 
+def bank_mxfp4(bank: dict) -> bool:
+    """Whether a packed bank holds its experts as MXFP4 rows (kernels/mxfp4.py: a row of K values
+    in K/2 + K/32 bytes), as gpt-oss publishes them, instead of the index's dtype."""
+    return bank.get("format", "dense") == "mxfp4"
+
+
 def bank_piece_bytes(index: dict, tensor: str, layers: tuple[int, int]) -> int:
     b = index["bank"]
-    per_layer = b["num_experts"] * 2 * b["inter"] * b["hidden"] * ITEMSIZE[index["dtype"]]
     if tensor not in ("w13", "w2"):
         raise PackedFormatError(f"unknown bank tensor {tensor!r}")
-    return per_layer * (layers[1] - layers[0]) // (1 if tensor == "w13" else 2)
+    E, I, H = b["num_experts"], b["inter"], b["hidden"]
+    if bank_mxfp4(b):                       # rows of 17K/32 bytes
+        per_layer = E * (2 * I * (H // 2 + H // 32) if tensor == "w13" else H * (I // 2 + I // 32))
+    else:
+        per_layer = E * 2 * I * H * ITEMSIZE[index["dtype"]] // (1 if tensor == "w13" else 2)
+    return per_layer * (layers[1] - layers[0])
 
 
 def read_index(folder: Path) -> dict:
@@ -78,6 +89,11 @@ def read_index(folder: Path) -> dict:
                                 f"(format={index.get('format')!r}, version={index.get('version')!r})")
     if index.get("dtype") not in ITEMSIZE:
         raise PackedFormatError(f"{path}: unknown dtype {index.get('dtype')!r}")
+    bank = index.get("bank") or {}
+    if bank.get("format", "dense") not in ("dense", "mxfp4") or (bank_mxfp4(bank) and (bank["hidden"] % 32
+                                                                                        or bank["inter"] % 32)):
+        raise PackedFormatError(f"{path}: bank format {bank.get('format')!r} for hidden {bank.get('hidden')} and "
+                                f"inter {bank.get('inter')}: dense, or mxfp4 with both multiples of 32")
     block = index.get("block_bytes")
     if not isinstance(block, int) or block <= 0 or block % ALIGN:
         raise PackedFormatError(f"{path}: bad block_bytes {block!r}")

@@ -37,7 +37,7 @@ import torch
 from .. import env
 from . import early
 from .early import already_verified, record_verified
-from .format import PackedFormatError, bank_layers, read_index
+from .format import PackedFormatError, bank_layers, bank_mxfp4, bank_piece_bytes, read_index
 from .memory import aligned_empty, as_tensor, host_register
 from .pinning import BankPins
 
@@ -196,7 +196,13 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
                               mapped=not will_pin and env.map_bank())
         else:
             fill.progress = progress
-        if bank:
+        if bank and bank_mxfp4(bank):     # 4-bit rows: taken as they are, whatever the dtype
+            L, E, H, I = bank_layers(bank), bank["num_experts"], bank["hidden"], bank["inter"]
+            w13 = st13 = as_tensor(fill.arenas["w13"], bank_piece_bytes(index, "w13", (0, L))).view(
+                L, E, 2 * I, H // 2 + H // 32)
+            w2 = st2 = as_tensor(fill.arenas["w2"], bank_piece_bytes(index, "w2", (0, L))).view(L, E, H, I // 2 + I // 32)
+            stored = dtype
+        elif bank:
             L, E, H, I = bank_layers(bank), bank["num_experts"], bank["hidden"], bank["inter"]
             st13 = as_tensor(fill.arenas["w13"], L * E * 2 * I * H * stored.itemsize).view(stored).view(L, E, 2 * I, H)
             st2 = as_tensor(fill.arenas["w2"], L * E * H * I * stored.itemsize).view(stored).view(L, E, H, I)
@@ -205,8 +211,8 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
             else:                       # read the stored dtype, convert after the reads
                 w13 = aligned_empty(st13.numel() * dtype.itemsize).view(dtype).view(st13.shape)
                 w2 = aligned_empty(st2.numel() * dtype.itemsize).view(dtype).view(st2.shape)
-            if pin == "before":
-                pinned = bool(host_register(w13)) and bool(host_register(w2))
+        if bank and pin == "before":
+            pinned = bool(host_register(w13)) and bool(host_register(w2))
         if not preloaded:
             fill.start()
         t_wait = time.perf_counter()

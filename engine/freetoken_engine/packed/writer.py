@@ -115,6 +115,9 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
     shape = (cfg.hidden_size, moe.intermediate_size) if moe else None
     probe = next(fam.layer_experts(ckpt, moe.layers[0], moe.num_experts, shape))[0] if moe else ckpt.get(dense_keys[0])
     dtype = probe.dtype
+    # experts published in MXFP4 (gpt-oss) stay in 4 bits: the engine's rows, repacked exactly
+    four = bool(moe) and not mtp and cfg.residual_multiplier == 1.0 and \
+        fam.layer_expert_rows(ckpt, moe.layers[0], moe.num_experts, shape) is not None
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
@@ -129,7 +132,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
         _write_dense(ckpt, dense_keys, tmp, shard_bytes, index, bar)
         if moe:
             _write_bank(ckpt, fam, moe, layers, cfg.hidden_size, dtype, tmp, shard_bytes, index, bar,
-                        cfg.residual_multiplier)
+                        cfg.residual_multiplier, four)
         bar.close()
         for f in src.iterdir():
             if f.is_file() and not f.name.endswith(".safetensors") and f.name != "model.safetensors.index.json":
@@ -168,22 +171,32 @@ def _write_dense(ckpt, keys: list[str], tmp: Path, shard_bytes: int, index: dict
 
 
 def _write_bank(ckpt, fam, moe, layers: list, hidden: int, dtype: torch.dtype, tmp: Path, shard_bytes: int,
-                index: dict, bar, down_scale: float) -> None:
+                index: dict, bar, down_scale: float, four: bool = False) -> None:
     """The bank's layers: ``layers`` (the MoE layers' indices, then an MTP layer's key prefix),
     each expert's down weight times ``down_scale`` (folded: ``ModelConfig.residual_multiplier``;
-    the dense tensors are kept as read and folded as they are loaded)."""
+    the dense tensors are kept as read and folded as they are loaded). ``four``: the experts as
+    MXFP4 rows (``Family.layer_expert_rows``; the index's bank ``format`` "mxfp4")."""
     E, inter, L = moe.num_experts, moe.intermediate_size, len(layers)
     es = torch.empty(0, dtype=dtype).element_size()
-    per_layer = E * 2 * inter * hidden * es                    # one layer of w13
+    per_layer = E * 2 * inter * (hidden // 2 + hidden // 32 if four else hidden * es)    # one layer of w13
     step = max(1, shard_bytes // per_layer)
     index["bank"] = {"moe_layers": list(moe.layers), "mtp_layers": L - len(moe.layers), "num_experts": E,
-                     "hidden": hidden, "inter": inter, "pieces": []}
+                     "hidden": hidden, "inter": inter, "format": "mxfp4" if four else "dense", "pieces": []}
     for a in range(0, L, step):
         b = min(L, a + step)
         f13 = _BlockFile(tmp / f"bank-w13-{a:05d}.bin")
         f2 = _BlockFile(tmp / f"bank-w2-{a:05d}.bin")
         for li in range(a, b):
             layer = layers[li]
+            if four:
+                rows = fam.layer_expert_rows(ckpt, layer, E, (hidden, inter))
+                if rows is None:
+                    raise PackedFormatError(f"layer {layer}'s experts are not MXFP4 as the first layer's are")
+                for w13, w2 in rows:
+                    f13.write(_raw(w13.contiguous()))
+                    f2.write(_raw(w2.contiguous()))
+                bar.update(1)
+                continue
             for e, (gate, up, down) in enumerate(fam.layer_experts(ckpt, layer, E, (hidden, inter), down_scale)):
                 if gate.shape != (inter, hidden) or up.shape != (inter, hidden) or down.shape != (hidden, inter):
                     raise PackedFormatError(f"expert {e} of layer {layer}: shapes {tuple(gate.shape)}, "
