@@ -25,7 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from hardware import describe  # noqa: E402
-from report import parse, save  # noqa: E402
+import report  # noqa: E402
 
 H = I = 2880
 CALLS = [(1, 1), (1, 4), (4, 4), (8, 4)]          # (tokens, experts per call): all tokens on each expert
@@ -129,12 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--experts", type=int, default=48, help="experts in a pass (48: 2.4 GB, beyond any LLC)")
-    parsed = parse(ap, ROOT / "bench" / "results" / "gated_experts.json", plot)
-    if parsed is None:
-        return
-    args, out = parsed
-    save(run(args), out, plot)
-    print(f"wrote {out}")
+    report.main(ap, ROOT / "bench" / "results" / "gated_experts.json", run, plot)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from hardware import describe  # noqa: E402
-from report import parse, save  # noqa: E402
+import report  # noqa: E402
 
 H = I = 2880
 E, TOP_K = 32, 4
@@ -159,12 +159,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dir", default=None, help="where the checkpoint is written (default: the temp dir)")
-    parsed = parse(ap, ROOT / "bench" / "results" / "mxfp4_engine.json", plot)
-    if parsed is None:
-        return
-    args, out = parsed
-    save(run(args), out, plot)
-    print(f"wrote {out}")
+    report.main(ap, ROOT / "bench" / "results" / "mxfp4_engine.json", run, plot)
 
 
 if __name__ == "__main__":

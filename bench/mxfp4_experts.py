@@ -26,7 +26,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from hardware import describe  # noqa: E402
-from report import parse, save  # noqa: E402
+import report  # noqa: E402
 
 H = I = 2880
 CALLS = [(1, 1), (1, 4), (4, 4), (8, 4)]          # (tokens, experts per call): all tokens on each expert
@@ -138,12 +138,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--experts", type=int, default=48,
                     help="experts in a pass (48: 634 MB in MXFP4, 2.4 GB in bf16)")
-    parsed = parse(ap, ROOT / "bench" / "results" / "mxfp4_experts.json", plot)
-    if parsed is None:
-        return
-    args, out = parsed
-    save(run(args), out, plot)
-    print(f"wrote {out}")
+    report.main(ap, ROOT / "bench" / "results" / "mxfp4_experts.json", run, plot)
 
 
 if __name__ == "__main__":

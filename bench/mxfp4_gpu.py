@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 from hardware import describe  # noqa: E402
-from report import parse, save  # noqa: E402
+import report  # noqa: E402
 
 H = I = 2880
 E, K = 32, 4
@@ -57,6 +57,12 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def hbm_copy_rate() -> float:
+    """GB/s of a 1 GiB device copy, its read and its write counted."""
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    return 2 * big.numel() / timed(lambda: big.clone(), 10) / 1e9
+
+
 def routing(tokens: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     tok = torch.arange(tokens).repeat_interleave(K)
@@ -69,10 +75,8 @@ def run(args) -> dict:
     from freetoken_engine.kernels.triton.moe import moe_slots_forward
     banks = pools(args.layers)
     dev = {k: (w13[0].cuda(), w2[0].cuda()) for k, (w13, w2) in banks.items()}      # layer 0 as the pool
-    per_expert = {k: (w13[0].numel() + w2[0].numel()) * w13.element_size() // E for k, (w13, w2) in dev.items()}
-    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    hbm = 2 * big.numel() / timed(lambda: big.clone(), 10) / 1e9     # read + write of a copy
-    del big
+    per_expert = {k: (w13.numel() + w2.numel()) * w13.element_size() // E for k, (w13, w2) in dev.items()}
+    hbm = hbm_copy_rate()
     rows = []
     for tokens in CALLS:
         x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)
@@ -131,12 +135,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--layers", type=int, default=4, help="layers of the host bank the fills read from")
-    parsed = parse(ap, ROOT / "bench" / "results" / "mxfp4_gpu.json", plot)
-    if parsed is None:
-        return
-    args, out = parsed
-    save(run(args), out, plot)
-    print(f"wrote {out}")
+    report.main(ap, ROOT / "bench" / "results" / "mxfp4_gpu.json", run, plot)
 
 
 if __name__ == "__main__":

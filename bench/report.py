@@ -43,3 +43,14 @@ def bars(path: Path, sides, values, ylabel: str, title: str) -> None:
     ax.set_title(title, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def main(ap, default_out: Path | Callable, run: Callable, plot: Callable[[dict, Path], None]) -> None:
+    """A bench's command line: ``ap``'s arguments (``parse``), then ``run(args)``'s result saved
+    (``save``) and its path printed; with ``--plot-only`` the saved result's plot redrawn."""
+    parsed = parse(ap, default_out, plot)
+    if parsed is None:
+        return
+    args, out = parsed
+    save(run(args), out, plot)
+    print(f"wrote {out}")

@@ -79,9 +79,8 @@ class ModelRunner(GraphWarmup):
         if folder.suffix == ".gguf" and folder.is_file():       # a llama GGUF: convert once, cached
             from ..models.gguf_folder import gguf_folder
             folder = gguf_folder(folder)
-        self.model, self.bank, self.mcfg, rest = start_model(folder, self.dtype, self.device, progress,
-                                                             mtp=cfg.speculative_method == "mtp",
-                                                             expert_format=cfg.expert_format)
+        self.model, self.bank, self.mcfg, rest = start_model(
+            folder, self.dtype, self.device, progress, mtp=cfg.speculative_method == "mtp", expert_format=cfg.expert_format)
         try:
             self._assemble(cfg, folder, rest)
         except BaseException:
