@@ -25,11 +25,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from hardware import describe  # noqa: E402
 import report  # noqa: E402
-
-H = I = 2880
-CALLS = [(1, 1), (1, 4), (4, 4), (8, 4)]          # (tokens, experts per call): all tokens on each expert
+from gated_experts import CALLS, H, I  # noqa: E402  (gpt-oss-20b's expert shape, the same calls)
+from hardware import describe  # noqa: E402
 
 
 def banks(n: int):
