@@ -161,7 +161,7 @@ def _expert_rows(fam, ckpt, cfg: ModelConfig, device: torch.device, expert_forma
                                      (cfg.hidden_size, cfg.moe.intermediate_size))
     if rows is None and expert_format == "mxfp4":
         raise ConfigError(f"{folder} holds no MXFP4 experts the engine can keep in 4 bits (gpt-oss's published "
-                          f"checkpoints do; a packed folder holds them dequantized): use --expert-format auto or dense")
+                          f"checkpoints do): use --expert-format auto or dense")
     return rows
 
 
