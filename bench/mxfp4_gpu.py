@@ -4,7 +4,8 @@ layer's slot pool (decode calls of 1, 4 and 16 tokens, a 2,048-token prefill cal
 layer) and the step's fills (``gather_fill_rows``: 4 experts of a layer from the pinned host bank
 over PCIe), each side in this one process, in turn, CUDA events, the median of ``--reps``. The
 4-bit pool holds random codes and scales; the bf16 pool holds exactly their values, so both
-compute the same products (checked equal before timing). Reported: microseconds a call, the
+compute the same products (checked within bf16 rounding before timing: the kernels may sum them in
+another order). Reported: microseconds a call, the
 expert bytes it reads as GB/s (4.25 bits a value against 16), the speed-up, and how many experts
 a GB of expert cache holds.
 
@@ -82,7 +83,8 @@ def run(args) -> dict:
         x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)
         tok, slot = routing(tokens, tokens)
         outs = {k: moe_slots_forward(x, *dev[k], tok, slot) for k in dev}
-        assert torch.equal(outs["mxfp4"], outs["bf16"]), "the 4-bit pool's rows differ from its values'"
+        err = ((outs["mxfp4"].float() - outs["bf16"].float()).abs().max() / outs["bf16"].float().abs().max()).item()
+        assert err <= 2.0 ** -7, f"the 4-bit pool's rows are {err:.3g} off its values' (of the output scale)"
         distinct = int(slot.unique().numel())
         med = {}
         order = ["bf16", "mxfp4"]

@@ -1,6 +1,7 @@
 """Experts kept in MXFP4 on a real GPU (``pytest -m gpu tests/gpu``): the compiled Triton kernels
-on 4-bit slots give bit for bit what they give on the same values stored densely (the decoded
-weights are exact in bf16 and enter the same products), in gpt-oss-20b's expert shape; and the
+on 4-bit slots give what they give on the same values stored densely (the decoded weights are
+exact in bf16 and enter the same products, maybe summed in another order), in gpt-oss-20b's
+expert shape; and the
 engine on a published-form gpt-oss checkpoint keeps its experts in 4 bits on the GPU with the
 tokens of the dense engine, through the cache, the fills and the CPU branch."""
 from __future__ import annotations
@@ -27,7 +28,10 @@ PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 300])     # the lanes kernels, grouping in the kernel, the block table
-def test_mxfp4_slots_equal_their_dense_values_bit_for_bit(tokens):
+def test_mxfp4_slots_match_their_dense_values(tokens):
+    """The same products as on the dense values; the compiled kernels may sum them in another
+    order (their register layouts differ: measured on the H200, a one-token call differs in the
+    last bits, a 300-token one not at all), so within bf16's rounding of the output."""
     g = torch.Generator().manual_seed(0)
     q13 = torch.randint(0, 256, (6, 2 * I, mxfp4.row_bytes(H)), dtype=torch.uint8, generator=g)
     q2 = torch.randint(0, 256, (6, H, mxfp4.row_bytes(I)), dtype=torch.uint8, generator=g)
@@ -40,7 +44,7 @@ def test_mxfp4_slots_equal_their_dense_values_bit_for_bit(tokens):
     args = [t.to(CUDA) for t in (tok, slot)]
     four = moe_slots_forward(x.to(CUDA), q13.to(CUDA), q2.to(CUDA), *args)
     dense = moe_slots_forward(x.to(CUDA), d13.to(CUDA), d2.to(CUDA), *args)
-    assert torch.equal(four, dense)
+    assert (four.float() - dense.float()).abs().max() <= 2.0 ** -7 * dense.float().abs().max()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
