@@ -148,7 +148,28 @@ def test_packed_folder_keeps_mxfp4_experts_in_four_bits(tiny_checkpoint, tmp_pat
     assert llm.runner.bank.mxfp4 and llm.generate(PROMPT, GREEDY).token_ids == want
     with pytest.raises(ConfigError, match="holds its experts in MXFP4"):
         LLM(packed4, expert_format="dense")
+    dense = convert(mx, tmp_path / "pd", progress=False, expert_format="dense")        # what a GPU runs fastest
+    assert json.loads((dense / INDEX_NAME).read_text())["bank"]["format"] == "dense"
+    assert not LLM(dense).runner.bank.mxfp4 and LLM(dense).generate(PROMPT, GREEDY).token_ids == want
+    with pytest.raises(PackedFormatError, match="holds no MXFP4 experts"):
+        convert(flat, tmp_path / "px", progress=False, expert_format="mxfp4")
     index4["bank"]["format"] = "int4"
     (packed4 / INDEX_NAME).write_text(json.dumps(index4))
     with pytest.raises(PackedFormatError, match="bank format 'int4'"):
         LLM(packed4)
+
+
+def test_cli_convert_takes_the_expert_format(tiny_checkpoint, tmp_path):
+    """``freetoken convert --expert-format dense`` writes a dense bank; ``mxfp4`` on a checkpoint
+    without MXFP4 experts is one line on stderr and a non-zero exit."""
+    import json
+
+    from freetoken_engine.packed.format import INDEX_NAME
+    from test_cli import one_line_error, run
+    src = tiny_checkpoint("gpt_oss", hidden_size=64, intermediate_size=64, head_dim=16)
+    mx, flat = _as_mxfp4(src, tmp_path)
+    r = run("convert", "--model", str(mx), "--out", str(tmp_path / "d"), "--expert-format", "dense")
+    assert r.returncode == 0, r.stderr
+    assert json.loads((tmp_path / "d" / INDEX_NAME).read_text())["bank"]["format"] == "dense"
+    r = run("convert", "--model", str(flat), "--out", str(tmp_path / "x"), "--expert-format", "mxfp4")
+    assert r.returncode != 0 and "holds no MXFP4 experts" in one_line_error(r)

@@ -193,6 +193,10 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
                                   f"--expert-format {expert_format} needs the source checkpoint (or auto)")
             bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype, *tensors,
                               mxfp4=four)
+            if four and device.type == "cuda":
+                log.warning("experts kept in MXFP4 on a GPU: the cache holds 3.8x as many and fills move 3.8x "
+                            "fewer bytes, but the Triton kernels decode them 4-8x slower than bf16 ones "
+                            "(bench/results/mxfp4_gpu.json); --expert-format dense runs them dense")
         except ValueError as exc:
             raise ConfigError(f"packed checkpoint {folder}: {exc}") from None
     total = len(wanted) + (bank.total_experts if bank and not packed else 0)

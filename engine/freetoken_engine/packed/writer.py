@@ -80,9 +80,11 @@ def _raw(t: torch.Tensor):
 
 
 def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD_BYTES,
-            progress: bool = True) -> Path:
+            progress: bool = True, expert_format: str = "auto") -> Path:
     """Write the packed form of ``model_dir`` (a checkpoint folder, or a GGUF file) to ``out_dir``
-    (which must not exist or be empty).
+    (which must not exist or be empty). ``expert_format``: experts published in MXFP4 stay in 4
+    bits (``auto``; ``mxfp4``: or fail saying why not) or are dequantized (``dense``: what a GPU
+    runs fastest today, docs/gpu.md).
 
     Raises ``ConfigError`` for a bad source folder (as the safetensors loader would) and
     ``PackedFormatError`` for an output folder in the way. Returns ``out_dir``.
@@ -116,8 +118,13 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
     probe = next(fam.layer_experts(ckpt, moe.layers[0], moe.num_experts, shape))[0] if moe else ckpt.get(dense_keys[0])
     dtype = probe.dtype
     # experts published in MXFP4 (gpt-oss) stay in 4 bits: the engine's rows, repacked exactly
-    four = bool(moe) and not mtp and cfg.residual_multiplier == 1.0 and \
+    if expert_format not in ("auto", "mxfp4", "dense"):
+        raise PackedFormatError(f"expert_format must be auto, mxfp4 or dense, got {expert_format!r}")
+    four = expert_format != "dense" and bool(moe) and not mtp and cfg.residual_multiplier == 1.0 and \
         fam.layer_expert_rows(ckpt, moe.layers[0], moe.num_experts, shape) is not None
+    if expert_format == "mxfp4" and not four:
+        raise PackedFormatError(f"{src} holds no MXFP4 experts to keep in 4 bits (gpt-oss's published checkpoints "
+                                f"do): convert with --expert-format auto or dense")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
