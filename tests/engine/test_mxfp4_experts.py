@@ -130,8 +130,9 @@ def test_mxfp4_format_refusals_say_what_to_do(tiny_checkpoint):
 
 def test_packed_folder_keeps_mxfp4_experts_in_four_bits(tiny_checkpoint, tmp_path):
     """``freetoken convert`` of a published gpt-oss writes the bank as MXFP4 rows (17/128 of the
-    float32 bank's bytes), the engine reads them into a 4-bit bank with the source's tokens, a
-    ``dense`` engine is told to take the source, and a bank format it does not know is refused."""
+    float32 bank's bytes), the engine reads them into a 4-bit bank with the source's tokens (a
+    ``dense`` engine dequantizes them as read), ``--expert-format dense`` writes a dense bank, and
+    a bank format the engine does not know is refused."""
     import json
 
     from freetoken_engine.packed import convert
@@ -146,13 +147,15 @@ def test_packed_folder_keeps_mxfp4_experts_in_four_bits(tiny_checkpoint, tmp_pat
     want = LLM(mx).generate(PROMPT, GREEDY).token_ids
     llm = LLM(packed4)
     assert llm.runner.bank.mxfp4 and llm.generate(PROMPT, GREEDY).token_ids == want
-    with pytest.raises(ConfigError, match="holds its experts in MXFP4"):
-        LLM(packed4, expert_format="dense")
+    dequantized = LLM(packed4, expert_format="dense")     # (what a GPU engine does with it by default)
+    assert not dequantized.runner.bank.mxfp4 and dequantized.generate(PROMPT, GREEDY).token_ids == want
     dense = convert(mx, tmp_path / "pd", progress=False, expert_format="dense")        # what a GPU runs fastest
     assert json.loads((dense / INDEX_NAME).read_text())["bank"]["format"] == "dense"
     assert not LLM(dense).runner.bank.mxfp4 and LLM(dense).generate(PROMPT, GREEDY).token_ids == want
     with pytest.raises(PackedFormatError, match="holds no MXFP4 experts"):
         convert(flat, tmp_path / "px", progress=False, expert_format="mxfp4")
+    with pytest.raises(ConfigError, match="holds its experts dense"):
+        LLM(dense, expert_format="mxfp4")
     index4["bank"]["format"] = "int4"
     (packed4 / INDEX_NAME).write_text(json.dumps(index4))
     with pytest.raises(PackedFormatError, match="bank format 'int4'"):

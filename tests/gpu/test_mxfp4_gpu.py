@@ -67,3 +67,19 @@ def test_gpt_oss_in_four_bits_on_the_gpu_keeps_the_dense_tokens(tiny_checkpoint,
             assert got.token_ids == dense.generate(prompt, greedy).token_ids, (capacity, fraction)
         if fraction:
             assert four.runner.experts.host_branch.br.totals["cpu_pairs"] > 0
+
+
+def test_a_four_bit_packed_folder_runs_dense_on_a_gpu_by_default(tiny_checkpoint, tmp_path):
+    """``auto`` on a GPU dequantizes a packed folder's 4-bit bank as it reads it (the dense
+    kernels are the fast ones there): the source's dense tokens."""
+    from test_gpt_oss import _as_mxfp4
+
+    from freetoken_engine.packed import convert
+    src = tiny_checkpoint("gpt_oss", hidden_size=64, intermediate_size=64, head_dim=16)
+    mx, _ = _as_mxfp4(src, tmp_path)
+    packed = convert(mx, tmp_path / "p4", progress=False)
+    greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    llm = LLM(packed, device="cuda", dtype="float32")
+    assert not llm.runner.bank.mxfp4 and llm.runner.bank.pinned
+    assert llm.generate(PROMPT, greedy).token_ids == LLM(mx, device="cuda", dtype="float32").generate(
+        PROMPT, greedy).token_ids

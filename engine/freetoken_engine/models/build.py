@@ -165,6 +165,19 @@ def _expert_rows(fam, ckpt, cfg: ModelConfig, device: torch.device, expert_forma
     return rows
 
 
+def _dequantized(ckpt, tensors: tuple, cfg: ModelConfig, dtype: torch.dtype) -> ExpertBank:
+    """A dense bank of a packed folder's 4-bit one (read whole first), a layer at a time."""
+    from ..kernels.mxfp4 import dequantize
+    ckpt.finish()
+    m = cfg.moe
+    bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype)
+    for layer in range(cfg.bank_layers):
+        bank.w13[layer].copy_(dequantize(tensors[0][layer], dtype))
+        bank.w2[layer].copy_(dequantize(tensors[1][layer], dtype))
+    bank.pin()
+    return bank
+
+
 def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: torch.device,
            progress: Progress | None, expert_format: str = "auto") -> tuple[DecoderLM, ExpertBank | None, ModelConfig,
                                                                             BankRead]:
@@ -180,6 +193,7 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
     by_engine_name = {fam.rename(k): k for k in ckpt.names()}
     bank = None
     packed = hasattr(ckpt, "bank_tensors")
+    packed_read = ckpt if packed else None      # what the caller's BankRead still waits for
     first_rows = None if packed else _expert_rows(fam, ckpt, cfg, device, expert_format, folder)
     if cfg.moe:
         m = cfg.moe
@@ -188,11 +202,15 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
             if packed and tensors[0].shape[0] > cfg.bank_layers:   # an MTP layer packed, not run here
                 tensors = tuple(t[:cfg.bank_layers] for t in tensors)
             four = tensors[0].dtype == torch.uint8 if packed else first_rows is not None
-            if packed and four != (expert_format != "dense") and expert_format != "auto":
-                raise ConfigError(f"packed folder {folder} holds its experts {'in MXFP4' if four else 'dense'}: "
-                                  f"--expert-format {expert_format} needs the source checkpoint (or auto)")
-            bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype, *tensors,
-                              mxfp4=four)
+            if packed and not four and expert_format == "mxfp4":
+                raise ConfigError(f"packed folder {folder} holds its experts dense: --expert-format mxfp4 needs "
+                                  f"a checkpoint with MXFP4 experts (or a folder converted from one)")
+            if packed and four and (expert_format == "dense" or (expert_format == "auto" and device.type != "cpu")):
+                bank = _dequantized(ckpt, tensors, cfg, dtype)      # (a GPU runs dense experts fastest)
+                packed_read, four = None, False
+            else:
+                bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype,
+                                  *tensors, mxfp4=four)
             if four and device.type == "cuda":
                 log.warning("experts kept in MXFP4 on a GPU: the cache holds 3.8x as many and fills move 3.8x "
                             "fewer bytes, but the Triton kernels decode them 4-8x slower than bf16 ones "
@@ -253,4 +271,6 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
         if hasattr(module, "fuse"):
             module.fuse()
     model.eval()
-    return model, bank, cfg, BankRead(ckpt if packed else None, bank)
+    if packed and packed_read is None:
+        ckpt.close()                    # its 4-bit bank was read and dequantized: nothing is pending
+    return model, bank, cfg, BankRead(packed_read, bank)
