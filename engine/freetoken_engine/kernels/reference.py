@@ -56,16 +56,17 @@ def _gate_up(xs: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor | None, bias
     return act(gate, up)
 
 
-def dense_experts(w13: torch.Tensor, w2: torch.Tensor, pair_exp: torch.Tensor, pair_bias: torch.Tensor | None,
-                  dtype: torch.dtype) -> tuple:
+def dense_experts(w13: torch.Tensor, w2: torch.Tensor | None, pair_exp: torch.Tensor,
+                  pair_bias: torch.Tensor | None, dtype: torch.dtype) -> tuple:
     """``(w13, w2, pair_exp, pair_bias)`` as dense weights: themselves, or, for MXFP4 rows
     (``kernels/mxfp4.py``), the pairs' experts dequantized into ``dtype`` and ``pair_exp``
-    renumbered into them (``pair_bias`` keeping each pair's own expert for its bias row)."""
+    renumbered into them (``pair_bias`` keeping each pair's own expert for its bias row).
+    ``w2`` None: the gate/up rows only."""
     if w13.dtype != torch.uint8:
         return w13, w2, pair_exp, pair_bias
     from .mxfp4 import dequantize
     used, inv = torch.unique(pair_exp, return_inverse=True)
-    dense2 = dequantize(w2[used], dtype) if w2.numel() else w2
+    dense2 = None if w2 is None else dequantize(w2[used], dtype)
     return dequantize(w13[used], dtype), dense2, inv.view_as(pair_exp), pair_exp if pair_bias is None else pair_bias
 
 
@@ -74,7 +75,7 @@ def expert_pairs_act(x: torch.Tensor, w13: torch.Tensor, pair_tok: torch.Tensor,
                      pair_bias: torch.Tensor | None = None) -> torch.Tensor:
     """``[P, I]`` in x.dtype: ``silu(gate) * up`` (``act``) of every pair, the first stage of
     ``expert_pairs_forward`` with its rounding (a split by stage runs the second elsewhere)."""
-    w13, _, pair_exp, pair_bias = dense_experts(w13, w13[:0], pair_exp, pair_bias, x.dtype)
+    w13, _, pair_exp, pair_bias = dense_experts(w13, None, pair_exp, pair_bias, x.dtype)
     if w13.dtype != x.dtype:
         w13 = w13.to(x.dtype)
     inter = w13.shape[1] // 2

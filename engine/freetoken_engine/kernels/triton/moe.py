@@ -24,6 +24,12 @@ kernels' 56: a call of one to four experts (a layer's fills, or its hits in a sm
 1.3-1.8x faster on the H200, a call of eight 0.97-1.06x (``bench/moe_decode_kernel.py``); the whole
 engine's decode did not move beyond its noise (docs/gpu.md). Every one-token call takes them, so
 a pair's row does not depend on which call computed it.
+
+Slots of MXFP4 rows (uint8 ``[S, 2I, 17H/32]`` / ``[S, H, 17I/32]``, kernels/mxfp4.py; the ``MX``
+constexpr) are decoded where they are loaded (``_weights``) and enter ``tl.dot`` as bf16, which
+holds their values exactly; the same products as on dense slots. Measured on the H200 the calls run
+4-8x slower than on bf16 slots (each value a byte load of its own: docs/gpu.md), so a GPU engine
+keeps its experts dense unless told ``--expert-format mxfp4``.
 """
 from __future__ import annotations
 
