@@ -12,6 +12,7 @@ from pathlib import Path
 
 import anthropic
 import openai
+import pytest
 import uvicorn
 
 from freetoken_engine.server.app import ServerConfig, create_app
@@ -121,3 +122,11 @@ def live_pair(model_dir: Path, first: dict, second: dict):
             a.shutdown()
             b.shutdown()
     return _cm()
+
+
+@pytest.fixture(scope="module", name="live")
+def served_folder(folder):
+    """``live`` for a tool-format test module: its ``folder`` (a random model in that format)
+    behind a started server with 1,024 tokens of context."""
+    with serving(folder, max_context=1024) as srv:
+        yield srv

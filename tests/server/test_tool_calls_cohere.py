@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from format_cases import answered_without_tools, format_folder, special_tags_reach_the_parser
-from live import serving
+from live import served_folder  # noqa: F401  (the live fixture)
 from scripted import check_forced_calls, chat_calls, recording_server, script, second_turn, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
@@ -167,12 +167,6 @@ def test_forced_rests_start_where_the_prefill_ends(folder):
     _, single = tool_grammars(tokenizer, held_prompt(STYLE, "required", parallel=False))
     rest = 'search", "parameters": {"query": "x"}}, {"tool_call_id": "1"'
     assert '"1"' not in allowed(tokenizer, single, rest, TAGS)
-
-
-@pytest.fixture(scope="module")
-def live(folder):
-    with serving(folder, max_context=1024) as srv:
-        yield srv
 
 
 @pytest.mark.parametrize("seed", range(2))

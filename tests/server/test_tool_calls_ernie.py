@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from live import serving
+from live import served_folder  # noqa: F401  (the live fixture)
 from scripted import check_forced_calls, clients_get_the_calls, recording_server, script
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import A_TOOLS, MSGS, SCHEMAS, TOOLS, events, forced_calls_are_valid, shown
@@ -80,12 +80,6 @@ def test_both_clients_get_the_reasoning_the_content_and_each_call(scripted):
 
 def test_forced_calls_close_the_reasoning_and_are_prefilled(scripted):
     check_forced_calls(scripted, MSGS, TOOLS, '<think>\n</think>\n\n<tool_call>\n{"name": "get_weather", "arguments": ')
-
-
-@pytest.fixture(scope="module")
-def live(folder):
-    with serving(folder, max_context=1024) as srv:
-        yield srv
 
 
 @pytest.mark.parametrize("seed", range(2))

@@ -14,7 +14,7 @@ import jsonschema
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from live import serving
+from live import served_folder  # noqa: F401  (the live fixture)
 from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, streamed, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_grammar import walk as grammar_walk
@@ -224,12 +224,6 @@ def test_forced_rests_start_where_the_prefill_ends(folder):
                                      '{"query": "y"}}]')[1]
     _, single = tool_grammars(tokenizer, prompt("required", parallel=False))
     assert allowed(tokenizer, single, 'search", "arguments": {"query": "x"}}, {').endswith('"x"}}')
-
-
-@pytest.fixture(scope="module")
-def live(folder):
-    with serving(folder, max_context=1024) as srv:
-        yield srv
 
 
 def forced_calls_are_valid(srv, seed: int, messages: list[dict], schemas: dict) -> None:

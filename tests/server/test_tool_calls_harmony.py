@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from format_cases import answered_without_tools, format_folder, special_tags_reach_the_parser
-from live import serving
+from live import served_folder  # noqa: F401  (the live fixture)
 from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
@@ -190,12 +190,6 @@ def test_forced_calls_are_held_to_their_schemas(folder, name, args, wrong):
     assert tool_grammars(tokenizer, held_prompt(STYLE))[0] is None
     spec = guide_spec('start: "ok"', tokenizer, build_prompt(tokenizer, MSGS, TOOLS))
     assert spec.escape == () and spec.tool_grammar is None
-
-
-@pytest.fixture(scope="module")
-def live(folder):
-    with serving(folder, max_context=1024) as srv:
-        yield srv
 
 
 @pytest.mark.parametrize("seed", range(2))

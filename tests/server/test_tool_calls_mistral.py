@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from format_cases import answered_without_tools, format_folder, special_tags_reach_the_parser
-from live import serving
+from live import served_folder  # noqa: F401  (the live fixture)
 from scripted import check_forced_calls, chat_calls, recording_server, script, second_turn, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
@@ -145,12 +145,6 @@ def test_forced_rests_start_where_the_prefill_ends(folder):
     _, single = tool_grammars(tokenizer, held_prompt(STYLE, "required", parallel=False))
     assert '"y"' not in allowed(tokenizer, single, 'search[ARGS]{"query": "x"}' + call("search", '{"query": "y"}'),
                                 TAGS)
-
-
-@pytest.fixture(scope="module")
-def live(folder):
-    with serving(folder, max_context=1024) as srv:
-        yield srv
 
 
 @pytest.mark.parametrize("seed", range(2))

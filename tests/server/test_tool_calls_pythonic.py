@@ -12,7 +12,7 @@ import functools
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from live import serving
+from live import served_folder  # noqa: F401  (the live fixture)
 from scripted import chat_calls, check_forced_calls, recording_server, script, second_turn, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, MSGS, SCHEMAS, TOOLS, allowed, forced_calls_are_valid, held_prompt, held_to,
@@ -150,12 +150,6 @@ def test_forced_rests_start_where_the_prefill_ends(folder):
     assert walk(tokenizer, required, 'search(query="x"), search(query="y")]' + CLOSE)[1]
     _, single = tool_grammars(tokenizer, prompt("required", parallel=False))
     assert '"y"' not in allowed(tokenizer, single, 'search(query="x"), search(query="y")]')
-
-
-@pytest.fixture(scope="module")
-def live(folder):
-    with serving(folder, max_context=1024) as srv:
-        yield srv
 
 
 @pytest.mark.parametrize("seed", range(2))

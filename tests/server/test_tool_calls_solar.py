@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
-from live import serving
+from live import served_folder  # noqa: F401  (the live fixture)
 from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
@@ -164,12 +164,6 @@ def test_forced_rests_start_where_the_prefill_ends(folder):
     assert walk(tokenizer, required, two[skip:])[1]
     _, single = tool_grammars(tokenizer, held_prompt(STYLE, "required", parallel=False))
     assert '"y"' not in allowed(tokenizer, single, two[skip:], TAGS)
-
-
-@pytest.fixture(scope="module")
-def live(folder):
-    with serving(folder, max_context=1024) as srv:
-        yield srv
 
 
 @pytest.mark.parametrize("seed", range(2))
