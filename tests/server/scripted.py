@@ -164,3 +164,18 @@ def clients_get_the_calls(srv, messages: list[dict], tools: list[dict], a_tools:
     first, shown = streamed(srv, messages, tools)
     assert len(first) > 1 and json.loads("".join(first)) == want[0][1] and shown == content
     assert tool_uses(srv, messages, a_tools) == want
+
+
+@contextlib.contextmanager
+def format_server(folder, named: str, with_tools, tools_marker: str | None = None, without_tools: str = ""):
+    """A tool-format module's scripted server: ``recording_server`` on ``folder``'s tokenizer
+    (4,096 tokens of context) answering ``with_tools(prompt)``, or, where ``tools_marker`` is
+    given and the prompt lacks it, ``without_tools``; ``named`` (the forced call's prefill) kept
+    on the server for ``check_forced_calls``."""
+    from freetoken_engine.models.tokenizer import Tokenizer
+
+    def answers(prompt: str) -> str:
+        return with_tools(prompt) if tools_marker is None or tools_marker in prompt else without_tools
+    with recording_server(Tokenizer(folder), answers, max_context=4096) as srv:
+        srv.named = named
+        yield srv

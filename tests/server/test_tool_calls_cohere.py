@@ -15,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from format_cases import answered_without_tools, format_folder, special_tags_reach_the_parser
 from live import served_folder  # noqa: F401  (the live fixture)
-from scripted import check_forced_calls, chat_calls, recording_server, script, second_turn, tool_uses
+from scripted import chat_calls, check_forced_calls, format_server, script, second_turn, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
                                      held_prompt, held_to, shown, thought, walk)
@@ -126,11 +126,7 @@ def scripted(folder):
     with_tools = script(ANSWER, (named, '{"city": "Rome", "days": 1}}]' + CLOSE),
                         (required, 'search", "parameters": {"query": "umbrellas"}}]' + CLOSE),
                         "<|START_TOOL_RESULT|>", reply=f"{SAY}Sunny all three days.{SAID}")
-
-    def answers(prompt: str) -> str:
-        return with_tools(prompt) if "# Tools" in prompt else f"{THINK}Say bye.{THOUGHT}{SAY}Bye!{SAID}"
-    with recording_server(Tokenizer(folder), answers, max_context=4096) as srv:
-        srv.named = named
+    with format_server(folder, named, with_tools, "# Tools", f"{THINK}Say bye.{THOUGHT}{SAY}Bye!{SAID}") as srv:
         yield srv
 
 

@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from format_cases import answered_without_tools, format_folder, special_tags_reach_the_parser
 from live import served_folder  # noqa: F401  (the live fixture)
-from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
+from scripted import check_forced_calls, clients_get_the_calls, format_server, script, second_turn
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
                                      held_prompt, shown, thought, walk)
@@ -126,11 +126,8 @@ def scripted(folder):
     with_tools = script(ANSWER, (named, '{"city": "Rome", "days": 1}<|call|>'),
                         (required, 'search <|constrain|>json<|message|>{"query": "umbrellas"}<|call|>'),
                         "to=assistant", reply="<|channel|>final<|message|>Sunny all three days.<|return|>")
-
-    def answers(prompt: str) -> str:
-        return with_tools(prompt) if "# Tools" in prompt else f"{REASONING}{TURN}<|channel|>final<|message|>Bye!"
-    with recording_server(Tokenizer(folder), answers, max_context=4096) as srv:
-        srv.named = named
+    bye = f"{REASONING}{TURN}<|channel|>final<|message|>Bye!"
+    with format_server(folder, named, with_tools, "# Tools", bye) as srv:
         yield srv
 
 

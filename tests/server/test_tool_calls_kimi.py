@@ -13,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from kimi_models import TOOL_TAGS, VOCAB, kimi_folder
 from live import served_folder  # noqa: F401  (the live fixture)
-from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
+from scripted import check_forced_calls, clients_get_the_calls, format_server, script, second_turn
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
                                      held_prompt, held_to, shown, walk)
@@ -123,9 +123,7 @@ def scripted(folder):
     required = KIMI_CALLS_BEGIN + KIMI_CALL_BEGIN + "functions."
     rest = '{"city": "Rome", "days": 1}' + KIMI_CALL_END + KIMI_CALLS_END
     search = call("search", '{"query": "umbrellas"}')[len(KIMI_CALL_BEGIN + "functions."):] + KIMI_CALLS_END
-    answers = script(ANSWER, (named, rest), (required, search), "## Return of")
-    with recording_server(Tokenizer(folder), answers, max_context=4096) as srv:
-        srv.named = named
+    with format_server(folder, named, script(ANSWER, (named, rest), (required, search), "## Return of")) as srv:
         yield srv
 
 

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from format_cases import answered_without_tools, format_folder, special_tags_reach_the_parser
 from live import served_folder  # noqa: F401  (the live fixture)
-from scripted import check_forced_calls, chat_calls, recording_server, script, second_turn, tool_uses
+from scripted import chat_calls, check_forced_calls, format_server, script, second_turn, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
                                      held_prompt, held_to, shown, thought, walk)
@@ -105,11 +105,7 @@ def scripted(folder):
     named = CALLS + "get_weather" + ARGS_TAG
     with_tools = script(ANSWER, (named, '{"city": "Rome", "days": 1}'), (CALLS, 'search[ARGS]{"query": "umbrellas"}'),
                         "[TOOL_RESULTS]", reply="Sunny all three days.")
-
-    def answers(prompt: str) -> str:
-        return with_tools(prompt) if "[AVAILABLE_TOOLS]" in prompt else f"{THINK}Say bye.{THOUGHT}Bye!"
-    with recording_server(Tokenizer(folder), answers, max_context=4096) as srv:
-        srv.named = named
+    with format_server(folder, named, with_tools, "[AVAILABLE_TOOLS]", f"{THINK}Say bye.{THOUGHT}Bye!") as srv:
         yield srv
 
 

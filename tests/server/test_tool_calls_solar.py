@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from live import served_folder  # noqa: F401  (the live fixture)
-from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
+from scripted import check_forced_calls, clients_get_the_calls, format_server, script, second_turn
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
                                      held_prompt, held_to, shown, walk)
@@ -126,9 +126,7 @@ def scripted(folder):
     required = SOLAR_CALLS + SOLAR_BEGIN + "0000000000" + SOLAR_NAME
     rest = '{"city": "Rome", "days": 1}' + SOLAR_CALL_END
     search = "search" + SOLAR_ARGS + '{"query": "umbrellas"}' + SOLAR_CALL_END
-    answers = script(ANSWER, (named, rest), (required, search), "<|begin|>tool:")
-    with recording_server(Tokenizer(folder), answers, max_context=4096) as srv:
-        srv.named = named
+    with format_server(folder, named, script(ANSWER, (named, rest), (required, search), "<|begin|>tool:")) as srv:
         yield srv
 
 
