@@ -18,7 +18,7 @@ from live import served_folder  # noqa: F401  (the live fixture)
 from scripted import chat_calls, check_forced_calls, format_server, script, second_turn, tool_uses
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
-                                     held_prompt, held_to, shown, thought, walk)
+                                     halved_calls, held_prompt, held_to, shown, thought, walk)
 from tiny_models import with_template
 
 from freetoken_engine.models.tokenizer import Tokenizer
@@ -79,12 +79,7 @@ def test_reasoning_and_calls_on_any_split(cuts):
      ""),                                                                             # max_tokens mid-way
 ])
 def test_cohere_variants(text, want, text_shown, reasoning):
-    evs = events(text, [len(text) // 2], STYLE)
-    if want == [("search", None)]:
-        assert "".join(e.text for e in evs if isinstance(e, ToolArgs)) == '{"query": "cut'
-        assert [e.name for e in evs if isinstance(e, ToolStart)] == ["search"] and isinstance(evs[-1], ToolEnd)
-    else:
-        assert calls(evs) == want
+    evs = halved_calls(text, want, STYLE)
     assert shown(evs).strip() == text_shown and thought(evs) == reasoning
 
 

@@ -15,7 +15,7 @@ from live import serving
 from scripted import check_forced_calls, clients_get_the_calls, recording_server, script, second_turn
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
-                                     held_prompt, held_to,
+                                     halved_calls, held_prompt, held_to,
                                      shown, walk)
 from tiny_models import mark_special, with_template
 
@@ -82,12 +82,7 @@ def test_a_block_of_calls_on_any_split_gives_each_call(style, cuts):
     (CALLS_BEGIN + CALL_BEGIN + "f" + CALL_END, [], CALLS_BEGIN + CALL_BEGIN + "f" + CALL_END),   # no separator
 ])
 def test_deepseek_variants(text, want, text_shown):
-    evs = events(text, [len(text) // 2], "deepseek")
-    if want == [("search", None)]:             # the arguments as far as they came, the call ended
-        assert "".join(e.text for e in evs if isinstance(e, ToolArgs)) == '{"query": "cut'
-        assert [e.name for e in evs if isinstance(e, ToolStart)] == ["search"] and isinstance(evs[-1], ToolEnd)
-    else:
-        assert calls(evs) == want
+    evs = halved_calls(text, want, "deepseek")
     assert shown(evs).strip() == text_shown
 
 

@@ -75,6 +75,19 @@ def thought(evs) -> str:
     return "".join(e.text for e in evs if isinstance(e, Reasoning))
 
 
+def halved_calls(text: str, want: list, style: str) -> list:
+    """The events of ``text`` fed in two halves to ``style``'s parser, its calls checked against
+    ``want``; ``[("search", None)]`` stands for a search call cut off in its arguments (max_tokens
+    mid-way: the arguments as far as they came, the call ended). Returns the events."""
+    evs = events(text, [len(text) // 2], style)
+    if want == [("search", None)]:
+        assert "".join(e.text for e in evs if isinstance(e, ToolArgs)) == '{"query": "cut'
+        assert [e.name for e in evs if isinstance(e, ToolStart)] == ["search"] and isinstance(evs[-1], ToolEnd)
+    else:
+        assert calls(evs) == want
+    return evs
+
+
 @given(st.lists(st.integers(0, len(ANSWER)), max_size=6).map(sorted))
 def test_a_list_of_calls_on_any_split_gives_each_call(cuts):
     evs = events(ANSWER, cuts)

@@ -16,7 +16,7 @@ from live import served_folder  # noqa: F401  (the live fixture)
 from scripted import check_forced_calls, clients_get_the_calls, format_server, script, second_turn
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
-                                     held_prompt, held_to, shown, walk)
+                                     halved_calls, held_prompt, held_to, shown, walk)
 
 from freetoken_engine.models.tokenizer import Tokenizer
 from freetoken_engine.server.parser import OutputParser, Reasoning, ToolArgs, ToolEnd, ToolStart, format_tags
@@ -68,12 +68,7 @@ def test_the_name_is_read_off_the_calls_id(call_id, name):
      KIMI_CALLS_BEGIN + KIMI_CALL_BEGIN + KIMI_SEP + "{}" + KIMI_CALL_END),
 ])
 def test_kimi_variants(text, want, text_shown):
-    evs = events(text, [len(text) // 2], STYLE)
-    if want == [("search", None)]:             # max_tokens mid-way: the arguments as far as they came
-        assert "".join(e.text for e in evs if isinstance(e, ToolArgs)) == '{"query": "cut'
-        assert [e.name for e in evs if isinstance(e, ToolStart)] == ["search"] and isinstance(evs[-1], ToolEnd)
-    else:
-        assert calls(evs) == want
+    evs = halved_calls(text, want, STYLE)
     assert shown(evs).strip() == text_shown
 
 

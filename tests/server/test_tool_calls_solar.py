@@ -15,7 +15,7 @@ from live import served_folder  # noqa: F401  (the live fixture)
 from scripted import check_forced_calls, clients_get_the_calls, format_server, script, second_turn
 from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
-                                     held_prompt, held_to, shown, walk)
+                                     halved_calls, held_prompt, held_to, shown, walk)
 from tiny_models import with_template
 
 from freetoken_engine.models.tokenizer import Tokenizer
@@ -75,12 +75,7 @@ def test_reasoning_content_and_calls_on_any_split(cuts):
      SOLAR_CALLS + SOLAR_BEGIN + "x1" + SOLAR_ARGS + "{}" + SOLAR_CALL_END, ""),
 ])
 def test_solar_variants(text, want, text_shown, reasoning):
-    evs = events(text, [len(text) // 2], STYLE)
-    if want == [("search", None)]:
-        assert "".join(e.text for e in evs if isinstance(e, ToolArgs)) == '{"query": "cut'
-        assert [e.name for e in evs if isinstance(e, ToolStart)] == ["search"] and isinstance(evs[-1], ToolEnd)
-    else:
-        assert calls(evs) == want
+    evs = halved_calls(text, want, STYLE)
     assert shown(evs).strip() == text_shown
     assert "".join(e.text for e in evs if isinstance(e, Reasoning)) == reasoning
 
