@@ -97,6 +97,13 @@ class Family:
             else:
                 yield gate_up[e, :inter], gate_up[e, inter:], down[e]
 
+    def stores_expert_rows(self, ckpt, layer: int | str, shape: tuple[int, int]) -> bool:
+        """Whether ``layer_expert_rows`` can give ``layer``'s experts (their fused tensors stored in
+        MXFP4, widths multiples of 32), from the checkpoint's index alone."""
+        is4 = getattr(ckpt, "is_mxfp4", None)
+        return (is4 is not None and shape[0] % 32 == 0 and shape[1] % 32 == 0
+                and all(is4(k) for k in self.fused_expert_keys(layer)))
+
     def layer_expert_rows(self, ckpt, layer: int | str, num_experts: int, shape: tuple[int, int]):
         """``(w13 [2I, 17H/32], w2 [H, 17I/32])`` MXFP4 rows (kernels/mxfp4.py, gate rows then up
         rows) of each routed expert of ``layer``, in order, when ``ckpt`` stores the layer's fused

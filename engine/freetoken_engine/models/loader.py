@@ -112,6 +112,10 @@ class Checkpoint:
     def has(self, name: str) -> bool:
         return name in self._where or name in self._mx
 
+    def is_mxfp4(self, name: str) -> bool:
+        """Whether the checkpoint stores ``name`` in MXFP4 (nothing is read)."""
+        return name in self._mx
+
     def mxfp4_rows(self, name: str) -> torch.Tensor | None:
         """``name`` as ``kernels/mxfp4.py``'s rows (uint8 ``[..., R, 17 G]``, repacked exactly from
         its blocks and scales) when the checkpoint stores it in MXFP4; None when it does not."""

@@ -121,7 +121,7 @@ def convert(model_dir: str | Path, out_dir: str | Path, shard_bytes: int = SHARD
     if expert_format not in ("auto", "mxfp4", "dense"):
         raise PackedFormatError(f"expert_format must be auto, mxfp4 or dense, got {expert_format!r}")
     four = expert_format != "dense" and bool(moe) and not mtp and cfg.residual_multiplier == 1.0 and \
-        fam.layer_expert_rows(ckpt, moe.layers[0], moe.num_experts, shape) is not None
+        fam.stores_expert_rows(ckpt, moe.layers[0], shape)
     if expert_format == "mxfp4" and not four:
         raise PackedFormatError(f"{src} holds no MXFP4 experts to keep in 4 bits (gpt-oss's published checkpoints "
                                 f"do): convert with --expert-format auto or dense")
