@@ -41,12 +41,16 @@ def test_rows_repack_the_published_blocks_exactly():
     scales = torch.randint(100, 150, (3, 10, 4), dtype=torch.uint8, generator=g)
     scales[0, 0, 0], scales[0, 0, 1] = 0, 254
     rows = mxfp4.from_blocks(blocks, scales)
-    assert rows.shape == (3, 10, 4 * 17) and rows.dtype == torch.uint8
+    assert rows.shape == (3, 10, 64 + 16) and rows.dtype == torch.uint8       # codes, 4 scales, 12 zeros
+    assert not rows[..., 68:].any()
     want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
     assert torch.equal(mxfp4.dequantize(rows, torch.float32), want)
-    assert mxfp4.row_values(rows.shape[-1]) == 128 and mxfp4.row_bytes(128) == 68
-    with pytest.raises(ValueError, match="no MXFP4 row"):
-        mxfp4.row_values(70)
+    # every row 16-byte aligned: gpt-oss's 2,880 values in 1,440 + 90 + 6 bytes
+    assert mxfp4.row_values(rows.shape[-1]) == 128 and mxfp4.row_bytes(2880) == 1536
+    assert [mxfp4.row_values(mxfp4.row_bytes(k)) for k in range(32, 8193, 32)] == list(range(32, 8193, 32))
+    for bad in (68, 70, 1530):
+        with pytest.raises(ValueError, match="no MXFP4 row"):
+            mxfp4.row_values(bad)
     with pytest.raises(ConfigError, match="MXFP4 blocks"):
         mxfp4.from_blocks(blocks[..., :8], scales)
 
@@ -104,7 +108,7 @@ def test_bad_mxfp4_calls_raise_clear_errors(kernel_config):
 
 def test_engine_keeps_published_mxfp4_experts_in_four_bits(tiny_checkpoint, tmp_path):
     """gpt-oss as published on the CPU: the bank holds the experts as MXFP4 rows (17/64 of the
-    bf16 bytes; 17/128 of float32's) and the engine gives transformers' tokens on the dequantized
+    bf16 bytes at gpt-oss's widths; 16-byte rows of 64 values here: 48 bytes, 3/16 of float32's) and the engine gives transformers' tokens on the dequantized
     weights, with the expert cache and CPU shares too; ``dense`` dequantizes as before, same tokens."""
     src = tiny_checkpoint("gpt_oss", hidden_size=64, intermediate_size=64, head_dim=16)
     mx, flat = _as_mxfp4(src, tmp_path)
@@ -112,7 +116,7 @@ def test_engine_keeps_published_mxfp4_experts_in_four_bits(tiny_checkpoint, tmp_
     four, dense = LLM(mx), LLM(mx, expert_format="dense")
     assert four.runner.bank.mxfp4 and four.runner.bank.w13.dtype == torch.uint8
     assert not dense.runner.bank.mxfp4 and dense.runner.bank.w13.dtype == torch.float32
-    assert four.runner.bank.expert_bytes * 128 == dense.runner.bank.expert_bytes * 17
+    assert four.runner.bank.expert_bytes * 16 == dense.runner.bank.expert_bytes * 3
     assert four.generate(PROMPT, GREEDY).token_ids == dense.generate(PROMPT, GREEDY).token_ids == want[:12]
     for capacity, fraction in ((1, 0.0), (3, 0.5)):
         got = LLM(mx, expert_cache_experts=capacity, cpu_expert_fraction=fraction).generate(PROMPT, GREEDY)
@@ -129,10 +133,11 @@ def test_mxfp4_format_refusals_say_what_to_do(tiny_checkpoint):
 
 
 def test_packed_folder_keeps_mxfp4_experts_in_four_bits(tiny_checkpoint, tmp_path):
-    """``freetoken convert`` of a published gpt-oss writes the bank as MXFP4 rows (17/128 of the
-    float32 bank's bytes), the engine reads them into a 4-bit bank with the source's tokens (a
+    """``freetoken convert`` of a published gpt-oss writes the bank as MXFP4 rows (at 64 values a
+    row 48 bytes, 3/16 of the float32 bank's), the engine reads them into a 4-bit bank with the source's tokens (a
     ``dense`` engine dequantizes them as read), ``--expert-format dense`` writes a dense bank, and
-    a bank format the engine does not know is refused."""
+    a bank format the engine does not know, or an earlier freetoken's unpadded 4-bit rows, are
+    refused with what to do."""
     import json
 
     from freetoken_engine.packed import convert
@@ -143,7 +148,8 @@ def test_packed_folder_keeps_mxfp4_experts_in_four_bits(tiny_checkpoint, tmp_pat
     index4, index32 = (json.loads((p / INDEX_NAME).read_text()) for p in (packed4, packed32))
     assert index4["bank"]["format"] == "mxfp4" and index32["bank"]["format"] == "dense"
     bank_bytes = [sum(m["size"] for n, m in i["files"].items() if n.startswith("bank-")) for i in (index4, index32)]
-    assert bank_bytes[0] * 128 <= bank_bytes[1] * 17 + 2 * 4096 * 128        # (each piece padded to a page)
+    assert bank_bytes[0] * 16 <= bank_bytes[1] * 3 + 2 * 4096 * 16        # (each piece padded to a page)
+    assert index4["bank"]["row_align"] == 16
     want = LLM(mx).generate(PROMPT, GREEDY).token_ids
     llm = LLM(packed4)
     assert llm.runner.bank.mxfp4 and llm.generate(PROMPT, GREEDY).token_ids == want
@@ -159,6 +165,11 @@ def test_packed_folder_keeps_mxfp4_experts_in_four_bits(tiny_checkpoint, tmp_pat
     index4["bank"]["format"] = "int4"
     (packed4 / INDEX_NAME).write_text(json.dumps(index4))
     with pytest.raises(PackedFormatError, match="bank format 'int4'"):
+        LLM(packed4)
+    index4["bank"]["format"] = "mxfp4"
+    del index4["bank"]["row_align"]
+    (packed4 / INDEX_NAME).write_text(json.dumps(index4))
+    with pytest.raises(PackedFormatError, match="not padded to 16 bytes .* run `freetoken convert`"):
         LLM(packed4)
 
 

@@ -20,10 +20,10 @@ from freetoken_engine.kernels.triton.moe import SMALL_P, moe_slots_forward  # no
 H, I = 64, 96
 
 
-def _pool(slots: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _pool(slots: int, seed: int = 0, h: int = H, i: int = I) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return (mxfp4.quantize(torch.randn(slots, 2 * I, H, generator=g) * 0.1),
-            mxfp4.quantize(torch.randn(slots, H, I, generator=g) * 0.1))
+    return (mxfp4.quantize(torch.randn(slots, 2 * i, h, generator=g) * 0.1),
+            mxfp4.quantize(torch.randn(slots, h, i, generator=g) * 0.1))
 
 
 def _routing(tokens: int, k: int, slots: int, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,6 +55,22 @@ def test_moe_on_mxfp4_slots_matches_the_reference(tokens, k, dtype, gated):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert out.dtype == dtype and torch.all(out[~gpu] == 0)
     assert (out[gpu].float() - ref).abs().max() <= tol * ref.abs().max() + 1e-6
+
+
+@pytest.mark.parametrize("tokens,k", [(1, 4), (4, 4), (40, 2)])
+def test_mxfp4_rows_whose_codes_end_inside_a_step(tokens, k):
+    """Widths of 5 and 7 blocks of 32 (rows of 96 and 128 bytes, 16 and 10 of them padding): the
+    kernels' last step of code bytes is partly past the row and reads none of the scales or padding
+    there as codes."""
+    h, i = 160, 224
+    q13, q2 = _pool(6, h=h, i=i)
+    q13[..., h // 2 + h // 32:] = 255                    # padding the kernels must not read as codes
+    q2[..., i // 2 + i // 32:] = 255
+    x = torch.randn(tokens, h, generator=torch.Generator().manual_seed(3))
+    tok, slot = _routing(tokens, k, 6)
+    out = moe_slots_forward(x, q13, q2, tok, slot)
+    ref = expert_pairs_forward(x, mxfp4.dequantize(q13, torch.float32), mxfp4.dequantize(q2, torch.float32), tok, slot)
+    assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 def test_mxfp4_slots_refuse_a_streamed_part_and_bad_rows():

@@ -49,7 +49,7 @@ class ExpertBank:
         """Allocate an empty bank, or adopt ``w13``/``w2`` already in the final layout (a packed
         checkpoint read straight into place). ``dtype``: the model's; the weights' too, unless
         ``mxfp4``: the experts then stay in 4 bits, each row of K values as ``kernels/mxfp4.py``'s
-        ``K/2 + K/32`` bytes (uint8 ``[L, E, 2I, 17H/32]`` and ``[L, E, H, 17I/32]``)."""
+        ``mxfp4.row_bytes(K)`` bytes (rb; uint8 ``[L, E, 2I, rb(H)]`` and ``[L, E, H, rb(I)]``)."""
         self.num_layers, self.num_experts, self.hidden, self.inter = num_layers, num_experts, hidden, inter
         self.dtype, self.mxfp4 = dtype, mxfp4
         store = torch.uint8 if mxfp4 else dtype
@@ -59,8 +59,8 @@ class ExpertBank:
             w13, w2 = _page_aligned(shape13, store), _page_aligned(shape2, store)
         elif tuple(w13.shape) != shape13 or tuple(w2.shape) != shape2 or w13.dtype != store:
             raise ValueError(f"bank tensors {tuple(w13.shape)} {w13.dtype} do not match {shape13} {store}")
-        self.w13 = w13      # [L, E, 2I, H]: gate ; up  (MXFP4: rows of 17H/32 bytes)
-        self.w2 = w2        # [L, E, H, I]: down        (MXFP4: rows of 17I/32 bytes)
+        self.w13 = w13      # [L, E, 2I, H]: gate ; up  (MXFP4: rows of rb(H) bytes)
+        self.w2 = w2        # [L, E, H, I]: down        (MXFP4: rows of rb(I) bytes)
         self.pinned = False
 
     @property
@@ -88,7 +88,7 @@ class ExpertBank:
 
     def fill(self, layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         """Copy one expert's ``gate [I,H]``, ``up [I,H]``, ``down [H,I]`` into its final place
-        (an MXFP4 bank takes them as MXFP4 rows, ``[I, 17H/32]`` and ``[H, 17I/32]`` uint8)."""
+        (an MXFP4 bank takes them as MXFP4 rows, ``[I, rb(H)]`` and ``[H, rb(I)]`` uint8)."""
         if self.mxfp4 and gate.dtype != torch.uint8:
             raise ValueError(f"an MXFP4 bank takes MXFP4 rows (uint8), got {gate.dtype}")
         i = self.inter

@@ -1,8 +1,10 @@
 """MXFP4 expert rows: the bank's layout for experts kept in 4 bits (gpt-oss as published).
 
-A weight matrix ``[R, K]`` (K a multiple of 32) is stored as ``uint8 [R, K/2 + K/32]``: each row's
-K/2 bytes of 4-bit e2m1 codes, then its K/32 scale bytes (a power of two, ``2 ** (s - 127)``, per
-block of 32 values). The codes of each run of 16 values are 8 bytes, two little-endian 32-bit words
+A weight matrix ``[R, K]`` (K a multiple of 32) is stored as ``uint8 [R, row_bytes(K)]``: each
+row's K/2 bytes of 4-bit e2m1 codes, then its K/32 scale bytes (a power of two, ``2 ** (s - 127)``,
+per block of 32 values), then zero bytes up to a multiple of 16 (gpt-oss's 2,880 values: 1,440 +
+90 + 6 = 1,536 bytes), so every row starts 16-byte aligned and a GPU kernel loads its codes 16
+bytes at a time (kernels/triton/moe.py). The codes of each run of 16 values are 8 bytes, two little-endian 32-bit words
 A and B: value 2m in A's nibble m, value 2m + 1 in B's (``(A >> 4m) & 15``). A vector kernel
 broadcasts the 8 bytes to every lane, shifts each lane by its own count and looks the code up:
 no byte shuffle (kernels/cpu/mxfp4.h). A row's codes and scales stay together, so an expert is
@@ -22,18 +24,32 @@ from ..errors import ConfigError
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
+#: a row's bytes are a multiple of this (its codes, its scales, zero padding)
+ROW_ALIGN = 16
+
+
 def row_bytes(k: int) -> int:
-    """Bytes of an MXFP4 row of ``k`` values."""
-    if k % 32:
-        raise ValueError(f"MXFP4 rows hold a multiple of 32 values, got {k}")
-    return k // 2 + k // 32
+    """Bytes of an MXFP4 row of ``k`` values: K/2 codes, K/32 scales, padded to ``ROW_ALIGN``."""
+    if k % 32 or k <= 0:
+        raise ValueError(f"MXFP4 rows hold a positive multiple of 32 values, got {k}")
+    return k // 2 + -(-(k // 32) // ROW_ALIGN) * ROW_ALIGN
+
+
+def values_in(nbytes: int) -> int | None:
+    """Values of an MXFP4 row of ``nbytes`` bytes (the inverse of ``row_bytes``), None for a size
+    no row has."""
+    if nbytes <= 0 or nbytes % ROW_ALIGN:
+        return None
+    blocks = nbytes // 17              # 17 g <= row_bytes(32 g) < 17 g + 16: the only candidate
+    return 32 * blocks if blocks > 0 and row_bytes(32 * blocks) == nbytes else None
 
 
 def row_values(nbytes: int) -> int:
-    """Values of an MXFP4 row of ``nbytes`` bytes (the inverse of ``row_bytes``)."""
-    k = nbytes * 32 // 17
-    if k % 32 or row_bytes(k) != nbytes:
-        raise ValueError(f"{nbytes} bytes is no MXFP4 row (K/2 + K/32 bytes for K a multiple of 32)")
+    """Values of an MXFP4 row of ``nbytes`` bytes; ValueError for a size no row has."""
+    k = values_in(nbytes)
+    if k is None:
+        raise ValueError(f"{nbytes} bytes is no MXFP4 row (K/2 + K/32 bytes padded to a multiple of "
+                         f"{ROW_ALIGN}, for K a multiple of 32)")
     return k
 
 
@@ -44,14 +60,21 @@ def is_mxfp4(t: torch.Tensor) -> bool:
 
 def from_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """A checkpoint's MXFP4 ``blocks [..., G, 16]`` (value 2j in byte j's low nibble, 2j + 1 in its
-    high one) and ``scales [..., G]`` -> rows ``uint8 [..., 17 G]`` in this module's layout."""
+    high one) and ``scales [..., G]`` -> rows ``uint8 [..., row_bytes(32 G)]`` in this module's layout."""
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() < 2 \
             or blocks.shape[-1] != 16 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
         raise ConfigError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
                           f"{scales.dtype} do not fit: expected uint8 [..., G, 16] and uint8 [..., G]")
     lead, groups = tuple(scales.shape[:-1]), scales.shape[-1]
     codes = torch.stack((blocks & 0x0F, blocks >> 4), dim=-1).reshape(*lead, groups * 32)   # value order
-    return torch.cat((_pack(codes), scales), dim=-1)
+    return _row(_pack(codes), scales)
+
+
+def _row(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Code bytes ``[..., K/2]`` and scale bytes ``[..., K/32]`` -> whole rows, zero-padded."""
+    k = packed.shape[-1] * 2
+    pad = packed.new_zeros((*packed.shape[:-1], row_bytes(k) - k // 2 - k // 32))
+    return torch.cat((packed, scales, pad), dim=-1)
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
@@ -69,14 +92,23 @@ def _codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((a & 15, b & 15, a >> 4, b >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
+def value_order(k: int) -> torch.Tensor:
+    """The values of a row of ``k`` in the order its code bytes hold them (int64 ``[k]``): first
+    each byte's low nibble, byte by byte, then each byte's high nibble. Byte b = 8R + 4j + i
+    (word j of run R, its byte i) holds value 16R + 4i + 2h + j in nibble h."""
+    b = torch.arange(k // 2)
+    low = 16 * (b // 8) + 4 * (b % 4) + (b % 8) // 4
+    return torch.cat((low, low + 2))
+
+
 def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """MXFP4 rows ``uint8 [..., K/2 + K/32]`` -> their values ``[..., K]`` in ``dtype``, exact
+    """MXFP4 rows ``uint8 [..., row_bytes(K)]`` -> their values ``[..., K]`` in ``dtype``, exact
     (every value is an e2m1 code times a power of two)."""
     k = row_values(rows.shape[-1])
     lead, groups = tuple(rows.shape[:-1]), k // 32
     lut = torch.tensor(E2M1, dtype=torch.float32)
     vals = lut[_codes(rows[..., :k // 2])].reshape(*lead, groups, 32)
-    vals = torch.ldexp(vals, rows[..., k // 2:].to(torch.int32)[..., None] - 127)
+    vals = torch.ldexp(vals, rows[..., k // 2:k // 2 + groups].to(torch.int32)[..., None] - 127)
     return vals.reshape(*lead, k).to(dtype)
 
 
@@ -97,5 +129,5 @@ def quantize(w: torch.Tensor) -> torch.Tensor:
         code = (scaled.abs()[..., None] - mags).abs().argmin(-1).to(torch.uint8)
         code = code | (torch.signbit(scaled).to(torch.uint8) << 3)
         packed = _pack(code.reshape(v.shape[0], k))
-        flat_o[r0:r0 + step] = torch.cat((packed, (exp + 127).to(torch.uint8)), dim=-1)
+        flat_o[r0:r0 + step] = _row(packed, (exp + 127).to(torch.uint8))
     return out

@@ -105,7 +105,7 @@ class Family:
                 and all(is4(k) for k in self.fused_expert_keys(layer)))
 
     def layer_expert_rows(self, ckpt, layer: int | str, num_experts: int, shape: tuple[int, int]):
-        """``(w13 [2I, 17H/32], w2 [H, 17I/32])`` MXFP4 rows (kernels/mxfp4.py, gate rows then up
+        """``(w13 [2I, rb(H)], w2 [H, rb(I)])`` MXFP4 rows (rb = kernels/mxfp4.py row_bytes; gate rows then up
         rows) of each routed expert of ``layer``, in order, when ``ckpt`` stores the layer's fused
         experts in MXFP4 as published (rows the output features: gpt-oss's); None otherwise."""
         from ..kernels.mxfp4 import row_bytes

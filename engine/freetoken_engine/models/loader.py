@@ -117,7 +117,7 @@ class Checkpoint:
         return name in self._mx
 
     def mxfp4_rows(self, name: str) -> torch.Tensor | None:
-        """``name`` as ``kernels/mxfp4.py``'s rows (uint8 ``[..., R, 17 G]``, repacked exactly from
+        """``name`` as ``kernels/mxfp4.py``'s rows (uint8 ``[..., R, row_bytes(32 G)]``, repacked exactly from
         its blocks and scales) when the checkpoint stores it in MXFP4; None when it does not."""
         if name not in self._mx:
             return None

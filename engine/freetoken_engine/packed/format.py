@@ -5,7 +5,8 @@ Index (``freetoken-packed.json``)::
     {"format": "freetoken-packed", "version": 1, "alignment": 4096, "block_bytes": 16777216,
      "dtype": "bfloat16", "model_type": "qwen3_moe",
      "bank": {"moe_layers": [..], "mtp_layers": 0 or 1, "num_experts": E, "hidden": H, "inter": I,
-              "format": "dense" (in dtype; the default) | "mxfp4" (rows of 17K/32 bytes),
+              "format": "dense" (in dtype; the default) | "mxfp4" (kernels/mxfp4.py's rows),
+              "row_align": 16 (mxfp4 only: its rows' padding; unpadded rows are refused),
               "pieces": [{"tensor": "w13"|"w2", "layers": [a, b], "file": NAME}]},
      "tensors": {KEY: {"file": NAME, "offset": N, "nbytes": N, "dtype": "bfloat16", "shape": [..]}},
      "files": {NAME: {"size": N, "crc32": [one per block_bytes block]}}}
@@ -18,6 +19,7 @@ import json
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..kernels.mxfp4 import ROW_ALIGN, row_bytes
 
 INDEX_NAME = "freetoken-packed.json"
 FORMAT = "freetoken-packed"
@@ -56,7 +58,7 @@ def bank_layers(bank: dict) -> int:
 
 def bank_mxfp4(bank: dict) -> bool:
     """Whether a packed bank holds its experts as MXFP4 rows (kernels/mxfp4.py: a row of K values
-    in K/2 + K/32 bytes), as gpt-oss publishes them, instead of the index's dtype."""
+    in mxfp4.row_bytes(K) bytes), as gpt-oss publishes them, instead of the index's dtype."""
     return bank.get("format", "dense") == "mxfp4"
 
 
@@ -65,8 +67,8 @@ def bank_piece_bytes(index: dict, tensor: str, layers: tuple[int, int]) -> int:
     if tensor not in ("w13", "w2"):
         raise PackedFormatError(f"unknown bank tensor {tensor!r}")
     E, I, H = b["num_experts"], b["inter"], b["hidden"]
-    if bank_mxfp4(b):                       # rows of 17K/32 bytes
-        per_layer = E * (2 * I * (H // 2 + H // 32) if tensor == "w13" else H * (I // 2 + I // 32))
+    if bank_mxfp4(b):                       # rows of mxfp4.row_bytes(K) bytes
+        per_layer = E * (2 * I * row_bytes(H) if tensor == "w13" else H * row_bytes(I))
     else:
         per_layer = E * 2 * I * H * ITEMSIZE[index["dtype"]] // (1 if tensor == "w13" else 2)
     return per_layer * (layers[1] - layers[0])
@@ -94,6 +96,9 @@ def read_index(folder: Path) -> dict:
                                                                                         or bank["inter"] % 32)):
         raise PackedFormatError(f"{path}: bank format {bank.get('format')!r} for hidden {bank.get('hidden')} and "
                                 f"inter {bank.get('inter')}: dense, or mxfp4 with both multiples of 32")
+    if bank_mxfp4(bank) and bank.get("row_align") != ROW_ALIGN:
+        raise PackedFormatError(f"{path}: its 4-bit expert rows are not padded to {ROW_ALIGN} bytes (an earlier "
+                                f"freetoken wrote them); run `freetoken convert` on the checkpoint again")
     block = index.get("block_bytes")
     if not isinstance(block, int) or block <= 0 or block % ALIGN:
         raise PackedFormatError(f"{path}: bad block_bytes {block!r}")

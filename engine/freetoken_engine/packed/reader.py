@@ -37,6 +37,7 @@ import torch
 from .. import env
 from . import early
 from .early import already_verified, record_verified
+from ..kernels.mxfp4 import row_bytes
 from .format import PackedFormatError, bank_layers, bank_mxfp4, bank_piece_bytes, read_index
 from .memory import aligned_empty, as_tensor, host_register
 from .pinning import BankPins
@@ -199,8 +200,8 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
         if bank and bank_mxfp4(bank):     # 4-bit rows: taken as they are, whatever the dtype
             L, E, H, I = bank_layers(bank), bank["num_experts"], bank["hidden"], bank["inter"]
             w13 = st13 = as_tensor(fill.arenas["w13"], bank_piece_bytes(index, "w13", (0, L))).view(
-                L, E, 2 * I, H // 2 + H // 32)
-            w2 = st2 = as_tensor(fill.arenas["w2"], bank_piece_bytes(index, "w2", (0, L))).view(L, E, H, I // 2 + I // 32)
+                L, E, 2 * I, row_bytes(H))
+            w2 = st2 = as_tensor(fill.arenas["w2"], bank_piece_bytes(index, "w2", (0, L))).view(L, E, H, row_bytes(I))
             stored = dtype
         elif bank:
             L, E, H, I = bank_layers(bank), bank["num_experts"], bank["hidden"], bank["inter"]

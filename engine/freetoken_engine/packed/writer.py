@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..kernels.mxfp4 import ROW_ALIGN, row_bytes
 from .format import ALIGN, BLOCK, FORMAT, INDEX_NAME, VERSION, PackedFormatError, dtype_name, is_packed
 
 log = logging.getLogger(__name__)
@@ -185,10 +186,12 @@ def _write_bank(ckpt, fam, moe, layers: list, hidden: int, dtype: torch.dtype, t
     MXFP4 rows (``Family.layer_expert_rows``; the index's bank ``format`` "mxfp4")."""
     E, inter, L = moe.num_experts, moe.intermediate_size, len(layers)
     es = torch.empty(0, dtype=dtype).element_size()
-    per_layer = E * 2 * inter * (hidden // 2 + hidden // 32 if four else hidden * es)    # one layer of w13
+    per_layer = E * 2 * inter * (row_bytes(hidden) if four else hidden * es)    # one layer of w13
     step = max(1, shard_bytes // per_layer)
     index["bank"] = {"moe_layers": list(moe.layers), "mtp_layers": L - len(moe.layers), "num_experts": E,
                      "hidden": hidden, "inter": inter, "format": "mxfp4" if four else "dense", "pieces": []}
+    if four:
+        index["bank"]["row_align"] = ROW_ALIGN
     for a in range(0, L, step):
         b = min(L, a + step)
         f13 = _BlockFile(tmp / f"bank-w13-{a:05d}.bin")

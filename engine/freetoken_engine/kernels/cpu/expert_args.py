@@ -71,9 +71,10 @@ def fast_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: to
     E, H2, I = s2
     dx, dw = DT.get(x.dtype), WT.get(w13.dtype)
     if dw == 2:                                 # MXFP4 rows: whole experts only
-        if rows_from or I % 17 or H % 32:
+        I = mxfp4.values_in(I)
+        if rows_from or I is None or H % 32:
             return None
-        I, K = I * 32 // 17, mxfp4.row_bytes(H)
+        K = mxfp4.row_bytes(H)
     else:
         K = H
     if s13[0] != E or s13[1] != 2 * I or s13[2] != K or H2 != H or not 0 <= rows_from < I:

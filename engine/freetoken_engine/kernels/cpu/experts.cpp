@@ -226,7 +226,8 @@ int experts_call(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   p.g_expert = s_gexp.data(); p.g_start = s_gstart.data(); p.g_count = s_gcount.data();
   p.sorted_pair = s_sorted.data(); p.pair_tok = pair_tok;
   p.x_bf16 = x_bf16; p.out = out; p.out_bf16 = x_bf16; p.prefetch = w_bf16 ? g_prefetch : g_prefetch_f32;
-  // bytes of a gate/up row and of a down row (an MXFP4 row: K/2 code bytes, K/32 scales)
+  // bytes of a gate/up row and of a down row read (an MXFP4 row: K/2 code bytes, K/32 scales; its
+  // padding to 16 bytes is not read)
   const int64_t rb1 = w_bf16 == 2 ? H / 2 + H / 32 : H * es, rb2 = w_bf16 == 2 ? I / 2 + I / 32 : I * es;
   p.far_pf = g_tune.far_pf; p.far_pf_tokens = g_tune.far_pf_tokens;
   p.amx_pf = g_tune.amx_pf; p.amx_next = g_tune.amx_next;

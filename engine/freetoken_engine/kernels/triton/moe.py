@@ -16,7 +16,7 @@ per call. For small calls (decode, P <= 64) each program finds its slot's pairs 
 preprocessing, nothing to launch but the two kernels: good for CUDA graphs). For large calls
 (prefill) a block table is built with a few device-side torch ops (no host sync).
 
-One token (a batch-1 decode call, P <= 64) takes two other kernels, ``lanes``: each pair is its
+One token (a batch-1 decode call, P <= 64) takes two other kernels (``lanes``, moe_lanes.py): each pair is its
 own expert, so a program owns a few weight rows of one pair (``LANES_TILES``: 2 gate and 2 up
 rows, 8 down rows) and multiplies elementwise in fp32, reducing once at the end, as
 ``gemv.py``'s one-token kernel does. A Qwen3-30B expert is then 640 programs instead of the tiled
@@ -25,11 +25,9 @@ kernels' 56: a call of one to four experts (a layer's fills, or its hits in a sm
 engine's decode did not move beyond its noise (docs/gpu.md). Every one-token call takes them, so
 a pair's row does not depend on which call computed it.
 
-Slots of MXFP4 rows (uint8 ``[S, 2I, 17H/32]`` / ``[S, H, 17I/32]``, kernels/mxfp4.py; the ``MX``
-constexpr) are decoded where they are loaded (``_weights``) and enter ``tl.dot`` as bf16, which
-holds their values exactly; the same products as on dense slots. Measured on the H200 the calls run
-4-8x slower than on bf16 slots (each value a byte load of its own: docs/gpu.md), so a GPU engine
-keeps its experts dense unless told ``--expert-format mxfp4``.
+Slots of MXFP4 rows (uint8 ``[S, 2I, rb(H)]`` / ``[S, H, rb(I)]``, rb = kernels/mxfp4.py row_bytes; the
+``MX`` constexpr) are decoded where they are loaded, a block of 32 values a 16-byte load, and meet
+the activations in the rows' byte order (moe_mxfp4.py); their values are exact in bf16.
 """
 from __future__ import annotations
 
@@ -40,6 +38,8 @@ import triton.language as tl
 from ..mxfp4 import row_bytes
 from ..reference import SILU, GatedAct
 from ._common import check_tensor, interpreting, next_pow2
+from .moe_lanes import down_lanes_kernel, gate_up_lanes_kernel, gated
+from .moe_mxfp4 import byte_order, inter_pos, mx_dot, mx_rows
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX = (torch.int32, torch.int64)
@@ -49,10 +49,10 @@ _ACTS = {"silu": 0, "swiglu_oai": 1}     # the gate kernels' ACT
 #: module-level so that a benchmark or a tuning run can set them for the GPU at hand.
 DECODE_TILES = {"bn1": 32, "bk1": 128, "bn2": 64, "bk2": 128, "warps": 4}
 PREFILL_TILES = {"bn1": 64, "bk1": 64, "bn2": 128, "bk2": 64, "warps": 8}
-#: one token (a batch-1 decode call): the lanes kernels' tiles, or None for the tiled kernels
-#: above (the bench's A/B side). BN rows of one pair's expert a program, K streamed in BK blocks.
-#: The best of 36 in bench/moe_decode_kernel.py --sweep on the H200 (2026-12-04) for 1 and 8
-#: experts a call, both Qwen shapes: 1.5-1.8x the tiled kernels with one expert, 0.97-1.06x with 8.
+#: one token (a batch-1 decode call): the lanes kernels' tiles (BN rows of one pair's expert a
+#: program, K streamed in BK blocks), or None for the tiled kernels above (the bench's A/B side).
+#: The best of 36 in bench/moe_decode_kernel.py --sweep on the H200 (2026-12-04), 1 and 8 experts
+#: a call, both Qwen shapes: 1.5-1.8x the tiled kernels with one expert, 0.97-1.06x with 8.
 LANES_TILES: dict | None = {"bn1": 2, "bk1": 2048, "bn2": 8, "bk2": 256, "warps": 4}
 
 
@@ -79,42 +79,6 @@ def _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
 
 
 @triton.jit
-def _weights(rows, k, K, mask, MX: tl.constexpr):
-    """Weights at values ``k`` of the rows at pointers ``rows`` (broadcast together): loaded as
-    stored, or, for MXFP4 rows (MX; kernels/mxfp4.py: K/2 code bytes, then K/32 scales, each run of
-    16 values two words A, B with value 2m in A's nibble m and 2m + 1 in B's), decoded to float32."""
-    if MX:
-        v = k % 16
-        m = v // 2
-        byte = tl.load(rows + (k // 16) * 8 + (v % 2) * 4 + m // 2, mask=mask, other=0).to(tl.int32)
-        code = (byte >> ((m % 2) * 4)) & 15
-        e, half = (code >> 1) & 3, (code & 1).to(tl.float32) * 0.5
-        # e2m1: half (e = 0), else (1 + half) 2^(e - 1); powers of two made exactly (no exp2,
-        # whose approximation need not be exact on a GPU)
-        val = tl.where(e == 0, half, (1.0 + half) * (1 << tl.maximum(e - 1, 0)).to(tl.float32))
-        val = tl.where(code >= 8, -val, val)
-        sc = tl.load(rows + K // 2 + k // 32, mask=mask, other=127).to(tl.int32)
-        scale = (sc << 23).to(tl.float32, bitcast=True)                   # 2^(sc - 127) for sc >= 1
-        w = val * tl.where(sc == 0, 5.877471754111438e-39, scale)         # sc = 0: 2^-127
-    else:
-        w = tl.load(rows + k, mask=mask, other=0.0)
-    return w
-
-
-@triton.jit
-def _gated(g, u, alpha, clamp, ACT: tl.constexpr):
-    """The activation of float32 gate and up rows: silu(g) u (ACT 0) or gpt-oss's clamped gate
-    (ACT 1: reference.GatedAct "swiglu_oai")."""
-    if ACT == 1:
-        gc = tl.minimum(g, clamp)
-        uc = tl.minimum(tl.maximum(u, -clamp), clamp)
-        h = (uc + 1.0) * (gc / (1.0 + tl.exp(-(gc * alpha))))
-    else:
-        h = g / (1.0 + tl.exp(-g)) * u
-    return h
-
-
-@triton.jit
 def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, block_rows_ptr,
                     block_slot_ptr, limit_ptr, b13_ptr, pair_bias_ptr, alpha, clamp,
                     P, H, I, stride_xt, stride_ws, stride_wn, stride_b,
@@ -135,31 +99,42 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, bloc
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         w_base = w13_ptr + s * stride_ws
-        for k0 in range(0, H, BK):
-            k = k0 + tl.arange(0, BK)
-            kmask = k < H
-            xt = tl.load(x_ptr + toks[:, None] * stride_xt + k[None, :],
-                         mask=valid[:, None] & kmask[None, :], other=0.0)           # [BM, BK]
-            wmask = kmask[:, None] & nmask[None, :]
-            wg = _weights(w_base + n[None, :] * stride_wn, k[:, None], H, wmask, MX)          # [BK, BN]
-            wu = _weights(w_base + (n[None, :] + I) * stride_wn, k[:, None], H, wmask, MX)    # [BK, BN]
-            if MX and not UPCAST:
-                wg, wu = wg.to(xt.dtype), wu.to(xt.dtype)
-            if UPCAST:
-                xf = xt.to(tl.float32)
-                acc_g += tl.dot(xf, wg.to(tl.float32), input_precision="ieee")
-                acc_u += tl.dot(xf, wu.to(tl.float32), input_precision="ieee")
-            else:
-                xw = xt.to(wg.dtype)
-                acc_g = tl.dot(xw, wg, acc_g)
-                acc_u = tl.dot(xw, wu, acc_u)
+        if MX:          # x in byte order (moe_mxfp4.py), BK / 2 code bytes a step
+            gate = w_base + n.to(tl.int64) * stride_wn
+            for k0 in range(0, H // 2, BK // 2):
+                kb = k0 + tl.arange(0, BK // 2)
+                xm = valid[:, None] & (kb < H // 2)[None, :]
+                xl = tl.load(x_ptr + toks[:, None] * stride_xt + kb[None, :], mask=xm, other=0.0)
+                xh = tl.load(x_ptr + toks[:, None] * stride_xt + H // 2 + kb[None, :], mask=xm, other=0.0)
+                gl, gh = mx_rows(gate, k0, H, nmask, BK // 32)
+                ul, uh = mx_rows(gate + I * stride_wn, k0, H, nmask, BK // 32)
+                acc_g = mx_dot(xl, xh, gl, gh, acc_g, UPCAST)
+                acc_u = mx_dot(xl, xh, ul, uh, acc_u, UPCAST)
+        else:
+            for k0 in range(0, H, BK):
+                k = k0 + tl.arange(0, BK)
+                kmask = k < H
+                xt = tl.load(x_ptr + toks[:, None] * stride_xt + k[None, :],
+                             mask=valid[:, None] & kmask[None, :], other=0.0)           # [BM, BK]
+                wmask = kmask[:, None] & nmask[None, :]
+                wg = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=wmask, other=0.0)        # [BK, BN]
+                wu = tl.load(w_base + (n[None, :] + I) * stride_wn + k[:, None], mask=wmask, other=0.0)  # [BK, BN]
+                if UPCAST:
+                    xf = xt.to(tl.float32)
+                    acc_g += tl.dot(xf, wg.to(tl.float32), input_precision="ieee")
+                    acc_u += tl.dot(xf, wu.to(tl.float32), input_precision="ieee")
+                else:
+                    xw = xt.to(wg.dtype)
+                    acc_g = tl.dot(xw, wg, acc_g)
+                    acc_u = tl.dot(xw, wu, acc_u)
         if BIAS:          # each pair's expert's gate/up biases (its row of b13)
             b = b13_ptr + tl.load(pair_bias_ptr + rows, mask=valid, other=0).to(tl.int64)[:, None] * stride_b
             bmask = valid[:, None] & nmask[None, :]
             acc_g += tl.load(b + n[None, :], mask=bmask, other=0.0).to(tl.float32)
             acc_u += tl.load(b + I + n[None, :], mask=bmask, other=0.0).to(tl.float32)
-        h = _gated(acc_g, acc_u, alpha, clamp, ACT)                          # float32
-        tl.store(inter_ptr + rows[:, None] * I + n[None, :], h.to(inter_ptr.dtype.element_ty),
+        h = gated(acc_g, acc_u, alpha, clamp, ACT)                          # float32
+        col = inter_pos(n, I) if MX else n                  # MX: in the down rows' byte order
+        tl.store(inter_ptr + rows[:, None] * I + col[None, :], h.to(inter_ptr.dtype.element_ty),
                  mask=valid[:, None] & nmask[None, :])
 
 
@@ -180,77 +155,28 @@ def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, bloc
         nmask = n < H
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         w_base = w2_ptr + s * stride_ws
-        for k0 in range(0, lim, BK):
-            k = k0 + tl.arange(0, BK)
-            kmask = k < lim
-            a = tl.load(inter_ptr + rows[:, None] * I + k[None, :],
-                        mask=valid[:, None] & kmask[None, :], other=0.0)            # [BM, BK]
-            w = _weights(w_base + n[None, :] * stride_wn, k[:, None], I, kmask[:, None] & nmask[None, :], MX)
-            if MX and not UPCAST:
-                w = w.to(a.dtype)
-            if UPCAST:
-                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            else:
-                acc = tl.dot(a.to(w.dtype), w, acc)
+        if MX:          # the intermediate rows in byte order (the gate/up kernel wrote them so)
+            for k0 in range(0, I // 2, BK // 2):
+                kb = k0 + tl.arange(0, BK // 2)
+                am = valid[:, None] & (kb < I // 2)[None, :]
+                al = tl.load(inter_ptr + rows[:, None] * I + kb[None, :], mask=am, other=0.0)
+                ah = tl.load(inter_ptr + rows[:, None] * I + I // 2 + kb[None, :], mask=am, other=0.0)
+                wl, wh = mx_rows(w_base + n.to(tl.int64) * stride_wn, k0, I, nmask, BK // 32)
+                acc = mx_dot(al, ah, wl, wh, acc, UPCAST)
+        else:
+            for k0 in range(0, lim, BK):
+                k = k0 + tl.arange(0, BK)
+                kmask = k < lim
+                a = tl.load(inter_ptr + rows[:, None] * I + k[None, :],
+                            mask=valid[:, None] & kmask[None, :], other=0.0)            # [BM, BK]
+                w = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=kmask[:, None] & nmask[None, :],
+                            other=0.0)
+                if UPCAST:
+                    acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+                else:
+                    acc = tl.dot(a.to(w.dtype), w, acc)
         tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & nmask[None, :])
-
-
-@triton.jit
-def _gate_up_lanes_kernel(x_ptr, w13_ptr, inter_ptr, pair_slot_ptr, limit_ptr, b13_ptr, pair_bias_ptr, alpha, clamp,
-                          H, I, stride_ws, stride_wn, stride_b,
-                          BN: tl.constexpr, BK: tl.constexpr, LIMIT: tl.constexpr, ACT: tl.constexpr,
-                          BIAS: tl.constexpr, MX: tl.constexpr):
-    """One token: program (p, j) computes intermediate rows [j BN, (j + 1) BN) of pair p,
-    multiplying elementwise in fp32 and reducing each row once, after the K loop."""
-    p = tl.program_id(0)
-    s = tl.load(pair_slot_ptr + p).to(tl.int64)
-    lim = I
-    if LIMIT:
-        lim = tl.minimum(tl.load(limit_ptr).to(tl.int32), I)
-    if (s >= 0) & (tl.program_id(1) * BN < lim):
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < lim
-        gate = w13_ptr + s * stride_ws + n.to(tl.int64)[:, None] * stride_wn           # [BN, 1]
-        up = gate + I * stride_wn
-        acc_g = tl.zeros([BN, BK], dtype=tl.float32)
-        acc_u = tl.zeros([BN, BK], dtype=tl.float32)
-        for k0 in range(0, H, BK):
-            k = k0 + tl.arange(0, BK)
-            kmask = k < H
-            xk = tl.load(x_ptr + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
-            wmask = nmask[:, None] & kmask[None, :]
-            acc_g += _weights(gate, k[None, :], H, wmask, MX).to(tl.float32) * xk
-            acc_u += _weights(up, k[None, :], H, wmask, MX).to(tl.float32) * xk
-        g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
-        if BIAS:
-            b = b13_ptr + tl.load(pair_bias_ptr + p).to(tl.int64) * stride_b
-            g += tl.load(b + n, mask=nmask, other=0.0).to(tl.float32)
-            u += tl.load(b + I + n, mask=nmask, other=0.0).to(tl.float32)
-        h = _gated(g, u, alpha, clamp, ACT)                                 # float32
-        tl.store(inter_ptr + p * I + n, h.to(inter_ptr.dtype.element_ty), mask=nmask)
-
-
-@triton.jit
-def _down_lanes_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, limit_ptr, H, I, stride_ws, stride_wn, stride_ot,
-                       BN: tl.constexpr, BK: tl.constexpr, LIMIT: tl.constexpr, MX: tl.constexpr):
-    """One token: program (p, j) computes output rows [j BN, (j + 1) BN) of pair p."""
-    p = tl.program_id(0)
-    s = tl.load(pair_slot_ptr + p).to(tl.int64)
-    lim = I
-    if LIMIT:
-        lim = tl.minimum(tl.load(limit_ptr).to(tl.int32), I)
-    if s >= 0:
-        n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < H
-        rows = w2_ptr + s * stride_ws + n.to(tl.int64)[:, None] * stride_wn             # [BN, 1]
-        acc = tl.zeros([BN, BK], dtype=tl.float32)
-        for k0 in range(0, lim, BK):
-            k = k0 + tl.arange(0, BK)
-            kmask = k < lim
-            a = tl.load(inter_ptr + p * I + k, mask=kmask, other=0.0).to(tl.float32)[None, :]
-            acc += _weights(rows, k[None, :], I, nmask[:, None] & kmask[None, :], MX).to(tl.float32) * a
-        tl.store(out_ptr + p * stride_ot + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=nmask)
 
 
 def block_table(pair_slot: torch.Tensor, block_m: int, slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,13 +274,15 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     upcast = interpreting() or x.dtype == torch.float32 or w13_slots.dtype == torch.float32
     inter_buf = torch.empty((p, inter), dtype=torch.float32 if upcast else x.dtype, device=dev)
     lim = limit if limit is not None else pair_slot
+    if mx:              # the tokens' rows in the MXFP4 rows' byte order (moe_mxfp4.py)
+        x = x.index_select(1, byte_order(h, dev))
     if t == 1 and p <= SMALL_P and LANES_TILES is not None:
         bn1, bk1, bn2, bk2, warps = (LANES_TILES[key] for key in ("bn1", "bk1", "bn2", "bk2", "warps"))
-        _gate_up_lanes_kernel[(p, triton.cdiv(inter, bn1))](
+        gate_up_lanes_kernel[(p, triton.cdiv(inter, bn1))](
             x, w13_slots, inter_buf, pair_slot, lim, H=h, I=inter, stride_ws=w13_slots.stride(0),
             stride_wn=w13_slots.stride(1), BN=bn1, BK=min(bk1, next_pow2(h)), LIMIT=limit is not None,
             num_warps=warps, **gate)
-        _down_lanes_kernel[(p, triton.cdiv(h, bn2))](
+        down_lanes_kernel[(p, triton.cdiv(h, bn2))](
             inter_buf, w2_slots, out, pair_slot, lim, h, inter, w2_slots.stride(0), w2_slots.stride(1),
             out.stride(0), BN=bn2, BK=min(bk2, next_pow2(inter)), LIMIT=limit is not None, MX=mx, num_warps=warps)
         return out

@@ -1,0 +1,76 @@
+"""MXFP4 slots in the Triton MoE kernels (moe.py's ``MX`` constexpr): rows decoded where they are
+loaded, 16 code bytes (one block of 32 values and its one scale) at a time.
+
+A row (kernels/mxfp4.py) is K/2 code bytes, K/32 scales, zero padding to 16 bytes, so each row
+starts 16-byte aligned and a thread loads a block's codes with one 16-byte load. The kernels do
+not put the values back in their order: byte b's low nibble holds value ``v(b, 0)`` and its high
+nibble ``v(b, 1)`` (``value_order``), and the activations that meet them are read in that order
+instead. The tokens' rows are gathered once a call (``byte_order``: x[:, order]); the gate/up
+kernels write the intermediate rows in the down rows' byte order (``inter_pos``), so the down
+kernels read both halves contiguously. Each product is the one the dense kernels form on the
+same values (the decoded values are exact in bf16); only the order of the sum differs.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..mxfp4 import value_order
+
+_ORDERS: dict = {}
+
+
+def byte_order(k: int, device: torch.device) -> torch.Tensor:
+    """Indices ``[k]`` (int64, on ``device``) that put a row of k values in MXFP4 byte order:
+    the first k/2 the values of each code byte's low nibble, the next k/2 its high nibble's."""
+    key = (k, str(device))
+    if key not in _ORDERS:
+        _ORDERS[key] = value_order(k).to(device)
+    return _ORDERS[key]
+
+
+@triton.jit
+def _values(codes, sc):
+    """e2m1 codes (int32, 0..15) times 2^(sc - 127) (int32 scale bytes, broadcast) in float32,
+    exact: magnitudes 2^(e - 1) (1 + m/2) built from their bits (no table, no exp2)."""
+    em = codes & 7
+    mag = tl.where(em >= 2, ((em << 22) + 0x3F000000).to(tl.float32, bitcast=True), em.to(tl.float32) * 0.5)
+    scale = tl.where(sc == 0, 5.877471754111438e-39, (sc << 23).to(tl.float32, bitcast=True))  # sc = 0: 2^-127
+    v = mag * scale
+    return tl.where(codes >= 8, -v, v)
+
+
+@triton.jit
+def mx_rows(rows, k0, K, rmask, G: tl.constexpr):
+    """Code bytes [k0, k0 + 16 G) of the MXFP4 rows at pointers ``rows`` ([BN]; k0 a multiple of
+    16) decoded: (low nibbles' values, high nibbles' values), each [BN, 16 G] float32 in byte
+    order, zero past the row's codes and in the rows ``rmask`` leaves out."""
+    g = k0 // 16 + tl.arange(0, G)                                        # blocks of 32 values
+    gmask = rmask[:, None] & (g[None, :] < K // 32)                       # [BN, G]
+    codes = tl.load(rows[:, None, None] + (g * 16)[None, :, None] + tl.arange(0, 16)[None, None, :],
+                    mask=gmask[:, :, None], other=0).to(tl.int32)         # [BN, G, 16]
+    sc = tl.load(rows[:, None] + K // 2 + g[None, :], mask=gmask, other=127).to(tl.int32)[:, :, None]
+    lo = tl.reshape(_values(codes & 15, sc), [codes.shape[0], G * 16])
+    hi = tl.reshape(_values(codes >> 4, sc), [codes.shape[0], G * 16])
+    return lo, hi
+
+
+@triton.jit
+def mx_dot(al, ah, wl, wh, acc, UPCAST: tl.constexpr):
+    """acc + al @ wl^T + ah @ wh^T: activations [BM, BKB] in byte order against mx_rows' halves."""
+    if UPCAST:
+        acc += tl.dot(al.to(tl.float32), tl.trans(wl), input_precision="ieee")
+        acc += tl.dot(ah.to(tl.float32), tl.trans(wh), input_precision="ieee")
+    else:
+        acc = tl.dot(al, tl.trans(wl).to(al.dtype), acc)
+        acc = tl.dot(ah, tl.trans(wh).to(ah.dtype), acc)
+    return acc
+
+
+@triton.jit
+def inter_pos(n, I):
+    """Where intermediate value n goes in a row of I values in the down rows' byte order (the
+    inverse of ``value_order``): value 16R + 4i + 2h + j is nibble h of byte 8R + 4j + i."""
+    u = n % 16
+    return ((u // 2) % 2) * (I // 2) + (n // 16) * 8 + (u % 2) * 4 + u // 4
