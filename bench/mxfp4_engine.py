@@ -5,9 +5,13 @@ its own, alternating, ``--rounds`` times; the median kept). The checkpoint is wr
 widths (H 2880, 32 experts of I 2880, top 4, 64/8 heads of 64, sinks, sliding layers) with
 ``--layers`` layers and a ``--vocab`` vocabulary, random MXFP4 codes and scales, random routers (the
 experts a token takes vary from token to token). Both sides must give the same greedy tokens in
-float32; in bfloat16 (what runs) they are reported side by side.
+float32; in bfloat16 (what runs) they are reported side by side. On a GPU, ``--cache-gb`` gives
+both sides the same expert cache in GB (the 4-bit side's slots hold 3.76x the experts, and each
+miss moves 3.76x fewer bytes over PCIe); "all": the engine's default size.
 
     python bench/mxfp4_engine.py [--layers 4] [--tokens 32] [--rounds 2] [--device cpu]
+    python bench/mxfp4_engine.py --device cuda --dtypes bfloat16 --layers 8 --cache-gb 0.8,1.6,all \
+        --out bench/results/mxfp4_engine_gpu.json
 """
 from __future__ import annotations
 
@@ -75,11 +79,12 @@ def write(folder: Path, layers: int, vocab: int) -> int:
     return total
 
 
-def side(folder: str, fmt: str, dtype: str, tokens: int, device: str) -> dict:
+def side(folder: str, fmt: str, dtype: str, tokens: int, device: str, cache: str) -> dict:
     """One engine in this process: its resident memory, time to ready, decode rate."""
     from freetoken_engine import LLM, SamplingParams
     t0 = time.perf_counter()
-    llm = LLM(folder, device=device, dtype=dtype, expert_format=fmt)
+    llm = LLM(folder, device=device, dtype=dtype, expert_format=fmt,
+              expert_cache_gb=None if cache == "all" else float(cache))
     ready = time.perf_counter() - t0
     rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     greedy = SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True)
@@ -87,9 +92,10 @@ def side(folder: str, fmt: str, dtype: str, tokens: int, device: str) -> dict:
     t0 = time.perf_counter()
     out = llm.generate(PROMPT, greedy)
     secs = time.perf_counter() - t0
-    return {"format": fmt, "dtype": dtype, "ready_s": ready, "rss_gb": rss / 1e9,
+    return {"format": fmt, "dtype": dtype, "cache": cache, "ready_s": ready, "rss_gb": rss / 1e9,
             "bank_gb": llm.runner.bank.expert_bytes * llm.runner.bank.total_experts / 1e9,
-            "tok_per_s": tokens / secs, "tokens": out.token_ids}
+            "tok_per_s": tokens / secs, "tokens": out.token_ids, "misses": out.stats.get("misses"),
+            "cached_experts": llm.runner.cache.capacity if llm.runner.cache is not None else None}
 
 
 def run(args) -> dict:
@@ -98,20 +104,24 @@ def run(args) -> dict:
         size = write(folder, args.layers, args.vocab)
         print(f"wrote {size / 1e9:.2f} GB ({args.layers} layers)")
         results = {}
+        keys = [(dtype, cache) for dtype in args.dtypes.split(",") for cache in args.cache_gb.split(",")]
         for r in range(args.rounds):
             for fmt in (("mxfp4", "dense") if r % 2 == 0 else ("dense", "mxfp4")):
-                for dtype in args.dtypes.split(","):
-                    cmd = [sys.executable, __file__, "--side", str(folder), fmt, dtype, str(args.tokens), args.device]
+                for dtype, cache in keys:
+                    cmd = [sys.executable, __file__, "--side", str(folder), fmt, dtype, str(args.tokens), args.device, cache]
                     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
                     res = json.loads(out.strip().splitlines()[-1])
-                    results.setdefault((fmt, dtype), []).append(res)
-                    print(f"round {r + 1}: {fmt:5s} {dtype:8s} {res['tok_per_s']:6.2f} tok/s, ready {res['ready_s']:.1f} s,"
-                          f" resident {res['rss_gb']:.2f} GB")
+                    results.setdefault((fmt, dtype, cache), []).append(res)
+                    print(f"round {r + 1}: {fmt:5s} {dtype:8s} cache {cache:4s} {res['tok_per_s']:7.2f} tok/s, "
+                          f"ready {res['ready_s']:.1f} s, resident {res['rss_gb']:.2f} GB, misses {res['misses']}, "
+                          f"cached experts {res['cached_experts']}")
     rows = []
-    for dtype in args.dtypes.split(","):
-        four, dense = results[("mxfp4", dtype)], results[("dense", dtype)]
+    for dtype, cache in keys:
+        four, dense = results[("mxfp4", dtype, cache)], results[("dense", dtype, cache)]
         med = lambda rs, k: statistics.median(x[k] for x in rs)   # noqa: E731
-        row = {"dtype": dtype, "tok_per_s": {"mxfp4": med(four, "tok_per_s"), "dense": med(dense, "tok_per_s")},
+        row = {"dtype": dtype, "cache_gb": cache, "tok_per_s": {"mxfp4": med(four, "tok_per_s"), "dense": med(dense, "tok_per_s")},
+               "cached_experts": {"mxfp4": four[0]["cached_experts"], "dense": dense[0]["cached_experts"]},
+               "misses": {"mxfp4": four[0]["misses"], "dense": dense[0]["misses"]},
                "ready_s": {"mxfp4": med(four, "ready_s"), "dense": med(dense, "ready_s")},
                "rss_gb": {"mxfp4": med(four, "rss_gb"), "dense": med(dense, "rss_gb")},
                "bank_gb": {"mxfp4": four[0]["bank_gb"], "dense": dense[0]["bank_gb"]},
@@ -120,7 +130,7 @@ def run(args) -> dict:
         if dtype == "float32":
             assert row["same_tokens"], "4-bit and dense experts gave different float32 tokens"
         rows.append(row)
-        print(f"{dtype}: {row['tok_per_s']['mxfp4']:.2f} vs {row['tok_per_s']['dense']:.2f} tok/s "
+        print(f"{dtype}, cache {cache}: {row['tok_per_s']['mxfp4']:.2f} vs {row['tok_per_s']['dense']:.2f} tok/s "
               f"({row['speedup']:.2f}x), resident {row['rss_gb']['mxfp4']:.2f} vs {row['rss_gb']['dense']:.2f} GB, "
               f"ready {row['ready_s']['mxfp4']:.1f} vs {row['ready_s']['dense']:.1f} s, same tokens {row['same_tokens']}")
     return {"hardware": describe(), "device": args.device, "layers": args.layers, "vocab": args.vocab,
@@ -136,7 +146,8 @@ def plot(result: dict, path: Path) -> None:
     for ax, key, label in ((axes[0], "tok_per_s", "decode tok/s (batch 1)"), (axes[1], "rss_gb", "resident GB")):
         for j, fmt in enumerate(("dense", "mxfp4")):
             ax.bar([i + 0.4 * j for i in range(len(rows))], [r[key][fmt] for r in rows], 0.4, label=fmt)
-        ax.set_xticks([i + 0.2 for i in range(len(rows))], [r["dtype"] for r in rows])
+        ax.set_xticks([i + 0.2 for i in range(len(rows))], [f"{r['dtype']}\ncache {r.get('cache_gb', 'all')}" for r in rows],
+                      fontsize=7)
         ax.set_title(label, fontsize=9)
     axes[0].legend(fontsize=8)
     fig.suptitle(f"gpt-oss ({result['layers']} layers of 20b's widths) on {result['device']}, "
@@ -147,8 +158,8 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--side":
-        folder, fmt, dtype, tokens, device = sys.argv[2:7]
-        res = side(folder, fmt, dtype, int(tokens), device)
+        folder, fmt, dtype, tokens, device, cache = sys.argv[2:8]
+        res = side(folder, fmt, dtype, int(tokens), device, cache)
         print(json.dumps(res))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -158,6 +169,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--cache-gb", default="all", help="expert cache budgets in GB, comma-separated, or all (a GPU's)")
     ap.add_argument("--dir", default=None, help="where the checkpoint is written (default: the temp dir)")
     report.main(ap, ROOT / "bench" / "results" / "mxfp4_engine.json", run, plot)
 
