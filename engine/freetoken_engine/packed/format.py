@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..kernels.mxfp4 import ROW_ALIGN, row_bytes
+from ..kernels.mxfp4_rows import ROW_ALIGN, row_bytes
 
 INDEX_NAME = "freetoken-packed.json"
 FORMAT = "freetoken-packed"

@@ -37,7 +37,7 @@ import torch
 from .. import env
 from . import early
 from .early import already_verified, record_verified
-from ..kernels.mxfp4 import row_bytes
+from ..kernels.mxfp4_rows import row_bytes
 from .format import PackedFormatError, bank_layers, bank_mxfp4, bank_piece_bytes, read_index
 from .memory import aligned_empty, as_tensor, host_register
 from .pinning import BankPins

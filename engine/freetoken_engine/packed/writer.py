@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..kernels.mxfp4 import ROW_ALIGN, row_bytes
+from ..kernels.mxfp4_rows import ROW_ALIGN, row_bytes
 from .format import ALIGN, BLOCK, FORMAT, INDEX_NAME, VERSION, PackedFormatError, dtype_name, is_packed
 
 log = logging.getLogger(__name__)

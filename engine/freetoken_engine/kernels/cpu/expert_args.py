@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .. import mxfp4
+from ..mxfp4_rows import values_in
 
 DT = {torch.float32: 0, torch.bfloat16: 1}
 #: the kernel's weight kinds: uint8 weights are MXFP4 rows (kernels/mxfp4.py)
@@ -71,7 +72,7 @@ def fast_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, pair_tok: to
     E, H2, I = s2
     dx, dw = DT.get(x.dtype), WT.get(w13.dtype)
     if dw == 2:                                 # MXFP4 rows: whole experts only
-        I = mxfp4.values_in(I)
+        I = values_in(I)
         if rows_from or I is None or H % 32:
             return None
         K = mxfp4.row_bytes(H)
