@@ -9,7 +9,10 @@ another order). Reported: microseconds a call, the
 expert bytes it reads as GB/s (4.25 bits a value against 16), the speed-up, and how many experts
 a GB of expert cache holds.
 
-    python bench/mxfp4_gpu.py [--reps 50] [--layers 4]
+    python bench/mxfp4_gpu.py [--reps 50] [--layers 4] [--sweep]
+
+``--sweep``: the 4-bit calls of 1, 4 and 16 tokens again under other tiles of the kernels
+(``moe.LANES_TILES`` for one token, ``moe.DECODE_TILES`` for a few), the defaults restored after.
 """
 from __future__ import annotations
 
@@ -106,6 +109,7 @@ def run(args) -> dict:
                  "us": {k: v * 1e6 for k, v in med.items()},
                  "gb_per_s": {k: 4 * per_expert[k] / v / 1e9 for k, v in med.items()},
                  "speedup": med["bf16"] / med["mxfp4"]})
+    sweep = tile_sweep(dev["mxfp4"], args.reps) if args.sweep else []
     for r in rows:
         print(f"{r['what']:45s} bf16 {r['us']['bf16']:9.1f} us ({r['gb_per_s']['bf16']:7.1f} GB/s)   "
               f"MXFP4 {r['us']['mxfp4']:9.1f} us ({r['gb_per_s']['mxfp4']:7.1f} GB/s)   {r['speedup']:.2f}x")
@@ -114,7 +118,32 @@ def run(args) -> dict:
           f"a GB of cache holds {per_gb['bf16']} / {per_gb['mxfp4']}; HBM copy {hbm:.0f} GB/s")
     return {"hardware": describe(), "gpu": torch.cuda.get_device_name(), "hbm_copy_gb_per_s": hbm,
             "shape": {"hidden": H, "intermediate": I, "experts": E, "top_k": K}, "expert_bytes": per_expert,
-            "experts_per_gb": per_gb, "reps": args.reps, "rows": rows}
+            "experts_per_gb": per_gb, "reps": args.reps, "rows": rows, "tile_sweep": sweep}
+
+
+LANES = [{"bn1": 2, "bk1": 2048, "bn2": 8, "bk2": 256}, {"bn1": 2, "bk1": 2048, "bn2": 4, "bk2": 1024},
+         {"bn1": 4, "bk1": 1024, "bn2": 8, "bk2": 512}, {"bn1": 1, "bk1": 2048, "bn2": 2, "bk2": 2048},
+         {"bn1": 4, "bk1": 2048, "bn2": 16, "bk2": 256}]
+TILED = [{"bn1": 32, "bk1": 128, "bn2": 64, "bk2": 128}, {"bn1": 32, "bk1": 256, "bn2": 64, "bk2": 256},
+         {"bn1": 16, "bk1": 256, "bn2": 32, "bk2": 256}, {"bn1": 64, "bk1": 128, "bn2": 64, "bk2": 256}]
+
+
+def tile_sweep(pool, reps: int) -> list[dict]:
+    """us of the 4-bit calls of 1, 4 and 16 tokens under each candidate tile set (4 warps)."""
+    from freetoken_engine.kernels.triton import moe
+    from freetoken_engine.kernels.triton.moe import moe_slots_forward
+    saved, out = (dict(moe.LANES_TILES), dict(moe.DECODE_TILES)), []
+    try:
+        for tokens, tiles, name in [(1, t, "lanes") for t in LANES] + [(n, t, "decode") for n in (4, 16) for t in TILED]:
+            x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)
+            tok, slot = routing(tokens, tokens)
+            setattr(moe, "LANES_TILES" if name == "lanes" else "DECODE_TILES", {**tiles, "warps": 4})
+            us = timed(lambda: moe_slots_forward(x, *pool, tok, slot), reps) * 1e6
+            out.append({"tokens": tokens, "kernels": name, "tiles": tiles, "us": us})
+            print(f"sweep: {tokens:2d} tokens, {name} {tiles}: {us:8.1f} us")
+    finally:
+        moe.LANES_TILES, moe.DECODE_TILES = saved
+    return out
 
 
 def plot(result: dict, path: Path) -> None:
@@ -137,6 +166,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--layers", type=int, default=4, help="layers of the host bank the fills read from")
+    ap.add_argument("--sweep", action="store_true", help="the 4-bit decode calls under other tiles too")
     report.main(ap, ROOT / "bench" / "results" / "mxfp4_gpu.json", run, plot)
 
 
