@@ -64,11 +64,11 @@ def _codes(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack((a & 15, b & 15, a >> 4, b >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
 
 
-def value_order(k: int) -> torch.Tensor:
+def value_order(k: int, device: torch.device | str | None = None) -> torch.Tensor:
     """The values of a row of ``k`` in the order its code bytes hold them (int64 ``[k]``): first
     each byte's low nibble, byte by byte, then each byte's high nibble. Byte b = 8R + 4j + i
     (word j of run R, its byte i) holds value 16R + 4i + 2h + j in nibble h."""
-    b = torch.arange(k // 2)
+    b = torch.arange(k // 2, device=device)
     low = 16 * (b // 8) + 4 * (b % 4) + (b % 8) // 4
     return torch.cat((low, low + 2))
 

@@ -26,7 +26,7 @@ def byte_order(k: int, device: torch.device) -> torch.Tensor:
     the first k/2 the values of each code byte's low nibble, the next k/2 its high nibble's."""
     key = (k, str(device))
     if key not in _ORDERS:
-        _ORDERS[key] = value_order(k).to(device)
+        _ORDERS[key] = value_order(k, device)          # made there: no copy (a graph may be capturing)
     return _ORDERS[key]
 
 
