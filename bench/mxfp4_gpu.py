@@ -87,7 +87,8 @@ def run(args) -> dict:
         tok, slot = routing(tokens, tokens)
         outs = {k: moe_slots_forward(x, *dev[k], tok, slot) for k in dev}
         err = ((outs["mxfp4"].float() - outs["bf16"].float()).abs().max() / outs["bf16"].float().abs().max()).item()
-        assert err <= 2.0 ** -7, f"the 4-bit pool's rows are {err:.3g} off its values' (of the output scale)"
+        if err > 2.0 ** -7:
+            print(f"WRONG: {tokens} tokens: the 4-bit pool's rows are {err:.3g} off its values' (of the output scale)")
         distinct = int(slot.unique().numel())
         med = {}
         order = ["bf16", "mxfp4"]
@@ -98,7 +99,7 @@ def run(args) -> dict:
         row = {"what": f"MoE call, {tokens} token{'s' if tokens > 1 else ''}", "tokens": tokens,
                "experts_read": distinct, "us": {k: v * 1e6 for k, v in med.items()},
                "gb_per_s": {k: distinct * per_expert[k] / v / 1e9 for k, v in med.items()},
-               "speedup": med["bf16"] / med["mxfp4"]}
+               "speedup": med["bf16"] / med["mxfp4"], "max_rel_err": err}
         rows.append(row)
     slots = {k: (torch.empty_like(dev[k][0]), torch.empty_like(dev[k][1])) for k in dev}
     fill_exp = torch.tensor([3, 11, 20, 29], device="cuda")
@@ -109,7 +110,7 @@ def run(args) -> dict:
                  "us": {k: v * 1e6 for k, v in med.items()},
                  "gb_per_s": {k: 4 * per_expert[k] / v / 1e9 for k, v in med.items()},
                  "speedup": med["bf16"] / med["mxfp4"]})
-    sweep = tile_sweep(dev["mxfp4"], args.reps) if args.sweep else []
+    sweep = tile_sweep(dev, args.reps) if args.sweep else []
     for r in rows:
         print(f"{r['what']:45s} bf16 {r['us']['bf16']:9.1f} us ({r['gb_per_s']['bf16']:7.1f} GB/s)   "
               f"MXFP4 {r['us']['mxfp4']:9.1f} us ({r['gb_per_s']['mxfp4']:7.1f} GB/s)   {r['speedup']:.2f}x")
@@ -121,15 +122,16 @@ def run(args) -> dict:
             "experts_per_gb": per_gb, "reps": args.reps, "rows": rows, "tile_sweep": sweep}
 
 
-LANES = [{"bn1": 2, "bk1": 2048, "bn2": 8, "bk2": 256}, {"bn1": 2, "bk1": 2048, "bn2": 4, "bk2": 1024},
+LANES = [None, {"bn1": 2, "bk1": 2048, "bn2": 8, "bk2": 256}, {"bn1": 2, "bk1": 2048, "bn2": 4, "bk2": 1024},
          {"bn1": 4, "bk1": 1024, "bn2": 8, "bk2": 512}, {"bn1": 1, "bk1": 2048, "bn2": 2, "bk2": 2048},
          {"bn1": 4, "bk1": 2048, "bn2": 16, "bk2": 256}]
 TILED = [{"bn1": 32, "bk1": 128, "bn2": 64, "bk2": 128}, {"bn1": 32, "bk1": 256, "bn2": 64, "bk2": 256},
          {"bn1": 16, "bk1": 256, "bn2": 32, "bk2": 256}, {"bn1": 64, "bk1": 128, "bn2": 64, "bk2": 256}]
 
 
-def tile_sweep(pool, reps: int) -> list[dict]:
-    """us of the 4-bit calls of 1, 4 and 16 tokens under each candidate tile set (4 warps)."""
+def tile_sweep(dev: dict, reps: int) -> list[dict]:
+    """us of the 4-bit calls of 1, 4 and 16 tokens under each candidate tile set (4 warps; None:
+    one token on the tiled kernels), and their largest difference from the bf16 pool's rows."""
     from freetoken_engine.kernels.triton import moe
     from freetoken_engine.kernels.triton.moe import moe_slots_forward
     saved, out = (dict(moe.LANES_TILES), dict(moe.DECODE_TILES)), []
@@ -137,10 +139,12 @@ def tile_sweep(pool, reps: int) -> list[dict]:
         for tokens, tiles, name in [(1, t, "lanes") for t in LANES] + [(n, t, "decode") for n in (4, 16) for t in TILED]:
             x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)
             tok, slot = routing(tokens, tokens)
-            setattr(moe, "LANES_TILES" if name == "lanes" else "DECODE_TILES", {**tiles, "warps": 4})
-            us = timed(lambda: moe_slots_forward(x, *pool, tok, slot), reps) * 1e6
-            out.append({"tokens": tokens, "kernels": name, "tiles": tiles, "us": us})
-            print(f"sweep: {tokens:2d} tokens, {name} {tiles}: {us:8.1f} us")
+            setattr(moe, "LANES_TILES" if name == "lanes" else "DECODE_TILES", tiles and {**tiles, "warps": 4})
+            want = moe_slots_forward(x, *dev["bf16"], tok, slot).float()
+            err = ((moe_slots_forward(x, *dev["mxfp4"], tok, slot).float() - want).abs().max() / want.abs().max()).item()
+            us = timed(lambda: moe_slots_forward(x, *dev["mxfp4"], tok, slot), reps) * 1e6
+            out.append({"tokens": tokens, "kernels": name, "tiles": tiles, "us": us, "max_rel_err": err})
+            print(f"sweep: {tokens:2d} tokens, {name} {tiles}: {us:8.1f} us, error {err:.2g}")
     finally:
         moe.LANES_TILES, moe.DECODE_TILES = saved
     return out

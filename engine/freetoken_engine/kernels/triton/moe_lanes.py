@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_mxfp4 import inter_pos, mx_rows
+from .moe_mxfp4 import inter_pos, mx_acts, mx_rows
 
 
 @triton.jit
@@ -45,15 +45,15 @@ def gate_up_lanes_kernel(x_ptr, w13_ptr, inter_ptr, pair_slot_ptr, limit_ptr, b1
         gate = w13_ptr + s * stride_ws + n.to(tl.int64) * stride_wn                     # [BN]
         up = gate + I * stride_wn
         if MX:          # x in byte order (moe_mxfp4.py), BK / 2 code bytes a step
-            acc_g, acc_u = tl.zeros([BN, BK // 2], dtype=tl.float32), tl.zeros([BN, BK // 2], dtype=tl.float32)
+            acc_g = tl.zeros([BN, BK // 32, 16], dtype=tl.float32)
+            acc_u = tl.zeros([BN, BK // 32, 16], dtype=tl.float32)
             for k0 in range(0, H // 2, BK // 2):
-                kb = k0 + tl.arange(0, BK // 2)
-                xl = tl.load(x_ptr + kb, mask=kb < H // 2, other=0.0).to(tl.float32)[None, :]
-                xh = tl.load(x_ptr + H // 2 + kb, mask=kb < H // 2, other=0.0).to(tl.float32)[None, :]
+                xl, xh = mx_acts(x_ptr, k0, H, BK // 32)
                 gl, gh = mx_rows(gate, k0, H, nmask, BK // 32)
                 ul, uh = mx_rows(up, k0, H, nmask, BK // 32)
                 acc_g += gl * xl + gh * xh
                 acc_u += ul * xl + uh * xh
+            acc_g, acc_u = tl.sum(acc_g, 2), tl.sum(acc_u, 2)
         else:
             acc_g, acc_u = tl.zeros([BN, BK], dtype=tl.float32), tl.zeros([BN, BK], dtype=tl.float32)
             for k0 in range(0, H, BK):
@@ -87,13 +87,12 @@ def down_lanes_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, limit_ptr, H, I
         nmask = n < H
         rows = w2_ptr + s * stride_ws + n.to(tl.int64) * stride_wn                      # [BN]
         if MX:          # the intermediate row in byte order (the gate/up kernel wrote it so)
-            acc = tl.zeros([BN, BK // 2], dtype=tl.float32)
+            acc = tl.zeros([BN, BK // 32, 16], dtype=tl.float32)
             for k0 in range(0, I // 2, BK // 2):
-                kb = k0 + tl.arange(0, BK // 2)
-                al = tl.load(inter_ptr + p * I + kb, mask=kb < I // 2, other=0.0).to(tl.float32)[None, :]
-                ah = tl.load(inter_ptr + p * I + I // 2 + kb, mask=kb < I // 2, other=0.0).to(tl.float32)[None, :]
+                al, ah = mx_acts(inter_ptr + p * I, k0, I, BK // 32)
                 wl, wh = mx_rows(rows, k0, I, nmask, BK // 32)
                 acc += wl * al + wh * ah
+            acc = tl.sum(acc, 2)
         else:
             acc = tl.zeros([BN, BK], dtype=tl.float32)
             for k0 in range(0, lim, BK):

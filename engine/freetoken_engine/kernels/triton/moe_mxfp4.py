@@ -44,21 +44,32 @@ def _values(codes, sc):
 @triton.jit
 def mx_rows(rows, k0, K, rmask, G: tl.constexpr):
     """Code bytes [k0, k0 + 16 G) of the MXFP4 rows at pointers ``rows`` ([BN]; k0 a multiple of
-    16) decoded: (low nibbles' values, high nibbles' values), each [BN, 16 G] float32 in byte
-    order, zero past the row's codes and in the rows ``rmask`` leaves out."""
+    16) decoded: (low nibbles' values, high nibbles' values), each [BN, G, 16] float32 (block,
+    byte within it) in byte order, zero past the row's codes and in the rows ``rmask`` leaves out."""
     g = k0 // 16 + tl.arange(0, G)                                        # blocks of 32 values
     gmask = rmask[:, None] & (g[None, :] < K // 32)                       # [BN, G]
     codes = tl.load(rows[:, None, None] + (g * 16)[None, :, None] + tl.arange(0, 16)[None, None, :],
                     mask=gmask[:, :, None], other=0).to(tl.int32)         # [BN, G, 16]
     sc = tl.load(rows[:, None] + K // 2 + g[None, :], mask=gmask, other=127).to(tl.int32)[:, :, None]
-    lo = tl.reshape(_values(codes & 15, sc), [codes.shape[0], G * 16])
-    hi = tl.reshape(_values(codes >> 4, sc), [codes.shape[0], G * 16])
-    return lo, hi
+    return _values(codes & 15, sc), _values(codes >> 4, sc)
+
+
+@triton.jit
+def mx_acts(ptr, k0, K, G: tl.constexpr):
+    """A row of activations in byte order at ``ptr`` (K values), as mx_rows' halves meet them:
+    (low, high), each [1, G, 16] float32, zero past the row."""
+    kb = k0 + tl.arange(0, G)[:, None] * 16 + tl.arange(0, 16)[None, :]     # [G, 16] code bytes
+    lo = tl.load(ptr + kb, mask=kb < K // 2, other=0.0).to(tl.float32)
+    hi = tl.load(ptr + K // 2 + kb, mask=kb < K // 2, other=0.0).to(tl.float32)
+    return lo[None, :, :], hi[None, :, :]
 
 
 @triton.jit
 def mx_dot(al, ah, wl, wh, acc, UPCAST: tl.constexpr):
-    """acc + al @ wl^T + ah @ wh^T: activations [BM, BKB] in byte order against mx_rows' halves."""
+    """acc + al @ wl^T + ah @ wh^T: activations [BM, BKB] in byte order against mx_rows' halves
+    ([BN, BKB / 16, 16])."""
+    wl = tl.reshape(wl, [wl.shape[0], wl.shape[1] * 16])
+    wh = tl.reshape(wh, [wh.shape[0], wh.shape[1] * 16])
     if UPCAST:
         acc += tl.dot(al.to(tl.float32), tl.trans(wl), input_precision="ieee")
         acc += tl.dot(ah.to(tl.float32), tl.trans(wh), input_precision="ieee")
