@@ -12,7 +12,7 @@ a GB of expert cache holds.
     python bench/mxfp4_gpu.py [--reps 50] [--layers 4] [--sweep]
 
 ``--sweep``: the 4-bit calls of 1, 4 and 16 tokens again under other tiles of the kernels
-(``moe.LANES_TILES`` for one token, ``moe.DECODE_TILES`` for a few), the defaults restored after.
+(``moe.LANES_TILES_MX`` for one token, ``moe.DECODE_TILES`` for a few), the defaults restored after.
 """
 from __future__ import annotations
 
@@ -134,19 +134,19 @@ def tile_sweep(dev: dict, reps: int) -> list[dict]:
     one token on the tiled kernels), and their largest difference from the bf16 pool's rows."""
     from freetoken_engine.kernels.triton import moe
     from freetoken_engine.kernels.triton.moe import moe_slots_forward
-    saved, out = (dict(moe.LANES_TILES), dict(moe.DECODE_TILES)), []
+    saved, out = (dict(moe.LANES_TILES_MX), dict(moe.DECODE_TILES)), []
     try:
         for tokens, tiles, name in [(1, t, "lanes") for t in LANES] + [(n, t, "decode") for n in (4, 16) for t in TILED]:
             x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)
             tok, slot = routing(tokens, tokens)
-            setattr(moe, "LANES_TILES" if name == "lanes" else "DECODE_TILES", tiles and {**tiles, "warps": 4})
+            setattr(moe, "LANES_TILES_MX" if name == "lanes" else "DECODE_TILES", tiles and {**tiles, "warps": 4})
             want = moe_slots_forward(x, *dev["bf16"], tok, slot).float()
             err = ((moe_slots_forward(x, *dev["mxfp4"], tok, slot).float() - want).abs().max() / want.abs().max()).item()
             us = timed(lambda: moe_slots_forward(x, *dev["mxfp4"], tok, slot), reps) * 1e6
             out.append({"tokens": tokens, "kernels": name, "tiles": tiles, "us": us, "max_rel_err": err})
             print(f"sweep: {tokens:2d} tokens, {name} {tiles}: {us:8.1f} us, error {err:.2g}")
     finally:
-        moe.LANES_TILES, moe.DECODE_TILES = saved
+        moe.LANES_TILES_MX, moe.DECODE_TILES = saved
     return out
 
 

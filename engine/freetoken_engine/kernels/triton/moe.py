@@ -54,6 +54,9 @@ PREFILL_TILES = {"bn1": 64, "bk1": 64, "bn2": 128, "bk2": 64, "warps": 8}
 #: The best of 36 in bench/moe_decode_kernel.py --sweep on the H200 (2026-12-04), 1 and 8 experts
 #: a call, both Qwen shapes: 1.5-1.8x the tiled kernels with one expert, 0.97-1.06x with 8.
 LANES_TILES: dict | None = {"bn1": 2, "bk1": 2048, "bn2": 8, "bk2": 256, "warps": 4}
+#: the same for MXFP4 slots: the best of 6 in bench/mxfp4_gpu.py --sweep on an H100 (2026-12-05,
+#: gpt-oss-20b's shape, 4 experts): 191 us a call against 242 under LANES_TILES and 263 tiled
+LANES_TILES_MX: dict | None = {"bn1": 4, "bk1": 1024, "bn2": 8, "bk2": 512, "warps": 4}
 
 
 @triton.jit
@@ -276,8 +279,9 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     lim = limit if limit is not None else pair_slot
     if mx:              # the tokens' rows in the MXFP4 rows' byte order (moe_mxfp4.py)
         x = x.index_select(1, byte_order(h, dev))
-    if t == 1 and p <= SMALL_P and LANES_TILES is not None:
-        bn1, bk1, bn2, bk2, warps = (LANES_TILES[key] for key in ("bn1", "bk1", "bn2", "bk2", "warps"))
+    lanes = LANES_TILES_MX if mx else LANES_TILES
+    if t == 1 and p <= SMALL_P and lanes is not None:
+        bn1, bk1, bn2, bk2, warps = (lanes[key] for key in ("bn1", "bk1", "bn2", "bk2", "warps"))
         gate_up_lanes_kernel[(p, triton.cdiv(inter, bn1))](
             x, w13_slots, inter_buf, pair_slot, lim, H=h, I=inter, stride_ws=w13_slots.stride(0),
             stride_wn=w13_slots.stride(1), BN=bn1, BK=min(bk1, next_pow2(h)), LIMIT=limit is not None,
