@@ -79,9 +79,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-backend", default="auto", choices=["auto", "torch", "triton"],
                    help="expert cache control and kernels: triton on CUDA by default")
     p.add_argument("--expert-format", default="auto", choices=["auto", "mxfp4", "dense"],
-                   help="experts a checkpoint stores in MXFP4 (gpt-oss): auto keeps them in 4 bits on the "
-                        "CPU (a quarter of the memory, about twice the CPU's expert speed) and dequantizes "
-                        "them on a GPU; dense always dequantizes")
+                   help="experts a checkpoint stores in MXFP4 (gpt-oss): auto keeps them in 4 bits (a quarter "
+                        "of the memory; on the CPU about twice the expert speed) unless a GPU holds them all "
+                        "dense, where dense runs faster; dense always dequantizes")
     p.add_argument("--no-cuda-graphs", dest="cuda_graphs", action="store_false",
                    help="run decode eagerly instead of as captured CUDA graphs (CUDA only)")
     p.add_argument("--graph-warmup", type=int, default=4, metavar="N",
@@ -251,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--out", type=Path, required=True)
     conv.add_argument("--expert-format", default="auto", choices=["auto", "mxfp4", "dense"],
                       help="experts published in MXFP4 (gpt-oss): kept in 4 bits (auto) or dequantized "
-                           "(dense: faster on a GPU today, 3.8x the bytes)")
+                           "(dense: 3.8x the bytes, faster only on a GPU that holds them all)")
     conv.set_defaults(func=cmd_convert)
     return parser
 

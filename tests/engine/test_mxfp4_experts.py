@@ -132,6 +132,28 @@ def test_mxfp4_format_refusals_say_what_to_do(tiny_checkpoint):
         EngineConfig(model=tiny_checkpoint("gpt_oss"), expert_format="int4")
 
 
+def test_auto_keeps_four_bits_on_a_gpu_unless_it_holds_every_expert_dense(tiny_checkpoint, monkeypatch):
+    """``auto`` on a GPU (its free memory read through torch.cuda.mem_get_info, faked here: this
+    machine has none): dense only when the dense bank fits 80% of the free memory; never on the
+    CPU. gpt-oss-120b's experts (229 GB dense) stay in 4 bits on a 141 GB card, -20b's (38 GB) are
+    dequantized there and stay in 4 bits on a 24 GB one."""
+    from dataclasses import replace
+
+    from freetoken_engine.models import build
+    cuda = torch.device("cuda")
+    ckpt, cfg = build.read_config(tiny_checkpoint("gpt_oss", hidden_size=64, intermediate_size=64, head_dim=16))
+    ckpt.close()
+    dense = cfg.bank_layers * cfg.moe.num_experts * 3 * 64 * 64 * 2
+    for free, want in ((dense * 1.25, True), (dense * 1.24, False), (dense * 10, True), (dense // 2, False)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free: (int(free), 2 * int(free)))
+        assert build.auto_dense(cfg, torch.bfloat16, cuda) is want, free / dense
+    assert not build.auto_dense(cfg, torch.bfloat16, torch.device("cpu"))
+    for experts_gb, free_gb, want in ((229e9, 141e9, False), (38.2e9, 141e9, True), (38.2e9, 24e9, False)):
+        big = replace(cfg, moe=replace(cfg.moe, num_experts=round(experts_gb / (cfg.bank_layers * 3 * 64 * 64 * 2))))
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device, free=free_gb: (int(free), int(free)))
+        assert build.auto_dense(big, torch.bfloat16, cuda) is want, (experts_gb, free_gb)
+
+
 def test_packed_folder_keeps_mxfp4_experts_in_four_bits(tiny_checkpoint, tmp_path):
     """``freetoken convert`` of a published gpt-oss writes the bank as MXFP4 rows (at 64 values a
     row 48 bytes, 3/16 of the float32 bank's), the engine reads them into a 4-bit bank with the source's tokens (a

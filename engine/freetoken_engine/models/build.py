@@ -117,8 +117,8 @@ def start_model(folder: Path, dtype: torch.dtype, device: torch.device, progress
     capture decode graphs with every expert resident) before ``BankRead.finish()``, and must
     call ``cancel()`` if it gives up before that. ``mtp``: load the checkpoint's
     multi-token-prediction layer too (``MtpHead``), for speculative drafts. ``expert_format``:
-    ``auto`` keeps a checkpoint's MXFP4 experts in 4 bits on the CPU (``mxfp4``: or fail saying
-    why not), ``dense`` dequantizes them (what a GPU runs)."""
+    ``auto`` keeps a checkpoint's MXFP4 experts in 4 bits unless a GPU holds them all dense
+    (``auto_dense``; ``mxfp4``: 4 bits, or fail saying why not), ``dense`` dequantizes them."""
     ckpt, cfg = read_config(folder, dtype, progress)
     try:
         if mtp:
@@ -149,11 +149,29 @@ def _with_mtp(folder: Path, ckpt, cfg: ModelConfig) -> ModelConfig:
     return replace(cfg, use_mtp=True)
 
 
-def _expert_rows(fam, ckpt, cfg: ModelConfig, device: torch.device, expert_format: str, folder: Path):
+#: ``auto`` on a GPU dequantizes 4-bit experts only when all of them, dense, take at most this
+#: share of its free memory: every expert is then resident, where the dense kernels are faster (an
+#: H100: 1.1-1.3x a decode call, 4x a 2,048-token call); with a cache smaller than the model the
+#: 4-bit bank decodes faster (1.75x at 0.4 GB of cache) and takes 3.8x less host memory (docs/gpu.md)
+DENSE_ON_GPU_SHARE = 0.8
+
+
+def auto_dense(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``--expert-format auto`` runs a checkpoint's MXFP4 experts dense on ``device``:
+    never on the CPU; on a GPU when the dense bank fits ``DENSE_ON_GPU_SHARE`` of the free memory."""
+    if device.type == "cpu" or cfg.moe is None:
+        return False
+    m = cfg.moe
+    dense = cfg.bank_layers * m.num_experts * 3 * cfg.hidden_size * m.intermediate_size * dtype.itemsize
+    return dense <= DENSE_ON_GPU_SHARE * torch.cuda.mem_get_info(device)[0]
+
+
+def _expert_rows(fam, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, expert_format: str,
+                 folder: Path):
     """The first MoE layer's MXFP4 expert rows (``Family.layer_expert_rows``) when the bank keeps
-    the checkpoint's experts in 4 bits: ``expert_format`` auto on the CPU, or mxfp4 (a ConfigError
-    when the checkpoint has none); None: a dense bank."""
-    if cfg.moe is None or expert_format == "dense" or (expert_format == "auto" and device.type != "cpu"):
+    the checkpoint's experts in 4 bits: ``expert_format`` auto (``auto_dense`` says no), or mxfp4
+    (a ConfigError when the checkpoint has none); None: a dense bank."""
+    if cfg.moe is None or expert_format == "dense" or (expert_format == "auto" and auto_dense(cfg, dtype, device)):
         return None
     rows = None
     if cfg.residual_multiplier == 1.0:
@@ -194,7 +212,7 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
     bank = None
     packed = hasattr(ckpt, "bank_tensors")
     packed_read = ckpt if packed else None      # what the caller's BankRead still waits for
-    first_rows = None if packed else _expert_rows(fam, ckpt, cfg, device, expert_format, folder)
+    first_rows = None if packed else _expert_rows(fam, ckpt, cfg, dtype, device, expert_format, folder)
     if cfg.moe:
         m = cfg.moe
         try:
@@ -205,16 +223,15 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
             if packed and not four and expert_format == "mxfp4":
                 raise ConfigError(f"packed folder {folder} holds its experts dense: --expert-format mxfp4 needs "
                                   f"a checkpoint with MXFP4 experts (or a folder converted from one)")
-            if packed and four and (expert_format == "dense" or (expert_format == "auto" and device.type != "cpu")):
-                bank = _dequantized(ckpt, tensors, cfg, dtype)      # (a GPU runs dense experts fastest)
+            if packed and four and (expert_format == "dense" or (expert_format == "auto" and auto_dense(cfg, dtype, device))):
+                bank = _dequantized(ckpt, tensors, cfg, dtype)      # (all resident, dense runs faster)
                 packed_read, four = None, False
             else:
                 bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype,
                                   *tensors, mxfp4=four)
             if four and device.type == "cuda":
-                log.warning("experts kept in MXFP4 on a GPU: the cache holds 3.8x as many and fills move 3.8x "
-                            "fewer bytes, but the Triton kernels decode them 4-8x slower than bf16 ones "
-                            "(bench/results/mxfp4_gpu.json); --expert-format dense runs them dense")
+                log.info("experts kept in MXFP4 on the GPU (dense they would not all fit): the cache holds 3.8x "
+                         "as many and fills move 3.8x fewer bytes; --expert-format dense dequantizes them")
         except ValueError as exc:
             raise ConfigError(f"packed checkpoint {folder}: {exc}") from None
     total = len(wanted) + (bank.total_experts if bank and not packed else 0)
