@@ -39,7 +39,7 @@ from ..mxfp4 import row_bytes
 from ..reference import SILU, GatedAct
 from ._common import check_tensor, interpreting, next_pow2
 from .moe_lanes import down_lanes_kernel, gate_up_lanes_kernel, gated
-from .moe_mxfp4 import byte_order, inter_pos, mx_dot, mx_rows
+from .moe_mxfp4 import byte_order, inter_pos, mx_dot, mx_row_acts, mx_rows
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX = (torch.int32, torch.int64)
@@ -105,10 +105,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, bloc
         if MX:          # x in byte order (moe_mxfp4.py), BK / 2 code bytes a step
             gate = w_base + n.to(tl.int64) * stride_wn
             for k0 in range(0, H // 2, BK // 2):
-                kb = k0 + tl.arange(0, BK // 2)
-                xm = valid[:, None] & (kb < H // 2)[None, :]
-                xl = tl.load(x_ptr + toks[:, None] * stride_xt + kb[None, :], mask=xm, other=0.0)
-                xh = tl.load(x_ptr + toks[:, None] * stride_xt + H // 2 + kb[None, :], mask=xm, other=0.0)
+                xl, xh = mx_row_acts(x_ptr + toks * stride_xt, valid, k0, H, BK // 2)
                 gl, gh = mx_rows(gate, k0, H, nmask, BK // 32)
                 ul, uh = mx_rows(gate + I * stride_wn, k0, H, nmask, BK // 32)
                 acc_g = mx_dot(xl, xh, gl, gh, acc_g, UPCAST)
@@ -160,10 +157,7 @@ def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, bloc
         w_base = w2_ptr + s * stride_ws
         if MX:          # the intermediate rows in byte order (the gate/up kernel wrote them so)
             for k0 in range(0, I // 2, BK // 2):
-                kb = k0 + tl.arange(0, BK // 2)
-                am = valid[:, None] & (kb < I // 2)[None, :]
-                al = tl.load(inter_ptr + rows[:, None] * I + kb[None, :], mask=am, other=0.0)
-                ah = tl.load(inter_ptr + rows[:, None] * I + I // 2 + kb[None, :], mask=am, other=0.0)
+                al, ah = mx_row_acts(inter_ptr + rows * I, valid, k0, I, BK // 2)
                 wl, wh = mx_rows(w_base + n.to(tl.int64) * stride_wn, k0, I, nmask, BK // 32)
                 acc = mx_dot(al, ah, wl, wh, acc, UPCAST)
         else:

@@ -65,6 +65,16 @@ def mx_acts(ptr, k0, K, G: tl.constexpr):
 
 
 @triton.jit
+def mx_row_acts(rows, valid, k0, K, BKB: tl.constexpr):
+    """Code bytes [k0, k0 + BKB) of activation rows of K values in byte order at pointers ``rows``
+    ([BM]; ``valid``: the rows that exist), as mx_dot takes them: (low, high), each [BM, BKB]."""
+    kb = k0 + tl.arange(0, BKB)
+    m = valid[:, None] & (kb < K // 2)[None, :]
+    return (tl.load(rows[:, None] + kb[None, :], mask=m, other=0.0),
+            tl.load(rows[:, None] + K // 2 + kb[None, :], mask=m, other=0.0))
+
+
+@triton.jit
 def mx_dot(al, ah, wl, wh, acc, UPCAST: tl.constexpr):
     """acc + al @ wl^T + ah @ wh^T: activations [BM, BKB] in byte order against mx_rows' halves
     ([BN, BKB / 16, 16])."""
