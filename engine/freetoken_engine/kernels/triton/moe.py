@@ -16,18 +16,18 @@ per call. For small calls (decode, P <= 64) each program finds its slot's pairs 
 preprocessing, nothing to launch but the two kernels: good for CUDA graphs). For large calls
 (prefill) a block table is built with a few device-side torch ops (no host sync).
 
-One token (a batch-1 decode call, P <= 64) takes two other kernels (``lanes``, moe_lanes.py): each pair is its
-own expert, so a program owns a few weight rows of one pair (``LANES_TILES``: 2 gate and 2 up
-rows, 8 down rows) and multiplies elementwise in fp32, reducing once at the end, as
+One token (a batch-1 decode call, P <= 64) takes two other kernels (``lanes``, moe_lanes.py):
+each pair is its own expert, so a program owns a few weight rows of one pair (``LANES_TILES``: 2
+gate and 2 up rows, 8 down rows) and multiplies elementwise in fp32, reducing once at the end, as
 ``gemv.py``'s one-token kernel does. A Qwen3-30B expert is then 640 programs instead of the tiled
 kernels' 56: a call of one to four experts (a layer's fills, or its hits in a small cache) runs
 1.3-1.8x faster on the H200, a call of eight 0.97-1.06x (``bench/moe_decode_kernel.py``); the whole
 engine's decode did not move beyond its noise (docs/gpu.md). Every one-token call takes them, so
 a pair's row does not depend on which call computed it.
 
-Slots of MXFP4 rows (uint8 ``[S, 2I, rb(H)]`` / ``[S, H, rb(I)]``, rb = kernels/mxfp4.py row_bytes; the
-``MX`` constexpr) are decoded where they are loaded, a block of 32 values a 16-byte load, and meet
-the activations in the rows' byte order (moe_mxfp4.py); their values are exact in bf16.
+Slots of MXFP4 rows (uint8 ``[S, 2I, rb(H)]`` / ``[S, H, rb(I)]``, rb: kernels/mxfp4.py's
+row_bytes; the ``MX`` constexpr) are decoded where they are loaded, a block of 32 values a 16-byte
+load, and meet the activations in the rows' byte order (moe_mxfp4.py); their values are exact in bf16.
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
 """The one-token MoE kernels (moe.py's ``lanes``: a batch-1 decode call) and the gate activation
 that every MoE kernel applies.
 
-Each pair is its own expert, so a program owns a few weight rows of one pair (``moe.LANES_TILES``)
-and multiplies elementwise in fp32, reducing once after the K loop, as ``gemv.py``'s one-token
-kernel does. MXFP4 slots are decoded as ``moe_mxfp4.py`` says, against the token's row in their
-byte order.
+Each pair is its own expert, so a program owns a few weight rows of one pair (``moe.LANES_TILES``;
+``moe.LANES_TILES_MX`` on MXFP4 slots) and multiplies elementwise in fp32, reducing once after the
+K loop, as ``gemv.py``'s one-token kernel does. MXFP4 slots are decoded as ``moe_mxfp4.py`` says,
+a block at a time, against the token's row in their byte order.
 """
 from __future__ import annotations
 
