@@ -166,12 +166,11 @@ def auto_dense(cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> bo
     return dense <= DENSE_ON_GPU_SHARE * torch.cuda.mem_get_info(device)[0]
 
 
-def _expert_rows(fam, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, expert_format: str,
-                 folder: Path):
+def _expert_rows(fam, ckpt, cfg: ModelConfig, dense: bool, expert_format: str, folder: Path):
     """The first MoE layer's MXFP4 expert rows (``Family.layer_expert_rows``) when the bank keeps
-    the checkpoint's experts in 4 bits: ``expert_format`` auto (``auto_dense`` says no), or mxfp4
-    (a ConfigError when the checkpoint has none); None: a dense bank."""
-    if cfg.moe is None or expert_format == "dense" or (expert_format == "auto" and auto_dense(cfg, dtype, device)):
+    the checkpoint's experts in 4 bits (not ``dense``; with ``expert_format`` mxfp4 a ConfigError
+    when the checkpoint has none); None: a dense bank."""
+    if cfg.moe is None or dense:
         return None
     rows = None
     if cfg.residual_multiplier == 1.0:
@@ -212,7 +211,9 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
     bank = None
     packed = hasattr(ckpt, "bank_tensors")
     packed_read = ckpt if packed else None      # what the caller's BankRead still waits for
-    first_rows = None if packed else _expert_rows(fam, ckpt, cfg, dtype, device, expert_format, folder)
+    # 4-bit experts dequantized: asked for, or auto on a GPU that holds them all dense
+    dense = expert_format == "dense" or (expert_format == "auto" and auto_dense(cfg, dtype, device))
+    first_rows = None if packed else _expert_rows(fam, ckpt, cfg, dense, expert_format, folder)
     if cfg.moe:
         m = cfg.moe
         try:
@@ -223,8 +224,8 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
             if packed and not four and expert_format == "mxfp4":
                 raise ConfigError(f"packed folder {folder} holds its experts dense: --expert-format mxfp4 needs "
                                   f"a checkpoint with MXFP4 experts (or a folder converted from one)")
-            if packed and four and (expert_format == "dense" or (expert_format == "auto" and auto_dense(cfg, dtype, device))):
-                bank = _dequantized(ckpt, tensors, cfg, dtype)      # (all resident, dense runs faster)
+            if packed and four and dense:
+                bank = _dequantized(ckpt, tensors, cfg, dtype)
                 packed_read, four = None, False
             else:
                 bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype,
