@@ -69,9 +69,11 @@ def test_gpt_oss_in_four_bits_on_the_gpu_keeps_the_dense_tokens(tiny_checkpoint,
             assert four.runner.experts.host_branch.br.totals["cpu_pairs"] > 0
 
 
-def test_a_four_bit_packed_folder_runs_dense_on_a_gpu_by_default(tiny_checkpoint, tmp_path):
-    """``auto`` on a GPU dequantizes a packed folder's 4-bit bank as it reads it (the dense
-    kernels are the fast ones there): the source's dense tokens."""
+def test_a_four_bit_packed_folder_runs_dense_on_a_gpu_that_holds_it_all(tiny_checkpoint, tmp_path, monkeypatch):
+    """``auto`` on a GPU whose free memory holds every expert dense dequantizes a packed folder's
+    4-bit bank as it reads it (all resident, the dense kernels are the fast ones): the source's dense
+    tokens; with less free memory (mem_get_info's answer shrunk) ``auto`` would keep 4 bits, which
+    give the same tokens."""
     from test_gpt_oss import _as_mxfp4
 
     from freetoken_engine.packed import convert
@@ -81,5 +83,13 @@ def test_a_four_bit_packed_folder_runs_dense_on_a_gpu_by_default(tiny_checkpoint
     greedy = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
     llm = LLM(packed, device="cuda", dtype="float32")
     assert not llm.runner.bank.mxfp4 and llm.runner.bank.pinned
-    assert llm.generate(PROMPT, greedy).token_ids == LLM(mx, device="cuda", dtype="float32").generate(
-        PROMPT, greedy).token_ids
+    want = LLM(mx, device="cuda", dtype="float32").generate(PROMPT, greedy).token_ids
+    assert llm.generate(PROMPT, greedy).token_ids == want
+    from freetoken_engine.models import build
+    real = torch.cuda.mem_get_info
+    small = llm.runner.bank.expert_bytes * llm.runner.bank.total_experts        # the dense bank's bytes
+    monkeypatch.setattr(build.torch.cuda, "mem_get_info", lambda d=None: (small, real(d)[1]))
+    assert build.auto_dense(llm.runner.mcfg, torch.float32, CUDA) is False
+    monkeypatch.undo()
+    four = LLM(packed, device="cuda", dtype="float32", expert_format="mxfp4")
+    assert four.runner.bank.mxfp4 and four.generate(PROMPT, greedy).token_ids == want
