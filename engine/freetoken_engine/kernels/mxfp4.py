@@ -3,9 +3,10 @@
 A weight matrix ``[R, K]`` (K a multiple of 32) is stored as ``uint8 [R, row_bytes(K)]``: each
 row's K/2 bytes of 4-bit e2m1 codes, then its K/32 scale bytes (a power of two, ``2 ** (s - 127)``,
 per block of 32 values), then zero bytes up to a multiple of 16 (gpt-oss's 2,880 values: 1,440 +
-90 + 6 = 1,536 bytes), so every row starts 16-byte aligned and a GPU kernel loads its codes 16
-bytes at a time (kernels/triton/moe.py). The codes of each run of 16 values are 8 bytes, two little-endian 32-bit words
-A and B: value 2m in A's nibble m, value 2m + 1 in B's (``(A >> 4m) & 15``). A vector kernel
+90 + 6 = 1,536 bytes), so every row starts 16-byte aligned and a GPU kernel loads a block's codes
+16 bytes at a time (kernels/triton/moe_mxfp4.py). The codes of each run of 16 values are 8 bytes,
+two little-endian 32-bit words A and B: value 2m in A's nibble m, value 2m + 1 in B's
+(``(A >> 4m) & 15``). A vector kernel
 broadcasts the 8 bytes to every lane, shifts each lane by its own count and looks the code up:
 no byte shuffle (kernels/cpu/mxfp4.h). A row's codes and scales stay together, so an expert is
 one contiguous run of bytes that copies, caches and pages like any other row.
