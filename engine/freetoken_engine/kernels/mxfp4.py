@@ -6,10 +6,10 @@ per block of 32 values), then zero bytes up to a multiple of 16 (gpt-oss's 2,880
 90 + 6 = 1,536 bytes), so every row starts 16-byte aligned and a GPU kernel loads a block's codes
 16 bytes at a time (kernels/triton/moe_mxfp4.py). The codes of each run of 16 values are 8 bytes,
 two little-endian 32-bit words A and B: value 2m in A's nibble m, value 2m + 1 in B's
-(``(A >> 4m) & 15``). A vector kernel
-broadcasts the 8 bytes to every lane, shifts each lane by its own count and looks the code up:
-no byte shuffle (kernels/cpu/mxfp4.h). A row's codes and scales stay together, so an expert is
-one contiguous run of bytes that copies, caches and pages like any other row.
+(``(A >> 4m) & 15``). A vector kernel broadcasts the 8 bytes to every lane, shifts each lane by
+its own count and looks the code up: no byte shuffle (kernels/cpu/mxfp4.h). A row's codes and
+scales stay together, so an expert is one contiguous run of bytes that copies, caches and pages
+like any other row.
 
 The checkpoints' own MXFP4 (``<name>_blocks [..., R, G, 16]`` with values 2j / 2j + 1 in the low /
 high nibble of byte j, ``<name>_scales [..., R, G]``) is repacked into it exactly (``from_blocks``);
