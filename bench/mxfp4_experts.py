@@ -37,7 +37,8 @@ def banks(n: int):
 
     def rows(r: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         q = torch.randint(0, 256, (n, r, mxfp4.row_bytes(k)), dtype=torch.uint8, generator=g)
-        q[..., k // 2:] = torch.randint(118, 124, (n, r, k // 32), dtype=torch.uint8, generator=g)
+        q[..., k // 2:k // 2 + k // 32] = torch.randint(118, 124, (n, r, k // 32), dtype=torch.uint8, generator=g)
+        q[..., k // 2 + k // 32:] = 0                                # the rows' padding
         dense = torch.empty((n, r, k), dtype=torch.bfloat16)
         for e in range(n):
             dense[e] = mxfp4.dequantize(q[e], torch.bfloat16)
