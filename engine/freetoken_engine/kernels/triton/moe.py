@@ -39,7 +39,7 @@ from ..mxfp4 import row_bytes
 from ..reference import SILU, GatedAct
 from ._common import check_tensor, interpreting, next_pow2
 from .moe_lanes import down_lanes_kernel, gate_up_lanes_kernel, gated
-from .moe_mxfp4 import byte_order, inter_pos, mx_dot, mx_row_acts, mx_rows
+from .moe_mxfp4 import byte_order, dot_acc, inter_pos, mx_dot, mx_row_acts, mx_rows
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX = (torch.int32, torch.int64)
@@ -119,14 +119,8 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, bloc
                 wmask = kmask[:, None] & nmask[None, :]
                 wg = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=wmask, other=0.0)        # [BK, BN]
                 wu = tl.load(w_base + (n[None, :] + I) * stride_wn + k[:, None], mask=wmask, other=0.0)  # [BK, BN]
-                if UPCAST:
-                    xf = xt.to(tl.float32)
-                    acc_g += tl.dot(xf, wg.to(tl.float32), input_precision="ieee")
-                    acc_u += tl.dot(xf, wu.to(tl.float32), input_precision="ieee")
-                else:
-                    xw = xt.to(wg.dtype)
-                    acc_g = tl.dot(xw, wg, acc_g)
-                    acc_u = tl.dot(xw, wu, acc_u)
+                acc_g = dot_acc(xt, wg, acc_g, UPCAST)
+                acc_u = dot_acc(xt, wu, acc_u, UPCAST)
         if BIAS:          # each pair's expert's gate/up biases (its row of b13)
             b = b13_ptr + tl.load(pair_bias_ptr + rows, mask=valid, other=0).to(tl.int64)[:, None] * stride_b
             bmask = valid[:, None] & nmask[None, :]
@@ -168,10 +162,7 @@ def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, bloc
                             mask=valid[:, None] & kmask[None, :], other=0.0)            # [BM, BK]
                 w = tl.load(w_base + n[None, :] * stride_wn + k[:, None], mask=kmask[:, None] & nmask[None, :],
                             other=0.0)
-                if UPCAST:
-                    acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-                else:
-                    acc = tl.dot(a.to(w.dtype), w, acc)
+                acc = dot_acc(a, w, acc, UPCAST)
         tl.store(out_ptr + rows[:, None] * stride_ot + n[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=valid[:, None] & nmask[None, :])
 

@@ -75,18 +75,23 @@ def mx_row_acts(rows, valid, k0, K, BKB: tl.constexpr):
 
 
 @triton.jit
+def dot_acc(a, w, acc, UPCAST: tl.constexpr):
+    """acc + a @ w, the tiled MoE kernels' step: in float32 (ieee) when UPCAST, else on the tensor
+    cores in w's dtype."""
+    if UPCAST:
+        acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+    else:
+        acc = tl.dot(a.to(w.dtype), w, acc)
+    return acc
+
+
+@triton.jit
 def mx_dot(al, ah, wl, wh, acc, UPCAST: tl.constexpr):
     """acc + al @ wl^T + ah @ wh^T: activations [BM, BKB] in byte order against mx_rows' halves
-    ([BN, BKB / 16, 16])."""
-    wl = tl.reshape(wl, [wl.shape[0], wl.shape[1] * 16])
-    wh = tl.reshape(wh, [wh.shape[0], wh.shape[1] * 16])
-    if UPCAST:
-        acc += tl.dot(al.to(tl.float32), tl.trans(wl), input_precision="ieee")
-        acc += tl.dot(ah.to(tl.float32), tl.trans(wh), input_precision="ieee")
-    else:
-        acc = tl.dot(al, tl.trans(wl).to(al.dtype), acc)
-        acc = tl.dot(ah, tl.trans(wh).to(ah.dtype), acc)
-    return acc
+    ([BN, BKB / 16, 16]), the decoded weights taken in the activations' dtype (exact)."""
+    wl = tl.trans(tl.reshape(wl, [wl.shape[0], wl.shape[1] * 16])).to(al.dtype)
+    wh = tl.trans(tl.reshape(wh, [wh.shape[0], wh.shape[1] * 16])).to(ah.dtype)
+    return dot_acc(ah, wh, dot_acc(al, wl, acc, UPCAST), UPCAST)
 
 
 @triton.jit
