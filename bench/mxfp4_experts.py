@@ -36,9 +36,7 @@ def banks(n: int):
     g = torch.Generator().manual_seed(0)
 
     def rows(r: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        q = torch.randint(0, 256, (n, r, mxfp4.row_bytes(k)), dtype=torch.uint8, generator=g)
-        q[..., k // 2:k // 2 + k // 32] = torch.randint(118, 124, (n, r, k // 32), dtype=torch.uint8, generator=g)
-        q[..., k // 2 + k // 32:] = 0                                # the rows' padding
+        q = mxfp4.random_rows((n, r), k, g)
         dense = torch.empty((n, r, k), dtype=torch.bfloat16)
         for e in range(n):
             dense[e] = mxfp4.dequantize(q[e], torch.bfloat16)

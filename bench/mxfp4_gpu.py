@@ -37,10 +37,7 @@ def pools(layers: int):
     """Host banks [L, E, ...] (pinned) of MXFP4 rows and their bf16 values."""
     from freetoken_engine.kernels import mxfp4
     g = torch.Generator().manual_seed(0)
-    q13 = torch.randint(0, 256, (layers, E, 2 * I, mxfp4.row_bytes(H)), dtype=torch.uint8, generator=g)
-    q2 = torch.randint(0, 256, (layers, E, H, mxfp4.row_bytes(I)), dtype=torch.uint8, generator=g)
-    q13[..., H // 2:] = torch.randint(118, 124, q13[..., H // 2:].shape, dtype=torch.uint8, generator=g)
-    q2[..., I // 2:] = torch.randint(118, 124, q2[..., I // 2:].shape, dtype=torch.uint8, generator=g)
+    q13, q2 = mxfp4.random_rows((layers, E, 2 * I), H, g), mxfp4.random_rows((layers, E, H), I, g)
     d13 = torch.stack([mxfp4.dequantize(q13[layer], torch.bfloat16) for layer in range(layers)])
     d2 = torch.stack([mxfp4.dequantize(q2[layer], torch.bfloat16) for layer in range(layers)])
     return {"mxfp4": (q13.pin_memory(), q2.pin_memory()), "bf16": (d13.pin_memory(), d2.pin_memory())}

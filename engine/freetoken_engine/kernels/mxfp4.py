@@ -85,6 +85,15 @@ def dequantize(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return vals.reshape(*lead, k).to(dtype)
 
 
+def random_rows(lead: tuple, k: int, generator: torch.Generator, scales: tuple[int, int] = (118, 124)) -> torch.Tensor:
+    """Rows ``uint8 [*lead, row_bytes(k)]`` of random codes, scale bytes drawn from
+    ``[scales[0], scales[1])`` (2^-9 to 2^-4 by default) and zero padding: benchmarks' banks."""
+    q = torch.randint(0, 256, (*lead, row_bytes(k)), dtype=torch.uint8, generator=generator)
+    q[..., k // 2:k // 2 + k // 32] = torch.randint(*scales, (*lead, k // 32), dtype=torch.uint8, generator=generator)
+    q[..., k // 2 + k // 32:] = 0
+    return q
+
+
 def quantize(w: torch.Tensor) -> torch.Tensor:
     """Values ``[..., K]`` -> the nearest MXFP4 rows (each block's scale the power of two that
     puts its largest magnitude at or below 6, codes rounded to nearest): random test banks and
