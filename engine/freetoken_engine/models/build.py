@@ -231,8 +231,9 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
                 bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype,
                                   *tensors, mxfp4=four)
             if four and device.type == "cuda":
-                log.info("experts kept in MXFP4 on the GPU (dense they would not all fit): the cache holds 3.8x "
-                         "as many and fills move 3.8x fewer bytes; --expert-format dense dequantizes them")
+                why = "as asked" if expert_format == "mxfp4" else "dense they would not all fit"
+                log.info(f"experts kept in MXFP4 on the GPU ({why}): the cache holds 3.8x as many and fills move "
+                         f"3.8x fewer bytes; --expert-format dense dequantizes them")
         except ValueError as exc:
             raise ConfigError(f"packed checkpoint {folder}: {exc}") from None
     total = len(wanted) + (bank.total_experts if bank and not packed else 0)
