@@ -30,7 +30,10 @@ import report  # noqa: E402
 
 H = I = 2880
 E, K = 32, 4
-CALLS = [1, 4, 16, 2048]          # tokens a MoE call (top 4 of 32 experts each)
+CALLS = [1, 4, 16, 128, 512, 2048]          # tokens a MoE call (top 4 of 32 experts each)
+#: the 4-bit sides of a large call: the default rule, the slots decoded in the kernels' tiles, and
+#: decoded first into the dense scratch (moe_mx_dense.MX_DENSE_PAIRS: None / 1)
+LARGE_SIDES = {"mxfp4": "default", "mxfp4/in-kernel": None, "mxfp4/rounds": 1}
 
 
 def pools(layers: int):
@@ -79,24 +82,38 @@ def run(args) -> dict:
     per_expert = {k: (w13.numel() + w2.numel()) * w13.element_size() // E for k, (w13, w2) in dev.items()}
     hbm = hbm_copy_rate()
     rows = []
+    from freetoken_engine.kernels.triton import moe_mx_dense
+    rule = moe_mx_dense.MX_DENSE_PAIRS
+
+    def call(side: str, x, tok, slot):
+        moe_mx_dense.MX_DENSE_PAIRS = rule if LARGE_SIDES.get(side, "default") == "default" else LARGE_SIDES[side]
+        try:
+            return moe_slots_forward(x, *dev[side.split("/")[0]], tok, slot, experts=E)
+        finally:
+            moe_mx_dense.MX_DENSE_PAIRS = rule
+
     for tokens in CALLS:
         x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)
         tok, slot = routing(tokens, tokens)
-        outs = {k: moe_slots_forward(x, *dev[k], tok, slot) for k in dev}
-        err = ((outs["mxfp4"].float() - outs["bf16"].float()).abs().max() / outs["bf16"].float().abs().max()).item()
-        if err > 2.0 ** -7:
-            print(f"WRONG: {tokens} tokens: the 4-bit pool's rows are {err:.3g} off its values' (of the output scale)")
+        order = ["bf16", "mxfp4"] + ([k for k in LARGE_SIDES if "/" in k] if tokens * K > 64 else [])
+        want = moe_slots_forward(x, *dev["bf16"], tok, slot).float()
+        err = {}
+        for k in order[1:]:
+            err[k] = ((call(k, x, tok, slot).float() - want).abs().max() / want.abs().max()).item()
+            if err[k] > 2.0 ** -7:
+                print(f"WRONG: {tokens} tokens, {k}: the 4-bit pool's rows are {err[k]:.3g} off its values' "
+                      f"(of the output scale)")
         distinct = int(slot.unique().numel())
         med = {}
-        order = ["bf16", "mxfp4"]
         for r in range(2):
             for k in order[r:] + order[:r]:
-                med.setdefault(k, []).append(timed(lambda k=k: moe_slots_forward(x, *dev[k], tok, slot), args.reps))
+                med.setdefault(k, []).append(timed(lambda k=k: call(k, x, tok, slot), args.reps))
         med = {k: min(v) for k, v in med.items()}
         row = {"what": f"MoE call, {tokens} token{'s' if tokens > 1 else ''}", "tokens": tokens,
                "experts_read": distinct, "us": {k: v * 1e6 for k, v in med.items()},
-               "gb_per_s": {k: distinct * per_expert[k] / v / 1e9 for k, v in med.items()},
-               "speedup": med["bf16"] / med["mxfp4"], "max_rel_err": err}
+               "gb_per_s": {k: distinct * per_expert[k.split("/")[0]] / v / 1e9 for k, v in med.items()},
+               "speedup": med["bf16"] / med["mxfp4"], "max_rel_err": err["mxfp4"],
+               "speedups": {k: med["bf16"] / med[k] for k in order[1:]}, "max_rel_errs": err}
         rows.append(row)
     slots = {k: (torch.empty_like(dev[k][0]), torch.empty_like(dev[k][1])) for k in dev}
     fill_exp = torch.tensor([3, 11, 20, 29], device="cuda")
@@ -110,7 +127,8 @@ def run(args) -> dict:
     sweep = tile_sweep(dev, args.reps) if args.sweep else []
     for r in rows:
         print(f"{r['what']:45s} bf16 {r['us']['bf16']:9.1f} us ({r['gb_per_s']['bf16']:7.1f} GB/s)   "
-              f"MXFP4 {r['us']['mxfp4']:9.1f} us ({r['gb_per_s']['mxfp4']:7.1f} GB/s)   {r['speedup']:.2f}x")
+              f"MXFP4 {r['us']['mxfp4']:9.1f} us ({r['gb_per_s']['mxfp4']:7.1f} GB/s)   {r['speedup']:.2f}x"
+              + "".join(f"   {k} {r['us'][k]:9.1f} us {v:.2f}x" for k, v in r.get("speedups", {}).items() if "/" in k))
     per_gb = {k: int(1e9 // v) for k, v in per_expert.items()}
     print(f"an expert: {per_expert['bf16'] / 1e6:.1f} MB bf16, {per_expert['mxfp4'] / 1e6:.1f} MB MXFP4; "
           f"a GB of cache holds {per_gb['bf16']} / {per_gb['mxfp4']}; HBM copy {hbm:.0f} GB/s")

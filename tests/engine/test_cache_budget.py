@@ -86,3 +86,32 @@ def test_draft_snapshots_are_k_per_sequence_the_budget_holds_and_a_set_count_is_
     assert state_slots(_cfg(speculative_tokens=4), int(1e6), cpu) == (64, 4 * 8)      # at most max_batch rows
     assert state_slots(_cfg(speculative_tokens=4), int(400e6), cpu) == (4, 4)        # at least one row
     assert state_slots(_cfg(state_checkpoints=7), int(50e6), cpu) == (7, 0)
+
+
+@pytest.mark.parametrize("mxfp4", [False, True], ids=["bf16", "mxfp4"])
+def test_a_four_bit_bank_leaves_room_for_the_prefills_dense_scratch(monkeypatch, mxfp4):
+    """Experts kept in 4 bits on a GPU: a whole-layer call decodes them into a dense scratch
+    (kernels/triton/moe_mx_dense.py), so the default cache leaves that scratch free too, exactly
+    its bytes (gpt-oss-120b's expert shape, 40 GB free)."""
+    from freetoken_engine.executor.budget import cache_experts
+    from freetoken_engine.kernels.mxfp4 import row_bytes
+    from freetoken_engine.kernels.triton import moe_mx_dense
+    h = inter = 2880
+    per = 3 * h * row_bytes(h) if mxfp4 else 3 * h * inter * 2
+    bank = SimpleNamespace(total_experts=36 * 128, expert_bytes=per, hidden=h, inter=inter, mxfp4=mxfp4,
+                           num_experts=128, w13=[SimpleNamespace(nbytes=128 * per * 2 // 3)],
+                           w2=[SimpleNamespace(nbytes=128 * per // 3)])
+    cfg = SimpleNamespace(expert_cache_experts=None, expert_cache_gb=None, prefill_tokens=4096, kv_block_size=16,
+                          max_batch=8)
+    mcfg = SimpleNamespace(kv_layers=36, num_kv_heads=8, num_heads=8, head_dim=64, mla=None, linear_layers=[],
+                           moe=SimpleNamespace(top_k=4))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 10**9, 80 * 10**9))
+    n = cache_experts(cfg, mcfg, bank, torch.device("cuda"), torch.bfloat16, 8192, 512)
+    bank.mxfp4 = False
+    plain = cache_experts(cfg, mcfg, bank, torch.device("cuda"), torch.bfloat16, 8192, 512)
+    scratch = moe_mx_dense.scratch_bytes(h, inter, 2, 128)
+    assert scratch == moe_mx_dense.scratch_experts(h, inter, 2) * 3 * h * inter * 2 >= 3 * h * inter * 2
+    if mxfp4:       # the scratch's bytes, in whole experts of the cache (either side of the rounding)
+        assert scratch // per <= plain - n <= -(-scratch // per)
+    else:
+        assert n == plain

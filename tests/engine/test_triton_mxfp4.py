@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from freetoken_engine.kernels import mxfp4  # noqa: E402
 from freetoken_engine.kernels.reference import GatedAct, expert_pairs_forward  # noqa: E402
 from freetoken_engine.kernels.triton.gather import gather_fill_rows  # noqa: E402
+from freetoken_engine.kernels.triton import moe, moe_mx_dense  # noqa: E402
 from freetoken_engine.kernels.triton.moe import SMALL_P, moe_slots_forward  # noqa: E402
 
 H, I = 64, 96
@@ -73,6 +74,63 @@ def test_mxfp4_rows_whose_codes_end_inside_a_step(tokens, k):
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+def test_decoding_the_slots_a_call_uses_into_the_dense_scratch():
+    """The used slots are ranked on the device (ascending ids, unused and CPU pairs left out) and
+    each round's slots decode to exactly their values; places past the used slots stay as they were."""
+    q13, _ = _pool(7)
+    rank, order, count = moe_mx_dense.used_ranks(torch.tensor([5, 2, -1, 5, 0, 2]), 7)
+    assert rank.tolist() == [2, 1, -1, 2, 0, 1] and order[:3].tolist() == [0, 2, 5] and count.item() == 3
+    dst = torch.full((2, 2 * I, H), 7.0)
+    moe_mx_dense.decode_slots(q13, order, count, 2, dst)             # the last used slot, then nothing
+    assert torch.equal(dst[0], mxfp4.dequantize(q13[5], torch.float32)) and bool((dst[1] == 7).all())
+    wide = _pool(2, h=160, i=96)[0]                     # 5 blocks a row: the last step partly past it
+    one = torch.zeros(1, 2 * 96, 160, dtype=torch.bfloat16)
+    moe_mx_dense.decode_slots(wide, torch.tensor([1, 0]), torch.tensor([2]), 0, one)
+    assert torch.equal(one[0], mxfp4.dequantize(wide[1], torch.bfloat16))
+
+
+@pytest.mark.parametrize("gated", [False, True], ids=["silu", "gpt-oss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("per_round", [1, 4])
+def test_a_large_call_computes_every_pair_once_from_rounds_of_the_dense_scratch(monkeypatch, per_round, dtype,
+                                                                                gated):
+    """A large call on MXFP4 slots that decodes them first (1 or 4 experts a round, 5 used slots of
+    7, CPU pairs among them): each pair's row is the reference's, within the 4-bit kernels' own
+    tolerance, and a CPU pair's row is left as it was (zero=False)."""
+    monkeypatch.setattr(moe_mx_dense, "MX_DENSE_PAIRS", 1)
+    monkeypatch.setattr(moe_mx_dense, "MX_SCRATCH_BYTES", per_round * 3 * H * I * dtype.itemsize)
+    q13, q2 = _pool(7)
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(40, H, generator=g).to(dtype)
+    tok, slot = _routing(40, 2, 5)
+    slot = torch.where(slot == 3, 6, slot)               # slots 0, 1, 2, 4, 6 used; 3 and 5 not
+    slot[::7] = -1
+    gpu = slot >= 0
+    extra = {}
+    if gated:
+        extra = dict(act=GatedAct("swiglu_oai", 1.702, 0.5), b13=torch.randn(9, 2 * I, generator=g).to(dtype),
+                     pair_bias=(slot * 7 + 3) % 9)
+    out = torch.full((slot.numel(), H), float("nan"), dtype=dtype)
+    moe_slots_forward(x, q13, q2, tok, slot, out=out, zero=False, experts=6, **extra)
+    ref_extra = {} if not gated else dict(act=extra["act"], b13=extra["b13"].float(), pair_bias=extra["pair_bias"][gpu])
+    d13, d2 = mxfp4.dequantize(q13, torch.float32), mxfp4.dequantize(q2, torch.float32)
+    ref = expert_pairs_forward(x.float(), d13, d2, tok[gpu], slot[gpu], **ref_extra)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out[~gpu].isnan().all()
+    assert (out[gpu].float() - ref).abs().max() <= tol * ref.abs().max() + 1e-6
+
+
+def test_which_large_calls_decode_their_slots_first():
+    """Pairs a usable slot at or above MX_DENSE_PAIRS, bf16 or float32 activations (fp16 does not
+    hold every 4-bit value exactly)."""
+    n = moe_mx_dense.MX_DENSE_PAIRS
+    assert moe_mx_dense.wants_dense(n * 32, 4096, 32, torch.bfloat16)          # a prefill over a big pool
+    assert not moe_mx_dense.wants_dense(n * 32 - 1, 4096, 32, torch.bfloat16)
+    assert not moe_mx_dense.wants_dense(n * 32, 4096, None, torch.bfloat16)    # the pool's slots count
+    assert moe_mx_dense.wants_dense(n * 32, 32, None, torch.float32)
+    assert not moe_mx_dense.wants_dense(n * 32, 32, 32, torch.float16)
+
+
 def test_mxfp4_slots_refuse_a_streamed_part_and_bad_rows():
     q13, q2 = _pool(3)
     x = torch.randn(1, H)
@@ -95,13 +153,20 @@ def test_gather_copies_mxfp4_rows():
 
 
 @pytest.mark.parametrize("capacity,fraction,long", [(3, 0.5, False), (16, 0.0, False), (1, 1.0, False),
-                                                    (3, 0.5, True)])
-def test_gpt_oss_in_four_bits_on_the_triton_path(tiny_checkpoint, tmp_path, capacity, fraction, long):
+                                                    (3, 0.5, True), (3, 0.5, "rounds")])
+def test_gpt_oss_in_four_bits_on_the_triton_path(tiny_checkpoint, tmp_path, monkeypatch, capacity, fraction, long):
     """gpt-oss as published with its experts kept in MXFP4: the bank, the cache's slots, the fills
     and the prefill's whole-layer buffers hold 4-bit rows, the Triton kernels decode them and the
-    C++ host loop computes the CPU's pairs from them; the tokens of the dense torch path."""
+    C++ host loop computes the CPU's pairs from them; the tokens of the dense torch path. "rounds":
+    the long prompt's whole-layer calls decode their slots into a dense scratch, two experts a
+    round (moe_mx_dense.py)."""
     from freetoken_engine import LLM, SamplingParams
     from test_gpt_oss import _as_mxfp4
+    if long == "rounds":
+        monkeypatch.setattr(moe_mx_dense, "MX_DENSE_PAIRS", 1)
+        monkeypatch.setattr(moe_mx_dense, "MX_SCRATCH_BYTES", 2 * 3 * 64 * 64 * 4)
+        calls = []
+        monkeypatch.setattr(moe, "decode_slots", lambda *a, f=moe_mx_dense.decode_slots: calls.append(1) or f(*a))
     src = tiny_checkpoint("gpt_oss", hidden_size=64, intermediate_size=64, head_dim=16)
     mx, _ = _as_mxfp4(src, tmp_path)
     prompt = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150] * (8 if long else 1)
@@ -119,3 +184,5 @@ def test_gpt_oss_in_four_bits_on_the_triton_path(tiny_checkpoint, tmp_path, capa
     llm.runner.resize_expert_cache(2)
     llm.runner.cache.check_integrity(deep=True)
     assert llm.generate(prompt, greedy).token_ids == want
+    if long == "rounds":
+        assert calls

@@ -27,11 +27,15 @@ H = I = 2880                     # gpt-oss-20b's expert shape
 PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 300])     # the lanes kernels, grouping in the kernel, the block table
-def test_mxfp4_slots_match_their_dense_values(tokens):
+# the lanes kernels, grouping in the kernel, the block table, the dense scratch's rounds (200 pairs a slot)
+@pytest.mark.parametrize("tokens,rounds", [(1, False), (4, False), (300, False), (300, True)])
+def test_mxfp4_slots_match_their_dense_values(monkeypatch, tokens, rounds):
     """The same products as on the dense values; the compiled kernels may sum them in another
     order (their register layouts differ: measured on the H200, a one-token call differs in the
     last bits, a 300-token one not at all), so within bf16's rounding of the output."""
+    from freetoken_engine.kernels.triton import moe_mx_dense
+    monkeypatch.setattr(moe_mx_dense, "MX_DENSE_PAIRS", 1 if rounds else None)
+    monkeypatch.setattr(moe_mx_dense, "MX_SCRATCH_BYTES", 4 * 3 * H * I * 2)     # 4 of the 6 slots a round
     g = torch.Generator().manual_seed(0)
     q13 = torch.randint(0, 256, (6, 2 * I, mxfp4.row_bytes(H)), dtype=torch.uint8, generator=g)
     q2 = torch.randint(0, 256, (6, H, mxfp4.row_bytes(I)), dtype=torch.uint8, generator=g)

@@ -6,7 +6,8 @@ The cache is made before the KV pool and the prefill's two whole-layer buffers
 it) left a 24 GB card without room for them: Qwen3-30B-A3B at its 40,960-token context needs
 4.0 GB of KV pool and 2.4 GB of layer buffers after the cache. The default takes those, exactly,
 off the free memory first, then what a prefill step holds at its peak (``prefill_peak_bytes``)
-and a fixed reserve for the decode graphs and the allocator's slack.
+and a fixed reserve for the decode graphs and the allocator's slack (and, for experts kept in 4
+bits, the dense scratch in which a whole-layer call decodes them).
 """
 from __future__ import annotations
 
@@ -99,6 +100,9 @@ def cache_experts(cfg, mcfg, bank, device: torch.device, dtype: torch.dtype, max
             kv_heads, dim, grouped = mcfg.num_kv_heads, mcfg.head_dim, reads_grouped_heads(device, dtype, mcfg)
         step = prefill_peak_bytes(cfg.prefill_tokens, max_context, mcfg.moe.top_k, bank.hidden, bank.inter,
                                   mcfg.num_heads, kv_heads, dim, size, grouped)
+        if bank.mxfp4:       # a whole-layer call's dense scratch (kernels/triton/moe_mx_dense.py)
+            from ..kernels.triton.moe_mx_dense import scratch_bytes
+            step += scratch_bytes(bank.hidden, bank.inter, size, bank.num_experts)
         n = default_cache_experts(torch.cuda.mem_get_info(device)[0], per, total, kv,
                                   2 * (bank.w13[0].nbytes + bank.w2[0].nbytes), step)
     if n > total:

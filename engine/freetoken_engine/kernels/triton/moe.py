@@ -28,6 +28,8 @@ a pair's row does not depend on which call computed it.
 Slots of MXFP4 rows (uint8 ``[S, 2I, rb(H)]`` / ``[S, H, rb(I)]``, rb: kernels/mxfp4.py's
 row_bytes; the ``MX`` constexpr) are decoded where they are loaded, a block of 32 values a 16-byte
 load, and meet the activations in the rows' byte order (moe_mxfp4.py); their values are exact in bf16.
+A large call whose slots meet many pairs each (a prefill's whole layer) decodes them once into a
+dense scratch instead, a few slots a round, and runs the dense kernels (moe_mx_dense.py).
 """
 from __future__ import annotations
 
@@ -39,6 +41,7 @@ from ..mxfp4 import row_bytes
 from ..reference import SILU, GatedAct
 from ._common import check_tensor, interpreting, next_pow2
 from .moe_lanes import down_lanes_kernel, gate_up_lanes_kernel, gated
+from .moe_mx_dense import decode_slots, scratch_experts, used_ranks, wants_dense
 from .moe_mxfp4 import byte_order, dot_acc, inter_pos, mx_dot, mx_row_acts, mx_rows
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -197,7 +200,7 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
                       pair_tok: torch.Tensor, pair_slot: torch.Tensor,
                       out: torch.Tensor | None = None, limit: torch.Tensor | None = None,
                       zero: bool = True, act: GatedAct = SILU, b13: torch.Tensor | None = None,
-                      pair_bias: torch.Tensor | None = None) -> torch.Tensor:
+                      pair_bias: torch.Tensor | None = None, experts: int | None = None) -> torch.Tensor:
     """Compute every (token, slot) pair from the slot pool; see the module docstring.
     ``zero=False``: the rows of pairs with a negative slot are left unset instead of zeroed (one
     launch less, for callers that select per pair, as the engine's combine does).
@@ -211,6 +214,9 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     ``act``, ``b13 [E, 2I]`` (contiguous rows), ``pair_bias [P]``: experts of another kind, as
     ``reference.expert_pairs_forward`` takes them (gpt-oss); the biases are added to the float32
     gate/up sums, the activation computed in float32 (one rounding, as the plain gate's).
+    ``experts``: how many distinct slots the call can use at most (a layer's experts), which
+    tells a large call on MXFP4 slots how many pairs a slot meets (``moe_mx_dense.wants_dense``)
+    and how many rounds it takes; default ``S``.
     """
     dev = x.device
     mx = w13_slots.dtype == torch.uint8            # MXFP4 rows (kernels/mxfp4.py)
@@ -262,6 +268,9 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     upcast = interpreting() or x.dtype == torch.float32 or w13_slots.dtype == torch.float32
     inter_buf = torch.empty((p, inter), dtype=torch.float32 if upcast else x.dtype, device=dev)
     lim = limit if limit is not None else pair_slot
+    if mx and p > SMALL_P and limit is None and wants_dense(p, s, experts, x.dtype):
+        _dense_rounds(x, w13_slots, w2_slots, inter_buf, out, pair_tok, pair_slot, experts, upcast, gate)
+        return out
     if mx:              # the tokens' rows in the MXFP4 rows' byte order (moe_mxfp4.py)
         x = x.index_select(1, byte_order(h, dev))
     lanes = LANES_TILES_MX if mx else LANES_TILES
@@ -278,23 +287,51 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     in_kernel = p <= SMALL_P
     if in_kernel:
         bm = max(16, next_pow2(min(p, t)))
-        nb, rows, slots = p, pair_slot, pair_slot          # rows/slots tables unused
-        tiles = DECODE_TILES
+        rows, slots = pair_slot, pair_slot          # rows/slots tables unused
     else:
         bm = 64
         rows, slots = block_table(pair_slot, bm, s)
-        nb = slots.numel()
-        tiles = PREFILL_TILES
+    _tiled(x, w13_slots, w2_slots, inter_buf, out, pair_tok, pair_slot, lim, rows, slots, bm, upcast,
+           limit is not None, gate)
+    return out
+
+
+def _tiled(x, w13, w2, inter_buf, out, pair_tok, pair_slot, lim, rows, slots, bm, upcast, limit, gate) -> None:
+    """The tiled kernels' two launches: grouped in the kernel where ``rows`` is ``pair_slot``
+    (a small call), else over the block table ``rows [NB, bm]`` / ``slots [NB]``."""
+    p, h, inter = pair_tok.numel(), out.shape[1], inter_buf.shape[1]
+    in_kernel = rows is pair_slot
+    nb = p if in_kernel else slots.numel()
+    tiles = DECODE_TILES if in_kernel else PREFILL_TILES
     bn1, bk1, bn2, bk2, warps = (tiles[key] for key in ("bn1", "bk1", "bn2", "bk2", "warps"))
     block_p = next_pow2(p) if in_kernel else 1
     _gate_up_kernel[(nb, triton.cdiv(inter, bn1))](
-        x, w13_slots, inter_buf, pair_tok, pair_slot, rows, slots, lim,
-        P=p, H=h, I=inter, stride_xt=x.stride(0), stride_ws=w13_slots.stride(0), stride_wn=w13_slots.stride(1),
-        BLOCK_P=block_p, BM=bm, BN=bn1, BK=bk1, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limit is not None,
+        x, w13, inter_buf, pair_tok, pair_slot, rows, slots, lim,
+        P=p, H=h, I=inter, stride_xt=x.stride(0), stride_ws=w13.stride(0), stride_wn=w13.stride(1),
+        BLOCK_P=block_p, BM=bm, BN=bn1, BK=bk1, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limit,
         num_warps=warps, **gate)
     _down_kernel[(nb, triton.cdiv(h, bn2))](
-        inter_buf, w2_slots, out, pair_slot, rows, slots, lim,
-        p, h, inter, w2_slots.stride(0), w2_slots.stride(1), out.stride(0),
-        BLOCK_P=block_p, BM=bm, BN=bn2, BK=bk2, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limit is not None,
-        MX=mx, num_warps=warps)
-    return out
+        inter_buf, w2, out, pair_slot, rows, slots, lim,
+        p, h, inter, w2.stride(0), w2.stride(1), out.stride(0),
+        BLOCK_P=block_p, BM=bm, BN=bn2, BK=bk2, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limit,
+        MX=gate["MX"], num_warps=warps)
+
+
+def _dense_rounds(x, w13, w2, inter_buf, out, pair_tok, pair_slot, experts, upcast, gate) -> None:
+    """A large call on MXFP4 slots in rounds (moe_mx_dense.py): the slots it uses ranked on the
+    device, the pairs grouped by rank once, then each round decodes the next few used slots into
+    the dense scratch and runs the dense kernels on the blocks of those ranks."""
+    p, h, s, inter = pair_tok.numel(), x.shape[1], w13.shape[0], inter_buf.shape[1]
+    rank, order, count = used_ranks(pair_slot, s)
+    bm = 64
+    rows, block_rank = block_table(rank, bm, s)
+    c = scratch_experts(h, inter, x.element_size())
+    d13 = torch.empty((c, 2 * inter, h), dtype=x.dtype, device=x.device)
+    d2 = torch.empty((c, h, inter), dtype=x.dtype, device=x.device)
+    dense = dict(gate, MX=False)
+    for base in range(0, min(p, s, experts or s), c):
+        decode_slots(w13, order, count, base, d13)
+        decode_slots(w2, order, count, base, d2)
+        here = (block_rank >= base) & (block_rank < base + c)
+        _tiled(x, d13, d2, inter_buf, out, pair_tok, pair_slot, pair_slot, rows,
+               torch.where(here, block_rank - base, -1), bm, upcast, False, dense)
