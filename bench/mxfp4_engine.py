@@ -12,6 +12,10 @@ miss moves 3.76x fewer bytes over PCIe); "all": the engine's default size.
     python bench/mxfp4_engine.py [--layers 4] [--tokens 32] [--rounds 2] [--device cpu]
     python bench/mxfp4_engine.py --device cuda --dtypes bfloat16 --layers 8 --cache-gb 0.8,1.6,all \
         --out bench/results/mxfp4_engine_gpu.json
+    python bench/mxfp4_engine.py --device cuda --dtypes bfloat16 --layers 4 --cache-gb all --prefill 4096
+
+``--prefill N`` also times an N-token prompt to its first token on each side, and adds the side
+``mxfp4/in-kernel`` (4 bits without the dense scratch of kernels/triton/moe_mx_dense.py).
 """
 from __future__ import annotations
 
@@ -79,11 +83,17 @@ def write(folder: Path, layers: int, vocab: int) -> int:
     return total
 
 
-def side(folder: str, fmt: str, dtype: str, tokens: int, device: str, cache: str) -> dict:
-    """One engine in this process: its resident memory, time to ready, decode rate."""
+def side(folder: str, fmt: str, dtype: str, tokens: int, device: str, cache: str, prefill: int) -> dict:
+    """One engine in this process: its resident memory, time to ready, decode rate, and with
+    ``prefill`` the time of a prompt of that many tokens to its first token (after one the same
+    length, so that nothing it times compiles). ``mxfp4/in-kernel``: 4 bits with every call's
+    slots decoded in the kernels' tiles (no dense scratch, moe_mx_dense.MX_DENSE_PAIRS None)."""
     from freetoken_engine import LLM, SamplingParams
+    if fmt == "mxfp4/in-kernel":
+        from freetoken_engine.kernels.triton import moe_mx_dense
+        moe_mx_dense.MX_DENSE_PAIRS = None
     t0 = time.perf_counter()
-    llm = LLM(folder, device=device, dtype=dtype, expert_format=fmt,
+    llm = LLM(folder, device=device, dtype=dtype, expert_format=fmt.split("/")[0],
               expert_cache_gb=None if cache == "all" else float(cache))
     ready = time.perf_counter() - t0
     rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -92,7 +102,15 @@ def side(folder: str, fmt: str, dtype: str, tokens: int, device: str, cache: str
     t0 = time.perf_counter()
     out = llm.generate(PROMPT, greedy)
     secs = time.perf_counter() - t0
-    return {"format": fmt, "dtype": dtype, "cache": cache, "ready_s": ready, "rss_gb": rss / 1e9,
+    first = None
+    if prefill:
+        one = SamplingParams(max_new_tokens=1, temperature=0, ignore_eos=True)
+        prompt = [int(t) for t in torch.randint(100, 1000, (prefill,), generator=torch.Generator().manual_seed(1))]
+        llm.generate(prompt, one)
+        t1 = time.perf_counter()
+        llm.generate(prompt, one)
+        first = time.perf_counter() - t1
+    return {"prefill_s": first, "format": fmt, "dtype": dtype, "cache": cache, "ready_s": ready, "rss_gb": rss / 1e9,
             "bank_gb": llm.runner.bank.expert_bytes * llm.runner.bank.total_experts / 1e9,
             "tok_per_s": tokens / secs, "tokens": out.token_ids, "misses": out.stats.get("misses"),
             "cached_experts": llm.runner.cache.capacity if llm.runner.cache is not None else None}
@@ -105,14 +123,17 @@ def run(args) -> dict:
         print(f"wrote {size / 1e9:.2f} GB ({args.layers} layers)")
         results = {}
         keys = [(dtype, cache) for dtype in args.dtypes.split(",") for cache in args.cache_gb.split(",")]
+        fmts = ["mxfp4", "dense"] + (["mxfp4/in-kernel"] if args.prefill else [])
         for r in range(args.rounds):
-            for fmt in (("mxfp4", "dense") if r % 2 == 0 else ("dense", "mxfp4")):
+            for fmt in fmts[r % len(fmts):] + fmts[:r % len(fmts)]:
                 for dtype, cache in keys:
-                    cmd = [sys.executable, __file__, "--side", str(folder), fmt, dtype, str(args.tokens), args.device, cache]
+                    cmd = [sys.executable, __file__, "--side", str(folder), fmt, dtype, str(args.tokens), args.device,
+                           cache, str(args.prefill)]
                     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
                     res = json.loads(out.strip().splitlines()[-1])
                     results.setdefault((fmt, dtype, cache), []).append(res)
-                    print(f"round {r + 1}: {fmt:5s} {dtype:8s} cache {cache:4s} {res['tok_per_s']:7.2f} tok/s, "
+                    pre = f", {args.prefill}-token prompt {res['prefill_s']:.3f} s" if args.prefill else ""
+                    print(f"round {r + 1}: {fmt:5s} {dtype:8s} cache {cache:4s} {res['tok_per_s']:7.2f} tok/s{pre}, "
                           f"ready {res['ready_s']:.1f} s, resident {res['rss_gb']:.2f} GB, misses {res['misses']}, "
                           f"cached experts {res['cached_experts']}")
     rows = []
@@ -127,6 +148,12 @@ def run(args) -> dict:
                "bank_gb": {"mxfp4": four[0]["bank_gb"], "dense": dense[0]["bank_gb"]},
                "same_tokens": four[0]["tokens"] == dense[0]["tokens"]}
         row["speedup"] = row["tok_per_s"]["mxfp4"] / row["tok_per_s"]["dense"]
+        if args.prefill:
+            sides = {f: results[(f, dtype, cache)] for f in fmts}
+            row["prefill_s"] = {f: med(rs, "prefill_s") for f, rs in sides.items()}
+            row["prefill_tok_per_s"] = {f: args.prefill / v for f, v in row["prefill_s"].items()}
+            print(f"{dtype}, cache {cache}: a {args.prefill}-token prompt to its first token: "
+                  + ", ".join(f"{f} {v:.3f} s" for f, v in row["prefill_s"].items()))
         if dtype == "float32":
             assert row["same_tokens"], "4-bit and dense experts gave different float32 tokens"
         rows.append(row)
@@ -134,7 +161,8 @@ def run(args) -> dict:
               f"({row['speedup']:.2f}x), resident {row['rss_gb']['mxfp4']:.2f} vs {row['rss_gb']['dense']:.2f} GB, "
               f"ready {row['ready_s']['mxfp4']:.1f} vs {row['ready_s']['dense']:.1f} s, same tokens {row['same_tokens']}")
     return {"hardware": describe(), "device": args.device, "layers": args.layers, "vocab": args.vocab,
-            "tokens": args.tokens, "rounds": args.rounds, "checkpoint_gb": size / 1e9, "rows": rows}
+            "tokens": args.tokens, "rounds": args.rounds, "prefill_tokens": args.prefill, "checkpoint_gb": size / 1e9,
+            "rows": rows}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -158,8 +186,8 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--side":
-        folder, fmt, dtype, tokens, device, cache = sys.argv[2:8]
-        res = side(folder, fmt, dtype, int(tokens), device, cache)
+        folder, fmt, dtype, tokens, device, cache, prefill = sys.argv[2:9]
+        res = side(folder, fmt, dtype, int(tokens), device, cache, int(prefill))
         print(json.dumps(res))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -170,6 +198,8 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--cache-gb", default="all", help="expert cache budgets in GB, comma-separated, or all (a GPU's)")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="also time a prompt of this many tokens to its first token (and 4 bits without the dense scratch)")
     ap.add_argument("--dir", default=None, help="where the checkpoint is written (default: the temp dir)")
     report.main(ap, ROOT / "bench" / "results" / "mxfp4_engine.json", run, plot)
 

@@ -227,3 +227,11 @@ def add_mtp_layer(path, seed: int = 1, init_std: float = 0.2) -> None:
                 else:
                     p.copy_(init_std * torch.randn(p.shape, generator=g))
     save_mtp_layer(path, parts)
+
+
+if __name__ == "__main__":       # checkpoints for a machine whose transformers lacks the family (conftest.PREBUILT)
+    import sys
+    if len(sys.argv) < 3:
+        sys.exit("usage: python tests/tiny_models.py DIR MODEL_TYPE...")
+    for kind in sys.argv[2:]:
+        print(make_tiny_checkpoint(Path(sys.argv[1]) / kind, kind))
