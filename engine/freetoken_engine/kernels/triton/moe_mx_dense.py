@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .moe_mxfp4 import mx_rows
+from .moe_mxfp4 import mx_values
 
 #: pairs a slot (on average, over the slots the call can use) from which a large call on MXFP4
 #: slots decodes them into the scratch first; None: never (the bench's A/B side)
@@ -65,29 +65,32 @@ def used_ranks(pair_slot: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch
 
 @triton.jit
 def _decode_kernel(src_ptr, dst_ptr, order_ptr, count_ptr, base, R, K, stride_ss, stride_sr, stride_ds,
-                   BN: tl.constexpr, G: tl.constexpr):
-    """dst[j] = the values of slot order[base + j]'s R rows of K (MXFP4 rows), for base + j < count."""
+                   BN: tl.constexpr, BK: tl.constexpr):
+    """dst[j] = the values of slot order[base + j]'s R rows of K (MXFP4 rows), for base + j < count:
+    a program writes BN rows' BK values [k0, k0 + BK) in their order, contiguously; each value
+    reads its own code byte (natural value w of a block of 32 is nibble (w // 2) % 2 of byte
+    8 (w // 16) + 4 (w % 2) + (w % 16) // 4, kernels/mxfp4.py), so the byte loads repeat within
+    a block and hit the cache while the stores run whole."""
     j = tl.program_id(0)
     if base + j < tl.load(count_ptr):
         slot = tl.load(order_ptr + base + j).to(tl.int64)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
-        nmask = n < R
-        lo, hi = mx_rows(src_ptr + slot * stride_ss + n.to(tl.int64) * stride_sr, tl.program_id(2) * G * 16,
-                         K, nmask, G)
-        # byte u of block g holds values 32 g + 16 (u // 8) + 4 (u % 4) + (u % 8) // 4 (low nibble), + 2 (high)
-        g = tl.program_id(2) * G + tl.arange(0, G)
-        u = tl.arange(0, 16)
-        col = (32 * g)[:, None] + (16 * (u // 8) + 4 * (u % 4) + (u % 8) // 4)[None, :]       # [G, 16]
-        mask = nmask[:, None, None] & (g < K // 32)[None, :, None]
-        out = dst_ptr + j * stride_ds + n.to(tl.int64)[:, None, None] * K + col[None, :, :]
-        tl.store(out, lo.to(dst_ptr.dtype.element_ty), mask=mask)
-        tl.store(out + 2, hi.to(dst_ptr.dtype.element_ty), mask=mask)
+        k = tl.program_id(2) * BK + tl.arange(0, BK)
+        w = k % 32
+        byte = (k // 32) * 16 + 8 * (w // 16) + 4 * (w % 2) + (w % 16) // 4
+        mask = (n < R)[:, None] & (k < K)[None, :]
+        rows = src_ptr + slot * stride_ss + n.to(tl.int64)[:, None] * stride_sr
+        codes = tl.load(rows + byte[None, :], mask=mask, other=0).to(tl.int32)
+        sc = tl.load(rows + K // 2 + (k // 32)[None, :], mask=mask, other=127).to(tl.int32)
+        v = mx_values((codes >> (4 * ((w // 2) % 2))[None, :]) & 15, sc)
+        tl.store(dst_ptr + j * stride_ds + n.to(tl.int64)[:, None] * K + k[None, :], v.to(dst_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 def decode_slots(src: torch.Tensor, order: torch.Tensor, count: torch.Tensor, base: int, dst: torch.Tensor) -> None:
     """``dst[j] = dequantize(src[order[base + j]])`` for each ``j`` with ``base + j < count`` (the
     others left as they are); src uint8 ``[S, R, rb(K)]``, dst ``[C, R, K]`` of a float dtype."""
     c, r, k = dst.shape
-    bn, g = 16, 8
-    _decode_kernel[(c, triton.cdiv(r, bn), triton.cdiv(k // 32, g))](
-        src, dst, order, count, base, r, k, src.stride(0), src.stride(1), dst.stride(0), BN=bn, G=g, num_warps=4)
+    bn, bk = 8, 256
+    _decode_kernel[(c, triton.cdiv(r, bn), triton.cdiv(k, bk))](
+        src, dst, order, count, base, r, k, src.stride(0), src.stride(1), dst.stride(0), BN=bn, BK=bk, num_warps=4)

@@ -31,7 +31,7 @@ def byte_order(k: int, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
-def _values(codes, sc):
+def mx_values(codes, sc):
     """e2m1 codes (int32, 0..15) times 2^(sc - 127) (int32 scale bytes, broadcast) in float32,
     exact: magnitudes 2^(e - 1) (1 + m/2) built from their bits (no table, no exp2)."""
     em = codes & 7
@@ -51,7 +51,7 @@ def mx_rows(rows, k0, K, rmask, G: tl.constexpr):
     codes = tl.load(rows[:, None, None] + (g * 16)[None, :, None] + tl.arange(0, 16)[None, None, :],
                     mask=gmask[:, :, None], other=0).to(tl.int32)         # [BN, G, 16]
     sc = tl.load(rows[:, None] + K // 2 + g[None, :], mask=gmask, other=127).to(tl.int32)[:, :, None]
-    return _values(codes & 15, sc), _values(codes >> 4, sc)
+    return mx_values(codes & 15, sc), mx_values(codes >> 4, sc)
 
 
 @triton.jit
