@@ -30,7 +30,7 @@ import report  # noqa: E402
 
 H = I = 2880
 E, K = 32, 4
-CALLS = [1, 4, 16, 128, 512, 2048]          # tokens a MoE call (top 4 of 32 experts each)
+CALLS = [1, 4, 16, 128, 512, 1024, 2048]          # tokens a MoE call (top 4 of 32 experts each)
 #: the 4-bit sides of a large call: the default rule, the slots decoded in the kernels' tiles, and
 #: decoded first into the dense scratch (moe_mx_dense.MX_DENSE_PAIRS: None / 1)
 LARGE_SIDES = {"mxfp4": "default", "mxfp4/in-kernel": None, "mxfp4/rounds": 1}
