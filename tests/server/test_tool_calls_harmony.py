@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 
+import jsonschema
+
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from format_cases import answered_without_tools, format_folder, special_tags_reach_the_parser
@@ -18,6 +21,7 @@ from test_tool_calls_glm import calls
 from test_tool_calls_granite import (A_TOOLS, HELD, MSGS, SCHEMAS, TOOLS, allowed, events, forced_calls_are_valid,
                                      held_prompt, shown, thought, walk)
 
+from freetoken_engine.executor.guide import Guide
 from freetoken_engine.models.tokenizer import Tokenizer
 from freetoken_engine.server.parser import ToolArgs, ToolEnd, ToolStart, output_parser
 from freetoken_engine.server.parser_harmony import TAGS
@@ -184,11 +188,87 @@ def test_forced_calls_are_held_to_their_schemas(folder, name, args, wrong):
         assert not walk(tokenizer, named, args + "<|end|>")[1]
     else:
         assert not complete and len(allowed(tokenizer, required, rest, TAGS)) < rest.index(wrong) + len(wrong)
-    assert tool_grammars(tokenizer, held_prompt(STYLE))[0] is None
-    spec = guide_spec('start: "ok"', tokenizer, build_prompt(tokenizer, MSGS, TOOLS))
-    assert spec.escape == () and spec.tool_grammar is None
+    assert guide_spec(None, tokenizer, build_prompt(tokenizer, MSGS, TOOLS)) is None       # auto, nothing strict
+    spec = guide_spec('start: "ok"', tokenizer, build_prompt(tokenizer, MSGS, strict_tools()))
+    assert spec.escape == () and spec.tool_grammar is None        # an answer's grammar is not escaped
+
+
+def strict_tools(*names: str) -> list[dict]:
+    """TOOLS with ``strict`` set on ``names`` (all of them by default)."""
+    return [{"type": "function", "function": {**t["function"], "strict": t["function"]["name"] in names or not names}}
+            for t in TOOLS]
+
+
+def guided(tokenizer, spec, text: str) -> tuple[str, str]:
+    """Feed ``text`` under the guide of ``spec``: (what the masks let through, the guide's state)."""
+    g = Guide(spec, tokenizer, tokenizer.vocab_size)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    for n, t in enumerate(ids):
+        if not torch.isfinite(g.constrain(torch.zeros(tokenizer.vocab_size))[t]):
+            break
+        g.advance(t)
+    else:
+        n = len(ids)
+    decoder = tokenizer.stream_decoder(TAGS)
+    return "".join(decoder.step(i) for i in ids[:n]), g.state
+
+
+FINAL = f"{TURN}<|channel|>final<|message|>Sunny, <b>3</b> days.<|return|>"
+
+
+@pytest.mark.parametrize("text, wrong", [
+    (ANSWER, None),                                              # reasoning, a preamble, both call forms
+    (REASONING + FINAL, None),                                   # no call: the answer, free
+    (call("get_weather", '{"city": "Oslo", "days": 3}'), "Oslo"),
+    (REASONING + call("get_weather", '{"city": "Rome", "days": 9}', head_recipient=True), "9"),
+    (call("delete_all", "{}"), "delete"),                       # not a tool
+    (call("search", "{}", head_recipient=True), "{}"),          # query required
+    (call("search", '{"query": "x"}') + FINAL, None),
+])
+def test_strict_tools_hold_the_calls_the_model_opens_itself(folder, text, wrong):
+    """``strict`` tools on ``auto``: after ``<|channel|>`` or ``<|start|>`` the grammar holds the
+    whole message, so a call the model opens itself (the recipient after the channel or after the
+    role) names a tool and its arguments satisfy the schema, while reasoning, preambles and the
+    answer stay free text to their end tags; between messages the output is free again."""
+    tokenizer = Tokenizer(folder)
+    spec = guide_spec(None, tokenizer, build_prompt(tokenizer, MSGS, strict_tools()))
+    assert {tokenizer.decode([t], skip_special_tokens=False) for t in spec.escape} == {"<|start|>", "<|channel|>"}
+    through, state = guided(tokenizer, spec, text)
+    if wrong is None:
+        assert through == text and state == "text"
+    else:
+        assert state == "tool" and text.index(wrong) - 4 <= len(through) <= text.index(wrong)
+
+
+def test_a_tool_that_is_not_strict_keeps_free_arguments_among_strict_ones(folder):
+    tokenizer = Tokenizer(folder)
+    spec = guide_spec(None, tokenizer, build_prompt(tokenizer, MSGS, strict_tools("get_weather")))
+    loose = call("search", '{"anything": [1, 2]}', head_recipient=True)
+    assert guided(tokenizer, spec, loose) == (loose, "text")
+    wrong = call("get_weather", '{"city": "Oslo", "days": 3}')
+    assert guided(tokenizer, spec, wrong)[1] == "tool"
 
 
 @pytest.mark.parametrize("seed", range(2))
 def test_a_random_gpt_oss_model_forced_to_call_writes_valid_calls(live, seed):
     forced_calls_are_valid(live, seed, MSGS, SCHEMAS)
+
+
+def test_a_random_gpt_oss_model_calling_strict_tools_on_its_own_writes_valid_calls(live, folder):
+    """``auto`` with strict tools through the live server and the official client: a random model
+    pushed (logit_bias) to open a message, head for a call and close strings, objects and the call
+    writes calls that name a tool and satisfy its schema, in every seed (this tiny folder's stop
+    token is not ``<|call|>``: it keeps calling, and a last call cut by max_tokens is left out)."""
+    tokenizer = Tokenizer(folder)
+    push = {tokenizer.token_to_id("<|channel|>"): 100}
+    for word in ("commentary to", '"}', "<|call|>"):
+        push.update({t: 30 for t in tokenizer.encode(word, add_special_tokens=False)})
+    client = live.openai()
+    for seed in range(3):
+        r = client.chat.completions.create(model=live.model, messages=MSGS, tools=strict_tools(), max_tokens=200,
+                                           temperature=1.0, seed=seed, logit_bias={str(t): b for t, b in push.items()})
+        got = r.choices[0].message.tool_calls or []
+        whole = got[:-1] if r.choices[0].finish_reason == "length" else got    # the last may be cut by max_tokens
+        assert whole, r.choices[0]
+        for c in whole:
+            jsonschema.validate(json.loads(c.function.arguments), SCHEMAS[c.function.name])

@@ -25,7 +25,7 @@ from ..executor import guide
 from ..executor.guide import GuideSpec
 from .errors import ApiError
 from .parser import opening_tag, think_tags
-from .tool_grammar import tool_grammars
+from .tool_grammar import harmony_escapes, tool_grammars
 
 _FORMATS = "'text', 'json_object' or 'json_schema'"
 
@@ -93,22 +93,27 @@ def guide_spec(grammar: str | None, tokenizer, prompt) -> GuideSpec | None:
     ``grammar`` (not when the prompt already opens a tool call), and the tool calls' grammar
     where they must follow their schemas (``tool_grammars``); None when nothing is constrained."""
     open_, close = (tokenizer.token_to_id(tag) for tag in think_tags(prompt.style))
-    # harmony's <|channel|> opens every message, not only calls: no escape from the answer's grammar
-    tool = tokenizer.token_to_id(opening_tag(prompt.style)) if prompt.tools and prompt.style != "harmony" else None
     calls, rest = tool_grammars(tokenizer, prompt) if prompt.tools else (None, None)
-    if tool is None:
+    if prompt.prefill:
+        grammar = None
+    if prompt.style == "harmony":
+        # <|channel|> (and <|start|>) open every message, not only calls: with strict tools the
+        # grammar after them holds whole messages, and there is no escape from an answer's grammar
+        escape = harmony_escapes(tokenizer) if calls is not None and grammar is None else ()
+    else:
+        tool = tokenizer.token_to_id(opening_tag(prompt.style)) if prompt.tools else None
+        escape = () if tool is None else (tool,)
+    if not escape:
         # no <tool_call> token (SmolLM2): a call the model opens is text the guide cannot see
         # start, but a call the pre-fill opened (tool_choice) is still held to its schema
         calls = None
-    if prompt.prefill:
-        grammar = None
     if grammar is None and calls is None and rest is None:
         return None
     reasoning = prompt.in_reasoning and close is not None
     if close is not None and close in prompt.ids[-4:]:
         open_ = None     # the template wrote an empty reasoning block: thinking is switched off
     return GuideSpec(grammar, reasoning=reasoning, open_reasoning=open_, close_reasoning=close,
-                     escape=() if tool is None else (tool,), tool_grammar=calls, in_tool=rest)
+                     escape=escape, tool_grammar=calls, in_tool=rest)
 
 
 def logit_bias(raw: dict | None, param: str = "logit_bias") -> tuple[tuple[int, float], ...]:

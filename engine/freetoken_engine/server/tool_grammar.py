@@ -41,8 +41,12 @@ from ..executor import guide
 from .errors import ApiError
 from .parser import COHERE_CLOSE, HUNYUAN_CLOSE, INVOKE, MINIMAX_CLOSE, PYTHONIC_CLOSE, TOOL_CLOSE, TOOL_OPEN
 from .parser_harmony import CALL as HARMONY_CALL
+from .parser_harmony import CHANNEL as HARMONY_CHANNEL
 from .parser_harmony import CONSTRAIN as HARMONY_CONSTRAIN
+from .parser_harmony import END as HARMONY_END
 from .parser_harmony import MESSAGE as HARMONY_MESSAGE
+from .parser_harmony import RETURN as HARMONY_RETURN
+from .parser_harmony import START as HARMONY_START
 from .parser_deepseek import (CALL_BEGIN, CALL_END, CALLS_END, FENCE, FENCE_END, KIMI_CALL_BEGIN, KIMI_CALL_END,
                               KIMI_CALLS_END, KIMI_PREFIX, KIMI_SEP, MISTRAL_ARGS, MISTRAL_CALLS, SEP, SOLAR_ARGS,
                               SOLAR_BEGIN, SOLAR_CALL_END, SOLAR_NAME)
@@ -319,17 +323,47 @@ def _mistral(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
     return _held(_Rules(), prompt, f"{call}{more}", lambda name: f"{args[name]}{more}", f"{call}{more}")
 
 
-def _harmony(schemas: dict, prompt, tag) -> tuple[None, str | None]:
-    """gpt-oss (harmony): the rest of a forced call after its pre-fill, ``NAME <|constrain|>json
+def _harmony(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
+    """gpt-oss (harmony). Forced: the rest of the call after its pre-fill, ``NAME <|constrain|>json
     <|message|>ARGS<|call|>`` from the name on (required) or ARGS<|call|> (named; ``<|call|>`` ends
-    the turn). A call the model opens itself is not held: its opening token, ``<|channel|>``,
-    opens every message (reasoning and answers too)."""
-    if not prompt.forced:
-        return None, None
-    args = {name: _json(schema, _SPACED, "object") for name, schema in schemas.items()}
-    head = f" {tag(HARMONY_CONSTRAIN)} {_lit('json')} {tag(HARMONY_MESSAGE)} "
-    required = "(" + " | ".join(f"{_lit(n + ' ')}{head}{args[n]} {tag(HARMONY_CALL)}" for n in schemas) + ")"
-    return _held(_Rules(), prompt, None, lambda name: f"{args[name]} {tag(HARMONY_CALL)}", required)
+    the turn). Strict tools on ``auto``: ``<|channel|>`` opens every message (reasoning and
+    answers too), so the grammar after it (or after ``<|start|>``, which opens the messages after
+    the first; the escapes, ``harmony_escapes``) holds a whole message: reasoning (``analysis``),
+    an answer (``final``) or a preamble (``commentary``), free text to their end tag, or a call,
+    ``commentary to=functions.NAME [<|constrain|>]json<|message|>ARGS<|call|>``, with the recipient
+    after the channel or after the role (``assistant to=functions.NAME<|channel|>commentary
+    json``), NAME one of the tools and ARGS valid for its schema where it is strict."""
+    if prompt.forced:
+        args = {name: _json(schema, _SPACED, "object") for name, schema in schemas.items()}
+        head = f" {tag(HARMONY_CONSTRAIN)} {_lit('json')} {tag(HARMONY_MESSAGE)} "
+        required = "(" + " | ".join(f"{_lit(n + ' ')}{head}{args[n]} {tag(HARMONY_CALL)}" for n in schemas) + ")"
+        return _held(_Rules(), prompt, None, lambda name: f"{args[name]} {tag(HARMONY_CALL)}", required)
+    args = {name: _json(schema if name in prompt.strict else None, _SPACED, "object")
+            for name, schema in schemas.items()}
+    rules = _Rules()
+    body = {n: f"{tag(HARMONY_MESSAGE)} {args[n]} {tag(HARMONY_CALL)}" for n in schemas}
+    # the recipient after the channel: "commentary to=functions.NAME <|constrain|>json<|message|>"
+    after_channel = rules.add(" | ".join(
+        f'{_lit(n)} " "? ({tag(HARMONY_CONSTRAIN)} {_lit("json")} | {_lit("json")})? {body[n]}' for n in schemas))
+    # after the role: "assistant to=functions.NAME<|channel|>commentary json<|message|>"
+    after_role = rules.add(" | ".join(
+        f'{_lit(n)} {tag(HARMONY_CHANNEL)} "commentary" (" " {tag(HARMONY_CONSTRAIN)}? {_lit("json")})? {body[n]}'
+        for n in schemas))
+    text = rules.add("/(.|\\n)*/")
+    message = rules.add(
+        f'"analysis" {tag(HARMONY_MESSAGE)} {text} {tag(HARMONY_END)}'
+        f' | "final" {tag(HARMONY_MESSAGE)} {text} ({tag(HARMONY_RETURN)} | {tag(HARMONY_END)})'
+        f' | "commentary" {tag(HARMONY_MESSAGE)} {text} {tag(HARMONY_END)}'
+        f' | "commentary to=functions." {after_channel}')
+    opened = f'"assistant" (" to=functions." {after_role} | {tag(HARMONY_CHANNEL)} {message}) | {message}'
+    return _both(_compiled("\n".join([f"start: {opened}", *rules.lines])), None, prompt)
+
+
+def harmony_escapes(tokenizer) -> tuple[int, ...]:
+    """The tokens after which harmony's grammar for calls the model opens applies (``_harmony``):
+    ``<|start|>`` and ``<|channel|>``, those the tokenizer has as tokens of their own."""
+    return tuple(t for t in (tokenizer.token_to_id(HARMONY_START), tokenizer.token_to_id(HARMONY_CHANNEL))
+                 if t is not None)
 
 
 def _keywords(rules: _Rules, schema: dict | None) -> str:
@@ -388,4 +422,4 @@ def _compiled(source: str) -> str:
         raise ApiError(400, f"tools: {exc}", param="tools") from None
 
 
-__all__ = ["tool_grammars"]
+__all__ = ["harmony_escapes", "tool_grammars"]
