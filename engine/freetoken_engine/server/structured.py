@@ -25,7 +25,8 @@ from ..executor import guide
 from ..executor.guide import GuideSpec
 from .errors import ApiError
 from .parser import opening_tag, think_tags
-from .tool_grammar import harmony_escapes, tool_grammars
+from .tool_grammar import tool_grammars
+from .tool_grammar_harmony import harmony_escapes
 
 _FORMATS = "'text', 'json_object' or 'json_schema'"
 

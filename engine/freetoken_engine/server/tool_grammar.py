@@ -1,6 +1,6 @@
 """Grammars that hold tool calls to their tools' schemas, in the chat template's own format.
 
-Eight formats (``prompt.tool_style``):
+The formats (``prompt.style``), among them:
 
 - JSON (Hermes; Qwen3): ``<tool_call>\\n{"name": "NAME", "arguments": {...}}\\n</tool_call>``;
   the arguments are JSON for the tool's schema, spaced as the templates' ``tojson`` writes it.
@@ -19,6 +19,8 @@ Eight formats (``prompt.tool_style``):
   JSON for their schema.
 - Granite (3.x): ``<|tool_call|>[{"name": "NAME", "arguments": {...}}, ...]``, every call of the
   turn in one JSON list, no closing tag; Hunyuan's the same list between ``<tool_calls>`` tags.
+- Harmony (gpt-oss): messages on channels, a call ``commentary to=functions.NAME <|constrain|>json
+  <|message|>{...}<|call|>`` (tool_grammar_harmony.py).
 - DeepSeek (V3.1): ``<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>...
   <｜tool▁calls▁end｜>``; V3 and R1 (``deepseek_fenced``) write ``function<｜tool▁sep｜>NAME``, then the
   arguments in a fenced JSON block.
@@ -36,46 +38,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ..errors import InvalidRequest
-from ..executor import guide
-from .errors import ApiError
+from .grammar_parts import COMPACT, SPACED, Rules, both, held, json_arg, lit
 from .parser import COHERE_CLOSE, HUNYUAN_CLOSE, INVOKE, MINIMAX_CLOSE, PYTHONIC_CLOSE, TOOL_CLOSE, TOOL_OPEN
-from .parser_harmony import CALL as HARMONY_CALL
-from .parser_harmony import CHANNEL as HARMONY_CHANNEL
-from .parser_harmony import CONSTRAIN as HARMONY_CONSTRAIN
-from .parser_harmony import END as HARMONY_END
-from .parser_harmony import MESSAGE as HARMONY_MESSAGE
-from .parser_harmony import RETURN as HARMONY_RETURN
-from .parser_harmony import START as HARMONY_START
 from .parser_deepseek import (CALL_BEGIN, CALL_END, CALLS_END, FENCE, FENCE_END, KIMI_CALL_BEGIN, KIMI_CALL_END,
                               KIMI_CALLS_END, KIMI_PREFIX, KIMI_SEP, MISTRAL_ARGS, MISTRAL_CALLS, SEP, SOLAR_ARGS,
                               SOLAR_BEGIN, SOLAR_CALL_END, SOLAR_NAME)
-
-_COMPACT = {"whitespace_flexible": False}
-_SPACED = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _lit(text: str) -> str:
-    return json.dumps(text)     # a lark string literal
-
-
-def _json(schema: dict | None, style: dict, default_type: str | None = None) -> str:
-    body = dict(schema or {})
-    if default_type:
-        body.setdefault("type", default_type)
-    return f"%json {json.dumps({**body, 'x-guidance': style})}"
-
-
-class _Rules:
-    """Lark rules under fresh names."""
-
-    def __init__(self):
-        self.lines: list[str] = []
-
-    def add(self, body: str, attrs: str = "") -> str:
-        name = f"r{len(self.lines)}"
-        self.lines.append(f"{name}{attrs}: {body}")
-        return name
+from .tool_grammar_harmony import harmony
 
 
 @dataclass(frozen=True)
@@ -93,49 +61,49 @@ _XML = _Params("<parameter={key}>\n", "\n</parameter>", '"\\n"', '/[^>\\n]+/ ">\
 _MINIMAX = _Params('<parameter name="{key}">', "</parameter>", "/\\n?/", '/[^"\\n]+/ "\\">"')
 
 
-def _xml_value(rules: _Rules, schema, form: _Params) -> str:
+def _xml_value(rules: Rules, schema, form: _Params) -> str:
     """A parameter's value and its closing tag."""
     schema = schema if isinstance(schema, dict) else {}
     enum = schema.get("enum")
-    tail = f"{_lit(form.close)} {form.after}"
+    tail = f"{lit(form.close)} {form.after}"
     if enum and all(isinstance(v, str) for v in enum):
-        return "(" + " | ".join(_lit(v) for v in enum) + ") " + tail
+        return "(" + " | ".join(lit(v) for v in enum) + ") " + tail
     if schema.get("type", "string") == "string" and "enum" not in schema:
         return f"{_text(rules, form)} {form.after}"
-    return f"{_json(schema, _COMPACT)} {tail}"
+    return f"{json_arg(schema, COMPACT)} {tail}"
 
 
-def _text(rules: _Rules, form: _Params) -> str:
+def _text(rules: Rules, form: _Params) -> str:
     """Any text, ended by (and taking) the closing tag."""
-    return rules.add("/(?s:.*)/", f"[stop={_lit(form.close)}]")
+    return rules.add("/(?s:.*)/", f"[stop={lit(form.close)}]")
 
 
-def _xml_parameters(rules: _Rules, schema: dict | None, strict: bool, form: _Params = _XML) -> str:
+def _xml_parameters(rules: Rules, schema: dict | None, strict: bool, form: _Params = _XML) -> str:
     schema = schema if isinstance(schema, dict) else {}
     props = schema.get("properties") if strict else None
     if not isinstance(props, dict):          # any parameters
-        opening = _lit(form.head[:form.head.index("{key}")])
+        opening = lit(form.head[:form.head.index("{key}")])
         return rules.add(f"({opening} {form.any_key} {_text(rules, form)} {form.after})*")
     required = set(schema.get("required") or ())
     parts = []
     for key, sub in props.items():
-        p = rules.add(f"{_lit(form.head.format(key=key))} {_xml_value(rules, sub, form)}")
+        p = rules.add(f"{lit(form.head.format(key=key))} {_xml_value(rules, sub, form)}")
         parts.append(p if key in required else f"{p}?")
     return " ".join(parts)
 
 
-def _glm_value(rules: _Rules, schema, tag) -> str:
+def _glm_value(rules: Rules, schema, tag) -> str:
     """A GLM parameter's value and its closing tag."""
     schema = schema if isinstance(schema, dict) else {}
     enum, close = schema.get("enum"), tag("</arg_value>")
     if enum and all(isinstance(v, str) for v in enum):
-        return "(" + " | ".join(_lit(v) for v in enum) + f") {close}"
+        return "(" + " | ".join(lit(v) for v in enum) + f") {close}"
     if schema.get("type", "string") == "string" and "enum" not in schema:
         return _glm_text(rules, close)
-    return f"{_json(schema, _SPACED)} {close}"
+    return f"{json_arg(schema, SPACED)} {close}"
 
 
-def _glm_text(rules: _Rules, close: str) -> str:
+def _glm_text(rules: Rules, close: str) -> str:
     """Any text, then the closing tag: a token of its own ends the text by itself; a tag that is
     text ends it lazily."""
     if close.startswith("<["):
@@ -143,7 +111,7 @@ def _glm_text(rules: _Rules, close: str) -> str:
     return rules.add("/(?s:.*)/", f"[stop={close}]")
 
 
-def _glm_parameters(rules: _Rules, schema: dict | None, strict: bool, tag) -> str:
+def _glm_parameters(rules: Rules, schema: dict | None, strict: bool, tag) -> str:
     schema = schema if isinstance(schema, dict) else {}
     props = schema.get("properties") if strict else None
     key, value = f'{tag("<arg_key>")}', f'{tag("</arg_key>")} /\\n?/ {tag("<arg_value>")}'
@@ -152,7 +120,7 @@ def _glm_parameters(rules: _Rules, schema: dict | None, strict: bool, tag) -> st
     required = set(schema.get("required") or ())
     parts = []
     for name, sub in props.items():
-        p = rules.add(f"{key} {_lit(name)} {value} {_glm_value(rules, sub, tag)} /\\n?/")
+        p = rules.add(f"{key} {lit(name)} {value} {_glm_value(rules, sub, tag)} /\\n?/")
         parts.append(p if name in required else f"{p}?")
     return " ".join(parts)
 
@@ -167,7 +135,7 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
 
     def tag(text: str) -> str:                 # a tag that is a token of its own is held as that token
         at = tokenizer.token_to_id(text)
-        return f"<[{at}]>" if at is not None else _lit(text)
+        return f"<[{at}]>" if at is not None else lit(text)
 
     if prompt.style in ("granite", "hunyuan", "cohere"):
         close = {"hunyuan": f" {tag(HUNYUAN_CLOSE)}", "cohere": f" {tag(COHERE_CLOSE)}"}.get(prompt.style, "")
@@ -179,12 +147,12 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
     if prompt.style in ("deepseek", "deepseek_fenced", "kimi", "solar"):
         return _deepseek(schemas, prompt, tag, prompt.style)
     if prompt.style == "harmony":
-        return _harmony(schemas, prompt, tag)
+        return harmony(schemas, prompt, tag)
     if prompt.style == "mistral":
         return _mistral(schemas, prompt, tag)
     close = tag(TOOL_CLOSE)
     xml, glm = prompt.style == "xml", prompt.style == "glm"
-    rules = _Rules()
+    rules = Rules()
     bodies, heads = {}, {}
     for name, schema in schemas.items():
         strict = prompt.forced is not None or name in prompt.strict
@@ -195,7 +163,7 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
             bodies[name] = f'{_xml_parameters(rules, schema, strict)} "</function>" /\\n?/ {close}'
             heads[name] = f"{name}>\n"
         else:
-            args = _json(schema if strict else None, _SPACED, "object")
+            args = json_arg(schema if strict else None, SPACED, "object")
             bodies[name] = f'{args} "}}" /\\n?/ {close}'
             heads[name] = json.dumps(name) + ', "arguments": '
     # what follows a call's opening token before its name
@@ -205,7 +173,7 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
     prefilled = {n: (h if xml or glm else h[1:]) for n, h in heads.items()}
 
     def alts(names: dict) -> str:
-        return "(" + " | ".join(f"{_lit(head)} {bodies[name]}" for name, head in names.items()) + ")"
+        return "(" + " | ".join(f"{lit(head)} {bodies[name]}" for name, head in names.items()) + ")"
 
     def grammar(start: str) -> str:
         return "\n".join([f"start: {start}", *rules.lines])
@@ -222,7 +190,7 @@ def tool_grammars(tokenizer, prompt) -> tuple[str | None, str | None]:
         rest = grammar(alts(prefilled) + more)
     else:
         rest = None
-    return _both(after_open, rest, prompt)
+    return both(after_open, rest, prompt)
 
 
 def _granite(schemas: dict, prompt, close: str = "", cohere: bool = False) -> tuple[str | None, str | None]:
@@ -232,18 +200,18 @@ def _granite(schemas: dict, prompt, close: str = "", cohere: bool = False) -> tu
     list after ``<tool_calls>``, then ``close`` (``</tool_calls>``). Cohere (``cohere``): after
     ``<|START_ACTION|>``, ``[{"tool_call_id": "N", "tool_name": "NAME", "parameters": {...}}]``,
     then ``<|END_ACTION|>``."""
-    bodies = {name: _json(schema if prompt.forced is not None or name in prompt.strict else None, _SPACED, "object")
+    bodies = {name: json_arg(schema if prompt.forced is not None or name in prompt.strict else None, SPACED, "object")
               + ' "}"' for name, schema in schemas.items()}
     key = ', "parameters": ' if cohere else ', "arguments": '
     heads = {name: json.dumps(name) + key for name in schemas}
     # Cohere writes its list one call a line, indented: any whitespace around its calls
     ws = "(/[ \\n]+/)? " if cohere else ""
     start = '"{\\"tool_call_id\\": \\"" /[0-9]+/ "\\", \\"tool_name\\": "' if cohere else '"{\\"name\\": "'
-    call = ws + start + ' (' + " | ".join(f"{_lit(heads[n])} {bodies[n]}" for n in schemas) + ")"
+    call = ws + start + ' (' + " | ".join(f"{lit(heads[n])} {bodies[n]}" for n in schemas) + ")"
     more = ' ("," /[ \\n]?/ ' + call + ")*" if prompt.parallel else ""
     end = f'{ws}"]"{close}'
-    return _held(_Rules(), prompt, f'/[ \\n]?/ "[" {call}{more} {end}', lambda name: f'{bodies[name]} {end}',
-                 "(" + " | ".join(f"{_lit(heads[n][1:])} {bodies[n]}" for n in schemas) + f'){more} {end}')
+    return held(Rules(), prompt, f'/[ \\n]?/ "[" {call}{more} {end}', lambda name: f'{bodies[name]} {end}',
+                 "(" + " | ".join(f"{lit(heads[n][1:])} {bodies[n]}" for n in schemas) + f'){more} {end}')
 
 
 def _minimax(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
@@ -251,15 +219,15 @@ def _minimax(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
     each ``<invoke name="NAME">\n`` then its parameters, ``<parameter name="KEY">VALUE
     </parameter>\n``, then ``</invoke>\n``, then the block's close. The pre-fill of a required
     call ends inside the first name's quotes, a named one's after its ``<invoke>`` line."""
-    rules = _Rules()
+    rules = Rules()
     params = {name: _xml_parameters(rules, schema, prompt.forced is not None or name in prompt.strict, _MINIMAX)
               for name, schema in schemas.items()}
     heads = {name: f'{name}">\n' for name in schemas}
     end_call, close = '"</invoke>" /\\n?/', f"{tag(MINIMAX_CLOSE)}"
-    named = "(" + " | ".join(f"{_lit(heads[n])} {params[n]} {end_call}" for n in schemas) + ")"
-    call = f'/\\n?/ {_lit(INVOKE)} {named}'
+    named = "(" + " | ".join(f"{lit(heads[n])} {params[n]} {end_call}" for n in schemas) + ")"
+    call = f'/\\n?/ {lit(INVOKE)} {named}'
     more = f" ({call})*" if prompt.parallel else ""
-    return _held(rules, prompt, f"{call}{more} /\\n?/ {close}", lambda name: f"{params[name]} {end_call} {close}",
+    return held(rules, prompt, f"{call}{more} /\\n?/ {close}", lambda name: f"{params[name]} {end_call} {close}",
                  f"{named}{more} /\\n?/ {close}")
 
 
@@ -269,14 +237,14 @@ def _pythonic(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
     (which Python reads, JSON's true/false/null as the parser reads them), the schema's
     properties in its order, the required ones always. The pre-fill of a required call ends
     after the ``[``, a named one's after its ``(``."""
-    rules = _Rules()
+    rules = Rules()
     params = {name: _keywords(rules, schema if prompt.forced is not None or name in prompt.strict else None)
               for name, schema in schemas.items()}
-    call = "(" + " | ".join(f'{_lit(n + "(")} {params[n]} ")"' for n in schemas) + ")"
+    call = "(" + " | ".join(f'{lit(n + "(")} {params[n]} ")"' for n in schemas) + ")"
     call = rules.add(call)
     more = f' ("," /[ ]?/ {call})*' if prompt.parallel else ""
     end = f'"]" {tag(PYTHONIC_CLOSE)}'
-    return _held(rules, prompt, f'"[" {call}{more} {end}', lambda name: f'{params[name]} ")" {end}',
+    return held(rules, prompt, f'"[" {call}{more} {end}', lambda name: f'{params[name]} ")" {end}',
                  f"{call}{more} {end}")
 
 
@@ -289,26 +257,26 @@ def _deepseek(schemas: dict, prompt, tag, style: str) -> tuple[str | None, str |
     ``<|tool_call:begin|>ID<|tool_call:name|>NAME<|tool_call:args|>ARGS<|tool_call:end|>``, and the
     calls end with the generation (``<|calls|>`` is an end token). The pre-fill of a required call
     ends where the first name is written, a named one's where its arguments start."""
-    args = {name: _json(schema if prompt.forced is not None or name in prompt.strict else None, _SPACED, "object")
+    args = {name: json_arg(schema if prompt.forced is not None or name in prompt.strict else None, SPACED, "object")
             for name, schema in schemas.items()}
     if style == "deepseek_fenced":
-        head, body = f'"function" {tag(SEP)} ', lambda n: f'{_lit(n)} {_lit(chr(10) + FENCE + chr(10))} '
-        end = f'{_lit(chr(10) + FENCE_END)} {tag(CALL_END)}'
+        head, body = f'"function" {tag(SEP)} ', lambda n: f'{lit(n)} {lit(chr(10) + FENCE + chr(10))} '
+        end = f'{lit(chr(10) + FENCE_END)} {tag(CALL_END)}'
         begin, calls_end = CALL_BEGIN, CALLS_END
     elif style == "kimi":
-        head, body = f"{_lit(KIMI_PREFIX)} ", lambda n: f'{_lit(n + ":")} /[0-9]+/ {tag(KIMI_SEP)} '
+        head, body = f"{lit(KIMI_PREFIX)} ", lambda n: f'{lit(n + ":")} /[0-9]+/ {tag(KIMI_SEP)} '
         end, begin, calls_end = tag(KIMI_CALL_END), KIMI_CALL_BEGIN, KIMI_CALLS_END
     elif style == "solar":
-        head, body = f"/[A-Za-z0-9]{{1,32}}/ {tag(SOLAR_NAME)} ", lambda n: f"{_lit(n)} {tag(SOLAR_ARGS)} "
+        head, body = f"/[A-Za-z0-9]{{1,32}}/ {tag(SOLAR_NAME)} ", lambda n: f"{lit(n)} {tag(SOLAR_ARGS)} "
         end, begin, calls_end = tag(SOLAR_CALL_END), SOLAR_BEGIN, None
     else:
-        head, body, end = "", lambda n: f"{_lit(n)} {tag(SEP)} ", tag(CALL_END)
+        head, body, end = "", lambda n: f"{lit(n)} {tag(SEP)} ", tag(CALL_END)
         begin, calls_end = CALL_BEGIN, CALLS_END
     named = "(" + " | ".join(f"{body(n)}{args[n]} {end}" for n in schemas) + ")"
     call = f"/\\n?/ {tag(begin)} {head}{named}"
     more = f" ({call})*" if prompt.parallel else ""
     close = f"/\\n?/ {tag(calls_end)}" if calls_end else ""
-    return _held(_Rules(), prompt, f"{call}{more} {close}", lambda name: f"{args[name]} {end} {close}",
+    return held(Rules(), prompt, f"{call}{more} {close}", lambda name: f"{args[name]} {end} {close}",
                  f"{named}{more} {close}")
 
 
@@ -316,62 +284,19 @@ def _mistral(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
     """Mistral: after ``[TOOL_CALLS]``, ``NAME[ARGS]{...}``, further calls each after another
     ``[TOOL_CALLS]`` (none without parallel calls); no closing tag: the generation ends. The
     pre-fill of a required call ends after the tag, a named one's after ``[ARGS]``."""
-    args = {name: _json(schema if prompt.forced is not None or name in prompt.strict else None, _SPACED, "object")
+    args = {name: json_arg(schema if prompt.forced is not None or name in prompt.strict else None, SPACED, "object")
             for name, schema in schemas.items()}
-    call = "(" + " | ".join(f"{_lit(n)} {tag(MISTRAL_ARGS)} {args[n]}" for n in schemas) + ")"
+    call = "(" + " | ".join(f"{lit(n)} {tag(MISTRAL_ARGS)} {args[n]}" for n in schemas) + ")"
     more = f" ({tag(MISTRAL_CALLS)} {call})*" if prompt.parallel else ""
-    return _held(_Rules(), prompt, f"{call}{more}", lambda name: f"{args[name]}{more}", f"{call}{more}")
+    return held(Rules(), prompt, f"{call}{more}", lambda name: f"{args[name]}{more}", f"{call}{more}")
 
 
-def _harmony(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
-    """gpt-oss (harmony). Forced: the rest of the call after its pre-fill, ``NAME <|constrain|>json
-    <|message|>ARGS<|call|>`` from the name on (required) or ARGS<|call|> (named; ``<|call|>`` ends
-    the turn). Strict tools on ``auto``: ``<|channel|>`` opens every message (reasoning and
-    answers too), so the grammar after it (or after ``<|start|>``, which opens the messages after
-    the first; the escapes, ``harmony_escapes``) holds a whole message: reasoning (``analysis``),
-    an answer (``final``) or a preamble (``commentary``), free text to their end tag, or a call,
-    ``commentary to=functions.NAME [<|constrain|>]json<|message|>ARGS<|call|>``, with the recipient
-    after the channel or after the role (``assistant to=functions.NAME<|channel|>commentary
-    json``), NAME one of the tools and ARGS valid for its schema where it is strict."""
-    if prompt.forced:
-        args = {name: _json(schema, _SPACED, "object") for name, schema in schemas.items()}
-        head = f" {tag(HARMONY_CONSTRAIN)} {_lit('json')} {tag(HARMONY_MESSAGE)} "
-        required = "(" + " | ".join(f"{_lit(n + ' ')}{head}{args[n]} {tag(HARMONY_CALL)}" for n in schemas) + ")"
-        return _held(_Rules(), prompt, None, lambda name: f"{args[name]} {tag(HARMONY_CALL)}", required)
-    args = {name: _json(schema if name in prompt.strict else None, _SPACED, "object")
-            for name, schema in schemas.items()}
-    rules = _Rules()
-    body = {n: f"{tag(HARMONY_MESSAGE)} {args[n]} {tag(HARMONY_CALL)}" for n in schemas}
-    # the recipient after the channel: "commentary to=functions.NAME <|constrain|>json<|message|>"
-    after_channel = rules.add(" | ".join(
-        f'{_lit(n)} " "? ({tag(HARMONY_CONSTRAIN)} {_lit("json")} | {_lit("json")})? {body[n]}' for n in schemas))
-    # after the role: "assistant to=functions.NAME<|channel|>commentary json<|message|>"
-    after_role = rules.add(" | ".join(
-        f'{_lit(n)} {tag(HARMONY_CHANNEL)} "commentary" (" " {tag(HARMONY_CONSTRAIN)}? {_lit("json")})? {body[n]}'
-        for n in schemas))
-    text = rules.add("/(.|\\n)*/")
-    message = rules.add(
-        f'"analysis" {tag(HARMONY_MESSAGE)} {text} {tag(HARMONY_END)}'
-        f' | "final" {tag(HARMONY_MESSAGE)} {text} ({tag(HARMONY_RETURN)} | {tag(HARMONY_END)})'
-        f' | "commentary" {tag(HARMONY_MESSAGE)} {text} {tag(HARMONY_END)}'
-        f' | "commentary to=functions." {after_channel}')
-    opened = f'"assistant" (" to=functions." {after_role} | {tag(HARMONY_CHANNEL)} {message}) | {message}'
-    return _both(_compiled("\n".join([f"start: {opened}", *rules.lines])), None, prompt)
-
-
-def harmony_escapes(tokenizer) -> tuple[int, ...]:
-    """The tokens after which harmony's grammar for calls the model opens applies (``_harmony``):
-    ``<|start|>`` and ``<|channel|>``, those the tokenizer has as tokens of their own."""
-    return tuple(t for t in (tokenizer.token_to_id(HARMONY_START), tokenizer.token_to_id(HARMONY_CHANNEL))
-                 if t is not None)
-
-
-def _keywords(rules: _Rules, schema: dict | None) -> str:
+def _keywords(rules: Rules, schema: dict | None) -> str:
     """A call's keyword arguments: any (None), else the schema's properties in its order, the
     required ones always, separated by ", "."""
     props = schema.get("properties") if isinstance(schema, dict) else None
     if not isinstance(props, dict):
-        pair = f'/[A-Za-z_][A-Za-z0-9_]*/ "=" {_json(None, _SPACED)}'
+        pair = f'/[A-Za-z_][A-Za-z0-9_]*/ "=" {json_arg(None, SPACED)}'
         return rules.add(f'({pair} ("," /[ ]?/ {pair})*)?')
     required = set(schema.get("required") or ())
     keys = list(props)
@@ -382,8 +307,8 @@ def _keywords(rules: _Rules, schema: dict | None) -> str:
         if i == len(keys):
             return ""
         if (i, first) not in memo:
-            sep = "" if first else _lit(", ") + " "
-            one = f'{sep}{_lit(keys[i] + "=")} {_json(props[keys[i]], _SPACED)}'
+            sep = "" if first else lit(", ") + " "
+            one = f'{sep}{lit(keys[i] + "=")} {json_arg(props[keys[i]], SPACED)}'
             rest = after(i + 1, False)
             body = f"{one} {rest}".strip()
             if keys[i] not in required:
@@ -394,32 +319,4 @@ def _keywords(rules: _Rules, schema: dict | None) -> str:
     return after(0, True)
 
 
-def _held(rules: _Rules, prompt, opened: str | None, named, required: str) -> tuple[str | None, str | None]:
-    """The two grammars over ``rules``: from after the opening tag (``opened``; None: calls the
-    model opens are not held), and the rest of the answer after a forced call's pre-fill:
-    ``named(tool)`` for a named one, ``required`` for a required one."""
-    def grammar(start: str) -> str:
-        return "\n".join([f"start: {start}", *rules.lines])
-
-    schemas = prompt.schemas or {}
-    rest = grammar(named(prompt.forced)) if prompt.forced in schemas else grammar(required) if prompt.forced else None
-    return _both(None if opened is None else grammar(opened), rest, prompt)
-
-
-def _both(after_open: str | None, rest: str | None, prompt) -> tuple[str | None, str | None]:
-    try:
-        return (None if after_open is None else _compiled(after_open), None if rest is None else _compiled(rest))
-    except ApiError:
-        if prompt.strict:
-            raise       # strictness was asked for: say why it cannot be had
-        return None, None   # a forced call to a schema the grammar engine cannot use: pre-fill only
-
-
-def _compiled(source: str) -> str:
-    try:
-        return guide.lark(source, "tools")
-    except InvalidRequest as exc:
-        raise ApiError(400, f"tools: {exc}", param="tools") from None
-
-
-__all__ = ["harmony_escapes", "tool_grammars"]
+__all__ = ["tool_grammars"]
