@@ -325,11 +325,12 @@ def _dense_rounds(x, w13, w2, inter_buf, out, pair_tok, pair_slot, experts, upca
     rank, order, count = used_ranks(pair_slot, s)
     bm = 64
     rows, block_rank = block_table(rank, bm, s)
-    c = scratch_experts(h, inter, x.element_size())
+    used = min(p, s, experts or s)                 # slots the call can use at most
+    c = min(used, scratch_experts(h, inter, x.element_size()))
     d13 = torch.empty((c, 2 * inter, h), dtype=x.dtype, device=x.device)
     d2 = torch.empty((c, h, inter), dtype=x.dtype, device=x.device)
     dense = dict(gate, MX=False)
-    for base in range(0, min(p, s, experts or s), c):
+    for base in range(0, used, c):
         decode_slots(w13, order, count, base, d13)
         decode_slots(w2, order, count, base, d2)
         here = (block_rank >= base) & (block_rank < base + c)
