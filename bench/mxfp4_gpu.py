@@ -92,7 +92,7 @@ def run(args) -> dict:
         finally:
             moe_mx_dense.MX_DENSE_PAIRS = rule
 
-    for tokens in CALLS:
+    for tokens in args.calls:
         x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)
         tok, slot = routing(tokens, tokens)
         order = ["bf16", "mxfp4"] + ([k for k in LARGE_SIDES if "/" in k] if tokens * K > 64 else [])
@@ -186,6 +186,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--layers", type=int, default=4, help="layers of the host bank the fills read from")
     ap.add_argument("--sweep", action="store_true", help="the 4-bit decode calls under other tiles too")
+    ap.add_argument("--calls", type=lambda v: [int(t) for t in v.split(",")], default=CALLS,
+                    help="tokens of the MoE calls timed, comma-separated (default: %(default)s)")
     report.main(ap, ROOT / "bench" / "results" / "mxfp4_gpu.json", run, plot)
 
 

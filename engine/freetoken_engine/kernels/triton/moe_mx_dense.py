@@ -67,24 +67,28 @@ def used_ranks(pair_slot: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch
 def _decode_kernel(src_ptr, dst_ptr, order_ptr, count_ptr, base, R, K, stride_ss, stride_sr, stride_ds,
                    BN: tl.constexpr, BK: tl.constexpr):
     """dst[j] = the values of slot order[base + j]'s R rows of K (MXFP4 rows), for base + j < count:
-    a program writes BN rows' BK values [k0, k0 + BK) in their order, contiguously; each value
-    reads its own code byte (natural value w of a block of 32 is nibble (w // 2) % 2 of byte
-    8 (w // 16) + 4 (w % 2) + (w % 16) // 4, kernels/mxfp4.py), so the byte loads repeat within
-    a block and hit the cache while the stores run whole."""
+    a program writes BN rows' BK values [k0, k0 + BK) in their order, contiguously. A run of 16
+    values is two 32-bit words (kernels/mxfp4.py): value 2m in word A's nibble m, value 2m + 1 in
+    word B's; each word is loaded once, its 8 nibbles shifted out, and the two halves joined value
+    by value (``tl.join``: even, odd) into the run's order."""
     j = tl.program_id(0)
     if base + j < tl.load(count_ptr):
         slot = tl.load(order_ptr + base + j).to(tl.int64)
         n = tl.program_id(1) * BN + tl.arange(0, BN)
-        k = tl.program_id(2) * BK + tl.arange(0, BK)
-        w = k % 32
-        byte = (k // 32) * 16 + 8 * (w // 16) + 4 * (w % 2) + (w % 16) // 4
-        mask = (n < R)[:, None] & (k < K)[None, :]
+        run = tl.program_id(2) * (BK // 16) + tl.arange(0, BK // 16)                  # runs of 16 values
+        mask = (n < R)[:, None] & (run < K // 16)[None, :]
         rows = src_ptr + slot * stride_ss + n.to(tl.int64)[:, None] * stride_sr
-        codes = tl.load(rows + byte[None, :], mask=mask, other=0).to(tl.int32)
-        sc = tl.load(rows + K // 2 + (k // 32)[None, :], mask=mask, other=127).to(tl.int32)
-        v = mx_values((codes >> (4 * ((w // 2) % 2))[None, :]) & 15, sc)
+        words = rows.to(tl.pointer_type(tl.int32), bitcast=True) + 2 * run[None, :]
+        a = tl.load(words, mask=mask, other=0)[:, :, None]                              # [BN, BK/16, 1]
+        b = tl.load(words + 1, mask=mask, other=0)[:, :, None]
+        sc = tl.load(rows + K // 2 + (run // 2)[None, :], mask=mask, other=127).to(tl.int32)[:, :, None]
+        shift = (4 * tl.arange(0, 8))[None, None, :]
+        even = mx_values((a >> shift) & 15, sc)                                         # [BN, BK/16, 8]
+        odd = mx_values((b >> shift) & 15, sc)
+        v = tl.reshape(tl.join(even, odd), [BN, BK])
+        k = tl.program_id(2) * BK + tl.arange(0, BK)
         tl.store(dst_ptr + j * stride_ds + n.to(tl.int64)[:, None] * K + k[None, :], v.to(dst_ptr.dtype.element_ty),
-                 mask=mask)
+                 mask=(n < R)[:, None] & (k < K)[None, :])
 
 
 def decode_slots(src: torch.Tensor, order: torch.Tensor, count: torch.Tensor, base: int, dst: torch.Tensor) -> None:
