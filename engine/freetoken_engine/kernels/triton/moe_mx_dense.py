@@ -23,7 +23,7 @@ from .moe_mxfp4 import mx_values
 
 #: pairs a slot (on average, over the slots the call can use) from which a large call on MXFP4
 #: slots decodes them into the scratch first; None: never (the bench's A/B side)
-MX_DENSE_PAIRS: int | None = 128
+MX_DENSE_PAIRS: int | None = 64
 #: the dense scratch's bytes (at least one expert): gpt-oss's experts are 50 MB in bf16, 10 a round
 MX_SCRATCH_BYTES = 512 << 20
 _DENSE = (torch.bfloat16, torch.float32)     # the activations' dtypes whose scratch is exact
