@@ -323,9 +323,9 @@ def _dense_rounds(x, w13, w2, inter_buf, out, pair_tok, pair_slot, experts, upca
     the dense scratch and runs the dense kernels on the blocks of those ranks."""
     p, h, s, inter = pair_tok.numel(), x.shape[1], w13.shape[0], inter_buf.shape[1]
     rank, order, count = used_ranks(pair_slot, s)
-    bm = 64
-    rows, block_rank = block_table(rank, bm, s)
     used = min(p, s, experts or s)                 # slots the call can use at most
+    bm = 64
+    rows, block_rank = block_table(rank, bm, used)  # ranks < used: the blocks' bound follows them
     c = min(used, scratch_experts(h, inter, x.element_size()))
     d13 = torch.empty((c, 2 * inter, h), dtype=x.dtype, device=x.device)
     d2 = torch.empty((c, h, inter), dtype=x.dtype, device=x.device)
