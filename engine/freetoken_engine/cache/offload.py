@@ -91,8 +91,7 @@ class OffloadedExperts:
             self.control.set_fill_fraction(self._control_fraction())
             # Rows of CPU pairs are never read from the device's output (the combine selects per
             # pair, kernels/triton/combine.py), so they are not zeroed. A call uses at most a
-            # layer's experts, whatever the pool holds (a large call on 4-bit slots counts its
-            # rounds by it, kernels/triton/moe_mx_dense.py).
+            # layer's experts (what a large call on 4-bit slots counts its rounds by).
             self.slots_forward = functools.partial(moe_slots_forward, zero=False, experts=bank.num_experts)
             self.streamer: WholeLayers = DoubleBuffered(bank, cache.device, cache)
         elif self.device.type == "cpu":
