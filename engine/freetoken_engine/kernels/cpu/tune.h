@@ -15,8 +15,8 @@ namespace {
 struct Tune {
   int64_t chunks_per_thread = 4;           // work chunks per participant and stage (chunk_bytes)
   int64_t amx_min_tokens = AMX_MIN_TOKENS; // a group with this many tokens goes to the tiles
-  int64_t amx_pf = 512;                    // FtProblem::amx_pf
-  int64_t amx_next = 0;                    // FtProblem::amx_next
+  int64_t amx_pf = 0;                      // FtProblem::amx_pf (stop 59: off, with amx_next)
+  int64_t amx_next = 1;                    // FtProblem::amx_next (stop 59: on)
   int64_t far_pf = 4;                      // FtProblem::far_pf
   int64_t far_pf_tokens = 3;               // FtProblem::far_pf_tokens
 };
