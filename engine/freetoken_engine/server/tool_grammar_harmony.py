@@ -16,13 +16,12 @@ def harmony(schemas: dict, prompt, tag) -> tuple[str | None, str | None]:
     ``commentary to=functions.NAME [<|constrain|>]json<|message|>ARGS<|call|>``, with the recipient
     after the channel or after the role (``assistant to=functions.NAME<|channel|>commentary
     json``), NAME one of the tools and ARGS valid for its schema where it is strict."""
+    args = {name: json_arg(schema if prompt.forced or name in prompt.strict else None, SPACED, "object")
+            for name, schema in schemas.items()}
     if prompt.forced:
-        args = {name: json_arg(schema, SPACED, "object") for name, schema in schemas.items()}
         head = f" {tag(CONSTRAIN)} {lit('json')} {tag(MESSAGE)} "
         required = "(" + " | ".join(f"{lit(n + ' ')}{head}{args[n]} {tag(CALL)}" for n in schemas) + ")"
         return held(Rules(), prompt, None, lambda name: f"{args[name]} {tag(CALL)}", required)
-    args = {name: json_arg(schema if name in prompt.strict else None, SPACED, "object")
-            for name, schema in schemas.items()}
     rules = Rules()
     body = {n: f"{tag(MESSAGE)} {args[n]} {tag(CALL)}" for n in schemas}
     # the recipient after the channel: "commentary to=functions.NAME <|constrain|>json<|message|>"

@@ -41,7 +41,7 @@ from ..mxfp4 import row_bytes
 from ..reference import SILU, GatedAct
 from ._common import check_tensor, interpreting, next_pow2
 from .moe_lanes import down_lanes_kernel, gate_up_lanes_kernel, gated
-from .moe_mx_dense import decode_slots, scratch_experts, used_ranks, wants_dense
+from .moe_mx_dense import decode_slots, scratch_experts, usable_slots, used_ranks, wants_dense
 from .moe_mxfp4 import byte_order, dot_acc, inter_pos, mx_dot, mx_row_acts, mx_rows
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
@@ -296,9 +296,10 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     return out
 
 
-def _tiled(x, w13, w2, inter_buf, out, pair_tok, pair_slot, lim, rows, slots, bm, upcast, limit, gate) -> None:
+def _tiled(x, w13, w2, inter_buf, out, pair_tok, pair_slot, lim, rows, slots, bm, upcast, limited, gate) -> None:
     """The tiled kernels' two launches: grouped in the kernel where ``rows`` is ``pair_slot``
-    (a small call), else over the block table ``rows [NB, bm]`` / ``slots [NB]``."""
+    (a small call), else over the block table ``rows [NB, bm]`` / ``slots [NB]``; ``limited``:
+    only the intermediate rows below ``lim[0]`` (a streamed part)."""
     p, h, inter = pair_tok.numel(), out.shape[1], inter_buf.shape[1]
     in_kernel = rows is pair_slot
     nb = p if in_kernel else slots.numel()
@@ -308,12 +309,12 @@ def _tiled(x, w13, w2, inter_buf, out, pair_tok, pair_slot, lim, rows, slots, bm
     _gate_up_kernel[(nb, triton.cdiv(inter, bn1))](
         x, w13, inter_buf, pair_tok, pair_slot, rows, slots, lim,
         P=p, H=h, I=inter, stride_xt=x.stride(0), stride_ws=w13.stride(0), stride_wn=w13.stride(1),
-        BLOCK_P=block_p, BM=bm, BN=bn1, BK=bk1, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limit,
+        BLOCK_P=block_p, BM=bm, BN=bn1, BK=bk1, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limited,
         num_warps=warps, **gate)
     _down_kernel[(nb, triton.cdiv(h, bn2))](
         inter_buf, w2, out, pair_slot, rows, slots, lim,
         p, h, inter, w2.stride(0), w2.stride(1), out.stride(0),
-        BLOCK_P=block_p, BM=bm, BN=bn2, BK=bk2, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limit,
+        BLOCK_P=block_p, BM=bm, BN=bn2, BK=bk2, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limited,
         MX=gate["MX"], num_warps=warps)
 
 
@@ -323,7 +324,7 @@ def _dense_rounds(x, w13, w2, inter_buf, out, pair_tok, pair_slot, experts, upca
     the dense scratch and runs the dense kernels on the blocks of those ranks."""
     p, h, s, inter = pair_tok.numel(), x.shape[1], w13.shape[0], inter_buf.shape[1]
     rank, order, count = used_ranks(pair_slot, s)
-    used = min(p, s, experts or s)                 # slots the call can use at most
+    used = usable_slots(p, s, experts)
     bm = 64
     rows, block_rank = block_table(rank, bm, used)  # ranks < used: the blocks' bound follows them
     c = min(used, scratch_experts(h, inter, x.element_size()))

@@ -39,13 +39,19 @@ def scratch_bytes(hidden: int, inter: int, itemsize: int, experts: int) -> int:
     return min(experts, scratch_experts(hidden, inter, itemsize)) * 3 * hidden * inter * itemsize
 
 
+def usable_slots(pairs: int, slots: int, experts: int | None) -> int:
+    """The distinct slots a call of ``pairs`` over a pool of ``slots`` can use at most
+    (``experts``: a layer's, where the caller knows it)."""
+    return min(pairs, slots, experts or slots)
+
+
 def wants_dense(pairs: int, slots: int, experts: int | None, dtype: torch.dtype) -> bool:
-    """Whether a large call decodes its slots first: ``pairs / min(pairs, slots, experts)`` (the
-    pairs a slot it can use, on average) at least ``MX_DENSE_PAIRS``, activations of a dtype
-    whose scratch holds the values exactly."""
+    """Whether a large call decodes its slots first: ``pairs / usable_slots`` (the pairs a slot it
+    can use, on average) at least ``MX_DENSE_PAIRS``, activations of a dtype whose scratch holds
+    the values exactly."""
     if MX_DENSE_PAIRS is None or dtype not in _DENSE:
         return False
-    return pairs >= MX_DENSE_PAIRS * min(pairs, slots, experts or slots)
+    return pairs >= MX_DENSE_PAIRS * usable_slots(pairs, slots, experts)
 
 
 def used_ranks(pair_slot: torch.Tensor, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
