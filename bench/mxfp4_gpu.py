@@ -1,13 +1,19 @@
 """gpt-oss's experts kept in MXFP4 on the GPU against the same experts stored as bfloat16, in
 gpt-oss-20b's expert shape (H 2880, I 2880, 32 experts a layer, top 4): the Triton MoE kernels on a
-layer's slot pool (decode calls of 1, 4 and 16 tokens, a 2,048-token prefill call over the whole
-layer) and the step's fills (``gather_fill_rows``: 4 experts of a layer from the pinned host bank
-over PCIe), each side in this one process, in turn, CUDA events, the median of ``--reps``. The
-4-bit pool holds random codes and scales; the bf16 pool holds exactly their values, so both
-compute the same products (checked within bf16 rounding before timing: the kernels may sum them in
-another order). Reported: microseconds a call, the
-expert bytes it reads as GB/s (4.25 bits a value against 16), the speed-up, and how many experts
-a GB of expert cache holds.
+layer's slot pool (decode calls of 1, 4 and 16 tokens, prefill calls of 128-2,048 tokens over the
+whole layer) and the step's fills (``gather_fill_rows``: 4 experts of a layer from the pinned host
+bank over PCIe), each side in this one process, in turn. The 4-bit pool holds random codes and
+scales; the bf16 pool holds exactly their values, so both compute the same products (checked
+within bf16 rounding before timing: the kernels may sum them in another order). Reported:
+microseconds a call, the expert bytes it reads as GB/s (4.25 bits a value against 16), the
+speed-up, and how many experts a GB of expert cache holds.
+
+Decode calls (at most 64 pairs) are timed as the engine runs them: inside one CUDA graph of
+``GRAPH_CALLS`` calls, each over other routing (one token: a walk over the layer's experts, so
+consecutive calls share none), the median of ``--reps`` replays. Timed one launch at a time
+instead (CUDA events around each call, as this bench did before 2026-12-05), a decode call
+measures the host's launches: bf16 162 us against 17 in a graph on the H100. Larger calls and the
+fills: CUDA events around each call, the median of ``--reps``.
 
     python bench/mxfp4_gpu.py [--reps 50] [--layers 4] [--sweep]
 
@@ -25,6 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
+from gemv import replay_us  # noqa: E402
 from hardware import describe  # noqa: E402
 import report  # noqa: E402
 
@@ -34,6 +41,7 @@ CALLS = [1, 4, 16, 128, 512, 1024, 2048]          # tokens a MoE call (top 4 of 
 #: the 4-bit sides of a large call: the default rule, the slots decoded in the kernels' tiles, and
 #: decoded first into the dense scratch (moe_mx_dense.MX_DENSE_PAIRS: None / 1)
 LARGE_SIDES = {"mxfp4": "default", "mxfp4/in-kernel": None, "mxfp4/rounds": 1}
+GRAPH_CALLS = 32              # decode calls in one timed CUDA graph
 
 
 def pools(layers: int):
@@ -74,9 +82,34 @@ def routing(tokens: int, seed: int):
     return tok.cuda(), slot.cuda()
 
 
+def routings(tokens: int, calls: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``calls`` routings of ``tokens`` tokens; one token: a walk over the experts (call c takes
+    the next K of a permutation), so consecutive calls read no expert twice."""
+    if tokens > 1:
+        return [routing(tokens, tokens * 1000 + c) for c in range(calls)]
+    walk = torch.randperm(E, generator=torch.Generator().manual_seed(1)).tolist()
+    tok = torch.zeros(K, dtype=torch.int64, device="cuda")
+    return [(tok, torch.tensor([walk[(c * K + j) % E] for j in range(K)], device="cuda")) for c in range(calls)]
+
+
+def graph_us(fn, calls: list, reps: int) -> float:
+    """us per call of ``fn(*args)`` over each ``args`` of ``calls``, captured in one CUDA graph
+    (the median of ``reps`` replays); each call runs once first (compiles, fills the caches)."""
+    for a in calls:
+        fn(*a)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for a in calls:
+            fn(*a)
+    graph.replay()
+    torch.cuda.synchronize()
+    return replay_us(graph, len(calls), reps)
+
+
 def run(args) -> dict:
     from freetoken_engine.kernels.triton.gather import gather_fill_rows
-    from freetoken_engine.kernels.triton.moe import moe_slots_forward
+    from freetoken_engine.kernels.triton.moe import SMALL_P, moe_slots_forward
     banks = pools(args.layers)
     dev = {k: (w13[0].cuda(), w2[0].cuda()) for k, (w13, w2) in banks.items()}      # layer 0 as the pool
     per_expert = {k: (w13.numel() + w2.numel()) * w13.element_size() // E for k, (w13, w2) in dev.items()}
@@ -103,13 +136,21 @@ def run(args) -> dict:
             if err[k] > 2.0 ** -7:
                 print(f"WRONG: {tokens} tokens, {k}: the 4-bit pool's rows are {err[k]:.3g} off its values' "
                       f"(of the output scale)")
-        distinct = int(slot.unique().numel())
+        graphed = tokens * K <= SMALL_P
+        if graphed:          # a decode call: in a graph of calls over other routing, as the engine runs it
+            calls = [(x, t, s) for t, s in routings(tokens, GRAPH_CALLS)]
+            distinct = statistics.mean(int(s.unique().numel()) for _, _, s in calls)
+        else:
+            distinct = int(slot.unique().numel())
         med = {}
         for r in range(2):
             for k in order[r:] + order[:r]:
-                med.setdefault(k, []).append(timed(lambda k=k: call(k, x, tok, slot), args.reps))
+                med.setdefault(k, []).append(
+                    graph_us(lambda *a, k=k: call(k, *a), calls, args.reps) / 1e6 if graphed
+                    else timed(lambda k=k: call(k, x, tok, slot), args.reps))
         med = {k: min(v) for k, v in med.items()}
         row = {"what": f"MoE call, {tokens} token{'s' if tokens > 1 else ''}", "tokens": tokens,
+               "timing": f"one CUDA graph of {GRAPH_CALLS} calls" if graphed else "CUDA events a call",
                "experts_read": distinct, "us": {k: v * 1e6 for k, v in med.items()},
                "gb_per_s": {k: distinct * per_expert[k.split("/")[0]] / v / 1e9 for k, v in med.items()},
                "speedup": med["bf16"] / med["mxfp4"], "max_rel_err": err["mxfp4"],
@@ -139,14 +180,18 @@ def run(args) -> dict:
 
 LANES = [None, {"bn1": 2, "bk1": 2048, "bn2": 8, "bk2": 256}, {"bn1": 2, "bk1": 2048, "bn2": 4, "bk2": 1024},
          {"bn1": 4, "bk1": 1024, "bn2": 8, "bk2": 512}, {"bn1": 1, "bk1": 2048, "bn2": 2, "bk2": 2048},
-         {"bn1": 4, "bk1": 2048, "bn2": 16, "bk2": 256}]
+         {"bn1": 4, "bk1": 2048, "bn2": 16, "bk2": 256}, {"bn1": 8, "bk1": 512, "bn2": 8, "bk2": 512},
+         {"bn1": 4, "bk1": 512, "bn2": 16, "bk2": 512}, {"bn1": 2, "bk1": 1024, "bn2": 4, "bk2": 512},
+         {"bn1": 8, "bk1": 1024, "bn2": 32, "bk2": 256}]
+LANES += [{**t, "f16": True} for t in LANES if t]           # the other decoding (moe_mxfp4.mx_rows_f16)
 TILED = [{"bn1": 32, "bk1": 128, "bn2": 64, "bk2": 128}, {"bn1": 32, "bk1": 256, "bn2": 64, "bk2": 256},
          {"bn1": 16, "bk1": 256, "bn2": 32, "bk2": 256}, {"bn1": 64, "bk1": 128, "bn2": 64, "bk2": 256}]
 
 
 def tile_sweep(dev: dict, reps: int) -> list[dict]:
     """us of the 4-bit calls of 1, 4 and 16 tokens under each candidate tile set (4 warps; None:
-    one token on the tiled kernels), and their largest difference from the bf16 pool's rows."""
+    one token on the tiled kernels; ``f16``: the other decoding), each in one CUDA graph of
+    ``GRAPH_CALLS`` calls, and their largest difference from the bf16 pool's rows."""
     from freetoken_engine.kernels.triton import moe
     from freetoken_engine.kernels.triton.moe import moe_slots_forward
     saved, out = (dict(moe.LANES_TILES_MX), dict(moe.DECODE_TILES)), []
@@ -157,7 +202,8 @@ def tile_sweep(dev: dict, reps: int) -> list[dict]:
             setattr(moe, "LANES_TILES_MX" if name == "lanes" else "DECODE_TILES", tiles and {**tiles, "warps": 4})
             want = moe_slots_forward(x, *dev["bf16"], tok, slot).float()
             err = ((moe_slots_forward(x, *dev["mxfp4"], tok, slot).float() - want).abs().max() / want.abs().max()).item()
-            us = timed(lambda: moe_slots_forward(x, *dev["mxfp4"], tok, slot), reps) * 1e6
+            calls = [(x, t, s) for t, s in routings(tokens, GRAPH_CALLS)]
+            us = graph_us(lambda *a: moe_slots_forward(a[0], *dev["mxfp4"], a[1], a[2]), calls, reps)
             out.append({"tokens": tokens, "kernels": name, "tiles": tiles, "us": us, "max_rel_err": err})
             print(f"sweep: {tokens:2d} tokens, {name} {tiles}: {us:8.1f} us, error {err:.2g}")
     finally:

@@ -74,6 +74,32 @@ def test_mxfp4_rows_whose_codes_end_inside_a_step(tokens, k):
     assert (out - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+@pytest.mark.parametrize("f16", [False, True], ids=["f32-values", "f16-bits"])
+@pytest.mark.parametrize("gated", [False, True], ids=["silu", "gpt-oss"])
+def test_one_token_on_every_code_and_scale_either_decoding(monkeypatch, f16, gated):
+    """The one-token kernels' two decodings (each value built in float32 and scaled, or float16's
+    bits and each block's sum scaled: ``LANES_TILES_MX["f16"]``) on rows holding every code in
+    every block, scales from 2^-127 (byte 0, a float32 subnormal) to 2^12 and unequal from block
+    to block: the reference's values to 1e-5 of the output's scale."""
+    monkeypatch.setattr(moe, "LANES_TILES_MX", {**moe.LANES_TILES_MX, "bk1": 64, "bk2": 64, "f16": f16})
+    g = torch.Generator().manual_seed(5)
+    q13, q2 = mxfp4.random_rows((5, 2 * I), H, g, (100, 140)), mxfp4.random_rows((5, H), I, g, (110, 130))
+    q13[:, :, :H // 2] = (torch.arange(H // 2) * 17 % 256).to(torch.uint8)   # every code, each nibble
+    q13[1, :, H // 2] = 0                                  # 2^-127: a subnormal scale in the first block
+    q2[2, :, I // 2 + 1] = 0
+    q13[3, :, H // 2 + 1] = 139
+    d13, d2 = mxfp4.dequantize(q13, torch.float32), mxfp4.dequantize(q2, torch.float32)
+    x = torch.randn(1, H, generator=g)
+    tok, slot = torch.zeros(4, dtype=torch.int64), torch.tensor([1, 3, -1, 2])
+    extra = {} if not gated else dict(act=GatedAct("swiglu_oai", 1.702, 7.0), b13=torch.randn(5, 2 * I, generator=g))
+    out = moe_slots_forward(x, q13, q2, tok, slot, **extra)
+    gpu = slot >= 0
+    ref_extra = {} if not gated else dict(act=extra["act"], b13=extra["b13"], pair_bias=slot[gpu])
+    ref = expert_pairs_forward(x, d13, d2, tok[gpu], slot[gpu], **ref_extra)
+    assert torch.all(out[~gpu] == 0)
+    assert (out[gpu] - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 def test_decoding_the_slots_a_call_uses_into_the_dense_scratch():
     """The used slots are ranked on the device (ascending ids, unused and CPU pairs left out) and
     each round's slots decode to exactly their values; places past the used slots stay as they were."""

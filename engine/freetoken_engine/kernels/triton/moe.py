@@ -58,7 +58,9 @@ PREFILL_TILES = {"bn1": 64, "bk1": 64, "bn2": 128, "bk2": 64, "warps": 8}
 #: a call, both Qwen shapes: 1.5-1.8x the tiled kernels with one expert, 0.97-1.06x with 8.
 LANES_TILES: dict | None = {"bn1": 2, "bk1": 2048, "bn2": 8, "bk2": 256, "warps": 4}
 #: the same for MXFP4 slots: the best of 6 in bench/mxfp4_gpu.py --sweep on an H100 (2026-12-05,
-#: gpt-oss-20b's shape, 4 experts): 191 us a call against 242 under LANES_TILES and 263 tiled
+#: gpt-oss-20b's shape, 4 experts): 191 us a call against 242 under LANES_TILES and 263 tiled.
+#: ``f16`` (optional, off when absent): decode through float16's bits and scale each block's sum
+#: once (moe_mxfp4.mx_rows_f16) instead of building each value in float32 and scaling it.
 LANES_TILES_MX: dict | None = {"bn1": 4, "bk1": 1024, "bn2": 8, "bk2": 512, "warps": 4}
 
 
@@ -276,13 +278,15 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     lanes = LANES_TILES_MX if mx else LANES_TILES
     if t == 1 and p <= SMALL_P and lanes is not None:
         bn1, bk1, bn2, bk2, warps = (lanes[key] for key in ("bn1", "bk1", "bn2", "bk2", "warps"))
+        f16 = bool(lanes.get("f16"))
         gate_up_lanes_kernel[(p, triton.cdiv(inter, bn1))](
             x, w13_slots, inter_buf, pair_slot, lim, H=h, I=inter, stride_ws=w13_slots.stride(0),
             stride_wn=w13_slots.stride(1), BN=bn1, BK=min(bk1, next_pow2(h)), LIMIT=limit is not None,
-            num_warps=warps, **gate)
+            F16=f16, num_warps=warps, **gate)
         down_lanes_kernel[(p, triton.cdiv(h, bn2))](
             inter_buf, w2_slots, out, pair_slot, lim, h, inter, w2_slots.stride(0), w2_slots.stride(1),
-            out.stride(0), BN=bn2, BK=min(bk2, next_pow2(inter)), LIMIT=limit is not None, MX=mx, num_warps=warps)
+            out.stride(0), BN=bn2, BK=min(bk2, next_pow2(inter)), LIMIT=limit is not None, MX=mx, F16=f16,
+            num_warps=warps)
         return out
     in_kernel = p <= SMALL_P
     if in_kernel:

@@ -55,6 +55,38 @@ def mx_rows(rows, k0, K, rmask, G: tl.constexpr):
 
 
 @triton.jit
+def mx_halves(b):
+    """Both e2m1 codes of code bytes ``b`` (int32, 0..255) times 2^-14, in float32, exact: each
+    code's bits placed where a float16's sign, exponent and mantissa take them (a code of exponent
+    0 lands on float16's subnormals, which the conversion keeps), so no select and no scale a
+    value: the caller scales a block's sum (``mx_rows_f16``). Returns (low nibbles, high)."""
+    lo = ((b & 8) << 12) | ((b & 7) << 9)
+    hi = ((b & 0x80) << 8) | ((b & 0x70) << 5)
+    return (lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
+            hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
+
+
+@triton.jit
+def mx_rows_f16(rows, k0, K, rmask, G: tl.constexpr):
+    """``mx_rows`` with the scales left out of the values: (low, high) [BN, G, 16] float32, the
+    codes' values times 2^-14 (``mx_halves``), and the blocks' scales [BN, G] (2^(sc - 127))."""
+    g = k0 // 16 + tl.arange(0, G)
+    gmask = rmask[:, None] & (g[None, :] < K // 32)
+    codes = tl.load(rows[:, None, None] + (g * 16)[None, :, None] + tl.arange(0, 16)[None, None, :],
+                    mask=gmask[:, :, None], other=0).to(tl.int32)
+    sc = tl.load(rows[:, None] + K // 2 + g[None, :], mask=gmask, other=127).to(tl.int32)
+    lo, hi = mx_halves(codes)
+    return lo, hi, tl.where(sc == 0, 5.877471754111438e-39, (sc << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def mx_block_sums(wl, wh, al, ah, scale):
+    """A block's products summed, then scaled: ``mx_rows_f16``'s halves against activations in
+    byte order ([1 or BN, G, 16]), times 2^14 (exact) and the blocks' ``scale``: [BN, G]."""
+    return tl.sum(wl * al + wh * ah, 2) * 16384.0 * scale
+
+
+@triton.jit
 def mx_acts(ptr, k0, K, G: tl.constexpr):
     """A row of activations in byte order at ``ptr`` (K values), as mx_rows' halves meet them:
     (low, high), each [1, G, 16] float32, zero past the row."""
