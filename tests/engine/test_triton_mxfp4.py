@@ -34,10 +34,13 @@ def _routing(tokens: int, k: int, slots: int, seed: int = 1) -> tuple[torch.Tens
     return tok, slot
 
 
+@pytest.mark.parametrize("f16", [False, True], ids=["f32-values", "f16-bits"])   # the tiles' "f16"
 @pytest.mark.parametrize("gated", [False, True], ids=["silu", "gpt-oss"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("tokens,k", [(1, 4), (4, 4), (40, 2)])   # lanes, in-kernel grouping, block table
-def test_moe_on_mxfp4_slots_matches_the_reference(tokens, k, dtype, gated):
+def test_moe_on_mxfp4_slots_matches_the_reference(monkeypatch, tokens, k, dtype, gated, f16):
+    for name in ("LANES_TILES_MX", "DECODE_TILES", "PREFILL_TILES"):
+        monkeypatch.setattr(moe, name, {**getattr(moe, name), "f16": f16})
     q13, q2 = _pool(6)
     d13, d2 = mxfp4.dequantize(q13, torch.float32), mxfp4.dequantize(q2, torch.float32)
     g = torch.Generator().manual_seed(2)
@@ -58,11 +61,14 @@ def test_moe_on_mxfp4_slots_matches_the_reference(tokens, k, dtype, gated):
     assert (out[gpu].float() - ref).abs().max() <= tol * ref.abs().max() + 1e-6
 
 
+@pytest.mark.parametrize("f16", [False, True], ids=["f32-values", "f16-bits"])
 @pytest.mark.parametrize("tokens,k", [(1, 4), (4, 4), (40, 2)])
-def test_mxfp4_rows_whose_codes_end_inside_a_step(tokens, k):
+def test_mxfp4_rows_whose_codes_end_inside_a_step(monkeypatch, tokens, k, f16):
     """Widths of 5 and 7 blocks of 32 (rows of 96 and 128 bytes, 16 and 10 of them padding): the
     kernels' last step of code bytes is partly past the row and reads none of the scales or padding
-    there as codes."""
+    there as codes, with either decoding."""
+    for name in ("LANES_TILES_MX", "DECODE_TILES", "PREFILL_TILES"):
+        monkeypatch.setattr(moe, name, {**getattr(moe, name), "f16": f16})
     h, i = 160, 224
     q13, q2 = _pool(6, h=h, i=i)
     q13[..., h // 2 + h // 32:] = 255                    # padding the kernels must not read as codes
@@ -76,12 +82,14 @@ def test_mxfp4_rows_whose_codes_end_inside_a_step(tokens, k):
 
 @pytest.mark.parametrize("f16", [False, True], ids=["f32-values", "f16-bits"])
 @pytest.mark.parametrize("gated", [False, True], ids=["silu", "gpt-oss"])
-def test_one_token_on_every_code_and_scale_either_decoding(monkeypatch, f16, gated):
-    """The one-token kernels' two decodings (each value built in float32 and scaled, or float16's
-    bits and each block's sum scaled: ``LANES_TILES_MX["f16"]``) on rows holding every code in
-    every block, scales from 2^-127 (byte 0, a float32 subnormal) to 2^12 and unequal from block
-    to block: the reference's values to 1e-5 of the output's scale."""
+@pytest.mark.parametrize("tokens", [1, 3])          # the lanes kernels, the tiled ones
+def test_every_code_and_scale_either_decoding(monkeypatch, tokens, f16, gated):
+    """The kernels' two decodings (each value built in float32 and scaled, or float16's bits and
+    each block's sums scaled: the tiles' ``f16``) on rows holding every code in every block,
+    scales from 2^-127 (byte 0, a float32 subnormal) to 2^12 and unequal from block to block: the
+    reference's values to 1e-5 of the output's scale."""
     monkeypatch.setattr(moe, "LANES_TILES_MX", {**moe.LANES_TILES_MX, "bk1": 64, "bk2": 64, "f16": f16})
+    monkeypatch.setattr(moe, "DECODE_TILES", {**moe.DECODE_TILES, "f16": f16})
     g = torch.Generator().manual_seed(5)
     q13, q2 = mxfp4.random_rows((5, 2 * I), H, g, (100, 140)), mxfp4.random_rows((5, H), I, g, (110, 130))
     q13[:, :, :H // 2] = (torch.arange(H // 2) * 17 % 256).to(torch.uint8)   # every code, each nibble
@@ -89,8 +97,9 @@ def test_one_token_on_every_code_and_scale_either_decoding(monkeypatch, f16, gat
     q2[2, :, I // 2 + 1] = 0
     q13[3, :, H // 2 + 1] = 139
     d13, d2 = mxfp4.dequantize(q13, torch.float32), mxfp4.dequantize(q2, torch.float32)
-    x = torch.randn(1, H, generator=g)
-    tok, slot = torch.zeros(4, dtype=torch.int64), torch.tensor([1, 3, -1, 2])
+    x = torch.randn(tokens, H, generator=g)
+    tok = torch.arange(tokens).repeat_interleave(4)
+    slot = torch.cat([torch.tensor([1, 3, -1, 2]).roll(t) for t in range(tokens)])
     extra = {} if not gated else dict(act=GatedAct("swiglu_oai", 1.702, 7.0), b13=torch.randn(5, 2 * I, generator=g))
     out = moe_slots_forward(x, q13, q2, tok, slot, **extra)
     gpu = slot >= 0

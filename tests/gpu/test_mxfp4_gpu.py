@@ -30,13 +30,15 @@ PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
 # the lanes kernels (both decodings), grouping in the kernel, the block table, the dense scratch's
 # rounds (200 pairs a slot)
 @pytest.mark.parametrize("tokens,rounds,f16", [(1, False, False), (1, False, True), (4, False, False),
-                                               (300, False, False), (300, True, False)])
+                                               (4, False, True), (300, False, False), (300, False, True),
+                                               (300, True, False)])
 def test_mxfp4_slots_match_their_dense_values(monkeypatch, tokens, rounds, f16):
     """The same products as on the dense values; the compiled kernels may sum them in another
     order (their register layouts differ: measured on the H200, a one-token call differs in the
     last bits, a 300-token one not at all), so within bf16's rounding of the output."""
     from freetoken_engine.kernels.triton import moe, moe_mx_dense
-    monkeypatch.setattr(moe, "LANES_TILES_MX", {**moe.LANES_TILES_MX, "f16": f16})
+    for name in ("LANES_TILES_MX", "DECODE_TILES", "PREFILL_TILES"):
+        monkeypatch.setattr(moe, name, {**getattr(moe, name), "f16": f16})
     monkeypatch.setattr(moe_mx_dense, "MX_DENSE_PAIRS", 1 if rounds else None)
     monkeypatch.setattr(moe_mx_dense, "MX_SCRATCH_BYTES", 4 * 3 * H * I * 2)     # 4 of the 6 slots a round
     g = torch.Generator().manual_seed(0)
@@ -55,19 +57,22 @@ def test_mxfp4_slots_match_their_dense_values(monkeypatch, tokens, rounds, f16):
 
 
 @pytest.mark.parametrize("f16", [False, True])
-def test_one_token_on_every_code_and_scale_compiled(monkeypatch, f16):
-    """Compiled, in float32: the one-token kernels' decodings on every code in every block and
-    scales from 2^-127 (a float32 subnormal: no flush to zero) to 2^12, within 1e-5 of the
-    reference's output scale (the interpreter's test in tests/engine/test_triton_mxfp4.py)."""
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_every_code_and_scale_compiled(monkeypatch, tokens, f16):
+    """Compiled, in float32: the one-token and tiled kernels' decodings on every code in every
+    block and scales from 2^-127 (a float32 subnormal: no flush to zero) to 2^12, within 1e-5 of
+    the reference's output scale (the interpreter's test in tests/engine/test_triton_mxfp4.py)."""
     from freetoken_engine.kernels.reference import expert_pairs_forward
     from freetoken_engine.kernels.triton import moe
-    monkeypatch.setattr(moe, "LANES_TILES_MX", {**moe.LANES_TILES_MX, "f16": f16})
+    for name in ("LANES_TILES_MX", "DECODE_TILES"):
+        monkeypatch.setattr(moe, name, {**getattr(moe, name), "f16": f16})
     g = torch.Generator().manual_seed(5)
     q13, q2 = mxfp4.random_rows((5, 2 * I), H, g, (100, 140)), mxfp4.random_rows((5, H), I, g, (110, 130))
     q13[:, :, :H // 2] = (torch.arange(H // 2) * 17 % 256).to(torch.uint8)
     q13[1, :, H // 2], q2[2, :, I // 2 + 1] = 0, 0
-    x = torch.randn(1, H, generator=g)
-    tok, slot = torch.zeros(4, dtype=torch.int64), torch.tensor([1, 3, -1, 2])
+    x = torch.randn(tokens, H, generator=g)
+    tok = torch.arange(tokens).repeat_interleave(4)
+    slot = torch.cat([torch.tensor([1, 3, -1, 2]).roll(t) for t in range(tokens)])
     out = moe_slots_forward(x.to(CUDA), q13.to(CUDA), q2.to(CUDA), tok.to(CUDA), slot.to(CUDA)).cpu()
     ref = expert_pairs_forward(x, mxfp4.dequantize(q13, torch.float32), mxfp4.dequantize(q2, torch.float32),
                                tok[slot >= 0], slot[slot >= 0])
