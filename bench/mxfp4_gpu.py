@@ -17,9 +17,9 @@ fills: CUDA events around each call, the median of ``--reps``.
 
     python bench/mxfp4_gpu.py [--reps 50] [--layers 4] [--sweep]
 
-``--sweep``: the 4-bit calls of 1, 4, 16 and 128 tokens again under other tiles of the kernels
-(``moe.LANES_TILES_MX`` for one token, ``moe.DECODE_TILES`` for a few, ``moe.PREFILL_TILES``
-for 128) and both decodings (``f16``), the defaults restored after.
+``--sweep``: the 4-bit calls of 1, 4 and 16 tokens again under other tiles of the kernels
+(``moe.LANES_TILES_MX`` for one token, with both of its decodings, ``f16``; ``moe.DECODE_TILES``
+for a few), the defaults restored after.
 """
 from __future__ import annotations
 
@@ -187,36 +187,26 @@ LANES = [None, {"bn1": 2, "bk1": 2048, "bn2": 8, "bk2": 256}, {"bn1": 2, "bk1": 
 LANES += [{**t, "f16": True} for t in LANES if t]           # the other decoding (moe_mxfp4.mx_rows_f16)
 TILED = [{"bn1": 32, "bk1": 128, "bn2": 64, "bk2": 128}, {"bn1": 32, "bk1": 256, "bn2": 64, "bk2": 256},
          {"bn1": 16, "bk1": 256, "bn2": 32, "bk2": 256}, {"bn1": 64, "bk1": 128, "bn2": 64, "bk2": 256}]
-TILED += [{**t, "f16": True} for t in TILED] + [{"bn1": 32, "bk1": 64, "bn2": 64, "bk2": 64, "f16": True}]
-PREFILL = [{"bn1": 64, "bk1": 64, "bn2": 128, "bk2": 64, "warps": 8}, {"bn1": 64, "bk1": 64, "bn2": 128, "bk2": 64,
-                                                                     "warps": 8, "f16": True},
-           {"bn1": 64, "bk1": 128, "bn2": 128, "bk2": 128, "warps": 8, "f16": True}]
 
 
 def tile_sweep(dev: dict, reps: int) -> list[dict]:
     """us of the 4-bit calls of 1, 4 and 16 tokens (each in one CUDA graph of ``GRAPH_CALLS``
-    calls) and of 128 (CUDA events) under each candidate tile set (4 warps unless it says; None:
-    one token on the tiled kernels; ``f16``: the other decoding), and their largest difference
-    from the bf16 pool's rows."""
+    calls) under each candidate tile set (4 warps; None: one token on the tiled kernels; ``f16``:
+    the lanes kernels' other decoding), and their largest difference from the bf16 pool's rows."""
     from freetoken_engine.kernels.triton import moe
     from freetoken_engine.kernels.triton.moe import moe_slots_forward
-    saved, out = (dict(moe.LANES_TILES_MX), dict(moe.DECODE_TILES), dict(moe.PREFILL_TILES)), []
-    where = {"lanes": "LANES_TILES_MX", "decode": "DECODE_TILES", "prefill": "PREFILL_TILES"}
+    saved, out = (dict(moe.LANES_TILES_MX), dict(moe.DECODE_TILES)), []
     try:
-        for tokens, tiles, name in ([(1, t, "lanes") for t in LANES] + [(n, t, "decode") for n in (4, 16) for t in TILED]
-                                    + [(128, t, "prefill") for t in PREFILL]):
+        for tokens, tiles, name in [(1, t, "lanes") for t in LANES] + [(n, t, "decode") for n in (4, 16) for t in TILED]:
             x = torch.randn(tokens, H, device="cuda").to(torch.bfloat16)
             tok, slot = routing(tokens, tokens)
-            setattr(moe, where[name], tiles and {"warps": 4, **tiles})
+            setattr(moe, "LANES_TILES_MX" if name == "lanes" else "DECODE_TILES", tiles and {"warps": 4, **tiles})
             want = moe_slots_forward(x, *dev["bf16"], tok, slot).float()
             try:
                 err = ((moe_slots_forward(x, *dev["mxfp4"], tok, slot).float() - want).abs().max()
                        / want.abs().max()).item()
-                if name == "prefill":   # 16 pairs a slot: the tiles (the rounds start at 64); one launch at a time
-                    us = timed(lambda: moe_slots_forward(x, *dev["mxfp4"], tok, slot, experts=E), reps) * 1e6
-                else:
-                    calls = [(x, t, s) for t, s in routings(tokens, GRAPH_CALLS)]
-                    us = graph_us(lambda *a: moe_slots_forward(a[0], *dev["mxfp4"], a[1], a[2]), calls, reps)
+                calls = [(x, t, s) for t, s in routings(tokens, GRAPH_CALLS)]
+                us = graph_us(lambda *a: moe_slots_forward(a[0], *dev["mxfp4"], a[1], a[2]), calls, reps)
             except Exception as exc:    # a tile set this GPU's compiler refuses: said, and the sweep goes on
                 print(f"sweep: {tokens:2d} tokens, {name} {tiles}: failed: {str(exc).splitlines()[0][:200]}")
                 out.append({"tokens": tokens, "kernels": name, "tiles": tiles, "error": str(exc)[:500]})
@@ -224,7 +214,7 @@ def tile_sweep(dev: dict, reps: int) -> list[dict]:
             out.append({"tokens": tokens, "kernels": name, "tiles": tiles, "us": us, "max_rel_err": err})
             print(f"sweep: {tokens:2d} tokens, {name} {tiles}: {us:8.1f} us, error {err:.2g}")
     finally:
-        moe.LANES_TILES_MX, moe.DECODE_TILES, moe.PREFILL_TILES = saved
+        moe.LANES_TILES_MX, moe.DECODE_TILES = saved
     return out
 
 

@@ -42,8 +42,7 @@ from ..reference import SILU, GatedAct
 from ._common import check_tensor, interpreting, next_pow2
 from .moe_lanes import down_lanes_kernel, gate_up_lanes_kernel, gated
 from .moe_mx_dense import decode_slots, scratch_experts, usable_slots, used_ranks, wants_dense
-from .moe_mxfp4 import (byte_order, dot_acc, inter_pos, mx_block_acts, mx_cols_f16, mx_dot, mx_dot_f16,
-                        mx_row_acts, mx_rows)
+from .moe_mxfp4 import byte_order, dot_acc, inter_pos, mx_dot, mx_row_acts, mx_rows
 
 _FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 _INDEX = (torch.int32, torch.int64)
@@ -61,8 +60,9 @@ LANES_TILES: dict | None = {"bn1": 2, "bk1": 2048, "bn2": 8, "bk2": 256, "warps"
 #: the same for MXFP4 slots (bench/mxfp4_gpu.py --sweep, gpt-oss-20b's shape, 4 experts a call,
 #: H100, in a CUDA graph of 32 calls). ``f16``: decode through float16's bits and scale each
 #: block's sum once (moe_mxfp4.mx_rows_f16) instead of building each value in float32 and scaling
-#: it: 62.5 us a call against 86.4 with these tiles (bf16 88.8; the other 9 tile sets 60-74 with
-#: ``f16``, 86-122 without; 2026-12-05, stop 60)
+#: it: 62.3-62.5 us a call against 86.4-86.9 with these tiles (bf16 86.8-88.8; the other 9 tile
+#: sets 60-74 with ``f16``, 86-122 without; two runs, 2026-12-05, stop 60). The tiled kernels keep
+#: the float32 values: the same decoding there (one batched product a block) ran 2-3x slower.
 LANES_TILES_MX: dict | None = {"bn1": 4, "bk1": 1024, "bn2": 8, "bk2": 512, "warps": 4, "f16": True}
 
 
@@ -94,7 +94,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, bloc
                     P, H, I, stride_xt, stride_ws, stride_wn, stride_b,
                     BLOCK_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                     IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr, LIMIT: tl.constexpr,
-                    ACT: tl.constexpr, BIAS: tl.constexpr, MX: tl.constexpr, F16: tl.constexpr = False):
+                    ACT: tl.constexpr, BIAS: tl.constexpr, MX: tl.constexpr):
     pid = tl.program_id(0)
     s, rows = _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
                                BLOCK_P, BM, IN_KERNEL)
@@ -109,15 +109,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, bloc
         acc_g = tl.zeros([BM, BN], dtype=tl.float32)
         acc_u = tl.zeros([BM, BN], dtype=tl.float32)
         w_base = w13_ptr + s * stride_ws
-        if MX and F16:  # one product a block of 32, its sums scaled once (moe_mxfp4.mx_dot_f16)
-            gate = w_base + n.to(tl.int64) * stride_wn
-            for k0 in range(0, H // 2, BK // 2):
-                xl, xh = mx_block_acts(x_ptr + toks * stride_xt, valid, k0, H, BK // 32)
-                gl, gh, gs = mx_cols_f16(gate, k0, H, nmask, BK // 32)
-                ul, uh, us = mx_cols_f16(gate + I * stride_wn, k0, H, nmask, BK // 32)
-                acc_g = mx_dot_f16(xl, xh, gl, gh, gs, acc_g, UPCAST)
-                acc_u = mx_dot_f16(xl, xh, ul, uh, us, acc_u, UPCAST)
-        elif MX:        # x in byte order (moe_mxfp4.py), BK / 2 code bytes a step
+        if MX:          # x in byte order (moe_mxfp4.py), BK / 2 code bytes a step
             gate = w_base + n.to(tl.int64) * stride_wn
             for k0 in range(0, H // 2, BK // 2):
                 xl, xh = mx_row_acts(x_ptr + toks * stride_xt, valid, k0, H, BK // 2)
@@ -151,8 +143,7 @@ def _gate_up_kernel(x_ptr, w13_ptr, inter_ptr, pair_tok_ptr, pair_slot_ptr, bloc
 def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, block_slot_ptr, limit_ptr,
                  P, H, I, stride_ws, stride_wn, stride_ot,
                  BLOCK_P: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr, LIMIT: tl.constexpr, MX: tl.constexpr,
-                 F16: tl.constexpr = False):
+                 IN_KERNEL: tl.constexpr, UPCAST: tl.constexpr, LIMIT: tl.constexpr, MX: tl.constexpr):
     pid = tl.program_id(0)
     s, rows = _rows_of_program(pid, pair_slot_ptr, block_rows_ptr, block_slot_ptr, P,
                                BLOCK_P, BM, IN_KERNEL)
@@ -165,12 +156,7 @@ def _down_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, block_rows_ptr, bloc
         nmask = n < H
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         w_base = w2_ptr + s * stride_ws
-        if MX and F16:
-            for k0 in range(0, I // 2, BK // 2):
-                al, ah = mx_block_acts(inter_ptr + rows * I, valid, k0, I, BK // 32)
-                wl, wh, ws = mx_cols_f16(w_base + n.to(tl.int64) * stride_wn, k0, I, nmask, BK // 32)
-                acc = mx_dot_f16(al, ah, wl, wh, ws, acc, UPCAST)
-        elif MX:        # the intermediate rows in byte order (the gate/up kernel wrote them so)
+        if MX:          # the intermediate rows in byte order (the gate/up kernel wrote them so)
             for k0 in range(0, I // 2, BK // 2):
                 al, ah = mx_row_acts(inter_ptr + rows * I, valid, k0, I, BK // 2)
                 wl, wh = mx_rows(w_base + n.to(tl.int64) * stride_wn, k0, I, nmask, BK // 32)
@@ -325,18 +311,17 @@ def _tiled(x, w13, w2, inter_buf, out, pair_tok, pair_slot, lim, rows, slots, bm
     nb = p if in_kernel else slots.numel()
     tiles = DECODE_TILES if in_kernel else PREFILL_TILES
     bn1, bk1, bn2, bk2, warps = (tiles[key] for key in ("bn1", "bk1", "bn2", "bk2", "warps"))
-    f16 = bool(tiles.get("f16")) and gate["MX"]
     block_p = next_pow2(p) if in_kernel else 1
     _gate_up_kernel[(nb, triton.cdiv(inter, bn1))](
         x, w13, inter_buf, pair_tok, pair_slot, rows, slots, lim,
         P=p, H=h, I=inter, stride_xt=x.stride(0), stride_ws=w13.stride(0), stride_wn=w13.stride(1),
         BLOCK_P=block_p, BM=bm, BN=bn1, BK=bk1, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limited,
-        F16=f16, num_warps=warps, **gate)
+        num_warps=warps, **gate)
     _down_kernel[(nb, triton.cdiv(h, bn2))](
         inter_buf, w2, out, pair_slot, rows, slots, lim,
         p, h, inter, w2.stride(0), w2.stride(1), out.stride(0),
         BLOCK_P=block_p, BM=bm, BN=bn2, BK=bk2, IN_KERNEL=in_kernel, UPCAST=upcast, LIMIT=limited,
-        MX=gate["MX"], F16=f16, num_warps=warps)
+        MX=gate["MX"], num_warps=warps)
 
 
 def _dense_rounds(x, w13, w2, inter_buf, out, pair_tok, pair_slot, experts, upcast, gate) -> None:

@@ -87,43 +87,6 @@ def mx_block_sums(wl, wh, al, ah, scale):
 
 
 @triton.jit
-def mx_cols_f16(rows, k0, K, rmask, G: tl.constexpr):
-    """``mx_rows_f16`` laid out for the tiled kernels' batched products: (low, high) [G, 16, BN]
-    (block, byte within it, row) and the scales [G, 1, BN]."""
-    g = k0 // 16 + tl.arange(0, G)
-    gmask = (g[:, None] < K // 32) & rmask[None, :]                         # [G, BN]
-    codes = tl.load(rows[None, None, :] + (g * 16)[:, None, None] + tl.arange(0, 16)[None, :, None],
-                    mask=gmask[:, None, :], other=0).to(tl.int32)            # [G, 16, BN]
-    sc = tl.load(rows[None, :] + K // 2 + g[:, None], mask=gmask, other=127).to(tl.int32)
-    lo, hi = mx_halves(codes)
-    scale = tl.where(sc == 0, 5.877471754111438e-39, (sc << 23).to(tl.float32, bitcast=True))
-    return lo, hi, scale[:, None, :]
-
-
-@triton.jit
-def mx_block_acts(rows, valid, k0, K, G: tl.constexpr):
-    """Code bytes [k0, k0 + 16 G) of activation rows in byte order at pointers ``rows`` ([BM]),
-    block by block as ``mx_dot_f16`` takes them: (low, high), each [G, BM, 16]."""
-    kb = k0 + tl.arange(0, G)[:, None, None] * 16 + tl.arange(0, 16)[None, None, :]     # [G, 1, 16]
-    m = valid[None, :, None] & (kb < K // 2)
-    base = rows[None, :, None] + kb
-    return tl.load(base, mask=m, other=0.0), tl.load(base + K // 2, mask=m, other=0.0)
-
-
-@triton.jit
-def mx_dot_f16(al, ah, wl, wh, scale, acc, UPCAST: tl.constexpr):
-    """acc + the blocks' products: activations [G, BM, 16] against ``mx_cols_f16``'s halves
-    ([G, 16, BN], the values times 2^-14: exact in bf16, fp16 and float32), one product a block
-    (batched over G), each block's sums times 2^14 and its scale, then summed over the blocks."""
-    if UPCAST:
-        prod = tl.dot(al.to(tl.float32), wl, input_precision="ieee") + \
-            tl.dot(ah.to(tl.float32), wh, input_precision="ieee")
-    else:
-        prod = tl.dot(al, wl.to(al.dtype)) + tl.dot(ah, wh.to(ah.dtype))
-    return acc + tl.sum(prod * 16384.0 * scale, 0)
-
-
-@triton.jit
 def mx_acts(ptr, k0, K, G: tl.constexpr):
     """A row of activations in byte order at ``ptr`` (K values), as mx_rows' halves meet them:
     (low, high), each [1, G, 16] float32, zero past the row."""
