@@ -83,11 +83,13 @@ def write(folder: Path, layers: int, vocab: int) -> int:
     return total
 
 
-def side(folder: str, fmt: str, dtype: str, tokens: int, device: str, cache: str, prefill: int) -> dict:
+def side(folder: str, fmt: str, dtype: str, tokens: int, device: str, cache: str, prefill: int, warm: int = 2) -> dict:
     """One engine in this process: its resident memory, time to ready, decode rate, and with
     ``prefill`` the time of a prompt of that many tokens to its first token (after one the same
     length, so that nothing it times compiles). ``mxfp4/in-kernel``: 4 bits with every call's
-    slots decoded in the kernels' tiles (no dense scratch, moe_mx_dense.MX_DENSE_PAIRS None)."""
+    slots decoded in the kernels' tiles (no dense scratch, moe_mx_dense.MX_DENSE_PAIRS None).
+    ``warm``: tokens decoded before the timed ones (enough, and a cache that holds every expert
+    has them all resident: the timed rate is then the kernels', not the first fills')."""
     from freetoken_engine import LLM, SamplingParams
     if fmt == "mxfp4/in-kernel":
         from freetoken_engine.kernels.triton import moe_mx_dense
@@ -98,7 +100,7 @@ def side(folder: str, fmt: str, dtype: str, tokens: int, device: str, cache: str
     ready = time.perf_counter() - t0
     rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     greedy = SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True)
-    llm.generate(PROMPT, SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True))     # warm
+    llm.generate(PROMPT, SamplingParams(max_new_tokens=warm, temperature=0, ignore_eos=True))
     t0 = time.perf_counter()
     out = llm.generate(PROMPT, greedy)
     secs = time.perf_counter() - t0
@@ -128,7 +130,7 @@ def run(args) -> dict:
             for fmt in fmts[r % len(fmts):] + fmts[:r % len(fmts)]:
                 for dtype, cache in keys:
                     cmd = [sys.executable, __file__, "--side", str(folder), fmt, dtype, str(args.tokens), args.device,
-                           cache, str(args.prefill)]
+                           cache, str(args.prefill), str(args.warm_tokens)]
                     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
                     res = json.loads(out.strip().splitlines()[-1])
                     results.setdefault((fmt, dtype, cache), []).append(res)
@@ -161,7 +163,7 @@ def run(args) -> dict:
               f"({row['speedup']:.2f}x), resident {row['rss_gb']['mxfp4']:.2f} vs {row['rss_gb']['dense']:.2f} GB, "
               f"ready {row['ready_s']['mxfp4']:.1f} vs {row['ready_s']['dense']:.1f} s, same tokens {row['same_tokens']}")
     return {"hardware": describe(), "device": args.device, "layers": args.layers, "vocab": args.vocab,
-            "tokens": args.tokens, "rounds": args.rounds, "prefill_tokens": args.prefill, "checkpoint_gb": size / 1e9,
+            "tokens": args.tokens, "warm_tokens": args.warm_tokens, "rounds": args.rounds, "prefill_tokens": args.prefill, "checkpoint_gb": size / 1e9,
             "rows": rows}
 
 
@@ -186,8 +188,8 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--side":
-        folder, fmt, dtype, tokens, device, cache, prefill = sys.argv[2:9]
-        res = side(folder, fmt, dtype, int(tokens), device, cache, int(prefill))
+        folder, fmt, dtype, tokens, device, cache, prefill, warm = sys.argv[2:10]
+        res = side(folder, fmt, dtype, int(tokens), device, cache, int(prefill), int(warm))
         print(json.dumps(res))
         return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -201,6 +203,8 @@ def main() -> None:
     ap.add_argument("--prefill", type=int, default=0,
                     help="also time a prompt of this many tokens to its first token (and 4 bits without the dense scratch)")
     ap.add_argument("--dir", default=None, help="where the checkpoint is written (default: the temp dir)")
+    ap.add_argument("--warm-tokens", type=int, default=2,
+                    help="tokens decoded before the timed ones (e.g. 128 with --cache-gb all: every expert resident)")
     report.main(ap, ROOT / "bench" / "results" / "mxfp4_engine.json", run, plot)
 
 
