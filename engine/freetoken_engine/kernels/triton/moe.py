@@ -62,7 +62,7 @@ LANES_TILES: dict | None = {"bn1": 2, "bk1": 2048, "bn2": 8, "bk2": 256, "warps"
 #: block's sum once (moe_mxfp4.mx_rows_f16) instead of building each value in float32 and scaling
 #: it: 62.3-62.5 us a call against 86.4-86.9 with these tiles (bf16 86.8-88.8; the other 9 tile
 #: sets 60-74 with ``f16``, 86-122 without; two runs, 2026-12-05, stop 60). The tiled kernels keep
-#: the float32 values: the same decoding there (one batched product a block) ran 2-3x slower.
+#: the float32 values: the same decoding there (one batched product a block) ran 2.3-3.6x slower.
 LANES_TILES_MX: dict | None = {"bn1": 4, "bk1": 1024, "bn2": 8, "bk2": 512, "warps": 4, "f16": True}
 
 
