@@ -31,14 +31,32 @@ def byte_order(k: int, device: torch.device) -> torch.Tensor:
 
 
 @triton.jit
+def mx_scale(sc):
+    """Scale bytes (int32) as float32 factors 2^(sc - 127), exact (byte 0: the subnormal 2^-127)."""
+    return tl.where(sc == 0, 5.877471754111438e-39, (sc << 23).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _f16_bits(bits):
+    """int32 values holding float16 bit patterns, as float32 (the conversion keeps subnormals)."""
+    return bits.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def mx_halves(b):
+    """Both e2m1 codes of code bytes ``b`` (int32, 0..255) times 2^-14, in float32, exact: each
+    code's bits placed where a float16's sign, exponent and mantissa take them (a code of exponent
+    0 lands on float16's subnormals, which the conversion keeps), so no select and no table.
+    Returns (low nibbles, high)."""
+    return (_f16_bits(((b & 8) << 12) | ((b & 7) << 9)),
+            _f16_bits(((b & 0x80) << 8) | ((b & 0x70) << 5)))
+
+
+@triton.jit
 def mx_values(codes, sc):
     """e2m1 codes (int32, 0..15) times 2^(sc - 127) (int32 scale bytes, broadcast) in float32,
-    exact: magnitudes 2^(e - 1) (1 + m/2) built from their bits (no table, no exp2)."""
-    em = codes & 7
-    mag = tl.where(em >= 2, ((em << 22) + 0x3F000000).to(tl.float32, bitcast=True), em.to(tl.float32) * 0.5)
-    scale = tl.where(sc == 0, 5.877471754111438e-39, (sc << 23).to(tl.float32, bitcast=True))  # sc = 0: 2^-127
-    v = mag * scale
-    return tl.where(codes >= 8, -v, v)
+    exact: ``mx_halves``' float16 placement, times 2^14 (exact), times the scale."""
+    return _f16_bits(((codes & 8) << 12) | ((codes & 7) << 9)) * 16384.0 * mx_scale(sc)
 
 
 @triton.jit
@@ -51,19 +69,9 @@ def mx_rows(rows, k0, K, rmask, G: tl.constexpr):
     codes = tl.load(rows[:, None, None] + (g * 16)[None, :, None] + tl.arange(0, 16)[None, None, :],
                     mask=gmask[:, :, None], other=0).to(tl.int32)         # [BN, G, 16]
     sc = tl.load(rows[:, None] + K // 2 + g[None, :], mask=gmask, other=127).to(tl.int32)[:, :, None]
-    return mx_values(codes & 15, sc), mx_values(codes >> 4, sc)
-
-
-@triton.jit
-def mx_halves(b):
-    """Both e2m1 codes of code bytes ``b`` (int32, 0..255) times 2^-14, in float32, exact: each
-    code's bits placed where a float16's sign, exponent and mantissa take them (a code of exponent
-    0 lands on float16's subnormals, which the conversion keeps), so no select and no scale a
-    value: the caller scales a block's sum (``mx_rows_f16``). Returns (low nibbles, high)."""
-    lo = ((b & 8) << 12) | ((b & 7) << 9)
-    hi = ((b & 0x80) << 8) | ((b & 0x70) << 5)
-    return (lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32),
-            hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32))
+    lo, hi = mx_halves(codes)
+    scale = mx_scale(sc)
+    return lo * 16384.0 * scale, hi * 16384.0 * scale
 
 
 @triton.jit
@@ -76,7 +84,7 @@ def mx_rows_f16(rows, k0, K, rmask, G: tl.constexpr):
                     mask=gmask[:, :, None], other=0).to(tl.int32)
     sc = tl.load(rows[:, None] + K // 2 + g[None, :], mask=gmask, other=127).to(tl.int32)
     lo, hi = mx_halves(codes)
-    return lo, hi, tl.where(sc == 0, 5.877471754111438e-39, (sc << 23).to(tl.float32, bitcast=True))
+    return lo, hi, mx_scale(sc)
 
 
 @triton.jit
