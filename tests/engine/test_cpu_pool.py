@@ -62,23 +62,6 @@ def _until_a_stall(call, want) -> float:
     raise AssertionError("worker 1 never entered a call and held it up in 10 s")
 
 
-@pytest.mark.timeout(60)
-def test_a_caller_that_leaves_the_chunks_to_the_workers_takes_them_when_none_do(pool):
-    """With ``caller_works=0`` the calling thread takes no chunk while the workers take them; with
-    its only worker left out (held up by the test stall) it takes them all itself after 50 us
-    without progress instead of waiting forever. Every output is bitwise the one-thread result."""
-    x, w13, w2, tok, exp = _problem(1)
-    want = _alone(x, w13, w2, tok, exp)
-    ce.tune(caller_works=0)
-    for _ in range(3):
-        assert torch.equal(ce.experts_forward(x, w13, w2, tok, exp), want)
-    ce.tune(test_stall_us=40_000, stall_us=2_000, backoff_ms=5_000, backoff_max_ms=5_000)
-    _until_a_stall(lambda: ce.experts_forward(x, w13, w2, tok, exp), want)
-    for _ in range(5):                          # the worker is out: the caller does every chunk
-        assert torch.equal(ce.experts_forward(x, w13, w2, tok, exp), want)
-    assert ce.pool_stats()["workers_left_out"] == 1
-
-
 def test_a_worker_that_holds_a_call_up_sits_out_the_next_calls(pool):
     """Worker 1 made to sleep 40 ms inside every job it enters (as if preempted mid-chunk): the
     call it enters waits for it once and leaves it out; the next calls run without it and never

@@ -180,7 +180,7 @@ def configure(threads: int | None = None, isa: str | None = None,
 
 
 TUNING_KNOBS = ("chunks_per_thread", "amx_min_tokens", "amx_pf", "amx_next", "far_pf", "far_pf_tokens",
-                "caller_works", "stall_us", "backoff_ms", "backoff_max_ms", "test_stall_us")
+                "stall_us", "backoff_ms", "backoff_max_ms", "test_stall_us")
 
 
 def tune(**knobs: int) -> dict:

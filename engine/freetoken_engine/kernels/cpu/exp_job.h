@@ -54,26 +54,6 @@ void wait_for(const int64_t* flag, int64_t want, F prefetch) {
   pool_busy();
 }
 
-// The calling thread's part of an expert call when it leaves the chunks to the workers
-// (Tune::caller_works 0): it waits until every chunk is taken, so its own caches keep what the
-// interpreter around the call works on instead of the weights streamed through them (on the
-// 2-core VM the Python call around a tiny expert cost 7 us, 47-64 us after a 64 MB read). Should
-// the workers take no chunk for 50 us (left out, or asleep), it returns and takes chunks itself.
-void stand_by(const ExpJob* J) {
-  const int64_t total = J->tot0 + J->tot1 + J->tot2;
-  int64_t seen = J->next.load(std::memory_order_relaxed), since = now_ns();
-  for (int it = 0; seen < total;) {
-    wait_step(it);
-    const int64_t k = J->next.load(std::memory_order_relaxed);
-    if (k != seen) {
-      seen = k;
-      since = now_ns();
-    } else if (now_ns() - since > 50000) {
-      return;
-    }
-  }
-}
-
 // One queue: the AMX groups' token packs, every group's stage 1, then every group's stage 2. An
 // AMX group's stage-1 chunk waits for its pack (started by then: the packs are first in line). A
 // stage-2 chunk waits only for its own group's stage 1 (long finished, except for the last
@@ -81,10 +61,10 @@ void stand_by(const ExpJob* J) {
 // must wait (a call with one or two experts) spends the wait prefetching its chunk's w2 rows into
 // L2, so the wait still moves the bytes the call needs.
 void exp_job(void* c, int tid, int n) {
+  (void)n;
   ExpJob* J = (ExpJob*)c;
   const FtProblem* p = J->p;
   atomic_max(g_timing.last_start, now_ns());
-  if (tid == 0 && n > 1 && !g_tune.caller_works) stand_by(J);
   int64_t s1_end = 0;                  // this thread's last stage-1 chunk: published once, on leaving
   bool test_stalled = false;           // the pool's test knob: worker 1 stalls in one stage-1 chunk
   for (;;) {

@@ -19,8 +19,6 @@ struct Tune {
   int64_t amx_next = 1;                    // FtProblem::amx_next (stop 59: on)
   int64_t far_pf = 4;                      // FtProblem::far_pf
   int64_t far_pf_tokens = 3;               // FtProblem::far_pf_tokens
-  int64_t caller_works = 1;                // 0: the calling thread leaves an expert call's chunks to
-                                           // the workers while they take them (exp_job.h stand_by)
 };
 Tune g_tune;
 
@@ -35,7 +33,6 @@ const Knob* tune_find(const char* name) {
       {"amx_next", &g_tune.amx_next, 0, 1},
       {"far_pf", &g_tune.far_pf, 0, 64},
       {"far_pf_tokens", &g_tune.far_pf_tokens, 1, 1 << 20},
-      {"caller_works", &g_tune.caller_works, 0, 1},
       {"stall_us", &g_pool_knobs.stall_us, 1, 1 << 30},          // pool.h: contended workers
       {"backoff_ms", &g_pool_knobs.backoff_ms, 1, 1 << 20},
       {"backoff_max_ms", &g_pool_knobs.backoff_max_ms, 1, 1 << 20},
