@@ -60,17 +60,25 @@ def mx_values(codes, sc):
 
 
 @triton.jit
-def mx_rows(rows, k0, K, rmask, G: tl.constexpr):
+def _block_codes(rows, k0, K, rmask, G: tl.constexpr):
     """Code bytes [k0, k0 + 16 G) of the MXFP4 rows at pointers ``rows`` ([BN]; k0 a multiple of
-    16) decoded: (low nibbles' values, high nibbles' values), each [BN, G, 16] float32 (block,
-    byte within it) in byte order, zero past the row's codes and in the rows ``rmask`` leaves out."""
+    16) as int32 [BN, G, 16] (block, byte within it; 0 past the row's codes and in the rows
+    ``rmask`` leaves out) and their blocks' scale bytes [BN, G] (127 there)."""
     g = k0 // 16 + tl.arange(0, G)                                        # blocks of 32 values
     gmask = rmask[:, None] & (g[None, :] < K // 32)                       # [BN, G]
     codes = tl.load(rows[:, None, None] + (g * 16)[None, :, None] + tl.arange(0, 16)[None, None, :],
-                    mask=gmask[:, :, None], other=0).to(tl.int32)         # [BN, G, 16]
-    sc = tl.load(rows[:, None] + K // 2 + g[None, :], mask=gmask, other=127).to(tl.int32)[:, :, None]
+                    mask=gmask[:, :, None], other=0).to(tl.int32)
+    return codes, tl.load(rows[:, None] + K // 2 + g[None, :], mask=gmask, other=127).to(tl.int32)
+
+
+@triton.jit
+def mx_rows(rows, k0, K, rmask, G: tl.constexpr):
+    """Code bytes [k0, k0 + 16 G) of the MXFP4 rows at pointers ``rows`` decoded (``_block_codes``):
+    (low nibbles' values, high nibbles' values), each [BN, G, 16] float32 in byte order, zero past
+    the row's codes and in the rows ``rmask`` leaves out."""
+    codes, sc = _block_codes(rows, k0, K, rmask, G)
     lo, hi = mx_halves(codes)
-    scale = mx_scale(sc)
+    scale = mx_scale(sc)[:, :, None]
     return lo * 16384.0 * scale, hi * 16384.0 * scale
 
 
@@ -78,11 +86,7 @@ def mx_rows(rows, k0, K, rmask, G: tl.constexpr):
 def mx_rows_f16(rows, k0, K, rmask, G: tl.constexpr):
     """``mx_rows`` with the scales left out of the values: (low, high) [BN, G, 16] float32, the
     codes' values times 2^-14 (``mx_halves``), and the blocks' scales [BN, G] (2^(sc - 127))."""
-    g = k0 // 16 + tl.arange(0, G)
-    gmask = rmask[:, None] & (g[None, :] < K // 32)
-    codes = tl.load(rows[:, None, None] + (g * 16)[None, :, None] + tl.arange(0, 16)[None, None, :],
-                    mask=gmask[:, :, None], other=0).to(tl.int32)
-    sc = tl.load(rows[:, None] + K // 2 + g[None, :], mask=gmask, other=127).to(tl.int32)
+    codes, sc = _block_codes(rows, k0, K, rmask, G)
     lo, hi = mx_halves(codes)
     return lo, hi, mx_scale(sc)
 
