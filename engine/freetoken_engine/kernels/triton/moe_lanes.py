@@ -4,7 +4,8 @@ that every MoE kernel applies.
 Each pair is its own expert, so a program owns a few weight rows of one pair (``moe.LANES_TILES``;
 ``moe.LANES_TILES_MX`` on MXFP4 slots) and multiplies elementwise in fp32, reducing once after the
 K loop, as ``gemv.py``'s one-token kernel does. MXFP4 slots are decoded as ``moe_mxfp4.py`` says,
-a block at a time, against the token's row in their byte order.
+a block at a time, against the token's row in their byte order; with ``F16`` (the default tiles'
+``f16``) each block's 32 products are summed before its scale multiplies them once.
 """
 from __future__ import annotations
 

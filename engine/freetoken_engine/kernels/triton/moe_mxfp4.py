@@ -9,6 +9,12 @@ instead. The tokens' rows are gathered once a call (``byte_order``: x[:, order])
 kernels write the intermediate rows in the down rows' byte order (``inter_pos``), so the down
 kernels read both halves contiguously. Each product is the one the dense kernels form on the
 same values (the decoded values are exact in bf16); only the order of the sum differs.
+
+A code becomes a value without a table or a select: its sign, exponent and mantissa bits are
+placed where a float16 keeps them (``mx_halves``; exponent 0 lands on float16's subnormals, which
+the conversion to float32 keeps), which gives the value times 2^-14; the kernels that keep float32
+values multiply by 2^14 and the block's scale (``mx_rows``), and the one-token kernels scale each
+block's sum of products once instead (``mx_rows_f16``, ``mx_block_sums``).
 """
 from __future__ import annotations
 
