@@ -18,8 +18,7 @@ fills: CUDA events around each call, the median of ``--reps``.
     python bench/mxfp4_gpu.py [--reps 50] [--layers 4] [--sweep]
 
 ``--sweep``: the 4-bit calls of 1, 4 and 16 tokens again under other tiles of the kernels
-(``moe.LANES_TILES_MX`` for one token, with both of its decodings, ``f16``; ``moe.DECODE_TILES``
-for a few), the defaults restored after.
+(``moe.LANES_TILES_MX`` for one token, ``moe.DECODE_TILES`` for a few), the defaults restored after.
 """
 from __future__ import annotations
 
@@ -184,15 +183,14 @@ LANES = [None, {"bn1": 2, "bk1": 2048, "bn2": 8, "bk2": 256}, {"bn1": 2, "bk1": 
          {"bn1": 4, "bk1": 2048, "bn2": 16, "bk2": 256}, {"bn1": 8, "bk1": 512, "bn2": 8, "bk2": 512},
          {"bn1": 4, "bk1": 512, "bn2": 16, "bk2": 512}, {"bn1": 2, "bk1": 1024, "bn2": 4, "bk2": 512},
          {"bn1": 8, "bk1": 1024, "bn2": 32, "bk2": 256}]
-LANES += [{**t, "f16": True} for t in LANES if t]           # the other decoding (moe_mxfp4.mx_rows_f16)
 TILED = [{"bn1": 32, "bk1": 128, "bn2": 64, "bk2": 128}, {"bn1": 32, "bk1": 256, "bn2": 64, "bk2": 256},
          {"bn1": 16, "bk1": 256, "bn2": 32, "bk2": 256}, {"bn1": 64, "bk1": 128, "bn2": 64, "bk2": 256}]
 
 
 def tile_sweep(dev: dict, reps: int) -> list[dict]:
     """us of the 4-bit calls of 1, 4 and 16 tokens (each in one CUDA graph of ``GRAPH_CALLS``
-    calls) under each candidate tile set (4 warps; None: one token on the tiled kernels; ``f16``:
-    the lanes kernels' other decoding), and their largest difference from the bf16 pool's rows."""
+    calls) under each candidate tile set (4 warps; None: one token on the tiled kernels), and their
+    largest difference from the bf16 pool's rows."""
     from freetoken_engine.kernels.triton import moe
     from freetoken_engine.kernels.triton.moe import moe_slots_forward
     saved, out = (dict(moe.LANES_TILES_MX), dict(moe.DECODE_TILES)), []

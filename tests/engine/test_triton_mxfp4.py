@@ -36,11 +36,8 @@ def _routing(tokens: int, k: int, slots: int, seed: int = 1) -> tuple[torch.Tens
 
 @pytest.mark.parametrize("gated", [False, True], ids=["silu", "gpt-oss"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("tokens,k,f16", [(1, 4, False), (1, 4, True), (4, 4, False), (40, 2, False)])
-def test_moe_on_mxfp4_slots_matches_the_reference(monkeypatch, tokens, k, f16, dtype, gated):
-    """One token on the lanes kernels (either decoding: LANES_TILES_MX's ``f16``), a few with the
-    grouping in the kernel, many through the block table."""
-    monkeypatch.setattr(moe, "LANES_TILES_MX", {**moe.LANES_TILES_MX, "f16": f16})
+@pytest.mark.parametrize("tokens,k", [(1, 4), (4, 4), (40, 2)])   # lanes, in-kernel grouping, block table
+def test_moe_on_mxfp4_slots_matches_the_reference(tokens, k, dtype, gated):
     q13, q2 = _pool(6)
     d13, d2 = mxfp4.dequantize(q13, torch.float32), mxfp4.dequantize(q2, torch.float32)
     g = torch.Generator().manual_seed(2)
@@ -61,12 +58,11 @@ def test_moe_on_mxfp4_slots_matches_the_reference(monkeypatch, tokens, k, f16, d
     assert (out[gpu].float() - ref).abs().max() <= tol * ref.abs().max() + 1e-6
 
 
-@pytest.mark.parametrize("tokens,k,f16", [(1, 4, False), (1, 4, True), (4, 4, False), (40, 2, False)])
-def test_mxfp4_rows_whose_codes_end_inside_a_step(monkeypatch, tokens, k, f16):
+@pytest.mark.parametrize("tokens,k", [(1, 4), (4, 4), (40, 2)])
+def test_mxfp4_rows_whose_codes_end_inside_a_step(tokens, k):
     """Widths of 5 and 7 blocks of 32 (rows of 96 and 128 bytes, 16 and 10 of them padding): the
     kernels' last step of code bytes is partly past the row and reads none of the scales or padding
-    there as codes (the lanes kernels with either decoding)."""
-    monkeypatch.setattr(moe, "LANES_TILES_MX", {**moe.LANES_TILES_MX, "f16": f16})
+    there as codes."""
     h, i = 160, 224
     q13, q2 = _pool(6, h=h, i=i)
     q13[..., h // 2 + h // 32:] = 255                    # padding the kernels must not read as codes
@@ -79,13 +75,13 @@ def test_mxfp4_rows_whose_codes_end_inside_a_step(monkeypatch, tokens, k, f16):
 
 
 @pytest.mark.parametrize("gated", [False, True], ids=["silu", "gpt-oss"])
-@pytest.mark.parametrize("tokens,f16", [(1, False), (1, True), (3, False)])    # the lanes kernels, the tiled ones
-def test_every_code_and_scale(monkeypatch, tokens, f16, gated):
+@pytest.mark.parametrize("tokens", [1, 3])          # the lanes kernels, the tiled ones
+def test_every_code_and_scale(monkeypatch, tokens, gated):
     """Rows holding every code in every block, scales from 2^-127 (byte 0, a float32 subnormal) to
-    2^12 and unequal from block to block, through the lanes kernels' two decodings (each value
-    built in float32 and scaled, or float16's bits and each block's sum scaled: LANES_TILES_MX's
-    ``f16``) and the tiled kernels: the reference's values to 1e-5 of the output's scale."""
-    monkeypatch.setattr(moe, "LANES_TILES_MX", {**moe.LANES_TILES_MX, "bk1": 64, "bk2": 64, "f16": f16})
+    2^12 and unequal from block to block, through the lanes kernels (each block's sum scaled once)
+    and the tiled kernels (each value scaled): the reference's values to 1e-5 of the output's
+    scale."""
+    monkeypatch.setattr(moe, "LANES_TILES_MX", {**moe.LANES_TILES_MX, "bk1": 64, "bk2": 64})
     g = torch.Generator().manual_seed(5)
     q13, q2 = mxfp4.random_rows((5, 2 * I), H, g, (100, 140)), mxfp4.random_rows((5, H), I, g, (110, 130))
     q13[:, :, :H // 2] = (torch.arange(H // 2) * 17 % 256).to(torch.uint8)   # every code, each nibble

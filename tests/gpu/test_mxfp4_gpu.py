@@ -27,16 +27,13 @@ H = I = 2880                     # gpt-oss-20b's expert shape
 PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
 
 
-# the lanes kernels (both decodings), grouping in the kernel, the block table, the dense scratch's
-# rounds (200 pairs a slot)
-@pytest.mark.parametrize("tokens,rounds,f16", [(1, False, False), (1, False, True), (4, False, False),
-                                               (300, False, False), (300, True, False)])
-def test_mxfp4_slots_match_their_dense_values(monkeypatch, tokens, rounds, f16):
+# the lanes kernels, grouping in the kernel, the block table, the dense scratch's rounds (200 pairs a slot)
+@pytest.mark.parametrize("tokens,rounds", [(1, False), (4, False), (300, False), (300, True)])
+def test_mxfp4_slots_match_their_dense_values(monkeypatch, tokens, rounds):
     """The same products as on the dense values; the compiled kernels may sum them in another
     order (their register layouts differ: measured on the H200, a one-token call differs in the
     last bits, a 300-token one not at all), so within bf16's rounding of the output."""
-    from freetoken_engine.kernels.triton import moe, moe_mx_dense
-    monkeypatch.setattr(moe, "LANES_TILES_MX", {**moe.LANES_TILES_MX, "f16": f16})
+    from freetoken_engine.kernels.triton import moe_mx_dense
     monkeypatch.setattr(moe_mx_dense, "MX_DENSE_PAIRS", 1 if rounds else None)
     monkeypatch.setattr(moe_mx_dense, "MX_SCRATCH_BYTES", 4 * 3 * H * I * 2)     # 4 of the 6 slots a round
     g = torch.Generator().manual_seed(0)
@@ -54,15 +51,12 @@ def test_mxfp4_slots_match_their_dense_values(monkeypatch, tokens, rounds, f16):
     assert (four.float() - dense.float()).abs().max() <= 2.0 ** -7 * dense.float().abs().max()
 
 
-@pytest.mark.parametrize("tokens,f16", [(1, False), (1, True), (3, False)])
-def test_every_code_and_scale_compiled(monkeypatch, tokens, f16):
-    """Compiled, in float32: the one-token kernels' two decodings and the tiled kernels on every
-    code in every block and scales from 2^-127 (a float32 subnormal: no flush to zero) to 2^12,
-    within 1e-5 of the reference's output scale (the interpreter's test in
-    tests/engine/test_triton_mxfp4.py)."""
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_every_code_and_scale_compiled(tokens):
+    """Compiled, in float32: the one-token and tiled kernels on every code in every block and
+    scales from 2^-127 (a float32 subnormal: no flush to zero) to 2^12, within 1e-5 of the
+    reference's output scale (the interpreter's test in tests/engine/test_triton_mxfp4.py)."""
     from freetoken_engine.kernels.reference import expert_pairs_forward
-    from freetoken_engine.kernels.triton import moe
-    monkeypatch.setattr(moe, "LANES_TILES_MX", {**moe.LANES_TILES_MX, "f16": f16})
     g = torch.Generator().manual_seed(5)
     q13, q2 = mxfp4.random_rows((5, 2 * I), H, g, (100, 140)), mxfp4.random_rows((5, H), I, g, (110, 130))
     q13[:, :, :H // 2] = (torch.arange(H // 2) * 17 % 256).to(torch.uint8)

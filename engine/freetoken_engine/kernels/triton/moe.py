@@ -58,12 +58,11 @@ PREFILL_TILES = {"bn1": 64, "bk1": 64, "bn2": 128, "bk2": 64, "warps": 8}
 #: a call, both Qwen shapes: 1.5-1.8x the tiled kernels with one expert, 0.97-1.06x with 8.
 LANES_TILES: dict | None = {"bn1": 2, "bk1": 2048, "bn2": 8, "bk2": 256, "warps": 4}
 #: the same for MXFP4 slots (bench/mxfp4_gpu.py --sweep, gpt-oss-20b's shape, 4 experts a call,
-#: H100, in a CUDA graph of 32 calls). ``f16``: decode through float16's bits and scale each
-#: block's sum once (moe_mxfp4.mx_rows_f16) instead of building each value in float32 and scaling
-#: it: 62.3-62.5 us a call against 86.4-86.9 with these tiles (bf16 86.8-88.8; the other 9 tile
-#: sets 60-74 with ``f16``, 86-122 without; two runs, 2026-12-05, stop 60). The tiled kernels keep
-#: the float32 values: the same decoding there (one batched product a block) ran 2.3-3.6x slower.
-LANES_TILES_MX: dict | None = {"bn1": 4, "bk1": 1024, "bn2": 8, "bk2": 512, "warps": 4, "f16": True}
+#: H100, in a CUDA graph of 32 calls; each block's sum scaled once, moe_mxfp4.mx_block_sums):
+#: 62.3-62.5 us a call (bf16 86.8-88.8; the other 9 tile sets 60-74; with each value built and
+#: scaled first, these tiles took 86.4-86.9 and the others 86-122; two runs, 2026-12-05, stop 60).
+#: The tiled kernels keep the values: a batched product a block there ran 2.3-3.6x slower.
+LANES_TILES_MX: dict | None = {"bn1": 4, "bk1": 1024, "bn2": 8, "bk2": 512, "warps": 4}
 
 
 @triton.jit
@@ -280,15 +279,13 @@ def moe_slots_forward(x: torch.Tensor, w13_slots: torch.Tensor, w2_slots: torch.
     lanes = LANES_TILES_MX if mx else LANES_TILES
     if t == 1 and p <= SMALL_P and lanes is not None:
         bn1, bk1, bn2, bk2, warps = (lanes[key] for key in ("bn1", "bk1", "bn2", "bk2", "warps"))
-        f16 = bool(lanes.get("f16"))
         gate_up_lanes_kernel[(p, triton.cdiv(inter, bn1))](
             x, w13_slots, inter_buf, pair_slot, lim, H=h, I=inter, stride_ws=w13_slots.stride(0),
             stride_wn=w13_slots.stride(1), BN=bn1, BK=min(bk1, next_pow2(h)), LIMIT=limit is not None,
-            F16=f16, num_warps=warps, **gate)
+            num_warps=warps, **gate)
         down_lanes_kernel[(p, triton.cdiv(h, bn2))](
             inter_buf, w2_slots, out, pair_slot, lim, h, inter, w2_slots.stride(0), w2_slots.stride(1),
-            out.stride(0), BN=bn2, BK=min(bk2, next_pow2(inter)), LIMIT=limit is not None, MX=mx, F16=f16,
-            num_warps=warps)
+            out.stride(0), BN=bn2, BK=min(bk2, next_pow2(inter)), LIMIT=limit is not None, MX=mx, num_warps=warps)
         return out
     in_kernel = p <= SMALL_P
     if in_kernel:

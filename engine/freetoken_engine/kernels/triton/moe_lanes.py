@@ -4,15 +4,15 @@ that every MoE kernel applies.
 Each pair is its own expert, so a program owns a few weight rows of one pair (``moe.LANES_TILES``;
 ``moe.LANES_TILES_MX`` on MXFP4 slots) and multiplies elementwise in fp32, reducing once after the
 K loop, as ``gemv.py``'s one-token kernel does. MXFP4 slots are decoded as ``moe_mxfp4.py`` says,
-a block at a time, against the token's row in their byte order; with ``F16`` (the default tiles'
-``f16``) each block's 32 products are summed before its scale multiplies them once.
+a block at a time, against the token's row in their byte order: each block's 32 products are
+summed before its scale multiplies them once.
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from .moe_mxfp4 import inter_pos, mx_acts, mx_block_sums, mx_rows, mx_rows_f16
+from .moe_mxfp4 import inter_pos, mx_acts, mx_block_sums, mx_rows_f16
 
 
 @triton.jit
@@ -32,7 +32,7 @@ def gated(g, u, alpha, clamp, ACT: tl.constexpr):
 def gate_up_lanes_kernel(x_ptr, w13_ptr, inter_ptr, pair_slot_ptr, limit_ptr, b13_ptr, pair_bias_ptr, alpha, clamp,
                           H, I, stride_ws, stride_wn, stride_b,
                           BN: tl.constexpr, BK: tl.constexpr, LIMIT: tl.constexpr, ACT: tl.constexpr,
-                          BIAS: tl.constexpr, MX: tl.constexpr, F16: tl.constexpr = False):
+                          BIAS: tl.constexpr, MX: tl.constexpr):
     """One token: program (p, j) computes intermediate rows [j BN, (j + 1) BN) of pair p,
     multiplying elementwise in fp32 and reducing each row once, after the K loop."""
     p = tl.program_id(0)
@@ -45,7 +45,7 @@ def gate_up_lanes_kernel(x_ptr, w13_ptr, inter_ptr, pair_slot_ptr, limit_ptr, b1
         nmask = n < lim
         gate = w13_ptr + s * stride_ws + n.to(tl.int64) * stride_wn                     # [BN]
         up = gate + I * stride_wn
-        if MX and F16:  # each block's sum scaled once (moe_mxfp4.mx_rows_f16)
+        if MX:          # x in byte order (moe_mxfp4.py), BK / 2 code bytes a step
             acc_g = tl.zeros([BN, BK // 32], dtype=tl.float32)
             acc_u = tl.zeros([BN, BK // 32], dtype=tl.float32)
             for k0 in range(0, H // 2, BK // 2):
@@ -54,16 +54,6 @@ def gate_up_lanes_kernel(x_ptr, w13_ptr, inter_ptr, pair_slot_ptr, limit_ptr, b1
                 ul, uh, us = mx_rows_f16(up, k0, H, nmask, BK // 32)
                 acc_g += mx_block_sums(gl, gh, xl, xh, gs)
                 acc_u += mx_block_sums(ul, uh, xl, xh, us)
-        elif MX:        # x in byte order (moe_mxfp4.py), BK / 2 code bytes a step
-            acc_g = tl.zeros([BN, BK // 32, 16], dtype=tl.float32)
-            acc_u = tl.zeros([BN, BK // 32, 16], dtype=tl.float32)
-            for k0 in range(0, H // 2, BK // 2):
-                xl, xh = mx_acts(x_ptr, k0, H, BK // 32)
-                gl, gh = mx_rows(gate, k0, H, nmask, BK // 32)
-                ul, uh = mx_rows(up, k0, H, nmask, BK // 32)
-                acc_g += gl * xl + gh * xh
-                acc_u += ul * xl + uh * xh
-            acc_g, acc_u = tl.sum(acc_g, 2), tl.sum(acc_u, 2)
         else:
             acc_g, acc_u = tl.zeros([BN, BK], dtype=tl.float32), tl.zeros([BN, BK], dtype=tl.float32)
             for k0 in range(0, H, BK):
@@ -85,8 +75,7 @@ def gate_up_lanes_kernel(x_ptr, w13_ptr, inter_ptr, pair_slot_ptr, limit_ptr, b1
 
 @triton.jit
 def down_lanes_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, limit_ptr, H, I, stride_ws, stride_wn, stride_ot,
-                       BN: tl.constexpr, BK: tl.constexpr, LIMIT: tl.constexpr, MX: tl.constexpr,
-                       F16: tl.constexpr = False):
+                       BN: tl.constexpr, BK: tl.constexpr, LIMIT: tl.constexpr, MX: tl.constexpr):
     """One token: program (p, j) computes output rows [j BN, (j + 1) BN) of pair p."""
     p = tl.program_id(0)
     s = tl.load(pair_slot_ptr + p).to(tl.int64)
@@ -97,19 +86,12 @@ def down_lanes_kernel(inter_ptr, w2_ptr, out_ptr, pair_slot_ptr, limit_ptr, H, I
         n = tl.program_id(1) * BN + tl.arange(0, BN)
         nmask = n < H
         rows = w2_ptr + s * stride_ws + n.to(tl.int64) * stride_wn                      # [BN]
-        if MX and F16:
+        if MX:          # the intermediate row in byte order (the gate/up kernel wrote it so)
             acc = tl.zeros([BN, BK // 32], dtype=tl.float32)
             for k0 in range(0, I // 2, BK // 2):
                 al, ah = mx_acts(inter_ptr + p * I, k0, I, BK // 32)
                 wl, wh, ws = mx_rows_f16(rows, k0, I, nmask, BK // 32)
                 acc += mx_block_sums(wl, wh, al, ah, ws)
-        elif MX:        # the intermediate row in byte order (the gate/up kernel wrote it so)
-            acc = tl.zeros([BN, BK // 32, 16], dtype=tl.float32)
-            for k0 in range(0, I // 2, BK // 2):
-                al, ah = mx_acts(inter_ptr + p * I, k0, I, BK // 32)
-                wl, wh = mx_rows(rows, k0, I, nmask, BK // 32)
-                acc += wl * al + wh * ah
-            acc = tl.sum(acc, 2)
         else:
             acc = tl.zeros([BN, BK], dtype=tl.float32)
             for k0 in range(0, lim, BK):
