@@ -43,19 +43,26 @@ SWEEP_SHAPES = ("qwen3-30b q/k/v", "qwen3-30b o", "qwen3.6 q/k/v", "qwen3.6 shar
 
 def timed(fn, weights: list, x: torch.Tensor, calls: int, rounds: int) -> float:
     """us per call of fn(x, w) cycling over ``weights``, replayed from one CUDA graph."""
+    return graph_us(fn, [(x, weights[i % len(weights)]) for i in range(calls)], rounds, warm=2)
+
+
+def graph_us(fn, calls: list, rounds: int, warm: int | None = None) -> float:
+    """us per call of ``fn(*a)`` for each argument tuple ``a`` of ``calls``, captured in one CUDA
+    graph: the median of ``rounds`` replays. The first ``warm`` calls (all by default) run first
+    on a side stream, outside the capture (compiling, picking kernels, filling allocator pools)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        for w in weights[:2]:
-            fn(x, w)                                  # compile / pick kernels outside the capture
+        for a in calls[:warm]:
+            fn(*a)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(x, weights[i % len(weights)])
+        for a in calls:
+            fn(*a)
     graph.replay()
     torch.cuda.synchronize()
-    return replay_us(graph, calls, rounds)
+    return replay_us(graph, len(calls), rounds)
 
 
 def replay_us(graph: torch.cuda.CUDAGraph, calls: int, rounds: int) -> float:

@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "engine"))
-from gemv import replay_us  # noqa: E402
+from gemv import graph_us  # noqa: E402
 from hardware import describe  # noqa: E402
 from report import save  # noqa: E402
 
@@ -51,12 +51,7 @@ def hbm_gbps(rounds: int) -> dict:
     out = {}
     for name, fn, nbytes in (("copy", lambda: b.copy_(a), 2 * n),
                              ("read", lambda: s.copy_(torch.sum(a, dtype=torch.float32)), n)):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        out[f"{name}_gbps"] = nbytes / replay_us(graph, 1, rounds) / 1e3
+        out[f"{name}_gbps"] = nbytes / graph_us(fn, [()], rounds) / 1e3
     return out
 
 
@@ -64,18 +59,8 @@ def time_side(moe, lanes, pool13, pool2, x, tok, slot_sets, rounds: int) -> floa
     """us per call of moe_slots_forward over ``slot_sets`` with ``LANES_TILES = lanes``."""
     moe.LANES_TILES = lanes
     out = torch.empty(K, x.shape[1], dtype=x.dtype, device="cuda")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        moe.moe_slots_forward(x, pool13, pool2, tok, slot_sets[0], out=out, zero=False)    # compile
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for ps in slot_sets:
-            moe.moe_slots_forward(x, pool13, pool2, tok, ps, out=out, zero=False)
-    graph.replay()
-    torch.cuda.synchronize()
-    return replay_us(graph, len(slot_sets), rounds)
+    return graph_us(lambda ps: moe.moe_slots_forward(x, pool13, pool2, tok, ps, out=out, zero=False),
+                    [(ps,) for ps in slot_sets], rounds, warm=1)
 
 
 def error(moe, lanes, pool13, pool2, x, tok, ps) -> float:

@@ -31,7 +31,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from gemv import replay_us  # noqa: E402
+from gemv import graph_us  # noqa: E402
 from hardware import describe  # noqa: E402
 import report  # noqa: E402
 
@@ -90,21 +90,6 @@ def routings(tokens: int, calls: int) -> list[tuple[torch.Tensor, torch.Tensor]]
     walk = torch.randperm(E, generator=torch.Generator().manual_seed(1)).tolist()
     tok = torch.zeros(K, dtype=torch.int64, device="cuda")
     return [(tok, torch.tensor([walk[(c * K + j) % E] for j in range(K)], device="cuda")) for c in range(calls)]
-
-
-def graph_us(fn, calls: list, reps: int) -> float:
-    """us per call of ``fn(*args)`` over each ``args`` of ``calls``, captured in one CUDA graph
-    (the median of ``reps`` replays); each call runs once first (compiles, fills the caches)."""
-    for a in calls:
-        fn(*a)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for a in calls:
-            fn(*a)
-    graph.replay()
-    torch.cuda.synchronize()
-    return replay_us(graph, len(calls), reps)
 
 
 def run(args) -> dict:

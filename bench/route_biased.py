@@ -42,19 +42,8 @@ ROUTINGS = {  # name -> (routing, the model's MoE layers)
 
 def graph_us(fn, calls: int, rounds: int) -> float:
     """us per call of ``fn()`` replayed ``calls`` times from one CUDA graph (median of ``rounds``)."""
-    from gemv import replay_us
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()                                          # compile outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    return replay_us(graph, calls, rounds)
+    import gemv
+    return gemv.graph_us(fn, [()] * calls, rounds, warm=1)
 
 
 def measure(args) -> dict:
