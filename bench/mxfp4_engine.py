@@ -101,6 +101,7 @@ def side(folder: str, fmt: str, dtype: str, tokens: int, device: str, cache: str
     rss = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     greedy = SamplingParams(max_new_tokens=tokens, temperature=0, ignore_eos=True)
     llm.generate(PROMPT, SamplingParams(max_new_tokens=warm, temperature=0, ignore_eos=True))
+    missed = llm.runner.expert_stats()["misses"]      # the engine's count since it started
     t0 = time.perf_counter()
     out = llm.generate(PROMPT, greedy)
     secs = time.perf_counter() - t0
@@ -114,7 +115,7 @@ def side(folder: str, fmt: str, dtype: str, tokens: int, device: str, cache: str
         first = time.perf_counter() - t1
     return {"prefill_s": first, "format": fmt, "dtype": dtype, "cache": cache, "ready_s": ready, "rss_gb": rss / 1e9,
             "bank_gb": llm.runner.bank.expert_bytes * llm.runner.bank.total_experts / 1e9,
-            "tok_per_s": tokens / secs, "tokens": out.token_ids, "misses": out.stats.get("misses"),
+            "tok_per_s": tokens / secs, "tokens": out.token_ids, "misses": out.stats["misses"] - missed,
             "cached_experts": llm.runner.cache.capacity if llm.runner.cache is not None else None}
 
 
