@@ -46,7 +46,7 @@ from hardware import describe  # noqa: E402
 from freetoken_engine.convert import corpus  # noqa: E402
 from freetoken_engine.convert.build import load_artifacts  # noqa: E402
 from freetoken_engine.convert.evaluate import dense_transformers_model, install_moe  # noqa: E402
-from freetoken_engine.convert.fit import capture_mlp_inputs, fit_layer  # noqa: E402
+from freetoken_engine.convert.fit import capture_mlp_inputs, fit_layer, run_windows  # noqa: E402
 from freetoken_engine.convert.source import smollm2_gguf_path  # noqa: E402
 from freetoken_engine.models.gguf import load_gguf  # noqa: E402
 
@@ -87,12 +87,7 @@ def hidden_states(model, windows: list[list[int]]) -> tuple[list[torch.Tensor], 
             lambda m, a, i=i: pre[i].append(a[0][0])))
         hooks.append(layer.register_forward_hook(
             lambda m, a, out, i=i: post[i].append((out[0] if isinstance(out, tuple) else out)[0])))
-    try:
-        for ids in windows:
-            model.model(torch.tensor([ids]))
-    finally:
-        for h in hooks:
-            h.remove()
+    run_windows(model, windows, hooks)
     return tuple([torch.cat(s) for s in store] for store in (xs, pre, post))
 
 
@@ -142,13 +137,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--fit-tokens", type=int, default=8192)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "router_guess.json")
-    ap.add_argument("--replot", action="store_true", help="only redraw the PNG and table from --out")
     args = ap.parse_args()
-    if args.replot:
-        result = json.loads(args.out.read_text())
-        print_table(result)
-        plot(result, args.out.with_suffix(".png"))
-        return
     torch.manual_seed(0)
     gguf = load_gguf(smollm2_gguf_path())
     from tokenizers import Tokenizer

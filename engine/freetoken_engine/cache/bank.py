@@ -45,14 +45,18 @@ def _register_in_place(t: torch.Tensor, registered: list[int]) -> bool:
 
 class ExpertBank:
     def __init__(self, num_layers: int, num_experts: int, hidden: int, inter: int, dtype: torch.dtype,
-                 w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, mxfp4: bool = False):
+                 w13: torch.Tensor | None = None, w2: torch.Tensor | None = None, mxfp4: bool = False,
+                 store: torch.dtype | None = None):
         """Allocate an empty bank, or adopt ``w13``/``w2`` already in the final layout (a packed
         checkpoint read straight into place). ``dtype``: the model's; the weights' too, unless
         ``mxfp4``: the experts then stay in 4 bits, each row of K values as ``kernels/mxfp4.py``'s
-        ``mxfp4.row_bytes(K)`` bytes (rb; uint8 ``[L, E, 2I, rb(H)]`` and ``[L, E, H, rb(I)]``)."""
+        ``mxfp4.row_bytes(K)`` bytes (rb; uint8 ``[L, E, 2I, rb(H)]`` and ``[L, E, H, rb(I)]``),
+        or ``store``: the dense weights' dtype when it is not the model's (a CPU engine computing
+        in float32 keeps a checkpoint's bfloat16 experts as they are: ``models/build.bank_store``)."""
         self.num_layers, self.num_experts, self.hidden, self.inter = num_layers, num_experts, hidden, inter
         self.dtype, self.mxfp4 = dtype, mxfp4
-        store = torch.uint8 if mxfp4 else dtype
+        store = torch.uint8 if mxfp4 else store or dtype
+        self.store = store
         k13, k2 = (row_bytes(hidden), row_bytes(inter)) if mxfp4 else (hidden, inter)
         shape13, shape2 = (num_layers, num_experts, 2 * inter, k13), (num_layers, num_experts, hidden, k2)
         if w13 is None:
@@ -62,6 +66,14 @@ class ExpertBank:
         self.w13 = w13      # [L, E, 2I, H]: gate ; up  (MXFP4: rows of rb(H) bytes)
         self.w2 = w2        # [L, E, H, I]: down        (MXFP4: rows of rb(I) bytes)
         self.pinned = False
+
+    @staticmethod
+    def nbytes_for(num_layers: int, num_experts: int, hidden: int, inter: int, store: torch.dtype,
+                   mxfp4: bool = False) -> int:
+        """Bytes of such a bank (``store``: its dense weights' dtype), before making it."""
+        if mxfp4:
+            return num_layers * num_experts * (2 * inter * row_bytes(hidden) + hidden * row_bytes(inter))
+        return num_layers * num_experts * 3 * hidden * inter * torch.empty((), dtype=store).element_size()
 
     @property
     def expert_bytes(self) -> int:
@@ -85,6 +97,14 @@ class ExpertBank:
             busy += cpu_experts.calls_seconds(x, self.w13[layer], self.w2[layer], tok, exps)
             calls, layer = calls + len(exps), (layer + 1) % self.num_layers
         return calls * self.expert_bytes / busy / 1e9
+
+    def widened(self) -> "ExpertBank":
+        """This bank with its dense weights in the model's dtype (a copy, exact), for a checkpoint
+        whose later experts are stored wider than the first one that chose ``store``."""
+        bank = ExpertBank(self.num_layers, self.num_experts, self.hidden, self.inter, self.dtype)
+        bank.w13.copy_(self.w13)
+        bank.w2.copy_(self.w2)
+        return bank
 
     def fill(self, layer: int, expert: int, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor) -> None:
         """Copy one expert's ``gate [I,H]``, ``up [I,H]``, ``down [H,I]`` into its final place

@@ -42,17 +42,22 @@ DATA = Path(__file__).parent / "data"
 def capture_mlp_inputs(model, windows: list[list[int]]) -> list[torch.Tensor]:
     """Per layer, the MLP inputs of every token of every window: [N, H] float16."""
     store: list[list[torch.Tensor]] = [[] for _ in model.model.layers]
-    hooks = [
+    run_windows(model, windows, [
         layer.mlp.register_forward_pre_hook(lambda m, args, i=i: store[i].append(args[0][0].half()))
         for i, layer in enumerate(model.model.layers)
-    ]
+    ])
+    return [torch.cat(s) for s in store]
+
+
+@torch.no_grad()
+def run_windows(model, windows: list[list[int]], hooks: list) -> None:
+    """The model over each window (one sequence each) with ``hooks`` recording, removed after."""
     try:
         for ids in windows:
             model.model(torch.tensor([ids]))
     finally:
         for h in hooks:
             h.remove()
-    return [torch.cat(s) for s in store]
 
 
 def activations(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -58,16 +58,18 @@ def _gate_up(xs: torch.Tensor, w13: torch.Tensor, b13: torch.Tensor | None, bias
 
 def dense_experts(w13: torch.Tensor, w2: torch.Tensor | None, pair_exp: torch.Tensor,
                   pair_bias: torch.Tensor | None, dtype: torch.dtype) -> tuple:
-    """``(w13, w2, pair_exp, pair_bias)`` as dense weights: themselves, or, for MXFP4 rows
-    (``kernels/mxfp4.py``), the pairs' experts dequantized into ``dtype`` and ``pair_exp``
-    renumbered into them (``pair_bias`` keeping each pair's own expert for its bias row).
-    ``w2`` None: the gate/up rows only."""
-    if w13.dtype != torch.uint8:
+    """``(w13, w2, pair_exp, pair_bias)`` as dense weights in ``dtype``: themselves, or the
+    pairs' experts alone, dequantized from MXFP4 rows (``kernels/mxfp4.py``) or converted from
+    another dtype (a CPU engine's bfloat16 bank under float32, ``models/build.bank_store``), with
+    ``pair_exp`` renumbered into them (``pair_bias`` keeping each pair's own expert for its bias
+    row). ``w2`` None: the gate/up rows only."""
+    if w13.dtype == dtype:
         return w13, w2, pair_exp, pair_bias
     from .mxfp4 import dequantize
+    convert = (lambda w: dequantize(w, dtype)) if w13.dtype == torch.uint8 else (lambda w: w.to(dtype))
     used, inv = torch.unique(pair_exp, return_inverse=True)
-    dense2 = None if w2 is None else dequantize(w2[used], dtype)
-    return dequantize(w13[used], dtype), dense2, inv.view_as(pair_exp), pair_exp if pair_bias is None else pair_bias
+    dense2 = None if w2 is None else convert(w2[used])
+    return convert(w13[used]), dense2, inv.view_as(pair_exp), pair_exp if pair_bias is None else pair_bias
 
 
 def expert_pairs_act(x: torch.Tensor, w13: torch.Tensor, pair_tok: torch.Tensor,
@@ -76,8 +78,6 @@ def expert_pairs_act(x: torch.Tensor, w13: torch.Tensor, pair_tok: torch.Tensor,
     """``[P, I]`` in x.dtype: ``silu(gate) * up`` (``act``) of every pair, the first stage of
     ``expert_pairs_forward`` with its rounding (a split by stage runs the second elsewhere)."""
     w13, _, pair_exp, pair_bias = dense_experts(w13, None, pair_exp, pair_bias, x.dtype)
-    if w13.dtype != x.dtype:
-        w13 = w13.to(x.dtype)
     inter = w13.shape[1] // 2
     bias = pair_exp if pair_bias is None else pair_bias
     out = x.new_empty((pair_tok.numel(), inter))
@@ -106,8 +106,6 @@ def expert_pairs_forward(
     if pair_tok.numel() == 0:
         return x.new_zeros((0, x.shape[1]))
     w13, w2, pair_exp, pair_bias = dense_experts(w13, w2, pair_exp, pair_bias, x.dtype)
-    if w13.dtype != x.dtype:
-        w13, w2 = w13.to(x.dtype), w2.to(x.dtype)
     bias = pair_exp if pair_bias is None else pair_bias
     if pair_tok.numel() == 1:                       # one pair (decode, top-1): no grouping needed
         return F.linear(_gate_up(x[pair_tok], w13[pair_exp[0]], b13, bias, act), w2[pair_exp[0]])   # [1, H]

@@ -26,12 +26,57 @@ _BRANCH_END = re.compile(r"\.(self_attn\.o_proj|linear_attn\.out_proj|mlp\.down_
 Progress = Callable[[float], None]
 
 
-def read_config(folder: Path, dtype: torch.dtype | None = None, progress: Progress | None = None):
+def bank_store(dtype: torch.dtype, device: torch.device, source: torch.dtype | None) -> torch.dtype:
+    """The dtype a dense expert bank holds for a model computing in ``dtype`` on ``device`` whose
+    checkpoint stores its experts in ``source``: a CPU engine computing in float32 keeps bfloat16
+    experts as they are (the compiled kernel reads bfloat16 rows and computes in float32, so the
+    values and the results are those of a float32 bank, from half the bytes and half the host
+    memory); otherwise the model's dtype."""
+    if device.type == "cpu" and dtype == torch.float32 and source == torch.bfloat16:
+        return torch.bfloat16
+    return dtype
+
+
+def host_memory() -> tuple[int, int] | None:
+    """(available, free swap) bytes of this machine's memory (Linux ``/proc/meminfo``), or None."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return int(info["MemAvailable"].split()[0]) * 1024, int(info.get("SwapFree", "0 kB").split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def check_host_memory(folder: Path, need: int, what: str) -> None:
+    """A ConfigError before anything is read when ``need`` bytes of host memory cannot fit in
+    what this machine has free, swap included (the kernel would kill the process midway); a
+    warning when they fit only by swapping."""
+    have = host_memory()
+    if have is None or need <= have[0]:
+        return
+    def size(n: int) -> str:
+        return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"
+    msg = (f"{folder} needs {size(need)} of host memory ({what}); this machine has {size(have[0])} available "
+           f"and {size(have[1])} of free swap")
+    if need > have[0] + have[1]:
+        raise ConfigError(f"{msg}: free memory or run a smaller model")
+    log.warning(f"{msg}: it will swap, and decode will run at the disk's speed")
+
+
+def read_config(folder: Path, dtype: torch.dtype | None = None, progress: Progress | None = None,
+                device: torch.device | None = None):
     """-> (checkpoint, ModelConfig). A packed folder (``freetoken convert``) is read straight
-    into its final bank layout (``progress``: the fraction of its bytes read, up to 0.99); a
-    Hugging Face folder is validated and read lazily."""
+    into its final bank layout (``progress``: the fraction of its bytes read, up to 0.99), in
+    ``bank_store``'s dtype for ``device`` (``dtype``'s without one); a Hugging Face folder is
+    validated and read lazily."""
     from ..packed import is_packed, load_packed
     if is_packed(folder):
+        from ..packed.format import read_index
+        from .loader import torch_dtype
+        index = read_index(Path(folder))
+        stored = torch_dtype(index["dtype"])
+        if device is not None and dtype is not None:
+            dtype = bank_store(dtype, device, stored)
+        _check_packed(Path(folder), index, stored, dtype or stored)
         # the bank is still being read (and pinned as it lands: packed/pinning.py) while the
         # dense weights go to the device; BankRead.finish() waits for it before the bank is used
         ckpt = load_packed(folder, dtype=dtype, pin="after", defer_bank=True,
@@ -119,7 +164,7 @@ def start_model(folder: Path, dtype: torch.dtype, device: torch.device, progress
     multi-token-prediction layer too (``MtpHead``), for speculative drafts. ``expert_format``:
     ``auto`` keeps a checkpoint's MXFP4 experts in 4 bits unless a GPU holds them all dense
     (``auto_dense``; ``mxfp4``: 4 bits, or fail saying why not), ``dense`` dequantizes them."""
-    ckpt, cfg = read_config(folder, dtype, progress)
+    ckpt, cfg = read_config(folder, dtype, progress, device)
     try:
         if mtp:
             cfg = _with_mtp(folder, ckpt, cfg)
@@ -182,6 +227,32 @@ def _expert_rows(fam, ckpt, cfg: ModelConfig, dense: bool, expert_format: str, f
     return rows
 
 
+def _check_packed(folder: Path, index: dict, stored: torch.dtype, dtype: torch.dtype) -> None:
+    """``check_host_memory`` for a packed folder's bank, unless it is mapped from its files (a CPU
+    machine's restart reads it into the page cache, which the kernel can take back)."""
+    from .. import env
+    from ..packed.format import bank_layers, bank_mxfp4
+    bank = index.get("bank")
+    if not bank or (dtype == stored and not torch.cuda.is_available() and env.map_bank()):
+        return
+    four = bank_mxfp4(bank)
+    need = ExpertBank.nbytes_for(bank_layers(bank), bank["num_experts"], bank["hidden"], bank["inter"], dtype, four)
+    if not four and dtype != stored:            # read as stored, then converted
+        need += need // dtype.itemsize * stored.itemsize
+    check_host_memory(folder, need, "its expert bank")
+
+
+def _hf_store(fam, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """``bank_store`` for a Hugging Face folder, by the dtype its first expert is read in (only
+    where that can matter, and not where the weights are scaled as they are read)."""
+    if device.type != "cpu" or dtype != torch.float32 or cfg.residual_multiplier != 1.0:
+        return dtype
+    m = cfg.moe
+    first = next(iter(fam.layer_experts(ckpt, m.layers[0], m.num_experts, (cfg.hidden_size, m.intermediate_size),
+                                        cfg.residual_multiplier)), None)
+    return bank_store(dtype, device, None if first is None else first[0].dtype)
+
+
 def _dequantized(ckpt, tensors: tuple, cfg: ModelConfig, dtype: torch.dtype) -> ExpertBank:
     """A dense bank of a packed folder's 4-bit one (read whole first), a layer at a time."""
     from ..kernels.mxfp4 import dequantize
@@ -228,8 +299,14 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
                 bank = _dequantized(ckpt, tensors, cfg, dtype)
                 packed_read, four = None, False
             else:
+                store = tensors[0].dtype if packed else _hf_store(fam, ckpt, cfg, dtype, device) if not four else None
+                if not packed:
+                    dense = sum(p.numel() * p.element_size() for p in params.values()) if device.type == "cpu" else 0
+                    check_host_memory(folder, dense + ExpertBank.nbytes_for(cfg.bank_layers, m.num_experts, cfg.hidden_size,
+                                                                            m.intermediate_size, store or dtype, four),
+                                      "its expert bank" + (" and other weights" if dense else ""))
                 bank = ExpertBank(cfg.bank_layers, m.num_experts, cfg.hidden_size, m.intermediate_size, dtype,
-                                  *tensors, mxfp4=four)
+                                  *tensors, mxfp4=four, store=store)
             if four and device.type == "cuda":
                 why = "as asked" if expert_format == "mxfp4" else "dense they would not all fit"
                 log.info(f"experts kept in MXFP4 on the GPU ({why}): the cache holds 3.8x as many and fills move "
@@ -277,6 +354,8 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
                     if gate.shape != (bank.inter, bank.hidden) or down.shape != (bank.hidden, bank.inter):
                         raise ConfigError(f"expert {e} of layer {layer} has shape {tuple(gate.shape)}, "
                                           f"config implies {(bank.inter, bank.hidden)}")
+                    if bank.store != bank.dtype and {gate.dtype, up.dtype, down.dtype} != {bank.store}:
+                        bank = bank.widened()     # stored wider than the first expert: keep them exact
                     bank.fill(li, e, gate, up, down)
                     done += 1
                 if progress:
