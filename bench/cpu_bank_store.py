@@ -1,6 +1,7 @@
-"""Benchmark: a bfloat16 MoE checkpoint on a CPU engine computing in float32, its experts kept in
-bfloat16 (``models/build.bank_store``, stop 61) against the same experts widened to float32 (the
-rule before), in one run.
+"""Benchmark: a bfloat16 MoE checkpoint on a CPU engine computing in float32, its experts and its
+attention, dense and LM-head projections kept in bfloat16 (``models/build.bank_store``,
+``DecoderLM.narrowable``, stop 61) against the same weights widened to float32 (the rule before),
+in one run.
 
     python bench/cpu_bank_store.py [--layers 8] [--tokens 48] [--rounds 2]
 
@@ -37,11 +38,13 @@ PROMPT = list(range(3, 35))
 
 
 def side(folder: str, bank: str, tokens: int) -> dict:
-    """One engine in this process; ``bank`` float32: the rule before (experts widened)."""
+    """One engine in this process; ``bank`` float32: the rule before (every weight widened)."""
     from freetoken_engine import LLM, SamplingParams
     from freetoken_engine.models import build
+    from freetoken_engine.models.decoder import DecoderLM
     if bank == "float32":
         build.bank_store = lambda dtype, device, source: dtype
+        DecoderLM.narrowable = lambda self, tied: set()
     t0 = time.perf_counter()
     llm = LLM(folder)
     ready = time.perf_counter() - t0

@@ -1,17 +1,20 @@
-"""A CPU engine computing in float32 keeps a bfloat16 checkpoint's experts in bfloat16 (half the
-host memory and half the bytes a token reads) and still gives transformers' float32 tokens: the
-values are the checkpoint's either way."""
+"""A CPU engine computing in float32 keeps a bfloat16 checkpoint's experts, and the projections of
+its attention, dense MLPs and LM head, in bfloat16 (half the host memory and half the bytes a
+token reads) and still gives transformers' float32 tokens: the values are the checkpoint's
+either way."""
 from __future__ import annotations
 
 import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from freetoken_engine import LLM, SamplingParams
 from freetoken_engine.models import build
+from freetoken_engine.models.decoder import DecoderLM
 from test_parity import PROMPT, check
 
 GREEDY = SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
@@ -33,10 +36,24 @@ def bf16_copy(src: Path, dst: Path, keep_float32: str | None = None) -> Path:
 def test_a_bfloat16_checkpoint_keeps_its_experts_in_bfloat16_and_transformers_tokens(tiny_checkpoint, tmp_path):
     folder = bf16_copy(tiny_checkpoint("qwen3_moe"), tmp_path / "bf16")
     tokens = check(folder)                               # logits within 1e-4, greedy tokens equal
-    bank = LLM(folder).runner.bank
+    runner = LLM(folder).runner
+    bank, model = runner.bank, runner.model
     assert bank.dtype == torch.float32 and bank.w13.dtype == bank.w2.dtype == torch.bfloat16
     assert bank.expert_bytes == 3 * bank.hidden * bank.inter * 2
+    attn = model.model.layers[0].self_attn
+    assert attn.qkv[0].dtype == attn.o_proj.weight.dtype == model.lm_head.weight.dtype == torch.bfloat16
+    assert model.model.embed_tokens.weight.dtype == torch.float32          # gathered rows, not read whole
     assert check(folder, expert_cache_experts=5, cpu_expert_fraction=0.5) == tokens     # through the cache
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "qwen3_next", "gpt_oss", "granitemoe", "llama"])
+def test_families_keep_transformers_tokens_from_bfloat16_projections(tiny_checkpoint, tmp_path, model_type):
+    """Shared experts (qwen2_moe), latent attention left in float32 beside bfloat16 dense MLPs
+    (deepseek_v3), gated attention beside DeltaNet (qwen3_next), attention biases and sinks
+    (gpt_oss), a residual multiplier folded as read (granitemoe), a dense model (llama)."""
+    folder = bf16_copy(tiny_checkpoint(model_type), tmp_path / "bf16")
+    check(folder, n_new=12, tol=2e-3 if model_type == "qwen3_next" else 1e-4)
+    assert torch.bfloat16 in {p.dtype for p in LLM(folder).runner.model.parameters()}
 
 
 def test_the_bfloat16_bank_gives_the_float32_banks_logits(tiny_checkpoint, tmp_path, monkeypatch):
@@ -45,7 +62,9 @@ def test_the_bfloat16_bank_gives_the_float32_banks_logits(tiny_checkpoint, tmp_p
     assert llm.runner.bank.w13.dtype == torch.bfloat16
     narrow, tokens = llm.forward_logits(PROMPT), llm.generate(PROMPT, GREEDY).token_ids
     monkeypatch.setattr(build, "bank_store", lambda dtype, device, source: dtype)     # the rule before
+    monkeypatch.setattr(DecoderLM, "narrowable", lambda self, tied: set())
     wide = LLM(folder)
+    assert {p.dtype for p in wide.runner.model.parameters()} == {torch.float32}
     assert wide.runner.bank.w13.dtype == torch.float32
     assert (wide.forward_logits(PROMPT) - narrow).abs().max() < 1e-5
     assert wide.generate(PROMPT, GREEDY).token_ids == tokens

@@ -62,6 +62,26 @@ def test_linear_matches_reference(isas, shape, bias, dtype):
         _check_linear(cl.linear(x, w, b), x, w, b)
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("tokens", [1, 5, cl.MAX_TOKENS + 3])
+def test_bfloat16_weights_under_float32_tokens_match_the_widened_weights(isas, tokens, bias):
+    """A CPU engine computing in float32 keeps a bfloat16 checkpoint's projections in bfloat16:
+    the kernel reads them for float32 tokens (decode), F.linear gets them widened (prefill); either
+    way the float32 result of the same values (models/build)."""
+    g = torch.Generator().manual_seed(tokens)
+    x = torch.randn(tokens, 576, generator=g)
+    w = (torch.randn(1000, 576, generator=g) / 24).to(torch.bfloat16)
+    b = torch.randn(1000, generator=g).to(torch.bfloat16) if bias else None
+    for isa in isas:
+        ce.configure(isa=isa)
+        y = cl.linear(x, w, b)
+        assert y.dtype == torch.float32
+        _check_linear(y, x, w.float(), None if b is None else b.float())
+    # a float32 bias beside bfloat16 weights (a checkpoint that stores them so) still adds up
+    y = cl.linear(x, w, torch.ones(1000))
+    _check_linear(y, x, w.float(), torch.ones(1000))
+
+
 def test_linear_strided_rows_and_threads_give_the_same_bits(isas):
     """A weight view with a row stride (a slice of a fused matrix) is read in place, and the
     result does not depend on the thread count."""

@@ -315,6 +315,8 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
             raise ConfigError(f"packed checkpoint {folder}: {exc}") from None
     total = len(wanted) + (bank.total_experts if bank and not packed else 0)
     done = 0
+    # bfloat16 projections stay bfloat16 on a CPU computing in float32 (the same values: bank_store)
+    narrow = model.narrowable(tied) if device.type == "cpu" and dtype == torch.float32 else set()
     with torch.no_grad():
         for name in wanted:
             how = fam.source(cfg, name) if fam.source is not None else None
@@ -326,6 +328,8 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
                 t = t * cfg.residual_multiplier
             if t.shape != params[name].shape:
                 raise ConfigError(f"tensor {src} has shape {tuple(t.shape)}, config implies {tuple(params[name].shape)}")
+            if name in narrow and t.dtype == torch.bfloat16:
+                params[name] = model.narrow(name)
             params[name].copy_(t)
             done += 1
             if progress and not packed and done % 16 == 0:   # a packed folder's progress is its read

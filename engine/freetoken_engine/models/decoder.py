@@ -141,6 +141,28 @@ class DecoderLM(nn.Module):
         layers = [*self.model.layers, *(self.mtp.layers if self.mtp is not None else ())]
         return [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoE)]
 
+    def narrowable(self, tied: bool) -> set[str]:
+        """The parameters a CPU engine computing in float32 keeps in bfloat16 where the checkpoint
+        stores them so (``models/build``): the projections of the plain attention and gated MLPs
+        and an untied LM head, which reach their weights only through ``layers/linear.linear``
+        (the compiled kernel reads bfloat16 rows for float32 tokens; prefill widens them)."""
+        names = set() if tied else {"lm_head.weight", "lm_head.bias"}
+        for prefix, mod in self.named_modules():
+            if type(mod) in (Attention, GatedMLP):
+                for child, sub in mod.named_children():
+                    if isinstance(sub, nn.Linear):
+                        names |= {f"{prefix}.{child}.weight", f"{prefix}.{child}.bias"}
+        return names
+
+    def narrow(self, name: str) -> nn.Parameter:
+        """Parameter ``name`` made an empty bfloat16 one (loaded next, exactly: a bfloat16 tensor)."""
+        owner, attr = name.rsplit(".", 1)
+        mod = self.get_submodule(owner)
+        old = getattr(mod, attr)
+        new = nn.Parameter(torch.empty(old.shape, dtype=torch.bfloat16, device=old.device), requires_grad=old.requires_grad)
+        setattr(mod, attr, new)
+        return new
+
     def deltanets(self) -> list[GatedDeltaNet | ShortConv | Mamba2]:
         return [layer.linear_attn for layer in self.model.layers if layer.self_attn is None]
 

@@ -11,8 +11,10 @@ fp32 at 16-21 GB/s; this kernel reads both at 30-38 GB/s (shapes of SmolLM2 and 
 Qwen3-MoE, matrices larger than the LLC).
 
 Used only where it is the same computation: CPU tensors, 2-D ``x`` of at most ``MAX_TOKENS``
-rows, ``x`` and ``w`` both float32 or both bfloat16, ``w`` with unit stride in its last
-dimension, no autograd. Everything else (prefill, GPU, other dtypes) goes to ``F.linear``.
+rows, ``x`` and ``w`` both float32 or both bfloat16, or float32 ``x`` with bfloat16 ``w`` (and
+bias) as a CPU engine computing in float32 keeps a bfloat16 checkpoint's projections
+(``models/build``), ``w`` with unit stride in its last dimension, no autograd. Everything else
+(prefill, GPU, other dtypes) goes to ``F.linear``, the weights in ``x``'s dtype.
 
 Tolerance against the reference (tested in tests/engine/test_cpu_linear.py): float32:
 ``|y - ref| <= 1e-5 * (|x| . |w|) + 1e-6`` per element (summation order only); bfloat16: the
@@ -55,17 +57,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x [T, K]; weight [N, K]; bias [N] or None -> [T, N] in x.dtype.
     """
     lib = _lib if _checked else _library()
-    dt = x.dtype
+    dt, wt = x.dtype, weight.dtype
     if (lib is None or x.dim() != 2 or x.shape[0] > MAX_TOKENS or x.device != _CPU
-            or weight.dtype != dt or dt not in _DT or weight.device != _CPU
-            or weight.stride(-1) != 1 or x.shape[1] != weight.shape[1]
-            or (bias is not None and bias.dtype != dt)
+            or not (wt == dt or (dt == torch.float32 and wt == torch.bfloat16)) or dt not in _DT
+            or weight.device != _CPU or weight.stride(-1) != 1 or x.shape[1] != weight.shape[1]
+            or (bias is not None and bias.dtype != wt)
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        if wt != dt:                    # a bfloat16 projection under float32: the same values, widened
+            weight, bias = weight.to(dt), None if bias is None else bias.to(dt)
         return F.linear(x, weight, bias)
     if not x.is_contiguous():
         x = x.contiguous()
     t, n = x.shape[0], weight.shape[0]
     out = torch.empty((t, n), dtype=dt)
-    lib.ft_linear(x.data_ptr(), _DT[dt], t, x.shape[1], weight.data_ptr(), _DT[dt], n, weight.stride(0),
+    lib.ft_linear(x.data_ptr(), _DT[dt], t, x.shape[1], weight.data_ptr(), _DT[wt], n, weight.stride(0),
                   None if bias is None else bias.contiguous().data_ptr(), out.data_ptr())
     return out
