@@ -42,15 +42,18 @@ def test_a_bfloat16_checkpoint_keeps_its_experts_in_bfloat16_and_transformers_to
     assert bank.expert_bytes == 3 * bank.hidden * bank.inter * 2
     attn = model.model.layers[0].self_attn
     assert attn.qkv[0].dtype == attn.o_proj.weight.dtype == model.lm_head.weight.dtype == torch.bfloat16
-    assert model.model.embed_tokens.weight.dtype == torch.float32          # gathered rows, not read whole
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert model.embed(torch.tensor([3, 4])).dtype == torch.float32        # its rows widened as gathered
     assert check(folder, expert_cache_experts=5, cpu_expert_fraction=0.5) == tokens     # through the cache
 
 
-@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "qwen3_next", "gpt_oss", "granitemoe", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "deepseek_v3", "qwen3_next", "gpt_oss", "granitemoe", "llama",
+                                        "qwen3"])
 def test_families_keep_transformers_tokens_from_bfloat16_projections(tiny_checkpoint, tmp_path, model_type):
     """Shared experts (qwen2_moe), latent attention left in float32 beside bfloat16 dense MLPs
     (deepseek_v3), gated attention beside DeltaNet (qwen3_next), attention biases and sinks
-    (gpt_oss), a residual multiplier folded as read (granitemoe), a dense model (llama)."""
+    (gpt_oss), an LM head tied to the embedding table and its residual and embedding multipliers
+    (granitemoe), dense models (llama, qwen3)."""
     folder = bf16_copy(tiny_checkpoint(model_type), tmp_path / "bf16")
     check(folder, n_new=12, tol=2e-3 if model_type == "qwen3_next" else 1e-4)
     assert torch.bfloat16 in {p.dtype for p in LLM(folder).runner.model.parameters()}

@@ -128,6 +128,7 @@ class DecoderLM(nn.Module):
         self.kv_of = [kv_of.get(i) for i in range(cfg.num_layers)]     # each layer's KV pool layer (None: none)
         self.mtp = MtpHead(cfg, rotary) if cfg.use_mtp else None
         self.last_hidden: torch.Tensor | None = None
+        self.embed_dtype: torch.dtype | None = None    # the rows' dtype when the table is kept narrower
 
     def rotaries(self) -> list[Rotary]:
         """Every rotary the layers use: the model's, then one per other kind."""
@@ -144,9 +145,10 @@ class DecoderLM(nn.Module):
     def narrowable(self, tied: bool) -> set[str]:
         """The parameters a CPU engine computing in float32 keeps in bfloat16 where the checkpoint
         stores them so (``models/build``): the projections of the plain attention and gated MLPs
-        and an untied LM head, which reach their weights only through ``layers/linear.linear``
-        (the compiled kernel reads bfloat16 rows for float32 tokens; prefill widens them)."""
-        names = set() if tied else {"lm_head.weight", "lm_head.bias"}
+        and the LM head, which reach their weights only through ``layers/linear.linear`` (the
+        compiled kernel reads bfloat16 rows for float32 tokens; prefill widens them), and the
+        embedding table (``embed`` widens the rows it gathers; a tied LM head reads it too)."""
+        names = {"model.embed_tokens.weight"} | (set() if tied else {"lm_head.weight", "lm_head.bias"})
         for prefix, mod in self.named_modules():
             if type(mod) in (Attention, GatedMLP):
                 for child, sub in mod.named_children():
@@ -161,6 +163,8 @@ class DecoderLM(nn.Module):
         old = getattr(mod, attr)
         new = nn.Parameter(torch.empty(old.shape, dtype=torch.bfloat16, device=old.device), requires_grad=old.requires_grad)
         setattr(mod, attr, new)
+        if name == "model.embed_tokens.weight":
+            self.embed_dtype = old.dtype
         return new
 
     def deltanets(self) -> list[GatedDeltaNet | ShortConv | Mamba2]:
@@ -197,6 +201,8 @@ class DecoderLM(nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.model.embed_tokens(ids)
+        if self.embed_dtype is not None:
+            h = h.to(self.embed_dtype)
         return h if self.cfg.embedding_multiplier == 1.0 else h * self.cfg.embedding_multiplier
 
     def logits(self, h: torch.Tensor, vocab: int = 0) -> torch.Tensor:
