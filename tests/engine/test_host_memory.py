@@ -60,3 +60,38 @@ def test_the_bank_size_is_what_the_bank_holds(tiny_checkpoint):
     bank = LLM(tiny_checkpoint("qwen3_moe")).runner.bank
     assert build.ExpertBank.nbytes_for(bank.num_layers, bank.num_experts, bank.hidden, bank.inter,
                                        bank.w13.dtype) == bank.w13.nbytes + bank.w2.nbytes
+
+
+def _checkpoint_bytes(folder) -> int:
+    """Bytes of every tensor a checkpoint folder stores (float32 or bfloat16)."""
+    from safetensors import safe_open
+    total = 0
+    for shard in folder.glob("*.safetensors"):
+        with safe_open(str(shard), "pt") as f:
+            for k in f.keys():
+                t = f.get_slice(k)
+                total += _numel(t.get_shape()) * (2 if t.get_dtype() == "BF16" else 4)
+    return total
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def test_the_memory_counted_is_what_the_checkpoint_holds(tiny_checkpoint, tmp_path, monkeypatch):
+    """A float32 checkpoint's bank and other weights are counted once each (a tied LM head not
+    at all); a bfloat16 one's narrowed weights at two bytes, its norms and routers at four."""
+    from test_bank_store import bf16_copy
+    needs = []
+    real = build.check_host_memory
+    monkeypatch.setattr(build, "check_host_memory", lambda folder, need, what: needs.append(need) or real(folder, need, what))
+    for model_type in ("qwen3_moe", "granitemoe"):
+        src = tiny_checkpoint(model_type)
+        LLM(src)
+        assert needs.pop() == _checkpoint_bytes(src), model_type
+    narrow = bf16_copy(tiny_checkpoint("qwen3_moe"), tmp_path / "bf16")
+    LLM(narrow)
+    assert _checkpoint_bytes(narrow) < needs.pop() < 0.6 * _checkpoint_bytes(tiny_checkpoint("qwen3_moe"))

@@ -279,6 +279,8 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
     tied = cfg.tie_word_embeddings or not ckpt.has(fam.lm_head)
     wanted = [k for k in params if not (tied and k == "lm_head.weight")]
     by_engine_name = {fam.rename(k): k for k in ckpt.names()}
+    # bfloat16 projections stay bfloat16 on a CPU computing in float32 (the same values: bank_store)
+    narrow = model.narrowable(tied) if device.type == "cpu" and dtype == torch.float32 else set()
     bank = None
     packed = hasattr(ckpt, "bank_tensors")
     packed_read = ckpt if packed else None      # what the caller's BankRead still waits for
@@ -301,7 +303,10 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
             else:
                 store = tensors[0].dtype if packed else _hf_store(fam, ckpt, cfg, dtype, device) if not four else None
                 if not packed:
-                    dense = sum(p.numel() * p.element_size() for p in params.values()) if device.type == "cpu" else 0
+                    # the other weights in host memory (a CPU's), the narrowed ones by the experts' dtype
+                    dense = sum(params[k].numel() * (2 if k in narrow and store == torch.bfloat16
+                                                     else params[k].element_size())
+                                for k in wanted) if device.type == "cpu" else 0
                     check_host_memory(folder, dense + ExpertBank.nbytes_for(cfg.bank_layers, m.num_experts, cfg.hidden_size,
                                                                             m.intermediate_size, store or dtype, four),
                                       "its expert bank" + (" and other weights" if dense else ""))
@@ -315,8 +320,6 @@ def _build(folder: Path, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: tor
             raise ConfigError(f"packed checkpoint {folder}: {exc}") from None
     total = len(wanted) + (bank.total_experts if bank and not packed else 0)
     done = 0
-    # bfloat16 projections stay bfloat16 on a CPU computing in float32 (the same values: bank_store)
-    narrow = model.narrowable(tied) if device.type == "cpu" and dtype == torch.float32 else set()
     with torch.no_grad():
         for name in wanted:
             how = fam.source(cfg, name) if fam.source is not None else None
