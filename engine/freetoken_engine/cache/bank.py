@@ -56,7 +56,6 @@ class ExpertBank:
         self.num_layers, self.num_experts, self.hidden, self.inter = num_layers, num_experts, hidden, inter
         self.dtype, self.mxfp4 = dtype, mxfp4
         store = torch.uint8 if mxfp4 else store or dtype
-        self.store = store
         k13, k2 = (row_bytes(hidden), row_bytes(inter)) if mxfp4 else (hidden, inter)
         shape13, shape2 = (num_layers, num_experts, 2 * inter, k13), (num_layers, num_experts, hidden, k2)
         if w13 is None:
@@ -66,6 +65,11 @@ class ExpertBank:
         self.w13 = w13      # [L, E, 2I, H]: gate ; up  (MXFP4: rows of rb(H) bytes)
         self.w2 = w2        # [L, E, H, I]: down        (MXFP4: rows of rb(I) bytes)
         self.pinned = False
+
+    @property
+    def store(self) -> torch.dtype:
+        """The dtype the weights are held in (uint8 for MXFP4 rows)."""
+        return self.w13.dtype
 
     @staticmethod
     def nbytes_for(num_layers: int, num_experts: int, hidden: int, inter: int, store: torch.dtype,

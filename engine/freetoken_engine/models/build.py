@@ -79,7 +79,7 @@ def read_config(folder: Path, dtype: torch.dtype | None = None, progress: Progre
         _check_packed(Path(folder), index, stored, dtype or stored)
         # the bank is still being read (and pinned as it lands: packed/pinning.py) while the
         # dense weights go to the device; BankRead.finish() waits for it before the bank is used
-        ckpt = load_packed(folder, dtype=dtype, pin="after", defer_bank=True,
+        ckpt = load_packed(folder, dtype=dtype, pin="after", defer_bank=True, index=index,
                            progress=(lambda f: progress(0.99 * f)) if progress else None)
     else:
         ckpt = Checkpoint(folder)

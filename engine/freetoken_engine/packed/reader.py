@@ -159,13 +159,15 @@ def _check_config(folder: Path, index: dict) -> dict:
 
 def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads: int = 8,
                 pin: str = "after", verify: bool | str = "auto", direct: bool = True,
-                progress: Callable[[float], None] | None = None, defer_bank: bool = False) -> PackedModel:
+                progress: Callable[[float], None] | None = None, defer_bank: bool = False,
+                index: dict | None = None) -> PackedModel:
     """Load a packed folder (see the module docstring). ``dtype``: the bank's dtype (default:
     the stored one; another dtype costs a conversion pass). ``pin``: "after" | "before" | "none"
     (pinning only happens when CUDA is present). ``verify``: "auto" | True | False (module
     docstring). ``defer_bank``: return once the dense files are in, the bank still being read;
     the caller puts the dense weights on the device meanwhile and calls ``finish()`` before it
-    touches the bank (``close()`` cancels the read). Raises ``PackedFormatError``."""
+    touches the bank (``close()`` cancels the read). ``index``: the folder's ``read_index``, when
+    the caller has it already. Raises ``PackedFormatError``."""
     if pin not in ("after", "before", "none"):
         raise ValueError(f"pin must be 'after', 'before' or 'none', got {pin!r}")
     if threads < 1:
@@ -175,7 +177,7 @@ def load_packed(folder: str | Path, dtype: torch.dtype | None = None, *, threads
     from ..models.loader import torch_dtype
     folder = Path(folder)
     t0 = time.perf_counter()
-    index = read_index(folder)
+    index = index or read_index(folder)        # a caller that read it already passes it on
     config = _check_config(folder, index)
     stored = torch_dtype(index["dtype"])
     dtype = dtype or stored
