@@ -280,3 +280,13 @@ def classes(model_type: str):
         "kolibri1": ("Kolibri1Config", "Kolibri1ForCausalLM"),
     }[model_type]
     return tuple(getattr(T, name) for name in names)
+
+
+#: gpt-oss-20b's published config.json, the fields the engine reads (its KV cache's sizes:
+#: test_kv_window.py, bench/kv_window.py)
+GPT_OSS_20B = dict(model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                   num_key_value_heads=8, head_dim=64, num_local_experts=32, experts_per_token=4,
+                   intermediate_size=2880, sliding_window=128, max_position_embeddings=131072, vocab_size=201088,
+                   rope_theta=150000, swiglu_limit=7.0,
+                   rope_scaling=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                                     original_max_position_embeddings=4096))

@@ -56,6 +56,7 @@ class EngineConfig:
     kv_block_size: int = 16
     state_checkpoints: int | None = None     # hybrid models: recurrent-state checkpoints at anchors (None: by memory)
     kv_cache_tokens: int | None = None       # None: enough for max_batch full contexts, capped
+    kv_window_store: bool = True             # sliding-window layers keep only their windows' keys (cache/kv.py)
     max_context: int | None = None
     max_batch: int = 32
     max_queue: int = 256

@@ -104,7 +104,7 @@ def test_a_four_bit_bank_leaves_room_for_the_prefills_dense_scratch(monkeypatch,
     cfg = SimpleNamespace(expert_cache_experts=None, expert_cache_gb=None, prefill_tokens=4096, kv_block_size=16,
                           max_batch=8)
     mcfg = SimpleNamespace(kv_layers=36, num_kv_heads=8, num_heads=8, head_dim=64, mla=None, linear_layers=[],
-                           moe=SimpleNamespace(top_k=4))
+                           sliding_window=(), moe=SimpleNamespace(top_k=4))
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * 10**9, 80 * 10**9))
     n = cache_experts(cfg, mcfg, bank, torch.device("cuda"), torch.bfloat16, 8192, 512)
     bank.mxfp4 = False

@@ -14,12 +14,13 @@ from .kv import KVPool
 
 
 class _Node:
-    __slots__ = ("key", "block", "parent", "children", "last_used")
+    __slots__ = ("key", "block", "parent", "children", "last_used", "end")
 
     def __init__(self, key: tuple[int, ...] | None, block: int, parent: "_Node | None"):
         self.key, self.block, self.parent = key, block, parent
         self.children: dict[tuple[int, ...], _Node] = {}
         self.last_used = 0
+        self.end = False          # a whole prompt or sequence ends here (``insert``'s ``end``)
 
 
 class RadixCache:
@@ -47,9 +48,12 @@ class RadixCache:
         self.pool.retain(blocks)
         return blocks
 
-    def insert(self, tokens: list[int], blocks: list[int]) -> None:
+    def insert(self, tokens: list[int], blocks: list[int], end: bool = True) -> None:
         """Record the full blocks of a sequence whose first ``len(blocks) * block_size`` tokens'
-        KV is computed. Blocks already in the tree under the same tokens are left as they are."""
+        KV is computed. Blocks already in the tree under the same tokens are left as they are.
+        ``end``: a whole prompt or sequence ends with the last block (not a part of a prompt
+        still being computed): a request may resume there, so a window store keeps its last
+        window (``window_blocks``)."""
         node, now = self.root, next(self._clock)
         for key, block in zip(self._keys(tokens, len(blocks)), blocks):
             child = node.children.get(key)
@@ -59,6 +63,25 @@ class RadixCache:
                 self.nodes += 1
             child.last_used = now
             node = child
+        if node is not self.root:
+            node.end = node.end or end
+
+    def window_blocks(self, limit: int) -> list[int]:
+        """Blocks of the last windows before the places a request is likely to resume (where a
+        prompt or sequence ended, where prefixes part), most recently used first, until about
+        ``limit`` blocks: what ``KVPool.sweep`` keeps of the tree."""
+        window, bs = self.pool.window, self.pool.block_size
+        ends = sorted((n for n in self._iter() if n.end or len(n.children) > 1), key=lambda n: -n.last_used)
+        keep: list[int] = []
+        for node in ends:
+            if len(keep) >= limit:
+                break
+            for _ in range(-(-window // bs)):     # the blocks of the window before its end
+                if node is self.root:
+                    break
+                keep.append(node.block)
+                node = node.parent
+        return keep
 
     def evict(self, blocks_needed: int) -> int:
         """Free up to ``blocks_needed`` blocks held only by the tree, least recently used leaves

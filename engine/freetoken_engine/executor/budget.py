@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..cache.kv import kv_pool_bytes
+from ..cache.kv import kv_pool_bytes, kv_windows
 from ..cache.states import StatePool
 from ..errors import ConfigError
 from ..layers.attention import reads_grouped_heads
@@ -88,8 +88,10 @@ def cache_experts(cfg, mcfg, bank, device: torch.device, dtype: torch.dtype, max
         n = total
     else:                 # what is left after the KV pool, the layer buffers and a prefill step
         size = dtype.itemsize
+        windows, window_blocks = kv_windows(cfg, mcfg, kv_blocks)
         kv = kv_pool_bytes(mcfg.kv_layers, kv_blocks * cfg.kv_block_size, mcfg.num_kv_heads, mcfg.head_dim, size,
-                           shared_values=mcfg.mla is not None)
+                           shared_values=mcfg.mla is not None, window_layers=len(windows) - windows.count(None)
+                           if window_blocks else 0, window_tokens=window_blocks * cfg.kv_block_size)
         if mcfg.linear_layers:   # the recurrent states: about their default budget (state_slots)
             slot = StatePool.slot_bytes(len(mcfg.linear_layers), mcfg.linear, size)
             kv += min(STATE_BUDGET["cuda"], 64 * slot) + cfg.max_batch * slot

@@ -109,9 +109,7 @@ class ModelRunner(GraphWarmup):
             self.cache = ExpertCache(self.bank, slots, self.device, self._fill_fraction(),
                                      bypass=env.bypass_slots() if self.device.type == "cuda" else 0)
             self._make_experts()
-        m = self.mcfg
-        self.kv = KVPool(m.kv_layers, kv_blocks, cfg.kv_block_size,
-                         m.num_kv_heads, m.head_dim, self.dtype, self.device, shared_values=m.mla is not None)
+        self.kv = KVPool.for_model(cfg, self.mcfg, kv_blocks, self.dtype, self.device)
         self.states = self._make_states()
         # a hybrid draft's verification as chained decode rows (executor/inputs.as_decode_rows): on a
         # GPU, where they replay a decode graph; the CPU keeps the chunk, which ran faster there
@@ -277,6 +275,7 @@ class ModelRunner(GraphWarmup):
 
     def _run(self, chunks: list[SeqChunk], key, between) -> torch.Tensor:
         """The pass itself: the graph of ``key`` when captured, else eager; then the CPU branch."""
+        self.kv.before_pass((c.block_table, c.start, c.start + len(c.tokens)) for c in chunks)
         if key is not None and key in self.graphs:
             logits = self.graphs.replay(chunks, key)
         else:

@@ -90,6 +90,8 @@ class GraphWarmup:
                         if key in self.graphs:
                             n += 1
                             self.forward(chunks)  # its first replay too (bench/graph_first_replay.py)
+                    for c in chunks:
+                        self.kv.forget(c.block_table)
         finally:
             self._warming = False
             self.kv.release(scratch)

@@ -183,10 +183,12 @@ class DecoderLM(nn.Module):
             by_rope = {r: rot.cos_sin(batch.positions, h.dtype, batch.max_position)
                        for r, rot in self.other_rotaries.items()}
         last = len(self.model.layers) - 1
+        view = kv.window_view(batch) if kv.window else None    # the sliding-window layers' slots
         for i, layer in enumerate(self.model.layers):
             j = self.kv_of[i]
             c, s = unrotated if i in self.cfg.nope_layers else by_rope.get(self.layer_rope[i], (cos, sin))
-            h = layer(h, batch, c, s, kv.k[j] if j is not None else None, kv.v[j] if j is not None else None)
+            k, v = kv.caches(j) if j is not None else (None, None)
+            h = layer(h, view if view is not None and j is not None and kv.windowed(j) else batch, c, s, k, v)
             if between is not None and i < last:
                 between(i)
         if self.mtp is not None:                                          # every row, for the MTP head
@@ -230,7 +232,7 @@ class DecoderLM(nn.Module):
         x = m.fc(torch.cat([e, m.pre_fc_norm_hidden(hidden.to(e.dtype))], dim=-1))
         cos, sin = self.rotary.cos_sin(batch.positions, x.dtype, batch.max_position)
         j = self.cfg.kv_layers - 1
-        h = m.layers[0](x, batch, cos, sin, kv.k[j], kv.v[j])
+        h = m.layers[0](x, batch, cos, sin, *kv.caches(j))
         if h.shape[0] != rows.shape[0]:
             h = h.index_select(0, rows)
         return m.norm(h)

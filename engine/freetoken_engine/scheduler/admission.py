@@ -110,7 +110,9 @@ class Admission:
         KV is no use without the state, the deepest anchor checkpoint (0, none: the start)."""
         if self.states is None:
             matched = self.radix.match(tokens, len(tokens) - 1)
-            return len(matched) * self.kv.block_size, None, matched
+            usable = self.kv.resumable(matched)     # a window store may have let older keys go
+            self.kv.release(matched[usable:])
+            return usable * self.kv.block_size, None, matched[:usable]
         if self.anchors is None:
             return 0, None, []
         resume, ck, blocks = self.anchors.best(tokens, len(tokens) - 1)

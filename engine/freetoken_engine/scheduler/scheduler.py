@@ -59,6 +59,8 @@ class Scheduler(Admission, Drafts):
         self.pause = DecodePause(decode_pause_ms / 1e3, runner.device) if decode_pause_ms > 0 else None
         self.beside_from = runner.cfg.expert_threshold
         self.radix = RadixCache(self.kv)
+        if self.kv.window:      # a short window store keeps the tree's likeliest resume points
+            self.kv.keep_window = lambda: self.radix.window_blocks(self.kv.cached_window_blocks)
         self.states = runner.states          # hybrid models' recurrent states (None: no such layer)
         self.anchors = (Anchors(self.states, self.kv, anchor_token_ids(runner.tokenizer))
                         if self.states is not None and self.states.checkpoint_slots else None)
@@ -336,7 +338,7 @@ class Scheduler(Admission, Drafts):
         hybrid model's prompts are kept by their anchor checkpoints instead."""
         full = min(req.computed, len(req.prompt_ids)) // self.kv.block_size
         if full > req.shared and self.states is None:
-            self.radix.insert(req.prompt_ids, req.blocks[:full])
+            self.radix.insert(req.prompt_ids, req.blocks[:full], end=req.computed >= len(req.prompt_ids))
             req.shared = full
 
     def _release(self, req: Request) -> None:

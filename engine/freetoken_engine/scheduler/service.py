@@ -164,6 +164,7 @@ class EngineService:
         c = sch.counters
         return {"running": len(sch.running), "queued": len(sch.waiting),
                 "kv_blocks_total": kv.num_blocks, "kv_blocks_used": kv.used_blocks,
+                "kv_window_blocks_total": kv.window_blocks, "kv_window_blocks_used": kv.used_window_blocks,
                 "prefix_hit_ratio": c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0,
                 "prompt_tokens": c["prompt_tokens"], "cached_tokens": c["cached_tokens"],
                 "generated_tokens": c["generated_tokens"], "preemptions": c["preemptions"],
