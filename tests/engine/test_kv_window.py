@@ -55,6 +55,18 @@ def test_the_window_store_gives_the_single_pools_tokens_and_transformers(tiny_ch
     assert kv.used_blocks == 0 and not kv.half.any()      # everything given back
 
 
+@pytest.mark.parametrize("model_type", ["exaone_moe", "afmoe", "granitemoe_swa", "granite_swa", "mistral", "olmo3",
+                                        "cohere2_moe", "flint", "kolibri1"])
+def test_every_windowed_family_gives_the_single_pools_tokens(tiny_checkpoint, small_store, model_type):
+    """The other supported families with windowed layers (first, last, every, most of them; with
+    sinks, with a rotary on windowed layers only): the same logits and tokens."""
+    folder = tiny_checkpoint(model_type)
+    store, plain = LLM(folder, **SMALL), LLM(folder, **SMALL, kv_window_store=False)
+    assert 0 < store.runner.kv.window_blocks < 21
+    assert torch.equal(store.prefill_logits(PROMPT), plain.prefill_logits(PROMPT))
+    assert store.generate(PROMPT, GREEDY).token_ids == plain.generate(PROMPT, GREEDY).token_ids
+
+
 def test_drafts_through_the_window_store_keep_the_tokens(tiny_checkpoint, small_store, monkeypatch):
     """Drafts write keys past the accepted ones and are cut back (two of three go wrong
     somewhere): the store keeps what the next pass reads."""
