@@ -103,7 +103,7 @@ class LLM:
         kv = self.runner.kv
         blocks, slot = kv.allocate(kv.blocks_for(len(ids))), self._slot()
         try:
-            kv.before_pass([(blocks, 0, len(ids))])
+            kv.before_pass([(blocks, 0, len(ids), len(ids))])
             inp = build_inputs([SeqChunk(blocks, 0, ids, state=slot)], kv.block_size, self.runner.device)
             inp.logits_at = torch.arange(len(ids), device=self.runner.device)
             return self.runner.model(inp.ids, inp.batch, kv, inp.logits_at)

@@ -73,6 +73,9 @@ def test_drafts_through_the_window_store_keep_the_tokens(tiny_checkpoint, small_
     folder = tiny_checkpoint("gpt_oss")
     want = LLM(folder, **SMALL, kv_window_store=False).generate(PROMPT, GREEDY).token_ids
     Oracle({tuple(PROMPT): want}).install(monkeypatch)
+    # 6 blocks of 4 tokens: a window, a draft's pass and what it may be cut back to; nearly every
+    # new block sweeps
+    monkeypatch.setattr(kvmod, "window_store_blocks", lambda *args: 7)
     got = LLM(folder, **SMALL, speculative_tokens=4).generate(PROMPT, GREEDY)
     assert got.token_ids == want
     assert 0 < got.stats["draft_tokens_kept"] < got.stats["draft_tokens"]
@@ -123,20 +126,20 @@ def test_a_block_holds_window_keys_while_a_table_can_read_them():
     kv = _pool()
     assert kv.caches(0)[0].shape[0] == 8 * 2 and kv.caches(1)[0].shape[0] == 16 * 2
     assert kv.nbytes == kv_pool_bytes(2, 32, 1, 2, 4, window_layers=1, window_tokens=16)
-    a = kv.allocate(7)
-    kv.before_pass([(a, 0, 12)])                       # a 12-token prompt: 6 halves of the store's 7
-    kv.before_pass([(a, 12, 13)])                      # its first decode step: the 7th
-    assert all(kv.half[b] for b in a) and not kv._win_free
+    a = kv.allocate(8)
+    kv.before_pass([(a, 0, 12, 12)])                   # a 12-token prompt: 6 halves of the store's 7
+    assert all(kv.half[b] for b in a[:6]) and len(kv._win_free) == 1
+    kv.before_pass([(a, 12, 16, 13)])                  # a 3-token draft, which may be cut back to 13:
+    assert [bool(kv.half[x]) for x in a] == [False] * 4 + [True] * 4    # the store swept before 13 - 4
     b = kv.allocate(3)
-    kv.before_pass([(b, 0, 6)])                        # short: a's blocks before its window go
-    assert [bool(kv.half[x]) for x in a] == [False] * 4 + [True] * 3
-    assert kv.resumable(a) == 7 and kv.resumable(a[:4]) == 0
+    kv.before_pass([(b, 0, 6, 6)])
+    assert kv.resumable(a) == 8 and kv.resumable(a[:4]) == 0
     kv.check_integrity()
     kv.release(a)
     assert len(kv._win_free) == 4                      # a freed block gives its half back
     c = kv.allocate(2)
     with pytest.raises(RuntimeError, match="lost its window keys"):
-        kv.before_pass([(c, 3, 4)])                    # reads positions 0-2, never written
+        kv.before_pass([(c, 3, 4, 4)])                    # reads positions 0-2, never written
 
 
 def test_the_prefix_tree_keeps_its_resume_points_and_a_full_store_says_so():
@@ -144,18 +147,18 @@ def test_the_prefix_tree_keeps_its_resume_points_and_a_full_store_says_so():
     radix = RadixCache(kv)
     kv.keep_window = lambda: radix.window_blocks(4)
     a = kv.allocate(4)
-    kv.before_pass([(a, 0, 8)])
+    kv.before_pass([(a, 0, 8, 8)])
     radix.insert(list(range(8)), a)                    # a prompt ends after block 4
     kv.release(a)
     b = kv.allocate(2)
-    kv.before_pass([(b, 0, 4)])                        # the store is short: the tree's last window stays
+    kv.before_pass([(b, 0, 4, 4)])                        # the store is short: the tree's last window stays
     assert [bool(kv.half[x]) for x in a] == [False, False, True, True]
     matched = radix.match(list(range(8)) + [9], 8)
     assert kv.resumable(matched) == 4
     kv.release(matched)
     c = kv.allocate(2)
     with pytest.raises(OutOfKVCache, match="window KV store"):
-        kv.before_pass([(c, 0, 4)])                    # b's keys and the tree's window leave it one
+        kv.before_pass([(c, 0, 4, 4)])                    # b's keys and the tree's window leave it one
 
 
 def test_gpt_oss_20b_on_a_gpu_leaves_its_expert_cache_2_7_gb_more(monkeypatch):

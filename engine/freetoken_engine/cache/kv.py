@@ -10,7 +10,7 @@ Sliding-window layers (``windows``) can keep their keys in a smaller store of th
 (``window_blocks`` > 0): a block gets a *window half* there when a pass first writes it
 (``before_pass``), and gives it back when it is freed, or when the store runs short and no
 sequence can see it any more (``sweep``: a block table's next pass reads back one window from
-where its last one started; ``keep_window`` adds cached prefixes' last windows). Their layers
+where it can start at the earliest; ``keep_window`` adds cached prefixes' last windows). Their layers
 read through ``window_view``: the same block tables, each block mapped to its window half (0, a
 block that stays zero, where it has none: keys the window hides). gpt-oss-20b's 131k-token
 context takes 6.4 GB of keys and values in one pool, half of it for layers that see 128 tokens;
@@ -106,7 +106,7 @@ class KVPool:
         #: last windows, so a request can resume after them), about ``cached_window_blocks``
         self.cached_window_blocks = CACHED_WINDOWS * (self.blocks_for(self.window) + 1)
         self.keep_window: Callable[[], Iterable[int]] | None = None
-        self._tables: dict[int, tuple[list[int], int]] = {}   # id -> (block table, its last pass's start)
+        self._tables: dict[int, tuple[list[int], int]] = {}   # id -> (block table, its next pass's start)
 
     @classmethod
     def for_model(cls, cfg, mcfg, kv_blocks: int, dtype: torch.dtype, device: torch.device) -> "KVPool":
@@ -210,20 +210,22 @@ class KVPool:
                 return n
         return 0
 
-    def before_pass(self, spans: Iterable[tuple[list[int], int, int]]) -> None:
-        """Before a pass that writes positions [start, end) of each ``(block table, start, end)``
-        (a table may come more than once: a draft's rows): window halves for the blocks it
-        writes, then the map onto the device. OutOfKVCache when the store is short even after a
-        ``sweep``; RuntimeError if a key a window reads has none (the caller's bug)."""
+    def before_pass(self, spans: Iterable[tuple[list[int], int, int, int]]) -> None:
+        """Before a pass that writes positions [start, end) of each ``(block table, start, end,
+        resume)`` (``resume``: where the table's next pass starts at the earliest, ``end`` unless
+        a draft may be cut back; a table may come more than once: a draft's rows): window halves
+        for the blocks it writes, then the map onto the device. OutOfKVCache when the store is
+        short even after a ``sweep``; RuntimeError if a key a window reads has none (the caller's
+        bug)."""
         if not self.window:
             return
-        passes: dict[int, tuple[list[int], int, int]] = {}
-        for table, start, end in spans:
-            t, lo, hi = passes.get(id(table), (table, start, end))
-            passes[id(table)] = (table, min(lo, start), max(hi, end))
-        for table, start, end in passes.values():
-            self._tables[id(table)] = (table, start)     # no later pass of it starts before ``start``
-        for table, start, end in passes.values():
+        passes: dict[int, tuple[list[int], int, int, int]] = {}
+        for table, start, end, resume in spans:
+            t, lo, hi, back = passes.get(id(table), (table, start, end, resume))
+            passes[id(table)] = (table, min(lo, start), max(hi, end), min(back, resume))
+        for table, _, _, resume in passes.values():
+            self._tables[id(table)] = (table, resume)
+        for table, start, end, _ in passes.values():
             self._ensure(table, start, end)
         self.sync()
 

@@ -275,7 +275,8 @@ class ModelRunner(GraphWarmup):
 
     def _run(self, chunks: list[SeqChunk], key, between) -> torch.Tensor:
         """The pass itself: the graph of ``key`` when captured, else eager; then the CPU branch."""
-        self.kv.before_pass((c.block_table, c.start, c.start + len(c.tokens)) for c in chunks)
+        self.kv.before_pass((c.block_table, c.start, c.start + len(c.tokens),   # a draft may be cut back to
+                             c.start + (1 if c.rows > 1 else len(c.tokens))) for c in chunks)   # its first
         if key is not None and key in self.graphs:
             logits = self.graphs.replay(chunks, key)
         else:
