@@ -248,9 +248,7 @@ def _hf_store(fam, ckpt, cfg: ModelConfig, dtype: torch.dtype, device: torch.dev
     if device.type != "cpu" or dtype != torch.float32 or cfg.residual_multiplier != 1.0:
         return dtype
     m = cfg.moe
-    first = next(iter(fam.layer_experts(ckpt, m.layers[0], m.num_experts, (cfg.hidden_size, m.intermediate_size),
-                                        cfg.residual_multiplier)), None)
-    return bank_store(dtype, device, None if first is None else first[0].dtype)
+    return bank_store(dtype, device, fam.expert_dtype(ckpt, m.layers[0]) if m.num_experts else None)
 
 
 def _dequantized(ckpt, tensors: tuple, cfg: ModelConfig, dtype: torch.dtype) -> ExpertBank:

@@ -58,6 +58,12 @@ class Family:
         stem = f"{self.layer_stem(layer)}.{self.moe_prefix}."
         return stem + self.fused_names[0], stem + self.fused_names[1]
 
+    def expert_dtype(self, ckpt, layer: int | str) -> torch.dtype:
+        """The dtype ``layer_experts`` yields ``layer``'s first expert in (its gate weight's), from
+        the checkpoint's header: nothing is read."""
+        gate_up_key, _ = self.fused_expert_keys(layer)
+        return ckpt.dtype(gate_up_key if ckpt.has(gate_up_key) else self.expert_key(layer, 0, 0))
+
     def layer_experts(self, ckpt, layer: int | str, num_experts: int, shape: tuple[int, int] | None = None,
                       down_scale: float = 1.0):
         """``(gate [I, H], up [I, H], down [H, I])`` of each routed expert of ``layer`` (an index,

@@ -32,6 +32,10 @@ from ..errors import ConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+#: safetensors' dtype names -> torch's
+_STORED = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+           "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 _SCALE, _COMPRESSED_SCALE = "_scale_inv", "_scale"    # an FP8 tensor's scales: <name><suffix>
 
 
@@ -123,6 +127,19 @@ class Checkpoint:
             return None
         from ..kernels.mxfp4 import from_blocks
         return from_blocks(self.get(name + _BLOCKS), self.get(name + _SCALES))
+
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype ``get(name)`` returns, from its shard's header (nothing is read)."""
+        if name in self._mx:
+            return self._mx_dtype
+        path = self._where.get(name)
+        if path is None:
+            raise ConfigError(f"checkpoint {self.folder} lacks tensor {name}")
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(str(path), framework="pt")
+        stored = handle.get_slice(name).get_dtype()
+        return self._fp8_dtype if stored.startswith("F8") and self._fp8_dtype is not None else _STORED[stored]
 
     def get(self, name: str) -> torch.Tensor:
         if name in self._mx:
