@@ -112,7 +112,25 @@ async def test_served_requests_batched_and_resumed_keep_their_tokens(tiny_checkp
         assert kv.used_blocks == svc.scheduler.radix.cached_blocks()
         stats = svc.stats()                     # the store, as /metrics reports it
         assert stats["kv_window_blocks_total"] == kv.window_blocks
-        assert 0 < stats["kv_window_blocks_used"] < kv.used_blocks    # the tree keeps windows, not every key
+        # the tree keeps windows, not every key: those of the prompt computed again replaced the
+        # first run's, which the store had let go
+        assert 0 < stats["kv_window_blocks_used"] == kv.used_window_blocks < kv.used_blocks
+    finally:
+        svc.shutdown()
+
+
+async def test_a_new_conversation_resumes_after_the_system_prompt(tiny_checkpoint, small_store):
+    """The first turn boundary (``<|im_end|>``) after a system prompt keeps its window through
+    the sweeps of a long first conversation: the next conversation skips the system prompt."""
+    folder = tiny_checkpoint("gpt_oss")
+    svc = EngineService.start(EngineConfig(model=folder, **SMALL), wait=True)
+    try:
+        system = PROMPT[:18] + [svc.runner.tokenizer.token_to_id("<|im_end|>")]      # 19 tokens
+        await _collect(svc, system + [11, 12, 13, 14, 15])          # 84 tokens through 15 blocks
+        second = system + [21, 22, 23, 24, 25]
+        out, cached = await _collect(svc, second)
+        assert cached == 16                                         # the system prompt's full blocks
+        assert out == LLM(folder, **SMALL, kv_window_store=False).generate(second, GREEDY).token_ids
     finally:
         svc.shutdown()
 
@@ -159,6 +177,33 @@ def test_the_prefix_tree_keeps_its_resume_points_and_a_full_store_says_so():
     c = kv.allocate(2)
     with pytest.raises(OutOfKVCache, match="window KV store"):
         kv.before_pass([(c, 0, 4, 4)])                    # b's keys and the tree's window leave it one
+
+
+def test_a_system_prompt_keeps_its_window_for_the_next_conversation():
+    """A conversation whose system prompt ends after block 4 (``insert``'s marks: the scheduler's
+    first turn boundary), and another's keys that make the store sweep: a new conversation on the
+    same system prompt resumes after it; where prefixes part, the tree keeps the window too."""
+    kv = _pool(window_blocks=8)
+    radix = RadixCache(kv)
+    kv.keep_window = lambda: radix.window_blocks(6)
+    system = list(range(8))                            # 4 blocks
+    a = kv.allocate(6)
+    kv.before_pass([(a, 0, 12, 12)])
+    radix.insert(system + [100] * 4, a, marks=(4,))
+    kv.release(a)
+    b = kv.allocate(4)
+    kv.before_pass([(b, 0, 8, 8)])                     # an unrelated prompt: the store sweeps
+    assert [bool(kv.half[x]) for x in a] == [False, False, True, True, True, True]
+    matched = radix.match(system + [300] * 4, 12)
+    assert len(matched) == 4 and kv.resumable(matched) == 4
+    kv.release(matched)
+    radix.insert(system + [200] * 2, a[:4] + kv.allocate(1), end=False)   # another conversation parts there
+    node = radix.root
+    for i in range(4):
+        node = node.children[tuple(system[2 * i:2 * i + 2])]
+    node.end = False                                   # only the parting keeps it now
+    assert set(a[2:4]) <= set(radix.window_blocks(6))
+    kv.check_integrity()
 
 
 def test_gpt_oss_20b_on_a_gpu_leaves_its_expert_cache_2_7_gb_more(monkeypatch):

@@ -48,30 +48,39 @@ class RadixCache:
         self.pool.retain(blocks)
         return blocks
 
-    def insert(self, tokens: list[int], blocks: list[int], end: bool = True) -> None:
+    def insert(self, tokens: list[int], blocks: list[int], end: bool = True, marks: tuple[int, ...] = ()) -> None:
         """Record the full blocks of a sequence whose first ``len(blocks) * block_size`` tokens'
-        KV is computed. Blocks already in the tree under the same tokens are left as they are.
-        ``end``: a whole prompt or sequence ends with the last block (not a part of a prompt
-        still being computed): a request may resume there, so a window store keeps its last
-        window (``window_blocks``)."""
-        node, now = self.root, next(self._clock)
+        KV is computed. Blocks already in the tree under the same tokens are left as they are, but
+        for one whose window keys a window store let go, which the new block holds. ``end``: a whole prompt or sequence ends with the last block (not a part of a prompt
+        still being computed); ``marks``: more numbers of leading blocks after which a request
+        is likely to resume (a system prompt's end). A window store keeps the last window before
+        each (``window_blocks``)."""
+        node, now, path = self.root, next(self._clock), []
         for key, block in zip(self._keys(tokens, len(blocks)), blocks):
             child = node.children.get(key)
             if child is None:
                 child = node.children[key] = _Node(key, block, node)
                 self.pool.retain([block])
                 self.nodes += 1
+            elif self.pool.half[block] and not self.pool.half[child.block]:   # the same keys, and its
+                self.pool.retain([block])                                    # window's too (a prefix
+                self.pool.release([child.block])                             # computed again)
+                child.block = block
             child.last_used = now
             node = child
-        if node is not self.root:
-            node.end = node.end or end
+            path.append(node)
+        for depth in (*marks, len(path) if end else 0):
+            if 0 < depth <= len(path):
+                path[depth - 1].end = True
 
     def window_blocks(self, limit: int) -> list[int]:
         """Blocks of the last windows before the places a request is likely to resume (where a
         prompt or sequence ended, where prefixes part), most recently used first, until about
         ``limit`` blocks: what ``KVPool.sweep`` keeps of the tree."""
         window, bs = self.pool.window, self.pool.block_size
-        ends = sorted((n for n in self._iter() if n.end or len(n.children) > 1), key=lambda n: -n.last_used)
+        ends = sorted(((n, d) for n, d in self._depths() if n.end or len(n.children) > 1),
+                      key=lambda nd: (-nd[0].last_used, -nd[1]))
+        ends = [n for n, _ in ends]
         keep: list[int] = []
         for node in ends:
             if len(keep) >= limit:
@@ -97,6 +106,14 @@ class RadixCache:
                 self.nodes -= 1
                 freed += 1
         return freed
+
+    def _depths(self):
+        """Every node with its number of blocks from the root."""
+        stack = [(n, 1) for n in self.root.children.values()]
+        while stack:
+            node, depth = stack.pop()
+            yield node, depth
+            stack.extend((c, depth + 1) for c in node.children.values())
 
     def _iter(self):
         stack = list(self.root.children.values())

@@ -79,6 +79,14 @@ def decode_arrays(chunks: list[SeqChunk], block_size: int, width: int, chained: 
     return np.concatenate(parts + (list(state_chain(chunks)) if chained else []))
 
 
+def pass_spans(chunks: list[SeqChunk]):
+    """``(block table, start, end, resume)`` of each chunk for ``KVPool.before_pass``: the
+    positions it writes, and where its sequence's next pass starts at the earliest (a draft's
+    verification may keep only its first token)."""
+    return ((c.block_table, c.start, c.start + len(c.tokens), c.start + (1 if c.rows > 1 else len(c.tokens)))
+            for c in chunks)
+
+
 def build_inputs(chunks: list[SeqChunk], block_size: int, device: torch.device) -> ForwardInputs:
     b = len(chunks)
     ends = np.array([c.start + len(c.tokens) for c in chunks], dtype=np.int64)

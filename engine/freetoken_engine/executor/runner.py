@@ -32,7 +32,7 @@ from ..models.loader import torch_dtype  # noqa: E402
 from ..models.tokenizer import load_tokenizer  # noqa: E402
 from .budget import cache_experts, state_slots  # noqa: E402
 from .cpu_contention import ContentionFollower, pool_record  # noqa: E402
-from .inputs import SeqChunk, as_decode_rows, build_inputs  # noqa: E402
+from .inputs import SeqChunk, as_decode_rows, build_inputs, pass_spans  # noqa: E402
 from .split_tuner import SplitTuner, decode_batch  # noqa: E402
 from .warmup import GraphWarmup  # noqa: E402
 
@@ -275,8 +275,7 @@ class ModelRunner(GraphWarmup):
 
     def _run(self, chunks: list[SeqChunk], key, between) -> torch.Tensor:
         """The pass itself: the graph of ``key`` when captured, else eager; then the CPU branch."""
-        self.kv.before_pass((c.block_table, c.start, c.start + len(c.tokens),   # a draft may be cut back to
-                             c.start + (1 if c.rows > 1 else len(c.tokens))) for c in chunks)   # its first
+        self.kv.before_pass(pass_spans(chunks))
         if key is not None and key in self.graphs:
             logits = self.graphs.replay(chunks, key)
         else:

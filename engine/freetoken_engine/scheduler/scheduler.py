@@ -61,6 +61,7 @@ class Scheduler(Admission, Drafts):
         self.radix = RadixCache(self.kv)
         if self.kv.window:      # a short window store keeps the tree's likeliest resume points
             self.kv.keep_window = lambda: self.radix.window_blocks(self.kv.cached_window_blocks)
+        self.window_anchor_ids = anchor_token_ids(runner.tokenizer) if self.kv.window else frozenset()
         self.states = runner.states          # hybrid models' recurrent states (None: no such layer)
         self.anchors = (Anchors(self.states, self.kv, anchor_token_ids(runner.tokenizer))
                         if self.states is not None and self.states.checkpoint_slots else None)
@@ -338,8 +339,19 @@ class Scheduler(Admission, Drafts):
         hybrid model's prompts are kept by their anchor checkpoints instead."""
         full = min(req.computed, len(req.prompt_ids)) // self.kv.block_size
         if full > req.shared and self.states is None:
-            self.radix.insert(req.prompt_ids, req.blocks[:full], end=req.computed >= len(req.prompt_ids))
+            end = req.computed >= len(req.prompt_ids)
+            self.radix.insert(req.prompt_ids, req.blocks[:full], end, self._marks(req.prompt_ids, full) if end else ())
             req.shared = full
+
+    def _marks(self, tokens: list[int], full: int) -> tuple[int, ...]:
+        """With a window store: the blocks before the first and the last turn boundary (an anchor
+        token: cache/states.py) in ``tokens``' first ``full`` blocks, where a conversation that
+        shares the system prompt, or an edited last turn, resumes."""
+        if not self.kv.window:
+            return ()
+        ends = [p // self.kv.block_size for p, t in enumerate(tokens[:full * self.kv.block_size], 1)
+                if t in self.window_anchor_ids]
+        return (ends[0], ends[-1]) if ends else ()
 
     def _release(self, req: Request) -> None:
         self._undraft(req)
@@ -357,7 +369,7 @@ class Scheduler(Admission, Drafts):
             self.running.remove(req)
         full = req.computed // self.kv.block_size
         if full and self.states is None:    # a hybrid model's KV is kept by its anchor checkpoints
-            self.radix.insert(req.tokens, req.blocks[:full])
+            self.radix.insert(req.tokens, req.blocks[:full], marks=self._marks(req.tokens, full))
         self._release(req)
         req.finished = True
         req.sink.push(TokenEvent(last_token, reason, error, logprob))
