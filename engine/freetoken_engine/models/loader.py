@@ -132,24 +132,23 @@ class Checkpoint:
         """The dtype ``get(name)`` returns, from its shard's header (nothing is read)."""
         if name in self._mx:
             return self._mx_dtype
+        stored = self._open(name)[1].get_slice(name).get_dtype()
+        return self._fp8_dtype if stored.startswith("F8") and self._fp8_dtype is not None else _STORED[stored]
+
+    def _open(self, name: str):
+        """``name``'s shard and its open handle (ConfigError when no shard has it)."""
         path = self._where.get(name)
         if path is None:
             raise ConfigError(f"checkpoint {self.folder} lacks tensor {name}")
         handle = self._handles.get(path)
         if handle is None:
             handle = self._handles[path] = safe_open(str(path), framework="pt")
-        stored = handle.get_slice(name).get_dtype()
-        return self._fp8_dtype if stored.startswith("F8") and self._fp8_dtype is not None else _STORED[stored]
+        return path, handle
 
     def get(self, name: str) -> torch.Tensor:
         if name in self._mx:
             return dequantize_mxfp4(self.get(name + _BLOCKS), self.get(name + _SCALES), self._mx_dtype)
-        path = self._where.get(name)
-        if path is None:
-            raise ConfigError(f"checkpoint {self.folder} lacks tensor {name}")
-        handle = self._handles.get(path)
-        if handle is None:
-            handle = self._handles[path] = safe_open(str(path), framework="pt")
+        path, handle = self._open(name)
         t = handle.get_tensor(name)
         if t.dtype not in _FP8:
             return t
