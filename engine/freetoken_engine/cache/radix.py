@@ -50,8 +50,9 @@ class RadixCache:
 
     def insert(self, tokens: list[int], blocks: list[int], end: bool = True, marks: tuple[int, ...] = ()) -> None:
         """Record the full blocks of a sequence whose first ``len(blocks) * block_size`` tokens'
-        KV is computed. Blocks already in the tree under the same tokens are left as they are, but
-        for one whose window keys a window store let go, which the new block holds. ``end``: a whole prompt or sequence ends with the last block (not a part of a prompt
+        KV is computed. Blocks already in the tree under the same tokens are left as they are,
+        but for one whose window keys a window store let go, which the new block holds.
+        ``end``: a whole prompt or sequence ends with the last block (not a part of a prompt
         still being computed); ``marks``: more numbers of leading blocks after which a request
         is likely to resume (a system prompt's end). A window store keeps the last window before
         each (``window_blocks``)."""
