@@ -37,23 +37,23 @@ PUBLISHED = {"gpt-oss-20b": GPT_OSS_20B, "gpt-oss-120b": dict(GPT_OSS_20B, num_h
 
 
 def reserved(device: str) -> list[dict]:
-    from freetoken_engine.cache.kv import kv_pool_bytes, kv_windows
+    from freetoken_engine.cache.kv import kv_pool_bytes, kv_windows, model_kv_bytes
     from freetoken_engine.config import EngineConfig
+    from freetoken_engine.executor.budget import default_kv_blocks
     from freetoken_engine.models import family
     rows = []
     for name, raw in PUBLISHED.items():
         m = family(raw["model_type"]).parse(raw)
         cfg = EngineConfig(model=name, device=device)
         context = m.max_position_embeddings
-        blocks = -(-max(min(2 * context, 32768), context) // cfg.kv_block_size)   # runner.py's default
+        blocks = default_kv_blocks(cfg, context)
         windows, store = kv_windows(cfg, m, blocks)
-        args = (m.kv_layers, blocks * cfg.kv_block_size, m.num_kv_heads, m.head_dim, 2)
         rows.append({"model": name, "device_defaults": device, "context": context, "max_batch": cfg.max_batch,
                      "prefill_tokens": cfg.prefill_tokens, "windowed_layers": len(windows) - windows.count(None),
                      "pool_blocks": blocks, "window_store_blocks": store,
-                     "kv_gb_one_pool": kv_pool_bytes(*args) / 1e9,
-                     "kv_gb_window_store": kv_pool_bytes(*args, window_layers=len(windows) - windows.count(None),
-                                                         window_tokens=store * cfg.kv_block_size) / 1e9})
+                     "kv_gb_one_pool": kv_pool_bytes(m.kv_layers, blocks * cfg.kv_block_size, m.num_kv_heads,
+                                                     m.head_dim, 2) / 1e9,
+                     "kv_gb_window_store": model_kv_bytes(cfg, m, blocks, 2) / 1e9})
     return rows
 
 

@@ -77,7 +77,7 @@ class ExpertBank:
         """Bytes of such a bank (``store``: its dense weights' dtype), before making it."""
         if mxfp4:
             return num_layers * num_experts * (2 * inter * row_bytes(hidden) + hidden * row_bytes(inter))
-        return num_layers * num_experts * 3 * hidden * inter * torch.empty((), dtype=store).element_size()
+        return num_layers * num_experts * 3 * hidden * inter * store.itemsize
 
     @property
     def expert_bytes(self) -> int:

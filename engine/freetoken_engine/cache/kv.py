@@ -75,11 +75,21 @@ def kv_windows(cfg, mcfg, kv_blocks: int) -> tuple[tuple[int | None, ...], int]:
     return windows, blocks if blocks < kv_blocks else 0
 
 
+def model_kv_bytes(cfg, mcfg, kv_blocks: int, itemsize: int) -> int:
+    """Bytes ``KVPool.for_model`` takes for these configs (its window store counted), before
+    making it."""
+    windows, window_blocks = kv_windows(cfg, mcfg, kv_blocks)
+    return kv_pool_bytes(mcfg.kv_layers, kv_blocks * cfg.kv_block_size, mcfg.num_kv_heads, mcfg.head_dim, itemsize,
+                         shared_values=mcfg.mla is not None,
+                         window_layers=len(windows) - windows.count(None) if window_blocks else 0,
+                         window_tokens=window_blocks * cfg.kv_block_size)
+
+
 class KVPool:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, shared_values: bool = False,
                  windows: tuple[int | None, ...] = (), window_blocks: int = 0):
-        self.num_blocks, self.block_size, self.device = num_blocks, block_size, device
+        self.num_blocks, self.block_size = num_blocks, block_size
         win = [j for j, w in enumerate(windows) if w is not None] if window_blocks > 1 and not shared_values else []
         full = [j for j in range(num_layers) if j not in set(win)]
         self.window = max((windows[j] for j in win), default=0)      # 0: no window store

@@ -117,11 +117,7 @@ class RadixCache:
             stack.extend((c, depth + 1) for c in node.children.values())
 
     def _iter(self):
-        stack = list(self.root.children.values())
-        while stack:
-            node = stack.pop()
-            yield node
-            stack.extend(node.children.values())
+        return (node for node, _ in self._depths())
 
     def cached_blocks(self) -> int:
         return self.nodes

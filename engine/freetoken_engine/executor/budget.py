@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from ..cache.kv import kv_pool_bytes, kv_windows
+from ..cache.kv import model_kv_bytes
 from ..cache.states import StatePool
 from ..errors import ConfigError
 from ..layers.attention import reads_grouped_heads
@@ -31,6 +31,12 @@ STATE_BUDGET = {"cpu": 1e9, "cuda": 5e8}
 #: the whole-layer MoE's peak against its pairs' rows alone (pair indices, routing weights, the
 #: allocator's rounding): 1.13x on the H200 (device run 126, an 8k step with 16k and 32k keys)
 MOE_OVERHEAD = 1.15
+
+
+def default_kv_blocks(cfg, max_context: int) -> int:
+    """The KV pool's blocks: ``--kv-cache-tokens``, by default two contexts up to 32k tokens,
+    at least one context."""
+    return -(-max(cfg.kv_cache_tokens or min(2 * max_context, 32768), max_context) // cfg.kv_block_size)
 
 
 def prefill_peak_bytes(tokens: int, context: int, top_k: int, hidden: int, inter: int, heads: int,
@@ -88,10 +94,7 @@ def cache_experts(cfg, mcfg, bank, device: torch.device, dtype: torch.dtype, max
         n = total
     else:                 # what is left after the KV pool, the layer buffers and a prefill step
         size = dtype.itemsize
-        windows, window_blocks = kv_windows(cfg, mcfg, kv_blocks)
-        kv = kv_pool_bytes(mcfg.kv_layers, kv_blocks * cfg.kv_block_size, mcfg.num_kv_heads, mcfg.head_dim, size,
-                           shared_values=mcfg.mla is not None, window_layers=len(windows) - windows.count(None)
-                           if window_blocks else 0, window_tokens=window_blocks * cfg.kv_block_size)
+        kv = model_kv_bytes(cfg, mcfg, kv_blocks, size)
         if mcfg.linear_layers:   # the recurrent states: about their default budget (state_slots)
             slot = StatePool.slot_bytes(len(mcfg.linear_layers), mcfg.linear, size)
             kv += min(STATE_BUDGET["cuda"], 64 * slot) + cfg.max_batch * slot

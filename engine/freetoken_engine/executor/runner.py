@@ -30,7 +30,7 @@ from ..calibrate import calibrated  # noqa: E402
 from ..models.build import BankRead, start_model  # noqa: E402
 from ..models.loader import torch_dtype  # noqa: E402
 from ..models.tokenizer import load_tokenizer  # noqa: E402
-from .budget import cache_experts, state_slots  # noqa: E402
+from .budget import cache_experts, default_kv_blocks, state_slots  # noqa: E402
 from .cpu_contention import ContentionFollower, pool_record  # noqa: E402
 from .inputs import SeqChunk, as_decode_rows, build_inputs, pass_spans  # noqa: E402
 from .split_tuner import SplitTuner, decode_batch  # noqa: E402
@@ -99,7 +99,7 @@ class ModelRunner(GraphWarmup):
         self.tokenizer = load_tokenizer(folder, eos)
         self.eos_token_ids = self.tokenizer.eos_token_ids if self.tokenizer else eos
         self.max_context = min(cfg.max_context or self.mcfg.max_position_embeddings, self.mcfg.max_position_embeddings)
-        kv_blocks = -(-max(cfg.kv_cache_tokens or min(2 * self.max_context, 32768), self.max_context) // cfg.kv_block_size)
+        kv_blocks = default_kv_blocks(cfg, self.max_context)
         self.cache = None
         if self.bank is not None:
             if (rest.pending and self.device.type == "cuda" and cfg.cpu_expert_fraction is None
