@@ -50,6 +50,7 @@ class EngineConfig:
     graph_memory_gb: float = 0.5             # the decode graphs' device memory, at most about (0: no limit)
     split_tuning: bool = False               # refine q* online by measured decode step time (CUDA)
     cpu_rate_probe: bool = True              # q* by the CPU's rate on this model and under contention
+    fused_cpu_decode: bool = True            # CPU decode steps of plain MoE layers in two compiled calls
     prefill_chunk: int | None = None         # None: 512 on the CPU, 8192 on a GPU (prefill_tokens)
     prefill_expert_threshold: int | None = None  # whole-layer MoE from this many tokens (None: max_batch + 1)
     decode_pause_ms: float | None = None     # decoders' steps inside a long pass after this wait (decode_pause)

@@ -231,7 +231,7 @@ def test_partial_rotary_and_whole_projection_norms_decode_through_the_fused_kern
     before the kernel), OLMoE's whole-projection norms, Qwen3-Next's quarter-head rotary,
     Hunyuan's norms after the rotary (both before the kernel, which rotates by the identity):
     their decode steps run the compiled kernel, and give the tokens of the unfused path they took
-    before."""
+    before. (The layers' own modules: a fused layer, executor/cpu_decode.py, calls the kernel from C.)"""
     from freetoken_engine import LLM, SamplingParams
     from freetoken_engine.layers.attention import Attention
     greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
@@ -240,11 +240,11 @@ def test_partial_rotary_and_whole_projection_norms_decode_through_the_fused_kern
     calls = []
     fused = ca.decode_attention
     monkeypatch.setattr(ca, "decode_attention", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    got = LLM(folder).generate(prompt, greedy).token_ids
+    got = LLM(folder, fused_cpu_decode=False).generate(prompt, greedy).token_ids
     assert calls
     monkeypatch.setattr(Attention, "_decode_kernel", lambda self, x, k_cache: None)
     calls.clear()
-    assert LLM(folder).generate(prompt, greedy).token_ids == got and not calls
+    assert LLM(folder, fused_cpu_decode=False).generate(prompt, greedy).token_ids == got and not calls
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

@@ -32,6 +32,7 @@ from ..models.loader import torch_dtype  # noqa: E402
 from ..models.tokenizer import load_tokenizer  # noqa: E402
 from .budget import cache_experts, default_kv_blocks, state_slots  # noqa: E402
 from .cpu_contention import ContentionFollower, pool_record  # noqa: E402
+from .cpu_decode import CpuDecode  # noqa: E402
 from .inputs import SeqChunk, as_decode_rows, build_inputs, pass_spans  # noqa: E402
 from .split_tuner import SplitTuner, decode_batch  # noqa: E402
 from .warmup import GraphWarmup  # noqa: E402
@@ -139,8 +140,7 @@ class ModelRunner(GraphWarmup):
             before = self._bank_addresses()
             rest.finish()
             if self._bank_addresses() != before:
-                # pinned by a copy (registration in place failed): everything that holds the
-                # bank's addresses is made again
+                # pinned by a copy (registration in place failed): what holds its addresses is made again
                 log.warning("the expert bank was pinned by copying it; decode graphs captured again")
                 for branch in self.experts.branches():
                     branch.close()
@@ -169,8 +169,7 @@ class ModelRunner(GraphWarmup):
         known = cached_model_rate(self.device, shape)
         if known is None and rest.pending:
             rest.finish()
-        self.follower = f = ContentionFollower(self.cache.fill_fraction, pool_record,
-                                               lambda s: self.experts.cpu_rate(s),
+        self.follower = f = ContentionFollower(self.cache.fill_fraction, pool_record, lambda s: self.experts.cpu_rate(s),
                                                calibrated_gbps=self._calibrated_gbps, reference=known)
         if known is None and not f.reference_contended:
             save_model_rate(self.device, shape, f.reference)
@@ -214,6 +213,8 @@ class ModelRunner(GraphWarmup):
     def _make_graphs(self) -> None:
         cfg = self.cfg
         self.graphs = self.mtp_graphs = None
+        self.model.cpu_decode = CpuDecode(self.model, self.experts if self.cache is not None else None,
+                                          self.dtype) if self.device.type == "cpu" and cfg.fused_cpu_decode else None
         self.mtp_rows = False       # MTP passes of a few rows as one-token rows (mtp_forward): with graphs
         if cfg.cuda_graphs and self.device.type == "cuda" and (self.cache is None or self.experts.control is not None):
             from .graphs import DecodeGraphs

@@ -129,6 +129,7 @@ class DecoderLM(nn.Module):
         self.mtp = MtpHead(cfg, rotary) if cfg.use_mtp else None
         self.last_hidden: torch.Tensor | None = None
         self.embed_dtype: torch.dtype | None = None    # the rows' dtype when the table is kept narrower
+        self.cpu_decode = None      # a CPU engine's fused decode layers (executor/cpu_decode.py), the runner's
 
     def rotaries(self) -> list[Rotary]:
         """Every rotary the layers use: the model's, then one per other kind."""
@@ -184,11 +185,14 @@ class DecoderLM(nn.Module):
                        for r, rot in self.other_rotaries.items()}
         last = len(self.model.layers) - 1
         view = kv.window_view(batch) if kv.window else None    # the sliding-window layers' slots
+        fused = self.cpu_decode.begin(h, batch, between) if self.cpu_decode is not None else None
         for i, layer in enumerate(self.model.layers):
             j = self.kv_of[i]
             c, s = unrotated if i in self.cfg.nope_layers else by_rope.get(self.layer_rope[i], (cos, sin))
             k, v = kv.caches(j) if j is not None else (None, None)
-            h = layer(h, view if view is not None and j is not None and kv.windowed(j) else batch, c, s, k, v)
+            b = view if view is not None and j is not None and kv.windowed(j) else batch
+            out = fused.run(i, h, b, c, s, k, v) if fused is not None else None
+            h = out if out is not None else layer(h, b, c, s, k, v)
             if between is not None and i < last:
                 between(i)
         if self.mtp is not None:                                          # every row, for the MTP head

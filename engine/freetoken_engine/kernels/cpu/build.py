@@ -26,7 +26,7 @@ from pathlib import Path
 
 SRC_DIR = Path(__file__).resolve().parent
 SOURCES = ("experts.h", "simd.h", "experts.cpp", "experts_isa.cpp", "decode_isa.cpp", "branch.cpp",
-           "pool.h", "isa.h", "tune.h", "jobs.h", "amx_pack.h", "exp_job.h", "experts_amx.cpp", "mxfp4.h")
+           "pool.h", "isa.h", "tune.h", "jobs.h", "amx_pack.h", "exp_job.h", "experts_amx.cpp", "mxfp4.h", "layer.cpp")
 LIB_NAME = "libftexperts.so"
 
 _COMMON = ["-O3", "-std=c++17", "-fPIC", "-fno-strict-aliasing", "-w"]
@@ -36,6 +36,7 @@ _AVX512 = _AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq"]
 _UNITS = (
     ("dispatch.o", "experts.cpp", []),
     ("branch.o", "branch.cpp", []),
+    ("layer.o", "layer.cpp", []),
     ("isa_generic.o", "experts_isa.cpp", ["-DFT_ISA=0"]),
     ("isa_avx2.o", "experts_isa.cpp", ["-DFT_ISA=1"] + _AVX2),
     ("isa_avx512.o", "experts_isa.cpp", ["-DFT_ISA=2"] + _AVX512),
@@ -140,6 +141,10 @@ def load() -> ctypes.CDLL:
     lib.ft_rmsnorm.argtypes = [vp, i64, i64, vp, ctypes.c_float, ci, vp]
     lib.ft_attn.restype = ci
     lib.ft_attn.argtypes = [vp]          # FtAttn* (kernels/cpu/attention.py)
+    lib.ft_layer_attn.restype = ci
+    lib.ft_layer_attn.argtypes = [vp, vp, vp, vp, vp]   # FtLayer*, FtStep*, h, k_cache, v_cache (cpu/layer.py)
+    lib.ft_layer_moe.restype = ci
+    lib.ft_layer_moe.argtypes = [vp, i64, vp, vp, vp]  # FtLayer*, rows, ids, weights, shared
     lib.ft_branch_run.restype = ci
     lib.ft_branch_run.argtypes = [vp, i64]   # FtBranch* (kernels/cpu_branch.py), epoch
     lib.ft_read_seconds.restype = ctypes.c_double
