@@ -12,14 +12,15 @@ from freetoken_engine.cache import kv as kvmod
 from freetoken_engine.executor import cpu_decode
 from freetoken_engine.llm import Lockstep
 from test_kv_window import SMALL
+from test_mxfp4_experts import _as_mxfp4
 from test_parity import PROMPT, reference_greedy
 from tiny_configs import SUPPORTED
 from tiny_models import load_reference
 
 #: families whose every layer the fused path takes (q/k norms per head or none; shared experts;
-#: dense first layers; biased routers; sliding windows)
+#: dense first layers; biased routers; sliding windows; gpt-oss's sinks, biases and clamped gate)
 ALL_FUSED = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "ernie4_5_moe", "dots1", "granitemoeshared",
-             "granitemoe_swa", "llama", "qwen3", "exaone_moe", "flint"}
+             "granitemoe_swa", "llama", "qwen3", "exaone_moe", "flint", "gpt_oss"}
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 
 
@@ -52,7 +53,7 @@ def test_every_family_decodes_the_same_logits_fused_or_not(tiny_checkpoint, mode
     assert plain.runner.model.cpu_decode is None
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "glm4_moe", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss", "llama"])
 def test_bfloat16_decodes_the_same_logits_and_tokens_fused_or_not(tiny_checkpoint, model_type, fused_runs):
     """bfloat16 rounds every step where torch rounds it: the residual adds, the combine's
     products, its sum, the shared expert's add."""
@@ -109,3 +110,13 @@ def test_passes_the_fused_layers_do_not_take_run_the_modules(tiny_checkpoint, fu
     assert not fused_runs
     Lockstep(llm, [PROMPT]).step()
     assert fused_runs and all(fused_runs)
+
+
+def test_gpt_oss_with_its_experts_in_four_bits_decodes_the_same_fused(tiny_checkpoint, tmp_path, fused_runs):
+    """gpt-oss as published (MXFP4 experts kept in four bits in the bank): the fused layers call
+    the gated kernel on the 4-bit rows, with the gate/up biases and the output biases' share."""
+    mx, _ = _as_mxfp4(tiny_checkpoint("gpt_oss", hidden_size=64, intermediate_size=64, head_dim=16), tmp_path)
+    fused, plain = pair(mx)
+    assert fused.runner.bank.mxfp4
+    assert torch.equal(fused.forward_logits(PROMPT), plain.forward_logits(PROMPT))
+    assert fused_runs.count(True) == len(fused.runner.model.model.layers) * len(PROMPT)

@@ -7,14 +7,15 @@ whose ``run`` does a layer's step in two compiled calls around the model's own r
 None (the modules run). Layers that do not qualify run their modules inside a fused pass too.
 
 A layer qualifies when its step is exactly what the calls chain: pre-norm attention (RMSNorm;
-fused q/k/v; no clip, gate or temperature; per-head q/k norms or none), then either a MoE block
-of plain experts (silu, no biases; any router, a shared expert allowed: both run in torch on the
-fused call's output) computed from the host bank in place (every expert resident; with an expert
-cache smaller than that, the modules run), with no prefetch guess and no scaling of the routed
-input, or a dense gated MLP (its module runs after the fused attention half). The default
-model, Qwen3-MoE, Mixtral, Qwen2-MoE, GLM-4.5 and the dense Llama and Qwen families qualify
+fused q/k/v; no clip, gate or temperature; per-head q/k norms or none; sinks and windows
+allowed), then either a MoE block computed from the host bank in place (every expert resident;
+with an expert cache smaller than that, the modules run; experts plain or gpt-oss's, dense or
+MXFP4 rows; any router, a shared expert and the experts' output biases allowed: they run in torch
+on the fused call's output) with no prefetch guess and no scaling of the routed input, or a dense
+gated MLP (its module runs after the fused attention half). The default model, Qwen3-MoE,
+Mixtral, Qwen2-MoE, GLM-4.5, gpt-oss and the dense Llama and Qwen families qualify
 (tests/engine/test_fused_cpu_decode.py lists them); OLMoE's and MiniMax's whole-projection q/k
-norms, gpt-oss's experts, latent attention and gated attention do not.
+norms, latent attention, gated attention and recurrent layers do not.
 ``EngineConfig.fused_cpu_decode=False`` turns it off.
 """
 from __future__ import annotations
@@ -24,6 +25,7 @@ import logging
 import torch
 
 from ..cache.offload import OffloadedExperts
+from ..kernels.reference import SILU
 from ..kernels.cpu.layer import MAX_ROWS, AttnWeights, FusedLayer, Scratch, Step, projection_ok
 from ..layers.attention import Attention
 from ..layers.mlp import GatedMLP
@@ -57,16 +59,25 @@ def _attn_weights(layer: DecoderLayer, dtype: torch.dtype) -> AttnWeights | None
                        None if at.sinks is None else at.sinks.detach().float().contiguous())
 
 
-def _mlp_kind(mlp, experts: OffloadedExperts | None) -> str | None:
+def _mlp_kind(mlp, experts: OffloadedExperts | None, dtype: torch.dtype) -> str | None:
     """"moe" for a MoE block the fused call computes, "dense" for a dense MLP (its module runs
     after the attention half), None for anything else (the layer stays unfused)."""
     if type(mlp) is GatedMLP:
         return "dense"
     if (isinstance(mlp, SparseMoE) and experts is not None and mlp.experts is experts and mlp.next_gate is None
-            and mlp.expert_b2 is None and not mlp.moe.scale_input and not mlp.moe.average_shared
-            and experts.math.plain and experts.cpu_backend_name == "compiled"):
+            and not mlp.moe.scale_input and not mlp.moe.average_shared and experts.cpu_backend_name == "compiled"
+            and (mlp.expert_b2 is None or mlp.expert_b2.dtype == dtype)):
         return "moe"
     return None
+
+
+def _b13(experts: OffloadedExperts, layer: int) -> torch.Tensor | None:
+    """MoE layer ``layer``'s gate/up biases as the unfused bank path hands them to the kernel
+    (cache/expert_math.py): float32 host rows [E, 2I], or None."""
+    b13 = experts.math.layer_b13[layer] if experts.math.layer_b13 else None
+    if b13 is not None and not (b13.is_cpu and b13.dtype == torch.float32):
+        b13 = experts.math.host_b13()[layer]
+    return None if b13 is None else b13.detach().float().contiguous()
 
 
 class CpuDecode:
@@ -86,7 +97,7 @@ class CpuDecode:
         found = {}
         for i, layer in enumerate(self.model.model.layers):
             a = _attn_weights(layer, self.dtype) if isinstance(layer, DecoderLayer) else None
-            kind = _mlp_kind(layer.mlp, self.experts) if a is not None else None
+            kind = _mlp_kind(layer.mlp, self.experts, self.dtype) if a is not None else None
             if kind is not None:
                 found[i] = (a, layer.mlp.moe_layer if kind == "moe" else None)
         if not found:
@@ -99,7 +110,8 @@ class CpuDecode:
         for i, (a, m) in found.items():
             try:
                 self.fused[i] = FusedLayer(a, None if m is None else bank.w13[m], None if m is None else bank.w2[m],
-                                           top_k, scratch, i % 2)
+                                           top_k, scratch, i % 2, self.experts.math.act if m is not None else SILU,
+                                           None if m is None else _b13(self.experts, m))
             except ValueError as exc:
                 log.debug("layer %d stays unfused: %s", i, exc)
         log.info("CPU decode: %d of %d layers fused", len(self.fused), len(self.model.model.layers))
@@ -155,8 +167,11 @@ class FusedPass:
         if weights.dtype != h.dtype or not weights.is_contiguous() or not ids.is_contiguous() \
                 or ids.dtype != torch.int64:
             weights, ids = weights.to(h.dtype).contiguous(), ids.to(torch.int64).contiguous()
-        shared = None if mlp.shared_expert is None else mlp._shared(x2).contiguous()   # [B, H]
-        out = f.moe(self.rows, ids, weights, shared)
+        shared = None if mlp.shared_expert is None else mlp._shared(x2)               # [B, H]
+        if mlp.expert_b2 is not None:       # the experts' output biases, weighted (as SparseMoE.forward)
+            biases = (mlp.expert_b2[ids] * weights[..., None]).sum(dim=1)
+            shared = biases if shared is None else shared + biases
+        out = f.moe(self.rows, ids, weights, None if shared is None else shared.contiguous())
         stats = self.owner.experts.cache.stats         # what the unfused bank path counts
         stats.hits += ids.shape[1] if self.rows == 1 else int(torch.unique(ids).numel())
         return out

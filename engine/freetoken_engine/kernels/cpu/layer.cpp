@@ -28,6 +28,11 @@ int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
                      const void* w13, const void* w2, int w_bf16, int64_t E,
                      int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
                      const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out, int64_t i0);
+int ft_experts_gated(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
+                     const void* w13, const void* w2, int w_bf16, int64_t E,
+                     int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
+                     const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out,
+                     int act, float alpha, float limit, const float* b13, int64_t n_bias, const int64_t* pair_bias);
 
 // A projection's weight as ft_linear takes it.
 struct FtProj {
@@ -53,6 +58,11 @@ struct FtLayer {
   const void* w2;
   int w_kind;               // 0 fp32, 1 bf16, 2 MXFP4 rows
   int64_t w13_es, w13_rs, w2_es, w2_rs;
+  // experts of another kind (gpt-oss; ft_experts_gated): gate_act 1 the clamped gate (alpha,
+  // limit), b13 [E, 2I] fp32 gate/up bias rows (null: none); gate_act 0 and no b13: plain
+  int gate_act;
+  float alpha, limit;
+  const float* b13;
   const int64_t* pair_tok;  // [max_rows k]: t of pair t k + j
   // scratch [max_rows, ...] in the activations' dtype
   void* x;                  // [, H]
@@ -179,9 +189,13 @@ int ft_layer_attn(const FtLayer* L, const FtStep* s, const void* h, void* k_cach
 // null) onto h2, into L->out. Returns 0, or -1 with ft_last_error() set (an expert id out of range).
 int ft_layer_moe(const FtLayer* L, int64_t B, const int64_t* ids, const void* w, const void* shared) {
   const int64_t H = L->H, k = L->k;
-  if (ft_experts_range(L->x2, L->bf16, B, H, L->I, L->w13, L->w2, L->w_kind, L->E, L->w13_es, L->w13_rs,
-                       L->w2_es, L->w2_rs, L->pair_tok, ids, B * k, L->rows, 0))
-    return -1;
+  const int rc = L->gate_act || L->b13
+      ? ft_experts_gated(L->x2, L->bf16, B, H, L->I, L->w13, L->w2, L->w_kind, L->E, L->w13_es, L->w13_rs,
+                         L->w2_es, L->w2_rs, L->pair_tok, ids, B * k, L->rows, L->gate_act, L->alpha, L->limit,
+                         L->b13, L->E, ids)
+      : ft_experts_range(L->x2, L->bf16, B, H, L->I, L->w13, L->w2, L->w_kind, L->E, L->w13_es, L->w13_rs,
+                         L->w2_es, L->w2_rs, L->pair_tok, ids, B * k, L->rows, 0);
+  if (rc) return -1;
   static thread_local std::vector<float> acc;
   acc.resize(H);
   if (L->bf16)

@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import cpu_experts
+from .. import cpu_experts, reference
 from .attention import _FtAttn
 from .expert_args import fast_args
+from .gated import ACTS
 
 _i64, _vp, _ci, _cf = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 _DT = {torch.float32: 0, torch.bfloat16: 1}
@@ -41,7 +42,8 @@ class _FtLayer(ctypes.Structure):    # FtLayer in layer.cpp, field for field
     _fields_ = [("H", _i64), ("bf16", _ci), ("in_norm", _vp), ("in_eps", _cf), ("post_norm", _vp),
                 ("post_eps", _cf), ("qkv", _FtProj), ("o", _FtProj), ("attn", _FtAttn),
                 ("I", _i64), ("E", _i64), ("k", _i64), ("w13", _vp), ("w2", _vp), ("w_kind", _ci),
-                ("w13_es", _i64), ("w13_rs", _i64), ("w2_es", _i64), ("w2_rs", _i64), ("pair_tok", _vp),
+                ("w13_es", _i64), ("w13_rs", _i64), ("w2_es", _i64), ("w2_rs", _i64), ("gate_act", _ci),
+                ("alpha", _cf), ("limit", _cf), ("b13", _vp), ("pair_tok", _vp),
                 ("x", _vp), ("qkv_out", _vp), ("o_in", _vp), ("a", _vp), ("h2", _vp), ("x2", _vp),
                 ("rows", _vp), ("out", _vp)]
 
@@ -125,12 +127,14 @@ class Step:
 
 class FusedLayer:
     """One layer's decode step in two calls (see the module docstring): ``w13`` / ``w2`` its
-    experts' bank layer (None: a dense MLP, the attention half only). ``parity``: which output
-    buffer it writes (alternate between consecutive layers). ValueError when the compiled kernels
-    do not take the experts."""
+    experts' bank layer (None: a dense MLP, the attention half only); experts of another kind
+    (gpt-oss) with their ``act`` and ``b13`` [E, 2I] float32 gate/up biases (or None).
+    ``parity``: which output buffer it writes (alternate between consecutive layers). ValueError
+    when the compiled kernels do not take the experts."""
 
     def __init__(self, attn: AttnWeights, w13: torch.Tensor | None, w2: torch.Tensor | None, top_k: int,
-                 scratch: Scratch, parity: int):
+                 scratch: Scratch, parity: int, act: reference.GatedAct = reference.SILU,
+                 b13: torch.Tensor | None = None):
         dtype = scratch.x.dtype
         self.lib = cpu_experts._load()
         hidden = attn.in_norm.shape[0]
@@ -142,7 +146,10 @@ class FusedLayer:
             _, _, _, _, inter, p13, p2, kind, experts, es13, rs13, es2, rs2, *_ = args
         elif self.lib is None:
             raise ValueError("no compiled kernels")
-        self._keep = (attn, w13, w2, scratch)
+        if act.kind not in ACTS or (b13 is not None and not (b13.dtype == torch.float32 and b13.is_contiguous()
+                                                               and tuple(b13.shape) == (experts, 2 * inter))):
+            raise ValueError(f"experts of kind {act.kind} with biases {None if b13 is None else tuple(b13.shape)}")
+        self._keep = (attn, w13, w2, scratch, b13)
         a = attn
         sinks = None if a.sinks is None else a.sinks.data_ptr()
         spec = _FtAttn(0, a.heads, a.kv_heads, a.head_dim, None, None if a.q_norm is None else a.q_norm.data_ptr(),
@@ -151,7 +158,7 @@ class FusedLayer:
         s = scratch
         self.s = _FtLayer(hidden, _DT[dtype], a.in_norm.data_ptr(), a.in_eps, a.post_norm.data_ptr(), a.post_eps,
                           _proj(*a.qkv), _proj(*a.o), spec, inter, experts, top_k, p13, p2, kind, es13, rs13, es2, rs2,
-                          s.pair_tok.data_ptr(), s.x.data_ptr(), s.qkv.data_ptr(), s.o.data_ptr(), s.a.data_ptr(),
+                          ACTS[act.kind], act.alpha, act.limit, None if b13 is None else b13.data_ptr(), s.pair_tok.data_ptr(), s.x.data_ptr(), s.qkv.data_ptr(), s.o.data_ptr(), s.a.data_ptr(),
                           s.h2.data_ptr(), s.x2.data_ptr(), s.rows.data_ptr(), s.out[parity].data_ptr())
         self.ptr = ctypes.addressof(self.s)
         self.scratch, self.out, self.dense = scratch, f"out{parity}", w13 is None
