@@ -4,8 +4,10 @@ compiled calls a layer) against the same engine running the layers' modules, in 
     python bench/fused_cpu_decode.py [--tokens 96] [--rounds 3] [--only default-bf16,...]
 
 Models: the embedded default model (SmolLM2-135M as 16 experts a layer, 30 layers) in float32
-and bfloat16, and a random checkpoint in Qwen3-30B-A3B's ratios at hidden 1024 (8 layers, 128
-experts, top-8, bfloat16: ``bench/cpu_generate.py``'s ``qwen3moe-bf16``). Per model one engine;
+and bfloat16, a random checkpoint in Qwen3-30B-A3B's ratios at hidden 1024 (8 layers, 128
+experts, top-8, bfloat16: ``bench/cpu_generate.py``'s ``qwen3moe-bf16``) and 4 layers of
+gpt-oss-20b's widths with its experts in MXFP4 as published (``bench/mxfp4_engine.py``'s
+checkpoint, kept in 4 bits, computed in bfloat16). Per model one engine;
 the sides differ only in the model's ``cpu_decode`` (None: every layer's modules run), and
 alternate, which first, ``--rounds`` times: batch 1 (greedy ``generate`` of ``--tokens``
 tokens, its decode tok/s) and batch 4 (four prompts decoded together, ``Lockstep``). The tokens
@@ -34,24 +36,27 @@ PROMPT = "Write a long story about a dragon who learns to bake bread."
 
 
 def models(only: set[str] | None, tmp: Path):
-    """(name, folder, dtype) of each model measured, writing the random checkpoint first."""
+    """(name, folder, dtype) of each model measured, writing the random checkpoints first."""
+    want = lambda name: not only or name in only      # noqa: E731
     from freetoken_engine.models.default import default_model_dir
-    for dtype in ("float32", "bfloat16"):
-        name = "default-bf16" if dtype == "bfloat16" else "default-fp32"
-        if not only or name in only:
+    for name, dtype in (("default-fp32", "float32"), ("default-bf16", "bfloat16")):
+        if want(name):
             yield name, default_model_dir(progress=False), dtype
-    if only and "qwen3moe-bf16" not in only:
-        return
-    from cpu_generate import CHECKPOINTS
-    from tiny_models import make_tiny_checkpoint
-    spec = CHECKPOINTS["qwen3moe-bf16"]
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        folder = make_tiny_checkpoint(tmp / "qwen3moe", "qwen3_moe", vocab_size=spec["vocab_size"], dtype="bfloat16",
-                                      **spec["shape"])
-    finally:
-        torch.set_default_dtype(torch.float32)
-    yield "qwen3moe-bf16", folder, "bfloat16"
+    if want("qwen3moe-bf16"):
+        from cpu_generate import CHECKPOINTS
+        from tiny_models import make_tiny_checkpoint
+        spec = CHECKPOINTS["qwen3moe-bf16"]
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            folder = make_tiny_checkpoint(tmp / "qwen3moe", "qwen3_moe", vocab_size=spec["vocab_size"],
+                                          dtype="bfloat16", **spec["shape"])
+        finally:
+            torch.set_default_dtype(torch.float32)
+        yield "qwen3moe-bf16", folder, "bfloat16"
+    if want("gpt-oss-mxfp4"):
+        from mxfp4_engine import write
+        write(tmp / "gpt-oss", 4, 32768)
+        yield "gpt-oss-mxfp4", tmp / "gpt-oss", "bfloat16"
 
 
 def batch1(llm, ids: list[int], n: int) -> tuple[float, list[int]]:
@@ -77,7 +82,7 @@ def measure(name: str, folder: Path, dtype: str, args) -> dict:
     from freetoken_engine import LLM
     llm = LLM(folder, dtype=dtype)
     fused = llm.runner.model.cpu_decode
-    ids = llm.tokenizer.encode(PROMPT)
+    ids = llm.tokenizer.encode(PROMPT) if llm.tokenizer else list(range(11, 43))   # (the gpt-oss folder has none)
     rates = {(s, b): [] for s in ("fused", "modules") for b in (1, 4)}
     tokens = {}
     batch1(llm, ids, 8)                                  # warm: the kernels' library, the pool
@@ -142,7 +147,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", default="", help="comma-separated: default-fp32, default-bf16, qwen3moe-bf16")
+    ap.add_argument("--only", default="", help="comma-separated: default-fp32, default-bf16, qwen3moe-bf16, gpt-oss-mxfp4")
     report.main(ap, HERE / "results" / "fused_cpu_decode.json", run, plot)
 
 
