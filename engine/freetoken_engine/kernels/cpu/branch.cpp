@@ -9,21 +9,9 @@
 #include <string.h>
 #include <time.h>
 
-extern "C" {
+#include "entry.h"
 
-int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
-                     const void* w13, const void* w2, int w_bf16, int64_t E,
-                     int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
-                     const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out, int64_t i0);
-int ft_experts_gated(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
-                     const void* w13, const void* w2, int w_bf16, int64_t E,
-                     int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
-                     const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out,
-                     int act, float alpha, float limit, const float* b13, int64_t n_bias, const int64_t* pair_bias);
-int ft_experts_act(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
-                   const void* w13, const void* w2, int w_bf16, int64_t E,
-                   int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
-                   const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* act);
+extern "C" {
 
 struct FtBranch {
   int64_t L, P, T, H, I, E;   // P = T k pairs of this step (token-major), T tokens

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "experts.h"
+#include "entry.h"   // (checks the entry points' declarations against their definitions)
 #include "isa.h"
 #include "pool.h"
 #include "tune.h"

@@ -16,23 +16,9 @@
 
 #include <vector>
 
-#include "experts.h"
+#include "entry.h"
 
 extern "C" {
-
-int ft_linear(const void* x, int x_bf16, int64_t T, int64_t K, const void* w, int w_bf16,
-              int64_t N, int64_t w_rs, const void* bias, void* out);
-int ft_rmsnorm(const void* x, int64_t T, int64_t H, const void* w, float eps, int bf16, void* out);
-int ft_attn(FtAttn* p);
-int ft_experts_range(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
-                     const void* w13, const void* w2, int w_bf16, int64_t E,
-                     int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
-                     const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out, int64_t i0);
-int ft_experts_gated(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
-                     const void* w13, const void* w2, int w_bf16, int64_t E,
-                     int64_t w13_es, int64_t w13_rs, int64_t w2_es, int64_t w2_rs,
-                     const int64_t* pair_tok, const int64_t* pair_exp, int64_t P, void* out,
-                     int act, float alpha, float limit, const float* b13, int64_t n_bias, const int64_t* pair_bias);
 
 // A projection's weight as ft_linear takes it.
 struct FtProj {
@@ -189,13 +175,11 @@ int ft_layer_attn(const FtLayer* L, const FtStep* s, const void* h, void* k_cach
 // null) onto h2, into L->out. Returns 0, or -1 with ft_last_error() set (an expert id out of range).
 int ft_layer_moe(const FtLayer* L, int64_t B, const int64_t* ids, const void* w, const void* shared) {
   const int64_t H = L->H, k = L->k;
-  const int rc = L->gate_act || L->b13
-      ? ft_experts_gated(L->x2, L->bf16, B, H, L->I, L->w13, L->w2, L->w_kind, L->E, L->w13_es, L->w13_rs,
-                         L->w2_es, L->w2_rs, L->pair_tok, ids, B * k, L->rows, L->gate_act, L->alpha, L->limit,
-                         L->b13, L->E, ids)
-      : ft_experts_range(L->x2, L->bf16, B, H, L->I, L->w13, L->w2, L->w_kind, L->E, L->w13_es, L->w13_rs,
-                         L->w2_es, L->w2_rs, L->pair_tok, ids, B * k, L->rows, 0);
-  if (rc) return -1;
+  // (plain experts: gate_act 0 and no biases, ft_experts_range's whole experts)
+  if (ft_experts_gated(L->x2, L->bf16, B, H, L->I, L->w13, L->w2, L->w_kind, L->E, L->w13_es, L->w13_rs, L->w2_es,
+                       L->w2_rs, L->pair_tok, ids, B * k, L->rows, L->gate_act, L->alpha, L->limit, L->b13, L->E,
+                       ids))
+    return -1;
   static thread_local std::vector<float> acc;
   acc.resize(H);
   if (L->bf16)
