@@ -102,6 +102,9 @@ def _add_engine_options(p: argparse.ArgumentParser) -> None:
                    help="keep the calibrated q* as measured: by default a GPU engine measures the CPU's "
                         "rate on this model's experts at start and again while another process holds "
                         "some of the kernel's CPUs, and moves the split by it")
+    p.add_argument("--no-fused-cpu-decode", dest="fused_cpu_decode", action="store_false",
+                   help="run every layer's modules in a CPU decode step: by default a plain layer's step is "
+                        "two compiled calls, the same result (docs/cpu_kernel.md)")
 
 
 def _engine_kwargs(args) -> dict:
@@ -113,7 +116,8 @@ def _engine_kwargs(args) -> dict:
               graph_warmup=args.graph_warmup,
               graph_warmup_widths=args.graph_warmup_widths, graph_memory_gb=args.graph_memory_gb,
               split_tuning=args.split_tuning,
-              cpu_rate_probe=args.cpu_rate_probe, speculative_tokens=args.speculative_tokens,
+              cpu_rate_probe=args.cpu_rate_probe, fused_cpu_decode=args.fused_cpu_decode,
+              speculative_tokens=args.speculative_tokens,
               speculative_ngram=args.speculative_ngram, speculative_max_batch=args.speculative_max_batch,
               speculative_method=args.speculative_method, speculative_draft_vocab=args.speculative_draft_vocab)
     return kw

@@ -120,3 +120,19 @@ def test_gpt_oss_with_its_experts_in_four_bits_decodes_the_same_fused(tiny_check
     assert fused.runner.bank.mxfp4
     assert torch.equal(fused.forward_logits(PROMPT), plain.forward_logits(PROMPT))
     assert fused_runs.count(True) == len(fused.runner.model.model.layers) * len(PROMPT)
+
+
+def test_the_cli_turns_the_fused_layers_off(tiny_checkpoint, capsys, fused_runs):
+    """``--no-fused-cpu-decode``: every layer's modules run; the same tokens as by default."""
+    import json
+
+    from freetoken_engine.cli import main
+    folder = tiny_checkpoint("qwen3_moe")
+    args = ["generate", "--model", str(folder), "--prompt-ids", "5,17,99,200", "--max-new-tokens", "8",
+            "--temperature", "0", "--json"]
+    runs = []
+    for extra in ([], ["--no-fused-cpu-decode"]):
+        assert main(args + extra) == 0
+        runs.append((json.loads(capsys.readouterr().out.strip().splitlines()[-1])["token_ids"], len(fused_runs)))
+    (fused_tokens, after_fused), (plain_tokens, after_plain) = runs
+    assert fused_tokens == plain_tokens and after_fused > 0 and after_plain == after_fused
