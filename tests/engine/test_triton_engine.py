@@ -221,7 +221,7 @@ def test_whole_layer_calls_take_the_cached_experts_from_the_pool(tiny_checkpoint
     prompts = [PROMPT, PROMPT[::-1]]
     reference = LLM(folder, expert_backend="torch")
     want = [reference.generate(p, GREEDY).token_ids for p in prompts]
-    monkeypatch.setattr(OffloadedExperts, "_bank_in_place", lambda self: False)
+    monkeypatch.setattr(OffloadedExperts, "bank_in_place", lambda self: False)
     llm = LLM(folder, expert_backend="triton", expert_cache_experts=capacity, prefill_expert_threshold=4)
     experts = llm.runner.experts
     from_pool, pairs, real = [], [], experts._pool_forward

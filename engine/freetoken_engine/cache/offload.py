@@ -310,7 +310,7 @@ class OffloadedExperts:
         pair_tok = self._pair_tokens(t, k, x.device)                      # [P]
         self.math.begin(layer)
         try:
-            if self.control is not None and t < self.prefill_threshold and not self._bank_in_place():
+            if self.control is not None and t < self.prefill_threshold and not self.bank_in_place():
                 if self._fills_only(t):
                     # Every miss is filled: no CPU pair is possible, so no host sync in this layer
                     # (a decode step of such layers can be captured in a CUDA graph).
@@ -351,9 +351,9 @@ class OffloadedExperts:
 
     def _pool_in_place(self) -> bool:
         """Whole-layer calls take the cached experts from the device control's pool in place."""
-        return self.prefill_in_place and self.control is not None and not self._bank_in_place()
+        return self.prefill_in_place and self.control is not None and not self.bank_in_place()
 
-    def _bank_in_place(self) -> bool:
+    def bank_in_place(self) -> bool:
         """Every expert fits and the cache lives on the host: decode computes from the bank."""
         return self.cache.device.type == "cpu" and self.cache.capacity == self.bank.total_experts
 
@@ -372,7 +372,7 @@ class OffloadedExperts:
             if self._seed and self.seed_now and self.cache.capacity < self.bank.total_experts:
                 self._seed_cache(layer, topk_ids[-1:], w13, w2)
             return out
-        if self._bank_in_place():
+        if self.bank_in_place():
             # Every expert fits and the cache's device is the host: the bank *is* the resident
             # copy, so compute from it in place (no fills, no slot lookups). Each distinct
             # routed expert counts as a hit (a token's top-k experts are distinct).

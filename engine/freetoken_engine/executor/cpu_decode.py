@@ -123,7 +123,7 @@ class CpuDecode:
         """A ``FusedPass`` for this pass, or None (the modules run every layer): only decode
         passes of at most 8 rows on the CPU, with the bank still every expert's home."""
         if (between is not None or batch.q_max != 1 or batch.kv_len is None or h.shape[0] > MAX_ROWS
-                or h.device.type != "cpu" or (self.experts is not None and not self.experts._bank_in_place())
+                or h.device.type != "cpu" or (self.experts is not None and not self.experts.bank_in_place())
                 or (torch.is_grad_enabled() and h.requires_grad)):
             return None
         if self._bank() != self.bank_at:
@@ -152,8 +152,8 @@ class FusedPass:
     def run(self, i: int, h: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor,
             k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         f = self.owner.fused.get(i)
-        if f is None or k is None or k.dtype != h.dtype or not (h.is_contiguous() and cos.is_contiguous()
-                                                                 and sin.is_contiguous()):
+        if f is None or k is None or h.dtype != self.owner.dtype or k.dtype != h.dtype \
+                or not (h.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
             return None
         step = self._step(batch)
         if step is None:
@@ -167,7 +167,7 @@ class FusedPass:
         if weights.dtype != h.dtype or not weights.is_contiguous() or not ids.is_contiguous() \
                 or ids.dtype != torch.int64:
             weights, ids = weights.to(h.dtype).contiguous(), ids.to(torch.int64).contiguous()
-        shared = None if mlp.shared_expert is None else mlp._shared(x2)               # [B, H]
+        shared = None if mlp.shared_expert is None else mlp.shared(x2)               # [B, H]
         if mlp.expert_b2 is not None:       # the experts' output biases, weighted (as SparseMoE.forward)
             biases = (mlp.expert_b2[ids] * weights[..., None]).sum(dim=1)
             shared = biases if shared is None else shared + biases

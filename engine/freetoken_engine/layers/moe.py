@@ -141,7 +141,8 @@ class SparseMoE(nn.Module):
         weights, ids = biased_route(logits, gate.e_score_correction_bias, self.moe)
         return weights.to(dtype), ids
 
-    def _shared(self, x: torch.Tensor) -> torch.Tensor:
+    def shared(self, x: torch.Tensor) -> torch.Tensor:
+        """The shared expert's gated output ``[T, H]`` (the layer must have one)."""
         shared = self.shared_expert(x)
         if self.shared_expert_gate is not None:
             shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
@@ -165,7 +166,7 @@ class SparseMoE(nn.Module):
                 else torch.topk(logits, self.moe.top_k, dim=-1).indices
             self.experts.guess(self.moe_layer + 1, guess)
         # [T*k, H] or SplitRows; on a GPU the shared expert runs beside the hits while fills copy
-        beside = None if self.shared_expert is None else functools.partial(self._shared, x)
+        beside = None if self.shared_expert is None else functools.partial(self.shared, x)
         # experts of another kind (gpt-oss) take self.act and self.expert_b13 from the executor's
         # ExpertMath, which the runner gave them
         rows, shared = self.experts.forward_beside(self.moe_layer, routed, ids, beside)
