@@ -17,6 +17,8 @@ on the default model (or ``--model DIR``) and drives it with the official ``open
    Reported per turn: prompt tokens, recomputed tokens (prompt - cached, from ``usage``) and TTFT.
 
     python bench/serve_concurrency.py [--model DIR] [--max-tokens 32] [--rounds 2] [--turns 8]
+    python bench/serve_concurrency.py --ab fused_cpu_decode=true,false --ab-rounds 3 \
+        --out bench/results/serve_fused_cpu_decode.json     # the concurrency part, an engine per side
 
 Writes bench/results/serve_concurrency.json and .png (named by hardware, model and workload).
 """
@@ -183,15 +185,26 @@ def start_engine(model_dir: Path, options: dict):
     return svc
 
 
-def ab_pauses(args, model_dir: Path) -> int:
-    """``--ab-pauses``: the concurrency part for each ``--decode-pause-ms`` value, an engine per
-    side, the sides in alternating order for ``--ab-rounds`` rounds; medians per value."""
+def _value(text: str):
+    """An A/B side's engine option value from the command line: a bool, a number, else the text."""
+    low = text.strip().lower()
+    if low in ("true", "on", "false", "off"):
+        return low in ("true", "on")
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def ab_sides(args, model_dir: Path, option: str, values: list) -> int:
+    """``--ab OPTION=V1,V2`` (``--ab-pauses`` is ``--ab decode_pause_ms=...``): the concurrency
+    part for each value of the engine option, an engine per side, the sides in alternating order
+    for ``--ab-rounds`` rounds; medians per value."""
     import statistics
-    pauses = [float(p) for p in args.ab_pauses.split(",")]
     rows = []
     for rnd in range(args.ab_rounds):
-        for pause in pauses if rnd % 2 == 0 else pauses[::-1]:
-            svc = start_engine(model_dir, {"decode_pause_ms": pause})
+        for value in values if rnd % 2 == 0 else values[::-1]:
+            svc = start_engine(model_dir, {option: value})
             if svc is None:
                 return 1
             try:
@@ -201,23 +214,23 @@ def ab_pauses(args, model_dir: Path) -> int:
                     for n in args.clients.split(","):
                         before = svc.stats()["decode_steps_beside"]
                         row = asyncio.run(concurrency(url, svc.model_name, int(n), args.rounds, args.max_tokens))
-                        rows.append(row | {"decode_pause_ms": pause, "round": rnd,
+                        rows.append(row | {"side": f"{option}={value}", option: value, "round": rnd,
                                            "decode_steps_beside": svc.stats()["decode_steps_beside"] - before})
             finally:
                 svc.shutdown()
     summary = []
-    print(f"{'pause ms':>8} {'clients':>8} {'tok/s median':>12} {'TTFT p50 median':>15} {'TTFT p95 median':>15}")
-    for pause in pauses:
+    print(f"{'side':>24} {'clients':>8} {'tok/s median':>12} {'TTFT p50 median':>15} {'TTFT p95 median':>15}")
+    for value in values:
         for n in args.clients.split(","):
-            mine = [r for r in rows if r["decode_pause_ms"] == pause and r["clients"] == int(n)]
+            mine = [r for r in rows if r[option] == value and r["clients"] == int(n)]
             med = {k: statistics.median(r[k] for r in mine) for k in ("tokens_per_s", "ttft_p50_s", "ttft_p95_s")}
-            summary.append({"decode_pause_ms": pause, "clients": int(n), "rounds": len(mine), **med})
-            print(f"{pause:8.0f} {int(n):8d} {med['tokens_per_s']:12.1f} {med['ttft_p50_s']:14.3f}s "
+            summary.append({option: value, "side": f"{option}={value}", "clients": int(n), "rounds": len(mine), **med})
+            print(f"{option + '=' + str(value):>24} {int(n):8d} {med['tokens_per_s']:12.1f} {med['ttft_p50_s']:14.3f}s "
                   f"{med['ttft_p95_s']:14.3f}s")
-    result = {"benchmark": "serve_concurrency_decode_pause", "model": model_dir.name, "hardware": hardware(),
+    result = {"benchmark": f"serve_concurrency_ab_{option}", "model": model_dir.name, "hardware": hardware(),
               "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python", "bench/serve_concurrency.py"] + sys.argv[1:]),
-              "workload": {"max_tokens": args.max_tokens, "rounds": args.rounds, "method": ab_pauses.__doc__},
+              "workload": {"max_tokens": args.max_tokens, "rounds": args.rounds, "method": ab_sides.__doc__},
               "rows": rows, "summary": summary}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
@@ -232,7 +245,8 @@ def plot_ab(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
     for i, r in enumerate(result["rows"]):
-        label = f"{r['decode_pause_ms']:g} ms, {r['clients']} clients"
+        side = r["side"] if "side" in r else f"decode_pause_ms={r['decode_pause_ms']:g}"    # (files before stop 63)
+        label = f"{side}, {r['clients']} clients"
         a.scatter([label], [r["tokens_per_s"]], color="#4c72b0")
         b.scatter([label], [r["ttft_p50_s"]], color="#dd8452", label="p50" if i == 0 else None)
         b.scatter([label], [r["ttft_p95_s"]], color="#c44e52", marker="s", label="p95" if i == 0 else None)
@@ -242,7 +256,7 @@ def plot_ab(result: dict, path: Path) -> None:
     for ax in (a, b):
         ax.tick_params(axis="x", labelsize=8)
     hw = result["hardware"]
-    fig.suptitle(f"--decode-pause-ms, each round an engine per side: {result['model']} on {hw['cpu_model']} "
+    fig.suptitle(f"each round an engine per side: {result['model']} on {hw['cpu_model']} "
                  f"({hw['cpus']} CPUs)", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -303,14 +317,17 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=RESULTS / "serve_concurrency.json")
     ap.add_argument("--ab-pauses", help="only the concurrency part, an engine per --decode-pause-ms "
                     "value in this list (e.g. 0,100), the sides alternating --ab-rounds times")
+    ap.add_argument("--ab", help="only the concurrency part, an engine per value of an engine option: "
+                    "OPTION=V1,V2 (e.g. fused_cpu_decode=true,false), the sides alternating --ab-rounds times")
     ap.add_argument("--ab-rounds", type=int, default=3)
     args = ap.parse_args(argv)
     model_dir = args.model
     if model_dir is None:
         from freetoken_engine.models.default import default_model_dir
         model_dir = default_model_dir(progress=True)
-    if args.ab_pauses:
-        return ab_pauses(args, Path(model_dir))
+    if args.ab_pauses or args.ab:
+        option, values = ("decode_pause_ms", args.ab_pauses) if args.ab_pauses else args.ab.split("=", 1)
+        return ab_sides(args, Path(model_dir), option, [_value(v) for v in values.split(",")])
     options = {} if args.decode_pause_ms is None else {"decode_pause_ms": args.decode_pause_ms}
     svc = start_engine(Path(model_dir), options)
     if svc is None:
