@@ -5,7 +5,9 @@ compiled calls a layer) against the same engine running the layers' modules, in 
 
 Models: the embedded default model (SmolLM2-135M as 16 experts a layer, 30 layers) in float32
 and bfloat16, a random checkpoint in Qwen3-30B-A3B's ratios at hidden 1024 (8 layers, 128
-experts, top-8, bfloat16: ``bench/cpu_generate.py``'s ``qwen3moe-bf16``) and 4 layers of
+experts, top-8, bfloat16: ``bench/cpu_generate.py``'s ``qwen3moe-bf16``), a hybrid in Qwen3.6's
+layout at hidden 1024 (``HYBRID``: its MoE halves fused, its attention and DeltaNet layers
+through their modules) and 4 layers of
 gpt-oss-20b's widths with its experts in MXFP4 as published (``bench/mxfp4_engine.py``'s
 checkpoint, kept in 4 bits, computed in bfloat16). Per model one engine;
 the sides differ only in the model's ``cpu_decode`` (None: every layer's modules run), and
@@ -33,6 +35,12 @@ import report  # noqa: E402
 from hardware import describe  # noqa: E402
 
 PROMPT = "Write a long story about a dragon who learns to bake bread."
+#: Qwen3.6-35B-A3B's layout at half its width: 3 Gated DeltaNet layers to 1 gated attention
+#: layer, experts of I = H / 4 with a shared one, top-8 (128 experts instead of 256)
+HYBRID = dict(hidden_size=1024, num_hidden_layers=8, moe_intermediate_size=256, num_experts=128, num_experts_per_tok=8,
+              shared_expert_intermediate_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
+              linear_num_value_heads=16, linear_num_key_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+              linear_conv_kernel_dim=4, init_std=0.02, max_position_embeddings=4096)
 
 
 def models(only: set[str] | None, tmp: Path):
@@ -53,6 +61,15 @@ def models(only: set[str] | None, tmp: Path):
         finally:
             torch.set_default_dtype(torch.float32)
         yield "qwen3moe-bf16", folder, "bfloat16"
+    if want("qwen3.6-like-bf16"):
+        from tiny_models import make_tiny_checkpoint
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            folder = make_tiny_checkpoint(tmp / "hybrid", "qwen3_5_moe_text", vocab_size=32768, dtype="bfloat16",
+                                          **HYBRID)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        yield "qwen3.6-like-bf16", folder, "bfloat16"
     if want("gpt-oss-mxfp4"):
         from mxfp4_engine import write
         write(tmp / "gpt-oss", 4, 32768)
@@ -147,7 +164,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--only", default="", help="comma-separated: default-fp32, default-bf16, qwen3moe-bf16, gpt-oss-mxfp4")
+    ap.add_argument("--only", default="", help="comma-separated: default-fp32, default-bf16, qwen3moe-bf16, qwen3.6-like-bf16, "
+                    "gpt-oss-mxfp4")
     report.main(ap, HERE / "results" / "fused_cpu_decode.json", run, plot)
 
 

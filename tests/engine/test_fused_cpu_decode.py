@@ -18,9 +18,12 @@ from tiny_configs import SUPPORTED
 from tiny_models import load_reference
 
 #: families whose every layer the fused path takes (q/k norms per head or none; shared experts;
-#: dense first layers; biased routers; sliding windows; gpt-oss's sinks, biases and clamped gate)
+#: dense first layers; biased routers; sliding windows; gpt-oss's sinks, biases and clamped gate),
+#: the MoE half alone where the modules run the attention (whole-projection q/k norms, norms
+#: after the rotary, gated attention, recurrent layers: the hybrids, Qwen3.6's family among them)
 ALL_FUSED = {"qwen3_moe", "qwen2_moe", "mixtral", "glm4_moe", "ernie4_5_moe", "dots1", "granitemoeshared",
-             "granitemoe_swa", "llama", "qwen3", "exaone_moe", "flint", "gpt_oss"}
+             "granitemoe_swa", "llama", "qwen3", "exaone_moe", "flint", "gpt_oss", "olmoe", "minimax_m2",
+             "hunyuan_v1_moe", "qwen3_next", "qwen3_5_moe_text", "granitemoehybrid", "phimoe"}
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 
 
@@ -53,7 +56,7 @@ def test_every_family_decodes_the_same_logits_fused_or_not(tiny_checkpoint, mode
     assert plain.runner.model.cpu_decode is None
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss", "llama"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen2_moe", "glm4_moe", "gpt_oss", "qwen3_5_moe_text", "llama"])
 def test_bfloat16_decodes_the_same_logits_and_tokens_fused_or_not(tiny_checkpoint, model_type, fused_runs):
     """bfloat16 rounds every step where torch rounds it: the residual adds, the combine's
     products, its sum, the shared expert's add."""
@@ -66,7 +69,7 @@ def test_bfloat16_decodes_the_same_logits_and_tokens_fused_or_not(tiny_checkpoin
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe"])
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "glm4_moe", "qwen3_5_moe_text"])
 def test_a_batch_of_sequences_decodes_the_same_fused_or_not(tiny_checkpoint, model_type, dtype, fused_runs):
     """Three sequences of different lengths in one pass (each its own rotary, slots and keys),
     eight steps: the same logits every step, and the same expert hits."""

@@ -6,16 +6,18 @@ start of each pass: for a decode pass of at most 8 rows on the CPU it returns a 
 whose ``run`` does a layer's step in two compiled calls around the model's own router, else
 None (the modules run). Layers that do not qualify run their modules inside a fused pass too.
 
-A layer qualifies when its step is exactly what the calls chain: pre-norm attention (RMSNorm;
-fused q/k/v; no clip, gate or temperature; per-head q/k norms or none; sinks and windows
-allowed), then either a MoE block computed from the host bank in place (every expert resident;
-with an expert cache smaller than that, the modules run; experts plain or gpt-oss's, dense or
-MXFP4 rows; any router, a shared expert and the experts' output biases allowed: they run in torch
-on the fused call's output) with no prefetch guess and no scaling of the routed input, or a dense
-gated MLP (its module runs after the fused attention half). The default model, Qwen3-MoE,
-Mixtral, Qwen2-MoE, GLM-4.5, gpt-oss and the dense Llama and Qwen families qualify
-(tests/engine/test_fused_cpu_decode.py lists them); OLMoE's and MiniMax's whole-projection q/k
-norms, latent attention, gated attention and recurrent layers do not.
+A pre-norm layer (``DecoderLayer.plain``) is fused whole when its attention is what
+``ft_layer_attn`` chains (RMSNorm; fused q/k/v; no clip, gate or temperature; per-head q/k norms
+or none; sinks and windows allowed) and its MLP is either a MoE block computed from the host
+bank in place or a dense gated MLP (its module runs after the fused attention half). A MoE block
+qualifies with every expert resident (with an expert cache smaller than that, the modules run),
+plain or gpt-oss experts in dense or MXFP4 rows, any router, a shared expert and the experts'
+output biases (these run in torch on the fused call's output), and no prefetch guess and no
+scaling of the routed input. Where only the MoE block qualifies (whole-projection q/k norms,
+norms after the rotary, gated or latent attention, recurrent layers: the hybrids, Qwen3.6's
+family among them), the layer's modules run its attention half (``DecoderLayer.attend``) and
+the MoE half is fused. tests/engine/test_fused_cpu_decode.py lists the families; OLMo 2's
+post-norms, Cohere's parallel blocks, Llama 4's scaled routed input do not qualify.
 ``EngineConfig.fused_cpu_decode=False`` turns it off.
 """
 from __future__ import annotations
@@ -96,16 +98,18 @@ class CpuDecode:
             return
         found = {}
         for i, layer in enumerate(self.model.model.layers):
-            a = _attn_weights(layer, self.dtype) if isinstance(layer, DecoderLayer) else None
-            kind = _mlp_kind(layer.mlp, self.experts, self.dtype) if a is not None else None
-            if kind is not None:
+            if not (isinstance(layer, DecoderLayer) and layer.plain):
+                continue
+            a = _attn_weights(layer, self.dtype)
+            kind = _mlp_kind(layer.mlp, self.experts, self.dtype)
+            if kind == "moe" or (kind == "dense" and a is not None):     # (a MoE half alone, where a is None)
                 found[i] = (a, layer.mlp.moe_layer if kind == "moe" else None)
         if not found:
             return
-        attns = [a for a, _ in found.values()]
+        attns = [a for a, _ in found.values() if a is not None]
         top_k = self.experts.top_k if self.experts is not None else 1
-        scratch = Scratch(self.dtype, attns[0].in_norm.shape[0], max(a.qkv[0].shape[0] for a in attns),
-                          max(a.o[0].shape[1] for a in attns), top_k)
+        scratch = Scratch(self.dtype, self.model.cfg.hidden_size, max([a.qkv[0].shape[0] for a in attns], default=1),
+                          max([a.o[0].shape[1] for a in attns], default=1), top_k)
         bank = self.experts.bank if self.experts is not None else None
         for i, (a, m) in found.items():
             try:
@@ -152,17 +156,25 @@ class FusedPass:
     def run(self, i: int, h: torch.Tensor, batch, cos: torch.Tensor, sin: torch.Tensor,
             k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         f = self.owner.fused.get(i)
-        if f is None or k is None or h.dtype != self.owner.dtype or k.dtype != h.dtype \
-                or not (h.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+        if f is None or h.dtype != self.owner.dtype:
             return None
-        step = self._step(batch)
-        if step is None:
-            return None
-        step.rotary(cos, sin)
-        mlp = self.owner.model.model.layers[i].mlp
-        x2 = f.attn(step, h, k, v)
-        if f.dense:
-            return mlp(x2, residual=f.h2(self.rows))
+        layer = self.owner.model.model.layers[i]
+        mlp, halves = layer.mlp, None
+        if f.attn_fused:
+            if k is None or k.dtype != h.dtype or not (h.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+                return None
+            step = self._step(batch)
+            if step is None:
+                return None
+            step.rotary(cos, sin)
+            x2 = f.attn(step, h, k, v)
+            if f.dense:
+                return mlp(x2, residual=f.h2(self.rows))
+        else:                               # the attention half by the layer's modules
+            h2, x2 = layer.attend(h, batch, cos, sin, k, v)
+            if x2.dtype != h.dtype or h2.dtype != h.dtype:
+                return mlp(x2, residual=h2)
+            halves = (x2.contiguous(), h2.contiguous())
         weights, ids = mlp.route(x2)                                      # [B, k] each
         if weights.dtype != h.dtype or not weights.is_contiguous() or not ids.is_contiguous() \
                 or ids.dtype != torch.int64:
@@ -171,7 +183,7 @@ class FusedPass:
         if mlp.expert_b2 is not None:       # the experts' output biases, weighted (as SparseMoE.forward)
             biases = (mlp.expert_b2[ids] * weights[..., None]).sum(dim=1)
             shared = biases if shared is None else shared + biases
-        out = f.moe(self.rows, ids, weights, None if shared is None else shared.contiguous())
+        out = f.moe(self.rows, ids, weights, None if shared is None else shared.contiguous(), halves)
         stats = self.owner.experts.cache.stats         # what the unfused bank path counts
         stats.hits += ids.shape[1] if self.rows == 1 else int(torch.unique(ids).numel())
         return out

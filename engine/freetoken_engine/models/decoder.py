@@ -64,7 +64,21 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
+    @property
+    def plain(self) -> bool:
+        """Pre-norm: ``attend``, then the MLP of its norm onto its residual (most families)."""
+        return not (self.post_norms or self.parallel or self.sandwich or self.moe_post)
+
+    def attend(self, h, batch, cos, sin, k_cache, v_cache):
+        """A plain layer's first half: ``(h + attention(norm(h)), its norm)``, the MLP's residual and input."""
+        x = self.input_layernorm(h)
+        a = self.linear_attn(x, batch) if self.self_attn is None else self.self_attn(x, batch, cos, sin, k_cache, v_cache)
+        return self.post_attention_layernorm.add_forward(a, h)
+
     def forward(self, h, batch, cos, sin, k_cache, v_cache):
+        if self.plain:
+            h, x = self.attend(h, batch, cos, sin, k_cache, v_cache)
+            return self.mlp(x, residual=h)                               # h + mlp(x)
         if self.post_norms:                 # OLMo 2: the branches' outputs normed, not their inputs
             h = h + self.post_attention_layernorm(self.self_attn(h, batch, cos, sin, k_cache, v_cache))
             return h + self.post_feedforward_layernorm(self.mlp(h))
@@ -75,11 +89,8 @@ class DecoderLayer(nn.Module):
         if self.sandwich:
             h, x = self.pre_mlp_layernorm.add_forward(self.post_attention_layernorm(a), h)
             return h + self.post_mlp_layernorm(self.mlp(x))
-        if self.moe_post:
-            h, x = self.post_attention_layernorm.add_forward(a, h)
-            return h + self.post_mlp_layernorm(self.mlp(x))
-        h, x = self.post_attention_layernorm.add_forward(a, h)           # h + a and its norm
-        return self.mlp(x, residual=h)                                   # h + mlp(x)
+        h, x = self.post_attention_layernorm.add_forward(a, h)           # moe_post
+        return h + self.post_mlp_layernorm(self.mlp(x))
 
 
 class Backbone(nn.Module):

@@ -144,7 +144,7 @@ def load() -> ctypes.CDLL:
     lib.ft_layer_attn.restype = ci
     lib.ft_layer_attn.argtypes = [vp, vp, vp, vp, vp]   # FtLayer*, FtStep*, h, k_cache, v_cache (cpu/layer.py)
     lib.ft_layer_moe.restype = ci
-    lib.ft_layer_moe.argtypes = [vp, i64, vp, vp, vp]  # FtLayer*, rows, ids, weights, shared
+    lib.ft_layer_moe.argtypes = [vp, i64, vp, vp, vp, vp, vp]  # FtLayer*, rows, ids, weights, shared, x2, h2
     lib.ft_branch_run.restype = ci
     lib.ft_branch_run.argtypes = [vp, i64]   # FtBranch* (kernels/cpu_branch.py), epoch
     lib.ft_read_seconds.restype = ctypes.c_double

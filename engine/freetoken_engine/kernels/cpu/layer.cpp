@@ -170,23 +170,25 @@ int ft_layer_attn(const FtLayer* L, const FtStep* s, const void* h, void* k_cach
   return ft_rmsnorm(L->h2, B, H, L->post_norm, L->post_eps, b, L->x2);
 }
 
-// The MoE half: experts of the pairs (t, ids[t k + j]) on x2, combined with their routing
+// The MoE half: experts of the pairs (t, ids[t k + j]) on x2 [B, H], combined with their routing
 // weights w [B, k] (the activations' dtype) and the shared expert's rows shared [B, H] (or
-// null) onto h2, into L->out. Returns 0, or -1 with ft_last_error() set (an expert id out of range).
-int ft_layer_moe(const FtLayer* L, int64_t B, const int64_t* ids, const void* w, const void* shared) {
+// null) onto h2 [B, H], into L->out. x2 / h2: the attention half's (L->x2, L->h2) or, where the
+// layer's modules ran it, theirs. Returns 0, or -1 with ft_last_error() set (an expert id out of range).
+int ft_layer_moe(const FtLayer* L, int64_t B, const int64_t* ids, const void* w, const void* shared,
+                 const void* x2, const void* h2) {
   const int64_t H = L->H, k = L->k;
   // (plain experts: gate_act 0 and no biases, ft_experts_range's whole experts)
-  if (ft_experts_gated(L->x2, L->bf16, B, H, L->I, L->w13, L->w2, L->w_kind, L->E, L->w13_es, L->w13_rs, L->w2_es,
+  if (ft_experts_gated(x2, L->bf16, B, H, L->I, L->w13, L->w2, L->w_kind, L->E, L->w13_es, L->w13_rs, L->w2_es,
                        L->w2_rs, L->pair_tok, ids, B * k, L->rows, L->gate_act, L->alpha, L->limit, L->b13, L->E,
                        ids))
     return -1;
   static thread_local std::vector<float> acc;
   acc.resize(H);
   if (L->bf16)
-    combine<true>((const uint16_t*)L->rows, (const uint16_t*)w, (const uint16_t*)shared, (const uint16_t*)L->h2,
+    combine<true>((const uint16_t*)L->rows, (const uint16_t*)w, (const uint16_t*)shared, (const uint16_t*)h2,
                   (uint16_t*)L->out, B, k, H, acc.data());
   else
-    combine<false>((const float*)L->rows, (const float*)w, (const float*)shared, (const float*)L->h2,
+    combine<false>((const float*)L->rows, (const float*)w, (const float*)shared, (const float*)h2,
                    (float*)L->out, B, k, H, acc.data());
   return 0;
 }

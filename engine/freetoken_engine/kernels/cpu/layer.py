@@ -126,42 +126,46 @@ class Step:
 
 
 class FusedLayer:
-    """One layer's decode step in two calls (see the module docstring): ``w13`` / ``w2`` its
-    experts' bank layer (None: a dense MLP, the attention half only); experts of another kind
-    (gpt-oss) with their ``act`` and ``b13`` [E, 2I] float32 gate/up biases (or None).
+    """One layer's decode step in two calls (see the module docstring): ``attn`` its attention
+    half (None: the layer's modules run it, and ``moe`` takes their x2 and h2), ``w13`` / ``w2``
+    its experts' bank layer (None: a dense MLP, the attention half only); experts of another
+    kind (gpt-oss) with their ``act`` and ``b13`` [E, 2I] float32 gate/up biases (or None).
     ``parity``: which output buffer it writes (alternate between consecutive layers). ValueError
     when the compiled kernels do not take the experts."""
 
-    def __init__(self, attn: AttnWeights, w13: torch.Tensor | None, w2: torch.Tensor | None, top_k: int,
+    def __init__(self, attn: AttnWeights | None, w13: torch.Tensor | None, w2: torch.Tensor | None, top_k: int,
                  scratch: Scratch, parity: int, act: reference.GatedAct = reference.SILU,
                  b13: torch.Tensor | None = None):
-        dtype = scratch.x.dtype
+        s, dtype = scratch, scratch.x.dtype
         self.lib = cpu_experts._load()
-        hidden = attn.in_norm.shape[0]
         inter = p13 = p2 = kind = experts = es13 = rs13 = es2 = rs2 = 0
         if w13 is not None:
-            args = fast_args(scratch.x[:1], w13, w2, scratch.pair_tok[:top_k], scratch.pair_tok[:top_k], None, 0)
+            args = fast_args(s.x[:1], w13, w2, s.pair_tok[:top_k], s.pair_tok[:top_k], None, 0)
             if args is None or self.lib is None:
                 raise ValueError("the compiled kernels do not take this layer's experts")
             _, _, _, _, inter, p13, p2, kind, experts, es13, rs13, es2, rs2, *_ = args
-        elif self.lib is None:
-            raise ValueError("no compiled kernels")
+        elif self.lib is None or attn is None:
+            raise ValueError("nothing to fuse" if self.lib else "no compiled kernels")
         if act.kind not in ACTS or (b13 is not None and not (b13.dtype == torch.float32 and b13.is_contiguous()
                                                                and tuple(b13.shape) == (experts, 2 * inter))):
             raise ValueError(f"experts of kind {act.kind} with biases {None if b13 is None else tuple(b13.shape)}")
         self._keep = (attn, w13, w2, scratch, b13)
         a = attn
-        sinks = None if a.sinks is None else a.sinks.data_ptr()
-        spec = _FtAttn(0, a.heads, a.kv_heads, a.head_dim, None, None if a.q_norm is None else a.q_norm.data_ptr(),
-                       None if a.k_norm is None else a.k_norm.data_ptr(), a.qk_eps, None, None, None, None, None,
-                       None, 0, None, a.window or 0, a.scale, _DT[dtype], 0, None, None, 0, 0, sinks, a.chunk or 0)
-        s = scratch
-        self.s = _FtLayer(hidden, _DT[dtype], a.in_norm.data_ptr(), a.in_eps, a.post_norm.data_ptr(), a.post_eps,
-                          _proj(*a.qkv), _proj(*a.o), spec, inter, experts, top_k, p13, p2, kind, es13, rs13, es2, rs2,
-                          ACTS[act.kind], act.alpha, act.limit, None if b13 is None else b13.data_ptr(), s.pair_tok.data_ptr(), s.x.data_ptr(), s.qkv.data_ptr(), s.o.data_ptr(), s.a.data_ptr(),
-                          s.h2.data_ptr(), s.x2.data_ptr(), s.rows.data_ptr(), s.out[parity].data_ptr())
+        ptr = lambda t: None if t is None else t.data_ptr()     # noqa: E731
+        if a is not None:
+            spec = _FtAttn(0, a.heads, a.kv_heads, a.head_dim, None, ptr(a.q_norm), ptr(a.k_norm), a.qk_eps, None,
+                           None, None, None, None, None, 0, None, a.window or 0, a.scale, _DT[dtype], 0, None, None, 0,
+                           0, ptr(a.sinks), a.chunk or 0)
+            half = (a.in_norm.data_ptr(), a.in_eps, a.post_norm.data_ptr(), a.post_eps, _proj(*a.qkv), _proj(*a.o), spec)
+        else:
+            half = (None, 0.0, None, 0.0, _FtProj(), _FtProj(), _FtAttn())
+        self.s = _FtLayer(s.x.shape[1], _DT[dtype], *half, inter, experts, top_k, p13, p2, kind, es13, rs13, es2,
+                          rs2, ACTS[act.kind], act.alpha, act.limit, ptr(b13), s.pair_tok.data_ptr(), s.x.data_ptr(),
+                          s.qkv.data_ptr(), s.o.data_ptr(), s.a.data_ptr(), s.h2.data_ptr(), s.x2.data_ptr(),
+                          s.rows.data_ptr(), s.out[parity].data_ptr())
         self.ptr = ctypes.addressof(self.s)
-        self.scratch, self.out, self.dense = scratch, f"out{parity}", w13 is None
+        self.scratch, self.out, self.dense, self.attn_fused = scratch, f"out{parity}", w13 is None, a is not None
+        self._halves = (s.x2.data_ptr(), s.h2.data_ptr())
 
     def attn(self, step: Step, h: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """The attention half of ``h [B, H]`` (contiguous, the scratch's dtype): returns x2 [B, H],
@@ -174,11 +178,14 @@ class FusedLayer:
         """The residual after the attention half ``[rows, H]`` (the MLP's residual)."""
         return self.scratch.view("h2", rows)
 
-    def moe(self, rows: int, ids: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    def moe(self, rows: int, ids: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+            halves: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The MoE half for the router's ``ids [B, k]`` (int64), ``weights [B, k]`` and the shared
-        expert's ``shared [B, H]`` or None (contiguous, the scratch's dtype): returns the layer's
-        output [B, H]. IndexError for an expert id out of range."""
+        expert's ``shared [B, H]`` or None; ``halves``: (x2, h2) where the layer's modules ran the
+        attention half (default: ``attn``'s). Tensors contiguous, in the scratch's dtype. Returns
+        the layer's output [B, H]. IndexError for an expert id out of range."""
+        x2, h2 = self._halves if halves is None else (halves[0].data_ptr(), halves[1].data_ptr())
         if self.lib.ft_layer_moe(self.ptr, rows, ids.data_ptr(), weights.data_ptr(),
-                                 None if shared is None else shared.data_ptr()):
+                                 None if shared is None else shared.data_ptr(), x2, h2):
             raise IndexError(self.lib.ft_last_error().decode())
         return self.scratch.view(self.out, rows)
