@@ -116,8 +116,10 @@ class Step:
                          kv_len.data_ptr(), int(write_first))
         self.ptr = ctypes.addressof(self.s)
         self._rot: tuple[int, int] = (0, 0)
+        self._keep_rot: tuple[torch.Tensor, torch.Tensor] | None = None     # the tensors s.cos / s.sin point into
 
     def rotary(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """The next layer's cos / signed sin ``[B, 1, rot]`` (contiguous, the activations' dtype)."""
         key = (cos.data_ptr(), sin.data_ptr())
         if key != self._rot:
             self._rot = key
