@@ -231,3 +231,19 @@ def test_gpt_oss_20b_on_a_gpu_leaves_its_expert_cache_2_7_gb_more(monkeypatch):
     kept = kv_pool_bytes(24, 131072, 8, 64, 2, window_layers=12, window_tokens=blocks * 16)
     assert 6.4e9 < full < 6.5e9 and 3.6e9 < kept < 3.8e9
     assert (full - kept) // per <= n[True] - n[False] <= -(-(full - kept) // per)
+
+
+def test_a_prompts_chunks_keep_the_window_they_read_when_the_store_sweeps(tiny_checkpoint, small_store):
+    """Three prompts of 250, 8 and 1 tokens prefilled in 16-token chunks, then decoded together,
+    through a store that runs short: a chunk's new blocks may sweep the store, and the window
+    behind the chunk's start (which its table's resume point, the chunk's end, does not cover)
+    must stay. It did not: "KV block 19 lost its window keys" (found by the GPU test)."""
+    from graph_cases import PROMPTS, lockstep
+    folder = tiny_checkpoint("gpt_oss")
+    opts = dict(dtype="float32", kv_block_size=4, max_batch=3, prefill_chunk=16)
+    want, want_logits = lockstep(LLM(folder, **opts, kv_window_store=False), PROMPTS, 40)
+    llm = LLM(folder, **opts)
+    assert 0 < llm.runner.kv.window_blocks < 40
+    got, logits = lockstep(llm, PROMPTS, 40)
+    assert got == want and torch.equal(logits, want_logits)
+    llm.runner.kv.check_integrity()

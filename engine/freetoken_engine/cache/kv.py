@@ -117,6 +117,7 @@ class KVPool:
         self.cached_window_blocks = CACHED_WINDOWS * (self.blocks_for(self.window) + 1)
         self.keep_window: Callable[[], Iterable[int]] | None = None
         self._tables: dict[int, tuple[list[int], int]] = {}   # id -> (block table, its next pass's start)
+        self._reading: list[tuple[list[int], int]] = []   # the pass in before_pass: (table, its start)
 
     @classmethod
     def for_model(cls, cfg, mcfg, kv_blocks: int, dtype: torch.dtype, device: torch.device) -> "KVPool":
@@ -235,8 +236,14 @@ class KVPool:
             passes[id(table)] = (table, min(lo, start), max(hi, end), min(back, resume))
         for table, _, _, resume in passes.values():
             self._tables[id(table)] = (table, resume)
-        for table, start, end, _ in passes.values():
-            self._ensure(table, start, end)
+        # what this pass reads before its first new position: kept by any sweep its new blocks
+        # call for (a prompt's chunk reads a window behind its start, past its table's resume)
+        self._reading = [(table, start) for table, start, _, _ in passes.values()]
+        try:
+            for table, start, end, _ in passes.values():
+                self._ensure(table, start, end)
+        finally:
+            self._reading = []
         self.sync()
 
     def forget(self, table: list[int]) -> None:
@@ -254,14 +261,21 @@ class KVPool:
                 raise OutOfKVCache(f"the sliding-window KV store's {self.window_blocks} blocks are all in use")
             self.half[b] = self._win_free.pop()
             self._dirty = True
-        for b in table[max(0, start - self.window + 1) // bs:-(-start // bs)]:
+        for b in self._read_before(table, start):
             if not self.half[b]:
                 raise RuntimeError(f"KV block {b} lost its window keys while a sequence still reads them")
+
+    def _read_before(self, table: list[int], start: int) -> list[int]:
+        """The blocks of ``table`` whose keys a pass starting at ``start`` reads behind it."""
+        bs = self.block_size
+        return table[max(0, start - self.window + 1) // bs:-(-start // bs)]
 
     def _needed(self) -> set[int]:
         """The blocks whose window halves a sweep keeps: those a live table's next pass can read,
         and ``keep_window``'s. Tables holding a freed block are forgotten."""
         keep = set(self.keep_window()) if self.keep_window is not None else set()
+        for table, start in self._reading:
+            keep.update(self._read_before(table, start))
         for key, (table, start) in list(self._tables.items()):
             if any(self.refs[b] == 0 for b in table):
                 del self._tables[key]
