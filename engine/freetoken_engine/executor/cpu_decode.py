@@ -89,6 +89,7 @@ class CpuDecode:
     def __init__(self, model, experts: OffloadedExperts | None, dtype: torch.dtype):
         self.model, self.experts, self.dtype = model, experts, dtype
         self.fused: dict[int, FusedLayer] = {}
+        self.layers = list(model.model.layers)   # (a ModuleList's indexing costs a us a layer per pass)
         self.bank_at: int | None = None      # the bank's address the fused layers hold
 
     def _build(self) -> None:
@@ -97,7 +98,7 @@ class CpuDecode:
         if self.dtype not in (torch.float32, torch.bfloat16):
             return
         found = {}
-        for i, layer in enumerate(self.model.model.layers):
+        for i, layer in enumerate(self.layers):
             if not (isinstance(layer, DecoderLayer) and layer.plain):
                 continue
             a = _attn_weights(layer, self.dtype)
@@ -118,7 +119,7 @@ class CpuDecode:
                                            None if m is None else _b13(self.experts, m))
             except ValueError as exc:
                 log.debug("layer %d stays unfused: %s", i, exc)
-        log.info("CPU decode: %d of %d layers fused", len(self.fused), len(self.model.model.layers))
+        log.info("CPU decode: %d of %d layers fused", len(self.fused), len(self.layers))
 
     def _bank(self) -> int:
         return self.experts.bank.w13.data_ptr() if self.experts is not None else 0
@@ -158,7 +159,7 @@ class FusedPass:
         f = self.owner.fused.get(i)
         if f is None or h.dtype != self.owner.dtype:
             return None
-        layer = self.owner.model.model.layers[i]
+        layer = self.owner.layers[i]
         mlp, halves = layer.mlp, None
         if f.attn_fused:
             if k is None or k.dtype != h.dtype or not (h.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
