@@ -122,13 +122,19 @@ def measure(name: str, folder: Path, dtype: str, args) -> dict:
     return row
 
 
-def run(args) -> dict:
+def each_model(args, measure) -> list[dict]:
+    """``measure(name, folder, dtype, args)`` of each model ``--only`` names (all: none named)."""
     only = set(args.only.split(",")) if args.only else None
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, folder, dtype in models(only, Path(tmp)):
             rows.append(measure(name, folder, dtype, args))
             print(f"{name}: done", flush=True)
+    return rows
+
+
+def run(args) -> dict:
+    rows = each_model(args, measure)
     print(f"\n{'model':15} {'layers':>8} {'b1 fused':>9} {'b1 mod':>8} {'ratio':>6} {'b4 fused':>9} {'b4 mod':>8} {'ratio':>6}")
     for r in rows:
         b1, b4 = r["batch1"], r["batch4"]
@@ -160,13 +166,18 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(doc: str, rounds: int) -> argparse.ArgumentParser:
+    """The command line of a bench over ``models``: --tokens, --rounds, --only."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=96)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--only", default="", help="comma-separated: default-fp32, default-bf16, qwen3moe-bf16, qwen3.6-like-bf16, "
                     "gpt-oss-mxfp4")
-    report.main(ap, HERE / "results" / "fused_cpu_decode.json", run, plot)
+    return ap
+
+
+def main() -> None:
+    report.main(arguments(__doc__, 3), HERE / "results" / "fused_cpu_decode.json", run, plot)
 
 
 if __name__ == "__main__":

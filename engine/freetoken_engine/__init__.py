@@ -10,6 +10,15 @@ Data flow of one request (each arrow is one typed object, documented where it is
 Layers import downward only: server -> scheduler -> executor -> models -> layers -> kernels;
 ``cache`` never imports ``models``.
 """
+import os
+
+# Before torch (and its OpenMP runtime) loads, if it has not yet: idle OpenMP workers sleep instead
+# of spinning. Spinning workers make every op ~20x slower when a game, a browser or another engine
+# shares the cores (measured on the 2-core CI machine), and they take the cores the compiled CPU
+# kernel's own workers need (executor/host_threads.py); sleeping costs a few microseconds per
+# parallel op. A program that imports torch first keeps torch's default (set the variable itself).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 __all__ = ["LLM", "Generation", "SamplingParams", "preload"]
 
 

@@ -5,21 +5,14 @@ Every user error ends as one line on stderr and exit code 2 (no traceback): argp
 """
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import sys
+from pathlib import Path
 
-# Before torch (and its OpenMP runtime) loads: idle OpenMP workers sleep instead of spinning.
-# Spinning workers make every op ~20x slower when a game, a browser or another engine shares the
-# cores (measured on the 2-core CI machine); sleeping costs a few microseconds per parallel op.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
-
-from . import env  # noqa: E402
-from .config import SPECULATIVE_METHODS  # noqa: E402
-from .errors import ConfigError, EngineError  # noqa: E402
+from . import env   # (the package sets OMP_WAIT_POLICY=PASSIVE before torch loads: __init__.py)
+from .config import SPECULATIVE_METHODS
+from .errors import ConfigError, EngineError
 
 
 class _Parser(argparse.ArgumentParser):

@@ -6,8 +6,9 @@ from pathlib import Path
 
 #: Root of the engine's on-disk caches (converted default model, calibration results).
 FREETOKEN_CACHE_DIR = "FREETOKEN_CACHE_DIR"
-#: Number of CPU threads torch may use for the engine's CPU work (default: all cores). The CLI
-#: also defaults ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP workers sleep: shared machines).
+#: Number of CPU threads torch may use for the engine's CPU work (default: all cores). A CPU
+#: engine runs its decode passes of at most 8 rows with one (executor/host_threads.py).
+#: Importing the package defaults ``OMP_WAIT_POLICY=PASSIVE`` (idle OpenMP workers sleep).
 FREETOKEN_CPU_THREADS = "FREETOKEN_CPU_THREADS"
 #: Force the CPU expert backend: "reference" or a compiled backend's name.
 FREETOKEN_CPU_EXPERT_BACKEND = "FREETOKEN_CPU_EXPERT_BACKEND"

@@ -58,10 +58,14 @@ class LLM:
         return self.runner.states.take() if self.runner.states is not None else -1
 
     def _release(self, blocks: list[int], slot: int) -> None:
+        """A sequence's KV blocks and state slot back to their pools, and torch's thread count
+        back to the caller's (a CPU engine's decode passes ran on one: executor/host_threads.py)."""
         self.runner.kv.release(blocks)
         blocks.clear()
         if slot >= 0:
             self.runner.states.give(slot)
+        if self.runner.host_threads is not None:
+            self.runner.host_threads.restore()
 
     def _run(self, ids: list[int], chunk: int | None = None, slot: int = -1, after=None):
         """Prefill ``ids`` in chunks into fresh KV blocks (and state ``slot``); return (blocks,

@@ -33,6 +33,7 @@ from ..models.tokenizer import load_tokenizer  # noqa: E402
 from .budget import cache_experts, default_kv_blocks, state_slots  # noqa: E402
 from .cpu_contention import ContentionFollower, pool_record  # noqa: E402
 from .cpu_decode import CpuDecode  # noqa: E402
+from .host_threads import for_engine as host_threads  # noqa: E402
 from .inputs import SeqChunk, as_decode_rows, build_inputs, pass_spans  # noqa: E402
 from .split_tuner import SplitTuner, decode_batch  # noqa: E402
 from .warmup import GraphWarmup  # noqa: E402
@@ -215,6 +216,7 @@ class ModelRunner(GraphWarmup):
         self.graphs = self.mtp_graphs = None
         self.model.cpu_decode = CpuDecode(self.model, self.experts if self.cache is not None else None,
                                           self.dtype) if self.device.type == "cpu" and cfg.fused_cpu_decode else None
+        self.host_threads = host_threads(self.device)     # None, or torch's threads per pass on a CPU
         self.mtp_rows = False       # MTP passes of a few rows as one-token rows (mtp_forward): with graphs
         if cfg.cuda_graphs and self.device.type == "cuda" and (self.cache is None or self.experts.control is not None):
             from .graphs import DecodeGraphs
@@ -252,7 +254,8 @@ class ModelRunner(GraphWarmup):
         key = self.graphs.key(chunks) if self.graphs is not None else None
         if self.cache is not None:     # a prefill seeds the decode cache from a prompt's last chunk only
             self.experts.seed_now = any(c.last for c in chunks)
-        logits = self._run(chunks, key, between)
+        with self.host_threads.for_pass(chunks) if self.host_threads is not None else contextlib.nullcontext():
+            logits = self._run(chunks, key, between)
         for c in chunks:              # anchor checkpoints of rows (as_decode_rows), in stream order
             for src, dst in c.copies:
                 self.states.copy(src, dst)
@@ -386,8 +389,7 @@ class ModelRunner(GraphWarmup):
         n, replays, held, drops, failed = ((len(g), g.replays, g.held_bytes, g.dropped, g.capture_failures)
                                            if g is not None else (0, 0, 0, 0, 0))
         out = {"decode_graphs": n, "decode_graph_replays": replays,
-               "decode_graph_bytes": held + (m.held_bytes if m is not None else 0),
-               "decode_graph_drops": drops,
+               "decode_graph_bytes": held + (m.held_bytes if m is not None else 0), "decode_graph_drops": drops,
                "decode_graph_capture_failures": failed + (m.capture_failures if m is not None else 0),
                "decode_graph_warmup_seconds": round(self.graph_warmup_seconds, 3)}
         if m is not None:
@@ -395,6 +397,4 @@ class ModelRunner(GraphWarmup):
         return out
 
     def device_bytes(self) -> int:
-        if self.device.type != "cuda":
-            return 0
-        return int(torch.cuda.memory_reserved(self.device))
+        return int(torch.cuda.memory_reserved(self.device)) if self.device.type == "cuda" else 0
