@@ -181,7 +181,7 @@ inline void dotr_rows(const char* row0, int64_t rs, const float* const* xs, int6
   for (; k + VW <= K; k += VW) {
     vf w[R];
     for (int j = 0; j < R; ++j) {
-      w[j] = vw<WB>(row0 + j * rs, k);
+      w[j] = vw_ext<WB>(row0 + j * rs, k);
       if (pf[j]) prefetch(row0 + j * rs + k * es + pf[j]);
     }
     for (int t = 0; t < NT; ++t) {
