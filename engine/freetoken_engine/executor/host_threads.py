@@ -6,8 +6,9 @@ pass is small: the router's softmax and top-k over ``[B, E]``, a few adds, and a
 sampler's argmax over ``[B, V]``. At ``B > 1`` torch splits such ops over its OpenMP team, and
 unless ``OMP_WAIT_POLICY=PASSIVE`` was set before torch loaded (importing this package sets it
 when torch has not loaded yet; a program that imports torch first gets torch's default), that
-team's threads then spin for milliseconds on the cores the kernel's workers need. On the H100 machine's 16-core host a Qwen3-MoE-like model decoded 4
-sequences at 72 tok/s, against 390 with ``PASSIVE`` (and 200 at batch 1 either way).
+team's threads then spin for milliseconds on the cores the kernel's workers need. On the H100
+machine's 16-core host a Qwen3-MoE-like model decoded 4 sequences at 72 tok/s, against 390 with
+``PASSIVE`` (and 200 at batch 1 either way).
 
 So passes of at most ``MAX_ROWS`` rows run with one torch thread and larger passes (prompts)
 with the engine's count. ``sticky``: the count stays as the last pass set it (the sampler after a
