@@ -37,6 +37,8 @@ def measure(name: str, folder: Path, dtype: str, args) -> dict:
     from freetoken_engine.executor.host_threads import HostThreads
     llm = LLM(folder, dtype=dtype)
     ids = llm.tokenizer.encode(PROMPT) if llm.tokenizer else list(range(11, 43))
+    if llm.runner.host_threads is None:
+        raise SystemExit("the compiled CPU kernels did not load: torch keeps its threads, nothing to compare")
     batch1(llm, ids, 8)                          # warm: the kernels' library, the pool
     full = llm.runner.host_threads.full
     sides = {"one thread": llm.runner.host_threads, "per pass": HostThreads(full, sticky=False),

@@ -39,9 +39,7 @@ log = logging.getLogger(__name__)
 
 
 def _attn_weights(layer: DecoderLayer, dtype: torch.dtype) -> AttnWeights | None:
-    """The layer's attention half as the fused call takes it, or None when it does not qualify."""
-    if layer.post_norms or layer.parallel or layer.sandwich or layer.moe_post:
-        return None
+    """A plain layer's attention half as the fused call takes it, or None when it does not qualify."""
     at, n1, n2 = layer.self_attn, layer.input_layernorm, layer.post_attention_layernorm
     if type(at) is not Attention or type(n1) is not RMSNorm or type(n2) is not RMSNorm:
         return None

@@ -69,11 +69,14 @@ class DecoderLayer(nn.Module):
         """Pre-norm: ``attend``, then the MLP of its norm onto its residual (most families)."""
         return not (self.post_norms or self.parallel or self.sandwich or self.moe_post)
 
+    def _mix(self, x, batch, cos, sin, k_cache, v_cache):
+        """The token mixer on the normed ``x``: attention, or the recurrent layer of a hybrid."""
+        return self.linear_attn(x, batch) if self.self_attn is None else self.self_attn(x, batch, cos, sin, k_cache, v_cache)
+
     def attend(self, h, batch, cos, sin, k_cache, v_cache):
         """A plain layer's first half: ``(h + attention(norm(h)), its norm)``, the MLP's residual and input."""
         x = self.input_layernorm(h)
-        a = self.linear_attn(x, batch) if self.self_attn is None else self.self_attn(x, batch, cos, sin, k_cache, v_cache)
-        return self.post_attention_layernorm.add_forward(a, h)
+        return self.post_attention_layernorm.add_forward(self._mix(x, batch, cos, sin, k_cache, v_cache), h)
 
     def forward(self, h, batch, cos, sin, k_cache, v_cache):
         if self.plain:
@@ -83,7 +86,7 @@ class DecoderLayer(nn.Module):
             h = h + self.post_attention_layernorm(self.self_attn(h, batch, cos, sin, k_cache, v_cache))
             return h + self.post_feedforward_layernorm(self.mlp(h))
         x = self.input_layernorm(h)
-        a = self.linear_attn(x, batch) if self.self_attn is None else self.self_attn(x, batch, cos, sin, k_cache, v_cache)
+        a = self._mix(x, batch, cos, sin, k_cache, v_cache)
         if self.parallel:
             return self.mlp(x, residual=h + a)
         if self.sandwich:
