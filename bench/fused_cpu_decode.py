@@ -82,17 +82,22 @@ def batch1(llm, ids: list[int], n: int) -> tuple[float, list[int]]:
     return got.stats["decode_tokens_per_s"], got.token_ids
 
 
-def batch4(llm, ids: list[int], n: int) -> tuple[float, list[list[int]]]:
+def lockstep(llm, prompts: list[list[int]], n: int) -> tuple[float, list[list[int]]]:
+    """The prompts decoded together (``Lockstep``) for n steps after the first: (tok/s, tokens)."""
     from freetoken_engine.llm import Lockstep
-    steps = Lockstep(llm, [ids, ids[3:], ids[:-4], ids[1:] * 2])
+    steps = Lockstep(llm, prompts)
     try:
         steps.step()
         t0 = time.perf_counter()
         for _ in range(n):
             steps.step()
-        return 4 * n / (time.perf_counter() - t0), steps.tokens
+        return len(prompts) * n / (time.perf_counter() - t0), steps.tokens
     finally:
         steps.close()
+
+
+def batch4(llm, ids: list[int], n: int) -> tuple[float, list[list[int]]]:
+    return lockstep(llm, [ids, ids[3:], ids[:-4], ids[1:] * 2], n)
 
 
 def measure(name: str, folder: Path, dtype: str, args) -> dict:

@@ -13,7 +13,8 @@ from torch import nn
 
 from ..config import MoeConfig
 from ..kernels import gpu_decode_kernels
-from ..kernels.reference import SILU, GatedAct, SplitRows, moe_combine_forward
+from ..kernels.cpu.combine import moe_combine
+from ..kernels.reference import SILU, GatedAct, SplitRows
 from .mlp import GatedMLP
 
 
@@ -178,4 +179,4 @@ class SparseMoE(nn.Module):
         if gpu is not None and not (torch.is_grad_enabled() and dense.requires_grad) \
                 and gpu.supported(rows, weights, shared, residual):
             return gpu.combine(rows, weights, shared, residual)            # one launch
-        return moe_combine_forward(rows, weights, shared, residual)
+        return moe_combine(rows, weights, shared, residual)                # one compiled call on the CPU

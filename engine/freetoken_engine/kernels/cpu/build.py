@@ -139,6 +139,8 @@ def load() -> ctypes.CDLL:
     lib.ft_linear.argtypes = [vp, ci, i64, i64, vp, ci, i64, i64, vp, vp]
     lib.ft_rmsnorm.restype = ci
     lib.ft_rmsnorm.argtypes = [vp, i64, i64, vp, ctypes.c_float, ci, vp]
+    lib.ft_combine.restype = ci
+    lib.ft_combine.argtypes = [vp, vp, vp, vp, vp, i64, i64, i64, ci]   # rows, w, shared, res, out, T, k, H, bf16
     lib.ft_attn.restype = ci
     lib.ft_attn.argtypes = [vp]          # FtAttn* (kernels/cpu/attention.py)
     lib.ft_layer_attn.restype = ci

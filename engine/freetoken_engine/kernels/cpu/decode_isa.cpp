@@ -182,7 +182,53 @@ void attn(const FtAttn* p, int64_t i0, int64_t i1, float* scratch) {
   }
 }
 
+// Tokens [t0, t1) of an MoE layer's combine (FtCombine); every output element sums its k
+// products in the order of j, so vectorising across H keeps the reference's result bit for bit.
+// No multiply-add contraction: torch rounds each product before it adds it.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+template <bool B16>
+void combine(const FtCombine* p, int64_t t0, int64_t t1) {
+#ifdef __clang__
+#pragma clang fp contract(off)
+#endif
+  const int64_t k = p->k, H = p->H;
+  float acc[256];
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t c0 = 0; c0 < H; c0 += 256) {
+      const int64_t n = H - c0 < 256 ? H - c0 : 256;
+      for (int64_t c = 0; c < n; ++c) acc[c] = 0.f;
+      for (int64_t j = 0; j < k; ++j) {
+        const float wj = ld<B16>(p->w, t * k + j);
+        const int64_t r = (t * k + j) * H + c0;
+        int64_t c = 0;
+#if FT_ISA >= 1
+        const vf wv = vsplat(wj);
+        for (; c + VW <= n; c += VW) {
+          const vf x = B16 ? vldb((const uint16_t*)p->rows + r + c) : vld((const float*)p->rows + r + c);
+          const vf prod = B16 ? vrbf(vmul(wv, x)) : vmul(wv, x);
+          vst(acc + c, vadd(vld(acc + c), prod));
+        }
+#endif
+        for (; c < n; ++c) acc[c] += rd<B16>(wj * ld<B16>(p->rows, r + c));
+      }
+      const int64_t o = t * H + c0;
+      if (p->shared)
+        for (int64_t c = 0; c < n; ++c) acc[c] = rd<B16>(rd<B16>(acc[c]) + ld<B16>(p->shared, o + c));
+      if (p->res)
+        for (int64_t c = 0; c < n; ++c) st<B16>(p->out, o + c, ld<B16>(p->res, o + c) + rd<B16>(acc[c]));
+      else
+        for (int64_t c = 0; c < n; ++c) st<B16>(p->out, o + c, acc[c]);
+    }
+}
+#pragma GCC pop_options
+
 }  // namespace
+
+extern "C" void FT_SUFFIX(ft_combine)(const FtCombine* p, int64_t t0, int64_t t1) {
+  if (p->bf16) combine<true>(p, t0, t1);
+  else combine<false>(p, t0, t1);
+}
 
 extern "C" void FT_SUFFIX(ft_linear)(const FtLinear* p, int64_t n0, int64_t n1) {
   if (p->w_bf16) linear_rows<true>(p, n0, n1);

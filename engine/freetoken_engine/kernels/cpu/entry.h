@@ -25,4 +25,6 @@ int ft_linear(const void* x, int x_bf16, int64_t T, int64_t K, const void* w, in
               int64_t N, int64_t w_rs, const void* bias, void* out);
 int ft_rmsnorm(const void* x, int64_t T, int64_t H, const void* w, float eps, int bf16, void* out);
 int ft_attn(FtAttn* p);
+int ft_combine(const void* rows, const void* w, const void* shared, const void* res, void* out,
+               int64_t T, int64_t k, int64_t H, int bf16);
 }

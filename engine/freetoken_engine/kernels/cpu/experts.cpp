@@ -457,6 +457,26 @@ int ft_rmsnorm(const void* x, int64_t T, int64_t H, const void* w, float eps, in
   return 0;
 }
 
+// An MoE layer's combine of T tokens (see FtCombine in experts.h): on this thread up to 1 MiB of
+// rows (a decode step's: handing them to the pool costs more than it saves, and its workers then
+// spin on the CPUs torch's next ops want), else in chunks of about 64 KB of rows on the pool.
+int ft_combine(const void* rows, const void* w, const void* shared, const void* res, void* out,
+               int64_t T, int64_t k, int64_t H, int bf16) {
+  std::lock_guard<std::mutex> lk(g_call);
+  if (g_isa < 0) g_isa = detect_isa();
+  if (T <= 0 || k <= 0 || H <= 0) return 0;
+  FtCombine p = {k, H, rows, w, shared, res, bf16, out};
+  CombJob J;
+  J.p = &p;
+  J.fn = combine_of(g_isa);
+  J.T = T;
+  const int64_t row_bytes = (bf16 ? 2 : 4) * k * H;
+  J.chunk = 65536 / row_bytes + 1;
+  if (g_threads == 1 || T * row_bytes <= (1 << 20)) J.fn(&p, 0, T);
+  else pool_run(pool_get(), comb_job, &J);
+  return 0;
+}
+
 // Decode attention (see FtAttn in experts.h). The caller fills every field but scratch.
 int ft_attn(FtAttn* p) {
   std::lock_guard<std::mutex> lk(g_call);

@@ -128,7 +128,25 @@ struct FtAttn {
   int64_t chunk;                // a query sees only its own chunk of this many positions (0: none)
 };
 
+// An MoE layer's output from its pair rows (reference.moe_combine_forward), for tokens [t0, t1):
+// out[t] = res[t] + (round(round(sum_j round(w[t, j] rows[t k + j])) + shared[t])), the sum in
+// fp32 in the order of j, each step rounded to the data type; shared / res may be null.
+struct FtCombine {
+  int64_t k, H;
+  const void* rows;             // [T k, H] contiguous
+  const void* w;                // [T, k]
+  const void* shared;           // [T, H] or null
+  const void* res;              // [T, H] or null
+  int bf16;                     // 1: every tensor is bf16; 0: fp32
+  void* out;                    // [T, H]
+};
+
 typedef void (*ft_norm_fn)(const FtNorm*);
+typedef void (*ft_combine_fn)(const FtCombine*, int64_t t0, int64_t t1);
+void ft_combine_generic(const FtCombine*, int64_t, int64_t);
+void ft_combine_avx2(const FtCombine*, int64_t, int64_t);
+void ft_combine_avx512(const FtCombine*, int64_t, int64_t);
+void ft_combine_avx512bf16(const FtCombine*, int64_t, int64_t);
 typedef void (*ft_attn_fn)(const FtAttn*, int64_t b0, int64_t b1, float* scratch);
 void ft_rmsnorm_generic(const FtNorm*);
 void ft_rmsnorm_avx2(const FtNorm*);

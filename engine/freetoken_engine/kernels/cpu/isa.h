@@ -69,6 +69,10 @@ ft_norm_fn norm_of(int isa) {
   ft_norm_fn f[] = {ft_rmsnorm_generic, ft_rmsnorm_avx2, ft_rmsnorm_avx512, ft_rmsnorm_avx512bf16};
   return f[base_isa(isa)];
 }
+ft_combine_fn combine_of(int isa) {
+  ft_combine_fn f[] = {ft_combine_generic, ft_combine_avx2, ft_combine_avx512, ft_combine_avx512bf16};
+  return f[base_isa(isa)];
+}
 ft_attn_fn attn_of(int isa) {
   ft_attn_fn f[] = {ft_attn_generic, ft_attn_avx2, ft_attn_avx512, ft_attn_avx512bf16};
   return f[base_isa(isa)];

@@ -50,6 +50,24 @@ void attn_job(void* c, int tid, int n) {
   }
 }
 
+// An MoE combine's tokens in chunks handed out dynamically.
+struct CombJob {
+  const FtCombine* p;
+  ft_combine_fn fn;
+  int64_t chunk, T;
+  std::atomic<int64_t> next{0};
+};
+
+void comb_job(void* c, int tid, int n) {
+  (void)tid; (void)n;
+  CombJob* J = (CombJob*)c;
+  for (;;) {
+    const int64_t t0 = J->next.fetch_add(J->chunk, std::memory_order_relaxed);
+    if (t0 >= J->T) return;
+    J->fn(J->p, t0, t0 + J->chunk < J->T ? t0 + J->chunk : J->T);
+  }
+}
+
 struct ReadJob {
   const char* p;
   int64_t bytes;

@@ -14,8 +14,6 @@
 #include <stdint.h>
 #include <string.h>
 
-#include <vector>
-
 #include "entry.h"
 
 extern "C" {
@@ -107,32 +105,6 @@ void add_rows(const void* a, const void* b, void* out, int64_t n, int bf16) {
   }
 }
 
-// out[t] = res[t] + (round(sum_j round(w[t, j] rows[t k + j])) + shared[t]), each add rounded:
-// reference.moe_combine_forward, the sum in fp32 in the order of j (as torch's sum over that
-// dim); shared may be null (no shared expert).
-template <bool B16, typename T>
-void combine(const T* rows, const T* w, const T* shared, const T* res, T* out, int64_t B, int64_t k, int64_t H,
-             float* acc) {
-  auto ld = [](T v) { if constexpr (B16) return bf2f(v); else return (float)v; };
-  auto rd = [](float v) { if constexpr (B16) return bf2f(f2bf(v)); else return v; };
-  for (int64_t t = 0; t < B; ++t) {
-    for (int64_t c = 0; c < H; ++c) acc[c] = 0.f;
-    for (int64_t j = 0; j < k; ++j) {
-      const float wj = ld(w[t * k + j]);
-      const T* r = rows + (t * k + j) * H;
-      for (int64_t c = 0; c < H; ++c) acc[c] += rd(wj * ld(r[c]));
-    }
-    if (shared)
-      for (int64_t c = 0; c < H; ++c) acc[c] = rd(acc[c]) + ld(shared[t * H + c]);
-    const T* hr = res + t * H;
-    T* o = out + t * H;
-    for (int64_t c = 0; c < H; ++c) {
-      const float s = ld(hr[c]) + rd(acc[c]);
-      if constexpr (B16) o[c] = f2bf(s); else o[c] = s;
-    }
-  }
-}
-
 int project(const FtProj& p, const void* x, int bf16, int64_t B, void* out) {
   return ft_linear(x, bf16, B, p.K, p.w, p.w_bf16, p.N, p.rs, p.bias, out);
 }
@@ -182,15 +154,7 @@ int ft_layer_moe(const FtLayer* L, int64_t B, const int64_t* ids, const void* w,
                        L->w2_rs, L->pair_tok, ids, B * k, L->rows, L->gate_act, L->alpha, L->limit, L->b13, L->E,
                        ids))
     return -1;
-  static thread_local std::vector<float> acc;
-  acc.resize(H);
-  if (L->bf16)
-    combine<true>((const uint16_t*)L->rows, (const uint16_t*)w, (const uint16_t*)shared, (const uint16_t*)h2,
-                  (uint16_t*)L->out, B, k, H, acc.data());
-  else
-    combine<false>((const float*)L->rows, (const float*)w, (const float*)shared, (const float*)h2,
-                   (float*)L->out, B, k, H, acc.data());
-  return 0;
+  return ft_combine(L->rows, w, shared, h2, L->out, B, k, H, L->bf16);
 }
 
 }  // extern "C"

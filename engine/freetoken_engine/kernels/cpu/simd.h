@@ -43,6 +43,7 @@ typedef __m512 vf;
 enum { VW = 16, NTMAX = 8 };
 inline vf vzero() { return _mm512_setzero_ps(); }
 inline vf vld(const float* p) { return _mm512_loadu_ps(p); }
+inline void vst(float* p, vf a) { _mm512_storeu_ps(p, a); }
 inline vf vldb(const uint16_t* p) {
   __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
@@ -57,6 +58,7 @@ typedef __m256 vf;
 enum { VW = 8, NTMAX = 8 };
 inline vf vzero() { return _mm256_setzero_ps(); }
 inline vf vld(const float* p) { return _mm256_loadu_ps(p); }
+inline void vst(float* p, vf a) { _mm256_storeu_ps(p, a); }
 // 8 bf16 values as fp32: their 16 bytes loaded into both 128-bit halves, and each value's two
 // bytes shuffled to the top of its fp32 lane (the low two zeroed): a load and one shuffle, where
 // a zero-extension and a shift put the shift on the ports of the multiply-adds (Intel's p0/p1).
