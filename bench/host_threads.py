@@ -19,7 +19,11 @@ import statistics
 import sys
 from pathlib import Path
 
-import torch
+#: the variable as torch's OpenMP runtime reads it when torch loads (next line); importing the
+#: engine later sets it to PASSIVE, too late for that runtime
+POLICY = os.environ.get("OMP_WAIT_POLICY", "unset")
+
+import torch  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -65,7 +69,7 @@ def measure(name: str, folder: Path, dtype: str, args) -> dict:
 
 def run(args) -> dict:
     rows = each_model(args, measure)
-    policy = os.environ.get("OMP_WAIT_POLICY", "unset")
+    policy = POLICY
     print(f"\nOMP_WAIT_POLICY {policy}; tok/s (ratio to torch's threads: the median of the rounds' ratios)")
     print(f"{'model':18} {'batch':>5} " + " ".join(f"{s:>22}" for s in SIDES))
     for r in rows:

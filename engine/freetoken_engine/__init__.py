@@ -11,12 +11,16 @@ Layers import downward only: server -> scheduler -> executor -> models -> layers
 ``cache`` never imports ``models``.
 """
 import os
+import sys
 
 # Before torch (and its OpenMP runtime) loads, if it has not yet: idle OpenMP workers sleep instead
 # of spinning. Spinning workers make every op ~20x slower when a game, a browser or another engine
 # shares the cores (measured on the 2-core CI machine), and they take the cores the compiled CPU
 # kernel's own workers need (executor/host_threads.py); sleeping costs a few microseconds per
 # parallel op. A program that imports torch first keeps torch's default (set the variable itself).
+#: True when torch loaded before this package with the variable unset: its OpenMP workers then
+#: spin (libgomp's default), and a CPU engine says so once at start (executor/host_threads.py)
+TORCH_FIRST = "torch" in sys.modules and "OMP_WAIT_POLICY" not in os.environ
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __all__ = ["LLM", "Generation", "SamplingParams", "preload"]

@@ -95,3 +95,24 @@ def test_importing_the_engine_before_torch_lets_idle_openmp_workers_sleep(own):
     code = "import freetoken_engine, os; print(os.environ['OMP_WAIT_POLICY'])"
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == (own or "PASSIVE")
+
+
+@pytest.mark.parametrize("first,own,warns", [("torch", None, True), ("torch", "ACTIVE", False),
+                                             ("freetoken_engine", None, False)])
+def test_a_cpu_engine_says_so_when_torch_loaded_first_with_spinning_workers(tiny_checkpoint, first, own, warns):
+    """torch imported first with the variable unset: its OpenMP workers spin (prompts up to 2-3x
+    slower on a 16-core host), and the engine's one warning says what to set; a user's own value,
+    or the engine imported first, gets none."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if own is not None:
+        env["OMP_WAIT_POLICY"] = own
+    code = (f"import {first}, torch, freetoken_engine\n"
+            "torch.set_num_threads(2)\n"
+            f"freetoken_engine.LLM({str(tiny_checkpoint('qwen3_moe'))!r}, dtype='float32')\n"
+            "print(freetoken_engine.TORCH_FIRST)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(warns)
+    said = [line for line in out.stderr.splitlines() if "OMP_WAIT_POLICY" in line]
+    assert len(said) == (1 if warns else 0), out.stderr
+    if warns:
+        assert "OMP_WAIT_POLICY=PASSIVE" in said[0]

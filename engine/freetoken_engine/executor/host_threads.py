@@ -13,15 +13,24 @@ machine's 16-core host a Qwen3-MoE-like model decoded 4 sequences at 72 tok/s, a
 So passes of at most ``MAX_ROWS`` rows run with one torch thread and larger passes (prompts)
 with the engine's count. ``sticky``: the count stays as the last pass set it (the sampler after a
 decode pass runs on one thread too) until ``restore``; otherwise each pass puts it back.
+
+Larger passes still need torch's team (a prompt's attention, say), so where it spins they stay
+slow: on that host the Qwen3-MoE-like model took 1.01 s instead of 0.49 on a 2,048-token prompt and
+decoded 16 sequences at 213 instead of 646 tok/s (bench/cpu_combine.py, the variable unset against
+``PASSIVE``). ``for_engine`` warns once when the package found torch loaded with the variable unset.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
 from ..kernels.cpu.layer import MAX_ROWS
 from .inputs import SeqChunk
+
+log = logging.getLogger(__name__)
+_warned = False
 
 
 class HostThreads:
@@ -69,5 +78,15 @@ def for_engine(device: torch.device) -> HostThreads | None:
     projections itself and keeps its threads), with the count torch has now."""
     if device.type != "cpu":
         return None
+    from .. import TORCH_FIRST
     from ..kernels import cpu_experts
-    return HostThreads(torch.get_num_threads()) if cpu_experts.available() else None
+    if not cpu_experts.available():
+        return None
+    global _warned
+    if TORCH_FIRST and torch.get_num_threads() > 1 and not _warned:
+        _warned = True
+        log.warning("torch was imported before freetoken_engine with OMP_WAIT_POLICY unset: its idle threads spin "
+                    "on the cores the engine's CPU kernels use (prompts and batches of 9+ rows up to 2-3x slower on "
+                    "a 16-core host); set OMP_WAIT_POLICY=PASSIVE before Python starts, or import freetoken_engine "
+                    "first")
+    return HostThreads(torch.get_num_threads())
