@@ -58,8 +58,8 @@ def measure(name: str, folder: Path, dtype: str, args) -> dict:
             moe.moe_combine = moe_combine if side == "compiled" else moe_combine_forward
             try:
                 s, first = prefill(llm, prompt)             # LLM.generate reuses no prefix
-                b16, toks = lockstep(llm, [short[i % len(short):] + short[:i % len(short)] + [11 + i] for i in range(16)],
-                                     args.tokens)
+                rotated = [short[i % len(short):] + short[:i % len(short)] + [11 + i] for i in range(16)]
+                b16, toks = lockstep(llm, rotated, args.tokens)
             finally:
                 moe.moe_combine = moe_combine
             ttft[side].append(s)
@@ -76,7 +76,8 @@ def measure(name: str, folder: Path, dtype: str, args) -> dict:
 
 def run(args) -> dict:
     rows = each_model(args, measure)
-    print(f"\n{'model':18} {'prefill compiled':>17} {'torch':>8} {'speed-up':>9} {'b16 compiled':>13} {'torch':>8} {'ratio':>6}")
+    print(f"\n{'model':18} {'prefill compiled':>17} {'torch':>8} {'speed-up':>9} {'b16 compiled':>13} {'torch':>8} "
+          f"{'ratio':>6}")
     for r in rows:
         p, b = r["prefill_s"], r["batch16_tok_s"]
         print(f"{r['model']:18} {p['compiled']:15.2f} s {p['torch']:6.2f} s {r['prefill_ratio']:8.2f}x "
@@ -96,7 +97,8 @@ def plot(result: dict, path: Path) -> None:
     x = range(len(rows))
     for ax, key, label in ((axes[0], "prefill_s", f"time to first token, {result['prompt_tokens']}-token prompt (s)"),
                            (axes[1], "batch16_tok_s", "16 sequences' decode tok/s")):
-        ax.bar([i - 0.2 for i in x], [r[key]["compiled"] for r in rows], 0.4, color="tab:green", label="compiled combine")
+        ax.bar([i - 0.2 for i in x], [r[key]["compiled"] for r in rows], 0.4, color="tab:green",
+               label="compiled combine")
         ax.bar([i + 0.2 for i in x], [r[key]["torch"] for r in rows], 0.4, color="tab:gray", label="torch's ops")
         ax.set_xticks(list(x), [r["model"] for r in rows], fontsize=7, rotation=20)
         ax.set_ylabel(label, fontsize=8)

@@ -37,8 +37,8 @@ def moe_combine(rows: torch.Tensor | SplitRows, weights: torch.Tensor, shared: t
         return moe_combine_forward(rows, weights, shared, residual)
     (T, k), dt = weights.shape, rows.dtype
     H = rows.shape[1]
-    if (dt not in _DT or (dt == torch.float32 and H % 64) or not _takes(rows, (T * k, H), dt) or not _takes(weights, (T, k), dt)
-            or not _takes(shared, (T, H), dt) or not _takes(residual, (T, H), dt)
+    if (dt not in _DT or (dt == torch.float32 and H % 64) or not _takes(rows, (T * k, H), dt)
+            or not _takes(weights, (T, k), dt) or not _takes(shared, (T, H), dt) or not _takes(residual, (T, H), dt)
             or (torch.is_grad_enabled() and any(t is not None and t.requires_grad
                                                 for t in (rows, weights, shared, residual)))):
         return moe_combine_forward(rows, weights, shared, residual)
