@@ -9,6 +9,8 @@
 // vectors kept hot in L1. With x in bf16 and AVX512-BF16 present, vdpbf16ps multiplies bf16
 // pairs directly (products are exact in fp32, so the result matches the fp32 path up to
 // summation order). Groups of 4+ tokens on an AMX CPU go to experts_amx.cpp instead.
+#include <unistd.h>
+
 #include "simd.h"
 #include "mxfp4.h"
 
@@ -246,6 +248,20 @@ enum { RB = 64 };
 // Weight kinds (FtProblem::w_bf16): 0 fp32, 1 bf16, 2 MXFP4 rows (mxfp4.h; strides in bytes).
 constexpr int64_t elem_bytes(int wk) { return wk == 1 ? 2 : wk == 0 ? 4 : 1; }
 
+// How many of a call's rows [r0, r1) (row_bytes each) every token group passes before the next:
+// all of them where they fit this core's L2 (the order of the decode calls and of a small
+// expert's), else spans of half the L2 (a multiple of block rows), so that a large expert's rows
+// stream from memory once in a prompt's call, not once per group of NTMAX tokens.
+inline int64_t l2_span(int64_t rows, int64_t row_bytes, int64_t block) {
+  static const int64_t l2 = [] {
+    const long b = sysconf(_SC_LEVEL2_CACHE_SIZE);   // 0 or -1 where the C library cannot tell
+    return b > 0 ? (int64_t)b : (int64_t)1 << 20;
+  }();
+  if (rows * row_bytes <= l2) return rows;
+  const int64_t span = l2 / 2 / row_bytes / block * block;
+  return span > block ? span : block;
+}
+
 template <int WK>
 void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
   constexpr bool WB = WK == 1;
@@ -256,39 +272,45 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
   float og[RB * NTMAX], ou[RB * NTMAX], oa[RB * NTMAX];
   float* const act = p->act;
   uint16_t* const act_b = p->act_b;
-  for (int64_t tb = 0; tb < n; tb += NTMAX) {
-    const int nt = (int)(n - tb < NTMAX ? n - tb : NTMAX);
-    const float* xs[NTMAX];
+  // Each span of rows (l2_span) passed by every group of tokens before the next; each output is
+  // the same dot product in either order.
+  const int64_t span = l2_span(i1 - i0, 2 * H * es, RB);
+  for (int64_t b0 = i0; b0 < i1; b0 += span) {
+    const int64_t b1 = b0 + span < i1 ? b0 + span : i1;
+    for (int64_t tb = 0; tb < n; tb += NTMAX) {
+      const int nt = (int)(n - tb < NTMAX ? n - tb : NTMAX);
+      const float* xs[NTMAX];
 #if FT_ISA == 3
-    const uint16_t* xbs[NTMAX];
+      const uint16_t* xbs[NTMAX];
 #endif
-    for (int t = 0; t < nt; ++t) {
-      const int64_t tok = p->pair_tok[p->sorted_pair[s + tb + t]];
-      xs[t] = p->xf ? p->xf + tok * H : 0;
-#if FT_ISA == 3
-      xbs[t] = p->xb ? p->xb + tok * H : 0;
-#endif
-    }
-    for (int64_t ib = i0; ib < i1; ib += RB) {
-      const int64_t ie = ib + RB < i1 ? ib + RB : i1;
-#if FT_ISA == 3
-      if (p->xb && WK != 2) {        // (MXFP4 rows' vector groups multiply in fp32: experts.cpp)
-        rows_bf_n(p, nt, base, rs, ib, ie, xbs, H, og, i1);
-        rows_bf_n(p, nt, base + p->up * rs, rs, ib, ie, xbs, H, ou, i1);
-      } else
-#endif
-      if (WK == 2) {
-        rows_q(nt, base, rs, ib, ie, xs, H, p->prefetch, og, i1);
-        rows_q(nt, base + p->up * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
-      } else {
-        rows_f<WB>(nt, base, rs, ib, ie, xs, H, p->prefetch, og, i1);
-        rows_f<WB>(nt, base + p->up * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
-      }
-      gated_block(p, g, ib, ie - ib, NTMAX, nt, og, ou, oa);
       for (int t = 0; t < nt; ++t) {
-        const int64_t at = (s + tb + t) * I + ib;
-        if (act) store_strided(oa + t, NTMAX, ie - ib, false, act + at);
-        if (act_b) store_strided(oa + t, NTMAX, ie - ib, true, act_b + at);
+        const int64_t tok = p->pair_tok[p->sorted_pair[s + tb + t]];
+        xs[t] = p->xf ? p->xf + tok * H : 0;
+#if FT_ISA == 3
+        xbs[t] = p->xb ? p->xb + tok * H : 0;
+#endif
+      }
+      for (int64_t ib = b0; ib < b1; ib += RB) {
+        const int64_t ie = ib + RB < b1 ? ib + RB : b1;
+#if FT_ISA == 3
+        if (p->xb && WK != 2) {        // (MXFP4 rows' vector groups multiply in fp32: experts.cpp)
+          rows_bf_n(p, nt, base, rs, ib, ie, xbs, H, og, i1);
+          rows_bf_n(p, nt, base + p->up * rs, rs, ib, ie, xbs, H, ou, i1);
+        } else
+#endif
+        if (WK == 2) {
+          rows_q(nt, base, rs, ib, ie, xs, H, p->prefetch, og, i1);
+          rows_q(nt, base + p->up * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
+        } else {
+          rows_f<WB>(nt, base, rs, ib, ie, xs, H, p->prefetch, og, i1);
+          rows_f<WB>(nt, base + p->up * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
+        }
+        gated_block(p, g, ib, ie - ib, NTMAX, nt, og, ou, oa);
+        for (int t = 0; t < nt; ++t) {
+          const int64_t at = (s + tb + t) * I + ib;
+          if (act) store_strided(oa + t, NTMAX, ie - ib, false, act + at);
+          if (act_b) store_strided(oa + t, NTMAX, ie - ib, true, act_b + at);
+        }
       }
     }
   }
@@ -305,31 +327,35 @@ void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
   float o[HB * NTMAX];
   void* const out = p->out;           // locals: a store through out cannot change them
   const bool obf = p->out_bf16;
-  for (int64_t tb = 0; tb < n; tb += NTMAX) {
-    const int nt = (int)(n - tb < NTMAX ? n - tb : NTMAX);
-    const float* xs[NTMAX];
-    int64_t dst[NTMAX];
+  const int64_t span = l2_span(h1 - h0, I * es, HB);   // as stage1
+  for (int64_t b0 = h0; b0 < h1; b0 += span) {
+    const int64_t b1 = b0 + span < h1 ? b0 + span : h1;
+    for (int64_t tb = 0; tb < n; tb += NTMAX) {
+      const int nt = (int)(n - tb < NTMAX ? n - tb : NTMAX);
+      const float* xs[NTMAX];
+      int64_t dst[NTMAX];
 #if FT_ISA == 3
-    const uint16_t* xbs[NTMAX];
+      const uint16_t* xbs[NTMAX];
 #endif
-    for (int t = 0; t < nt; ++t) {
-      xs[t] = p->act ? p->act + (s + tb + t) * I : 0;
+      for (int t = 0; t < nt; ++t) {
+        xs[t] = p->act ? p->act + (s + tb + t) * I : 0;
 #if FT_ISA == 3
-      xbs[t] = p->act_b ? p->act_b + (s + tb + t) * I : 0;
+        xbs[t] = p->act_b ? p->act_b + (s + tb + t) * I : 0;
 #endif
-      dst[t] = p->sorted_pair[s + tb + t] * H;
-    }
-    for (int64_t hb = h0; hb < h1; hb += HB) {
-      const int64_t he = hb + HB < h1 ? hb + HB : h1;
+        dst[t] = p->sorted_pair[s + tb + t] * H;
+      }
+      for (int64_t hb = b0; hb < b1; hb += HB) {
+        const int64_t he = hb + HB < b1 ? hb + HB : b1;
 #if FT_ISA == 3
-      if (p->xb && WK != 2) rows_bf_n(p, nt, base, rs, hb, he, xbs, I, o, h1);
-      else
+        if (p->xb && WK != 2) rows_bf_n(p, nt, base, rs, hb, he, xbs, I, o, h1);
+        else
 #endif
-      if (WK == 2) rows_q(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);
-      else rows_f<WB>(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);
-      for (int t = 0; t < nt; ++t)
-        store_strided(o + t, NTMAX, he - hb, obf,
-                      obf ? (void*)((uint16_t*)out + dst[t] + hb) : (void*)((float*)out + dst[t] + hb));
+        if (WK == 2) rows_q(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);
+        else rows_f<WB>(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);
+        for (int t = 0; t < nt; ++t)
+          store_strided(o + t, NTMAX, he - hb, obf,
+                        obf ? (void*)((uint16_t*)out + dst[t] + hb) : (void*)((float*)out + dst[t] + hb));
+      }
     }
   }
 }
