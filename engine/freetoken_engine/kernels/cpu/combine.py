@@ -19,8 +19,7 @@ import torch
 
 from .. import cpu_experts
 from ..reference import SplitRows, moe_combine_forward
-
-_DT = {torch.float32: 0, torch.bfloat16: 1}
+from .expert_args import DT as _DT
 
 
 def _takes(t: torch.Tensor | None, shape: tuple, dtype: torch.dtype) -> bool:
