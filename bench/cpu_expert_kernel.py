@@ -23,7 +23,7 @@ and just after each kernel batch). Best and median of the rounds, and for the ke
 over rounds of kernel / (all-CPU read measured around it): the headline, robust to other jobs
 sharing the machine.
 
-    python bench/cpu_expert_kernel.py --label cpu-2core [--rounds 5] [--quick] [--out DIR]
+    python bench/cpu_expert_kernel.py --label cpu-2core [--rounds 5] [--quick] [--out DIR] [--tune KNOB=N,...]
 
 Merges this machine's entry into bench/results/cpu_expert_kernel.json (or DIR's copy; other
 machines' entries are kept) and redraws the .png next to it from every entry.
@@ -181,7 +181,14 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer cases (smoke run)")
     ap.add_argument("--prefetch", default="4096,0,512,1024,2048", help="prefetch distances to sweep (bytes); the first one is used for every case")
     ap.add_argument("--out", type=Path, default=RESULTS, help="folder of the JSON and PNG (default bench/results)")
+    ap.add_argument("--tune", default="", metavar="KNOB=N,...",
+                    help="kernel tuning knobs to run with (cpu_experts.tune), recorded in the entry; default: none")
     args = ap.parse_args()
+    tuned = {}
+    for kv in filter(None, (s.strip() for s in args.tune.split(","))):
+        name, _, value = kv.partition("=")
+        tuned[name.strip()] = int(value)
+    ce.tune(**tuned)
 
     hw = hardware()
     ncpu = hw["cpus"]
@@ -283,7 +290,8 @@ def main() -> None:
         main_key = f"kernel/one_token/T=1/x=bfloat16/threads={default_threads}/prefetch={pf_list[0]}"
     entry = {
         "hardware": hw, "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "kernel_backend": ce.backend_name(), "default_threads": default_threads,
+        "kernel_backend": ce.backend_name(), "default_threads": default_threads, "tuning": ce.tune(),
+        "tuned": tuned,
         "bank": {"experts": E, "layers_of_128": layers, "expert_bytes": ebytes, "total_bytes": E * ebytes,
                  "dtype": "bfloat16", "allocation": "packed.memory.aligned_empty"},
         "results_gbps": summary,

@@ -99,7 +99,9 @@ def engine_prefill() -> float:
 
 
 def run_side(engine_root: Path, out: Path) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(engine_root / "engine"), OMP_WAIT_POLICY="PASSIVE")
+    # the side's engine first; the rest of the path kept (a GPU machine's wheels sit there)
+    path = os.pathsep.join(p for p in [str(engine_root / "engine"), os.environ.get("PYTHONPATH", "")] if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.run([sys.executable, __file__, "--worker", str(out)], env=env, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"{engine_root}: worker failed:\n{proc.stderr[-2000:]}")

@@ -261,7 +261,8 @@ def test_tuning_knobs_change_no_bit_of_the_result(kernel_config, knobs):
     assert 0 <= phases["posted"] <= phases["last_start"] <= phases["end"]
     assert phases["posted"] <= phases["stage1_end"] <= phases["end"]
     for setting in ({"chunks_per_thread": 1}, {"chunks_per_thread": 64}, {"far_pf": 0}, {"far_pf": 16},
-                    {"far_pf_tokens": 1}, {"amx_next": 0, "amx_pf": 512}, {"amx_pf": 4096}):
+                    {"far_pf_tokens": 1}, {"small_far_pf": 0}, {"small_far_pf": 16},
+                    {"amx_next": 0, "amx_pf": 512}, {"amx_pf": 4096}):
         ce.tune(**{**knobs, **setting})
         got = ce.experts_forward(x, w13, w2, tok, exp, out=torch.full_like(want, float("nan")))  # no row left out
         assert torch.equal(got, want), setting

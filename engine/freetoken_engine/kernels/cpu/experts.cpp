@@ -230,7 +230,7 @@ int experts_call(const void* x, int x_bf16, int64_t T, int64_t H, int64_t I,
   // bytes of a gate/up row and of a down row read (an MXFP4 row: K/2 code bytes, K/32 scales; its
   // padding to 16 bytes is not read)
   const int64_t rb1 = w_bf16 == 2 ? H / 2 + H / 32 : H * es, rb2 = w_bf16 == 2 ? I / 2 + I / 32 : I * es;
-  p.far_pf = g_tune.far_pf; p.far_pf_tokens = g_tune.far_pf_tokens;
+  p.far_pf = g_tune.far_pf; p.far_pf_tokens = g_tune.far_pf_tokens; p.small_far_pf = g_tune.small_far_pf;
   p.amx_pf = g_tune.amx_pf; p.amx_next = g_tune.amx_next;
   p.gate_act = g_gate.act; p.alpha = g_gate.alpha; p.limit = g_gate.limit;
   if (g_gate.b13) {         // a group is one expert: its first pair's bias row is the group's

@@ -47,6 +47,11 @@ inline void reduce16(const __m512* acc, int n, float* out) {
 // 4 tokens 42.3 -> 49.2 (1 thread 22.6 -> 25.5) from 3 tokens on instead of 5; 2 tokens
 // 65.3 -> 63.8 (not used there); 8 distances instead of 4 changed nothing. The distance
 // (FtProblem::far_pf, in units of the L1 distance) and the token threshold are tune.h's.
+// Groups of 1-2 tokens take an L2 prefetch too, small_far_pf = 2 distances ahead (stop 66): on the
+// H100 host's Xeon (15 threads, paired with the read, bench/cpu_kernel_tune.py) one token on 8
+// experts 87 -> 98% of the read from C, 2 experts 82 -> 90%, 4 tokens over a random top-8 86 ->
+// 97%, 1 expert 73 -> 72%; 3 and 4 distances ahead gained less. The L1 prefetch alone keeps about
+// a row of 4 KiB in flight a stream, which held a thread's stream below its share of the read.
 
 // out[t] = dot(row[0:K], xs[t][0:K]) for NT bf16 token vectors: vdpbf16ps into U_BF fp32
 // accumulators per token (32-element block j of the row goes to accumulator j % U_BF, added
@@ -149,7 +154,7 @@ inline void rows_bf(const char* base, int64_t rs, int64_t r0, int64_t r1, const 
 
 inline void rows_bf_n(const FtProblem* p, int nt, const char* base, int64_t rs, int64_t r0, int64_t r1,
                       const uint16_t* const* xs, int64_t K, float* out, int64_t rend) {
-  const int64_t pf = p->prefetch, far = nt >= p->far_pf_tokens ? p->far_pf * pf : 0;
+  const int64_t pf = p->prefetch, far = (nt >= p->far_pf_tokens ? p->far_pf : p->small_far_pf) * pf;
   switch (nt) {
     case 1: rows_bf<1>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;
     case 2: rows_bf<2>(base, rs, r0, r1, xs, K, pf, far, out, rend); break;

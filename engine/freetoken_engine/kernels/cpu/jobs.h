@@ -7,6 +7,7 @@
 #include "experts.h"
 #include "isa.h"
 #include "pool.h"
+#include "tune.h"
 
 namespace {
 
@@ -76,12 +77,13 @@ struct ReadJob {
   std::atomic<uint64_t> sink{0};
 };
 
-// 1 MiB chunks handed out dynamically, so a thread that shares its core with another process
+// Chunks (tune.h read_chunk: 1 MiB, smaller to read an expert-sized buffer the way an expert
+// call splits it) handed out dynamically, so a thread that shares its core with another process
 // does not hold the others back (the same scheduling as the expert job).
 void read_job(void* c, int tid, int n) {
   (void)tid; (void)n;
   ReadJob* J = (ReadJob*)c;
-  const int64_t chunk = 1 << 20;
+  const int64_t chunk = g_tune.read_chunk;
   uint64_t acc = 0;
   for (;;) {
     const int64_t b0 = J->next.fetch_add(chunk, std::memory_order_relaxed);

@@ -19,6 +19,8 @@ struct Tune {
   int64_t amx_next = 1;                    // FtProblem::amx_next (stop 59: on)
   int64_t far_pf = 4;                      // FtProblem::far_pf
   int64_t far_pf_tokens = 3;               // FtProblem::far_pf_tokens
+  int64_t small_far_pf = 2;                // FtProblem::small_far_pf (stop 66: 2, was off)
+  int64_t read_chunk = 1 << 20;            // bytes a participant takes at a time in ft_read_seconds
 };
 Tune g_tune;
 
@@ -33,6 +35,8 @@ const Knob* tune_find(const char* name) {
       {"amx_next", &g_tune.amx_next, 0, 1},
       {"far_pf", &g_tune.far_pf, 0, 64},
       {"far_pf_tokens", &g_tune.far_pf_tokens, 1, 1 << 20},
+      {"read_chunk", &g_tune.read_chunk, 4096, int64_t(1) << 30},
+      {"small_far_pf", &g_tune.small_far_pf, 0, 64},
       {"stall_us", &g_pool_knobs.stall_us, 1, 1 << 30},          // pool.h: contended workers
       {"backoff_ms", &g_pool_knobs.backoff_ms, 1, 1 << 20},
       {"backoff_max_ms", &g_pool_knobs.backoff_max_ms, 1, 1 << 20},
