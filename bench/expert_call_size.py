@@ -117,15 +117,17 @@ def run(args) -> dict:
     med = statistics.median
     for (name, n), rs in rounds.items():
         row = {"setting": name, "experts": n, "call_mb": n * EXPERT_BYTES / 1e6,
-               **{k: med(r[k] for r in rs) for k in ("read_gbps", "from_c_gbps", "python_gbps", "from_c_us", "python_us")},
+               **{k: med(r[k] for r in rs)
+                  for k in ("read_gbps", "from_c_gbps", "python_gbps", "from_c_us", "python_us")},
                "phases_us": {k: med(r["phases_us"][k] for r in rs) for k in rs[0]["phases_us"]},
                "rounds": rs}
         row["from_c_of_read"] = med(r["from_c_gbps"] / r["read_gbps"] for r in rs)
         row["python_of_read"] = med(r["python_gbps"] / r["read_gbps"] for r in rs)
         row["python_around_call_us"] = row["python_us"] - row["from_c_us"]
         rows.append(row)
-    print(f"\n{'setting':24} {'experts':>7} {'MB':>6} {'read':>7} {'from C':>7} {'Python':>7} {'C/read':>7} {'Py/read':>7} "
-          f"{'C us':>7} {'Py us':>7} {'Py +us':>7}  phases (posted / last start / gate-up done / end, us)")
+    print(f"\n{'setting':24} {'experts':>7} {'MB':>6} {'read':>7} {'from C':>7} {'Python':>7} {'C/read':>7} "
+          f"{'Py/read':>7} {'C us':>7} {'Py us':>7} {'Py +us':>7}  "
+          "phases (posted / last start / gate-up done / end, us)")
     for w in rows:
         ph = w["phases_us"]
         print(f"{w['setting']:24} {w['experts']:>7} {w['call_mb']:6.1f} {w['read_gbps']:7.1f} {w['from_c_gbps']:7.1f} "
@@ -165,7 +167,8 @@ def plot(result: dict, path: Path) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--experts", default="1,2,4,8", help="call sizes: experts a call, one token")
-    ap.add_argument("--calls", type=int, default=48, help="experts' worth of calls of each size a round (calls // n calls of n)")
+    ap.add_argument("--calls", type=int, default=48,
+                    help="experts' worth of calls of each size a round (calls // n calls of n)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--label", default="this-machine")
     ap.add_argument("--settings", default="default",
