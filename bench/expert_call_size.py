@@ -54,7 +54,8 @@ def read_chunk(call_bytes: int, threads: int) -> int:
     return max(16384, min(4 << 20, c)) // 4096 * 4096
 
 
-def measure(w13: torch.Tensor, w2: torch.Tensor, n: int, calls: int, start: int, threads: int) -> tuple[dict, int]:
+def measure(w13: torch.Tensor, w2: torch.Tensor, n: int, calls: int, start: int, threads: int,
+            x_dtype: torch.dtype = torch.bfloat16) -> tuple[dict, int]:
     """One round of call size n: the read, then the calls from C, then through Python, each on
     experts the others (and the last few GB of this run) did not touch, from expert ``start`` on;
     -> (measurements, the next round's start)."""
@@ -69,11 +70,11 @@ def measure(w13: torch.Tensor, w2: torch.Tensor, n: int, calls: int, start: int,
     read_s = [ce.read_seconds(flat[c * nbytes:(c + 1) * nbytes]) for c in range(calls)]
     ce.tune(read_chunk=1 << 20)
     first = start + -(-span // w13_bytes)
-    x = (torch.randn(1, H) * 0.1).to(torch.bfloat16)
+    x = (torch.randn(1, H) * 0.1).to(x_dtype)
     tok = torch.zeros(n, dtype=torch.int64)
     exps_c = torch.arange(first, first + n * calls).view(calls, n)
     exps_py = exps_c + n * calls
-    out = torch.empty(n, H, dtype=torch.bfloat16)
+    out = torch.empty(n, H, dtype=x_dtype)
     from_c = statistics.median(ce.calls_seconds(x, w13, w2, tok, exps_c[c:c + 1]) for c in range(calls))
     py, phases = [], []
     for c in range(calls):
@@ -101,14 +102,15 @@ def run(args) -> dict:
     settings = dict(parse_settings(args.settings))
     defaults = ce.tune()
     rounds: dict[tuple[str, int], list[dict]] = {(name, n): [] for name in settings for n in sizes}
-    _, start = measure(w13, w2, sizes[0], 4, 0, threads)      # warm-up: the pool, the first reads
+    x_dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.x_dtype]
+    _, start = measure(w13, w2, sizes[0], 4, 0, threads, x_dtype)      # warm-up: the pool, the first reads
     for r in range(args.rounds):
         for name, knobs in settings.items():
             th = knobs.get("threads", threads)
             ce.configure(threads=th)
             ce.tune(**{k: v for k, v in knobs.items() if k != "threads"})
             for n in sizes:
-                got, start = measure(w13, w2, n, max(4, args.calls // n), start, th)
+                got, start = measure(w13, w2, n, max(4, args.calls // n), start, th, x_dtype)
                 rounds[(name, n)].append(got)
             ce.tune(**defaults)
             ce.configure(threads=threads)
@@ -138,7 +140,7 @@ def run(args) -> dict:
           "medians over rounds (the ratios: of each round's pair)")
     return {"benchmark": "expert_call_size", "label": args.label, "hardware": hw, "threads": threads,
             "backend": ce.backend_name(), "expert_calls_per_round": args.calls, "rounds": args.rounds,
-            "settings": settings, "defaults": defaults, "method": __doc__, "rows": rows}
+            "x_dtype": args.x_dtype, "settings": settings, "defaults": defaults, "method": __doc__, "rows": rows}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -157,7 +159,8 @@ def plot(result: dict, path: Path) -> None:
                              + (f"\n{r['setting']}" if multi else "") for r in rows], fontsize=6 if multi else 8)
     ax.set_ylabel("GB/s of expert bytes")
     hw = result["hardware"]
-    ax.set_title(f"One token's expert call vs a read of its bytes: {result['label']}\n"
+    ax.set_title(f"One {result.get('x_dtype', 'bfloat16')} token's expert call vs a read of its bytes: "
+                 f"{result['label']}\n"
                  f"{hw['cpu_model']}, {result['threads']} threads", fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
@@ -171,6 +174,9 @@ if __name__ == "__main__":
                     help="experts' worth of calls of each size a round (calls // n calls of n)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--label", default="this-machine")
+    ap.add_argument("--x-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                    help="the token's dtype (a CPU engine computes in float32 by default: its bf16 experts "
+                         "then take the fp32-token path)")
     ap.add_argument("--settings", default="default",
                     help='kernel tuning knobs per side, e.g. "default; chunks_per_thread=2; threads=16" '
                          '(cpu_experts.tune; threads: the kernel\'s participants)')

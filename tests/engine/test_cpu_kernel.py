@@ -269,6 +269,14 @@ def test_tuning_knobs_change_no_bit_of_the_result(kernel_config, knobs):
     ce.tune(**knobs)
     ce.tune(amx_min_tokens=1 << 20)                     # tiles off: the vector path, same tolerance
     _close(ce.experts_forward(x, w13, w2, tok, exp), expert_pairs_forward(x, w13, w2, tok, exp))
+    # float32 tokens on bf16 rows (a CPU engine's default): one- and two-token groups take the L2
+    # prefetch too (small_far_pf), and it moves no bit either
+    ce.tune(**knobs)
+    xf, w13f, w2f, tokf, expf = _problem(3, 256, 96, 6, 6, torch.float32, torch.bfloat16)
+    want = ce.experts_forward(xf, w13f, w2f, tokf, expf)
+    for setting in ({"small_far_pf": 0}, {"small_far_pf": 16}):
+        ce.tune(**{**knobs, **setting})
+        assert torch.equal(ce.experts_forward(xf, w13f, w2f, tokf, expf), want), setting
 
 
 def test_calls_timed_from_c_run_the_same_calls(kernel_config):

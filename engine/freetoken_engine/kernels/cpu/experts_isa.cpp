@@ -235,15 +235,17 @@ inline void rows_walk(int nt, const char* base, int64_t rs, int64_t r0, int64_t 
 #endif
 
 // Rows [r0, r1) at base + r * rs (fp32 token vectors): out[(r - r0) * NTMAX + t]; the prefetch
-// stops at the chunk's last row rend, as rows_bf's.
+// stops at the chunk's last row rend, as rows_bf's. Groups of 1-2 tokens also prefetch into L2
+// small_far_pf distances ahead, as rows_bf_n's.
 template <bool WB>
-inline void rows_f(int nt, const char* base, int64_t rs, int64_t r0, int64_t r1, const float* const* xs,
-                   int64_t K, int64_t pf, float* out, int64_t rend) {
+inline void rows_f(const FtProblem* p, int nt, const char* base, int64_t rs, int64_t r0, int64_t r1,
+                   const float* const* xs, int64_t K, int64_t pf, float* out, int64_t rend) {
 #if FT_ISA == 1
   if (nt >= 3) return rows_walk<WB>(nt, base, rs, r0, r1, xs, K, pf, out, rend);
 #endif
-  const int64_t last = rend - (pf + rs - 1) / rs;
-  for (int64_t r = r0; r < r1; ++r) dotrn<WB>(nt, base + r * rs, xs, K, r < last ? pf : 0, out + (r - r0) * NTMAX);
+  const int64_t last = rend - (pf + rs - 1) / rs, far = nt < p->far_pf_tokens ? p->small_far_pf * pf : 0;
+  for (int64_t r = r0; r < r1; ++r)
+    dotrn<WB>(nt, base + r * rs, xs, K, r < last ? pf : 0, out + (r - r0) * NTMAX, r < last ? far : 0);
 }
 
 // A block of at most RB intermediate rows: the gate rows, then the matching up rows (each a
@@ -307,8 +309,8 @@ void stage1(const FtProblem* p, int64_t g, int64_t i0, int64_t i1) {
           rows_q(nt, base, rs, ib, ie, xs, H, p->prefetch, og, i1);
           rows_q(nt, base + p->up * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
         } else {
-          rows_f<WB>(nt, base, rs, ib, ie, xs, H, p->prefetch, og, i1);
-          rows_f<WB>(nt, base + p->up * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
+          rows_f<WB>(p, nt, base, rs, ib, ie, xs, H, p->prefetch, og, i1);
+          rows_f<WB>(p, nt, base + p->up * rs, rs, ib, ie, xs, H, p->prefetch, ou, i1);
         }
         gated_block(p, g, ib, ie - ib, NTMAX, nt, og, ou, oa);
         for (int t = 0; t < nt; ++t) {
@@ -356,7 +358,7 @@ void stage2(const FtProblem* p, int64_t g, int64_t h0, int64_t h1) {
         else
 #endif
         if (WK == 2) rows_q(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);
-        else rows_f<WB>(nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);
+        else rows_f<WB>(p, nt, base, rs, hb, he, xs, I, p->prefetch, o, h1);
         for (int t = 0; t < nt; ++t)
           store_strided(o + t, NTMAX, he - hb, obf,
                         obf ? (void*)((uint16_t*)out + dst[t] + hb) : (void*)((float*)out + dst[t] + hb));

@@ -104,6 +104,15 @@ inline void prefetch(const void* p) {
 #endif
 }
 
+// A second prefetch further ahead, into L2 only (the expert kernels' far prefetch).
+inline void prefetch_far(const void* p) {
+#if FT_ISA >= 1
+  _mm_prefetch((const char*)p, _MM_HINT_T2);
+#else
+  (void)p;
+#endif
+}
+
 #if FT_ISA != 1
 inline vf vldb_ext(const uint16_t* p) { return vldb(p); }
 #endif
@@ -136,8 +145,9 @@ inline float sw(const void* row, int64_t k) {
 // (max |diff| 1.10e-4 of logits up to 37.6 in rtol+atol, where 2 gave 1.33e-4: fp32 noise).
 enum { U_DOT = 1 };
 
+// far (bytes, 0: none): a second prefetch, into L2, that far ahead (rows_f's groups of 1-2 tokens).
 template <int NT, bool WB>
-inline void dotr(const void* row, const float* const* xs, int64_t K, int64_t pf, float* out) {
+inline void dotr(const void* row, const float* const* xs, int64_t K, int64_t pf, float* out, int64_t far = 0) {
   enum { U = U_DOT };
   vf acc[U][NT];
   for (int u = 0; u < U; ++u)
@@ -146,7 +156,10 @@ inline void dotr(const void* row, const float* const* xs, int64_t K, int64_t pf,
   for (; k + U * VW <= K; k += U * VW)
     for (int u = 0; u < U; ++u) {
       const vf w = vw<WB>(row, k + u * VW);
-      if (pf) prefetch((const char*)row + (k + u * VW) * (WB ? 2 : 4) + pf);
+      if (pf) {
+        prefetch((const char*)row + (k + u * VW) * (WB ? 2 : 4) + pf);
+        if (far) prefetch_far((const char*)row + (k + u * VW) * (WB ? 2 : 4) + far);
+      }
       for (int t = 0; t < NT; ++t) acc[u][t] = vfma(w, vld(xs[t] + k + u * VW), acc[u][t]);
     }
   for (; k + VW <= K; k += VW) {
@@ -165,10 +178,11 @@ inline void dotr(const void* row, const float* const* xs, int64_t K, int64_t pf,
 }
 
 template <bool WB>
-inline void dotrn(int nt, const void* row, const float* const* xs, int64_t K, int64_t pf, float* out) {
+inline void dotrn(int nt, const void* row, const float* const* xs, int64_t K, int64_t pf, float* out,
+                  int64_t far = 0) {
   switch (nt) {
-    case 1: dotr<1, WB>(row, xs, K, pf, out); break;
-    case 2: dotr<2, WB>(row, xs, K, pf, out); break;
+    case 1: dotr<1, WB>(row, xs, K, pf, out, far); break;
+    case 2: dotr<2, WB>(row, xs, K, pf, out, far); break;
     case 3: dotr<3, WB>(row, xs, K, pf, out); break;
 #if FT_ISA >= 1
     case 4: dotr<4, WB>(row, xs, K, pf, out); break;
