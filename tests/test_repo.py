@@ -31,3 +31,13 @@ def test_import_contracts_hold():
     r = subprocess.run([str(lint), str(ROOT / ".importlinter")], cwd=ROOT,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_the_cpu_kernels_cache_key_covers_every_source_file():
+    """The compiled CPU kernel is cached under a hash of its sources (kernels/cpu/build.py): a
+    header missing from that list would let an edited kernel load the stale library."""
+    from freetoken_engine.kernels.cpu import build
+    cpu = ROOT / "engine" / "freetoken_engine" / "kernels" / "cpu"
+    on_disk = {p.name for p in cpu.iterdir() if p.suffix in (".h", ".cpp")}
+    assert on_disk == set(build.SOURCES)
+    assert {src for _, src, _ in build._UNITS} <= on_disk

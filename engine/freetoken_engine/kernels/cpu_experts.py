@@ -179,8 +179,8 @@ def configure(threads: int | None = None, isa: str | None = None,
     return cfg
 
 
-TUNING_KNOBS = ("chunks_per_thread", "amx_min_tokens", "amx_pf", "amx_next", "far_pf", "far_pf_tokens", "small_far_pf",
-                "read_chunk", "stall_us", "backoff_ms", "backoff_max_ms", "test_stall_us")
+TUNING_KNOBS = ("chunks_per_thread", "amx_min_tokens", "amx_pf", "amx_next", "far_pf", "far_pf_tokens",
+                "small_far_pf", "read_chunk", "stall_us", "backoff_ms", "backoff_max_ms", "test_stall_us")
 
 
 def tune(**knobs: int) -> dict:

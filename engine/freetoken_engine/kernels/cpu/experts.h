@@ -39,13 +39,13 @@ struct FtProblem {
                                 // in the same layout: [(start + tb) * I + i/2 * 2nt + 2t + i%2]
   const int64_t* g_xv;          // [n_groups] word offset of an AMX group's packed x (shared by
                                 // groups with equal token lists)
-  // Tuning (tune.h, set by ft_tune): the bf16-dot kernels' second prefetch into L2, far_pf times
-  // `prefetch` ahead for groups of at least far_pf_tokens tokens, small_far_pf times for smaller
-  // groups (0: off); the tiles' prefetch distance along each of their 16 rows (bytes, 0: off)
-  // and, with amx_next, the next 16-row block prefetched into L2 in address order while the
-  // tiles read the current one.
+  // Tuning (tune.h, set by ft_tune): a second prefetch into L2, far_pf times `prefetch` ahead in
+  // the bf16-dot kernels' groups of at least far_pf_tokens tokens, small_far_pf times in smaller
+  // groups (bf16 and fp32 tokens; 0: off); the tiles' prefetch distance along each of their 16
+  // rows (bytes, 0: off) and, with amx_next, the next 16-row block prefetched into L2 in address
+  // order while the tiles read the current one.
   int64_t far_pf, far_pf_tokens, amx_pf, amx_next, small_far_pf;
-  // Experts of another kind (gated_block in simd.h): gate_act 0 silu(gate) * up, 1 gpt-oss's
+  // Experts of another kind (gated_block in gate.h): gate_act 0 silu(gate) * up, 1 gpt-oss's
   // (gate clamped above at limit, up to [-limit, limit], gate sigmoid(alpha gate) (up + 1)); b13:
   // fp32 gate/up bias rows of b13_rs floats (gate biases, then up ones at +up), group g's row
   // g_bias[g]; null: none.

@@ -9,11 +9,12 @@
 // pairs (x packed in the call's work queue, amx_pack.h; the activations written in that layout
 // by stage 1), up to 16
 // per block. One fp32 accumulator per (row, token) summed over K in order (tdpbf16ps); the
-// rounding points are those of the vector kernels (simd.h swiglu_block, f2bf), the summation
+// rounding points are those of the vector kernels (gate.h swiglu_block, simd.h f2bf), the summation
 // order is not, so an AMX group's output can differ from the vector path's in the last bits
 // (the same tolerance against the reference). A group's path depends only on its token count,
 // never on the thread count or on other groups.
 #include "simd.h"
+#include "gate.h"
 #include "mxfp4.h"
 
 namespace {

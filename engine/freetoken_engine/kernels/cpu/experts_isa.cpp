@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "simd.h"
+#include "gate.h"
 #include "mxfp4.h"
 
 namespace {
@@ -50,8 +51,9 @@ inline void reduce16(const __m512* acc, int n, float* out) {
 // Groups of 1-2 tokens take an L2 prefetch too, small_far_pf = 2 distances ahead (stop 66): on the
 // H100 host's Xeon (15 threads, paired with the read, bench/cpu_kernel_tune.py) one token on 8
 // experts 87 -> 98% of the read from C, 2 experts 82 -> 90%, 4 tokens over a random top-8 86 ->
-// 97%, 1 expert 73 -> 72%; 3 and 4 distances ahead gained less. The L1 prefetch alone keeps about
-// a row of 4 KiB in flight a stream, which held a thread's stream below its share of the read.
+// 97%, 1 expert 73 -> 72%; 3 and 4 distances ahead gained less. With the L1 prefetch alone (one
+// 4 KiB row ahead) a 1-token call's gate/up rows read at 90 GB/s where a plain read of the same
+// bytes ran at 117 (bench/expert_call_size.py). Float32 tokens (rows_f) take it too.
 
 // out[t] = dot(row[0:K], xs[t][0:K]) for NT bf16 token vectors: vdpbf16ps into U_BF fp32
 // accumulators per token (32-element block j of the row goes to accumulator j % U_BF, added
@@ -123,8 +125,8 @@ inline void dot_row_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K
 // past it are another thread's (they cost 4 KiB per stream per chunk, 6-12% of the reads with
 // 64 KiB chunks).
 // With 4 to 8 tokens (those that reduce in a tree) and K a multiple of 32, rows go in groups of
-// 16 / NT (4 rows of 4 tokens, 3 of 5, 2 of 6-8) whose sums share one tree (reduce16 is bitwise the per-vector sums, so the results do not
-// change): with 8 tokens a row's own tree was half zero padding, and a down-projection row
+// 16 / NT (4 rows of 4 tokens, 3 of 5, 2 of 6-8) whose sums share one tree (reduce16 is bitwise
+// the per-vector sums, so the results do not change): with 8 tokens a row's own tree was half zero padding, and a down-projection row
 // (I = 768: 12 steps of the loop) spent about a quarter of its time in it. Hot in L3, 2 threads,
 // the EPYC, one expert (alternating processes, 3 each, against one tree per row): 4 / 5 / 6 / 8
 // tokens 96-102 / 88-92 / 78-81 / 64-65 -> 100-107 / 93-98 / 83-87 / 69-71 GB/s. 1-3 tokens

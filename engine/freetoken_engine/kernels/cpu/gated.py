@@ -1,5 +1,5 @@
 """The compiled CPU expert kernel's entry for experts of another kind than silu(gate) * up
-(gpt-oss: gate/up biases and the clamped gate, ``ft_experts_gated``; simd.h ``gated_block``)."""
+(gpt-oss: gate/up biases and the clamped gate, ``ft_experts_gated``; gate.h ``gated_block``)."""
 from __future__ import annotations
 
 import torch
