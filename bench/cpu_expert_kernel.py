@@ -184,10 +184,8 @@ def main() -> None:
     ap.add_argument("--tune", default="", metavar="KNOB=N,...",
                     help="kernel tuning knobs to run with (cpu_experts.tune), recorded in the entry; default: none")
     args = ap.parse_args()
-    tuned = {}
-    for kv in filter(None, (s.strip() for s in args.tune.split(","))):
-        name, _, value = kv.partition("=")
-        tuned[name.strip()] = int(value)
+    from cpu_kernel_tune import parse_settings      # (that module imports this one)
+    tuned = parse_settings(args.tune)[0][1] if args.tune else {}
     ce.tune(**tuned)
 
     hw = hardware()

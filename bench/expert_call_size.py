@@ -13,7 +13,7 @@ same process, round after round:
 
 - **read**: the kernel's threads reading n experts' bytes (one contiguous span the size of the
   call, never read before in the round) in chunks of the size an expert call hands out
-  (``chunk_bytes``: a quarter of a thread's share of the gate/up rows, 16 KiB-4 MiB), so the
+  (``chunk_bytes``: a thread's share of the gate/up rows over ``chunks_per_thread``), so the
   read pays the same thread wake-up and the same stream starts;
 - **from C**: the kernel's calls timed inside C, one at a time (``cpu_experts.calls_seconds``,
   as the engine's C++ branch and the calibration call it: no Python around the call);
@@ -49,8 +49,9 @@ EXPERT_BYTES = 3 * H * I * 2
 
 def read_chunk(call_bytes: int, threads: int) -> int:
     """The chunk an expert call of ``call_bytes`` hands out on its gate/up rows (tune.h
-    ``chunk_bytes``: 2/3 of the bytes over 4 chunks a thread, 16 KiB-4 MiB), rounded to 4 KiB."""
-    c = (2 * call_bytes // 3) // (4 * threads)
+    ``chunk_bytes``: 2/3 of the bytes over the ``chunks_per_thread`` knob's chunks a thread,
+    16 KiB-4 MiB), rounded to 4 KiB."""
+    c = (2 * call_bytes // 3) // (ce.tune()["chunks_per_thread"] * threads)
     return max(16384, min(4 << 20, c)) // 4096 * 4096
 
 

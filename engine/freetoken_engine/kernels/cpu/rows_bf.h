@@ -72,8 +72,8 @@ inline void dot_row_sums(const uint16_t* row, const uint16_t* const* xs, int64_t
       prefetch((const char*)(row + k) + pf);
       prefetch((const char*)(row + k) + pf + 64);
       if (far) {
-        _mm_prefetch((const char*)(row + k) + far, _MM_HINT_T2);
-        _mm_prefetch((const char*)(row + k) + far + 64, _MM_HINT_T2);
+        prefetch_far((const char*)(row + k) + far);
+        prefetch_far((const char*)(row + k) + far + 64);
       }
     }
     for (int u = 0; u < U_BF; ++u) {

@@ -104,7 +104,7 @@ inline void prefetch(const void* p) {
 #endif
 }
 
-// A second prefetch further ahead, into L2 only (the expert kernels' far prefetch).
+// A second prefetch further ahead, into L2 only (the expert kernels' far prefetch: rows_bf.h, dotr).
 inline void prefetch_far(const void* p) {
 #if FT_ISA >= 1
   _mm_prefetch((const char*)p, _MM_HINT_T2);
