@@ -30,7 +30,10 @@ def model(gguf_path):
 
 @pytest.fixture(scope="module")
 def dense_dir(model, tmp_path_factory):
-    return write_hf_folder(model, tmp_path_factory.mktemp("smollm2-dense"))
+    """The 135M model in float32 (0.5 GB), removed after this module: CI's disk may be small."""
+    out = write_hf_folder(model, tmp_path_factory.mktemp("smollm2-dense"))
+    yield out
+    shutil.rmtree(out, ignore_errors=True)
 
 
 def test_config_is_smollm2_135m(model):

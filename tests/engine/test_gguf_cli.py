@@ -3,11 +3,13 @@ cache and served like a checkpoint folder; a broken file is one clear line."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 
 import pytest
 
+from freetoken_engine import env
 from freetoken_engine.convert.source import smollm2_gguf_path
 
 
@@ -16,7 +18,18 @@ def run(*args: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600)
 
 
-def test_dense_gguf_file_answers_paris():
+@pytest.fixture
+def new_conversions_removed():
+    """The CLI's float32 folder of the 135M GGUF (0.5 GB) leaves the cache after the test: CI's
+    disk may be small, and no other test reads it."""
+    root = env.cache_dir() / "gguf"
+    before = set(root.iterdir()) if root.is_dir() else set()
+    yield
+    for folder in (set(root.iterdir()) if root.is_dir() else set()) - before:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_dense_gguf_file_answers_paris(new_conversions_removed):
     try:
         gguf = smollm2_gguf_path()
     except FileNotFoundError:
