@@ -95,6 +95,27 @@ def test_linear_strided_rows_and_threads_give_the_same_bits(isas):
     _check_linear(one, x, w, None)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_the_l2_prefetch_of_one_and_two_token_projections_moves_no_bit(isas, x_dtype):
+    """Decode's 1-2 token projections prefetch their rows into L2 as well (tune.h linear_far_pf):
+    the same bits at any distance, on every instruction set, up to the matrix's last row."""
+    knobs = ce.tune()
+    w = torch.randn(515, 640).to(torch.bfloat16)     # an odd row count: the last chunk is short
+    try:
+        for isa in isas:
+            ce.configure(threads=2, isa=isa)
+            for tokens in (1, 2, 3):
+                x = torch.randn(tokens, 640).to(x_dtype)
+                ce.tune(**knobs)
+                want = cl.linear(x, w)
+                _check_linear(want, x, w if x_dtype == torch.bfloat16 else w.float(), None)
+                for far in (0, 16):
+                    ce.tune(**{**knobs, "linear_far_pf": far})
+                    assert torch.equal(cl.linear(x, w), want), (isa, tokens, far)
+    finally:
+        ce.tune(**knobs)
+
+
 def test_linear_other_cases_are_exactly_f_linear():
     """Prefill-sized batches, other dtypes and autograd go to F.linear unchanged."""
     w = torch.randn(48, 32)

@@ -29,10 +29,10 @@ void linear_rows(const FtLinear* p, int64_t n0, int64_t n1) {
       const char* row = base + n * rs;
       float o[NTMAX];
 #if FT_ISA == 3
-      if (p->xb) dotrn_bf(nt, (const uint16_t*)row, xbs, K, p->prefetch, o);
+      if (p->xb) dotrn_bf(nt, (const uint16_t*)row, xbs, K, p->prefetch, o, p->far);
       else
 #endif
-        dotrn<WB>(nt, row, xs, K, p->prefetch, o);
+        dotrn<WB>(nt, row, xs, K, p->prefetch, o, p->far);
       const float b = p->bias ? sw<WB>(p->bias, n) : 0.f;
       for (int t = 0; t < nt; ++t) {
         const int64_t at = (tb + t) * N + n;

@@ -84,6 +84,7 @@ struct FtLinear {
   void* out;                    // [T, N], contiguous
   int out_bf16;
   int64_t prefetch;
+  int64_t far;                  // a second prefetch, into L2, this many bytes ahead (0: none)
 };
 
 // RMSNorm of T rows of H: out = x * rsqrt(mean(x^2) + eps) * w, computed in fp32; with bf16

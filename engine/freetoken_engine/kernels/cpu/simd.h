@@ -104,7 +104,7 @@ inline void prefetch(const void* p) {
 #endif
 }
 
-// A second prefetch further ahead, into L2 only (the expert kernels' far prefetch: rows_bf.h, dotr).
+// A second prefetch further ahead, into L2 only (the far prefetch: rows_bf.h, dotr, dotr_bf).
 inline void prefetch_far(const void* p) {
 #if FT_ISA >= 1
   _mm_prefetch((const char*)p, _MM_HINT_T2);
@@ -145,7 +145,7 @@ inline float sw(const void* row, int64_t k) {
 // (max |diff| 1.10e-4 of logits up to 37.6 in rtol+atol, where 2 gave 1.33e-4: fp32 noise).
 enum { U_DOT = 1 };
 
-// far (bytes, 0: none): a second prefetch, into L2, that far ahead (rows_f's groups of 1-2 tokens).
+// far (bytes, 0: none): a second prefetch, into L2, that far ahead (groups of 1-2 tokens: rows_f, ft_linear).
 template <int NT, bool WB>
 inline void dotr(const void* row, const float* const* xs, int64_t K, int64_t pf, float* out, int64_t far = 0) {
   enum { U = U_DOT };
@@ -289,7 +289,8 @@ inline void store_strided(const float* src, int64_t stride, int64_t n, bool bf, 
 #if FT_ISA == 3
 // The same with bf16 token vectors and vdpbf16ps (32 elements per instruction).
 template <int NT>
-inline void dotr_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K, int64_t pf, float* out) {
+inline void dotr_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K, int64_t pf, float* out,
+                    int64_t far = 0) {
   enum { U = U_DOT };
   __m512 acc[U][NT];
   for (int u = 0; u < U; ++u)
@@ -298,7 +299,10 @@ inline void dotr_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K, i
   for (; k + U * 32 <= K; k += U * 32)
     for (int u = 0; u < U; ++u) {
       const __m512bh w = (__m512bh)_mm512_loadu_si512((const void*)(row + k + u * 32));
-      if (pf) prefetch((const char*)(row + k + u * 32) + pf);
+      if (pf) {
+        prefetch((const char*)(row + k + u * 32) + pf);
+        if (far) prefetch_far((const char*)(row + k + u * 32) + far);
+      }
       for (int t = 0; t < NT; ++t)
         acc[u][t] = _mm512_dpbf16_ps(acc[u][t], w, (__m512bh)_mm512_loadu_si512((const void*)(xs[t] + k + u * 32)));
     }
@@ -318,10 +322,11 @@ inline void dotr_bf(const uint16_t* row, const uint16_t* const* xs, int64_t K, i
   }
 }
 
-inline void dotrn_bf(int nt, const uint16_t* row, const uint16_t* const* xs, int64_t K, int64_t pf, float* out) {
+inline void dotrn_bf(int nt, const uint16_t* row, const uint16_t* const* xs, int64_t K, int64_t pf, float* out,
+                     int64_t far = 0) {
   switch (nt) {
-    case 1: dotr_bf<1>(row, xs, K, pf, out); break;
-    case 2: dotr_bf<2>(row, xs, K, pf, out); break;
+    case 1: dotr_bf<1>(row, xs, K, pf, out, far); break;
+    case 2: dotr_bf<2>(row, xs, K, pf, out, far); break;
     case 3: dotr_bf<3>(row, xs, K, pf, out); break;
     case 4: dotr_bf<4>(row, xs, K, pf, out); break;
     case 5: dotr_bf<5>(row, xs, K, pf, out); break;
