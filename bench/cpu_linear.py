@@ -130,20 +130,12 @@ def plot(result: dict, path: Path) -> None:
     settings = list(result["settings"])
     cases = list(dict.fromkeys((r["shape"], r["x_dtype"], r["tokens"]) for r in rows))
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cases)), 3.8))
-    width = 0.8 / len(settings)
-    for i, s in enumerate(settings):
-        by = {(r["shape"], r["x_dtype"], r["tokens"]): r["of_read"] for r in rows if r["setting"] == s}
-        ax.bar([c + (i - (len(settings) - 1) / 2) * width for c in range(len(cases))],
-               [by[c] for c in cases], width, label=s)
+    of_read = {(r["setting"], (r["shape"], r["x_dtype"], r["tokens"])): r["of_read"] for r in rows}
+    report.setting_bars(ax, cases, settings, lambda s, case: of_read[(s, case)])
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xticks(range(len(cases)), [f"{s}\n{x} x{t}" for s, x, t in cases], fontsize=6, rotation=30, ha="right")
     ax.set_ylabel("linear GB/s / read GB/s")
-    hw = result["hardware"]
-    ax.set_title(f"Decode projections on the CPU vs a read of their bytes: {result['label']}\n"
-                 f"{hw['cpu_model']}, {result['threads']} threads", fontsize=8)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.finish_cpu_plot(fig, ax, result, "Decode projections on the CPU vs a read of their bytes", path)
 
 
 if __name__ == "__main__":

@@ -163,13 +163,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xticks(list(xs), [f"{r['experts']} expert{'s' if r['experts'] > 1 else ''}\n{r['call_mb']:.0f} MB"
                              + (f"\n{r['setting']}" if multi else "") for r in rows], fontsize=6 if multi else 8)
     ax.set_ylabel("GB/s of expert bytes")
-    hw = result["hardware"]
-    ax.set_title(f"One {result.get('x_dtype', 'bfloat16')} token's expert call vs a read of its bytes: "
-                 f"{result['label']}\n"
-                 f"{hw['cpu_model']}, {result['threads']} threads", fontsize=8)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.finish_cpu_plot(fig, ax, result, f"One {result.get('x_dtype', 'bfloat16')} token's expert call vs "
+                           "a read of its bytes", path)
 
 
 if __name__ == "__main__":

@@ -117,19 +117,11 @@ def plot(result: dict, path: Path) -> None:
     settings = list(result["settings"])
     dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    width = 0.8 / len(settings)
-    for i, s in enumerate(settings):
-        by = {r["dtype"]: r["tok_s"] for r in rows if r["setting"] == s}
-        ax.bar([d + (i - (len(settings) - 1) / 2) * width for d in range(len(dtypes))], [by[d] for d in dtypes],
-               width, label=s)
+    tok_s = {(r["setting"], r["dtype"]): r["tok_s"] for r in rows}
+    report.setting_bars(ax, dtypes, settings, lambda s, d: tok_s[(s, d)])
     ax.set_xticks(range(len(dtypes)), [f"engine in {d}" for d in dtypes])
     ax.set_ylabel("decode tok/s (median of rounds)")
-    hw = result["hardware"]
-    ax.set_title(f"CPU engine decode, {result['checkpoint']}, per kernel setting: {result['label']}\n"
-                 f"{hw['cpu_model']}, {result['threads']} threads", fontsize=8)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    report.finish_cpu_plot(fig, ax, result, f"CPU engine decode, {result['checkpoint']}, per kernel setting", path)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,24 @@ def bars(path: Path, sides, values, ylabel: str, title: str) -> None:
     fig.savefig(path, dpi=120)
 
 
+def setting_bars(ax, cases: list, settings: list, value: Callable) -> None:
+    """Bars of ``value(setting, case)``, one per setting side by side over each case (x = case index)."""
+    width = 0.8 / len(settings)
+    for i, s in enumerate(settings):
+        ax.bar([c + (i - (len(settings) - 1) / 2) * width for c in range(len(cases))],
+               [value(s, case) for case in cases], width, label=s)
+
+
+def finish_cpu_plot(fig, ax, result: dict, title: str, path: Path) -> None:
+    """A CPU bench's plot finished: ``title``, the run's label, the CPU model and the kernel's
+    threads above it, the legend, saved to ``path``."""
+    hw = result["hardware"]
+    ax.set_title(f"{title}: {result['label']}\n{hw['cpu_model']}, {result['threads']} threads", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def main(ap, default_out: Path | Callable, run: Callable, plot: Callable[[dict, Path], None]) -> None:
     """A bench's command line: ``ap``'s arguments (``parse``), then ``run(args)``'s result saved
     (``save``) and its path printed; with ``--plot-only`` the saved result's plot redrawn."""
