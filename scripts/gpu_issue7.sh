@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 7's decode grid and the CPU kernels' host figures on the lent GPU machine: one part per
+# device call (each part fits its 10-minute limit). Run from the repository root with $OUT set;
+# the JSON (hardware named inside) lands in $OUT, the merge into bench/results runs here after:
+#
+#   scripts/gpu_issue7.sh 30b      # Qwen3-30B-A3B: static split, LRU, LRU + q* at 8/16/32 GB cards
+#   scripts/gpu_issue7.sh 36       # Qwen3.6-35B-A3B: all resident, the three policies at 8/16 GB
+#   scripts/gpu_issue7.sh 36-32    # Qwen3.6 at 32 GB alone (with the 64.4 GB all-resident pool it
+#                                  # runs out of an 80 GB card's memory; an H200 could run it in `36`)
+#   scripts/gpu_issue7.sh cpu      # the host's CPU kernels: the expert bench and the projections
+#
+#   python bench/offload_merge.py --label L --previous R --note "..." run_30b.json run_36.json run_36_32.json
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the folder the results go to}"
+case "${1:-}" in 30b|36|36-32|cpu) ;; *) echo "usage: scripts/gpu_issue7.sh 30b|36|36-32|cpu" >&2; exit 2 ;; esac
+export PYTHONPATH="$PWD/engine:$PWD/tests:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt" || true
+PY=${PYTHON:-python}
+policies="static/graph,lru,lru+q*"
+decode=(--no-prefill --no-tune)
+case "${1:-}" in
+  30b) "$PY" bench/gpu_offload.py --models qwen3-30b-a3b --budgets 8,16,32 --policies "$policies" \
+         "${decode[@]}" --out "$OUT/run_30b.json" ;;
+  36) "$PY" bench/gpu_offload.py --models qwen3.6-35b-a3b --budgets 8,16 --policies "all,$policies" \
+        "${decode[@]}" --out "$OUT/run_36.json" ;;
+  36-32) "$PY" bench/gpu_offload.py --models qwen3.6-35b-a3b --budgets 32 --policies "$policies" \
+           "${decode[@]}" --out "$OUT/run_36_32.json" ;;
+  cpu) "$PY" bench/cpu_expert_kernel.py --label "GPU host" --rounds 2 --prefetch 4096 --out "$OUT"
+       "$PY" bench/cpu_linear.py --label "GPU host" --rounds 3 --out "$OUT/cpu_linear_host.json" ;;
+esac
