@@ -27,7 +27,7 @@ from pathlib import Path
 SRC_DIR = Path(__file__).resolve().parent
 SOURCES = ("experts.h", "simd.h", "gate.h", "rows_bf.h", "experts.cpp", "experts_isa.cpp", "decode_isa.cpp",
            "branch.cpp", "pool.h", "isa.h", "tune.h", "jobs.h", "amx_pack.h", "exp_job.h", "experts_amx.cpp",
-           "mxfp4.h", "layer.cpp", "entry.h")
+           "mxfp4.h", "layer.cpp", "entry.h", "state.h", "call.h")
 LIB_NAME = "libftexperts.so"
 
 _COMMON = ["-O3", "-std=c++17", "-fPIC", "-fno-strict-aliasing", "-w"]
