@@ -1,6 +1,6 @@
-// The body of an expert call (experts.cpp; baseline ISA, included once): the pairs grouped by
-// expert, the AMX groups' token packs, the tokens widened or packed, and the call's job on the
-// pool (exp_job.h) from stage 1 through stage 2.
+// The body of an expert call (experts.cpp; baseline ISA, included once): the pairs checked and
+// grouped by expert (state.h), the call's problem, the AMX groups' token packs, and its job on
+// the pool (exp_job.h) from stage 1 through stage 2.
 #pragma once
 #include <stdio.h>
 #include <string.h>
