@@ -96,22 +96,23 @@ def test_linear_strided_rows_and_threads_give_the_same_bits(isas):
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_the_l2_prefetch_of_one_and_two_token_projections_moves_no_bit(isas, x_dtype):
-    """Decode's 1-2 token projections prefetch their rows into L2 as well (tune.h linear_far_pf):
-    the same bits at any distance, on every instruction set, up to the matrix's last row."""
+def test_the_l2_prefetch_of_decode_projections_moves_no_bit(isas, x_dtype):
+    """Decode's projections of 1-4 tokens prefetch their rows into L2 as well (tune.h
+    linear_far_pf, linear_far_tokens): the same bits at any distance and token limit, on every
+    instruction set, up to the matrix's last row."""
     knobs = ce.tune()
     w = torch.randn(515, 640).to(torch.bfloat16)     # an odd row count: the last chunk is short
     try:
         for isa in isas:
             ce.configure(threads=2, isa=isa)
-            for tokens in (1, 2, 3):
+            for tokens in (1, 2, 4, 5, 8):
                 x = torch.randn(tokens, 640).to(x_dtype)
                 ce.tune(**knobs)
                 want = cl.linear(x, w)
                 _check_linear(want, x, w if x_dtype == torch.bfloat16 else w.float(), None)
-                for far in (0, 16):
-                    ce.tune(**{**knobs, "linear_far_pf": far})
-                    assert torch.equal(cl.linear(x, w), want), (isa, tokens, far)
+                for setting in ({"linear_far_pf": 0}, {"linear_far_pf": 16}, {"linear_far_tokens": 8}):
+                    ce.tune(**{**knobs, **setting})
+                    assert torch.equal(cl.linear(x, w), want), (isa, tokens, setting)
     finally:
         ce.tune(**knobs)
 

@@ -177,8 +177,9 @@ int ft_linear(const void* x, int x_bf16, int64_t T, int64_t K, const void* w, in
   memset(&p, 0, sizeof p);
   p.T = T; p.K = K; p.N = N; p.w = w; p.w_bf16 = w_bf16; p.w_rs = w_rs; p.bias = bias;
   p.out = out; p.out_bf16 = x_bf16; p.prefetch = w_bf16 ? g_prefetch : g_prefetch_f32;
-  // decode of 1-2 tokens: a second prefetch into L2 as the expert rows' (tune.h linear_far_pf)
-  p.far = T <= 2 ? g_tune.linear_far_pf * p.prefetch : 0;
+  // decode of 1-4 tokens: a second prefetch into L2 as the expert rows' (tune.h linear_far_pf,
+  // linear_far_tokens; at 8 tokens it gained nothing, docs/cpu_kernel.md)
+  p.far = T <= g_tune.linear_far_tokens ? g_tune.linear_far_pf * p.prefetch : 0;
   if (x_bf16 && w_bf16 && base_isa(g_isa) == ISA_AVX512BF16) {
     p.xb = (const uint16_t*)x;
   } else {

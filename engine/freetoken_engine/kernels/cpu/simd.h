@@ -183,15 +183,15 @@ inline void dotrn(int nt, const void* row, const float* const* xs, int64_t K, in
   switch (nt) {
     case 1: dotr<1, WB>(row, xs, K, pf, out, far); break;
     case 2: dotr<2, WB>(row, xs, K, pf, out, far); break;
-    case 3: dotr<3, WB>(row, xs, K, pf, out); break;
+    case 3: dotr<3, WB>(row, xs, K, pf, out, far); break;
 #if FT_ISA >= 1
-    case 4: dotr<4, WB>(row, xs, K, pf, out); break;
-    case 5: dotr<5, WB>(row, xs, K, pf, out); break;
-    case 6: dotr<6, WB>(row, xs, K, pf, out); break;
-    case 7: dotr<7, WB>(row, xs, K, pf, out); break;
-    default: dotr<8, WB>(row, xs, K, pf, out); break;
+    case 4: dotr<4, WB>(row, xs, K, pf, out, far); break;
+    case 5: dotr<5, WB>(row, xs, K, pf, out, far); break;
+    case 6: dotr<6, WB>(row, xs, K, pf, out, far); break;
+    case 7: dotr<7, WB>(row, xs, K, pf, out, far); break;
+    default: dotr<8, WB>(row, xs, K, pf, out, far); break;
 #else
-    default: dotr<4, WB>(row, xs, K, pf, out); break;
+    default: dotr<4, WB>(row, xs, K, pf, out, far); break;
 #endif
   }
 }
@@ -327,12 +327,12 @@ inline void dotrn_bf(int nt, const uint16_t* row, const uint16_t* const* xs, int
   switch (nt) {
     case 1: dotr_bf<1>(row, xs, K, pf, out, far); break;
     case 2: dotr_bf<2>(row, xs, K, pf, out, far); break;
-    case 3: dotr_bf<3>(row, xs, K, pf, out); break;
-    case 4: dotr_bf<4>(row, xs, K, pf, out); break;
-    case 5: dotr_bf<5>(row, xs, K, pf, out); break;
-    case 6: dotr_bf<6>(row, xs, K, pf, out); break;
-    case 7: dotr_bf<7>(row, xs, K, pf, out); break;
-    default: dotr_bf<8>(row, xs, K, pf, out); break;
+    case 3: dotr_bf<3>(row, xs, K, pf, out, far); break;
+    case 4: dotr_bf<4>(row, xs, K, pf, out, far); break;
+    case 5: dotr_bf<5>(row, xs, K, pf, out, far); break;
+    case 6: dotr_bf<6>(row, xs, K, pf, out, far); break;
+    case 7: dotr_bf<7>(row, xs, K, pf, out, far); break;
+    default: dotr_bf<8>(row, xs, K, pf, out, far); break;
   }
 }
 #endif

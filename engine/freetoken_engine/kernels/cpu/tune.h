@@ -20,7 +20,8 @@ struct Tune {
   int64_t far_pf = 4;                      // FtProblem::far_pf
   int64_t far_pf_tokens = 3;               // FtProblem::far_pf_tokens
   int64_t small_far_pf = 2;                // FtProblem::small_far_pf (stop 66: 2, was off)
-  int64_t linear_far_pf = 2;               // FtLinear::far of 1-2 tokens, in prefetch distances (stop 67)
+  int64_t linear_far_pf = 2;               // FtLinear::far, in prefetch distances (stop 67)
+  int64_t linear_far_tokens = 4;           // ... for projections of at most this many tokens
   int64_t read_chunk = 1 << 20;            // bytes a participant takes at a time in ft_read_seconds
 };
 Tune g_tune;
@@ -39,6 +40,7 @@ const Knob* tune_find(const char* name) {
       {"read_chunk", &g_tune.read_chunk, 4096, int64_t(1) << 30},
       {"small_far_pf", &g_tune.small_far_pf, 0, 64},
       {"linear_far_pf", &g_tune.linear_far_pf, 0, 64},
+      {"linear_far_tokens", &g_tune.linear_far_tokens, 0, 1 << 20},
       {"stall_us", &g_pool_knobs.stall_us, 1, 1 << 30},          // pool.h: contended workers
       {"backoff_ms", &g_pool_knobs.backoff_ms, 1, 1 << 20},
       {"backoff_max_ms", &g_pool_knobs.backoff_max_ms, 1, 1 << 20},
