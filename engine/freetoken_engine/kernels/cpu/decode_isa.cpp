@@ -7,7 +7,68 @@
 
 namespace {
 
-// Dense projection rows [n0, n1) for every token, one row at a time in address order.
+// simd.h's dotr for two rows at once: each token vector's load serves both rows (with several
+// tokens dotr's loads of them, not memory, can bound a row), and every (row, token) sum runs in
+// dotr's order (one accumulator, k ascending, the same tail), so the results are dotr's bit for bit.
+template <int NT, bool WB>
+inline void dotr2(const void* row0, const void* row1, const float* const* xs, int64_t K, int64_t pf,
+                  float* out0, float* out1, int64_t far) {
+  static_assert(U_DOT == 1, "dotr2 repeats dotr's order of one accumulator per token");
+  const int64_t es = WB ? 2 : 4;
+  vf a0[NT], a1[NT];
+  for (int t = 0; t < NT; ++t) a0[t] = a1[t] = vzero();
+  int64_t k = 0;
+  for (; k + VW <= K; k += VW) {
+    const vf w0 = vw<WB>(row0, k), w1 = vw<WB>(row1, k);
+    if (pf) {
+      prefetch((const char*)row0 + k * es + pf);
+      prefetch((const char*)row1 + k * es + pf);
+      if (far) {
+        prefetch_far((const char*)row0 + k * es + far);
+        prefetch_far((const char*)row1 + k * es + far);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const vf x = vld(xs[t] + k);
+      a0[t] = vfma(w0, x, a0[t]);
+      a1[t] = vfma(w1, x, a1[t]);
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    out0[t] = vsum(a0[t]);
+    out1[t] = vsum(a1[t]);
+  }
+  for (; k < K; ++k) {
+    const float w0 = sw<WB>(row0, k), w1 = sw<WB>(row1, k);
+    for (int t = 0; t < NT; ++t) {
+      out0[t] += w0 * xs[t][k];
+      out1[t] += w1 * xs[t][k];
+    }
+  }
+}
+
+template <bool WB>
+inline void dotr2n(int nt, const void* row0, const void* row1, const float* const* xs, int64_t K, int64_t pf,
+                   float* out0, float* out1, int64_t far) {
+  switch (nt) {
+    case 1: dotr2<1, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
+    case 2: dotr2<2, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
+    case 3: dotr2<3, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
+#if FT_ISA >= 1
+    case 4: dotr2<4, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
+    case 5: dotr2<5, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
+    case 6: dotr2<6, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
+    case 7: dotr2<7, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
+    default: dotr2<8, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
+#else
+    default: dotr2<4, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
+#endif
+  }
+}
+
+// Dense projection rows [n0, n1) for every token, in address order: one row at a time, or two
+// (dotr2, p->pair_rows: float32 token vectors on bf16 rows), each token vector's load then serving
+// both.
 template <bool WB>
 void linear_rows(const FtLinear* p, int64_t n0, int64_t n1) {
   const int64_t K = p->K, N = p->N, es = WB ? 2 : 4;
@@ -25,7 +86,24 @@ void linear_rows(const FtLinear* p, int64_t n0, int64_t n1) {
       xbs[t] = p->xb ? p->xb + (tb + t) * K : 0;
 #endif
     }
-    for (int64_t n = n0; n < n1; ++n) {
+    auto store = [&](int64_t n, const float* o) {
+      const float b = p->bias ? sw<WB>(p->bias, n) : 0.f;
+      for (int t = 0; t < nt; ++t) {
+        const int64_t at = (tb + t) * N + n;
+        if (p->out_bf16) ((uint16_t*)p->out)[at] = f2bf(o[t] + b);
+        else ((float*)p->out)[at] = o[t] + b;
+      }
+    };
+    int64_t n = n0;
+    if (p->pair_rows && p->xf) {
+      for (; n + 1 < n1; n += 2) {
+        float o0[NTMAX], o1[NTMAX];
+        dotr2n<WB>(nt, base + n * rs, base + (n + 1) * rs, xs, K, p->prefetch, o0, o1, p->far);
+        store(n, o0);
+        store(n + 1, o1);
+      }
+    }
+    for (; n < n1; ++n) {
       const char* row = base + n * rs;
       float o[NTMAX];
 #if FT_ISA == 3
@@ -33,12 +111,7 @@ void linear_rows(const FtLinear* p, int64_t n0, int64_t n1) {
       else
 #endif
         dotrn<WB>(nt, row, xs, K, p->prefetch, o, p->far);
-      const float b = p->bias ? sw<WB>(p->bias, n) : 0.f;
-      for (int t = 0; t < nt; ++t) {
-        const int64_t at = (tb + t) * N + n;
-        if (p->out_bf16) ((uint16_t*)p->out)[at] = f2bf(o[t] + b);
-        else ((float*)p->out)[at] = o[t] + b;
-      }
+      store(n, o);
     }
   }
 }
