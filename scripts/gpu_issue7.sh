@@ -27,5 +27,6 @@ case "${1:-}" in
   36-32) "$PY" bench/gpu_offload.py --models qwen3.6-35b-a3b --budgets 32 --policies "$policies" \
            "${decode[@]}" --out "$OUT/run_36_32.json" ;;
   cpu) "$PY" bench/cpu_expert_kernel.py --label "GPU host" --rounds 2 --prefetch 4096 --out "$OUT"
-       "$PY" bench/cpu_linear.py --label "GPU host" --rounds 3 --out "$OUT/cpu_linear_host.json" ;;
+       "$PY" bench/cpu_linear.py --label "GPU host" --rounds 3 --tokens 1,2,4,8 \
+         --settings "default; linear_far_pf=0; linear_pair_tokens=1048576" --out "$OUT/cpu_linear_host.json" ;;
 esac
