@@ -96,13 +96,13 @@ def test_linear_strided_rows_and_threads_give_the_same_bits(isas):
 
 
 @pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
-def test_the_l2_prefetch_and_row_pairs_of_decode_projections_move_no_bit(isas, x_dtype):
+def test_the_l2_prefetch_and_row_groups_of_decode_projections_move_no_bit(isas, x_dtype):
     """Decode's projections of 1-4 tokens prefetch their rows into L2 as well (tune.h
-    linear_far_pf, linear_far_tokens), and float32 tokens take bf16 rows two at a time
-    (linear_pair_tokens): the same bits at any distance, token limit or pairing, on every
-    instruction set, up to the matrix's last row and column."""
+    linear_far_pf, linear_far_tokens), and float32 tokens take bf16 rows four or two at a time
+    (linear_pair_tokens, linear_row_group): the same bits at any distance, token limit or
+    grouping, on every instruction set, up to the matrix's last row and column."""
     knobs = ce.tune()
-    w = torch.randn(515, 650).to(torch.bfloat16)     # odd rows: a chunk's last row unpaired; a tail
+    w = torch.randn(515, 650).to(torch.bfloat16)     # odd rows: a chunk's last rows ungrouped; a tail
     try:
         for isa in isas:
             ce.configure(threads=2, isa=isa)
@@ -112,7 +112,8 @@ def test_the_l2_prefetch_and_row_pairs_of_decode_projections_move_no_bit(isas, x
                 want = cl.linear(x, w)
                 _check_linear(want, x, w if x_dtype == torch.bfloat16 else w.float(), None)
                 for setting in ({"linear_far_pf": 0}, {"linear_far_pf": 16}, {"linear_far_tokens": 8},
-                                {"linear_pair_tokens": 1 << 20}, {"linear_pair_tokens": 3}):
+                                {"linear_pair_tokens": 1 << 20}, {"linear_pair_tokens": 3},
+                                {"linear_row_group": 2}):
                     ce.tune(**{**knobs, **setting})
                     assert torch.equal(cl.linear(x, w), want), (isa, tokens, setting)
     finally:

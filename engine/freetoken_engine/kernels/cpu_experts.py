@@ -180,7 +180,8 @@ def configure(threads: int | None = None, isa: str | None = None,
 
 
 TUNING_KNOBS = ("chunks_per_thread", "amx_min_tokens", "amx_pf", "amx_next", "far_pf", "far_pf_tokens",
-                "small_far_pf", "linear_far_pf", "linear_far_tokens", "linear_pair_tokens", "read_chunk",
+                "small_far_pf", "linear_far_pf", "linear_far_tokens", "linear_pair_tokens", "linear_row_group",
+                "read_chunk",
                 "stall_us", "backoff_ms", "backoff_max_ms", "test_stall_us")
 
 

@@ -7,68 +7,37 @@
 
 namespace {
 
-// simd.h's dotr for two rows at once: each token vector's load serves both rows (with several
-// tokens dotr's loads of them, not memory, can bound a row), and every (row, token) sum runs in
-// dotr's order (one accumulator, k ascending, the same tail), so the results are dotr's bit for bit.
-template <int NT, bool WB>
-inline void dotr2(const void* row0, const void* row1, const float* const* xs, int64_t K, int64_t pf,
-                  float* out0, float* out1, int64_t far) {
-  static_assert(U_DOT == 1, "dotr2 repeats dotr's order of one accumulator per token");
-  const int64_t es = WB ? 2 : 4;
-  vf a0[NT], a1[NT];
-  for (int t = 0; t < NT; ++t) a0[t] = a1[t] = vzero();
-  int64_t k = 0;
-  for (; k + VW <= K; k += VW) {
-    const vf w0 = vw<WB>(row0, k), w1 = vw<WB>(row1, k);
-    if (pf) {
-      prefetch((const char*)row0 + k * es + pf);
-      prefetch((const char*)row1 + k * es + pf);
-      if (far) {
-        prefetch_far((const char*)row0 + k * es + far);
-        prefetch_far((const char*)row1 + k * es + far);
-      }
-    }
-    for (int t = 0; t < NT; ++t) {
-      const vf x = vld(xs[t] + k);
-      a0[t] = vfma(w0, x, a0[t]);
-      a1[t] = vfma(w1, x, a1[t]);
-    }
-  }
-  for (int t = 0; t < NT; ++t) {
-    out0[t] = vsum(a0[t]);
-    out1[t] = vsum(a1[t]);
-  }
-  for (; k < K; ++k) {
-    const float w0 = sw<WB>(row0, k), w1 = sw<WB>(row1, k);
-    for (int t = 0; t < NT; ++t) {
-      out0[t] += w0 * xs[t][k];
-      out1[t] += w1 * xs[t][k];
-    }
-  }
-}
+// Groups of 4 rows up to this many tokens (then pairs): 4 rows x 4 tokens of accumulators fill
+// AVX-512's 32 vector registers by half, AVX2's 16 entirely, whose spills made 3-4 tokens slower
+// than pairs (0.83 / 0.71 of the read against 0.86 / 0.77; at 1-2 tokens 0.98 / 0.94 against
+// 0.94 / 0.90: the 2-core Xeon VM run with the AVX2 kernels, Qwen3-30B's output projection).
+enum { ROWS4_TOKENS = FT_ISA >= 2 ? 4 : 2 };
 
-template <bool WB>
-inline void dotr2n(int nt, const void* row0, const void* row1, const float* const* xs, int64_t K, int64_t pf,
-                   float* out0, float* out1, int64_t far) {
+// simd.h dotr_rows for nt tokens, every row prefetched pf ahead (out: [R][NTMAX]).
+template <int R, bool WB>
+inline void dotr_rows_n(int nt, const char* row0, int64_t rs, const float* const* xs, int64_t K, int64_t pf,
+                        float* out, int64_t far) {
+  int64_t pfs[R];
+  for (int j = 0; j < R; ++j) pfs[j] = pf;
   switch (nt) {
-    case 1: dotr2<1, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
-    case 2: dotr2<2, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
-    case 3: dotr2<3, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
+    case 1: dotr_rows<R, 1, WB>(row0, rs, xs, K, pfs, out, NTMAX, far); break;
+    case 2: dotr_rows<R, 2, WB>(row0, rs, xs, K, pfs, out, NTMAX, far); break;
+    case 3: dotr_rows<R, 3, WB>(row0, rs, xs, K, pfs, out, NTMAX, far); break;
 #if FT_ISA >= 1
-    case 4: dotr2<4, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
-    case 5: dotr2<5, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
-    case 6: dotr2<6, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
-    case 7: dotr2<7, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
-    default: dotr2<8, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
+    case 4: dotr_rows<R, 4, WB>(row0, rs, xs, K, pfs, out, NTMAX, far); break;
+    case 5: dotr_rows<R, 5, WB>(row0, rs, xs, K, pfs, out, NTMAX, far); break;
+    case 6: dotr_rows<R, 6, WB>(row0, rs, xs, K, pfs, out, NTMAX, far); break;
+    case 7: dotr_rows<R, 7, WB>(row0, rs, xs, K, pfs, out, NTMAX, far); break;
+    default: dotr_rows<R, 8, WB>(row0, rs, xs, K, pfs, out, NTMAX, far); break;
 #else
-    default: dotr2<4, WB>(row0, row1, xs, K, pf, out0, out1, far); break;
+    default: dotr_rows<R, 4, WB>(row0, rs, xs, K, pfs, out, NTMAX, far); break;
 #endif
   }
 }
 
-// Dense projection rows [n0, n1) for every token, in address order: one row at a time, or two
-// (dotr2, p->pair_rows: float32 token vectors on bf16 rows), each token vector's load then serving
-// both.
+// Dense projection rows [n0, n1) for every token, in address order: one row at a time, or 4 or 2
+// (dotr_rows, p->pair_rows: float32 token vectors on bf16 rows), each token vector's load then
+// serving every row of the group.
 template <bool WB>
 void linear_rows(const FtLinear* p, int64_t n0, int64_t n1) {
   const int64_t K = p->K, N = p->N, es = WB ? 2 : 4;
@@ -96,11 +65,16 @@ void linear_rows(const FtLinear* p, int64_t n0, int64_t n1) {
     };
     int64_t n = n0;
     if (p->pair_rows && p->xf) {
+      float o[4 * NTMAX];
+      if (p->pair_rows == 4 && nt <= ROWS4_TOKENS)
+        for (; n + 3 < n1; n += 4) {
+          dotr_rows_n<4, WB>(nt, base + n * rs, rs, xs, K, p->prefetch, o, p->far);
+          for (int r = 0; r < 4; ++r) store(n + r, o + r * NTMAX);
+        }
       for (; n + 1 < n1; n += 2) {
-        float o0[NTMAX], o1[NTMAX];
-        dotr2n<WB>(nt, base + n * rs, base + (n + 1) * rs, xs, K, p->prefetch, o0, o1, p->far);
-        store(n, o0);
-        store(n + 1, o1);
+        dotr_rows_n<2, WB>(nt, base + n * rs, rs, xs, K, p->prefetch, o, p->far);
+        store(n, o);
+        store(n + 1, o + NTMAX);
       }
     }
     for (; n < n1; ++n) {

@@ -19,42 +19,12 @@
 namespace {
 
 #if FT_ISA == 1
-// AVX2 from 3 tokens: R rows at a time, each token vector load serving all R. A token's fp32
-// vector is 8 KiB at H = 2048, so 3-8 of them do not stay in Zen 3's 32 KiB L1 beside the weight
-// stream, and each multiply-add's token operand came from L2 (one 32-byte line a cycle): 8
-// same-expert tokens ran at 34-38% of the read; two rows at a time 46-49%, three 48% (A/Bs in
-// docs/cpu_kernel.md; with up to 4 tokens a group, 3 rows x 4 accumulators and 3 weight vectors
-// fill 15 of the 16 ymm registers). Each (row, token) accumulator sums in dotr's order (U_DOT =
-// 1), so the results are dotr's bit for bit and a pair's output still does not depend on its
-// group.
-template <int R, int NT, bool WB>
-inline void dotr_rows(const char* row0, int64_t rs, const float* const* xs, int64_t K, const int64_t* pf,
-                      float* o, int64_t os) {
-  const int64_t es = WB ? 2 : 4;
-  vf a[R][NT];
-  for (int j = 0; j < R; ++j)
-    for (int t = 0; t < NT; ++t) a[j][t] = vzero();
-  int64_t k = 0;
-  for (; k + VW <= K; k += VW) {
-    vf w[R];
-    for (int j = 0; j < R; ++j) {
-      w[j] = vw_ext<WB>(row0 + j * rs, k);
-      if (pf[j]) prefetch(row0 + j * rs + k * es + pf[j]);
-    }
-    for (int t = 0; t < NT; ++t) {
-      const vf x = vld(xs[t] + k);
-      for (int j = 0; j < R; ++j) a[j][t] = vfma(w[j], x, a[j][t]);
-    }
-  }
-  for (int j = 0; j < R; ++j)
-    for (int t = 0; t < NT; ++t) o[j * os + t] = vsum(a[j][t]);
-  for (; k < K; ++k)
-    for (int j = 0; j < R; ++j) {
-      const float v = sw<WB>(row0 + j * rs, k);
-      for (int t = 0; t < NT; ++t) o[j * os + t] += v * xs[t][k];
-    }
-}
-
+// AVX2 from 3 tokens: rows_walk takes ROWS rows at a time (simd.h dotr_rows), each token vector
+// load serving all of them. A token's fp32 vector is 8 KiB at H = 2048, so 3-8 of them do not stay
+// in Zen 3's 32 KiB L1 beside the weight stream, and each multiply-add's token operand came from
+// L2 (one 32-byte line a cycle): 8 same-expert tokens ran at 34-38% of the read; two rows at a
+// time 46-49%, three 48% (A/Bs in docs/cpu_kernel.md; with up to 4 tokens a group, 3 rows x 4
+// accumulators and 3 weight vectors fill 15 of the 16 ymm registers).
 enum { ROWS = 3 };   // rows a step of rows_walk (two: 0.54 -> 0.61 of the one-token rate at 8 tokens)
 
 // Rows [r0, r1) ROWS at a time against nt tokens in groups of up to 4: the later groups read

@@ -196,6 +196,44 @@ inline void dotrn(int nt, const void* row, const float* const* xs, int64_t K, in
   }
 }
 
+// dotr for R rows at once (row0 + j * rs, out o[j * os + t]): each token vector's load serves all
+// R rows, where with several tokens the loads of them, not memory, can bound one row at a time
+// (experts_isa.cpp rows_walk on AVX2, decode_isa.cpp's projections). Each (row, token) accumulator
+// sums in dotr's order (U_DOT = 1, k ascending, the same tail), so the results are dotr's bit for
+// bit and a token's output does not depend on the rows or tokens beside it. pf[j]: row j's
+// prefetch distance (0: none); far: a second one into L2 beside each (0: none).
+template <int R, int NT, bool WB>
+inline void dotr_rows(const char* row0, int64_t rs, const float* const* xs, int64_t K, const int64_t* pf,
+                      float* o, int64_t os, int64_t far = 0) {
+  static_assert(U_DOT == 1, "dotr_rows repeats dotr's order of one accumulator per token");
+  const int64_t es = WB ? 2 : 4;
+  vf a[R][NT];
+  for (int j = 0; j < R; ++j)
+    for (int t = 0; t < NT; ++t) a[j][t] = vzero();
+  int64_t k = 0;
+  for (; k + VW <= K; k += VW) {
+    vf w[R];
+    for (int j = 0; j < R; ++j) {
+      w[j] = vw_ext<WB>(row0 + j * rs, k);
+      if (pf[j]) {
+        prefetch(row0 + j * rs + k * es + pf[j]);
+        if (far) prefetch_far(row0 + j * rs + k * es + far);
+      }
+    }
+    for (int t = 0; t < NT; ++t) {
+      const vf x = vld(xs[t] + k);
+      for (int j = 0; j < R; ++j) a[j][t] = vfma(w[j], x, a[j][t]);
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    for (int t = 0; t < NT; ++t) o[j * os + t] = vsum(a[j][t]);
+  for (; k < K; ++k)
+    for (int j = 0; j < R; ++j) {
+      const float v = sw<WB>(row0 + j * rs, k);
+      for (int t = 0; t < NT; ++t) o[j * os + t] += v * xs[t][k];
+    }
+}
+
 // ---- Element-wise vector arithmetic (gate.h's SwiGLU, decode_isa.cpp's combine) ------------
 
 #if FT_ISA >= 1

@@ -23,6 +23,7 @@ struct Tune {
   int64_t linear_far_pf = 2;               // FtLinear::far, in prefetch distances (stop 67)
   int64_t linear_far_tokens = 4;           // ... for projections of at most this many tokens
   int64_t linear_pair_tokens = 1;          // FtLinear::pair_rows from this many tokens on (stop 67)
+  int64_t linear_row_group = 4;            // ... rows a group: 4 up to ROWS4_TOKENS, else 2; or 2
   int64_t read_chunk = 1 << 20;            // bytes a participant takes at a time in ft_read_seconds
 };
 Tune g_tune;
@@ -43,6 +44,7 @@ const Knob* tune_find(const char* name) {
       {"linear_far_pf", &g_tune.linear_far_pf, 0, 64},
       {"linear_far_tokens", &g_tune.linear_far_tokens, 0, 1 << 20},
       {"linear_pair_tokens", &g_tune.linear_pair_tokens, 1, 1 << 20},
+      {"linear_row_group", &g_tune.linear_row_group, 2, 4},      // (3: as 2)
       {"stall_us", &g_pool_knobs.stall_us, 1, 1 << 30},          // pool.h: contended workers
       {"backoff_ms", &g_pool_knobs.backoff_ms, 1, 1 << 20},
       {"backoff_max_ms", &g_pool_knobs.backoff_max_ms, 1, 1 << 20},
