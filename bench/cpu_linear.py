@@ -128,14 +128,19 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
     rows = result["rows"]
     settings = list(result["settings"])
-    cases = list(dict.fromkeys((r["shape"], r["x_dtype"], r["tokens"]) for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(cases)), 3.8))
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    fig, axes = plt.subplots(len(shapes), 1, figsize=(9, 2.2 * len(shapes) + 0.8), squeeze=False)
     of_read = {(r["setting"], (r["shape"], r["x_dtype"], r["tokens"])): r["of_read"] for r in rows}
-    report.setting_bars(ax, cases, settings, lambda s, case: of_read[(s, case)])
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xticks(range(len(cases)), [f"{s}\n{x} x{t}" for s, x, t in cases], fontsize=6, rotation=30, ha="right")
-    ax.set_ylabel("linear GB/s / read GB/s")
-    report.finish_cpu_plot(fig, ax, result, "Decode projections on the CPU vs a read of their bytes", path)
+    for ax, shape in zip(axes[:, 0], shapes):
+        cases = list(dict.fromkeys((r["shape"], r["x_dtype"], r["tokens"]) for r in rows if r["shape"] == shape))
+        report.setting_bars(ax, cases, settings, lambda s, case: of_read[(s, case)])
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xticks(range(len(cases)), [f"{x} x{t}" for _, x, t in cases], fontsize=7)
+        ax.set_ylabel(f"{shape}\nof read", fontsize=7)
+        ax.set_ylim(0, 1.15)
+    for ax in axes[1:, 0]:
+        ax.legend_ = None
+    report.finish_cpu_plot(fig, axes[0, 0], result, "Decode projections on the CPU vs a read of their bytes", path)
 
 
 if __name__ == "__main__":

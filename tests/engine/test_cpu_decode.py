@@ -106,7 +106,7 @@ def test_the_l2_prefetch_and_row_groups_of_decode_projections_move_no_bit(isas, 
     try:
         for isa in isas:
             ce.configure(threads=2, isa=isa)
-            for tokens in (1, 2, 4, 5, 8):
+            for tokens in (1, 2, 3, 4, 5, 8):
                 x = torch.randn(tokens, 650).to(x_dtype)
                 ce.tune(**knobs)
                 want = cl.linear(x, w)
