@@ -35,6 +35,7 @@ sys.path.insert(0, str(HERE))
 import report  # noqa: E402
 from cpu_expert_kernel import hardware  # noqa: E402
 from cpu_kernel_tune import parse_settings  # noqa: E402
+from expert_call_size import chunk_bytes  # noqa: E402
 from freetoken_engine.kernels import cpu_experts as ce  # noqa: E402
 from freetoken_engine.kernels.cpu import linear as cl  # noqa: E402
 
@@ -47,12 +48,6 @@ SHAPES = {  # name -> (K, N, weight dtype)
 }
 
 
-def chunk(nbytes: int, threads: int) -> int:
-    """The chunk ft_linear hands out for a matrix of ``nbytes`` (tune.h ``chunk_bytes``), to 4 KiB."""
-    c = nbytes // (ce.tune()["chunks_per_thread"] * threads)
-    return max(16384, min(4 << 20, c)) // 4096 * 4096
-
-
 def copies_of(K: int, N: int, dtype: torch.dtype, llc: int) -> list[torch.Tensor]:
     """Copies of one random [N, K] matrix holding at least twice the LLC together (at least 2)."""
     w = (torch.randn(N, K) * 0.02).to(dtype)
@@ -63,7 +58,7 @@ def copies_of(K: int, N: int, dtype: torch.dtype, llc: int) -> list[torch.Tensor
 def one_round(ws: list[torch.Tensor], x: torch.Tensor, threads: int) -> dict:
     """The read of every copy, then a linear call on every copy: GB/s (medians over copies)."""
     nbytes = ws[0].numel() * ws[0].element_size()
-    ce.tune(read_chunk=chunk(nbytes, threads))
+    ce.tune(read_chunk=chunk_bytes(nbytes, threads))      # the chunk ft_linear hands out
     read = statistics.median(ce.read_seconds(w.view(-1)) for w in ws)
     ce.tune(read_chunk=1 << 20)
     calls = []

@@ -47,12 +47,16 @@ H, I = 2048, 768
 EXPERT_BYTES = 3 * H * I * 2
 
 
-def read_chunk(call_bytes: int, threads: int) -> int:
-    """The chunk an expert call of ``call_bytes`` hands out on its gate/up rows (tune.h
-    ``chunk_bytes``: 2/3 of the bytes over the ``chunks_per_thread`` knob's chunks a thread,
-    16 KiB-4 MiB), rounded to 4 KiB."""
-    c = (2 * call_bytes // 3) // (ce.tune()["chunks_per_thread"] * threads)
+def chunk_bytes(total: int, threads: int) -> int:
+    """tune.h ``chunk_bytes`` of ``total`` bytes (over the ``chunks_per_thread`` knob's chunks a
+    thread, 16 KiB-4 MiB), rounded to 4 KiB: the chunk a kernel call hands out."""
+    c = total // (ce.tune()["chunks_per_thread"] * threads)
     return max(16384, min(4 << 20, c)) // 4096 * 4096
+
+
+def read_chunk(call_bytes: int, threads: int) -> int:
+    """The chunk an expert call of ``call_bytes`` hands out on its gate/up rows (2/3 of its bytes)."""
+    return chunk_bytes(2 * call_bytes // 3, threads)
 
 
 def measure(w13: torch.Tensor, w2: torch.Tensor, n: int, calls: int, start: int, threads: int,

@@ -36,7 +36,7 @@ inline void dotr_rows_n(int nt, const char* row0, int64_t rs, const float* const
 }
 
 // Dense projection rows [n0, n1) for every token, in address order: one row at a time, or 4 or 2
-// (dotr_rows, p->pair_rows: float32 token vectors on bf16 rows), each token vector's load then
+// (dotr_rows, p->row_group: float32 token vectors on bf16 rows), each token vector's load then
 // serving every row of the group.
 template <bool WB>
 void linear_rows(const FtLinear* p, int64_t n0, int64_t n1) {
@@ -64,9 +64,9 @@ void linear_rows(const FtLinear* p, int64_t n0, int64_t n1) {
       }
     };
     int64_t n = n0;
-    if (p->pair_rows && p->xf) {
+    if (p->row_group) {
       float o[4 * NTMAX];
-      if (p->pair_rows == 4 && nt <= ROWS4_TOKENS)
+      if (p->row_group == 4 && nt <= ROWS4_TOKENS)
         for (; n + 3 < n1; n += 4) {
           dotr_rows_n<4, WB>(nt, base + n * rs, rs, xs, K, p->prefetch, o, p->far);
           for (int r = 0; r < 4; ++r) store(n + r, o + r * NTMAX);

@@ -180,13 +180,13 @@ int ft_linear(const void* x, int x_bf16, int64_t T, int64_t K, const void* w, in
   // decode of 1-4 tokens: a second prefetch into L2 as the expert rows' (tune.h linear_far_pf,
   // linear_far_tokens; at 8 tokens it gained nothing, docs/cpu_kernel.md)
   p.far = T <= g_tune.linear_far_tokens ? g_tune.linear_far_pf * p.prefetch : 0;
-  // float32 tokens: bf16 rows four (or two) at a time
-  p.pair_rows = w_bf16 && T >= g_tune.linear_pair_tokens ? (int)g_tune.linear_row_group : 0;
   if (x_bf16 && w_bf16 && base_isa(g_isa) == ISA_AVX512BF16) {
     p.xb = (const uint16_t*)x;
   } else {
     p.xf = as_f32(x, x_bf16, T * K);
   }
+  // float32 token vectors on bf16 rows: the rows four (or two) at a time
+  p.row_group = p.xf && w_bf16 && T >= g_tune.linear_pair_tokens ? (int)g_tune.linear_row_group : 0;
   LinJob J;
   J.p = &p;
   J.fn = linear_of(g_isa);

@@ -85,7 +85,7 @@ struct FtLinear {
   int out_bf16;
   int64_t prefetch;
   int64_t far;                  // a second prefetch, into L2, this many bytes ahead (0: none)
-  int pair_rows;                // 0, or rows a group (2, 4) for fp32 tokens on bf16 rows (dotr_rows)
+  int row_group;                // 0, or rows a group (2, 4): fp32 token vectors on bf16 rows (dotr_rows)
 };
 
 // RMSNorm of T rows of H: out = x * rsqrt(mean(x^2) + eps) * w, computed in fp32; with bf16

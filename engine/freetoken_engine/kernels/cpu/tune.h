@@ -22,7 +22,7 @@ struct Tune {
   int64_t small_far_pf = 2;                // FtProblem::small_far_pf (stop 66: 2, was off)
   int64_t linear_far_pf = 2;               // FtLinear::far, in prefetch distances (stop 67)
   int64_t linear_far_tokens = 4;           // ... for projections of at most this many tokens
-  int64_t linear_pair_tokens = 1;          // FtLinear::pair_rows from this many tokens on (stop 67)
+  int64_t linear_pair_tokens = 1;          // FtLinear::row_group from this many tokens on (stop 67)
   int64_t linear_row_group = 4;            // ... rows a group: 4 up to ROWS4_TOKENS, else 2; or 2
   int64_t read_chunk = 1 << 20;            // bytes a participant takes at a time in ft_read_seconds
 };
