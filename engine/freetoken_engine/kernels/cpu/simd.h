@@ -104,7 +104,8 @@ inline void prefetch(const void* p) {
 #endif
 }
 
-// A second prefetch further ahead, into L2 only (the far prefetch: rows_bf.h, dotr, dotr_bf).
+// A second prefetch further ahead, into L2 only (the far prefetch: rows_bf.h, dotr, dotr_bf,
+// dotr_rows).
 inline void prefetch_far(const void* p) {
 #if FT_ISA >= 1
   _mm_prefetch((const char*)p, _MM_HINT_T2);
@@ -145,7 +146,8 @@ inline float sw(const void* row, int64_t k) {
 // (max |diff| 1.10e-4 of logits up to 37.6 in rtol+atol, where 2 gave 1.33e-4: fp32 noise).
 enum { U_DOT = 1 };
 
-// far (bytes, 0: none): a second prefetch, into L2, that far ahead (groups of 1-2 tokens: rows_f, ft_linear).
+// far (bytes, 0: none): a second prefetch, into L2, that far ahead (rows_f's groups of 1-2 tokens,
+// ft_linear's calls of 1-4).
 template <int NT, bool WB>
 inline void dotr(const void* row, const float* const* xs, int64_t K, int64_t pf, float* out, int64_t far = 0) {
   enum { U = U_DOT };
