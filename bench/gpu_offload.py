@@ -34,6 +34,9 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
                 stream (the engine before 2026-11-30), instead of on a side stream beside the copies
   lru+q*/ascending  (d) with its fills taken in ascending expert id, not recurring misses first
                 (cache/experts.py: the engine before 2026-11-30)
+  lru+q*/flat   (d) with q* from the 1-expert CPU rate for every call size (the rule before
+                2026-12-06); (d) itself takes the CPU's rate by experts per call, measured in the
+                run beside 1-fill launches (freetoken_engine/kernels/split.py)
   lru+q*@1      the handshake with every miss filled: lru+q*@1 vs lru is the cost of the
                 captured CPU branch's flags
   lru+sync      (optional) the per-layer driver with every miss filled
@@ -256,7 +259,7 @@ def main() -> None:
                 policies = args.policies.split(",")
                 plans = [("all", None)] if "all" in policies else []
                 fixed = [p for p in policies if p.startswith(("lru+q*@", "lru+q*+", "lru+q*/plain", "lru+q*/nobypass",
-                                                              "lru+q*/serial-hits", "lru+q*/ascending",
+                                                              "lru+q*/serial-hits", "lru+q*/ascending", "lru+q*/flat",
                                                               "lru+q*/ahead", "lru+q*/predict@"))]
                 b1_loc = [p for p in policies if p.endswith("/layer")] + ["lru+sync"]    # b1 locality only
                 plans += [(p, b) for b in budgets for p in ("static", "static/graph", "lru", "lru+q*", *fixed, *b1_loc)

@@ -285,8 +285,10 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         admit = 0 if static_graph or policy.endswith("/plain") else L
         # the engine's recurring misses first (a window of one step), except on "/ascending"
         recur = 0 if static_graph or policy.endswith("/ascending") else L
+        # lru+q*: the CPU's call-size curve measured in this run (kernels/split.py); "/flat": none
+        speed = bw.get("cpu_call_speed") if base == "lru+q*" and not policy.endswith("/flat") else None
         ctl = DeviceControl(bank.w13, bank.w2, w13s, w2s, minus(L * E).view(L, E), minus(slots - nb),
-                            minus(slots - nb), 0, f, admit_window=admit, recur_window=recur)
+                            minus(slots - nb), 0, f, admit_window=admit, recur_window=recur, cpu_speed=speed)
         if static_graph:
             _resident_layers(ctl, n_gpu, E, st.k)
         if split:

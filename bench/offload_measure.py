@@ -177,12 +177,38 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
                     "concurrent_cpu_expert_gbps_beside_1_fill_launches": cpu1_cc,
                     "fill_fraction_8_fill_launches": gat_cc / (gat_cc + cpu_cc)})
         gat_c1, cpu_c1 = gat1_cc, cpu1_cc
+        out.update(call_size_rates(bank, x, concurrent, gather1))
     # the bound's rates: the larger of each side's concurrent measurements (the stricter bound)
     out.update({"fill_fraction": gat_c1 / (gat_c1 + cpu_c1),
                 "fill_fraction_from": "1-fill gather launches beside C-driven 1-expert calls" if from_c
                 else "8-fill gather launches beside Python 1-expert calls", "bound_pcie_gbps": max(pcie_c, gat_c, gat_c1),
                 "bound_cpu_gbps": max(cpu_c_dma, cpu_c, cpu_c1)})
     return out
+
+
+def call_size_rates(bank: Bank, x: torch.Tensor, concurrent, gather1) -> dict:
+    """The CPU kernel's rate by experts per call (1, 2, 3, 4, 6, 8 distinct experts, one token,
+    calls run back to back from C) beside 1-fill gather launches, as a decode step's CPU branch
+    runs beside its fills; -> ``cpu_call_size_gbps`` and the curve (kernels/split.py) that
+    ``lru+q*`` passes to the control step (``lru+q*/flat``: none, every call at the 1-expert rate)."""
+    from freetoken_engine.kernels import cpu_experts
+    from freetoken_engine.kernels.split import speed_curve
+    m = bank.model
+    L, E = m["layers"], m["experts"]
+    tok = torch.zeros(1, dtype=torch.int64)
+
+    def sized(n: int):
+        calls = max(2, 16 // n)
+
+        def step(i: int) -> tuple[int, float]:
+            layer = i % L
+            first = 32 + (i // L * calls * n) % (E - 32 - calls * n)
+            exps = torch.arange(first, first + calls * n).view(calls, n)
+            return calls * n, cpu_experts.calls_seconds(x, bank.w13[layer], bank.w2[layer], tok.expand(n).contiguous(), exps)
+        return step
+
+    rates = {n: max(concurrent(gather1, 960, sized(n), 1)[1] for _ in range(2)) for n in (1, 2, 3, 4, 6, 8)}
+    return {"cpu_call_size_gbps": {str(n): r for n, r in rates.items()}, "cpu_call_speed": list(speed_curve(rates))}
 
 
 # ---------------------------------------------------------------------------------------------

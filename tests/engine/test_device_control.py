@@ -26,12 +26,16 @@ def _assert_same(ref: ExpertCache, dev: ExpertCache, ctl: DeviceControl) -> None
     assert torch.equal(dev.w13[live], ref.w13[live]) and torch.equal(dev.w2[live], ref.w2[live])
 
 
-@pytest.mark.parametrize("capacity,fill_fraction", [(10, 1.0), (10, 0.7), (5, 0.5), (4, 1.0)])
-def test_device_step_matches_cache_step(capacity, fill_fraction):
+@pytest.mark.parametrize("capacity,fill_fraction,speed", [(10, 1.0, None), (10, 0.7, None), (5, 0.5, None),
+                                                          (4, 1.0, None), (10, 0.6, (1.0, 1.6, 2.0))])
+def test_device_step_matches_cache_step(capacity, fill_fraction, speed):
     bank = _bank()
     ref = ExpertCache(bank, capacity, "cpu", fill_fraction=fill_fraction)
     dev = ExpertCache(bank, capacity, "cpu", fill_fraction=fill_fraction)
+    ref.cpu_speed = dev.cpu_speed = speed        # the CPU's call-size curve (kernels/split.py)
     ctl = DeviceControl.from_cache(dev)
+    if speed:   # a CPU that runs 2-expert calls 1.6x faster takes more of each call than f says
+        assert ctl.fill_table.tolist()[:9] == [0, 1, 1, 1, 2, 2, 2, 3, 3]
     g = torch.Generator().manual_seed(capacity)
     for step in range(8):
         for layer in range(LAYERS):

@@ -24,6 +24,7 @@ import functools
 
 import torch
 
+from ..kernels.split import check_speed
 from ..kernels.triton.control import control_step
 from ..kernels.triton.control_outputs import COUNTERS, ControlOutputs, StreamSplit, fill_table
 from ..kernels.triton.gather import gather_fill_rows
@@ -47,8 +48,9 @@ class DeviceControl:
                  w2_slots: torch.Tensor, slot_of: torch.Tensor, slot_owner: torch.Tensor,
                  last_used: torch.Tensor, clock: int, fill_fraction: float,
                  max_slots: int | None = None, admit_window: int = 0, recur_window: int = 0,
-                 last_active: torch.Tensor | None = None) -> None:
+                 last_active: torch.Tensor | None = None, cpu_speed=None) -> None:
         self.device = w13_slots.device
+        self.cpu_speed = check_speed(cpu_speed)   # the CPU's call-size curve (kernels/split.py)
         self.max_slots = max_slots    # the largest pool a resize may bind: one compiled kernel for all
         self.bank_w13, self.bank_w2 = bank_w13, bank_w2
         self.totals = torch.zeros(4, dtype=torch.int64, device=self.device)
@@ -76,7 +78,8 @@ class DeviceControl:
         return cls(cache.bank.w13, cache.bank.w2, cache.w13, cache.w2, cache.slot_of, cache.slot_owner,
                    cache.last_used, int(cache.clock), float(cache.fill_fraction),
                    max_slots=cache.bank.total_experts if resizable else None,
-                   admit_window=cache.admit_window, recur_window=cache.recur_window, last_active=cache.last_active)
+                   admit_window=cache.admit_window, recur_window=cache.recur_window, last_active=cache.last_active,
+                   cpu_speed=cache.cpu_speed)
 
     def _bind(self, w13_slots, w2_slots, slot_of, slot_owner, last_used, clock: int, last_active) -> None:
         dev = self.device = w13_slots.device
@@ -99,6 +102,7 @@ class DeviceControl:
         self.bank_w13, self.bank_w2 = cache.bank.w13, cache.bank.w2     # pinning may have replaced them
         self._bind(cache.w13, cache.w2, cache.slot_of, cache.slot_owner, cache.last_used, int(cache.clock),
                    self.last_active)       # the routing history outlives the pool
+        self.cpu_speed = check_speed(cache.cpu_speed)
         self.set_fill_fraction(float(cache.fill_fraction))
 
     def write_back(self, cache) -> None:
@@ -118,7 +122,7 @@ class DeviceControl:
     def set_fill_fraction(self, fill_fraction: float) -> None:
         """Set q*/m; the rounding table is built on the host (raises ValueError outside [0, 1])."""
         floor = self.stream is not None and self.floor_fills
-        self.fill_table = fill_table(fill_fraction, self.slot_of.shape[1], self.device, floor)
+        self.fill_table = fill_table(fill_fraction, self.slot_of.shape[1], self.device, floor, self.cpu_speed)
         self.fill_fraction = fill_fraction
         self.window = admission_window(self.admit_window, fill_fraction)
         self.recur = admission_window(self.recur_window, fill_fraction)

@@ -11,7 +11,8 @@ State (all on the cache's device, so the GPU path can run it without host syncs)
 
 ``step`` is the per-layer decode control, the reference for the device kernel:
 deduplicate the routed experts; hits are resident; of the m misses, the first
-q = min(fills_for(m, f), S - hits, admissible) (``kernels/split.py``; recurring misses first, then
+q = min(fills_for(m, f, speed=cpu_speed), S - hits, admissible) (``kernels/split.py``: ``cpu_speed`` is
+the CPU's call-size curve, None until the engine measures it; recurring misses first, then
 ascending expert id, see below) are filled into the q least recently
 used slots not holding a hit of this call (ties: lower slot index first; empty slots first),
 the other m - q are computed on the CPU from the bank. The clock advances once per call.
@@ -80,6 +81,7 @@ class ExpertCache:
         self.bank = bank
         self.device = torch.device(device)
         self.fill_fraction = fill_fraction
+        self.cpu_speed: tuple[float, ...] | None = None   # the CPU's rate by call size (kernels/split.py)
         # calls a victim must have been idle (0: plain LRU); default: one decode step, unless
         # FREETOKEN_FILL_ADMISSION=off
         self.admit_window = (bank.num_layers if env.fill_admission() else 0) if admit_window is None else admit_window
@@ -128,7 +130,7 @@ class ExpertCache:
         hit = slots >= 0
         n_hit = int(hit.sum())
         m = active.numel() - n_hit
-        target = fills_for(m, self.fill_fraction) if m else 0
+        target = fills_for(m, self.fill_fraction, speed=self.cpu_speed) if m else 0
         q = min(target, self.lru_slots - n_hit)
         missed = active[~hit]
         recur = admission_window(self.recur_window, self.fill_fraction)

@@ -5,6 +5,7 @@ graphs see stable addresses), ``StreamSplit`` (the streamed split and the split 
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -100,8 +101,10 @@ class StreamSplit:
         return float(self.share), self.inter, self.granule, ns
 
 
-def fill_table(fill_fraction: float, experts: int, device: torch.device, floor: bool = False) -> torch.Tensor:
+def fill_table(fill_fraction: float, experts: int, device: torch.device, floor: bool = False,
+               speed: Sequence[float] | None = None) -> torch.Tensor:
     """``[E + 1]`` int32: q before the slot cap for each miss count m, rounded on the host
-    (``floor``: floor(f m), the streamed split's rule; see ``kernels/split.py``)."""
-    return torch.tensor([fills_for(m, fill_fraction, floor) for m in range(experts + 1)],
+    (``floor``: floor(f m), the streamed split's rule; ``speed``: the CPU's call-size curve; see
+    ``kernels/split.py``)."""
+    return torch.tensor([fills_for(m, fill_fraction, floor, speed) for m in range(experts + 1)],
                         dtype=torch.int32, device=device)
