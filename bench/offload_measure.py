@@ -162,6 +162,7 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
            "concurrent_gather_fill_gbps": gat_c, "concurrent_cpu_expert_gbps": cpu_c,
            "concurrent_gather_fill_gbps_1_expert_cpu": gat_c1, "concurrent_cpu_expert_gbps_1_expert_calls": cpu_c1,
            "fill_fraction_python_calls": gat_c1 / (gat_c1 + cpu_c1), "expert_bytes": se}
+    sized = 0.0            # the CPU's best rate by call size (from C only)
     if from_c:
         # q* from the CPU rate as the C++ branch sees it: the Python call around each 1-expert
         # call (15-20 us against ~100 us on the H200 host) made the CPU look slower and q* fill
@@ -178,11 +179,13 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
                     "fill_fraction_8_fill_launches": gat_cc / (gat_cc + cpu_cc)})
         gat_c1, cpu_c1 = gat1_cc, cpu1_cc
         out.update(call_size_rates(bank, x, concurrent, gather1))
-    # the bound's rates: the larger of each side's concurrent measurements (the stricter bound)
+        sized = max(out["cpu_call_size_gbps"].values())
+    # the bound's rates: the larger of each side's concurrent measurements (the stricter bound),
+    # the CPU's calls of 1-8 experts from C among them
     out.update({"fill_fraction": gat_c1 / (gat_c1 + cpu_c1),
                 "fill_fraction_from": "1-fill gather launches beside C-driven 1-expert calls" if from_c
                 else "8-fill gather launches beside Python 1-expert calls", "bound_pcie_gbps": max(pcie_c, gat_c, gat_c1),
-                "bound_cpu_gbps": max(cpu_c_dma, cpu_c, cpu_c1)})
+                "bound_cpu_gbps": max(cpu_c_dma, cpu_c, cpu_c1, sized)})
     return out
 
 

@@ -17,7 +17,7 @@ case "${1:-}" in 30b|36|36-32|cpu) ;; *) echo "usage: scripts/gpu_issue7.sh 30b|
 export PYTHONPATH="$PWD/engine:$PWD/tests:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt" || true
 PY=${PYTHON:-python}
-policies="static/graph,lru,lru+q*"
+policies="static/graph,lru,lru+q*,lru+q*/flat"
 decode=(--no-prefill --no-tune)
 case "${1:-}" in
   30b) "$PY" bench/gpu_offload.py --models qwen3-30b-a3b --budgets 8,16,32 --policies "$policies" \
