@@ -35,6 +35,8 @@ the same run (the engine reads its switches at start):
                 2026-12-04's forty-eighth stop)
   graphs/copy-first  graphs with a layer's fill copies queued before the host is signalled (the
                 engine's order before 2026-11-29: PCIe, then the CPU experts, in series)
+  graphs/flat-speed  graphs with q* from the 1-expert CPU rate at every call size (the engine
+                before 2026-12-06: no call-size curve, kernels/split.py)
   graphs+stream graphs with the streamed split (FREETOKEN_STREAM_SPLIT=on: the first rows of the
                 CPU experts also cross PCIe and run on the GPU; same fills)
   graphs+stream-floor  the same with floor(q* m) fills (FREETOKEN_STREAM_SPLIT=floor)
@@ -98,6 +100,7 @@ from hardware import describe  # noqa: E402
 SIDES = {"eager/sync": ("off", False, "off", "on", "on"), "eager/branch": ("on", False, "off", "on", "on"),
          "graphs": ("on", True, "off", "on", "on"), "graphs+tuning": ("on", True, "off", "on", "on"),
          "graphs/copy-first": ("on", True, "off", "on", "on"), "graphs/serial-hits": ("on", True, "off", "on", "on"),
+         "graphs/flat-speed": ("on", True, "off", "on", "on"),
          "graphs/hits-ab": ("on", True, "off", "on", "on"), "graphs+stream": ("on", True, "on", "on", "on"),
          "graphs+stream-floor": ("on", True, "floor", "on", "on"),
          "graphs/torch-ops": ("on", True, "off", "off", "on"),
@@ -141,6 +144,8 @@ def worker(model: Path, side: str, fractions: list[float], batches: list[int], s
               cpu_rate_probe=side not in ("graphs/gemv-ab", "graphs/control-ab", "graphs/threshold-ab",
                                           "graphs/moe-lanes-ab"))
     runner = llm.runner
+    if side == "graphs/flat-speed":      # q* from the 1-expert CPU rate at every call size (set below)
+        runner.cache.cpu_speed = None
     if routing != "model":
         from routing_replay import install
         install(runner.model, routing, batches)

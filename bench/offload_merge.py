@@ -11,7 +11,9 @@ stay. The targets of the fast-path issue are recomputed from the new rows:
   * decode_admission_vs_plain: (d) over (d) without fill admission (rows of lru+q*/plain);
   * decode_bypass_vs_nobypass: (d) over (d) without bypass slots (rows of lru+q*/nobypass);
   * decode_cpu_gbps_in_row: each (d) row's CPU expert rate inside the decode (CPU experts' bytes
-    over the C++ branch's time in the kernel): the host's rate drifts during a run.
+    over the C++ branch's time in the kernel): the host's rate drifts during a run;
+  * decode_speed_curve_vs_flat: (d) over (d) with q* from the 1-expert CPU rate for every call
+    size (rows of lru+q*/flat), and the geometric mean over the rows.
 
     python bench/offload_merge.py --label N --previous G+H --note "..." runN_30b.json runN_36.json
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -42,11 +45,14 @@ def targets(rows: list[dict]) -> dict:
                {k: round(r["fraction_of_integer_split_bound"], 3) for k, r in q.items()
                 if "fraction_of_integer_split_bound" in r},
            "decode_lru_q_vs_static_32gb": {}, "decode_bound_ratio_lru_q_vs_static_32gb": {}, "decode_static_side_32gb": {},
-           "decode_admission_vs_plain": {}, "decode_bypass_vs_nobypass": {}, "decode_cpu_gbps_in_row": {}}
+           "decode_admission_vs_plain": {}, "decode_bypass_vs_nobypass": {}, "decode_cpu_gbps_in_row": {},
+           "decode_speed_curve_vs_flat": {}}
     for k, r in q.items():
         # (b): the faster of the two static drivers (the per-layer one and the one-graph handshake)
         s = max((by[(k, p)] for p in ("static", "static/graph") if (k, p) in by), key=lambda r: r["tok_s"], default=None)
-        plain, nob = by.get((k, "lru+q*/plain")), by.get((k, "lru+q*/nobypass"))
+        plain, nob, flat = by.get((k, "lru+q*/plain")), by.get((k, "lru+q*/nobypass")), by.get((k, "lru+q*/flat"))
+        if flat:
+            out["decode_speed_curve_vs_flat"][k] = round(r["tok_s"] / flat["tok_s"], 3)
         if nob:
             out["decode_bypass_vs_nobypass"][k] = {"tok_s": round(r["tok_s"] / nob["tok_s"], 2),
                                                    "cpu_experts_per_step": [round(r["cpu_experts_per_step"], 1),
@@ -62,6 +68,9 @@ def targets(rows: list[dict]) -> dict:
                                                    "miss_rate": [round(r["miss_rate"], 3), round(plain["miss_rate"], 3)]}
     fr = out["decode_lru_q_fraction_of_bound"]
     out["decode_rows_at_or_above_0.85"] = f"{sum(v >= 0.85 for v in fr.values())} of {len(fr)}"
+    if out["decode_speed_curve_vs_flat"]:
+        ab = list(out["decode_speed_curve_vs_flat"].values())
+        out["decode_speed_curve_vs_flat_geomean"] = round(math.prod(ab) ** (1 / len(ab)), 3)
     vs = out["decode_lru_q_vs_static_32gb"]
     out["decode_32gb_rows_at_or_above_1.5x"] = f"{sum(v >= 1.5 for v in vs.values())} of {len(vs)}"
     return out
@@ -87,7 +96,8 @@ def main() -> None:
     data["hardware"], data["cpu_expert_features"] = runs[0]["hardware"], runs[0]["cpu_expert_features"]
     data["method"] = runs[0]["method"]
     data.setdefault("runs", {})[args.label] = args.note
-    data["targets"] = {**targets(data["decode"]), "prefill_8k": data["targets"]["prefill_8k"]}
+    prefill = {k: v for k, v in (data.get("targets") or {}).items() if k == "prefill_8k"}  # a decode-only file has none
+    data["targets"] = {**targets(data["decode"]), **prefill}
     args.result.write_text(json.dumps(data, indent=1))
     from gpu_offload import plot
     plot(data, args.result.with_suffix(".png"))

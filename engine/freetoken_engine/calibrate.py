@@ -21,6 +21,7 @@ import torch
 
 from . import env
 from .cachefile import read_json, write_json
+from .kernels.split import check_speed
 
 log = logging.getLogger(__name__)
 
@@ -201,9 +202,20 @@ def cached_model_rate(device: torch.device | str, shape: str) -> float | None:
     return float(rate) if isinstance(rate, (int, float)) and rate > 0 else None
 
 
-def save_model_rate(device: torch.device | str, shape: str, gbps: float) -> None:
+def cached_call_speed(device: torch.device | str, shape: str) -> tuple[float, ...] | None:
+    """The CPU's call-size curve (``kernels/split.py``) saved with the model's rate, or None (none
+    saved, or one out of shape: measure again)."""
+    try:
+        return check_speed((read_json(_model_rate_path(torch.device(device), shape)) or {}).get("cpu_call_speed"))
+    except (TypeError, ValueError):
+        return None
+
+
+def save_model_rate(device: torch.device | str, shape: str, gbps: float,
+                    speed: tuple[float, ...] | None = None) -> None:
     write_json(_model_rate_path(torch.device(device), shape),
-           {"cpu_expert_gbps": gbps, "shape": shape, "measured_at": datetime.now(timezone.utc).isoformat()})
+               {"cpu_expert_gbps": gbps, "cpu_call_speed": None if speed is None else list(speed), "shape": shape,
+                "measured_at": datetime.now(timezone.utc).isoformat()})
 
 
 def calibrated(device: torch.device | str) -> bool:

@@ -324,8 +324,13 @@ def test_the_models_rate_is_cached_per_host_and_expert_shape(tmp_path, monkeypat
     assert calibrate.cached_model_rate("cpu", "2048x768-bfloat16") is None
     calibrate.save_model_rate("cpu", "2048x768-bfloat16", 61.5)
     assert calibrate.cached_model_rate("cpu", "2048x768-bfloat16") == 61.5
+    assert calibrate.cached_call_speed("cpu", "2048x768-bfloat16") is None      # saved without a curve
+    calibrate.save_model_rate("cpu", "2048x768-bfloat16", 61.5, (1.0, 1.2, 1.3))
+    assert calibrate.cached_call_speed("cpu", "2048x768-bfloat16") == (1.0, 1.2, 1.3)
     assert calibrate.cached_model_rate("cpu", "1024x384-bfloat16") is None       # another shape
     [path] = tmp_path.glob("calibration/*-expert-rate-2048x768-bfloat16.json")
+    path.write_text('{"cpu_expert_gbps": 61.5, "cpu_call_speed": [1.0, 0.5]}')
+    assert calibrate.cached_call_speed("cpu", "2048x768-bfloat16") is None      # out of shape: measure again
     path.write_text("{not json")
     assert calibrate.cached_model_rate("cpu", "2048x768-bfloat16") is None       # unreadable: measure again
 
@@ -354,23 +359,28 @@ def test_a_first_start_measures_after_the_read_and_a_restart_reads_the_cache(two
 
     from freetoken_engine import calibrate
     from freetoken_engine.config import EngineConfig
-    from freetoken_engine.executor import runner as runner_module
+    from freetoken_engine.executor import model_rate
     from freetoken_engine.executor.runner import ModelRunner
     monkeypatch.setattr(calibrate, "_cache_path", lambda device: tmp_path / "host.json")
     record = {"workers_left_out": 1}                 # another process on a worker's CPU
-    monkeypatch.setattr(runner_module, "pool_record", lambda: dict(record))
+    monkeypatch.setattr(model_rate, "pool_record", lambda: dict(record))
     experts = _bank_experts()
-    probes = []
-    rate = experts.cpu_rate
+    probes, curves = [], []
+    rate, curve = experts.cpu_rate, experts.bank.cpu_call_speed
 
     def counted(seconds):
         probes.append(seconds)
         return rate(seconds)
 
+    def counted_curve(seconds):
+        curves.append(curve(seconds))
+        return curves[-1]
+
     monkeypatch.setattr(experts, "cpu_rate", counted)
+    monkeypatch.setattr(experts.bank, "cpu_call_speed", counted_curve)
 
     def start():
-        runner = types.SimpleNamespace(cache=types.SimpleNamespace(fill_fraction=0.4), bank=experts.bank,
+        runner = types.SimpleNamespace(cache=types.SimpleNamespace(fill_fraction=0.4, cpu_speed=None), bank=experts.bank,
                                        experts=experts, device=torch.device("cuda"), tuner=None,
                                        _calibrated_gbps=60.0, follower=None, set_to=[])
         runner._set_q = runner.set_to.append
@@ -380,6 +390,7 @@ def test_a_first_start_measures_after_the_read_and_a_restart_reads_the_cache(two
 
     busy, read = start()
     assert not read.pending and len(probes) == 1 and busy.follower.reference_contended
+    assert len(curves) == 1 and busy.cache.cpu_speed == curves[0]      # the fill table takes the curve
     assert busy.follower.reference > 0 and len(busy.set_to) == 1        # the split uses it ...
     assert calibrate.cached_model_rate("cuda", "1024x512-bfloat16") is None      # ... not kept
     record.clear()                                   # the other process is gone
@@ -390,6 +401,9 @@ def test_a_first_start_measures_after_the_read_and_a_restart_reads_the_cache(two
     assert f.model_ratio == pytest.approx(min(4.0, max(0.25, f.reference / 60.0))) and f.model_ratio != 1.0
     assert first.set_to == [pytest.approx(contended_fraction(0.4, f.model_ratio))]
     assert calibrate.cached_model_rate("cuda", "1024x512-bfloat16") == f.reference
+    assert len(curves) == 2 and calibrate.cached_call_speed("cuda", "1024x512-bfloat16") == curves[1]
+    assert len(curves[1]) == 8 and curves[1][0] == 1.0        # calls of 1-8 of the bank's 16 experts
     again, read = start()
-    assert read.pending and len(probes) == 2
+    assert read.pending and len(probes) == 2 and len(curves) == 2       # nothing measured
     assert again.follower.reference == f.reference and again.set_to == first.set_to
+    assert again.cache.cpu_speed == curves[1]

@@ -305,3 +305,24 @@ def test_gpt_oss_experts_on_the_triton_path(tiny_checkpoint, capacity, fraction,
     if fraction > 0 and capacity < 16:
         assert branch.br.totals["cpu_pairs"] > 0
         assert branch.br.totals["streamed_rows"] == branch.br.totals["stage_pairs"] == 0
+
+
+def test_the_cpu_call_size_curve_sends_more_misses_to_the_cpu_and_changes_no_token(tiny_checkpoint):
+    """A CPU that computes a call of n experts n times faster (kernels/split.py's curve, which the
+    engine measures on its bank at start on a GPU): the device control step's fill table takes
+    the curve, fewer misses cross to the cache, and the tokens stay the torch path's."""
+    from freetoken_engine.kernels.split import fills_for
+    folder = tiny_checkpoint("qwen3_moe")
+    want = LLM(folder, expert_backend="torch").generate(PROMPT, GREEDY).token_ids
+    stats = {}
+    for speed in (None, (1.0, 2.0, 3.0, 4.0)):
+        llm = LLM(folder, expert_backend="triton", expert_cache_experts=3, cpu_expert_fraction=0.5)
+        llm.runner.cache.cpu_speed = speed
+        llm.runner.set_fill_fraction(0.5)
+        table = llm.runner.experts.control.fill_table.tolist()
+        assert table == [fills_for(m, 0.5, speed=speed) for m in range(len(table))]
+        got = llm.generate(PROMPT, GREEDY)
+        assert got.token_ids == want
+        stats[speed] = got.stats
+    flat, curved = stats[None], stats[(1.0, 2.0, 3.0, 4.0)]
+    assert curved["cpu_computed"] / curved["misses"] > flat["cpu_computed"] / flat["misses"]

@@ -92,15 +92,26 @@ class ExpertBank:
         """GB/s of this bank's expert rows that the compiled CPU kernel reads in one-expert calls
         run back to back from C (as the CPU branch runs a step's misses), random experts, layer
         after layer, for about ``seconds``."""
+        return self._call_rate(1, seconds)
+
+    def cpu_call_speed(self, seconds: float, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8)) -> tuple[float, ...]:
+        """The CPU's call-size curve on this bank (``kernels/split.py``): the compiled kernel's
+        rate on calls of each of ``sizes`` distinct random experts (one token), about ``seconds``
+        each, over the rate of one-expert calls; sizes above the expert count are left out."""
+        from ..kernels.split import speed_curve
+        return speed_curve({n: self._call_rate(n, seconds) for n in sizes if n <= self.num_experts})
+
+    def _call_rate(self, n: int, seconds: float) -> float:
+        """GB/s of calls of ``n`` distinct random experts (one token) run back to back from C."""
         from ..kernels import cpu_experts
-        x, tok = torch.zeros(1, self.hidden, dtype=self.dtype), torch.zeros(1, dtype=torch.int64)
-        gen = torch.Generator().manual_seed(0)
-        calls, busy, layer = 0, 0.0, 0
+        x, tok = torch.zeros(1, self.hidden, dtype=self.dtype), torch.zeros(n, dtype=torch.int64)
+        gen = torch.Generator().manual_seed(n)
+        experts, busy, layer = 0, 0.0, 0
         while busy < seconds:
-            exps = torch.randint(self.num_experts, (16, 1), generator=gen)
+            exps = torch.stack([torch.randperm(self.num_experts, generator=gen)[:n] for _ in range(max(2, 16 // n))])
             busy += cpu_experts.calls_seconds(x, self.w13[layer], self.w2[layer], tok, exps)
-            calls, layer = calls + len(exps), (layer + 1) % self.num_layers
-        return calls * self.expert_bytes / busy / 1e9
+            experts, layer = experts + exps.numel(), (layer + 1) % self.num_layers
+        return experts * self.expert_bytes / busy / 1e9
 
     def widened(self) -> "ExpertBank":
         """This bank with its dense weights in the model's dtype (a copy, exact), for a checkpoint

@@ -64,15 +64,13 @@ class OffloadedExperts:
         layer) run in passes of their own, outside the sync-free CPU branch's steps."""
         self.bank, self.cache, self.top_k = bank, cache, top_k
         self.step_layers = bank.num_layers if step_layers is None else step_layers
-        self.host_branch = None
-        self.mtp_branch = None   # the MTP layer's own (its passes run apart from the decode steps)
+        self.host_branch = self.mtp_branch = None   # CPU branches: the decode steps', the MTP layer's own
         self._guess: tuple[int, torch.Tensor] | None = None   # (layer, ids): the next layer's guess
         self.device = cache.device
         self.prefill_threshold = prefill_threshold
         self._pair_tok: dict[tuple[int, int], torch.Tensor] = {}
         self.math = ExpertMath()   # the model's experts, when of another kind (gpt-oss; the runner's)
         self.cpu_backend_name, self.cpu_forward = cpu_expert_forward(cpu_backend)
-        self.control = None
         self.seeded = 0          # experts the prefills copied into the cache (_seed_cache)
         self.filled_free = 0     # experts the prefills copied into empty slots (DeviceControl.fill_free)
         self.seed_now = True     # the runner's: this forward ends some sequence's prompt
@@ -83,6 +81,7 @@ class OffloadedExperts:
         self._want_branch = (backend == "triton" and self.cpu_backend_name == "compiled"
                              and env.host_branch())
         self._prefetch = env.expert_prefetch()
+        self.control = None
         if backend == "triton":
             from ..kernels.triton.moe import moe_slots_forward
             from .device_control import DeviceControl
@@ -272,6 +271,7 @@ class OffloadedExperts:
         self._finish_branches()
         self.cache.fill_fraction = fraction
         if self.control is not None:
+            self.control.cpu_speed = self.cache.cpu_speed      # the call-size curve comes with the split
             self.control.set_fill_fraction(self._control_fraction())
 
     def cpu_rate(self, seconds: float) -> float:

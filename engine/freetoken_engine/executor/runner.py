@@ -31,9 +31,10 @@ from ..models.build import BankRead, start_model  # noqa: E402
 from ..models.loader import torch_dtype  # noqa: E402
 from ..models.tokenizer import load_tokenizer  # noqa: E402
 from .budget import cache_experts, default_kv_blocks, state_slots  # noqa: E402
-from .cpu_contention import ContentionFollower, pool_record  # noqa: E402
+from .cpu_contention import ContentionFollower  # noqa: E402
 from .cpu_decode import CpuDecode  # noqa: E402
 from .host_threads import for_engine as host_threads  # noqa: E402
+from .model_rate import start_follower  # noqa: E402
 from .inputs import SeqChunk, as_decode_rows, build_inputs, pass_spans  # noqa: E402
 from .split_tuner import SplitTuner, decode_batch  # noqa: E402
 from .warmup import GraphWarmup  # noqa: E402
@@ -151,34 +152,8 @@ class ModelRunner(GraphWarmup):
                     self.warm_graphs(cfg.graph_warmup, widths=widths)
 
     def _start_follower(self, cfg: EngineConfig, rest: BankRead) -> None:
-        """q* for this model's experts and CPU contention (executor/cpu_contention.py): where a
-        split exists (an expert cache on a GPU; it looks only while the cache misses some
-        expert), the user did not fix it, the split tuner is off (it moves q itself) and the
-        compiled CPU kernel runs the misses. The CPU's rate on these experts comes from this
-        host's cache (``calibrate.cached_model_rate``), else it is measured on the bank now
-        (0.2 s; a first start waits for the bank's read for it, as for the calibration) and
-        cached unless another process was on the CPUs meanwhile."""
-        if not (cfg.cpu_rate_probe and self.cache is not None and self.device.type == "cuda"
-                and cfg.cpu_expert_fraction is None and self.tuner is None):
-            return
-        from ..calibrate import cached_model_rate, save_model_rate
-        from ..kernels import cpu_experts
-        if not cpu_experts.available():
-            return
-        b = self.bank
-        shape = f"{b.hidden}x{b.inter}-{'mxfp4' if b.mxfp4 else str(b.dtype).removeprefix('torch.')}"
-        known = cached_model_rate(self.device, shape)
-        if known is None and rest.pending:
-            rest.finish()
-        self.follower = f = ContentionFollower(self.cache.fill_fraction, pool_record, lambda s: self.experts.cpu_rate(s),
-                                               calibrated_gbps=self._calibrated_gbps, reference=known)
-        if known is None and not f.reference_contended:
-            save_model_rate(self.device, shape, f.reference)
-        q = f.effective()
-        log.info("CPU expert rate on this model's experts: %.2fx the calibrated one; fill fraction %.3f -> %.3f",
-                 f.model_ratio, self.cache.fill_fraction, q)
-        if q != self.cache.fill_fraction:
-            self._set_q(q)
+        """q* for this model's experts and CPU contention (``model_rate.start_follower``)."""
+        start_follower(self, cfg, rest)
 
     def _make_states(self) -> StatePool | None:
         """A hybrid model's recurrent-state slots: one per batch row, plus the anchors' checkpoints
