@@ -324,5 +324,6 @@ def test_the_cpu_call_size_curve_sends_more_misses_to_the_cpu_and_changes_no_tok
         got = llm.generate(PROMPT, GREEDY)
         assert got.token_ids == want
         stats[speed] = got.stats
+        assert llm.runner.expert_stats()["cpu_call_speed"] == (list(speed) if speed else None)   # /admin/cache shows it
     flat, curved = stats[None], stats[(1.0, 2.0, 3.0, 4.0)]
     assert curved["cpu_computed"] / curved["misses"] > flat["cpu_computed"] / flat["misses"]

@@ -351,6 +351,7 @@ class ModelRunner(GraphWarmup):
                 "expert_bytes": self.bank.expert_bytes, "min_experts": 1,
                 "max_experts": self.bank.total_experts, "hits": s.hits, "misses": s.misses,
                 "fills": s.fills, "cpu_computed": s.cpu_computed, "fill_fraction": c.fill_fraction,
+                "cpu_call_speed": list(c.cpu_speed) if c.cpu_speed else None,   # q*'s CPU rate by call size
                 "cpu_backend": self.experts.cpu_backend_name, "backend": self.experts.backend,
                 "split_tuner": self.tuner.stats() if self.tuner is not None else None,
                 "cpu_contention": self.follower.state() if self.follower is not None else None}
