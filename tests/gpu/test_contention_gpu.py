@@ -51,6 +51,12 @@ def test_the_split_follows_the_models_cpu_rate_and_busy_cpus_without_changing_to
     assert 0.0 < follower.base < 1.0
     assert model == pytest.approx(contended_fraction(follower.base, follower.model_ratio))
     assert follower.model_ratio != 1.0
+    # ... and prices a layer call's CPU share by the rate of a call of that many experts
+    from freetoken_engine.kernels.split import fills_for
+    speed = llm.runner.cache.cpu_speed
+    assert speed is not None and len(speed) == 8 and speed[0] == 1.0
+    table = llm.runner.experts.control.fill_table.tolist()
+    assert table == [fills_for(m, model, speed=speed) for m in range(len(table))]
     start_ratio = follower.model_ratio
     assert llm.generate(PROMPT, LONG).token_ids == want
     # Every look with jobs counts as contended (min_share > 1), so the follower measures: its
