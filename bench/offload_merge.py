@@ -13,7 +13,10 @@ stay. The targets of the fast-path issue are recomputed from the new rows:
   * decode_cpu_gbps_in_row: each (d) row's CPU expert rate inside the decode (CPU experts' bytes
     over the C++ branch's time in the kernel): the host's rate drifts during a run;
   * decode_speed_curve_vs_flat: (d) over (d) with q* from the 1-expert CPU rate for every call
-    size (rows of lru+q*/flat), and the geometric mean over the rows.
+    size (rows of lru+q*/flat), and the geometric mean over the rows;
+  * decode_lru_q_fraction_of_gather_bound (a diagnostic, not the target): each (d) row against
+    its bound with the fill gather's measured rate (1-fill launches beside the CPU) in place of
+    B_pcie, the DMA's: what the row reaches of what its fill path can draw on that host.
 
     python bench/offload_merge.py --label N --previous G+H --note "..." runN_30b.json runN_36.json
 """
@@ -66,6 +69,8 @@ def targets(rows: list[dict]) -> dict:
         if plain:
             out["decode_admission_vs_plain"][k] = {"tok_s": round(r["tok_s"] / plain["tok_s"], 2),
                                                    "miss_rate": [round(r["miss_rate"], 3), round(plain["miss_rate"], 3)]}
+    out["decode_lru_q_fraction_of_gather_bound"] = {k: round(r["fraction_of_gather_bound"], 3) for k, r in q.items()
+                                                    if "fraction_of_gather_bound" in r}
     fr = out["decode_lru_q_fraction_of_bound"]
     out["decode_rows_at_or_above_0.85"] = f"{sum(v >= 0.85 for v in fr.values())} of {len(fr)}"
     if out["decode_speed_curve_vs_flat"]:
@@ -74,6 +79,22 @@ def targets(rows: list[dict]) -> dict:
     vs = out["decode_lru_q_vs_static_32gb"]
     out["decode_32gb_rows_at_or_above_1.5x"] = f"{sum(v >= 1.5 for v in vs.values())} of {len(vs)}"
     return out
+
+
+def add_gather_bound(run: dict) -> None:
+    """Give each (d) row of a run its bound at the fill gather's rate (see the module docstring):
+    the row's bound time plus its missed bytes' extra time when they split between the gather and
+    the CPU instead of the DMA and the CPU, from the row's counts and the run's bandwidths."""
+    for r in run["decode"]:
+        bw = run["bandwidth"].get(r["model"], {})
+        gather = bw.get("concurrent_gather_fill_gbps_1_fill_per_launch")
+        if not r["policy"].startswith("lru+q*") or "error" in r or not gather or not r.get("bound_tok_s"):
+            continue
+        bp, bc, se = bw["bound_pcie_gbps"] * 1e9, bw["bound_cpu_gbps"] * 1e9, bw["expert_bytes"]
+        missed = (r["fills_per_step"] + r["cpu_experts_per_step"]) * se
+        t = r["batch"] / r["bound_tok_s"] + missed * (1 / (min(gather * 1e9, bp) + bc) - 1 / (bp + bc))
+        r["bound_at_gather_rate_tok_s"] = r["batch"] / t
+        r["fraction_of_gather_bound"] = t / r["seconds_per_step"]
 
 
 def main() -> None:
@@ -86,6 +107,8 @@ def main() -> None:
     args = ap.parse_args()
     data = json.loads(args.result.read_text())
     runs = [json.loads(p.read_text()) for p in args.runs]
+    for run in runs:
+        add_gather_bound(run)
     old = {"rows": data["decode"], **{k: data.get(k) for k in PER_MODEL}, "started": data.get("started"),
            "targets": data.get("targets")}
     data.setdefault("decode_split_runs", {})[args.previous] = old
