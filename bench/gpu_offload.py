@@ -82,7 +82,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offload_workload import CUDA, MODELS, ROOT, Bank, make_routing, routing_params, routing_stats  # noqa: E402
-from offload_measure import bandwidths, combine, control_step_us, tune_decode, tune_gather  # noqa: E402
+from offload_bandwidth import bandwidths, tune_gather  # noqa: E402
+from offload_measure import combine, control_step_us, tune_decode  # noqa: E402
 from offload_check import check_cpu_branch  # noqa: E402
 from offload_decode import decode_row  # noqa: E402
 from freetoken_engine.cache.prefetch import LayerStreamer  # noqa: E402
