@@ -18,7 +18,7 @@ from ._common import check_contiguous, check_tensor
 
 _WORD = torch.int64
 #: grid chunks per fill and words per chunk iteration; module-level so that a benchmark can set
-#: the fastest for the GPU and link at hand (bench/offload_measure.py ``tune_gather``).
+#: the fastest for the GPU and link at hand (bench/offload_bandwidth.py ``tune_gather``).
 GATHER_TILES = {"chunks": 16, "block": 2048, "warps": 8}
 
 
