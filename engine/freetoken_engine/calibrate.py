@@ -3,7 +3,8 @@
 q* balances a step's two sides: q filled experts cost q*S/B_pcie, the m - q computed in
 place cost (m - q)*S/B_cpu, so the fill fraction q*/m = B_pcie / (B_pcie + B_cpu), taken from
 the *concurrent* pair (they share host memory). B_cpu is the rate of decode-sized calls (one
-expert per call), the CPU's real share of a layer call. Without a GPU there is no PCIe side: the cache
+expert per call), the CPU's real share of a layer call; B_pcie the rate of decode's own fills (one
+launch of the fill gather a fill; DMA copies where the gather cannot run: ``pcie_path``). Without a GPU there is no PCIe side: the cache
 lives in host memory and ``fill_fraction`` is 1.0. Results are cached per host configuration.
 """
 from __future__ import annotations
@@ -95,22 +96,28 @@ class _PcieCopies:
     stream and timed by events; the host thread only queues them, so it can time the CPU
     kernel meanwhile (a second Python thread would contend with it for the GIL)."""
 
+    path = "dma"
+    max_queued = 1 << 30    # copies queued at once (a launch queue that fills up blocks the host)
+
     def __init__(self, device: torch.device):
         self.per = 16 * 3 * HIDDEN * INTER * 2
         self.src = torch.empty(self.per, dtype=torch.uint8).pin_memory()
         self.dst = torch.empty(self.per, dtype=torch.uint8, device=device)
         self.device = device
-        self.dst.copy_(self.src, non_blocking=True)
+        self._copy()
         torch.cuda.synchronize(device)
+
+    def _copy(self) -> None:
+        self.dst.copy_(self.src, non_blocking=True)
 
     def queue(self, seconds: float, gbps_guess: float = 50.0):
         """Queue about ``seconds`` of copies; -> (copies, start event, end event)."""
-        n = max(4, int(seconds * gbps_guess * 1e9 / self.per))
+        n = max(4, min(self.max_queued, int(seconds * gbps_guess * 1e9 / self.per)))
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.device(self.device):
             start.record()
             for _ in range(n):
-                self.dst.copy_(self.src, non_blocking=True)
+                self._copy()
             end.record()
         return n, start, end
 
@@ -121,6 +128,46 @@ class _PcieCopies:
 
     def gbps(self, seconds: float) -> float:
         return self.rate(*self.queue(seconds))
+
+
+class _GatherFills(_PcieCopies):
+    """Decode's own fill path: one launch of the fill gather (``kernels/triton/gather.py``: the GPU
+    reads pinned host memory) a fill, one expert's rows (9.4 MB) each, a different one of 16 each
+    time (151 MB: beyond the GPU's L2). A decode step's fills cross PCIe this way, not by DMA, and
+    on some hosts the gather draws much less than the DMA (an H100 host: 30-34 GB/s against 50-53,
+    bench/results/gpu_offload_h100_stop68.json), so a B_pcie timed by DMA made q* fill too much."""
+
+    path = "gather"
+    # 512 launches (4.8 GB, 0.1-0.2 s): all queued before the CPU's side starts, as the MoE bench's
+    # 960 (a host that blocked on a full launch queue would time the gather alone, not beside it)
+    max_queued = 512
+
+    def __init__(self, device: torch.device):
+        from .kernels.triton.gather import gather_fill_rows
+        self.fill = gather_fill_rows
+        self.per, self.device, self.turn = 3 * HIDDEN * INTER * 2, device, 0
+        self.src13 = torch.empty((1, 16, 2 * INTER, HIDDEN), dtype=torch.bfloat16).pin_memory()
+        self.src2 = torch.empty((1, 16, HIDDEN, INTER), dtype=torch.bfloat16).pin_memory()
+        self.dst13 = torch.empty((1, 2 * INTER, HIDDEN), dtype=torch.bfloat16, device=device)
+        self.dst2 = torch.empty((1, HIDDEN, INTER), dtype=torch.bfloat16, device=device)
+        self.experts = [torch.tensor([e], device=device) for e in range(16)]
+        self.slot = torch.zeros(1, dtype=torch.int64, device=device)
+        self._copy()                          # compiles the kernel
+        torch.cuda.synchronize(device)
+
+    def _copy(self) -> None:
+        self.turn += 1
+        self.fill(self.src13, self.src2, self.dst13, self.dst2, 0, self.experts[self.turn % 16], self.slot)
+
+
+def _fills(device: torch.device) -> _PcieCopies:
+    """How B_pcie is timed: decode's fill gather where Triton runs, else DMA copies (with a warning
+    when the gather cannot start: the split then assumes the DMA's rate)."""
+    try:
+        return _GatherFills(device)
+    except (ImportError, RuntimeError) as exc:
+        log.warning("calibration: the fill gather did not run (%s); timing B_pcie with DMA copies", exc)
+        return _PcieCopies(device)
 
 
 def fill_fraction(pcie: float | None, cpu: float) -> float:
@@ -146,14 +193,15 @@ def measure(device: str = "cpu", seconds: float = 1.0) -> dict:
     pcie_alone = conc_pcie = None
     conc_cpu = cpu_alone
     if dev.type == "cuda":
-        pcie = _PcieCopies(dev)
+        pcie = _fills(dev)
         pcie_alone = pcie.gbps(seconds)
         n, start, end = pcie.queue(seconds, pcie_alone)
         conc_cpu = cpu.gbps(seconds, until=end.query)        # the CPU works while the copies run
         conc_pcie = pcie.rate(n, start, end)
     stalled_after = _stalled_calls()
     stalled = stalled_after - stalled_before if stalled_before is not None and stalled_after is not None else 0
-    return {"pcie_gbps": pcie_alone, "cpu_expert_gbps": cpu_alone,
+    return {"pcie_gbps": pcie_alone, "pcie_path": pcie.path if dev.type == "cuda" else None,
+            "cpu_expert_gbps": cpu_alone,
             "concurrent": {"pcie_gbps": conc_pcie, "cpu_expert_gbps": conc_cpu},
             "fill_fraction": fill_fraction(conc_pcie, conc_cpu), "device": dev.type,
             "host": socket.gethostname(), "measured_at": datetime.now(timezone.utc).isoformat(),
@@ -182,7 +230,8 @@ def _cache_path(device: torch.device) -> Path:
     # user who gave the kernel fewer CPUs kept the q* measured with all of them).
     kernel = f"{env.cpu_expert_backend() or ''}|{os.environ.get(env.FREETOKEN_CPU_KERNEL, '')}"
     # v4: the CPU's model name (v3 had platform.processor(), "x86_64" on most Linux machines).
-    key = (f"v4|{_cpu_name()}|{torch.get_num_threads()}|{default_threads()}|{kernel}|{gpu}|"
+    # v5: B_pcie timed through decode's fill gather, not DMA copies (``_GatherFills``).
+    key = (f"v5|{_cpu_name()}|{torch.get_num_threads()}|{default_threads()}|{kernel}|{gpu}|"
            f"{torch.__version__}")
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     return env.cache_dir() / "calibration" / f"{socket.gethostname()}-{device.type}-{digest}.json"

@@ -255,6 +255,7 @@ def test_calibrate_json_contract():
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["pcie_gbps"] is None and out["cpu_expert_gbps"] > 0 and out["fill_fraction"] == 1.0
+    assert out["pcie_path"] is None                 # no PCIe side on a CPU (a GPU: "gather" or "dma")
     assert set(out["concurrent"]) == {"pcie_gbps", "cpu_expert_gbps"}
 
 
