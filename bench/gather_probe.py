@@ -38,18 +38,13 @@ QUICK = {"chunks": (8, 16, 32), "block": (2048,), "warps": (8,)}
 
 def _seconds(fn, reps: int, device: torch.device) -> float:
     """Seconds for ``reps`` calls of ``fn`` queued back to back (CUDA events; the clock on a CPU)."""
-    if device.type != "cuda":
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        return time.perf_counter() - t
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    if device.type == "cuda":
+        from offload_bandwidth import events_seconds
+        return events_seconds(fn, reps)
+    t = time.perf_counter()
     for _ in range(reps):
         fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / 1e3
+    return time.perf_counter() - t
 
 
 def _banks(experts: int, hidden: int, inter: int, device: torch.device) -> dict:
