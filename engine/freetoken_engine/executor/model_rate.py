@@ -33,14 +33,12 @@ def start_follower(runner, cfg, rest) -> None:
     shape = expert_shape(runner.bank)
     known = cached_model_rate(runner.device, shape)
     speed = cached_call_speed(runner.device, shape) if known is not None else None
-    if known is None and rest.pending:
+    if speed is None and rest.pending:       # something to measure on the bank: its read ends first
         rest.finish()
     runner.follower = f = ContentionFollower(runner.cache.fill_fraction, pool_record,
                                              lambda s: runner.experts.cpu_rate(s),
                                              calibrated_gbps=runner._calibrated_gbps, reference=known)
     if speed is None:
-        if rest.pending:
-            rest.finish()
         speed = runner.bank.cpu_call_speed(f.cfg.probe_s / 2)     # 0.1 s a call size
         if not f.reference_contended:
             save_model_rate(runner.device, shape, f.reference, speed)
