@@ -53,11 +53,11 @@ def _banks(experts: int, hidden: int, inter: int, device: torch.device) -> dict:
     reg = ExpertBank(1, experts, hidden, inter, torch.bfloat16)
     for t in (reg.w13, reg.w2):
         t.view(torch.int16).random_()
-    banks = {"registered": reg}
+    banks = {"registered": (reg.w13, reg.w2)}
     if device.type == "cuda":
         reg.pin()
-        banks["cuda-allocated"] = type("Pinned", (), {"w13": reg.w13.pin_memory(), "w2": reg.w2.pin_memory()})()
-    return {name: (b.w13, b.w2) for name, b in banks.items()}
+        banks["cuda-allocated"] = (reg.w13.pin_memory(), reg.w2.pin_memory())
+    return banks
 
 
 def run(args) -> dict:

@@ -171,7 +171,7 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
                     "concurrent_cpu_expert_gbps_beside_1_fill_launches": cpu1_cc,
                     "fill_fraction_8_fill_launches": gat_cc / (gat_cc + cpu_cc)})
         gat_c1, cpu_c1 = gat1_cc, cpu1_cc
-        out.update(call_size_rates(bank, x, concurrent, gather1))
+        out.update(call_size_rates(bank, x, concurrent, gather1, cpu1_cc))
         sized = max(out["cpu_call_size_gbps"].values())
     # the bound's rates: the larger of each side's concurrent measurements (the stricter bound),
     # the CPU's calls of 1-8 experts from C among them
@@ -182,10 +182,11 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
     return out
 
 
-def call_size_rates(bank: Bank, x: torch.Tensor, concurrent, gather1) -> dict:
-    """The CPU kernel's rate by experts per call (1, 2, 3, 4, 6, 8 distinct experts, one token,
-    calls run back to back from C) beside 1-fill gather launches, as a decode step's CPU branch
-    runs beside its fills; -> ``cpu_call_size_gbps`` and the curve (kernels/split.py) that
+def call_size_rates(bank: Bank, x: torch.Tensor, concurrent, gather1, one: float) -> dict:
+    """The CPU kernel's rate by experts per call (2, 3, 4, 6, 8 distinct experts, one token, calls
+    run back to back from C) beside 1-fill gather launches, as a decode step's CPU branch runs
+    beside its fills, with ``one`` the 1-expert calls' rate measured the same way (the one q*'s
+    fill fraction takes); -> ``cpu_call_size_gbps`` and the curve (kernels/split.py) that
     ``lru+q*`` passes to the control step (``lru+q*/flat``: none, every call at the 1-expert rate)."""
     from freetoken_engine.kernels import cpu_experts
     from freetoken_engine.kernels.split import speed_curve
@@ -203,5 +204,5 @@ def call_size_rates(bank: Bank, x: torch.Tensor, concurrent, gather1) -> dict:
             return calls * n, cpu_experts.calls_seconds(x, bank.w13[layer], bank.w2[layer], tok.expand(n).contiguous(), exps)
         return step
 
-    rates = {n: max(concurrent(gather1, 960, sized(n), 1)[1] for _ in range(2)) for n in (1, 2, 3, 4, 6, 8)}
+    rates = {1: one, **{n: max(concurrent(gather1, 960, sized(n), 1)[1] for _ in range(2)) for n in (2, 3, 4, 6, 8)}}
     return {"cpu_call_size_gbps": {str(n): r for n, r in rates.items()}, "cpu_call_speed": list(speed_curve(rates))}
