@@ -32,7 +32,7 @@ from offload_workload import ROOT  # noqa: E402  (first: it makes the engine pac
 from hardware import describe  # noqa: E402
 from report import main as bench_main  # noqa: E402
 
-FULL = {"chunks": (4, 8, 16, 32, 64), "block": (1024, 2048, 4096), "warps": (4, 8)}
+FULL = {"chunks": (4, 8, 16, 32, 64, 128), "block": (1024, 2048, 4096), "warps": (4, 8)}
 QUICK = {"chunks": (8, 16, 32), "block": (2048,), "warps": (8,)}
 
 
@@ -146,6 +146,6 @@ def plot(result: dict, path: Path) -> None:
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="3 tile candidates instead of 30")
+    ap.add_argument("--quick", action="store_true", help="3 tile candidates instead of 36")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of the script under TRITON_INTERPRET=1")
     bench_main(ap, ROOT / "bench/results/gather_probe.json", run, plot)
