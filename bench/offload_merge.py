@@ -119,6 +119,7 @@ def main() -> None:
     data["hardware"], data["cpu_expert_features"] = runs[0]["hardware"], runs[0]["cpu_expert_features"]
     data["method"] = runs[0]["method"]
     data.setdefault("runs", {})[args.label] = args.note
+    data["label"] = args.label                              # the file's rows are this run's now
     prefill = {k: v for k, v in (data.get("targets") or {}).items() if k == "prefill_8k"}  # a decode-only file has none
     data["targets"] = {**targets(data["decode"]), **prefill}
     args.result.write_text(json.dumps(data, indent=1))
