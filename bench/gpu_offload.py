@@ -37,6 +37,8 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
   lru+q*/flat   (d) with q* from the 1-expert CPU rate for every call size (the rule before
                 2026-12-06); (d) itself takes the CPU's rate by experts per call, measured in the
                 run beside 1-fill launches (freetoken_engine/kernels/split.py)
+  lru+q*/again  (d) once more, after the A/B rows: the same work, so (d) / (d) again is the
+                row's run-to-run noise, the band an A/B ratio must leave to mean anything
   lru+q*@1      the handshake with every miss filled: lru+q*@1 vs lru is the cost of the
                 captured CPU branch's flags
   lru+sync      (optional) the per-layer driver with every miss filled
@@ -262,6 +264,7 @@ def main() -> None:
                 fixed = [p for p in policies if p.startswith(("lru+q*@", "lru+q*+", "lru+q*/plain", "lru+q*/nobypass",
                                                               "lru+q*/serial-hits", "lru+q*/ascending", "lru+q*/flat",
                                                               "lru+q*/ahead", "lru+q*/predict@"))]
+                fixed += ["lru+q*/again"] if "lru+q*/again" in policies else []     # after every other side
                 b1_loc = [p for p in policies if p.endswith("/layer")] + ["lru+sync"]    # b1 locality only
                 plans += [(p, b) for b in budgets for p in ("static", "static/graph", "lru", "lru+q*", *fixed, *b1_loc)
                           if p in policies and (p not in b1_loc or (batch == 1 and routing == "locality"))]
@@ -281,7 +284,8 @@ def main() -> None:
                         prof = row["host_profile_ms_per_step"]
                         extra = (f" int {row['fraction_of_integer_split_bound']:.2f} act "
                                  f"{row['fraction_of_actual_split_bound']:.2f} | ms wait {prof['wait']:.2f} cpu "
-                                 f"{prof['cpu']:.2f} launch {prof['launch']:.2f}")
+                                 f"{prof['cpu']:.2f} launch {prof['launch']:.2f} | step ms median "
+                                 f"{row['step_ms_median']:.2f} max {row['step_ms_max']:.2f}")
                     print(f"[{name}] {routing:8s} b{batch} {policy:8s} {str(budget):5s} slots {slots:6d} "
                           f"{row['tok_s']:8.2f} tok/s miss {row['miss_rate']:.3f} bound {row['bound_tok_s']:8.2f} "
                           f"({row['fraction_of_bound']:.2f}){extra}", flush=True)

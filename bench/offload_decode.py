@@ -9,6 +9,7 @@ through flags in pinned memory (``_lru_q_graph_token``; protocol in
 """
 from __future__ import annotations
 
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
@@ -330,21 +331,28 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
     before = ctl.counters() if ctl else None
     pf_before = ctl.prefetch_counters() if ctl else None
     prof.update({key: 0 for key in prof})
+    # each step's end on the device's clock: one event after each token's work (they do not
+    # hold the host back, so the timed loop runs as it did without them)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(n_tok - warm + 1)]
     t0 = time.perf_counter()
+    marks[0].record()
     for t in range(warm, n_tok):
         st.load_ids(ids_dev, ids, t)
         if guesses is not None:
             st.guess.copy_(guesses[t])
         token(graphs, ids_np[t])
+        marks[t - warm + 1].record()
         if br is not None:
             counts.append(br.counts_np.copy())               # final once the token's last wait returned
     torch.cuda.synchronize()
     steps = n_tok - warm
     secs = (time.perf_counter() - t0) / steps
+    step_ms = sorted(a.elapsed_time(b) for a, b in zip(marks, marks[1:]))
     if not torch.isfinite(st.x[L].float()).all():
         raise RuntimeError(f"{policy}: non-finite hidden state")
     res = {"policy": policy, "cache_slots": slots, "cache_fraction": slots / (L * E), "seconds_per_step": secs,
-           "tok_s": batch / secs, "bypass_slots": nb, **res_warm}
+           "tok_s": batch / secs, "bypass_slots": nb, "step_ms_min": step_ms[0],
+           "step_ms_median": statistics.median(step_ms), "step_ms_max": step_ms[-1], **res_warm}
     pf = {k: v - pf_before[k] for k, v in ctl.prefetch_counters().items()} if ctl else {}
     # the experts copied ahead crossed PCIe too: counted as misses in the bound (wrong guesses included)
     res.update(row_bound(bank, policy, slots, distinct[warm:].float(), ctl, before, counts, bw, steps, batch, secs,

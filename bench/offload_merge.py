@@ -14,6 +14,8 @@ stay. The targets of the fast-path issue are recomputed from the new rows:
     over the C++ branch's time in the kernel): the host's rate drifts during a run;
   * decode_speed_curve_vs_flat: (d) over (d) with q* from the 1-expert CPU rate for every call
     size (rows of lru+q*/flat), and the geometric mean over the rows;
+  * decode_repeat_vs_first: (d) over (d) run once more after the A/B rows (rows of lru+q*/again:
+    the same work), with its range: the noise an A/B ratio of that run must leave to mean anything;
   * decode_lru_q_fraction_of_gather_bound (a diagnostic, not the target): each (d) row against
     its bound with the fill gather's measured rate (1-fill launches beside the CPU) in place of
     B_pcie, the DMA's: what the row reaches of what its fill path can draw on that host.
@@ -49,13 +51,15 @@ def targets(rows: list[dict]) -> dict:
                 if "fraction_of_integer_split_bound" in r},
            "decode_lru_q_vs_static_32gb": {}, "decode_bound_ratio_lru_q_vs_static_32gb": {}, "decode_static_side_32gb": {},
            "decode_admission_vs_plain": {}, "decode_bypass_vs_nobypass": {}, "decode_cpu_gbps_in_row": {},
-           "decode_speed_curve_vs_flat": {}}
+           "decode_speed_curve_vs_flat": {}, "decode_repeat_vs_first": {}}
     for k, r in q.items():
         # (b): the faster of the two static drivers (the per-layer one and the one-graph handshake)
         s = max((by[(k, p)] for p in ("static", "static/graph") if (k, p) in by), key=lambda r: r["tok_s"], default=None)
         plain, nob, flat = by.get((k, "lru+q*/plain")), by.get((k, "lru+q*/nobypass")), by.get((k, "lru+q*/flat"))
         if flat:
             out["decode_speed_curve_vs_flat"][k] = round(r["tok_s"] / flat["tok_s"], 3)
+        if (k, "lru+q*/again") in by:
+            out["decode_repeat_vs_first"][k] = round(r["tok_s"] / by[(k, "lru+q*/again")]["tok_s"], 3)
         if nob:
             out["decode_bypass_vs_nobypass"][k] = {"tok_s": round(r["tok_s"] / nob["tok_s"], 2),
                                                    "cpu_experts_per_step": [round(r["cpu_experts_per_step"], 1),
@@ -76,6 +80,9 @@ def targets(rows: list[dict]) -> dict:
     if out["decode_speed_curve_vs_flat"]:
         ab = list(out["decode_speed_curve_vs_flat"].values())
         out["decode_speed_curve_vs_flat_geomean"] = round(math.prod(ab) ** (1 / len(ab)), 3)
+    if out["decode_repeat_vs_first"]:
+        again = out["decode_repeat_vs_first"].values()
+        out["decode_repeat_vs_first_range"] = [min(again), max(again)]
     vs = out["decode_lru_q_vs_static_32gb"]
     out["decode_32gb_rows_at_or_above_1.5x"] = f"{sum(v >= 1.5 for v in vs.values())} of {len(vs)}"
     return out

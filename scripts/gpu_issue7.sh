@@ -9,6 +9,8 @@
 #                                  # runs out of an 80 GB card's memory; an H200 could run it in `36`)
 #   scripts/gpu_issue7.sh grid     # 30b, then 36 and 36-32 in one call (about 510 s on an H100: for a
 #                                  # session's last device minutes; each JSON is saved row by row)
+#   scripts/gpu_issue7.sh ab       # both models, 8/16/32 GB: lru+q* against lru+q*/flat, then lru+q* once
+#                                  # more (lru+q*/again: the rows' own noise band; about 400 s)
 #   scripts/gpu_issue7.sh cpu      # the host's CPU kernels: the expert bench and the projections
 #   scripts/gpu_issue7.sh gather   # the fill gather against the DMA over a grid of tiles (stop 68's
 #                                  # H100 host gathered at 30-34 GB/s beside a 53 GB/s DMA)
@@ -18,8 +20,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder the results go to}"
-case "${1:-}" in 30b|36|36-32|grid|cpu|gather|engine) ;;
-  *) echo "usage: scripts/gpu_issue7.sh 30b|36|36-32|grid|cpu|gather|engine" >&2; exit 2 ;; esac
+case "${1:-}" in 30b|36|36-32|grid|ab|cpu|gather|engine) ;;
+  *) echo "usage: scripts/gpu_issue7.sh 30b|36|36-32|grid|ab|cpu|gather|engine" >&2; exit 2 ;; esac
 export PYTHONPATH="$PWD/engine:$PWD/tests:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt" || true
 PY=${PYTHON:-python}
@@ -33,6 +35,10 @@ case "${1:-}" in
   36-32) "$PY" bench/gpu_offload.py --models qwen3.6-35b-a3b --budgets 32 --policies "$policies" \
            "${decode[@]}" --out "$OUT/run_36_32.json" ;;
   grid) for part in 30b 36 36-32; do bash "$0" "$part"; done ;;
+  ab) for m in qwen3-30b-a3b qwen3.6-35b-a3b; do
+        "$PY" bench/gpu_offload.py --models "$m" --budgets 8,16,32 --policies "lru+q*,lru+q*/flat,lru+q*/again" \
+          "${decode[@]}" --out "$OUT/ab_$m.json"
+      done ;;
   cpu) "$PY" bench/cpu_expert_kernel.py --label "GPU host" --rounds 2 --prefetch 4096 --out "$OUT"
        "$PY" bench/cpu_linear.py --label "GPU host" --rounds 3 --tokens 1,2,4,8 \
          --settings "default; linear_far_pf=0; linear_pair_tokens=1048576" --out "$OUT/cpu_linear_host.json" ;;

@@ -1,0 +1,60 @@
+"""bench/offload_merge.py: a run's decode rows replace the file's, the file then carries that run's
+label, and the targets (the A/B ratios and the repeat row's noise band among them) come from the
+new rows alone."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+sys.path.insert(0, str(BENCH))
+
+import offload_merge  # noqa: E402
+
+
+def _row(policy: str, tok_s: float, budget: float = 32.0, batch: int = 1) -> dict:
+    return {"model": "qwen3-30b-a3b", "routing": "locality", "batch": batch, "budget_gib": budget,
+            "policy": policy, "tok_s": tok_s, "bound_tok_s": 100.0, "fraction_of_bound": tok_s / 100.0,
+            "seconds_per_step": batch / tok_s, "miss_rate": 0.3, "fills_per_step": 10.0,
+            "cpu_experts_per_step": 20.0}
+
+
+def test_targets_give_each_ab_ratio_and_the_repeat_rows_noise_band():
+    rows = [_row("static/graph", 50.0), _row("lru+q*", 90.0), _row("lru+q*/flat", 80.0),
+            _row("lru+q*/again", 100.0), _row("lru+q*", 88.0, batch=4), _row("lru+q*/again", 80.0, batch=4)]
+    t = offload_merge.targets(rows)
+    assert t["decode_speed_curve_vs_flat"] == {"qwen3-30b-a3b locality b1 32GB": 1.125}
+    assert t["decode_repeat_vs_first"] == {"qwen3-30b-a3b locality b1 32GB": 0.9,
+                                           "qwen3-30b-a3b locality b4 32GB": 1.1}
+    assert t["decode_repeat_vs_first_range"] == [0.9, 1.1]
+    assert t["decode_lru_q_vs_static_32gb"] == {"qwen3-30b-a3b locality b1 32GB": 1.8}
+    assert t["decode_rows_at_or_above_0.85"] == "2 of 2"
+
+
+def test_a_run_without_repeat_rows_reports_no_noise_band():
+    t = offload_merge.targets([_row("lru+q*", 90.0), _row("lru+q*/flat", 80.0)])
+    assert t["decode_repeat_vs_first"] == {} and "decode_repeat_vs_first_range" not in t
+
+
+def test_the_merged_file_takes_the_new_runs_label_and_keeps_the_old_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    base = {"label": "old run", "decode": [_row("lru+q*", 70.0)], "prefill": [], "bandwidth": {}, "started": "t0",
+            "targets": {"prefill_8k": {"kept": True}}}
+    run = {"decode": [_row("lru+q*", 90.0), _row("lru+q*/again", 90.0)], "started": "t1",
+           "bandwidth": {"qwen3-30b-a3b": {}}, "hardware": {"gpu": "test GPU", "cpu": "test CPU"}, "cpu_expert_features": {},
+           "method": "m"}
+    result, part = tmp_path / "merged.json", tmp_path / "run.json"
+    result.write_text(json.dumps(base))
+    part.write_text(json.dumps(run))
+    subprocess.run([sys.executable, str(BENCH / "offload_merge.py"), "--result", str(result), "--label", "new run",
+                    "--previous", "old run", "--note", "what it was", str(part)], check=True, capture_output=True)
+    merged = json.loads(result.read_text())
+    assert merged["label"] == "new run" and merged["runs"]["new run"] == "what it was"
+    assert [r["tok_s"] for r in merged["decode_split_runs"]["old run"]["rows"]] == [70.0]
+    assert [r["tok_s"] for r in merged["decode"]] == [90.0, 90.0]
+    assert merged["targets"]["decode_repeat_vs_first_range"] == [1.0, 1.0]
+    assert merged["targets"]["prefill_8k"] == {"kept": True}
