@@ -47,6 +47,13 @@ def tune_gather(bank: Bank) -> dict:
     return {"candidates": rows, "chosen": best["tiles"]}
 
 
+def _hbm_copy_gbps() -> float:
+    """A 1 GiB device-to-device copy's read + write rate, GB/s (its buffers freed on return)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=CUDA)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * 20 / events_seconds(lambda: dst.copy_(src), 20) / 1e9
+
+
 def bandwidths(bank: Bank, cpu_fn) -> dict:
     """GB/s (1e9 B/s): pinned H2D DMA of expert rows, the gather kernel's fills (GPU reading the
     pinned bank), HBM copy (read + write counted), the CPU expert kernel (one token; calls of 8
@@ -89,10 +96,7 @@ def bandwidths(bank: Bank, cpu_fn) -> dict:
     pcie = max(n * se * 24 / events_seconds(dma, 24) for _ in range(2)) / 1e9
     gat = max(n * se * 24 / events_seconds(gather, 24) for _ in range(2)) / 1e9
     gat1 = max(se * 192 / events_seconds(gather1, 192) for _ in range(2)) / 1e9
-    big = torch.empty(1 << 30, dtype=torch.uint8, device=CUDA)
-    big2 = torch.empty_like(big)
-    hbm = 2 * big.numel() * 20 / events_seconds(lambda: big2.copy_(big), 20) / 1e9
-    del big, big2
+    hbm = _hbm_copy_gbps()
     x = torch.randn(1, m["hidden"]).to(torch.bfloat16)
 
     def cpu_call(i: int, experts: int) -> None:

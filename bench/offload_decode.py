@@ -371,6 +371,6 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         # the streamed split: expert-equivalents per step whose first rows crossed PCIe
         res["streamed_experts_per_step"] = prof["streamed_rows"] / bank.w2.shape[3] / steps
         res["stage_pairs_per_step"] = prof["stage_pairs"] / steps
-    del ctl
+    ctl = None                                             # this frame's reference, before the cache is emptied
     torch.cuda.empty_cache()
     return res
