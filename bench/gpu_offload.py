@@ -39,6 +39,8 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
                 run beside 1-fill launches (freetoken_engine/kernels/split.py)
   lru+q*/again  (d) once more, after the A/B rows: the same work, so (d) / (d) again is the
                 row's run-to-run noise, the band an A/B ratio must leave to mean anything
+  (d) and its A/B sides swap their order from one budget (and routing-batch block) to the next,
+  so that a bias of a row's place in the run falls on each side alike (decode_plans)
   lru+q*@1      the handshake with every miss filled: lru+q*@1 vs lru is the cost of the
                 captured CPU branch's flags
   lru+sync      (optional) the per-layer driver with every miss filled
@@ -174,6 +176,31 @@ def cache_slots(card_gib: float, model: dict) -> int:
     return max(int(free // model["expert_bytes"]), 1)
 
 
+#: the A/B sides run beside (d) at each budget (lru+q*/again runs after them, lru+q*/layer and lru+sync last)
+AB_SIDES = ("lru+q*@", "lru+q*+", "lru+q*/plain", "lru+q*/nobypass", "lru+q*/serial-hits", "lru+q*/ascending",
+            "lru+q*/flat", "lru+q*/ahead", "lru+q*/predict@")
+
+
+def decode_plans(policies: list[str], budgets: list[float], batch: int, routing: str,
+                 flip: bool = False) -> list[tuple[str, float | None]]:
+    """The decode rows of one (routing, batch) block, in run order: (policy, budget). (a) first;
+    then each budget's (b), (c), and (d) with its A/B sides. The order of (d) and its A/B sides
+    alternates from budget to budget, starting reversed when ``flip``, so that a bias of a row's
+    place in the run (the host warming up, say) falls on each side alike; ``lru+q*/again`` runs
+    after them, and the per-layer drivers (batch 1, locality only) last."""
+    plans: list[tuple[str, float | None]] = [("all", None)] if "all" in policies else []
+    pair = [p for p in policies if p == "lru+q*" or p.startswith(AB_SIDES)]
+    pair = ["lru+q*", *(p for p in pair if p != "lru+q*")] if "lru+q*" in pair else pair
+    tail = ["lru+q*/again"] if "lru+q*/again" in policies else []
+    if batch == 1 and routing == "locality":
+        tail += [p for p in policies if p.endswith("/layer")] + (["lru+sync"] if "lru+sync" in policies else [])
+    for i, b in enumerate(budgets):
+        sides = pair[::-1] if (i % 2 == 1) != flip else pair
+        plans += [(p, b) for p in ("static", "static/graph", "lru") if p in policies]
+        plans += [(p, b) for p in (*sides, *tail)]
+    return plans
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="one model, one budget, few tokens (smoke test)")
@@ -252,6 +279,7 @@ def main() -> None:
             print(f"[{name}] CPU-branch check: {result['checks'][name]}", flush=True)
         tokens = {1: (6, 8) if args.quick else (12, 16), 4: (4, 4) if args.quick else (6, 8)}
         tokens = {b: (w * args.decode_scale, n * args.decode_scale) for b, (w, n) in tokens.items()}
+        block = 0                   # (routing, batch) blocks so far: the A/B sides' order alternates
         for routing in args.routings.split(","):
             for batch in (1, 4):
                 warm, meas = tokens[batch]
@@ -259,15 +287,8 @@ def main() -> None:
                 n_fill = 16 if args.quick else 48
                 ids = make_routing(model, n_fill + warm + meas, batch, routing, params, seed=batch)
                 fill_ids, ids = ids[:n_fill], ids[n_fill:]
-                policies = args.policies.split(",")
-                plans = [("all", None)] if "all" in policies else []
-                fixed = [p for p in policies if p.startswith(("lru+q*@", "lru+q*+", "lru+q*/plain", "lru+q*/nobypass",
-                                                              "lru+q*/serial-hits", "lru+q*/ascending", "lru+q*/flat",
-                                                              "lru+q*/ahead", "lru+q*/predict@"))]
-                fixed += ["lru+q*/again"] if "lru+q*/again" in policies else []     # after every other side
-                b1_loc = [p for p in policies if p.endswith("/layer")] + ["lru+sync"]    # b1 locality only
-                plans += [(p, b) for b in budgets for p in ("static", "static/graph", "lru", "lru+q*", *fixed, *b1_loc)
-                          if p in policies and (p not in b1_loc or (batch == 1 and routing == "locality"))]
+                plans = decode_plans(args.policies.split(","), budgets, batch, routing, flip=block % 2 == 1)
+                block += 1
                 for policy, budget in plans:
                     slots = bank.total_experts if budget is None else cache_slots(budget, model)
                     try:

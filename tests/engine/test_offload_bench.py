@@ -1,6 +1,6 @@
-"""bench/offload_merge.py: a run's decode rows replace the file's, the file then carries that run's
-label, and the targets (the A/B ratios and the repeat row's noise band among them) come from the
-new rows alone."""
+"""The MoE bench's tools (CPU): bench/offload_merge.py (a run's decode rows replace the file's, the
+file then carries that run's label, and the targets, the A/B ratios and the repeat row's noise band
+among them, come from the new rows alone) and gpu_offload's row order (the A/B sides alternate)."""
 from __future__ import annotations
 
 import json
@@ -13,6 +13,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 sys.path.insert(0, str(BENCH))
 
+import gpu_offload  # noqa: E402
 import offload_merge  # noqa: E402
 
 
@@ -58,3 +59,24 @@ def test_the_merged_file_takes_the_new_runs_label_and_keeps_the_old_rows(tmp_pat
     assert [r["tok_s"] for r in merged["decode"]] == [90.0, 90.0]
     assert merged["targets"]["decode_repeat_vs_first_range"] == [1.0, 1.0]
     assert merged["targets"]["prefill_8k"] == {"kept": True}
+
+
+def test_the_ab_sides_alternate_their_order_and_the_repeat_runs_after_them():
+    policies = ["static/graph", "lru", "lru+q*", "lru+q*/flat", "lru+q*/again", "lru+q*/layer"]
+    plans = gpu_offload.decode_plans(policies, [8.0, 16.0, 32.0], batch=1, routing="locality")
+    by_budget = {b: [p for p, bb in plans if bb == b] for b in (8.0, 16.0, 32.0)}
+    assert by_budget[8.0] == ["static/graph", "lru", "lru+q*", "lru+q*/flat", "lru+q*/again", "lru+q*/layer"]
+    assert by_budget[16.0] == ["static/graph", "lru", "lru+q*/flat", "lru+q*", "lru+q*/again", "lru+q*/layer"]
+    assert by_budget[32.0] == by_budget[8.0]
+    flipped = gpu_offload.decode_plans(policies, [8.0], batch=1, routing="locality", flip=True)
+    assert [p for p, _ in flipped][2:4] == ["lru+q*/flat", "lru+q*"]
+
+
+def test_every_asked_side_runs_once_a_budget_and_the_layer_drivers_only_at_batch_1_locality():
+    policies = ["all", "static", "lru", "lru+q*", "lru+q*@0.3+s", "lru+q*/plain", "lru+q*/layer", "lru+sync"]
+    plans = gpu_offload.decode_plans(policies, [8.0, 32.0], batch=1, routing="locality")
+    assert plans[0] == ("all", None)
+    assert sorted(p for p, b in plans if b == 32.0) == sorted(policies[1:])
+    uniform = gpu_offload.decode_plans(policies, [8.0, 32.0], batch=1, routing="uniform")
+    assert not {p for p, _ in uniform} & {"lru+q*/layer", "lru+sync"}
+    assert len(gpu_offload.decode_plans(["lru+q*"], [8.0, 16.0], batch=4, routing="uniform")) == 2
