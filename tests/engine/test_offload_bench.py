@@ -80,3 +80,14 @@ def test_every_asked_side_runs_once_a_budget_and_the_layer_drivers_only_at_batch
     uniform = gpu_offload.decode_plans(policies, [8.0, 32.0], batch=1, routing="uniform")
     assert not {p for p, _ in uniform} & {"lru+q*/layer", "lru+sync"}
     assert len(gpu_offload.decode_plans(["lru+q*"], [8.0, 16.0], batch=4, routing="uniform")) == 2
+
+
+def test_fill_behind_caches_a_cpu_computed_miss_from_idle_pcie_time_without_slowing_a_call():
+    import split_policy_sim
+    seq = [(0, [7])] * 10                      # one layer; expert 7 misses each call, the CPU is faster
+    kw = dict(slots=16, layers=1, f=0.3, t_fill=1.0, t_cpu=0.5, counted_from=0)
+    base = split_policy_sim.simulate(seq, rule="recurring-first", **kw)
+    behind = split_policy_sim.simulate(seq, rule="fill-behind", **kw)
+    assert base["misses"] == 10 and base["fills"] == 0          # q* sends a lone miss to the CPU
+    assert behind["behind"] == 1 and behind["misses"] == 2      # two calls' idle PCIe copied it
+    assert behind["seconds"] == 2 * 0.5 and base["seconds"] == 10 * 0.5
