@@ -1,6 +1,7 @@
 """The MoE bench's tools (CPU): bench/offload_merge.py (a run's decode rows replace the file's, the
 file then carries that run's label, and the targets, the A/B ratios and the repeat row's noise band
-among them, come from the new rows alone) and gpu_offload's row order (the A/B sides alternate)."""
+among them, come from the new rows alone), gpu_offload's row order (the A/B sides alternate) and
+split_policy_sim's fill-behind rule (idle PCIe time caches a CPU-computed miss, no call slower)."""
 from __future__ import annotations
 
 import json
