@@ -22,14 +22,17 @@ of one step, 8 bypass slots) for these rules:
 
 Time model per layer call: max(fills x expert bytes / B_pcie, CPU experts x expert bytes /
 B_cpu), the two sides at the rates measured beside each other on the H200 (run P: 48.5 and
-88 GB/s by default); the hits' GPU time is left out (on a side stream beside the fills). The
+88 GB/s by default), or a gpu_offload.py run's (``--rates-from``: each model's rates and its CPU
+call-size curve, which then divides the CPU side and picks q as the engine does); the hits' GPU
+time is left out (on a side stream beside the fills). The
 first ``--warm`` tokens fill the cache and are not counted. Output: a table, JSON and a PNG.
 
-    python bench/split_policy_sim.py [--tokens 128] [--bpcie 48.5] [--bcpu 88]
+    python bench/split_policy_sim.py [--tokens 128] [--bpcie 48.5] [--bcpu 88 | --rates-from RUN.json]
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -45,7 +48,7 @@ BYPASS = 8
 
 
 def simulate(seq, slots: int, layers: int, f: float, t_fill: float, t_cpu: float, rule: str,
-             counted_from: int) -> dict:
+             counted_from: int, speed: tuple[float, ...] | None = None) -> dict:
     """Replay ``seq`` (one (layer, sorted experts) per call) under ``rule``; counts and time of the
     calls from index ``counted_from`` on."""
     resident: dict = {}        # (layer, expert) -> the call of its last use
@@ -60,7 +63,7 @@ def simulate(seq, slots: int, layers: int, f: float, t_fill: float, t_cpu: float
             resident[k] = i
         miss = [k for k in keys if k not in resident]
         recurring = [k for k in miss if i - last_seen.get(k, -layers - 1) <= layers] if rule != "ascending" else []
-        target = fills_for(len(miss), f)
+        target = fills_for(len(miss), f, speed=speed)
         if rule == "recurring-all" or (rule == "recurring-single" and len(miss) == 1):
             target = max(target, len(recurring))
         idle = sorted((v, k) for k, v in resident.items() if i - v > layers)     # admissible victims
@@ -72,9 +75,10 @@ def simulate(seq, slots: int, layers: int, f: float, t_fill: float, t_cpu: float
                 del resident[idle.pop(0)[1]]
             resident[k] = i
         cpu = len(miss) - q - passing
+        cpu_s = cpu * t_cpu / (speed[min(cpu, len(speed)) - 1] if speed and cpu else 1.0)
         behind = 0
         if rule == "fill-behind":            # PCIe's idle time in this call, then whole copies from it
-            credit += max(cpu * t_cpu - (q + passing) * t_fill, 0.0)
+            credit += max(cpu_s - (q + passing) * t_fill, 0.0)
             computed.extend(order[q + passing:][::-1])          # the newest last, recurring ones newest
             del computed[:-4 * layers]                         # only the last few steps' misses
             while True:
@@ -100,7 +104,7 @@ def simulate(seq, slots: int, layers: int, f: float, t_fill: float, t_cpu: float
             out["fills"] += q + passing
             out["cpu"] += cpu
             out["behind"] += behind
-            out["seconds"] += max((q + passing) * t_fill, cpu * t_cpu)
+            out["seconds"] += max((q + passing) * t_fill, cpu_s)
     return out
 
 
@@ -111,12 +115,16 @@ def main() -> None:
     ap.add_argument("--budgets", default="16,32")
     ap.add_argument("--bpcie", type=float, default=48.5, help="GB/s")
     ap.add_argument("--bcpu", type=float, default=88.0, help="GB/s")
+    ap.add_argument("--rates-from", type=Path, default=None,
+                    help="a gpu_offload.py result: each model's B_pcie and B_cpu (1-fill launches beside 1-expert "
+                         "C calls) and its CPU call-size curve, as that run's lru+q* split them (else --bpcie/--bcpu, "
+                         "no curve)")
     ap.add_argument("--routings", default="locality,uniform")
     ap.add_argument("--rules", default=",".join(RULES), help="the first is the base of the speed-ups")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "split_policy_sim.json")
     args = ap.parse_args()
-    f = args.bpcie / (args.bpcie + args.bcpu)
-    rows = []
+    measured = json.loads(args.rates_from.read_text())["bandwidth"] if args.rates_from else {}
+    rows, rates = [], {}
     rules = args.rules.split(",")
     if not set(rules) <= set(RULES):
         ap.error(f"--rules: choose from {', '.join(RULES)}")
@@ -124,13 +132,18 @@ def main() -> None:
     for name, model in MODELS.items():
         params = routing_params(ROOT, model)
         layers, size = model["layers"], model["expert_bytes"]
-        t_fill, t_cpu = size / (args.bpcie * 1e9), size / (args.bcpu * 1e9)
+        bw = measured.get(name)
+        bp, bc = (args.bpcie, args.bcpu) if not bw else (bw["concurrent_gather_fill_gbps_1_fill_per_launch"],
+                                                          bw["concurrent_cpu_expert_gbps_beside_1_fill_launches"])
+        speed = tuple(bw["cpu_call_speed"]) if bw and bw.get("cpu_call_speed") else None
+        f, t_fill, t_cpu = bp / (bp + bc), size / (bp * 1e9), size / (bc * 1e9)
+        rates[name] = {"pcie_gbps": bp, "cpu_gbps": bc, "fill_fraction": f, "cpu_call_speed": speed}
         for kind in args.routings.split(","):
             for batch in (1, 4):
                 seq = steps(make_routing(model, args.warm + args.tokens, batch, kind, params, seed=1))
                 for card in (float(b) for b in args.budgets.split(",")):
                     slots = cache_slots(card, model) - BYPASS
-                    res = {rule: simulate(seq, slots, layers, f, t_fill, t_cpu, rule, args.warm * layers)
+                    res = {rule: simulate(seq, slots, layers, f, t_fill, t_cpu, rule, args.warm * layers, speed)
                            for rule in rules}
                     base = res[rules[0]]["seconds"]
                     for r in res.values():
@@ -142,8 +155,8 @@ def main() -> None:
                     print(f"{name:<17}{kind:<10}{batch:>5}{card:>5.0f}  " + "".join(
                         f"{r['miss_rate']:>9.3f} {r['ms_per_token']:6.2f}ms {r['speedup_vs_base']:5.2f}x"
                         for r in res.values()))
-    result = {"benchmark": "split_policy_sim", "hardware": describe(), "fill_fraction": f,
-              "bandwidths_gbps": {"pcie": args.bpcie, "cpu": args.bcpu}, "tokens": args.tokens,
+    result = {"benchmark": "split_policy_sim", "hardware": describe(), "rates": rates,
+              "rates_from": str(args.rates_from) if args.rates_from else None, "tokens": args.tokens,
               "warm_tokens": args.warm, "method": __doc__.strip().split("\n\n")[1], "rows": rows}
     write_results(result, args.out, plot)
 

@@ -92,3 +92,12 @@ def test_fill_behind_caches_a_cpu_computed_miss_from_idle_pcie_time_without_slow
     assert base["misses"] == 10 and base["fills"] == 0          # q* sends a lone miss to the CPU
     assert behind["behind"] == 1 and behind["misses"] == 2      # two calls' idle PCIe copied it
     assert behind["seconds"] == 2 * 0.5 and base["seconds"] == 10 * 0.5
+
+
+def test_the_simulated_cpu_side_takes_the_call_size_curve_as_the_engines_rule_does():
+    import split_policy_sim
+    kw = dict(slots=16, layers=1, f=0.3, t_fill=1.0, t_cpu=0.5, rule="recurring-first", counted_from=0)
+    flat = split_policy_sim.simulate([(0, [1, 2])], **kw)
+    curve = split_policy_sim.simulate([(0, [1, 2])], speed=(1.0, 2.0), **kw)
+    assert flat["cpu"] == curve["cpu"] == 2 and flat["fills"] == curve["fills"] == 0
+    assert flat["seconds"] == 1.0 and curve["seconds"] == 0.5     # a 2-expert call at twice the rate
