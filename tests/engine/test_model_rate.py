@@ -70,8 +70,8 @@ def test_a_first_start_measures_after_the_read_and_a_restart_reads_the_cache(two
         probes.append(seconds)
         return rate(seconds)
 
-    def counted_curve(seconds):
-        curves.append(curve(seconds))
+    def counted_curve(seconds, **kw):
+        curves.append(curve(seconds, **kw))
         return curves[-1]
 
     monkeypatch.setattr(experts, "cpu_rate", counted)
@@ -105,3 +105,13 @@ def test_a_first_start_measures_after_the_read_and_a_restart_reads_the_cache(two
     assert read.pending and len(probes) == 2 and len(curves) == 2       # nothing measured
     assert again.follower.reference == f.reference and again.set_to == first.set_to
     assert again.cache.cpu_speed == curves[1]
+
+
+def test_the_curve_takes_a_one_expert_rate_just_measured_instead_of_timing_it_again(monkeypatch):
+    bank = bank_experts().bank
+    timed = []
+    monkeypatch.setattr(bank, "_call_rate", lambda n, seconds: timed.append(n) or 50.0 * (1 + n / 10))
+    assert bank.cpu_call_speed(0.01, sizes=(1, 2, 4), one=50.0)[:4] == (1.0, 1.2, 1.3, 1.4)
+    assert timed == [2, 4]                            # the one-expert calls were not timed again
+    bank.cpu_call_speed(0.01, sizes=(1, 2))
+    assert timed[2:] == [1, 2]                        # without one, they are

@@ -94,12 +94,15 @@ class ExpertBank:
         after layer, for about ``seconds``."""
         return self._call_rate(1, seconds)
 
-    def cpu_call_speed(self, seconds: float, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8)) -> tuple[float, ...]:
+    def cpu_call_speed(self, seconds: float, sizes: tuple[int, ...] = (1, 2, 3, 4, 6, 8),
+                       one: float | None = None) -> tuple[float, ...]:
         """The CPU's call-size curve on this bank (``kernels/split.py``): the compiled kernel's
         rate on calls of each of ``sizes`` distinct random experts (one token), about ``seconds``
-        each, over the rate of one-expert calls; sizes above the expert count are left out."""
+        each, over the rate of one-expert calls; sizes above the expert count are left out.
+        ``one``: the one-expert rate ``cpu_rate`` has just measured (not measured again)."""
         from ..kernels.split import speed_curve
-        return speed_curve({n: self._call_rate(n, seconds) for n in sizes if n <= self.num_experts})
+        return speed_curve({n: one if n == 1 and one else self._call_rate(n, seconds)
+                            for n in sizes if n <= self.num_experts})
 
     def _call_rate(self, n: int, seconds: float) -> float:
         """GB/s of calls of ``n`` distinct random experts (one token) run back to back from C."""

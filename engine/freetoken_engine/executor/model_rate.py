@@ -20,7 +20,7 @@ def start_follower(runner, cfg, rest) -> None:
     expert), the user did not fix it, the split tuner is off (it moves q itself) and the compiled
     CPU kernel runs the misses: make ``runner.follower`` and apply its split with the CPU's
     call-size curve. The rate and the curve come from this host's cache
-    (``calibrate.cached_model_rate``), else they are measured on the bank now (0.2 s and 0.6 s; a
+    (``calibrate.cached_model_rate``), else they are measured on the bank now (0.2 s and 0.5 s; a
     first start waits for the bank's read for them, as for the calibration) and cached unless
     another process was on the CPUs meanwhile."""
     if not (cfg.cpu_rate_probe and runner.cache is not None and runner.device.type == "cuda"
@@ -38,8 +38,8 @@ def start_follower(runner, cfg, rest) -> None:
     runner.follower = f = ContentionFollower(runner.cache.fill_fraction, pool_record,
                                              lambda s: runner.experts.cpu_rate(s),
                                              calibrated_gbps=runner._calibrated_gbps, reference=known)
-    if speed is None:
-        speed = runner.bank.cpu_call_speed(f.cfg.probe_s / 2)     # 0.1 s a call size
+    if speed is None:         # 0.1 s a call size; a reference measured just now is its 1-expert rate
+        speed = runner.bank.cpu_call_speed(f.cfg.probe_s / 2, one=f.reference if known is None else None)
         if not f.reference_contended:
             save_model_rate(runner.device, shape, f.reference, speed)
     runner.cache.cpu_speed = speed
