@@ -55,11 +55,11 @@ def targets(rows: list[dict]) -> dict:
     for k, r in q.items():
         # (b): the faster of the two static drivers (the per-layer one and the one-graph handshake)
         s = max((by[(k, p)] for p in ("static", "static/graph") if (k, p) in by), key=lambda r: r["tok_s"], default=None)
-        plain, nob, flat = by.get((k, "lru+q*/plain")), by.get((k, "lru+q*/nobypass")), by.get((k, "lru+q*/flat"))
-        if flat:
-            out["decode_speed_curve_vs_flat"][k] = round(r["tok_s"] / flat["tok_s"], 3)
-        if (k, "lru+q*/again") in by:
-            out["decode_repeat_vs_first"][k] = round(r["tok_s"] / by[(k, "lru+q*/again")]["tok_s"], 3)
+        plain, nob = by.get((k, "lru+q*/plain")), by.get((k, "lru+q*/nobypass"))
+        for name, side in (("decode_speed_curve_vs_flat", "lru+q*/flat"),
+                           ("decode_repeat_vs_first", "lru+q*/again")):        # (d) over that side
+            if (k, side) in by:
+                out[name][k] = round(r["tok_s"] / by[(k, side)]["tok_s"], 3)
         if nob:
             out["decode_bypass_vs_nobypass"][k] = {"tok_s": round(r["tok_s"] / nob["tok_s"], 2),
                                                    "cpu_experts_per_step": [round(r["cpu_experts_per_step"], 1),
