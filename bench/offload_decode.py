@@ -26,6 +26,7 @@ from freetoken_engine.env import BYPASS_SLOTS_DEFAULT
 from freetoken_engine.kernels.cpu_branch import CpuBranch
 from freetoken_engine.kernels.triton.control_outputs import ControlOutputs
 from freetoken_engine.kernels.triton import handshake
+from freetoken_engine.kernels.triton.behind import SAFETY
 from freetoken_engine.kernels.triton.moe import moe_slots_forward
 
 
@@ -292,6 +293,8 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
                             minus(slots - nb), 0, f, admit_window=admit, recur_window=recur, cpu_speed=speed)
         if static_graph:
             _resident_layers(ctl, n_gpu, E, st.k)
+        if policy.endswith("/behind"):          # fills behind the CPU (freetoken_engine/cache/behind.py)
+            ctl.set_behind(SAFETY)
         if split:
             ctl.set_stream(min(st.P, E), floor_fills=split in ("+sf", "+stf"), stage=split in ("+st", "+stf"))
         if policy == "lru":
@@ -330,6 +333,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
     torch.cuda.synchronize()
     before = ctl.counters() if ctl else None
     pf_before = ctl.prefetch_counters() if ctl else None
+    bh_before = ctl.behind.counters() if ctl is not None and ctl.behind is not None else None
     prof.update({key: 0 for key in prof})
     # each step's end on the device's clock: one event after each token's work (they do not
     # hold the host back, so the timed loop runs as it did without them)
@@ -354,9 +358,16 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
            "tok_s": batch / secs, "bypass_slots": nb, "step_ms_min": step_ms[0],
            "step_ms_median": statistics.median(step_ms), "step_ms_max": step_ms[-1], **res_warm}
     pf = {k: v - pf_before[k] for k, v in ctl.prefetch_counters().items()} if ctl else {}
-    # the experts copied ahead crossed PCIe too: counted as misses in the bound (wrong guesses included)
+    behind = 0.0
+    if bh_before is not None:                # words copied behind the CPU, in experts
+        bh = ctl.behind.counters()
+        behind = (bh["copied_words"] - bh_before["copied_words"]) / bh["words"]
+        res.update(behind_experts_copied_per_step=behind / steps,
+                   behind_made_resident_per_step=(bh["made_resident"] - bh_before["made_resident"]) / steps)
+    # the experts copied ahead (wrong guesses included) or behind the CPU crossed PCIe too: counted
+    # as misses in the bound
     res.update(row_bound(bank, policy, slots, distinct[warm:].float(), ctl, before, counts, bw, steps, batch, secs,
-                         extra_misses=pf.get("fills", 0)))
+                         extra_misses=pf.get("fills", 0) + behind))
     if accuracy is not None:
         res.update(guess_accuracy=accuracy, prefetch_fills_per_step=pf["fills"] / steps,
                    prefetch_hits_per_step=pf["hits"] / steps, prefetch_misses_per_step=pf["misses"] / steps)

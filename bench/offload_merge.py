@@ -16,6 +16,9 @@ stay. The targets of the fast-path issue are recomputed from the new rows:
     size (rows of lru+q*/flat), and the geometric mean over the rows;
   * decode_repeat_vs_first: (d) over (d) run once more after the A/B rows (rows of lru+q*/again:
     the same work), with its range: the noise an A/B ratio of that run must leave to mean anything;
+  * decode_behind_over_lru_q: (d) with fills behind the CPU (rows of lru+q*/behind) over (d), with
+    both miss rates and the behind row's fraction of its bound (its copied bytes count as misses),
+    and the geometric mean over the rows;
   * decode_lru_q_fraction_of_gather_bound (a diagnostic, not the target): each (d) row against
     its bound with the fill gather's measured rate (1-fill launches beside the CPU) in place of
     B_pcie, the DMA's: what the row reaches of what its fill path can draw on that host.
@@ -51,7 +54,7 @@ def targets(rows: list[dict]) -> dict:
                 if "fraction_of_integer_split_bound" in r},
            "decode_lru_q_vs_static_32gb": {}, "decode_bound_ratio_lru_q_vs_static_32gb": {}, "decode_static_side_32gb": {},
            "decode_admission_vs_plain": {}, "decode_bypass_vs_nobypass": {}, "decode_cpu_gbps_in_row": {},
-           "decode_speed_curve_vs_flat": {}, "decode_repeat_vs_first": {}}
+           "decode_speed_curve_vs_flat": {}, "decode_repeat_vs_first": {}, "decode_behind_over_lru_q": {}}
     for k, r in q.items():
         # (b): the faster of the two static drivers (the per-layer one and the one-graph handshake)
         s = max((by[(k, p)] for p in ("static", "static/graph") if (k, p) in by), key=lambda r: r["tok_s"], default=None)
@@ -60,6 +63,11 @@ def targets(rows: list[dict]) -> dict:
                            ("decode_repeat_vs_first", "lru+q*/again")):        # (d) over that side
             if (k, side) in by:
                 out[name][k] = round(r["tok_s"] / by[(k, side)]["tok_s"], 3)
+        if (k, "lru+q*/behind") in by:
+            b = by[(k, "lru+q*/behind")]
+            out["decode_behind_over_lru_q"][k] = {"tok_s": round(b["tok_s"] / r["tok_s"], 3),
+                                                  "miss_rate": [round(b["miss_rate"], 3), round(r["miss_rate"], 3)],
+                                                  "behind_fraction_of_bound": round(b["fraction_of_bound"], 3)}
         if nob:
             out["decode_bypass_vs_nobypass"][k] = {"tok_s": round(r["tok_s"] / nob["tok_s"], 2),
                                                    "cpu_experts_per_step": [round(r["cpu_experts_per_step"], 1),
@@ -80,6 +88,9 @@ def targets(rows: list[dict]) -> dict:
     if out["decode_speed_curve_vs_flat"]:
         ab = list(out["decode_speed_curve_vs_flat"].values())
         out["decode_speed_curve_vs_flat_geomean"] = round(math.prod(ab) ** (1 / len(ab)), 3)
+    if out["decode_behind_over_lru_q"]:
+        ab = [v["tok_s"] for v in out["decode_behind_over_lru_q"].values()]
+        out["decode_behind_over_lru_q_geomean"] = round(math.prod(ab) ** (1 / len(ab)), 3)
     if out["decode_repeat_vs_first"]:
         again = out["decode_repeat_vs_first"].values()
         out["decode_repeat_vs_first_range"] = [min(again), max(again)]

@@ -11,6 +11,8 @@
 #                                  # session's last device minutes; each JSON is saved row by row)
 #   scripts/gpu_issue7.sh ab       # both models, 8/16/32 GB: lru+q* against lru+q*/flat, then lru+q* once
 #                                  # more (lru+q*/again: the rows' own noise band; about 400 s)
+#   scripts/gpu_issue7.sh behind   # both models, 8/16/32 GB: lru+q* against lru+q*/behind (fills behind the
+#                                  # CPU), then lru+q*/again (about 400 s on an H100)
 #   scripts/gpu_issue7.sh cpu      # the host's CPU kernels: the expert bench and the projections
 #   scripts/gpu_issue7.sh gather   # the fill gather against the DMA over a grid of tiles (stop 68's
 #                                  # H100 host gathered at 30-34 GB/s beside a 53 GB/s DMA)
@@ -20,8 +22,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder the results go to}"
-case "${1:-}" in 30b|36|36-32|grid|ab|cpu|gather|engine) ;;
-  *) echo "usage: scripts/gpu_issue7.sh 30b|36|36-32|grid|ab|cpu|gather|engine" >&2; exit 2 ;; esac
+case "${1:-}" in 30b|36|36-32|grid|ab|behind|cpu|gather|engine) ;;
+  *) echo "usage: scripts/gpu_issue7.sh 30b|36|36-32|grid|ab|behind|cpu|gather|engine" >&2; exit 2 ;; esac
 export PYTHONPATH="$PWD/engine:$PWD/tests:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt" || true
 PY=${PYTHON:-python}
@@ -35,9 +37,10 @@ case "${1:-}" in
   36-32) "$PY" bench/gpu_offload.py --models qwen3.6-35b-a3b --budgets 32 --policies "$policies" \
            "${decode[@]}" --out "$OUT/run_36_32.json" ;;
   grid) for part in 30b 36 36-32; do bash "$0" "$part"; done ;;
-  ab) for m in qwen3-30b-a3b qwen3.6-35b-a3b; do
-        "$PY" bench/gpu_offload.py --models "$m" --budgets 8,16,32 --policies "lru+q*,lru+q*/flat,lru+q*/again" \
-          "${decode[@]}" --out "$OUT/ab_$m.json"
+  ab|behind) side=$([ "$1" = ab ] && echo flat || echo behind)
+      for m in qwen3-30b-a3b qwen3.6-35b-a3b; do
+        "$PY" bench/gpu_offload.py --models "$m" --budgets 8,16,32 --policies "lru+q*,lru+q*/$side,lru+q*/again" \
+          "${decode[@]}" --out "$OUT/${1}_$m.json"
       done ;;
   cpu) "$PY" bench/cpu_expert_kernel.py --label "GPU host" --rounds 2 --prefetch 4096 --out "$OUT"
        "$PY" bench/cpu_linear.py --label "GPU host" --rounds 3 --tokens 1,2,4,8 \

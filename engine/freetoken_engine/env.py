@@ -26,6 +26,11 @@ CXX = "CXX"
 #: 1.11x at batch 1 with every guess right, 1.04x with 90%, but 0.97x / 0.86x at batch 4, and how
 #: well the next router guesses in a real model is not measured here (docs/gpu.md).
 FREETOKEN_EXPERT_PREFETCH = "FREETOKEN_EXPERT_PREFETCH"
+#: Fills behind the CPU in decode on a GPU (cache/behind.py): "on" (each layer call's idle PCIe
+#: time, while the CPU computes its share of the misses, copies a slice of one CPU-computed expert
+#: into a reserved slot; resident after its last slice) or "off" (the default, until a GPU A/B
+#: shows the gain: docs/gpu.md). Not with FREETOKEN_EXPERT_PREFETCH.
+FREETOKEN_FILL_BEHIND = "FREETOKEN_FILL_BEHIND"
 #: Decode's CPU branch without a per-layer sync (cache/host_branch.py): "on", "off", or "auto"
 #: (the default: on; "off" keeps the per-layer-sync path, for A/B measurements).
 FREETOKEN_HOST_BRANCH = "FREETOKEN_HOST_BRANCH"
@@ -112,7 +117,7 @@ def validate() -> None:
     engine calls it at start, so a typo in a GPU-only setting fails on a CPU too, not on the first
     GPU that reads it."""
     for parse in (host_branch, gpu_decode_kernels, fill_admission, prefill_seed, stream_split, bypass_slots,
-                  cpu_expert_threads, preload, huge_pages, map_bank, expert_prefetch):
+                  cpu_expert_threads, preload, huge_pages, map_bank, expert_prefetch, fill_behind):
         parse()
 
 
@@ -156,6 +161,15 @@ def expert_prefetch() -> int:
     """The largest decode call (tokens) that prefetches the next layer's guessed experts (see
     FREETOKEN_EXPERT_PREFETCH): 0 (off), 1 (on) or unbounded (all); ValueError for anything else."""
     return {"off": 0, "on": 1, "all": 1 << 30}[_mode(FREETOKEN_EXPERT_PREFETCH, "off", ("on", "all", "off"))]
+
+
+def fill_behind() -> bool:
+    """Whether decode fills behind the CPU (see FREETOKEN_FILL_BEHIND); ValueError for anything
+    but on / off, or on beside the expert prefetch."""
+    on = _mode(FREETOKEN_FILL_BEHIND, "off", ("on", "off")) == "on"
+    if on and expert_prefetch():
+        raise ValueError(f"{FREETOKEN_FILL_BEHIND}=on cannot run beside {FREETOKEN_EXPERT_PREFETCH}: turn one off")
+    return on
 
 
 def fill_admission() -> bool:

@@ -169,6 +169,7 @@ def test_bad_input_is_one_line_and_exit_2(tiny_checkpoint, cli_error, args, need
     ("FREETOKEN_CPU_EXPERT_THREADS", "all", "FREETOKEN_CPU_EXPERT_THREADS must be an integer, got 'all'"),
     ("FREETOKEN_CPU_EXPERT_THREADS", "0", "FREETOKEN_CPU_EXPERT_THREADS must be >= 1, got 0"),
     ("FREETOKEN_PRELOAD", "yes", "FREETOKEN_PRELOAD must be auto, on or off"),
+    ("FREETOKEN_FILL_BEHIND", "1", "FREETOKEN_FILL_BEHIND must be on or off"),
 ])
 def test_bad_engine_settings_are_one_line_and_exit_2_on_a_cpu(tiny_checkpoint, cli_error, monkeypatch,
                                                              name, value, needle):

@@ -1,6 +1,6 @@
 """The MoE bench's tools (CPU): bench/offload_merge.py (a run's decode rows replace the file's, the
 file then carries that run's label, and the targets, the A/B ratios and the repeat row's noise band
-among them, come from the new rows alone), gpu_offload's row order (the A/B sides alternate) and
+among them (fills behind the CPU over (d)), come from the new rows alone), gpu_offload's row order (the A/B sides alternate) and
 split_policy_sim's fill-behind rule (idle PCIe time caches a CPU-computed miss, no call slower)."""
 from __future__ import annotations
 
@@ -35,6 +35,18 @@ def test_targets_give_each_ab_ratio_and_the_repeat_rows_noise_band():
     assert t["decode_repeat_vs_first_range"] == [0.9, 1.1]
     assert t["decode_lru_q_vs_static_32gb"] == {"qwen3-30b-a3b locality b1 32GB": 1.8}
     assert t["decode_rows_at_or_above_0.85"] == "2 of 2"
+
+
+def test_targets_give_fills_behind_the_cpu_over_d_with_both_miss_rates():
+    behind = {**_row("lru+q*/behind", 99.0), "miss_rate": 0.25}
+    t = offload_merge.targets([_row("lru+q*", 90.0), behind, _row("lru+q*", 80.0, budget=8.0),
+                               _row("lru+q*/behind", 80.0, budget=8.0)])
+    assert t["decode_behind_over_lru_q"]["qwen3-30b-a3b locality b1 32GB"] == {
+        "tok_s": 1.1, "miss_rate": [0.25, 0.3], "behind_fraction_of_bound": 0.99}
+    assert t["decode_behind_over_lru_q_geomean"] == round(1.1 ** 0.5, 3)
+    plans = gpu_offload.decode_plans(["lru+q*", "lru+q*/behind", "lru+q*/again"], [8.0, 16.0], 1, "locality")
+    assert [p for p, _ in plans] == ["lru+q*", "lru+q*/behind", "lru+q*/again",
+                                     "lru+q*/behind", "lru+q*", "lru+q*/again"]
 
 
 def test_a_run_without_repeat_rows_reports_no_noise_band():

@@ -31,11 +31,14 @@ from ..kernels.triton.gather import gather_fill_rows
 from ..kernels.triton.stage import stage_down_forward
 from ..kernels.triton.moe import moe_slots_forward
 from ..kernels.triton.stream import stream_rows_copy
+from ..kernels.triton.behind import SAFETY as BEHIND_SAFETY
+from .behind import FillBehind
+from .device_prefill import PrefillFills
 from .experts import admission_window
 from .guess import GuessedFills
 
 
-class DeviceControl:
+class DeviceControl(PrefillFills):
     """Device-side control of one expert cache (see the module docstring). Not thread-safe: the
     engine's scheduler thread is its only user."""
 
@@ -64,6 +67,7 @@ class DeviceControl:
         self._seed_table: torch.Tensor | None = None   # fill every miss (seed)
         self._seed_clock, self._seed_run = -2, 0         # the last seed's clock; seeds in a row
         self.guessed = GuessedFills(self.device)        # ``prefetch``'s outputs, counters and copies
+        self.behind: FillBehind | None = None           # fills behind the CPU (``set_behind``)
         self._bind(w13_slots, w2_slots, slot_of, slot_owner, last_used, clock, last_active)
         self.set_fill_fraction(fill_fraction)
         # made here, not at first use: a decode graph's capture may be the first use
@@ -104,12 +108,16 @@ class DeviceControl:
                    self.last_active)       # the routing history outlives the pool
         self.cpu_speed = check_speed(cache.cpu_speed)
         self.set_fill_fraction(float(cache.fill_fraction))
+        if self.behind is not None:
+            self.set_behind(self.behind.safety)      # a new pool: no copy in flight
 
     def write_back(self, cache) -> None:
         """At a safe point: hand the device clock and the counters since the last write-back to
         the cache (``cache.clock``, ``cache.stats``), and copy device mirrors into a cache whose
         residency lives elsewhere. One sync. Call before ``cache.resize`` and before the cache's
-        own ``step`` runs again."""
+        own ``step`` runs again. A fill behind the CPU in flight is dropped first."""
+        if self.behind is not None:
+            self.behind.abandon()
         for name in ("slot_of", "slot_owner", "last_used", "last_active"):
             dst = getattr(cache, name)
             if dst.data_ptr() != getattr(self, name).data_ptr():
@@ -128,6 +136,15 @@ class DeviceControl:
         self.recur = admission_window(self.recur_window, fill_fraction)
         if self.stream is not None:
             self.stream = dataclasses.replace(self.stream, share=fill_fraction)
+        if self.behind is not None:
+            self.behind.rates_changed()
+
+    def set_behind(self, safety: float | None = BEHIND_SAFETY) -> None:
+        """Fills behind the CPU (``cache/behind.py``) with slices of ``safety`` of each call's idle
+        PCIe time, or off (``None``; a copy in flight is dropped). Not with ``prefetch``."""
+        if self.behind is not None:
+            self.behind.abandon()
+        self.behind = None if safety is None else FillBehind(self, safety)
 
     def set_stream(self, max_streamed: int | None, granule: int = 64, floor_fills: bool = False,
                    stage: bool = False) -> None:
@@ -209,9 +226,11 @@ class DeviceControl:
         history, the clock unchanged) on the current stream, then its copies on a copy stream of
         their own, so they cross PCIe while the current layer computes. The layer's real step then
         finds the right guesses resident. Call after the running layer's control step (and
-        its copies: they go first); one prefetch outstanding at a time. The guessed layer's
+        its copies: they go first); one prefetch outstanding at a time; not with ``set_behind``. The guessed layer's
         ``step`` counts these fills against its share, and its experts wait for the copies
         (``wait_prefetched``). No host sync."""
+        if self.behind is not None:
+            raise ValueError("a prefetch cannot run beside fills behind the CPU (set_behind(None) first)")
         out = self.guessed.outputs(topk_ids.numel(), self.slot_of.shape[1], self.slot_owner.numel())
         control_step(layer, topk_ids.contiguous(), self.slot_of, self.slot_owner, self.last_used, self.clock,
                      self.fill_table, self.guessed.totals, out, block_slots=self.max_slots,
@@ -230,72 +249,14 @@ class DeviceControl:
         fills (experts copied ahead), cpu_computed (guesses left out by the q* rule) (one sync)."""
         return self.guessed.counters()
 
-    def seed(self, layer: int, topk_ids: torch.Tensor, src_w13: torch.Tensor, src_w2: torch.Tensor) -> int:
-        """Make the experts of ``topk_ids [T, k]`` in ``layer`` resident, copied from ``src_w13
-        [E, 2I, H]`` / ``src_w2 [E, H, I]`` on the pool's device (a prefill's whole-layer buffer)
-        instead of over PCIe: a control step that fills every miss it may (LRU victims, never one
-        of these experts, and with fill admission on never a slot used within its window, so a
-        running decode keeps its experts), whose copies run device to device. The counters are
-        left as they were (a seed is not a decode miss). Returns how many experts were copied
-        (one host sync)."""
-        if self._seed_table is None:
-            self._seed_table = fill_table(1.0, self.slot_of.shape[1], self.device)
-        # Each control step advances the clock, the seeds' too; the admission window is widened
-        # by the seeds run since the last other step, so it still spans that many decode layer
-        # calls (graph replays step without Python, hence the clock tells whether one came between).
-        now = self.host_clock()
-        if now != self._seed_clock + 1:
-            self._seed_run = 0
-        window = self.admit_window + self._seed_run if self.admit_window > 0 else 0
-        saved = self.totals.clone()
-        out = self._control(layer, topk_ids, self._seed_table, window)
-        self.totals.copy_(saved)
-        self._seed_clock, self._seed_run = now, self._seed_run + 1
-        filled = out.fill_slot >= 0
-        slots, experts = out.fill_slot[filled], out.fill_exp[filled]
-        gather_fill_rows(src_w13[None], src_w2[None], self.w13_slots, self.w2_slots, 0, experts, slots)
-        return int(slots.numel())
-
-    def fill_free(self, layer: int, topk_ids: torch.Tensor, src_w13: torch.Tensor, src_w2: torch.Tensor) -> int:
-        """A prefill fills the pool's empty slots with ``layer``'s experts from its whole-layer
-        buffer (``src_w13 [E, 2I, H]`` / ``src_w2 [E, H, I]``, holding at least every expert the
-        pool lacks), device to device: up to ``lru slots // layers`` resident experts a layer (the
-        whole layer when every expert fits), the most routed in ``topk_ids [T, k]`` first. Nothing
-        is evicted. An empty pool (a start, a resize that grew it) is thus full after the first
-        long prompt, and the next prompts stream only what it cannot hold. The slots keep
-        ``last_used`` -1 (never used by a step): a decode fill or a seed takes them before any slot
-        a step used, and admission never protects them; a decode hit gives them a clock. The clock
-        does not move. Residency only: no output changes. Returns how many experts were copied
-        (one host sync while empty slots remain; none after)."""
-        if self._full or self._host_state:
-            return 0
-        n_layers, n_exp = self.slot_of.shape
-        lru = self.slot_owner.numel()
-        share = n_exp if lru >= n_layers * n_exp else lru // n_layers
-        absent = self.slot_of[layer] < 0
-        empty, missing = torch.stack([(self.slot_owner < 0).sum(), absent.sum()]).tolist()
-        if empty == 0:
-            self._full = True
-            return 0
-        n = min(empty, missing, share - (n_exp - missing))
-        if n <= 0:
-            return 0
-        routed = torch.bincount(topk_ids.reshape(-1), minlength=n_exp)
-        experts = torch.argsort(torch.where(absent, routed, -1), descending=True, stable=True)[:n]
-        slots = torch.argsort(self.slot_owner, stable=True)[:n]       # the empty slots (-1) first
-        # one gather launch, device to device, with no temporary (an indexed copy would first
-        # hold the n experts again: 1.2 GB for a whole Qwen3-30B layer)
-        gather_fill_rows(src_w13[None], src_w2[None], self.w13_slots, self.w2_slots, 0, experts, slots)
-        self.slot_of[layer, experts] = slots
-        self.slot_owner[slots] = layer * n_exp + experts
-        return n
-
     def copy(self, layer: int, out: ControlOutputs) -> None:
         """The copies of a control step run with ``copy=False``: its fills into their slots and,
         with the streamed split, the streamed rows into the scratch slots. One launch each. (After
         an outstanding prefetch's copies: a fill may take a slot a wrong guess is being copied to.)"""
         self.wait_prefetched()
         self._gather_fills(layer, out)
+        if self.behind is not None:
+            self.behind.after_fills(layer, out)
         if self.stream is not None:
             stream_rows_copy(self.bank_w13, self.bank_w2, *self.scratch, layer, out.cpu_exp, out.stream_rows,
                              stage=self.stream.stage)
@@ -373,7 +334,8 @@ class DeviceControl:
         start must be registered already: ``PackedModel.pin_head``). On exit the residency, the
         clock and the counters are what they were (restored in place, in stream order). The
         caller syncs any host work first (``OffloadedExperts``)."""
-        state = (self.slot_of, self.slot_owner, self.last_used, self.clock, self.totals, self.last_active)
+        state = (self.slot_of, self.slot_owner, self.last_used, self.clock, self.totals, self.last_active,
+                 *((self.behind.state,) if self.behind is not None else ()))
         saved = [t.clone() for t in state]
         n_slots, n_experts = self.slot_owner.numel(), self.slot_of.numel()
         self.slot_of.copy_((torch.arange(n_experts, device=self.device) % n_slots).view_as(self.slot_of))

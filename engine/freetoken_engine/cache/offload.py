@@ -36,10 +36,9 @@ STREAMED = 8
 
 def _triton_importable() -> bool:
     try:
-        importlib.import_module("triton")
+        return importlib.import_module("triton") is not None
     except ImportError:
         return False
-    return True
 
 
 class OffloadedExperts:
@@ -88,6 +87,8 @@ class OffloadedExperts:
             from .prefetch import LayerStreamer as DoubleBuffered
             self.control = DeviceControl.from_cache(cache, resizable=True)
             self.control.set_fill_fraction(self._control_fraction())
+            if env.fill_behind():
+                self.control.set_behind()
             # Rows of CPU pairs are never read from the device's output (the combine selects per
             # pair, kernels/triton/combine.py), so they are not zeroed. A call uses at most a
             # layer's experts (what a large call on 4-bit slots counts its rounds by).
@@ -208,11 +209,10 @@ class OffloadedExperts:
 
     @contextlib.contextmanager
     def beside_prefill(self):
-        """A decode step run between two layers of a whole-layer pass (the scheduler's decode
-        beside a prefill): its fills may evict experts the streamer's queued load left out as
-        cached, so, as for the seed (``_seed_cache``), the stream first waits for a load that
-        reads the pool, and afterwards the streamer re-reads the residency and puts back into its
-        buffer what the step evicted. Residency only: no output changes."""
+        """A decode step between two layers of a whole-layer pass (decode beside a prefill): its
+        fills may evict experts the streamer's queued load left out as cached, so, as for the seed,
+        the stream first waits for a load that reads the pool, and afterwards the streamer re-reads
+        the residency and puts back what the step evicted. Residency only: no output changes."""
         if self.control is None:
             yield
             return

@@ -1,0 +1,216 @@
+"""Fills behind the CPU (``kernels/triton/behind.py``, ``cache/behind.py``; Triton under
+TRITON_INTERPRET=1 on CPU): the plan kernel against its Python reference, the slices' bytes,
+residency only after the last slice, outputs unchanged, fewer misses, and every other writer of
+the residency releasing the reserved slot first."""
+from __future__ import annotations
+
+import interpret  # noqa: E402  (first: it turns the Triton interpreter on)
+
+interpret.require()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from freetoken_engine.cache.device_control import DeviceControl
+from freetoken_engine.cache.experts import ExpertCache
+from freetoken_engine.kernels.triton.behind import RESERVED, cpu_time_table
+from freetoken_engine.kernels.triton.moe import moe_slots_forward
+
+from control_cases import EXPERTS, H, K, LAYERS, bank as _bank, routing as _routing
+
+WORDS = (2 * 8 * H * 2 + H * 8 * 2) // 8        # one expert's w13 and w2 in 8-byte words (I = 8, bf16)
+
+
+def _plan_reference(st: dict, layer: int, counts: list[int], cpu_exp: list[int], cpu_time: list[float],
+                    safety: float) -> None:
+    """Steps 1-3 of the kernel's docstring on plain Python lists (``st``: state, slot_of (flat),
+    owner, last_used, clock)."""
+    owner, v, _, hi, copied, resident = st["state"]
+    now = st["clock"] - 1
+    if owner >= 0 and (hi >= WORDS or st["slot_of"][owner] >= 0):
+        if st["owner"][v] < 0 and st["slot_of"][owner] < 0:
+            st["slot_of"][owner], st["owner"][v], st["last_used"][v] = v, owner, now
+            resident += 1
+        elif st["owner"][v] < 0:
+            st["last_used"][v] = -1
+        owner = -1
+    budget = int(safety * max(cpu_time[counts[3]] - counts[2], 0.0) * WORDS)
+    if owner < 0 and counts[3] > 0 and budget > 0:
+        free = [(lu, s) for s, lu in enumerate(st["last_used"]) if lu < now]
+        if free:
+            v = min(free)[1]
+            if st["owner"][v] >= 0:
+                st["slot_of"][st["owner"][v]] = -1
+            st["owner"][v], st["last_used"][v] = -1, RESERVED
+            owner, hi = layer * EXPERTS + cpu_exp[0], 0
+    lo = hi
+    if owner >= 0:
+        hi = min(hi + budget, WORDS)
+    st["state"] = [owner, v, lo, hi, copied + hi - lo, resident]
+
+
+def _snapshot(ctl: DeviceControl) -> dict:
+    return {"state": ctl.behind.state.tolist(), "slot_of": ctl.slot_of.view(-1).tolist(),
+            "owner": ctl.slot_owner.tolist(), "last_used": ctl.last_used.tolist(), "clock": ctl.host_clock()}
+
+
+def _control(capacity: int, fill_fraction: float = 0.3, safety: float | None = 0.8, seed: int = 0, **cache):
+    bank = _bank(seed)
+    ctl = DeviceControl.from_cache(ExpertCache(bank, capacity, "cpu", fill_fraction=fill_fraction, **cache))
+    ctl.set_behind(safety)
+    return bank, ctl
+
+
+def test_plan_matches_its_reference_and_the_slot_is_resident_only_after_its_last_slice():
+    """Over 48 layer calls (12 experts, 10 slots, q* 0.3): the plan kernel leaves the state,
+    residency and clocks exactly as the reference; several copies start, take more than one
+    call, and each expert becomes resident only once its last slice is in, with its bank bytes."""
+    bank, ctl = _control(10)
+    g = torch.Generator().manual_seed(1)
+    cpu_time = ctl.behind.cpu_time.tolist()
+    started = completed = sliced_calls = 0
+    for step in range(16):
+        for layer in range(LAYERS):
+            ids = _routing(g, tokens=1 + step % 2, hot=9)
+            out = ctl.step(layer, ids, copy=False)
+            want = _snapshot(ctl)
+            _plan_reference(want, layer, out.step_counts.tolist(), out.cpu_exp.tolist(), cpu_time, 0.8)
+            prev = ctl.behind.state.tolist()
+            ctl.copy(layer, out)
+            got = _snapshot(ctl)
+            assert got == {**want, "clock": got["clock"]}, (step, layer)
+            owner, slot, lo, hi = got["state"][:4]
+            started += owner >= 0 and owner != prev[0]
+            if prev[0] >= 0 and owner != prev[0]:          # the copy before ended: in its slot if complete
+                completed += prev[3] == WORDS and ctl.slot_owner[prev[1]].item() == prev[0]
+            if owner >= 0:
+                sliced_calls += hi > lo
+                assert ctl.slot_owner[slot] < 0 and ctl.last_used[slot] == RESERVED   # not yet resident
+                flat13 = ctl.w13_slots[slot].reshape(-1).view(torch.int64)
+                src = torch.cat([bank.w13.view(-1, 2 * 8, H)[owner].reshape(-1).view(torch.int64),
+                                 bank.w2.view(-1, H, 8)[owner].reshape(-1).view(torch.int64)])
+                dst = torch.cat([flat13, ctl.w2_slots[slot].reshape(-1).view(torch.int64)])
+                assert torch.equal(dst[:hi], src[:hi])          # every word copied so far is the bank's
+    assert started >= 3 and completed >= 2 and sliced_calls > started    # copies span several calls
+    counted = ctl.behind.counters()
+    assert counted["made_resident"] == completed and counted["copied_words"] >= completed * WORDS
+    live = ctl.slot_owner >= 0
+    flat_w13, flat_w2 = bank.w13.view(-1, 2 * 8, H), bank.w2.view(-1, H, 8)
+    assert torch.equal(ctl.w13_slots[:10][live], flat_w13[ctl.slot_owner[live]])
+    assert torch.equal(ctl.w2_slots[:10][live], flat_w2[ctl.slot_owner[live]])
+
+
+def _run(ctl, bank, g, steps: int, hot: int) -> list[int]:
+    """Decode calls whose pairs on slots are computed from the pool and compared bit for bit with
+    the same kernel over the bank's own weights (a CPU pair's row is the bank's by construction);
+    returns the CPU pairs per step."""
+    cpu = []
+    for step in range(steps):
+        n = 0
+        for layer in range(LAYERS):
+            x = torch.randn(1, H, generator=g).to(torch.bfloat16)
+            ids = _routing(g, 1, hot)
+            out = ctl.step(layer, ids)
+            tok = torch.zeros(K, dtype=torch.int64)
+            on = out.pair_slot >= 0
+            rows = moe_slots_forward(x, ctl.w13_slots, ctl.w2_slots, tok, out.pair_slot)
+            assert torch.equal(rows[on], moe_slots_forward(x, bank.w13[layer], bank.w2[layer], tok[on],
+                                                           ids.reshape(-1)[on])), (step, layer)
+            n += int((~on).sum())
+        cpu.append(n)
+    return cpu
+
+
+def test_outputs_are_unchanged_and_recurring_experts_stop_going_to_the_cpu():
+    """Batch 1 over a routing that keeps coming back to 5 experts a layer, 16 slots, q* 0.1 (a
+    slow link: q* fills nothing of 4 misses): every pair computed from the pool equals the same
+    computation on the bank's weights bit for bit (a half-copied slot is never read), and the
+    idle PCIe time brings the recurring experts in, which the q* rule alone never does."""
+    runs = {}
+    for safety in (None, 1.0):
+        bank, ctl = _control(16, fill_fraction=0.1, safety=safety, seed=2)
+        runs[safety] = _run(ctl, bank, torch.Generator().manual_seed(4), steps=24, hot=5)
+    assert min(runs[None]) == 3 * K                           # every pair on the CPU, every step
+    assert sum(runs[1.0][12:]) < sum(runs[None][12:]) / 2, runs
+
+
+def test_other_writers_release_the_reserved_slot_first():
+    """A write-back to the host cache, a seed and a prefill's fills into empty slots each drop
+    the copy in flight: the slot is empty again (never left RESERVED for another writer), the
+    host cache stays consistent; a prefetch refuses to run beside fills behind the CPU."""
+    bank, ctl = _control(10)
+    cache = ExpertCache(bank, 10, "cpu", fill_fraction=0.3)
+    g = torch.Generator().manual_seed(1)
+
+    def start_a_copy():
+        for _ in range(30):
+            ctl.step(0, _routing(g, 2, 9))
+            if ctl.behind.counters()["owner"] >= 0:
+                return ctl.behind.state[1].item()
+        raise AssertionError("no copy started")
+
+    slot = start_a_copy()
+    ctl.write_back(cache)
+    assert ctl.behind.counters()["owner"] == -1 and ctl.last_used[slot] == -1
+    assert cache.last_used.max() < RESERVED
+    slot = start_a_copy()
+    ctl.seed(1, _routing(g, 1, 12), bank.w13[1], bank.w2[1])
+    assert ctl.behind.counters()["owner"] == -1 and ctl.last_used[slot] != RESERVED
+    with pytest.raises(ValueError, match="prefetch"):
+        ctl.prefetch(1, _routing(g, 1, 12))
+    ctl.set_behind(None)
+    assert ctl.behind is None and (ctl.last_used < RESERVED).all()
+
+
+def test_all_resident_restores_the_copy_in_flight():
+    """A graph warm-up's steps (``all_resident``) leave the background copy as it was."""
+    bank, ctl = _control(10)
+    g = torch.Generator().manual_seed(1)
+    while ctl.behind.counters()["owner"] < 0:
+        ctl.step(0, _routing(g, 2, 9))
+    before = ctl.behind.state.clone(), ctl.last_used.clone()
+    with ctl.all_resident():
+        for layer in range(LAYERS):
+            ctl.step(layer, _routing(g, 2, 12))
+    assert torch.equal(ctl.behind.state, before[0]) and torch.equal(ctl.last_used, before[1])
+
+
+def test_cpu_time_table_and_settings_are_checked():
+    """The budget's CPU time follows the q* rule's cost (n f / (1 - f) / speed(n)); bad settings
+    are refused with a clear error."""
+    t = cpu_time_table(0.5, 4, torch.device("cpu"), (1.0, 2.0)).tolist()
+    assert t == [0.0, 1.0, 1.0, 1.5, 2.0]
+    assert cpu_time_table(1.0, 3, torch.device("cpu")).tolist() == [0.0] * 4
+    with pytest.raises(ValueError, match="fill_fraction"):
+        cpu_time_table(1.5, 3, torch.device("cpu"))
+    _, ctl = _control(10)
+    with pytest.raises(ValueError, match="safety"):
+        ctl.set_behind(0.0)
+
+
+def test_the_engine_with_fills_behind_the_cpu_gives_the_same_tokens(tiny_checkpoint, monkeypatch):
+    """FREETOKEN_FILL_BEHIND=on in the engine's Triton path (a small cache, q* 0.2, so the CPU
+    takes most misses and PCIe idles): the tokens are the torch path's before and after a resize,
+    experts were made resident behind the CPU, and the host cache's books balance after a
+    write-back. The switch is refused beside the expert prefetch, and any value but on / off."""
+    from freetoken_engine import LLM, SamplingParams, env
+    prompt, greedy = [5, 17, 99, 200, 3, 44, 12, 300], SamplingParams(max_new_tokens=16, temperature=0, ignore_eos=True)
+    folder = tiny_checkpoint("qwen3_moe")
+    want = LLM(folder, expert_backend="torch").generate(prompt, greedy).token_ids
+    monkeypatch.setenv("FREETOKEN_FILL_BEHIND", "on")
+    llm = LLM(folder, expert_backend="triton", expert_cache_experts=6, cpu_expert_fraction=0.2)
+    assert llm.generate(prompt, greedy).token_ids == want
+    made = llm.runner.experts.control.behind.counters()["made_resident"]
+    assert made > 0
+    llm.runner.resize_expert_cache(8)
+    assert llm.generate(prompt, greedy).token_ids == want
+    llm.runner.experts.sync_stats()
+    llm.runner.cache.check_integrity(deep=True)
+    assert (llm.runner.cache.last_used < RESERVED).all()
+    monkeypatch.setenv("FREETOKEN_EXPERT_PREFETCH", "on")
+    with pytest.raises(ValueError, match="cannot run beside FREETOKEN_EXPERT_PREFETCH"):
+        env.validate()
+    monkeypatch.setenv("FREETOKEN_EXPERT_PREFETCH", "off")
+    monkeypatch.setenv("FREETOKEN_FILL_BEHIND", "yes")
+    with pytest.raises(ValueError, match="FREETOKEN_FILL_BEHIND must be on or off"):
+        env.validate()
