@@ -57,6 +57,8 @@ the same run (the engine reads its switches at start):
                 computes (DeviceControl.prefetch); "graphs+prefetch@P" (1, 0.9, 0.7): in every decode
                 call (=all), with a replayed routing, guesses of the next layer's traced experts
                 right with probability P (bench/routing_replay.py)
+  graphs+behind graphs with fills behind the CPU (FREETOKEN_FILL_BEHIND=on, cache/behind.py: each
+                decode call's idle PCIe time copies a slice of one CPU-computed expert into the cache)
   graphs/all-cpus  graphs with the CPU expert kernel on every CPU (FREETOKEN_CPU_EXPERT_THREADS =
                 the affinity set) instead of the GPU host's default of all but one
 
@@ -112,7 +114,7 @@ SIDES = {"eager/sync": ("off", False, "off", "on", "on"), "eager/branch": ("on",
          "graphs/moe-lanes-ab": ("on", True, "off", "on", "on"),
          "graphs+prefetch": ("on", True, "off", "on", "on"), "graphs+prefetch@1": ("on", True, "off", "on", "on"),
          "graphs+prefetch@0.9": ("on", True, "off", "on", "on"),
-         "graphs+prefetch@0.7": ("on", True, "off", "on", "on")}
+         "graphs+prefetch@0.7": ("on", True, "off", "on", "on"), "graphs+behind": ("on", True, "off", "on", "on")}
 #: sides with FREETOKEN_EXPERT_PREFETCH=on; "@P": with a replayed routing, guesses of the next
 #: layer's traced experts right with probability P (routing_replay.install_guesses); without "@",
 #: the next layer's own router on this layer's input (the engine's predictor: with a replayed
@@ -197,9 +199,8 @@ def run_sides(work: Path, fast: Path | None, args) -> tuple[int, list[dict], lis
     model, nbytes = bench_checkpoint(work, args.layers, fast, args.shape)
     print(f"checkpoint: {args.layers} layers, {nbytes / 1e9:.2f} GB in {time.perf_counter() - t0:.0f} s", flush=True)
     rows, failed = [], []
-    for side, (branch, _, stream, kernels, admission) in SIDES.items():
-        if side not in args.sides.split(","):
-            continue
+    for side in args.sides.split(","):          # in the order asked (A/B rounds swap it)
+        branch, _, stream, kernels, admission = SIDES[side]
         env = dict(os.environ, FREETOKEN_HOST_BRANCH=branch, FREETOKEN_STREAM_SPLIT=stream,
                    FREETOKEN_GPU_DECODE_KERNELS=kernels, FREETOKEN_FILL_ADMISSION=admission)
         if side in ALL_CPUS:
@@ -207,6 +208,7 @@ def run_sides(work: Path, fast: Path | None, args) -> tuple[int, list[dict], lis
         # "@P" sides prefetch in every decode call (as measured in run 4 of 2026-12-03, when "on"
         # meant that); the plain side has the engine's "on": calls of one sequence
         env["FREETOKEN_EXPERT_PREFETCH"] = ("all" if "@" in side else "on") if side in PREFETCH else "off"
+        env["FREETOKEN_FILL_BEHIND"] = "on" if side == "graphs+behind" else "off"
         cmd = [sys.executable, __file__, "--worker", side, "--model", str(model), "--fractions",
                args.fractions, "--batches", args.batches, "--steps", str(args.steps), "--device", args.device,
                "--splits", args.splits if side == "graphs" or side in AB_SIDES else "", "--routing", args.routing]
@@ -251,6 +253,9 @@ def main() -> None:
     ap.add_argument("--splits", default="", help="fill fractions to run beside the calibrated q* (graphs and A/B sides), "
                     "e.g. 0.3,0.45,0.6")
     args = ap.parse_args()
+    unknown = [side for side in args.sides.split(",") if side not in SIDES]
+    if unknown:
+        ap.error(f"unknown side(s) {', '.join(unknown)}; known: {', '.join(SIDES)}")
     fractions = [float(x) for x in args.fractions.split(",")]
     batches = [int(x) for x in args.batches.split(",")]
     if args.worker:

@@ -17,13 +17,14 @@
 #   scripts/gpu_issue7.sh gather   # the fill gather against the DMA over a grid of tiles (stop 68's
 #                                  # H100 host gathered at 30-34 GB/s beside a 53 GB/s DMA)
 #   scripts/gpu_issue7.sh engine   # the engine's decode with q* by call size against the flat rule
+#   scripts/gpu_issue7.sh engine-behind  # the engine's decode with fills behind the CPU against without
 #
 #   python bench/offload_merge.py --label L --previous R --note "..." run_30b.json run_36.json run_36_32.json
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder the results go to}"
-case "${1:-}" in 30b|36|36-32|grid|ab|behind|cpu|gather|engine) ;;
-  *) echo "usage: scripts/gpu_issue7.sh 30b|36|36-32|grid|ab|behind|cpu|gather|engine" >&2; exit 2 ;; esac
+case "${1:-}" in 30b|36|36-32|grid|ab|behind|cpu|gather|engine|engine-behind) ;;
+  *) echo "usage: scripts/gpu_issue7.sh 30b|36|36-32|grid|ab|behind|cpu|gather|engine|engine-behind" >&2; exit 2 ;; esac
 export PYTHONPATH="$PWD/engine:$PWD/tests:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt" || true
 PY=${PYTHON:-python}
@@ -46,10 +47,11 @@ case "${1:-}" in
        "$PY" bench/cpu_linear.py --label "GPU host" --rounds 3 --tokens 1,2,4,8 \
          --settings "default; linear_far_pf=0; linear_pair_tokens=1048576" --out "$OUT/cpu_linear_host.json" ;;
   gather) "$PY" bench/gather_probe.py --out "$OUT/gather_probe.json" ;;
-  engine) round=0
-          for sides in graphs,graphs/flat-speed graphs/flat-speed,graphs; do   # each order once
+  engine|engine-behind) round=0
+          other=$([ "$1" = engine ] && echo graphs/flat-speed || echo graphs+behind)
+          for sides in "graphs,$other" "$other,graphs"; do   # each order once
             round=$((round + 1))
             "$PY" bench/engine_gpu_decode.py --steps 32 --fractions 0.25,0.5 --sides "$sides" \
-              --out "$OUT/engine_speed_ab_round$round.json" | tail -10
+              --out "$OUT/${1}_ab_round$round.json" | tail -10
           done ;;
 esac
