@@ -175,6 +175,22 @@ def test_all_resident_restores_the_copy_in_flight():
     assert torch.equal(ctl.behind.state, before[0]) and torch.equal(ctl.last_used, before[1])
 
 
+def test_a_control_with_fills_behind_is_freed_with_its_last_reference():
+    """No reference cycle keeps a dropped control's pool alive until a garbage collection (on a
+    GPU the pool is gigabytes: the MoE bench's next row ran out of memory when one did)."""
+    import gc
+    import weakref
+    _, ctl = _control(10)
+    ctl.step(0, _routing(torch.Generator().manual_seed(1), 2, 9))
+    gone = weakref.ref(ctl)
+    gc.disable()
+    try:
+        del ctl
+        assert gone() is None
+    finally:
+        gc.enable()
+
+
 def test_cpu_time_table_and_settings_are_checked():
     """The budget's CPU time follows the q* rule's cost (n f / (1 - f) / speed(n)); bad settings
     are refused with a clear error."""

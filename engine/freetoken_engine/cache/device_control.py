@@ -117,7 +117,7 @@ class DeviceControl(PrefillFills):
         residency lives elsewhere. One sync. Call before ``cache.resize`` and before the cache's
         own ``step`` runs again. A fill behind the CPU in flight is dropped first."""
         if self.behind is not None:
-            self.behind.abandon()
+            self.behind.abandon(self)
         for name in ("slot_of", "slot_owner", "last_used", "last_active"):
             dst = getattr(cache, name)
             if dst.data_ptr() != getattr(self, name).data_ptr():
@@ -137,13 +137,13 @@ class DeviceControl(PrefillFills):
         if self.stream is not None:
             self.stream = dataclasses.replace(self.stream, share=fill_fraction)
         if self.behind is not None:
-            self.behind.rates_changed()
+            self.behind.rates_changed(self)
 
     def set_behind(self, safety: float | None = BEHIND_SAFETY) -> None:
         """Fills behind the CPU (``cache/behind.py``) with slices of ``safety`` of each call's idle
         PCIe time, or off (``None``; a copy in flight is dropped). Not with ``prefetch``."""
         if self.behind is not None:
-            self.behind.abandon()
+            self.behind.abandon(self)
         self.behind = None if safety is None else FillBehind(self, safety)
 
     def set_stream(self, max_streamed: int | None, granule: int = 64, floor_fills: bool = False,
@@ -256,7 +256,7 @@ class DeviceControl(PrefillFills):
         self.wait_prefetched()
         self._gather_fills(layer, out)
         if self.behind is not None:
-            self.behind.after_fills(layer, out)
+            self.behind.after_fills(self, layer, out)
         if self.stream is not None:
             stream_rows_copy(self.bank_w13, self.bank_w2, *self.scratch, layer, out.cpu_exp, out.stream_rows,
                              stage=self.stream.stage)
