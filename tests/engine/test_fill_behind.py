@@ -22,7 +22,7 @@ WORDS = (2 * 8 * H * 2 + H * 8 * 2) // 8        # one expert's w13 and w2 in 8-b
 
 
 def _plan_reference(st: dict, layer: int, counts: list[int], cpu_exp: list[int], cpu_time: list[float],
-                    safety: float) -> None:
+                    safety: float, window: int = 0) -> None:
     """Steps 1-3 of the kernel's docstring on plain Python lists (``st``: state, slot_of (flat),
     owner, last_used, clock)."""
     owner, v, _, hi, copied, resident = st["state"]
@@ -36,7 +36,7 @@ def _plan_reference(st: dict, layer: int, counts: list[int], cpu_exp: list[int],
         owner = -1
     budget = int(safety * max(cpu_time[counts[3]] - counts[2], 0.0) * WORDS)
     if owner < 0 and counts[3] > 0 and budget > 0:
-        free = [(lu, s) for s, lu in enumerate(st["last_used"]) if lu < now]
+        free = [(lu, s) for s, lu in enumerate(st["last_used"]) if lu < now and (window <= 0 or lu < now - window)]
         if free:
             v = min(free)[1]
             if st["owner"][v] >= 0:
@@ -61,11 +61,15 @@ def _control(capacity: int, fill_fraction: float = 0.3, safety: float | None = 0
     return bank, ctl
 
 
-def test_plan_matches_its_reference_and_the_slot_is_resident_only_after_its_last_slice():
+@pytest.mark.parametrize("admit", [0, LAYERS], ids=["lru", "admission"])
+def test_plan_matches_its_reference_and_the_slot_is_resident_only_after_its_last_slice(admit):
     """Over 48 layer calls (12 experts, 10 slots, q* 0.3): the plan kernel leaves the state,
     residency and clocks exactly as the reference; several copies start, take more than one
-    call, and each expert becomes resident only once its last slice is in, with its bank bytes."""
-    bank, ctl = _control(10)
+    call, and each expert becomes resident only once its last slice is in, with its bank bytes.
+    With fill admission (the engine's window: a step's calls) a copy takes only a slot idle that
+    long, as the control step's fills do."""
+    bank, ctl = _control(10, admit_window=admit)
+    assert ctl.window == admit
     g = torch.Generator().manual_seed(1)
     cpu_time = ctl.behind.cpu_time.tolist()
     started = completed = sliced_calls = 0
@@ -74,7 +78,7 @@ def test_plan_matches_its_reference_and_the_slot_is_resident_only_after_its_last
             ids = _routing(g, tokens=1 + step % 2, hot=9)
             out = ctl.step(layer, ids, copy=False)
             want = _snapshot(ctl)
-            _plan_reference(want, layer, out.step_counts.tolist(), out.cpu_exp.tolist(), cpu_time, 0.8)
+            _plan_reference(want, layer, out.step_counts.tolist(), out.cpu_exp.tolist(), cpu_time, 0.8, ctl.window)
             prev = ctl.behind.state.tolist()
             ctl.copy(layer, out)
             got = _snapshot(ctl)
@@ -205,7 +209,7 @@ def test_cpu_time_table_and_settings_are_checked():
 
 
 def test_the_engine_with_fills_behind_the_cpu_gives_the_same_tokens(tiny_checkpoint, monkeypatch):
-    """FREETOKEN_FILL_BEHIND=on in the engine's Triton path (a small cache, q* 0.2, so the CPU
+    """FREETOKEN_FILL_BEHIND=on in the engine's Triton path (12 of 16 experts cached, q* 0.2, so the CPU
     takes most misses and PCIe idles): the tokens are the torch path's before and after a resize,
     experts were made resident behind the CPU, and the host cache's books balance after a
     write-back. The switch is refused beside the expert prefetch, and any value but on / off."""
@@ -214,7 +218,7 @@ def test_the_engine_with_fills_behind_the_cpu_gives_the_same_tokens(tiny_checkpo
     folder = tiny_checkpoint("qwen3_moe")
     want = LLM(folder, expert_backend="torch").generate(prompt, greedy).token_ids
     monkeypatch.setenv("FREETOKEN_FILL_BEHIND", "on")
-    llm = LLM(folder, expert_backend="triton", expert_cache_experts=6, cpu_expert_fraction=0.2)
+    llm = LLM(folder, expert_backend="triton", expert_cache_experts=12, cpu_expert_fraction=0.8)
     assert llm.generate(prompt, greedy).token_ids == want
     made = llm.runner.experts.control.behind.counters()["made_resident"]
     assert made > 0

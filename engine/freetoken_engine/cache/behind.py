@@ -37,7 +37,7 @@ class FillBehind:
         if out.pair_slot.numel() >= ctl.slot_owner.numel():
             return
         behind_plan(self.state, layer, out.step_counts, out.cpu_exp, self.cpu_time, ctl.slot_of, ctl.slot_owner,
-                    ctl.last_used, ctl.clock, self.words, self.safety, ctl.max_slots)
+                    ctl.last_used, ctl.clock, self.words, self.safety, ctl.max_slots, ctl.window)
         behind_copy(ctl.bank_w13, ctl.bank_w2, ctl.w13_slots, ctl.w2_slots, self.state)
 
     def abandon(self, ctl) -> None:

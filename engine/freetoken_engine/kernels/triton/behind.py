@@ -18,7 +18,9 @@ idle, slot, lo, hi; then two counters: words copied, experts made resident):
    released (empty, ``last_used`` -1). Either way the copy is then idle.
 2. Start: when idle and the call left c > 0 misses to the CPU with a budget (below) > 0, reserve
    the least recently used slot not used by this call (key ``(last_used + 1) << 20 | slot``, as
-   the control step orders victims): its old owner loses residency, the slot gets owner -1 and
+   the control step orders victims) and, with a fill admission window w > 0, unused for more than
+   w calls, as the control step's own fills need (none such: no copy starts; H100 run 4 of stop
+   70 without it: at 16 GB the copies evicted experts as useful as the ones they brought): its old owner loses residency, the slot gets owner -1 and
    ``last_used`` = ``RESERVED`` (above every clock, so no control step picks it as a victim while
    another slot is left), and the copy's owner is the call's first CPU expert (``cpu_exp[0]``).
 3. Slice: the call's budget is ``floor(safety * max(0, cpu_time[c] - q) * W)`` words, with q
@@ -52,7 +54,7 @@ SAFETY = 0.8
 
 @triton.jit(do_not_specialize=["S", "layer"])
 def _plan_kernel(state_ptr, counts_ptr, cpu_exp_ptr, cpu_time_ptr, slot_of_ptr, owner_ptr, last_used_ptr,
-                 clock_ptr, layer, E, S, W, safety, RESERVED_LU: tl.constexpr, SLOT_BITS: tl.constexpr,
+                 clock_ptr, layer, E, S, W, safety, window, RESERVED_LU: tl.constexpr, SLOT_BITS: tl.constexpr,
                  BLOCK_S: tl.constexpr):
     owner = tl.load(state_ptr)
     v = tl.load(state_ptr + 1)
@@ -78,7 +80,8 @@ def _plan_kernel(state_ptr, counts_ptr, cpu_exp_ptr, cpu_time_ptr, slot_of_ptr, 
     if (owner < 0) & (n_cpu > 0) & (budget > 0):  # 2. start
         s = tl.arange(0, BLOCK_S)
         lu = tl.load(last_used_ptr + s, mask=s < S, other=0)
-        key = tl.where((s < S) & (lu < now), ((lu + 1) << SLOT_BITS) | s, 0x7FFFFFFFFFFFFFFF)
+        idle = (lu < now) & ((window <= 0) | (lu < now - window))      # the fills' admission rule
+        key = tl.where((s < S) & idle, ((lu + 1) << SLOT_BITS) | s, 0x7FFFFFFFFFFFFFFF)
         best = tl.min(key, 0)
         if best != 0x7FFFFFFFFFFFFFFF:
             v = best & ((1 << SLOT_BITS) - 1)
@@ -142,11 +145,13 @@ def new_state(device: torch.device) -> torch.Tensor:
 
 def behind_plan(state: torch.Tensor, layer: int, step_counts: torch.Tensor, cpu_exp: torch.Tensor,
                 cpu_time: torch.Tensor, slot_of: torch.Tensor, slot_owner: torch.Tensor, last_used: torch.Tensor,
-                clock: torch.Tensor, words: int, safety: float = SAFETY, block_slots: int | None = None) -> None:
+                clock: torch.Tensor, words: int, safety: float = SAFETY, block_slots: int | None = None,
+                window: int = 0) -> None:
     """Steps 1-3 of the module docstring for the call of ``layer`` whose control step wrote
     ``step_counts`` [4] and ``cpu_exp``; mutates ``state``, ``slot_of``, ``slot_owner`` and
     ``last_used`` in place. ``words``: an expert's 8-byte words (w13 and w2). ``block_slots``: as
-    ``control_step``'s (a resized pool compiles nothing). Raises ValueError on bad tensors."""
+    ``control_step``'s (a resized pool compiles nothing). ``window``: the fill admission window
+    (0: none). Raises ValueError on bad tensors."""
     dev = slot_of.device
     check_tensor("slot_of", slot_of, 2, (torch.int32, torch.int64), dev)
     check_contiguous("slot_of", slot_of)
@@ -165,7 +170,7 @@ def behind_plan(state: torch.Tensor, layer: int, step_counts: torch.Tensor, cpu_
     if words <= 0 or not 0.0 <= safety <= 1.0 or (block_slots is not None and block_slots < slots):
         raise ValueError(f"need words > 0, safety in [0, 1] and block_slots >= {slots}")
     _plan_kernel[(1,)](state, step_counts, cpu_exp, cpu_time, slot_of, slot_owner, last_used, clock, layer,
-                       experts, slots, words, float(safety), RESERVED_LU=RESERVED, SLOT_BITS=_SLOT_BITS,
+                       experts, slots, words, float(safety), int(window), RESERVED_LU=RESERVED, SLOT_BITS=_SLOT_BITS,
                        BLOCK_S=next_pow2(block_slots or slots), num_warps=4)
 
 
