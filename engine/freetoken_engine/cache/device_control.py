@@ -226,9 +226,9 @@ class DeviceControl(PrefillFills):
         history, the clock unchanged) on the current stream, then its copies on a copy stream of
         their own, so they cross PCIe while the current layer computes. The layer's real step then
         finds the right guesses resident. Call after the running layer's control step (and
-        its copies: they go first); one prefetch outstanding at a time; not with ``set_behind``. The guessed layer's
-        ``step`` counts these fills against its share, and its experts wait for the copies
-        (``wait_prefetched``). No host sync."""
+        its copies: they go first); one prefetch outstanding at a time; not with ``set_behind``.
+        The guessed layer's ``step`` counts these fills against its share, and its experts wait
+        for the copies (``wait_prefetched``). No host sync."""
         if self.behind is not None:
             raise ValueError("a prefetch cannot run beside fills behind the CPU (set_behind(None) first)")
         out = self.guessed.outputs(topk_ids.numel(), self.slot_of.shape[1], self.slot_owner.numel())

@@ -19,10 +19,11 @@ idle, slot, lo, hi; then two counters: words copied, experts made resident):
 2. Start: when idle and the call left c > 0 misses to the CPU with a budget (below) > 0, reserve
    the least recently used slot not used by this call (key ``(last_used + 1) << 20 | slot``, as
    the control step orders victims) and, with a fill admission window w > 0, unused for more than
-   w calls, as the control step's own fills need (none such: no copy starts; H100 run 4 of stop
-   70 without it: at 16 GB the copies evicted experts as useful as the ones they brought): its old owner loses residency, the slot gets owner -1 and
-   ``last_used`` = ``RESERVED`` (above every clock, so no control step picks it as a victim while
-   another slot is left), and the copy's owner is the call's first CPU expert (``cpu_exp[0]``).
+   w calls, as the control step's own fills need (none such: no copy starts; without that rule,
+   H100 run 4 of stop 70, the copies at 16 GB evicted experts as useful as the ones they
+   brought). Its old owner loses residency, the slot gets owner -1 and ``last_used`` =
+   ``RESERVED`` (above every clock, so no control step picks it as a victim while another slot
+   is left), and the copy's owner is the call's first CPU expert (``cpu_exp[0]``).
 3. Slice: the call's budget is ``floor(safety * max(0, cpu_time[c] - q) * W)`` words, with q
    the call's fills (bypass rows included) and ``cpu_time[c]`` the CPU's time for c experts in
    units of one expert's fill (``c * f / (1 - f) / speed(c)``, the q* rule's own cost: see
