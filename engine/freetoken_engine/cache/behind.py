@@ -1,16 +1,16 @@
 """Fills behind the CPU for ``DeviceControl`` (kernels and rules: ``kernels/triton/behind.py``).
 
-``FillBehind`` keeps one background copy's state on the device and queues, after each decode
-call's fill gather, the plan and the slice copy. It owns the reserved slot's bookkeeping: any
-other writer of the pool's residency (a seed, a prefill's fills into empty slots, a write-back
-to the host cache, a rebind after a resize) first calls ``abandon``, which releases the slot in
-stream order without a host sync.
+``FillBehind`` keeps one background copy's state and its staging row (one expert) on the device
+and queues, after each decode call's fill gather, the plan and the copy. The residency changes
+only inside the plan, in stream order with the control steps, so the other writers of it need not
+know of the copy; a graph warm-up's steps (``DeviceControl.all_resident``) pause it.
 """
 from __future__ import annotations
 
 import torch
 
-from ..kernels.triton.behind import SAFETY, behind_copy, behind_plan, cpu_time_table, expert_words, new_state
+from ..kernels.triton.behind import (COPIED, OWNER, RESIDENT, SAFETY, behind_copy, behind_plan, cpu_time_table,
+                                     expert_words, new_state)
 
 
 class FillBehind:
@@ -24,6 +24,8 @@ class FillBehind:
         self.safety = safety
         self.words = expert_words(ctl.bank_w13, ctl.bank_w2)
         self.state = new_state(ctl.device)
+        self.staging = (torch.empty(ctl.w13_slots.shape[1:], dtype=ctl.w13_slots.dtype, device=ctl.device),
+                        torch.empty(ctl.w2_slots.shape[1:], dtype=ctl.w2_slots.dtype, device=ctl.device))
         self.rates_changed(ctl)
 
     def rates_changed(self, ctl) -> None:
@@ -31,27 +33,21 @@ class FillBehind:
         self.cpu_time = cpu_time_table(ctl.fill_fraction, ctl.slot_of.shape[1], ctl.device, ctl.cpu_speed)
 
     def after_fills(self, ctl, layer: int, out) -> None:
-        """Queue the plan and the slice copy of the call whose control step wrote ``out`` (after
-        its fill gather, on the same stream). A call of as many pairs as the pool has slots
-        plans nothing: the control step could then need the reserved slot as a victim."""
-        if out.pair_slot.numel() >= ctl.slot_owner.numel():
-            return
+        """Queue the plan and the copy of the call whose control step wrote ``out`` (after its fill
+        gather, on the same stream)."""
         behind_plan(self.state, layer, out.step_counts, out.cpu_exp, self.cpu_time, ctl.slot_of, ctl.slot_owner,
                     ctl.last_used, ctl.clock, self.words, self.safety, ctl.max_slots, ctl.window)
-        behind_copy(ctl.bank_w13, ctl.bank_w2, ctl.w13_slots, ctl.w2_slots, self.state)
+        behind_copy(ctl.bank_w13, ctl.bank_w2, self.staging, ctl.w13_slots, ctl.w2_slots, self.state)
 
-    def abandon(self, ctl) -> None:
-        """Drop the copy in flight, if any: its reserved slot becomes empty (``last_used`` -1).
-        In stream order, no host sync."""
-        slot = self.state[1:2].clamp(0, ctl.slot_owner.numel() - 1)
-        reserved = (self.state[0:1] >= 0) & (ctl.slot_owner.index_select(0, slot) < 0)
-        ctl.last_used.index_copy_(0, slot, torch.where(reserved, -1, ctl.last_used.index_select(0, slot)))
-        self.state[:4].copy_(new_state(ctl.device)[:4])      # the counters go on
+    def pause(self) -> None:
+        """Drop the copy in flight (its staged words are forgotten); the counters go on. In stream
+        order, no host sync."""
+        self.state[OWNER] = -1
 
     def counters(self) -> dict[str, int]:
-        """One sync: the copy in flight (owner = layer * E + expert, -1 when idle; its slot; the
-        words of ``words`` it has copied) and, since construction, the words copied behind the
-        CPU and the experts they made resident."""
-        owner, slot, _, done, copied, resident = (int(v) for v in self.state.tolist())
-        return {"owner": owner, "slot": slot, "done": done if owner >= 0 else 0, "words": self.words,
-                "copied_words": copied, "made_resident": resident}
+        """One sync: the copy in flight (owner = layer * E + expert, -1 when idle; the words of
+        ``words`` it has staged) and, since construction, the words copied behind the CPU and the
+        experts they made resident."""
+        st = self.state.tolist()
+        return {"owner": st[OWNER], "done": st[3] if st[OWNER] >= 0 else 0, "words": self.words,
+                "copied_words": st[COPIED], "made_resident": st[RESIDENT]}

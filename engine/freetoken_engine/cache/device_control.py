@@ -108,16 +108,12 @@ class DeviceControl(PrefillFills):
                    self.last_active)       # the routing history outlives the pool
         self.cpu_speed = check_speed(cache.cpu_speed)
         self.set_fill_fraction(float(cache.fill_fraction))
-        if self.behind is not None:
-            self.set_behind(self.behind.safety)      # a new pool: no copy in flight
 
     def write_back(self, cache) -> None:
         """At a safe point: hand the device clock and the counters since the last write-back to
         the cache (``cache.clock``, ``cache.stats``), and copy device mirrors into a cache whose
         residency lives elsewhere. One sync. Call before ``cache.resize`` and before the cache's
-        own ``step`` runs again. A fill behind the CPU in flight is dropped first."""
-        if self.behind is not None:
-            self.behind.abandon(self)
+        own ``step`` runs again."""
         for name in ("slot_of", "slot_owner", "last_used", "last_active"):
             dst = getattr(cache, name)
             if dst.data_ptr() != getattr(self, name).data_ptr():
@@ -141,9 +137,8 @@ class DeviceControl(PrefillFills):
 
     def set_behind(self, safety: float | None = BEHIND_SAFETY) -> None:
         """Fills behind the CPU (``cache/behind.py``) with slices of ``safety`` of each call's idle
-        PCIe time, or off (``None``; a copy in flight is dropped). Not with ``prefetch``."""
-        if self.behind is not None:
-            self.behind.abandon(self)
+        PCIe time (its staging row: one expert's bytes of device memory), or off (``None``; a
+        copy in flight is dropped). Not with ``prefetch``."""
         self.behind = None if safety is None else FillBehind(self, safety)
 
     def set_stream(self, max_streamed: int | None, granule: int = 64, floor_fills: bool = False,
@@ -337,6 +332,8 @@ class DeviceControl(PrefillFills):
         state = (self.slot_of, self.slot_owner, self.last_used, self.clock, self.totals, self.last_active,
                  *((self.behind.state,) if self.behind is not None else ()))
         saved = [t.clone() for t in state]
+        if self.behind is not None:
+            self.behind.pause()     # its completion would copy its staged expert into a real slot
         n_slots, n_experts = self.slot_owner.numel(), self.slot_of.numel()
         self.slot_of.copy_((torch.arange(n_experts, device=self.device) % n_slots).view_as(self.slot_of))
         slots = torch.arange(n_slots, device=self.device)

@@ -21,8 +21,6 @@ class PrefillFills:
         running decode keeps its experts), whose copies run device to device. The counters are
         left as they were (a seed is not a decode miss). Returns how many experts were copied
         (one host sync)."""
-        if self.behind is not None:
-            self.behind.abandon(self)
         if self._seed_table is None:
             self._seed_table = fill_table(1.0, self.slot_of.shape[1], self.device)
         # Each control step advances the clock, the seeds' too; the admission window is widened
@@ -54,8 +52,6 @@ class PrefillFills:
         (one host sync while empty slots remain; none after)."""
         if self._full or self._host_state:
             return 0
-        if self.behind is not None:
-            self.behind.abandon(self)
         n_layers, n_exp = self.slot_of.shape
         lru = self.slot_owner.numel()
         share = n_exp if lru >= n_layers * n_exp else lru // n_layers
