@@ -18,7 +18,8 @@ of one step, 8 bypass slots) for these rules:
   goes to copying, a slice a call, one of the misses the CPU computed into the cache (the newest
   when the copy starts; admissible victims only). The slices fit the calls' idle PCIe time, so
   the calls' times are recurring-first's, and an expert counts as cached once its last slice is
-  in. Not built in the engine: this asks what it would gain.
+  in (its victim taken then). Built since stop 70 (``freetoken_engine/kernels/triton/behind.py``,
+  opt-in ``FREETOKEN_FILL_BEHIND``, the GPU bench's ``lru+q*/behind``; docs/gpu.md).
 
 Time model per layer call: max(fills x expert bytes / B_pcie, CPU experts x expert bytes /
 B_cpu), the two sides at the rates measured beside each other on the H200 (run P: 48.5 and
