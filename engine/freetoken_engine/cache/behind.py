@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.triton.behind import (COPIED, OWNER, RESIDENT, SAFETY, behind_copy, behind_plan, cpu_time_table,
-                                     expert_words, new_state)
+from ..kernels.triton.behind import (COPIED, HI, OWNER, RESIDENT, SAFETY, behind_copy, behind_plan,
+                                     cpu_time_table, expert_words, new_state)
 
 
 class FillBehind:
@@ -49,5 +49,5 @@ class FillBehind:
         ``words`` it has staged) and, since construction, the words copied behind the CPU and the
         experts they made resident."""
         st = self.state.tolist()
-        return {"owner": st[OWNER], "done": st[3] if st[OWNER] >= 0 else 0, "words": self.words,
+        return {"owner": st[OWNER], "done": st[HI] if st[OWNER] >= 0 else 0, "words": self.words,
                 "copied_words": st[COPIED], "made_resident": st[RESIDENT]}
