@@ -27,9 +27,10 @@ CXX = "CXX"
 #: well the next router guesses in a real model is not measured here (docs/gpu.md).
 FREETOKEN_EXPERT_PREFETCH = "FREETOKEN_EXPERT_PREFETCH"
 #: Fills behind the CPU in decode on a GPU (cache/behind.py): "on" (each layer call's idle PCIe
-#: time, while the CPU computes its share of the misses, copies a slice of one CPU-computed expert
-#: into a reserved slot; resident after its last slice) or "off" (the default, until a GPU A/B
-#: shows the gain: docs/gpu.md). Not with FREETOKEN_EXPERT_PREFETCH.
+#: time, while the CPU computes its share of the misses, stages a slice of one CPU-computed expert
+#: on the device; resident once every word is in) or "off" (the default: on the H100 hosts
+#: measured the copies slowed the CPU kernel about as much as they saved, docs/gpu.md). Not with
+#: FREETOKEN_EXPERT_PREFETCH.
 FREETOKEN_FILL_BEHIND = "FREETOKEN_FILL_BEHIND"
 #: Decode's CPU branch without a per-layer sync (cache/host_branch.py): "on", "off", or "auto"
 #: (the default: on; "off" keeps the per-layer-sync path, for A/B measurements).
