@@ -7,8 +7,10 @@
 #   scripts/gpu_issue7.sh 36       # Qwen3.6-35B-A3B: all resident, the three policies at 8/16 GB
 #   scripts/gpu_issue7.sh 36-32    # Qwen3.6 at 32 GB alone (with the 64.4 GB all-resident pool it
 #                                  # runs out of an 80 GB card's memory; an H200 could run it in `36`)
-#   scripts/gpu_issue7.sh grid     # 30b, then 36 and 36-32 in one call (about 510 s on an H100: for a
-#                                  # session's last device minutes; each JSON is saved row by row)
+#   scripts/gpu_issue7.sh grid     # 30b, then 36-32 and 36 in one call (about 510 s on an H100, more on a
+#                                  # host whose gather is slow: stop 70's ran out of time in 36's last
+#                                  # block; the 32 GB rows, the 1.5x target's, come before it; each
+#                                  # JSON is saved row by row)
 #   scripts/gpu_issue7.sh ab       # both models, 8/16/32 GB: lru+q* against lru+q*/flat, then lru+q* once
 #                                  # more (lru+q*/again: the rows' own noise band; about 400 s)
 #   scripts/gpu_issue7.sh behind   # both models, 8/16/32 GB: lru+q* against lru+q*/behind (fills behind the
@@ -37,7 +39,7 @@ case "${1:-}" in
         "${decode[@]}" --out "$OUT/run_36.json" ;;
   36-32) "$PY" bench/gpu_offload.py --models qwen3.6-35b-a3b --budgets 32 --policies "$policies" \
            "${decode[@]}" --out "$OUT/run_36_32.json" ;;
-  grid) for part in 30b 36 36-32; do bash "$0" "$part"; done ;;
+  grid) for part in 30b 36-32 36; do bash "$0" "$part"; done ;;
   ab|behind) side=$([ "$1" = ab ] && echo flat || echo behind)
       for m in qwen3-30b-a3b qwen3.6-35b-a3b; do
         "$PY" bench/gpu_offload.py --models "$m" --budgets 8,16,32 --policies "lru+q*,lru+q*/$side,lru+q*/again" \
