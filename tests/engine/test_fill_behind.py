@@ -13,7 +13,7 @@ import torch  # noqa: E402
 
 from freetoken_engine.cache.device_control import DeviceControl
 from freetoken_engine.cache.experts import ExpertCache
-from freetoken_engine.kernels.triton.behind import cpu_time_table
+from freetoken_engine.kernels.triton.behind import FINALIZE, cpu_time_table
 from freetoken_engine.kernels.triton.moe import moe_slots_forward
 
 from control_cases import EXPERTS, H, K, LAYERS, bank as _bank, routing as _routing
@@ -182,9 +182,10 @@ def test_all_resident_pauses_the_copy_and_restores_it():
         assert ctl.behind.counters()["owner"] == -1
         for layer in range(LAYERS):
             ctl.step(layer, _routing(g, 2, 12))
-        assert ctl.behind.state[6] == 0
+        assert ctl.behind.state[FINALIZE] == 0
     assert torch.equal(ctl.behind.state, before[0]) and torch.equal(ctl.last_used, before[1])
-    assert torch.equal(ctl.w13_slots, before[2])
+    # compared as bytes: rows never filled hold whatever memory held, NaNs included
+    assert torch.equal(ctl.w13_slots.view(torch.int16), before[2].view(torch.int16))
 
 
 def test_a_control_with_fills_behind_is_freed_with_its_last_reference():
