@@ -37,9 +37,9 @@ Sides, every one in the same run, for expert-cache budgets that emulate 8/16/32 
   lru+q*/flat   (d) with q* from the 1-expert CPU rate for every call size (the rule before
                 2026-12-06); (d) itself takes the CPU's rate by experts per call, measured in the
                 run beside 1-fill launches (freetoken_engine/kernels/split.py)
-  lru+q*/behind  (d) with fills behind the CPU: each call's idle PCIe time copies a slice of one
-                CPU-computed expert into a reserved slot, resident after its last slice
-                (freetoken_engine/cache/behind.py); its copied bytes count as misses in the bound
+  lru+q*/behind  (d) with fills behind the CPU: each call's idle PCIe time stages a slice of one
+                CPU-computed expert on the device, which takes an idle LRU slot once every word is
+                in (freetoken_engine/cache/behind.py); its copied bytes count as misses in the bound
   lru+q*/again  (d) once more, after the A/B rows: the same work, so (d) / (d) again is the
                 row's run-to-run noise, the band an A/B ratio must leave to mean anything
   (d) and its A/B sides swap their order from one budget (and routing-batch block) to the next,

@@ -26,7 +26,6 @@ from freetoken_engine.env import BYPASS_SLOTS_DEFAULT
 from freetoken_engine.kernels.cpu_branch import CpuBranch
 from freetoken_engine.kernels.triton.control_outputs import ControlOutputs
 from freetoken_engine.kernels.triton import handshake
-from freetoken_engine.kernels.triton.behind import SAFETY
 from freetoken_engine.kernels.triton.moe import moe_slots_forward
 
 
@@ -294,7 +293,7 @@ def decode_row(bank: Bank, policy: str, slots: int, ids: torch.Tensor, warm: int
         if static_graph:
             _resident_layers(ctl, n_gpu, E, st.k)
         if policy.endswith("/behind"):          # fills behind the CPU (freetoken_engine/cache/behind.py)
-            ctl.set_behind(SAFETY)
+            ctl.set_behind()
         if split:
             ctl.set_stream(min(st.P, E), floor_fills=split in ("+sf", "+stf"), stage=split in ("+st", "+stf"))
         if policy == "lru":

@@ -44,6 +44,11 @@ def _key(r: dict) -> str:
     return f"{r['model']} {r['routing']} b{r['batch']}{budget}"
 
 
+def _geomean(values) -> float:
+    values = list(values)
+    return round(math.prod(values) ** (1 / len(values)), 3)
+
+
 def targets(rows: list[dict]) -> dict:
     """The issue's decode targets from a run's rows (see the module docstring)."""
     by = {(_key(r), r["policy"]): r for r in rows if "error" not in r}
@@ -86,11 +91,9 @@ def targets(rows: list[dict]) -> dict:
     fr = out["decode_lru_q_fraction_of_bound"]
     out["decode_rows_at_or_above_0.85"] = f"{sum(v >= 0.85 for v in fr.values())} of {len(fr)}"
     if out["decode_speed_curve_vs_flat"]:
-        ab = list(out["decode_speed_curve_vs_flat"].values())
-        out["decode_speed_curve_vs_flat_geomean"] = round(math.prod(ab) ** (1 / len(ab)), 3)
+        out["decode_speed_curve_vs_flat_geomean"] = _geomean(out["decode_speed_curve_vs_flat"].values())
     if out["decode_behind_over_lru_q"]:
-        ab = [v["tok_s"] for v in out["decode_behind_over_lru_q"].values()]
-        out["decode_behind_over_lru_q_geomean"] = round(math.prod(ab) ** (1 / len(ab)), 3)
+        out["decode_behind_over_lru_q_geomean"] = _geomean(v["tok_s"] for v in out["decode_behind_over_lru_q"].values())
     if out["decode_repeat_vs_first"]:
         again = out["decode_repeat_vs_first"].values()
         out["decode_repeat_vs_first_range"] = [min(again), max(again)]
