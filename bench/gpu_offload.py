@@ -218,6 +218,7 @@ def main() -> None:
     ap.add_argument("--decode-scale", type=int, default=1,
                     help="warm-up and timed decode tokens times this (a policy's cache further from the pre-fill)")
     ap.add_argument("--no-prefill", action="store_true", help="skip the prefill rows")
+    ap.add_argument("--no-decode", action="store_true", help="skip the decode rows (a prefill run)")
     ap.add_argument("--check", action="store_true", help="run --quick's exactness check of the decode paths too")
     ap.add_argument("--no-tune", action="store_true", help="keep the default decode tiles")
     ap.add_argument("--tune-gather", action="store_true",
@@ -283,7 +284,7 @@ def main() -> None:
         tokens = {1: (6, 8) if args.quick else (12, 16), 4: (4, 4) if args.quick else (6, 8)}
         tokens = {b: (w * args.decode_scale, n * args.decode_scale) for b, (w, n) in tokens.items()}
         block = 0                   # (routing, batch) blocks so far: the A/B sides' order alternates
-        for routing in args.routings.split(","):
+        for routing in [] if args.no_decode else args.routings.split(","):
             for batch in (1, 4):
                 warm, meas = tokens[batch]
                 # the first n_fill tokens only fill the LRU caches (offload_decode._fill_cache)
@@ -328,10 +329,11 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     models = list(result["bandwidth"])
-    panels = len(models) + bool(result["prefill"])
+    decoded = [name for name in models if any(r["model"] == name for r in result["decode"])]
+    panels = len(decoded) + bool(result["prefill"])
     fig, axes = plt.subplots(1, panels, figsize=(7 * panels, 4.8), squeeze=False)
     axes = list(axes[0])
-    for ax, name in zip(axes, models):
+    for ax, name in zip(axes, decoded):
         rows = [r for r in result["decode"] if r["model"] == name and r["policy"] != "all"]
         groups = sorted({(r["routing"], r["batch"], r["budget_gib"]) for r in rows})
         policies = list(dict.fromkeys(r["policy"] for r in rows))

@@ -4,7 +4,9 @@ A full decode run of both models does not fit in one 10-minute call on the GPU m
 model runs in its own call (``gpu_offload.py --models M --no-prefill --out runM.json``) and this
 script makes their rows the file's decode rows: the rows they replace move, with their bandwidths,
 checks, control-step timings and targets, to ``decode_split_runs[<previous label>]``; the prefill rows
-stay. The targets of the fast-path issue are recomputed from the new rows:
+stay. A run with prefill rows (``gpu_offload.py --no-decode``) replaces the prefill rows instead (the
+old ones move to ``prefill_split_runs[<previous label>]``) and the prefill target is recomputed from
+them: prefill_8k, each model's double-buffered 8k chunk within 10% of expert bytes / B_pcie. The targets of the fast-path issue are recomputed from the new rows:
   * decode_lru_q_fraction_of_bound (target 0.85) and ..._of_integer_split_bound, per row of (d);
   * decode_lru_q_vs_static_32gb (target 1.5) and the same ratio of the two bounds, (b) being the
     faster of the static drivers the run has (static, static/graph: decode_static_side_32gb);
@@ -102,6 +104,16 @@ def targets(rows: list[dict]) -> dict:
     return out
 
 
+def prefill_target(rows: list[dict]) -> dict:
+    """The issue's prefill target from a run's prefill rows: each model's double-buffered 8k chunk
+    within 10% of its expert bytes over B_pcie."""
+    at = {r["model"]: r for r in rows if r["tokens"] == 8192 and r["mode"] == "double" and "error" not in r}
+    return {"target": "seconds per 8k chunk within 10% of expert bytes / B_pcie",
+            "met": bool(at) and all(r["seconds"] <= 1.1 * r["bound_seconds"] for r in at.values()),
+            "rows": {m: {"seconds": round(r["seconds"], 3), "bound_seconds": round(r["bound_seconds"], 3)}
+                     for m, r in at.items()}}
+
+
 def add_gather_bound(run: dict) -> None:
     """Give each (d) row of a run its bound at the fill gather's rate (see the module docstring):
     the row's bound time plus its missed bytes' extra time when they split between the gather and
@@ -128,20 +140,29 @@ def main() -> None:
     args = ap.parse_args()
     data = json.loads(args.result.read_text())
     runs = [json.loads(p.read_text()) for p in args.runs]
-    for run in runs:
-        add_gather_bound(run)
-    old = {"rows": data["decode"], **{k: data.get(k) for k in PER_MODEL}, "started": data.get("started"),
-           "targets": data.get("targets")}
-    data.setdefault("decode_split_runs", {})[args.previous] = old
-    data["decode"] = [r for run in runs for r in run["decode"]]
-    for k in PER_MODEL:
-        data[k] = {name: v for run in runs for name, v in run.get(k, {}).items()}
-    data["started"] = min(run["started"] for run in runs)
+    decode_runs = [run for run in runs if run["decode"]]
+    prefill_rows = [{**r, "run": args.label} for run in runs for r in run.get("prefill", [])]
+    if not decode_runs and not prefill_rows:
+        sys.exit("offload_merge: the runs have no decode or prefill rows to merge")
+    prefill = {k: v for k, v in (data.get("targets") or {}).items() if k == "prefill_8k"}  # a decode-only file has none
+    if prefill_rows:            # a prefill run: its rows replace the file's, the old ones are kept
+        data.setdefault("prefill_split_runs", {})[args.previous] = {"rows": data.get("prefill", []), **prefill}
+        data["prefill"] = prefill_rows
+        prefill = {"prefill_8k": prefill_target(prefill_rows)}
+    if decode_runs:
+        for run in decode_runs:
+            add_gather_bound(run)
+        old = {"rows": data["decode"], **{k: data.get(k) for k in PER_MODEL}, "started": data.get("started"),
+               "targets": data.get("targets")}
+        data.setdefault("decode_split_runs", {})[args.previous] = old
+        data["decode"] = [r for run in decode_runs for r in run["decode"]]
+        for k in PER_MODEL:
+            data[k] = {name: v for run in decode_runs for name, v in run.get(k, {}).items()}
+        data["started"] = min(run["started"] for run in decode_runs)
+        data["label"] = args.label                          # the file's decode rows are this run's now
     data["hardware"], data["cpu_expert_features"] = runs[0]["hardware"], runs[0]["cpu_expert_features"]
     data["method"] = runs[0]["method"]
     data.setdefault("runs", {})[args.label] = args.note
-    data["label"] = args.label                              # the file's rows are this run's now
-    prefill = {k: v for k, v in (data.get("targets") or {}).items() if k == "prefill_8k"}  # a decode-only file has none
     data["targets"] = {**targets(data["decode"]), **prefill}
     args.result.write_text(json.dumps(data, indent=1))
     from gpu_offload import plot

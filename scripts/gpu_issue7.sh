@@ -11,6 +11,8 @@
 #                                  # host whose gather is slow: stop 70's ran out of time in 36's last
 #                                  # block; the 32 GB rows, the 1.5x target's, come before it; each
 #                                  # JSON is saved row by row)
+#   scripts/gpu_issue7.sh prefill  # both models' prefill rows alone (4k/8k/16k, double and single buffer);
+#                                  # merge with offload_merge.py, which recomputes the 8k target from them
 #   scripts/gpu_issue7.sh ab       # both models, 8/16/32 GB: lru+q* against lru+q*/flat, then lru+q* once
 #                                  # more (lru+q*/again: the rows' own noise band; about 400 s)
 #   scripts/gpu_issue7.sh behind   # both models, 8/16/32 GB: lru+q* against lru+q*/behind (fills behind the
@@ -25,8 +27,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder the results go to}"
-case "${1:-}" in 30b|36|36-32|grid|ab|behind|cpu|gather|engine|engine-behind) ;;
-  *) echo "usage: scripts/gpu_issue7.sh 30b|36|36-32|grid|ab|behind|cpu|gather|engine|engine-behind" >&2; exit 2 ;; esac
+case "${1:-}" in 30b|36|36-32|grid|prefill|ab|behind|cpu|gather|engine|engine-behind) ;;
+  *) echo "usage: scripts/gpu_issue7.sh 30b|36|36-32|grid|prefill|ab|behind|cpu|gather|engine|engine-behind" >&2; exit 2 ;; esac
 export PYTHONPATH="$PWD/engine:$PWD/tests:$PWD/bench${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt" || true
 PY=${PYTHON:-python}
@@ -40,6 +42,8 @@ case "${1:-}" in
   36-32) "$PY" bench/gpu_offload.py --models qwen3.6-35b-a3b --budgets 32 --policies "$policies" \
            "${decode[@]}" --out "$OUT/run_36_32.json" ;;
   grid) for part in 30b 36-32 36; do bash "$0" "$part"; done ;;
+  prefill) "$PY" bench/gpu_offload.py --models qwen3-30b-a3b,qwen3.6-35b-a3b --no-decode --no-tune \
+             --out "$OUT/run_prefill.json" ;;
   ab|behind) side=$([ "$1" = ab ] && echo flat || echo behind)
       for m in qwen3-30b-a3b qwen3.6-35b-a3b; do
         "$PY" bench/gpu_offload.py --models "$m" --budgets 8,16,32 --policies "lru+q*,lru+q*/$side,lru+q*/again" \

@@ -74,6 +74,45 @@ def test_the_merged_file_takes_the_new_runs_label_and_keeps_the_old_rows(tmp_pat
     assert merged["targets"]["prefill_8k"] == {"kept": True}
 
 
+def _prefill(model: str, seconds: float, tokens: int = 8192, mode: str = "double") -> dict:
+    return {"model": model, "tokens": tokens, "mode": mode, "seconds": seconds, "bound_seconds": 1.0,
+            "tok_s": tokens / seconds, "fraction_of_bound": 1.0 / seconds}
+
+
+@pytest.mark.parametrize("slow, met", [(1.09, True), (1.11, False)])
+def test_a_prefill_run_replaces_the_prefill_rows_and_its_target_and_keeps_the_decode(tmp_path, slow, met):
+    pytest.importorskip("matplotlib")
+    base = {"label": "R", "decode": [_row("lru+q*", 70.0)], "prefill": [{**_prefill("qwen3-30b-a3b", 1.0), "run": "Q"}],
+            "bandwidth": {"qwen3-30b-a3b": {}}, "started": "t0", "runs": {"R": "decode"},
+            "targets": {"prefill_8k": {"met": True, "rows": {}}}}
+    rows = [_prefill("qwen3-30b-a3b", 0.95), _prefill("qwen3-30b-a3b", 1.5, mode="single"),
+            _prefill("qwen3-30b-a3b", 3.0, tokens=16384), _prefill("qwen3.6-35b-a3b", slow)]
+    run = {"decode": [], "prefill": rows, "started": "t1", "bandwidth": {"qwen3-30b-a3b": {}, "qwen3.6-35b-a3b": {}},
+           "hardware": {"gpu": "test GPU", "cpu": "test CPU"}, "cpu_expert_features": {}, "method": "m"}
+    result, part = tmp_path / "merged.json", tmp_path / "run.json"
+    result.write_text(json.dumps(base))
+    part.write_text(json.dumps(run))
+    subprocess.run([sys.executable, str(BENCH / "offload_merge.py"), "--result", str(result), "--label", "S",
+                    "--previous", "Q", "--note", "prefill", str(part)], check=True, capture_output=True)
+    merged = json.loads(result.read_text())
+    assert [r["run"] for r in merged["prefill"]] == ["S"] * 4 and merged["prefill_split_runs"]["Q"]["rows"][0]["run"] == "Q"
+    target = merged["targets"]["prefill_8k"]
+    assert target["met"] is met                       # the 8k double-buffered chunk of every model within 10%
+    assert target["rows"] == {"qwen3-30b-a3b": {"seconds": 0.95, "bound_seconds": 1.0},
+                              "qwen3.6-35b-a3b": {"seconds": slow, "bound_seconds": 1.0}}
+    assert merged["label"] == "R" and [r["tok_s"] for r in merged["decode"]] == [70.0]   # decode untouched
+    assert merged["targets"]["decode_rows_at_or_above_0.85"] == "0 of 1"
+
+
+def test_a_merge_of_runs_without_rows_is_one_line(tmp_path):
+    (tmp_path / "r.json").write_text(json.dumps({"label": "R", "decode": [], "prefill": []}))
+    (tmp_path / "run.json").write_text(json.dumps({"decode": [], "prefill": []}))
+    p = subprocess.run([sys.executable, str(BENCH / "offload_merge.py"), "--result", str(tmp_path / "r.json"),
+                        "--label", "S", "--previous", "R", "--note", "n", str(tmp_path / "run.json")],
+                       capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.strip() == "offload_merge: the runs have no decode or prefill rows to merge"
+
+
 def test_the_ab_sides_alternate_their_order_and_the_repeat_runs_after_them():
     policies = ["static/graph", "lru", "lru+q*", "lru+q*/flat", "lru+q*/again", "lru+q*/layer"]
     plans = gpu_offload.decode_plans(policies, [8.0, 16.0, 32.0], batch=1, routing="locality")
