@@ -54,6 +54,15 @@ def test_a_run_without_repeat_rows_reports_no_noise_band():
     assert t["decode_repeat_vs_first"] == {} and "decode_repeat_vs_first_range" not in t
 
 
+def _merge(tmp_path, base: dict, run: dict, label: str, previous: str, note: str) -> subprocess.CompletedProcess:
+    """offload_merge.py run on a result file ``base`` and one run file ``run`` (written to tmp_path)."""
+    result, part = tmp_path / "merged.json", tmp_path / "run.json"
+    result.write_text(json.dumps(base))
+    part.write_text(json.dumps(run))
+    return subprocess.run([sys.executable, str(BENCH / "offload_merge.py"), "--result", str(result), "--label", label,
+                           "--previous", previous, "--note", note, str(part)], capture_output=True, text=True)
+
+
 def test_the_merged_file_takes_the_new_runs_label_and_keeps_the_old_rows(tmp_path):
     pytest.importorskip("matplotlib")
     base = {"label": "old run", "decode": [_row("lru+q*", 70.0)], "prefill": [], "bandwidth": {}, "started": "t0",
@@ -61,12 +70,9 @@ def test_the_merged_file_takes_the_new_runs_label_and_keeps_the_old_rows(tmp_pat
     run = {"decode": [_row("lru+q*", 90.0), _row("lru+q*/again", 90.0)], "started": "t1",
            "bandwidth": {"qwen3-30b-a3b": {}}, "hardware": {"gpu": "test GPU", "cpu": "test CPU"}, "cpu_expert_features": {},
            "method": "m"}
-    result, part = tmp_path / "merged.json", tmp_path / "run.json"
-    result.write_text(json.dumps(base))
-    part.write_text(json.dumps(run))
-    subprocess.run([sys.executable, str(BENCH / "offload_merge.py"), "--result", str(result), "--label", "new run",
-                    "--previous", "old run", "--note", "what it was", str(part)], check=True, capture_output=True)
-    merged = json.loads(result.read_text())
+    p = _merge(tmp_path, base, run, "new run", "old run", "what it was")
+    assert p.returncode == 0, p.stderr
+    merged = json.loads((tmp_path / "merged.json").read_text())
     assert merged["label"] == "new run" and merged["runs"]["new run"] == "what it was"
     assert [r["tok_s"] for r in merged["decode_split_runs"]["old run"]["rows"]] == [70.0]
     assert [r["tok_s"] for r in merged["decode"]] == [90.0, 90.0]
@@ -89,12 +95,9 @@ def test_a_prefill_run_replaces_the_prefill_rows_and_its_target_and_keeps_the_de
             _prefill("qwen3-30b-a3b", 3.0, tokens=16384), _prefill("qwen3.6-35b-a3b", slow)]
     run = {"decode": [], "prefill": rows, "started": "t1", "bandwidth": {"qwen3-30b-a3b": {}, "qwen3.6-35b-a3b": {}},
            "hardware": {"gpu": "test GPU", "cpu": "test CPU"}, "cpu_expert_features": {}, "method": "m"}
-    result, part = tmp_path / "merged.json", tmp_path / "run.json"
-    result.write_text(json.dumps(base))
-    part.write_text(json.dumps(run))
-    subprocess.run([sys.executable, str(BENCH / "offload_merge.py"), "--result", str(result), "--label", "S",
-                    "--previous", "Q", "--note", "prefill", str(part)], check=True, capture_output=True)
-    merged = json.loads(result.read_text())
+    p = _merge(tmp_path, base, run, "S", "Q", "prefill")
+    assert p.returncode == 0, p.stderr
+    merged = json.loads((tmp_path / "merged.json").read_text())
     assert [r["run"] for r in merged["prefill"]] == ["S"] * 4 and merged["prefill_split_runs"]["Q"]["rows"][0]["run"] == "Q"
     target = merged["targets"]["prefill_8k"]
     assert target["met"] is met                       # the 8k double-buffered chunk of every model within 10%
@@ -105,11 +108,7 @@ def test_a_prefill_run_replaces_the_prefill_rows_and_its_target_and_keeps_the_de
 
 
 def test_a_merge_of_runs_without_rows_is_one_line(tmp_path):
-    (tmp_path / "r.json").write_text(json.dumps({"label": "R", "decode": [], "prefill": []}))
-    (tmp_path / "run.json").write_text(json.dumps({"decode": [], "prefill": []}))
-    p = subprocess.run([sys.executable, str(BENCH / "offload_merge.py"), "--result", str(tmp_path / "r.json"),
-                        "--label", "S", "--previous", "R", "--note", "n", str(tmp_path / "run.json")],
-                       capture_output=True, text=True)
+    p = _merge(tmp_path, {"label": "R", "decode": [], "prefill": []}, {"decode": [], "prefill": []}, "S", "R", "n")
     assert p.returncode == 1 and p.stderr.strip() == "offload_merge: the runs have no decode or prefill rows to merge"
 
 
