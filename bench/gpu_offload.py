@@ -361,7 +361,8 @@ def plot(result: dict, path: Path) -> None:
             rows = [r for r in result["prefill"] if r["model"] == name and r["mode"] == "double"]
             ax.plot([r["tokens"] for r in rows], [r["tokens"] / r["bound_seconds"] for r in rows], "k--", lw=0.8)
         ax.set_xscale("log", base=2)
-        ax.set_title("prefill (dashed: PCIe bound)")
+        other = result.get("prefill_hardware", result["hardware"])     # a prefill run merged from another machine
+        ax.set_title("prefill (dashed: PCIe bound)" + (f", {other['gpu']}" if other != result["hardware"] else ""))
         ax.set_xlabel("tokens")
         ax.set_ylabel("tok/s")
         ax.legend(fontsize=8)

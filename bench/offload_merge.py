@@ -4,9 +4,11 @@ A full decode run of both models does not fit in one 10-minute call on the GPU m
 model runs in its own call (``gpu_offload.py --models M --no-prefill --out runM.json``) and this
 script makes their rows the file's decode rows: the rows they replace move, with their bandwidths,
 checks, control-step timings and targets, to ``decode_split_runs[<previous label>]``; the prefill rows
-stay. A run with prefill rows (``gpu_offload.py --no-decode``) replaces the prefill rows instead (the
-old ones move to ``prefill_split_runs[<previous label>]``) and the prefill target is recomputed from
-them: prefill_8k, each model's double-buffered 8k chunk within 10% of expert bytes / B_pcie. The targets of the fast-path issue are recomputed from the new rows:
+stay. A run with prefill rows (``gpu_offload.py --no-decode``) replaces the prefill rows instead:
+the old ones move, with their target and hardware, to ``prefill_split_runs[<previous label>]``, the
+run's hardware is kept as ``prefill_hardware``, and the prefill target is recomputed from its rows
+(prefill_8k: each model's double-buffered 8k chunk within 10% of expert bytes / B_pcie). The
+decode targets of the fast-path issue are recomputed from the decode rows:
   * decode_lru_q_fraction_of_bound (target 0.85) and ..._of_integer_split_bound, per row of (d);
   * decode_lru_q_vs_static_32gb (target 1.5) and the same ratio of the two bounds, (b) being the
     faster of the static drivers the run has (static, static/graph: decode_static_side_32gb);
@@ -141,14 +143,16 @@ def main() -> None:
     data = json.loads(args.result.read_text())
     runs = [json.loads(p.read_text()) for p in args.runs]
     decode_runs = [run for run in runs if run["decode"]]
-    prefill_rows = [{**r, "run": args.label} for run in runs for r in run.get("prefill", [])]
-    if not decode_runs and not prefill_rows:
+    prefill_runs = [run for run in runs if run.get("prefill")]
+    if not decode_runs and not prefill_runs:
         sys.exit("offload_merge: the runs have no decode or prefill rows to merge")
     prefill = {k: v for k, v in (data.get("targets") or {}).items() if k == "prefill_8k"}  # a decode-only file has none
-    if prefill_rows:            # a prefill run: its rows replace the file's, the old ones are kept
-        data.setdefault("prefill_split_runs", {})[args.previous] = {"rows": data.get("prefill", []), **prefill}
-        data["prefill"] = prefill_rows
-        prefill = {"prefill_8k": prefill_target(prefill_rows)}
+    if prefill_runs:            # a prefill run: its rows replace the file's, the old ones are kept
+        data.setdefault("prefill_split_runs", {})[args.previous] = {
+            "rows": data.get("prefill", []), "hardware": data.get("prefill_hardware", data.get("hardware")), **prefill}
+        data["prefill"] = [{**r, "run": args.label} for run in prefill_runs for r in run["prefill"]]
+        data["prefill_hardware"] = prefill_runs[0]["hardware"]
+        prefill = {"prefill_8k": prefill_target(data["prefill"])}
     if decode_runs:
         for run in decode_runs:
             add_gather_bound(run)
@@ -160,8 +164,8 @@ def main() -> None:
             data[k] = {name: v for run in decode_runs for name, v in run.get(k, {}).items()}
         data["started"] = min(run["started"] for run in decode_runs)
         data["label"] = args.label                          # the file's decode rows are this run's now
-    data["hardware"], data["cpu_expert_features"] = runs[0]["hardware"], runs[0]["cpu_expert_features"]
-    data["method"] = runs[0]["method"]
+        data["hardware"] = decode_runs[0]["hardware"]
+        data["cpu_expert_features"], data["method"] = decode_runs[0]["cpu_expert_features"], decode_runs[0]["method"]
     data.setdefault("runs", {})[args.label] = args.note
     data["targets"] = {**targets(data["decode"]), **prefill}
     args.result.write_text(json.dumps(data, indent=1))

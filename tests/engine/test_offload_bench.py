@@ -89,7 +89,7 @@ def _prefill(model: str, seconds: float, tokens: int = 8192, mode: str = "double
 def test_a_prefill_run_replaces_the_prefill_rows_and_its_target_and_keeps_the_decode(tmp_path, slow, met):
     pytest.importorskip("matplotlib")
     base = {"label": "R", "decode": [_row("lru+q*", 70.0)], "prefill": [{**_prefill("qwen3-30b-a3b", 1.0), "run": "Q"}],
-            "bandwidth": {"qwen3-30b-a3b": {}}, "started": "t0", "runs": {"R": "decode"},
+            "bandwidth": {"qwen3-30b-a3b": {}}, "started": "t0", "runs": {"R": "decode"}, "hardware": {"gpu": "H200", "cpu": "Xeon"},
             "targets": {"prefill_8k": {"met": True, "rows": {}}}}
     rows = [_prefill("qwen3-30b-a3b", 0.95), _prefill("qwen3-30b-a3b", 1.5, mode="single"),
             _prefill("qwen3-30b-a3b", 3.0, tokens=16384), _prefill("qwen3.6-35b-a3b", slow)]
@@ -104,6 +104,8 @@ def test_a_prefill_run_replaces_the_prefill_rows_and_its_target_and_keeps_the_de
     assert target["rows"] == {"qwen3-30b-a3b": {"seconds": 0.95, "bound_seconds": 1.0},
                               "qwen3.6-35b-a3b": {"seconds": slow, "bound_seconds": 1.0}}
     assert merged["label"] == "R" and [r["tok_s"] for r in merged["decode"]] == [70.0]   # decode untouched
+    assert merged["hardware"]["gpu"] == "H200" and merged["prefill_hardware"]["gpu"] == "test GPU"
+    assert merged["prefill_split_runs"]["Q"]["hardware"]["gpu"] == "H200"
     assert merged["targets"]["decode_rows_at_or_above_0.85"] == "0 of 1"
 
 
