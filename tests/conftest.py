@@ -46,6 +46,45 @@ def pytest_configure(config):
         interpreter_once.install()
 
 
+# Two worker processes (pytest-xdist, ``-n 2``) run the suite on a 2-CPU machine. A test that
+# measures the CPUs themselves (a busy process beside the kernel's workers, a calibration that
+# must see them quiet) would measure the other worker too: it is marked ``quiet_cpu`` and runs
+# while every other worker waits between its tests. Two file locks shared by the workers: each
+# test holds "run" shared (a quiet one exclusive); "gate" is taken before "run", and a quiet test
+# keeps it until it ends, so the other worker cannot start a test meanwhile (no starvation).
+_LOCKS: list = []
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not uid:
+        yield
+        return
+    import fcntl
+    import tempfile
+    if not _LOCKS:
+        base = Path(tempfile.gettempdir()) / f"freetoken-tests-{uid}"
+        _LOCKS.extend(open(f"{base}.{name}", "a+") for name in ("gate", "run"))
+    gate, run = _LOCKS
+    quiet = item.get_closest_marker("quiet_cpu") is not None
+    fcntl.flock(gate, fcntl.LOCK_EX)
+    fcntl.flock(run, fcntl.LOCK_EX if quiet else fcntl.LOCK_SH)
+    if not quiet:
+        fcntl.flock(gate, fcntl.LOCK_UN)
+    try:
+        yield
+    finally:
+        fcntl.flock(run, fcntl.LOCK_UN)
+        if quiet:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+def pytest_sessionfinish(session):
+    for f in _LOCKS:                     # a worker's own descriptors keep the lock files usable
+        Path(f.name).unlink(missing_ok=True)
+
+
 #: a folder of tiny checkpoints (``<model_type>/``, the defaults' only) written where transformers
 #: has the family, for a machine whose transformers does not (``python tests/tiny_models.py DIR TYPE...``)
 PREBUILT = "FREETOKEN_TINY_CHECKPOINTS"

@@ -12,6 +12,7 @@ from freetoken_agent.calibration import CalibrationCache, CalibrationError, Host
 AGENT = [sys.executable, "-m", "freetoken_agent.cli"]
 
 
+@pytest.mark.quiet_cpu
 def test_agent_calibrate_measures_once_then_uses_its_cache(tmp_path):
     env = {**os.environ, "NODE_NAME": "cal-node"}
     # A measurement taken while something else held the kernel's CPUs (cpu_contended: on a shared

@@ -47,6 +47,7 @@ def test_a_measurement_taken_beside_another_process_is_used_but_not_cached(tmp_p
     assert calibrate.calibrated(cpu) and calibrate.load_or_measure(cpu)["cpu_expert_gbps"] == 40.0
 
 
+@pytest.mark.quiet_cpu
 def test_measure_reports_contention_when_a_worker_keeps_holding_calls_up():
     """The real measurement counts the calls a worker held up (made to, with the pool's test knob,
     every time it comes back from a short time-out) and calls the result contended. (That a quiet

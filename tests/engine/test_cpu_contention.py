@@ -187,6 +187,7 @@ def _until(follower, experts, want, seconds=15.0):
     raise AssertionError(f"no answer in {seconds} s; state {follower.state()}, pool {pool_record()}")
 
 
+@pytest.mark.quiet_cpu
 def test_a_busy_process_on_a_workers_cpu_moves_the_split_and_its_end_moves_it_back(two_workers):
     """The kernel's worker pinned to the last CPU shares it with a busy-looping process: it takes
     part in few jobs (nothing stalls: the caller takes its chunks), the CPU computes experts
