@@ -2,8 +2,10 @@
 ``tiny_checkpoint(model_type, **overrides)`` caches them for the whole test session."""
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -61,8 +63,6 @@ def pytest_runtest_protocol(item, nextitem):
     if not uid:
         yield
         return
-    import fcntl
-    import tempfile
     if not _LOCKS:
         base = Path(tempfile.gettempdir()) / f"freetoken-tests-{uid}"
         _LOCKS.extend(open(f"{base}.{name}", "a+") for name in ("gate", "run"))
