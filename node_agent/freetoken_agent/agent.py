@@ -49,7 +49,8 @@ class Agent:
         self.launch = LaunchConfig(engine_command=cfg.engine_command, bind_host=cfg.bind_host,
                                    address=cfg.address, port_offset=cfg.engine_port_offset,
                                    log_dir=cfg.log_dir, health_interval=cfg.health_interval,
-                                   backoff_max=cfg.backoff_max, admin_token=cfg.admin_token)
+                                   backoff_max=cfg.backoff_max, admin_token=cfg.admin_token,
+                                   model_store=cfg.store)
         self.reporter = None if cfg.standalone else NodeReporter(cfg.node_name, cfg.kube_server)
         self.standalone = StandaloneFile(cfg.standalone) if cfg.standalone else None
         gpus = tuple(g.name for g in self.controller.gpu.read()) if self.controller.domain == "nvml" else ()

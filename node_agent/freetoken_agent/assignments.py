@@ -43,12 +43,14 @@ class Assignment:
     key: str
     namespace: str
     model: str
-    path: str | None  # None: the engine's embedded default model
+    path: str | None  # None: the engine's embedded default model (or a url, fetched first)
     format: str
     port: int
     engine: EngineOptions = EngineOptions()
     api_key_secret: tuple[str, str] | None = None  # (secret name, key) in `namespace`
     api_key: str | None = None  # standalone mode: the key itself
+    url: str | None = None      # source.url: downloaded into the agent's model store (fetch.py)
+    sha256: str | None = None   # source.sha256: the url's download or the path's file must hash to it
 
     @property
     def served_name(self) -> str:
@@ -87,6 +89,25 @@ def _features(features: object, where: str) -> tuple[float | None, int | None, i
             _integer(features, "stateCheckpoints", 0, where), drafts, method)
 
 
+def _source(source: dict, where: str) -> tuple[str | None, str | None, str | None]:
+    """(path, url, sha256) of a ``source`` mapping: exactly one of path, url or default: true."""
+    if "pvc" in source:
+        raise AssignmentError(f"{where}.source.pvc is not supported by the node agents (use path or url)")
+    path, url, sha256 = source.get("path"), source.get("url"), source.get("sha256")
+    given = [k for k, v in (("path", path), ("url", url), ("default", source.get("default"))) if v]
+    if len(given) != 1:
+        raise AssignmentError(f"{where}.source needs exactly one of `path`, `url` or `default: true`"
+                              + (f", got {' and '.join(given)}" if given else ""))
+    if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+        raise AssignmentError(f"{where}.source.url must be an http:// or https:// URL")
+    if sha256 is not None:
+        if not (isinstance(sha256, str) and len(sha256) == 64 and all(c in "0123456789abcdef" for c in sha256)):
+            raise AssignmentError(f"{where}.source.sha256 must be 64 lowercase hex digits")
+        if path is None and url is None:
+            raise AssignmentError(f"{where}.source.sha256 checks a downloaded or local file: use it with url or path")
+    return (str(path) if path is not None else None), url, sha256
+
+
 def _parse_one(item: object, index: int) -> Assignment:
     if not isinstance(item, dict):
         raise AssignmentError(f"models[{index}] must be a mapping")
@@ -101,10 +122,8 @@ def _parse_one(item: object, index: int) -> Assignment:
         source = {"default": True}
     if not isinstance(source, dict):
         raise AssignmentError(f"{where}.source must be a mapping")
-    path = source.get("path")
-    if path is None and not source.get("default"):
-        raise AssignmentError(f"{where}.source needs `path` or `default: true`")
-    fmt = str(item.get("format", "default" if path is None else "safetensors"))
+    path, url, sha256 = _source(source, where)
+    fmt = str(item.get("format", "default" if path is None and url is None else "safetensors"))
     if fmt not in FORMATS:
         raise AssignmentError(f"{where}.format must be one of {FORMATS}, got {fmt!r}")
     port = item.get("port")
@@ -132,10 +151,9 @@ def _parse_one(item: object, index: int) -> Assignment:
             raise AssignmentError(f"{where}.apiKeySecret needs `name` and `key`")
         secret_ref = (str(secret["name"]), str(secret["key"]))
     api_key = item.get("apiKey")
-    return Assignment(key=key, namespace=namespace, model=model,
-                      path=str(path) if path is not None else None, format=fmt, port=port,
+    return Assignment(key=key, namespace=namespace, model=model, path=path, format=fmt, port=port,
                       engine=options, api_key_secret=secret_ref,
-                      api_key=str(api_key) if api_key is not None else None)
+                      api_key=str(api_key) if api_key is not None else None, url=url, sha256=sha256)
 
 
 def parse_models(models: object) -> dict[str, Assignment]:

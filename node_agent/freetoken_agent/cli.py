@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--metrics-port", type=int, default=None)
     r.add_argument("--engine-port-offset", type=int, default=None)
     r.add_argument("--state-dir", default=None)
+    r.add_argument("--model-store", default=None, metavar="DIR",
+                   help="where models of a source.url are downloaded and kept (default: STATE_DIR/models)")
     r.add_argument("--heartbeat-seconds", type=float, default=None)
     r.add_argument("--log-level", default="INFO", type=str.upper,
                    choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"))
@@ -96,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
             node_name=args.node_name, kube_server=args.kube_server, standalone=args.standalone,
             address=args.address, metrics_host=args.metrics_host, metrics_port=args.metrics_port,
             engine_port_offset=args.engine_port_offset, state_dir=args.state_dir,
-            heartbeat_seconds=args.heartbeat_seconds)
+            model_store=args.model_store, heartbeat_seconds=args.heartbeat_seconds)
     except config_mod.ConfigError as exc:
         return _fail(str(exc))
     if cfg.standalone and not os.path.exists(cfg.standalone):

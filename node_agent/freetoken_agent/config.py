@@ -74,6 +74,7 @@ class AgentConfig:
     metrics_port: int = 9400
     engine_port_offset: int = 0
     state_dir: str = field(default_factory=default_state_dir)
+    model_store: str | None = None        # source.url downloads (None: STATE_DIR/models)
     heartbeat_seconds: float = 5.0
     engine_command: tuple[str, ...] = field(default_factory=default_engine_command)
     simulated_gpu: str | None = None
@@ -112,6 +113,10 @@ class AgentConfig:
     def bind_host(self) -> str:
         """Engines listen where the node's address is (loopback stays loopback)."""
         return self.address
+
+    @property
+    def store(self) -> str:
+        return self.model_store or os.path.join(self.state_dir, "models")
 
     @property
     def log_dir(self) -> str:

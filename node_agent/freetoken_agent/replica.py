@@ -6,6 +6,11 @@ backoff resets once an engine has stayed ready for ``stable_seconds``. ``Replica
 sends SIGTERM, then SIGKILL after ``stop_timeout``. Engines die with the agent (Linux
 parent-death signal), so a killed agent never leaves orphans holding VRAM.
 
+A ``source.url`` model is fetched into the agent's model store before the first start (and
+a ``source.path`` file with a ``sha256`` checked), in a thread, while the replica is ``starting``
+with a message that counts the bytes (fetch.py); a fetch that fails is retried with the same
+backoff, resuming its download.
+
 States (``FreeTokenNode.status.replicas[].state``): starting -> ready -> (failed -> starting)*
 -> stopped. Only the supervisor task mutates a replica; other tasks read its fields.
 """
@@ -19,12 +24,14 @@ import logging
 import os
 import secrets
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
 from .assignments import Assignment
 from .engine_api import CacheInfo, EngineClient, EngineUnreachable
+from .fetch import FetchError, FetchStopped, UrlSource, check_file, fetch, gigabytes, redact
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +53,7 @@ class LaunchConfig:
     admin_token: str | None = None  # None: a fresh random token per engine
     stable_seconds: float = 60.0
     stop_timeout: float = 15.0
+    model_store: str | None = None   # where source.url models are downloaded (None: url sources fail)
 
     def __post_init__(self) -> None:
         if not self.engine_command:
@@ -63,18 +71,21 @@ def backoff_delay(failures_in_a_row: int, initial: float, maximum: float) -> flo
     return min(maximum, initial * (2 ** max(0, failures_in_a_row - 1)))
 
 
-def serve_command(a: Assignment, launch: LaunchConfig, cpu_expert_fraction: float | None) -> list[str]:
+def serve_command(a: Assignment, launch: LaunchConfig, cpu_expert_fraction: float | None,
+                  model_path: str | None = None) -> list[str]:
     """The ``freetoken serve`` command line for one replica (docs/contracts.md); its secrets go
     through ``serve_env``, never the command line (which ``ps`` shows to every local user).
 
     The engine starts with a one-expert cache: it refuses a start size larger than the model
     (which the agent cannot know before loading), whereas ``POST /admin/cache`` clamps. The
-    budget is applied once the engine is ready (``Replica._became_ready``)."""
+    budget is applied once the engine is ready (``Replica._became_ready``). ``model_path``: where
+    a fetched ``source.url`` model lies (default: the assignment's ``path``)."""
     cmd = [*launch.engine_command, "serve", "--host", launch.bind_host,
            "--port", str(a.port + launch.port_offset), "--served-model-name", a.served_name,
            "--device", a.engine.device]
-    if a.path is not None:
-        cmd += ["--model", a.path]
+    model = model_path if model_path is not None else a.path
+    if model is not None:
+        cmd += ["--model", model]
     if a.engine.dtype:
         cmd += ["--dtype", a.engine.dtype]
     if a.engine.context_length is not None:
@@ -141,6 +152,7 @@ class Replica:
         self._proc: asyncio.subprocess.Process | None = None
         self._budget: int | None = None
         self._stopping = asyncio.Event()
+        self._stop_fetch = threading.Event()     # the same, for a fetch running in a thread
         self._task: asyncio.Task | None = None
 
     @property
@@ -155,9 +167,31 @@ class Replica:
     def start(self) -> None:
         self._task = asyncio.create_task(self.run(), name=f"replica:{self.key}")
 
-    async def _spawn(self) -> asyncio.subprocess.Process:
+    async def _model_path(self) -> str | None:
+        """The model the engine loads: a ``source.url`` fetched into the store first, a
+        ``source.path`` file checked against its ``sha256``. Raises FetchError / FetchStopped."""
+        a = self.assignment
+        if a.url is not None:
+            if self.launch.model_store is None:
+                raise FetchError("this agent has no model store for source.url (--model-store)")
+            where = redact(a.url)
+
+            def progress(done: int, total: int | None) -> None:     # the fetch's thread: one store
+                self.message = f"fetching {gigabytes(done)} of {gigabytes(total)} GB from {where}"
+            self.message = f"fetching {where}"
+            path = await asyncio.to_thread(fetch, UrlSource(a.url, a.sha256), self.launch.model_store,
+                                           progress=progress, stop=self._stop_fetch)
+            self.message = ""
+            return path
+        if a.sha256 is not None and a.path is not None:
+            self.message = f"checking the sha256 of {a.path}"
+            await asyncio.to_thread(check_file, a.path, a.sha256, self._stop_fetch)
+            self.message = ""
+        return a.path
+
+    async def _spawn(self, model_path: str | None) -> asyncio.subprocess.Process:
         self._budget, cpu_fraction = self._launch_args(self.assignment)
-        cmd = serve_command(self.assignment, self.launch, cpu_fraction)
+        cmd = serve_command(self.assignment, self.launch, cpu_fraction, model_path)
         self.started_key = self.api_key
         out = None
         if self.launch.log_dir:
@@ -215,18 +249,29 @@ class Replica:
             await self._on_ready(self)
         self.state, self.message = "ready", ""
 
+    async def _start_once(self) -> tuple[str, float | None]:
+        """Fetch the model if needed, start the engine, supervise it: (why it ended, seconds ready)."""
+        try:
+            model_path = await self._model_path()
+        except FetchStopped:
+            return "stopped", None
+        except FetchError as exc:
+            return str(exc), None
+        try:
+            self._proc = await self._spawn(model_path)
+        except OSError as exc:
+            return f"cannot start engine: {exc}", None
+        self.pid = self._proc.pid
+        try:
+            return await self._watch(self._proc)
+        finally:
+            await self._terminate()
+
     async def run(self) -> None:
         failures_in_a_row = 0
         while not self._stopping.is_set():
             self.state, self.cache = "starting", None
-            try:
-                self._proc = await self._spawn()
-            except OSError as exc:
-                reason, ready_for = f"cannot start engine: {exc}", None
-            else:
-                self.pid = self._proc.pid
-                reason, ready_for = await self._watch(self._proc)
-                await self._terminate()
+            reason, ready_for = await self._start_once()
             if self._stopping.is_set():
                 break
             if ready_for is not None and ready_for >= self.launch.stable_seconds:
@@ -258,6 +303,7 @@ class Replica:
     async def stop(self) -> None:
         """Stop supervising and end the engine; returns once the process is gone."""
         self._stopping.set()
+        self._stop_fetch.set()
         if self._task is not None:
             await self._task
         else:

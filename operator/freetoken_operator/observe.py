@@ -134,14 +134,15 @@ def model_view(body: Mapping[str, Any]) -> ModelView:
     )
 
 
-# What node agents can load today (docs/contracts.md); the CRD already describes more.
-AGENT_SOURCES = ("path", "default")
+# What node agents can load (docs/contracts.md): a url is downloaded into each node's model store.
+# A PVC would need the agent's pod to mount it, which it does not.
+AGENT_SOURCES = ("path", "url", "default")
 
 
 def _unsupported_source(source: Mapping[str, Any]) -> str | None:
     kinds = [k for k in ("path", "pvc", "url") if k in source] + (["default"] if source.get("default") else [])
     bad = [k for k in kinds if k not in AGENT_SOURCES]
-    return f"source.{bad[0]} is not supported by the node agents yet (use source.path)" if bad else None
+    return f"source.{bad[0]} is not supported by the node agents yet (use source.path or source.url)" if bad else None
 
 
 class Store:

@@ -17,7 +17,7 @@ always give the same ``Plan``. Rules, in order:
    Preference: nodes that already hold the weights (ran this model), then Spread (fewest replicas)
    or Binpack (least free memory), then measured PCIe then CPU-expert bandwidth, then name.
 5. A model short of replicas gets an ``unsatisfied`` reason in kube-scheduler style; so does a
-   model whose source the node agents cannot load yet (``ModelView.unsupported``).
+   model whose source the node agents cannot load (a PVC, ``ModelView.unsupported``).
 """
 
 from __future__ import annotations

@@ -39,10 +39,23 @@ def test_defaults_for_the_embedded_model():
     ({"engine": {"features": {"speculativeMethod": "mtp"}}}, "speculativeMethod mtp needs speculativeTokens"),
     ({"engine": {"features": {"speculativeMethod": "mtp", "speculativeTokens": 0}}}, "speculativeMethod mtp"),
     ({"engine": {"features": [1]}}, "features"),
+    ({"source": {"path": "/m", "url": "https://h/m.gguf"}}, "exactly one of .* got path and url"),
+    ({"source": {"url": "ftp://h/m.gguf"}}, "source.url must be an http"),
+    ({"source": {"url": "https://h/m.gguf", "sha256": "ABC"}}, "sha256 must be 64 lowercase hex"),
+    ({"source": {"default": True, "sha256": "a" * 64}}, "sha256 checks a downloaded or local file"),
+    ({"source": {"pvc": {"claimName": "c"}}}, "source.pvc is not supported"),
 ])
 def test_bad_entries_are_rejected_with_the_field_named(patch, message):
     with pytest.raises(AssignmentError, match=message):
         parse_models([{**GOOD, **patch}])
+
+
+def test_a_url_source_with_its_sha256():
+    digest = "0123456789abcdef" * 4
+    [a] = parse_models([{**GOOD, "source": {"url": "https://h.example/q.tar", "sha256": digest}}]).values()
+    assert (a.path, a.url, a.sha256, a.format) == (None, "https://h.example/q.tar", digest, "safetensors")
+    [b] = parse_models([{**GOOD, "source": {"path": "/models/q.gguf", "sha256": digest}}]).values()
+    assert (b.path, b.url, b.sha256) == ("/models/q.gguf", None, digest)
 
 
 def test_speculative_method_defaults_to_ngram():

@@ -290,3 +290,61 @@ async def _ready(replicas):
 
 async def _gone(replicas):
     return await replicas() == []
+
+
+async def test_cluster_mode_fetches_a_url_source_and_reports_a_bad_one(kube, tmp_path, tiny_checkpoint):
+    """source.url: the agent downloads the tar of a checkpoint over HTTP into its model store,
+    checks its sha256 and serves it; a URL that answers 404 leaves that replica failed, with the
+    HTTP status and the URL without its query in the node's status."""
+    import hashlib
+    import tarfile
+
+    from http_files import FileServer
+
+    from freetoken_agent.agent import Agent
+    from freetoken_agent.config import AgentConfig
+
+    ckpt = tiny_checkpoint("qwen3_moe")
+    archive = tmp_path / "tiny.tar.gz"
+    with tarfile.open(archive, "w:gz") as tf:
+        tf.add(ckpt, arcname="tiny")
+    data = archive.read_bytes()
+    server = FileServer()
+    server.files["/tiny.tar.gz"] = data
+    nodes, port = "freetoken.io/v1alpha1/freetokennodes", 21100
+    offset = free_port() - port
+    spec = {"models": [
+        {"key": "team.tiny", "namespace": "team", "model": "tiny", "port": port, "format": "safetensors",
+         "source": {"url": server.url("/tiny.tar.gz"), "sha256": hashlib.sha256(data).hexdigest()},
+         "engine": {"device": "cpu"}},
+        {"key": "team.gone", "namespace": "team", "model": "gone", "port": port + 1, "format": "safetensors",
+         "source": {"url": server.url("/gone.tar.gz") + "?signature=SECRET"}, "engine": {"device": "cpu"}}]}
+    kube.objects[nodes, None, "u-node"] = {
+        "apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode",
+        "metadata": {"name": "u-node", "uid": "u2", "resourceVersion": "1"}, "spec": spec}
+    store = tmp_path / "store"
+    cfg = AgentConfig(node_name="u-node", kube_server=str(kube.url), state_dir=str(tmp_path / "state"),
+                      model_store=str(store), engine_port_offset=offset, heartbeat_seconds=0.3,
+                      calibrate_on_start=False, health_interval=0.3)
+    stop = asyncio.Event()
+    task = asyncio.create_task(Agent(cfg).run(stop, serve_metrics=False))
+
+    async def states():
+        reps = dict(kube.objects[nodes, None, "u-node"].get("status") or {}).get("replicas") or []
+        return {r["key"]: r for r in reps}
+
+    async def settled():
+        s = await states()
+        return s if s.get("team.tiny", {}).get("state") == "ready" and s.get("team.gone", {}).get("state") == "failed" else None
+    try:
+        s = await wait_for(settled, 120, "the url model ready and the 404 one failed", interval=0.2)
+        async with httpx.AsyncClient() as c:
+            assert (await c.get(s["team.tiny"]["endpoint"] + "/health")).json()["model"] == "tiny"
+        assert (store / f"sha256-{hashlib.sha256(data).hexdigest()}" / "model" / "tiny" / "config.json").exists()
+        msg = s["team.gone"]["message"]
+        assert "HTTP 404" in msg and server.url("/gone.tar.gz") in msg and "SECRET" not in msg
+        assert [p for p, _ in server.requests].count("/tiny.tar.gz") == 1
+    finally:
+        stop.set()
+        await task
+        server.close()

@@ -26,6 +26,7 @@ NON_DEFAULT = {
     "operator": {"staleSeconds": 12, "apiTimeoutSeconds": 7, "verbose": True, "nodeSelector": {"kubernetes.io/os": "linux"},
                  "tolerations": [{"key": "x", "operator": "Exists", "effect": "NoSchedule"}]},
     "agent": {"gpu": {"request": True, "count": 2}, "stateHostPath": "/var/lib/freetoken/state",
+              "modelStoreHostPath": "/srv/freetoken/downloads",
               "runtimeClassName": "", "hostNetwork": False, "secretNamespaces": ["llm", "team-a"],
               "resources": {"limits": {"memory": "64Gi"}}, "extraArgs": ["--log-level=DEBUG"],
               "extraEnv": [{"name": "FREETOKEN_AGENT_HEADROOM_BYTES", "value": "2147483648"}]},
@@ -102,6 +103,11 @@ def test_non_default_values_take_effect():
     agent = pods["ft-freetoken-agent"]
     assert agent["containers"][0]["resources"]["limits"] == {"memory": "64Gi", "nvidia.com/gpu": 2}
     assert agent["volumes"][1]["hostPath"]["path"] == "/var/lib/freetoken/state"
+    volumes = {v["name"]: v for v in agent["volumes"]}
+    assert volumes["downloads"]["hostPath"] == {"path": "/srv/freetoken/downloads", "type": "DirectoryOrCreate"}
+    assert "--model-store=/var/lib/freetoken/downloads" in agent["containers"][0]["args"]
+    default = {v["name"]: v for v in dict(_pods(render({})))["ft-freetoken-agent"]["volumes"]}
+    assert default["downloads"] == {"name": "downloads", "emptyDir": {}}
     assert "runtimeClassName" not in agent and agent["hostNetwork"] is False
     assert "--log-level=DEBUG" in agent["containers"][0]["args"]
     operator = pods["ft-freetoken-operator"]
@@ -146,10 +152,11 @@ def test_dashboards_are_grafana_configmaps():
     {"operator": {"apiTimeoutSeconds": 0}},
     {"agent": {"metricsPort": 80}},
     {"agent": {"modelsHostPath": "relative/path"}},
+    {"agent": {"modelStoreHostPath": "downloads"}},
     {"agent": {"gpu": {"request": "yes"}}},
     {"monitoring": {"serviceMonitor": {"interval": "often"}}},
     {"typo": True},
-], ids=["stale zero", "api timeout zero", "privileged metrics port", "relative host path", "bool as string", "bad interval", "unknown key"])
+], ids=["stale zero", "api timeout zero", "privileged metrics port", "relative host path", "relative store path", "bool as string", "bad interval", "unknown key"])
 def test_values_schema_rejects_bad_values(bad):
     with pytest.raises(helm.HelmError):
         helm.Chart.load(CHART).render(bad, name="ft", namespace="freetoken")

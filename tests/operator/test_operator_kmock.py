@@ -313,7 +313,8 @@ async def test_examples_are_placed_as_documented(kmock, monkeypatch):
             specs = {n: (await kc.get(kmock, kc.node_path(n))).get("spec") or {} for n in ("laptop", "gaming-pc")}
             keys = {n: sorted(m["key"] for m in s.get("models") or []) for n, s in specs.items()}
             return keys == {"laptop": ["default.smollm2-moe"],
-                            "gaming-pc": ["default.qwen3-30b-a3b", "default.smollm2-moe"]} and specs
+                            "gaming-pc": ["default.qwen3-30b-a3b", "default.qwen3-30b-a3b-lan",
+                                          "default.smollm2-moe"]} and specs
         specs = await kc.wait_for(placed, 15, "both examples placed")
     assert runner.exit_code == 0, runner.output
     qwen = next(m for m in specs["gaming-pc"]["models"] if m["model"] == "qwen3-30b-a3b")
@@ -321,7 +322,9 @@ async def test_examples_are_placed_as_documented(kmock, monkeypatch):
     assert qwen["engine"] == {"device": "cuda", "dtype": "bfloat16", "expertCacheShare": 0.9, "contextLength": 8192,
                               "features": {"decodePauseMs": 100}}
     assert qwen["apiKeySecret"] == {"name": "qwen3-api-key", "key": "api-key"}
+    lan = next(m for m in specs["gaming-pc"]["models"] if m["model"] == "qwen3-30b-a3b-lan")
+    assert lan["source"] == {"url": "http://nas.lan:8080/models/qwen3-30b-a3b.tar"}   # fetched by the agent
     smol = [m for s in specs.values() for m in s["models"] if m["model"] == "smollm2-moe"]
     assert {m["engine"]["device"] for m in smol} == {"cpu", "cuda"} and {m["format"] for m in smol} == {"default"}
     ports = [m["port"] for m in specs["gaming-pc"]["models"]]
-    assert len(set(ports)) == 2   # two engines on one node never share a port
+    assert len(set(ports)) == 3   # engines on one node never share a port

@@ -139,7 +139,7 @@ def test_store_ages_heartbeats_on_the_operator_clock():
 
 @pytest.mark.parametrize("source,supported", [
     ({"path": "/models/x"}, True), ({"default": True}, True),
-    ({"url": "https://example.org/m.gguf"}, False), ({"pvc": {"claimName": "weights"}}, False)])
+    ({"url": "https://example.org/m.gguf"}, True), ({"pvc": {"claimName": "weights"}}, False)])
 def test_sources_the_agents_cannot_load_are_flagged(source, supported):
     view = model_view({"metadata": {"name": "m", "namespace": "default"}, "spec": {"source": source}})
     assert (view.unsupported is None) == supported

@@ -98,7 +98,7 @@ CASES = [
      [m("low", need=20), m("high", need=20, priority=5)], [gpu("a")], {},
      {"high": ["a"], "low": []}, {"low"}),
     ("a source the agents cannot load is never placed",
-     [m("u", unsupported="source.url is not supported by the node agents yet")], [gpu("a")], {},
+     [m("u", unsupported="source.pvc is not supported by the node agents yet")], [gpu("a")], {},
      {"u": []}, {"u"}),
     ("deleted models leave their nodes",
      [m("x", deleting=True)], [gpu("a")], {"default.x": {"a": 1919}},

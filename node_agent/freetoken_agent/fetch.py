@@ -1,0 +1,316 @@
+"""Model sources the agent fetches: ``source.url`` (with an optional ``sha256``) into a store on
+the node's disk, and the ``sha256`` check of a ``source.path`` file.
+
+What a URL may hold (told apart by its bytes, whatever ``format`` says):
+- one GGUF file, kept as ``model.gguf``;
+- a tar archive (plain, gzip, bzip2 or xz) of a Hugging Face folder or of a packed folder
+  (``freetoken convert``). It is unpacked with tarfile's ``data`` filter, which refuses absolute
+  names, ``..``, links that leave the folder and device files. If the archive holds one folder
+  and nothing else, that folder is the model.
+
+The store keeps one entry per source, named by the ``sha256`` when given (two URLs of the same
+file share it), else by a hash of the URL:
+
+    STORE/<key>.part     the download so far; the next try resumes it with a Range request
+    STORE/<key>.tmp/     being unpacked
+    STORE/<key>/         the model, with source.json written last: an entry without it is not used
+
+``fetch`` blocks: the replica runs it in a thread and passes a ``threading.Event`` that stops it
+between reads. Messages and logs show a URL without its credentials, query or fragment
+(``redact``): a presigned URL's signature never reaches a status or a log line.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tarfile
+import threading
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from typing import Callable
+
+log = logging.getLogger(__name__)
+
+CHUNK = 1 << 20
+GGUF_MAGIC = b"GGUF"
+_locks: dict[str, threading.Lock] = {}
+_locks_guard = threading.Lock()
+_checked: set[tuple[str, int, int, str]] = set()   # (path, size, mtime_ns, sha256) already verified
+
+Progress = Callable[[int, "int | None"], None]
+
+
+class FetchError(Exception):
+    """The source could not be made ready; the message is one line for the replica's status."""
+
+
+class FetchStopped(Exception):
+    """The replica was stopped while its source was being fetched or checked."""
+
+
+@dataclass(frozen=True)
+class UrlSource:
+    url: str
+    sha256: str | None = None
+
+    @property
+    def key(self) -> str:
+        if self.sha256:
+            return f"sha256-{self.sha256}"
+        return "url-" + hashlib.sha256(self.url.encode()).hexdigest()[:40]
+
+
+def redact(url: str) -> str:
+    """``url`` without user information, query or fragment: what a status or a log may show."""
+    p = urllib.parse.urlsplit(url)
+    host = p.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{host}:{p.port}" if p.port else host
+    return urllib.parse.urlunsplit((p.scheme, netloc, p.path, "", ""))
+
+
+def gigabytes(n: int | None) -> str:
+    return "?" if n is None else f"{n / 1e9:.2f}"
+
+
+def _lock(key: str) -> threading.Lock:
+    with _locks_guard:
+        return _locks.setdefault(key, threading.Lock())
+
+
+def _stopped(stop: threading.Event | None) -> None:
+    if stop is not None and stop.is_set():
+        raise FetchStopped()
+
+
+def _hash_file(path: str, digest, stop: threading.Event | None) -> int:
+    """Feed ``path`` into ``digest``; its size in bytes."""
+    n = 0
+    with open(path, "rb") as f:
+        while buf := f.read(CHUNK):
+            _stopped(stop)
+            digest.update(buf)
+            n += len(buf)
+    return n
+
+
+def finished(store: str, src: UrlSource) -> str | None:
+    """The model's path if the store holds ``src`` complete, else None."""
+    entry = os.path.join(store, src.key)
+    try:
+        with open(os.path.join(entry, "source.json"), encoding="utf-8") as f:
+            rel = json.load(f)["path"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    path = os.path.normpath(os.path.join(entry, rel))
+    return path if path.startswith(entry + os.sep) and os.path.exists(path) else None
+
+
+def fetch(src: UrlSource, store: str, *, progress: Progress | None = None,
+          stop: threading.Event | None = None, timeout: float = 20.0) -> str:
+    """The local path of ``src``'s model (a .gguf file or a folder), downloaded, checked and
+    unpacked into ``store`` unless it is there already. Raises FetchError or FetchStopped."""
+    lock = _lock(src.key)
+    while not lock.acquire(timeout=0.2):      # another replica fetches the same source
+        _stopped(stop)
+    try:
+        return _fetch_locked(src, store, progress, stop, timeout)
+    finally:
+        lock.release()
+
+
+def _fetch_locked(src: UrlSource, store: str, progress: Progress | None, stop: threading.Event | None,
+                  timeout: float) -> str:
+    done = finished(store, src)
+    if done is not None:
+        return done
+    try:
+        os.makedirs(store, exist_ok=True)
+    except OSError as exc:
+        raise FetchError(f"cannot create the model store {store}: {exc.strerror}") from None
+    part = os.path.join(store, src.key + ".part")
+    started = time.monotonic()
+    digest, size = _download(src, part, store, progress, stop, timeout)
+    if src.sha256 and digest != src.sha256:
+        os.remove(part)
+        raise FetchError(f"{redact(src.url)}: the download's sha256 is {digest}, "
+                         f"not source.sha256 {src.sha256}")
+    path = _unpack(src, part, store, stop)
+    log.info("fetched %s (%s GB in %.0f s) into %s", redact(src.url), gigabytes(size),
+             time.monotonic() - started, path)
+    return path
+
+
+def _request(src: UrlSource, start: int) -> urllib.request.Request:
+    p = urllib.parse.urlsplit(src.url)
+    netloc = p.netloc.rpartition("@")[2]
+    req = urllib.request.Request(urllib.parse.urlunsplit((p.scheme, netloc, p.path, p.query, "")),
+                                 headers={"User-Agent": "freetoken-agent"})
+    if p.username is not None:      # user:password@host; not sent again after a redirect
+        cred = f"{urllib.parse.unquote(p.username)}:{urllib.parse.unquote(p.password or '')}"
+        req.add_unredirected_header("Authorization", "Basic " + base64.b64encode(cred.encode()).decode())
+    if start:
+        req.add_header("Range", f"bytes={start}-")
+    return req
+
+
+def _open(src: UrlSource, start: int, timeout: float):
+    where = redact(src.url)
+    try:
+        return urllib.request.urlopen(_request(src, start), timeout=timeout)
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        if exc.code == 416 and start:   # the part is already whole, or the file shrank
+            whole = (exc.headers.get("Content-Range") or "").rpartition("/")[2]
+            return int(whole) if whole.isdigit() else -1
+        raise FetchError(f"{where}: HTTP {exc.code} {exc.reason}") from None
+    except urllib.error.URLError as exc:
+        raise FetchError(f"{where}: {getattr(exc.reason, 'strerror', None) or exc.reason}") from None
+    except (OSError, ValueError) as exc:      # timeouts, resets; a URL urllib cannot open
+        raise FetchError(f"{where}: {exc}") from None
+
+
+def _total(resp, start: int) -> int | None:
+    """The whole file's size from a 206's Content-Range or a 200's Content-Length."""
+    if resp.status == 206:
+        whole = (resp.headers.get("Content-Range") or "").rpartition("/")[2]
+        return int(whole) if whole.isdigit() else None
+    length = resp.headers.get("Content-Length")
+    return int(length) if length and length.isdigit() else None
+
+
+def _download(src: UrlSource, part: str, store: str, progress: Progress | None,
+              stop: threading.Event | None, timeout: float) -> tuple[str, int]:
+    """Download into ``part``, resuming what is there; (sha256 hex, size)."""
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    digest = hashlib.sha256()
+    if have:
+        _hash_file(part, digest, stop)
+    resp = _open(src, have, timeout)
+    if isinstance(resp, int):                         # 416 with the file's size
+        if resp == have:
+            return digest.hexdigest(), have           # downloaded whole before a restart
+        os.remove(part)                               # the file changed: from the start
+        have, digest = 0, hashlib.sha256()
+        resp = _open(src, 0, timeout)
+    with resp:
+        if have and resp.status != 206:               # the server ignored the Range: start over
+            have, digest = 0, hashlib.sha256()
+        total = _total(resp, have)
+        if total is not None:
+            _need_space(store, total - have, f"downloading {redact(src.url)}")
+        with open(part, "ab" if have else "wb") as f:
+            while True:
+                _stopped(stop)
+                try:
+                    buf = resp.read(CHUNK)
+                except (OSError, ValueError) as exc:
+                    raise FetchError(f"{redact(src.url)}: {exc or type(exc).__name__} after "
+                                     f"{gigabytes(have)} GB; the next try resumes") from None
+                if not buf:
+                    break
+                f.write(buf)
+                digest.update(buf)
+                have += len(buf)
+                if progress is not None:
+                    progress(have, total)
+    if total is not None and have != total:
+        raise FetchError(f"{redact(src.url)}: the connection closed at {have} of {total} bytes; "
+                         "the next try resumes")
+    return digest.hexdigest(), have
+
+
+def _need_space(store: str, nbytes: int, what: str) -> None:
+    free = shutil.disk_usage(store).free
+    if nbytes > free:
+        raise FetchError(f"{what} needs {gigabytes(nbytes)} GB and the model store {store} "
+                         f"has {gigabytes(free)} GB free")
+
+
+def _unpack(src: UrlSource, part: str, store: str, stop: threading.Event | None) -> str:
+    """Turn the finished download into STORE/<key>/; the model's path inside it."""
+    tmp, entry = os.path.join(store, src.key + ".tmp"), os.path.join(store, src.key)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    with open(part, "rb") as f:
+        magic = f.read(len(GGUF_MAGIC))
+    if magic == GGUF_MAGIC:
+        os.replace(part, os.path.join(tmp, "model.gguf"))
+        rel = "model.gguf"
+    elif tarfile.is_tarfile(part):
+        rel = _untar(src, part, tmp, store, stop)
+        os.remove(part)
+    else:
+        os.remove(part)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise FetchError(f"{redact(src.url)} is neither a GGUF file nor a tar archive of a model folder "
+                         f"(it starts with {magic!r})")
+    with open(os.path.join(tmp, "source.json"), "w", encoding="utf-8") as f:
+        json.dump({"url": redact(src.url), "sha256": src.sha256, "path": rel,
+                   "fetched": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
+    shutil.rmtree(entry, ignore_errors=True)
+    os.replace(tmp, entry)
+    return os.path.join(entry, rel)
+
+
+def _untar(src: UrlSource, part: str, tmp: str, store: str, stop: threading.Event | None) -> str:
+    if not hasattr(tarfile, "data_filter"):
+        raise FetchError("this Python's tarfile has no data filter (3.11.4 or later): "
+                         "archives cannot be unpacked safely")
+    where = redact(src.url)
+    target = os.path.join(tmp, "model")
+    try:
+        with tarfile.open(part, "r:*") as tf:
+            members = tf.getmembers()
+            _need_space(store, sum(m.size for m in members if m.isfile()), f"unpacking {where}")
+            for m in members:
+                _stopped(stop)
+                tf.extract(m, target, filter="data")
+    except tarfile.FilterError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.remove(part)
+        raise FetchError(f"{where}: refused an unsafe archive member ({exc})") from None
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(exc, OSError):
+            os.remove(part)
+        raise FetchError(f"{where}: cannot unpack the archive: {exc}") from None
+    names = os.listdir(target)
+    if not names:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.remove(part)
+        raise FetchError(f"{where}: the archive is empty")
+    if len(names) == 1 and os.path.isdir(os.path.join(target, names[0])):
+        return f"model/{names[0]}"
+    return "model"
+
+
+def check_file(path: str, sha256: str, stop: threading.Event | None = None) -> None:
+    """Raise FetchError unless the file at ``path`` hashes to ``sha256`` (checked once per
+    path, size and modification time)."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise FetchError(f"source.path {path}: {exc.strerror}") from None
+    if os.path.isdir(path):
+        raise FetchError(f"source.sha256 checks a file, and source.path {path} is a folder")
+    memo = (path, st.st_size, st.st_mtime_ns, sha256)
+    if memo in _checked:
+        return
+    digest = hashlib.sha256()
+    try:
+        _hash_file(path, digest, stop)
+    except OSError as exc:
+        raise FetchError(f"source.path {path}: {exc.strerror}") from None
+    if digest.hexdigest() != sha256:
+        raise FetchError(f"source.path {path}: its sha256 is {digest.hexdigest()}, not source.sha256 {sha256}")
+    _checked.add(memo)

@@ -1,0 +1,200 @@
+"""``source.url`` models: downloaded over real HTTP into the agent's store, checked, resumed and
+unpacked safely (freetoken_agent/fetch.py)."""
+
+import hashlib
+import io
+import os
+import tarfile
+import threading
+from collections import namedtuple
+
+import pytest
+from http_files import FileServer
+
+from freetoken_agent import fetch as fetch_mod
+from freetoken_agent.fetch import FetchError, FetchStopped, UrlSource, check_file, fetch, redact
+
+GGUF = b"GGUF" + bytes(range(256)) * 64          # 16 KiB that start like a GGUF file
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def tar_of(files: dict[str, bytes], mode: str = "w:gz", extra=None) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode=mode) as tf:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+        if extra is not None:
+            extra(tf)
+    return buf.getvalue()
+
+
+@pytest.fixture
+def server():
+    s = FileServer()
+    yield s
+    s.close()
+
+
+def test_a_gguf_is_downloaded_once_and_kept_by_its_sha256(server, tmp_path):
+    server.files["/m.gguf"] = GGUF
+    src = UrlSource(server.url("/m.gguf"), sha(GGUF))
+    seen = []
+    path = fetch(src, str(tmp_path), progress=lambda done, total: seen.append((done, total)))
+    assert path == str(tmp_path / f"sha256-{sha(GGUF)}" / "model.gguf")
+    assert open(path, "rb").read() == GGUF
+    assert seen[-1] == (len(GGUF), len(GGUF))
+    assert fetch(src, str(tmp_path)) == path                   # from the store: no second request
+    assert len(server.requests) == 1
+    assert sorted(os.listdir(tmp_path)) == [f"sha256-{sha(GGUF)}"]   # no .part or .tmp left
+
+
+def test_a_tar_of_one_folder_is_that_folder(server, tmp_path):
+    files = {"qwen/config.json": b'{"model_type": "qwen3_moe"}', "qwen/model.safetensors": b"w" * 5000}
+    server.files["/q.tar.gz"] = tar_of(files)
+    path = fetch(UrlSource(server.url("/q.tar.gz")), str(tmp_path))
+    assert os.path.basename(path) == "qwen" and os.path.isdir(path)
+    assert open(os.path.join(path, "model.safetensors"), "rb").read() == b"w" * 5000
+    server.files["/flat.tar"] = tar_of({"config.json": b"{}", "tokenizer.json": b"{}"}, mode="w")
+    flat = fetch(UrlSource(server.url("/flat.tar")), str(tmp_path))
+    assert os.path.basename(flat) == "model" and sorted(os.listdir(flat)) == ["config.json", "tokenizer.json"]
+
+
+def test_a_wrong_sha256_is_refused_and_nothing_is_kept(server, tmp_path):
+    server.files["/m.gguf"] = GGUF
+    with pytest.raises(FetchError, match=f"sha256 is {sha(GGUF)}, not source.sha256 {'0' * 64}"):
+        fetch(UrlSource(server.url("/m.gguf"), "0" * 64), str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_cut_download_resumes_where_it_stopped(server, tmp_path):
+    server.files["/m.gguf"] = GGUF
+    server.cut_after = 5000
+    src = UrlSource(server.url("/m.gguf"), sha(GGUF))
+    with pytest.raises(FetchError, match="resumes"):
+        fetch(src, str(tmp_path))
+    assert os.path.getsize(tmp_path / f"{src.key}.part") == 5000
+    path = fetch(src, str(tmp_path))
+    assert open(path, "rb").read() == GGUF
+    assert server.requests[-1] == ("/m.gguf", "bytes=5000-")
+
+
+def test_a_server_that_ignores_range_gets_the_file_from_the_start(server, tmp_path):
+    server.files["/m.gguf"] = GGUF
+    src = UrlSource(server.url("/m.gguf"), sha(GGUF))
+    (tmp_path / f"{src.key}.part").write_bytes(b"stale bytes from another file")
+    server.ignore_range = True
+    assert open(fetch(src, str(tmp_path)), "rb").read() == GGUF
+
+
+def test_a_part_already_whole_is_not_downloaded_again(server, tmp_path):
+    server.files["/m.gguf"] = GGUF
+    src = UrlSource(server.url("/m.gguf"), sha(GGUF))
+    (tmp_path / f"{src.key}.part").write_bytes(GGUF)           # the agent stopped before unpacking
+    assert open(fetch(src, str(tmp_path)), "rb").read() == GGUF
+    assert server.requests == [("/m.gguf", f"bytes={len(GGUF)}-")]   # answered 416 with the size
+
+
+@pytest.mark.parametrize("unsafe", ["parent", "absolute", "symlink out", "device"])
+def test_an_unsafe_archive_writes_nothing_outside_the_store(server, tmp_path, unsafe):
+    """Names that leave the folder, links out of it and device files are refused; an absolute
+    name is unpacked inside the folder (tarfile's data filter drops the leading /)."""
+    def add(tf):
+        info = tarfile.TarInfo({"parent": "m/../../evil", "absolute": "/tmp/evil-abs",
+                                "symlink out": "m/link", "device": "m/dev"}[unsafe])
+        if unsafe == "symlink out":
+            info.type, info.linkname = tarfile.SYMTYPE, "/etc/passwd"
+        elif unsafe == "device":
+            info.type = tarfile.CHRTYPE
+        else:
+            info.size = 4
+        tf.addfile(info, io.BytesIO(b"evil") if info.size else None)
+    server.files["/bad.tar"] = tar_of({"m/config.json": b"{}"}, mode="w", extra=add)
+    store = tmp_path / "store"
+    if unsafe == "absolute":
+        model = fetch(UrlSource(server.url("/bad.tar")), str(store))
+        assert open(os.path.join(model, "tmp", "evil-abs"), "rb").read() == b"evil"
+    else:
+        with pytest.raises(FetchError, match="refused an unsafe archive member"):
+            fetch(UrlSource(server.url("/bad.tar")), str(store))
+        assert os.listdir(store) == []
+    assert not (tmp_path / "evil").exists() and not os.path.exists("/tmp/evil-abs")
+
+
+def test_http_errors_and_unreachable_hosts_are_one_line_without_secrets(server, tmp_path):
+    secret_url = server.url("/missing.gguf").replace("http://", "http://alice:s3cret@") + "?sig=TOKEN123"
+    with pytest.raises(FetchError) as exc:
+        fetch(UrlSource(secret_url), str(tmp_path))
+    msg = str(exc.value)
+    assert "HTTP 404" in msg and server.url("/missing.gguf") in msg
+    assert "s3cret" not in msg and "TOKEN123" not in msg and "alice" not in msg
+    server.close()
+    with pytest.raises(FetchError, match="refused|Connection"):
+        fetch(UrlSource(server.url("/m.gguf")), str(tmp_path))
+
+
+def test_credentials_in_the_url_are_sent_as_basic_auth(server, tmp_path):
+    server.files["/private.gguf"] = GGUF
+    server.basic_auth = ("alice", "s3 cret")
+    with pytest.raises(FetchError, match="HTTP 401"):
+        fetch(UrlSource(server.url("/private.gguf")), str(tmp_path))
+    url = server.url("/private.gguf").replace("http://", "http://alice:s3%20cret@")
+    assert open(fetch(UrlSource(url), str(tmp_path)), "rb").read() == GGUF
+
+
+def test_redact_keeps_scheme_host_port_and_path_only():
+    assert redact("https://u:p@example.com:8443/a/b.tar?X-Amz-Signature=abc#f") == "https://example.com:8443/a/b.tar"
+    assert redact("http://[::1]:9/m.gguf") == "http://[::1]:9/m.gguf"
+
+
+def test_a_file_that_is_no_model_is_refused(server, tmp_path):
+    server.files["/page.html"] = b"<html>login</html>"
+    with pytest.raises(FetchError, match="neither a GGUF file nor a tar archive"):
+        fetch(UrlSource(server.url("/page.html")), str(tmp_path))
+    assert os.listdir(tmp_path) == []
+
+
+def test_too_little_disk_is_said_before_downloading(server, tmp_path, monkeypatch):
+    server.files["/m.gguf"] = GGUF
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(fetch_mod.shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 100, 100))
+    with pytest.raises(FetchError, match=r"needs 0.00 GB and the model store .* has 0.00 GB free"):
+        fetch(UrlSource(server.url("/m.gguf")), str(tmp_path))
+
+
+def test_a_stop_ends_the_download_and_keeps_the_part(server, tmp_path, monkeypatch):
+    monkeypatch.setattr(fetch_mod, "CHUNK", 1024)
+    server.files["/m.gguf"] = GGUF
+    stop = threading.Event()
+    src = UrlSource(server.url("/m.gguf"))
+    with pytest.raises(FetchStopped):
+        fetch(src, str(tmp_path), stop=stop, progress=lambda done, total: done >= 4096 and stop.set())
+    assert 4096 <= os.path.getsize(tmp_path / f"{src.key}.part") < len(GGUF)
+
+
+def test_two_replicas_of_one_source_share_one_download(server, tmp_path):
+    server.files["/m.gguf"] = GGUF
+    src = UrlSource(server.url("/m.gguf"), sha(GGUF))
+    paths = []
+    threads = [threading.Thread(target=lambda: paths.append(fetch(src, str(tmp_path)))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(paths)) == 1 and len(paths) == 3 and len(server.requests) == 1
+
+
+def test_check_file_verifies_a_local_file(tmp_path):
+    f = tmp_path / "m.gguf"
+    f.write_bytes(GGUF)
+    check_file(str(f), sha(GGUF))
+    with pytest.raises(FetchError, match=f"its sha256 is {sha(GGUF)}"):
+        check_file(str(f), "1" * 64)
+    with pytest.raises(FetchError, match="is a folder"):
+        check_file(str(tmp_path), sha(GGUF))
+    with pytest.raises(FetchError, match="No such file"):
+        check_file(str(tmp_path / "absent.gguf"), sha(GGUF))
