@@ -38,6 +38,17 @@ log = logging.getLogger(__name__)
 KUBE_WARN_EVERY = 60.0   # seconds between warnings while the API server does not answer
 
 
+def _replica_snapshot(r: Replica) -> ReplicaSnapshot:
+    cache, fetched = r.cache, r.fetched or (None, None)     # each read once: other tasks update them
+    return ReplicaSnapshot(
+        key=r.key, model=r.assignment.model, state=r.state, endpoint=r.endpoint,
+        restarts=r.restarts, message=r.message,
+        expert_cache_bytes=cache.capacity_bytes if cache else None,
+        expert_cache_floor_bytes=cache.min_experts * cache.expert_bytes if cache else None,
+        expert_cache_max_bytes=cache.max_experts * cache.expert_bytes if cache else None,
+        device=r.assignment.engine.device, fetched_bytes=fetched[0], fetch_size_bytes=fetched[1])
+
+
 class Agent:
     def __init__(self, cfg: AgentConfig, metrics: AgentMetrics | None = None) -> None:
         self.cfg = cfg
@@ -71,13 +82,7 @@ class Agent:
     def snapshot(self) -> NodeSnapshot:
         c = self.controller
         obs = c.last_obs
-        replicas = tuple(ReplicaSnapshot(
-            key=r.key, model=r.assignment.model, state=r.state, endpoint=r.endpoint,
-            restarts=r.restarts, message=r.message,
-            expert_cache_bytes=r.cache.capacity_bytes if r.cache else None,
-            expert_cache_floor_bytes=r.cache.min_experts * r.cache.expert_bytes if r.cache else None,
-            expert_cache_max_bytes=r.cache.max_experts * r.cache.expert_bytes if r.cache else None,
-            device=r.assignment.engine.device) for r in self._view) + tuple(ReplicaSnapshot(
+        replicas = tuple(_replica_snapshot(r) for r in self._view) + tuple(ReplicaSnapshot(
             key=key, model=a.model, state="failed", endpoint="", restarts=0, message=why,
             expert_cache_bytes=None, expert_cache_floor_bytes=None, expert_cache_max_bytes=None,
             device=a.engine.device) for key, (a, why) in tuple(self.key_errors.items()))

@@ -52,6 +52,8 @@ GAUGES = {
     "expert_cache_floor_bytes": "Smallest expert cache the replica's engine accepts.",
     "expert_cache_max_bytes": "Largest useful expert cache (all experts resident).",
     "replica_state": "1 for the replica's current state (starting|ready|failed|stopped).",
+    "model_fetched_bytes": "Bytes of a source.url model downloaded so far, while its replica fetches it.",
+    "model_fetch_size_bytes": "Size of that download; absent when the server does not send it.",
     "replicas": "Number of replicas per state.",
 }
 STATES = ("starting", "ready", "failed", "stopped")
@@ -168,13 +170,15 @@ class SnapshotCollector:
     def _replicas(s: NodeSnapshot) -> Iterable[Metric]:
         labels = ("node", "model")
         sizes = {n: _gauge(n, labels) for n in
-                 ("expert_cache_bytes", "expert_cache_floor_bytes", "expert_cache_max_bytes")}
+                 ("expert_cache_bytes", "expert_cache_floor_bytes", "expert_cache_max_bytes",
+                  "model_fetched_bytes", "model_fetch_size_bytes")}
         state = _gauge("replica_state", ("node", "model", "state"))
         counts = dict.fromkeys(STATES, 0)
         for r in s.replicas:
             for n, v in (("expert_cache_bytes", r.expert_cache_bytes),
                          ("expert_cache_floor_bytes", r.expert_cache_floor_bytes),
-                         ("expert_cache_max_bytes", r.expert_cache_max_bytes)):
+                         ("expert_cache_max_bytes", r.expert_cache_max_bytes),
+                         ("model_fetched_bytes", r.fetched_bytes), ("model_fetch_size_bytes", r.fetch_size_bytes)):
                 if v is not None:
                     sizes[n].add_metric([s.node, r.key], v)
             for st in STATES:

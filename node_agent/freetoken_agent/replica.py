@@ -142,6 +142,7 @@ class Replica:
                                    self.admin_token)
         self.state = "starting"
         self.message = ""
+        self.fetched: tuple[int, int | None] | None = None   # (bytes so far, size) while fetching
         self.restarts = 0
         self.pid: int | None = None
         self.cache: CacheInfo | None = None
@@ -176,11 +177,15 @@ class Replica:
                 raise FetchError("this agent has no model store for source.url (--model-store)")
             where = redact(a.url)
 
-            def progress(done: int, total: int | None) -> None:     # the fetch's thread: one store
+            def progress(done: int, total: int | None) -> None:     # the fetch's thread: single stores
+                self.fetched = (done, total)
                 self.message = f"fetching {gigabytes(done)} of {gigabytes(total)} GB from {where}"
             self.message = f"fetching {where}"
-            path = await asyncio.to_thread(fetch, UrlSource(a.url, a.sha256), self.launch.model_store,
-                                           progress=progress, stop=self._stop_fetch)
+            try:
+                path = await asyncio.to_thread(fetch, UrlSource(a.url, a.sha256), self.launch.model_store,
+                                               progress=progress, stop=self._stop_fetch)
+            finally:
+                self.fetched = None
             self.message = ""
             return path
         if a.sha256 is not None and a.path is not None:

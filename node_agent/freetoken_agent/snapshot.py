@@ -26,6 +26,8 @@ class ReplicaSnapshot:
     expert_cache_floor_bytes: int | None
     expert_cache_max_bytes: int | None
     device: str
+    fetched_bytes: int | None = None      # a source.url download in progress: bytes so far
+    fetch_size_bytes: int | None = None   # ... and its size, when the server says
 
 
 @dataclass(frozen=True)

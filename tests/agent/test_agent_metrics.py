@@ -82,3 +82,25 @@ def test_engine_metrics_are_relabelled_with_node_and_model():
 
 def _unreachable():
     raise ConnectionError("engine down")
+
+
+def test_a_download_in_progress_is_exported_per_model():
+    from freetoken_agent.snapshot import NodeSnapshot, ReplicaSnapshot
+
+    def replica(key, state, fetched=None, size=None):
+        return ReplicaSnapshot(key=key, model=key, state=state, endpoint="", restarts=0, message="",
+                               expert_cache_bytes=None, expert_cache_floor_bytes=None,
+                               expert_cache_max_bytes=None, device="cuda", fetched_bytes=fetched,
+                               fetch_size_bytes=size)
+    snap = NodeSnapshot(node="n1", mode="gpu", address="127.0.0.1", domain="simulated", gpus=(),
+                        total_bytes=1, used_bytes=0, ours_bytes=0, headroom_bytes=0, cpu_cores=2,
+                        ram_total_bytes=1, ram_available_bytes=1, psi=None, calibration=None,
+                        memory_pressure=False,
+                        replicas=(replica("d.big", "starting", 3 << 30, 60 << 30),
+                                  replica("d.chunked", "starting", 5 << 20), replica("d.small", "ready")))
+    metrics = m.AgentMetrics("n1")
+    metrics.attach(lambda: snap, lambda: [])
+    s = _samples(metrics.registry)
+    assert {(lab["model"], v) for lab, v in s["freetoken_agent_model_fetched_bytes"]} == {
+        ("d.big", float(3 << 30)), ("d.chunked", float(5 << 20))}
+    assert s["freetoken_agent_model_fetch_size_bytes"] == [({"node": "n1", "model": "d.big"}, float(60 << 30))]
