@@ -27,6 +27,7 @@ from .assignments import Assignment, AssignmentError, StandaloneFile, parse_mode
 from .calibration import CalibrationCache, CalibrationError, HostConfig, measure
 from .config import AgentConfig
 from .engine_api import EngineUnreachable
+from .fetch import UrlSource, prune
 from .host import cpu_cores
 from .kube import KubeError, NodeReporter
 from .metrics import AgentMetrics
@@ -47,6 +48,9 @@ def _replica_snapshot(r: Replica) -> ReplicaSnapshot:
         expert_cache_floor_bytes=cache.min_experts * cache.expert_bytes if cache else None,
         expert_cache_max_bytes=cache.max_experts * cache.expert_bytes if cache else None,
         device=r.assignment.engine.device, fetched_bytes=fetched[0], fetch_size_bytes=fetched[1])
+
+
+PRUNE_SECONDS = 600.0
 
 
 class Agent:
@@ -76,6 +80,7 @@ class Agent:
         self._since: dict[str, str] = {}
         self._last_flags: dict[str, bool] = {}
         self._recalibrate = asyncio.Event()
+        self._next_prune = 0.0                         # monotonic time of the next model-store prune
         self.metrics.attach(self.snapshot, self.engine_fetchers)
 
     # ---- views for the metrics thread and the status reporter -------------------------
@@ -185,6 +190,7 @@ class Agent:
         self._track("AssignmentsValid", self.assignment_error is None)
         if desired is None:
             return
+        await self._prune_store(desired)
         for key in [k for k, r in self.replicas.items() if desired.get(k) != r.assignment]:
             log.info("stopping engine %s (unassigned or changed)", key)
             await self.replicas[key].stop()  # reported until its process is gone
@@ -215,6 +221,17 @@ class Agent:
             self.replicas[key] = r
             self._view = tuple(self.replicas.values())
             r.start()
+
+    async def _prune_store(self, desired: dict[str, Assignment]) -> None:
+        """Every PRUNE_SECONDS: remove downloads no assignment names that went unused for
+        FREETOKEN_AGENT_MODEL_STORE_KEEP_DAYS (fetch.prune)."""
+        if time.monotonic() < self._next_prune:
+            return
+        self._next_prune = time.monotonic() + PRUNE_SECONDS
+        keep = {UrlSource(a.url, a.sha256).key for a in desired.values() if a.url}
+        days = self.cfg.model_store_keep_days
+        for name in await asyncio.to_thread(prune, self.cfg.store, keep, days * 86400.0):
+            log.info("model store: removed %s (no assignment uses it, unused for %g days)", name, days)
 
     # ---- calibration --------------------------------------------------------------------
     async def _push_calibration(self, r: Replica, cal: dict) -> None:

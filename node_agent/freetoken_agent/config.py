@@ -36,6 +36,8 @@ ENV = {
     "FREETOKEN_AGENT_HEALTH_INTERVAL_SECONDS": "engine health-check period (1)",
     "FREETOKEN_AGENT_KEY_RECHECK_SECONDS": "how often running engines' API-key Secrets are read again (30)",
     "FREETOKEN_AGENT_ADMIN_TOKEN": "the engines' /admin token (default: a random one per engine)",
+    "FREETOKEN_AGENT_MODEL_STORE_KEEP_DAYS": "a download no assignment names is deleted after this many "
+                                             "days unused (7; 0: at the next pass, within 10 minutes)",
 }
 
 
@@ -86,6 +88,7 @@ class AgentConfig:
     health_interval: float = 1.0
     admin_token: str | None = None
     key_recheck_seconds: float = 30.0     # how often running replicas' API-key Secrets are read again
+    model_store_keep_days: float = 7.0    # unassigned downloads are deleted after this long unused
 
     def __post_init__(self) -> None:
         if not self.node_name:
@@ -104,6 +107,8 @@ class AgentConfig:
             raise ConfigError(f"--metrics-port {self.metrics_port} is not a port")
         if self.heartbeat_seconds <= 0 or self.tick_seconds <= 0:
             raise ConfigError("--heartbeat-seconds and the tick must be > 0")
+        if self.model_store_keep_days < 0:
+            raise ConfigError("FREETOKEN_AGENT_MODEL_STORE_KEEP_DAYS must be >= 0")
         if self.key_recheck_seconds <= 0:
             raise ConfigError("FREETOKEN_AGENT_KEY_RECHECK_SECONDS must be > 0")
         if self.calibrate_interval < 0 or self.backoff_max <= 0 or self.health_interval <= 0:
@@ -186,4 +191,5 @@ def from_env(env: dict | None = None, **cli) -> AgentConfig:
         backoff_max=_num(env, "FREETOKEN_AGENT_BACKOFF_MAX_SECONDS", 60.0),
         health_interval=_num(env, "FREETOKEN_AGENT_HEALTH_INTERVAL_SECONDS", 1.0),
         key_recheck_seconds=_num(env, "FREETOKEN_AGENT_KEY_RECHECK_SECONDS", 30.0),
+        model_store_keep_days=_num(env, "FREETOKEN_AGENT_MODEL_STORE_KEEP_DAYS", 7.0),
         **given)

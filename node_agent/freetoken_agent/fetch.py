@@ -15,6 +15,9 @@ file share it), else by a hash of the URL:
     STORE/<key>.tmp/     being unpacked
     STORE/<key>/         the model, with source.json written last: an entry without it is not used
 
+``prune`` removes what no assignment uses any more once it has not been used for a while (the
+mtime of source.json, touched by every ``fetch`` that finds the entry, or of a partial file).
+
 ``fetch`` blocks: the replica runs it in a thread and passes a ``threading.Event`` that stops it
 between reads. Messages and logs show a URL without its credentials, query or fragment
 (``redact``): a presigned URL's signature never reaches a status or a log line.
@@ -23,6 +26,7 @@ between reads. Messages and logs show a URL without its credentials, query or fr
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import logging
@@ -132,6 +136,8 @@ def _fetch_locked(src: UrlSource, store: str, progress: Progress | None, stop: t
                   timeout: float) -> str:
     done = finished(store, src)
     if done is not None:
+        with contextlib.suppress(OSError):
+            os.utime(os.path.join(store, src.key, "source.json"))     # last used: now (prune)
         return done
     try:
         os.makedirs(store, exist_ok=True)
@@ -292,6 +298,39 @@ def _untar(src: UrlSource, part: str, tmp: str, store: str, stop: threading.Even
     if len(names) == 1 and os.path.isdir(os.path.join(target, names[0])):
         return f"model/{names[0]}"
     return "model"
+
+
+def prune(store: str, keep: set[str], older_than: float, now: float | None = None) -> list[str]:
+    """Remove the store's entries (models, partial downloads, unpacking leftovers) whose key is
+    not in ``keep`` and that were last used ``older_than`` seconds ago or earlier; an entry being
+    fetched is left alone. The names removed."""
+    now = time.time() if now is None else now
+    try:
+        names = sorted(os.listdir(store))
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        key = name.removesuffix(".part").removesuffix(".tmp")
+        if key in keep or not key.startswith(("sha256-", "url-")):
+            continue
+        path = os.path.join(store, name)
+        folder = os.path.isdir(path)
+        try:
+            used = os.stat(os.path.join(path, "source.json") if folder and name == key else path).st_mtime
+        except OSError:
+            used = float("-inf")              # a model folder without source.json is unfinished
+        lock = _lock(key)
+        if now - used < older_than or not lock.acquire(blocking=False):
+            continue
+        try:
+            shutil.rmtree(path) if folder else os.remove(path)
+            removed.append(name)
+        except OSError as exc:
+            log.warning("model store: cannot remove %s: %s", path, exc.strerror)
+        finally:
+            lock.release()
+    return removed
 
 
 def check_file(path: str, sha256: str, stop: threading.Event | None = None) -> None:

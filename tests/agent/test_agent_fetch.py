@@ -198,3 +198,53 @@ def test_check_file_verifies_a_local_file(tmp_path):
         check_file(str(tmp_path), sha(GGUF))
     with pytest.raises(FetchError, match="No such file"):
         check_file(str(tmp_path / "absent.gguf"), sha(GGUF))
+
+
+def test_prune_removes_only_what_no_assignment_uses_and_went_unused(server, tmp_path):
+    store, day = tmp_path / "store", 86400.0
+    server.files["/a.gguf"], server.files["/b.gguf"] = GGUF, GGUF + b"b"
+    kept, old = UrlSource(server.url("/a.gguf")), UrlSource(server.url("/b.gguf"))
+    for src in (kept, old):
+        fetch(src, str(store))
+    (store / "url-abandoned.part").write_bytes(b"half")
+    (store / "url-crashed.tmp").mkdir()
+    (store / "notes.txt").write_text("the owner's file")
+    now = os.stat(store / kept.key / "source.json").st_mtime
+    assert fetch_mod.prune(str(store), {kept.key}, 7 * day, now=now + day) == []      # all used lately
+    removed = fetch_mod.prune(str(store), {kept.key}, 7 * day, now=now + 8 * day)
+    assert removed == sorted([old.key, "url-abandoned.part", "url-crashed.tmp"])
+    assert sorted(os.listdir(store)) == sorted([kept.key, "notes.txt"])
+    assert fetch(old, str(store)) != ""                      # downloaded again when asked for again
+    assert len(server.requests) == 3
+
+
+def test_prune_leaves_an_entry_being_fetched_and_fetch_marks_its_use(server, tmp_path):
+    server.files["/a.gguf"] = GGUF
+    src = UrlSource(server.url("/a.gguf"))
+    fetch(src, str(tmp_path))
+    stamp = tmp_path / src.key / "source.json"
+    os.utime(stamp, (1_000_000, 1_000_000))
+    lock = fetch_mod._lock(src.key)
+    with lock:                                               # another replica fetches it right now
+        assert fetch_mod.prune(str(tmp_path), set(), 0.0) == []
+    fetch(src, str(tmp_path))                                # found in the store: used now
+    assert os.stat(stamp).st_mtime > 1_000_000 + 86400
+    assert fetch_mod.prune(str(tmp_path), set(), 0.0) == [src.key]
+
+
+async def test_the_agent_prunes_its_store_but_keeps_what_its_models_name(tmp_path):
+    from freetoken_agent.agent import Agent
+    from freetoken_agent.config import AgentConfig
+
+    store = tmp_path / "store"
+    named, other = UrlSource("https://h.example/a.tar"), UrlSource("https://h.example/b.tar")
+    for src in (named, other):
+        (store / src.key).mkdir(parents=True)
+        (store / src.key / "source.json").write_text('{"path": "model"}')
+        os.utime(store / src.key / "source.json", (1_000_000, 1_000_000))      # unused since 1970
+    models = tmp_path / "models.yaml"
+    models.write_text(f"models:\n- model: a\n  port: 19999\n  source: {{url: '{named.url}'}}\n")
+    agent = Agent(AgentConfig(node_name="n1", standalone=str(models), state_dir=str(tmp_path),
+                              model_store=str(store), calibrate_on_start=False))
+    await agent._prune_store(agent.standalone.read())
+    assert os.listdir(store) == [named.key]
