@@ -1,6 +1,7 @@
 """A real HTTP file server on loopback for the agent's ``source.url`` tests.
 
-It serves byte strings by path, answers Range requests with 206 (unless ``ignore_range``), can
+It serves byte strings by path, answers Range requests with 206 (unless ``ignore_range``; with
+``whole_206`` a 206 of the whole file, as a broken server might), can
 require HTTP Basic credentials, can close the connection after ``cut_after`` bytes of a body
 (once), and records every request's path and Range header.
 """
@@ -17,6 +18,7 @@ class FileServer:
         self.files: dict[str, bytes] = {}
         self.requests: list[tuple[str, str | None]] = []      # (path without query, Range)
         self.ignore_range = False
+        self.whole_206 = False
         self.cut_after: int | None = None
         self.basic_auth: tuple[str, str] | None = None
         self.lock = threading.Lock()
@@ -42,7 +44,7 @@ class FileServer:
                     return
                 start, rng = 0, self.headers.get("Range")
                 if rng and not server.ignore_range:
-                    start = int(rng.removeprefix("bytes=").split("-")[0])
+                    start = 0 if server.whole_206 else int(rng.removeprefix("bytes=").split("-")[0])
                     if start >= len(body):
                         self.send_response(416)
                         self.send_header("Content-Range", f"bytes */{len(body)}")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
+import http.client
 import json
 import logging
 import os
@@ -185,7 +186,13 @@ def _open(src: UrlSource, start: int, timeout: float):
         raise FetchError(f"{where}: {exc}") from None
 
 
-def _total(resp, start: int) -> int | None:
+def _range_start(resp) -> int | None:
+    """Where a 206's body starts (``Content-Range: bytes START-END/TOTAL``)."""
+    head = (resp.headers.get("Content-Range") or "").removeprefix("bytes ").partition("-")[0]
+    return int(head) if head.isdigit() else None
+
+
+def _total(resp) -> int | None:
     """The whole file's size from a 206's Content-Range or a 200's Content-Length."""
     if resp.status == 206:
         whole = (resp.headers.get("Content-Range") or "").rpartition("/")[2]
@@ -209,9 +216,9 @@ def _download(src: UrlSource, part: str, store: str, progress: Progress | None,
         have, digest = 0, hashlib.sha256()
         resp = _open(src, 0, timeout)
     with resp:
-        if have and resp.status != 206:               # the server ignored the Range: start over
-            have, digest = 0, hashlib.sha256()
-        total = _total(resp, have)
+        if have and (resp.status != 206 or _range_start(resp) != have):
+            have, digest = 0, hashlib.sha256()       # the server ignored the Range: start over
+        total = _total(resp)
         if total is not None:
             _need_space(store, total - have, f"downloading {redact(src.url)}")
         with open(part, "ab" if have else "wb") as f:
@@ -219,7 +226,7 @@ def _download(src: UrlSource, part: str, store: str, progress: Progress | None,
                 _stopped(stop)
                 try:
                     buf = resp.read(CHUNK)
-                except (OSError, ValueError) as exc:
+                except (OSError, ValueError, http.client.HTTPException) as exc:
                     raise FetchError(f"{redact(src.url)}: {exc or type(exc).__name__} after "
                                      f"{gigabytes(have)} GB; the next try resumes") from None
                 if not buf:

@@ -91,6 +91,14 @@ def test_a_server_that_ignores_range_gets_the_file_from_the_start(server, tmp_pa
     assert open(fetch(src, str(tmp_path)), "rb").read() == GGUF
 
 
+def test_a_206_from_another_offset_is_taken_from_the_start(server, tmp_path):
+    server.files["/m.gguf"] = GGUF
+    src = UrlSource(server.url("/m.gguf"), sha(GGUF))
+    (tmp_path / f"{src.key}.part").write_bytes(GGUF[:100])
+    server.whole_206 = True
+    assert open(fetch(src, str(tmp_path)), "rb").read() == GGUF
+
+
 def test_a_part_already_whole_is_not_downloaded_again(server, tmp_path):
     server.files["/m.gguf"] = GGUF
     src = UrlSource(server.url("/m.gguf"), sha(GGUF))
