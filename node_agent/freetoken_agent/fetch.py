@@ -54,7 +54,13 @@ Progress = Callable[[int, "int | None"], None]
 
 
 class FetchError(Exception):
-    """The source could not be made ready; the message is one line for the replica's status."""
+    """The source could not be made ready; the message is one line for the replica's status.
+    ``refused``: the whole file came and is not usable (a wrong sha256, no model, an unsafe
+    archive): trying again at once would only download it again (the replica waits longer)."""
+
+    def __init__(self, message: str, refused: bool = False) -> None:
+        super().__init__(message)
+        self.refused = refused
 
 
 class FetchStopped(Exception):
@@ -150,7 +156,7 @@ def _fetch_locked(src: UrlSource, store: str, progress: Progress | None, stop: t
     if src.sha256 and digest != src.sha256:
         os.remove(part)
         raise FetchError(f"{redact(src.url)}: the download's sha256 is {digest}, "
-                         f"not source.sha256 {src.sha256}")
+                         f"not source.sha256 {src.sha256}", refused=True)
     path = _unpack(src, part, store, stop)
     log.info("fetched %s (%s GB in %.0f s) into %s", redact(src.url), gigabytes(size),
              time.monotonic() - started, path)
@@ -266,7 +272,7 @@ def _unpack(src: UrlSource, part: str, store: str, stop: threading.Event | None)
         os.remove(part)
         shutil.rmtree(tmp, ignore_errors=True)
         raise FetchError(f"{redact(src.url)} is neither a GGUF file nor a tar archive of a model folder "
-                         f"(it starts with {magic!r})")
+                         f"(it starts with {magic!r})", refused=True)
     with open(os.path.join(tmp, "source.json"), "w", encoding="utf-8") as f:
         json.dump({"url": redact(src.url), "sha256": src.sha256, "path": rel,
                    "fetched": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, f)
@@ -291,17 +297,18 @@ def _untar(src: UrlSource, part: str, tmp: str, store: str, stop: threading.Even
     except tarfile.FilterError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         os.remove(part)
-        raise FetchError(f"{where}: refused an unsafe archive member ({exc})") from None
+        raise FetchError(f"{where}: refused an unsafe archive member ({exc})", refused=True) from None
     except (tarfile.TarError, EOFError, OSError) as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(exc, OSError):
             os.remove(part)
-        raise FetchError(f"{where}: cannot unpack the archive: {exc}") from None
+        raise FetchError(f"{where}: cannot unpack the archive: {exc}",
+                         refused=not isinstance(exc, OSError)) from None
     names = os.listdir(target)
     if not names:
         shutil.rmtree(tmp, ignore_errors=True)
         os.remove(part)
-        raise FetchError(f"{where}: the archive is empty")
+        raise FetchError(f"{where}: the archive is empty", refused=True)
     if len(names) == 1 and os.path.isdir(os.path.join(target, names[0])):
         return f"model/{names[0]}"
     return "model"

@@ -54,6 +54,7 @@ class LaunchConfig:
     stable_seconds: float = 60.0
     stop_timeout: float = 15.0
     model_store: str | None = None   # where source.url models are downloaded (None: url sources fail)
+    refused_retry: float = 900.0     # the wait after a download that came whole and was refused
 
     def __post_init__(self) -> None:
         if not self.engine_command:
@@ -154,6 +155,7 @@ class Replica:
         self._budget: int | None = None
         self._stopping = asyncio.Event()
         self._stop_fetch = threading.Event()     # the same, for a fetch running in a thread
+        self._refused = False                    # the last fetch came whole and was refused
         self._task: asyncio.Task | None = None
 
     @property
@@ -256,11 +258,13 @@ class Replica:
 
     async def _start_once(self) -> tuple[str, float | None]:
         """Fetch the model if needed, start the engine, supervise it: (why it ended, seconds ready)."""
+        self._refused = False
         try:
             model_path = await self._model_path()
         except FetchStopped:
             return "stopped", None
         except FetchError as exc:
+            self._refused = exc.refused
             return str(exc), None
         try:
             self._proc = await self._spawn(model_path)
@@ -287,6 +291,9 @@ class Replica:
             if self._on_restart is not None:
                 self._on_restart(self)
             delay = backoff_delay(failures_in_a_row, self.launch.backoff_initial, self.launch.backoff_max)
+            if self._refused:      # the next try would download the same bytes again: not so soon
+                delay = max(delay, self.launch.refused_retry)
+                self.message = f"{reason} (tried again in {delay / 60:.0f} min, or when the model's source changes)"
             log.warning("engine %s: %s; restarting in %.1f s", self.key, reason, delay)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), delay)

@@ -256,3 +256,29 @@ async def test_the_agent_prunes_its_store_but_keeps_what_its_models_name(tmp_pat
                               model_store=str(store), calibrate_on_start=False))
     await agent._prune_store(agent.standalone.read())
     assert os.listdir(store) == [named.key]
+
+
+async def test_a_refused_download_is_not_fetched_again_at_once(server, tmp_path):
+    """A wrong sha256 means the whole file came for nothing: the replica waits refused_retry
+    (15 min) before the next try, where a 404 is asked again on the engines' short backoff."""
+    import asyncio
+
+    from freetoken_agent.assignments import parse_models
+    from freetoken_agent.replica import LaunchConfig, Replica
+
+    server.files["/m.gguf"] = GGUF
+    launch = LaunchConfig(engine_command=("false",), model_store=str(tmp_path), backoff_initial=0.05,
+                          backoff_max=0.05)
+    models = parse_models([
+        {"model": "bad", "port": 19001, "source": {"url": server.url("/m.gguf"), "sha256": "0" * 64}},
+        {"model": "gone", "port": 19002, "source": {"url": server.url("/gone.gguf")}}])
+    replicas = [Replica(a, launch) for a in models.values()]
+    for r in replicas:
+        r.start()
+    await asyncio.sleep(1.0)
+    for r in replicas:
+        await r.stop()
+    asked = [p for p, _ in server.requests]
+    assert asked.count("/m.gguf") == 1 and asked.count("/gone.gguf") >= 5
+    assert replicas[0].restarts == 1
+    assert replicas[0].message.endswith("(tried again in 15 min, or when the model's source changes)")
