@@ -27,7 +27,7 @@ from .assignments import Assignment, AssignmentError, StandaloneFile, parse_mode
 from .calibration import CalibrationCache, CalibrationError, HostConfig, measure
 from .config import AgentConfig
 from .engine_api import EngineUnreachable
-from .fetch import UrlSource, prune
+from .fetch import UrlSource, prune, stored_sha256
 from .host import cpu_cores
 from .kube import KubeError, NodeReporter
 from .metrics import AgentMetrics
@@ -100,7 +100,7 @@ class Agent:
             psi=c.last_psi, calibration=self.calibration, memory_pressure=c.memory_pressure,
             replicas=replicas, assignment_error=self.assignment_error,
             pressure_since=self._since.get("MemoryPressure"),
-            assignment_since=self._since.get("AssignmentsValid"))
+            assignment_since=self._since.get("AssignmentsValid"), stored_sha256=stored_sha256(self.cfg.store))
 
     def engine_fetchers(self):
         return [(r.key, r.client.metrics_text_sync) for r in self._view if r.state == "ready"]

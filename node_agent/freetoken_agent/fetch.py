@@ -314,6 +314,16 @@ def _untar(src: UrlSource, part: str, tmp: str, store: str, stop: threading.Even
     return "model"
 
 
+def stored_sha256(store: str) -> tuple[str, ...]:
+    """The sha256 of every finished entry named by one (what the operator matches models by)."""
+    try:
+        names = os.listdir(store)
+    except OSError:
+        return ()
+    return tuple(sorted(n.removeprefix("sha256-") for n in names if n.startswith("sha256-")
+                        and len(n) == 71 and os.path.exists(os.path.join(store, n, "source.json"))))
+
+
 def prune(store: str, keep: set[str], older_than: float, now: float | None = None) -> list[str]:
     """Remove the store's entries (models, partial downloads, unpacking leftovers) whose key is
     not in ``keep`` and that were last used ``older_than`` seconds ago or earlier; an entry being

@@ -51,6 +51,7 @@ class NodeSnapshot:
     assignment_error: str | None = None
     pressure_since: str | None = None  # RFC3339 of the last MemoryPressure transition
     assignment_since: str | None = None  # RFC3339 of the last AssignmentsValid transition
+    stored_sha256: tuple[str, ...] = ()  # source.url files in the model store, by sha256
     taken_at: datetime = field(default_factory=lambda: datetime.now(timezone.utc))
 
     @property
@@ -101,6 +102,7 @@ def to_status(s: NodeSnapshot) -> dict:
         "cpuExpertGbps": cal.get("cpu_expert_gbps"),
         "fillFraction": cal.get("fill_fraction"),
         "memoryPressure": s.memory_pressure,
+        "storedSha256": list(s.stored_sha256),
         "replicas": [{"key": r.key, "state": r.state, "endpoint": r.endpoint,
                       "expertCacheBytes": r.expert_cache_bytes or 0, "restarts": r.restarts,
                       "message": r.message} for r in s.replicas],

@@ -54,6 +54,7 @@ class ModelView:
     port: int | None = None      # explicit engine port, else one is allocated per node
     deleting: bool = False
     unsupported: str | None = None   # why no node can run it whatever its resources, or None
+    sha256: str | None = None        # source.sha256: a node whose agent stored that file holds the weights
 
     @property
     def key(self) -> str:
@@ -83,6 +84,11 @@ class NodeView:
     cpu_expert_gbps: float | None = None
     memory_pressure: bool = False
     replicas: Mapping[str, ReplicaView] = dataclasses.field(default_factory=dict, compare=False)
+    stored_sha256: frozenset[str] = frozenset()     # source.url files in the agent's model store
+
+    def holds(self, model: ModelView) -> bool:
+        """The node runs the model, or its agent has the model's file (by sha256) in its store."""
+        return model.key in self.replicas or (model.sha256 is not None and model.sha256 in self.stored_sha256)
 
     @property
     def capacity_bytes(self) -> int:
@@ -131,6 +137,7 @@ def model_view(body: Mapping[str, Any]) -> ModelView:
         port=(spec.get("serving") or {}).get("port"),
         deleting=bool(meta.get("deletionTimestamp")),
         unsupported=_unsupported_source(spec.get("source") or {"default": True}),
+        sha256=(spec.get("source") or {}).get("sha256"),
     )
 
 
@@ -215,6 +222,7 @@ class Store:
             memory_pressure=bool(status.get("memoryPressure")),
             replicas={r["key"]: ReplicaView(r.get("state", "starting"), r.get("endpoint"), r.get("message") or "")
                       for r in status.get("replicas") or () if "key" in r},
+            stored_sha256=frozenset(status.get("storedSha256") or ()),
         )
 
     def previous_placements(self) -> dict[str, dict[str, int]]:

@@ -14,7 +14,8 @@ always give the same ``Plan``. Rules, in order:
 4. New replicas go to healthy, unpressured, matching nodes where the model fits: device memory
    (non-expert weights + minimum expert cache + KV, summed over the node's models, within VRAM
    minus foreign use, or host RAM in cpu mode), host RAM for the expert bank, and a free port.
-   Preference: nodes that already hold the weights (ran this model), then Spread (fewest replicas)
+   Preference: nodes that already hold the weights (ran this model, or stored its source.url
+   file, matched by sha256), then Spread (fewest replicas)
    or Binpack (least free memory), then measured PCIe then CPU-expert bandwidth, then name.
 5. A model short of replicas gets an ``unsatisfied`` reason in kube-scheduler style; so does a
    model whose source the node agents cannot load (a PVC, ``ModelView.unsupported``).
@@ -145,7 +146,7 @@ def _draining(node: NodeView, previous: Mapping[str, Mapping[str, int]]) -> bool
 
 
 def _score(model: ModelView, node: NodeView, ledger: _Ledger) -> tuple:
-    local = 0 if model.key in node.replicas else 1
+    local = 0 if node.holds(model) else 1
     load = ledger.count[node.name] if model.strategy == "Spread" else ledger.free(node.name) - model.need_bytes
     return (local, load, -(node.pcie_gbps or 0.0), -(node.cpu_expert_gbps or 0.0), node.name)
 
@@ -232,7 +233,7 @@ def plan(models: Sequence[ModelView], nodes: Sequence[NodeView],
                 break
             mine[best.name] = port
             ledger.add(model, best.name, port)
-            local = " (weights already there)" if model.key in best.replicas else ""
+            local = " (weights already there)" if best.holds(model) else ""
             link = (f"PCIe {best.pcie_gbps:g} GB/s" if best.pcie_gbps is not None
                     else f"cpu mode, CPU experts {best.cpu_expert_gbps or 0:g} GB/s")
             decisions.append(Decision(model.key, best.name, "place", f"{model.strategy.lower()}, {link}{local}"))

@@ -344,6 +344,8 @@ async def test_cluster_mode_fetches_a_url_source_and_reports_a_bad_one(kube, tmp
         msg = s["team.gone"]["message"]
         assert "HTTP 404" in msg and server.url("/gone.tar.gz") in msg and "SECRET" not in msg
         assert [p for p, _ in server.requests].count("/tiny.tar.gz") == 1
+        node_status = kube.objects[nodes, None, "u-node"]["status"]      # what the operator places by
+        assert node_status["storedSha256"] == [hashlib.sha256(data).hexdigest()]
     finally:
         stop.set()
         await task

@@ -132,7 +132,7 @@ CONTRACT_NODE = {
         "gpu": {"name": "NVIDIA H200", "count": 1, "vramTotalBytes": 1, "vramUsedBytes": 1,
                 "vramOursBytes": 1, "vramForeignBytes": 1},
         "cpuCores": 16, "ramTotalBytes": 1, "ramAvailableBytes": 1, "pcieGbps": None,
-        "cpuExpertGbps": 21.0, "fillFraction": 0.7, "memoryPressure": False,
+        "cpuExpertGbps": 21.0, "fillFraction": 0.7, "memoryPressure": False, "storedSha256": ["ab" * 32],
         "replicas": [{"key": "default.my-model", "state": "starting", "endpoint": "http://10.0.0.5:1919",
                       "expertCacheBytes": 123, "restarts": 0, "message": ""}],
         "conditions": []},
@@ -149,7 +149,8 @@ def test_contract_node_passes():
     (lambda n: n["spec"]["models"][0].update(key="wrong"), "key must be"),
     (lambda n: n["status"]["replicas"][0].update(state="running"), "is not one of"),
     (lambda n: n["status"].update(fillFraction=1.5), "maximum"),
-], ids=["duplicate port", "key mismatch", "unknown replica state", "q* above one"])
+    (lambda n: n["status"].update(storedSha256=["AB" * 32]), "does not match"),
+], ids=["duplicate port", "key mismatch", "unknown replica state", "q* above one", "sha256 not lowercase hex"])
 def test_bad_nodes_are_rejected(mutate, fragment):
     node = yaml.safe_load(yaml.safe_dump(CONTRACT_NODE))
     mutate(node)

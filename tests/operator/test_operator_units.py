@@ -137,6 +137,19 @@ def test_store_ages_heartbeats_on_the_operator_clock():
     assert store.node_views(T0 + dt.timedelta(seconds=40))[0].heartbeat_age_s == 39.0
 
 
+def test_a_node_holds_a_url_model_its_agent_stored():
+    digest = "ab" * 32
+    store = Store()
+    store.put_node({"metadata": {"name": "a"}, "status": {"heartbeat": "2026-11-29T11:59:59Z",
+                                                          "storedSha256": [digest]}}, now=T0)
+    [node] = store.node_views(T0)
+    stored = model_view({"metadata": {"name": "m", "namespace": "default"},
+                         "spec": {"source": {"url": "https://h/m.tar", "sha256": digest}}})
+    unnamed = model_view({"metadata": {"name": "u", "namespace": "default"},
+                          "spec": {"source": {"url": "https://h/m.tar"}}})
+    assert node.holds(stored) and not node.holds(unnamed)
+
+
 @pytest.mark.parametrize("source,supported", [
     ({"path": "/models/x"}, True), ({"default": True}, True),
     ({"url": "https://example.org/m.gguf"}, True), ({"pvc": {"claimName": "weights"}}, False)])

@@ -10,11 +10,12 @@ from freetoken_operator.plan import plan
 GI = 2**30
 
 
-def gpu(name, vram=24, foreign=0, pcie=25.0, age=1.0, pressure=False, labels=(), taints=(), replicas=None, cpu_gbps=20.0):
+def gpu(name, vram=24, foreign=0, pcie=25.0, age=1.0, pressure=False, labels=(), taints=(), replicas=None, cpu_gbps=20.0,
+        stored=frozenset()):
     return NodeView(name=name, heartbeat_age_s=age, mode="gpu", vram_total_bytes=vram * GI,
                     vram_foreign_bytes=foreign * GI, ram_total_bytes=128 * GI, pcie_gbps=pcie,
                     cpu_expert_gbps=cpu_gbps, memory_pressure=pressure, labels=tuple(labels),
-                    taints=tuple(taints), replicas=replicas or {})
+                    taints=tuple(taints), replicas=replicas or {}, stored_sha256=stored)
 
 
 def cpu(name, ram=32, age=1.0):
@@ -50,6 +51,12 @@ CASES = [
     ("locality: a node that already ran the model beats a faster one",
      [m("x")], [gpu("fast", pcie=50), gpu("had", pcie=12, replicas={"default.x": ReplicaView("stopped")})], {},
      {"x": ["had"]}, set()),
+    ("locality: a node whose agent stored the model's url file (by sha256) beats a faster one",
+     [m("x", sha256="ab" * 32)], [gpu("fast", pcie=50), gpu("stored", pcie=12, stored=frozenset({"ab" * 32}))], {},
+     {"x": ["stored"]}, set()),
+    ("locality: another file stored there does not count",
+     [m("x", sha256="ab" * 32)], [gpu("fast", pcie=50), gpu("other", pcie=12, stored=frozenset({"cd" * 32}))], {},
+     {"x": ["fast"]}, set()),
     ("stability: a healthy replica stays although a faster node appeared",
      [m("x")], [gpu("old", pcie=10), gpu("new", pcie=60)], {"default.x": {"old": 1919}},
      {"x": ["old"]}, set()),
