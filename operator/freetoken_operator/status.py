@@ -74,7 +74,10 @@ def _model_status(body: Mapping[str, Any], plan: Plan, nodes: Mapping[str, NodeV
         healthy = node is not None and node.heartbeat_age_s is not None and node.heartbeat_age_s <= stale_seconds
         rep = node.replicas.get(key) if node else None
         state = rep.state if (rep and healthy) else ("unknown" if not healthy else "pending")
-        rows.append({"node": p.node, "port": p.port, "state": state, "endpoint": rep.endpoint if rep else None})
+        row = {"node": p.node, "port": p.port, "state": state, "endpoint": rep.endpoint if rep else None}
+        if rep and healthy and rep.message and state != "ready":     # "fetching 1.20 of 61.00 GB from ..."
+            row["message"] = rep.message[:1024]
+        rows.append(row)
         if state == "ready" and rep and rep.endpoint:
             ready.append((p.node, rep.endpoint))
         if state == "failed":

@@ -164,13 +164,16 @@ def test_operator_writes_schema_valid_status_and_node_specs():
     body = validate(MODELS, body)[0]
     nodes = [NodeView("a", 1.0, mode="cpu", ram_total_bytes=2**34,
                       replicas={"default.m": ReplicaView("ready", "http://127.0.0.1:1919")}),
-             NodeView("b", 99.0, mode="cpu", ram_total_bytes=2**34)]
+             NodeView("b", 2.0, mode="cpu", ram_total_bytes=2**34,
+                      replicas={"default.m": ReplicaView("starting", None, "fetching 1.20 of 61.00 GB from https://h/m")})]
     result = plan([model_view(body)], nodes, {})
     state = desired({("default", "m"): body}, nodes, result, stale_seconds=30,
                     now=dt.datetime(2026, 11, 29, tzinfo=dt.timezone.utc))
     status = state.model_status[("default", "m")]
     assert status["phase"] == "Degraded" and status["ready"] == "1/2"   # 1 of 2 serving
-    assert [c["status"] for c in status["conditions"]] == ["False", "True", "True", "False"]
+    rows = {r["node"]: r for r in status["placements"]}
+    assert "message" not in rows["a"] and rows["b"]["message"] == "fetching 1.20 of 61.00 GB from https://h/m"
+    assert [c["status"] for c in status["conditions"]] == ["True", "True", "True", "False"]   # placed, degraded
     assert validate(MODELS, dict(body, status=status))[1] == []
     node = {"apiVersion": "freetoken.io/v1alpha1", "kind": "FreeTokenNode", "metadata": {"name": "a"},
             "spec": {"models": state.node_specs["a"]}}
