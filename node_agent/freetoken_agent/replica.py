@@ -67,6 +67,9 @@ class LaunchConfig:
             raise ValueError("failure_threshold must be >= 1")
 
 
+FETCH_LOG_SECONDS = 30.0     # a download's progress is logged this often
+
+
 def backoff_delay(failures_in_a_row: int, initial: float, maximum: float) -> float:
     """Seconds to wait before restart number ``failures_in_a_row`` (1-based): 1, 2, 4, ... max."""
     return min(maximum, initial * (2 ** max(0, failures_in_a_row - 1)))
@@ -179,9 +182,14 @@ class Replica:
                 raise FetchError("this agent has no model store for source.url (--model-store)")
             where = redact(a.url)
 
+            logged = [time.monotonic()]
+
             def progress(done: int, total: int | None) -> None:     # the fetch's thread: single stores
                 self.fetched = (done, total)
                 self.message = f"fetching {gigabytes(done)} of {gigabytes(total)} GB from {where}"
+                if time.monotonic() - logged[0] >= FETCH_LOG_SECONDS:
+                    logged[0] = time.monotonic()
+                    log.info("replica %s: %s", self.key, self.message)
             self.message = f"fetching {where}"
             try:
                 path = await asyncio.to_thread(fetch, UrlSource(a.url, a.sha256), self.launch.model_store,

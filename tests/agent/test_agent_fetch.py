@@ -282,3 +282,26 @@ async def test_a_refused_download_is_not_fetched_again_at_once(server, tmp_path)
     assert asked.count("/m.gguf") == 1 and asked.count("/gone.gguf") >= 5
     assert replicas[0].restarts == 1
     assert replicas[0].message.endswith("(tried again in 15 min, or when the model's source changes)")
+
+
+async def test_a_replica_logs_its_download_progress(server, tmp_path, monkeypatch, caplog):
+    import asyncio
+    import logging
+
+    from freetoken_agent import replica as replica_mod
+    from freetoken_agent.assignments import parse_models
+
+    monkeypatch.setattr(replica_mod, "FETCH_LOG_SECONDS", 0.0)
+    monkeypatch.setattr(fetch_mod, "CHUNK", 4096)
+    server.files["/m.gguf"] = GGUF
+    launch = replica_mod.LaunchConfig(engine_command=("false",), model_store=str(tmp_path))
+    [a] = parse_models([{"model": "m", "port": 19003, "source": {"url": server.url("/m.gguf") + "?sig=S3CRET"}}]).values()
+    r = replica_mod.Replica(a, launch)
+    with caplog.at_level(logging.INFO, logger="freetoken_agent.replica"):
+        assert await r._model_path() == str(tmp_path / UrlSource(a.url).key / "model.gguf")
+        await asyncio.sleep(0)
+    lines = [rec.getMessage() for rec in caplog.records if "fetching" in rec.getMessage()]
+    assert lines[-1] == f"replica default.m: fetching 0.00 of 0.00 GB from {server.url('/m.gguf')}"
+    assert len(lines) == 5 and "S3CRET" not in caplog.text          # one line per 4 KiB read here (16,388 bytes)
+    assert r.fetched is None and r.message == ""
+    await r.client.aclose()
