@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 from freetoken_engine import LLM, SamplingParams  # noqa: E402
 from tiny_configs import classes  # noqa: E402
-from tiny_models import load_reference  # noqa: E402
+from tiny_models import gpu_reference  # noqa: E402
 
 PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
@@ -43,7 +43,7 @@ def test_cuda_float32_matches_transformers_on_cpu(tiny_checkpoint, model_type):
     except AttributeError as exc:        # an older transformers on the GPU machine (5.17 lacks MiniCPM5's)
         pytest.skip(f"this machine's transformers has no reference for {model_type}: {exc}")
     folder = tiny_checkpoint(model_type, **OLD_REFERENCE.get(model_type, {}))
-    ref = load_reference(folder)
+    ref = gpu_reference(folder, model_type)
     with torch.no_grad():
         want = ref(torch.tensor([PROMPT])).logits[0]
     llm = LLM(folder, device="cuda", dtype="float32")

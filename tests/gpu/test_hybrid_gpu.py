@@ -22,7 +22,7 @@ from freetoken_engine import LLM, SamplingParams  # noqa: E402
 from freetoken_engine.config import EngineConfig  # noqa: E402
 from freetoken_engine.llm import Lockstep  # noqa: E402
 from freetoken_engine.scheduler.service import EngineService  # noqa: E402
-from tiny_models import load_reference  # noqa: E402
+from tiny_models import gpu_reference  # noqa: E402
 
 PROMPT = [5, 17, 99, 200, 3, 44, 12, 300, 8, 9, 77, 150]
 LONG = [(7 * i + 3) % 300 + 10 for i in range(150)]
@@ -32,7 +32,7 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 @pytest.mark.parametrize("model_type", ["qwen3_next", "qwen3_5_moe_text", "granitemoehybrid", "kimi_linear"])
 def test_cuda_float32_matches_transformers_on_cpu(tiny_checkpoint, model_type):
     folder = tiny_checkpoint(model_type)
-    ref = load_reference(folder)
+    ref = gpu_reference(folder, model_type)
     ref.generation_config.eos_token_id = None
     llm = LLM(folder, device="cuda", dtype="float32")
     assert llm.runner.graphs is not None                       # decode runs as captured graphs
