@@ -4,9 +4,10 @@ the node's disk, and the ``sha256`` check of a ``source.path`` file.
 What a URL may hold (told apart by its bytes, whatever ``format`` says):
 - one GGUF file, kept as ``model.gguf``;
 - a tar archive (plain, gzip, bzip2 or xz) of a Hugging Face folder or of a packed folder
-  (``freetoken convert``). It is unpacked with tarfile's ``data`` filter, which refuses absolute
-  names, ``..``, links that leave the folder and device files. If the archive holds one folder
-  and nothing else, that folder is the model.
+  (``freetoken convert``), or of one GGUF file. It is unpacked with tarfile's ``data`` filter,
+  which refuses names that leave the folder (``..``), links that leave it and device files, and
+  unpacks an absolute name inside the folder. If the archive holds one folder or one GGUF file
+  and nothing else, that is the model.
 
 The store keeps one entry per source, named by the ``sha256`` when given (two URLs of the same
 file share it), else by a hash of the URL:
@@ -309,7 +310,8 @@ def _untar(src: UrlSource, part: str, tmp: str, store: str, stop: threading.Even
         shutil.rmtree(tmp, ignore_errors=True)
         os.remove(part)
         raise FetchError(f"{where}: the archive is empty", refused=True)
-    if len(names) == 1 and os.path.isdir(os.path.join(target, names[0])):
+    one = os.path.join(target, names[0])
+    if len(names) == 1 and (os.path.isdir(one) or (names[0].endswith(".gguf") and os.path.isfile(one))):
         return f"model/{names[0]}"
     return "model"
 

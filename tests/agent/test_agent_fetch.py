@@ -62,6 +62,8 @@ def test_a_tar_of_one_folder_is_that_folder(server, tmp_path):
     server.files["/flat.tar"] = tar_of({"config.json": b"{}", "tokenizer.json": b"{}"}, mode="w")
     flat = fetch(UrlSource(server.url("/flat.tar")), str(tmp_path))
     assert os.path.basename(flat) == "model" and sorted(os.listdir(flat)) == ["config.json", "tokenizer.json"]
+    server.files["/one.tar.xz"] = tar_of({"smol.gguf": GGUF}, mode="w:xz")        # a compressed GGUF
+    assert open(fetch(UrlSource(server.url("/one.tar.xz")), str(tmp_path)), "rb").read() == GGUF
 
 
 def test_a_wrong_sha256_is_refused_and_nothing_is_kept(server, tmp_path):
