@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 from tiny_configs import BASE, BIAS_STD, MOE, UNLISTED, VISION, classes
 
@@ -104,14 +105,11 @@ class EngineCpuReference:
     model: ``ref(ids).logits`` and ``ref.generate(ids, max_new_tokens=...)`` (greedy)."""
 
     def __init__(self, path):
-        from types import SimpleNamespace
-
         from freetoken_engine import LLM
         self.llm = LLM(path, device="cpu", dtype="float32")
         self.generation_config = SimpleNamespace(eos_token_id=None)
 
     def __call__(self, ids):
-        from types import SimpleNamespace
         return SimpleNamespace(logits=self.llm.prefill_logits(ids[0].tolist())[None])
 
     def generate(self, ids, max_new_tokens: int, **_):

@@ -184,8 +184,8 @@ def _open(src: UrlSource, start: int, timeout: float):
     except urllib.error.HTTPError as exc:
         exc.close()
         if exc.code == 416 and start:   # the part is already whole, or the file shrank
-            whole = (exc.headers.get("Content-Range") or "").rpartition("/")[2]
-            return int(whole) if whole.isdigit() else -1
+            whole = _content_range(exc.headers)[1]
+            return -1 if whole is None else whole
         raise FetchError(f"{where}: HTTP {exc.code} {exc.reason}") from None
     except urllib.error.URLError as exc:
         raise FetchError(f"{where}: {getattr(exc.reason, 'strerror', None) or exc.reason}") from None
@@ -193,17 +193,17 @@ def _open(src: UrlSource, start: int, timeout: float):
         raise FetchError(f"{where}: {exc}") from None
 
 
-def _range_start(resp) -> int | None:
-    """Where a 206's body starts (``Content-Range: bytes START-END/TOTAL``)."""
-    head = (resp.headers.get("Content-Range") or "").removeprefix("bytes ").partition("-")[0]
-    return int(head) if head.isdigit() else None
+def _content_range(headers) -> tuple[int | None, int | None]:
+    """(start, whole size) of ``Content-Range: bytes START-END/SIZE`` (a 416's ``bytes */SIZE``)."""
+    span, _, whole = (headers.get("Content-Range") or "").removeprefix("bytes ").rpartition("/")
+    start = span.partition("-")[0]
+    return (int(start) if start.isdigit() else None), (int(whole) if whole.isdigit() else None)
 
 
 def _total(resp) -> int | None:
     """The whole file's size from a 206's Content-Range or a 200's Content-Length."""
     if resp.status == 206:
-        whole = (resp.headers.get("Content-Range") or "").rpartition("/")[2]
-        return int(whole) if whole.isdigit() else None
+        return _content_range(resp.headers)[1]
     length = resp.headers.get("Content-Length")
     return int(length) if length and length.isdigit() else None
 
@@ -223,7 +223,7 @@ def _download(src: UrlSource, part: str, store: str, progress: Progress | None,
         have, digest = 0, hashlib.sha256()
         resp = _open(src, 0, timeout)
     with resp:
-        if have and (resp.status != 206 or _range_start(resp) != have):
+        if have and (resp.status != 206 or _content_range(resp.headers)[0] != have):
             have, digest = 0, hashlib.sha256()       # the server ignored the Range: start over
         total = _total(resp)
         if total is not None:

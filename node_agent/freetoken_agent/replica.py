@@ -158,7 +158,6 @@ class Replica:
         self._budget: int | None = None
         self._stopping = asyncio.Event()
         self._stop_fetch = threading.Event()     # the same, for a fetch running in a thread
-        self._refused = False                    # the last fetch came whole and was refused
         self._task: asyncio.Task | None = None
 
     @property
@@ -180,15 +179,14 @@ class Replica:
         if a.url is not None:
             if self.launch.model_store is None:
                 raise FetchError("this agent has no model store for source.url (--model-store)")
-            where = redact(a.url)
-
-            logged = [time.monotonic()]
+            where, logged = redact(a.url), time.monotonic()
 
             def progress(done: int, total: int | None) -> None:     # the fetch's thread: single stores
+                nonlocal logged
                 self.fetched = (done, total)
                 self.message = f"fetching {gigabytes(done)} of {gigabytes(total)} GB from {where}"
-                if time.monotonic() - logged[0] >= FETCH_LOG_SECONDS:
-                    logged[0] = time.monotonic()
+                if time.monotonic() - logged >= FETCH_LOG_SECONDS:
+                    logged = time.monotonic()
                     log.info("replica %s: %s", self.key, self.message)
             self.message = f"fetching {where}"
             try:
@@ -264,23 +262,22 @@ class Replica:
             await self._on_ready(self)
         self.state, self.message = "ready", ""
 
-    async def _start_once(self) -> tuple[str, float | None]:
-        """Fetch the model if needed, start the engine, supervise it: (why it ended, seconds ready)."""
-        self._refused = False
+    async def _start_once(self) -> tuple[str, float | None, bool]:
+        """Fetch the model if needed, start the engine, supervise it: (why it ended, seconds
+        ready, whether a download came whole and was refused)."""
         try:
             model_path = await self._model_path()
         except FetchStopped:
-            return "stopped", None
+            return "stopped", None, False
         except FetchError as exc:
-            self._refused = exc.refused
-            return str(exc), None
+            return str(exc), None, exc.refused
         try:
             self._proc = await self._spawn(model_path)
         except OSError as exc:
-            return f"cannot start engine: {exc}", None
+            return f"cannot start engine: {exc}", None, False
         self.pid = self._proc.pid
         try:
-            return await self._watch(self._proc)
+            return (*await self._watch(self._proc), False)
         finally:
             await self._terminate()
 
@@ -288,7 +285,7 @@ class Replica:
         failures_in_a_row = 0
         while not self._stopping.is_set():
             self.state, self.cache = "starting", None
-            reason, ready_for = await self._start_once()
+            reason, ready_for, refused = await self._start_once()
             if self._stopping.is_set():
                 break
             if ready_for is not None and ready_for >= self.launch.stable_seconds:
@@ -299,7 +296,7 @@ class Replica:
             if self._on_restart is not None:
                 self._on_restart(self)
             delay = backoff_delay(failures_in_a_row, self.launch.backoff_initial, self.launch.backoff_max)
-            if self._refused:      # the next try would download the same bytes again: not so soon
+            if refused:      # the next try would download the same bytes again: not so soon
                 delay = max(delay, self.launch.refused_retry)
                 self.message = f"{reason} (tried again in {delay / 60:.0f} min, or when the model's source changes)"
             log.warning("engine %s: %s; restarting in %.1f s", self.key, reason, delay)
